@@ -1,0 +1,44 @@
+# kv-rendezvous developer commands. `make serve` and `make test` work on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q
+
+.PHONY: setup setup-dev system-deps serve test lint stubs bench
+
+# Runtime dependencies only: enough to serve.
+$(VENV)/.base: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) -e .
+	touch $@
+
+# Tests, NIXL and tools. torch's CPU build goes first: without it pip would fetch a multi-GB CUDA torch.
+$(VENV)/.dev: $(VENV)/.base
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev,nixl]'
+	touch $@
+
+setup: $(VENV)/.base
+setup-dev: $(VENV)/.dev
+
+# Services and tools the tests use (Debian packages; needs root, as on CI).
+system-deps:
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+
+serve: setup
+	$(VENV)/bin/kv-rendezvous serve $(ARGS)
+
+test: setup-dev system-deps
+	$(VENV)/bin/pytest $(ARGS)
+
+stubs: setup-dev
+	$(PY) scripts/generate_stubs.py
+
+lint: setup-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/generate_stubs.py --check
+	cd proto && buf lint
+
+bench: setup-dev
+	$(PY) benchmarks/bench_rendezvous.py $(ARGS)

@@ -1,0 +1,237 @@
+"""`kv-rendezvous`: run the service (`serve`) and inspect a running one (`status`, `engines`, `transfers`).
+
+Every `serve` flag also reads an environment variable: --store is KV_RENDEZVOUS_STORE, and so on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from rendezvous import __version__
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.logs import configure_logging
+
+ENV_PREFIX = "KV_RENDEZVOUS_"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
+
+
+def _flag(
+    parser: argparse.ArgumentParser, name: str, default: Any, help: str, type: Callable[[str], Any] = str
+) -> None:
+    env = ENV_PREFIX + name.upper().replace("-", "_")
+    parser.add_argument(
+        f"--{name}",
+        default=type(_env(name, default)) if default is not None else _env(name, None),
+        type=type,
+        help=f"{help} (env {env}; default {default})",
+    )
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run the rendezvous service")
+    _flag(p, "listen", DEFAULT_ADDRESS, "gRPC listen address host:port")
+    _flag(p, "store", "memory", "store: 'memory' or redis://, rediss://, unix://, redis+sentinel:// URL")
+    _flag(p, "metrics-listen", "127.0.0.1:9464", "Prometheus /metrics address host:port; 'off' disables")
+    _flag(p, "grace", 5.0, "seconds running calls get to finish on SIGTERM", float)
+    _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps", float)
+    _flag(p, "log-format", "text", "log format: text or json")
+    _flag(p, "log-level", "info", "log level")
+    for group, cls in (("timeouts (seconds)", Timeouts), ("limits", Limits)):
+        g = p.add_argument_group(group)
+        for f in dataclasses.fields(cls):
+            kind = float if cls is Timeouts else int
+            name = f.name.replace("_", "-")
+            env = ENV_PREFIX + f.name.upper()
+            g.add_argument(
+                f"--{name}",
+                type=kind,
+                default=kind(os.environ.get(env, f.default)),
+                help=f"(env {env}; default {f.default})",
+            )
+
+
+def _config_from(args: argparse.Namespace) -> Any:
+    from rendezvous.server import ServerConfig
+
+    def build(cls: type) -> Any:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    return ServerConfig(
+        listen=args.listen,
+        store=args.store,
+        metrics_listen=None if args.metrics_listen in ("", "off") else args.metrics_listen,
+        limits=build(Limits),
+        timeouts=build(Timeouts),
+        sweep_interval=args.sweep_interval,
+        grace=args.grace,
+    )
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from rendezvous.server import RendezvousServer
+
+    server = RendezvousServer(_config_from(args))
+    await server.start()
+    print(
+        f"kv-rendezvous {__version__} serving on {server.address} (store {server.store.name}"
+        + (f", metrics on :{server.metrics_port}" if server.metrics_port else "")
+        + ")",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    return 0
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+
+
+def _ago(ts: Any) -> str:
+    if not ts.seconds and not ts.nanos:
+        return "-"
+    return f"{time.time() - ts.ToNanoseconds() / 1e9:.1f}s ago"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from rendezvous.v1 import rendezvous_pb2 as pb
+    from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        if args.command == "status":
+            s = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
+            rows = [
+                ("address", args.address),
+                ("version", s.version),
+                ("store", s.store),
+                ("epoch", s.header.epoch),
+                ("revision", s.header.revision),
+                ("server", s.header.server_id),
+                ("up since", _ago(s.start_time)),
+                ("live engines", s.live_engines),
+                ("watchers", s.watchers),
+                *((f"transfers {k.lower()}", v) for k, v in sorted(s.transfers_by_state.items())),
+            ]
+            print(_table(("field", "value"), rows))
+        elif args.command == "engines":
+            engines = stub.ListEngines(
+                pb.ListEnginesRequest(pool=args.pool, omit_agent_metadata=True), timeout=args.timeout
+            ).engines
+            print(
+                _table(
+                    ("engine", "pool", "role", "incarnation", "agents", "live transfers", "registered"),
+                    [
+                        (
+                            e.engine_id,
+                            e.pool,
+                            pb.EngineRole.Name(e.role).removeprefix("ENGINE_ROLE_").lower(),
+                            e.incarnation,
+                            len(e.agents),
+                            e.live_transfers,
+                            _ago(e.register_time),
+                        )
+                        for e in engines
+                    ],
+                )
+            )
+        else:
+            states = [pb.TransferState.Value("TRANSFER_STATE_" + s.upper()) for s in args.state]
+            transfers = stub.ListTransfers(
+                pb.ListTransfersRequest(engine_id=args.engine, states=states, page_size=args.limit),
+                timeout=args.timeout,
+            ).transfers
+            print(
+                _table(
+                    ("transfer", "state", "gen", "consumer", "producer", "blocks", "abort reason"),
+                    [
+                        (
+                            t.transfer_id,
+                            pb.TransferState.Name(t.state).removeprefix("TRANSFER_STATE_").lower(),
+                            t.generation,
+                            t.consumer_engine_id or "-",
+                            t.producer_engine_id or "-",
+                            len(t.target_block_ids),
+                            pb.AbortReason.Name(t.abort_reason).removeprefix("ABORT_REASON_").lower()
+                            if t.abort_reason
+                            else "-",
+                        )
+                        for t in transfers
+                    ],
+                )
+            )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The kv-rendezvous argument parser."""
+    parser = argparse.ArgumentParser(prog="kv-rendezvous", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    for name, text in (
+        ("status", "summarise a running server"),
+        ("engines", "list live engines"),
+        ("transfers", "list transfers"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument(
+            "--address",
+            default=_env("address", DEFAULT_ADDRESS),
+            help=f"server address (env {ENV_PREFIX}ADDRESS; default {DEFAULT_ADDRESS})",
+        )
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+        if name == "engines":
+            p.add_argument("--pool", default="", help="only this pool")
+        if name == "transfers":
+            p.add_argument("--engine", default="", help="only transfers of this engine")
+            p.add_argument(
+                "--state",
+                action="append",
+                default=[],
+                choices=["targeted", "claimed", "matched", "committed", "released", "aborted"],
+                help="only these states (repeatable; default: live states)",
+            )
+            p.add_argument("--limit", type=int, default=100, help="at most this many rows")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the kv-rendezvous command."""
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        configure_logging(args.log_level, args.log_format)
+        try:
+            return asyncio.run(_serve(args))
+        except (ValueError, OSError) as err:
+            print(f"kv-rendezvous: {err}", file=sys.stderr)
+            return 2
+    try:
+        return _inspect(args)
+    except grpc.RpcError as err:
+        print(f"kv-rendezvous: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

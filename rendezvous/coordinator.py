@@ -1,0 +1,417 @@
+"""The coordinator: runs the pure state machine (rendezvous.core) against a store.
+
+It validates callers (engine, incarnation, lease), applies one transition per batch item,
+turns lapsed leases and deadlines into transitions (the sweeper), and reports transitions to
+an observer (metrics). It knows nothing of gRPC; the server maps the wire onto it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol, TypeVar
+
+from rendezvous.core import engines as engine_rules
+from rendezvous.core import transfers as lifecycle
+from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
+from rendezvous.core.specs import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    EngineSpec,
+    ReleaseSpec,
+    RevocationAck,
+    SourceReadySpec,
+    TargetSpec,
+)
+from rendezvous.core.transfers import Context, Transition
+from rendezvous.core.validation import check_batch, check_id
+from rendezvous.store.base import EventPage, Store, StoreCounts
+
+log = logging.getLogger(__name__)
+
+SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
+
+
+class TransitionObserver(Protocol):
+    """Told about every applied transition (for metrics); must not raise or block."""
+
+    def on_transition(self, before: Transfer | None, after: Transfer | None, now: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """The result of one batch item: the transfer after it, or the error that rejected it."""
+
+    transfer_id: str
+    transfer: Transfer | None = None
+    error: RendezvousError | None = None
+
+
+@dataclass(frozen=True)
+class TransferPage:
+    """One page of ListTransfers."""
+
+    transfers: list[Transfer]
+    next_page_token: str
+
+
+class Coordinator:
+    """The rendezvous's behaviour, independent of transport."""
+
+    def __init__(
+        self,
+        store: Store,
+        limits: Limits | None = None,
+        timeouts: Timeouts | None = None,
+        clock: Callable[[], float] = time.time,
+        observer: TransitionObserver | None = None,
+    ) -> None:
+        self.store = store
+        self.limits = limits or Limits()
+        self.timeouts = timeouts or Timeouts()
+        self.clock = clock
+        self.observer = observer
+
+    def _context(self) -> Context:
+        return Context(self.clock(), self.limits, self.timeouts)
+
+    async def _apply(
+        self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition]
+    ) -> Transition:
+        before: list[Transfer | None] = []
+
+        def observed(cur: Transfer | None, engines: Mapping[str, Engine]) -> Transition:
+            before[:] = [cur]
+            return fn(cur, engines)
+
+        transition = await self.store.update_transfer(transfer_id, observed)
+        if self.observer is not None and before and before[0] is not transition.transfer:
+            self.observer.on_transition(before[0], transition.transfer, self.clock())
+        return transition
+
+    # Engines
+
+    async def register_engine(self, spec: EngineSpec) -> tuple[Engine, int]:
+        """Register a new incarnation; returns it and the revision its watch should start from."""
+        now = self.clock()
+        previous = await self.store.get_engine(spec.engine_id)
+        engine = await self.store.update_engine(
+            spec.engine_id, lambda cur: engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts)
+        )
+        assert engine is not None
+        if previous is not None and not previous.ended_at:
+            await self._lose_engine(engine_rules.end_incarnation(now, previous))
+        log.info(
+            "engine registered",
+            extra={
+                "engine_id": engine.engine_id,
+                "pool": engine.pool,
+                "role": engine.role.name,
+                "incarnation": engine.incarnation,
+            },
+        )
+        return engine, await self.store.last_event_revision(spec.engine_id) + 1
+
+    async def keep_alive(self, engine_id: str, incarnation: int) -> Engine:
+        """Renew an engine's lease."""
+        now = self.clock()
+        engine = await self.store.update_engine(
+            engine_id,
+            lambda cur: engine_rules.renew_lease(now, engine_rules.check_incarnation(now, cur, engine_id, incarnation)),
+        )
+        assert engine is not None
+        return engine
+
+    async def deregister_engine(self, engine_id: str, incarnation: int) -> int:
+        """End an engine's incarnation now; returns how many live transfers were aborted."""
+        now = self.clock()
+        ended = await self.store.update_engine(
+            engine_id,
+            lambda cur: engine_rules.end_incarnation(
+                now, engine_rules.check_incarnation(now, cur, engine_id, incarnation)
+            ),
+        )
+        assert ended is not None
+        log.info("engine deregistered", extra={"engine_id": engine_id, "incarnation": ended.incarnation})
+        return await self._lose_engine(ended)
+
+    async def get_engine(self, engine_id: str) -> Engine:
+        """A live engine."""
+        check_id("engine_id", engine_id, self.limits)
+        engine = await self.store.get_engine(engine_id)
+        if engine is None or not engine.alive(self.clock()):
+            raise RendezvousError(Reason.ENGINE_NOT_FOUND, f"engine {engine_id} is not registered", engine_id=engine_id)
+        return engine
+
+    async def list_engines(self, pool: str = "", role: Role | None = None) -> list[Engine]:
+        """Live engines, sorted by id, optionally of one pool and role."""
+        now = self.clock()
+        engines = [
+            e
+            for e in await self.store.list_engines()
+            if e.alive(now) and (not pool or e.pool == pool) and (role is None or e.role == role)
+        ]
+        return sorted(engines, key=lambda e: e.engine_id)
+
+    async def _lose_engine(self, lost: Engine) -> int:
+        """Abort the live transfers of an ended incarnation and tell its peers."""
+        ctx = self._context()
+        aborted = 0
+        peers: set[str] = set()
+        for transfer_id in await self.store.live_transfer_ids(lost.engine_id):
+            transition = await self._apply(transfer_id, lambda cur, _e: lifecycle.engine_lost(ctx, cur, lost))
+            t = transition.transfer
+            if t is not None and t.state == State.ABORTED and t.times.end == ctx.now:
+                aborted += 1
+            peers.update(a.engine_id for a in transition.events)
+        if peers:
+            note = Event(EventType.PEER_LOST, ctx.now, peer=lost)
+            await self.store.append_events([Addressed(p, note) for p in sorted(peers)])
+        if aborted:
+            log.warning("engine lost", extra={"engine_id": lost.engine_id, "aborted_transfers": aborted})
+        return aborted
+
+    # Transfers
+
+    async def _caller(self, engine_id: str, incarnation: int) -> Engine:
+        check_id("engine_id", engine_id, self.limits)
+        return engine_rules.check_incarnation(
+            self.clock(), await self.store.get_engine(engine_id), engine_id, incarnation
+        )
+
+    async def _batch(
+        self,
+        caller: Engine | None,
+        items: Sequence[SpecT],
+        step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
+        joins: bool = False,
+    ) -> list[ItemOutcome]:
+        """Apply step to every item; an item's error does not stop the others.
+
+        With joins, an item that would make the caller take part in one more live transfer is
+        refused once the caller is at max_live_transfers_per_engine.
+        """
+        check_batch(len(items), self.limits)
+        room = self.limits.max_live_transfers_per_engine
+        if joins and caller is not None:
+            room -= len(await self.store.live_transfer_ids(caller.engine_id))
+        outcomes: list[ItemOutcome] = []
+        for item in items:
+            ctx = self._context()
+
+            def fn(
+                cur: Transfer | None,
+                engines: Mapping[str, Engine],
+                item: SpecT = item,
+                ctx: Context = ctx,
+                full: bool = joins and room <= 0,
+            ) -> Transition:
+                if full and caller is not None and (cur is None or caller.engine_id not in cur.participants()):
+                    raise RendezvousError(
+                        Reason.TOO_MANY_TRANSFERS,
+                        f"engine {caller.engine_id} has {self.limits.max_live_transfers_per_engine} live transfers",
+                        limit=self.limits.max_live_transfers_per_engine,
+                    )
+                return step(ctx, cur, engines, item)
+
+            try:
+                transition = await self._apply(item.transfer_id, fn)
+            except RendezvousError as err:
+                outcomes.append(ItemOutcome(item.transfer_id, error=err))
+                continue
+            t = transition.transfer
+            if joins and caller is not None and t is not None and not t.state.terminal:
+                room -= 1
+            outcomes.append(ItemOutcome(item.transfer_id, transfer=t))
+        return outcomes
+
+    async def register_targets(
+        self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec]
+    ) -> list[ItemOutcome]:
+        """A consumer registers destination blocks."""
+        consumer = await self._caller(engine_id, incarnation)
+
+        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
+            producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
+            return lifecycle.register_target(ctx, cur, consumer, producer, spec)
+
+        return await self._batch(consumer, specs, step, joins=True)
+
+    async def claim_transfers(self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec]) -> list[ItemOutcome]:
+        """A producer claims transfers."""
+        producer = await self._caller(engine_id, incarnation)
+
+        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: ClaimSpec) -> Transition:
+            return lifecycle.claim(ctx, cur, producer, _consumer_of(cur, engines), spec)
+
+        return await self._batch(producer, specs, step, joins=True)
+
+    async def mark_sources_ready(
+        self, engine_id: str, incarnation: int, specs: Sequence[SourceReadySpec]
+    ) -> list[ItemOutcome]:
+        """A producer's source blocks are computed."""
+        producer = await self._caller(engine_id, incarnation)
+
+        def step(
+            ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: SourceReadySpec
+        ) -> Transition:
+            return lifecycle.mark_source_ready(ctx, cur, producer, _consumer_of(cur, engines), spec)
+
+        return await self._batch(producer, specs, step, joins=True)
+
+    async def complete_transfers(
+        self, engine_id: str, incarnation: int, specs: Sequence[CompletionSpec]
+    ) -> list[ItemOutcome]:
+        """The side that moved the bytes reports outcomes."""
+        mover = await self._caller(engine_id, incarnation)
+
+        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: CompletionSpec) -> Transition:
+            return lifecycle.complete(ctx, cur, mover, _consumer_of(cur, engines), spec)
+
+        return await self._batch(mover, specs, step)
+
+    async def acknowledge_revocations(
+        self, engine_id: str, incarnation: int, specs: Sequence[RevocationAck]
+    ) -> list[ItemOutcome]:
+        """A producer confirms it will not write revoked generations."""
+        producer = await self._caller(engine_id, incarnation)
+
+        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: RevocationAck) -> Transition:
+            return lifecycle.acknowledge_revocation(ctx, cur, producer, _consumer_of(cur, engines), spec)
+
+        return await self._batch(producer, specs, step)
+
+    async def release_targets(
+        self, engine_id: str, incarnation: int, specs: Sequence[ReleaseSpec]
+    ) -> list[ItemOutcome]:
+        """A consumer is done with committed transfers."""
+        consumer = await self._caller(engine_id, incarnation)
+
+        def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: ReleaseSpec) -> Transition:
+            return lifecycle.release(ctx, cur, consumer, spec)
+
+        return await self._batch(consumer, specs, step)
+
+    async def abort_transfers(self, engine_id: str, incarnation: int, specs: Sequence[AbortSpec]) -> list[ItemOutcome]:
+        """An engine, or with an empty engine_id a router or operator, aborts transfers."""
+        caller = await self._caller(engine_id, incarnation) if engine_id else None
+
+        def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: AbortSpec) -> Transition:
+            return lifecycle.abort(ctx, cur, caller, spec)
+
+        return await self._batch(caller, specs, step)
+
+    async def get_transfer(self, transfer_id: str) -> Transfer:
+        """A transfer, live or tombstone."""
+        check_id("transfer_id", transfer_id, self.limits)
+        t = await self.store.get_transfer(transfer_id)
+        if t is None:
+            raise RendezvousError(
+                Reason.TRANSFER_NOT_FOUND, f"transfer {transfer_id} is unknown", transfer_id=transfer_id
+            )
+        return t
+
+    async def list_transfers(
+        self, engine_id: str = "", states: Iterable[State] = (), page_size: int = 0, page_token: str = ""
+    ) -> TransferPage:
+        """Transfers sorted by id, paged; by default the live ones."""
+        if engine_id:
+            check_id("engine_id", engine_id, self.limits)
+        wanted = set(states) or set(LIVE_STATES)
+        size = min(page_size or self.limits.max_list_page, self.limits.max_list_page)
+        after = _decode_page_token(page_token)
+        found = sorted(
+            (
+                t
+                for t in await self.store.list_transfers(engine_id or None)
+                if t.state in wanted and t.transfer_id > after
+            ),
+            key=lambda t: t.transfer_id,
+        )
+        page = found[:size]
+        token = _encode_page_token(page[-1].transfer_id) if len(found) > size else ""
+        return TransferPage(page, token)
+
+    # Events
+
+    async def check_watch(self, engine_id: str, start_revision: int) -> int:
+        """Validate a Watch request; returns the first revision to send."""
+        check_id("engine_id", engine_id, self.limits)
+        if await self.store.get_engine(engine_id) is None:
+            raise RendezvousError(Reason.ENGINE_NOT_FOUND, f"engine {engine_id} is not registered", engine_id=engine_id)
+        last = await self.store.last_event_revision(engine_id)
+        if start_revision > last + 1:
+            raise RendezvousError(
+                Reason.REVISION_INVALID,
+                f"start_revision {start_revision} is ahead of the engine's latest revision {last}",
+                last_revision=last,
+            )
+        return start_revision or last + 1
+
+    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
+        """Events of an engine from start_revision on."""
+        return await self.store.read_events(engine_id, start_revision, limit)
+
+    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
+        """Wait until the engine's log passes after_revision (or timeout)."""
+        await self.store.wait_events(engine_id, after_revision, timeout)
+
+    async def counts(self) -> StoreCounts:
+        """Live engines and transfers by state."""
+        return await self.store.counts()
+
+    # Time
+
+    async def sweep(self, max_transfers: int = 10_000) -> None:
+        """End lapsed leases, expire due transfers and drop old engine tombstones."""
+        now = self.clock()
+        for engine in await self.store.lapsed_engines(now, self.timeouts.tombstone_ttl):
+            if engine.ended_at:
+                await self.store.update_engine(engine.engine_id, partial(_drop_tombstone, engine))
+                continue
+            ended = await self.store.update_engine(engine.engine_id, partial(_end_lapsed, engine, now))
+            if ended is not None and ended.incarnation == engine.incarnation and ended.ended_at == now:
+                log.warning("engine lease expired", extra={"engine_id": engine.engine_id})
+                await self._lose_engine(ended)
+        ctx = self._context()
+        for transfer_id in await self.store.due_transfers(ctx.now, max_transfers):
+            await self._apply(transfer_id, lambda cur, _e: lifecycle.expire(ctx, cur))
+
+
+def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:
+    return engines.get(cur.consumer_engine_id) if cur and cur.consumer_engine_id else None
+
+
+def _end_lapsed(lapsed: Engine, now: float, cur: Engine | None) -> Engine | None:
+    """End the incarnation whose lease lapsed, unless it was renewed or replaced meanwhile."""
+    if cur is None or cur.incarnation != lapsed.incarnation or cur.ended_at or cur.lease_expires_at > now:
+        return cur
+    return engine_rules.end_incarnation(now, cur)
+
+
+def _drop_tombstone(tombstone: Engine, cur: Engine | None) -> Engine | None:
+    """Forget an ended incarnation, unless the engine registered again meanwhile."""
+    if cur is not None and cur.incarnation == tombstone.incarnation and cur.ended_at:
+        return None
+    return cur
+
+
+def _encode_page_token(last_id: str) -> str:
+    return base64.urlsafe_b64encode(last_id.encode()).decode()
+
+
+def _decode_page_token(token: str) -> str:
+    if not token:
+        return ""
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raise RendezvousError(Reason.PAGE_TOKEN_INVALID, "page_token is not one this server issued") from None

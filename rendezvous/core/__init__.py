@@ -1,0 +1,65 @@
+"""The transfer state machine and leases: pure logic, no I/O, no gRPC."""
+
+from rendezvous.core.errors import Code, Reason, RendezvousError
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.model import (
+    AbortReason,
+    Addressed,
+    Engine,
+    Event,
+    EventType,
+    KvLayout,
+    KvRegion,
+    MemoryKind,
+    Mode,
+    NixlAgent,
+    Outcome,
+    Role,
+    State,
+    Transfer,
+    TransferTimes,
+)
+from rendezvous.core.specs import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    EngineSpec,
+    ReleaseSpec,
+    RevocationAck,
+    SourceReadySpec,
+    TargetSpec,
+)
+from rendezvous.core.transfers import Context, Transition
+
+__all__ = [
+    "AbortReason",
+    "AbortSpec",
+    "Addressed",
+    "ClaimSpec",
+    "Code",
+    "CompletionSpec",
+    "Context",
+    "Engine",
+    "EngineSpec",
+    "Event",
+    "EventType",
+    "KvLayout",
+    "KvRegion",
+    "Limits",
+    "MemoryKind",
+    "Mode",
+    "NixlAgent",
+    "Outcome",
+    "Reason",
+    "ReleaseSpec",
+    "RendezvousError",
+    "RevocationAck",
+    "Role",
+    "SourceReadySpec",
+    "State",
+    "TargetSpec",
+    "Timeouts",
+    "Transfer",
+    "TransferTimes",
+    "Transition",
+]

@@ -1,0 +1,36 @@
+"""Explicit, configurable limits and timing defaults of the rendezvous."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard limits; requests beyond them are rejected with a reason, never truncated."""
+
+    max_id_length: int = 256
+    max_blocks_per_target: int = 65_536
+    max_batch_items: int = 4_096
+    max_live_transfers_per_engine: int = 100_000
+    max_agents_per_engine: int = 256
+    max_regions_per_agent: int = 65_536
+    max_agent_metadata_bytes: int = 1 << 20
+    max_labels: int = 64
+    max_events_per_engine: int = 100_000
+    max_watchers_per_engine: int = 16
+    max_list_page: int = 10_000
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Timing policy in seconds: leases, how long each half waits, how long records linger."""
+
+    default_lease_ttl: float = 10.0
+    min_lease_ttl: float = 1.0
+    max_lease_ttl: float = 300.0
+    default_target_timeout: float = 60.0
+    default_claim_timeout: float = 60.0
+    max_timeout: float = 3_600.0
+    release_timeout: float = 120.0
+    tombstone_ttl: float = 300.0

@@ -1,0 +1,529 @@
+"""The transfer lifecycle: every state transition of a transfer, as pure functions.
+
+    TARGETED ─┐                      ┌─> RELEASED   (consumer done; tombstone)
+              ├─> MATCHED ─> COMMITTED
+    CLAIMED  ─┘                      └─> (auto-released after release_timeout)
+    any live state ─> ABORTED (requested, deadline, peer lost, layout/block mismatch, failure)
+
+Each function takes the current record (None if unknown), the engines concerned and a
+request, and returns a `Transition`: the new record and the events to append, or raises
+`RendezvousError` leaving the record untouched. Stores apply a transition atomically.
+
+Fencing: a producer holds at most one generation of a transfer (`assigned_generation`).
+When the consumer re-registers with a newer generation, or the transfer is aborted while
+the producer may be writing, that generation becomes `revoking_generation`: the producer
+gets TRANSFER_REVOKED (or TRANSFER_ABORTED) and must acknowledge (AcknowledgeRevocation,
+or CompleteTransfer of that generation) before the consumer gets REVOCATION_CONFIRMED and
+may reuse those blocks. A lost producer, or the tombstone's expiry, confirms too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from rendezvous.core.engines import layout_mismatch
+from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.model import (
+    AbortReason,
+    Addressed,
+    Engine,
+    Event,
+    EventType,
+    Mode,
+    Outcome,
+    Role,
+    State,
+    Transfer,
+    TransferTimes,
+)
+from rendezvous.core.specs import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    ReleaseSpec,
+    RevocationAck,
+    SourceReadySpec,
+    TargetSpec,
+)
+from rendezvous.core.validation import check_block_ids, check_id, resolve_timeout
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every transition may consult: the time and the policy."""
+
+    now: float
+    limits: Limits
+    timeouts: Timeouts
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A transition's result: the new record (None deletes it) and the events it emits."""
+
+    transfer: Transfer | None
+    events: tuple[Addressed, ...] = ()
+
+
+def _event(
+    ctx: Context, engine_id: str, kind: EventType, t: Transfer | None, generation: int = 0, peer: Engine | None = None
+) -> Addressed:
+    return Addressed(engine_id, Event(kind, ctx.now, t, generation, peer))
+
+
+def _times(t: Transfer, **changes: float) -> TransferTimes:
+    return replace(t.times, **changes)
+
+
+def _require_role(engine: Engine, role: Role) -> None:
+    if engine.role != role:
+        raise RendezvousError(
+            Reason.WRONG_ROLE,
+            f"engine {engine.engine_id} is a {engine.role.name}; this call needs a {role.name}",
+            engine_id=engine.engine_id,
+        )
+
+
+def _ended(t: Transfer) -> RendezvousError:
+    return RendezvousError(
+        Reason.TRANSFER_ENDED,
+        f"transfer {t.transfer_id} already ended ({t.state.name}"
+        + (f": {t.abort_reason.name} {t.abort_message}".rstrip() if t.state == State.ABORTED else "")
+        + "); mint a new transfer id",
+        transfer_id=t.transfer_id,
+        state=t.state.name,
+        abort_reason=t.abort_reason.name,
+    )
+
+
+def _not_participant(t: Transfer, engine_id: str) -> RendezvousError:
+    return RendezvousError(
+        Reason.NOT_PARTICIPANT,
+        f"engine {engine_id} takes no part in transfer {t.transfer_id}",
+        transfer_id=t.transfer_id,
+        engine_id=engine_id,
+    )
+
+
+def _not_found(transfer_id: str) -> RendezvousError:
+    return RendezvousError(Reason.TRANSFER_NOT_FOUND, f"transfer {transfer_id} is unknown", transfer_id=transfer_id)
+
+
+def _abort(
+    ctx: Context,
+    t: Transfer,
+    reason: AbortReason,
+    message: str,
+    notify: Iterable[str],
+    producer_stopped: bool = False,
+) -> Transition:
+    """Abort t. Unless the producer has stopped, a generation it may be writing stays fenced."""
+    revoking = 0 if producer_stopped else (t.revoking_generation or t.assigned_generation)
+    aborted = replace(
+        t,
+        state=State.ABORTED,
+        abort_reason=reason,
+        abort_message=message,
+        assigned_generation=0,
+        revoking_generation=revoking,
+        deadline=ctx.now + ctx.timeouts.tombstone_ttl,
+        times=_times(t, end=ctx.now),
+    )
+    return Transition(aborted, tuple(_event(ctx, e, EventType.TRANSFER_ABORTED, aborted) for e in notify))
+
+
+def _block_mismatch(t: Transfer) -> str | None:
+    """Consumers may need fewer blocks than the source (prefix-cache hits), never more."""
+    if t.source_block_ids is not None and len(t.source_block_ids) < len(t.target_block_ids):
+        return f"{len(t.target_block_ids)} target blocks but only {len(t.source_block_ids)} source blocks"
+    return None
+
+
+def _assign(ctx: Context, t: Transfer, consumer: Engine) -> Transition:
+    """Hand the current generation to the producer (push), unless a revocation is pending."""
+    if t.mode != Mode.PUSH or t.revoking_generation or t.assigned_generation:
+        return Transition(t)
+    assigned = replace(t, assigned_generation=t.generation)
+    return Transition(
+        assigned,
+        (_event(ctx, t.producer_engine_id, EventType.TRANSFER_ASSIGNED, assigned, t.generation, consumer),),
+    )
+
+
+def _source_ready(ctx: Context, t: Transfer, producer: Engine) -> Transition:
+    """Tell the consumer (pull) where to read the current generation from."""
+    if t.mode != Mode.PULL or t.source_block_ids is None:
+        return Transition(t)
+    return Transition(t, (_event(ctx, t.consumer_engine_id, EventType.SOURCE_READY, t, t.generation, producer),))
+
+
+def _peer_gone(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine | None) -> Transition | None:
+    """Abort a two-sided transfer whose consumer or producer incarnation has ended."""
+    if producer is None or not producer.alive(ctx.now):
+        return _abort(ctx, t, AbortReason.PEER_LOST, "the producer is gone", (t.consumer_engine_id,), True)
+    if consumer is None or not consumer.alive(ctx.now):
+        return _abort(ctx, t, AbortReason.PEER_LOST, "the consumer is gone", (t.producer_engine_id,))
+    return None
+
+
+def _deliver(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine | None) -> Transition:
+    """Emit what the side moving the bytes needs for the current generation of a matched transfer."""
+    gone = _peer_gone(ctx, t, consumer, producer)
+    if gone:
+        return gone
+    assert consumer is not None and producer is not None
+    mismatch = _block_mismatch(t)
+    if mismatch:
+        return _abort(ctx, t, AbortReason.BLOCK_MISMATCH, mismatch, t.participants())
+    return _assign(ctx, t, consumer) if t.mode == Mode.PUSH else _source_ready(ctx, t, producer)
+
+
+def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine | None) -> Transition:
+    """Both halves now exist: check compatibility, then deliver. The consumer's deadline applies."""
+    gone = _peer_gone(ctx, t, consumer, producer)
+    if gone:
+        return gone
+    assert consumer is not None and producer is not None
+    mismatch = layout_mismatch(producer, consumer)
+    if mismatch:
+        return _abort(ctx, t, AbortReason.LAYOUT_MISMATCH, mismatch, t.participants(), True)
+    return _deliver(ctx, replace(t, state=State.MATCHED, times=_times(t, match=ctx.now)), consumer, producer)
+
+
+def register_target(
+    ctx: Context, cur: Transfer | None, consumer: Engine, producer: Engine | None, spec: TargetSpec
+) -> Transition:
+    """A consumer registers destination blocks for a generation of a transfer."""
+    check_id("transfer_id", spec.transfer_id, ctx.limits)
+    check_block_ids(spec.block_ids, ctx.limits, consumer.num_blocks())
+    if spec.generation < 1:
+        raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
+    timeout = resolve_timeout(spec.timeout, ctx.timeouts.default_target_timeout, ctx.timeouts)
+    _require_role(consumer, Role.CONSUMER)
+    blocks = tuple(spec.block_ids)
+    if cur is None:
+        return Transition(
+            Transfer(
+                transfer_id=spec.transfer_id,
+                state=State.TARGETED,
+                deadline=ctx.now + timeout,
+                mode=spec.mode,
+                generation=spec.generation,
+                consumer_engine_id=consumer.engine_id,
+                consumer_incarnation=consumer.incarnation,
+                target_block_ids=blocks,
+                num_tokens=spec.num_tokens,
+                times=TransferTimes(target=ctx.now),
+            )
+        )
+    same_target = (cur.consumer_engine_id, cur.generation, cur.target_block_ids) == (
+        consumer.engine_id,
+        spec.generation,
+        blocks,
+    )
+    if cur.state.terminal:
+        if same_target:
+            return Transition(cur)
+        raise _ended(cur)
+    if cur.consumer_engine_id and cur.consumer_engine_id != consumer.engine_id:
+        raise RendezvousError(
+            Reason.TARGET_CONFLICT,
+            f"transfer {spec.transfer_id} is targeted by engine {cur.consumer_engine_id}",
+            transfer_id=spec.transfer_id,
+        )
+    retarget = replace(
+        cur,
+        generation=spec.generation,
+        target_block_ids=blocks,
+        num_tokens=spec.num_tokens,
+        mode=spec.mode,
+        deadline=ctx.now + timeout,
+        times=_times(cur, target=ctx.now),
+    )
+    if not cur.consumer_engine_id:
+        claimed = replace(retarget, consumer_engine_id=consumer.engine_id, consumer_incarnation=consumer.incarnation)
+        return _match(ctx, claimed, consumer, producer)
+    if spec.generation == cur.generation:
+        if same_target:
+            return Transition(cur)
+        raise RendezvousError(
+            Reason.TARGET_CONFLICT,
+            f"generation {spec.generation} of transfer {spec.transfer_id} has other blocks; use a new generation",
+            transfer_id=spec.transfer_id,
+        )
+    if spec.generation < cur.generation:
+        raise RendezvousError(
+            Reason.STALE_GENERATION,
+            f"generation {spec.generation} is older than the current {cur.generation}",
+            transfer_id=spec.transfer_id,
+            current_generation=cur.generation,
+        )
+    if spec.mode != cur.mode:
+        raise RendezvousError(Reason.INVALID_STATE, "a transfer keeps its mode across generations")
+    if cur.state == State.COMMITTED:
+        raise RendezvousError(
+            Reason.INVALID_STATE,
+            f"transfer {spec.transfer_id} already committed; release it and recompute",
+            transfer_id=spec.transfer_id,
+        )
+    if cur.state == State.TARGETED:
+        return Transition(retarget)
+    if cur.assigned_generation:
+        revoked = cur.assigned_generation
+        fenced = replace(retarget, assigned_generation=0, revoking_generation=revoked)
+        return Transition(fenced, (_event(ctx, cur.producer_engine_id, EventType.TRANSFER_REVOKED, fenced, revoked),))
+    return _deliver(ctx, retarget, consumer, producer)
+
+
+def claim(ctx: Context, cur: Transfer | None, producer: Engine, consumer: Engine | None, spec: ClaimSpec) -> Transition:
+    """A producer claims a transfer: it will provide the KV."""
+    check_id("transfer_id", spec.transfer_id, ctx.limits)
+    timeout = resolve_timeout(spec.timeout, ctx.timeouts.default_claim_timeout, ctx.timeouts)
+    _require_role(producer, Role.PRODUCER)
+    if cur is None:
+        return Transition(
+            Transfer(
+                transfer_id=spec.transfer_id,
+                state=State.CLAIMED,
+                deadline=ctx.now + timeout,
+                producer_engine_id=producer.engine_id,
+                producer_incarnation=producer.incarnation,
+                times=TransferTimes(claim=ctx.now),
+            )
+        )
+    if cur.producer_engine_id == producer.engine_id:
+        return Transition(cur)
+    if cur.state.terminal:
+        raise _ended(cur)
+    if cur.producer_engine_id:
+        raise RendezvousError(
+            Reason.CLAIM_CONFLICT,
+            f"transfer {spec.transfer_id} is claimed by engine {cur.producer_engine_id}",
+            transfer_id=spec.transfer_id,
+        )
+    claimed = replace(
+        cur,
+        producer_engine_id=producer.engine_id,
+        producer_incarnation=producer.incarnation,
+        times=_times(cur, claim=ctx.now),
+    )
+    return _match(ctx, claimed, consumer, producer)
+
+
+def mark_source_ready(
+    ctx: Context, cur: Transfer | None, producer: Engine, consumer: Engine | None, spec: SourceReadySpec
+) -> Transition:
+    """A producer's blocks are computed. Claims the transfer if the producer had not."""
+    check_id("transfer_id", spec.transfer_id, ctx.limits)
+    check_block_ids(spec.block_ids, ctx.limits, producer.num_blocks())
+    _require_role(producer, Role.PRODUCER)
+    blocks = tuple(spec.block_ids)
+    if cur is None or not cur.producer_engine_id:
+        claimed = claim(ctx, cur, producer, consumer, ClaimSpec(spec.transfer_id))
+        assert claimed.transfer is not None
+        if claimed.transfer.state.terminal:
+            return claimed
+        cur = replace(claimed.transfer, source_block_ids=blocks, times=_times(claimed.transfer, source_ready=ctx.now))
+        if cur.state != State.MATCHED:
+            return Transition(cur, claimed.events)
+        redelivered = _deliver(ctx, cur, consumer, producer)
+        return Transition(redelivered.transfer, claimed.events + redelivered.events)
+    if cur.producer_engine_id != producer.engine_id:
+        raise _not_participant(cur, producer.engine_id)
+    if cur.source_block_ids is not None:
+        if cur.source_block_ids == blocks:
+            return Transition(cur)
+        raise RendezvousError(Reason.INVALID_STATE, "the source was already marked ready with other blocks")
+    if cur.state.terminal:
+        return Transition(cur)
+    ready = replace(cur, source_block_ids=blocks, times=_times(cur, source_ready=ctx.now))
+    if ready.state != State.MATCHED:
+        return Transition(ready)
+    mismatch = _block_mismatch(ready)
+    if mismatch:
+        return _abort(ctx, ready, AbortReason.BLOCK_MISMATCH, mismatch, ready.participants())
+    return _source_ready(ctx, ready, producer)
+
+
+def _confirm_revocation(ctx: Context, t: Transfer, consumer: Engine | None) -> Transition:
+    """The producer will not write the revoked generation: free it, then assign the current one."""
+    revoked = t.revoking_generation
+    confirmed = replace(t, revoking_generation=0)
+    events = (_event(ctx, t.consumer_engine_id, EventType.REVOCATION_CONFIRMED, confirmed, revoked),)
+    if confirmed.state != State.MATCHED or consumer is None:
+        return Transition(confirmed, events)
+    assigned = _assign(ctx, confirmed, consumer)
+    return Transition(assigned.transfer, events + assigned.events)
+
+
+def complete(
+    ctx: Context, cur: Transfer | None, engine: Engine, consumer: Engine | None, spec: CompletionSpec
+) -> Transition:
+    """The side moving the bytes (producer in push, consumer in pull) reports a generation's outcome."""
+    check_id("transfer_id", spec.transfer_id, ctx.limits)
+    if spec.outcome is None:
+        raise RendezvousError(Reason.OUTCOME_UNSPECIFIED, "outcome must be SUCCEEDED or FAILED")
+    if spec.generation < 1:
+        raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
+    if cur is None:
+        raise _not_found(spec.transfer_id)
+    if engine.engine_id not in cur.participants():
+        raise _not_participant(cur, engine.engine_id)
+    mover = cur.producer_engine_id if cur.mode == Mode.PUSH else cur.consumer_engine_id
+    if engine.engine_id != mover:
+        raise RendezvousError(
+            Reason.WRONG_ROLE,
+            f"in {cur.mode.name} mode the {'producer' if cur.mode == Mode.PUSH else 'consumer'} completes",
+        )
+    if cur.revoking_generation and spec.generation == cur.revoking_generation:
+        return _confirm_revocation(ctx, cur, consumer)
+    if cur.state in (State.ABORTED, State.RELEASED) or (
+        cur.state == State.COMMITTED and spec.generation == cur.generation
+    ):
+        return Transition(cur)
+    if spec.generation != cur.generation:
+        raise RendezvousError(
+            Reason.STALE_GENERATION,
+            f"generation {spec.generation} is not the current {cur.generation}",
+            transfer_id=cur.transfer_id,
+            current_generation=cur.generation,
+        )
+    if cur.state != State.MATCHED or (cur.mode == Mode.PUSH and cur.assigned_generation != spec.generation):
+        raise RendezvousError(
+            Reason.INVALID_STATE,
+            f"transfer {cur.transfer_id} generation {spec.generation} was not assigned (state {cur.state.name})",
+            transfer_id=cur.transfer_id,
+        )
+    other = cur.counterpart(engine.engine_id)
+    if spec.outcome == Outcome.FAILED:
+        return _abort(ctx, cur, AbortReason.TRANSFER_FAILED, spec.message, (other,), producer_stopped=True)
+    committed = replace(
+        cur,
+        state=State.COMMITTED,
+        assigned_generation=0,
+        deadline=ctx.now + ctx.timeouts.release_timeout,
+        times=_times(cur, commit=ctx.now),
+    )
+    return Transition(committed, (_event(ctx, other, EventType.TRANSFER_COMMITTED, committed, cur.generation),))
+
+
+def acknowledge_revocation(
+    ctx: Context, cur: Transfer | None, producer: Engine, consumer: Engine | None, spec: RevocationAck
+) -> Transition:
+    """The producer will not write the revoked generation (never started, or drained)."""
+    check_id("transfer_id", spec.transfer_id, ctx.limits)
+    if cur is None:
+        raise _not_found(spec.transfer_id)
+    if producer.engine_id != cur.producer_engine_id:
+        raise _not_participant(cur, producer.engine_id)
+    if cur.revoking_generation and spec.generation == cur.revoking_generation:
+        return _confirm_revocation(ctx, cur, consumer)
+    if spec.generation < cur.generation or cur.state.terminal:
+        return Transition(cur)
+    raise RendezvousError(
+        Reason.INVALID_STATE,
+        f"generation {spec.generation} of transfer {cur.transfer_id} is not revoked",
+        transfer_id=cur.transfer_id,
+    )
+
+
+def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseSpec) -> Transition:
+    """The consumer is done with a committed transfer (or acknowledges an abort)."""
+    check_id("transfer_id", spec.transfer_id, ctx.limits)
+    if cur is None:
+        raise _not_found(spec.transfer_id)
+    if consumer.engine_id != cur.consumer_engine_id:
+        raise _not_participant(cur, consumer.engine_id)
+    if cur.state.terminal:
+        return Transition(cur)
+    if cur.state != State.COMMITTED:
+        raise RendezvousError(
+            Reason.INVALID_STATE,
+            f"transfer {cur.transfer_id} is {cur.state.name}, not committed; abort it instead",
+            transfer_id=cur.transfer_id,
+        )
+    if spec.generation != cur.generation:
+        raise RendezvousError(
+            Reason.STALE_GENERATION,
+            f"generation {spec.generation} is not the committed {cur.generation}",
+            transfer_id=cur.transfer_id,
+            current_generation=cur.generation,
+        )
+    released = replace(
+        cur, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(cur, end=ctx.now)
+    )
+    return Transition(released)
+
+
+def abort(ctx: Context, cur: Transfer | None, caller: Engine | None, spec: AbortSpec) -> Transition:
+    """An engine (or, with caller None, a router or operator) aborts a transfer.
+
+    Aborting an unknown id leaves a tombstone, so halves that arrive later learn of the abort.
+    """
+    check_id("transfer_id", spec.transfer_id, ctx.limits)
+    if cur is None:
+        return Transition(
+            Transfer(
+                transfer_id=spec.transfer_id,
+                state=State.ABORTED,
+                deadline=ctx.now + ctx.timeouts.tombstone_ttl,
+                abort_reason=AbortReason.REQUESTED,
+                abort_message=spec.message,
+                times=TransferTimes(end=ctx.now),
+            )
+        )
+    caller_id = caller.engine_id if caller else ""
+    if caller is not None and caller_id not in cur.participants():
+        raise _not_participant(cur, caller_id)
+    if cur.state.terminal:
+        return Transition(cur)
+    notify = [e for e in cur.participants() if e != caller_id]
+    return _abort(
+        ctx, cur, AbortReason.REQUESTED, spec.message, notify, producer_stopped=caller_id == cur.producer_engine_id
+    )
+
+
+def expire(ctx: Context, cur: Transfer | None) -> Transition:
+    """A deadline passed: waiting halves abort, forgotten commits release, tombstones go."""
+    if cur is None or cur.deadline > ctx.now:
+        return Transition(cur)
+    if cur.state == State.COMMITTED:
+        released = replace(
+            cur, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(cur, end=ctx.now)
+        )
+        return Transition(released)
+    if not cur.state.terminal:
+        return _abort(ctx, cur, AbortReason.DEADLINE_EXCEEDED, "deadline exceeded", cur.participants())
+    if cur.revoking_generation and cur.consumer_engine_id:
+        # A live producer that never acknowledged: the tombstone's lifetime bounds the consumer's wait.
+        confirm = _event(ctx, cur.consumer_engine_id, EventType.REVOCATION_CONFIRMED, cur, cur.revoking_generation)
+        return Transition(None, (confirm,))
+    return Transition(None)
+
+
+def engine_lost(ctx: Context, cur: Transfer | None, lost: Engine) -> Transition:
+    """A participant's incarnation ended: abort what it was part of and tell the other side."""
+    if cur is None or lost.engine_id not in cur.participants():
+        return Transition(cur)
+    is_producer = lost.engine_id == cur.producer_engine_id
+    if (cur.producer_incarnation if is_producer else cur.consumer_incarnation) != lost.incarnation:
+        return Transition(cur)
+    other = cur.counterpart(lost.engine_id)
+    if cur.state.terminal:
+        if is_producer and cur.revoking_generation and other:
+            confirmed = replace(cur, revoking_generation=0)
+            return Transition(
+                confirmed, (_event(ctx, other, EventType.REVOCATION_CONFIRMED, confirmed, cur.revoking_generation),)
+            )
+        return Transition(cur)
+    if cur.state == State.COMMITTED:
+        if is_producer:
+            return Transition(cur)
+        released = replace(
+            cur, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(cur, end=ctx.now)
+        )
+        return Transition(released)
+    message = f"{'producer' if is_producer else 'consumer'} {lost.engine_id} is gone"
+    return _abort(ctx, cur, AbortReason.PEER_LOST, message, (other,) if other else (), producer_stopped=is_producer)

@@ -1,0 +1,113 @@
+"""Checks of request shape that need no state: ids, block lists, registrations, timeouts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.specs import EngineSpec
+
+
+def check_id(kind: str, value: str, limits: Limits) -> None:
+    """Ids are non-empty, bounded, printable and free of whitespace."""
+    if not value:
+        raise RendezvousError(Reason.ID_EMPTY, f"{kind} must not be empty", field=kind)
+    if len(value) > limits.max_id_length:
+        raise RendezvousError(
+            Reason.ID_TOO_LONG,
+            f"{kind} is {len(value)} characters; the limit is {limits.max_id_length}",
+            field=kind,
+            limit=limits.max_id_length,
+        )
+    if not value.isprintable() or any(c.isspace() for c in value):
+        raise RendezvousError(Reason.ID_INVALID, f"{kind} must be printable without whitespace", field=kind)
+
+
+def check_batch(size: int, limits: Limits) -> None:
+    """A batch holds between one and max_batch_items items."""
+    if size == 0:
+        raise RendezvousError(Reason.BATCH_EMPTY, "the request has no items")
+    if size > limits.max_batch_items:
+        raise RendezvousError(
+            Reason.BATCH_TOO_LARGE,
+            f"{size} items in one request; the limit is {limits.max_batch_items}",
+            limit=limits.max_batch_items,
+        )
+
+
+def check_block_ids(block_ids: Sequence[int], limits: Limits, num_blocks: int | None) -> None:
+    """Block ids are non-negative, distinct, within the engine's pool and not too many."""
+    if len(block_ids) > limits.max_blocks_per_target:
+        raise RendezvousError(
+            Reason.TOO_MANY_BLOCKS,
+            f"{len(block_ids)} blocks; the limit is {limits.max_blocks_per_target}",
+            limit=limits.max_blocks_per_target,
+        )
+    if block_ids and min(block_ids) < 0:
+        raise RendezvousError(Reason.BLOCK_ID_NEGATIVE, f"block id {min(block_ids)} is negative")
+    if len(set(block_ids)) != len(block_ids):
+        raise RendezvousError(Reason.BLOCK_ID_DUPLICATE, "block ids must be distinct")
+    if num_blocks is not None and block_ids and max(block_ids) >= num_blocks:
+        raise RendezvousError(
+            Reason.BLOCK_ID_OUT_OF_RANGE,
+            f"block id {max(block_ids)} is outside the engine's {num_blocks} registered blocks",
+            num_blocks=num_blocks,
+        )
+
+
+def resolve_timeout(requested: float, default: float, timeouts: Timeouts) -> float:
+    """A requested wait in seconds, or the default when zero; negative or huge waits are rejected."""
+    if requested < 0 or requested > timeouts.max_timeout:
+        raise RendezvousError(
+            Reason.TIMEOUT_INVALID,
+            f"timeout {requested}s must be between 0 and {timeouts.max_timeout}s",
+            limit=timeouts.max_timeout,
+        )
+    return requested or default
+
+
+def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
+    """A registration names itself, its role and a sane set of agents and regions."""
+    check_id("engine_id", spec.engine_id, limits)
+    check_id("pool", spec.pool, limits)
+    if spec.role is None:
+        raise RendezvousError(Reason.ROLE_UNSPECIFIED, "role must be PRODUCER or CONSUMER")
+    layout = spec.layout
+    if layout.block_size < 0 or layout.num_layers < 0 or layout.tp_size < 1 or layout.pp_size < 1:
+        raise RendezvousError(Reason.LAYOUT_INVALID, "layout sizes must be positive (tp_size and pp_size >= 1)")
+    if len(spec.labels) > limits.max_labels:
+        raise RendezvousError(Reason.AGENTS_INVALID, f"more than {limits.max_labels} labels", limit=limits.max_labels)
+    if len(spec.agents) > limits.max_agents_per_engine:
+        raise RendezvousError(
+            Reason.AGENTS_INVALID,
+            f"more than {limits.max_agents_per_engine} agents",
+            limit=limits.max_agents_per_engine,
+        )
+    names = [a.name for a in spec.agents]
+    if len(set(names)) != len(names):
+        raise RendezvousError(Reason.AGENTS_INVALID, "agent names must be distinct")
+    ranks = sorted(a.rank for a in spec.agents)
+    if ranks != list(range(len(ranks))):
+        raise RendezvousError(Reason.AGENTS_INVALID, "agent ranks must be 0..N-1, each once")
+    for agent in spec.agents:
+        check_id("agent name", agent.name, limits)
+        if len(agent.metadata) > limits.max_agent_metadata_bytes:
+            raise RendezvousError(
+                Reason.AGENTS_INVALID,
+                f"agent {agent.name} metadata exceeds {limits.max_agent_metadata_bytes} bytes",
+                limit=limits.max_agent_metadata_bytes,
+            )
+        if len(agent.regions) > limits.max_regions_per_agent:
+            raise RendezvousError(
+                Reason.AGENTS_INVALID,
+                f"agent {agent.name} has more than {limits.max_regions_per_agent} regions",
+                limit=limits.max_regions_per_agent,
+            )
+        for region in agent.regions:
+            if region.block_length_bytes <= 0 or region.num_blocks <= 0:
+                raise RendezvousError(Reason.AGENTS_INVALID, f"agent {agent.name} has an empty region")
+            if region.block_stride_bytes < region.block_length_bytes:
+                raise RendezvousError(
+                    Reason.AGENTS_INVALID, f"agent {agent.name} has a region whose blocks overlap (stride < length)"
+                )

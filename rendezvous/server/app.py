@@ -1,0 +1,168 @@
+"""The rendezvous server process: gRPC service, health, reflection, metrics and the sweeper."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from rendezvous.coordinator import Coordinator
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.server.metrics import Metrics
+from rendezvous.server.servicer import RendezvousServicer
+from rendezvous.store.base import Store
+from rendezvous.store.factory import create_store
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RendezvousService"].full_name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server needs; the CLI builds it from flags and environment variables."""
+
+    listen: str = "127.0.0.1:50051"
+    store: str = "memory"
+    metrics_listen: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    sweep_interval: float = 0.05
+    health_interval: float = 1.0
+    grace: float = 5.0
+    max_message_bytes: int = 64 << 20
+    idempotency_ttl: float = 600.0
+    watch_batch: int = 1024
+    server_id: str = ""
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+class RendezvousServer:
+    """One server replica. `start()`, then `stop()`; `address` is known once started."""
+
+    def __init__(self, config: ServerConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.config = config or ServerConfig()
+        self.clock = clock
+        self.metrics = Metrics()
+        self.store: Store = create_store(self.config.store, self.config.limits)
+        self.coordinator = Coordinator(self.store, self.config.limits, self.config.timeouts, clock, self.metrics)
+        self.server_id = self.config.server_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._stopping = asyncio.Event()
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def address(self) -> str:
+        """host:port the server listens on."""
+        host, _ = _split_host_port(self.config.listen)
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Open the store, bind the port, start serving and the background loops."""
+        cfg = self.config
+        await self.store.open()
+        options = [
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
+        servicer = RendezvousServicer(
+            self.coordinator, self.metrics, self.server_id, cfg.idempotency_ttl, cfg.watch_batch, self._stopping
+        )
+        pb_grpc.add_RendezvousServiceServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.port = server.add_insecure_port(cfg.listen)
+        if not self.port:
+            raise OSError(f"cannot listen on {cfg.listen}")
+        await server.start()
+        self._server = server
+        await self._set_serving(await self.store.ping())
+        if cfg.metrics_listen:
+            host, port = _split_host_port(cfg.metrics_listen)
+            self.metrics_port = self.metrics.serve(host, port)
+        self._tasks = [asyncio.create_task(self._sweep_loop()), asyncio.create_task(self._health_loop())]
+        log.info(
+            "serving",
+            extra={
+                "address": self.address,
+                "store": self.store.name,
+                "epoch": self.store.epoch,
+                "metrics_port": self.metrics_port,
+            },
+        )
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, status)
+        self.metrics.store_up.set(1 if serving else 0)
+
+    async def _sweep_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self.coordinator.sweep()
+            except Exception:
+                log.exception("sweep failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.sweep_interval)
+
+    async def _health_loop(self) -> None:
+        serving = True
+        while not self._stopping.is_set():
+            try:
+                up = await self.store.ping()
+                if up:
+                    self.metrics.update_counts(await self.store.counts())
+            except Exception:
+                up = False
+            if up != serving and not self._stopping.is_set():
+                serving = up
+                log.warning("store %s", "reachable again" if up else "unreachable: NOT_SERVING")
+                await self._set_serving(up)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.config.health_interval)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, stop accepting calls, let running calls finish within grace, close."""
+        if self._server is None:
+            return
+        await self._set_serving(False)
+        self._stopping.set()
+        await self._server.stop(self.config.grace if grace is None else grace)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._server = None
+        self.metrics.close()
+        await self.store.close()
+        log.info("stopped", extra={"address": self.address})
+
+    async def wait(self) -> None:
+        """Until the server stops."""
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -1,0 +1,94 @@
+"""Prometheus metrics: RPCs by method and status, live state, aborts by reason, phase histograms.
+
+Each server owns a registry, so several servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from rendezvous.core.model import LIVE_STATES, State, Transfer
+from rendezvous.store.base import StoreCounts
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """The server's metrics; also the coordinator's transition observer."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rpcs = Counter(
+            "rendezvous_rpcs", "RPCs handled, by method and status code", ["method", "code"], registry=r
+        )
+        self.rpc_seconds = Histogram(
+            "rendezvous_rpc_duration_seconds", "RPC handling time", ["method"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.items = Counter("rendezvous_batch_items", "Items in batched mutating RPCs", ["method"], registry=r)
+        self.live_engines = Gauge("rendezvous_live_engines", "Engines holding a lease", registry=r)
+        self.live_transfers = Gauge("rendezvous_live_transfers", "Live transfers by state", ["state"], registry=r)
+        self.watchers = Gauge("rendezvous_watchers", "Open Watch streams on this replica", registry=r)
+        self.events_sent = Counter("rendezvous_events_sent", "Events written to Watch streams", registry=r)
+        self.resyncs = Counter("rendezvous_watch_resyncs", "Watchers told to resync", registry=r)
+        self.committed = Counter("rendezvous_transfers_committed", "Transfers whose bytes arrived", registry=r)
+        self.aborts = Counter("rendezvous_transfer_aborts", "Aborted transfers by reason", ["reason"], registry=r)
+        self.match_wait = Histogram(
+            "rendezvous_match_wait_seconds",
+            "Time the first half of a transfer waited for the second",
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.phase = Histogram(
+            "rendezvous_transfer_phase_seconds",
+            "Duration of each transfer phase: match_to_commit, source_ready_to_commit, commit_to_release, total",
+            ["phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.store_up = Gauge("rendezvous_store_up", "1 when the store answers", registry=r)
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Expose /metrics over HTTP; returns the bound port."""
+        self._http = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http[0].server_port)
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint."""
+        if self._http is not None:
+            self._http[0].shutdown()
+            self._http[0].server_close()
+            self._http = None
+
+    def on_transition(self, before: Transfer | None, after: Transfer | None, now: float) -> None:
+        """Count the phase a transfer just entered."""
+        if after is None or (before is not None and before.state == after.state):
+            return
+        times = after.times
+        if after.state == State.MATCHED:
+            first = min(t for t in (times.target, times.claim) if t)
+            self.match_wait.observe(max(0.0, times.match - first))
+        elif after.state == State.COMMITTED:
+            self.committed.inc()
+            if times.match:
+                self.phase.labels("match_to_commit").observe(max(0.0, times.commit - times.match))
+            if times.source_ready:
+                self.phase.labels("source_ready_to_commit").observe(max(0.0, times.commit - times.source_ready))
+        elif after.state == State.RELEASED:
+            if times.commit:
+                self.phase.labels("commit_to_release").observe(max(0.0, times.end - times.commit))
+            start = min((t for t in (times.target, times.claim) if t), default=times.end)
+            self.phase.labels("total").observe(max(0.0, times.end - start))
+        elif after.state == State.ABORTED:
+            self.aborts.labels(after.abort_reason.name).inc()
+
+    def update_counts(self, counts: StoreCounts) -> None:
+        """Refresh the live-state gauges."""
+        self.live_engines.set(counts.live_engines)
+        for state in LIVE_STATES:
+            self.live_transfers.labels(state.name).set(counts.transfers_by_state.get(state, 0))

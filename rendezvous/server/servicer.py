@@ -1,0 +1,339 @@
+"""The gRPC servicer: maps RendezvousService RPCs onto the coordinator.
+
+Cross-cutting rules live in `_rpc`: domain errors become google.rpc.Status with an ErrorInfo
+(AIP-193), mutating calls with a request_id return their first answer on retry (AIP-155), and
+every call is counted by method and status code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from grpc_status import rpc_status
+
+from rendezvous import __version__, wire
+from rendezvous.coordinator import Coordinator, ItemOutcome
+from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.model import Role, State
+from rendezvous.server.metrics import Metrics
+from rendezvous.store.base import StoreUnavailableError
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ResponseT = TypeVar("ResponseT", bound=Message)
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
+
+
+def _rpc(response_type: type[ResponseT] | None = None) -> Callable[[Handler[ResponseT]], Handler[ResponseT]]:
+    """Error mapping, idempotency (when response_type is given) and metrics for a unary handler."""
+
+    def decorate(handler: Handler[ResponseT]) -> Handler[ResponseT]:
+        method = handler.__name__
+
+        @functools.wraps(handler)
+        async def wrapped(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                key = (
+                    f"{method}/{request.engine_id}/{request.request_id}" if response_type and request.request_id else ""
+                )
+                if key:
+                    cached = await self.coordinator.store.get_response(key)
+                    if cached is not None:
+                        return response_type.FromString(cached)  # type: ignore[union-attr]
+                response = await handler(self, request, context)
+                if key:
+                    await self.coordinator.store.put_response(key, response.SerializeToString(), self.idempotency_ttl)
+                return response
+            except RendezvousError as err:
+                code = err.code.value
+                await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+            except StoreUnavailableError as err:
+                code = "UNAVAILABLE"
+                unavailable = RendezvousError(Reason.STORE_UNAVAILABLE, f"the store is unavailable: {err}")
+                await context.abort_with_status(rpc_status.to_status(wire.error_status(unavailable)))
+            finally:
+                self.metrics.rpcs.labels(method, code).inc()
+                self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+            raise AssertionError("unreachable: abort_with_status raises")
+
+        return wrapped
+
+    return decorate
+
+
+class WatcherRegistry:
+    """Counts open Watch streams per engine and enforces the per-engine limit."""
+
+    def __init__(self, max_per_engine: int, metrics: Metrics) -> None:
+        self._open: Counter[str] = Counter()
+        self._max = max_per_engine
+        self._metrics = metrics
+
+    @property
+    def total(self) -> int:
+        """Open streams on this server."""
+        return sum(self._open.values())
+
+    def enter(self, engine_id: str) -> None:
+        """Count a new stream, or refuse it past the limit."""
+        if self._open[engine_id] >= self._max:
+            raise RendezvousError(
+                Reason.TOO_MANY_WATCHERS,
+                f"engine {engine_id} already has {self._max} open watches",
+                limit=self._max,
+            )
+        self._open[engine_id] += 1
+        self._metrics.watchers.inc()
+
+    def leave(self, engine_id: str) -> None:
+        """Forget a closed stream."""
+        self._open[engine_id] -= 1
+        if not self._open[engine_id]:
+            del self._open[engine_id]
+        self._metrics.watchers.dec()
+
+
+class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
+    """RendezvousService over a coordinator."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        metrics: Metrics,
+        server_id: str,
+        idempotency_ttl: float,
+        watch_batch: int,
+        stopping: asyncio.Event,
+    ) -> None:
+        self.coordinator = coordinator
+        self.metrics = metrics
+        self.server_id = server_id
+        self.idempotency_ttl = idempotency_ttl
+        self.watch_batch = watch_batch
+        self.watchers = WatcherRegistry(coordinator.limits.max_watchers_per_engine, metrics)
+        self.started_at = time.time()
+        self._stopping = stopping
+
+    async def _header(self) -> pb.ResponseHeader:
+        store = self.coordinator.store
+        return pb.ResponseHeader(epoch=store.epoch, revision=await store.revision(), server_id=self.server_id)
+
+    def _results(self, method: str, outcomes: Sequence[ItemOutcome]) -> list[pb.ItemResult]:
+        self.metrics.items.labels(method).inc(len(outcomes))
+        return [
+            pb.ItemResult(
+                transfer_id=o.transfer_id,
+                status=wire.error_status(o.error) if o.error else None,
+                state=int(o.transfer.state) if o.transfer else 0,
+            )
+            for o in outcomes
+        ]
+
+    # Engines
+
+    @_rpc(pb.RegisterEngineResponse)
+    async def RegisterEngine(
+        self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterEngineResponse:
+        engine, start = await self.coordinator.register_engine(wire.engine_spec(request))
+        return pb.RegisterEngineResponse(
+            header=await self._header(), engine=wire.engine_message(engine), watch_start_revision=start
+        )
+
+    async def KeepAlive(
+        self, request_iterator: AsyncIterator[pb.KeepAliveRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KeepAliveResponse]:
+        async for request in request_iterator:
+            try:
+                engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
+            except RendezvousError as err:
+                self.metrics.rpcs.labels("KeepAlive", err.code.value).inc()
+                await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+                return
+            self.metrics.rpcs.labels("KeepAlive", "OK").inc()
+            yield pb.KeepAliveResponse(
+                header=await self._header(), engine_id=engine.engine_id, lease_ttl=wire.duration(engine.lease_ttl)
+            )
+
+    @_rpc(pb.DeregisterEngineResponse)
+    async def DeregisterEngine(
+        self, request: pb.DeregisterEngineRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeregisterEngineResponse:
+        aborted = await self.coordinator.deregister_engine(request.engine_id, request.incarnation)
+        return pb.DeregisterEngineResponse(header=await self._header(), aborted_transfers=aborted)
+
+    @_rpc()
+    async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
+        engine = await self.coordinator.get_engine(request.engine_id)
+        live = len(await self.coordinator.store.live_transfer_ids(engine.engine_id))
+        return pb.GetEngineResponse(
+            header=await self._header(), engine=wire.engine_message(engine, live_transfers=live)
+        )
+
+    @_rpc()
+    async def ListEngines(
+        self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListEnginesResponse:
+        role = Role(request.role) if request.role in (1, 2) else None
+        engines = await self.coordinator.list_engines(request.pool, role)
+        store = self.coordinator.store
+        return pb.ListEnginesResponse(
+            header=await self._header(),
+            engines=[
+                wire.engine_message(e, not request.omit_agent_metadata, len(await store.live_transfer_ids(e.engine_id)))
+                for e in engines
+            ],
+        )
+
+    # Transfers
+
+    @_rpc(pb.RegisterTargetResponse)
+    async def RegisterTarget(
+        self, request: pb.RegisterTargetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterTargetResponse:
+        outcomes = await self.coordinator.register_targets(
+            request.engine_id, request.incarnation, wire.target_specs(request)
+        )
+        return pb.RegisterTargetResponse(header=await self._header(), results=self._results("RegisterTarget", outcomes))
+
+    @_rpc(pb.ClaimTransferResponse)
+    async def ClaimTransfer(
+        self, request: pb.ClaimTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClaimTransferResponse:
+        outcomes = await self.coordinator.claim_transfers(
+            request.engine_id, request.incarnation, wire.claim_specs(request)
+        )
+        return pb.ClaimTransferResponse(header=await self._header(), results=self._results("ClaimTransfer", outcomes))
+
+    @_rpc(pb.MarkSourceReadyResponse)
+    async def MarkSourceReady(
+        self, request: pb.MarkSourceReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MarkSourceReadyResponse:
+        outcomes = await self.coordinator.mark_sources_ready(
+            request.engine_id, request.incarnation, wire.source_specs(request)
+        )
+        return pb.MarkSourceReadyResponse(
+            header=await self._header(), results=self._results("MarkSourceReady", outcomes)
+        )
+
+    @_rpc(pb.CompleteTransferResponse)
+    async def CompleteTransfer(
+        self, request: pb.CompleteTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CompleteTransferResponse:
+        outcomes = await self.coordinator.complete_transfers(
+            request.engine_id, request.incarnation, wire.completion_specs(request)
+        )
+        return pb.CompleteTransferResponse(
+            header=await self._header(), results=self._results("CompleteTransfer", outcomes)
+        )
+
+    @_rpc(pb.AcknowledgeRevocationResponse)
+    async def AcknowledgeRevocation(
+        self, request: pb.AcknowledgeRevocationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AcknowledgeRevocationResponse:
+        outcomes = await self.coordinator.acknowledge_revocations(
+            request.engine_id, request.incarnation, wire.revocation_acks(request)
+        )
+        return pb.AcknowledgeRevocationResponse(
+            header=await self._header(), results=self._results("AcknowledgeRevocation", outcomes)
+        )
+
+    @_rpc(pb.ReleaseTargetResponse)
+    async def ReleaseTarget(
+        self, request: pb.ReleaseTargetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseTargetResponse:
+        outcomes = await self.coordinator.release_targets(
+            request.engine_id, request.incarnation, wire.release_specs(request)
+        )
+        return pb.ReleaseTargetResponse(header=await self._header(), results=self._results("ReleaseTarget", outcomes))
+
+    @_rpc(pb.AbortTransferResponse)
+    async def AbortTransfer(
+        self, request: pb.AbortTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortTransferResponse:
+        outcomes = await self.coordinator.abort_transfers(
+            request.engine_id, request.incarnation, wire.abort_specs(request)
+        )
+        return pb.AbortTransferResponse(header=await self._header(), results=self._results("AbortTransfer", outcomes))
+
+    @_rpc()
+    async def GetTransfer(
+        self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetTransferResponse:
+        transfer = await self.coordinator.get_transfer(request.transfer_id)
+        return pb.GetTransferResponse(header=await self._header(), transfer=wire.transfer_message(transfer))
+
+    @_rpc()
+    async def ListTransfers(
+        self, request: pb.ListTransfersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListTransfersResponse:
+        states = [State(s) for s in request.states if s in State._value2member_map_]
+        if len(states) != len(request.states):
+            raise RendezvousError(Reason.STATE_INVALID, "states must be known TransferState values")
+        page = await self.coordinator.list_transfers(request.engine_id, states, request.page_size, request.page_token)
+        return pb.ListTransfersResponse(
+            header=await self._header(),
+            transfers=[wire.transfer_message(t) for t in page.transfers],
+            next_page_token=page.next_page_token,
+        )
+
+    @_rpc()
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+        counts = await self.coordinator.counts()
+        return pb.GetStatusResponse(
+            header=await self._header(),
+            version=__version__,
+            store=self.coordinator.store.name,
+            live_engines=counts.live_engines,
+            transfers_by_state={s.name: n for s, n in counts.transfers_by_state.items()},
+            watchers=self.watchers.total,
+            start_time=wire.timestamp(self.started_at),
+        )
+
+    # Events
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchResponse]:
+        """Header first (the watch is established), then event batches; resync when the log was trimmed."""
+        coordinator = self.coordinator
+        engine_id = request.engine_id
+        try:
+            revision = await coordinator.check_watch(engine_id, request.start_revision)
+            self.watchers.enter(engine_id)
+        except RendezvousError as err:
+            self.metrics.rpcs.labels("Watch", err.code.value).inc()
+            await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+            return
+        self.metrics.rpcs.labels("Watch", "OK").inc()
+        batch = min(request.max_batch or self.watch_batch, self.watch_batch)
+        try:
+            yield pb.WatchResponse(header=await self._header())
+            while not self._stopping.is_set():
+                page = await coordinator.read_events(engine_id, revision, batch)
+                if page.resync_revision is not None:
+                    self.metrics.resyncs.inc()
+                    revision = page.resync_revision
+                    yield pb.WatchResponse(header=await self._header(), resync_required=True, resync_revision=revision)
+                elif page.events:
+                    revision = page.events[-1].revision + 1
+                    self.metrics.events_sent.inc(len(page.events))
+                    yield pb.WatchResponse(
+                        header=await self._header(), events=[wire.event_message(e) for e in page.events]
+                    )
+                else:
+                    await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
+        finally:
+            self.watchers.leave(engine_id)

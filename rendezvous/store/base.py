@@ -1,0 +1,139 @@
+"""The store interface: where engines, transfers, per-engine event logs and request results live.
+
+A store applies transitions atomically: `update_transfer` reads a record, calls a pure function
+(from rendezvous.core) and writes its result together with the events it emits, or nothing at all.
+The function may be called more than once (optimistic concurrency in shared stores), so it must be
+pure. Each engine has an event log whose revisions start at 1 and grow by one per event; the log is
+bounded, and a reader asking for a trimmed revision is told to resync.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
+from rendezvous.core.transfers import Transition
+
+TransferFn = Callable[[Transfer | None, Mapping[str, Engine]], Transition]
+"""A transition: gets the current record and the engines it names (consumer, producer), if known."""
+
+EngineFn = Callable[[Engine | None], Engine | None]
+"""An engine update: gets the current record (live or ended), returns the new one (None deletes)."""
+
+
+@dataclass(frozen=True)
+class EventPage:
+    """Events read from an engine's log.
+
+    `resync_revision` is set when the requested revision is no longer retained: the reader must
+    rebuild its view (list its transfers) and continue from that revision.
+    """
+
+    events: Sequence[Event]
+    last_revision: int
+    resync_revision: int | None = None
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    """Sizes for status and metrics."""
+
+    live_engines: int
+    transfers_by_state: Mapping[State, int]
+
+
+class StoreUnavailableError(Exception):
+    """The store cannot be reached; callers may retry later."""
+
+
+class Store(ABC):
+    """Backend for the coordinator. All methods are coroutines; none blocks the event loop."""
+
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def epoch(self) -> int:
+        """Identifies the store's lifetime; a change means soft state was lost."""
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Connect and load or create the epoch."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
+
+    @abstractmethod
+    async def ping(self) -> bool:
+        """True when the store answers."""
+
+    @abstractmethod
+    async def revision(self) -> int:
+        """Monotonically increasing revision of the whole store."""
+
+    @abstractmethod
+    async def get_engine(self, engine_id: str) -> Engine | None:
+        """An engine record, live or ended (tombstone), or None."""
+
+    @abstractmethod
+    async def list_engines(self) -> list[Engine]:
+        """Every engine record, live or ended."""
+
+    @abstractmethod
+    async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
+        """Atomically replace an engine record by fn(current); returns the new record."""
+
+    @abstractmethod
+    async def lapsed_engines(self, now: float, tombstone_ttl: float) -> list[Engine]:
+        """Engines whose lease passed without ending, or whose tombstone outlived tombstone_ttl."""
+
+    @abstractmethod
+    async def get_transfer(self, transfer_id: str) -> Transfer | None:
+        """A transfer record, live or tombstone, or None."""
+
+    @abstractmethod
+    async def update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
+        """Atomically apply fn to a transfer and append its events; errors from fn leave no trace."""
+
+    @abstractmethod
+    async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:
+        """Transfers (live and tombstones) of one engine, or all, in no particular order."""
+
+    @abstractmethod
+    async def live_transfer_ids(self, engine_id: str) -> list[str]:
+        """Ids of the live (non-terminal) transfers an engine takes part in."""
+
+    @abstractmethod
+    async def due_transfers(self, now: float, limit: int) -> list[str]:
+        """Ids of transfers whose deadline is at or before now (at most limit)."""
+
+    @abstractmethod
+    async def append_events(self, events: Sequence[Addressed]) -> None:
+        """Append events to the logs of the engines they address (unknown engines are skipped)."""
+
+    @abstractmethod
+    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
+        """Up to limit events of an engine from start_revision on."""
+
+    @abstractmethod
+    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
+        """Return when the engine's log passes after_revision, or after timeout seconds."""
+
+    @abstractmethod
+    async def last_event_revision(self, engine_id: str) -> int:
+        """The revision of the engine's latest event (0 when none)."""
+
+    @abstractmethod
+    async def get_response(self, key: str) -> bytes | None:
+        """A stored response of an idempotent request (AIP-155), or None."""
+
+    @abstractmethod
+    async def put_response(self, key: str, value: bytes, ttl: float) -> None:
+        """Remember a response for ttl seconds."""
+
+    @abstractmethod
+    async def counts(self) -> StoreCounts:
+        """Live engines and transfers by state."""

@@ -1,0 +1,20 @@
+"""Open a store from its URL: `memory`, or a Redis URL (redis://, rediss://, unix://, redis+sentinel://)."""
+
+from __future__ import annotations
+
+from rendezvous.core.limits import Limits
+from rendezvous.store.base import Store
+from rendezvous.store.memory import MemoryStore
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://")
+
+
+def create_store(url: str, limits: Limits) -> Store:
+    """A store for url; raises ValueError naming the accepted forms for anything else."""
+    if url == "memory":
+        return MemoryStore(max_events_per_engine=limits.max_events_per_engine)
+    if url.startswith(REDIS_SCHEMES):
+        from rendezvous.store.redis import RedisStore
+
+        return RedisStore(url, max_events_per_engine=limits.max_events_per_engine)
+    raise ValueError(f"unknown store {url!r}: use 'memory' or a URL starting with one of {', '.join(REDIS_SCHEMES)}")

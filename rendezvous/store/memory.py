@@ -1,0 +1,201 @@
+"""The in-memory store: one process, fastest, soft state (a restart changes the epoch).
+
+Every method runs without awaiting between its read and its write, so on one event loop each
+transition is atomic without locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import secrets
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import replace
+
+from rendezvous.core.model import Addressed, Engine, Event, Transfer
+from rendezvous.core.transfers import Transition
+from rendezvous.store.base import EngineFn, EventPage, Store, StoreCounts, TransferFn
+
+
+class _EventLog:
+    """One engine's bounded event log and the waiters for its next event."""
+
+    def __init__(self, capacity: int) -> None:
+        self.events: deque[Event] = deque(maxlen=capacity)
+        self.last_revision = 0
+        self.changed = asyncio.Event()
+
+    def append(self, event: Event) -> None:
+        self.last_revision += 1
+        self.events.append(replace(event, revision=self.last_revision))
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class MemoryStore(Store):
+    """Dicts, a deadline heap and bounded per-engine deques."""
+
+    name = "memory"
+
+    def __init__(self, max_events_per_engine: int = 100_000, max_responses: int = 100_000) -> None:
+        self._epoch = secrets.randbits(63) or 1
+        self._revision = 0
+        self._engines: dict[str, Engine] = {}
+        self._transfers: dict[str, Transfer] = {}
+        self._live_by_engine: dict[str, set[str]] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._logs: dict[str, _EventLog] = {}
+        self._max_events = max_events_per_engine
+        self._responses: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._max_responses = max_responses
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def ping(self) -> bool:
+        return True
+
+    async def revision(self) -> int:
+        return self._revision
+
+    async def get_engine(self, engine_id: str) -> Engine | None:
+        return self._engines.get(engine_id)
+
+    async def list_engines(self) -> list[Engine]:
+        return list(self._engines.values())
+
+    async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
+        new = fn(self._engines.get(engine_id))
+        self._revision += 1
+        if new is None:
+            self._engines.pop(engine_id, None)
+            self._logs.pop(engine_id, None)
+            return None
+        self._engines[engine_id] = new
+        if engine_id not in self._logs:
+            self._logs[engine_id] = _EventLog(self._max_events)
+        return new
+
+    async def lapsed_engines(self, now: float, tombstone_ttl: float) -> list[Engine]:
+        return [
+            e
+            for e in self._engines.values()
+            if (not e.ended_at and e.lease_expires_at <= now) or (e.ended_at and e.ended_at + tombstone_ttl <= now)
+        ]
+
+    async def get_transfer(self, transfer_id: str) -> Transfer | None:
+        return self._transfers.get(transfer_id)
+
+    async def update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
+        cur = self._transfers.get(transfer_id)
+        engines = {e: self._engines[e] for e in (cur.participants() if cur else ()) if e in self._engines}
+        transition = fn(cur, engines)
+        new = transition.transfer
+        if new is cur and not transition.events:
+            return transition
+        self._revision += 1
+        self._index(cur, new)
+        if new is None:
+            self._transfers.pop(transfer_id, None)
+        else:
+            self._transfers[transfer_id] = new
+            if cur is None or new.deadline != cur.deadline:
+                heapq.heappush(self._deadlines, (new.deadline, transfer_id))
+        self._append(transition.events)
+        return transition
+
+    def _index(self, cur: Transfer | None, new: Transfer | None) -> None:
+        before = set(cur.participants()) if cur and not cur.state.terminal else set()
+        after = set(new.participants()) if new and not new.state.terminal else set()
+        tid = (cur or new).transfer_id  # type: ignore[union-attr]
+        for engine_id in before - after:
+            ids = self._live_by_engine.get(engine_id)
+            if ids is not None:
+                ids.discard(tid)
+                if not ids:
+                    del self._live_by_engine[engine_id]
+        for engine_id in after - before:
+            self._live_by_engine.setdefault(engine_id, set()).add(tid)
+
+    async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:
+        if engine_id is None:
+            return list(self._transfers.values())
+        return [t for t in self._transfers.values() if engine_id in t.participants()]
+
+    async def live_transfer_ids(self, engine_id: str) -> list[str]:
+        return list(self._live_by_engine.get(engine_id, ()))
+
+    async def due_transfers(self, now: float, limit: int) -> list[str]:
+        due: list[str] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now and len(due) < limit:
+            deadline, tid = heapq.heappop(heap)
+            t = self._transfers.get(tid)
+            if t is not None and t.deadline == deadline:
+                due.append(tid)
+        return due
+
+    def _append(self, events: Sequence[Addressed]) -> None:
+        for addressed in events:
+            log = self._logs.get(addressed.engine_id)
+            if log is not None:
+                log.append(addressed.event)
+
+    async def append_events(self, events: Sequence[Addressed]) -> None:
+        self._revision += 1
+        self._append(events)
+
+    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
+        log = self._logs.get(engine_id)
+        if log is None:
+            return EventPage((), 0)
+        first = log.last_revision - len(log.events) + 1
+        if start_revision < first:
+            return EventPage((), log.last_revision, resync_revision=log.last_revision + 1)
+        offset = start_revision - first
+        events = [log.events[i] for i in range(offset, min(len(log.events), offset + limit))]
+        return EventPage(events, log.last_revision)
+
+    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
+        log = self._logs.get(engine_id)
+        if log is None or log.last_revision > after_revision:
+            return
+        try:
+            await asyncio.wait_for(log.changed.wait(), timeout)
+        except TimeoutError:
+            return
+
+    async def last_event_revision(self, engine_id: str) -> int:
+        log = self._logs.get(engine_id)
+        return log.last_revision if log else 0
+
+    async def get_response(self, key: str) -> bytes | None:
+        entry = self._responses.get(key)
+        if entry is None:
+            return None
+        expires, value = entry
+        if expires < asyncio.get_running_loop().time():
+            del self._responses[key]
+            return None
+        return value
+
+    async def put_response(self, key: str, value: bytes, ttl: float) -> None:
+        self._responses[key] = (asyncio.get_running_loop().time() + ttl, value)
+        self._responses.move_to_end(key)
+        while len(self._responses) > self._max_responses:
+            self._responses.popitem(last=False)
+
+    async def counts(self) -> StoreCounts:
+        live = sum(1 for e in self._engines.values() if not e.ended_at)
+        return StoreCounts(live, Counter(t.state for t in self._transfers.values()))
+
+
+__all__ = ["MemoryStore"]

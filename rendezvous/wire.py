@@ -1,0 +1,249 @@
+"""The wire mapping: protocol messages to domain records and back. Nothing else lives here."""
+
+from __future__ import annotations
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+from google.rpc import error_details_pb2, status_pb2
+
+from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
+from rendezvous.core.model import (
+    Engine,
+    Event,
+    KvLayout,
+    KvRegion,
+    MemoryKind,
+    Mode,
+    NixlAgent,
+    Outcome,
+    Role,
+    Transfer,
+)
+from rendezvous.core.specs import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    EngineSpec,
+    ReleaseSpec,
+    RevocationAck,
+    SourceReadySpec,
+    TargetSpec,
+)
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+_GRPC_CODE_NUMBERS: dict[Code, int] = {
+    Code.INVALID_ARGUMENT: 3,
+    Code.NOT_FOUND: 5,
+    Code.ALREADY_EXISTS: 6,
+    Code.PERMISSION_DENIED: 7,
+    Code.RESOURCE_EXHAUSTED: 8,
+    Code.FAILED_PRECONDITION: 9,
+    Code.ABORTED: 10,
+    Code.OUT_OF_RANGE: 11,
+    Code.INTERNAL: 13,
+    Code.UNAVAILABLE: 14,
+    Code.UNAUTHENTICATED: 16,
+}
+
+
+def seconds(d: Duration) -> float:
+    """A Duration in seconds."""
+    return d.seconds + d.nanos / 1e9
+
+
+def duration(s: float) -> Duration:
+    """Seconds as a Duration."""
+    d = Duration()
+    d.FromNanoseconds(int(s * 1e9))
+    return d
+
+
+def timestamp(t: float) -> Timestamp | None:
+    """Unix seconds as a Timestamp; 0.0 (not happened) as None."""
+    if not t:
+        return None
+    ts = Timestamp()
+    ts.FromNanoseconds(int(t * 1e9))
+    return ts
+
+
+def error_status(err: RendezvousError) -> status_pb2.Status:
+    """A domain error as google.rpc.Status with one ErrorInfo detail (AIP-193)."""
+    info = error_details_pb2.ErrorInfo(reason=err.reason.value, domain=ERROR_DOMAIN, metadata=err.metadata)
+    status = status_pb2.Status(code=_GRPC_CODE_NUMBERS[err.code], message=err.message)
+    status.details.add().Pack(info)
+    return status
+
+
+# Requests -> domain
+
+
+def _role(value: int) -> Role | None:
+    return Role(value) if value in (pb.ENGINE_ROLE_PRODUCER, pb.ENGINE_ROLE_CONSUMER) else None
+
+
+def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
+    """A RegisterEngineRequest as a registration."""
+    layout = req.layout
+    return EngineSpec(
+        engine_id=req.engine_id,
+        pool=req.pool,
+        role=_role(req.role),
+        layout=KvLayout(
+            model_fingerprint=layout.model_fingerprint,
+            dtype=layout.dtype,
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            tp_size=layout.tp_size or 1,
+            pp_size=layout.pp_size or 1,
+            kv_layout=layout.kv_layout,
+        ),
+        agents=tuple(
+            NixlAgent(
+                name=a.name,
+                metadata=a.metadata,
+                rank=a.rank,
+                memory_kind=MemoryKind(a.memory_kind) if a.memory_kind in (1, 2) else MemoryKind.DRAM,
+                regions=tuple(
+                    KvRegion(r.base_address, r.block_stride_bytes, r.block_length_bytes, r.num_blocks, r.device_id)
+                    for r in a.regions
+                ),
+            )
+            for a in req.agents
+        ),
+        labels=dict(req.labels),
+        lease_ttl=seconds(req.lease_ttl),
+    )
+
+
+def _mode(value: int) -> Mode:
+    return Mode.PULL if value == pb.TRANSFER_MODE_PULL else Mode.PUSH
+
+
+def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
+    """The targets of a RegisterTargetRequest."""
+    return [
+        TargetSpec(t.transfer_id, tuple(t.block_ids), t.generation, t.num_tokens, seconds(t.timeout), _mode(t.mode))
+        for t in req.targets
+    ]
+
+
+def claim_specs(req: pb.ClaimTransferRequest) -> list[ClaimSpec]:
+    """The claims of a ClaimTransferRequest."""
+    return [ClaimSpec(c.transfer_id, seconds(c.timeout)) for c in req.claims]
+
+
+def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:
+    """The sources of a MarkSourceReadyRequest."""
+    return [SourceReadySpec(s.transfer_id, tuple(s.block_ids)) for s in req.sources]
+
+
+def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:
+    """The completions of a CompleteTransferRequest."""
+    return [
+        CompletionSpec(c.transfer_id, c.generation, Outcome(c.outcome) if c.outcome in (1, 2) else None, c.message)
+        for c in req.completions
+    ]
+
+
+def revocation_acks(req: pb.AcknowledgeRevocationRequest) -> list[RevocationAck]:
+    """The acknowledgements of an AcknowledgeRevocationRequest."""
+    return [RevocationAck(a.transfer_id, a.generation) for a in req.acks]
+
+
+def release_specs(req: pb.ReleaseTargetRequest) -> list[ReleaseSpec]:
+    """The releases of a ReleaseTargetRequest."""
+    return [ReleaseSpec(r.transfer_id, r.generation) for r in req.releases]
+
+
+def abort_specs(req: pb.AbortTransferRequest) -> list[AbortSpec]:
+    """The aborts of an AbortTransferRequest."""
+    return [AbortSpec(a.transfer_id, a.message) for a in req.aborts]
+
+
+# Domain -> responses
+
+
+def engine_message(e: Engine, include_metadata: bool = True, live_transfers: int = 0) -> pb.Engine:
+    """An engine record as a message."""
+    return pb.Engine(
+        engine_id=e.engine_id,
+        pool=e.pool,
+        role=int(e.role),
+        layout=pb.KvLayout(
+            model_fingerprint=e.layout.model_fingerprint,
+            dtype=e.layout.dtype,
+            block_size=e.layout.block_size,
+            num_layers=e.layout.num_layers,
+            tp_size=e.layout.tp_size,
+            pp_size=e.layout.pp_size,
+            kv_layout=e.layout.kv_layout,
+        ),
+        agents=[
+            pb.NixlAgent(
+                name=a.name,
+                metadata=a.metadata if include_metadata else b"",
+                rank=a.rank,
+                memory_kind=int(a.memory_kind),
+                regions=[
+                    pb.KvRegion(
+                        base_address=r.base_address,
+                        block_stride_bytes=r.block_stride_bytes,
+                        block_length_bytes=r.block_length_bytes,
+                        num_blocks=r.num_blocks,
+                        device_id=r.device_id,
+                    )
+                    for r in a.regions
+                ],
+            )
+            for a in e.agents
+        ],
+        labels=dict(e.labels),
+        incarnation=e.incarnation,
+        lease_ttl=duration(e.lease_ttl),
+        lease_expire_time=timestamp(e.lease_expires_at),
+        register_time=timestamp(e.registered_at),
+        live_transfers=live_transfers,
+    )
+
+
+def transfer_message(t: Transfer) -> pb.Transfer:
+    """A transfer record as a message."""
+    times = t.times
+    return pb.Transfer(
+        transfer_id=t.transfer_id,
+        state=int(t.state),
+        mode=int(t.mode),
+        generation=t.generation,
+        consumer_engine_id=t.consumer_engine_id,
+        consumer_incarnation=t.consumer_incarnation,
+        producer_engine_id=t.producer_engine_id,
+        producer_incarnation=t.producer_incarnation,
+        target_block_ids=t.target_block_ids,
+        source_block_ids=t.source_block_ids or (),
+        num_tokens=t.num_tokens,
+        abort_reason=int(t.abort_reason),
+        abort_message=t.abort_message,
+        revoking_generation=t.revoking_generation,
+        deadline=timestamp(t.deadline),
+        times=pb.TransferTimes(
+            target_time=timestamp(times.target),
+            claim_time=timestamp(times.claim),
+            match_time=timestamp(times.match),
+            source_ready_time=timestamp(times.source_ready),
+            commit_time=timestamp(times.commit),
+            end_time=timestamp(times.end),
+        ),
+    )
+
+
+def event_message(e: Event) -> pb.Event:
+    """An event as a message."""
+    return pb.Event(
+        revision=e.revision,
+        type=int(e.type),
+        transfer=transfer_message(e.transfer) if e.transfer is not None else None,
+        generation=e.generation,
+        peer=engine_message(e.peer) if e.peer is not None else None,
+        time=timestamp(e.time),
+    )
