@@ -1,0 +1,334 @@
+"""Random interleavings of every operation, clock advances and engine deaths, checked against invariants.
+
+Invariants:
+- a transfer reaches exactly one terminal state and never leaves it (until its tombstone is dropped);
+- a producer never holds two generations of a transfer: no assignment arrives while it still holds one;
+- a consumer is told a revoked generation is free only once the producer let go of it (acknowledged,
+  completed or died), or when the tombstone's lifetime ran out;
+- every event goes to an engine taking part in its transfer, in the role the event is for, and each
+  engine hears of a transfer's abort at most once;
+- once every deadline and lease has passed, nothing is left: no transfer, no engine.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+
+from rendezvous.coordinator import Coordinator
+from rendezvous.core import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    EventType,
+    Mode,
+    Outcome,
+    ReleaseSpec,
+    RendezvousError,
+    RevocationAck,
+    Role,
+    SourceReadySpec,
+    State,
+    TargetSpec,
+    Timeouts,
+)
+from rendezvous.store import MemoryStore
+from tests.core.helpers import Clock, engine_spec, run
+
+CONSUMERS = ("c0", "c1")
+PRODUCERS = ("p0", "p1")
+ENGINES = CONSUMERS + PRODUCERS
+TIMEOUTS = Timeouts(
+    default_lease_ttl=20,
+    min_lease_ttl=1,
+    default_target_timeout=60,
+    default_claim_timeout=60,
+    release_timeout=30,
+    tombstone_ttl=40,
+)
+PRODUCER_EVENTS = {EventType.TRANSFER_ASSIGNED, EventType.TRANSFER_REVOKED}
+CONSUMER_EVENTS = {EventType.SOURCE_READY, EventType.REVOCATION_CONFIRMED}
+
+blocks = st.lists(st.integers(0, 15), min_size=0, max_size=4, unique=True).map(tuple)
+
+
+class Lifecycle(RuleBasedStateMachine):
+    transfers = Bundle("transfers")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.store = MemoryStore(max_events_per_engine=1_000_000)
+        self.coord = Coordinator(self.store, timeouts=TIMEOUTS, clock=self.clock)
+        self.seen: dict[str, int] = defaultdict(int)
+        # (producer, transfer) -> generations the producer was assigned and has not let go of.
+        self.held: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.terminal: dict[str, State] = {}
+        self.aborts_heard: dict[tuple[str, str, float], int] = defaultdict(int)
+        self.minted: list[str] = []
+        for e in ENGINES:
+            self._register(e)
+
+    @initialize(target=transfers)
+    def first_transfer(self) -> str:
+        return self.mint()
+
+    @rule(target=transfers)
+    def mint(self) -> str:
+        """A router mints a fresh transfer id."""
+        self.minted.append(f"t{len(self.minted)}")
+        return self.minted[-1]
+
+    def _register(self, engine_id: str) -> None:
+        role = Role.CONSUMER if engine_id in CONSUMERS else Role.PRODUCER
+        run(self.coord.register_engine(engine_spec(engine_id, role, num_blocks=16)))
+        self.seen[engine_id] = run(self.store.last_event_revision(engine_id))
+        self._forget_holdings(engine_id)
+
+    def _forget_holdings(self, producer: str) -> None:
+        for key in [k for k in self.held if k[0] == producer]:
+            del self.held[key]
+
+    def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+        try:
+            return run(fn(*args))
+        except RendezvousError:
+            return None
+
+    def _after(self) -> None:
+        """Sweep, then deliver every new event and check it."""
+        run(self.coord.sweep())
+        for engine_id in ENGINES:
+            page = run(self.store.read_events(engine_id, self.seen[engine_id] + 1, 1_000_000))
+            assert page.resync_revision is None
+            for event in page.events:
+                self.seen[engine_id] = event.revision
+                self._check_event(engine_id, event)
+
+    def _check_event(self, engine_id: str, event) -> None:  # type: ignore[no-untyped-def]
+        t = event.transfer
+        if t is not None:
+            assert engine_id in t.participants(), f"{event.type.name} for {t.transfer_id} sent to outsider {engine_id}"
+            if event.type in PRODUCER_EVENTS:
+                assert engine_id == t.producer_engine_id
+            if event.type in CONSUMER_EVENTS:
+                assert engine_id == t.consumer_engine_id
+        key = (engine_id, t.transfer_id) if t is not None else None
+        if event.type == EventType.TRANSFER_ASSIGNED:
+            assert not self.held[key], f"{engine_id} assigned {event.generation} while holding {self.held[key]}"
+            self.held[key].add(event.generation)
+        elif event.type == EventType.REVOCATION_CONFIRMED:
+            producer_key = (t.producer_engine_id, t.transfer_id)
+            still_held = event.generation in self.held.get(producer_key, set())
+            tombstone_dropped = run(self.store.get_transfer(t.transfer_id)) is None
+            assert not still_held or tombstone_dropped, f"{t.transfer_id} g{event.generation} freed while held"
+            if still_held:
+                self.held[producer_key].discard(event.generation)
+        elif event.type == EventType.TRANSFER_ABORTED:
+            abort_key = (engine_id, t.transfer_id, t.times.end)
+            self.aborts_heard[abort_key] += 1
+            assert self.aborts_heard[abort_key] == 1, f"{engine_id} told twice of the abort of {t.transfer_id}"
+            if engine_id == t.producer_engine_id and not t.revoking_generation:
+                self._forget_holdings_of(engine_id, t.transfer_id)
+            if engine_id == t.consumer_engine_id and not t.revoking_generation and t.producer_engine_id:
+                # The consumer may reuse its blocks at once: the producer must hold nothing, or be gone.
+                producer = run(self.store.get_engine(t.producer_engine_id))
+                gone = producer is None or producer.incarnation != t.producer_incarnation or producer.ended_at
+                held = self.held.get((t.producer_engine_id, t.transfer_id))
+                assert gone or not held, f"{t.transfer_id} aborted without fencing generations {held}"
+
+    def _forget_holdings_of(self, producer: str, transfer_id: str) -> None:
+        self.held.pop((producer, transfer_id), None)
+
+    @rule(
+        t=transfers,
+        c=st.sampled_from(CONSUMERS),
+        p=st.sampled_from(PRODUCERS),
+        consumer_first=st.booleans(),
+        pull=st.booleans(),
+    )
+    def both_halves(self, t: str, c: str, p: str, consumer_first: bool, pull: bool) -> None:
+        """The common case: a router sent both legs; they arrive in either order."""
+        if consumer_first:
+            self.register_target(c, t, 1, (1, 2, 3), pull)
+            self.source_ready(p, t, (4, 5, 6)) if pull else self.claim(p, t)
+        else:
+            self.source_ready(p, t, (4, 5, 6)) if pull else self.claim(p, t)
+            self.register_target(c, t, 1, (1, 2, 3), pull)
+
+    # Consumer operations
+
+    @rule(pick=st.integers(0, 100), b=blocks)
+    def consumer_preempted(self, pick: int, b: tuple[int, ...]) -> None:
+        """A consumer re-registers a live transfer with the next generation and new blocks."""
+        live = sorted(
+            (r.consumer_engine_id, r.transfer_id, r.generation, r.mode == Mode.PULL)
+            for r in run(self.store.list_transfers())
+            if r.consumer_engine_id and r.state in (State.TARGETED, State.MATCHED)
+        )
+        if live:
+            c, t, gen, pull = live[pick % len(live)]
+            self.register_target(c, t, gen + 1, b, pull)
+
+    @rule(c=st.sampled_from(CONSUMERS), t=transfers, gen=st.integers(1, 3), b=blocks, pull=st.booleans())
+    def register_target(self, c: str, t: str, gen: int, b: tuple[int, ...], pull: bool) -> None:
+        mode = Mode.PULL if pull else Mode.PUSH
+        self._call(self.coord.register_targets, c, 0, [TargetSpec(t, b, gen, mode=mode)])
+        self._after()
+
+    @rule(c=st.sampled_from(CONSUMERS), t=transfers, gen=st.integers(1, 3))
+    def release(self, c: str, t: str, gen: int) -> None:
+        self._call(self.coord.release_targets, c, 0, [ReleaseSpec(t, gen)])
+        self._after()
+
+    # Producer operations
+
+    @rule(p=st.sampled_from(PRODUCERS), t=transfers)
+    def claim(self, p: str, t: str) -> None:
+        self._call(self.coord.claim_transfers, p, 0, [ClaimSpec(t)])
+        self._after()
+
+    @rule(p=st.sampled_from(PRODUCERS), t=transfers, b=blocks)
+    def source_ready(self, p: str, t: str, b: tuple[int, ...]) -> None:
+        self._call(self.coord.mark_sources_ready, p, 0, [SourceReadySpec(t, b)])
+        self._after()
+
+    @rule(e=st.sampled_from(ENGINES), t=transfers, gen=st.integers(1, 3), failed=st.booleans())
+    def complete(self, e: str, t: str, gen: int, failed: bool) -> None:
+        outcome = Outcome.FAILED if failed else Outcome.SUCCEEDED
+        if self._call(self.coord.complete_transfers, e, 0, [CompletionSpec(t, gen, outcome)]):
+            self._release_holding(e, t, gen)
+        self._after()
+
+    @rule(p=st.sampled_from(PRODUCERS), t=transfers, gen=st.integers(1, 3))
+    def acknowledge(self, p: str, t: str, gen: int) -> None:
+        if self._call(self.coord.acknowledge_revocations, p, 0, [RevocationAck(t, gen)]):
+            self._release_holding(p, t, gen)
+        self._after()
+
+    def _release_holding(self, engine_id: str, t: str, gen: int) -> None:
+        record = run(self.store.get_transfer(t))
+        if record is None or record.producer_engine_id != engine_id:
+            return
+        # The server let go of it only if it is no longer assigned nor being revoked.
+        if gen not in (record.assigned_generation, record.revoking_generation):
+            self.held[(engine_id, t)].discard(gen)
+
+    # Anyone
+
+    @rule(e=st.sampled_from((*ENGINES, "")), t=transfers, dice=st.integers(0, 2))
+    def abort(self, e: str, t: str, dice: int) -> None:
+        if dice == 0:
+            self._call(self.coord.abort_transfers, e, 0, [AbortSpec(t, "test")])
+        self._after()
+
+    @rule(pick=st.integers(0, 100), by_consumer=st.booleans())
+    def abort_a_matched_transfer(self, pick: int, by_consumer: bool) -> None:
+        """The consumer (or the router) gives up on a transfer the producer may be writing."""
+        matched = sorted(
+            (r.consumer_engine_id, r.transfer_id) for r in run(self.store.list_transfers()) if r.state == State.MATCHED
+        )
+        if not matched:
+            return
+        c, t = matched[pick % len(matched)]
+        outcomes = self._call(self.coord.abort_transfers, c if by_consumer else "", 0, [AbortSpec(t, "test")])
+        record = outcomes[0].transfer if outcomes else None
+        if by_consumer and record is not None and not record.revoking_generation:
+            held = self.held.get((record.producer_engine_id, t))
+            assert not held, f"{t} aborted by its consumer without fencing generations {held}"
+        self._after()
+
+    @rule(pick=st.integers(0, 100), failed=st.booleans())
+    def producer_finishes_a_held_generation(self, pick: int, failed: bool) -> None:
+        held = sorted((k, g) for k, gens in self.held.items() for g in gens)
+        if held:
+            (p, t), gen = held[pick % len(held)]
+            self.complete(p, t, gen, failed)
+
+    @rule(pick=st.integers(0, 100))
+    def producer_acknowledges_a_revocation(self, pick: int) -> None:
+        revoked = sorted(
+            (r.producer_engine_id, r.transfer_id, r.revoking_generation)
+            for r in run(self.store.list_transfers())
+            if r.revoking_generation
+        )
+        if revoked:
+            self.acknowledge(*revoked[pick % len(revoked)])
+
+    # Engines and time
+
+    @rule(e=st.sampled_from(ENGINES))
+    def reregister(self, e: str) -> None:
+        self._register(e)
+        self._after()
+
+    @rule(e=st.sampled_from(ENGINES), restart=st.booleans())
+    def deregister(self, e: str, restart: bool) -> None:
+        if self._call(self.coord.deregister_engine, e, 0) is not None and e in PRODUCERS:
+            self._forget_holdings(e)
+        if restart:
+            self._register(e)
+        self._after()
+
+    @rule()
+    def revive_dead_engines(self) -> None:
+        for e in ENGINES:
+            engine = run(self.store.get_engine(e))
+            if engine is None or not engine.alive(self.clock.now):
+                self._register(e)
+        self._after()
+
+    @rule(dt=st.sampled_from((0.5, 3.0, 15.0, 45.0)), neglected=st.sets(st.sampled_from(ENGINES), max_size=1))
+    def advance(self, dt: float, neglected: set[str]) -> None:
+        for e in set(ENGINES) - neglected:
+            self._call(self.coord.keep_alive, e, 0)
+        self.clock.advance(dt)
+        before = {e: run(self.store.get_engine(e)) for e in PRODUCERS}
+        self._after()
+        for e, engine in before.items():
+            if engine is not None and not engine.ended_at and not engine.alive(self.clock.now):
+                self._forget_holdings(e)
+
+    @invariant()
+    def no_live_transfer_waits_on_an_ended_incarnation(self) -> None:
+        for record in run(self.store.list_transfers()):
+            if record.state not in (State.TARGETED, State.CLAIMED, State.MATCHED):
+                continue
+            for engine_id, incarnation in (
+                (record.consumer_engine_id, record.consumer_incarnation),
+                (record.producer_engine_id, record.producer_incarnation),
+            ):
+                if engine_id:
+                    engine = run(self.store.get_engine(engine_id))
+                    assert engine is not None and engine.incarnation == incarnation and not engine.ended_at, (
+                        f"{record.transfer_id} is {record.state.name} but {engine_id}/{incarnation} has ended"
+                    )
+
+    @invariant()
+    def terminal_states_are_final(self) -> None:
+        for t in self.minted:
+            record = run(self.store.get_transfer(t))
+            if record is None:
+                self.terminal.pop(t, None)
+                continue
+            if t in self.terminal:
+                assert record.state == self.terminal[t], f"{t} left terminal state {self.terminal[t].name}"
+            elif record.state.terminal:
+                self.terminal[t] = record.state
+
+    def teardown(self) -> None:
+        """Nothing lives once every deadline, lease and tombstone has passed."""
+        for _ in range(4):
+            self.clock.advance(TIMEOUTS.max_lease_ttl + TIMEOUTS.tombstone_ttl + TIMEOUTS.max_timeout)
+            self._after()
+        assert run(self.store.list_transfers()) == []
+        assert run(self.store.list_engines()) == []
+
+
+Lifecycle.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestLifecycle = Lifecycle.TestCase
