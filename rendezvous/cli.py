@@ -46,7 +46,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(p, "listen", DEFAULT_ADDRESS, "gRPC listen address host:port")
     _flag(p, "store", "memory", "store: 'memory' or redis://, rediss://, unix://, redis+sentinel:// URL")
     _flag(p, "metrics-listen", "127.0.0.1:9464", "Prometheus /metrics address host:port; 'off' disables")
-    _flag(p, "grace", 5.0, "seconds running calls get to finish on SIGTERM", float)
+    _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", float)
+    _flag(p, "grace", 5.0, "seconds running calls then get to finish", float)
     _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps", float)
     _flag(p, "log-format", "text", "log format: text or json")
     _flag(p, "log-level", "info", "log level")
@@ -78,6 +79,7 @@ def _config_from(args: argparse.Namespace) -> Any:
         timeouts=build(Timeouts),
         sweep_interval=args.sweep_interval,
         grace=args.grace,
+        drain=args.drain,
     )
 
 

@@ -412,6 +412,6 @@ def _decode_page_token(token: str) -> str:
     if not token:
         return ""
     try:
-        return base64.urlsafe_b64decode(token.encode()).decode()
+        return base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         raise RendezvousError(Reason.PAGE_TOKEN_INVALID, "page_token is not one this server issued") from None

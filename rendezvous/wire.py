@@ -123,7 +123,9 @@ def _mode(value: int) -> Mode:
 def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
     """The targets of a RegisterTargetRequest."""
     return [
-        TargetSpec(t.transfer_id, tuple(t.block_ids), t.generation, t.num_tokens, seconds(t.timeout), _mode(t.mode))
+        TargetSpec(
+            t.transfer_id, tuple(t.block_ids), t.generation or 1, t.num_tokens, seconds(t.timeout), _mode(t.mode)
+        )
         for t in req.targets
     ]
 

@@ -41,6 +41,7 @@ class ServerConfig:
     sweep_interval: float = 0.05
     health_interval: float = 1.0
     grace: float = 5.0
+    drain: float = 0.0
     max_message_bytes: int = 64 << 20
     idempotency_ttl: float = 600.0
     watch_batch: int = 1024
@@ -148,10 +149,12 @@ class RendezvousServer:
                 await asyncio.wait_for(self._stopping.wait(), self.config.health_interval)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Report NOT_SERVING, stop accepting calls, let running calls finish within grace, close."""
+        """Report NOT_SERVING, keep serving for `drain` seconds so load balancers move away, then stop
+        accepting calls, let running ones finish within grace, and close."""
         if self._server is None:
             return
         await self._set_serving(False)
+        await asyncio.sleep(self.config.drain)
         self._stopping.set()
         await self._server.stop(self.config.grace if grace is None else grace)
         for task in self._tasks:

@@ -1,0 +1,143 @@
+"""Bad input gets a specific status code and ErrorInfo reason, never a crash or a hang."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.service.conftest import LAYOUT, engine_request
+from tests.service.test_service import CONSUMER, PRODUCER, expect_error, item_reason, register_pair
+
+Stub = pb_grpc.RendezvousServiceStub
+Code = grpc.StatusCode
+
+
+async def target(stub: Stub, *specs: pb.TargetSpec, engine_id: str = "d1") -> list[pb.ItemResult]:
+    return list((await stub.RegisterTarget(pb.RegisterTargetRequest(engine_id=engine_id, targets=specs))).results)
+
+
+@pytest.mark.parametrize(
+    ("engine_id", "reason"), [("", "ID_EMPTY"), ("e" * 257, "ID_TOO_LONG"), ("bad id", "ID_INVALID")]
+)
+async def test_bad_engine_ids(stub: Stub, engine_id: str, reason: str) -> None:
+    await expect_error(stub.RegisterEngine(engine_request(engine_id, CONSUMER)), Code.INVALID_ARGUMENT, reason)
+
+
+async def test_unspecified_role(stub: Stub) -> None:
+    await expect_error(stub.RegisterEngine(engine_request("x", 0)), Code.INVALID_ARGUMENT, "ROLE_UNSPECIFIED")
+
+
+async def test_overlapping_regions_are_invalid_agents(stub: Stub) -> None:
+    request = engine_request("x", CONSUMER)
+    request.agents[0].regions[0].block_stride_bytes = 1
+    await expect_error(stub.RegisterEngine(request), Code.INVALID_ARGUMENT, "AGENTS_INVALID")
+
+
+async def test_conflicting_reregistration(stub: Stub) -> None:
+    await register_pair(stub)
+    await expect_error(stub.RegisterEngine(engine_request("p1", CONSUMER)), Code.ALREADY_EXISTS, "ENGINE_CONFLICT")
+
+
+async def test_unknown_engine_and_transfer(stub: Stub) -> None:
+    await expect_error(
+        stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="ghost", targets=[pb.TargetSpec(transfer_id="t")])),
+        Code.NOT_FOUND,
+        "ENGINE_NOT_FOUND",
+    )
+    await expect_error(stub.GetEngine(pb.GetEngineRequest(engine_id="ghost")), Code.NOT_FOUND, "ENGINE_NOT_FOUND")
+    await expect_error(stub.GetTransfer(pb.GetTransferRequest(transfer_id="t")), Code.NOT_FOUND, "TRANSFER_NOT_FOUND")
+    await register_pair(stub)
+    result = await stub.ReleaseTarget(
+        pb.ReleaseTargetRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t")])
+    )
+    assert item_reason(result.results[0].status) == "TRANSFER_NOT_FOUND"
+
+
+async def test_wrong_role(stub: Stub) -> None:
+    await register_pair(stub)
+    (result,) = await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]), engine_id="p1")
+    assert result.status.code == Code.FAILED_PRECONDITION.value[0]
+    assert item_reason(result.status) == "WRONG_ROLE"
+
+
+@pytest.mark.parametrize(
+    ("blocks", "code", "reason"),
+    [
+        ([-1], Code.INVALID_ARGUMENT, "BLOCK_ID_NEGATIVE"),
+        ([3, 3], Code.INVALID_ARGUMENT, "BLOCK_ID_DUPLICATE"),
+        ([64], Code.OUT_OF_RANGE, "BLOCK_ID_OUT_OF_RANGE"),
+    ],
+)
+async def test_bad_block_ids(stub: Stub, blocks: list[int], code: Code, reason: str) -> None:
+    await register_pair(stub)
+    (result,) = await target(stub, pb.TargetSpec(transfer_id="t", block_ids=blocks))
+    assert (result.status.code, item_reason(result.status)) == (code.value[0], reason)
+
+
+async def test_one_bad_item_does_not_fail_the_batch(stub: Stub) -> None:
+    await register_pair(stub)
+    good, bad = await target(stub, pb.TargetSpec(transfer_id="a", block_ids=[1]), pb.TargetSpec(transfer_id=""))
+    assert good.state == pb.TRANSFER_STATE_TARGETED and good.status.code == 0
+    assert item_reason(bad.status) == "ID_EMPTY"
+
+
+async def test_layout_mismatch_is_reported_to_both(stub: Stub) -> None:
+    await stub.RegisterEngine(engine_request("d1", CONSUMER))
+    other = engine_request("p1", PRODUCER)
+    other.layout.CopyFrom(pb.KvLayout(model_fingerprint="other-model", dtype=LAYOUT.dtype, block_size=16, num_layers=2))
+    await stub.RegisterEngine(other)
+    await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]))
+    claimed = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    assert claimed.results[0].state == pb.TRANSFER_STATE_ABORTED
+    t = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))).transfer
+    assert t.abort_reason == pb.ABORT_REASON_LAYOUT_MISMATCH and "model_fingerprint" in t.abort_message
+
+
+async def test_conflicting_target_and_stale_generation(stub: Stub) -> None:
+    await register_pair(stub)
+    await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1], generation=2))
+    (conflict,) = await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[2], generation=2))
+    assert item_reason(conflict.status) == "TARGET_CONFLICT"
+    (stale,) = await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[2], generation=1))
+    assert item_reason(stale.status) == "STALE_GENERATION"
+
+
+async def test_limits_exceeded(stub: Stub) -> None:
+    await register_pair(stub)
+    too_many = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[1]) for i in range(129)]
+    await expect_error(
+        stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d1", targets=too_many)),
+        Code.INVALID_ARGUMENT,
+        "BATCH_TOO_LARGE",
+    )
+    watches = [stub.Watch(pb.WatchRequest(engine_id="d1")) for _ in range(2)]
+    for w in watches:
+        await w.read()
+    await expect_error(stub.Watch(pb.WatchRequest(engine_id="d1")).read(), Code.RESOURCE_EXHAUSTED, "TOO_MANY_WATCHERS")
+    for w in watches:
+        w.cancel()
+
+
+async def test_malformed_watch_revision(stub: Stub) -> None:
+    await register_pair(stub)
+    await expect_error(
+        stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=10**9)).read(), Code.OUT_OF_RANGE, "REVISION_INVALID"
+    )
+    await expect_error(stub.Watch(pb.WatchRequest(engine_id="ghost")).read(), Code.NOT_FOUND, "ENGINE_NOT_FOUND")
+
+
+async def test_bad_page_token_and_state_filter(stub: Stub) -> None:
+    await expect_error(
+        stub.ListTransfers(pb.ListTransfersRequest(page_token="%%%")), Code.INVALID_ARGUMENT, "PAGE_TOKEN_INVALID"
+    )
+    await expect_error(stub.ListTransfers(pb.ListTransfersRequest(states=[42])), Code.INVALID_ARGUMENT, "STATE_INVALID")
+
+
+async def test_unspecified_completion_outcome(stub: Stub) -> None:
+    await register_pair(stub)
+    result = await stub.CompleteTransfer(
+        pb.CompleteTransferRequest(engine_id="p1", completions=[pb.CompletionSpec(transfer_id="t", generation=1)])
+    )
+    assert item_reason(result.results[0].status) == "OUTCOME_UNSPECIFIED"

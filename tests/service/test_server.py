@@ -1,0 +1,128 @@
+"""The server process around the service: health, reflection, metrics, the CLI and SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from rendezvous.server import RendezvousServer, ServerConfig
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.service.conftest import engine_request
+
+SERVICE = "rendezvous.v1.RendezvousService"
+
+
+async def test_health_turns_not_serving_while_draining_then_calls_are_refused(server_config: ServerConfig) -> None:
+    server = RendezvousServer(replace(server_config, drain=1.0))
+    await server.start()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        serving = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE))
+        assert serving.status == health_pb2.HealthCheckResponse.SERVING
+        stopping = asyncio.create_task(server.stop())
+        deadline = time.monotonic() + 5
+        while (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE))).status != (
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        ):
+            assert time.monotonic() < deadline, "health never reported NOT_SERVING"
+            await asyncio.sleep(0.01)
+        # Still answering while draining.
+        status = await pb_grpc.RendezvousServiceStub(channel).GetStatus(pb.GetStatusRequest())
+        assert status.store == "memory"
+        await stopping
+        try:
+            await health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
+        else:
+            raise AssertionError("a stopped server answered")
+
+
+async def test_reflection_lists_the_service(server: RendezvousServer) -> None:
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        call = stub.ServerReflectionInfo()
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        response = await call.read()
+        names = {s.name for s in response.list_services_response.service}
+        await call.done_writing()
+    assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: ServerConfig) -> None:
+    server = RendezvousServer(replace(server_config, metrics_listen="127.0.0.1:0", health_interval=0.05))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.RendezvousServiceStub(channel)
+            await stub.RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
+            await stub.RegisterTarget(
+                pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+            )
+            await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t")]))
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        assert 'rendezvous_rpcs_total{code="OK",method="RegisterTarget"} 1.0' in body
+        assert 'rendezvous_transfer_aborts_total{reason="REQUESTED"} 1.0' in body
+        assert "rendezvous_match_wait_seconds_bucket" in body
+    finally:
+        await server.stop(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_cli_serves_answers_operator_commands_and_exits_cleanly_on_sigterm() -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "KV_RENDEZVOUS_LISTEN": address, "KV_RENDEZVOUS_DRAIN": "0"}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rendezvous.cli", "serve", "--metrics-listen", "off", "--log-format", "json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert serve.stdout is not None
+        banner = serve.stdout.readline()
+        assert f"serving on {address}" in banner
+        with grpc.insecure_channel(address) as channel:
+            pb_grpc.RendezvousServiceStub(channel).RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
+        cli = [sys.executable, "-m", "rendezvous.cli"]
+        status = subprocess.run([*cli, "status", "--address", address], capture_output=True, text=True, check=True)
+        assert "live engines  1" in status.stdout
+        engines = subprocess.run([*cli, "engines", "--address", address], capture_output=True, text=True, check=True)
+        assert engines.stdout.splitlines()[1].split()[:3] == ["d1", "decode", "consumer"]
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=15) == 0
+        assert '"message": "stopped"' in serve.stderr.read()  # type: ignore[union-attr]
+    finally:
+        serve.kill()
+        serve.wait()
+
+
+def test_cli_reports_an_unreachable_server_and_a_bad_store() -> None:
+    cli = [sys.executable, "-m", "rendezvous.cli"]
+    down = subprocess.run(
+        [*cli, "status", "--address", f"127.0.0.1:{_free_port()}", "--timeout", "0.5"], capture_output=True, text=True
+    )
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+    bad = subprocess.run(
+        [*cli, "serve", "--store", "postgres://x", "--listen", "127.0.0.1:0"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown store" in bad.stderr

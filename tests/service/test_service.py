@@ -1,0 +1,215 @@
+"""The service over real gRPC sockets: lifecycle, watch semantics, errors on the wire, idempotency."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from rendezvous.server import RendezvousServer
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.service.conftest import engine_request
+
+Stub = pb_grpc.RendezvousServiceStub
+CONSUMER, PRODUCER = pb.ENGINE_ROLE_CONSUMER, pb.ENGINE_ROLE_PRODUCER
+
+
+def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, "the error carries no google.rpc.Status"
+    (detail,) = status.details
+    info = error_details_pb2.ErrorInfo()
+    assert detail.Unpack(info)
+    assert info.domain == "kv-rendezvous"
+    return info
+
+
+def item_reason(status: status_pb2.Status) -> str:
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return info.reason
+
+
+async def expect_error(call: object, code: grpc.StatusCode, reason: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call  # type: ignore[misc]
+    assert caught.value.code() == code, caught.value.details()
+    assert error_info(caught.value).reason == reason
+
+
+async def register_pair(stub: Stub) -> tuple[pb.RegisterEngineResponse, pb.RegisterEngineResponse]:
+    d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
+    p = await stub.RegisterEngine(engine_request("p1", PRODUCER))
+    return d, p
+
+
+async def next_events(stream: grpc.aio.UnaryStreamCall, n: int = 1) -> list[pb.Event]:  # type: ignore[type-arg]
+    events: list[pb.Event] = []
+    while len(events) < n:
+        response = await asyncio.wait_for(stream.read(), 5)
+        assert response is not grpc.aio.EOF
+        events.extend(response.events)
+    return events
+
+
+async def test_push_lifecycle_over_grpc_delivers_the_assignment_to_the_watching_producer(stub: Stub) -> None:
+    d, p = await register_pair(stub)
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    established = await watch.read()
+    assert established.header.epoch == p.header.epoch and not established.events
+    claimed = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")]))
+    assert claimed.results[0].state == pb.TRANSFER_STATE_CLAIMED
+    targeted = await stub.RegisterTarget(
+        pb.RegisterTargetRequest(
+            engine_id="d1",
+            incarnation=d.engine.incarnation,
+            targets=[pb.TargetSpec(transfer_id="t1", block_ids=[5, 9], generation=1)],
+        )
+    )
+    assert targeted.results[0].state == pb.TRANSFER_STATE_MATCHED
+    (assigned,) = await next_events(watch)
+    assert assigned.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED
+    assert list(assigned.transfer.target_block_ids) == [5, 9]
+    assert assigned.peer.agents[0].metadata == b"md-d1-0"
+    assert assigned.revision == p.watch_start_revision
+    done = await stub.CompleteTransfer(
+        pb.CompleteTransferRequest(
+            engine_id="p1",
+            completions=[pb.CompletionSpec(transfer_id="t1", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED)],
+        )
+    )
+    assert done.results[0].state == pb.TRANSFER_STATE_COMMITTED
+    released = await stub.ReleaseTarget(
+        pb.ReleaseTargetRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t1", generation=1)])
+    )
+    assert released.results[0].state == pb.TRANSFER_STATE_RELEASED
+    got = await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t1"))
+    assert got.transfer.times.commit_time.ToNanoseconds() >= got.transfer.times.match_time.ToNanoseconds() > 0
+    watch.cancel()
+
+
+async def test_watch_resumes_from_a_revision_after_a_disconnect(stub: Stub) -> None:
+    _, p = await register_pair(stub)
+    for i in range(3):
+        await stub.RegisterTarget(
+            pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i])])
+        )
+        await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=f"t{i}")]))
+    first = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision, max_batch=1))
+    await first.read()
+    (e1,) = await next_events(first)
+    first.cancel()
+    resumed = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=e1.revision + 1))
+    await resumed.read()
+    rest = await next_events(resumed, 2)
+    assert [e.transfer.transfer_id for e in [e1, *rest]] == ["t0", "t1", "t2"]
+    assert [e.revision for e in rest] == [e1.revision + 1, e1.revision + 2]
+    resumed.cancel()
+
+
+async def test_a_watcher_behind_the_retained_log_is_told_to_resync(stub: Stub) -> None:
+    await register_pair(stub)
+    # The fixture keeps 64 events per engine; 70 assignments push the first ones out.
+    for chunk in range(7):
+        ids = [f"t{chunk}-{i}" for i in range(10)]
+        await stub.RegisterTarget(
+            pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids])
+        )
+        await stub.ClaimTransfer(
+            pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
+        )
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=1))
+    await watch.read()
+    resync = await watch.read()
+    assert resync.resync_required and resync.resync_revision == 71
+    watch.cancel()
+
+
+async def test_a_retry_with_the_same_request_id_returns_the_first_answer(stub: Stub) -> None:
+    await register_pair(stub)
+    request = pb.ClaimTransferRequest(request_id="r-1", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
+    first = await stub.ClaimTransfer(request)
+    await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t1")]))
+    retry = await stub.ClaimTransfer(request)
+    assert retry == first
+    fresh = await stub.ClaimTransfer(
+        pb.ClaimTransferRequest(request_id="r-2", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
+    )
+    assert fresh.results[0].state == pb.TRANSFER_STATE_ABORTED
+
+
+async def test_keepalive_stream_renews_and_rejects_a_stale_incarnation(stub: Stub) -> None:
+    d, _ = await register_pair(stub)
+    stream = stub.KeepAlive()
+    await stream.write(pb.KeepAliveRequest(engine_id="d1", incarnation=d.engine.incarnation))
+    renewed = await stream.read()
+    assert renewed.engine_id == "d1" and renewed.lease_ttl.seconds == 5
+    await stream.write(pb.KeepAliveRequest(engine_id="d1", incarnation=d.engine.incarnation - 1))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    assert error_info(caught.value).reason == "STALE_INCARNATION"
+
+
+async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(stub: Stub, server: RendezvousServer) -> None:
+    d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
+    await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))
+    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=d.watch_start_revision))
+    await watch.read()
+    await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
+    )
+    await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")]))
+    keep = stub.KeepAlive()
+    aborted, lost = await next_events(watch, 2)
+    assert aborted.type == pb.EVENT_TYPE_TRANSFER_ABORTED
+    assert aborted.transfer.abort_reason == pb.ABORT_REASON_PEER_LOST
+    assert lost.type == pb.EVENT_TYPE_PEER_LOST and lost.peer.engine_id == "p1"
+    await keep.write(pb.KeepAliveRequest(engine_id="p1"))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await keep.read()
+    assert error_info(caught.value).reason == "LEASE_EXPIRED"
+    watch.cancel()
+
+
+async def test_list_and_get_engines_filter_by_pool_and_role(stub: Stub) -> None:
+    await register_pair(stub)
+    producers = await stub.ListEngines(pb.ListEnginesRequest(role=PRODUCER))
+    assert [e.engine_id for e in producers.engines] == ["p1"]
+    slim = await stub.ListEngines(pb.ListEnginesRequest(pool="decode", omit_agent_metadata=True))
+    assert [e.engine_id for e in slim.engines] == ["d1"] and slim.engines[0].agents[0].metadata == b""
+    got = await stub.GetEngine(pb.GetEngineRequest(engine_id="d1"))
+    assert got.engine.agents[0].metadata == b"md-d1-0"
+
+
+async def test_list_transfers_pages_in_id_order(stub: Stub) -> None:
+    await register_pair(stub)
+    ids = [f"t{i:02d}" for i in range(5)]
+    await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids])
+    )
+    seen: list[str] = []
+    token = ""
+    while True:
+        page = await stub.ListTransfers(pb.ListTransfersRequest(engine_id="d1", page_size=2, page_token=token))
+        seen.extend(t.transfer_id for t in page.transfers)
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == ids
+
+
+async def test_status_counts_engines_transfers_and_watchers(stub: Stub) -> None:
+    _, p = await register_pair(stub)
+    await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
+    )
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    await watch.read()
+    status = await stub.GetStatus(pb.GetStatusRequest())
+    assert (status.live_engines, dict(status.transfers_by_state), status.watchers) == (2, {"TARGETED": 1}, 1)
+    assert status.store == "memory"
+    watch.cancel()
