@@ -333,6 +333,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     yield pb.WatchResponse(
                         header=await self._header(), events=[wire.event_message(e) for e in page.events]
                     )
+                elif await coordinator.store.get_engine(engine_id) is None:
+                    gone = RendezvousError(
+                        Reason.ENGINE_NOT_FOUND,
+                        f"engine {engine_id} was forgotten; register again",
+                        engine_id=engine_id,
+                    )
+                    await context.abort_with_status(rpc_status.to_status(wire.error_status(gone)))
                 else:
                     await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
         finally:

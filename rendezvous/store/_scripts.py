@@ -22,7 +22,8 @@ docs/operations.md):
     op:<id>          string  marks an applied append_events call (retries apply once), with a TTL
 
 Replies use short status words: OK (applied, with the new version), N (no change, version
-verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows).
+verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
+R (Redis went back in time: its revision and the epoch follow).
 """
 
 from __future__ import annotations
@@ -34,11 +35,19 @@ _PRELUDE = """
 local P = ARGV[1]
 """
 
-_EPOCH = """
-local function epoch_mismatch(expected)
-  local current = redis.call('GET', P .. 'epoch')
-  if current ~= expected then
-    return {'E', current or ''}
+_GUARD = """
+-- A write's guard is "<epoch>:<revision>": the store's lifetime the writer knows, and the highest
+-- revision it has seen. A lower revision now means Redis lost writes (a restart from an older
+-- AOF or RDB, a failover to a lagging replica): the writer must start a new epoch.
+local function guard_failed(guard)
+  local epoch, seen = string.match(guard, '^(%d+):(%d+)$')
+  local now = redis.call('MGET', P .. 'epoch', P .. 'rev')
+  if now[1] ~= epoch then
+    return {'E', now[1] or ''}
+  end
+  local rev = tonumber(now[2] or '0')
+  if rev < tonumber(seen) then
+    return {'R', rev, epoch}
   end
   return nil
 end
@@ -90,16 +99,16 @@ return snapshot(ARGV[2])
 """
 )
 
-# ARGV: prefix, epoch, transfer id, expected version, n, n x (engine id, expected version),
+# ARGV: prefix, guard, transfer id, expected version, n, n x (engine id, expected version),
 #       op (w write | d delete | n verify only), record, consumer, producer, state, deadline,
 #       max events per engine, m, m x (engine id, event).
 COMMIT_TRANSFER = (
     _PRELUDE
-    + _EPOCH
+    + _GUARD
     + _SNAPSHOT
     + _APPEND
     + """
-local bad = epoch_mismatch(ARGV[2])
+local bad = guard_failed(ARGV[2])
 if bad then
   return bad
 end
@@ -176,13 +185,13 @@ return {'OK', rev}
 """
 )
 
-# ARGV: prefix, epoch, engine id, expected version, op (w | d | n), record, ended (0 | 1),
+# ARGV: prefix, guard, engine id, expected version, op (w | d | n), record, ended (0 | 1),
 #       lease expiry, end time.
 COMMIT_ENGINE = (
     _PRELUDE
-    + _EPOCH
+    + _GUARD
     + """
-local bad = epoch_mismatch(ARGV[2])
+local bad = guard_failed(ARGV[2])
 if bad then
   return bad
 end
@@ -217,14 +226,14 @@ return {'OK', rev}
 """
 )
 
-# ARGV: prefix, epoch, operation id, seconds to remember it, max events per engine, n,
+# ARGV: prefix, guard, operation id, seconds to remember it, max events per engine, n,
 #       n x (engine id, event).
 APPEND_EVENTS = (
     _PRELUDE
-    + _EPOCH
+    + _GUARD
     + _APPEND
     + """
-local bad = epoch_mismatch(ARGV[2])
+local bad = guard_failed(ARGV[2])
 if bad then
   return bad
 end
@@ -361,6 +370,18 @@ return out
 """
 )
 
+# ARGV: prefix, epoch the caller saw lose writes, new epoch. Reply: the epoch now (the caller's new
+# one, or the one another replica put in place first).
+REPLACE_EPOCH = (
+    _PRELUDE
+    + """
+if redis.call('GET', P .. 'epoch') == ARGV[2] then
+  redis.call('SET', P .. 'epoch', ARGV[3])
+end
+return redis.call('GET', P .. 'epoch')
+"""
+)
+
 # ARGV: prefix. Reply: {live engines, flat (state, count)...}.
 COUNTS = (
     _PRELUDE
@@ -400,5 +421,6 @@ SCRIPTS = {
         Script("engine_transfers", ENGINE_TRANSFERS),
         Script("scan_transfers", SCAN_TRANSFERS),
         Script("counts", COUNTS),
+        Script("replace_epoch", REPLACE_EPOCH),
     )
 }

@@ -224,7 +224,8 @@ class RendezvousServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbortTransfer(self, request, context):
-        """AbortTransfer aborts live transfers; both sides are told.
+        """AbortTransfer aborts live transfers; the other side is told. A producer that
+        aborts promises not to write the transfer any more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 from hypothesis import HealthCheck, settings
@@ -221,8 +222,9 @@ class Lifecycle(RuleBasedStateMachine):
 
     @rule(e=st.sampled_from((*ENGINES, "")), t=transfers, dice=st.integers(0, 2))
     def abort(self, e: str, t: str, dice: int) -> None:
-        if dice == 0:
-            self._call(self.coord.abort_transfers, e, 0, [AbortSpec(t, "test")])
+        if dice == 0 and self._call(self.coord.abort_transfers, e, 0, [AbortSpec(t, "test")]):
+            # A producer that aborts promises not to write the transfer any more.
+            self._forget_holdings_of(e, t)
         self._after()
 
     @rule(pick=st.integers(0, 100), by_consumer=st.booleans())
@@ -329,6 +331,9 @@ class Lifecycle(RuleBasedStateMachine):
 
 
 Lifecycle.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", "150")),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 TestLifecycle = Lifecycle.TestCase

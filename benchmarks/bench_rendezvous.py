@@ -1,0 +1,394 @@
+"""Lifecycle benchmark: simulated producer and consumer engines drive full transfer lifecycles over real gRPC.
+
+Processes: the server (`kv-rendezvous serve`), a consumer engine and a producer engine (asyncio, raw stubs),
+and for the floor a bare gRPC server with an empty unary method and a server stream. One run measures:
+
+  floor       empty unary RPCs/s (16 in flight) and server-stream messages/s: what Python gRPC allows here
+  throughput  lifecycles/s with batching (target, claim, assignment event, complete, commit event, release)
+  latency     at a fixed rate: time from the second half's send to the producer holding TRANSFER_ASSIGNED
+
+plus server CPU seconds and RSS, and that no live engine or transfer remains afterwards.
+
+    python benchmarks/bench_rendezvous.py [--duration 8] [--batch 64] [--rate 1000] [--store memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+
+RESULTS = Path(__file__).parent / "results"
+LAYOUT = pb.KvLayout(model_fingerprint="bench", dtype="float16", block_size=16, num_layers=32)
+REGION = pb.KvRegion(base_address=1 << 32, block_stride_bytes=1 << 16, block_length_bytes=1 << 16, num_blocks=100_000)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def proc_usage(pid: int) -> tuple[float, int]:
+    """CPU seconds (user+system) and RSS bytes of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    return cpu, rss
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# The gRPC floor: a bare server in its own process.
+
+
+def _floor_server(port: int, ready: Any) -> None:
+    async def main() -> None:
+        server = grpc.aio.server()
+
+        async def unary(request: bytes, context: Any) -> bytes:
+            return b""
+
+        async def stream(request: bytes, context: Any) -> Any:
+            for _ in range(int(request or b"0")):
+                yield b""
+
+        handler = grpc.method_handlers_generic_handler(
+            "floor.Floor",
+            {
+                "Unary": grpc.unary_unary_rpc_method_handler(unary),
+                "Stream": grpc.unary_stream_rpc_method_handler(stream),
+            },
+        )
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+async def measure_floor(port: int, seconds: float) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        unary = channel.unary_unary("/floor.Floor/Unary")
+        stream = channel.unary_stream("/floor.Floor/Stream")
+        await unary(b"")
+        count = 0
+        end = time.monotonic() + seconds
+
+        async def worker() -> None:
+            nonlocal count
+            while time.monotonic() < end:
+                await unary(b"")
+                count += 1
+
+        start = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(16)))
+        unary_rate = count / (time.monotonic() - start)
+        n = 50_000
+        start = time.monotonic()
+        received = 0
+        async for _ in stream(str(n).encode()):
+            received += 1
+        stream_rate = received / (time.monotonic() - start)
+    return {"unary_rpcs_per_s": unary_rate, "stream_msgs_per_s": stream_rate}
+
+
+# Simulated engines.
+
+
+def engine_request(engine_id: str, role: int) -> pb.RegisterEngineRequest:
+    agent = pb.NixlAgent(name=engine_id + "-0", metadata=os.urandom(400), regions=[REGION])
+    # A lease longer than any phase: renewals are not what this benchmark measures.
+    return pb.RegisterEngineRequest(
+        engine_id=engine_id,
+        pool=engine_id.split("-")[0],
+        role=role,
+        layout=LAYOUT,
+        agents=[agent],
+        lease_ttl={"seconds": 300},
+    )
+
+
+async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: Any) -> None:
+    """One simulated engine: issues its half of every transfer and reacts to its events."""
+    consumer = role == "consumer"
+    engine_id = f"{role}-{os.getpid()}"
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        reg = await stub.RegisterEngine(
+            engine_request(engine_id, pb.ENGINE_ROLE_CONSUMER if consumer else pb.ENGINE_ROLE_PRODUCER)
+        )
+        inc = reg.engine.incarnation
+        watch = stub.Watch(pb.WatchRequest(engine_id=engine_id, start_revision=reg.watch_start_revision))
+        await watch.read()
+        out.put(("ready", role))
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        sent: dict[str, float] = {}
+        assigned_at: dict[str, float] = {}
+        finished = 0
+        window = asyncio.Semaphore(plan["window"])
+        total, batch, rate = plan["total"], plan["batch"], plan["rate"]
+        done = asyncio.Event()
+
+        async def issue() -> None:
+            start = time.monotonic()
+            for first in range(0, total, batch):
+                ids = [f"{plan['run']}-{i}" for i in range(first, min(total, first + batch))]
+                for _ in ids:
+                    await window.acquire()
+                if rate:
+                    delay = start + first / rate - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                now = time.monotonic()
+                for t in ids:
+                    sent[t] = now
+                if consumer:
+                    await stub.RegisterTarget(
+                        pb.RegisterTargetRequest(
+                            engine_id=engine_id,
+                            incarnation=inc,
+                            targets=[pb.TargetSpec(transfer_id=t, block_ids=range(4), generation=1) for t in ids],
+                        )
+                    )
+                else:
+                    await stub.ClaimTransfer(
+                        pb.ClaimTransferRequest(
+                            engine_id=engine_id, incarnation=inc, claims=[pb.ClaimSpec(transfer_id=t) for t in ids]
+                        )
+                    )
+
+        async def react() -> None:
+            nonlocal finished
+            while True:
+                response = await watch.read()
+                now = time.monotonic()
+                if consumer:
+                    committed = [
+                        e.transfer.transfer_id for e in response.events if e.type == pb.EVENT_TYPE_TRANSFER_COMMITTED
+                    ]
+                    if committed:
+                        await stub.ReleaseTarget(
+                            pb.ReleaseTargetRequest(
+                                engine_id=engine_id,
+                                incarnation=inc,
+                                releases=[pb.ReleaseSpec(transfer_id=t, generation=1) for t in committed],
+                            )
+                        )
+                    progressed = committed
+                else:
+                    assigned = [e for e in response.events if e.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED]
+                    for e in assigned:
+                        assigned_at[e.transfer.transfer_id] = now
+                    if assigned:
+                        await stub.CompleteTransfer(
+                            pb.CompleteTransferRequest(
+                                engine_id=engine_id,
+                                incarnation=inc,
+                                completions=[
+                                    pb.CompletionSpec(
+                                        transfer_id=e.transfer.transfer_id,
+                                        generation=e.generation,
+                                        outcome=pb.COMPLETION_OUTCOME_SUCCEEDED,
+                                    )
+                                    for e in assigned
+                                ],
+                            )
+                        )
+                    progressed = [e.transfer.transfer_id for e in assigned]
+                for _ in progressed:
+                    window.release()
+                finished += len(progressed)
+                if finished >= total:
+                    done.set()
+                    return
+
+        started = time.monotonic()
+        reactor = asyncio.create_task(react())
+        await issue()
+        await asyncio.wait_for(done.wait(), plan["timeout"])
+        elapsed = time.monotonic() - started
+        watch.cancel()
+        reactor.cancel()
+        await stub.DeregisterEngine(pb.DeregisterEngineRequest(engine_id=engine_id, incarnation=inc))
+        out.put((role, {"sent": sent, "assigned_at": assigned_at, "elapsed": elapsed, "finished": finished}))
+
+
+def _engine_process(role: str, address: str, plan: dict[str, Any], go: Any, out: Any) -> None:
+    asyncio.run(_engine(role, address, plan, go, out))
+
+
+def run_phase(address: str, plan: dict[str, Any], server_pid: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_engine_process, args=(r, address, plan, go, out)) for r in ("consumer", "producer")]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        assert out.get(timeout=60)[0] == "ready"
+    cpu0, _ = proc_usage(server_pid)
+    wall0 = time.monotonic()
+    go.set()
+    results = dict(out.get(timeout=plan["timeout"] + 60) for _ in procs)
+    wall = time.monotonic() - wall0
+    cpu1, rss = proc_usage(server_pid)
+    for p in procs:
+        p.join(timeout=30)
+    consumer, producer = results["consumer"], results["producer"]
+    latencies = [
+        (at - max(consumer["sent"][t], producer["sent"][t])) * 1e3 for t, at in producer["assigned_at"].items()
+    ]
+    return {
+        "transfers": plan["total"],
+        "batch": plan["batch"],
+        "offered_rate": plan["rate"] or None,
+        "lifecycles_per_s": consumer["finished"] / consumer["elapsed"],
+        "assign_latency_ms": {
+            "p50": percentile(latencies, 0.50),
+            "p99": percentile(latencies, 0.99),
+            "mean": statistics.fmean(latencies) if latencies else float("nan"),
+        },
+        "server_cpu_s": cpu1 - cpu0,
+        "server_cpu_util": (cpu1 - cpu0) / wall,
+        "server_rss_mib": rss / 2**20,
+    }
+
+
+def live_state(address: str) -> dict[str, int]:
+    with grpc.insecure_channel(address) as channel:
+        status = pb_grpc.RendezvousServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
+    live = {k: v for k, v in status.transfers_by_state.items() if k not in ("RELEASED", "ABORTED")}
+    return {"live_engines": status.live_engines, "live_transfers": sum(live.values())}
+
+
+def start_server(store: str) -> tuple[subprocess.Popen[str], str]:
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rendezvous.cli",
+            "serve",
+            "--listen",
+            address,
+            "--store",
+            store,
+            "--metrics-listen",
+            "off",
+            "--drain",
+            "0",
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and "serving on" in proc.stdout.readline()
+    return proc, address
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", default="memory", help="memory or a Redis URL")
+    parser.add_argument("--transfers", type=int, default=30_000, help="lifecycles in the throughput phase")
+    parser.add_argument("--batch", type=int, default=64, help="items per batched RPC in the throughput phase")
+    parser.add_argument("--window", type=int, default=2_048, help="unfinished transfers each engine allows")
+    parser.add_argument("--rate", type=float, default=1_000, help="offered lifecycles/s in the latency phase")
+    parser.add_argument("--latency-seconds", type=float, default=8, help="length of the latency phase")
+    parser.add_argument("--floor-seconds", type=float, default=3, help="length of the unary floor measurement")
+    parser.add_argument("--out", type=Path, default=RESULTS / "rendezvous.json", help="results file")
+    args = parser.parse_args()
+
+    ctx = mp.get_context("spawn")
+    floor_port, ready = free_port(), ctx.Event()
+    floor = ctx.Process(target=_floor_server, args=(floor_port, ready), daemon=True)
+    floor.start()
+    ready.wait(30)
+    floor_numbers = asyncio.run(measure_floor(floor_port, args.floor_seconds))
+    floor.terminate()
+
+    server, address = start_server(args.store)
+    try:
+        through = run_phase(
+            address,
+            {
+                "run": "tp",
+                "total": args.transfers,
+                "batch": args.batch,
+                "window": args.window,
+                "rate": 0,
+                "timeout": 300,
+            },
+            server.pid,
+        )
+        latency_total = int(args.rate * args.latency_seconds)
+        step = max(1, int(args.rate / 100))  # one batch per 10 ms engine step
+        paced = run_phase(
+            address,
+            {
+                "run": "lat",
+                "total": latency_total,
+                "batch": step,
+                "window": latency_total,
+                "rate": args.rate,
+                "timeout": 300,
+            },
+            server.pid,
+        )
+        after = live_state(address)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    result = {
+        "benchmark": "rendezvous lifecycles",
+        "store": args.store,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpcio": grpc.__version__},
+        "floor": floor_numbers,
+        "throughput": through,
+        "latency": paced,
+        "after_run": after,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"gRPC floor: unary {floor_numbers['unary_rpcs_per_s']:,.0f}/s (16 in flight), "
+        f"stream {floor_numbers['stream_msgs_per_s']:,.0f} msgs/s"
+    )
+    for name, r in (("throughput", through), (f"latency @ {args.rate:,.0f}/s", paced)):
+        lat = r["assign_latency_ms"]
+        print(
+            f"{name:>20}: {r['lifecycles_per_s']:,.0f} lifecycles/s, batch {r['batch']}, "
+            f"assign p50 {lat['p50']:.2f} ms p99 {lat['p99']:.2f} ms, server CPU {r['server_cpu_util']:.0%} "
+            f"RSS {r['server_rss_mib']:.0f} MiB"
+        )
+    print(f"after the run: {after['live_engines']} live engines, {after['live_transfers']} live transfers")
+    print(f"wrote {args.out}")
+    return 0 if after == {"live_engines": 0, "live_transfers": 0} else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

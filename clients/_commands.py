@@ -1,0 +1,224 @@
+"""The one definition of the unary commands, shared by the sync and the asyncio client.
+
+A builder turns typed arguments into a `Call`: which RPC, the request message and how to parse
+the answer. The clients only send calls (`_invoke`), so both behave the same by construction.
+Mutating requests get a fresh AIP-155 request id here, once; the clients' retries resend the
+same message, so a retry returns the first answer instead of applying twice.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from google.protobuf.message import Message
+
+from clients import _convert
+from clients._types import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    EngineInfo,
+    EngineRole,
+    EngineSpec,
+    ItemResult,
+    Registration,
+    ReleaseSpec,
+    RevocationAck,
+    ServerStatus,
+    SourceReadySpec,
+    TargetSpec,
+    TransferInfo,
+    TransferPage,
+    TransferState,
+)
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+ResultT = TypeVar("ResultT")
+
+
+def new_request_id() -> str:
+    """A fresh AIP-155 request id."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[ResultT]):
+    """One unary call to make: the RPC's name, its request and the parser of its response.
+
+    `idempotent` calls are reads: a timed-out attempt may be retried too.
+    """
+
+    method: str
+    request: Message
+    parse: Callable[[Any], ResultT]
+    idempotent: bool = False
+
+    def one(self: Call[list[ItemResult]]) -> Call[ItemResult]:
+        """The same call for a one-item batch, answering that item and raising its error."""
+        return Call(self.method, self.request, _only_item, self.idempotent)
+
+
+def _only_item(response: _convert._BatchResponse) -> ItemResult:
+    return _convert.item_result(response.results[0]).raise_for_error()
+
+
+# Engines
+
+
+def register_engine(spec: EngineSpec) -> Call[Registration]:
+    """RegisterEngine: a new incarnation of spec."""
+    return Call("RegisterEngine", _convert.register_engine_request(spec, new_request_id()), _convert.registration)
+
+
+def deregister_engine(engine_id: str, incarnation: int) -> Call[int]:
+    """DeregisterEngine; answers how many live transfers were aborted."""
+    request = pb.DeregisterEngineRequest(request_id=new_request_id(), engine_id=engine_id, incarnation=incarnation)
+    return Call("DeregisterEngine", request, _aborted_transfers)
+
+
+def _aborted_transfers(response: pb.DeregisterEngineResponse) -> int:
+    return response.aborted_transfers
+
+
+def get_engine(engine_id: str) -> Call[EngineInfo]:
+    """GetEngine."""
+    return Call("GetEngine", pb.GetEngineRequest(engine_id=engine_id), _engine, idempotent=True)
+
+
+def _engine(response: pb.GetEngineResponse) -> EngineInfo:
+    return _convert.engine(response.engine)
+
+
+def list_engines(pool: str, role: EngineRole | None, omit_agent_metadata: bool) -> Call[list[EngineInfo]]:
+    """ListEngines, optionally of one pool and role."""
+    request = pb.ListEnginesRequest(pool=pool, role=_convert.number(role or 0), omit_agent_metadata=omit_agent_metadata)
+    return Call("ListEngines", request, _engines, idempotent=True)
+
+
+def _engines(response: pb.ListEnginesResponse) -> list[EngineInfo]:
+    return [_convert.engine(e) for e in response.engines]
+
+
+# Transfers (batched; one ItemResult per item, in order)
+
+
+def register_targets(engine_id: str, incarnation: int, targets: Iterable[TargetSpec]) -> Call[list[ItemResult]]:
+    """RegisterTarget."""
+    request = pb.RegisterTargetRequest(
+        request_id=new_request_id(),
+        engine_id=engine_id,
+        incarnation=incarnation,
+        targets=_convert.target_messages(targets),
+    )
+    return Call("RegisterTarget", request, _convert.item_results)
+
+
+def claim_transfers(engine_id: str, incarnation: int, claims: Iterable[ClaimSpec]) -> Call[list[ItemResult]]:
+    """ClaimTransfer."""
+    request = pb.ClaimTransferRequest(
+        request_id=new_request_id(),
+        engine_id=engine_id,
+        incarnation=incarnation,
+        claims=_convert.claim_messages(claims),
+    )
+    return Call("ClaimTransfer", request, _convert.item_results)
+
+
+def mark_sources_ready(engine_id: str, incarnation: int, sources: Iterable[SourceReadySpec]) -> Call[list[ItemResult]]:
+    """MarkSourceReady."""
+    request = pb.MarkSourceReadyRequest(
+        request_id=new_request_id(),
+        engine_id=engine_id,
+        incarnation=incarnation,
+        sources=_convert.source_messages(sources),
+    )
+    return Call("MarkSourceReady", request, _convert.item_results)
+
+
+def complete_transfers(
+    engine_id: str, incarnation: int, completions: Iterable[CompletionSpec]
+) -> Call[list[ItemResult]]:
+    """CompleteTransfer."""
+    request = pb.CompleteTransferRequest(
+        request_id=new_request_id(),
+        engine_id=engine_id,
+        incarnation=incarnation,
+        completions=_convert.completion_messages(completions),
+    )
+    return Call("CompleteTransfer", request, _convert.item_results)
+
+
+def acknowledge_revocations(engine_id: str, incarnation: int, acks: Iterable[RevocationAck]) -> Call[list[ItemResult]]:
+    """AcknowledgeRevocation."""
+    request = pb.AcknowledgeRevocationRequest(
+        request_id=new_request_id(),
+        engine_id=engine_id,
+        incarnation=incarnation,
+        acks=_convert.ack_messages(acks),
+    )
+    return Call("AcknowledgeRevocation", request, _convert.item_results)
+
+
+def release_targets(engine_id: str, incarnation: int, releases: Iterable[ReleaseSpec]) -> Call[list[ItemResult]]:
+    """ReleaseTarget."""
+    request = pb.ReleaseTargetRequest(
+        request_id=new_request_id(),
+        engine_id=engine_id,
+        incarnation=incarnation,
+        releases=_convert.release_messages(releases),
+    )
+    return Call("ReleaseTarget", request, _convert.item_results)
+
+
+def abort_transfers(engine_id: str, incarnation: int, aborts: Iterable[AbortSpec]) -> Call[list[ItemResult]]:
+    """AbortTransfer; engine_id "" aborts as a router or operator."""
+    request = pb.AbortTransferRequest(
+        request_id=new_request_id(),
+        engine_id=engine_id,
+        incarnation=incarnation,
+        aborts=_convert.abort_messages(aborts),
+    )
+    return Call("AbortTransfer", request, _convert.item_results)
+
+
+def get_transfer(transfer_id: str) -> Call[TransferInfo]:
+    """GetTransfer: a live transfer or a recent tombstone."""
+    return Call("GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id), _transfer, idempotent=True)
+
+
+def _transfer(response: pb.GetTransferResponse) -> TransferInfo:
+    return _convert.transfer(response.transfer)
+
+
+def list_transfers(
+    engine_id: str, states: Sequence[TransferState], page_size: int, page_token: str
+) -> Call[TransferPage]:
+    """ListTransfers: one page, by default of live transfers."""
+    request = pb.ListTransfersRequest(
+        engine_id=engine_id,
+        states=[_convert.number(s) for s in states],
+        page_size=page_size,
+        page_token=page_token,
+    )
+    return Call("ListTransfers", request, _convert.transfer_page, idempotent=True)
+
+
+def get_status() -> Call[ServerStatus]:
+    """GetStatus."""
+    return Call("GetStatus", pb.GetStatusRequest(), _convert.server_status, idempotent=True)
+
+
+# Streams
+
+
+def watch_request(engine_id: str, start_revision: int, max_batch: int) -> pb.WatchRequest:
+    """The request opening a Watch stream."""
+    return pb.WatchRequest(engine_id=engine_id, start_revision=start_revision, max_batch=max_batch)
+
+
+def keep_alive_request(engine_id: str, incarnation: int) -> pb.KeepAliveRequest:
+    """One lease renewal on a KeepAlive stream."""
+    return pb.KeepAliveRequest(engine_id=engine_id, incarnation=incarnation)

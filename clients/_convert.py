@@ -1,0 +1,314 @@
+"""The wire mapping of the SDK: its records to protocol messages and back. Nothing else lives here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from clients._exceptions import from_status
+from clients._types import (
+    AbortReason,
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    EngineInfo,
+    EngineRole,
+    EngineSpec,
+    Event,
+    EventType,
+    ItemResult,
+    KvLayout,
+    KvRegion,
+    LeaseRenewal,
+    MemoryKind,
+    NixlAgentInfo,
+    Registration,
+    ReleaseSpec,
+    RevocationAck,
+    ServerStatus,
+    SourceReadySpec,
+    TargetSpec,
+    TransferInfo,
+    TransferMode,
+    TransferPage,
+    TransferState,
+    TransferTimes,
+    WatchBatch,
+)
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+_BatchResponse = (
+    pb.RegisterTargetResponse
+    | pb.ClaimTransferResponse
+    | pb.MarkSourceReadyResponse
+    | pb.CompleteTransferResponse
+    | pb.AcknowledgeRevocationResponse
+    | pb.ReleaseTargetResponse
+    | pb.AbortTransferResponse
+)
+"""Every batched mutating call answers with one of these; all carry `results`."""
+
+
+# Scalars
+
+
+def number(value: int) -> Any:
+    """An SDK enum member as the protocol enum of the same number (the stubs type those apart)."""
+    return int(value)
+
+
+def seconds(d: Duration) -> float:
+    """A Duration in seconds."""
+    return d.seconds + d.nanos * 1e-9
+
+
+def unix_time(ts: Timestamp) -> float:
+    """A Timestamp as seconds since the Unix epoch; unset is 0.0."""
+    return ts.seconds + ts.nanos * 1e-9
+
+
+def duration(s: float) -> Duration | None:
+    """Seconds as a Duration; zero (meaning "server default") as unset."""
+    if not s:
+        return None
+    whole = int(s)
+    return Duration(seconds=whole, nanos=round((s - whole) * 1e9))
+
+
+# Records -> messages
+
+
+def layout_message(layout: KvLayout) -> pb.KvLayout:
+    """A KV layout as a message."""
+    return pb.KvLayout(
+        model_fingerprint=layout.model_fingerprint,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        tp_size=layout.tp_size,
+        pp_size=layout.pp_size,
+        kv_layout=layout.kv_layout,
+    )
+
+
+def agent_message(agent: NixlAgentInfo) -> pb.NixlAgent:
+    """A NIXL agent as a message."""
+    return pb.NixlAgent(
+        name=agent.name,
+        metadata=agent.metadata,
+        rank=agent.rank,
+        memory_kind=number(agent.memory_kind),
+        regions=[
+            pb.KvRegion(
+                base_address=r.base_address,
+                block_stride_bytes=r.block_stride_bytes,
+                block_length_bytes=r.block_length_bytes,
+                num_blocks=r.num_blocks,
+                device_id=r.device_id,
+            )
+            for r in agent.regions
+        ],
+    )
+
+
+def register_engine_request(spec: EngineSpec, request_id: str) -> pb.RegisterEngineRequest:
+    """A registration as a RegisterEngineRequest."""
+    return pb.RegisterEngineRequest(
+        request_id=request_id,
+        engine_id=spec.engine_id,
+        pool=spec.pool,
+        role=number(spec.role),
+        layout=layout_message(spec.layout),
+        agents=[agent_message(a) for a in spec.agents],
+        labels=dict(spec.labels),
+        lease_ttl=duration(spec.lease_ttl),
+    )
+
+
+def target_messages(targets: Iterable[TargetSpec]) -> list[pb.TargetSpec]:
+    """Targets as messages."""
+    return [
+        pb.TargetSpec(
+            transfer_id=t.transfer_id,
+            block_ids=t.block_ids,
+            num_tokens=t.num_tokens,
+            generation=t.generation,
+            timeout=duration(t.timeout),
+            mode=number(t.mode),
+        )
+        for t in targets
+    ]
+
+
+def claim_messages(claims: Iterable[ClaimSpec]) -> list[pb.ClaimSpec]:
+    """Claims as messages."""
+    return [pb.ClaimSpec(transfer_id=c.transfer_id, timeout=duration(c.timeout)) for c in claims]
+
+
+def source_messages(sources: Iterable[SourceReadySpec]) -> list[pb.SourceReadySpec]:
+    """Ready sources as messages."""
+    return [pb.SourceReadySpec(transfer_id=s.transfer_id, block_ids=s.block_ids) for s in sources]
+
+
+def completion_messages(completions: Iterable[CompletionSpec]) -> list[pb.CompletionSpec]:
+    """Completions as messages."""
+    return [
+        pb.CompletionSpec(
+            transfer_id=c.transfer_id,
+            generation=c.generation,
+            outcome=number(c.outcome),
+            message=c.message,
+        )
+        for c in completions
+    ]
+
+
+def ack_messages(acks: Iterable[RevocationAck]) -> list[pb.RevocationAck]:
+    """Revocation acknowledgements as messages."""
+    return [pb.RevocationAck(transfer_id=a.transfer_id, generation=a.generation) for a in acks]
+
+
+def release_messages(releases: Iterable[ReleaseSpec]) -> list[pb.ReleaseSpec]:
+    """Releases as messages."""
+    return [pb.ReleaseSpec(transfer_id=r.transfer_id, generation=r.generation) for r in releases]
+
+
+def abort_messages(aborts: Iterable[AbortSpec]) -> list[pb.AbortSpec]:
+    """Aborts as messages."""
+    return [pb.AbortSpec(transfer_id=a.transfer_id, message=a.message) for a in aborts]
+
+
+# Messages -> records
+
+
+def layout(m: pb.KvLayout) -> KvLayout:
+    """A KV layout message as a record."""
+    return KvLayout(
+        model_fingerprint=m.model_fingerprint,
+        dtype=m.dtype,
+        block_size=m.block_size,
+        num_layers=m.num_layers,
+        tp_size=m.tp_size,
+        pp_size=m.pp_size,
+        kv_layout=m.kv_layout,
+    )
+
+
+def agent(m: pb.NixlAgent) -> NixlAgentInfo:
+    """A NIXL agent message as a record."""
+    return NixlAgentInfo(
+        name=m.name,
+        metadata=m.metadata,
+        rank=m.rank,
+        memory_kind=MemoryKind(m.memory_kind),
+        regions=tuple(
+            KvRegion(r.base_address, r.block_stride_bytes, r.block_length_bytes, r.num_blocks, r.device_id)
+            for r in m.regions
+        ),
+    )
+
+
+def engine(m: pb.Engine) -> EngineInfo:
+    """An engine message as a record."""
+    return EngineInfo(
+        engine_id=m.engine_id,
+        pool=m.pool,
+        role=EngineRole(m.role),
+        layout=layout(m.layout),
+        agents=tuple(agent(a) for a in m.agents),
+        labels=dict(m.labels),
+        incarnation=m.incarnation,
+        lease_ttl=seconds(m.lease_ttl),
+        lease_expire_time=unix_time(m.lease_expire_time),
+        live_transfers=m.live_transfers,
+        register_time=unix_time(m.register_time),
+    )
+
+
+def transfer(m: pb.Transfer) -> TransferInfo:
+    """A transfer message as a record."""
+    t = m.times
+    return TransferInfo(
+        transfer_id=m.transfer_id,
+        state=TransferState(m.state),
+        mode=TransferMode(m.mode),
+        generation=m.generation,
+        consumer_engine_id=m.consumer_engine_id,
+        consumer_incarnation=m.consumer_incarnation,
+        producer_engine_id=m.producer_engine_id,
+        producer_incarnation=m.producer_incarnation,
+        target_block_ids=tuple(m.target_block_ids),
+        source_block_ids=tuple(m.source_block_ids),
+        num_tokens=m.num_tokens,
+        abort_reason=AbortReason(m.abort_reason),
+        abort_message=m.abort_message,
+        revoking_generation=m.revoking_generation,
+        deadline=unix_time(m.deadline),
+        times=TransferTimes(
+            target_time=unix_time(t.target_time),
+            claim_time=unix_time(t.claim_time),
+            match_time=unix_time(t.match_time),
+            source_ready_time=unix_time(t.source_ready_time),
+            commit_time=unix_time(t.commit_time),
+            end_time=unix_time(t.end_time),
+        ),
+    )
+
+
+def event(m: pb.Event) -> Event:
+    """An event message as a record."""
+    return Event(
+        revision=m.revision,
+        type=EventType(m.type),
+        transfer=transfer(m.transfer) if m.HasField("transfer") else None,
+        generation=m.generation,
+        peer=engine(m.peer) if m.HasField("peer") else None,
+        time=unix_time(m.time),
+    )
+
+
+def item_result(m: pb.ItemResult) -> ItemResult:
+    """A batch item's result; a non-OK status becomes its error."""
+    return ItemResult(m.transfer_id, TransferState(m.state), from_status(m.status) if m.status.code else None)
+
+
+def item_results(m: _BatchResponse) -> list[ItemResult]:
+    """The results of a batched call, in request order."""
+    return [item_result(r) for r in m.results]
+
+
+def registration(m: pb.RegisterEngineResponse) -> Registration:
+    """A RegisterEngine answer as a record."""
+    return Registration(engine(m.engine), m.watch_start_revision, m.header.epoch)
+
+
+def lease_renewal(m: pb.KeepAliveResponse) -> LeaseRenewal:
+    """A KeepAlive answer as a record."""
+    return LeaseRenewal(m.engine_id, seconds(m.lease_ttl), m.header.epoch)
+
+
+def watch_batch(m: pb.WatchResponse) -> WatchBatch:
+    """A Watch message as a record."""
+    return WatchBatch(tuple(event(e) for e in m.events), m.resync_required, m.resync_revision, m.header.epoch)
+
+
+def transfer_page(m: pb.ListTransfersResponse) -> TransferPage:
+    """A ListTransfers answer as a record."""
+    return TransferPage(tuple(transfer(t) for t in m.transfers), m.next_page_token)
+
+
+def server_status(m: pb.GetStatusResponse) -> ServerStatus:
+    """A GetStatus answer as a record."""
+    counts: Mapping[str, int] = dict(m.transfers_by_state)
+    return ServerStatus(
+        version=m.version,
+        store=m.store,
+        live_engines=m.live_engines,
+        transfers_by_state=counts,
+        watchers=m.watchers,
+        start_time=unix_time(m.start_time),
+        epoch=m.header.epoch,
+    )

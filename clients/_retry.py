@@ -1,0 +1,62 @@
+"""Retry bookkeeping: when to try a failed call again, and how long to wait first."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from clients._config import RetryPolicy
+from clients._exceptions import RendezvousError
+
+
+class Attempts:
+    """The retries of one unary call under a policy, across `endpoints` endpoints.
+
+    An UNAVAILABLE endpoint is left for the next one at once; the client backs off only after a
+    whole round of endpoints failed, so a dead first endpoint costs one connection attempt.
+    """
+
+    __slots__ = ("_endpoints", "_policy", "_retries", "_started")
+
+    def __init__(self, policy: RetryPolicy, endpoints: int) -> None:
+        self._policy = policy
+        self._endpoints = endpoints
+        self._retries = 0
+        self._started = time.monotonic()
+
+    def next_delay(self, error: RendezvousError, idempotent: bool) -> float | None:
+        """Seconds to wait before retrying after error, or None to give up and raise it."""
+        policy = self._policy
+        if not policy.retryable(error.code, idempotent):
+            return None
+        self._retries += 1
+        if policy.max_attempts is not None and self._retries >= policy.max_attempts:
+            return None
+        if error.code == grpc.StatusCode.UNAVAILABLE:
+            rounds, within_round = divmod(self._retries, self._endpoints)
+            delay = policy.backoff(rounds) if not within_round else 0.0
+        else:
+            delay = policy.backoff(self._retries)
+        if policy.deadline is not None and time.monotonic() - self._started + delay > policy.deadline:
+            return None
+        return delay
+
+
+class Backoff:
+    """Growing waits between reconnections of a long-lived stream; reset once it works again."""
+
+    __slots__ = ("_policy", "_retries")
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self._policy = policy
+        self._retries = 0
+
+    def next(self) -> float:
+        """Seconds to wait before the next attempt."""
+        self._retries += 1
+        return self._policy.backoff(self._retries)
+
+    def reset(self) -> None:
+        """The stream works again: start over from the initial backoff."""
+        self._retries = 0

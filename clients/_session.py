@@ -1,0 +1,483 @@
+"""Engine sessions: a registration kept alive, its events watched, its transfers re-asserted.
+
+A session survives what a long-running engine meets:
+- a broken Watch stream resumes from the revision after the last event delivered;
+- a watch that fell behind the server's retention lists the engine's transfers and delivers a
+  `Resynced` notification instead of the lost events;
+- a server restart (a new epoch: a memory store lost everything) or a lost registration
+  (ENGINE_NOT_FOUND, LEASE_EXPIRED) makes it register a new incarnation and re-assert the
+  transfers it still wants, then deliver a `Reregistered` notification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from clients._config import SessionConfig
+from clients._exceptions import Cancelled, Reason, RendezvousError
+from clients._retry import Backoff
+from clients._types import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    EngineInfo,
+    EngineSpec,
+    Event,
+    EventType,
+    ItemResult,
+    Registration,
+    Reregistered,
+    Resynced,
+    SessionEvent,
+    SourceReadySpec,
+    TargetSpec,
+    TransferState,
+)
+from clients.aio import AsyncRendezvousClient
+
+log = logging.getLogger("clients.session")
+
+EPOCH_CHANGED = "EPOCH_CHANGED"
+"""The `Reregistered.cause` of a server restart."""
+
+EventHandler = Callable[[SessionEvent], Awaitable[None]]
+"""A coroutine function a session calls with each event, one at a time, in order."""
+
+BatchCall = Callable[..., Awaitable[list[ItemResult]]]
+
+_ENGINE_GONE = frozenset({Reason.ENGINE_NOT_FOUND, Reason.LEASE_EXPIRED})
+_TRANSFER_GONE = frozenset({Reason.TRANSFER_ENDED, Reason.TRANSFER_NOT_FOUND})
+_OVER = frozenset({TransferState.COMMITTED, TransferState.RELEASED, TransferState.ABORTED})
+_ENDING_EVENTS = frozenset({EventType.TRANSFER_COMMITTED, EventType.TRANSFER_ABORTED})
+_TRANSIENT = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+class _Closed:
+    """Ends the event queue."""
+
+
+_CLOSED = _Closed()
+
+
+class LiveTransfers:
+    """What an engine asserted and still wants: re-sent to each new incarnation.
+
+    A consumer's target and a producer's claim or ready source are kept until this engine sees the
+    transfer end for it: COMMITTED (the bytes arrived), RELEASED, ABORTED or unknown to the server.
+    """
+
+    def __init__(self) -> None:
+        self.targets: dict[str, TargetSpec] = {}
+        self.claims: dict[str, ClaimSpec] = {}
+        self.sources: dict[str, SourceReadySpec] = {}
+
+    def __len__(self) -> int:
+        return len(self.targets.keys() | self.claims.keys() | self.sources.keys())
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self.targets or transfer_id in self.claims or transfer_id in self.sources
+
+    def end(self, transfer_id: str) -> None:
+        """Forget a transfer."""
+        self.targets.pop(transfer_id, None)
+        self.claims.pop(transfer_id, None)
+        self.sources.pop(transfer_id, None)
+
+    def record(self, table: dict[str, Any] | None, specs: Sequence[Any], results: Sequence[ItemResult]) -> None:
+        """Note a batch's results; items of an asserting call (table given) are remembered there."""
+        for spec, result in zip(specs, results, strict=True):
+            if result.ok and result.state not in _OVER:
+                if table is not None:
+                    table[spec.transfer_id] = spec
+            elif result.ok or (result.error is not None and result.error.reason in _TRANSFER_GONE):
+                self.end(spec.transfer_id)
+
+    def on_event(self, event: Event) -> None:
+        """Note an event: committed and aborted transfers are over."""
+        if event.type in _ENDING_EVENTS and event.transfer is not None:
+            self.end(event.transfer.transfer_id)
+
+    def retain(self, live: Iterable[str]) -> None:
+        """Keep only these transfers (the server's view after a resync)."""
+        keep = set(live)
+        for table in (self.targets, self.claims, self.sources):
+            for transfer_id in table.keys() - keep:
+                del table[transfer_id]
+
+
+class EngineSession:
+    """An engine's registration, lease and event stream, kept alive across failures.
+
+    `start()` (or `async with`) registers the engine, then renews its lease over a KeepAlive stream
+    every `renew_fraction` of the TTL and watches its events. Events go to `handler` if one is given,
+    else to `events()`. Transfer calls made through the session use its current incarnation, wait
+    while it re-registers, and are remembered so they can be re-asserted (see the module doc).
+    Use `ProducerSession` or `ConsumerSession`, which add the calls of each role.
+    """
+
+    def __init__(
+        self,
+        client: AsyncRendezvousClient,
+        spec: EngineSpec,
+        *,
+        config: SessionConfig | None = None,
+        handler: EventHandler | None = None,
+    ) -> None:
+        self._client = client
+        self._spec = spec
+        self._config = config or SessionConfig()
+        self._handler = handler
+        self._queue: asyncio.Queue[SessionEvent | _Closed] = asyncio.Queue()
+        self._live = LiveTransfers()
+        self._registration: Registration | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._dispatch_task: asyncio.Task[None] | None = None
+        self._recovery: asyncio.Task[None] | None = None
+        self._remove_listener: Callable[[], None] | None = None
+        self._failure: RendezvousError | None = None
+        self._closed = False
+
+    # State
+
+    @property
+    def client(self) -> AsyncRendezvousClient:
+        """The client the session calls through."""
+        return self._client
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's id."""
+        return self._spec.engine_id
+
+    @property
+    def engine(self) -> EngineInfo:
+        """The current incarnation as registered."""
+        return self._registered().engine
+
+    @property
+    def incarnation(self) -> int:
+        """The current incarnation (0 before `start`)."""
+        return self._registration.engine.incarnation if self._registration else 0
+
+    @property
+    def epoch(self) -> int:
+        """The server epoch the current incarnation was registered in."""
+        return self._registration.epoch if self._registration else 0
+
+    @property
+    def live_transfers(self) -> LiveTransfers:
+        """The transfers the session would re-assert now (read-only by convention)."""
+        return self._live
+
+    @property
+    def failure(self) -> RendezvousError | None:
+        """The error that stopped the session, if one did (e.g. the server refused to register it)."""
+        return self._failure
+
+    def _registered(self) -> Registration:
+        if self._registration is None:
+            raise RuntimeError("the session is not started")
+        return self._registration
+
+    # Lifecycle
+
+    async def start(self) -> EngineInfo:
+        """Register the engine and start renewing its lease and watching its events."""
+        if self._registration is not None or self._closed:
+            raise RuntimeError("a session starts once")
+        self._registration = await self._client.register_engine(self._spec)
+        self._remove_listener = self._client.add_epoch_listener(self._on_epoch)
+        self._keepalive_task = asyncio.create_task(self._keep_alive(), name=f"keepalive {self.engine_id}")
+        self._start_watch()
+        if self._handler is not None:
+            self._dispatch_task = asyncio.create_task(self._dispatch(self._handler), name=f"events {self.engine_id}")
+        return self.engine
+
+    async def close(self, *, deregister: bool = True) -> None:
+        """Stop the background tasks and, unless told not to, deregister the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._remove_listener is not None:
+            self._remove_listener()
+        current = asyncio.current_task()
+        tasks = [
+            t
+            for t in (self._keepalive_task, self._watch_task, self._recovery, self._dispatch_task)
+            if t is not None and t is not current
+        ]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._queue.put_nowait(_CLOSED)
+        if deregister and self._registration is not None and self._failure is None:
+            try:
+                await self._client.deregister_engine(self.engine_id, self.incarnation)
+            except RendezvousError as err:
+                if err.reason not in _ENGINE_GONE and err.reason != Reason.STALE_INCARNATION:
+                    raise
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def events(self) -> AsyncIterator[SessionEvent]:
+        """The session's events in order; ends when the session closes, raises if it failed."""
+        if self._handler is not None:
+            raise RuntimeError("this session delivers its events to its handler")
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, _Closed):
+                self._queue.put_nowait(item)
+                if self._failure is not None:
+                    raise self._failure
+                return
+            yield item
+
+    # Transfer calls shared by both roles
+
+    async def complete_transfers(self, completions: Sequence[CompletionSpec]) -> list[ItemResult]:
+        """Report the outcomes of moving bytes (the producer in push mode, the consumer in pull)."""
+        return await self._call(self._client.complete_transfers, completions)
+
+    async def complete_transfer(self, completion: CompletionSpec) -> ItemResult:
+        """Report one outcome; raises the item's error."""
+        return (await self.complete_transfers((completion,)))[0].raise_for_error()
+
+    async def abort_transfers(self, aborts: Sequence[AbortSpec]) -> list[ItemResult]:
+        """Abort transfers this engine takes part in; the peers are told."""
+        return await self._call(self._client.abort_transfers, aborts)
+
+    async def abort_transfer(self, abort: AbortSpec) -> ItemResult:
+        """Abort one transfer; raises the item's error."""
+        return (await self.abort_transfers((abort,)))[0].raise_for_error()
+
+    async def _call(
+        self, send: BatchCall, specs: Sequence[Any], table: dict[str, Any] | None = None
+    ) -> list[ItemResult]:
+        """Send a batch as the current incarnation; track what it asserted (into table) or ended.
+
+        If the engine's registration is gone, re-register first and send again. If the incarnation
+        was replaced while an asserting call was in flight, its effects may belong to a server that
+        forgot them: send it again as the new incarnation (asserting twice is harmless).
+        """
+        incarnation = await self._ready()
+        try:
+            results = await send(self.engine_id, specs, incarnation=incarnation)
+        except RendezvousError as err:
+            if not self._replaced(err, incarnation):
+                raise
+            incarnation = await self._ready()
+            results = await send(self.engine_id, specs, incarnation=incarnation)
+        self._live.record(table, specs, results)
+        if table is not None and incarnation != self.incarnation:
+            return await self._call(send, specs, table)
+        return results
+
+    async def _ready(self) -> int:
+        """The incarnation to act as, once any re-registration in progress is done."""
+        recovery = self._recovery
+        if recovery is not None and not recovery.done():
+            await asyncio.wait([recovery])  # waiting must not cancel it
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise Cancelled(f"the session of engine {self.engine_id} is closed")
+        return self._registered().engine.incarnation
+
+    def _replaced(self, err: RendezvousError, incarnation: int) -> bool:
+        """Whether err says the incarnation is (or is being) replaced, so the call may be resent."""
+        if err.reason in _ENGINE_GONE:
+            self._recover(err.reason, incarnation)
+            return True
+        return err.reason == Reason.STALE_INCARNATION and incarnation != self.incarnation
+
+    # Re-registration
+
+    def _on_epoch(self, old: int, new: int) -> None:
+        registration = self._registration
+        if registration is not None and new != registration.epoch:
+            self._recover(EPOCH_CHANGED, registration.engine.incarnation)
+
+    def _recover(self, cause: str, incarnation: int) -> None:
+        """Start re-registering, unless it is under way or incarnation was already replaced."""
+        if self._recovery is not None and not self._recovery.done():
+            return
+        if self._closed or self._failure is not None or incarnation != self.incarnation:
+            return
+        log.warning("engine %s re-registering: %s", self.engine_id, cause)
+        self._recovery = asyncio.create_task(self._reregister(cause), name=f"reregister {self.engine_id}")
+
+    async def _reregister(self, cause: str) -> None:
+        previous = self.incarnation
+        watch = self._watch_task
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
+            await asyncio.wait([watch])
+        backoff = Backoff(self._config.reconnect)
+        registered = False
+        while True:
+            try:
+                if not registered:
+                    self._registration = await self._client.register_engine(self._spec)
+                    registered = True
+                results = await self._reassert()
+                break
+            except RendezvousError as err:
+                if err.reason in _ENGINE_GONE:
+                    registered = False
+                elif err.code not in _TRANSIENT:
+                    self._fail(err)
+                    return
+                # Re-asserting again as the same incarnation is harmless; registering again would
+                # abort what this incarnation already re-asserted.
+                log.warning("engine %s re-registration failed, retrying: %s", self.engine_id, err)
+                await asyncio.sleep(backoff.next())
+        log.info("engine %s re-registered as incarnation %d", self.engine_id, self.incarnation)
+        self._deliver(Reregistered(cause, previous, self.incarnation, self.epoch, tuple(results)))
+        self._start_watch()
+
+    async def _reassert(self) -> list[ItemResult]:
+        """Send what the session still wants to the new incarnation: targets, claims, ready sources."""
+        live, client, size = self._live, self._client, self._config.reassert_batch
+        results: list[ItemResult] = []
+        for send, table in (
+            (client.register_targets, live.targets),
+            (client.claim_transfers, live.claims),
+            (client.mark_sources_ready, live.sources),
+        ):
+            specs: list[Any] = list(table.values())
+            for start in range(0, len(specs), size):
+                chunk = specs[start : start + size]
+                chunk_results = await send(self.engine_id, chunk, incarnation=self.incarnation)
+                live.record(table, chunk, chunk_results)
+                results.extend(chunk_results)
+        return results
+
+    def _fail(self, err: RendezvousError) -> None:
+        log.error("engine session %s stopped: %s", self.engine_id, err)
+        self._failure = err
+        self._queue.put_nowait(_CLOSED)
+        current = asyncio.current_task()
+        for task in (self._keepalive_task, self._watch_task):
+            if task is not None and task is not current:
+                task.cancel()
+
+    # Background tasks
+
+    async def _keep_alive(self) -> None:
+        """Renew the lease every renew_fraction of its TTL; a failed renewal is retried at once."""
+        fraction = self._config.renew_fraction
+        backoff = Backoff(self._config.reconnect)
+        delay = self.engine.lease_ttl * fraction
+        incarnation = self.incarnation
+        while True:
+            async with self._client.keep_alive() as stream:
+                try:
+                    while True:
+                        await asyncio.sleep(delay)
+                        incarnation = self.incarnation
+                        renewal = await stream.renew(self.engine_id, incarnation)
+                        backoff.reset()
+                        delay = renewal.lease_ttl * fraction
+                except RendezvousError as err:
+                    if self._replaced(err, incarnation):
+                        recovery = self._recovery
+                        if recovery is not None and not recovery.done():
+                            await asyncio.wait([recovery])
+                        if self._failure is not None:
+                            return
+                        delay = self.engine.lease_ttl * fraction
+                    elif err.code in _TRANSIENT:
+                        log.warning("engine %s lease renewal failed, retrying: %s", self.engine_id, err)
+                        delay = backoff.next()
+                    else:
+                        self._fail(err)
+                        return
+
+    def _start_watch(self) -> None:
+        start = self._registered().watch_start_revision
+        self._watch_task = asyncio.create_task(self._watch(start), name=f"watch {self.engine_id}")
+
+    async def _watch(self, revision: int) -> None:
+        """Deliver the incarnation's events from revision on, resuming after every disconnect.
+
+        A resync (the server no longer holds revision) advances revision only once the transfer
+        list was delivered, so a failure in between resyncs again.
+        """
+        incarnation, epoch = self.incarnation, self.epoch
+        backoff = Backoff(self._config.reconnect)
+        max_batch = self._config.watch_max_batch
+        resync_at: int | None = None
+        while True:
+            try:
+                if resync_at is not None:
+                    await self._resync(resync_at)
+                    revision, resync_at = resync_at, None
+                async with self._client.watch(self.engine_id, revision, max_batch=max_batch) as stream:
+                    async for batch in stream:
+                        backoff.reset()
+                        if batch.epoch != epoch:
+                            self._recover(EPOCH_CHANGED, incarnation)
+                            return
+                        if batch.resync_required:
+                            await self._resync(batch.resync_revision)
+                            revision = batch.resync_revision
+                        for event in batch.events:
+                            self._live.on_event(event)
+                            self._deliver(event)
+                            revision = event.revision + 1
+                log.info("engine %s watch ended by the server; resuming at %d", self.engine_id, revision)
+            except RendezvousError as err:
+                if err.reason in _ENGINE_GONE:
+                    self._recover(err.reason, incarnation)
+                    return
+                if err.reason == Reason.REVISION_INVALID:
+                    # The engine's log restarted below our position: rebuild the view, follow the new log.
+                    resync_at = int(err.metadata.get("last_revision", "0")) + 1
+                elif err.code not in _TRANSIENT:
+                    self._fail(err)
+                    return
+                log.warning("engine %s watch failed; resuming at %d: %s", self.engine_id, revision, err)
+            await asyncio.sleep(backoff.next())
+
+    async def _resync(self, revision: int) -> None:
+        transfers = tuple([t async for t in self._client.iter_transfers(self.engine_id)])
+        self._live.retain(t.transfer_id for t in transfers if t.state not in _OVER)
+        self._deliver(Resynced(revision, transfers))
+
+    def _deliver(self, item: SessionEvent) -> None:
+        self._queue.put_nowait(item)
+
+    async def _dispatch(self, handler: EventHandler) -> None:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, _Closed):
+                return
+            try:
+                await handler(item)
+            except Exception:
+                log.exception("engine %s event handler failed on %r", self.engine_id, item)

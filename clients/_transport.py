@@ -1,0 +1,107 @@
+"""What both clients share below the commands: endpoints with failover, call metadata, epochs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from clients._config import ClientConfig
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+
+ChannelT = TypeVar("ChannelT")
+
+Metadata = tuple[tuple[str, str], ...]
+EpochListener = Callable[[int, int], None]
+
+
+class Endpoints(Generic[ChannelT]):
+    """The configured endpoints, in order; one channel and stub each, opened on first use.
+
+    Calls go to the current endpoint. A caller that saw it UNAVAILABLE reports it with
+    `failover`, which moves on to the next endpoint (once, however many callers report it).
+    """
+
+    def __init__(self, targets: tuple[str, ...], open_channel: Callable[[str], ChannelT]) -> None:
+        self._targets = targets
+        self._open_channel = open_channel
+        self._channels: list[ChannelT | None] = [None] * len(targets)
+        self._stubs: list[Any] = [None] * len(targets)
+        self._current = 0
+        self._opening = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    @property
+    def current_target(self) -> str:
+        """The endpoint calls go to now."""
+        return self._targets[self._current]
+
+    def current(self) -> tuple[int, Any]:
+        """The current endpoint's index and RendezvousService stub."""
+        index = self._current
+        stub = self._stubs[index]
+        if stub is None:
+            with self._opening:  # threads of a sync client may race to open the same channel
+                stub = self._stubs[index]
+                if stub is None:
+                    channel = self._open_channel(self._targets[index])
+                    self._channels[index] = channel
+                    stub = self._stubs[index] = pb_grpc.RendezvousServiceStub(channel)  # type: ignore[no-untyped-call]
+        return index, stub
+
+    def failover(self, index: int) -> None:
+        """Endpoint index failed: move on to the next, unless someone already did."""
+        if index == self._current:
+            self._current = (index + 1) % len(self._targets)
+
+    def take_channels(self) -> list[ChannelT]:
+        """The opened channels, forgotten here so the caller can close them."""
+        channels = [c for c in self._channels if c is not None]
+        self._channels = [None] * len(self._targets)
+        self._stubs = [None] * len(self._targets)
+        return channels
+
+
+class CallMetadata:
+    """The metadata of every call: static (token, configured pairs) plus the hook's, if any."""
+
+    __slots__ = ("_hook", "_static")
+
+    def __init__(self, config: ClientConfig) -> None:
+        self._static = config.static_metadata()
+        self._hook = config.metadata_hook
+
+    def __call__(self) -> Metadata | None:
+        if self._hook is None:
+            return self._static or None
+        return (*self._static, *self._hook())
+
+
+class EpochTracker:
+    """The server epoch seen in response headers, and who to tell when it changes.
+
+    A changed epoch means the server lost its soft state (a restart of a memory store): engines
+    must register again and re-assert their transfers.
+    """
+
+    __slots__ = ("_listeners", "epoch")
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self._listeners: list[EpochListener] = []
+
+    def observe(self, epoch: int) -> None:
+        """Note the epoch of a response; listeners hear of a change as (old, new)."""
+        if epoch == self.epoch or not epoch:
+            return
+        old, self.epoch = self.epoch, epoch
+        if old:
+            for listener in list(self._listeners):
+                listener(old, epoch)
+
+    def add_listener(self, listener: EpochListener) -> Callable[[], None]:
+        """Call listener(old, new) on every change; returns a function that removes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)

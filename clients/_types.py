@@ -1,0 +1,382 @@
+"""What SDK users see: enums and frozen records of engines, transfers and events.
+
+No protobuf here; `clients._convert` maps these to and from the wire. Enum values equal the
+protocol's numbers; a value this client does not know (a newer server) reads as UNSPECIFIED.
+Times are seconds since the Unix epoch as floats, 0.0 meaning "not set"; durations are seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from clients._exceptions import RendezvousError
+
+
+class _WireEnum(IntEnum):
+    """An enum of the protocol: unknown numbers (added by a newer server) read as UNSPECIFIED (0)."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> _WireEnum:
+        return cls(0)
+
+
+class EngineRole(_WireEnum):
+    """Which side of a transfer an engine plays."""
+
+    UNSPECIFIED = 0
+    PRODUCER = 1
+    CONSUMER = 2
+
+
+class MemoryKind(_WireEnum):
+    """Where a NIXL region lives."""
+
+    UNSPECIFIED = 0
+    DRAM = 1
+    VRAM = 2
+
+
+class TransferState(_WireEnum):
+    """Lifecycle state of a transfer."""
+
+    UNSPECIFIED = 0
+    TARGETED = 1
+    CLAIMED = 2
+    MATCHED = 3
+    COMMITTED = 4
+    RELEASED = 5
+    ABORTED = 6
+
+    @property
+    def terminal(self) -> bool:
+        """Released and aborted transfers are over; the server keeps them briefly as tombstones."""
+        return self in (TransferState.RELEASED, TransferState.ABORTED)
+
+
+class TransferMode(_WireEnum):
+    """Which side moves the bytes. UNSPECIFIED is treated as PUSH by the server."""
+
+    UNSPECIFIED = 0
+    PUSH = 1
+    PULL = 2
+
+
+class AbortReason(_WireEnum):
+    """Why a transfer was aborted; UNSPECIFIED when it was not."""
+
+    UNSPECIFIED = 0
+    REQUESTED = 1
+    DEADLINE_EXCEEDED = 2
+    PEER_LOST = 3
+    LAYOUT_MISMATCH = 4
+    TRANSFER_FAILED = 5
+    BLOCK_MISMATCH = 6
+
+
+class EventType(_WireEnum):
+    """Kinds of engine events (see the protocol for who receives which)."""
+
+    UNSPECIFIED = 0
+    TRANSFER_ASSIGNED = 1
+    TRANSFER_REVOKED = 2
+    SOURCE_READY = 3
+    TRANSFER_COMMITTED = 4
+    TRANSFER_ABORTED = 5
+    PEER_LOST = 6
+    REVOCATION_CONFIRMED = 7
+
+
+class CompletionOutcome(_WireEnum):
+    """Result of moving a generation's bytes."""
+
+    UNSPECIFIED = 0
+    SUCCEEDED = 1
+    FAILED = 2
+
+
+# Engines
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """An engine's KV cache shape; producer and consumer layouts must agree for a transfer to match."""
+
+    model_fingerprint: str = ""
+    dtype: str = ""
+    block_size: int = 0
+    num_layers: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    kv_layout: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KvRegion:
+    """A registered memory region of equally sized blocks: block b starts at base + b * stride."""
+
+    base_address: int
+    block_stride_bytes: int
+    block_length_bytes: int
+    num_blocks: int
+    device_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NixlAgentInfo:
+    """The data-plane identity of one rank: NIXL agent name, serialized metadata and KV regions."""
+
+    name: str
+    metadata: bytes
+    rank: int = 0
+    memory_kind: MemoryKind = MemoryKind.DRAM
+    regions: tuple[KvRegion, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What an engine registers: identity, role, layout and agents. lease_ttl 0 = server default."""
+
+    engine_id: str
+    pool: str
+    role: EngineRole
+    layout: KvLayout = KvLayout()
+    agents: tuple[NixlAgentInfo, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    lease_ttl: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """A registered engine incarnation as the server reports it."""
+
+    engine_id: str
+    pool: str
+    role: EngineRole
+    layout: KvLayout
+    agents: tuple[NixlAgentInfo, ...]
+    labels: Mapping[str, str]
+    incarnation: int
+    lease_ttl: float
+    lease_expire_time: float
+    live_transfers: int
+    register_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """The answer to RegisterEngine: the new incarnation and where its event log starts."""
+
+    engine: EngineInfo
+    watch_start_revision: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewal:
+    """The answer to one KeepAlive message."""
+
+    engine_id: str
+    lease_ttl: float
+    epoch: int
+
+
+# Transfers
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTimes:
+    """When each phase of a transfer began (0.0 = not yet)."""
+
+    target_time: float = 0.0
+    claim_time: float = 0.0
+    match_time: float = 0.0
+    source_ready_time: float = 0.0
+    commit_time: float = 0.0
+    end_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInfo:
+    """The state of one transfer as the server reports it."""
+
+    transfer_id: str
+    state: TransferState
+    mode: TransferMode = TransferMode.PUSH
+    generation: int = 0
+    consumer_engine_id: str = ""
+    consumer_incarnation: int = 0
+    producer_engine_id: str = ""
+    producer_incarnation: int = 0
+    target_block_ids: tuple[int, ...] = ()
+    source_block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+    abort_reason: AbortReason = AbortReason.UNSPECIFIED
+    abort_message: str = ""
+    revoking_generation: int = 0
+    deadline: float = 0.0
+    times: TransferTimes = TransferTimes()
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPage:
+    """One page of ListTransfers; pass next_page_token back for the next ("" on the last page)."""
+
+    transfers: tuple[TransferInfo, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """The outcome of one item of a batched call: the transfer's state after it, or an error."""
+
+    transfer_id: str
+    state: TransferState
+    error: RendezvousError | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the item was applied (or was already in effect)."""
+        return self.error is None
+
+    def raise_for_error(self) -> ItemResult:
+        """Raise the item's error, if any; otherwise return self."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+# Operations (inputs of the batched calls)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """A consumer's destination blocks for one generation of a transfer. timeout 0 = server default."""
+
+    transfer_id: str
+    block_ids: Sequence[int]
+    num_tokens: int = 0
+    generation: int = 1
+    timeout: float = 0.0
+    mode: TransferMode = TransferMode.PUSH
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimSpec:
+    """A producer's claim on a transfer. timeout 0 = server default."""
+
+    transfer_id: str
+    timeout: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SourceReadySpec:
+    """A producer's computed source blocks for a transfer."""
+
+    transfer_id: str
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionSpec:
+    """The outcome of moving a generation's bytes (the producer in push mode, the consumer in pull)."""
+
+    transfer_id: str
+    generation: int
+    outcome: CompletionOutcome = CompletionOutcome.SUCCEEDED
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RevocationAck:
+    """A producer's promise not to write a revoked generation."""
+
+    transfer_id: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSpec:
+    """A consumer is done with a committed generation of a transfer."""
+
+    transfer_id: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortSpec:
+    """Abort a transfer, with a message for logs and the peer."""
+
+    transfer_id: str
+    message: str = ""
+
+
+# Events
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One change that concerns an engine, from its Watch stream."""
+
+    revision: int
+    type: EventType
+    transfer: TransferInfo | None
+    generation: int
+    peer: EngineInfo | None
+    time: float
+
+
+@dataclass(frozen=True, slots=True)
+class WatchBatch:
+    """One message of a Watch stream: events in revision order, or a request to resync."""
+
+    events: tuple[Event, ...]
+    resync_required: bool
+    resync_revision: int
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resynced:
+    """Synthetic session notification: events were lost, here is the engine's view instead.
+
+    The watch fell behind what the server retains; `transfers` are the engine's live transfers
+    now, and the events that follow start at `revision`.
+    """
+
+    revision: int
+    transfers: tuple[TransferInfo, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Reregistered:
+    """Synthetic session notification: the engine registered a new incarnation.
+
+    `cause` is the ErrorInfo reason that forced it (ENGINE_NOT_FOUND, LEASE_EXPIRED,
+    STALE_INCARNATION) or "EPOCH_CHANGED" after a server restart. `results` are the outcomes of
+    re-asserting the session's live transfers; a failed item means that transfer is gone.
+    """
+
+    cause: str
+    previous_incarnation: int
+    incarnation: int
+    epoch: int
+    results: tuple[ItemResult, ...]
+
+
+SessionEvent = Event | Resynced | Reregistered
+"""What an engine session delivers: server events and the two synthetic notifications."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStatus:
+    """The operator summary of GetStatus."""
+
+    version: str
+    store: str
+    live_engines: int
+    transfers_by_state: Mapping[str, int]
+    watchers: int
+    start_time: float
+    epoch: int

@@ -1,0 +1,165 @@
+"""An in-process rendezvous server for engine authors' tests: real gRPC on 127.0.0.1, a free port.
+
+    async with start_test_server() as server:
+        async with AsyncRendezvousClient(server.address) as client:
+            ...
+        await server.restart()   # same port, new epoch: the memory store forgets everything
+
+`TestServer` does the same for synchronous tests, serving from an event loop in a thread. Keyword
+arguments are passed to the server's `ServerConfig` (e.g. `timeouts=Timeouts(...)`), except
+`listen`, which the harness chooses. The server package is imported only when a server starts,
+so `clients` itself does not depend on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any, TypeVar
+
+_HOST = "127.0.0.1"
+T = TypeVar("T")
+
+
+class AsyncTestServer:
+    """A rendezvous server on the running event loop; `start`, `restart`, `stop`."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, **config: Any) -> None:
+        if "listen" in config:
+            raise ValueError("the test server chooses its own address")
+        self._config = config
+        self._server: Any = None
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        """The address "127.0.0.1:PORT", once started; the port stays the same across restarts."""
+        return f"{_HOST}:{self.port}"
+
+    @property
+    def server(self) -> Any:
+        """The running `rendezvous.server.RendezvousServer`, for inspection."""
+        if self._server is None:
+            raise RuntimeError("the test server is not running")
+        return self._server
+
+    @property
+    def epoch(self) -> int:
+        """The running server's store epoch."""
+        return int(self.server.store.epoch)
+
+    async def start(self) -> None:
+        """Start serving: on a free port the first time, on the same port after a restart."""
+        from rendezvous.server import RendezvousServer, ServerConfig
+
+        server = RendezvousServer(ServerConfig(listen=f"{_HOST}:{self.port}", **self._config))
+        await server.start()
+        self._server = server
+        self.port = server.port
+
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop serving; open streams end and calls in flight are cancelled after grace seconds."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+
+    async def restart(self) -> None:
+        """Stop and start again on the same port with a fresh store: a new epoch, nothing remembered."""
+        await self.stop()
+        await self.start()
+
+
+@asynccontextmanager
+async def start_test_server(**config: Any) -> AsyncIterator[AsyncTestServer]:
+    """A started `AsyncTestServer`, stopped on exit."""
+    server = AsyncTestServer(**config)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+class TestServer:
+    """A rendezvous server for synchronous tests, on an event loop in a background thread.
+
+    Use as a context manager, or call `start()` and `stop()`.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, **config: Any) -> None:
+        self._server = AsyncTestServer(**config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        """The address "127.0.0.1:PORT", once started; the port stays the same across restarts."""
+        return self._server.address
+
+    @property
+    def port(self) -> int:
+        """The port served on."""
+        return self._server.port
+
+    @property
+    def epoch(self) -> int:
+        """The running server's store epoch."""
+        return self._server.epoch
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coroutine.close()
+            raise RuntimeError("the test server is not running")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def start(self) -> None:
+        """Start the loop thread and the server."""
+        if self._loop is not None:
+            raise RuntimeError("the test server is already running")
+        loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="rendezvous-test-server", daemon=True)
+        self._thread.start()
+        self._loop = loop
+        try:
+            self._run(self._server.start())
+        except BaseException:
+            self._shutdown_loop()
+            raise
+
+    def restart(self) -> None:
+        """Stop and start again on the same port with a fresh store (a new epoch)."""
+        self._run(self._server.restart())
+
+    def stop(self) -> None:
+        """Stop the server and its loop thread."""
+        if self._loop is None:
+            return
+        try:
+            self._run(self._server.stop())
+        finally:
+            self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        self._loop = self._thread = None
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+    def __enter__(self) -> TestServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

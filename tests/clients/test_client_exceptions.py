@@ -1,0 +1,97 @@
+"""The exception tree: built from google.rpc.Status (per-item errors) and from failed gRPC calls."""
+
+from __future__ import annotations
+
+import pickle
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from clients import (
+    ERROR_DOMAIN,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    RendezvousError,
+    Unavailable,
+)
+from clients._exceptions import error_for, from_rpc_error, from_status
+from rendezvous.core import errors as server_errors
+
+
+def rich_status(code: grpc.StatusCode, message: str, reason: str, **metadata: str) -> status_pb2.Status:
+    status = status_pb2.Status(code=code.value[0], message=message)
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata))
+    return status
+
+
+def failed_call(code: grpc.StatusCode, details: str, status: status_pb2.Status | None) -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata()
+    if status is not None:
+        trailing.add("grpc-status-details-bin", status.SerializeToString())
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+
+
+def test_a_status_with_error_info_becomes_the_subclass_of_its_code_with_the_reason() -> None:
+    err = from_status(rich_status(grpc.StatusCode.FAILED_PRECONDITION, "lease gone", "LEASE_EXPIRED", engine_id="e1"))
+    assert type(err) is FailedPrecondition
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert (err.reason, err.domain, err.metadata, err.message) == (
+        "LEASE_EXPIRED",
+        ERROR_DOMAIN,
+        {"engine_id": "e1"},
+        "lease gone",
+    )
+    assert err.reason == Reason.LEASE_EXPIRED
+
+
+def test_a_status_without_error_info_has_an_empty_reason() -> None:
+    err = from_status(status_pb2.Status(code=grpc.StatusCode.NOT_FOUND.value[0], message="nope"))
+    assert isinstance(err, NotFound)
+    assert (err.reason, err.domain, err.metadata) == ("", "", {})
+
+
+def test_a_failed_call_with_rich_details_maps_to_the_reason_and_keeps_the_call_as_cause() -> None:
+    status = rich_status(grpc.StatusCode.INVALID_ARGUMENT, "engine_id must not be empty", "ID_EMPTY", field="engine_id")
+    call = failed_call(grpc.StatusCode.INVALID_ARGUMENT, "engine_id must not be empty", status)
+    err = from_rpc_error(call)
+    assert isinstance(err, InvalidArgument)
+    assert (err.reason, err.metadata["field"]) == ("ID_EMPTY", "engine_id")
+    assert err.__cause__ is call
+
+
+def test_a_failed_call_without_details_maps_by_its_status_line() -> None:
+    err = from_rpc_error(failed_call(grpc.StatusCode.UNAVAILABLE, "failed to connect", None))
+    assert isinstance(err, Unavailable)
+    assert (err.reason, err.message) == ("", "failed to connect")
+
+
+def test_details_that_contradict_the_status_line_are_ignored() -> None:
+    status = rich_status(grpc.StatusCode.NOT_FOUND, "other", "ENGINE_NOT_FOUND")
+    err = from_rpc_error(failed_call(grpc.StatusCode.UNAVAILABLE, "proxy down", status))
+    assert isinstance(err, Unavailable) and err.reason == ""
+
+
+@pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c != grpc.StatusCode.OK])
+def test_every_error_code_has_a_subclass_of_its_own(code: grpc.StatusCode) -> None:
+    err = error_for(code, "m")
+    assert type(err) is not RendezvousError
+    assert err.code == code and type(err).code == code
+
+
+def test_errors_survive_pickling_with_their_reason() -> None:
+    err = from_status(rich_status(grpc.StatusCode.ALREADY_EXISTS, "taken", "TARGET_CONFLICT", transfer_id="t"))
+    copy = pickle.loads(pickle.dumps(err))
+    assert type(copy) is type(err)
+    assert (copy.reason, copy.metadata, copy.message, copy.code) == (err.reason, err.metadata, err.message, err.code)
+
+
+def test_the_message_names_code_and_reason() -> None:
+    err = from_status(rich_status(grpc.StatusCode.FAILED_PRECONDITION, "lease gone", "LEASE_EXPIRED"))
+    assert str(err) == "FAILED_PRECONDITION [LEASE_EXPIRED]: lease gone"
+
+
+def test_the_documented_reasons_are_the_servers() -> None:
+    assert {r.value for r in Reason} == {r.value for r in server_errors.Reason}

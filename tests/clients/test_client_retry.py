@@ -1,0 +1,133 @@
+"""Retry and configuration objects: backoff math, what is retried, failover order, validation."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from clients import (
+    ChannelOptions,
+    ClientConfig,
+    DeadlineExceeded,
+    FailedPrecondition,
+    KeepAliveConfig,
+    RetryPolicy,
+    SessionConfig,
+    Unavailable,
+)
+from clients._retry import Attempts, Backoff
+from clients._transport import CallMetadata, EpochTracker
+
+UNAVAILABLE = Unavailable("down")
+
+
+def test_backoff_grows_by_the_multiplier_up_to_the_cap() -> None:
+    policy = RetryPolicy(initial_backoff=0.1, max_backoff=0.5, multiplier=2.0, jitter=0.0)
+    assert [policy.backoff(n) for n in range(1, 6)] == pytest.approx([0.1, 0.2, 0.4, 0.5, 0.5])
+
+
+def test_jitter_only_shortens_the_wait_by_at_most_its_fraction() -> None:
+    policy = RetryPolicy(initial_backoff=1.0, max_backoff=1.0, jitter=0.25)
+    waits = [policy.backoff(1) for _ in range(200)]
+    assert all(0.75 <= w <= 1.0 for w in waits)
+    assert len(set(waits)) > 1
+
+
+def test_unavailable_is_retried_always_deadline_exceeded_only_for_reads() -> None:
+    policy = RetryPolicy()
+    assert policy.retryable(grpc.StatusCode.UNAVAILABLE, idempotent=False)
+    assert not policy.retryable(grpc.StatusCode.DEADLINE_EXCEEDED, idempotent=False)
+    assert policy.retryable(grpc.StatusCode.DEADLINE_EXCEEDED, idempotent=True)
+    assert not policy.retryable(grpc.StatusCode.FAILED_PRECONDITION, idempotent=True)
+
+
+def test_an_unavailable_endpoint_is_left_at_once_and_a_failed_round_backs_off() -> None:
+    attempts = Attempts(RetryPolicy(initial_backoff=0.1, max_backoff=1.0, jitter=0.0), endpoints=3)
+    delays = [attempts.next_delay(UNAVAILABLE, idempotent=False) for _ in range(6)]
+    assert delays == pytest.approx([0.0, 0.0, 0.1, 0.0, 0.0, 0.2])
+
+
+def test_a_timed_out_read_backs_off_on_the_same_endpoint() -> None:
+    attempts = Attempts(RetryPolicy(initial_backoff=0.1, jitter=0.0), endpoints=3)
+    assert attempts.next_delay(DeadlineExceeded("slow"), idempotent=True) == pytest.approx(0.1)
+
+
+def test_max_attempts_counts_the_first_attempt() -> None:
+    attempts = Attempts(RetryPolicy(initial_backoff=0.0, max_attempts=3), endpoints=1)
+    assert [attempts.next_delay(UNAVAILABLE, idempotent=False) for _ in range(3)] == [0.0, 0.0, None]
+
+
+def test_no_retry_waits_past_the_deadline() -> None:
+    attempts = Attempts(RetryPolicy(initial_backoff=1.0, max_backoff=1.0, deadline=0.5), endpoints=1)
+    assert attempts.next_delay(UNAVAILABLE, idempotent=False) is None
+
+
+def test_errors_a_retry_cannot_fix_are_raised_at_once() -> None:
+    attempts = Attempts(RetryPolicy(), endpoints=2)
+    assert attempts.next_delay(FailedPrecondition("no", reason="LEASE_EXPIRED"), idempotent=True) is None
+
+
+def test_stream_backoff_starts_over_after_a_reset() -> None:
+    backoff = Backoff(RetryPolicy(initial_backoff=0.1, max_backoff=1.0, jitter=0.0))
+    assert [backoff.next(), backoff.next()] == pytest.approx([0.1, 0.2])
+    backoff.reset()
+    assert backoff.next() == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"initial_backoff": -1.0},
+        {"initial_backoff": 2.0, "max_backoff": 1.0},
+        {"multiplier": 0.5},
+        {"jitter": 1.0},
+        {"max_attempts": 0},
+    ],
+)
+def test_nonsensical_retry_policies_are_rejected(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_single_target_string_is_one_endpoint() -> None:
+    assert ClientConfig(targets="h:1").targets == ("h:1",)
+    assert ClientConfig(targets=["h:1", "h:2"]).targets == ("h:1", "h:2")
+
+
+def test_a_config_needs_a_target() -> None:
+    with pytest.raises(ValueError):
+        ClientConfig(targets=[])
+
+
+def test_the_token_is_sent_as_a_bearer_before_configured_and_hooked_metadata() -> None:
+    hooked = [("x-step", "1")]
+    config = ClientConfig(targets="h:1", token="s3cret", metadata=[("x-a", "b")], metadata_hook=lambda: hooked)
+    assert CallMetadata(config)() == (("authorization", "Bearer s3cret"), ("x-a", "b"), ("x-step", "1"))
+    assert CallMetadata(ClientConfig(targets="h:1"))() is None
+
+
+def test_channel_options_carry_keepalive_message_size_and_reconnect_backoff() -> None:
+    options = dict(
+        ChannelOptions(keepalive=KeepAliveConfig(time=20.0, timeout=5.0), max_message_bytes=1 << 20).as_grpc_options()
+    )
+    assert options["grpc.keepalive_time_ms"] == 20_000
+    assert options["grpc.keepalive_timeout_ms"] == 5_000
+    assert options["grpc.max_receive_message_length"] == options["grpc.max_send_message_length"] == 1 << 20
+    assert options["grpc.initial_reconnect_backoff_ms"] == 100
+
+
+def test_session_config_rejects_a_renewal_fraction_outside_the_lease() -> None:
+    with pytest.raises(ValueError):
+        SessionConfig(renew_fraction=1.0)
+
+
+def test_epoch_listeners_hear_changes_but_not_the_first_epoch() -> None:
+    tracker = EpochTracker()
+    heard: list[tuple[int, int]] = []
+    remove = tracker.add_listener(lambda old, new: heard.append((old, new)))
+    for epoch in (5, 5, 0, 7):
+        tracker.observe(epoch)
+    remove()
+    tracker.observe(9)
+    assert heard == [(5, 7)]
+    assert tracker.epoch == 9

@@ -1,0 +1,80 @@
+"""The router helper: transfer ids, engine picking, aborts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from clients import (
+    AbortReason,
+    AsyncRendezvousClient,
+    ClaimSpec,
+    EngineRole,
+    EngineSpec,
+    Event,
+    EventType,
+    NotFound,
+    RouterClient,
+    TargetSpec,
+    TransferState,
+    mint_transfer_id,
+)
+from tests.clients.conftest import LAYOUT, agent, consumer_session, next_event, of_type, producer_session
+
+
+async def register(client: AsyncRendezvousClient, engine_id: str, role: EngineRole) -> None:
+    pool = "prefill" if role == EngineRole.PRODUCER else "decode"
+    await client.register_engine(EngineSpec(engine_id, pool, role, LAYOUT, (agent(f"{engine_id}-0"),)))
+
+
+def test_minted_transfer_ids_are_fresh_uuid_hex() -> None:
+    ids = {mint_transfer_id() for _ in range(1000)} | {RouterClient.mint_transfer_id()}
+    assert len(ids) == 1001
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+
+
+async def test_engines_are_picked_round_robin_per_pool_and_role(client: AsyncRendezvousClient) -> None:
+    for engine_id in ("p0", "p1"):
+        await register(client, engine_id, EngineRole.PRODUCER)
+    await register(client, "d0", EngineRole.CONSUMER)
+    router = RouterClient(client)
+    picked = [(await router.pick_engine("prefill", EngineRole.PRODUCER)).engine_id for _ in range(4)]
+    assert picked == ["p0", "p1", "p0", "p1"]
+    producer, consumer = await router.pick_pair("prefill", "decode")
+    assert (producer.engine_id, consumer.engine_id) == ("p0", "d0")
+    assert producer.agents[0].metadata == b""
+
+
+async def test_an_empty_pool_raises_not_found(client: AsyncRendezvousClient) -> None:
+    with pytest.raises(NotFound):
+        await RouterClient(client).pick_engine("decode", EngineRole.CONSUMER)
+
+
+async def test_engine_lists_are_cached_until_invalidated(client: AsyncRendezvousClient) -> None:
+    await register(client, "d0", EngineRole.CONSUMER)
+    router = RouterClient(client, refresh_interval=3600.0)
+    assert (await router.pick_engine("decode", EngineRole.CONSUMER)).engine_id == "d0"
+    await register(client, "d1", EngineRole.CONSUMER)
+    assert [(await router.pick_engine("decode", EngineRole.CONSUMER)).engine_id for _ in range(2)] == ["d0", "d0"]
+    router.invalidate()
+    assert {(await router.pick_engine("decode", EngineRole.CONSUMER)).engine_id for _ in range(2)} == {"d0", "d1"}
+
+
+async def test_a_router_abort_reaches_both_sides(client: AsyncRendezvousClient) -> None:
+    router = RouterClient(client)
+    async with consumer_session(client) as consumer, producer_session(client) as producer:
+        transfer_id = router.mint_transfer_id()
+        await consumer.register_target(TargetSpec(transfer_id, [1]))
+        await producer.claim_transfer(ClaimSpec(transfer_id))
+        result = await router.abort_transfer(transfer_id, "client went away")
+        assert result.state == TransferState.ABORTED
+        for session in (consumer, producer):
+            event = await next_event(session.events(), of_type(EventType.TRANSFER_ABORTED, transfer_id))
+            assert isinstance(event, Event) and event.transfer is not None
+            assert (event.transfer.abort_reason, event.transfer.abort_message) == (
+                AbortReason.REQUESTED,
+                "client went away",
+            )
+            assert len(session.live_transfers) == 0
+    assert (await router.get_transfer(transfer_id)).state == TransferState.ABORTED

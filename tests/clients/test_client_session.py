@@ -1,0 +1,304 @@
+"""Engine sessions against a real server: lifecycle, lease renewal, watch resume, resync, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from clients import (
+    AsyncRendezvousClient,
+    ClaimSpec,
+    CompletionSpec,
+    ConsumerSession,
+    EngineRole,
+    EngineSession,
+    EngineSpec,
+    Event,
+    EventType,
+    FailedPrecondition,
+    InvalidArgument,
+    ItemResult,
+    LiveTransfers,
+    NotFound,
+    ProducerSession,
+    ReleaseSpec,
+    Reregistered,
+    Resynced,
+    SessionEvent,
+    SourceReadySpec,
+    TargetSpec,
+    TransferInfo,
+    TransferMode,
+    TransferState,
+)
+from clients.testing import AsyncTestServer, start_test_server
+from rendezvous.core.limits import Limits
+from tests.clients.conftest import (
+    WAIT,
+    TcpProxy,
+    client_config,
+    consumer_session,
+    next_event,
+    of_type,
+    producer_session,
+)
+
+
+def is_reregistered(event: SessionEvent) -> bool:
+    return isinstance(event, Reregistered)
+
+
+async def collect_assignments(events: AsyncIterator[SessionEvent], transfer_ids: set[str]) -> list[Event]:
+    """Events up to the assignment of every one of transfer_ids."""
+    seen: list[Event] = []
+
+    async def run() -> None:
+        async for event in events:
+            assert isinstance(event, Event), f"unexpected {event!r}"
+            seen.append(event)
+            assigned = {e.transfer.transfer_id for e in seen if e.type == EventType.TRANSFER_ASSIGNED and e.transfer}
+            if transfer_ids <= assigned:
+                return
+
+    await asyncio.wait_for(run(), WAIT)
+    return seen
+
+
+@pytest.fixture
+async def consumer(client: AsyncRendezvousClient) -> AsyncIterator[ConsumerSession]:
+    async with consumer_session(client) as session:
+        yield session
+
+
+@pytest.fixture
+async def producer(client: AsyncRendezvousClient) -> AsyncIterator[ProducerSession]:
+    async with producer_session(client) as session:
+        yield session
+
+
+async def test_push_lifecycle_between_a_consumer_and_a_producer_session(
+    client: AsyncRendezvousClient, consumer: ConsumerSession, producer: ProducerSession
+) -> None:
+    producer_events, consumer_events = producer.events(), consumer.events()
+    await consumer.register_target(TargetSpec("t1", [1, 2], num_tokens=32))
+    assert set(consumer.live_transfers.targets) == {"t1"}
+    assert (await producer.claim_transfer(ClaimSpec("t1"))).state == TransferState.MATCHED
+
+    assigned = await next_event(producer_events, of_type(EventType.TRANSFER_ASSIGNED, "t1"))
+    assert isinstance(assigned, Event) and assigned.transfer is not None and assigned.peer is not None
+    assert assigned.transfer.target_block_ids == (1, 2)
+    assert (assigned.peer.engine_id, assigned.peer.incarnation) == ("d0", consumer.incarnation)
+
+    await producer.complete_transfer(CompletionSpec("t1", assigned.generation))
+    assert len(producer.live_transfers) == 0
+    await next_event(consumer_events, of_type(EventType.TRANSFER_COMMITTED, "t1"))
+    assert len(consumer.live_transfers) == 0
+    assert (await consumer.release_target(ReleaseSpec("t1", 1))).state == TransferState.RELEASED
+    assert (await client.get_transfer("t1")).state == TransferState.RELEASED
+
+
+async def test_pull_lifecycle_tells_the_consumer_where_to_read(
+    consumer: ConsumerSession, producer: ProducerSession
+) -> None:
+    producer_events, consumer_events = producer.events(), consumer.events()
+    await consumer.register_target(TargetSpec("t1", [1], mode=TransferMode.PULL))
+    await producer.mark_source_ready(SourceReadySpec("t1", [7, 8]))
+    assert set(producer.live_transfers.sources) == {"t1"}
+
+    ready = await next_event(consumer_events, of_type(EventType.SOURCE_READY, "t1"))
+    assert isinstance(ready, Event) and ready.transfer is not None and ready.peer is not None
+    assert (ready.transfer.source_block_ids, ready.peer.engine_id) == ((7, 8), "p0")
+
+    assert (await consumer.complete_transfer(CompletionSpec("t1", 1))).state == TransferState.COMMITTED
+    await next_event(producer_events, of_type(EventType.TRANSFER_COMMITTED, "t1"))
+    assert len(producer.live_transfers) == 0 and len(consumer.live_transfers) == 0
+
+
+async def test_the_session_renews_a_short_lease_past_its_ttl(client: AsyncRendezvousClient) -> None:
+    async with consumer_session(client, lease_ttl=1.0) as session:
+        incarnation = session.incarnation
+
+        async def renewed_past_two_ttls() -> float:
+            while True:
+                engine = await client.get_engine("d0")
+                if engine.lease_expire_time > engine.register_time + 2.5:
+                    return engine.lease_expire_time
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(renewed_past_two_ttls(), WAIT)
+        assert (await client.get_engine("d0")).incarnation == incarnation == session.incarnation
+
+
+async def test_events_go_to_the_handler_when_one_is_given(
+    client: AsyncRendezvousClient, consumer: ConsumerSession
+) -> None:
+    received: list[SessionEvent] = []
+    assigned = asyncio.Event()
+
+    async def handler(event: SessionEvent) -> None:
+        received.append(event)
+        if of_type(EventType.TRANSFER_ASSIGNED)(event):
+            assigned.set()
+
+    async with producer_session(client, handler=handler) as producer:
+        with pytest.raises(RuntimeError):
+            await anext(producer.events())
+        await producer.claim_transfer(ClaimSpec("t1"))
+        await consumer.register_target(TargetSpec("t1", [1]))
+        await asyncio.wait_for(assigned.wait(), WAIT)
+    assert [type(e) for e in received] == [Event]
+
+
+async def test_closing_deregisters_the_engine(client: AsyncRendezvousClient) -> None:
+    async with consumer_session(client) as session:
+        assert (await client.get_engine("d0")).incarnation == session.incarnation
+    with pytest.raises(NotFound):
+        await client.get_engine("d0")
+
+
+async def test_a_registration_the_server_refuses_raises_from_start(client: AsyncRendezvousClient) -> None:
+    session = EngineSession(client, EngineSpec("", "decode", EngineRole.CONSUMER))
+    with pytest.raises(InvalidArgument):
+        await session.start()
+
+
+async def test_the_watch_resumes_after_a_disconnect_without_loss_or_repeats(
+    client: AsyncRendezvousClient, proxy: TcpProxy
+) -> None:
+    async with (
+        AsyncRendezvousClient(client_config(proxy.address)) as proxied,
+        producer_session(proxied) as producer,
+        consumer_session(client) as consumer,
+    ):
+        events = producer.events()
+        await producer.claim_transfers([ClaimSpec(f"t{i}") for i in range(3)])
+        await consumer.register_target(TargetSpec("t0", [0]))
+        first = await collect_assignments(events, {"t0"})
+
+        proxy.refuse(True)
+        proxy.cut()
+        await consumer.register_targets([TargetSpec("t1", [1]), TargetSpec("t2", [2])])
+        proxy.refuse(False)
+        after = await collect_assignments(events, {"t1", "t2"})
+
+        assert [e.revision for e in first] == [1]
+        assert [e.revision for e in after] == [2, 3]
+        assert proxy.accepted >= 2, "the session never reconnected"
+        assert producer.incarnation == (await client.get_engine("p0")).incarnation
+
+
+async def test_a_watch_that_fell_behind_resyncs_from_the_transfer_list() -> None:
+    async with (
+        start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy = TcpProxy(server.port)
+        await proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(proxy.address)) as proxied,
+                producer_session(proxied) as producer,
+                consumer_session(client) as consumer,
+            ):
+                events = producer.events()
+                ids = [f"t{i}" for i in range(8)]
+                await producer.claim_transfers([ClaimSpec(t) for t in ids])
+                proxy.refuse(True)
+                proxy.cut()
+                await consumer.register_targets([TargetSpec(t, [i]) for i, t in enumerate(ids)])
+                proxy.refuse(False)
+
+                resynced = await next_event(events, lambda e: isinstance(e, Resynced))
+                assert isinstance(resynced, Resynced)
+                assert sorted(t.transfer_id for t in resynced.transfers) == ids
+                assert {t.state for t in resynced.transfers} == {TransferState.MATCHED}
+                assert set(producer.live_transfers.claims) == set(ids)
+        finally:
+            await proxy.close()
+
+
+async def test_after_a_server_restart_sessions_reregister_and_their_transfers_still_match(
+    server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession, producer: ProducerSession
+) -> None:
+    producer_events, consumer_events = producer.events(), consumer.events()
+    old = (consumer.incarnation, producer.incarnation)
+    await consumer.register_target(TargetSpec("targeted-before", [1]))
+    await producer.claim_transfer(ClaimSpec("claimed-before"))
+    await consumer.register_target(TargetSpec("matched-before", [2]))
+    await producer.claim_transfer(ClaimSpec("matched-before"))
+    await collect_assignments(producer_events, {"matched-before"})
+
+    await server.restart()
+
+    for session_events in (producer_events, consumer_events):
+        event = await next_event(session_events, is_reregistered)
+        assert isinstance(event, Reregistered)
+        assert event.cause in ("EPOCH_CHANGED", "ENGINE_NOT_FOUND")
+        assert event.epoch == server.epoch and all(r.ok for r in event.results)
+    assert consumer.incarnation != old[0] and producer.incarnation != old[1]
+
+    await producer.claim_transfer(ClaimSpec("targeted-before"))
+    await consumer.register_target(TargetSpec("claimed-before", [3]))
+    await collect_assignments(producer_events, {"targeted-before", "claimed-before", "matched-before"})
+
+    await producer.complete_transfer(CompletionSpec("matched-before", 1))
+    await next_event(consumer_events, of_type(EventType.TRANSFER_COMMITTED, "matched-before"))
+    transfer = await client.get_transfer("matched-before")
+    assert (transfer.state, transfer.consumer_incarnation) == (TransferState.COMMITTED, consumer.incarnation)
+
+
+async def test_a_call_made_right_after_a_restart_lands_on_the_new_incarnation(
+    server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession
+) -> None:
+    old = consumer.incarnation
+    await server.restart()
+    result = await consumer.register_target(TargetSpec("t1", [1]))
+    assert result.state == TransferState.TARGETED
+    transfer = await client.get_transfer("t1")
+    assert transfer.consumer_incarnation == consumer.incarnation != old
+
+
+async def test_a_lost_lease_is_reregistered_and_the_aborted_transfers_are_dropped(
+    client: AsyncRendezvousClient,
+) -> None:
+    async with consumer_session(client, lease_ttl=1.0) as consumer:
+        events = consumer.events()
+        await consumer.register_target(TargetSpec("t1", [1]))
+        await client.deregister_engine("d0", consumer.incarnation)
+
+        event = await next_event(events, is_reregistered)
+        assert isinstance(event, Reregistered) and event.cause == "LEASE_EXPIRED"
+        (result,) = event.results
+        assert (result.transfer_id, result.state) == ("t1", TransferState.ABORTED)
+        assert len(consumer.live_transfers) == 0
+        assert (await client.get_engine("d0")).incarnation == consumer.incarnation == event.incarnation
+
+
+def test_live_transfers_keep_what_was_asserted_until_it_is_over() -> None:
+    live = LiveTransfers()
+    targets = [TargetSpec("kept", [1]), TargetSpec("over", [2]), TargetSpec("gone", [3]), TargetSpec("bad", [4])]
+    results = [
+        ItemResult("kept", TransferState.MATCHED),
+        ItemResult("over", TransferState.ABORTED),
+        ItemResult("gone", TransferState.UNSPECIFIED, FailedPrecondition("ended", reason="TRANSFER_ENDED")),
+        ItemResult("bad", TransferState.UNSPECIFIED, InvalidArgument("dup", reason="BLOCK_ID_DUPLICATE")),
+    ]
+    live.record(live.targets, targets, results)
+    assert list(live.targets) == ["kept"]
+    live.record(None, [CompletionSpec("kept", 1)], [ItemResult("kept", TransferState.MATCHED)])
+    assert "kept" in live, "a completion that leaves the transfer matched (a revocation) ends nothing"
+    live.record(None, [CompletionSpec("kept", 1)], [ItemResult("kept", TransferState.COMMITTED)])
+    assert len(live) == 0
+
+
+def test_live_transfers_end_on_commit_or_abort_events_and_follow_a_resync() -> None:
+    live = LiveTransfers()
+    live.claims.update({t: ClaimSpec(t) for t in ("a", "b", "c")})
+    live.sources["a"] = SourceReadySpec("a", [1])
+    committed = Event(1, EventType.TRANSFER_COMMITTED, TransferInfo("a", TransferState.COMMITTED), 1, None, 0.0)
+    live.on_event(committed)
+    assert "a" not in live and len(live) == 2
+    live.retain(["c"])
+    assert list(live.claims) == ["c"]
