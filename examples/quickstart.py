@@ -1,6 +1,6 @@
 """The README's quickstart: one push transfer between a consumer and a producer session.
 
-    python examples/quickstart.py [ADDRESS]     # default 127.0.0.1:50051 (start it with `make serve`)
+python examples/quickstart.py [ADDRESS]     # default 127.0.0.1:50051 (start it with `make serve`)
 """
 
 from __future__ import annotations

@@ -1,0 +1,274 @@
+"""NIXL data-plane benchmark: two processes on loopback, this one producing, a spawned one consuming.
+
+  throughput  one WRITE of 64 MiB as blocks of each size, in scattered order (NIXL cannot merge the blocks)
+              and, for the smallest size, in order (NIXL merges neighbouring blocks into larger transfers)
+  round trip  a one-block WRITE with notification, answered by a one-block WRITE back (NixlEndpoint), with
+              both sides polling in a tight loop, then both polling with the library's backoff
+  writer      TransferWriter with the assignment already held: source_ready() -> on_complete, one 4 KiB block,
+              the consumer polling with backoff
+
+Both sides must poll for a WRITE to complete (see clients.nixl.agent). Spinning pollers on a machine with few
+cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
+
+    python benchmarks/bench_nixl.py [--total-mib 64] [--reps 5] [--round-trips 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import threading
+import time
+from importlib.metadata import version
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clients.nixl import (
+    KvRegion,
+    NixlAgentInfo,
+    NixlEndpoint,
+    TransferReceiver,
+    TransferWriter,
+    XferStatus,
+)
+from clients.nixl.polling import Backoff, PollConfig
+
+RESULTS = Path(__file__).parent / "results"
+BLOCK_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
+TINY_BLOCK = 64
+WRITER_BLOCK = 4 << 10
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def one_region(buffer: np.ndarray[Any, Any], block: int) -> list[KvRegion]:
+    return [KvRegion(buffer.ctypes.data, block, block, buffer.nbytes // block)]
+
+
+def consumer(conn: Connection, total: int) -> None:
+    """Serve endpoints over one buffer; poll them all; answer a "ping:<i>" notification with a WRITE back.
+
+    Polls in a tight loop, or with the library's backoff after the "backoff" command. Endpoints are closed
+    after use: every NIXL agent brings its own UCX workers and threads to poll."""
+    buffer = np.zeros(total, dtype=np.uint8)
+    receivers: dict[str, TransferReceiver] = {}
+    answers = []
+    backoff: Backoff | None = None
+    while True:
+        progressed = False
+        if conn.poll():
+            progressed = True
+            command, *args = conn.recv()
+            if command == "stop":
+                break
+            if command == "create":
+                name, block = args
+                receivers[name] = TransferReceiver(NixlEndpoint(name, one_region(buffer, block)))
+                conn.send(receivers[name].agent_info())
+            elif command == "close":
+                receivers.pop(args[0]).close()
+                conn.send(None)
+            elif command == "add_peer":
+                name, agent = args
+                receivers[name].add_peer(agent, 1)
+                conn.send(None)
+            elif command == "backoff":
+                backoff = Backoff(PollConfig()) if args[0] else None
+                conn.send(None)
+        for receiver in receivers.values():
+            for n in receiver.poll_notifications():
+                progressed = True
+                if n.transfer_id == "ping":
+                    pong = f"pong:{n.generation}".encode()
+                    answers.append((receiver, receiver.endpoint.post("WRITE", n.sender, [1], [1], pong)))
+        for answer in [a for a in answers if a[0].endpoint.poll(a[1]) is not XferStatus.IN_PROGRESS]:
+            progressed = True
+            answers.remove(answer)
+            answer[0].endpoint.release(answer[1])
+        if backoff and progressed:
+            backoff.reset()
+        elif backoff:
+            time.sleep(backoff.next())  # not conn.poll(timeout): its timeout is rounded up to milliseconds
+    for receiver in receivers.values():
+        receiver.close()
+
+
+class Consumer:
+    def __init__(self, total: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=consumer, args=(child, total), daemon=True)
+        self.process.start()
+
+    def call(self, *request: Any) -> Any:
+        self.conn.send(request)
+        if not self.conn.poll(60):
+            raise TimeoutError(f"consumer did not answer {request[0]}")
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        self.conn.send(("stop",))
+        self.process.join(30)
+
+
+def wait(endpoint: NixlEndpoint, posted: Any) -> None:
+    while endpoint.poll(posted) is XferStatus.IN_PROGRESS:
+        pass
+    endpoint.release(posted)
+    if posted.status is not XferStatus.DONE:
+        raise RuntimeError(posted.error)
+
+
+def throughput(peer: Consumer, buffer: np.ndarray[Any, Any], block: int, scattered: bool, reps: int) -> float:
+    """GiB/s of the median of `reps` WRITEs of the whole buffer, after one warm-up WRITE."""
+    name = f"bench-{block}-{'s' if scattered else 'c'}"
+    agent = peer.call("create", f"{name}-dst", block)
+    endpoint = NixlEndpoint(f"{name}-src", one_region(buffer, block))
+    endpoint.add_peer(agent, 1)
+    n = buffer.nbytes // block
+    src = np.arange(n)
+    dst = np.random.default_rng(block).permutation(n) if scattered else src
+    seconds = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        wait(endpoint, endpoint.post("WRITE", agent.name, src, dst, b"bulk:1"))
+        seconds.append(time.perf_counter() - start)
+    endpoint.close()
+    peer.call("close", agent.name)
+    return buffer.nbytes / statistics.median(seconds[1:]) / 2**30
+
+
+def round_trips(peer: Consumer, count: int, backoff: bool) -> list[float]:
+    """Seconds from posting a ping WRITE to seeing the pong notification, `count` times after a warm-up.
+    Both sides spin, or both poll with the library's default backoff."""
+    buffer = np.zeros(TINY_BLOCK * 4, dtype=np.uint8)
+    endpoint = NixlEndpoint("bench-ping", one_region(buffer, TINY_BLOCK))
+    agent = peer.call("create", "bench-pong", TINY_BLOCK)
+    endpoint.add_peer(agent, 1)
+    peer.call("add_peer", "bench-pong", endpoint.agent_info())
+    peer.call("backoff", backoff)
+    samples = []
+    for i in range(count + 20):
+        start = time.perf_counter()
+        posted = endpoint.post("WRITE", agent.name, [0], [0], f"ping:{i}".encode())
+        expected = f"pong:{i}".encode()
+        pause = Backoff(PollConfig())
+        # Poll the ping too: a new connection and the notification only progress while the WRITE is polled.
+        while expected not in endpoint.get_notifications().get(agent.name, []):
+            endpoint.poll(posted)
+            if backoff:
+                time.sleep(pause.next())
+        samples.append(time.perf_counter() - start)
+        wait(endpoint, posted)
+    peer.call("backoff", False)
+    endpoint.close()
+    peer.call("close", agent.name)
+    return samples[20:]
+
+
+def writer_latencies(peer: Consumer, count: int) -> list[float]:
+    """Seconds from source_ready() to on_complete, with the assignment already held by the writer."""
+    buffer = np.zeros(WRITER_BLOCK * 16, dtype=np.uint8)
+    agent: NixlAgentInfo = peer.call("create", "bench-writer-dst", WRITER_BLOCK)
+    completed = threading.Event()
+    outcomes: list[bool] = []
+
+    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        outcomes.append(ok)
+        completed.set()
+
+    writer = TransferWriter(
+        NixlEndpoint("bench-writer-src", one_region(buffer, WRITER_BLOCK)),
+        on_complete=on_complete,
+        on_revoked=lambda *_: None,
+        on_source_free=lambda *_: None,
+    )
+    samples = []
+    with writer:
+        for i in range(count + 20):
+            writer.assign(f"t{i}", 1, agent, 1, [i % 16])
+            writer.barrier()
+            completed.clear()
+            start = time.perf_counter()
+            writer.source_ready(f"t{i}", [i % 16])
+            if not completed.wait(10):
+                raise TimeoutError("writer did not complete")
+            samples.append(time.perf_counter() - start)
+    if not all(outcomes):
+        raise RuntimeError("a benchmark write failed")
+    return samples[20:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total-mib", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--round-trips", type=int, default=1000)
+    args = parser.parse_args()
+    os.environ.setdefault("UCX_TLS", "shm,tcp")  # loopback only, inherited by the consumer process
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    total = args.total_mib << 20
+    buffer = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    peer = Consumer(total)
+    try:
+        rows: list[dict[str, Any]] = [
+            {"block_bytes": b, "order": "scattered", "gib_per_s": throughput(peer, buffer, b, True, args.reps)}
+            for b in BLOCK_SIZES
+        ]
+        rows.append(
+            {
+                "block_bytes": BLOCK_SIZES[0],
+                "order": "in order",
+                "gib_per_s": throughput(peer, buffer, BLOCK_SIZES[0], False, args.reps),
+            }
+        )
+        rtt_spin = round_trips(peer, args.round_trips, backoff=False)
+        rtt_backoff = round_trips(peer, args.round_trips, backoff=True)
+        peer.call("backoff", True)
+        writer = writer_latencies(peer, args.round_trips)
+    finally:
+        peer.stop()
+
+    print(f"WRITE of {args.total_mib} MiB, median of {args.reps}   UCX_TLS={os.environ['UCX_TLS']}")
+    print(f"{'block':>10} {'order':>10} {'GiB/s':>8}")
+    for row in rows:
+        print(f"{row['block_bytes'] >> 10:>7} KiB {row['order']:>10} {row['gib_per_s']:>8.2f}")
+    latency = {}
+    measured = {"round_trip_spin": rtt_spin, "round_trip_backoff": rtt_backoff, "writer_ready_to_complete": writer}
+    for label, samples in measured.items():
+        latency[label] = {f"p{q}_us": percentile(samples, q / 100) * 1e6 for q in (50, 90, 99)}
+        latency[label]["samples"] = len(samples)
+        print(f"{label:>26}: " + "  ".join(f"{k} {v:.1f}" for k, v in latency[label].items() if k != "samples"))
+
+    RESULTS.mkdir(exist_ok=True)
+    result = {
+        "benchmark": "nixl",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_1m_at_end": os.getloadavg()[0],
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "nixl": version("nixl"),
+        "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        "total_bytes": total,
+        "reps": args.reps,
+        "throughput": rows,
+        "latency": latency | {"round_trip_block_bytes": TINY_BLOCK, "writer_block_bytes": WRITER_BLOCK},
+    }
+    (RESULTS / "nixl.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""NIXL data plane: register KV regions, push (WRITE) or pull (READ) whole blocks between engine ranks.
+
+- `NixlEndpoint`: one NIXL agent (UCX, no progress thread) with its regions and cached peers; one thread owns it.
+- `TransferWriter`: the producer's background writer thread, fed assignments and ready source blocks.
+- `TransferReceiver`: the consumer's notifications ("<transfer_id>:<generation>") and pull-mode reads.
+
+NIXL itself is imported when the first endpoint is created; this package imports without it.
+"""
+
+from clients._types import KvRegion, MemoryKind, NixlAgentInfo
+from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
+from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, PeerError, TransferFailedError
+from clients.nixl.notifications import TransferNotification, encode_notification, parse_notification
+from clients.nixl.polling import PollConfig
+from clients.nixl.receiver import TransferReceiver
+from clients.nixl.regions import DescriptorTable, memory_kind_of, regions_from_tensors, registration_spans
+from clients.nixl.writer import OnComplete, OnRevoked, OnSourceFree, TransferWriter, WriterConfig
+
+__all__ = [
+    "BlockRangeError",
+    "DataPlaneError",
+    "DescriptorTable",
+    "KvRegion",
+    "LayoutMismatchError",
+    "MemoryKind",
+    "NixlAgentInfo",
+    "NixlEndpoint",
+    "OnComplete",
+    "OnRevoked",
+    "OnSourceFree",
+    "PeerError",
+    "PollConfig",
+    "PostedTransfer",
+    "TransferFailedError",
+    "TransferNotification",
+    "TransferReceiver",
+    "TransferWriter",
+    "WriterConfig",
+    "XferStatus",
+    "encode_notification",
+    "memory_kind_of",
+    "parse_notification",
+    "regions_from_tensors",
+    "registration_spans",
+]

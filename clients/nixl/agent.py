@@ -1,0 +1,264 @@
+"""`NixlEndpoint`: one NIXL agent with registered KV regions, its known peers and the transfers it posts.
+
+NIXL agents are not thread-safe (this one is created without locking and without a progress thread): one
+thread owns an endpoint and makes every call on it. Hand an endpoint to another thread only before that
+thread starts using it, as `TransferWriter` does, and never call it from two threads.
+
+Without a progress thread NIXL moves bytes only when its owner calls in, so both sides poll: the initiator
+`poll`s each transfer it posted until it is done (a new connection and the notification advance only
+then), and the target calls `get_notifications` steadily. On UCX over shm/tcp a WRITE does not complete
+while the receiving agent sits idle.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Literal
+
+from clients._types import KvRegion, MemoryKind, NixlAgentInfo
+from clients.nixl.errors import BlockRangeError, LayoutMismatchError, PeerError, TransferFailedError
+from clients.nixl.regions import (
+    BlockIds,
+    DescriptorTable,
+    memory_kind_of,
+    nixl_memory_type,
+    regions_from_tensors,
+    registration_spans,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["NixlEndpoint", "PostedTransfer", "XferStatus"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _nixl_api() -> tuple[Any, Any, tuple[type[Exception], ...]]:
+    """nixl_agent, nixl_agent_config and the exceptions NIXL raises, imported on first use."""
+    if "NIXL_LOG_LEVEL" not in os.environ:
+        # NIXL logs every backend it instantiates at INFO, from Python and from C++; keep warnings and errors.
+        os.environ["NIXL_LOG_LEVEL"] = "WARN"
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    from nixl import _bindings
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    errors = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.startswith("nixl") and n.endswith("Error"))
+    return nixl_agent, nixl_agent_config, (RuntimeError, *errors)
+
+
+Operation = Literal["WRITE", "READ"]
+
+
+class XferStatus(StrEnum):
+    """State of a posted transfer."""
+
+    IN_PROGRESS = "PROC"
+    DONE = "DONE"
+    FAILED = "ERR"
+
+
+@dataclass(eq=False)
+class PostedTransfer:
+    """A transfer this endpoint posted; poll it with `NixlEndpoint.poll`, then `NixlEndpoint.release` it."""
+
+    peer: str
+    status: XferStatus
+    error: str | None = None
+    _handle: Any = field(default=None, repr=False)
+
+
+@dataclass(eq=False)
+class _Peer:
+    incarnation: int
+    table: DescriptorTable
+    dlist: Any
+
+
+class NixlEndpoint:
+    """One NIXL agent (UCX backend) that registered `regions` once and moves whole blocks of them.
+
+    Peers are cached by (agent name, incarnation): the remote descriptor list is prepared once per peer
+    incarnation, the local one once. Owned by one thread; see the module docstring.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        regions: Sequence[KvRegion],
+        memory_kind: MemoryKind = MemoryKind.DRAM,
+        *,
+        backends: Sequence[str] = ("UCX",),
+    ) -> None:
+        self.name = name
+        self.memory_kind = MemoryKind(memory_kind)
+        self.table = DescriptorTable(regions)
+        self._mem_type = nixl_memory_type(self.memory_kind)
+        nixl_agent, nixl_agent_config, self._errors = _nixl_api()
+        self._agent: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+        self._registered = self._agent.register_memory(registration_spans(self.table.regions), self._mem_type)
+        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.table.descriptors(), self._mem_type)
+        self._metadata: bytes = self._agent.get_agent_metadata()
+        self._peers: dict[str, _Peer] = {}
+        self._keepalive: tuple[object, ...] = ()
+
+    @classmethod
+    def from_tensors(cls, name: str, tensors: Sequence[torch.Tensor]) -> NixlEndpoint:
+        """An endpoint over one region per tensor (see `regions_from_tensors`); it keeps the tensors alive."""
+        endpoint = cls(name, regions_from_tensors(tensors), memory_kind_of(tensors))
+        endpoint._keepalive = tuple(tensors)
+        return endpoint
+
+    @property
+    def regions(self) -> tuple[KvRegion, ...]:
+        """The registered regions, in descriptor order."""
+        return self.table.regions
+
+    @property
+    def metadata(self) -> bytes:
+        """This agent's serialized NIXL metadata, which peers load to reach it."""
+        return self._metadata
+
+    def agent_info(self, rank: int = 0) -> NixlAgentInfo:
+        """This agent as engines announce it to the rendezvous service."""
+        return NixlAgentInfo(self.name, self._metadata, rank, self.memory_kind, self.table.regions)
+
+    def peer_incarnation(self, name: str) -> int | None:
+        """The incarnation of the cached peer `name`, or None when it is not cached."""
+        peer = self._peers.get(name)
+        return None if peer is None else peer.incarnation
+
+    def add_peer(self, agent: NixlAgentInfo, incarnation: int) -> bool:
+        """Load a peer's metadata and prepare its descriptors; True if loaded, False if already cached.
+
+        A newer incarnation of a cached agent replaces it. Raises `PeerError` for an older incarnation or
+        unreadable metadata and `LayoutMismatchError` when the peer's regions do not pair with ours.
+        """
+        agent_nixl = self._nixl()
+        cached = self._peers.get(agent.name)
+        if cached is not None:
+            if incarnation == cached.incarnation:
+                return False
+            if incarnation < cached.incarnation:
+                raise PeerError(f"agent {agent.name!r}: incarnation {incarnation} is older than {cached.incarnation}")
+            self.remove_peer(agent.name)
+        try:
+            table = DescriptorTable(agent.regions)
+            mem_type = nixl_memory_type(agent.memory_kind)
+        except ValueError as e:
+            raise LayoutMismatchError(f"agent {agent.name!r}: {e}") from e
+        self.table.check_pairs_with(table)
+        try:
+            loaded = agent_nixl.add_remote_agent(agent.metadata)
+        except self._errors as e:
+            raise PeerError(f"agent {agent.name!r}: unreadable metadata ({e})") from e
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != agent.name:
+            if loaded not in self._peers and loaded != self.name:
+                agent_nixl.remove_remote_agent(loaded)
+            raise PeerError(f"metadata announced as agent {agent.name!r} belongs to agent {loaded!r}")
+        try:
+            dlist = agent_nixl.prep_xfer_dlist(agent.name, table.descriptors(), mem_type)
+        except self._errors as e:
+            agent_nixl.remove_remote_agent(agent.name)
+            raise PeerError(f"agent {agent.name!r}: its regions are not registered in its metadata ({e})") from e
+        self._peers[agent.name] = _Peer(incarnation, table, dlist)
+        return True
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer: release its descriptors and disconnect. Its transfers must have finished."""
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            return
+        agent = self._nixl()
+        try:
+            agent.release_dlist_handle(peer.dlist)
+            agent.remove_remote_agent(name)
+        except self._errors as e:  # the peer is forgotten either way; NIXL keeps at worst a stale entry
+            logger.warning("endpoint %s: removing peer %s: %s", self.name, name, e)
+
+    def post(
+        self,
+        operation: Operation,
+        peer: str,
+        local_block_ids: BlockIds,
+        remote_block_ids: BlockIds,
+        notification: bytes = b"",
+    ) -> PostedTransfer:
+        """Post a WRITE (local -> peer) or READ (peer -> local) of whole blocks in every region.
+
+        Block i of `local_block_ids` pairs with block i of `remote_block_ids`. `notification` reaches the
+        peer once the bytes are there. Block ids are checked first: `BlockRangeError` (a ValueError) means
+        nothing was posted. Raises `PeerError` for an unknown peer and `TransferFailedError` when NIXL
+        refuses the transfer.
+        """
+        agent = self._nixl()
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise PeerError(f"unknown peer agent {peer!r}")
+        local_idx = self.table.indices(local_block_ids)
+        remote_idx = remote.table.indices(remote_block_ids)
+        num_blocks = len(local_idx) // len(self.table.regions)
+        if num_blocks == 0:
+            raise BlockRangeError("a transfer needs at least one block")
+        if len(local_idx) != len(remote_idx):
+            raise BlockRangeError(f"{num_blocks} local blocks but {len(remote_idx) // len(self.table.regions)} remote")
+        handle = None
+        try:
+            handle = agent.make_prepped_xfer(
+                operation, self._local_dlist, local_idx, remote.dlist, remote_idx, notification
+            )
+            state = agent.transfer(handle)
+        except self._errors as e:
+            if handle is not None:
+                handle.release()
+            raise TransferFailedError(f"{operation} to {peer!r} not posted: {e}") from e
+        if state == "ERR":
+            handle.release()
+            raise TransferFailedError(f"{operation} to {peer!r} not posted")
+        return PostedTransfer(peer, XferStatus(state), _handle=handle)
+
+    def poll(self, transfer: PostedTransfer) -> XferStatus:
+        """Progress NIXL and return the transfer's status; a failure's text goes to `transfer.error`."""
+        if transfer.status is XferStatus.IN_PROGRESS:
+            try:
+                transfer.status = XferStatus(self._nixl().check_xfer_state(transfer._handle))
+            except self._errors as e:
+                transfer.status, transfer.error = XferStatus.FAILED, str(e) or type(e).__name__
+            if transfer.status is XferStatus.FAILED and transfer.error is None:
+                transfer.error = "NIXL reported the transfer failed"
+        return transfer.status
+
+    def release(self, transfer: PostedTransfer) -> None:
+        """Free a transfer's handle. NIXL tries to cancel one still in progress and raises if it cannot."""
+        try:
+            transfer._handle.release()
+        except self._errors as e:
+            raise TransferFailedError(f"transfer to {transfer.peer!r} could not be released: {e}") from e
+
+    def get_notifications(self) -> dict[str, list[bytes]]:
+        """Progress NIXL and return the notifications that arrived since the last call, by sender agent."""
+        notifs: dict[str, list[bytes]] = self._nixl().get_new_notifs()
+        return notifs
+
+    def close(self) -> None:
+        """Forget every peer, deregister the regions and drop the agent. Transfers must have finished."""
+        if self._agent is None:
+            return
+        for name in list(self._peers):
+            self.remove_peer(name)
+        self._agent.release_dlist_handle(self._local_dlist)
+        self._agent.deregister_memory(self._registered)
+        self._agent = None
+        self._keepalive = ()
+
+    def _nixl(self) -> Any:
+        if self._agent is None:
+            raise RuntimeError(f"endpoint {self.name!r} is closed")
+        return self._agent
