@@ -60,7 +60,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             g.add_argument(
                 f"--{name}",
                 type=kind,
-                default=kind(os.environ.get(env, f.default)),
+                default=kind(os.environ.get(env, str(f.default))),
                 help=f"(env {env}; default {f.default})",
             )
 
@@ -120,7 +120,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(args.address) as channel:
-        stub = pb_grpc.RendezvousServiceStub(channel)
+        stub = pb_grpc.RendezvousServiceStub(channel)  # type: ignore[no-untyped-call]
         if args.command == "status":
             s = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
             rows = [
@@ -158,9 +158,9 @@ def _inspect(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            states = [pb.TransferState.Value("TRANSFER_STATE_" + s.upper()) for s in args.state]
+            wire_states: Any = [pb.TransferState.Value("TRANSFER_STATE_" + s.upper()) for s in args.state]
             transfers = stub.ListTransfers(
-                pb.ListTransfersRequest(engine_id=args.engine, states=states, page_size=args.limit),
+                pb.ListTransfersRequest(engine_id=args.engine, states=wire_states, page_size=args.limit),
                 timeout=args.timeout,
             ).transfers
             print(
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _inspect(args)
     except grpc.RpcError as err:
-        print(f"kv-rendezvous: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        print(f"kv-rendezvous: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
 
 

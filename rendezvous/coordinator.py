@@ -207,21 +207,8 @@ class Coordinator:
         for item in items:
             ctx = self._context()
 
-            def fn(
-                cur: Transfer | None,
-                engines: Mapping[str, Engine],
-                item: SpecT = item,
-                ctx: Context = ctx,
-                full: bool = joins and room <= 0,
-            ) -> Transition:
-                if full and caller is not None and (cur is None or caller.engine_id not in cur.participants()):
-                    raise RendezvousError(
-                        Reason.TOO_MANY_TRANSFERS,
-                        f"engine {caller.engine_id} has {self.limits.max_live_transfers_per_engine} live transfers",
-                        limit=self.limits.max_live_transfers_per_engine,
-                    )
-                return step(ctx, cur, engines, item)
-
+            full = joins and room <= 0
+            fn = partial(_guarded, step, ctx, item, caller if full else None, self.limits)
             try:
                 transition = await self._apply(item.transfer_id, fn)
             except RendezvousError as err:
@@ -384,6 +371,25 @@ class Coordinator:
         ctx = self._context()
         for transfer_id in await self.store.due_transfers(ctx.now, max_transfers):
             await self._apply(transfer_id, lambda cur, _e: lifecycle.expire(ctx, cur))
+
+
+def _guarded(
+    step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
+    ctx: Context,
+    item: SpecT,
+    full_caller: Engine | None,
+    limits: Limits,
+    cur: Transfer | None,
+    engines: Mapping[str, Engine],
+) -> Transition:
+    """Apply step, refusing to make a caller that is at its live-transfer limit join one more transfer."""
+    if full_caller is not None and (cur is None or full_caller.engine_id not in cur.participants()):
+        raise RendezvousError(
+            Reason.TOO_MANY_TRANSFERS,
+            f"engine {full_caller.engine_id} has {limits.max_live_transfers_per_engine} live transfers",
+            limit=limits.max_live_transfers_per_engine,
+        )
+    return step(ctx, cur, engines, item)
 
 
 def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:

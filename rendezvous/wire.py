@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2, status_pb2
@@ -44,6 +46,11 @@ _GRPC_CODE_NUMBERS: dict[Code, int] = {
     Code.UNAVAILABLE: 14,
     Code.UNAUTHENTICATED: 16,
 }
+
+
+def enum_value(value: int) -> Any:
+    """A domain enum as the protocol's enum value (the numbers are equal by design)."""
+    return cast(Any, int(value))
 
 
 def seconds(d: Duration) -> float:
@@ -171,7 +178,7 @@ def engine_message(e: Engine, include_metadata: bool = True, live_transfers: int
     return pb.Engine(
         engine_id=e.engine_id,
         pool=e.pool,
-        role=int(e.role),
+        role=enum_value(e.role),
         layout=pb.KvLayout(
             model_fingerprint=e.layout.model_fingerprint,
             dtype=e.layout.dtype,
@@ -186,7 +193,7 @@ def engine_message(e: Engine, include_metadata: bool = True, live_transfers: int
                 name=a.name,
                 metadata=a.metadata if include_metadata else b"",
                 rank=a.rank,
-                memory_kind=int(a.memory_kind),
+                memory_kind=enum_value(a.memory_kind),
                 regions=[
                     pb.KvRegion(
                         base_address=r.base_address,
@@ -214,8 +221,8 @@ def transfer_message(t: Transfer) -> pb.Transfer:
     times = t.times
     return pb.Transfer(
         transfer_id=t.transfer_id,
-        state=int(t.state),
-        mode=int(t.mode),
+        state=enum_value(t.state),
+        mode=enum_value(t.mode),
         generation=t.generation,
         consumer_engine_id=t.consumer_engine_id,
         consumer_incarnation=t.consumer_incarnation,
@@ -224,7 +231,7 @@ def transfer_message(t: Transfer) -> pb.Transfer:
         target_block_ids=t.target_block_ids,
         source_block_ids=t.source_block_ids or (),
         num_tokens=t.num_tokens,
-        abort_reason=int(t.abort_reason),
+        abort_reason=enum_value(t.abort_reason),
         abort_message=t.abort_message,
         revoking_generation=t.revoking_generation,
         deadline=timestamp(t.deadline),
@@ -243,7 +250,7 @@ def event_message(e: Event) -> pb.Event:
     """An event as a message."""
     return pb.Event(
         revision=e.revision,
-        type=int(e.type),
+        type=enum_value(e.type),
         transfer=transfer_message(e.transfer) if e.transfer is not None else None,
         generation=e.generation,
         peer=engine_message(e.peer) if e.peer is not None else None,

@@ -34,8 +34,8 @@ ResponseT = TypeVar("ResponseT", bound=Message)
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
-def _rpc(response_type: type[ResponseT] | None = None) -> Callable[[Handler[ResponseT]], Handler[ResponseT]]:
-    """Error mapping, idempotency (when response_type is given) and metrics for a unary handler."""
+def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handler[ResponseT]]:
+    """Error mapping, metrics and, for requests with a request_id, idempotency (AIP-155) of a unary handler."""
 
     def decorate(handler: Handler[ResponseT]) -> Handler[ResponseT]:
         method = handler.__name__
@@ -45,13 +45,12 @@ def _rpc(response_type: type[ResponseT] | None = None) -> Callable[[Handler[Resp
             started = time.perf_counter()
             code = "OK"
             try:
-                key = (
-                    f"{method}/{request.engine_id}/{request.request_id}" if response_type and request.request_id else ""
-                )
+                request_id = getattr(request, "request_id", "")
+                key = f"{method}/{request.engine_id}/{request_id}" if request_id else ""
                 if key:
                     cached = await self.coordinator.store.get_response(key)
                     if cached is not None:
-                        return response_type.FromString(cached)  # type: ignore[union-attr]
+                        return response_type.FromString(cached)
                 response = await handler(self, request, context)
                 if key:
                     await self.coordinator.store.put_response(key, response.SerializeToString(), self.idempotency_ttl)
@@ -136,7 +135,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             pb.ItemResult(
                 transfer_id=o.transfer_id,
                 status=wire.error_status(o.error) if o.error else None,
-                state=int(o.transfer.state) if o.transfer else 0,
+                state=wire.enum_value(o.transfer.state if o.transfer else 0),
             )
             for o in outcomes
         ]
@@ -174,7 +173,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         aborted = await self.coordinator.deregister_engine(request.engine_id, request.incarnation)
         return pb.DeregisterEngineResponse(header=await self._header(), aborted_transfers=aborted)
 
-    @_rpc()
+    @_rpc(pb.GetEngineResponse)
     async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
         engine = await self.coordinator.get_engine(request.engine_id)
         live = len(await self.coordinator.store.live_transfer_ids(engine.engine_id))
@@ -182,7 +181,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             header=await self._header(), engine=wire.engine_message(engine, live_transfers=live)
         )
 
-    @_rpc()
+    @_rpc(pb.ListEnginesResponse)
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
@@ -268,14 +267,14 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         )
         return pb.AbortTransferResponse(header=await self._header(), results=self._results("AbortTransfer", outcomes))
 
-    @_rpc()
+    @_rpc(pb.GetTransferResponse)
     async def GetTransfer(
         self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetTransferResponse:
         transfer = await self.coordinator.get_transfer(request.transfer_id)
         return pb.GetTransferResponse(header=await self._header(), transfer=wire.transfer_message(transfer))
 
-    @_rpc()
+    @_rpc(pb.ListTransfersResponse)
     async def ListTransfers(
         self, request: pb.ListTransfersRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListTransfersResponse:
@@ -289,7 +288,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             next_page_token=page.next_page_token,
         )
 
-    @_rpc()
+    @_rpc(pb.GetStatusResponse)
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
         counts = await self.coordinator.counts()
         return pb.GetStatusResponse(

@@ -34,9 +34,9 @@ import logging
 import random
 import secrets
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis.asyncio as aioredis
@@ -223,8 +223,8 @@ def _store_errors(limit: float) -> Iterator[None]:
 
 
 def _guarded(
-    method: Callable[Concatenate[RedisStore, P], Awaitable[R]],
-) -> Callable[Concatenate[RedisStore, P], Awaitable[R]]:
+    method: Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]]:
     """Bound a store call by op_timeout and map Redis failures (see _store_errors)."""
 
     @functools.wraps(method)
@@ -236,7 +236,7 @@ def _guarded(
             async with asyncio.timeout(limit):
                 return await method(self, *args, **kwargs)
 
-    return guarded
+    return cast("Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]]", guarded)
 
 
 class _EngineEntry:
@@ -352,7 +352,7 @@ class _Batcher:
 
     async def _single(self, args: tuple[Any, ...]) -> Any:
         try:
-            return await self._client.execute_command(*args)
+            return await self._client.execute_command(*args)  # type: ignore[no-untyped-call]
         except rex.ResponseError as err:
             return err
 
@@ -405,9 +405,10 @@ class RedisStore(Store):
         sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
         if self.target.sentinel_password is not None:
             sentinel_kwargs["password"] = self.target.sentinel_password
-        sentinel = Sentinel(list(self.target.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs)
+        sentinel = Sentinel(list(self.target.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
         self._sentinels.append(sentinel)
-        return sentinel.master_for(self.target.service, redis_class=aioredis.Redis)
+        master: aioredis.Redis = sentinel.master_for(self.target.service, redis_class=aioredis.Redis)
+        return master
 
     async def open(self) -> None:
         if self._redis is not None:
@@ -466,15 +467,16 @@ class RedisStore(Store):
 
     async def _check_epoch(self, client: aioredis.Redis) -> None:
         """Read the epoch, or make one if Redis has none (first start, or its data was lost)."""
-        epoch, rev = await client.mget(self._epoch_key, self._rev_key)
-        if epoch is None:
+        stored_epoch, stored_rev = await client.mget(self._epoch_key, self._rev_key)
+        if stored_epoch is None:
             await client.set(self._epoch_key, secrets.randbits(63) or 1, nx=True)
-            epoch, rev = await client.mget(self._epoch_key, self._rev_key)
-        rev = int(rev or 0)
-        if int(epoch) != self._epoch:
-            self._adopt_epoch(int(epoch), rev)
+            stored_epoch, stored_rev = await client.mget(self._epoch_key, self._rev_key)
+            assert stored_epoch is not None
+        epoch, rev = int(stored_epoch), int(stored_rev or 0)
+        if epoch != self._epoch:
+            self._adopt_epoch(epoch, rev)
         elif rev < self._high_rev:
-            await self._regressed(rev, self._epoch)
+            await self._regressed(rev, epoch)
         else:
             self._high_rev = rev
 
@@ -836,7 +838,7 @@ class RedisStore(Store):
             raise StoreUnavailableError("the Redis store is not open")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        stream = {self._prefix + "s:" + engine_id: f"{max(after_revision, 0)}-0"}
+        stream: dict[Any, Any] = {self._prefix + "s:" + engine_id: f"{max(after_revision, 0)}-0"}
         limit = max(timeout, 0) + self.options.op_timeout
         with _store_errors(limit):
             async with asyncio.timeout(limit):
