@@ -166,7 +166,11 @@ class MemoryStore(Store):
 
     async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
         log = self._logs.get(engine_id)
-        if log is None or log.last_revision > after_revision:
+        if log is None:
+            await asyncio.sleep(timeout)
+            return
+        if log.last_revision > after_revision:
+            await asyncio.sleep(0)  # always yield, so a caller looping on this never starves the event loop
             return
         try:
             await asyncio.wait_for(log.changed.wait(), timeout)

@@ -213,3 +213,31 @@ async def test_status_counts_engines_transfers_and_watchers(stub: Stub) -> None:
     assert (status.live_engines, dict(status.transfers_by_state), status.watchers) == (2, {"TARGETED": 1}, 1)
     assert status.store == "memory"
     watch.cancel()
+
+
+async def test_a_watcher_that_stops_reading_never_blocks_the_server_and_resyncs_or_sees_every_event(
+    stub: Stub,
+) -> None:
+    _, p = await register_pair(stub)
+    slow = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    await slow.read()
+    # 600 assignments while the watcher reads nothing: ~10x the 64 events the fixture retains.
+    for chunk in range(6):
+        ids = [f"s{chunk}-{i}" for i in range(100)]
+        targets = [pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids]
+        await asyncio.wait_for(stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d1", targets=targets)), 5)
+        claims = [pb.ClaimSpec(transfer_id=t) for t in ids]
+        await asyncio.wait_for(stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=claims)), 5)
+    expected = p.watch_start_revision
+    resynced = False
+    while expected <= 600:
+        response = await asyncio.wait_for(slow.read(), 5)
+        if response.resync_required:
+            resynced = True
+            expected = response.resync_revision
+            continue
+        for event in response.events:
+            assert event.revision == expected, "a gap in revisions without a resync"
+            expected += 1
+    assert resynced, "600 events cannot all have been buffered for a reader that stopped"
+    slow.cancel()
