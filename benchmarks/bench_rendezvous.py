@@ -181,6 +181,14 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
                         )
                     )
 
+        pending: set[asyncio.Task[Any]] = set()
+
+        def background(call: Any) -> None:
+            """Send a follow-up without holding up the event stream (an engine's writer does this off-thread)."""
+            task = asyncio.ensure_future(call)
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
         async def react() -> None:
             nonlocal finished
             while True:
@@ -191,11 +199,13 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
                         e.transfer.transfer_id for e in response.events if e.type == pb.EVENT_TYPE_TRANSFER_COMMITTED
                     ]
                     if committed:
-                        await stub.ReleaseTarget(
-                            pb.ReleaseTargetRequest(
-                                engine_id=engine_id,
-                                incarnation=inc,
-                                releases=[pb.ReleaseSpec(transfer_id=t, generation=1) for t in committed],
+                        background(
+                            stub.ReleaseTarget(
+                                pb.ReleaseTargetRequest(
+                                    engine_id=engine_id,
+                                    incarnation=inc,
+                                    releases=[pb.ReleaseSpec(transfer_id=t, generation=1) for t in committed],
+                                )
                             )
                         )
                     progressed = committed
@@ -204,18 +214,20 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
                     for e in assigned:
                         assigned_at[e.transfer.transfer_id] = now
                     if assigned:
-                        await stub.CompleteTransfer(
-                            pb.CompleteTransferRequest(
-                                engine_id=engine_id,
-                                incarnation=inc,
-                                completions=[
-                                    pb.CompletionSpec(
-                                        transfer_id=e.transfer.transfer_id,
-                                        generation=e.generation,
-                                        outcome=pb.COMPLETION_OUTCOME_SUCCEEDED,
-                                    )
-                                    for e in assigned
-                                ],
+                        background(
+                            stub.CompleteTransfer(
+                                pb.CompleteTransferRequest(
+                                    engine_id=engine_id,
+                                    incarnation=inc,
+                                    completions=[
+                                        pb.CompletionSpec(
+                                            transfer_id=e.transfer.transfer_id,
+                                            generation=e.generation,
+                                            outcome=pb.COMPLETION_OUTCOME_SUCCEEDED,
+                                        )
+                                        for e in assigned
+                                    ],
+                                )
                             )
                         )
                     progressed = [e.transfer.transfer_id for e in assigned]
@@ -230,6 +242,7 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
         reactor = asyncio.create_task(react())
         await issue()
         await asyncio.wait_for(done.wait(), plan["timeout"])
+        await asyncio.gather(*pending)
         elapsed = time.monotonic() - started
         watch.cancel()
         reactor.cancel()
