@@ -7,6 +7,7 @@ an observer (metrics). It knows nothing of gRPC; the server maps the wire onto i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import logging
@@ -203,21 +204,26 @@ class Coordinator:
         room = self.limits.max_live_transfers_per_engine
         if joins and caller is not None:
             room -= len(await self.store.live_transfer_ids(caller.engine_id))
-        outcomes: list[ItemOutcome] = []
-        for item in items:
-            ctx = self._context()
 
-            full = joins and room <= 0
-            fn = partial(_guarded, step, ctx, item, caller if full else None, self.limits)
+        async def apply(item: SpecT, full: bool) -> ItemOutcome:
+            fn = partial(_guarded, step, self._context(), item, caller if full else None, self.limits)
             try:
                 transition = await self._apply(item.transfer_id, fn)
             except RendezvousError as err:
-                outcomes.append(ItemOutcome(item.transfer_id, error=err))
-                continue
-            t = transition.transfer
+                return ItemOutcome(item.transfer_id, error=err)
+            return ItemOutcome(item.transfer_id, transfer=transition.transfer)
+
+        if self.store.concurrent and room >= len(items):
+            # No item can reach the limit, so they may be in flight together (one round trip to a
+            # networked store); items of one transfer still apply in order (the store queues them).
+            return list(await asyncio.gather(*(apply(item, False) for item in items)))
+        outcomes: list[ItemOutcome] = []
+        for item in items:
+            outcome = await apply(item, joins and room <= 0)
+            t = outcome.transfer
             if joins and caller is not None and t is not None and not t.state.terminal:
                 room -= 1
-            outcomes.append(ItemOutcome(item.transfer_id, transfer=t))
+            outcomes.append(outcome)
         return outcomes
 
     async def register_targets(

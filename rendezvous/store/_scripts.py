@@ -17,7 +17,7 @@ docs/operations.md):
     engines          set     every engine id
     leases           zset    live engine id by lease expiry
     ended            zset    ended engine id (tombstone) by end time
-    s:<engine>       stream  events; entry id "<revision>-0", field e
+    s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine, if any)
     r:<key>          string  idempotent response, with a TTL
     op:<id>          string  marks an applied append_events call (retries apply once), with a TTL
 
@@ -72,21 +72,27 @@ end
 """
 
 _APPEND = """
--- Append one event to an engine's stream; the stream id is the engine's next revision.
-local function append(eid, payload, maxlen)
+-- Append one event to an engine's stream; the stream id is the engine's next revision. The peer
+-- engine an event carries is its own field, so readers decode each distinct peer once.
+local function append(eid, payload, peer, maxlen)
   local ek = P .. 'e:' .. eid
   if redis.call('EXISTS', ek) == 0 then
     return
   end
   local sk = P .. 's:' .. eid
   local r = redis.call('HINCRBY', ek, 'r', 1)
-  local added = redis.pcall('XADD', sk, 'MAXLEN', '~', maxlen, r .. '-0', 'e', payload)
+  local fields = {'e', payload}
+  if peer ~= '' then
+    fields[3] = 'p'
+    fields[4] = peer
+  end
+  local added = redis.pcall('XADD', sk, 'MAXLEN', '~', maxlen, r .. '-0', unpack(fields))
   if type(added) == 'table' and added.err then
     -- The stream is ahead of the counter (the hash was replaced by hand): continue after the stream.
     local last = redis.call('XREVRANGE', sk, '+', '-', 'COUNT', 1)
     r = tonumber(string.match(last[1][1], '^(%d+)')) + 1
     redis.call('HSET', ek, 'r', r)
-    redis.call('XADD', sk, 'MAXLEN', '~', maxlen, r .. '-0', 'e', payload)
+    redis.call('XADD', sk, 'MAXLEN', '~', maxlen, r .. '-0', unpack(fields))
   end
 end
 """
@@ -101,7 +107,7 @@ return snapshot(ARGV[2])
 
 # ARGV: prefix, guard, transfer id, expected version, n, n x (engine id, expected version),
 #       op (w write | d delete | n verify only), record, consumer, producer, state, deadline,
-#       max events per engine, m, m x (engine id, event).
+#       max events per engine, m, m x (engine id, event, peer engine or "").
 COMMIT_TRANSFER = (
     _PRELUDE
     + _GUARD
@@ -178,8 +184,8 @@ elseif existed then
   redis.call('SREM', P .. 'transfers', tid)
 end
 for _ = 1, nev do
-  append(ARGV[i], ARGV[i + 1], maxlen)
-  i = i + 2
+  append(ARGV[i], ARGV[i + 1], ARGV[i + 2], maxlen)
+  i = i + 3
 end
 return {'OK', rev}
 """
@@ -227,7 +233,7 @@ return {'OK', rev}
 )
 
 # ARGV: prefix, guard, operation id, seconds to remember it, max events per engine, n,
-#       n x (engine id, event).
+#       n x (engine id, event, peer engine or "").
 APPEND_EVENTS = (
     _PRELUDE
     + _GUARD
@@ -243,8 +249,8 @@ end
 local rev = redis.call('INCR', P .. 'rev')
 local i = 7
 for _ = 1, tonumber(ARGV[6]) do
-  append(ARGV[i], ARGV[i + 1], ARGV[5])
-  i = i + 2
+  append(ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[5])
+  i = i + 3
 end
 return {'OK', rev}
 """
@@ -252,7 +258,7 @@ return {'OK', rev}
 
 # ARGV: prefix, engine id, start revision, limit.
 # Reply: {last revision} for an unknown engine's empty log, {last, 1} when start was trimmed (resync),
-#        {last, 0, entries} otherwise.
+#        {last, 0, flat (entry id, event, peer or "")...} otherwise.
 READ_EVENTS = (
     _PRELUDE
     + """
@@ -272,10 +278,17 @@ if start < first then
   return {last, 1}
 end
 local limit = tonumber(ARGV[4])
+local out = {last, 0}
 if limit <= 0 or start > last then
-  return {last, 0, {}}
+  return out
 end
-return {last, 0, redis.call('XRANGE', sk, start .. '-0', '+', 'COUNT', limit)}
+for _, entry in ipairs(redis.call('XRANGE', sk, start .. '-0', '+', 'COUNT', limit)) do
+  local fields = entry[2]
+  out[#out + 1] = entry[1]
+  out[#out + 1] = fields[2]
+  out[#out + 1] = fields[4] or ''
+end
+return out
 """
 )
 

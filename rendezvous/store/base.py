@@ -52,6 +52,9 @@ class Store(ABC):
     """Backend for the coordinator. All methods are coroutines; none blocks the event loop."""
 
     name: str = "abstract"
+    concurrent: bool = False
+    """Whether calls gain from being in flight together (a networked store sends them in one round
+    trip); the coordinator then applies the items of a batch concurrently."""
 
     @property
     @abstractmethod

@@ -189,21 +189,19 @@ def decode_engine(data: bytes | str) -> Engine:
 # Events
 
 
-def encode_event(event: Event, transfer_json: str | None = None, peer_json: str | None = None) -> str:
-    """An event (without its revision, which the log assigns) as JSON text.
+def encode_event(event: Event, transfer_json: str | None = None) -> str:
+    """An event as JSON text, without its revision (the log assigns it) and its peer (stored apart).
 
-    transfer_json and peer_json are the already encoded event.transfer and event.peer, when the
-    caller has them (a transition's events usually carry the record it writes).
+    transfer_json is the already encoded event.transfer, when the caller has it (a transition's
+    events usually carry the record it writes).
     """
     if transfer_json is None:
         transfer_json = "null" if event.transfer is None else encode_transfer(event.transfer)
-    if peer_json is None:
-        peer_json = "null" if event.peer is None else encode_engine(event.peer)
-    return f"[{FORMAT},{int(event.type)},{_dumps(event.time)},{transfer_json},{int(event.generation)},{peer_json}]"
+    return f"[{FORMAT},{int(event.type)},{_dumps(event.time)},{transfer_json},{int(event.generation)}]"
 
 
-def decode_event(data: bytes | str, revision: int) -> Event:
-    """The event of encode_event's text, at a revision."""
+def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -> Event:
+    """The event of encode_event's text, at a revision, with its peer engine."""
     try:
         f = _check(_loads(data), "event")
         return Event(
@@ -211,7 +209,7 @@ def decode_event(data: bytes | str, revision: int) -> Event:
             time=f[2],
             transfer=None if f[3] is None else transfer_from_fields(f[3]),
             generation=f[4],
-            peer=None if f[5] is None else engine_from_fields(f[5]),
+            peer=peer,
             revision=revision,
         )
     except (IndexError, KeyError, TypeError, ValueError) as err:

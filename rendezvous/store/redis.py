@@ -14,7 +14,13 @@ fresh read before its answer counts. Engine records are checked the same way, so
 sees the transfer and its engines as of one instant, as in the memory store.
 
 The epoch lives in Redis (SET NX once). If Redis loses its data, the epoch key is gone: the next
-write or health check makes a new one and clients see the epoch change.
+write or health check makes a new one and clients see the epoch change. If Redis goes back in time
+with its epoch (a restart from an older AOF or RDB, a failover to a lagging replica), a replica
+that saw a later revision notices (every write carries it) and starts a new epoch too.
+
+Commands that concurrent requests issue in one event-loop iteration go out as one pipeline, and
+the coordinator applies a batch's items concurrently (Store.concurrent), so a batch of transitions
+costs about one round trip.
 
 URL forms: redis://[user:password@]host:port[/db], rediss://..., unix:///path/to/socket[?db=N],
 redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]. Query options of this
@@ -66,6 +72,7 @@ R = TypeVar("R")
 
 _ABSENT = b"0"
 _SCAN_COUNT = 1000
+_PEER_CACHE = 256
 _APPEND_MEMORY_S = 300
 # How long a due transfer handed to one sweeper is hidden from the others.
 _SWEEP_HOLD_S = 5.0
@@ -367,6 +374,7 @@ class RedisStore(Store):
     """The Store interface over Redis (standalone, Sentinel, or one Cluster slot per namespace)."""
 
     name = "redis"
+    concurrent = True
 
     def __init__(self, url: str, max_events_per_engine: int = 100_000) -> None:
         self.target = parse_url(url)
@@ -385,6 +393,7 @@ class RedisStore(Store):
         self._watch_slots = asyncio.Semaphore(self.options.max_watch_connections)
         self._transfers: dict[str, _Snapshot] = {}
         self._engines: dict[str, _EngineEntry] = {}
+        self._peers: dict[bytes, Engine] = {}
         self._transfer_locks = _KeyLocks()
         self._engine_locks = _KeyLocks()
 
@@ -578,12 +587,12 @@ class RedisStore(Store):
             entries[engine_id] = entry
         return entries
 
-    def _peer_json(self, peer: Engine | None) -> str | None:
+    def _peer_json(self, peer: Engine | None) -> str:
         if peer is None:
-            return "null"
+            return ""
         entry = self._engines.get(peer.engine_id)
         if entry is None or entry.engine is not peer:
-            return None
+            return encode_engine(peer)
         if entry.encoded is None:
             entry.encoded = encode_engine(peer)
         return entry.encoded
@@ -597,9 +606,19 @@ class RedisStore(Store):
             same = record_json is not None and event.transfer is record
             args += [
                 addressed.engine_id,
-                encode_event(event, record_json if same else None, self._peer_json(event.peer)),
+                encode_event(event, record_json if same else None),
+                self._peer_json(event.peer),
             ]
         return args
+
+    def _peer(self, data: bytes) -> Engine:
+        """The engine of an event's peer field, decoded once per distinct record."""
+        peer = self._peers.get(data)
+        if peer is None:
+            peer = self._peers[data] = decode_engine(data)
+            if len(self._peers) > _PEER_CACHE:
+                del self._peers[next(iter(self._peers))]
+        return peer
 
     # Engines
 
@@ -828,7 +847,12 @@ class RedisStore(Store):
             return EventPage((), last)
         if reply[1] == 1:
             return EventPage((), last, resync_revision=last + 1)
-        events = [decode_event(fields[1], int(entry_id.partition(b"-")[0])) for entry_id, fields in reply[2]]
+        events = [
+            decode_event(
+                reply[i + 1], int(reply[i].partition(b"-")[0]), self._peer(reply[i + 2]) if reply[i + 2] else None
+            )
+            for i in range(2, len(reply), 3)
+        ]
         return EventPage(events, last)
 
     async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:

@@ -1,0 +1,495 @@
+"""The store contract (rendezvous.store.base): every backend passes the same tests unchanged.
+
+Each test runs against the memory store and the Redis store. Tests that need two instances on
+shared state (what two server replicas see) are in test_redis.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import pytest
+
+from rendezvous.core import engines as engine_rules
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.model import (
+    AbortReason,
+    Addressed,
+    Engine,
+    Event,
+    EventType,
+    KvLayout,
+    KvRegion,
+    MemoryKind,
+    Mode,
+    NixlAgent,
+    Role,
+    State,
+    Transfer,
+    TransferTimes,
+)
+from rendezvous.core.transfers import Transition
+from rendezvous.store import Store
+from tests.core.helpers import engine_spec
+from tests.store.conftest import StoreFactory
+
+NOW = 1_000_000.0
+LIMITS = Limits()
+TIMEOUTS = Timeouts()
+
+
+def make_engine(engine_id: str, role: Role = Role.CONSUMER, now: float = NOW, **kw: object) -> Engine:
+    return engine_rules.register_engine(now, None, engine_spec(engine_id, role, **kw), LIMITS, TIMEOUTS)
+
+
+async def put_engine(store: Store, engine: Engine) -> Engine:
+    written = await store.update_engine(engine.engine_id, lambda _cur: engine)
+    assert written is engine
+    return engine
+
+
+def make_transfer(
+    transfer_id: str, state: State = State.TARGETED, consumer: str = "c", producer: str = "", **kw: object
+) -> Transfer:
+    fields: dict[str, object] = {"deadline": NOW + 60, "consumer_engine_id": consumer, "producer_engine_id": producer}
+    fields.update(kw)
+    return Transfer(transfer_id, state, **fields)  # type: ignore[arg-type]
+
+
+def note(engine_id: str, transfer: Transfer | None = None, kind: EventType = EventType.TRANSFER_ASSIGNED) -> Addressed:
+    return Addressed(engine_id, Event(kind, NOW, transfer, 1))
+
+
+async def put_transfer(store: Store, transfer: Transfer, events: Sequence[Addressed] = ()) -> Transition:
+    return await store.update_transfer(transfer.transfer_id, lambda _cur, _e: Transition(transfer, tuple(events)))
+
+
+async def delete_transfer(store: Store, transfer_id: str) -> None:
+    await store.update_transfer(transfer_id, lambda _cur, _e: Transition(None))
+
+
+# Lifetime
+
+
+async def test_an_open_store_answers_and_has_an_epoch(store: Store) -> None:
+    assert await store.ping()
+    assert store.epoch != 0
+
+
+async def test_a_fresh_store_knows_nothing(store: Store) -> None:
+    assert await store.get_engine("e") is None
+    assert await store.get_transfer("t") is None
+    assert await store.list_engines() == []
+    assert await store.list_transfers() == []
+    assert await store.list_transfers("e") == []
+    assert await store.live_transfer_ids("e") == []
+    assert await store.last_event_revision("e") == 0
+    page = await store.read_events("e", 1, 10)
+    assert (list(page.events), page.last_revision, page.resync_revision) == ([], 0, None)
+    assert await store.due_transfers(NOW + 1e6, 100) == []
+    assert await store.lapsed_engines(NOW + 1e6, 0) == []
+    counts = await store.counts()
+    assert counts.live_engines == 0
+    assert sum(counts.transfers_by_state.values()) == 0
+
+
+# Engines
+
+
+async def test_an_engine_record_round_trips_exactly(store: Store) -> None:
+    agent = NixlAgent(
+        name="rank0-\u00e9",
+        metadata=bytes(range(256)),
+        rank=3,
+        memory_kind=MemoryKind.VRAM,
+        regions=(KvRegion(1 << 62, 4096, 4000, 1 << 20, 7), KvRegion(0, 1, 1, 1)),
+    )
+    engine = Engine(
+        engine_id="e:1/x",
+        pool="decode",
+        role=Role.CONSUMER,
+        layout=KvLayout("fp", "bfloat16", 16, 61, 8, 2, "HND"),
+        agents=(agent, replace(agent, name="rank1", rank=1, metadata=b"")),
+        labels={"zone": "a", "model": "\u00fc\u4e2d"},
+        incarnation=1_700_000_000_123_456,
+        lease_ttl=0.1 + 0.2,
+        lease_expires_at=NOW + 1 / 3,
+        registered_at=NOW,
+        ended_at=0.0,
+    )
+    await put_engine(store, engine)
+    assert await store.get_engine("e:1/x") == engine
+    assert await store.list_engines() == [engine]
+
+
+async def test_update_engine_creates_replaces_and_deletes(store: Store) -> None:
+    first = await put_engine(store, make_engine("e"))
+    seen: list[Engine | None] = []
+
+    def renew(cur: Engine | None) -> Engine | None:
+        seen.append(cur)
+        assert cur is not None
+        return engine_rules.renew_lease(NOW + 5, cur)
+
+    renewed = await store.update_engine("e", renew)
+    assert seen[-1] == first
+    assert renewed is not None and renewed.lease_expires_at == NOW + 5 + first.lease_ttl
+    assert await store.get_engine("e") == renewed
+    assert await store.update_engine("e", lambda _cur: None) is None
+    assert await store.get_engine("e") is None
+    assert await store.list_engines() == []
+
+
+async def test_a_failing_engine_update_changes_nothing(store: Store) -> None:
+    engine = await put_engine(store, make_engine("e"))
+
+    def refuse(_cur: Engine | None) -> Engine | None:
+        raise ValueError("no")
+
+    with pytest.raises(ValueError):
+        await store.update_engine("e", refuse)
+    assert await store.get_engine("e") == engine
+
+
+async def test_engines_whose_lease_passed_or_whose_tombstone_aged_have_lapsed(store: Store) -> None:
+    live = await put_engine(store, make_engine("live"))  # lease until NOW + 10
+    await put_engine(store, make_engine("lapsing", now=NOW - 20))  # lease passed at NOW - 10
+    await put_engine(store, engine_rules.end_incarnation(NOW - 100, make_engine("old", now=NOW - 200)))
+    await put_engine(store, engine_rules.end_incarnation(NOW - 1, make_engine("recent", now=NOW - 2)))
+    lapsed = await store.lapsed_engines(NOW, tombstone_ttl=50)
+    assert sorted(e.engine_id for e in lapsed) == ["lapsing", "old"]
+    assert sorted(e.engine_id for e in await store.lapsed_engines(live.lease_expires_at, 50)) == [
+        "lapsing",
+        "live",
+        "old",
+    ]
+    assert [e.engine_id for e in await store.lapsed_engines(NOW - 15, 1000)] == []
+
+
+async def test_counts_live_engines_and_transfers_by_state(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    await put_engine(store, make_engine("p", Role.PRODUCER))
+    await put_engine(store, engine_rules.end_incarnation(NOW, make_engine("gone")))
+    await put_transfer(store, make_transfer("t1"))
+    await put_transfer(store, make_transfer("t2"))
+    await put_transfer(store, make_transfer("t3", State.MATCHED, producer="p"))
+    await put_transfer(store, make_transfer("t4", State.RELEASED, producer="p"))
+    await put_transfer(store, make_transfer("t2", State.ABORTED))
+    counts = await store.counts()
+    assert counts.live_engines == 2
+    assert dict(counts.transfers_by_state) == {State.TARGETED: 1, State.MATCHED: 1, State.RELEASED: 1, State.ABORTED: 1}
+    await delete_transfer(store, "t4")
+    assert State.RELEASED not in (await store.counts()).transfers_by_state
+
+
+# Transfers
+
+
+async def test_a_transfer_record_round_trips_exactly(store: Store) -> None:
+    transfer = Transfer(
+        transfer_id="req-\u00e9:1",
+        state=State.ABORTED,
+        deadline=NOW + 0.1 + 0.2,
+        mode=Mode.PULL,
+        generation=7,
+        consumer_engine_id="c",
+        consumer_incarnation=2**62,
+        producer_engine_id="p",
+        producer_incarnation=3,
+        target_block_ids=tuple(range(1000)),
+        source_block_ids=(),
+        num_tokens=4095,
+        abort_reason=AbortReason.BLOCK_MISMATCH,
+        abort_message='1000 target blocks but only 0 source blocks \u2014 "quoted"',
+        assigned_generation=6,
+        revoking_generation=5,
+        times=TransferTimes(NOW, NOW + 1e-6, NOW + 1 / 3, 0.0, NOW + 2, NOW + 3),
+    )
+    await put_transfer(store, transfer)
+    assert await store.get_transfer(transfer.transfer_id) == transfer
+    assert await store.list_transfers() == [transfer]
+    no_source = replace(transfer, transfer_id="t2", source_block_ids=None)
+    await put_transfer(store, no_source)
+    assert (await store.get_transfer("t2")) == no_source
+
+
+async def test_update_transfer_gives_the_record_and_the_engines_it_names(store: Store) -> None:
+    consumer = await put_engine(store, make_engine("c"))
+    ended = await put_engine(store, engine_rules.end_incarnation(NOW, make_engine("p", Role.PRODUCER)))
+    seen: list[tuple[Transfer | None, Mapping[str, Engine]]] = []
+
+    def look(cur: Transfer | None, engines: Mapping[str, Engine]) -> Transition:
+        seen.append((cur, dict(engines)))
+        return Transition(cur)
+
+    await store.update_transfer("t", look)
+    assert seen[-1] == (None, {})
+    record = await put_transfer(store, make_transfer("t", State.MATCHED, producer="p"))
+    await store.update_transfer("t", look)
+    assert seen[-1] == (record.transfer, {"c": consumer, "p": ended})
+    await put_transfer(store, make_transfer("u", consumer="c", producer="unknown"))
+    await store.update_transfer("u", look)
+    assert seen[-1][1] == {"c": consumer}
+
+
+async def test_a_transition_writes_the_record_and_returns_it(store: Store) -> None:
+    t = make_transfer("t")
+    transition = await put_transfer(store, t)
+    assert transition.transfer is t
+    assert await store.get_transfer("t") == t
+    await delete_transfer(store, "t")
+    assert await store.get_transfer("t") is None
+    assert await store.list_transfers() == []
+
+
+async def test_a_failing_transition_leaves_no_trace(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    before = await put_transfer(store, make_transfer("t"))
+    revision = await store.revision()
+
+    def fail(_cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        raise RuntimeError("rejected")
+
+    with pytest.raises(RuntimeError):
+        await store.update_transfer("t", fail)
+    assert await store.get_transfer("t") == before.transfer
+    assert await store.last_event_revision("c") == 0
+    assert await store.revision() == revision
+
+
+async def test_an_unchanged_transition_writes_nothing(store: Store) -> None:
+    await put_transfer(store, make_transfer("t"))
+    revision = await store.revision()
+    await store.update_transfer("t", lambda cur, _e: Transition(cur))
+    await store.update_transfer("missing", lambda cur, _e: Transition(cur))
+    assert await store.revision() == revision
+    assert await store.get_transfer("missing") is None
+
+
+async def test_the_revision_grows_with_every_write(store: Store) -> None:
+    revisions = [await store.revision()]
+    await put_engine(store, make_engine("c"))
+    revisions.append(await store.revision())
+    await put_transfer(store, make_transfer("t"))
+    revisions.append(await store.revision())
+    await store.append_events([note("c")])
+    revisions.append(await store.revision())
+    await delete_transfer(store, "t")
+    revisions.append(await store.revision())
+    assert revisions == sorted(set(revisions))
+
+
+async def test_concurrent_transitions_of_one_transfer_are_atomic(backend: str, make_store: StoreFactory) -> None:
+    # Many tasks increment one counter; with Redis they go through two stores (two replicas of one namespace).
+    stores = [await make_store()] if backend == "memory" else [await make_store(), await make_store()]
+    await put_engine(stores[0], make_engine("c"))
+    await put_transfer(stores[0], make_transfer("t"))
+    calls = 0
+
+    def increment(cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        nonlocal calls
+        calls += 1
+        assert cur is not None
+        new = replace(cur, num_tokens=cur.num_tokens + 1)
+        return Transition(new, (note("c", new, EventType.SOURCE_READY),))
+
+    per_task = 25
+    await asyncio.gather(*(s.update_transfer("t", increment) for s in stores * 8 for _ in range(per_task)))
+    total = len(stores) * 8 * per_task
+    final = await stores[0].get_transfer("t")
+    assert final is not None and final.num_tokens == total
+    page = await stores[-1].read_events("c", 1, 10 * total)
+    assert [e.revision for e in page.events] == list(range(1, total + 1))
+    assert sorted(e.transfer.num_tokens for e in page.events if e.transfer) == list(range(1, total + 1))
+    assert calls >= total
+
+
+async def test_live_transfer_ids_follow_the_state(store: Store) -> None:
+    await put_transfer(store, make_transfer("t", State.TARGETED))
+    assert await store.live_transfer_ids("c") == ["t"]
+    assert await store.live_transfer_ids("p") == []
+    await put_transfer(store, make_transfer("t", State.MATCHED, producer="p"))
+    await put_transfer(store, make_transfer("u", State.CLAIMED, consumer="", producer="p"))
+    assert await store.live_transfer_ids("c") == ["t"]
+    assert sorted(await store.live_transfer_ids("p")) == ["t", "u"]
+    await put_transfer(store, make_transfer("t", State.COMMITTED, producer="p"))
+    assert await store.live_transfer_ids("c") == ["t"]
+    await put_transfer(store, make_transfer("t", State.RELEASED, producer="p"))
+    assert await store.live_transfer_ids("c") == []
+    assert await store.live_transfer_ids("p") == ["u"]
+    await put_transfer(store, make_transfer("u", State.ABORTED, consumer="", producer="p"))
+    assert await store.live_transfer_ids("p") == []
+
+
+async def test_list_transfers_includes_tombstones_and_filters_by_engine(store: Store) -> None:
+    await put_transfer(store, make_transfer("t1", State.RELEASED, producer="p"))
+    await put_transfer(store, make_transfer("t2", State.TARGETED, consumer="c2"))
+    await put_transfer(store, make_transfer("t3", State.CLAIMED, consumer="", producer="p"))
+    assert sorted(t.transfer_id for t in await store.list_transfers()) == ["t1", "t2", "t3"]
+    assert sorted(t.transfer_id for t in await store.list_transfers("p")) == ["t1", "t3"]
+    assert [t.transfer_id for t in await store.list_transfers("c")] == ["t1"]
+    await delete_transfer(store, "t1")
+    assert [t.transfer_id for t in await store.list_transfers("p")] == ["t3"]
+    assert await store.list_transfers("c") == []
+
+
+async def test_list_transfers_pages_through_many(store: Store) -> None:
+    ids = {f"t{i:04d}" for i in range(2500)}
+    for tid in ids:
+        await put_transfer(store, make_transfer(tid))
+    assert {t.transfer_id for t in await store.list_transfers()} == ids
+    assert len(await store.list_transfers()) == len(ids)
+
+
+async def test_due_transfers_are_those_whose_deadline_passed(store: Store) -> None:
+    await put_transfer(store, make_transfer("early", deadline=NOW + 1))
+    await put_transfer(store, make_transfer("exact", deadline=NOW + 2))
+    await put_transfer(store, make_transfer("late", deadline=NOW + 3))
+    await put_transfer(store, make_transfer("moved", deadline=NOW + 1))
+    await put_transfer(store, make_transfer("moved", deadline=NOW + 100))
+    await put_transfer(store, make_transfer("gone", deadline=NOW))
+    await delete_transfer(store, "gone")
+    assert sorted(await store.due_transfers(NOW + 2, 100)) == ["early", "exact"]
+
+
+async def test_due_transfers_respects_the_limit_and_hands_each_out_once_per_sweep(store: Store) -> None:
+    for i in range(10):
+        await put_transfer(store, make_transfer(f"t{i}", deadline=NOW + i / 10))
+    first = await store.due_transfers(NOW + 1, 4)
+    second = await store.due_transfers(NOW + 1, 100)
+    assert len(first) == 4
+    assert sorted(first + second) == sorted(f"t{i}" for i in range(10))
+    assert await store.due_transfers(NOW + 1, 100) == []
+
+
+async def test_a_due_transfer_whose_deadline_moves_comes_due_again_later(store: Store) -> None:
+    t = (await put_transfer(store, make_transfer("t", deadline=NOW))).transfer
+    assert t is not None
+    assert await store.due_transfers(NOW, 10) == ["t"]
+    await put_transfer(store, replace(t, state=State.ABORTED, deadline=NOW + 300))
+    assert await store.due_transfers(NOW + 299, 10) == []
+    assert await store.due_transfers(NOW + 300, 10) == ["t"]
+
+
+# Events
+
+
+async def test_each_engine_numbers_its_events_from_one(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    await put_engine(store, make_engine("p", Role.PRODUCER))
+    t = make_transfer("t", State.MATCHED, producer="p")
+    await put_transfer(store, t, [note("p", t), note("c", t, EventType.SOURCE_READY), note("p", t)])
+    await store.append_events([note("c", None, EventType.PEER_LOST), note("nobody")])
+    assert await store.last_event_revision("p") == 2
+    assert await store.last_event_revision("c") == 2
+    assert await store.last_event_revision("nobody") == 0
+    p_page = await store.read_events("p", 1, 10)
+    assert [(e.revision, e.type) for e in p_page.events] == [
+        (1, EventType.TRANSFER_ASSIGNED),
+        (2, EventType.TRANSFER_ASSIGNED),
+    ]
+    assert p_page.last_revision == 2 and p_page.resync_revision is None
+    c_page = await store.read_events("c", 1, 10)
+    assert [(e.revision, e.type) for e in c_page.events] == [(1, EventType.SOURCE_READY), (2, EventType.PEER_LOST)]
+    assert c_page.events[0].transfer == t
+    assert c_page.events[0].time == NOW and c_page.events[0].generation == 1
+
+
+async def test_events_carry_their_peer_engine(store: Store) -> None:
+    consumer = await put_engine(store, make_engine("c"))
+    await put_engine(store, make_engine("p", Role.PRODUCER))
+    t = make_transfer("t", State.MATCHED, producer="p")
+    assigned = Addressed("p", Event(EventType.TRANSFER_ASSIGNED, NOW, t, 1, consumer))
+    await put_transfer(store, t, [assigned])
+    (event,) = (await store.read_events("p", 1, 10)).events
+    assert event.peer == consumer
+    assert event == replace(assigned.event, revision=1)
+
+
+async def test_read_events_starts_anywhere_and_respects_the_limit(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    for _ in range(10):
+        await store.append_events([note("c")])
+    page = await store.read_events("c", 4, 3)
+    assert [e.revision for e in page.events] == [4, 5, 6]
+    assert page.last_revision == 10
+    assert [e.revision for e in (await store.read_events("c", 9, 100)).events] == [9, 10]
+    tail = await store.read_events("c", 11, 100)
+    assert (list(tail.events), tail.last_revision, tail.resync_revision) == ([], 10, None)
+
+
+async def test_a_reader_behind_the_trimmed_log_is_told_to_resync(make_store: StoreFactory) -> None:
+    store = await make_store(max_events_per_engine=5)
+    await put_engine(store, make_engine("c"))
+    # Redis trims whole stream nodes (MAXLEN ~), so write well past a node's worth.
+    for _ in range(30):
+        await store.append_events([note("c")] * 10)
+    last = await store.last_event_revision("c")
+    assert last == 300
+    behind = await store.read_events("c", 1, 10)
+    assert (list(behind.events), behind.last_revision, behind.resync_revision) == ([], 300, 301)
+    recent = await store.read_events("c", 296, 10)
+    assert [e.revision for e in recent.events] == [296, 297, 298, 299, 300]
+    assert recent.resync_revision is None
+
+
+async def test_deleting_an_engine_drops_its_log(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    await store.append_events([note("c"), note("c")])
+    await store.update_engine("c", lambda _cur: None)
+    assert await store.last_event_revision("c") == 0
+    await put_engine(store, make_engine("c", now=NOW + 1))
+    await store.append_events([note("c")])
+    assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1]
+
+
+async def test_wait_events_returns_once_the_log_passes_the_revision(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    await store.append_events([note("c")])
+    started = time.monotonic()
+    await store.wait_events("c", 0, timeout=5)  # already past
+    assert time.monotonic() - started < 1
+    waiter = asyncio.create_task(store.wait_events("c", 1, timeout=10))
+    # Not a synchronisation: whenever the waiter starts, revision 2 wakes it. This only shows it blocks.
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await store.append_events([note("c")])
+    await asyncio.wait_for(waiter, 5)  # woken, well before its own 10 s timeout
+
+
+async def test_wait_events_gives_up_after_the_timeout(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    started = time.monotonic()
+    await store.wait_events("c", 0, timeout=0.3)
+    assert 0.25 <= time.monotonic() - started < 5
+
+
+async def test_a_transition_wakes_waiters_of_the_engines_it_tells(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    await put_engine(store, make_engine("p", Role.PRODUCER))
+    waiters = [asyncio.create_task(store.wait_events(e, 0, timeout=10)) for e in ("c", "p")]
+    await asyncio.sleep(0.05)
+    t = make_transfer("t", State.MATCHED, producer="p")
+    await put_transfer(store, t, [note("p", t)])
+    await asyncio.wait_for(waiters[1], 5)
+    assert not waiters[0].done()
+    waiters[0].cancel()
+    await asyncio.gather(waiters[0], return_exceptions=True)
+
+
+# Responses
+
+
+async def test_a_response_is_remembered_until_its_ttl(store: Store) -> None:
+    assert await store.get_response("k") is None
+    await store.put_response("k", b"\x00answer", ttl=0.3)
+    await store.put_response("long", b"kept", ttl=60)
+    assert await store.get_response("k") == b"\x00answer"
+    deadline = time.monotonic() + 5
+    while await store.get_response("k") is not None:
+        assert time.monotonic() < deadline, "the response outlived its ttl"
+        await asyncio.sleep(0.05)
+    assert await store.get_response("long") == b"kept"

@@ -1,0 +1,141 @@
+"""The Redis store behaves as the memory store: random operation sequences through the coordinator give
+the same answers, the same records and the same events on both.
+
+Engines here hold long leases (no two lapse in one sweep, where the backends may visit them in another
+order); clock advances drive deadlines. Per engine, events are compared as a multiset numbered 1..n,
+since an engine loss may visit its transfers in another order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rendezvous.coordinator import Coordinator
+from rendezvous.core import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    Mode,
+    Outcome,
+    ReleaseSpec,
+    RendezvousError,
+    RevocationAck,
+    Role,
+    SourceReadySpec,
+    TargetSpec,
+    Timeouts,
+)
+from rendezvous.store import MemoryStore, Store
+from rendezvous.store.redis import RedisStore
+from tests.core.helpers import Clock, engine_spec
+from tests.redis_fixtures import fresh_prefix, with_prefix
+
+pytestmark = pytest.mark.redis
+
+CONSUMERS = ("c0", "c1")
+PRODUCERS = ("p0", "p1")
+TRANSFERS = ("t0", "t1", "t2")
+TIMEOUTS = Timeouts(default_lease_ttl=300, max_lease_ttl=300, release_timeout=20, tombstone_ttl=30)
+
+blocks = st.lists(st.integers(0, 15), max_size=3, unique=True).map(tuple)
+transfer = st.sampled_from(TRANSFERS)
+generation = st.integers(1, 3)
+consumer = st.sampled_from(CONSUMERS)
+producer = st.sampled_from(PRODUCERS)
+operation = st.one_of(
+    st.tuples(st.just("register"), st.sampled_from(CONSUMERS + PRODUCERS)),
+    st.tuples(st.just("deregister"), st.sampled_from(CONSUMERS + PRODUCERS)),
+    st.tuples(st.just("target"), consumer, transfer, generation, blocks, st.booleans()),
+    st.tuples(st.just("claim"), producer, transfer),
+    st.tuples(st.just("ready"), producer, transfer, blocks),
+    st.tuples(st.just("complete"), st.sampled_from(CONSUMERS + PRODUCERS), transfer, generation, st.booleans()),
+    st.tuples(st.just("ack"), producer, transfer, generation),
+    st.tuples(st.just("release"), consumer, transfer, generation),
+    st.tuples(st.just("abort"), st.sampled_from(("", *CONSUMERS, *PRODUCERS)), transfer),
+    st.tuples(st.just("advance"), st.sampled_from((1.0, 15.0, 25.0, 40.0))),
+)
+
+
+async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
+    """Run one operation; its answer with errors reduced to their reason."""
+    kind, *args = op
+    try:
+        if kind == "register":
+            role = Role.CONSUMER if args[0] in CONSUMERS else Role.PRODUCER
+            engine, start = await coord.register_engine(engine_spec(args[0], role, num_blocks=16))
+            return engine, start
+        if kind == "deregister":
+            return await coord.deregister_engine(args[0], 0)
+        if kind == "advance":
+            clock.advance(args[0])
+            await coord.sweep()
+            return None
+        calls = {
+            "target": lambda c, t, g, b, pull: coord.register_targets(
+                c, 0, [TargetSpec(t, b, g, mode=Mode.PULL if pull else Mode.PUSH)]
+            ),
+            "claim": lambda p, t: coord.claim_transfers(p, 0, [ClaimSpec(t)]),
+            "ready": lambda p, t, b: coord.mark_sources_ready(p, 0, [SourceReadySpec(t, b)]),
+            "complete": lambda e, t, g, failed: coord.complete_transfers(
+                e, 0, [CompletionSpec(t, g, Outcome.FAILED if failed else Outcome.SUCCEEDED)]
+            ),
+            "ack": lambda p, t, g: coord.acknowledge_revocations(p, 0, [RevocationAck(t, g)]),
+            "release": lambda c, t, g: coord.release_targets(c, 0, [ReleaseSpec(t, g)]),
+            "abort": lambda e, t: coord.abort_transfers(e, 0, [AbortSpec(t, "stop")]),
+        }
+        outcomes = await calls[kind](*args)
+        return [(o.transfer_id, o.transfer, o.error.reason if o.error else None) for o in outcomes]
+    except RendezvousError as err:
+        return err.reason
+
+
+async def state(store: Store) -> Any:
+    """Everything observable, in an order-independent form."""
+    logs = {}
+    for engine_id in CONSUMERS + PRODUCERS:
+        page = await store.read_events(engine_id, 1, 100_000)
+        assert [e.revision for e in page.events] == list(range(1, len(page.events) + 1))
+        logs[engine_id] = Counter(
+            (e.type, e.transfer, e.generation, e.peer.engine_id if e.peer else "", e.time) for e in page.events
+        )
+    counts = await store.counts()
+    return (
+        sorted(await store.list_transfers(), key=lambda t: t.transfer_id),
+        sorted(await store.list_engines(), key=lambda e: e.engine_id),
+        {e: sorted(await store.live_transfer_ids(e)) for e in CONSUMERS + PRODUCERS},
+        logs,
+        counts.live_engines,
+        {s: n for s, n in counts.transfers_by_state.items() if n},
+    )
+
+
+async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
+    memory = MemoryStore()
+    redis = RedisStore(with_prefix(redis_url, fresh_prefix()))
+    await redis.open()
+    try:
+        clocks = Clock(), Clock()
+        coords = [Coordinator(s, timeouts=TIMEOUTS, clock=c) for s, c in zip((memory, redis), clocks, strict=True)]
+        for engine_id in CONSUMERS + PRODUCERS:
+            for coord, clock in zip(coords, clocks, strict=True):
+                await apply(coord, clock, ("register", engine_id))
+        for op in ops:
+            answers = [await apply(coord, clock, op) for coord, clock in zip(coords, clocks, strict=True)]
+            assert answers[0] == answers[1], op
+        assert await state(memory) == await state(redis)
+    finally:
+        await redis.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(operation, min_size=1, max_size=40))
+def test_random_operations_give_the_same_results_on_memory_and_redis(
+    redis_url: str, ops: list[tuple[Any, ...]]
+) -> None:
+    asyncio.run(compare(redis_url, ops))

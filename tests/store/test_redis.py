@@ -1,0 +1,383 @@
+"""What only a shared store shows: two instances on one namespace (two replicas), the epoch kept in
+Redis, data loss, an unreachable Redis, and the URL forms."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+
+import pytest
+
+from rendezvous.core.limits import Limits
+from rendezvous.core.model import Engine, Role, State, Transfer
+from rendezvous.core.transfers import Transition
+from rendezvous.store import StoreUnavailableError
+from rendezvous.store.factory import create_store
+from rendezvous.store.redis import RedisStore, parse_url
+from tests.redis_fixtures import ControlledRedis, LocalCluster, LocalRedis, LocalSentinel, fresh_prefix, with_prefix
+from tests.store.test_contract import NOW, make_engine, make_transfer, note, put_engine, put_transfer
+
+pytestmark = pytest.mark.redis
+
+
+async def test_a_second_instance_sees_the_same_state_and_epoch(redis_pair: tuple[RedisStore, RedisStore]) -> None:
+    a, b = redis_pair
+    assert a.epoch == b.epoch != 0
+    engine = await put_engine(a, make_engine("c"))
+    t = await put_transfer(a, make_transfer("t"), [note("c")])
+    assert await b.get_engine("c") == engine
+    assert await b.get_transfer("t") == t.transfer
+    assert [e.revision for e in (await b.read_events("c", 1, 10)).events] == [1]
+    assert await b.revision() == await a.revision()
+
+
+async def test_a_waiter_on_one_instance_wakes_for_a_write_through_the_other(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    a, b = redis_pair
+    await put_engine(a, make_engine("c"))
+    waiter = asyncio.create_task(a.wait_events("c", 0, timeout=10))
+    await b.append_events([note("c")])
+    await asyncio.wait_for(waiter, 5)  # woken, well before its own 10 s timeout
+
+
+async def test_a_transition_sees_what_another_instance_wrote_since(redis_pair: tuple[RedisStore, RedisStore]) -> None:
+    a, b = redis_pair
+    await put_engine(a, make_engine("c"))
+    first = await put_transfer(a, make_transfer("t", num_tokens=1))  # a now remembers version 1 of t
+    assert first.transfer is not None
+    await put_transfer(b, replace(first.transfer, num_tokens=2))
+    seen: list[Transfer | None] = []
+
+    def grow(cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        seen.append(cur)
+        assert cur is not None
+        return Transition(replace(cur, num_tokens=cur.num_tokens + 10))
+
+    await a.update_transfer("t", grow)
+    assert [t.num_tokens for t in seen if t] == [1, 2]  # tried on what a remembered, redone on b's write
+    final = await b.get_transfer("t")
+    assert final is not None and final.num_tokens == 12
+
+
+async def test_a_refusal_based_on_a_remembered_state_is_checked_against_the_current_one(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    a, b = redis_pair
+    assert await a.get_transfer("t") is None  # a remembers: no such transfer
+    await put_transfer(b, make_transfer("t"))
+
+    def require(cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        if cur is None:
+            raise LookupError("unknown transfer")
+        return Transition(replace(cur, state=State.ABORTED))
+
+    transition = await a.update_transfer("t", require)
+    assert transition.transfer is not None and transition.transfer.state == State.ABORTED
+
+
+async def test_an_engine_change_elsewhere_redoes_the_transition_with_the_new_engine(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    a, b = redis_pair
+    consumer = await put_engine(a, make_engine("c"))
+    await put_transfer(a, make_transfer("t"))
+    ended = await b.update_engine("c", lambda cur: replace(cur, ended_at=NOW) if cur else None)
+    seen: list[Engine] = []
+
+    def look(cur: Transfer | None, engines: Mapping[str, Engine]) -> Transition:
+        seen.append(engines["c"])
+        return Transition(replace(cur, num_tokens=5) if cur else None)
+
+    await a.update_transfer("t", look)
+    assert seen == [consumer, ended]
+
+
+async def test_keys_carry_the_prefix_as_one_hash_tag(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns1"))
+    await store.open()
+    try:
+        await put_engine(store, make_engine("c"))
+        await put_transfer(store, make_transfer("t"), [note("c")])
+        await store.put_response("k", b"v", 60)
+    finally:
+        await store.close()
+    with redis_server.client() as r:
+        keys = sorted(k.decode() for k in r.keys("*"))
+    assert keys and all(k.startswith("{ns1}:") for k in keys), keys
+
+
+async def test_the_epoch_outlives_the_store_instance(redis_url: str) -> None:
+    url = with_prefix(redis_url, fresh_prefix())
+    first = RedisStore(url)
+    await first.open()
+    epoch = first.epoch
+    await put_transfer(first, make_transfer("t"))
+    await first.close()
+    second = RedisStore(url)
+    await second.open()
+    try:
+        assert second.epoch == epoch
+        assert await second.get_transfer("t") is not None
+    finally:
+        await second.close()
+
+
+async def test_lost_data_makes_a_new_epoch(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns"))
+    await store.open()
+    try:
+        old = store.epoch
+        await put_engine(store, make_engine("c"))
+        await put_transfer(store, make_transfer("t"))
+        with redis_server.client() as r:
+            r.flushall()
+        # A write notices first (its script checks the epoch) ...
+        await put_transfer(store, make_transfer("u"))
+        assert store.epoch not in (0, old)
+        assert await store.get_transfer("t") is None
+        assert await store.get_transfer("u") is not None
+        # ... or the health check does.
+        newer = store.epoch
+        with redis_server.client() as r:
+            r.flushall()
+        assert await store.ping()
+        assert store.epoch not in (0, old, newer)
+    finally:
+        await store.close()
+
+
+async def test_redis_going_back_in_time_starts_a_new_epoch(redis_server: ControlledRedis) -> None:
+    url = with_prefix(redis_server.url, "ns")
+    a, b = RedisStore(url), RedisStore(url)
+    await a.open()
+    await b.open()
+    try:
+        old = a.epoch
+        await put_engine(a, make_engine("c"))
+        with redis_server.client() as r:
+            r.save()  # an RDB snapshot: what a restart will come back with
+        await put_transfer(a, make_transfer("t"), [note("c")])
+        redis_server.kill()
+        redis_server.start()  # back from the snapshot: the transfer and event are gone, the epoch is not
+        with redis_server.client() as r:
+            assert int(r.get("{ns}:epoch")) == old
+        # a saw the lost writes: its next write refuses to build on the older state and starts a new epoch.
+        await put_transfer(a, make_transfer("u"))
+        assert a.epoch not in (0, old)
+        assert await a.get_transfer("t") is None
+        assert await a.get_transfer("u") is not None
+        # b saw nothing that was lost: it follows the new epoch without starting another.
+        assert await b.ping()
+        assert b.epoch == a.epoch
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_health_check_notices_redis_going_back_in_time(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns"))
+    await store.open()
+    try:
+        old = store.epoch
+        with redis_server.client() as r:
+            r.save()
+        await put_transfer(store, make_transfer("t"))
+        assert await store.revision() > 0
+        redis_server.kill()
+        redis_server.start()
+        assert await store.ping()
+        assert store.epoch not in (0, old)
+    finally:
+        await store.close()
+
+
+async def test_lost_scripts_are_loaded_again(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns"))
+    await store.open()
+    try:
+        with redis_server.client() as r:
+            r.script_flush()
+        await put_transfer(store, make_transfer("t"))
+        assert await store.get_transfer("t") is not None
+    finally:
+        await store.close()
+
+
+async def test_an_unreachable_redis_is_unavailable_not_a_hang(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns") + "&op_timeout=3")
+    await store.open()
+    try:
+        await put_engine(store, make_engine("c"))
+        redis_server.stop()
+        started = time.monotonic()
+        assert not await store.ping()
+        for call in (
+            store.get_transfer("t"),
+            store.update_transfer("t", lambda cur, _e: Transition(make_transfer("t"))),
+            store.read_events("c", 1, 10),
+            store.wait_events("c", 0, 1),
+            store.counts(),
+        ):
+            with pytest.raises(StoreUnavailableError):
+                await call
+        assert time.monotonic() - started < 15
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while not await store.ping():
+            assert time.monotonic() < deadline, "the store did not come back"
+            await asyncio.sleep(0.05)
+        await put_transfer(store, make_transfer("t"))
+        assert await store.get_transfer("t") is not None
+    finally:
+        await store.close()
+
+
+async def test_a_redis_that_stops_answering_is_unavailable_within_the_time_limit(
+    redis_server: ControlledRedis,
+) -> None:
+    if not isinstance(redis_server, LocalRedis):
+        pytest.skip("pausing needs a local redis-server")
+    store = RedisStore(with_prefix(redis_server.url, "ns") + "&op_timeout=1.5&ping_timeout=0.5&socket_timeout=0.5")
+    await store.open()
+    try:
+        await put_transfer(store, make_transfer("t"))
+        redis_server.pause()
+        started = time.monotonic()
+        assert not await store.ping()
+        with pytest.raises(StoreUnavailableError):
+            await store.get_transfer("t")
+        with pytest.raises(StoreUnavailableError):
+            await store.update_transfer("u", lambda cur, _e: Transition(make_transfer("u")))
+        assert time.monotonic() - started < 6
+        redis_server.resume()
+        deadline = time.monotonic() + 10
+        while not await store.ping():
+            assert time.monotonic() < deadline, "the store did not come back"
+        assert await store.get_transfer("t") is not None
+    finally:
+        redis_server.resume()
+        await store.close()
+
+
+async def test_opening_an_unreachable_redis_fails_with_store_unavailable(redis_server: ControlledRedis) -> None:
+    url = with_prefix(redis_server.url, "ns")
+    redis_server.stop()
+    store = RedisStore(url)
+    with pytest.raises(StoreUnavailableError):
+        await store.open()
+    assert not await store.ping()
+    with pytest.raises(StoreUnavailableError):
+        await store.get_transfer("t")
+
+
+async def test_a_stream_ahead_of_its_counter_is_continued_after(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns"))
+    await store.open()
+    try:
+        await put_engine(store, make_engine("c"))
+        await store.append_events([note("c")] * 3)
+        with redis_server.client() as r:
+            r.hset("{ns}:e:c", "r", 1)  # as if someone restored an old copy of the engine hash
+        await store.append_events([note("c")])
+        assert await store.last_event_revision("c") == 4
+        assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3, 4]
+    finally:
+        await store.close()
+
+
+# URLs
+
+
+def test_the_factory_makes_a_redis_store_for_redis_urls() -> None:
+    for url in ("redis://h:1", "rediss://h:1/2", "unix:///tmp/r.sock", "redis+sentinel://h:26379/mymaster"):
+        assert create_store(url, Limits()).name == "redis"
+
+
+def test_store_options_are_taken_from_the_query_and_the_rest_left_to_redis_py() -> None:
+    target = parse_url("redis://user:pw@h:6380/2?prefix=prod&cache_size=10&socket_timeout=0.5&max_connections=9")
+    assert target.url == "redis://user:pw@h:6380/2"
+    assert target.options.prefix == "prod" and target.options.cache_size == 10
+    assert target.connection["socket_timeout"] == 0.5
+    assert target.connection["max_connections"] == 9
+    unix = parse_url("unix:///run/redis.sock?db=3")
+    assert unix.url == "unix:///run/redis.sock" and unix.connection["db"] == 3
+
+
+def test_a_sentinel_url_names_sentinels_service_and_db() -> None:
+    target = parse_url("redis+sentinel://:secret@s1:26379,[::1]:26380/mymaster/4?prefix=x&sentinel_password=sp")
+    assert target.sentinels == (("s1", 26379), ("::1", 26380))
+    assert target.service == "mymaster"
+    assert target.connection["db"] == 4 and target.connection["password"] == "secret"
+    assert target.sentinel_password == "sp"
+    assert target.options.prefix == "x"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://",
+        "unix://",
+        "redis+sentinel://h:1",
+        "redis+sentinel://h/svc",
+        "redis+sentinel://h:1/svc/db/extra",
+        "redis://h?prefix={bad}",
+        "redis://h?cache_size=many",
+        "memcached://h:1",
+        "unix:///r.sock?cluster=true",
+        "redis://h:1/3?cluster=true",
+        "redis+sentinel://h:1/svc?cluster=true",
+        "redis://h:1?cluster=maybe",
+    ],
+)
+def test_malformed_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValueError):
+        parse_url(url)
+
+
+async def test_a_sentinel_url_reaches_the_master(sentinel_redis: tuple[LocalRedis, LocalSentinel]) -> None:
+    _, sentinel = sentinel_redis
+    store = RedisStore(f"redis+sentinel://127.0.0.1:{sentinel.port}/rdvmaster?prefix=s")
+    await store.open()
+    try:
+        engine = await put_engine(store, make_engine("c", Role.CONSUMER))
+        assert await store.get_engine("c") == engine
+        assert await store.ping()
+    finally:
+        await store.close()
+
+
+# Redis Cluster
+
+
+async def test_a_namespace_lives_in_one_cluster_slot(redis_cluster: LocalCluster) -> None:
+    store = RedisStore(with_prefix(redis_cluster.url, "one"))
+    await store.open()
+    try:
+        await put_engine(store, make_engine("c"))
+        await put_engine(store, make_engine("p", Role.PRODUCER))
+        await put_transfer(store, make_transfer("t", State.MATCHED, producer="p"), [note("p"), note("c")])
+        await store.put_response("k", b"v", 60)
+        await store.append_events([note("c")])
+    finally:
+        await store.close()
+    held = redis_cluster.nodes_holding("{one}:*")
+    assert len(held) == 1, held
+    (keys,) = held.values()
+    with redis_cluster.client(redis_cluster.ports[0]) as c:
+        assert len({c.cluster("keyslot", k) for k in keys}) == 1
+
+
+async def test_namespaces_spread_over_the_cluster(redis_cluster: LocalCluster) -> None:
+    prefixes = [f"ns{i}" for i in range(12)]
+    for prefix in prefixes:
+        store = RedisStore(with_prefix(redis_cluster.url, prefix))
+        await store.open()
+        try:
+            await put_transfer(store, make_transfer("t"))
+        finally:
+            await store.close()
+    nodes = {port for p in prefixes for port in redis_cluster.nodes_holding("{" + p + "}:*")}
+    assert len(nodes) > 1
