@@ -223,9 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
+        from rendezvous.store.base import StoreUnavailableError
+
         try:
             return asyncio.run(_serve(args))
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, StoreUnavailableError) as err:
             print(f"kv-rendezvous: {err}", file=sys.stderr)
             return 2
     try:

@@ -34,7 +34,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
-from rendezvous.store.base import EventPage, Store, StoreCounts
+from rendezvous.store.base import EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +376,13 @@ class Coordinator:
                 await self._lose_engine(ended)
         ctx = self._context()
         for transfer_id in await self.store.due_transfers(ctx.now, max_transfers):
-            await self._apply(transfer_id, lambda cur, _e: lifecycle.expire(ctx, cur))
+            try:
+                await self._apply(transfer_id, lambda cur, _e: lifecycle.expire(ctx, cur))
+            except StoreUnavailableError:
+                raise
+            except Exception:
+                # One bad record must not stop every other transfer from expiring.
+                log.exception("cannot expire transfer", extra={"transfer_id": transfer_id})
 
 
 def _guarded(

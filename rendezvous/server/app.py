@@ -19,7 +19,7 @@ from rendezvous.coordinator import Coordinator
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.servicer import RendezvousServicer
-from rendezvous.store.base import Store
+from rendezvous.store.base import Store, StoreUnavailableError
 from rendezvous.store.factory import create_store
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -124,9 +124,17 @@ class RendezvousServer:
         self.metrics.store_up.set(1 if serving else 0)
 
     async def _sweep_loop(self) -> None:
+        failing = False
         while not self._stopping.is_set():
             try:
                 await self.coordinator.sweep()
+                if failing:
+                    log.info("sweeps succeed again")
+                failing = False
+            except StoreUnavailableError as err:
+                if not failing:
+                    log.warning("sweep failed: store unavailable: %s", err)
+                failing = True
             except Exception:
                 log.exception("sweep failed")
             with contextlib.suppress(TimeoutError):

@@ -34,6 +34,17 @@ ResponseT = TypeVar("ResponseT", bound=Message)
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
+def _as_error(exc: RendezvousError | StoreUnavailableError) -> RendezvousError:
+    """A failure as the domain error the client sees: store outages are UNAVAILABLE (retry)."""
+    if isinstance(exc, StoreUnavailableError):
+        return RendezvousError(Reason.STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
+    return exc
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: RendezvousError) -> None:
+    await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+
+
 def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handler[ResponseT]]:
     """Error mapping, metrics and, for requests with a request_id, idempotency (AIP-155) of a unary handler."""
 
@@ -55,13 +66,10 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                 if key:
                     await self.coordinator.store.put_response(key, response.SerializeToString(), self.idempotency_ttl)
                 return response
-            except RendezvousError as err:
+            except (RendezvousError, StoreUnavailableError) as exc:
+                err = _as_error(exc)
                 code = err.code.value
-                await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
-            except StoreUnavailableError as err:
-                code = "UNAVAILABLE"
-                unavailable = RendezvousError(Reason.STORE_UNAVAILABLE, f"the store is unavailable: {err}")
-                await context.abort_with_status(rpc_status.to_status(wire.error_status(unavailable)))
+                await _abort(context, err)
             finally:
                 self.metrics.rpcs.labels(method, code).inc()
                 self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
@@ -157,9 +165,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         async for request in request_iterator:
             try:
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
-            except RendezvousError as err:
+            except (RendezvousError, StoreUnavailableError) as exc:
+                err = _as_error(exc)
                 self.metrics.rpcs.labels("KeepAlive", err.code.value).inc()
-                await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+                await _abort(context, err)
                 return
             self.metrics.rpcs.labels("KeepAlive", "OK").inc()
             yield pb.KeepAliveResponse(
@@ -312,9 +321,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         try:
             revision = await coordinator.check_watch(engine_id, request.start_revision)
             self.watchers.enter(engine_id)
-        except RendezvousError as err:
+        except (RendezvousError, StoreUnavailableError) as exc:
+            err = _as_error(exc)
             self.metrics.rpcs.labels("Watch", err.code.value).inc()
-            await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+            await _abort(context, err)
             return
         self.metrics.rpcs.labels("Watch", "OK").inc()
         batch = min(request.max_batch or self.watch_batch, self.watch_batch)
@@ -333,13 +343,14 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                         header=await self._header(), events=[wire.event_message(e) for e in page.events]
                     )
                 elif await coordinator.store.get_engine(engine_id) is None:
-                    gone = RendezvousError(
+                    raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,
                         f"engine {engine_id} was forgotten; register again",
                         engine_id=engine_id,
                     )
-                    await context.abort_with_status(rpc_status.to_status(wire.error_status(gone)))
                 else:
                     await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
+        except (RendezvousError, StoreUnavailableError) as exc:
+            await _abort(context, _as_error(exc))
         finally:
             self.watchers.leave(engine_id)
