@@ -9,13 +9,15 @@ and for the floor a bare gRPC server with an empty unary method and a server str
 
 plus server CPU seconds and RSS, and that no live engine or transfer remains afterwards.
 
-    python benchmarks/bench_rendezvous.py [--duration 8] [--batch 64] [--rate 1000] [--store memory]
+    python benchmarks/bench_rendezvous.py [--batch 64] [--rate 1000] [--store memory|redis] [--replicas N]
+    python benchmarks/bench_rendezvous.py --compare      # memory vs Redis vs 2 Redis replicas, one run
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -24,7 +26,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -254,20 +258,30 @@ def _engine_process(role: str, address: str, plan: dict[str, Any], go: Any, out:
     asyncio.run(_engine(role, address, plan, go, out))
 
 
-def run_phase(address: str, plan: dict[str, Any], server_pid: int) -> dict[str, Any]:
+def servers_usage(pids: list[int]) -> tuple[float, int]:
+    """CPU seconds and RSS bytes summed over the server replicas."""
+    usages = [proc_usage(pid) for pid in pids]
+    return sum(u[0] for u in usages), sum(u[1] for u in usages)
+
+
+def run_phase(addresses: list[str], plan: dict[str, Any], server_pids: list[int]) -> dict[str, Any]:
+    """The consumer talks to the first replica, the producer to the last (the same one when there is one)."""
     ctx = mp.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_engine_process, args=(r, address, plan, go, out)) for r in ("consumer", "producer")]
+    procs = [
+        ctx.Process(target=_engine_process, args=(role, address, plan, go, out))
+        for role, address in (("consumer", addresses[0]), ("producer", addresses[-1]))
+    ]
     for p in procs:
         p.start()
     for _ in procs:
         assert out.get(timeout=60)[0] == "ready"
-    cpu0, _ = proc_usage(server_pid)
+    cpu0, _ = servers_usage(server_pids)
     wall0 = time.monotonic()
     go.set()
     results = dict(out.get(timeout=plan["timeout"] + 60) for _ in procs)
     wall = time.monotonic() - wall0
-    cpu1, rss = proc_usage(server_pid)
+    cpu1, rss = servers_usage(server_pids)
     for p in procs:
         p.join(timeout=30)
     consumer, producer = results["consumer"], results["producer"]
@@ -323,9 +337,76 @@ def start_server(store: str) -> tuple[subprocess.Popen[str], str]:
     return proc, address
 
 
+@contextlib.contextmanager
+def local_redis() -> Iterator[str]:
+    """A throwaway redis-server on a unix socket (no persistence)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sock = Path(tmp) / "redis.sock"
+        proc = subprocess.Popen(
+            ["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 10
+            while not sock.exists():
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.01)
+            yield f"unix://{sock}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+def run_config(config: str, args: argparse.Namespace, redis_url: str | None) -> dict[str, Any]:
+    """One store configuration, `memory`, `redis` or `redis:N` (N replicas on one Redis): both phases."""
+    kind, _, replicas = config.partition(":")
+    store = "memory" if kind == "memory" else redis_url
+    if store is None or (kind == "memory" and replicas):
+        raise SystemExit(f"unknown configuration {config!r}: use memory, redis or redis:N")
+    servers = [start_server(store) for _ in range(int(replicas or 1))]
+    addresses, pids = [a for _, a in servers], [p.pid for p, _ in servers]
+    try:
+        through = run_phase(
+            addresses,
+            {
+                "run": f"{config}-tp",
+                "total": args.transfers,
+                "batch": args.batch,
+                "window": args.window,
+                "rate": 0,
+                "timeout": 300,
+            },
+            pids,
+        )
+        latency_total = int(args.rate * args.latency_seconds)
+        paced = run_phase(
+            addresses,
+            # One batch per 10 ms engine step.
+            {
+                "run": f"{config}-lat",
+                "total": latency_total,
+                "batch": max(1, int(args.rate / 100)),
+                "window": latency_total,
+                "rate": args.rate,
+                "timeout": 300,
+            },
+            pids,
+        )
+        after = live_state(addresses[0])
+    finally:
+        for proc, _ in servers:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return {"config": config, "replicas": len(servers), "throughput": through, "latency": paced, "after_run": after}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--store", default="memory", help="memory or a Redis URL")
+    parser.add_argument("--store", default="memory", choices=["memory", "redis"], help="store of a single run")
+    parser.add_argument("--replicas", type=int, default=1, help="server replicas (Redis store only)")
+    parser.add_argument("--compare", action="store_true", help="run memory, redis and redis with 2 replicas")
+    parser.add_argument("--redis-url", help="use this Redis instead of starting a local redis-server")
     parser.add_argument("--transfers", type=int, default=30_000, help="lifecycles in the throughput phase")
     parser.add_argument("--batch", type=int, default=64, help="items per batched RPC in the throughput phase")
     parser.add_argument("--window", type=int, default=2_048, help="unfinished transfers each engine allows")
@@ -334,6 +415,10 @@ def main() -> int:
     parser.add_argument("--floor-seconds", type=float, default=3, help="length of the unary floor measurement")
     parser.add_argument("--out", type=Path, default=RESULTS / "rendezvous.json", help="results file")
     args = parser.parse_args()
+    if args.compare:
+        configs = ["memory", "redis", "redis:2"]
+    else:
+        configs = [args.store + (f":{args.replicas}" if args.replicas > 1 else "")]
 
     ctx = mp.get_context("spawn")
     floor_port, ready = free_port(), ctx.Event()
@@ -343,47 +428,16 @@ def main() -> int:
     floor_numbers = asyncio.run(measure_floor(floor_port, args.floor_seconds))
     floor.terminate()
 
-    server, address = start_server(args.store)
-    try:
-        through = run_phase(
-            address,
-            {
-                "run": "tp",
-                "total": args.transfers,
-                "batch": args.batch,
-                "window": args.window,
-                "rate": 0,
-                "timeout": 300,
-            },
-            server.pid,
-        )
-        latency_total = int(args.rate * args.latency_seconds)
-        step = max(1, int(args.rate / 100))  # one batch per 10 ms engine step
-        paced = run_phase(
-            address,
-            {
-                "run": "lat",
-                "total": latency_total,
-                "batch": step,
-                "window": latency_total,
-                "rate": args.rate,
-                "timeout": 300,
-            },
-            server.pid,
-        )
-        after = live_state(address)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with contextlib.ExitStack() as stack:
+        needs_redis = any(c.startswith("redis") for c in configs)
+        redis_url = args.redis_url or (stack.enter_context(local_redis()) if needs_redis else None)
+        runs = [run_config(c, args, redis_url) for c in configs]
 
     result = {
         "benchmark": "rendezvous lifecycles",
-        "store": args.store,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpcio": grpc.__version__},
         "floor": floor_numbers,
-        "throughput": through,
-        "latency": paced,
-        "after_run": after,
+        "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -391,16 +445,23 @@ def main() -> int:
         f"gRPC floor: unary {floor_numbers['unary_rpcs_per_s']:,.0f}/s (16 in flight), "
         f"stream {floor_numbers['stream_msgs_per_s']:,.0f} msgs/s"
     )
-    for name, r in (("throughput", through), (f"latency @ {args.rate:,.0f}/s", paced)):
-        lat = r["assign_latency_ms"]
+    clean = True
+    for run in runs:
+        for name, r in (("throughput", run["throughput"]), (f"latency @ {args.rate:,.0f}/s", run["latency"])):
+            lat = r["assign_latency_ms"]
+            print(
+                f"{run['config']:>8} {name:>18}: {r['lifecycles_per_s']:,.0f} lifecycles/s, batch {r['batch']}, "
+                f"assign p50 {lat['p50']:.2f} ms p99 {lat['p99']:.2f} ms, server CPU {r['server_cpu_util']:.0%} "
+                f"RSS {r['server_rss_mib']:.0f} MiB"
+            )
+        after = run["after_run"]
         print(
-            f"{name:>20}: {r['lifecycles_per_s']:,.0f} lifecycles/s, batch {r['batch']}, "
-            f"assign p50 {lat['p50']:.2f} ms p99 {lat['p99']:.2f} ms, server CPU {r['server_cpu_util']:.0%} "
-            f"RSS {r['server_rss_mib']:.0f} MiB"
+            f"{run['config']:>8} after the run: {after['live_engines']} live engines, "
+            f"{after['live_transfers']} live transfers"
         )
-    print(f"after the run: {after['live_engines']} live engines, {after['live_transfers']} live transfers")
+        clean = clean and after == {"live_engines": 0, "live_transfers": 0}
     print(f"wrote {args.out}")
-    return 0 if after == {"live_engines": 0, "live_transfers": 0} else 1
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":
