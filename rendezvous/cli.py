@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    # The demo is an engine-side program with heavier dependencies: its flags are parsed only when it runs.
+    sub.add_parser("demo", help="move real bytes over NIXL between producer and consumer processes", add_help=False)
     for name, text in (
         ("status", "summarise a running server"),
         ("engines", "list live engines"),
@@ -220,7 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the kv-rendezvous command."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from clients.demo import add_demo_arguments, run_demo
+
+        demo = argparse.ArgumentParser(prog="kv-rendezvous demo", description=run_demo.__doc__)
+        add_demo_arguments(demo)
+        return run_demo(demo.parse_args(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
         from rendezvous.store.base import StoreUnavailableError

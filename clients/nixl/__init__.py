@@ -3,21 +3,28 @@
 - `NixlEndpoint`: one NIXL agent (UCX, no progress thread) with its regions and cached peers; one thread owns it.
 - `TransferWriter`: the producer's background writer thread, fed assignments and ready source blocks.
 - `TransferReceiver`: the consumer's notifications ("<transfer_id>:<generation>") and pull-mode reads.
+- `ProducerAgent` / `ConsumerAgent`: an engine rank's data plane wired to its rendezvous session: claims,
+  ready blocks, assignments, writes, revocations and results.
 
 NIXL itself is imported when the first endpoint is created; this package imports without it.
 """
 
 from clients._types import KvRegion, MemoryKind, NixlAgentInfo
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
+from clients.nixl.consumer import READ_FAILED, REVOKED, ConsumerAgent, TransferResult
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, PeerError, TransferFailedError
 from clients.nixl.notifications import TransferNotification, encode_notification, parse_notification
 from clients.nixl.polling import PollConfig
+from clients.nixl.producer import ProducerAgent, WriteReport
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.regions import DescriptorTable, memory_kind_of, regions_from_tensors, registration_spans
 from clients.nixl.writer import OnComplete, OnRevoked, OnSourceFree, TransferWriter, WriterConfig
 
 __all__ = [
+    "READ_FAILED",
+    "REVOKED",
     "BlockRangeError",
+    "ConsumerAgent",
     "DataPlaneError",
     "DescriptorTable",
     "KvRegion",
@@ -31,10 +38,13 @@ __all__ = [
     "PeerError",
     "PollConfig",
     "PostedTransfer",
+    "ProducerAgent",
     "TransferFailedError",
     "TransferNotification",
     "TransferReceiver",
+    "TransferResult",
     "TransferWriter",
+    "WriteReport",
     "WriterConfig",
     "XferStatus",
     "encode_notification",

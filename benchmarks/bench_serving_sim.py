@@ -1,0 +1,376 @@
+"""Simulated disaggregated serving with real gRPC and real NIXL bytes: pull vs push vs ideal.
+
+One producer (prefill) and one consumer (decode) engine run as separate processes with DRAM KV pools and the
+data-plane agents; the rendezvous service runs in this process, which is also the router. Requests arrive as
+a Poisson process at each `--rates` value. Prefill compute is simulated (`--prefill-us-per-token`, one request
+at a time); the KV bytes are real and sized like `--model` (bytes per token from its shape, divided by
+`--kv-scale` to fit memory). Decode is a step loop (`--decode-step-ms` per step, every active request gets a
+token per step).
+
+  pull   as vLLM's default connector does it: the router sends the decode leg only after prefill finished
+         (relay); the consumer then allocates and registers its blocks, gets SOURCE_READY and READs. The
+         decode side's transfer setup runs on its step loop: each new pull request stalls the next step by
+         `--pull-setup-ms`, which shows in the TPOT of requests already decoding.
+  push   both legs at once through the rendezvous: the consumer registers its blocks while the producer
+         computes; the producer's writer thread WRITEs as soon as the KV is ready.
+  ideal  push's compute and raw WRITE time with no coordination: the KV lands at prefill done + the WRITE's
+         own duration, and the decode side takes as long as it did in push to emit the first token (the wait
+         for the running step, then one step).
+
+TTFT = first token at the consumer - arrival; TPOT = mean time between a request's later tokens.
+
+    python benchmarks/bench_serving_sim.py [--rates 10,20,35] [--requests 60] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import platform
+import queue
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODELS = {
+    # layers x KV heads x head dim x (K and V) x bytes (bf16)
+    "qwen3-32b": 64 * 8 * 128 * 2 * 2,
+    "llama-3.1-8b": 32 * 8 * 128 * 2 * 2,
+}
+BLOCK_TOKENS = 16
+REGIONS = 2  # K and V
+
+
+@dataclass(frozen=True)
+class Sim:
+    """The simulated engines' timing and sizes."""
+
+    prefill_s_per_token: float
+    decode_step_s: float
+    pull_setup_s: float
+    output_tokens: int
+    block_bytes: int  # per region
+    pool_blocks: int
+
+
+# Engine processes
+
+
+async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
+    import torch
+
+    from clients import AsyncRendezvousClient, TransferMode
+    from clients.nixl.producer import ProducerAgent
+
+    tensors = [torch.zeros((sim.pool_blocks, sim.block_bytes), dtype=torch.uint8) for _ in range(REGIONS)]
+    free = list(range(sim.pool_blocks))
+    work: asyncio.Queue[tuple[str, int, int, bool]] = asyncio.Queue()
+
+    def on_report(r: Any) -> None:
+        reports.put(("write", r.transfer_id, r.ready_time, r.assigned_time, r.written_time))
+
+    def on_free(blocks: list[int]) -> Any:
+        return lambda _transfer_id: free.extend(blocks)
+
+    async with AsyncRendezvousClient(address) as client:
+        agent = ProducerAgent(client, "sim-prefill", "prefill", tensors, serve_reads=True, on_report=on_report)
+        await agent.start()
+        reports.put(("started", "producer"))
+
+        async def compute() -> None:  # one prefill at a time, like one GPU
+            while True:
+                transfer_id, tokens, num_blocks, pull = await work.get()
+                while len(free) < num_blocks:
+                    await asyncio.sleep(0.001)
+                blocks, free[:] = free[:num_blocks], free[num_blocks:]
+                await asyncio.sleep(tokens * sim.prefill_s_per_token)
+                mode = TransferMode.PULL if pull else TransferMode.PUSH
+                agent.ready(transfer_id, blocks, on_free(blocks), mode=mode)
+                reports.put(("prefilled", transfer_id, time.monotonic()))
+
+        computing = asyncio.create_task(compute())
+        loop = asyncio.get_running_loop()
+        while (command := await loop.run_in_executor(None, commands.get))[0] != "stop":
+            _, transfer_id, tokens, num_blocks, pull = command
+            if not pull:
+                await agent.claim(transfer_id)
+            work.put_nowait((transfer_id, tokens, num_blocks, pull))
+        computing.cancel()
+        await agent.close()
+
+
+async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
+    import torch
+
+    from clients import AsyncRendezvousClient, TransferMode
+    from clients.nixl.consumer import ConsumerAgent, TransferResult
+
+    tensors = [torch.zeros((sim.pool_blocks, sim.block_bytes), dtype=torch.uint8) for _ in range(REGIONS)]
+    free = list(range(sim.pool_blocks))
+    arrived: asyncio.Queue[tuple[float, TransferResult]] = asyncio.Queue()
+    admissions: list[tuple[str, int, bool]] = []  # decode legs the scheduler admits at the next step
+
+    async with AsyncRendezvousClient(address) as client:
+        wake = asyncio.Event()
+
+        def on_result(result: TransferResult) -> None:
+            arrived.put_nowait((time.monotonic(), result))
+            wake.set()
+
+        agent = ConsumerAgent(client, "sim-decode", "decode", tensors, on_result=on_result)
+        registering: set[asyncio.Task[Any]] = set()
+        await agent.start()
+        reports.put(("started", "consumer"))
+
+        async def step_loop() -> None:
+            active: dict[str, list[float]] = {}  # transfer id -> KV arrival, then token times
+            blocks: dict[str, tuple[int, ...]] = {}
+            while True:
+                if not active and not admissions:
+                    await wake.wait()
+                    wake.clear()
+                stall = 0.0
+                while admissions and len(free) >= admissions[0][1]:  # the scheduler allocates at a step boundary
+                    transfer_id, num_blocks, pull = admissions.pop(0)
+                    target, free[:] = free[:num_blocks], free[num_blocks:]
+                    mode = TransferMode.PULL if pull else TransferMode.PUSH
+                    registering.add(asyncio.create_task(agent.register_target(transfer_id, target, mode=mode)))
+                    stall += sim.pull_setup_s if pull else 0.0
+                while not arrived.empty():
+                    kv_time, result = arrived.get_nowait()
+                    if result.ok:
+                        active[result.transfer_id], blocks[result.transfer_id] = [kv_time], result.block_ids
+                    else:
+                        free.extend(result.block_ids)
+                        reports.put(("failed", result.transfer_id, result.reason))
+                await asyncio.sleep(sim.decode_step_s + stall)
+                registering.difference_update([t for t in registering if t.done()])
+                now = time.monotonic()
+                for transfer_id, tokens in list(active.items()):
+                    tokens.append(now)
+                    if len(tokens) == sim.output_tokens + 1:
+                        del active[transfer_id]
+                        free.extend(blocks.pop(transfer_id))
+                        gaps = [b - a for a, b in itertools.pairwise(tokens[1:])]
+                        tpot = statistics.fmean(gaps) if gaps else 0.0
+                        reports.put(("decoded", transfer_id, tokens[0], tokens[1], tpot))
+
+        stepping = asyncio.create_task(step_loop())
+        loop = asyncio.get_running_loop()
+        while (command := await loop.run_in_executor(None, commands.get))[0] != "stop":
+            admissions.append(command[1:])
+            wake.set()
+        stepping.cancel()
+        await agent.close()
+
+
+def _engine(role: str, address: str, sim: Sim, commands: Any, reports: Any) -> None:
+    run = _producer if role == "producer" else _consumer
+    asyncio.run(run(address, sim, commands, reports))
+
+
+# Router
+
+
+@dataclass
+class _Request:
+    transfer_id: str
+    arrival: float
+    tokens: int
+    num_blocks: int
+    prefilled: float = 0.0
+    write_s: float = 0.0
+    kv_arrived: float = 0.0
+    first_token: float = 0.0
+    tpot: float = 0.0
+
+
+def _drain(reports: Any, requests: dict[str, _Request], on_prefilled: Any) -> int:
+    """Apply the engines' reports; the number of requests that finished decoding."""
+    finished = 0
+    while True:
+        try:
+            report = reports.get_nowait()
+        except queue.Empty:
+            return finished
+        kind, transfer_id = report[0], report[1]
+        request = requests.get(transfer_id)
+        if request is None:
+            continue
+        if kind == "prefilled":
+            request.prefilled = report[2]
+            on_prefilled(request)
+        elif kind == "write":
+            _, _, ready, assigned, written = report
+            request.write_s = written - max(ready, assigned)
+        elif kind == "decoded":
+            request.kv_arrived, request.first_token, request.tpot = report[2:5]
+            finished += 1
+        elif kind == "failed":
+            raise RuntimeError(f"transfer {transfer_id} failed: {report[2]}")
+
+
+def _run_load(
+    engines: dict[str, Any], reports: Any, rate: float, args: argparse.Namespace, pull: bool
+) -> list[_Request]:
+    rng = random.Random(args.seed)
+    requests: dict[str, _Request] = {}
+
+    def relay(request: _Request) -> None:  # pull: the decode leg goes out once prefill is done
+        if pull:
+            engines["consumer"].put(("decode", request.transfer_id, request.num_blocks, True))
+
+    start = time.monotonic()
+    arrival = start
+    finished = 0
+    for i in range(args.requests):
+        arrival += rng.expovariate(rate)
+        tokens = rng.randint(args.prompt_tokens // 2, args.prompt_tokens * 3 // 2)
+        request = _Request(f"sim-{'pull' if pull else 'push'}-{rate}-{i}-{os.getpid()}", arrival, tokens, 0)
+        request.num_blocks = math.ceil(tokens / BLOCK_TOKENS)
+        while time.monotonic() < arrival:
+            finished += _drain(reports, requests, relay)
+            time.sleep(min(0.0005, max(0.0, arrival - time.monotonic())))
+        requests[request.transfer_id] = request
+        engines["producer"].put(("prefill", request.transfer_id, tokens, request.num_blocks, pull))
+        if not pull:
+            engines["consumer"].put(("decode", request.transfer_id, request.num_blocks, False))
+    deadline = time.monotonic() + 60
+    while finished < args.requests and time.monotonic() < deadline:
+        finished += _drain(reports, requests, relay)
+        time.sleep(0.001)
+    if finished < args.requests:
+        raise TimeoutError(f"{args.requests - finished} requests did not finish")
+    return list(requests.values())
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "mean_ms": statistics.fmean(values) * 1e3,
+        "p50_ms": statistics.median(values) * 1e3,
+        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3,
+    }
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, (ttft, tpot) = plt.subplots(1, 2, figsize=(10, 4))
+    rates = [r["rate"] for r in results]
+    for mode in ("pull", "push", "ideal"):
+        ttft.plot(rates, [r[mode]["ttft"]["mean_ms"] for r in results], marker="o", label=mode)
+        if mode != "ideal":
+            tpot.plot(rates, [r[mode]["tpot"]["mean_ms"] for r in results], marker="o", label=mode)
+    ttft.set(xlabel="request rate (req/s)", ylabel="TTFT mean (ms)", title="time to first token")
+    tpot.set(xlabel="request rate (req/s)", ylabel="TPOT mean (ms)", title="time per output token")
+    ttft.legend()
+    tpot.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="10,20,35", help="request rates to run, req/s")
+    parser.add_argument("--requests", type=int, default=60, help="requests per rate and mode")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="mean prompt length (uniform +-50%%)")
+    parser.add_argument("--output-tokens", type=int, default=16, help="tokens decoded per request")
+    parser.add_argument("--prefill-us-per-token", type=float, default=40.0, help="simulated prefill compute")
+    parser.add_argument("--decode-step-ms", type=float, default=20.0, help="simulated decode step")
+    parser.add_argument("--pull-setup-ms", type=float, default=2.0, help="pull setup on the decode step loop")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-32b", help="KV bytes per token")
+    parser.add_argument("--kv-scale", type=int, default=32, help="divide the model's KV bytes per token by this")
+    parser.add_argument("--pool-blocks", type=int, default=1024, help="KV blocks per engine")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    os.environ.setdefault("UCX_TLS", "shm,tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+    bytes_per_token = MODELS[args.model] // args.kv_scale
+    sim = Sim(
+        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+        decode_step_s=args.decode_step_ms * 1e-3,
+        pull_setup_s=args.pull_setup_ms * 1e-3,
+        output_tokens=args.output_tokens,
+        block_bytes=bytes_per_token * BLOCK_TOKENS // REGIONS,
+        pool_blocks=args.pool_blocks,
+    )
+    from clients.testing import TestServer
+
+    ctx = multiprocessing.get_context("spawn")
+    reports: Any = ctx.Queue()
+    engines: dict[str, Any] = {role: ctx.Queue() for role in ("producer", "consumer")}
+    results: list[dict[str, Any]] = []
+    with TestServer() as server:
+        processes = [
+            ctx.Process(target=_engine, args=(role, server.address, sim, q, reports), daemon=True)
+            for role, q in engines.items()
+        ]
+        for p in processes:
+            p.start()
+        for _ in processes:
+            assert reports.get(timeout=120)[0] == "started"
+        print(f"{args.model} KV / {args.kv_scale}: {bytes_per_token} B/token, {args.prompt_tokens} tokens mean")
+        try:
+            for rate in (float(r) for r in args.rates.split(",")):
+                row: dict[str, Any] = {"rate": rate}
+                for mode in ("pull", "push"):
+                    done = _run_load(engines, reports, rate, args, pull=mode == "pull")
+                    row[mode] = {
+                        "ttft": _stats([r.first_token - r.arrival for r in done]),
+                        "tpot": _stats([r.tpot for r in done]),
+                    }
+                    if mode == "push":
+                        ideal = [r.prefilled + r.write_s + (r.first_token - r.kv_arrived) - r.arrival for r in done]
+                        row["ideal"] = {"ttft": _stats(ideal)}
+                push, pull, ideal_ttft = row["push"], row["pull"], row["ideal"]["ttft"]["mean_ms"]
+                row["pull_over_push_ttft"] = pull["ttft"]["mean_ms"] / push["ttft"]["mean_ms"]
+                row["push_over_ideal_ttft"] = push["ttft"]["mean_ms"] / ideal_ttft
+                results.append(row)
+                print(
+                    f"rate {rate:5.1f}/s  TTFT mean pull {pull['ttft']['mean_ms']:7.1f} ms  "
+                    f"push {push['ttft']['mean_ms']:7.1f}  ideal {ideal_ttft:7.1f}  "
+                    f"(p99 pull {pull['ttft']['p99_ms']:.1f}, push {push['ttft']['p99_ms']:.1f})  "
+                    f"TPOT pull {pull['tpot']['mean_ms']:.1f} push {push['tpot']['mean_ms']:.1f} ms  "
+                    f"pull/push {row['pull_over_push_ttft']:.2f}x  push/ideal {row['push_over_ideal_ttft']:.2f}x",
+                    flush=True,
+                )
+        finally:
+            for q in engines.values():
+                q.put(("stop",))
+            for p in processes:
+                p.join(15)
+                if p.is_alive():
+                    p.kill()
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "serving_sim",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": os.getloadavg()},
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "bytes_per_token": bytes_per_token,
+        "results": results,
+    }
+    (args.out / "serving_sim.json").write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results: {args.out / 'serving_sim.json'}")
+    _plot(results, args.out / "serving_sim.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""`Batcher`: items submitted during one event-loop turn go to the rendezvous service as one batched call.
+
+Agents submit one item per transfer (a claim, a completion, an acknowledgement) from many places; the
+batcher turns them into one RPC per turn, which is what the protocol's repeated items are for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+from clients._types import ItemResult
+
+__all__ = ["Batcher"]
+
+logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
+SendBatch = Callable[[Sequence[S]], Awaitable[list[ItemResult]]]
+
+
+class Batcher(Generic[S]):
+    """Coalesces `submit`ted items into calls of at most `max_items`, sent on the next loop turn."""
+
+    def __init__(self, name: str, send: SendBatch[S], *, max_items: int = 256) -> None:
+        self._name = name
+        self._send = send
+        self._max_items = max_items
+        self._pending: list[tuple[S, asyncio.Future[ItemResult]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def submit(self, item: S) -> asyncio.Future[ItemResult]:
+        """Queue one item; the future gets its `ItemResult` (or the call's exception)."""
+        future: asyncio.Future[ItemResult] = asyncio.get_running_loop().create_future()
+        if not self._pending:
+            task = asyncio.create_task(self._flush(), name=f"batch {self._name}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        self._pending.append((item, future))
+        return future
+
+    def submit_logged(self, item: S) -> None:
+        """Queue one item whose outcome nobody awaits: errors are logged."""
+        self.submit(item).add_done_callback(self._log_outcome)
+
+    async def close(self) -> None:
+        """Wait for the calls in flight."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    async def _flush(self) -> None:
+        await asyncio.sleep(0)  # let the rest of this turn's items join
+        pending, self._pending = self._pending, []
+        for start in range(0, len(pending), self._max_items):
+            chunk = pending[start : start + self._max_items]
+            try:
+                results = await self._send([item for item, _ in chunk])
+            except Exception as e:
+                for _, future in chunk:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            for (_, future), result in zip(chunk, results, strict=True):
+                if not future.done():
+                    future.set_result(result)
+
+    def _log_outcome(self, future: asyncio.Future[ItemResult]) -> None:
+        if future.cancelled():
+            return
+        error = future.exception()
+        if error is None:
+            error = future.result().error
+        if error is not None:
+            logger.warning("%s: %s", self._name, error)

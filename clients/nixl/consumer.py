@@ -1,0 +1,432 @@
+"""`ConsumerAgent`: one consumer (decode) rank's side of the data plane, wired to the rendezvous service.
+
+It registers the rank's KV tensors with NIXL and announces the agent through engine registration. The engine
+registers destination blocks (`register_target`, batched per loop turn) and learns how each transfer ended
+from `results()` (or the `on_result` callback), as `TransferResult`s:
+
+- ok: the generation's bytes are in its blocks. Push: the first of the NIXL notification "T:g" and the
+  TRANSFER_COMMITTED event says so; notifications of other generations are ignored (fencing). Pull: on
+  SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfer.
+- failed: the transfer aborted (`reason` is the abort reason) or a READ failed. When the service still
+  fences a generation the producer may be writing (`revoking_generation`), the result waits for
+  REVOCATION_CONFIRMED: once it is reported, no byte of that generation can land in its blocks.
+- REVOKED: registering a newer generation of a transfer retires the older one; its blocks are reported
+  free the same way, once no write of it can land.
+
+Committed transfers are released (ReleaseTarget) by the agent. A background `ReceiverThread` owns NIXL.
+Everything public runs on the event loop the agent was started on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from clients._config import SessionConfig
+from clients._exceptions import RendezvousError
+from clients._roles import ConsumerSession
+from clients._types import (
+    AbortSpec,
+    CompletionOutcome,
+    CompletionSpec,
+    Event,
+    EventType,
+    ItemResult,
+    KvLayout,
+    ReleaseSpec,
+    Reregistered,
+    Resynced,
+    SessionEvent,
+    TargetSpec,
+    TransferMode,
+    TransferState,
+)
+from clients.aio import AsyncRendezvousClient
+from clients.nixl.agent import NixlEndpoint
+from clients.nixl.batching import Batcher
+from clients.nixl.notifications import TransferNotification
+from clients.nixl.polling import PollConfig
+from clients.nixl.producer import agent_for_rank
+from clients.nixl.receiver import TransferReceiver
+from clients.nixl.receiver_thread import ReceiverThread
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["READ_FAILED", "REVOKED", "ConsumerAgent", "OnResult", "TransferResult"]
+
+logger = logging.getLogger(__name__)
+
+REVOKED = "REVOKED"
+"""`TransferResult.reason` of a generation retired by a newer one."""
+READ_FAILED = "READ_FAILED"
+"""`TransferResult.reason` of a pull-mode READ that failed."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferResult:
+    """How one generation of a transfer ended for the consumer; its `block_ids` are the engine's again."""
+
+    transfer_id: str
+    generation: int
+    ok: bool
+    block_ids: tuple[int, ...]
+    reason: str = ""
+    """"" when ok; else an `AbortReason` name, `REVOKED` or `READ_FAILED`."""
+    message: str = ""
+
+
+OnResult = Callable[[TransferResult], None]
+
+
+@dataclasses.dataclass(eq=False)
+class _Target:
+    generation: int
+    block_ids: tuple[int, ...]
+    mode: TransferMode
+    arrived: bool = False
+
+
+class _Closed:
+    pass
+
+
+class ConsumerAgent:
+    """One consumer rank: NIXL endpoint + receiver thread + engine session. `start()`, then `close()`."""
+
+    def __init__(
+        self,
+        client: AsyncRendezvousClient,
+        engine_id: str,
+        pool: str,
+        tensors: Sequence[torch.Tensor],
+        *,
+        agent_name: str | None = None,
+        rank: int = 0,
+        layout: KvLayout | None = None,
+        labels: Mapping[str, str] | None = None,
+        lease_ttl: float = 0.0,
+        session_config: SessionConfig | None = None,
+        poll: PollConfig | None = None,
+        on_result: OnResult | None = None,
+    ) -> None:
+        self.rank = rank
+        self.stale_notifications = 0
+        """Notifications for a generation or transfer no longer expected (ignored)."""
+        self._tensors = tuple(tensors)
+        self._agent_name = agent_name or f"{engine_id}-rank{rank}"
+        self._poll = poll
+        self._on_result = on_result
+        self._session_args = (client, engine_id, pool, layout, labels, lease_ttl, session_config)
+        self._session: ConsumerSession | None = None
+        self._thread: ReceiverThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
+        self._targets: dict[str, _Target] = {}
+        self._fenced: dict[tuple[str, int], TransferResult] = {}
+        self._reading: set[tuple[str, int]] = set()  # pull READs in flight: their blocks are still written
+        self._after_read: dict[tuple[str, int], TransferResult] = {}
+        self._registrations: Batcher[TargetSpec] | None = None
+        self._completions: Batcher[CompletionSpec] | None = None
+        self._releases: Batcher[ReleaseSpec] | None = None
+
+    # Lifecycle
+
+    async def start(self) -> None:
+        """Register the tensors with NIXL, start the receiver thread, register the engine and watch events."""
+        client, engine_id, pool, layout, labels, lease_ttl, config = self._session_args
+        self._loop = asyncio.get_running_loop()
+        receiver = TransferReceiver(NixlEndpoint.from_tensors(self._agent_name, self._tensors), self._poll)
+        self._thread = ReceiverThread(
+            receiver,
+            on_notifications=self._from_thread(self._notified),
+            on_read_done=self._from_thread(self._read_done),
+            poll=self._poll,
+        )
+        self._thread.start()
+        session = ConsumerSession(
+            client,
+            engine_id,
+            pool,
+            layout=layout,
+            agents=(self._thread.agent_info(self.rank),),
+            labels=labels,
+            lease_ttl=lease_ttl,
+            config=config,
+            handler=self.handle_event,
+        )
+        self._registrations = Batcher("RegisterTarget", session.register_targets)
+        self._completions = Batcher("CompleteTransfer", session.complete_transfers)
+        self._releases = Batcher("ReleaseTarget", session.release_targets)
+        self._session = session
+        try:
+            await session.start()
+        except BaseException:
+            await asyncio.to_thread(self._thread.stop)
+            raise
+
+    async def close(self, *, deregister: bool = True) -> None:
+        """Stop the receiver thread (reads in flight finish), end the session and `results()`."""
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.stop)
+        for batcher in (self._registrations, self._completions, self._releases):
+            if batcher is not None:
+                await batcher.close()
+        if self._session is not None:
+            await self._session.close(deregister=deregister)
+        self._results.put_nowait(_Closed())
+
+    async def __aenter__(self) -> ConsumerAgent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> ConsumerSession:
+        """The engine session (registration, lease, events)."""
+        if self._session is None:
+            raise RuntimeError("the agent is not started")
+        return self._session
+
+    @property
+    def agent_name(self) -> str:
+        """This rank's NIXL agent name."""
+        return self._agent_name
+
+    # Engine API
+
+    async def register_target(
+        self,
+        transfer_id: str,
+        block_ids: Sequence[int],
+        generation: int = 1,
+        *,
+        mode: TransferMode = TransferMode.PUSH,
+        timeout: float = 0.0,
+        num_tokens: int = 0,
+    ) -> ItemResult:
+        """Register destination blocks (batched with the other registrations of this loop turn).
+
+        A newer generation of a transfer retires the older one: its blocks are reported (reason `REVOKED`)
+        once no write of it can land. A failed item is returned, not raised, and leaves nothing registered.
+        """
+        spec = TargetSpec(transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode)
+        assert self._registrations is not None, "the agent is not started"
+        old = self._targets.get(transfer_id)
+        new = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
+        if old is not None and generation <= old.generation:
+            old = None  # a repeat (or a stale one, which the service refuses)
+        else:
+            self._targets[transfer_id] = new  # first: a notification may come before the answer
+            self._update_expecting()
+        try:
+            result = await self._registrations.submit(spec)
+        except BaseException:
+            self._undo_register(transfer_id, new, old)
+            raise
+        if not result.ok or result.state is TransferState.ABORTED:
+            self._undo_register(transfer_id, new, old)
+        elif old is not None:
+            retired = TransferResult(transfer_id, old.generation, False, old.block_ids, REVOKED)
+            await self._when_unfenced(retired, maybe_fenced=result.state is not TransferState.TARGETED)
+        return result
+
+    async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
+        """Abort a transfer; its failed result comes once no write can land in its blocks."""
+        result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
+        target = self._targets.pop(transfer_id, None)
+        if target is not None and not target.arrived:
+            self._update_expecting()
+            failed = TransferResult(transfer_id, target.generation, False, target.block_ids, "REQUESTED", message)
+            await self._when_unfenced(failed, maybe_fenced=True)
+        return result
+
+    async def results(self) -> AsyncIterator[TransferResult]:
+        """Each transfer result as it comes; ends when the agent closes. Unused when `on_result` is given."""
+        while True:
+            item = await self._results.get()
+            if isinstance(item, _Closed):
+                self._results.put_nowait(item)
+                return
+            yield item
+
+    # Events (on the loop)
+
+    async def handle_event(self, item: SessionEvent) -> None:
+        """React to one session event; the session calls this for each, in order."""
+        if isinstance(item, Resynced):
+            live = {t.transfer_id: t for t in item.transfers}
+            for transfer_id in list(self._targets):
+                info = live.get(transfer_id)
+                if info is None or info.state is TransferState.ABORTED:
+                    self._fail(transfer_id, "LOST", "the service no longer has this transfer")
+                elif info.state is TransferState.COMMITTED:
+                    self._committed(transfer_id, info.generation)
+        elif isinstance(item, Reregistered):
+            for result in item.results:
+                if not result.ok or result.state is TransferState.ABORTED:
+                    self._fail(result.transfer_id, "LOST", "the transfer did not survive re-registration")
+        else:
+            self._on_server_event(item)
+
+    def _on_server_event(self, event: Event) -> None:
+        info = event.transfer
+        if event.type is EventType.PEER_LOST and event.peer is not None:
+            assert self._thread is not None
+            for agent in event.peer.agents:
+                self._thread.forget_peer(agent.name)
+            return
+        if info is None:
+            return
+        match event.type:
+            case EventType.TRANSFER_COMMITTED:
+                self._committed(info.transfer_id, event.generation)
+            case EventType.TRANSFER_ABORTED:
+                reason = info.abort_reason.name
+                self._fail(info.transfer_id, reason, info.abort_message, info.revoking_generation)
+            case EventType.REVOCATION_CONFIRMED:
+                fenced = self._fenced.pop((info.transfer_id, event.generation), None)
+                if fenced is not None:
+                    self._deliver(fenced)
+            case EventType.SOURCE_READY:
+                self._source_ready(event)
+
+    def _committed(self, transfer_id: str, generation: int) -> None:
+        target = self._targets.get(transfer_id)
+        if target is None or target.generation != generation or target.mode is not TransferMode.PUSH:
+            return
+        del self._targets[transfer_id]
+        self._update_expecting()
+        if not target.arrived:
+            self._deliver(TransferResult(transfer_id, generation, True, target.block_ids))
+        assert self._releases is not None
+        self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+
+    def _fail(self, transfer_id: str, reason: str, message: str, revoking_generation: int = 0) -> None:
+        target = self._targets.pop(transfer_id, None)
+        if target is None:
+            return
+        self._update_expecting()
+        if target.arrived:
+            return  # its bytes are in place and were reported
+        result = TransferResult(transfer_id, target.generation, False, target.block_ids, reason, message)
+        if revoking_generation == target.generation:
+            self._fenced[(transfer_id, target.generation)] = result
+        else:
+            self._deliver(result)
+
+    def _source_ready(self, event: Event) -> None:
+        info, peer = event.transfer, event.peer
+        assert info is not None and self._thread is not None
+        target = self._targets.get(info.transfer_id)
+        if target is None or target.generation != event.generation or target.mode is not TransferMode.PULL:
+            return
+        if (info.transfer_id, event.generation) in self._reading:
+            return
+        agent = None if peer is None else agent_for_rank(peer.agents, self.rank)
+        if peer is None or agent is None:
+            self._read_done(info.transfer_id, event.generation, False, f"the producer has no agent of rank {self.rank}")
+            return
+        dst = target.block_ids
+        if not dst:
+            self._read_done(info.transfer_id, event.generation, True, None)
+            return
+        src = info.source_block_ids[len(info.source_block_ids) - len(dst) :]
+        self._reading.add((info.transfer_id, event.generation))
+        self._thread.read(info.transfer_id, event.generation, agent, peer.incarnation, src, dst)
+
+    # Receiver-thread callbacks, run on the loop
+
+    def _from_thread(self, callback: Callable[..., None]) -> Callable[..., None]:
+        def hop(*args: object) -> None:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(callback, *args)
+
+        return hop
+
+    def _notified(self, notifications: list[TransferNotification]) -> None:
+        for n in notifications:
+            target = self._targets.get(n.transfer_id)
+            if target is None or target.generation != n.generation or target.mode is not TransferMode.PUSH:
+                self.stale_notifications += 1
+                continue
+            if not target.arrived:
+                target.arrived = True
+                self._deliver(TransferResult(n.transfer_id, n.generation, True, target.block_ids))
+
+    def _read_done(self, transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        assert self._completions is not None
+        outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
+        future = self._completions.submit(CompletionSpec(transfer_id, generation, outcome, error or ""))
+        future.add_done_callback(lambda f: self._read_completed(transfer_id, generation, f))
+        self._reading.discard((transfer_id, generation))
+        retired = self._after_read.pop((transfer_id, generation), None)
+        if retired is not None:
+            self._deliver(retired)
+        target = self._targets.get(transfer_id)
+        if target is None or target.generation != generation:
+            return
+        if ok:
+            target.arrived = True
+            self._deliver(TransferResult(transfer_id, generation, True, target.block_ids))
+        else:
+            self._fail(transfer_id, READ_FAILED, error or "")
+
+    def _read_completed(self, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
+        result = None if future.cancelled() or future.exception() else future.result()
+        if result is None or not result.ok:
+            logger.warning("CompleteTransfer %s:%d: %s", transfer_id, generation, result or future)
+            return
+        target = self._targets.get(transfer_id)
+        if target is not None and target.generation == generation and result.state is TransferState.COMMITTED:
+            del self._targets[transfer_id]
+            assert self._releases is not None
+            self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+
+    # Helpers
+
+    def _undo_register(self, transfer_id: str, new: _Target, old: _Target | None) -> None:
+        if self._targets.get(transfer_id) is new:
+            if old is None:
+                del self._targets[transfer_id]
+            else:
+                self._targets[transfer_id] = old
+            self._update_expecting()
+
+    async def _when_unfenced(self, result: TransferResult, *, maybe_fenced: bool) -> None:
+        """Deliver `result` once the service no longer fences its generation (REVOCATION_CONFIRMED)."""
+        if not maybe_fenced:
+            self._deliver(result)
+            return
+        key = (result.transfer_id, result.generation)
+        self._fenced[key] = result  # first: the confirmation may arrive while we ask
+        try:
+            revoking = (await self.session.client.get_transfer(result.transfer_id)).revoking_generation
+        except RendezvousError as e:  # forgotten: nothing is fenced any more
+            logger.debug("GetTransfer %s: %s", result.transfer_id, e)
+            revoking = 0
+        if revoking != result.generation and self._fenced.pop(key, None) is not None:
+            self._deliver(result)
+
+    def _update_expecting(self) -> None:
+        if self._thread is not None:
+            self._thread.set_expecting(bool(self._targets))
+
+    def _deliver(self, result: TransferResult) -> None:
+        key = (result.transfer_id, result.generation)
+        if key in self._reading:  # our own READ may still write into these blocks
+            self._after_read[key] = result
+            return
+        if self._on_result is None:
+            self._results.put_nowait(result)
+            return
+        try:
+            self._on_result(result)
+        except Exception:
+            logger.exception("on_result(%s) raised", result)

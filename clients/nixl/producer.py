@@ -1,0 +1,386 @@
+"""`ProducerAgent`: one producer (prefill) rank's side of the data plane, wired to the rendezvous service.
+
+It registers the rank's KV tensors with NIXL (DRAM for CPU tensors, VRAM for CUDA ones), announces the agent
+through engine registration, and turns the engine's events into commands for its `TransferWriter`, the one
+thread that makes NIXL calls:
+
+- TRANSFER_ASSIGNED   -> write the consumer's blocks (its agent for our rank, cached by incarnation);
+- TRANSFER_REVOKED    -> stop; AcknowledgeRevocation once no write of that generation can land;
+- TRANSFER_ABORTED    -> revoke a generation the service still fences, drop the transfer, free the source;
+- PEER_LOST           -> forget that incarnation's agents.
+
+The engine calls `claim` at admission and `ready` when the KV is computed; the source blocks come back through
+the `on_free` callback once written (or once the transfer ended otherwise). Each finished write is reported
+with CompleteTransfer. In pull mode (`serve_reads=True`) `ready(..., mode=PULL)` calls MarkSourceReady instead and
+the consumer READs; the blocks are freed when the consumer commits or the transfer aborts. Without a progress
+thread NIXL serves a peer's READ only while the target agent is polled, and the writer polls only while it
+writes, so pull mode announces a second agent over the same tensors, polled by a `ReceiverThread`.
+
+Everything public runs on the event loop the agent was started on; writer callbacks hop onto it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from clients._config import SessionConfig
+from clients._roles import ProducerSession
+from clients._types import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionOutcome,
+    CompletionSpec,
+    Event,
+    EventType,
+    ItemResult,
+    KvLayout,
+    NixlAgentInfo,
+    Reregistered,
+    Resynced,
+    RevocationAck,
+    SessionEvent,
+    SourceReadySpec,
+    TransferMode,
+    TransferState,
+)
+from clients.aio import AsyncRendezvousClient
+from clients.nixl.agent import NixlEndpoint
+from clients.nixl.batching import Batcher
+from clients.nixl.receiver import TransferReceiver
+from clients.nixl.receiver_thread import ReceiverThread
+from clients.nixl.regions import BlockIds
+from clients.nixl.writer import TransferWriter, WriterConfig
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["OnFree", "OnReport", "ProducerAgent", "WriteReport"]
+
+logger = logging.getLogger(__name__)
+
+OnFree = Callable[[str], None]
+"""on_free(transfer_id): the engine may reuse the transfer's source blocks."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteReport:
+    """How one generation of a pushed transfer ended on the producer; `time.monotonic()` stamps, 0.0 = never."""
+
+    transfer_id: str
+    generation: int
+    ok: bool
+    error: str | None
+    ready_time: float
+    """When the engine called `ready`."""
+    assigned_time: float
+    """When the assignment reached this agent."""
+    written_time: float
+    """When the writer reported the WRITE finished (or failed)."""
+    completed_time: float
+    """When the service acknowledged CompleteTransfer."""
+
+
+OnReport = Callable[[WriteReport], None]
+
+
+@dataclasses.dataclass(eq=False)
+class _Source:
+    on_free: OnFree | None
+    mode: TransferMode
+    ready_time: float
+
+
+def _ignore(*args: object) -> None:
+    """A callback for what the read-serving agent reports: nothing this producer acts on."""
+
+
+def agent_for_rank(agents: Sequence[NixlAgentInfo], rank: int) -> NixlAgentInfo | None:
+    """The agent of `rank` among a peer engine's agents, if it has one."""
+    return next((a for a in agents if a.rank == rank), None)
+
+
+class ProducerAgent:
+    """One producer rank: NIXL endpoint + background writer + engine session. `start()`, then `close()`."""
+
+    def __init__(
+        self,
+        client: AsyncRendezvousClient,
+        engine_id: str,
+        pool: str,
+        tensors: Sequence[torch.Tensor],
+        *,
+        agent_name: str | None = None,
+        rank: int = 0,
+        layout: KvLayout | None = None,
+        labels: Mapping[str, str] | None = None,
+        lease_ttl: float = 0.0,
+        session_config: SessionConfig | None = None,
+        writer_config: WriterConfig | None = None,
+        on_report: OnReport | None = None,
+        serve_reads: bool = False,
+    ) -> None:
+        self.rank = rank
+        self.serve_reads = serve_reads
+        self._tensors = tuple(tensors)
+        self._agent_name = agent_name or f"{engine_id}-rank{rank}"
+        self._writer_config = writer_config
+        self._on_report = on_report
+        self._session_args = (client, engine_id, pool, layout, labels, lease_ttl, session_config)
+        self._session: ProducerSession | None = None
+        self._writer: TransferWriter | None = None
+        self._server: ReceiverThread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sources: dict[str, _Source] = {}
+        self._assigned: dict[str, float] = {}  # when the current assignment of a transfer arrived
+        self._claims: Batcher[ClaimSpec] | None = None
+        self._ready: Batcher[SourceReadySpec] | None = None
+        self._completions: Batcher[CompletionSpec] | None = None
+        self._acks: Batcher[RevocationAck] | None = None
+
+    # Lifecycle
+
+    async def start(self) -> None:
+        """Register the tensors with NIXL, start the writer thread, register the engine and watch its events."""
+        client, engine_id, pool, layout, labels, lease_ttl, config = self._session_args
+        self._loop = asyncio.get_running_loop()
+        writer_name = f"{self._agent_name}-writer" if self.serve_reads else self._agent_name
+        self._writer = TransferWriter(
+            NixlEndpoint.from_tensors(writer_name, self._tensors),
+            on_complete=self._from_writer(self._write_finished),
+            on_revoked=self._from_writer(self._write_revoked),
+            on_source_free=self._from_writer(self._source_free),
+            config=self._writer_config,
+        )
+        self._writer.start()
+        announced = self._writer.agent_info(self.rank)
+        if self.serve_reads:
+            endpoint = NixlEndpoint.from_tensors(self._agent_name, self._tensors)
+            self._server = ReceiverThread(TransferReceiver(endpoint), on_notifications=_ignore, on_read_done=_ignore)
+            self._server.start()
+            announced = self._server.agent_info(self.rank)
+        session = ProducerSession(
+            client,
+            engine_id,
+            pool,
+            layout=layout,
+            agents=(announced,),
+            labels=labels,
+            lease_ttl=lease_ttl,
+            config=config,
+            handler=self.handle_event,
+        )
+        self._claims = Batcher("ClaimTransfer", session.claim_transfers)
+        self._ready = Batcher("MarkSourceReady", session.mark_sources_ready)
+        self._completions = Batcher("CompleteTransfer", session.complete_transfers)
+        self._acks = Batcher("AcknowledgeRevocation", session.acknowledge_revocations)
+        self._session = session
+        try:
+            await session.start()
+        except BaseException:
+            await self._stop_threads()
+            raise
+
+    async def close(self, *, deregister: bool = True) -> None:
+        """Stop the writer (writes in flight drain; held sources are freed), then end the session."""
+        await self._stop_threads()
+        await asyncio.sleep(0)  # run the callbacks the writer posted while stopping
+        for batcher in (self._claims, self._ready, self._completions, self._acks):
+            if batcher is not None:
+                await batcher.close()
+        if self._session is not None:
+            await self._session.close(deregister=deregister)
+
+    async def _stop_threads(self) -> None:
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.stop)
+        if self._server is not None:
+            await asyncio.to_thread(self._server.stop)
+
+    async def __aenter__(self) -> ProducerAgent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> ProducerSession:
+        """The engine session (registration, lease, events)."""
+        if self._session is None:
+            raise RuntimeError("the agent is not started")
+        return self._session
+
+    @property
+    def agent_name(self) -> str:
+        """This rank's NIXL agent name."""
+        return self._agent_name
+
+    # Engine API
+
+    async def claim(self, transfer_id: str, timeout: float = 0.0) -> ItemResult:
+        """Claim a transfer at admission (batched with other claims of this loop turn)."""
+        assert self._claims is not None, "the agent is not started"
+        return await self._claims.submit(ClaimSpec(transfer_id, timeout))
+
+    def ready(
+        self,
+        transfer_id: str,
+        block_ids: BlockIds,
+        on_free: OnFree | None = None,
+        *,
+        mode: TransferMode = TransferMode.PUSH,
+    ) -> None:
+        """The transfer's KV is computed in `block_ids`; `on_free(transfer_id)` is called once they may be reused.
+
+        Push: the writer WRITEs as soon as it holds the assignment (at once if it already does); raises
+        `BlockRangeError` for ids outside the registered regions. Pull (needs `serve_reads`): MarkSourceReady
+        is sent (batched).
+        """
+        writer, ready = self._writer, self._ready
+        assert writer is not None and ready is not None, "the agent is not started"
+        source = _Source(on_free, TransferMode(mode), time.monotonic())
+        if source.mode is TransferMode.PULL:
+            if self._server is None:
+                raise ValueError("pull mode needs a ProducerAgent created with serve_reads=True")
+            self._sources[transfer_id] = source
+            self._server.set_expecting(True)
+            future = ready.submit(SourceReadySpec(transfer_id, [int(b) for b in block_ids]))
+            future.add_done_callback(lambda f: self._pull_source_marked(transfer_id, f))
+            return
+        writer.source_ready(transfer_id, block_ids)  # validates first: nothing is recorded if it raises
+        self._sources[transfer_id] = source
+
+    async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
+        """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight."""
+        result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
+        self._end(transfer_id)
+        return result
+
+    # Events (on the loop)
+
+    async def handle_event(self, item: SessionEvent) -> None:
+        """React to one session event; the session calls this for each, in order."""
+        if isinstance(item, Resynced):
+            live = {t.transfer_id for t in item.transfers if not t.state.terminal}
+            for transfer_id in set(self._sources) - live:
+                self._end(transfer_id)
+            return
+        if isinstance(item, Reregistered):
+            for result in item.results:
+                if not result.ok or result.state.terminal:
+                    self._end(result.transfer_id)
+            return
+        self._on_server_event(item)
+
+    def _on_server_event(self, event: Event) -> None:
+        writer, info = self._writer, event.transfer
+        assert writer is not None
+        if event.type is EventType.PEER_LOST and event.peer is not None:
+            for agent in event.peer.agents:
+                writer.forget_peer(agent.name, event.peer.incarnation)
+            return
+        if info is None:
+            return
+        transfer_id = info.transfer_id
+        match event.type:
+            case EventType.TRANSFER_ASSIGNED:
+                self._assign(event)
+            case EventType.TRANSFER_REVOKED:
+                writer.revoke(transfer_id, event.generation)
+            case EventType.TRANSFER_ABORTED:
+                if info.revoking_generation:
+                    writer.revoke(transfer_id, info.revoking_generation)
+                self._end(transfer_id)
+            case EventType.TRANSFER_COMMITTED:  # pull: the consumer read the blocks
+                self._end(transfer_id)
+
+    def _assign(self, event: Event) -> None:
+        writer, info, peer = self._writer, event.transfer, event.peer
+        assert writer is not None and info is not None
+        self._assigned[info.transfer_id] = time.monotonic()
+        agent = None if peer is None else agent_for_rank(peer.agents, self.rank)
+        if peer is None or agent is None:
+            self._write_finished(
+                info.transfer_id, event.generation, False, f"the consumer has no agent of rank {self.rank}"
+            )
+            return
+        writer.assign(info.transfer_id, event.generation, agent, peer.incarnation, info.target_block_ids)
+
+    def _end(self, transfer_id: str) -> None:
+        """The transfer is over for this producer: drop it from the writer, free a pull source."""
+        self._assigned.pop(transfer_id, None)
+        source = self._sources.get(transfer_id)
+        if source is not None and source.mode is TransferMode.PULL:
+            self._free(transfer_id)
+        elif self._writer is not None:
+            with contextlib.suppress(RuntimeError):  # stopped: it freed every source already
+                self._writer.abort(transfer_id)
+
+    # Writer callbacks, run on the loop
+
+    def _from_writer(self, callback: Callable[..., None]) -> Callable[..., None]:
+        def hop(*args: object) -> None:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(callback, *args)
+
+        return hop
+
+    def _write_finished(self, transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        written = time.monotonic()
+        source = self._sources.get(transfer_id)
+        ready_time = source.ready_time if source is not None else 0.0
+        assigned = self._assigned.pop(transfer_id, 0.0)
+        outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
+        completions = self._completions
+        assert completions is not None
+        future = completions.submit(CompletionSpec(transfer_id, generation, outcome, error or ""))
+        times = (ready_time, assigned, written)
+        future.add_done_callback(lambda f: self._completed(transfer_id, generation, ok, error, times, f))
+        if not ok:
+            self._end(transfer_id)  # the service aborts it: let go of the source
+
+    def _completed(
+        self,
+        transfer_id: str,
+        generation: int,
+        ok: bool,
+        error: str | None,
+        times: tuple[float, float, float],
+        future: asyncio.Future[ItemResult],
+    ) -> None:
+        failure = None if future.cancelled() else (future.exception() or future.result().error)
+        if failure is not None:
+            logger.warning("CompleteTransfer %s:%d: %s", transfer_id, generation, failure)
+        if self._on_report is not None:
+            self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic()))
+
+    def _write_revoked(self, transfer_id: str, generation: int) -> None:
+        self._assigned.pop(transfer_id, None)
+        assert self._acks is not None
+        self._acks.submit_logged(RevocationAck(transfer_id, generation))
+
+    def _source_free(self, transfer_id: str) -> None:
+        self._free(transfer_id)
+
+    def _free(self, transfer_id: str) -> None:
+        source = self._sources.pop(transfer_id, None)
+        if self._server is not None and source is not None and source.mode is TransferMode.PULL:
+            self._server.set_expecting(any(s.mode is TransferMode.PULL for s in self._sources.values()))
+        if source is not None and source.on_free is not None:
+            try:
+                source.on_free(transfer_id)
+            except Exception:
+                logger.exception("on_free(%s) raised", transfer_id)
+
+    def _pull_source_marked(self, transfer_id: str, future: asyncio.Future[ItemResult]) -> None:
+        result = None if future.cancelled() or future.exception() else future.result()
+        if result is None or not result.ok or result.state in (TransferState.ABORTED, TransferState.RELEASED):
+            logger.warning("MarkSourceReady %s: %s", transfer_id, "failed" if result is None else result)
+            self._free(transfer_id)

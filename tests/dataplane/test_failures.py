@@ -1,0 +1,62 @@
+"""Engines killed with SIGKILL: the survivor learns within the dead engine's lease and frees its blocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from clients.testing import TestServer
+from tests.dataplane.checks import Landed, assert_pool, reset_pool, transfer_id
+from tests.dataplane.conftest import LEASE_TTL
+from tests.dataplane.worker import Spec, WorkerProcess
+
+pytestmark = pytest.mark.timeout(60)
+
+MARGIN = 2.0
+"""Slack over the lease TTL: the server's sweep, a keepalive period and the event's trip."""
+
+
+def test_producer_killed_mid_transfer(server: TestServer, consumer: WorkerProcess) -> None:
+    reset_pool(consumer)
+    doomed = WorkerProcess(Spec("producer", server.address, "prefill-doomed", lease_ttl=LEASE_TTL))
+    try:
+        tid = transfer_id("dead-producer")
+        consumer.call("register", tid, [1, 2, 3])
+        assert doomed.call("claim", tid) == "MATCHED"  # assigned: the writer holds it, its source not ready
+        doomed.kill()
+        killed = time.monotonic()
+        result = consumer.result(tid, timeout=LEASE_TTL + 5)
+        assert time.monotonic() - killed < LEASE_TTL + MARGIN
+        assert result == ("result", tid, 1, False, (1, 2, 3), "PEER_LOST")
+        assert_pool(consumer, [])
+    finally:
+        doomed.close()
+
+
+def test_consumer_killed_producer_frees_its_blocks(server: TestServer, producer: WorkerProcess) -> None:
+    doomed = WorkerProcess(Spec("consumer", server.address, "decode-doomed", lease_ttl=LEASE_TTL))
+    try:
+        tid = transfer_id("dead-consumer")
+        doomed.call("register", tid, [1, 2, 3])
+        assert producer.call("claim", tid) == "MATCHED"
+        doomed.kill()
+        killed = time.monotonic()
+        producer.call("fill", 11, [30, 31, 32])
+        producer.call("ready", tid, [30, 31, 32])
+        producer.freed(tid, timeout=LEASE_TTL + 5)
+        assert time.monotonic() - killed < LEASE_TTL + MARGIN
+    finally:
+        doomed.close()
+
+
+def test_survivors_keep_working_after_the_kills(producer: WorkerProcess, consumer: WorkerProcess) -> None:
+    reset_pool(consumer)
+    tid = transfer_id("after")
+    producer.call("fill", 42, [7, 8])
+    consumer.call("register", tid, [12, 13])
+    producer.call("claim", tid)
+    producer.call("ready", tid, [7, 8])
+    assert consumer.result(tid)[3] is True
+    producer.freed(tid)
+    assert_pool(consumer, [Landed(42, 2, [12, 13])])
