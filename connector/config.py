@@ -1,0 +1,66 @@
+"""The connector's settings, read from vLLM's `kv_connector_extra_config` (see docs/vllm.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["TRANSFER_ID_KEY", "ConnectorConfig"]
+
+TRANSFER_ID_KEY = "transfer_id"
+"""The `kv_transfer_params` key that carries a request's transfer id (minted by the router)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """What `kv_connector_extra_config` may set; every key is optional except `rendezvous`."""
+
+    rendezvous: tuple[str, ...]
+    """"host:port" endpoints of the rendezvous service (failover order). Key `rendezvous`: a string,
+    comma-separated string or list."""
+    pool: str = "default"
+    """The engine pool this engine registers in."""
+    engine_id: str = ""
+    """The engine id; "" = "<pool>-<role>-<vLLM's kv engine_id>", shared by the engine's processes."""
+    lease_ttl: float = 0.0
+    """Seconds of lease per renewal; 0 = the server's default."""
+    transfer_timeout: float = 0.0
+    """Seconds a target (decode) or claim (prefill) waits for its other half; 0 = the server's default."""
+    call_timeout: float = 10.0
+    """Seconds per attempt of a unary call to the rendezvous."""
+    start_timeout: float = 60.0
+    """Seconds the worker waits at start-up for NIXL and the engine registration."""
+    token: str | None = None
+    """A bearer token sent with every call."""
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Engine labels; the router reads `url` (the engine's OpenAI base URL) from them."""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse and check `kv_connector_extra_config`; unknown keys are an error (typos must not pass)."""
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        raw = extra.pop("rendezvous", None)
+        if isinstance(raw, str):
+            targets = tuple(t.strip() for t in raw.split(",") if t.strip())
+        elif isinstance(raw, list | tuple):
+            targets = tuple(str(t).strip() for t in raw if str(t).strip())
+        else:
+            targets = ()
+        if not targets:
+            raise ValueError('kv_connector_extra_config needs "rendezvous": "host:port" (or a list of them)')
+        labels = {str(k): str(v) for k, v in dict(extra.pop("labels", None) or {}).items()}
+        floats = {
+            k: float(extra.pop(k))
+            for k in ("lease_ttl", "transfer_timeout", "call_timeout", "start_timeout")
+            if k in extra
+        }
+        for key, value in floats.items():
+            if value < 0:
+                raise ValueError(f"{key} must not be negative, got {value}")
+        strings = {k: str(v) for k, v in extra.items()}
+        return cls(rendezvous=targets, labels=labels, **floats, **strings)  # type: ignore[arg-type]

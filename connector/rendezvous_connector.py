@@ -1,0 +1,525 @@
+"""`RendezvousConnector`: a vLLM KV connector (`KVConnectorBase_V1`) that pushes KV through the rendezvous.
+
+Load it with
+
+    --kv-transfer-config '{"kv_connector": "RendezvousConnector",
+                           "kv_connector_module_path": "connector.rendezvous_connector",
+                           "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu",
+                           "kv_connector_extra_config": {"rendezvous": "host:port", "pool": "..."}}'
+
+and give both legs of a request the same `kv_transfer_params = {"transfer_id": ...}` (the router mints it).
+
+The scheduler-side instance only bookkeeps; everything that talks to the network lives in the worker-side
+instance, on a background thread with its own event loop (`_LoopThread`): the step loop hands it each step's
+work through the connector metadata and collects results from thread-safe sets, never waiting on the network.
+
+- Producer (prefill): `on_new_request` claims the transfer at admission; `request_finished` keeps the
+  request's prompt blocks (delay_free) and hands them to the worker's `ProducerAgent`, which WRITEs them once
+  the consumer's target is assigned. The request id comes back in `finished_sending` once the WRITE is done or
+  the transfer ended otherwise (aborted, timed out): only then does vLLM free the blocks.
+- Consumer (decode): `get_num_new_matched_tokens` asks for the prompt tokens not computed locally (async);
+  `update_state_after_alloc` turns the allocated blocks into a target registered by the worker's
+  `ConsumerAgent` (one batch per step). Arrival is reported in `finished_recving`; a failed transfer is
+  reported in `finished_recving` and `failed_recving`, so `kv_load_failure_policy` applies (recompute or
+  fail). A request aborted while waiting aborts its transfer; its blocks are handed back once no write can
+  land in them.
+
+Only one worker per engine (tensor and pipeline parallel size 1) is supported for now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from connector.config import TRANSFER_ID_KEY, ConnectorConfig
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from clients import ItemResult
+    from clients.nixl.consumer import ConsumerAgent, TransferResult
+    from clients.nixl.producer import ProducerAgent
+
+__all__ = ["RendezvousConnector", "RendezvousConnectorMetadata"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class RendezvousConnectorMetadata(KVConnectorMetadata):
+    """One step's work for the worker (scheduler -> worker); plain data, pickled between processes."""
+
+    targets: list[tuple[str, str, list[int], int]] = dataclasses.field(default_factory=list)
+    """Consumer: (request id, transfer id, destination block ids, tokens) to register."""
+    claims: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """Producer: (request id, transfer id) to claim."""
+    ready: list[tuple[str, str, list[int]]] = dataclasses.field(default_factory=list)
+    """Producer: (request id, transfer id, source block ids) whose KV is computed."""
+    aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """Both: (request id, transfer id) of requests that ended before their transfer did."""
+
+    def __bool__(self) -> bool:
+        return bool(self.targets or self.claims or self.ready or self.aborts)
+
+
+def _transfer_id(request: Request) -> str | None:
+    params = request.kv_transfer_params
+    if not params:
+        return None
+    value = params.get(TRANSFER_ID_KEY)
+    return str(value) if value else None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class RendezvousConnector(KVConnectorBase_V1):
+    """KV connector that moves prompt KV from prefill to decode engines, coordinated by kv-rendezvous."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer_config = self._kv_transfer_config
+        self._config = ConnectorConfig.from_extra_config(transfer_config.kv_connector_extra_config)
+        self._producer = bool(transfer_config.is_kv_producer)
+        if transfer_config.is_kv_producer and transfer_config.is_kv_consumer:
+            raise ValueError("RendezvousConnector: kv_role must be kv_producer or kv_consumer, not kv_both")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            raise NotImplementedError("RendezvousConnector supports tensor and pipeline parallel size 1 only")
+        side = "producer" if self._producer else "consumer"
+        self.engine_id = self._config.engine_id or f"{self._config.pool}-{side}-{transfer_config.engine_id}"
+        self.block_size = vllm_config.cache_config.block_size
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self._producer, self.block_size, self.engine_id)
+        else:
+            self._worker = _WorkerSide(self._config, self._producer, self.engine_id, vllm_config, kv_cache_config)
+
+    # Scheduler side
+
+    def _sched(self) -> _SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on the worker-side connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().after_alloc(request, blocks, num_external_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().new_request(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.pending_work()
+
+    # Worker side
+
+    def _work(self) -> _WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler-side connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().start(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, RendezvousConnectorMetadata) and meta:
+            self._work().submit(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        return self._worker.take_results()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+
+
+class _SchedulerSide:
+    """Bookkeeping in the engine-core process: what each step asks of the worker."""
+
+    def __init__(self, producer: bool, block_size: int, engine_id: str) -> None:
+        self.producer = producer
+        self.block_size = block_size
+        self.engine_id = engine_id
+        self.meta = RendezvousConnectorMetadata()
+        self.transfer_of: dict[str, str] = {}
+        """Consumer: requests whose target was registered and has not arrived. Producer: claimed requests."""
+        self.sending: set[str] = set()
+        """Producer: requests whose blocks the worker holds until the WRITE ends."""
+        self.consumed: set[str] = set()
+        """Consumer: requests that asked for their KV once (a preempted request recomputes instead)."""
+
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.producer or request.request_id in self.consumed or _transfer_id(request) is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        transfer_id = _transfer_id(request)
+        if self.producer or transfer_id is None or num_external_tokens <= 0 or request.request_id in self.consumed:
+            return
+        self.consumed.add(request.request_id)
+        prompt_len = len(request.prompt_token_ids or ())
+        first = (prompt_len - num_external_tokens) // self.block_size
+        block_ids = list(blocks.get_block_ids()[0][first : _cdiv(prompt_len, self.block_size)])
+        self.meta.targets.append((request.request_id, transfer_id, block_ids, num_external_tokens))
+        self.transfer_of[request.request_id] = transfer_id
+
+    def new_request(self, request: Request) -> None:
+        transfer_id = _transfer_id(request)
+        if self.producer and transfer_id is not None:
+            self.meta.claims.append((request.request_id, transfer_id))
+            self.transfer_of[request.request_id] = transfer_id
+
+    def build_meta(self) -> RendezvousConnectorMetadata:
+        meta, self.meta = self.meta, RendezvousConnectorMetadata()
+        return meta
+
+    def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        request_id = request.request_id
+        self.consumed.discard(request_id)
+        transfer_id = self.transfer_of.pop(request_id, None)
+        if transfer_id is None:
+            return False, None
+        if not self.producer:  # still waiting for its KV: the scheduler keeps the blocks until we report it
+            self.meta.aborts.append((request_id, transfer_id))
+            return False, None
+        prompt_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
+        done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not done or len(block_ids) < prompt_blocks:
+            self.meta.aborts.append((request_id, transfer_id))
+            return False, None
+        self.meta.ready.append((request_id, transfer_id, list(block_ids[:prompt_blocks])))
+        self.sending.add(request_id)
+        return True, {TRANSFER_ID_KEY: transfer_id, "producer_engine_id": self.engine_id}
+
+    def update(self, output: KVConnectorOutput) -> None:
+        for request_id in output.finished_sending or ():
+            self.sending.discard(request_id)
+        for request_id in output.finished_recving or ():
+            self.transfer_of.pop(request_id, None)
+
+    def pending_work(self) -> bool:
+        return bool(self.sending) or bool(self.meta)
+
+
+class _LoopThread:
+    """An asyncio event loop on a daemon thread; other threads hand it callbacks and coroutines."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run a coroutine on the loop and wait for its result (start-up and shutdown only)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def call(self, callback: Any, *args: Any) -> None:
+        """Run callback(*args) on the loop soon; never blocks."""
+        self.loop.call_soon_threadsafe(callback, *args)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+
+
+class _WorkerSide:
+    """The worker process: NIXL agent + rendezvous session on a background loop, fed by step metadata."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        producer: bool,
+        engine_id: str,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        self.config = config
+        self.producer = producer
+        self.engine_id = engine_id
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self._thread: _LoopThread | None = None
+        self._client: Any = None
+        self._agent: ProducerAgent | ConsumerAgent | None = None
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._received: set[str] = set()
+        self._failed: set[str] = set()
+        # Owned by the loop:
+        self._request_of: dict[str, str] = {}  # consumer: transfer id -> request id, until reported
+        self._claims: dict[str, asyncio.Future[ItemResult]] = {}  # producer: transfer id -> claim
+
+    # Start and stop (called by the model runner's thread)
+
+    def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = self._block_tensors(kv_caches)
+        self._thread = _LoopThread(f"rendezvous-{self.engine_id}")
+        try:
+            self._thread.run(self._start(tensors), self.config.start_timeout)
+        except BaseException:
+            self._thread.stop()
+            self._thread = None
+            raise
+        logger.info("rendezvous connector: engine %s registered (%d KV regions)", self.engine_id, len(tensors))
+
+    def _block_tensors(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """One [num_blocks, ...] tensor per distinct layer cache, in layer order, block = scheduler block."""
+        num_blocks = self.kv_cache_config.num_blocks
+        tensors: list[torch.Tensor] = []
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for name, t in kv_caches.items():
+            key = (t.data_ptr(), tuple(t.shape))
+            if key in seen:
+                continue
+            seen.add(key)
+            if t.shape[0] != num_blocks:
+                if t.shape[0] % num_blocks or not t.is_contiguous():
+                    raise ValueError(
+                        f"KV cache {name} of shape {tuple(t.shape)} does not split into {num_blocks} blocks"
+                    )
+                t = t.view(num_blocks, -1)  # kernel blocks smaller than scheduler blocks: group them
+            tensors.append(t)
+        return tensors
+
+    def _layout(self, tensors: list[torch.Tensor]) -> Any:
+        from clients import KvLayout
+
+        model = self.vllm_config.model_config
+        return KvLayout(
+            model_fingerprint=f"{model.model}@{model.revision or ''}",
+            dtype=str(tensors[0].dtype).removeprefix("torch."),
+            block_size=self.vllm_config.cache_config.block_size,
+            num_layers=len(tensors),
+            tp_size=1,
+            pp_size=1,
+            kv_layout="x".join(str(d) for d in tensors[0].shape[1:]),
+        )
+
+    async def _start(self, tensors: list[torch.Tensor]) -> None:
+        from clients import AsyncRendezvousClient, ClientConfig
+        from clients.nixl.consumer import ConsumerAgent
+        from clients.nixl.producer import ProducerAgent
+
+        config = self.config
+        self._client = AsyncRendezvousClient(
+            ClientConfig(targets=config.rendezvous, token=config.token, call_timeout=config.call_timeout)
+        )
+        common: dict[str, Any] = {
+            "layout": self._layout(tensors),
+            "labels": dict(config.labels),
+            "lease_ttl": config.lease_ttl,
+        }
+        if self.producer:
+            self._agent = ProducerAgent(self._client, self.engine_id, config.pool, tensors, **common)
+        else:
+            self._agent = ConsumerAgent(
+                self._client, self.engine_id, config.pool, tensors, on_result=self._on_result, **common
+            )
+        await self._agent.start()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        try:
+            thread.run(self._stop(), 30.0)
+        except Exception:
+            logger.exception("rendezvous connector: shutdown failed")
+        finally:
+            thread.stop()
+
+    async def _stop(self) -> None:
+        if self._agent is not None:
+            await self._agent.close()
+        if self._client is not None:
+            await self._client.close()
+
+    # Per step (model runner's thread): hand work over, collect results
+
+    def submit(self, meta: RendezvousConnectorMetadata) -> None:
+        if self._thread is None:
+            raise RuntimeError("the rendezvous connector's worker is not started (register_kv_caches)")
+        self._thread.call(self._handle, meta)
+
+    def take_results(self) -> KVConnectorTransferResults:
+        with self._lock:
+            results = KVConnectorTransferResults(self._sent, self._received, self._failed)
+            self._sent, self._received, self._failed = set(), set(), set()
+        return results
+
+    def _report_sent(self, request_id: str) -> None:
+        with self._lock:
+            self._sent.add(request_id)
+
+    def _report_received(self, request_id: str, ok: bool) -> None:
+        with self._lock:
+            self._received.add(request_id)
+            if not ok:
+                self._failed.add(request_id)
+
+    # On the loop
+
+    def _handle(self, meta: RendezvousConnectorMetadata) -> None:
+        for request_id, transfer_id, block_ids, num_tokens in meta.targets:
+            self._request_of[transfer_id] = request_id
+            self._spawn(self._register(transfer_id, block_ids, num_tokens))
+        for _, transfer_id in meta.claims:
+            self._claims[transfer_id] = self._spawn(self._claim(transfer_id))
+        for request_id, transfer_id, block_ids in meta.ready:
+            self._spawn(self._ready(request_id, transfer_id, block_ids))
+        for request_id, transfer_id in meta.aborts:
+            self._spawn(self._abort(request_id, transfer_id))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        task.add_done_callback(self._log_failure)
+        return task
+
+    @staticmethod
+    def _log_failure(task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("rendezvous connector task failed", exc_info=task.exception())
+
+    # Consumer
+
+    def _consumer(self) -> ConsumerAgent:
+        from clients.nixl.consumer import ConsumerAgent
+
+        assert isinstance(self._agent, ConsumerAgent)
+        return self._agent
+
+    async def _register(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
+        from clients import TransferState
+
+        try:
+            result = await self._consumer().register_target(
+                transfer_id, block_ids, timeout=self.config.transfer_timeout, num_tokens=num_tokens
+            )
+        except Exception as e:
+            logger.warning("RegisterTarget %s failed: %s", transfer_id, e)
+            self._received_failed(transfer_id)
+            return
+        if not result.ok or result.state is TransferState.ABORTED:
+            logger.warning("RegisterTarget %s: %s", transfer_id, result.error or result.state.name)
+            self._received_failed(transfer_id)
+
+    def _received_failed(self, transfer_id: str) -> None:
+        request_id = self._request_of.pop(transfer_id, None)
+        if request_id is not None:
+            self._report_received(request_id, False)
+
+    def _on_result(self, result: TransferResult) -> None:
+        request_id = self._request_of.pop(result.transfer_id, None)
+        if request_id is None:
+            return
+        if not result.ok:
+            logger.warning("transfer %s failed: %s %s", result.transfer_id, result.reason, result.message)
+        self._report_received(request_id, result.ok)
+
+    # Producer
+
+    def _producer_agent(self) -> ProducerAgent:
+        from clients.nixl.producer import ProducerAgent
+
+        assert isinstance(self._agent, ProducerAgent)
+        return self._agent
+
+    async def _claim(self, transfer_id: str) -> ItemResult:
+        return await self._producer_agent().claim(transfer_id, self.config.transfer_timeout)
+
+    async def _claimed(self, transfer_id: str) -> bool:
+        """Whether this producer holds the transfer (awaiting the claim sent at admission, or claiming now)."""
+        from clients import TransferState
+
+        claim = self._claims.pop(transfer_id, None)
+        try:
+            result = await (claim if claim is not None else self._claim(transfer_id))
+        except Exception as e:
+            logger.warning("ClaimTransfer %s failed: %s", transfer_id, e)
+            return False
+        if not result.ok or result.state in (TransferState.ABORTED, TransferState.RELEASED):
+            logger.warning("ClaimTransfer %s: %s", transfer_id, result.error or result.state.name)
+            return False
+        return True
+
+    async def _ready(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
+        if not await self._claimed(transfer_id):
+            self._report_sent(request_id)  # nobody will write these blocks
+            return
+        try:
+            self._producer_agent().ready(transfer_id, block_ids, lambda _: self._report_sent(request_id))
+        except Exception as e:
+            logger.warning("transfer %s: source not accepted: %s", transfer_id, e)
+            await self._abort_transfer(transfer_id, f"prefill failed to hand over its KV: {e}")
+            self._report_sent(request_id)
+
+    # Both
+
+    async def _abort(self, request_id: str, transfer_id: str) -> None:
+        if self.producer:
+            self._claims.pop(transfer_id, None)
+        elif transfer_id not in self._request_of:
+            return  # already reported: its KV arrived (or its failure was reported)
+        await self._abort_transfer(transfer_id, f"request {request_id} ended before its KV transfer")
+
+    async def _abort_transfer(self, transfer_id: str, message: str) -> None:
+        assert self._agent is not None
+        try:
+            await self._agent.abort(transfer_id, message)
+        except Exception as e:  # e.g. it ended already; the agent hears of the end through its events
+            logger.info("AbortTransfer %s: %s", transfer_id, e)

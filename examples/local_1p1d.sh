@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# A local 1P1D on this machine: the rendezvous, one prefill and one decode vLLM-CPU engine with the
+# rendezvous connector, and the reference router on 127.0.0.1:8000. Ctrl-C (or SIGTERM) stops everything.
+# Needs `make setup-vllm` and the tiny model (`.venv/bin/python scripts/make_tiny_model.py`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+MODEL=${MODEL:-models/tiny-llama}
+export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 UCX_NET_DEVICES=lo UCX_TLS=shm,tcp \
+       VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1
+
+config() {  # role pool port [extra json]
+  printf '{"kv_connector": "RendezvousConnector", "kv_connector_module_path": "connector.rendezvous_connector",
+ "kv_role": "%s", "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
+ "kv_connector_extra_config": {"rendezvous": "127.0.0.1:50051", "pool": "%s",
+ "labels": {"url": "http://127.0.0.1:%s"}}}' "$1" "$2" "$3"
+}
+engine() {  # port role pool
+  $PY -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$1" --dtype float32 \
+    --max-model-len 512 --block-size 32 --enforce-eager --seed 0 --kv-transfer-config "$(config "$2" "$3" "$1")"
+}
+
+trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT INT TERM
+.venv/bin/kv-rendezvous serve --listen 127.0.0.1:50051 --metrics-listen off &
+engine 8100 kv_producer prefill > /tmp/kv-rendezvous-prefill.log 2>&1 &
+engine 8200 kv_consumer decode > /tmp/kv-rendezvous-decode.log 2>&1 &
+for port in 8100 8200; do
+  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+done
+.venv/bin/kv-rendezvous router --listen 127.0.0.1:8000 --rendezvous 127.0.0.1:50051 &
+until curl -sf http://127.0.0.1:8000/health > /dev/null; do sleep 0.2; done
+echo "ready: curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\"
+echo "  -d '{\"model\": \"$MODEL\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'"
+wait

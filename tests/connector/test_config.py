@@ -1,0 +1,59 @@
+"""`kv_connector_extra_config` parsing (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector import ConnectorConfig
+
+
+def test_minimal() -> None:
+    config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:50051"})
+    assert config.rendezvous == ("127.0.0.1:50051",)
+    assert config.pool == "default"
+    assert config.engine_id == ""
+    assert config.lease_ttl == 0.0 and config.transfer_timeout == 0.0
+    assert config.labels == {}
+
+
+def test_every_key() -> None:
+    config = ConnectorConfig.from_extra_config(
+        {
+            "rendezvous": ["a:1", "b:2"],
+            "pool": "decode",
+            "engine_id": "d0",
+            "lease_ttl": 30,
+            "transfer_timeout": "5.5",
+            "call_timeout": 3,
+            "start_timeout": 90,
+            "token": "secret",
+            "labels": {"url": "http://127.0.0.1:8100", "zone": 1},
+        }
+    )
+    assert config.rendezvous == ("a:1", "b:2")
+    assert (config.pool, config.engine_id, config.token) == ("decode", "d0", "secret")
+    assert (config.lease_ttl, config.transfer_timeout, config.call_timeout, config.start_timeout) == (30, 5.5, 3, 90)
+    assert config.labels == {"url": "http://127.0.0.1:8100", "zone": "1"}
+
+
+def test_comma_separated_endpoints() -> None:
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1, b:2,"}).rendezvous == ("a:1", "b:2")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [None, {}, {"rendezvous": ""}, {"rendezvous": []}, {"pool": "p"}],
+)
+def test_rendezvous_is_required(extra: dict[str, object] | None) -> None:
+    with pytest.raises(ValueError, match="rendezvous"):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def test_unknown_keys_are_refused() -> None:
+    with pytest.raises(ValueError, match="poool"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "poool": "x"})
+
+
+def test_negative_durations_are_refused() -> None:
+    with pytest.raises(ValueError, match="lease_ttl"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "lease_ttl": -1})
