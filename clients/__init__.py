@@ -16,6 +16,7 @@ from clients._config import (
     MetadataHook,
     RetryPolicy,
     SessionConfig,
+    TLSConfig,
 )
 from clients._exceptions import (
     ERROR_DOMAIN,
@@ -135,6 +136,7 @@ __all__ = [
     "SessionConfig",
     "SessionEvent",
     "SourceReadySpec",
+    "TLSConfig",
     "TargetSpec",
     "TransferInfo",
     "TransferMode",

@@ -92,6 +92,42 @@ class ChannelOptions:
         ]
 
 
+def _pem(value: str | bytes | None) -> bytes | None:
+    """PEM bytes from PEM text or bytes, or from the file a path names."""
+    if value is None or isinstance(value, bytes):
+        return value
+    if "-----BEGIN" in value:
+        return value.encode()
+    with open(value, "rb") as f:
+        return f.read()
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """TLS to the server. Each of `ca`, `cert` and `key` is a file path or PEM text (or bytes).
+
+    `ca` is the bundle that signs the server's certificate (None: the system's roots); `cert` and
+    `key` are the client's certificate chain and key for mTLS. Files are read when the client opens
+    its channels, so a client started after a rotation uses the new files. To check the server's
+    certificate for another name than the target host, add
+    `("grpc.ssl_target_name_override", name)` to `ChannelOptions.extra`.
+    """
+
+    ca: str | bytes | None = None
+    cert: str | bytes | None = None
+    key: str | bytes | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its key, and a key its certificate")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The gRPC channel credentials."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.ca), private_key=_pem(self.key), certificate_chain=_pem(self.cert)
+        )
+
+
 MetadataHook = Callable[[], Sequence[tuple[str, str]]]
 """Called before every call for extra metadata (e.g. a rotating token)."""
 
@@ -103,7 +139,8 @@ class ClientConfig:
     `targets` are "host:port" endpoints tried in order: on UNAVAILABLE the client fails over to the
     next one (use it for replicas sharing a Redis store). `token` is sent as a bearer token;
     `metadata` is sent with every call and `metadata_hook`, when set, is asked for more before each
-    call. `credentials` makes the channels secure (TLS/mTLS). `call_timeout` bounds each attempt of a
+    call. `tls` (file paths or PEM) or ready-made `credentials` make the channels secure (TLS/mTLS); a
+    token should only travel over TLS. `call_timeout` bounds each attempt of a
     unary call in seconds (None: no bound); `retry` says when to try again.
     """
 
@@ -112,6 +149,7 @@ class ClientConfig:
     metadata: Sequence[tuple[str, str]] = ()
     metadata_hook: MetadataHook | None = None
     credentials: grpc.ChannelCredentials | None = None
+    tls: TLSConfig | None = None
     call_timeout: float | None = 10.0
     retry: RetryPolicy = RetryPolicy()
     channel: ChannelOptions = ChannelOptions()
@@ -122,6 +160,12 @@ class ClientConfig:
             raise ValueError("ClientConfig needs at least one non-empty target")
         object.__setattr__(self, "targets", targets)
         object.__setattr__(self, "metadata", tuple(self.metadata))
+        if self.tls is not None and self.credentials is not None:
+            raise ValueError("set tls or credentials, not both")
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """The credentials of secure channels (from `credentials` or `tls`); None for plaintext."""
+        return self.tls.credentials() if self.tls is not None else self.credentials
 
     def static_metadata(self) -> tuple[tuple[str, str], ...]:
         """The metadata sent with every call, before the hook's."""

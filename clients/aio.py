@@ -59,7 +59,7 @@ class AsyncRendezvousClient:
         """Connect to `config`: a full `ClientConfig`, one "host:port" or a list of them."""
         self._config = config if isinstance(config, ClientConfig) else ClientConfig(targets=config)
         options = self._config.channel.as_grpc_options()
-        credentials = self._config.credentials
+        credentials = self._config.channel_credentials()
 
         def open_channel(target: str) -> grpc.aio.Channel:
             if credentials is None:

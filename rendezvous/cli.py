@@ -30,7 +30,11 @@ def _env(name: str, default: Any) -> Any:
 
 
 def _flag(
-    parser: argparse.ArgumentParser, name: str, default: Any, help: str, type: Callable[[str], Any] = str
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    name: str,
+    default: Any,
+    help: str,
+    type: Callable[[str], Any] = str,
 ) -> None:
     env = ENV_PREFIX + name.upper().replace("-", "_")
     parser.add_argument(
@@ -41,16 +45,44 @@ def _flag(
     )
 
 
+def _bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("", "0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the rendezvous service")
     _flag(p, "listen", DEFAULT_ADDRESS, "gRPC listen address host:port")
     _flag(p, "store", "memory", "store: 'memory' or redis://, rediss://, unix://, redis+sentinel:// URL")
     _flag(p, "metrics-listen", "127.0.0.1:9464", "Prometheus /metrics address host:port; 'off' disables")
+    _flag(p, "health-listen", "off", "plaintext grpc.health.v1-only address host:port, for probes; 'off' disables")
     _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", float)
     _flag(p, "grace", 5.0, "seconds running calls then get to finish", float)
     _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps", float)
     _flag(p, "log-format", "text", "log format: text or json")
     _flag(p, "log-level", "info", "log level")
+    g = p.add_argument_group("security (docs/security.md)")
+    _flag(g, "tls-cert", None, "serve TLS with this certificate chain (file path or PEM; re-read when it changes)")
+    _flag(g, "tls-key", None, "the certificate's private key (file path or PEM)")
+    _flag(g, "tls-client-ca", None, "CA bundle that signs client certificates, for mTLS (file path or PEM)")
+    g.add_argument(
+        "--tls-require-client-cert",
+        nargs="?",
+        const=True,
+        default=_bool(_env("tls-require-client-cert", False)),
+        type=_bool,
+        help="mTLS: refuse clients without a certificate from --tls-client-ca "
+        f"(env {ENV_PREFIX}TLS_REQUIRE_CLIENT_CERT; default False)",
+    )
+    _flag(g, "auth-file", None, "JSON file binding tokens and certificate names to identities; unset: no auth")
+    _flag(g, "rate-limit", 0.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
+    _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
+    _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller; 0: unlimited", int)
     for group, cls in (("timeouts (seconds)", Timeouts), ("limits", Limits)):
         g = p.add_argument_group(group)
         for f in dataclasses.fields(cls):
@@ -66,7 +98,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _config_from(args: argparse.Namespace) -> Any:
-    from rendezvous.server import ServerConfig
+    from rendezvous.server import CallLimits, ServerConfig, TLSConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if bool(args.tls_client_ca) != bool(args.tls_require_client_cert):
+        raise ValueError("--tls-client-ca and --tls-require-client-cert go together (mTLS)")
+    tls = (
+        TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca or None, args.tls_require_client_cert)
+        if args.tls_cert
+        else None
+    )
 
     def build(cls: type) -> Any:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
@@ -80,6 +124,10 @@ def _config_from(args: argparse.Namespace) -> Any:
         sweep_interval=args.sweep_interval,
         grace=args.grace,
         drain=args.drain,
+        health_listen=None if args.health_listen in ("", "off") else args.health_listen,
+        tls=tls,
+        auth_file=args.auth_file or None,
+        call_limits=CallLimits(args.rate_limit, args.rate_burst, args.max_concurrent_calls),
     )
 
 
@@ -116,13 +164,28 @@ def _ago(ts: Any) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from clients._config import TLSConfig
     from rendezvous.v1 import rendezvous_pb2 as pb
     from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    secure = args.tls or args.ca or args.client_cert
+    channel = (
+        grpc.secure_channel(args.address, TLSConfig(args.ca, args.client_cert, args.client_key).credentials())
+        if secure
+        else grpc.insecure_channel(args.address)
+    )
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    with channel:
         stub = pb_grpc.RendezvousServiceStub(channel)  # type: ignore[no-untyped-call]
+        if args.command == "health":
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            check = health_pb2_grpc.HealthStub(channel).Check
+            status = check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
+            print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+            return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
         if args.command == "status":
-            s = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout)
+            s = stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout, metadata=metadata)
             rows = [
                 ("address", args.address),
                 ("version", s.version),
@@ -138,7 +201,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(_table(("field", "value"), rows))
         elif args.command == "engines":
             engines = stub.ListEngines(
-                pb.ListEnginesRequest(pool=args.pool, omit_agent_metadata=True), timeout=args.timeout
+                pb.ListEnginesRequest(pool=args.pool, omit_agent_metadata=True), timeout=args.timeout, metadata=metadata
             ).engines
             print(
                 _table(
@@ -162,6 +225,7 @@ def _inspect(args: argparse.Namespace) -> int:
             transfers = stub.ListTransfers(
                 pb.ListTransfersRequest(engine_id=args.engine, states=wire_states, page_size=args.limit),
                 timeout=args.timeout,
+                metadata=metadata,
             ).transfers
             print(
                 _table(
@@ -193,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     # The demo is an engine-side program with heavier dependencies: its flags are parsed only when it runs.
     sub.add_parser("demo", help="move real bytes over NIXL between producer and consumer processes", add_help=False)
+    sub.add_parser("router", help="OpenAI-compatible proxy dispatching prefill and decode legs at once", add_help=False)
     for name, text in (
+        ("health", "exit 0 when the server's grpc.health.v1 check answers SERVING (container health checks)"),
         ("status", "summarise a running server"),
         ("engines", "list live engines"),
         ("transfers", "list transfers"),
@@ -205,6 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"server address (env {ENV_PREFIX}ADDRESS; default {DEFAULT_ADDRESS})",
         )
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
+        p.add_argument("--tls", action="store_true", default=_bool(_env("tls", False)), help="connect with TLS")
+        for flag, text in (
+            ("ca", "CA bundle that signs the server certificate (implies --tls)"),
+            ("client-cert", "client certificate for mTLS"),
+            ("client-key", "its private key"),
+            ("token", "bearer token (better: the environment variable)"),
+        ):
+            env = ENV_PREFIX + flag.upper().replace("-", "_")
+            p.add_argument(f"--{flag}", default=_env(flag, None), help=f"{text} (env {env})")
+        if name == "health":
+            p.add_argument("--service", default="", help="the service to check (default: the whole server)")
         if name == "engines":
             p.add_argument("--pool", default="", help="only this pool")
         if name == "transfers":
@@ -230,6 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         demo = argparse.ArgumentParser(prog="kv-rendezvous demo", description=run_demo.__doc__)
         add_demo_arguments(demo)
         return run_demo(demo.parse_args(rest))
+    if args.command == "router":
+        from connector.router import main as router_main
+
+        return router_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":

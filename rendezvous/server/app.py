@@ -17,8 +17,11 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.server.auth import AuthPolicy, Guard
 from rendezvous.server.metrics import Metrics
+from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
+from rendezvous.server.tls import CertificateReloader, TLSConfig
 from rendezvous.store.base import Store, StoreUnavailableError
 from rendezvous.store.factory import create_store
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -27,11 +30,18 @@ from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RendezvousService"].full_name
+LIVENESS = "liveness"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything a server needs; the CLI builds it from flags and environment variables."""
+    """Everything a server needs; the CLI builds it from flags and environment variables.
+
+    `tls` serves TLS (mTLS with `require_client_cert`) instead of plaintext; `auth_file` turns on
+    identity-bound auth (docs/security.md); `call_limits` are per-caller rate and concurrency limits.
+    `health_listen` also serves grpc.health.v1 alone in plaintext there, for probes that cannot speak
+    TLS (Kubernetes' native gRPC probes).
+    """
 
     listen: str = "127.0.0.1:50051"
     store: str = "memory"
@@ -46,6 +56,10 @@ class ServerConfig:
     idempotency_ttl: float = 600.0
     watch_batch: int = 1024
     server_id: str = ""
+    tls: TLSConfig | None = None
+    auth_file: str | None = None
+    health_listen: str | None = None
+    call_limits: CallLimits = field(default_factory=CallLimits)
 
 
 def _split_host_port(address: str) -> tuple[str, int]:
@@ -65,10 +79,14 @@ class RendezvousServer:
         self.server_id = self.config.server_id or f"{socket.gethostname()}-{os.getpid()}"
         self.port = 0
         self.metrics_port: int | None = None
+        self.health_port: int | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._stopping = asyncio.Event()
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.certificates = CertificateReloader(self.config.tls) if self.config.tls else None
+        self.auth = AuthPolicy(self.config.auth_file) if self.config.auth_file else None
 
     @property
     def address(self) -> str:
@@ -90,19 +108,36 @@ class RendezvousServer:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 0),
         ]
-        server = grpc.aio.server(options=options)
+        interceptors = []
+        if self.auth is not None or cfg.call_limits.enabled:
+            quotas = CallQuotas(cfg.call_limits) if cfg.call_limits.enabled else None
+            interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self._pool_of, self.metrics))
+        server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(
             self.coordinator, self.metrics, self.server_id, cfg.idempotency_ttl, cfg.watch_batch, self._stopping
         )
         pb_grpc.add_RendezvousServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        self.port = server.add_insecure_port(cfg.listen)
+        if self.certificates is not None:
+            self.port = server.add_secure_port(cfg.listen, self.certificates.credentials())
+        else:
+            self.port = server.add_insecure_port(cfg.listen)
         if not self.port:
             raise OSError(f"cannot listen on {cfg.listen}")
         await server.start()
         self._server = server
+        if cfg.health_listen:
+            self._health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            self.health_port = self._health_server.add_insecure_port(cfg.health_listen)
+            if not self.health_port:
+                raise OSError(f"cannot listen on {cfg.health_listen}")
+            await self._health_server.start()
         await self._set_serving(await self.store.ping())
+        # "liveness" answers SERVING while the process serves at all: a store outage or a drain turns the
+        # server NOT_SERVING (readiness) but must not get it restarted.
+        await self._health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_listen:
             host, port = _split_host_port(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)
@@ -114,8 +149,15 @@ class RendezvousServer:
                 "store": self.store.name,
                 "epoch": self.store.epoch,
                 "metrics_port": self.metrics_port,
+                "health_port": self.health_port,
+                "tls": "mtls" if cfg.tls and cfg.tls.require_client_cert else "tls" if cfg.tls else "off",
+                "auth": "on" if self.auth else "off",
             },
         )
+
+    async def _pool_of(self, engine_id: str) -> str | None:
+        engine = await self.store.get_engine(engine_id)
+        return engine.pool if engine is not None else None
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -165,6 +207,9 @@ class RendezvousServer:
         await asyncio.sleep(self.config.drain)
         self._stopping.set()
         await self._server.stop(self.config.grace if grace is None else grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

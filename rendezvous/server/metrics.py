@@ -50,6 +50,12 @@ class Metrics:
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
+        self.rejected = Counter(
+            "rendezvous_rejected_calls",
+            "Calls refused before reaching the service (auth, quotas), by reason",
+            ["reason"],
+            registry=r,
+        )
         self.store_up = Gauge("rendezvous_store_up", "1 when the store answers", registry=r)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
