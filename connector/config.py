@@ -33,8 +33,20 @@ class ConnectorConfig:
     """Seconds the worker waits at start-up for NIXL and the engine registration."""
     token: str | None = None
     """A bearer token sent with every call."""
+    tls_ca: str | None = None
+    """TLS to the rendezvous: the CA bundle (file path) that signs the server's certificate. Setting any `tls_*`
+    key turns TLS on; with none of them the channel is plaintext."""
+    tls_cert: str | None = None
+    """mTLS: this engine's certificate chain (file path)."""
+    tls_key: str | None = None
+    """mTLS: this engine's private key (file path)."""
     labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Engine labels; the router reads `url` (the engine's OpenAI base URL) from them."""
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether any `tls_*` key is set."""
+        return any((self.tls_ca, self.tls_cert, self.tls_key))
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -63,4 +75,6 @@ class ConnectorConfig:
             if value < 0:
                 raise ValueError(f"{key} must not be negative, got {value}")
         strings = {k: str(v) for k, v in extra.items()}
+        if ("tls_cert" in strings) != ("tls_key" in strings):
+            raise ValueError("tls_cert and tls_key go together (mTLS)")
         return cls(rendezvous=targets, labels=labels, **floats, **strings)  # type: ignore[arg-type]

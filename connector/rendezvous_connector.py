@@ -351,13 +351,18 @@ class _WorkerSide:
         )
 
     async def _start(self, tensors: list[torch.Tensor]) -> None:
-        from clients import AsyncRendezvousClient, ClientConfig
+        from clients import AsyncRendezvousClient, ClientConfig, TLSConfig
         from clients.nixl.consumer import ConsumerAgent
         from clients.nixl.producer import ProducerAgent
 
         config = self.config
         self._client = AsyncRendezvousClient(
-            ClientConfig(targets=config.rendezvous, token=config.token, call_timeout=config.call_timeout)
+            ClientConfig(
+                targets=config.rendezvous,
+                token=config.token,
+                call_timeout=config.call_timeout,
+                tls=TLSConfig(config.tls_ca, config.tls_cert, config.tls_key) if config.uses_tls else None,
+            )
         )
         common: dict[str, Any] = {
             "layout": self._layout(tensors),

@@ -94,8 +94,10 @@ class Coordinator:
             return fn(cur, engines)
 
         transition = await self.store.update_transfer(transfer_id, observed)
-        if self.observer is not None and before and before[0] is not transition.transfer:
-            self.observer.on_transition(before[0], transition.transfer, self.clock())
+        if before and before[0] is not transition.transfer:
+            if self.observer is not None:
+                self.observer.on_transition(before[0], transition.transfer, self.clock())
+            _log_transition(transfer_id, before[0], transition.transfer)
         return transition
 
     # Engines
@@ -383,6 +385,33 @@ class Coordinator:
             except Exception:
                 # One bad record must not stop every other transfer from expiring.
                 log.exception("cannot expire transfer", extra={"transfer_id": transfer_id})
+
+
+def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer | None) -> None:
+    """Aborts at info, every state change at debug; structured fields carry the transfer id."""
+    old_state = before.state.name if before else "NONE"
+    new_state = after.state.name if after else "FORGOTTEN"
+    if after is not None and after.state == State.ABORTED and old_state != "ABORTED":
+        log.info(
+            "transfer aborted",
+            extra={
+                "transfer_id": transfer_id,
+                "from_state": old_state,
+                "abort_reason": after.abort_reason.name,
+                "abort_message": after.abort_message,
+                "generation": after.generation,
+            },
+        )
+    elif old_state != new_state and log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "transfer state",
+            extra={
+                "transfer_id": transfer_id,
+                "from_state": old_state,
+                "to_state": new_state,
+                "generation": after.generation if after else 0,
+            },
+        )
 
 
 def _guarded(

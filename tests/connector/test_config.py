@@ -57,3 +57,17 @@ def test_unknown_keys_are_refused() -> None:
 def test_negative_durations_are_refused() -> None:
     with pytest.raises(ValueError, match="lease_ttl"):
         ConnectorConfig.from_extra_config({"rendezvous": "a:1", "lease_ttl": -1})
+
+
+def test_tls_keys_turn_tls_on() -> None:
+    plain = ConnectorConfig.from_extra_config({"rendezvous": "a:1"})
+    assert not plain.uses_tls
+    mtls = ConnectorConfig.from_extra_config(
+        {"rendezvous": "a:1", "tls_ca": "/ca.pem", "tls_cert": "/engine.pem", "tls_key": "/engine.key"}
+    )
+    assert mtls.uses_tls and (mtls.tls_ca, mtls.tls_cert, mtls.tls_key) == ("/ca.pem", "/engine.pem", "/engine.key")
+
+
+def test_a_client_certificate_needs_its_key() -> None:
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "tls_cert": "/engine.pem"})

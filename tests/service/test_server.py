@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import replace
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -126,3 +127,35 @@ def test_cli_reports_an_unreachable_server_and_a_bad_store() -> None:
         [*cli, "serve", "--store", "postgres://x", "--listen", "127.0.0.1:0"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown store" in bad.stderr
+
+
+def test_json_logs_carry_the_transfer_id_of_an_abort() -> None:
+    import json
+    import logging
+
+    from rendezvous.logs import JsonFormatter
+
+    record = logging.LogRecord("rendezvous.coordinator", logging.INFO, __file__, 1, "transfer aborted", None, None)
+    record.transfer_id = "t-42"
+    record.abort_reason = "DEADLINE_EXCEEDED"
+    entry = json.loads(JsonFormatter().format(record))
+    assert (entry["message"], entry["transfer_id"], entry["abort_reason"]) == (
+        "transfer aborted",
+        "t-42",
+        "DEADLINE_EXCEEDED",
+    )
+
+
+async def test_an_abort_is_logged_with_its_transfer_id(
+    server: RendezvousServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="rendezvous.coordinator")
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        await stub.RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
+        await stub.RegisterTarget(
+            pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t-logged", block_ids=[1])])
+        )
+        await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t-logged")]))
+    (record,) = [r for r in caplog.records if r.getMessage() == "transfer aborted"]
+    assert (record.transfer_id, record.abort_reason, record.from_state) == ("t-logged", "REQUESTED", "TARGETED")  # type: ignore[attr-defined]
