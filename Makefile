@@ -42,7 +42,7 @@ test: setup-vllm system-deps
 stubs: setup-dev
 	$(PY) scripts/generate_stubs.py
 
-lint: setup-dev
+lint: setup-vllm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy rendezvous clients connector
