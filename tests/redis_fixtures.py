@@ -228,9 +228,11 @@ class LocalCluster:
         for port in self.ports:
             node = self.dir / str(port)
             node.mkdir()
+            # The bus port defaults to port + 10000, which overflows for ports above 55535: pick one.
             args = [
                 REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(node),
-                "--cluster-enabled", "yes", "--cluster-config-file", str(node / "nodes.conf"),
+                "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                "--cluster-config-file", str(node / "nodes.conf"),
                 "--save", "", "--appendonly", "no", "--logfile", str(node / "redis.log"),
             ]  # fmt: skip
             self.processes.append(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
