@@ -39,7 +39,8 @@ from clients._exceptions import (
     Unimplemented,
     Unknown,
 )
-from clients._roles import ConsumerSession, ProducerSession, RouterClient, mint_transfer_id
+from clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
+from clients._router import PickPolicy, RouterClient, layout_difference
 from clients._session import EPOCH_CHANGED, EngineSession, EventHandler, LiveTransfers
 from clients._types import (
     AbortReason,
@@ -120,6 +121,7 @@ __all__ = [
     "NotFound",
     "OutOfRange",
     "PermissionDenied",
+    "PickPolicy",
     "ProducerSession",
     "Reason",
     "Registration",
@@ -149,5 +151,6 @@ __all__ = [
     "Unknown",
     "WatchBatch",
     "WatchStream",
+    "layout_difference",
     "mint_transfer_id",
 ]

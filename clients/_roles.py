@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 
 from clients._config import SessionConfig
-from clients._exceptions import NotFound
 from clients._session import EngineSession, EventHandler
 from clients._types import (
-    AbortSpec,
     ClaimSpec,
-    EngineInfo,
     EngineRole,
     EngineSpec,
     ItemResult,
@@ -22,7 +18,6 @@ from clients._types import (
     RevocationAck,
     SourceReadySpec,
     TargetSpec,
-    TransferInfo,
 )
 from clients.aio import AsyncRendezvousClient
 
@@ -121,62 +116,3 @@ class ProducerSession(EngineSession):
     async def acknowledge_revocation(self, ack: RevocationAck) -> ItemResult:
         """Confirm one revoked generation will not be written; raises the item's error."""
         return (await self.acknowledge_revocations((ack,)))[0].raise_for_error()
-
-
-class RouterClient:
-    """What a router needs: transfer ids, engines to send the two legs to, and aborts.
-
-    Engine lists are cached for `refresh_interval` seconds and picked round-robin.
-    """
-
-    def __init__(self, client: AsyncRendezvousClient, *, refresh_interval: float = 1.0) -> None:
-        self._client = client
-        self._refresh_interval = refresh_interval
-        self._cache: dict[tuple[str, EngineRole], tuple[float, list[EngineInfo]]] = {}
-        self._turns: dict[tuple[str, EngineRole], int] = {}
-
-    @staticmethod
-    def mint_transfer_id() -> str:
-        """A fresh transfer id (a uuid4 in hex). Mint a new one for every attempt of a request."""
-        return mint_transfer_id()
-
-    async def list_engines(self, pool: str = "", role: EngineRole | None = None) -> list[EngineInfo]:
-        """Live engines sorted by id (without NIXL metadata), optionally of one pool and role."""
-        return await self._client.list_engines(pool, role, omit_agent_metadata=True)
-
-    async def pick_engine(self, pool: str, role: EngineRole) -> EngineInfo:
-        """The next live engine of a pool and role, round-robin; raises NotFound if there is none."""
-        key = (pool, role)
-        cached = self._cache.get(key)
-        now = time.monotonic()
-        if cached is None or now - cached[0] >= self._refresh_interval:
-            cached = (now, await self.list_engines(pool, role))
-            self._cache[key] = cached
-        engines = cached[1]
-        if not engines:
-            raise NotFound(f"no live {role.name.lower()} engine in pool {pool!r}")
-        turn = self._turns.get(key, 0)
-        self._turns[key] = turn + 1
-        return engines[turn % len(engines)]
-
-    async def pick_pair(self, producer_pool: str, consumer_pool: str) -> tuple[EngineInfo, EngineInfo]:
-        """A producer and a consumer for the two legs of one request."""
-        producer = await self.pick_engine(producer_pool, EngineRole.PRODUCER)
-        consumer = await self.pick_engine(consumer_pool, EngineRole.CONSUMER)
-        return producer, consumer
-
-    def invalidate(self) -> None:
-        """Forget the cached engine lists (e.g. after an engine failed a request)."""
-        self._cache.clear()
-
-    async def abort_transfers(self, aborts: Sequence[AbortSpec]) -> list[ItemResult]:
-        """Abort transfers as the router; both sides are told."""
-        return await self._client.abort_transfers("", aborts)
-
-    async def abort_transfer(self, transfer_id: str, message: str = "") -> ItemResult:
-        """Abort one transfer as the router; raises the item's error."""
-        return await self._client.abort_transfer("", AbortSpec(transfer_id, message))
-
-    async def get_transfer(self, transfer_id: str) -> TransferInfo:
-        """One transfer's state."""
-        return await self._client.get_transfer(transfer_id)

@@ -1,14 +1,17 @@
 """`kv-rendezvous router`: a reference OpenAI-compatible proxy for disaggregated vLLM engines.
 
     python -m connector.router --listen 127.0.0.1:8000 --rendezvous 127.0.0.1:50051 \
-        --prefill-pool prefill --decode-pool decode
+        --route 'llama:prefill-a,prefill-b:decode-a' --route '*:prefill:decode' --policy least-loaded
 
-Per request (`POST /v1/completions`, `POST /v1/chat/completions`) it mints a fresh transfer id, picks a
-prefill and a decode engine from the rendezvous (round-robin over the live engines of each pool; an engine's
-OpenAI base URL is its `url` label), and sends both legs at once with `kv_transfer_params = {"transfer_id"}`:
+Per request (`POST /v1/completions`, `POST /v1/chat/completions`) it looks up the request's model in its routes
+(`MODEL:PREFILL_POOLS:DECODE_POOLS`, pools comma-separated; `*` routes any other model; an unrouted model gets
+404), picks a decode engine, then a prefill engine whose KV layout matches it (503 with the difference if none
+does), mints a fresh transfer id and sends both legs at once with `kv_transfer_params = {"transfer_id"}`:
 prefill with max_tokens=1, decode with the client's request, whose answer (streamed or not) goes back to the
-client. If one leg fails, the transfer is aborted so the other side lets go of its blocks at once.
-`GET /health` answers 200; `GET /v1/models` is forwarded to a decode engine.
+client. Engines are picked round-robin or least-loaded (fewest legs in flight from this router) among the live
+engines of the route's pools; an engine's OpenAI base URL is its `url` label. If one leg fails, or the client
+goes away, the transfer is aborted so the other side lets go of its blocks at once.
+`GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).
 """
@@ -20,7 +23,8 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
@@ -31,16 +35,37 @@ from clients import (
     EngineInfo,
     EngineRole,
     NotFound,
+    PickPolicy,
     RendezvousError,
     RouterClient,
 )
 from connector.config import TRANSFER_ID_KEY
 
-__all__ = ["Router", "main"]
+__all__ = ["ANY_MODEL", "Route", "Router", "main", "parse_route"]
 
 logger = logging.getLogger(__name__)
 
+ANY_MODEL = "*"
 _LEG_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a model's requests go: its prefill pools and its decode pools."""
+
+    prefill_pools: tuple[str, ...]
+    decode_pools: tuple[str, ...]
+
+
+def parse_route(text: str) -> tuple[str, Route]:
+    """`MODEL:PREFILL_POOLS:DECODE_POOLS` (pools comma-separated; MODEL may itself contain ':')."""
+    model, sep, pools = text.rpartition(":")
+    model, sep2, prefill = model.rpartition(":")
+    prefill_pools = tuple(p.strip() for p in prefill.split(",") if p.strip())
+    decode_pools = tuple(p.strip() for p in pools.split(",") if p.strip())
+    if not (sep and sep2 and model and prefill_pools and decode_pools):
+        raise ValueError(f"route {text!r} is not MODEL:PREFILL_POOLS:DECODE_POOLS")
+    return model, Route(prefill_pools, decode_pools)
 
 
 def _engine_url(engine: EngineInfo) -> str:
@@ -51,21 +76,22 @@ def _engine_url(engine: EngineInfo) -> str:
 
 
 class Router:
-    """The proxy's state: a rendezvous client, an HTTP client session, the pools to pick from."""
+    """The proxy's state: a rendezvous client, an HTTP client session, the routes to pick engines from."""
 
     def __init__(
         self,
         rendezvous: AsyncRendezvousClient,
+        routes: Mapping[str, Route],
         *,
-        prefill_pool: str = "prefill",
-        decode_pool: str = "decode",
+        policy: PickPolicy = PickPolicy.ROUND_ROBIN,
         refresh_interval: float = 1.0,
         timeout: float = 600.0,
     ) -> None:
+        if not routes:
+            raise ValueError("the router needs at least one route")
         self.rendezvous = rendezvous
-        self.engines = RouterClient(rendezvous, refresh_interval=refresh_interval)
-        self.prefill_pool = prefill_pool
-        self.decode_pool = decode_pool
+        self.engines = RouterClient(rendezvous, refresh_interval=refresh_interval, policy=policy)
+        self.routes = dict(routes)
         self._timeout = ClientTimeout(total=timeout)
         self._http: ClientSession | None = None
 
@@ -93,16 +119,26 @@ class Router:
         assert self._http is not None, "the router is not started"
         return self._http
 
+    def route(self, model: str) -> Route | None:
+        """The route for a model: its own, else the `*` route, else None."""
+        return self.routes.get(model) or self.routes.get(ANY_MODEL)
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        try:
-            decode = await self.engines.pick_engine(self.decode_pool, EngineRole.CONSUMER)
-        except RendezvousError as e:
-            return _error(503, str(e))
-        async with self.http.get(f"{_engine_url(decode)}/v1/models") as response:
-            return web.Response(status=response.status, body=await response.read(), content_type="application/json")
+        """The union of what one decode engine of each route serves."""
+        models: dict[str, Any] = {}
+        for route in {*self.routes.values()}:
+            try:
+                decode = await self.engines.pick_engine(route.decode_pools, EngineRole.CONSUMER)
+                async with self.http.get(f"{_engine_url(decode)}/v1/models") as response:
+                    listed = await response.json() if response.status == 200 else {}
+            except (RendezvousError, ClientError, OSError, TimeoutError, ValueError) as e:
+                logger.warning("no models from pools %s: %s", ",".join(route.decode_pools), e)
+                continue
+            models.update({m["id"]: m for m in listed.get("data", []) if isinstance(m, dict) and "id" in m})
+        return web.json_response({"object": "list", "data": list(models.values())})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, "/v1/completions", ("max_tokens",))
@@ -117,8 +153,12 @@ class Router:
             return _error(400, "the request body must be JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
+        model = body.get("model")
+        route = self.route(model) if isinstance(model, str) else None
+        if route is None:
+            return _error(404, f"model {model!r} is not routed by this router")
         try:
-            prefill, decode = await self.engines.pick_pair(self.prefill_pool, self.decode_pool)
+            prefill, decode = await self.engines.pick_pair(route.prefill_pools, route.decode_pools)
             prefill_url, decode_url = _engine_url(prefill), _engine_url(decode)
         except RendezvousError as e:
             return _error(503, f"no engines: {e}")
@@ -129,23 +169,28 @@ class Router:
         prefill_body.pop("stream_options", None)
         for key in limit_keys:
             prefill_body[key] = 1
-        prefill_leg = asyncio.create_task(self._prefill(prefill_url + path, prefill_body, transfer_id))
+        prefill_leg = asyncio.create_task(self._prefill(prefill, prefill_url + path, prefill_body, transfer_id))
         try:
-            return await self._decode(request, decode_url + path, decode_body, transfer_id)
+            with self.engines.in_flight(decode):
+                return await self._decode(request, decode_url + path, decode_body, transfer_id)
+        except asyncio.CancelledError:  # the client went away: let both engines go at once
+            await asyncio.shield(self._abort(transfer_id, "the client went away"))
+            raise
         finally:
             if not prefill_leg.done():
                 # The client is answered; let prefill finish in the background (its blocks are freed by then).
                 prefill_leg.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _prefill(self, url: str, body: dict[str, Any], transfer_id: str) -> None:
-        try:
-            async with self.http.post(url, json=body, headers=_LEG_HEADERS) as response:
-                await response.read()
-                if response.status == 200:
-                    return
-                logger.warning("prefill leg of %s answered %d", transfer_id, response.status)
-        except Exception as e:
-            logger.warning("prefill leg of %s failed: %s", transfer_id, e)
+    async def _prefill(self, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str) -> None:
+        with self.engines.in_flight(engine):
+            try:
+                async with self.http.post(url, json=body, headers=_LEG_HEADERS) as response:
+                    await response.read()
+                    if response.status == 200:
+                        return
+                    logger.warning("prefill leg of %s answered %d", transfer_id, response.status)
+            except Exception as e:
+                logger.warning("prefill leg of %s failed: %s", transfer_id, e)
         self.engines.invalidate()
         await self._abort(transfer_id, "the prefill leg failed")
 
@@ -179,20 +224,45 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "router_error", "code": status}}, status=status)
 
 
+def _route_arg(text: str) -> tuple[str, Route]:
+    try:
+        return parse_route(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-rendezvous router", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port to serve on")
     parser.add_argument("--rendezvous", required=True, help="rendezvous endpoint(s), comma-separated host:port")
     parser.add_argument("--token", default=None, help="bearer token for the rendezvous")
-    parser.add_argument("--prefill-pool", default="prefill")
-    parser.add_argument("--decode-pool", default="decode")
+    parser.add_argument(
+        "--route",
+        action="append",
+        type=_route_arg,
+        default=[],
+        metavar="MODEL:PREFILL_POOLS:DECODE_POOLS",
+        help="send MODEL's requests to these pools (comma-separated); MODEL '*' matches any model; repeatable",
+    )
+    parser.add_argument("--prefill-pool", default="prefill", help="the '*' route's prefill pool without --route")
+    parser.add_argument("--decode-pool", default="decode", help="the '*' route's decode pool without --route")
+    parser.add_argument(
+        "--policy",
+        choices=[p.value for p in PickPolicy],
+        default=PickPolicy.ROUND_ROBIN.value,
+        help="how engines are picked among a route's live engines",
+    )
     parser.add_argument("--refresh-interval", type=float, default=1.0, help="seconds engine lists are cached")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    routes = dict(args.route) or {ANY_MODEL: Route((args.prefill_pool,), (args.decode_pool,))}
+    if len(routes) != len(args.route) and args.route:
+        parser.error("a model is routed twice")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, _, port = args.listen.rpartition(":")
     targets = [t.strip() for t in args.rendezvous.split(",") if t.strip()]
@@ -201,14 +271,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         client = AsyncRendezvousClient(ClientConfig(targets=targets, token=args.token))
         router = Router(
             client,
-            prefill_pool=args.prefill_pool,
-            decode_pool=args.decode_pool,
+            routes,
+            policy=PickPolicy(args.policy),
             refresh_interval=args.refresh_interval,
             timeout=args.timeout,
         )
         return router.app()
 
-    web.run_app(app(), host=host or "127.0.0.1", port=int(port), print=None)
+    # handler_cancellation: a client that goes away cancels its request, which aborts the transfer.
+    web.run_app(app(), host=host or "127.0.0.1", port=int(port), print=None, handler_cancellation=True)
     return 0
 
 

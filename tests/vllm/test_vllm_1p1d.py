@@ -18,7 +18,7 @@ import pytest
 from clients import TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
-from tests.vllm.conftest import BLOCK_SIZE, Engine
+from connector.launch import BLOCK_SIZE, Engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

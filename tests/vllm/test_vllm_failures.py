@@ -1,20 +1,27 @@
-"""Failure paths with real engines: an aborted transfer fails the decode request cleanly (policy "fail"),
-a request given up by its client aborts its transfer, and both engines keep serving afterwards."""
+"""Failure paths with real engines: an aborted transfer fails the decode request cleanly (policy "fail") or
+is recomputed (policy "recompute"), a request given up by its client aborts its transfer, a prefill engine
+killed mid-flight costs decode the request (or a recompute), never garbage; no KV block stays held, and the
+engines keep serving afterwards."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 import urllib.error
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from clients import AbortSpec, TransferState
+from clients import AbortReason, AbortSpec, TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
-from tests.vllm.conftest import BLOCK_SIZE, Engine
+from connector.launch import BLOCK_SIZE, Engine, connector_config, free_port, start_engine, wait_healthy
+from tests.vllm.conftest import wait_blocks_free
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -59,6 +66,7 @@ def test_aborted_transfer_fails_the_decode_request(
     assert not thread.is_alive()
     assert outcome.get("status") == 500, outcome  # kv_load_failure_policy "fail": an error, never garbage
     assert time.monotonic() - started < 30
+    wait_blocks_free(prefill, decode)
     # Both engines still serve, with correct output.
     _, text, _ = disaggregated(prefill, decode, prompt)
     assert text == reference_text(reference, prompt)
@@ -80,6 +88,7 @@ def test_client_abort_while_waiting_aborts_the_transfer(
     thread.join(30)
     # The decode engine aborted its transfer once the request ended (no prefill ever came).
     wait_state(rendezvous, transfer_id, {TransferState.ABORTED})
+    wait_blocks_free(prefill, decode)
     _, text, _ = disaggregated(prefill, decode, prompt)
     assert text == reference_text(reference, prompt)
 
@@ -107,3 +116,60 @@ def test_recompute_policy_recovers_from_an_aborted_transfer(
     response = outcome["response"]
     assert isinstance(response, dict)
     assert response["choices"][0]["text"] == reference_text(reference, prompt, 16)
+
+
+VICTIM_LEASE_TTL = 6.0
+
+
+@pytest.fixture
+def victim_prefill(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[Engine]:
+    """A prefill engine (pool "prefill-victim", short lease) for a test to kill."""
+    port = free_port()
+    config = connector_config("kv_producer", rendezvous.address, "prefill-victim", port, lease_ttl=VICTIM_LEASE_TTL)
+    engine = start_engine("prefill-victim", tiny_model, engine_logs, port, config)
+    try:
+        wait_healthy([engine])
+        yield engine
+    finally:
+        engine.stop(signal.SIGKILL)
+
+
+def test_a_prefill_engine_killed_mid_flight(
+    engines: tuple[Engine, Engine, Engine],
+    recompute_decode: Engine,
+    victim_prefill: Engine,
+    rendezvous: TestServer,
+) -> None:
+    """Prefill computes two prompts and holds their KV for decode; then its engine is SIGKILLed (all its
+    processes) and the decode legs arrive. The rendezvous declares the producer lost when its lease runs out
+    and aborts both transfers (PEER_LOST): the "fail" decode answers an error, the "recompute" decode
+    computes the prompt itself and answers exactly what a plain engine answers."""
+    prefill, decode, reference = engines
+    prompts = [token_prompt(3 * BLOCK_SIZE + 9, seed=4545), token_prompt(5 * BLOCK_SIZE + 2, seed=4646)]
+    transfer_ids = [uuid.uuid4().hex, uuid.uuid4().hex]
+    for prompt, transfer_id in zip(prompts, transfer_ids, strict=True):
+        victim_prefill.complete(prompt, 1, kv_transfer_params={"transfer_id": transfer_id})
+        wait_state(rendezvous, transfer_id, {TransferState.CLAIMED})
+    victim_prefill.stop(signal.SIGKILL)
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        failed = pool.submit(decode.complete, prompts[0], 8, kv_transfer_params={"transfer_id": transfer_ids[0]})
+        recomputed = pool.submit(
+            recompute_decode.complete, prompts[1], 16, kv_transfer_params={"transfer_id": transfer_ids[1]}
+        )
+        with pytest.raises(urllib.error.HTTPError) as error:
+            failed.result(120)
+        answer = recomputed.result(120)
+    elapsed = time.monotonic() - started
+
+    assert error.value.code == 500  # policy "fail": an error, never garbage
+    assert answer["choices"][0]["text"] == reference_text(reference, prompts[1], 16)
+    assert elapsed < VICTIM_LEASE_TTL + 20, elapsed  # the lease bounds the wait, not the transfer timeout (60 s)
+    with RendezvousClient(rendezvous.address) as client:
+        for transfer_id in transfer_ids:
+            info = client.get_transfer(transfer_id)
+            assert (info.state, info.abort_reason) == (TransferState.ABORTED, AbortReason.PEER_LOST), info
+    wait_blocks_free(decode, recompute_decode)
+    _, text, _ = disaggregated(prefill, decode, prompts[0])
+    assert text == reference_text(reference, prompts[0])

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.vllm.conftest import BLOCK_SIZE, Engine, RouterProcess, post_json
+from connector.launch import BLOCK_SIZE, MAX_MODEL_LEN, Engine, RouterProcess, post_json
+from tests.vllm.conftest import wait_blocks_free
 from tests.vllm.test_vllm_1p1d import reference_text, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -69,3 +70,29 @@ def test_router_streaming(router: RouterProcess, engines: tuple[Engine, Engine, 
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 text += json.loads(line[6:])["choices"][0]["text"]
     assert text == reference_text(reference, prompt, MAX_TOKENS)
+
+
+def test_a_client_that_goes_away_mid_stream_frees_both_sides(
+    router: RouterProcess, engines: tuple[Engine, Engine, Engine]
+) -> None:
+    """The client reads the first tokens of a long stream and hangs up: the router drops the decode leg, vLLM
+    aborts the request, and neither engine holds a KV block afterwards."""
+    prefill, decode, _ = engines
+    aborted_before = decode.finished_requests("abort")
+    prompt = token_prompt(2 * BLOCK_SIZE + 3, seed=9200)
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    body["max_tokens"] = MAX_MODEL_LEN - len(prompt)
+    request = urllib.request.Request(
+        f"{router.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        first = response.readline()
+    assert first.startswith(b"data: ")
+    deadline = time.monotonic() + 30
+    while decode.finished_requests("abort") == aborted_before:  # finishing by length would not count
+        assert time.monotonic() < deadline, "the decode request was not aborted"
+        time.sleep(0.1)
+    wait_blocks_free(prefill, decode)

