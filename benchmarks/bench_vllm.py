@@ -143,8 +143,10 @@ class NixlProxy:
         return app
 
     async def _open(self, _app: web.Application) -> None:
+        # A fresh connection per leg: a pooled connection that uvicorn (5 s keep-alive) closes just as a leg is
+        # sent on it comes back as "Connection reset by peer" (seen once under load). Loopback connects are cheap.
         timeout = ClientTimeout(total=REQUEST_TIMEOUT * 2)
-        self._http = ClientSession(timeout=timeout, connector=TCPConnector(limit=0))
+        self._http = ClientSession(timeout=timeout, connector=TCPConnector(limit=0, force_close=True))
 
     async def _close(self, _app: web.Application) -> None:
         if self._http is not None:
@@ -235,12 +237,16 @@ def stop_popen(process: subprocess.Popen[bytes]) -> None:
         process.wait(10)
 
 
-def nixl_config(connector: str, role: str, engine_id: str) -> dict[str, Any]:
-    """A kv_transfer_config for vLLM's own NIXL connectors on CPU."""
-    return {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu", "engine_id": engine_id}
+def nixl_config(connector: str, role: str, engine_id: str, num_threads: int | None) -> dict[str, Any]:
+    """A kv_transfer_config for vLLM's own NIXL connectors on CPU (`num_threads`: NIXL's, None = vLLM's default)."""
+    config: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu"}
+    config["engine_id"] = engine_id
+    if num_threads is not None:
+        config["kv_connector_extra_config"] = {"num_threads": num_threads}
+    return config
 
 
-def start_nixl_mode(mode: str, model: Path, log_dir: Path) -> Deployment:
+def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | None) -> Deployment:
     """Start a prefill and a decode engine with NixlConnector (pull) or NixlPushConnector (push)."""
     connector = "NixlConnector" if mode == "pull" else "NixlPushConnector"
     deployment = Deployment(mode)
@@ -248,7 +254,7 @@ def start_nixl_mode(mode: str, model: Path, log_dir: Path) -> Deployment:
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         engine_id = PREFILL_ENGINE_ID if role == "prefill" else f"bench-{mode}-decode"
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[role])}
-        config = nixl_config(connector, kv_role, engine_id)
+        config = nixl_config(connector, kv_role, engine_id, num_threads)
         engine = start_engine(f"{mode}-{role}", model, log_dir, free_port(), config, env=env)
         deployment.processes.append(engine)
     prefill, decode = deployment.engines()
@@ -304,10 +310,10 @@ def start_ours(model: Path, log_dir: Path) -> Deployment:
     return deployment
 
 
-def start_mode(mode: str, model: Path, log_dir: Path) -> Deployment:
+def start_mode(mode: str, model: Path, log_dir: Path, nixl_threads: int | None) -> Deployment:
     """Start a mode's processes (not yet healthy); a failure to start is recorded, not raised."""
     try:
-        return start_ours(model, log_dir) if mode == "ours" else start_nixl_mode(mode, model, log_dir)
+        return start_ours(model, log_dir) if mode == "ours" else start_nixl_mode(mode, model, log_dir, nixl_threads)
     except Exception as exc:
         return Deployment(mode, error=f"start failed: {exc!r}")
 
@@ -338,6 +344,7 @@ class RequestResult:
     ttft: float | None = None
     tpot: float | None = None
     tokens: int = 0
+    chunks: int = 0  # stream chunks that carried tokens (vLLM may put several tokens in one chunk)
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
 
@@ -397,6 +404,7 @@ async def stream_request(
         result.error = f"{type(exc).__name__}: {exc}"[:500]
         return result
     result.tokens = len(result.token_ids)
+    result.chunks = len(times)
     if not times:
         result.error = "no tokens"
         return result
@@ -496,6 +504,8 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
     tpot = [r.tpot * 1000 for r in ok if r.tpot is not None]
     errors = [r.error for r in results if r.error is not None]
     summary: dict[str, Any] = {"requests": len(results), "ok": len(ok), "errors": len(errors)}
+    if ok:
+        summary["tokens_per_chunk"] = sum(r.tokens for r in ok) / max(1, sum(r.chunks for r in ok))
     if errors:
         summary["first_error"] = errors[0]
     if ttft:
@@ -600,12 +610,12 @@ def choose_layout(requested: str, modes: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def deployed(modes: Sequence[str], model: Path, log_dir: Path) -> Iterator[list[Deployment]]:
+def deployed(modes: Sequence[str], model: Path, log_dir: Path, nixl_threads: int | None) -> Iterator[list[Deployment]]:
     """Start `modes` in parallel, wait until ready, and stop them all on exit (also on errors and Ctrl-C)."""
     deployments: list[Deployment] = []
     try:
         for mode in modes:
-            deployments.append(start_mode(mode, model, log_dir))
+            deployments.append(start_mode(mode, model, log_dir, nixl_threads))
         started = time.monotonic()
         wait_ready(deployments)
         print(f"modes {', '.join(modes)} ready in {time.monotonic() - started:.0f} s", flush=True)
@@ -647,7 +657,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     failures: dict[str, str] = {}
     started = time.monotonic()
     for group in groups:
-        with deployed(group, model, scratch) as deployments:
+        with deployed(group, model, scratch, args.nixl_threads) as deployments:
             results += asyncio.run(measure(deployments, args, vocab))
             failures.update({d.mode: d.error for d in deployments if d.error is not None})
     by_rate: dict[str, dict[str, dict[str, Any]]] = {}
@@ -678,6 +688,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "rounds": args.rounds,
             "seed": args.seed,
+            "nixl_threads_pull_push": args.nixl_threads,
             "layout": layout,
             "block_size": BLOCK_SIZE,
             "max_model_len": MAX_MODEL_LEN,
@@ -723,6 +734,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds per rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layout", choices=("auto", "interleaved", "sequential"), default="auto")
+    parser.add_argument(
+        "--nixl-threads", type=int, default=None, help="NIXL num_threads for pull/push (default: vLLM's, 4)"
+    )
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="where engine logs go (default: a temp dir)")
     # Internal: run a pull/push proxy (started by the benchmark itself).

@@ -132,8 +132,13 @@ class Engine(_Process):
             raise LookupError("no vllm:kv_cache_usage_perc metric")
         return float(lines[0].rsplit(" ", 1)[1])
 
+    def running_requests(self) -> int:
+        """vLLM's `num_requests_running` gauge."""
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in self._metrics("vllm:num_requests_running")))
+
     def finished_requests(self, reason: str = "") -> int:
-        """vLLM's count of finished requests, of one finish reason ("length", "abort", ...) or all."""
+        """vLLM's count of requests that finished in the engine, of one finish reason ("length", "stop", ...) or
+        all; requests aborted by their client are not counted."""
         lines = self._metrics("vllm:request_success_total")
         if reason:
             lines = [line for line in lines if f'finished_reason="{reason}"' in line]

@@ -1,4 +1,4 @@
-"""A decode pool whose KV layout differs from prefill's (16-token blocks against 32) gets a clear error, never
+"""A decode pool whose KV layout differs from prefill's (64-token blocks against 32) gets a clear error, never
 garbage: the router refuses the pair before sending anything, and two legs sent straight to the engines (as an
 engine API client may) are stopped by the rendezvous at match time (LAYOUT_MISMATCH), both sides let go of their
 blocks, and decode answers an error."""
@@ -22,12 +22,12 @@ from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_promp
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-OTHER_BLOCK_SIZE = BLOCK_SIZE // 2
+OTHER_BLOCK_SIZE = 2 * BLOCK_SIZE  # CPU attention needs multiples of 32
 
 
 @pytest.fixture(scope="module")
 def small_block_decode(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[Engine]:
-    """A decode engine (pool "decode-small-blocks") with 16-token KV blocks."""
+    """A decode engine (pool "decode-small-blocks") with 64-token KV blocks."""
     port = free_port()
     config = connector_config("kv_consumer", rendezvous.address, "decode-small-blocks", port)
     extra = ["--block-size", str(OTHER_BLOCK_SIZE)]
