@@ -121,28 +121,22 @@ class _Process:
 class Engine(_Process):
     """A vLLM OpenAI API server process."""
 
-    def _metrics(self, prefix: str) -> list[str]:
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of a Prometheus metric's series on the engine's /metrics whose labels include `labels`,
+        e.g. `metric("vllm:request_success_total", finished_reason="length")`; 0.0 if there is none."""
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
-            return [line for line in response.read().decode().splitlines() if line.startswith(prefix + "{")]
+            lines = response.read().decode().splitlines()
+        series = [line for line in lines if line.startswith(name + "{") and all(w in line for w in wanted)]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in series)
 
     def kv_cache_usage(self) -> float:
         """vLLM's `kv_cache_usage_perc` gauge: the fraction of KV blocks held by requests (0.0 when idle)."""
-        lines = self._metrics("vllm:kv_cache_usage_perc")
-        if not lines:
-            raise LookupError("no vllm:kv_cache_usage_perc metric")
-        return float(lines[0].rsplit(" ", 1)[1])
+        return self.metric("vllm:kv_cache_usage_perc")
 
-    def running_requests(self) -> int:
-        """vLLM's `num_requests_running` gauge."""
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in self._metrics("vllm:num_requests_running")))
-
-    def finished_requests(self, reason: str = "") -> int:
-        """vLLM's count of requests that finished in the engine, of one finish reason ("length", "stop", ...) or
-        all; requests aborted by their client are not counted."""
-        lines = self._metrics("vllm:request_success_total")
-        if reason:
-            lines = [line for line in lines if f'finished_reason="{reason}"' in line]
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in lines))
+    def finished_requests(self) -> int:
+        """Requests that finished in the engine (requests aborted by their client are not counted)."""
+        return int(self.metric("vllm:request_success_total"))
 
 
 class RouterProcess(_Process):

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from clients import (
     AsyncRendezvousClient,
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 ANY_MODEL = "*"
 _LEG_HEADERS = {"Content-Type": "application/json"}
+_ENGINE_KEEPALIVE = 2.0
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,9 @@ class Router:
         return app
 
     async def _open(self, app: web.Application) -> None:
-        self._http = ClientSession(timeout=self._timeout)
+        # Engines (uvicorn) close idle connections after 5 s; reusing one they are closing resets the request.
+        connector = TCPConnector(keepalive_timeout=_ENGINE_KEEPALIVE)
+        self._http = ClientSession(timeout=self._timeout, connector=connector)
 
     async def _close(self, app: web.Application) -> None:
         if self._http is not None:

@@ -26,6 +26,7 @@ from clients import (
     KvRegion,
     MemoryKind,
     NixlAgentInfo,
+    NotFound,
     PickPolicy,
     TransferInfo,
     TransferState,
@@ -98,10 +99,13 @@ class Cluster:
         """The transfer once it reaches `state` (polled; fails after WAIT seconds)."""
         deadline = time.monotonic() + WAIT
         while True:
-            info = await self.rendezvous.get_transfer(transfer_id)
-            if info.state == state or time.monotonic() > deadline:
-                assert info.state == state, info
+            try:
+                info: TransferInfo | None = await self.rendezvous.get_transfer(transfer_id)
+            except NotFound:  # not yet known to the rendezvous
+                info = None
+            if info is not None and info.state == state:
                 return info
+            assert time.monotonic() < deadline, info
             await asyncio.sleep(0.05)
 
 

@@ -30,6 +30,7 @@ from connector.launch import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+RECOMPUTE_DECODE_BLOCKS = 24
 
 
 @pytest.fixture(scope="session")
@@ -109,11 +110,13 @@ def router(
 def recompute_decode(
     engines: tuple[Engine, Engine, Engine], tiny_model: Path, rendezvous: TestServer, engine_logs: Path
 ) -> Iterator[Engine]:
-    """A second decode engine (pool "decode-recompute") whose failed transfers recompute the prompt."""
+    """A second decode engine (pool "decode-recompute") whose failed transfers recompute the prompt, with room
+    for only RECOMPUTE_DECODE_BLOCKS KV blocks (a few requests fill it, so vLLM preempts)."""
     port = free_port()
     config = connector_config("kv_consumer", rendezvous.address, "decode-recompute", port)
     config["kv_load_failure_policy"] = "recompute"
-    engine = start_engine("decode-recompute", tiny_model, engine_logs, port, config)
+    extra = ["--num-gpu-blocks-override", str(RECOMPUTE_DECODE_BLOCKS)]
+    engine = start_engine("decode-recompute", tiny_model, engine_logs, port, config, extra_args=extra)
     try:
         wait_healthy([engine])
         yield engine

@@ -173,3 +173,29 @@ def test_a_prefill_engine_killed_mid_flight(
     wait_blocks_free(decode, recompute_decode)
     _, text, _ = disaggregated(prefill, decode, prompts[0])
     assert text == reference_text(reference, prompts[0])
+
+
+def test_decode_preemption_keeps_outputs_exact(
+    engines: tuple[Engine, Engine, Engine], recompute_decode: Engine
+) -> None:
+    """Six requests whose KV arrives from prefill, then grows past what the decode engine can hold: vLLM
+    preempts some after their KV arrived. A preempted request recomputes its tokens locally (the producer freed
+    its copy once written) and must still answer exactly what a plain engine answers."""
+    prefill, _, reference = engines
+    prompts = [token_prompt(3 * BLOCK_SIZE + 7 * i, seed=4747 + i) for i in range(6)]
+    max_tokens = 6 * BLOCK_SIZE  # each request ends up needing ~9-10 blocks; six need ~2.5x what decode has
+    extra = {"ignore_eos": True}
+    preemptions_before = recompute_decode.metric("vllm:num_preemptions_total")
+    expected = [reference.complete(p, max_tokens, **extra)["choices"][0]["text"] for p in prompts]
+
+    def one(prompt: list[int]) -> str:
+        params = {"kv_transfer_params": {"transfer_id": uuid.uuid4().hex}, **extra}
+        with ThreadPoolExecutor(2) as pool:
+            pool.submit(prefill.complete, prompt, 1, **params)
+            return str(recompute_decode.complete(prompt, max_tokens, **params)["choices"][0]["text"])
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(one, prompts))
+    assert recompute_decode.metric("vllm:num_preemptions_total") > preemptions_before  # it did happen
+    assert texts == expected
+    wait_blocks_free(prefill, recompute_decode)
