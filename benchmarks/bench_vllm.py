@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import platform
@@ -63,6 +62,7 @@ from connector.launch import (  # noqa: E402
     MAX_MODEL_LEN,
     Engine,
     RouterProcess,
+    build_tiny_model,
     connector_config,
     free_port,
     start_engine,
@@ -587,14 +587,7 @@ def machine_info() -> dict[str, Any]:
 
 def tiny_model(path: Path | None, scratch: Path) -> Path:
     """`path`, or a freshly built tiny random Llama (scripts/make_tiny_model.py, deterministic) in `scratch`."""
-    if path is not None:
-        return path
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        build = importlib.import_module("make_tiny_model").build
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return Path(build(scratch / "tiny-llama"))
+    return path if path is not None else build_tiny_model(scratch / "tiny-llama")
 
 
 def vocab_size(model: Path) -> int:

@@ -7,6 +7,7 @@ Everything binds to 127.0.0.1.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -16,7 +17,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,11 @@ __all__ = [
     "MAX_MODEL_LEN",
     "Engine",
     "RouterProcess",
+    "build_tiny_model",
     "connector_config",
     "free_port",
     "post_json",
+    "running_engine",
     "start_engine",
     "start_router",
     "wait_healthy",
@@ -185,6 +189,37 @@ def wait_healthy(processes: Sequence[_Process], timeout: float = START_TIMEOUT) 
         time.sleep(0.5)
 
 
+@contextmanager
+def running_engine(
+    name: str,
+    model: Path,
+    log_dir: Path,
+    kv_transfer_config: Callable[[int], Mapping[str, Any]] | None = None,
+    *,
+    extra_args: Sequence[str] = (),
+    stop_signal: signal.Signals = signal.SIGTERM,
+) -> Iterator[Engine]:
+    """One engine on a free port, healthy, stopped on exit; `kv_transfer_config` is made from the port."""
+    port = free_port()
+    config = kv_transfer_config(port) if kv_transfer_config is not None else None
+    engine = start_engine(name, model, log_dir, port, config, extra_args=extra_args)
+    try:
+        wait_healthy([engine])
+        yield engine
+    finally:
+        engine.stop(stop_signal)
+
+
+def build_tiny_model(path: Path) -> Path:
+    """The tiny random-weight Llama of scripts/make_tiny_model.py (deterministic), built at `path`."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        build = importlib.import_module("make_tiny_model").build
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return Path(build(path))
+
+
 def start_router(log_dir: Path, port: int, args: Sequence[str], name: str = "router") -> RouterProcess:
     """Start `python -m connector.router --listen 127.0.0.1:<port> <args>` (not yet healthy: see wait_healthy)."""
     argv = [sys.executable, "-m", "connector.router", "--listen", f"127.0.0.1:{port}", *args]
@@ -201,14 +236,17 @@ def start_router(log_dir: Path, port: int, args: Sequence[str], name: str = "rou
     return RouterProcess(name, port, process, log)
 
 
-def connector_config(role: str, rendezvous: str, pool: str, port: int, **extra: Any) -> dict[str, Any]:
-    """A kv_transfer_config for a RendezvousConnector engine serving on `port` (its `url` label)."""
+def connector_config(
+    role: str, rendezvous: str, pool: str, port: int, *, failure_policy: str = "fail", **extra: Any
+) -> dict[str, Any]:
+    """A kv_transfer_config for a RendezvousConnector engine serving on `port` (its `url` label); `extra` adds
+    `kv_connector_extra_config` keys."""
     return {
         "kv_connector": "RendezvousConnector",
         "kv_connector_module_path": "connector.rendezvous_connector",
         "kv_role": role,
         "kv_buffer_device": "cpu",
-        "kv_load_failure_policy": "fail",
+        "kv_load_failure_policy": failure_policy,
         "kv_connector_extra_config": {
             "rendezvous": rendezvous,
             "pool": pool,

@@ -8,10 +8,10 @@ Skipped when vLLM is not installed.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,8 +22,10 @@ from clients.testing import TestServer
 from connector.launch import (
     Engine,
     RouterProcess,
+    build_tiny_model,
     connector_config,
     free_port,
+    running_engine,
     start_engine,
     start_router,
     wait_healthy,
@@ -35,12 +37,7 @@ RECOMPUTE_DECODE_BLOCKS = 24
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        from make_tiny_model import build
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return build(tmp_path_factory.mktemp("model") / "tiny-llama")
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")
@@ -112,13 +109,8 @@ def recompute_decode(
 ) -> Iterator[Engine]:
     """A second decode engine (pool "decode-recompute") whose failed transfers recompute the prompt, with room
     for only RECOMPUTE_DECODE_BLOCKS KV blocks (a few requests fill it, so vLLM preempts)."""
-    port = free_port()
-    config = connector_config("kv_consumer", rendezvous.address, "decode-recompute", port)
-    config["kv_load_failure_policy"] = "recompute"
+    address = rendezvous.address
     extra = ["--num-gpu-blocks-override", str(RECOMPUTE_DECODE_BLOCKS)]
-    engine = start_engine("decode-recompute", tiny_model, engine_logs, port, config, extra_args=extra)
-    try:
-        wait_healthy([engine])
+    config = partial(connector_config, "kv_consumer", address, "decode-recompute", failure_policy="recompute")
+    with running_engine("decode-recompute", tiny_model, engine_logs, config, extra_args=extra) as engine:
         yield engine
-    finally:
-        engine.stop()

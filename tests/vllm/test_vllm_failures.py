@@ -13,6 +13,7 @@ import urllib.error
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import pytest
 from clients import AbortReason, AbortSpec, TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, connector_config, free_port, start_engine, wait_healthy
+from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
 from tests.vllm.conftest import wait_blocks_free
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 
@@ -124,14 +125,9 @@ VICTIM_LEASE_TTL = 6.0
 @pytest.fixture
 def victim_prefill(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[Engine]:
     """A prefill engine (pool "prefill-victim", short lease) for a test to kill."""
-    port = free_port()
-    config = connector_config("kv_producer", rendezvous.address, "prefill-victim", port, lease_ttl=VICTIM_LEASE_TTL)
-    engine = start_engine("prefill-victim", tiny_model, engine_logs, port, config)
-    try:
-        wait_healthy([engine])
+    config = partial(connector_config, "kv_producer", rendezvous.address, "prefill-victim", lease_ttl=VICTIM_LEASE_TTL)
+    with running_engine("prefill-victim", tiny_model, engine_logs, config, stop_signal=signal.SIGKILL) as engine:
         yield engine
-    finally:
-        engine.stop(signal.SIGKILL)
 
 
 def test_a_prefill_engine_killed_mid_flight(

@@ -9,6 +9,7 @@ import urllib.error
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from clients import AbortReason, TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, connector_config, free_port, start_engine, wait_healthy
+from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
 from tests.vllm.conftest import running_router, wait_blocks_free
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 
@@ -26,23 +27,18 @@ OTHER_BLOCK_SIZE = 2 * BLOCK_SIZE  # CPU attention needs multiples of 32
 
 
 @pytest.fixture(scope="module")
-def small_block_decode(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[Engine]:
-    """A decode engine (pool "decode-small-blocks") with 64-token KV blocks."""
-    port = free_port()
-    config = connector_config("kv_consumer", rendezvous.address, "decode-small-blocks", port)
+def big_block_decode(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[Engine]:
+    """A decode engine (pool "decode-big-blocks") with 64-token KV blocks."""
+    config = partial(connector_config, "kv_consumer", rendezvous.address, "decode-big-blocks")
     extra = ["--block-size", str(OTHER_BLOCK_SIZE)]
-    engine = start_engine("decode-small-blocks", tiny_model, engine_logs, port, config, extra_args=extra)
-    try:
-        wait_healthy([engine])
+    with running_engine("decode-big-blocks", tiny_model, engine_logs, config, extra_args=extra) as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def test_the_router_refuses_a_pair_with_different_layouts(
-    engines: tuple[Engine, Engine, Engine], small_block_decode: Engine, rendezvous: TestServer, engine_logs: Path
+    engines: tuple[Engine, Engine, Engine], big_block_decode: Engine, rendezvous: TestServer, engine_logs: Path
 ) -> None:
-    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-small-blocks"]
+    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-big-blocks"]
     with running_router(engine_logs, args, "router-layout") as router, pytest.raises(urllib.error.HTTPError) as error:
         router.complete(token_prompt(40, seed=13000), 8)
     assert error.value.code == 503
@@ -51,7 +47,7 @@ def test_the_router_refuses_a_pair_with_different_layouts(
 
 
 def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
-    engines: tuple[Engine, Engine, Engine], small_block_decode: Engine, rendezvous: TestServer
+    engines: tuple[Engine, Engine, Engine], big_block_decode: Engine, rendezvous: TestServer
 ) -> None:
     prefill, _, reference = engines
     prompt = token_prompt(3 * BLOCK_SIZE + 5, seed=13100)
@@ -59,7 +55,7 @@ def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
     params = {"kv_transfer_params": {"transfer_id": transfer_id}}
     with ThreadPoolExecutor(2) as pool:
         prefill_leg = pool.submit(prefill.complete, prompt, 1, **params)
-        decode_leg = pool.submit(small_block_decode.complete, prompt, 8, **params)
+        decode_leg = pool.submit(big_block_decode.complete, prompt, 8, **params)
         with pytest.raises(urllib.error.HTTPError) as error:
             decode_leg.result(120)
         prefill_leg.result(120)
@@ -68,9 +64,9 @@ def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
         info = client.get_transfer(transfer_id)
     assert (info.state, info.abort_reason) == (TransferState.ABORTED, AbortReason.LAYOUT_MISMATCH), info
     assert f"block_size differs: producer {BLOCK_SIZE}, consumer {OTHER_BLOCK_SIZE}" in info.abort_message
-    wait_blocks_free(prefill, small_block_decode)
-    # Both still serve: the small-block engine on its own, the prefill engine with its own decode pool.
-    plain = small_block_decode.complete(prompt, 8)["choices"][0]["text"]
+    wait_blocks_free(prefill, big_block_decode)
+    # Both still serve: the big-block engine on its own, the prefill engine with its own decode pool.
+    plain = big_block_decode.complete(prompt, 8)["choices"][0]["text"]
     assert plain == reference_text(reference, prompt, 8)
     _, text, _ = disaggregated(prefill, engines[1], prompt)
     assert text == reference_text(reference, prompt)
