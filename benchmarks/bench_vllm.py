@@ -194,7 +194,8 @@ class NixlProxy:
 
 def serve_proxy(config: ProxyConfig, port: int) -> None:
     """Run a pull or push proxy on 127.0.0.1:`port` until killed."""
-    web.run_app(NixlProxy(config).app(), host="127.0.0.1", port=port, print=None, access_log=None)
+    app = NixlProxy(config).app()
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, shutdown_timeout=2.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ def stop_popen(process: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+        process.wait()
 
 
 def nixl_config(connector: str, role: str, engine_id: str, num_threads: int | None) -> dict[str, Any]:
@@ -618,7 +619,10 @@ def deployed(modes: Sequence[str], model: Path, log_dir: Path, nixl_threads: int
         yield deployments
     finally:
         for deployment in deployments:
-            deployment.stop()
+            try:
+                deployment.stop()
+            except Exception as exc:  # a stuck process must not cost the run its results
+                print(f"  {deployment.mode}: stopping failed: {exc!r}", flush=True)
 
 
 async def measure(deployments: Sequence[Deployment], args: argparse.Namespace, vocab: int) -> list[RequestResult]:

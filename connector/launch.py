@@ -7,6 +7,7 @@ Everything binds to 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -118,8 +119,9 @@ class _Process:
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
 
 
 class Engine(_Process):
