@@ -1,0 +1,36 @@
+"""The connector refuses configurations it cannot serve, at engine start-up, with a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.launch import connector_config
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+
+def connector_for(model: Path, role: str, **parallel: Any) -> Any:
+    from vllm.config import KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from connector.rendezvous_connector import RendezvousConnector
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512),
+        parallel_config=ParallelConfig(**parallel),
+        kv_transfer_config=KVTransferConfig(**connector_config(role, "127.0.0.1:1", "p", 1)),
+    )
+    return RendezvousConnector(config, KVConnectorRole.SCHEDULER, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_tensor_or_pipeline_parallel_is_refused(tiny_model: Path, parallel: dict[str, int]) -> None:
+    with pytest.raises(NotImplementedError, match="tensor and pipeline parallel size 1 only"):
+        connector_for(tiny_model, "kv_consumer", **parallel)
+
+
+def test_a_single_rank_engine_is_accepted(tiny_model: Path) -> None:
+    assert connector_for(tiny_model, "kv_producer").engine_id.startswith("p-producer-")
