@@ -12,9 +12,10 @@ import time
 import urllib.error
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,29 +44,32 @@ def wait_state(server: TestServer, transfer_id: str, states: set[TransferState],
             time.sleep(0.1)
 
 
+def decode_aborted_while_waiting(
+    rendezvous: TestServer, decode: Engine, prompt: list[int], max_tokens: int
+) -> Future[dict[str, Any]]:
+    """Send a decode leg alone, abort its transfer once decode has registered its blocks, and return the leg
+    once it has ended (within 60 s)."""
+    transfer_id = uuid.uuid4().hex
+    with ThreadPoolExecutor(1) as pool:
+        leg = pool.submit(decode.complete, prompt, max_tokens, kv_transfer_params={"transfer_id": transfer_id})
+        wait_state(rendezvous, transfer_id, {TransferState.TARGETED})
+        with RendezvousClient(rendezvous.address) as client:
+            client.abort_transfer("", AbortSpec(transfer_id, "aborted by the test"))
+        wait([leg], timeout=60)
+        assert leg.done()
+    return leg
+
+
 def test_aborted_transfer_fails_the_decode_request(
     engines: tuple[Engine, Engine, Engine], rendezvous: TestServer
 ) -> None:
     prefill, decode, reference = engines
-    transfer_id = uuid.uuid4().hex
     prompt = token_prompt(2 * BLOCK_SIZE + 3, seed=4242)
-    outcome: dict[str, object] = {}
-
-    def decode_leg() -> None:
-        try:
-            outcome["response"] = decode.complete(prompt, 8, kv_transfer_params={"transfer_id": transfer_id})
-        except urllib.error.HTTPError as e:
-            outcome["status"] = e.code
-
-    thread = threading.Thread(target=decode_leg)
     started = time.monotonic()
-    thread.start()
-    wait_state(rendezvous, transfer_id, {TransferState.TARGETED})
-    with RendezvousClient(rendezvous.address) as client:
-        client.abort_transfer("", AbortSpec(transfer_id, "aborted by the test"))
-    thread.join(60)
-    assert not thread.is_alive()
-    assert outcome.get("status") == 500, outcome  # kv_load_failure_policy "fail": an error, never garbage
+    leg = decode_aborted_while_waiting(rendezvous, decode, prompt, 8)
+    with pytest.raises(urllib.error.HTTPError) as error:
+        leg.result()
+    assert error.value.code == 500  # kv_load_failure_policy "fail": an error, never garbage
     assert time.monotonic() - started < 30
     wait_blocks_free(prefill, decode)
     # Both engines still serve, with correct output.
@@ -100,22 +104,8 @@ def test_recompute_policy_recovers_from_an_aborted_transfer(
     """With kv_load_failure_policy "recompute", a failed transfer costs time, not the request: decode
     computes the prompt itself and answers exactly what a plain engine answers."""
     reference = engines[2]
-    transfer_id = uuid.uuid4().hex
     prompt = token_prompt(4 * BLOCK_SIZE + 11, seed=4444)
-    outcome: dict[str, object] = {}
-
-    def decode_leg() -> None:
-        outcome["response"] = recompute_decode.complete(prompt, 16, kv_transfer_params={"transfer_id": transfer_id})
-
-    thread = threading.Thread(target=decode_leg)
-    thread.start()
-    wait_state(rendezvous, transfer_id, {TransferState.TARGETED})
-    with RendezvousClient(rendezvous.address) as client:
-        client.abort_transfer("", AbortSpec(transfer_id, "aborted by the test"))
-    thread.join(60)
-    assert not thread.is_alive()
-    response = outcome["response"]
-    assert isinstance(response, dict)
+    response = decode_aborted_while_waiting(rendezvous, recompute_decode, prompt, 16).result()
     assert response["choices"][0]["text"] == reference_text(reference, prompt, 16)
 
 
