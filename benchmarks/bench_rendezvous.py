@@ -38,7 +38,7 @@ from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
 RESULTS = Path(__file__).parent / "results"
-LAYOUT = pb.KvLayout(model_fingerprint="bench", dtype="float16", block_size=16, num_layers=32)
+LAYOUT = pb.KvLayout(model_fingerprint="bench", dtype="float16", block_size=16, num_layers=32, tp_size=1, pp_size=1)
 REGION = pb.KvRegion(base_address=1 << 32, block_stride_bytes=1 << 16, block_length_bytes=1 << 16, num_blocks=100_000)
 
 
@@ -124,7 +124,9 @@ async def measure_floor(port: int, seconds: float) -> dict[str, float]:
 
 
 def engine_request(engine_id: str, role: int) -> pb.RegisterEngineRequest:
-    agent = pb.NixlAgent(name=engine_id + "-0", metadata=os.urandom(400), regions=[REGION])
+    agent = pb.NixlAgent(
+        name=engine_id + "-0", metadata=os.urandom(400), memory_kind=pb.MEMORY_KIND_DRAM, regions=[REGION]
+    )
     # A lease longer than any phase: renewals are not what this benchmark measures.
     return pb.RegisterEngineRequest(
         engine_id=engine_id,

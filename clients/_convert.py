@@ -272,7 +272,8 @@ def event(m: pb.Event) -> Event:
 
 def item_result(m: pb.ItemResult) -> ItemResult:
     """A batch item's result; a non-OK status becomes its error."""
-    return ItemResult(m.transfer_id, TransferState(m.state), from_status(m.status) if m.status.code else None)
+    error = from_status(m.status) if m.status.code else None
+    return ItemResult(m.transfer_id, TransferState(m.state), error, m.revoking_generation)
 
 
 def item_results(m: _BatchResponse) -> list[ItemResult]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -15,15 +16,24 @@ class Attempts:
 
     An UNAVAILABLE endpoint is left for the next one at once; the client backs off only after a
     whole round of endpoints failed, so a dead first endpoint costs one connection attempt.
+    The policy's deadline counts from `started`, the `clock()` reading taken just before the
+    call's first attempt (default: now), so the time a slow first attempt took counts too.
     """
 
-    __slots__ = ("_endpoints", "_policy", "_retries", "_started")
+    __slots__ = ("_clock", "_endpoints", "_policy", "_retries", "_started")
 
-    def __init__(self, policy: RetryPolicy, endpoints: int) -> None:
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        endpoints: int,
+        started: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._policy = policy
         self._endpoints = endpoints
         self._retries = 0
-        self._started = time.monotonic()
+        self._clock = clock
+        self._started = clock() if started is None else started
 
     def next_delay(self, error: RendezvousError, idempotent: bool) -> float | None:
         """Seconds to wait before retrying after error, or None to give up and raise it."""
@@ -38,7 +48,7 @@ class Attempts:
             delay = policy.backoff(rounds) if not within_round else 0.0
         else:
             delay = policy.backoff(self._retries)
-        if policy.deadline is not None and time.monotonic() - self._started + delay > policy.deadline:
+        if policy.deadline is not None and self._clock() - self._started + delay > policy.deadline:
             return None
         return delay
 

@@ -234,6 +234,8 @@ class ItemResult:
     transfer_id: str
     state: TransferState
     error: RendezvousError | None = None
+    # A generation the producer may still be writing: wait for REVOCATION_CONFIRMED before reusing its blocks.
+    revoking_generation: int = 0
 
     @property
     def ok(self) -> bool:

@@ -8,6 +8,7 @@ event loop: its gRPC channels (one per endpoint, opened on first use) belong to 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -112,16 +113,17 @@ class AsyncRendezvousClient:
 
     async def _invoke(self, call: Call[ResultT], timeout: float | None) -> ResultT:
         timeout = self._config.call_timeout if timeout is None else timeout
+        started = time.monotonic()
         index, stub = self._endpoints.current()
         try:
             response = await getattr(stub, call.method)(call.request, timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as error:
-            response = await self._retry(call, timeout, self._failed(error, index))
+            response = await self._retry(call, timeout, self._failed(error, index), started)
         self._epochs.observe(response.header.epoch)
         return call.parse(response)
 
-    async def _retry(self, call: Call[Any], timeout: float | None, error: RendezvousError) -> Any:
-        attempts = Attempts(self._config.retry, len(self._endpoints))
+    async def _retry(self, call: Call[Any], timeout: float | None, error: RendezvousError, started: float) -> Any:
+        attempts = Attempts(self._config.retry, len(self._endpoints), started)
         while True:
             delay = attempts.next_delay(error, call.idempotent)
             if delay is None:

@@ -107,16 +107,17 @@ class RendezvousClient:
 
     def _invoke(self, call: Call[ResultT], timeout: float | None) -> ResultT:
         timeout = self._config.call_timeout if timeout is None else timeout
+        started = time.monotonic()
         index, stub = self._endpoints.current()
         try:
             response = getattr(stub, call.method)(call.request, timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as error:
-            response = self._retry(call, timeout, self._failed(error, index))
+            response = self._retry(call, timeout, self._failed(error, index), started)
         self._epochs.observe(response.header.epoch)
         return call.parse(response)
 
-    def _retry(self, call: Call[Any], timeout: float | None, error: RendezvousError) -> Any:
-        attempts = Attempts(self._config.retry, len(self._endpoints))
+    def _retry(self, call: Call[Any], timeout: float | None, error: RendezvousError, started: float) -> Any:
+        attempts = Attempts(self._config.retry, len(self._endpoints), started)
         while True:
             delay = attempts.next_delay(error, call.idempotent)
             if delay is None:

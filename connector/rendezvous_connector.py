@@ -10,8 +10,9 @@ Load it with
 and give both legs of a request the same `kv_transfer_params = {"transfer_id": ...}` (the router mints it).
 
 The scheduler-side instance only bookkeeps; everything that talks to the network lives in the worker-side
-instance, on a background thread with its own event loop (`_LoopThread`): the step loop hands it each step's
-work through the connector metadata and collects results from thread-safe sets, never waiting on the network.
+instance, on a background thread with its own event loop (`connector._loop.LoopThread`, closed when the worker
+stops): the step loop hands it each step's work through the connector metadata and collects results from
+thread-safe sets, never waiting on the network.
 
 - Producer (prefill): `on_new_request` claims the transfer at admission; `request_finished` keeps the
   request's prompt blocks (delay_free) and hands them to the worker's `ProducerAgent`, which WRITEs them once
@@ -43,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from connector._loop import LoopThread
 from connector.config import TRANSFER_ID_KEY, ConnectorConfig
 
 if TYPE_CHECKING:
@@ -256,27 +258,6 @@ class _SchedulerSide:
         return bool(self.sending) or bool(self.meta)
 
 
-class _LoopThread:
-    """An asyncio event loop on a daemon thread; other threads hand it callbacks and coroutines."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run a coroutine on the loop and wait for its result (start-up and shutdown only)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def call(self, callback: Any, *args: Any) -> None:
-        """Run callback(*args) on the loop soon; never blocks."""
-        self.loop.call_soon_threadsafe(callback, *args)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10.0)
-
-
 class _WorkerSide:
     """The worker process: NIXL agent + rendezvous session on a background loop, fed by step metadata."""
 
@@ -293,7 +274,7 @@ class _WorkerSide:
         self.engine_id = engine_id
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self._thread: _LoopThread | None = None
+        self._thread: LoopThread | None = None
         self._client: Any = None
         self._agent: ProducerAgent | ConsumerAgent | None = None
         self._lock = threading.Lock()
@@ -308,7 +289,7 @@ class _WorkerSide:
 
     def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = self._block_tensors(kv_caches)
-        self._thread = _LoopThread(f"rendezvous-{self.engine_id}")
+        self._thread = LoopThread(f"rendezvous-{self.engine_id}")
         try:
             self._thread.run(self._start(tensors), self.config.start_timeout)
         except BaseException:

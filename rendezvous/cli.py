@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -64,6 +65,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", float)
     _flag(p, "grace", 5.0, "seconds running calls then get to finish", float)
     _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps", float)
+    _flag(
+        p,
+        "idempotency-ttl",
+        600.0,
+        "seconds the answer to a request with a request_id is kept for its retries (AIP-155); > 0",
+        float,
+    )
     _flag(p, "log-format", "text", "log format: text or json")
     _flag(p, "log-level", "info", "log level")
     g = p.add_argument_group("security (docs/security.md)")
@@ -106,6 +114,8 @@ def _config_from(args: argparse.Namespace) -> Any:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     if bool(args.tls_client_ca) != bool(args.tls_require_client_cert):
         raise ValueError("--tls-client-ca and --tls-require-client-cert go together (mTLS)")
+    if not math.isfinite(args.idempotency_ttl) or args.idempotency_ttl <= 0:
+        raise ValueError(f"--idempotency-ttl must be a positive number of seconds, not {args.idempotency_ttl:g}")
     tls = (
         TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca or None, args.tls_require_client_cert)
         if args.tls_cert
@@ -122,6 +132,7 @@ def _config_from(args: argparse.Namespace) -> Any:
         limits=build(Limits),
         timeouts=build(Timeouts),
         sweep_interval=args.sweep_interval,
+        idempotency_ttl=args.idempotency_ttl,
         grace=args.grace,
         drain=args.drain,
         health_listen=None if args.health_listen in ("", "off") else args.health_listen,
@@ -196,7 +207,8 @@ def _inspect(args: argparse.Namespace) -> int:
                 ("up since", _ago(s.start_time)),
                 ("live engines", s.live_engines),
                 ("watchers", s.watchers),
-                *((f"transfers {k.lower()}", v) for k, v in sorted(s.transfers_by_state.items())),
+                ("live transfers", sum(s.transfers_by_state.values())),
+                *((f"  {k.lower()}", v) for k, v in sorted(s.transfers_by_state.items())),
             ]
             print(_table(("field", "value"), rows))
         elif args.command == "engines":
@@ -258,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The demo is an engine-side program with heavier dependencies: its flags are parsed only when it runs.
     sub.add_parser("demo", help="move real bytes over NIXL between producer and consumer processes", add_help=False)
     sub.add_parser("router", help="OpenAI-compatible proxy dispatching prefill and decode legs at once", add_help=False)
+    sub.add_parser("conformance", help="check a running service against the protocol", add_help=False)
     for name, text in (
         ("health", "exit 0 when the server's grpc.health.v1 check answers SERVING (container health checks)"),
         ("status", "summarise a running server"),
@@ -311,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from connector.router import main as router_main
 
         return router_main(rest)
+    if args.command == "conformance":
+        from rendezvous.conformance import main as conformance_main
+
+        return conformance_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":

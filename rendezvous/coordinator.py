@@ -105,13 +105,20 @@ class Coordinator:
     async def register_engine(self, spec: EngineSpec) -> tuple[Engine, int]:
         """Register a new incarnation; returns it and the revision its watch should start from."""
         now = self.clock()
-        previous = await self.store.get_engine(spec.engine_id)
-        engine = await self.store.update_engine(
-            spec.engine_id, lambda cur: engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts)
-        )
+        replaced: list[Engine | None] = [None]
+
+        def register(cur: Engine | None) -> Engine:
+            # The record this registration replaces is the one the atomic update saw (a retried
+            # update calls this again), so concurrent re-registrations each end their predecessor.
+            replaced[0] = cur
+            return engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts)
+
+        engine = await self.store.update_engine(spec.engine_id, register)
         assert engine is not None
-        if previous is not None and not previous.ended_at:
-            await self._lose_engine(engine_rules.end_incarnation(now, previous))
+        previous = replaced[0]
+        if previous is not None:
+            # Also when it had ended already: a replica that ended it may have died before its loss was applied.
+            await self._lose_engine(previous if previous.ended_at else engine_rules.end_incarnation(now, previous))
         log.info(
             "engine registered",
             extra={
@@ -170,7 +177,14 @@ class Coordinator:
         aborted = 0
         peers: set[str] = set()
         for transfer_id in await self.store.live_transfer_ids(lost.engine_id):
-            transition = await self._apply(transfer_id, lambda cur, _e: lifecycle.engine_lost(ctx, cur, lost))
+            try:
+                transition = await self._apply(transfer_id, lambda cur, _e: lifecycle.engine_lost(ctx, cur, lost))
+            except StoreUnavailableError:
+                raise
+            except Exception:
+                # One bad record must not keep the engine's other transfers alive (its deadline still applies).
+                log.exception("cannot apply engine loss", extra={"transfer_id": transfer_id})
+                continue
             t = transition.transfer
             if t is not None and t.state == State.ABORTED and t.times.end == ctx.now:
                 aborted += 1
@@ -320,17 +334,11 @@ class Coordinator:
         """Transfers sorted by id, paged; by default the live ones."""
         if engine_id:
             check_id("engine_id", engine_id, self.limits)
-        wanted = set(states) or set(LIVE_STATES)
+        wanted = frozenset(states) or frozenset(LIVE_STATES)
         size = min(page_size or self.limits.max_list_page, self.limits.max_list_page)
         after = _decode_page_token(page_token)
-        found = sorted(
-            (
-                t
-                for t in await self.store.list_transfers(engine_id or None)
-                if t.state in wanted and t.transfer_id > after
-            ),
-            key=lambda t: t.transfer_id,
-        )
+        # One more than a page tells whether another follows; the store reads about a page, not everything.
+        found = await self.store.page_transfers(engine_id or None, wanted, after, size + 1)
         page = found[:size]
         token = _encode_page_token(page[-1].transfer_id) if len(found) > size else ""
         return TransferPage(page, token)
@@ -365,17 +373,29 @@ class Coordinator:
 
     # Time
 
+    async def _sweep_engine(self, engine: Engine, now: float) -> None:
+        """End a lapsed lease, or forget a tombstone once no transfer of that incarnation is left."""
+        if engine.ended_at:
+            # Apply the loss again before forgetting: the replica that ended it may have died before it could.
+            await self._lose_engine(engine)
+            await self.store.update_engine(engine.engine_id, partial(_drop_tombstone, engine))
+            return
+        ended = await self.store.update_engine(engine.engine_id, partial(_end_lapsed, engine, now))
+        if ended is not None and ended.incarnation == engine.incarnation and ended.ended_at == now:
+            log.warning("engine lease expired", extra={"engine_id": engine.engine_id})
+            await self._lose_engine(ended)
+
     async def sweep(self, max_transfers: int = 10_000) -> None:
         """End lapsed leases, expire due transfers and drop old engine tombstones."""
         now = self.clock()
         for engine in await self.store.lapsed_engines(now, self.timeouts.tombstone_ttl):
-            if engine.ended_at:
-                await self.store.update_engine(engine.engine_id, partial(_drop_tombstone, engine))
-                continue
-            ended = await self.store.update_engine(engine.engine_id, partial(_end_lapsed, engine, now))
-            if ended is not None and ended.incarnation == engine.incarnation and ended.ended_at == now:
-                log.warning("engine lease expired", extra={"engine_id": engine.engine_id})
-                await self._lose_engine(ended)
+            try:
+                await self._sweep_engine(engine, now)
+            except StoreUnavailableError:
+                raise
+            except Exception:
+                # One bad record must not stop the leases of every other engine from being enforced.
+                log.exception("cannot sweep engine", extra={"engine_id": engine.engine_id})
         ctx = self._context()
         for transfer_id in await self.store.due_transfers(ctx.now, max_transfers):
             try:

@@ -8,7 +8,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2, status_pb2
 
-from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
+from rendezvous.core.errors import ERROR_DOMAIN, Code, Reason, RendezvousError
 from rendezvous.core.model import (
     Engine,
     Event,
@@ -112,8 +112,8 @@ def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
             dtype=layout.dtype,
             block_size=layout.block_size,
             num_layers=layout.num_layers,
-            tp_size=layout.tp_size or 1,
-            pp_size=layout.pp_size or 1,
+            tp_size=layout.tp_size,
+            pp_size=layout.pp_size,
             kv_layout=layout.kv_layout,
         ),
         agents=tuple(
@@ -121,7 +121,7 @@ def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
                 name=a.name,
                 metadata=a.metadata,
                 rank=a.rank,
-                memory_kind=MemoryKind(a.memory_kind) if a.memory_kind in (1, 2) else MemoryKind.DRAM,
+                memory_kind=_memory_kind(a),
                 regions=tuple(
                     KvRegion(r.base_address, r.block_stride_bytes, r.block_length_bytes, r.num_blocks, r.device_id)
                     for r in a.regions
@@ -134,15 +134,38 @@ def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
     )
 
 
-def _mode(value: int) -> Mode:
-    return Mode.PULL if value == pb.TRANSFER_MODE_PULL else Mode.PUSH
+def _memory_kind(agent: pb.NixlAgent) -> MemoryKind:
+    if agent.memory_kind not in (pb.MEMORY_KIND_DRAM, pb.MEMORY_KIND_VRAM):
+        raise RendezvousError(
+            Reason.AGENTS_INVALID,
+            f"agent {agent.name} has memory_kind {agent.memory_kind}; use DRAM or VRAM",
+            field="memory_kind",
+        )
+    return MemoryKind(agent.memory_kind)
+
+
+def _mode(value: int) -> Mode | None:
+    """UNSPECIFIED is push (the default); an unknown value is None, which the core rejects."""
+    if value in (pb.TRANSFER_MODE_UNSPECIFIED, pb.TRANSFER_MODE_PUSH):
+        return Mode.PUSH
+    return Mode.PULL if value == pb.TRANSFER_MODE_PULL else None
+
+
+def _generation(value: int) -> int:
+    """Generation 0 on the wire means 1, in every call that names one."""
+    return value or 1
 
 
 def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
     """The targets of a RegisterTargetRequest."""
     return [
         TargetSpec(
-            t.transfer_id, tuple(t.block_ids), t.generation or 1, t.num_tokens, seconds(t.timeout), _mode(t.mode)
+            t.transfer_id,
+            tuple(t.block_ids),
+            _generation(t.generation),
+            t.num_tokens,
+            seconds(t.timeout),
+            _mode(t.mode),
         )
         for t in req.targets
     ]
@@ -161,19 +184,21 @@ def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:
 def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:
     """The completions of a CompleteTransferRequest."""
     return [
-        CompletionSpec(c.transfer_id, c.generation, Outcome(c.outcome) if c.outcome in (1, 2) else None, c.message)
+        CompletionSpec(
+            c.transfer_id, _generation(c.generation), Outcome(c.outcome) if c.outcome in (1, 2) else None, c.message
+        )
         for c in req.completions
     ]
 
 
 def revocation_acks(req: pb.AcknowledgeRevocationRequest) -> list[RevocationAck]:
     """The acknowledgements of an AcknowledgeRevocationRequest."""
-    return [RevocationAck(a.transfer_id, a.generation) for a in req.acks]
+    return [RevocationAck(a.transfer_id, _generation(a.generation)) for a in req.acks]
 
 
 def release_specs(req: pb.ReleaseTargetRequest) -> list[ReleaseSpec]:
     """The releases of a ReleaseTargetRequest."""
-    return [ReleaseSpec(r.transfer_id, r.generation) for r in req.releases]
+    return [ReleaseSpec(r.transfer_id, _generation(r.generation)) for r in req.releases]
 
 
 def abort_specs(req: pb.AbortTransferRequest) -> list[AbortSpec]:

@@ -181,6 +181,12 @@ class Transfer:
     revoking_generation: int = 0
     times: TransferTimes = field(default_factory=TransferTimes)
 
+    @property
+    def unsettled(self) -> bool:
+        """True while the transfer still ties up its engines: live, or ended with a revoked generation
+        the producer has not let go of (the consumer's blocks stay pinned until it does or is lost)."""
+        return not self.state.terminal or bool(self.revoking_generation)
+
     def participants(self) -> tuple[str, ...]:
         """Engine ids taking part, consumer first."""
         return tuple(e for e in (self.consumer_engine_id, self.producer_engine_id) if e)

@@ -30,7 +30,8 @@ class TargetSpec:
     generation: int = 1
     num_tokens: int = 0
     timeout: float = 0.0
-    mode: Mode = Mode.PUSH
+    # None: a mode this server does not know (rejected with MODE_INVALID).
+    mode: Mode | None = Mode.PUSH
 
 
 @dataclass(frozen=True)

@@ -159,18 +159,93 @@ def _source_ready(ctx: Context, t: Transfer, producer: Engine) -> Transition:
     return Transition(t, (_event(ctx, t.consumer_engine_id, EventType.SOURCE_READY, t, t.generation, producer),))
 
 
-def _peer_gone(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine | None) -> Transition | None:
-    """Abort a two-sided transfer whose consumer or producer incarnation has ended."""
-    if producer is None or not producer.alive(ctx.now):
-        return _abort(ctx, t, AbortReason.PEER_LOST, "the producer is gone", (t.consumer_engine_id,), True)
-    if consumer is None or not consumer.alive(ctx.now):
-        return _abort(ctx, t, AbortReason.PEER_LOST, "the consumer is gone", (t.producer_engine_id,))
+def _current(engine: Engine | None, incarnation: int, now: float) -> bool:
+    """Whether engine is the live incarnation a transfer recorded for one of its sides."""
+    return engine is not None and engine.incarnation == incarnation and engine.alive(now)
+
+
+def _side_lost(ctx: Context, t: Transfer, producer_side: bool) -> Transition:
+    """The incarnation recorded for one side of t has ended: what that means for t and the other side."""
+    other = t.consumer_engine_id if producer_side else t.producer_engine_id
+    if t.state.terminal:
+        if producer_side and t.revoking_generation and other:
+            # A lost producer writes no more: the consumer's revoked blocks are free.
+            confirmed = replace(t, revoking_generation=0)
+            return Transition(
+                confirmed, (_event(ctx, other, EventType.REVOCATION_CONFIRMED, confirmed, t.revoking_generation),)
+            )
+        return Transition(t)
+    if t.state == State.COMMITTED:
+        if producer_side:
+            return Transition(t)
+        released = replace(
+            t, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(t, end=ctx.now)
+        )
+        return Transition(released)
+    side = "producer" if producer_side else "consumer"
+    engine_id = t.producer_engine_id if producer_side else t.consumer_engine_id
+    incarnation = t.producer_incarnation if producer_side else t.consumer_incarnation
+    message = f"{side} {engine_id} incarnation {incarnation} is gone"
+    return _abort(ctx, t, AbortReason.PEER_LOST, message, (other,) if other else (), producer_stopped=producer_side)
+
+
+def _fenced(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine | None) -> Transition | None:
+    """Apply the loss of a side whose recorded incarnation is no longer the live one, if any.
+
+    Matching and assignment only ever pair the incarnations a transfer recorded: an engine that
+    re-registered (or whose lease lapsed) before the store applied its loss is treated as lost here,
+    so no producer is handed blocks that its consumer's current incarnation never registered.
+    """
+    if t.state.terminal:
+        return None
+    if t.producer_engine_id and not _current(producer, t.producer_incarnation, ctx.now):
+        return _side_lost(ctx, t, producer_side=True)
+    if t.consumer_engine_id and not _current(consumer, t.consumer_incarnation, ctx.now):
+        return _side_lost(ctx, t, producer_side=False)
     return None
+
+
+def _replaced(ctx: Context, t: Transfer, caller: Engine) -> Transition | None:
+    """A participant calls about a live transfer that an earlier incarnation of it joined: that
+    incarnation is gone (the store may not have applied its loss yet), so apply the loss now."""
+    if t.state.terminal:
+        return None
+    producer_side = caller.engine_id == t.producer_engine_id
+    recorded = t.producer_incarnation if producer_side else t.consumer_incarnation
+    return None if recorded == caller.incarnation else _side_lost(ctx, t, producer_side)
+
+
+def _wrong_side(t: Transfer, engine: Engine, call: str, side: str) -> RendezvousError:
+    return RendezvousError(
+        Reason.WRONG_ROLE,
+        f"engine {engine.engine_id} is the {'producer' if side == 'consumer' else 'consumer'} of transfer "
+        f"{t.transfer_id}; only the {side} calls {call}",
+        transfer_id=t.transfer_id,
+        engine_id=engine.engine_id,
+    )
+
+
+def _check_generation(t: Transfer, generation: int) -> None:
+    """A generation a call names must be the transfer's current one: older is stale, newer never existed."""
+    if generation < t.generation:
+        raise RendezvousError(
+            Reason.STALE_GENERATION,
+            f"generation {generation} is older than the current {t.generation}",
+            transfer_id=t.transfer_id,
+            current_generation=t.generation,
+        )
+    if generation > t.generation:
+        raise RendezvousError(
+            Reason.INVALID_STATE,
+            f"generation {generation} of transfer {t.transfer_id} was never registered (current {t.generation})",
+            transfer_id=t.transfer_id,
+            current_generation=t.generation,
+        )
 
 
 def _deliver(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine | None) -> Transition:
     """Emit what the side moving the bytes needs for the current generation of a matched transfer."""
-    gone = _peer_gone(ctx, t, consumer, producer)
+    gone = _fenced(ctx, t, consumer, producer)
     if gone:
         return gone
     assert consumer is not None and producer is not None
@@ -182,7 +257,7 @@ def _deliver(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engin
 
 def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine | None) -> Transition:
     """Both halves now exist: check compatibility, then deliver. The consumer's deadline applies."""
-    gone = _peer_gone(ctx, t, consumer, producer)
+    gone = _fenced(ctx, t, consumer, producer)
     if gone:
         return gone
     assert consumer is not None and producer is not None
@@ -200,6 +275,8 @@ def register_target(
     check_block_ids(spec.block_ids, ctx.limits, consumer.num_blocks())
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
+    if spec.mode is None:
+        raise RendezvousError(Reason.MODE_INVALID, "mode must be PUSH or PULL", field="mode")
     timeout = resolve_timeout(spec.timeout, ctx.timeouts.default_target_timeout, ctx.timeouts)
     _require_role(consumer, Role.CONSUMER)
     blocks = tuple(spec.block_ids)
@@ -233,6 +310,9 @@ def register_target(
             f"transfer {spec.transfer_id} is targeted by engine {cur.consumer_engine_id}",
             transfer_id=spec.transfer_id,
         )
+    gone = _fenced(ctx, cur, consumer, producer)
+    if gone:
+        return gone
     retarget = replace(
         cur,
         generation=spec.generation,
@@ -254,12 +334,7 @@ def register_target(
             transfer_id=spec.transfer_id,
         )
     if spec.generation < cur.generation:
-        raise RendezvousError(
-            Reason.STALE_GENERATION,
-            f"generation {spec.generation} is older than the current {cur.generation}",
-            transfer_id=spec.transfer_id,
-            current_generation=cur.generation,
-        )
+        _check_generation(cur, spec.generation)
     if spec.mode != cur.mode:
         raise RendezvousError(Reason.INVALID_STATE, "a transfer keeps its mode across generations")
     if cur.state == State.COMMITTED:
@@ -282,32 +357,52 @@ def claim(ctx: Context, cur: Transfer | None, producer: Engine, consumer: Engine
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     timeout = resolve_timeout(spec.timeout, ctx.timeouts.default_claim_timeout, ctx.timeouts)
     _require_role(producer, Role.PRODUCER)
+    return _claim(ctx, cur, producer, consumer, spec.transfer_id, timeout, None)
+
+
+def _claim(
+    ctx: Context,
+    cur: Transfer | None,
+    producer: Engine,
+    consumer: Engine | None,
+    transfer_id: str,
+    timeout: float,
+    source: tuple[int, ...] | None,
+) -> Transition:
+    """The producer joins the transfer, with its source blocks when they are already computed.
+
+    The source blocks are part of the record before any match, so a transfer that cannot be
+    served (fewer source than target blocks) aborts without ever being assigned.
+    """
+    ready = ctx.now if source is not None else 0.0
     if cur is None:
         return Transition(
             Transfer(
-                transfer_id=spec.transfer_id,
+                transfer_id=transfer_id,
                 state=State.CLAIMED,
                 deadline=ctx.now + timeout,
                 producer_engine_id=producer.engine_id,
                 producer_incarnation=producer.incarnation,
-                times=TransferTimes(claim=ctx.now),
+                source_block_ids=source,
+                times=TransferTimes(claim=ctx.now, source_ready=ready),
             )
         )
     if cur.producer_engine_id == producer.engine_id:
-        return Transition(cur)
+        return _fenced(ctx, cur, consumer, producer) or Transition(cur)
     if cur.state.terminal:
         raise _ended(cur)
     if cur.producer_engine_id:
         raise RendezvousError(
             Reason.CLAIM_CONFLICT,
-            f"transfer {spec.transfer_id} is claimed by engine {cur.producer_engine_id}",
-            transfer_id=spec.transfer_id,
+            f"transfer {transfer_id} is claimed by engine {cur.producer_engine_id}",
+            transfer_id=transfer_id,
         )
     claimed = replace(
         cur,
         producer_engine_id=producer.engine_id,
         producer_incarnation=producer.incarnation,
-        times=_times(cur, claim=ctx.now),
+        source_block_ids=source,
+        times=_times(cur, claim=ctx.now, source_ready=ready),
     )
     return _match(ctx, claimed, consumer, producer)
 
@@ -321,17 +416,13 @@ def mark_source_ready(
     _require_role(producer, Role.PRODUCER)
     blocks = tuple(spec.block_ids)
     if cur is None or not cur.producer_engine_id:
-        claimed = claim(ctx, cur, producer, consumer, ClaimSpec(spec.transfer_id))
-        assert claimed.transfer is not None
-        if claimed.transfer.state.terminal:
-            return claimed
-        cur = replace(claimed.transfer, source_block_ids=blocks, times=_times(claimed.transfer, source_ready=ctx.now))
-        if cur.state != State.MATCHED:
-            return Transition(cur, claimed.events)
-        redelivered = _deliver(ctx, cur, consumer, producer)
-        return Transition(redelivered.transfer, claimed.events + redelivered.events)
+        timeout = ctx.timeouts.default_claim_timeout
+        return _claim(ctx, cur, producer, consumer, spec.transfer_id, timeout, blocks)
     if cur.producer_engine_id != producer.engine_id:
         raise _not_participant(cur, producer.engine_id)
+    gone = _fenced(ctx, cur, consumer, producer)
+    if gone:
+        return gone
     if cur.source_block_ids is not None:
         if cur.source_block_ids == blocks:
             return Transition(cur)
@@ -373,23 +464,16 @@ def complete(
         raise _not_participant(cur, engine.engine_id)
     mover = cur.producer_engine_id if cur.mode == Mode.PUSH else cur.consumer_engine_id
     if engine.engine_id != mover:
-        raise RendezvousError(
-            Reason.WRONG_ROLE,
-            f"in {cur.mode.name} mode the {'producer' if cur.mode == Mode.PUSH else 'consumer'} completes",
-        )
+        side = "producer" if cur.mode == Mode.PUSH else "consumer"
+        raise _wrong_side(cur, engine, f"CompleteTransfer in {cur.mode.name} mode", side)
+    replaced = _replaced(ctx, cur, engine)
+    if replaced:
+        return replaced
     if cur.revoking_generation and spec.generation == cur.revoking_generation:
         return _confirm_revocation(ctx, cur, consumer)
-    if cur.state in (State.ABORTED, State.RELEASED) or (
-        cur.state == State.COMMITTED and spec.generation == cur.generation
-    ):
+    if cur.state.terminal or (cur.state == State.COMMITTED and spec.generation == cur.generation):
         return Transition(cur)
-    if spec.generation != cur.generation:
-        raise RendezvousError(
-            Reason.STALE_GENERATION,
-            f"generation {spec.generation} is not the current {cur.generation}",
-            transfer_id=cur.transfer_id,
-            current_generation=cur.generation,
-        )
+    _check_generation(cur, spec.generation)
     if cur.state != State.MATCHED or (cur.mode == Mode.PUSH and cur.assigned_generation != spec.generation):
         raise RendezvousError(
             Reason.INVALID_STATE,
@@ -414,10 +498,17 @@ def acknowledge_revocation(
 ) -> Transition:
     """The producer will not write the revoked generation (never started, or drained)."""
     check_id("transfer_id", spec.transfer_id, ctx.limits)
+    if spec.generation < 1:
+        raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
     if cur is None:
         raise _not_found(spec.transfer_id)
-    if producer.engine_id != cur.producer_engine_id:
+    if producer.engine_id not in cur.participants():
         raise _not_participant(cur, producer.engine_id)
+    if producer.engine_id != cur.producer_engine_id:
+        raise _wrong_side(cur, producer, "AcknowledgeRevocation", "producer")
+    replaced = _replaced(ctx, cur, producer)
+    if replaced:
+        return replaced
     if cur.revoking_generation and spec.generation == cur.revoking_generation:
         return _confirm_revocation(ctx, cur, consumer)
     if spec.generation < cur.generation or cur.state.terminal:
@@ -432,10 +523,17 @@ def acknowledge_revocation(
 def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseSpec) -> Transition:
     """The consumer is done with a committed transfer (or acknowledges an abort)."""
     check_id("transfer_id", spec.transfer_id, ctx.limits)
+    if spec.generation < 1:
+        raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
     if cur is None:
         raise _not_found(spec.transfer_id)
-    if consumer.engine_id != cur.consumer_engine_id:
+    if consumer.engine_id not in cur.participants():
         raise _not_participant(cur, consumer.engine_id)
+    if consumer.engine_id != cur.consumer_engine_id:
+        raise _wrong_side(cur, consumer, "ReleaseTarget", "consumer")
+    replaced = _replaced(ctx, cur, consumer)
+    if replaced:
+        return replaced
     if cur.state.terminal:
         return Transition(cur)
     if cur.state != State.COMMITTED:
@@ -444,13 +542,7 @@ def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseS
             f"transfer {cur.transfer_id} is {cur.state.name}, not committed; abort it instead",
             transfer_id=cur.transfer_id,
         )
-    if spec.generation != cur.generation:
-        raise RendezvousError(
-            Reason.STALE_GENERATION,
-            f"generation {spec.generation} is not the committed {cur.generation}",
-            transfer_id=cur.transfer_id,
-            current_generation=cur.generation,
-        )
+    _check_generation(cur, spec.generation)
     released = replace(
         cur, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(cur, end=ctx.now)
     )
@@ -510,20 +602,4 @@ def engine_lost(ctx: Context, cur: Transfer | None, lost: Engine) -> Transition:
     is_producer = lost.engine_id == cur.producer_engine_id
     if (cur.producer_incarnation if is_producer else cur.consumer_incarnation) != lost.incarnation:
         return Transition(cur)
-    other = cur.counterpart(lost.engine_id)
-    if cur.state.terminal:
-        if is_producer and cur.revoking_generation and other:
-            confirmed = replace(cur, revoking_generation=0)
-            return Transition(
-                confirmed, (_event(ctx, other, EventType.REVOCATION_CONFIRMED, confirmed, cur.revoking_generation),)
-            )
-        return Transition(cur)
-    if cur.state == State.COMMITTED:
-        if is_producer:
-            return Transition(cur)
-        released = replace(
-            cur, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(cur, end=ctx.now)
-        )
-        return Transition(released)
-    message = f"{'producer' if is_producer else 'consumer'} {lost.engine_id} is gone"
-    return _abort(ctx, cur, AbortReason.PEER_LOST, message, (other,) if other else (), producer_stopped=is_producer)
+    return _side_lost(ctx, cur, is_producer)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.model import KvRegion, NixlAgent
 from rendezvous.core.specs import EngineSpec
 
 
@@ -77,7 +79,7 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
     if layout.block_size < 0 or layout.num_layers < 0 or layout.tp_size < 1 or layout.pp_size < 1:
         raise RendezvousError(Reason.LAYOUT_INVALID, "layout sizes must be positive (tp_size and pp_size >= 1)")
     if len(spec.labels) > limits.max_labels:
-        raise RendezvousError(Reason.AGENTS_INVALID, f"more than {limits.max_labels} labels", limit=limits.max_labels)
+        raise RendezvousError(Reason.LABELS_INVALID, f"more than {limits.max_labels} labels", limit=limits.max_labels)
     if len(spec.agents) > limits.max_agents_per_engine:
         raise RendezvousError(
             Reason.AGENTS_INVALID,
@@ -104,10 +106,47 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
                 f"agent {agent.name} has more than {limits.max_regions_per_agent} regions",
                 limit=limits.max_regions_per_agent,
             )
-        for region in agent.regions:
-            if region.block_length_bytes <= 0 or region.num_blocks <= 0:
-                raise RendezvousError(Reason.AGENTS_INVALID, f"agent {agent.name} has an empty region")
-            if region.block_stride_bytes < region.block_length_bytes:
-                raise RendezvousError(
-                    Reason.AGENTS_INVALID, f"agent {agent.name} has a region whose blocks overlap (stride < length)"
-                )
+        _check_regions(agent)
+
+
+def _check_regions(agent: NixlAgent) -> None:
+    """An agent publishes at least one region; regions are non-empty and no two share a byte.
+
+    Without a region no block id could be checked against the engine's pool. Agents of different
+    ranks live in different processes, so only the regions of one agent are compared.
+    """
+    if not agent.regions:
+        raise RendezvousError(Reason.AGENTS_INVALID, f"agent {agent.name} has no KV region", field="regions")
+    for region in agent.regions:
+        if region.block_length_bytes <= 0 or region.num_blocks <= 0:
+            raise RendezvousError(Reason.AGENTS_INVALID, f"agent {agent.name} has an empty region")
+        if region.num_blocks > 1 and region.block_stride_bytes < region.block_length_bytes:
+            raise RendezvousError(
+                Reason.AGENTS_INVALID, f"agent {agent.name} has a region whose blocks overlap (stride < length)"
+            )
+    for (i, a), (j, b) in itertools.combinations(enumerate(agent.regions), 2):
+        if _regions_overlap(a, b):
+            raise RendezvousError(
+                Reason.AGENTS_INVALID, f"agent {agent.name}: regions {i} and {j} overlap", field="regions"
+            )
+
+
+def _span(r: KvRegion) -> tuple[int, int]:
+    return r.base_address, r.base_address + (r.num_blocks - 1) * r.block_stride_bytes + r.block_length_bytes
+
+
+def _regions_overlap(a: KvRegion, b: KvRegion) -> bool:
+    """Whether two regions share a byte. Interleaved regions (K and V views of one [blocks, 2, ...]
+    tensor: same stride, offset by a block length) do not; regions of different strides whose spans
+    meet are refused, as no engine lays out its cache that way."""
+    if a.device_id != b.device_id:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.block_stride_bytes != b.block_stride_bytes or a.num_blocks == 1 or b.num_blocks == 1:
+        return True
+    if b0 < a0:
+        a, b = b, a
+    offset = (b.base_address - a.base_address) % a.block_stride_bytes
+    return offset < a.block_length_bytes or a.block_stride_bytes - offset < b.block_length_bytes

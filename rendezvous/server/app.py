@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -54,12 +55,17 @@ class ServerConfig:
     drain: float = 0.0
     max_message_bytes: int = 64 << 20
     idempotency_ttl: float = 600.0
+    """Seconds the answer to a request with a request_id is kept, for its retries (AIP-155)."""
     watch_batch: int = 1024
     server_id: str = ""
     tls: TLSConfig | None = None
     auth_file: str | None = None
     health_listen: str | None = None
     call_limits: CallLimits = field(default_factory=CallLimits)
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.idempotency_ttl) or self.idempotency_ttl <= 0:
+            raise ValueError(f"idempotency_ttl must be a positive number of seconds, not {self.idempotency_ttl:g}")
 
 
 def _split_host_port(address: str) -> tuple[str, int]:

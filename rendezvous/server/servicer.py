@@ -144,6 +144,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                 transfer_id=o.transfer_id,
                 status=wire.error_status(o.error) if o.error else None,
                 state=wire.enum_value(o.transfer.state if o.transfer else 0),
+                revoking_generation=o.transfer.revoking_generation if o.transfer else 0,
             )
             for o in outcomes
         ]
@@ -185,9 +186,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     @_rpc(pb.GetEngineResponse)
     async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
         engine = await self.coordinator.get_engine(request.engine_id)
-        live = len(await self.coordinator.store.live_transfer_ids(engine.engine_id))
+        live = await self.coordinator.store.live_transfer_counts([engine.engine_id])
         return pb.GetEngineResponse(
-            header=await self._header(), engine=wire.engine_message(engine, live_transfers=live)
+            header=await self._header(), engine=wire.engine_message(engine, live_transfers=live[engine.engine_id])
         )
 
     @_rpc(pb.ListEnginesResponse)
@@ -196,13 +197,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     ) -> pb.ListEnginesResponse:
         role = Role(request.role) if request.role in (1, 2) else None
         engines = await self.coordinator.list_engines(request.pool, role)
-        store = self.coordinator.store
+        live = await self.coordinator.store.live_transfer_counts([e.engine_id for e in engines])
         return pb.ListEnginesResponse(
             header=await self._header(),
-            engines=[
-                wire.engine_message(e, not request.omit_agent_metadata, len(await store.live_transfer_ids(e.engine_id)))
-                for e in engines
-            ],
+            engines=[wire.engine_message(e, not request.omit_agent_metadata, live[e.engine_id]) for e in engines],
         )
 
     # Transfers

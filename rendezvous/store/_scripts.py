@@ -7,11 +7,11 @@ docs/operations.md):
 
     epoch            string  the store's lifetime id (SET NX once)
     rev              string  global revision, INCR per write; also the version of what a write stores
-    t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state
+    t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state, l unsettled (1|0)
     transfers        set     every transfer id
     states           hash    state -> number of transfers
     deadlines        zset    transfer id by deadline (swept by any replica)
-    el:<engine>      set     live transfer ids of an engine
+    el:<engine>      set     unsettled transfer ids of an engine (live, or awaiting a revocation)
     et:<engine>      set     every transfer id (live or tombstone) of an engine
     e:<engine>       hash    v version, d record, r latest event revision
     engines          set     every engine id
@@ -106,7 +106,7 @@ return snapshot(ARGV[2])
 )
 
 # ARGV: prefix, guard, transfer id, expected version, n, n x (engine id, expected version),
-#       op (w write | d delete | n verify only), record, consumer, producer, state, deadline,
+#       op (w write | d delete | n verify only), record, consumer, producer, state, unsettled (1 | 0), deadline,
 #       max events per engine, m, m x (engine id, event, peer engine or "").
 COMMIT_TRANSFER = (
     _PRELUDE
@@ -120,7 +120,7 @@ if bad then
 end
 local tid = ARGV[3]
 local tk = P .. 't:' .. tid
-local old = redis.call('HMGET', tk, 'v', 'c', 'p', 's')
+local old = redis.call('HMGET', tk, 'v', 'c', 'p', 's', 'l')
 local conflict = (old[1] or '0') ~= ARGV[4]
 local i = 6
 for _ = 1, tonumber(ARGV[5]) do
@@ -138,9 +138,10 @@ local op = ARGV[i]
 if op == 'n' then
   return {'N'}
 end
-local record, c, p, s, deadline, maxlen = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
-local nev = tonumber(ARGV[i + 7])
-i = i + 8
+local record, c, p, s, l = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5]
+local deadline, maxlen = ARGV[i + 6], ARGV[i + 7]
+local nev = tonumber(ARGV[i + 8])
+i = i + 9
 local rev = redis.call('INCR', P .. 'rev')
 
 local existed = old[1] ~= false
@@ -151,13 +152,15 @@ local function members(a, b)
   if b and b ~= '' then m[b] = true end
   return m
 end
-local function live(state)
+-- Unsettled transfers (the core decides: live, or awaiting a revocation) are indexed per engine.
+local function unsettled(flag, state)
+  if flag then return flag == '1' end
   return state ~= '5' and state ~= '6'
 end
 local before = existed and members(old[2], old[3]) or {}
 local after = write and members(c, p) or {}
-local before_live = (existed and live(old[4])) and before or {}
-local after_live = (write and live(s)) and after or {}
+local before_live = (existed and unsettled(old[5], old[4])) and before or {}
+local after_live = (write and l == '1') and after or {}
 for e in pairs(before) do
   if not after[e] then redis.call('SREM', P .. 'et:' .. e, tid) end
 end
@@ -174,7 +177,7 @@ if existed then
   redis.call('HINCRBY', P .. 'states', old[4], -1)
 end
 if write then
-  redis.call('HSET', tk, 'v', rev, 'd', record, 'c', c, 'p', p, 's', s)
+  redis.call('HSET', tk, 'v', rev, 'd', record, 'c', c, 'p', p, 's', s, 'l', l)
   redis.call('ZADD', P .. 'deadlines', deadline, tid)
   redis.call('HINCRBY', P .. 'states', s, 1)
   if not existed then redis.call('SADD', P .. 'transfers', tid) end
@@ -383,6 +386,35 @@ return out
 """
 )
 
+# ARGV: prefix, wanted states ("1,2,..."), limit, transfer ids... Reply: flat (version, record) of the
+# first `limit` of those transfers (in the order given) that exist and are in a wanted state; the others'
+# records are not read.
+SELECT_TRANSFERS = (
+    _PRELUDE
+    + """
+local wanted = {}
+for s in string.gmatch(ARGV[2], '%d+') do
+  wanted[s] = true
+end
+local left = tonumber(ARGV[3])
+local out = {}
+for i = 4, #ARGV do
+  if left <= 0 then
+    break
+  end
+  local tk = P .. 't:' .. ARGV[i]
+  local s = redis.call('HGET', tk, 's')
+  if s and wanted[s] then
+    local t = redis.call('HMGET', tk, 'v', 'd')
+    out[#out + 1] = t[1]
+    out[#out + 1] = t[2]
+    left = left - 1
+  end
+end
+return out
+"""
+)
+
 # ARGV: prefix, epoch the caller saw lose writes, new epoch. Reply: the epoch now (the caller's new
 # one, or the one another replica put in place first).
 REPLACE_EPOCH = (
@@ -433,6 +465,7 @@ SCRIPTS = {
         Script("list_engines", LIST_ENGINES),
         Script("engine_transfers", ENGINE_TRANSFERS),
         Script("scan_transfers", SCAN_TRANSFERS),
+        Script("select_transfers", SELECT_TRANSFERS),
         Script("counts", COUNTS),
         Script("replace_epoch", REPLACE_EPOCH),
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
@@ -38,10 +39,11 @@ class EventPage:
 
 @dataclass(frozen=True)
 class StoreCounts:
-    """Sizes for status and metrics."""
+    """Sizes for status and metrics: tombstones (released, aborted) are not counted."""
 
     live_engines: int
     transfers_by_state: Mapping[State, int]
+    """Live transfers by state; states without any are left out."""
 
 
 class StoreUnavailableError(Exception):
@@ -107,7 +109,25 @@ class Store(ABC):
 
     @abstractmethod
     async def live_transfer_ids(self, engine_id: str) -> list[str]:
-        """Ids of the live (non-terminal) transfers an engine takes part in."""
+        """Ids of the unsettled transfers an engine takes part in (live, or awaiting a revocation)."""
+
+    async def live_transfer_counts(self, engine_ids: Sequence[str]) -> dict[str, int]:
+        """For each engine, how many ids `live_transfer_ids` would list; one store call for all of them.
+
+        Backends override this with one round trip; this default asks engine by engine.
+        """
+        return {engine_id: len(await self.live_transfer_ids(engine_id)) for engine_id in engine_ids}
+
+    async def page_transfers(
+        self, engine_id: str | None, states: AbstractSet[State], after: str, limit: int
+    ) -> list[Transfer]:
+        """Up to limit transfers (of one engine, or all) in one of states, with ids above after, by id.
+
+        One page of ListTransfers: backends override this to read about one page's worth of records,
+        not every transfer; this default lists them all.
+        """
+        found = [t for t in await self.list_transfers(engine_id) if t.state in states and t.transfer_id > after]
+        return sorted(found, key=lambda t: t.transfer_id)[:limit]
 
     @abstractmethod
     async def due_transfers(self, now: float, limit: int) -> list[str]:
@@ -139,4 +159,4 @@ class Store(ABC):
 
     @abstractmethod
     async def counts(self) -> StoreCounts:
-        """Live engines and transfers by state."""
+        """Live engines and live transfers by state (no tombstones)."""

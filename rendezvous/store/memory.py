@@ -10,12 +10,16 @@ import asyncio
 import heapq
 import secrets
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
-from rendezvous.core.model import Addressed, Engine, Event, Transfer
+from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
+from rendezvous.store._sorted import SortedIds
 from rendezvous.store.base import EngineFn, EventPage, Store, StoreCounts, TransferFn
+
+_TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
 
 class _EventLog:
@@ -44,6 +48,10 @@ class MemoryStore(Store):
         self._engines: dict[str, Engine] = {}
         self._transfers: dict[str, Transfer] = {}
         self._live_by_engine: dict[str, set[str]] = {}
+        # Id order, for paging (_order keeps them): every transfer, the live ones, each engine's.
+        self._ids = SortedIds()
+        self._live_ids = SortedIds()
+        self._ids_by_engine: dict[str, SortedIds] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._logs: dict[str, _EventLog] = {}
         self._max_events = max_events_per_engine
@@ -103,6 +111,7 @@ class MemoryStore(Store):
             return transition
         self._revision += 1
         self._index(cur, new)
+        self._order(cur, new)
         if new is None:
             self._transfers.pop(transfer_id, None)
         else:
@@ -113,8 +122,8 @@ class MemoryStore(Store):
         return transition
 
     def _index(self, cur: Transfer | None, new: Transfer | None) -> None:
-        before = set(cur.participants()) if cur and not cur.state.terminal else set()
-        after = set(new.participants()) if new and not new.state.terminal else set()
+        before = set(cur.participants()) if cur and cur.unsettled else set()
+        after = set(new.participants()) if new and new.unsettled else set()
         tid = (cur or new).transfer_id  # type: ignore[union-attr]
         for engine_id in before - after:
             ids = self._live_by_engine.get(engine_id)
@@ -132,6 +141,58 @@ class MemoryStore(Store):
 
     async def live_transfer_ids(self, engine_id: str) -> list[str]:
         return list(self._live_by_engine.get(engine_id, ()))
+
+    async def live_transfer_counts(self, engine_ids: Sequence[str]) -> dict[str, int]:
+        return {engine_id: len(self._live_by_engine.get(engine_id, ())) for engine_id in engine_ids}
+
+    def _order(self, cur: Transfer | None, new: Transfer | None) -> None:
+        """Keep the id-ordered indexes that page_transfers reads."""
+        tid = (cur or new).transfer_id  # type: ignore[union-attr]
+        if cur is None:
+            self._ids.add(tid)
+        elif new is None:
+            self._ids.discard(tid)
+        was_live = cur is not None and not cur.state.terminal
+        is_live = new is not None and not new.state.terminal
+        if is_live and not was_live:
+            self._live_ids.add(tid)
+        elif was_live and not is_live:
+            self._live_ids.discard(tid)
+        before = cur.participants() if cur is not None else ()
+        after = new.participants() if new is not None else ()
+        if before == after:
+            return
+        for engine_id in set(before) - set(after):
+            ids = self._ids_by_engine.get(engine_id)
+            if ids is not None:
+                ids.discard(tid)
+                if not ids:
+                    del self._ids_by_engine[engine_id]
+        for engine_id in set(after) - set(before):
+            self._ids_by_engine.setdefault(engine_id, SortedIds()).add(tid)
+
+    async def page_transfers(
+        self, engine_id: str | None, states: AbstractSet[State], after: str, limit: int
+    ) -> list[Transfer]:
+        # Walk the smallest index that holds every candidate, from `after` on, and stop at a full page.
+        page: list[Transfer] = []
+        if limit <= 0 or not states:
+            return page
+        ids: Iterable[str]
+        if not states.isdisjoint(_TOMBSTONE_STATES):
+            index = self._ids if engine_id is None else self._ids_by_engine.get(engine_id)
+            ids = index.after(after) if index is not None else ()
+        elif engine_id is None:
+            ids = self._live_ids.after(after)
+        else:  # an engine's live transfers are few (max_live_transfers_per_engine)
+            ids = sorted(tid for tid in self._live_by_engine.get(engine_id, ()) if tid > after)
+        for tid in ids:
+            t = self._transfers[tid]
+            if t.state in states:
+                page.append(t)
+                if len(page) == limit:
+                    break
+        return page
 
     async def due_transfers(self, now: float, limit: int) -> list[str]:
         due: list[str] = []
@@ -199,7 +260,7 @@ class MemoryStore(Store):
 
     async def counts(self) -> StoreCounts:
         live = sum(1 for e in self._engines.values() if not e.ended_at)
-        return StoreCounts(live, Counter(t.state for t in self._transfers.values()))
+        return StoreCounts(live, Counter(self._transfers[tid].state for tid in self._live_ids))
 
 
 __all__ = ["MemoryStore"]

@@ -41,6 +41,7 @@ import random
 import secrets
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -72,6 +73,7 @@ R = TypeVar("R")
 
 _ABSENT = b"0"
 _SCAN_COUNT = 1000
+_TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 _PEER_CACHE = 256
 _APPEND_MEMORY_S = 300
 # How long a due transfer handed to one sweeper is hidden from the others.
@@ -639,9 +641,16 @@ class RedisStore(Store):
         return (await self._read_engine(engine_id)).engine
 
     def _engines_in(self, reply: Sequence[Any]) -> list[Engine]:
+        """The engines of a listing reply; a record that cannot be decoded is logged and left out, so
+        one bad record cannot stop listings and sweeps for every other engine."""
         engines = []
         for i in range(0, len(reply), 3):
-            engine = self._seen_engine(reply[i].decode(), reply[i + 1], reply[i + 2]).engine
+            engine_id = reply[i].decode(errors="replace")
+            try:
+                engine = self._seen_engine(engine_id, reply[i + 1], reply[i + 2]).engine
+            except Exception:
+                log.exception("undecodable engine record", extra={"engine_id": engine_id})
+                continue
             if engine is not None:
                 engines.append(engine)
         return engines
@@ -760,6 +769,7 @@ class RedisStore(Store):
                     new.consumer_engine_id if new else "",
                     new.producer_engine_id if new else "",
                     int(new.state) if new else 0,
+                    1 if new is not None and new.unsettled else 0,
                     new.deadline if new else 0,
                     self._max_events,
                     *self._encode_events(transition.events, new, record),
@@ -809,6 +819,50 @@ class RedisStore(Store):
     async def live_transfer_ids(self, engine_id: str) -> list[str]:
         assert self._redis is not None
         return [m.decode() for m in await self._command("SMEMBERS", self._prefix + "el:" + engine_id)]
+
+    @_guarded
+    async def live_transfer_counts(self, engine_ids: Sequence[str]) -> dict[str, int]:
+        # Issued together, the SCARDs go out as one pipeline: one round trip for every engine.
+        sizes = await asyncio.gather(*(self._command("SCARD", self._prefix + "el:" + e) for e in engine_ids))
+        return {engine_id: int(n) for engine_id, n in zip(engine_ids, sizes, strict=True)}
+
+    async def _set_members(self, key: str) -> list[str]:
+        """A set's members, read in SSCAN pages so that a large set never blocks Redis for long."""
+        members: set[str] = set()  # SSCAN may repeat a member
+        cursor: Any = 0
+        while True:
+            cursor, page = await self._command("SSCAN", key, cursor, "COUNT", _SCAN_COUNT)
+            members.update(m.decode() for m in page)
+            if int(cursor) == 0:
+                return list(members)
+
+    @_guarded
+    async def page_transfers(
+        self, engine_id: str | None, states: AbstractSet[State], after: str, limit: int
+    ) -> list[Transfer]:
+        # Ids only (no records) of the smallest set that holds every candidate, sorted here; then the
+        # records of the first candidates, chunk by chunk, until the page is full: a script skips the
+        # ones in other states by their `s` field, so only the page's records are sent and decoded.
+        if limit <= 0 or not states:
+            return []
+        if engine_id is None:
+            key = "transfers"
+        elif states.isdisjoint(_TOMBSTONE_STATES):
+            key = "el:" + engine_id
+        else:
+            key = "et:" + engine_id
+        ids = sorted(tid for tid in await self._set_members(self._prefix + key) if tid > after)
+        wanted = ",".join(str(int(s)) for s in sorted(states))
+        chunk = min(max(2 * limit, 256), 4096)
+        page: list[Transfer] = []
+        for start in range(0, len(ids), chunk):
+            reply = await self._eval(
+                SCRIPTS["select_transfers"], wanted, limit - len(page), *ids[start : start + chunk]
+            )
+            page += self._transfers_in(reply)
+            if len(page) >= limit:
+                break
+        return page
 
     @_guarded
     async def due_transfers(self, now: float, limit: int) -> list[str]:
@@ -899,9 +953,9 @@ class RedisStore(Store):
         reply = await self._eval(SCRIPTS["counts"])
         by_state: Counter[State] = Counter()
         for i in range(1, len(reply), 2):
-            n = int(reply[i + 1])
-            if n > 0:
-                by_state[State(int(reply[i]))] = n
+            n, state = int(reply[i + 1]), State(int(reply[i]))
+            if n > 0 and not state.terminal:  # tombstones are counted in Redis, but are not live
+                by_state[state] = n
         return StoreCounts(int(reply[0]), by_state)
 
 

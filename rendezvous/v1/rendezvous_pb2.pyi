@@ -348,14 +348,16 @@ class TransferTimes(_message.Message):
     def __init__(self, target_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., claim_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., match_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source_ready_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., commit_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ItemResult(_message.Message):
-    __slots__ = ("transfer_id", "status", "state")
+    __slots__ = ("transfer_id", "status", "state", "revoking_generation")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    REVOKING_GENERATION_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     status: _status_pb2.Status
     state: TransferState
-    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., state: _Optional[_Union[TransferState, str]] = ...) -> None: ...
+    revoking_generation: int
+    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., state: _Optional[_Union[TransferState, str]] = ..., revoking_generation: _Optional[int] = ...) -> None: ...
 
 class TargetSpec(_message.Message):
     __slots__ = ("transfer_id", "block_ids", "num_tokens", "generation", "timeout", "mode")

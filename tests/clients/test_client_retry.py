@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
 import grpc
 import pytest
 
 from clients import (
+    AsyncRendezvousClient,
     ChannelOptions,
     ClientConfig,
     DeadlineExceeded,
     FailedPrecondition,
     KeepAliveConfig,
+    RendezvousClient,
     RetryPolicy,
     SessionConfig,
     Unavailable,
 )
 from clients._retry import Attempts, Backoff
 from clients._transport import CallMetadata, EpochTracker
+from clients.testing import AsyncTestServer, TestServer
+from rendezvous.store.base import StoreUnavailableError
 
 UNAVAILABLE = Unavailable("down")
 
@@ -131,3 +139,66 @@ def test_epoch_listeners_hear_changes_but_not_the_first_epoch() -> None:
     tracker.observe(9)
     assert heard == [(5, 7)]
     assert tracker.epoch == 9
+
+
+class _Clock:
+    """A clock a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_deadline_counts_from_the_first_attempt_not_the_first_failure() -> None:
+    clock = _Clock()
+    policy = RetryPolicy(initial_backoff=0.1, max_backoff=0.1, jitter=0.0, deadline=1.0)
+    started = clock()
+    clock.now += 0.95  # the first attempt took 0.95 s before failing
+    assert Attempts(policy, endpoints=1, started=started, clock=clock).next_delay(UNAVAILABLE, False) is None
+    # Had it failed at once, a retry 0.1 s later would still be within the deadline.
+    assert Attempts(policy, endpoints=1, clock=clock).next_delay(UNAVAILABLE, False) == pytest.approx(0.1)
+
+
+# A first attempt that takes SLOW seconds and then fails UNAVAILABLE (the store behind the server gave up),
+# under a policy whose deadline is shorter than that attempt plus one backoff: no retry may follow.
+SLOW = 0.3
+SLOW_START = RetryPolicy(initial_backoff=0.1, max_backoff=0.1, jitter=0.0, deadline=0.35)
+
+
+def _slow_then_unavailable(coordinator: Any) -> list[float]:
+    """Make GetStatus's first call slow and UNAVAILABLE and later ones answer; returns the call times."""
+    answer = coordinator.counts
+    calls: list[float] = []
+
+    async def counts() -> Any:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            await asyncio.sleep(SLOW)
+            raise StoreUnavailableError("slow, then gone")
+        return await answer()
+
+    coordinator.counts = counts
+    return calls
+
+
+async def test_a_slow_first_attempt_uses_up_the_async_clients_retry_deadline(server: AsyncTestServer) -> None:
+    calls = _slow_then_unavailable(server.server.coordinator)
+    config = ClientConfig(targets=server.address, retry=SLOW_START, call_timeout=5.0)
+    async with AsyncRendezvousClient(config) as client:
+        with pytest.raises(Unavailable):
+            await client.get_status()
+        assert len(calls) == 1, "retried although the first attempt used up the deadline"
+        await client.get_status()  # the server answers again: the call itself was fine
+
+
+def test_a_slow_first_attempt_uses_up_the_sync_clients_retry_deadline() -> None:
+    with TestServer(grace=0.1) as server:
+        calls = _slow_then_unavailable(server._server.server.coordinator)
+        config = ClientConfig(targets=server.address, retry=SLOW_START, call_timeout=5.0)
+        with RendezvousClient(config) as client:
+            with pytest.raises(Unavailable):
+                client.get_status()
+            assert len(calls) == 1, "retried although the first attempt used up the deadline"
+            client.get_status()

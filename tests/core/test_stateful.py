@@ -5,6 +5,8 @@ Invariants:
 - a producer never holds two generations of a transfer: no assignment arrives while it still holds one;
 - a consumer is told a revoked generation is free only once the producer let go of it (acknowledged,
   completed or died), or when the tombstone's lifetime ran out;
+- an assignment only ever pairs the incarnations the transfer recorded, both still current, even while an
+  engine has been replaced and the store has not yet applied the loss of its previous incarnation;
 - every event goes to an engine taking part in its transfer, in the role the event is for, and each
   engine hears of a transfer's abort at most once;
 - once every deadline and lease has passed, nothing is left: no transfer, no engine.
@@ -24,6 +26,7 @@ from rendezvous.core import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    Engine,
     EventType,
     Mode,
     Outcome,
@@ -36,6 +39,7 @@ from rendezvous.core import (
     TargetSpec,
     Timeouts,
 )
+from rendezvous.core.engines import end_incarnation, register_engine
 from rendezvous.store import MemoryStore
 from tests.core.helpers import Clock, engine_spec, run
 
@@ -70,6 +74,8 @@ class Lifecycle(RuleBasedStateMachine):
         self.terminal: dict[str, State] = {}
         self.aborts_heard: dict[tuple[str, str, float], int] = defaultdict(int)
         self.minted: list[str] = []
+        # Incarnations replaced by a registration whose loss the coordinator has not applied yet.
+        self.pending_loss: list[Engine] = []
         for e in ENGINES:
             self._register(e)
 
@@ -119,13 +125,27 @@ class Lifecycle(RuleBasedStateMachine):
                 assert engine_id == t.consumer_engine_id
         key = (engine_id, t.transfer_id) if t is not None else None
         if event.type == EventType.TRANSFER_ASSIGNED:
+            assert t is not None and event.peer is not None
+            consumer = run(self.store.get_engine(t.consumer_engine_id))
+            producer = run(self.store.get_engine(t.producer_engine_id))
+            assert event.peer.incarnation == t.consumer_incarnation, f"{t.transfer_id} assigned another incarnation"
+            assert consumer is not None and consumer.incarnation == t.consumer_incarnation, (
+                f"{t.transfer_id} assigned for consumer incarnation {t.consumer_incarnation}, now replaced"
+            )
+            assert producer is not None and producer.incarnation == t.producer_incarnation
             assert not self.held[key], f"{engine_id} assigned {event.generation} while holding {self.held[key]}"
             self.held[key].add(event.generation)
         elif event.type == EventType.REVOCATION_CONFIRMED:
             producer_key = (t.producer_engine_id, t.transfer_id)
             still_held = event.generation in self.held.get(producer_key, set())
             tombstone_dropped = run(self.store.get_transfer(t.transfer_id)) is None
-            assert not still_held or tombstone_dropped, f"{t.transfer_id} g{event.generation} freed while held"
+            producer = run(self.store.get_engine(t.producer_engine_id))
+            producer_gone = (
+                producer is None or producer.incarnation != t.producer_incarnation or not producer.alive(self.clock.now)
+            )
+            assert not still_held or tombstone_dropped or producer_gone, (
+                f"{t.transfer_id} g{event.generation} freed while held"
+            )
             if still_held:
                 self.held[producer_key].discard(event.generation)
         elif event.type == EventType.TRANSFER_ABORTED:
@@ -267,6 +287,24 @@ class Lifecycle(RuleBasedStateMachine):
         self._register(e)
         self._after()
 
+    @rule(e=st.sampled_from(ENGINES))
+    def replaced_loss_not_yet_applied(self, e: str) -> None:
+        """Another replica registered a new incarnation of e and has not yet aborted the old one's transfers."""
+        role = Role.CONSUMER if e in CONSUMERS else Role.PRODUCER
+        spec = engine_spec(e, role, num_blocks=16)
+        previous = run(self.store.get_engine(e))
+        now = self.clock.now
+        run(self.store.update_engine(e, lambda cur: register_engine(now, cur, spec, self.coord.limits, TIMEOUTS)))
+        if previous is not None and not previous.ended_at:
+            self.pending_loss.append(end_incarnation(now, previous))
+        self._forget_holdings(e)
+
+    @rule()
+    def apply_pending_losses(self) -> None:
+        while self.pending_loss:
+            run(self.coord._lose_engine(self.pending_loss.pop(0)))
+        self._after()
+
     @rule(e=st.sampled_from(ENGINES), restart=st.booleans())
     def deregister(self, e: str, restart: bool) -> None:
         if self._call(self.coord.deregister_engine, e, 0) is not None and e in PRODUCERS:
@@ -303,6 +341,8 @@ class Lifecycle(RuleBasedStateMachine):
                 (record.consumer_engine_id, record.consumer_incarnation),
                 (record.producer_engine_id, record.producer_incarnation),
             ):
+                if (engine_id, incarnation) in {(e.engine_id, e.incarnation) for e in self.pending_loss}:
+                    continue  # its loss is still to be applied
                 if engine_id:
                     engine = run(self.store.get_engine(engine_id))
                     assert engine is not None and engine.incarnation == incarnation and not engine.ended_at, (
@@ -323,6 +363,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Nothing lives once every deadline, lease and tombstone has passed."""
+        self.apply_pending_losses()
         for _ in range(4):
             self.clock.advance(TIMEOUTS.max_lease_ttl + TIMEOUTS.tombstone_ttl + TIMEOUTS.max_timeout)
             self._after()

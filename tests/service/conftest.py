@@ -12,7 +12,7 @@ from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
-LAYOUT = pb.KvLayout(model_fingerprint="tiny", dtype="float32", block_size=16, num_layers=2)
+LAYOUT = pb.KvLayout(model_fingerprint="tiny", dtype="float32", block_size=16, num_layers=2, tp_size=1, pp_size=1)
 
 
 def agent(name: str, num_blocks: int = 64) -> pb.NixlAgent:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -86,7 +88,11 @@ async def test_one_bad_item_does_not_fail_the_batch(stub: Stub) -> None:
 async def test_layout_mismatch_is_reported_to_both(stub: Stub) -> None:
     await stub.RegisterEngine(engine_request("d1", CONSUMER))
     other = engine_request("p1", PRODUCER)
-    other.layout.CopyFrom(pb.KvLayout(model_fingerprint="other-model", dtype=LAYOUT.dtype, block_size=16, num_layers=2))
+    other.layout.CopyFrom(
+        pb.KvLayout(
+            model_fingerprint="other-model", dtype=LAYOUT.dtype, block_size=16, num_layers=2, tp_size=1, pp_size=1
+        )
+    )
     await stub.RegisterEngine(other)
     await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]))
     claimed = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
@@ -141,3 +147,102 @@ async def test_unspecified_completion_outcome(stub: Stub) -> None:
         pb.CompleteTransferRequest(engine_id="p1", completions=[pb.CompletionSpec(transfer_id="t", generation=1)])
     )
     assert item_reason(result.results[0].status) == "OUTCOME_UNSPECIFIED"
+
+
+def _no_regions(r: pb.RegisterEngineRequest) -> None:
+    del r.agents[0].regions[:]
+
+
+def _same_region_twice(r: pb.RegisterEngineRequest) -> None:
+    r.agents[0].regions.append(r.agents[0].regions[0])
+
+
+def _interleaved_overlap(r: pb.RegisterEngineRequest) -> None:
+    first = r.agents[0].regions[0]
+    r.agents[0].regions.append(
+        pb.KvRegion(
+            base_address=first.base_address + 2048,
+            block_stride_bytes=first.block_stride_bytes,
+            block_length_bytes=4096,
+            num_blocks=4,
+        )
+    )
+
+
+def _memory_kind(value: int) -> Callable[[pb.RegisterEngineRequest], None]:
+    def change(r: pb.RegisterEngineRequest) -> None:
+        r.agents[0].memory_kind = value  # type: ignore[assignment]
+
+    return change
+
+
+def _layout(**sizes: int) -> Callable[[pb.RegisterEngineRequest], None]:
+    def change(r: pb.RegisterEngineRequest) -> None:
+        for name, value in sizes.items():
+            setattr(r.layout, name, value)
+
+    return change
+
+
+def _labels(r: pb.RegisterEngineRequest) -> None:
+    r.labels.update({f"k{i}": "v" for i in range(1000)})
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (_no_regions, "AGENTS_INVALID"),
+        (_same_region_twice, "AGENTS_INVALID"),
+        (_interleaved_overlap, "AGENTS_INVALID"),
+        (_memory_kind(pb.MEMORY_KIND_UNSPECIFIED), "AGENTS_INVALID"),
+        (_memory_kind(7), "AGENTS_INVALID"),
+        (_layout(tp_size=0), "LAYOUT_INVALID"),
+        (_layout(pp_size=0), "LAYOUT_INVALID"),
+        (_labels, "LABELS_INVALID"),
+    ],
+)
+async def test_registrations_the_protocol_rejects(
+    stub: Stub, change: Callable[[pb.RegisterEngineRequest], None], reason: str
+) -> None:
+    request = engine_request("x", CONSUMER)
+    change(request)
+    await expect_error(stub.RegisterEngine(request), Code.INVALID_ARGUMENT, reason)
+
+
+async def test_interleaved_k_and_v_regions_are_accepted(stub: Stub) -> None:
+    """Views kv[:, 0] and kv[:, 1] of one [blocks, 2, ...] tensor share a stride and no byte."""
+    request = engine_request("x", CONSUMER)
+    del request.agents[0].regions[:]
+    for offset in (0, 4096):
+        request.agents[0].regions.append(
+            pb.KvRegion(base_address=(1 << 20) + offset, block_stride_bytes=8192, block_length_bytes=4096, num_blocks=8)
+        )
+    assert (await stub.RegisterEngine(request)).engine.incarnation
+
+
+async def test_an_unknown_transfer_mode_is_refused_per_item(stub: Stub) -> None:
+    await register_pair(stub)
+    bad, good = await target(
+        stub,
+        pb.TargetSpec(transfer_id="t-bad", block_ids=[1], mode=7),  # type: ignore[arg-type]
+        pb.TargetSpec(transfer_id="t-good", block_ids=[1]),
+    )
+    assert (bad.status.code, item_reason(bad.status)) == (Code.INVALID_ARGUMENT.value[0], "MODE_INVALID")
+    assert good.state == pb.TRANSFER_STATE_TARGETED
+
+
+async def test_generation_zero_means_one_in_every_call(stub: Stub) -> None:
+    await register_pair(stub)
+    await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]))
+    await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    completed = await stub.CompleteTransfer(
+        pb.CompleteTransferRequest(
+            engine_id="p1",
+            completions=[pb.CompletionSpec(transfer_id="t", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED)],
+        )
+    )
+    assert completed.results[0].state == pb.TRANSFER_STATE_COMMITTED
+    released = await stub.ReleaseTarget(
+        pb.ReleaseTargetRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t")])
+    )
+    assert released.results[0].state == pb.TRANSFER_STATE_RELEASED

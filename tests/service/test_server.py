@@ -106,7 +106,8 @@ def test_cli_serves_answers_operator_commands_and_exits_cleanly_on_sigterm() -> 
             pb_grpc.RendezvousServiceStub(channel).RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
         cli = [sys.executable, "-m", "rendezvous.cli"]
         status = subprocess.run([*cli, "status", "--address", address], capture_output=True, text=True, check=True)
-        assert "live engines  1" in status.stdout
+        rows = dict(line.rsplit(maxsplit=1) for line in status.stdout.splitlines()[1:])
+        assert rows["live engines"] == "1" and rows["live transfers"] == "0"
         engines = subprocess.run([*cli, "engines", "--address", address], capture_output=True, text=True, check=True)
         assert engines.stdout.splitlines()[1].split()[:3] == ["d1", "decode", "consumer"]
         serve.send_signal(signal.SIGTERM)

@@ -215,6 +215,16 @@ async def test_status_counts_engines_transfers_and_watchers(stub: Stub) -> None:
     watch.cancel()
 
 
+async def test_status_counts_live_transfers_only_not_tombstones(stub: Stub) -> None:
+    await register_pair(stub)
+    targets = [pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ("t1", "t2")]
+    await stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d1", targets=targets))
+    await stub.AbortTransfer(pb.AbortTransferRequest(engine_id="d1", aborts=[pb.AbortSpec(transfer_id="t2")]))
+    assert (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t2"))).transfer.state == pb.TRANSFER_STATE_ABORTED
+    status = await stub.GetStatus(pb.GetStatusRequest())
+    assert dict(status.transfers_by_state) == {"TARGETED": 1}
+
+
 async def test_a_watcher_that_stops_reading_never_blocks_the_server_and_resyncs_or_sees_every_event(
     stub: Stub,
 ) -> None:
@@ -241,3 +251,15 @@ async def test_a_watcher_that_stops_reading_never_blocks_the_server_and_resyncs_
             expected += 1
     assert resynced, "600 events cannot all have been buffered for a reader that stopped"
     slow.cancel()
+
+
+async def test_an_abort_after_assignment_tells_the_consumer_which_generation_to_wait_for(stub: Stub) -> None:
+    await register_pair(stub)
+    await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    )
+    await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    aborted = await stub.AbortTransfer(
+        pb.AbortTransferRequest(engine_id="d1", aborts=[pb.AbortSpec(transfer_id="t", message="gone")])
+    )
+    assert (aborted.results[0].state, aborted.results[0].revoking_generation) == (pb.TRANSFER_STATE_ABORTED, 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 
 import pytest
@@ -169,7 +169,7 @@ async def test_engines_whose_lease_passed_or_whose_tombstone_aged_have_lapsed(st
     assert [e.engine_id for e in await store.lapsed_engines(NOW - 15, 1000)] == []
 
 
-async def test_counts_live_engines_and_transfers_by_state(store: Store) -> None:
+async def test_counts_live_engines_and_live_transfers_by_state(store: Store) -> None:
     await put_engine(store, make_engine("c"))
     await put_engine(store, make_engine("p", Role.PRODUCER))
     await put_engine(store, engine_rules.end_incarnation(NOW, make_engine("gone")))
@@ -180,9 +180,12 @@ async def test_counts_live_engines_and_transfers_by_state(store: Store) -> None:
     await put_transfer(store, make_transfer("t2", State.ABORTED))
     counts = await store.counts()
     assert counts.live_engines == 2
-    assert dict(counts.transfers_by_state) == {State.TARGETED: 1, State.MATCHED: 1, State.RELEASED: 1, State.ABORTED: 1}
+    # Tombstones (released, aborted) are remembered, but they are not live transfers.
+    assert dict(counts.transfers_by_state) == {State.TARGETED: 1, State.MATCHED: 1}
+    await put_transfer(store, make_transfer("t3", State.RELEASED, producer="p"))
+    assert dict((await store.counts()).transfers_by_state) == {State.TARGETED: 1}
     await delete_transfer(store, "t4")
-    assert State.RELEASED not in (await store.counts()).transfers_by_state
+    assert dict((await store.counts()).transfers_by_state) == {State.TARGETED: 1}
 
 
 # Transfers
@@ -324,6 +327,16 @@ async def test_live_transfer_ids_follow_the_state(store: Store) -> None:
     assert await store.live_transfer_ids("p") == []
 
 
+async def test_a_tombstone_awaiting_a_revocation_stays_indexed_until_it_is_confirmed(store: Store) -> None:
+    await put_transfer(store, make_transfer("t", State.MATCHED, producer="p", assigned_generation=1))
+    await put_transfer(store, make_transfer("t", State.ABORTED, producer="p", revoking_generation=1))
+    assert await store.live_transfer_ids("p") == ["t"]
+    assert await store.live_transfer_ids("c") == ["t"]
+    await put_transfer(store, make_transfer("t", State.ABORTED, producer="p"))
+    assert await store.live_transfer_ids("p") == []
+    assert await store.live_transfer_ids("c") == []
+
+
 async def test_list_transfers_includes_tombstones_and_filters_by_engine(store: Store) -> None:
     await put_transfer(store, make_transfer("t1", State.RELEASED, producer="p"))
     await put_transfer(store, make_transfer("t2", State.TARGETED, consumer="c2"))
@@ -342,6 +355,82 @@ async def test_list_transfers_pages_through_many(store: Store) -> None:
         await put_transfer(store, make_transfer(tid))
     assert {t.transfer_id for t in await store.list_transfers()} == ids
     assert len(await store.list_transfers()) == len(ids)
+
+
+LIVE = frozenset(s for s in State if not s.terminal)
+ENDED = frozenset(s for s in State if s.terminal)
+EVERY = LIVE | ENDED
+
+
+async def page_ids(store: Store, engine_id: str | None, states: frozenset[State], after: str, limit: int) -> list[str]:
+    return [t.transfer_id for t in await store.page_transfers(engine_id, states, after, limit)]
+
+
+async def test_page_transfers_lists_by_id_from_after_up_to_limit_in_the_states_asked(store: Store) -> None:
+    await put_transfer(store, make_transfer("t5"))
+    await put_transfer(store, make_transfer("t1", State.RELEASED, producer="p"))
+    await put_transfer(store, make_transfer("t3", State.MATCHED, producer="p"))
+    await put_transfer(store, make_transfer("t2", State.CLAIMED, consumer="", producer="p"))
+    await put_transfer(store, make_transfer("t4", State.ABORTED, consumer="c2"))
+    assert await page_ids(store, None, EVERY, "", 10) == ["t1", "t2", "t3", "t4", "t5"]
+    assert await page_ids(store, None, LIVE, "", 10) == ["t2", "t3", "t5"]
+    assert await page_ids(store, None, ENDED, "", 10) == ["t1", "t4"]
+    assert await page_ids(store, None, frozenset({State.MATCHED, State.ABORTED}), "", 10) == ["t3", "t4"]
+    assert await page_ids(store, None, EVERY, "t2", 2) == ["t3", "t4"]
+    assert await page_ids(store, None, LIVE, "t3", 10) == ["t5"]
+    assert await page_ids(store, None, EVERY, "t5", 10) == []
+    assert await page_ids(store, None, EVERY, "", 0) == []
+    assert await page_ids(store, None, frozenset(), "", 10) == []
+    assert await page_ids(store, "p", EVERY, "", 10) == ["t1", "t2", "t3"]
+    assert await page_ids(store, "p", LIVE, "", 10) == ["t2", "t3"]
+    assert await page_ids(store, "p", LIVE, "t2", 10) == ["t3"]
+    assert await page_ids(store, "c", EVERY, "", 10) == ["t1", "t3", "t5"]
+    assert await page_ids(store, "c", LIVE, "", 1) == ["t3"]
+    assert await page_ids(store, "c2", LIVE, "", 10) == []
+    assert await page_ids(store, "nobody", EVERY, "", 10) == []
+    pages = [t async for t in _pages(store, None, EVERY, 2)]
+    assert pages == ["t1", "t2", "t3", "t4", "t5"]
+
+
+async def _pages(store: Store, engine_id: str | None, states: frozenset[State], size: int) -> AsyncIterator[str]:
+    after = ""
+    while page := await store.page_transfers(engine_id, states, after, size):
+        for t in page:
+            yield t.transfer_id
+        after = page[-1].transfer_id
+
+
+async def test_page_transfers_follows_state_changes_new_participants_and_deletes(store: Store) -> None:
+    await put_transfer(store, make_transfer("t1"))
+    await put_transfer(store, make_transfer("t2"))
+    await put_transfer(store, make_transfer("t1", State.MATCHED, producer="p"))
+    assert await page_ids(store, "p", LIVE, "", 10) == ["t1"]
+    assert await page_ids(store, "p", EVERY, "", 10) == ["t1"]
+    await put_transfer(store, make_transfer("t1", State.RELEASED, producer="p"))
+    assert await page_ids(store, None, LIVE, "", 10) == ["t2"]
+    assert await page_ids(store, "p", LIVE, "", 10) == []
+    assert await page_ids(store, "p", ENDED, "", 10) == ["t1"]
+    await delete_transfer(store, "t1")
+    assert await page_ids(store, None, EVERY, "", 10) == ["t2"]
+    assert await page_ids(store, "p", EVERY, "", 10) == []
+    assert await page_ids(store, "c", EVERY, "", 10) == ["t2"]
+
+
+async def test_page_transfers_pages_through_many_in_order(store: Store) -> None:
+    ids = [f"t{i:04d}" for i in range(1200)]
+    for i, tid in enumerate(ids):
+        await put_transfer(store, make_transfer(tid, State.RELEASED if i % 3 else State.TARGETED))
+    assert [t async for t in _pages(store, None, LIVE, 100)] == ids[::3]
+    assert [t async for t in _pages(store, "c", EVERY, 250)] == ids
+    assert await page_ids(store, None, LIVE, ids[-2], 100) == []
+
+
+async def test_live_transfer_counts_answer_for_many_engines_at_once(store: Store) -> None:
+    await put_transfer(store, make_transfer("t1", producer="p"))
+    await put_transfer(store, make_transfer("t2"))
+    await put_transfer(store, make_transfer("t3", State.RELEASED, producer="p"))
+    assert await store.live_transfer_counts(["c", "p", "nobody"]) == {"c": 2, "p": 1, "nobody": 0}
+    assert await store.live_transfer_counts([]) == {}
 
 
 async def test_due_transfers_are_those_whose_deadline_passed(store: Store) -> None:

@@ -10,12 +10,15 @@ from dataclasses import replace
 
 import pytest
 
-from rendezvous.core.limits import Limits
+from rendezvous.coordinator import Coordinator
+from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Role, State, Transfer
+from rendezvous.core.specs import TargetSpec
 from rendezvous.core.transfers import Transition
 from rendezvous.store import StoreUnavailableError
 from rendezvous.store.factory import create_store
 from rendezvous.store.redis import RedisStore, parse_url
+from tests.core.helpers import engine_spec
 from tests.redis_fixtures import ControlledRedis, LocalCluster, LocalRedis, LocalSentinel, fresh_prefix, with_prefix
 from tests.store.test_contract import NOW, make_engine, make_transfer, note, put_engine, put_transfer
 
@@ -381,3 +384,24 @@ async def test_namespaces_spread_over_the_cluster(redis_cluster: LocalCluster) -
             await store.close()
     nodes = {port for p in prefixes for port in redis_cluster.nodes_holding("{" + p + "}:*")}
     assert len(nodes) > 1
+
+
+async def test_one_undecodable_engine_record_does_not_stop_the_sweeper(redis_url: str) -> None:
+    store = RedisStore(with_prefix(redis_url, fresh_prefix()))
+    await store.open()
+    try:
+        clock = [NOW]
+        coord = Coordinator(store, timeouts=Timeouts(default_lease_ttl=10), clock=lambda: clock[0])
+        for engine_id in ("bad", "good"):
+            await coord.register_engine(engine_spec(engine_id, Role.CONSUMER))
+        await coord.register_targets("good", 0, [TargetSpec("t", (1,))])
+        assert store._redis is not None
+        await store._redis.hset(store._prefix + "e:bad", "d", b"{not json")
+        clock[0] += 11
+        await coord.sweep()
+        good = await store.get_engine("good")
+        assert good is not None and good.ended_at, "the sweeper stopped at the undecodable record"
+        record = await store.get_transfer("t")
+        assert record is not None and record.state == State.ABORTED
+    finally:
+        await store.close()

@@ -1,0 +1,186 @@
+"""Checks of refusals: each mistake an engine can make gets its documented status code and ErrorInfo reason.
+
+Per-item errors come back in `ItemResult.status`; request-level ones as the call's status.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from rendezvous.conformance.driver import (
+    BLOCK_BYTES,
+    CONSUMER,
+    Engine,
+    Scenario,
+    engine_request,
+    expect,
+    expect_item_error,
+    expect_rpc_error,
+    expect_state,
+    state_name,
+)
+from rendezvous.conformance.failures import assigned_transfer
+from rendezvous.conformance.registry import check
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+Code = grpc.StatusCode
+TARGETED, CLAIMED, MATCHED = pb.TRANSFER_STATE_TARGETED, pb.TRANSFER_STATE_CLAIMED, pb.TRANSFER_STATE_MATCHED
+COMMITTED = pb.TRANSFER_STATE_COMMITTED
+
+
+@check("errors")
+async def producer_registers_target(s: Scenario) -> None:
+    """RegisterTarget by a producer: FAILED_PRECONDITION / WRONG_ROLE."""
+    producer = await s.producer(watch=False)
+    result = await producer.register_target(s.transfer_id())
+    expect_item_error(result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "RegisterTarget by a producer")
+
+
+@check("errors")
+async def producer_releases(s: Scenario) -> None:
+    """ReleaseTarget by the producer of a committed transfer: FAILED_PRECONDITION / WRONG_ROLE."""
+    consumer, producer = await s.pair()
+    t = await assigned_transfer(s, consumer, producer)
+    expect_state(await producer.complete(t, 1), COMMITTED, "CompleteTransfer")
+    result = await producer.release(t, 1)
+    expect_item_error(result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "ReleaseTarget by the transfer's producer")
+
+
+@check("errors")
+async def consumer_acknowledges(s: Scenario) -> None:
+    """AcknowledgeRevocation by the consumer of a transfer: FAILED_PRECONDITION / WRONG_ROLE."""
+    consumer, producer = await s.pair()
+    t = await assigned_transfer(s, consumer, producer)
+    result = await consumer.acknowledge(t, 1)
+    expect_item_error(
+        result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "AcknowledgeRevocation by the transfer's consumer"
+    )
+
+
+@check("errors")
+async def outsider_not_participant(s: Scenario) -> None:
+    """Engines acting on a transfer they take no part in: PERMISSION_DENIED / NOT_PARTICIPANT, nothing changes."""
+    consumer, producer = await s.pair()
+    t = await assigned_transfer(s, consumer, producer)
+    other_consumer = await s.consumer(watch=False)
+    other_producer = await s.producer(watch=False)
+    denied, reason = Code.PERMISSION_DENIED, "NOT_PARTICIPANT"
+    expect_item_error(await other_producer.complete(t, 1), denied, reason, "CompleteTransfer by another producer")
+    expect_item_error(
+        await other_producer.acknowledge(t, 1), denied, reason, "AcknowledgeRevocation by another producer"
+    )
+    expect_item_error(await other_consumer.release(t, 1), denied, reason, "ReleaseTarget by another consumer")
+    expect_item_error(await other_consumer.abort(t), denied, reason, "AbortTransfer by another consumer")
+    transfer = await s.get_transfer(t)
+    expect(
+        transfer.state == MATCHED,
+        f"after the refused calls the transfer is {state_name(transfer.state)}, expected MATCHED",
+    )
+
+
+@check("errors")
+async def complete_unassigned(s: Scenario) -> None:
+    """CompleteTransfer of a claimed, never assigned transfer: FAILED_PRECONDITION / INVALID_STATE."""
+    producer = await s.producer(watch=False)
+    t = s.transfer_id()
+    expect_state(await producer.claim(t), CLAIMED, "ClaimTransfer")
+    result = await producer.complete(t, 1)
+    expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", "CompleteTransfer of an unassigned transfer")
+
+
+async def _assigned_generation_two(s: Scenario) -> tuple[str, Engine]:
+    """A transfer whose first target has generation 2, assigned; and its producer."""
+    consumer, producer = await s.pair()
+    t = s.transfer_id()
+    expect_state(await consumer.register_target(t, generation=2), TARGETED, "RegisterTarget(generation 2)")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfer")
+    await producer.events.expect(pb.EVENT_TYPE_TRANSFER_ASSIGNED, t, 2)
+    return t, producer
+
+
+@check("errors")
+async def complete_older_generation(s: Scenario) -> None:
+    """CompleteTransfer of a generation older than the current: FAILED_PRECONDITION / STALE_GENERATION."""
+    t, producer = await _assigned_generation_two(s)
+    result = await producer.complete(t, 1)
+    expect_item_error(result, Code.FAILED_PRECONDITION, "STALE_GENERATION", "CompleteTransfer(1) while 2 is current")
+
+
+@check("errors")
+async def complete_newer_generation(s: Scenario) -> None:
+    """CompleteTransfer of a generation newer than the current: FAILED_PRECONDITION / INVALID_STATE."""
+    t, producer = await _assigned_generation_two(s)
+    result = await producer.complete(t, 3)
+    expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", "CompleteTransfer(3) while 2 is current")
+
+
+def _registration(s: Scenario) -> pb.RegisterEngineRequest:
+    return engine_request(s.driver.new_id("d"), CONSUMER)
+
+
+@check("errors")
+async def tp_size_zero(s: Scenario) -> None:
+    """RegisterEngine with tp_size 0: INVALID_ARGUMENT / LAYOUT_INVALID."""
+    request = _registration(s)
+    request.layout.tp_size = 0
+    await expect_rpc_error(s.register_raw(request), Code.INVALID_ARGUMENT, "LAYOUT_INVALID", "tp_size 0")
+
+
+@check("errors")
+async def agent_without_regions(s: Scenario) -> None:
+    """RegisterEngine with an agent that has no regions: INVALID_ARGUMENT / AGENTS_INVALID."""
+    request = _registration(s)
+    del request.agents[0].regions[:]
+    await expect_rpc_error(s.register_raw(request), Code.INVALID_ARGUMENT, "AGENTS_INVALID", "an agent without regions")
+
+
+@check("errors")
+async def memory_kind_unspecified(s: Scenario) -> None:
+    """RegisterEngine with memory_kind UNSPECIFIED: INVALID_ARGUMENT / AGENTS_INVALID."""
+    request = _registration(s)
+    request.agents[0].memory_kind = pb.MEMORY_KIND_UNSPECIFIED
+    await expect_rpc_error(
+        s.register_raw(request), Code.INVALID_ARGUMENT, "AGENTS_INVALID", "an agent of memory kind UNSPECIFIED"
+    )
+
+
+@check("errors")
+async def overlapping_regions(s: Scenario) -> None:
+    """RegisterEngine with two regions whose address ranges overlap: INVALID_ARGUMENT / AGENTS_INVALID."""
+    request = _registration(s)
+    first = request.agents[0].regions[0]
+    second = request.agents[0].regions.add()
+    second.CopyFrom(first)
+    second.base_address = first.base_address + 8 * BLOCK_BYTES
+    await expect_rpc_error(
+        s.register_raw(request), Code.INVALID_ARGUMENT, "AGENTS_INVALID", "two overlapping regions of one agent"
+    )
+
+
+@check("errors")
+async def unknown_transfer_mode(s: Scenario) -> None:
+    """A target with an unknown TransferMode value (7): per item INVALID_ARGUMENT / MODE_INVALID."""
+    consumer = await s.consumer(watch=False)
+    result = await consumer.register_target(s.transfer_id(), mode=7)
+    expect_item_error(result, Code.INVALID_ARGUMENT, "MODE_INVALID", "RegisterTarget(mode 7)")
+
+
+@check("errors")
+async def stale_incarnation(s: Scenario) -> None:
+    """Calls and keep-alives for a replaced incarnation: FAILED_PRECONDITION / STALE_INCARNATION."""
+    consumer = await s.consumer(watch=False)
+    old = consumer.incarnation
+    await consumer.register()
+    expect(consumer.incarnation != old, f"re-registering kept incarnation {old}")
+    await expect_rpc_error(
+        consumer.register_target(s.transfer_id(), incarnation=old),
+        Code.FAILED_PRECONDITION,
+        "STALE_INCARNATION",
+        "RegisterTarget with the replaced incarnation",
+    )
+    await expect_rpc_error(
+        consumer.keep_alive_once(old),
+        Code.FAILED_PRECONDITION,
+        "STALE_INCARNATION",
+        "KeepAlive with the replaced incarnation",
+    )

@@ -1,0 +1,91 @@
+"""The connector's loop thread: its event loop is closed when the thread ends (the loop part needs no vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from connector import ConnectorConfig
+from connector._loop import LoopThread
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+def test_stopping_the_thread_closes_its_event_loop() -> None:
+    thread = LoopThread("test-loop")
+
+    async def answer() -> int:
+        return 42
+
+    assert thread.run(answer(), 5.0) == 42
+    thread.stop()
+    assert not thread.alive
+    assert thread.loop.is_closed()
+    thread.stop()  # a second stop is harmless
+
+
+def test_tasks_still_running_when_the_thread_stops_are_cancelled_and_unwind() -> None:
+    thread = LoopThread("test-loop")
+    unwound: list[str] = []
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            unwound.append("task")
+
+    async def ticks() -> Any:
+        try:
+            while True:
+                yield 1
+                await asyncio.sleep(3600)
+        finally:
+            unwound.append("generator")
+
+    async def start() -> None:
+        asyncio.get_running_loop().create_task(forever())
+        generator = ticks()
+        await generator.__anext__()
+        thread.generator = generator  # type: ignore[attr-defined]  # keep it alive, suspended
+
+    thread.run(start(), 5.0)
+    thread.stop()
+    assert thread.loop.is_closed()
+    assert sorted(unwound) == ["generator", "task"]
+
+
+@needs_vllm
+def test_the_workers_shutdown_path_closes_its_loop() -> None:
+    from connector.rendezvous_connector import _WorkerSide
+
+    config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1"})
+    worker = _WorkerSide(config, True, "p0", None, None)  # type: ignore[arg-type]
+    worker._thread = thread = LoopThread("test-worker")
+    worker.stop()
+    assert worker._thread is None
+    assert not thread.alive and thread.loop.is_closed()
+
+
+@needs_vllm
+def test_a_worker_that_fails_to_start_closes_its_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import connector.rendezvous_connector as module
+
+    started: list[LoopThread] = []
+
+    class Recorded(LoopThread):
+        def __init__(self, name: str) -> None:
+            super().__init__(name)
+            started.append(self)
+
+    monkeypatch.setattr(module, "LoopThread", Recorded)
+    config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1", "start_timeout": 5})
+    caches = SimpleNamespace(num_blocks=1)
+    worker = module._WorkerSide(config, True, "p0", None, caches)  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):  # no vLLM config: the start-up fails on the loop
+        worker.start({})
+    (thread,) = started
+    assert not thread.alive and thread.loop.is_closed()
