@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 
-.PHONY: setup setup-dev setup-vllm system-deps serve test lint stubs bench
+.PHONY: setup setup-dev setup-vllm system-deps serve test check lint breaking stubs bench
 
 # Runtime dependencies only: enough to serve.
 $(VENV)/.base: pyproject.toml
@@ -42,12 +42,21 @@ test: setup-vllm system-deps
 stubs: setup-dev
 	$(PY) scripts/generate_stubs.py
 
-lint: setup-vllm
+# The fast developer loop, also run by the pre-commit hooks (.pre-commit-config.yaml): lint, format, types (the
+# packages and the tests; files in pyproject.toml), stub freshness, proto lint. No vLLM needed: without it mypy
+# sees vLLM's types as Any; CI installs vLLM first, so there the connector is checked against vLLM itself.
+check: setup-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy rendezvous clients connector
+	$(VENV)/bin/mypy
 	$(PY) scripts/generate_stubs.py --check
 	cd proto && buf lint
+
+lint: check
+
+# The protocol against its last release (scripts/buf_breaking.sh says which commit that is).
+breaking:
+	scripts/buf_breaking.sh
 
 bench: setup-dev
 	$(PY) benchmarks/bench_rendezvous.py $(ARGS)

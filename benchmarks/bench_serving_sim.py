@@ -88,7 +88,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
         async def compute() -> None:  # one prefill at a time, like one GPU
             while True:
                 transfer_id, tokens, num_blocks, pull = await work.get()
-                while len(free) < num_blocks:
+                while len(free) < num_blocks:  # noqa: ASYNC110 (a scheduler step looking for free blocks)
                     await asyncio.sleep(0.001)
                 blocks, free[:] = free[:num_blocks], free[num_blocks:]
                 await asyncio.sleep(tokens * sim.prefill_s_per_token)

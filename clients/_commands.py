@@ -34,6 +34,7 @@ from clients._types import (
     TransferPage,
     TransferState,
 )
+from rendezvous.protocol.convert import number
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 ResultT = TypeVar("ResultT")
@@ -94,7 +95,7 @@ def _engine(response: pb.GetEngineResponse) -> EngineInfo:
 
 def list_engines(pool: str, role: EngineRole | None, omit_agent_metadata: bool) -> Call[list[EngineInfo]]:
     """ListEngines, optionally of one pool and role."""
-    request = pb.ListEnginesRequest(pool=pool, role=_convert.number(role or 0), omit_agent_metadata=omit_agent_metadata)
+    request = pb.ListEnginesRequest(pool=pool, role=number(role or 0), omit_agent_metadata=omit_agent_metadata)
     return Call("ListEngines", request, _engines, idempotent=True)
 
 
@@ -199,7 +200,7 @@ def list_transfers(
     """ListTransfers: one page, by default of live transfers."""
     request = pb.ListTransfersRequest(
         engine_id=engine_id,
-        states=[_convert.number(s) for s in states],
+        states=[number(s) for s in states],
         page_size=page_size,
         page_token=page_token,
     )

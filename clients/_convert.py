@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from clients._exceptions import from_status
 from clients._types import (
@@ -20,11 +16,7 @@ from clients._types import (
     Event,
     EventType,
     ItemResult,
-    KvLayout,
-    KvRegion,
     LeaseRenewal,
-    MemoryKind,
-    NixlAgentInfo,
     Registration,
     ReleaseSpec,
     RevocationAck,
@@ -38,6 +30,16 @@ from clients._types import (
     TransferTimes,
     WatchBatch,
 )
+from rendezvous.protocol.convert import (
+    agent,
+    agent_message,
+    duration,
+    layout,
+    layout_message,
+    number,
+    seconds,
+    unix_time,
+)
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _BatchResponse = (
@@ -50,68 +52,6 @@ _BatchResponse = (
     | pb.AbortTransferResponse
 )
 """Every batched mutating call answers with one of these; all carry `results`."""
-
-
-# Scalars
-
-
-def number(value: int) -> Any:
-    """An SDK enum member as the protocol enum of the same number (the stubs type those apart)."""
-    return int(value)
-
-
-def seconds(d: Duration) -> float:
-    """A Duration in seconds."""
-    return d.seconds + d.nanos * 1e-9
-
-
-def unix_time(ts: Timestamp) -> float:
-    """A Timestamp as seconds since the Unix epoch; unset is 0.0."""
-    return ts.seconds + ts.nanos * 1e-9
-
-
-def duration(s: float) -> Duration | None:
-    """Seconds as a Duration; zero (meaning "server default") as unset."""
-    if not s:
-        return None
-    whole = int(s)
-    return Duration(seconds=whole, nanos=round((s - whole) * 1e9))
-
-
-# Records -> messages
-
-
-def layout_message(layout: KvLayout) -> pb.KvLayout:
-    """A KV layout as a message."""
-    return pb.KvLayout(
-        model_fingerprint=layout.model_fingerprint,
-        dtype=layout.dtype,
-        block_size=layout.block_size,
-        num_layers=layout.num_layers,
-        tp_size=layout.tp_size,
-        pp_size=layout.pp_size,
-        kv_layout=layout.kv_layout,
-    )
-
-
-def agent_message(agent: NixlAgentInfo) -> pb.NixlAgent:
-    """A NIXL agent as a message."""
-    return pb.NixlAgent(
-        name=agent.name,
-        metadata=agent.metadata,
-        rank=agent.rank,
-        memory_kind=number(agent.memory_kind),
-        regions=[
-            pb.KvRegion(
-                base_address=r.base_address,
-                block_stride_bytes=r.block_stride_bytes,
-                block_length_bytes=r.block_length_bytes,
-                num_blocks=r.num_blocks,
-                device_id=r.device_id,
-            )
-            for r in agent.regions
-        ],
-    )
 
 
 def register_engine_request(spec: EngineSpec, request_id: str) -> pb.RegisterEngineRequest:
@@ -182,33 +122,6 @@ def abort_messages(aborts: Iterable[AbortSpec]) -> list[pb.AbortSpec]:
 
 
 # Messages -> records
-
-
-def layout(m: pb.KvLayout) -> KvLayout:
-    """A KV layout message as a record."""
-    return KvLayout(
-        model_fingerprint=m.model_fingerprint,
-        dtype=m.dtype,
-        block_size=m.block_size,
-        num_layers=m.num_layers,
-        tp_size=m.tp_size,
-        pp_size=m.pp_size,
-        kv_layout=m.kv_layout,
-    )
-
-
-def agent(m: pb.NixlAgent) -> NixlAgentInfo:
-    """A NIXL agent message as a record."""
-    return NixlAgentInfo(
-        name=m.name,
-        metadata=m.metadata,
-        rank=m.rank,
-        memory_kind=MemoryKind(m.memory_kind),
-        regions=tuple(
-            KvRegion(r.base_address, r.block_stride_bytes, r.block_length_bytes, r.num_blocks, r.device_id)
-            for r in m.regions
-        ),
-    )
 
 
 def engine(m: pb.Engine) -> EngineInfo:

@@ -28,64 +28,12 @@ The same classes describe per-item failures of batched calls (`ItemResult.error`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-ERROR_DOMAIN = "kv-rendezvous"
-"""The ErrorInfo domain of errors raised by the rendezvous server."""
-
-
-class Reason(StrEnum):
-    """ErrorInfo reasons documented by the server (docs/protocol.md). `RendezvousError.reason` is a
-    plain string, so reasons added by a newer server still come through."""
-
-    ID_EMPTY = "ID_EMPTY"
-    ID_TOO_LONG = "ID_TOO_LONG"
-    ID_INVALID = "ID_INVALID"
-    ROLE_UNSPECIFIED = "ROLE_UNSPECIFIED"
-    LAYOUT_INVALID = "LAYOUT_INVALID"
-    AGENTS_INVALID = "AGENTS_INVALID"
-    BLOCK_ID_NEGATIVE = "BLOCK_ID_NEGATIVE"
-    BLOCK_ID_DUPLICATE = "BLOCK_ID_DUPLICATE"
-    BLOCK_ID_OUT_OF_RANGE = "BLOCK_ID_OUT_OF_RANGE"
-    TOO_MANY_BLOCKS = "TOO_MANY_BLOCKS"
-    GENERATION_INVALID = "GENERATION_INVALID"
-    TIMEOUT_INVALID = "TIMEOUT_INVALID"
-    OUTCOME_UNSPECIFIED = "OUTCOME_UNSPECIFIED"
-    MODE_INVALID = "MODE_INVALID"
-    LABELS_INVALID = "LABELS_INVALID"
-    BATCH_EMPTY = "BATCH_EMPTY"
-    BATCH_TOO_LARGE = "BATCH_TOO_LARGE"
-    REVISION_INVALID = "REVISION_INVALID"
-    PAGE_TOKEN_INVALID = "PAGE_TOKEN_INVALID"
-    STATE_INVALID = "STATE_INVALID"
-    ENGINE_NOT_FOUND = "ENGINE_NOT_FOUND"
-    TRANSFER_NOT_FOUND = "TRANSFER_NOT_FOUND"
-    ENGINE_CONFLICT = "ENGINE_CONFLICT"
-    TARGET_CONFLICT = "TARGET_CONFLICT"
-    CLAIM_CONFLICT = "CLAIM_CONFLICT"
-    WRONG_ROLE = "WRONG_ROLE"
-    NOT_PARTICIPANT = "NOT_PARTICIPANT"
-    STALE_GENERATION = "STALE_GENERATION"
-    STALE_INCARNATION = "STALE_INCARNATION"
-    LEASE_EXPIRED = "LEASE_EXPIRED"
-    INVALID_STATE = "INVALID_STATE"
-    TRANSFER_ENDED = "TRANSFER_ENDED"
-    LAYOUT_MISMATCH = "LAYOUT_MISMATCH"
-    BLOCK_MISMATCH = "BLOCK_MISMATCH"
-    TOO_MANY_TRANSFERS = "TOO_MANY_TRANSFERS"
-    TOO_MANY_WATCHERS = "TOO_MANY_WATCHERS"
-    UNAUTHENTICATED_TOKEN = "UNAUTHENTICATED_TOKEN"
-    IDENTITY_MISMATCH = "IDENTITY_MISMATCH"
-    ROLE_REQUIRED = "ROLE_REQUIRED"
-    RATE_LIMITED = "RATE_LIMITED"
-    TOO_MANY_CONCURRENT_CALLS = "TOO_MANY_CONCURRENT_CALLS"
-    STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    INTERNAL_ERROR = "INTERNAL_ERROR"
+from rendezvous.protocol import ERROR_DOMAIN, Reason
 
 
 class RendezvousError(Exception):
@@ -293,3 +241,29 @@ def from_rpc_error(error: grpc.RpcError) -> RendezvousError:
     converted = from_status(status) if status is not None else error_for(call.code(), call.details() or "")
     converted.__cause__ = error
     return converted
+
+
+__all__ = [
+    "ERROR_DOMAIN",
+    "Aborted",
+    "AlreadyExists",
+    "Cancelled",
+    "DataLoss",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "NotFound",
+    "OutOfRange",
+    "PermissionDenied",
+    "Reason",
+    "RendezvousError",
+    "ResourceExhausted",
+    "Unauthenticated",
+    "Unavailable",
+    "Unimplemented",
+    "Unknown",
+    "error_for",
+    "from_rpc_error",
+    "from_status",
+]

@@ -313,7 +313,11 @@ class EngineSession:
         if err.reason in _ENGINE_GONE:
             self._recover(err.reason, incarnation)
             return True
-        return err.reason == Reason.STALE_INCARNATION and incarnation != self.incarnation
+        if err.reason != Reason.STALE_INCARNATION:
+            return False
+        # Replaced already, or by the re-registration under way (the server may have its new incarnation
+        # before this session does): either way the call is resent as the new incarnation.
+        return incarnation != self.incarnation or (self._recovery is not None and not self._recovery.done())
 
     # Re-registration
 

@@ -48,7 +48,7 @@ class Endpoints(Generic[ChannelT]):
                 if stub is None:
                     channel = self._open_channel(self._targets[index])
                     self._channels[index] = channel
-                    stub = self._stubs[index] = pb_grpc.RendezvousServiceStub(channel)  # type: ignore[no-untyped-call]
+                    stub = self._stubs[index] = pb_grpc.RendezvousServiceStub(channel)
         return index, stub
 
     def failover(self, index: int) -> None:

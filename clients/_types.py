@@ -9,129 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from clients._exceptions import RendezvousError
+from rendezvous.protocol.enums import (
+    AbortReason,
+    CompletionOutcome,
+    EngineRole,
+    EventType,
+    MemoryKind,
+    TransferMode,
+    TransferState,
+)
+from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
 
-
-class _WireEnum(IntEnum):
-    """An enum of the protocol: unknown numbers (added by a newer server) read as UNSPECIFIED (0)."""
-
-    @classmethod
-    def _missing_(cls, value: object) -> _WireEnum:
-        return cls(0)
-
-
-class EngineRole(_WireEnum):
-    """Which side of a transfer an engine plays."""
-
-    UNSPECIFIED = 0
-    PRODUCER = 1
-    CONSUMER = 2
-
-
-class MemoryKind(_WireEnum):
-    """Where a NIXL region lives."""
-
-    UNSPECIFIED = 0
-    DRAM = 1
-    VRAM = 2
-
-
-class TransferState(_WireEnum):
-    """Lifecycle state of a transfer."""
-
-    UNSPECIFIED = 0
-    TARGETED = 1
-    CLAIMED = 2
-    MATCHED = 3
-    COMMITTED = 4
-    RELEASED = 5
-    ABORTED = 6
-
-    @property
-    def terminal(self) -> bool:
-        """Released and aborted transfers are over; the server keeps them briefly as tombstones."""
-        return self in (TransferState.RELEASED, TransferState.ABORTED)
-
-
-class TransferMode(_WireEnum):
-    """Which side moves the bytes. UNSPECIFIED is treated as PUSH by the server."""
-
-    UNSPECIFIED = 0
-    PUSH = 1
-    PULL = 2
-
-
-class AbortReason(_WireEnum):
-    """Why a transfer was aborted; UNSPECIFIED when it was not."""
-
-    UNSPECIFIED = 0
-    REQUESTED = 1
-    DEADLINE_EXCEEDED = 2
-    PEER_LOST = 3
-    LAYOUT_MISMATCH = 4
-    TRANSFER_FAILED = 5
-    BLOCK_MISMATCH = 6
-
-
-class EventType(_WireEnum):
-    """Kinds of engine events (see the protocol for who receives which)."""
-
-    UNSPECIFIED = 0
-    TRANSFER_ASSIGNED = 1
-    TRANSFER_REVOKED = 2
-    SOURCE_READY = 3
-    TRANSFER_COMMITTED = 4
-    TRANSFER_ABORTED = 5
-    PEER_LOST = 6
-    REVOCATION_CONFIRMED = 7
-
-
-class CompletionOutcome(_WireEnum):
-    """Result of moving a generation's bytes."""
-
-    UNSPECIFIED = 0
-    SUCCEEDED = 1
-    FAILED = 2
-
-
-# Engines
-
-
-@dataclass(frozen=True, slots=True)
-class KvLayout:
-    """An engine's KV cache shape; producer and consumer layouts must agree for a transfer to match."""
-
-    model_fingerprint: str = ""
-    dtype: str = ""
-    block_size: int = 0
-    num_layers: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
-    kv_layout: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class KvRegion:
-    """A registered memory region of equally sized blocks: block b starts at base + b * stride."""
-
-    base_address: int
-    block_stride_bytes: int
-    block_length_bytes: int
-    num_blocks: int
-    device_id: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class NixlAgentInfo:
-    """The data-plane identity of one rank: NIXL agent name, serialized metadata and KV regions."""
-
-    name: str
-    metadata: bytes
-    rank: int = 0
-    memory_kind: MemoryKind = MemoryKind.DRAM
-    regions: tuple[KvRegion, ...] = ()
+NixlAgentInfo = NixlAgent
+"""The SDK's name for a rank's NIXL agent record (the protocol's NixlAgent)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +33,7 @@ class EngineSpec:
     engine_id: str
     pool: str
     role: EngineRole
-    layout: KvLayout = KvLayout()
+    layout: KvLayout = field(default_factory=KvLayout)
     agents: tuple[NixlAgentInfo, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
     lease_ttl: float = 0.0
@@ -382,3 +274,38 @@ class ServerStatus:
     watchers: int
     start_time: float
     epoch: int
+
+
+__all__ = [
+    "AbortReason",
+    "AbortSpec",
+    "ClaimSpec",
+    "CompletionOutcome",
+    "CompletionSpec",
+    "EngineInfo",
+    "EngineRole",
+    "EngineSpec",
+    "Event",
+    "EventType",
+    "ItemResult",
+    "KvLayout",
+    "KvRegion",
+    "LeaseRenewal",
+    "MemoryKind",
+    "NixlAgent",
+    "NixlAgentInfo",
+    "Registration",
+    "ReleaseSpec",
+    "Reregistered",
+    "Resynced",
+    "RevocationAck",
+    "ServerStatus",
+    "SourceReadySpec",
+    "TargetSpec",
+    "TransferInfo",
+    "TransferMode",
+    "TransferPage",
+    "TransferState",
+    "TransferTimes",
+    "WatchBatch",
+]

@@ -3,6 +3,10 @@
 Every `serve` flag also reads an environment variable: --store is KV_RENDEZVOUS_STORE, and so on.
 """
 
+# The service does not import its clients: subcommands that live in `clients` or `connector` (`demo`,
+# `router`) are entry points in the group `kv_rendezvous.commands` (pyproject.toml), loaded only when the
+# command line may name one of them.
+
 from __future__ import annotations
 
 import argparse
@@ -14,6 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 import grpc
@@ -24,6 +29,11 @@ from rendezvous.logs import configure_logging
 
 ENV_PREFIX = "KV_RENDEZVOUS_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+COMMANDS_GROUP = "kv_rendezvous.commands"
+"""Entry points of subcommands other packages provide. Each names a hook `add_parser(subparsers)` that adds one
+subcommand (usually with `add_help=False`) and sets its default `run`: `run(argv) -> exit status`, given the
+arguments that follow the command."""
+BUILTIN_COMMANDS = ("serve", "conformance", "health", "status", "engines", "transfers")
 
 
 def _env(name: str, default: Any) -> Any:
@@ -174,20 +184,29 @@ def _ago(ts: Any) -> str:
     return f"{time.time() - ts.ToNanoseconds() / 1e9:.1f}s ago"
 
 
+def _pem(value: str | None) -> bytes | None:
+    """PEM bytes from PEM text or from the file a path names."""
+    if value is not None and "-----BEGIN" not in value:
+        with open(value, "rb") as f:
+            return f.read()
+    return None if value is None else value.encode()
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials:
+    if (args.client_cert is None) != (args.client_key is None):
+        raise ValueError("a client certificate needs its key, and a key its certificate")
+    return grpc.ssl_channel_credentials(_pem(args.ca), _pem(args.client_key), _pem(args.client_cert))
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    from clients._config import TLSConfig
     from rendezvous.v1 import rendezvous_pb2 as pb
     from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
     secure = args.tls or args.ca or args.client_cert
-    channel = (
-        grpc.secure_channel(args.address, TLSConfig(args.ca, args.client_cert, args.client_key).credentials())
-        if secure
-        else grpc.insecure_channel(args.address)
-    )
+    channel = grpc.secure_channel(args.address, _credentials(args)) if secure else grpc.insecure_channel(args.address)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
     with channel:
-        stub = pb_grpc.RendezvousServiceStub(channel)  # type: ignore[no-untyped-call]
+        stub = pb_grpc.RendezvousServiceStub(channel)
         if args.command == "health":
             from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -261,15 +280,20 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The kv-rendezvous argument parser."""
+def _add_entry_point_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for command in sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name):
+        command.load()(sub)
+
+
+def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParser:
+    """The kv-rendezvous argument parser; with `entry_point_commands`, also the subcommands of other packages."""
     parser = argparse.ArgumentParser(prog="kv-rendezvous", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    # The demo is an engine-side program with heavier dependencies: its flags are parsed only when it runs.
-    sub.add_parser("demo", help="move real bytes over NIXL between producer and consumer processes", add_help=False)
-    sub.add_parser("router", help="OpenAI-compatible proxy dispatching prefill and decode legs at once", add_help=False)
+    if entry_point_commands:
+        _add_entry_point_commands(sub)
+    # Like the entry-point commands, the conformance suite parses its own flags when it runs.
     sub.add_parser("conformance", help="check a running service against the protocol", add_help=False)
     for name, text in (
         ("health", "exit 0 when the server's grpc.health.v1 check answers SERVING (container health checks)"),
@@ -312,24 +336,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the kv-rendezvous command."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A built-in command needs no other package: `serve` and the probes import no client code.
+    parser = build_parser(entry_point_commands=not argv or argv[0] not in BUILTIN_COMMANDS)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        from clients.demo import add_demo_arguments, run_demo
-
-        demo = argparse.ArgumentParser(prog="kv-rendezvous demo", description=run_demo.__doc__)
-        add_demo_arguments(demo)
-        return run_demo(demo.parse_args(rest))
-    if args.command == "router":
-        from connector.router import main as router_main
-
-        return router_main(rest)
+    run: Callable[[list[str]], int] | None = getattr(args, "run", None)
+    if run is not None:
+        return run(rest)
     if args.command == "conformance":
         from rendezvous.conformance import main as conformance_main
 
         return conformance_main(rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
         from rendezvous.store.base import StoreUnavailableError

@@ -105,20 +105,14 @@ class Coordinator:
     async def register_engine(self, spec: EngineSpec) -> tuple[Engine, int]:
         """Register a new incarnation; returns it and the revision its watch should start from."""
         now = self.clock()
-        replaced: list[Engine | None] = [None]
-
-        def register(cur: Engine | None) -> Engine:
-            # The record this registration replaces is the one the atomic update saw (a retried
-            # update calls this again), so concurrent re-registrations each end their predecessor.
-            replaced[0] = cur
-            return engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts)
-
-        engine = await self.store.update_engine(spec.engine_id, register)
+        # The record names the incarnation it replaced (read inside the atomic update), so concurrent
+        # re-registrations each end their predecessor, and a loss this call cannot finish (cancelled,
+        # store down, replica killed) is applied by the next keep-alive or sweep.
+        engine = await self.store.update_engine(
+            spec.engine_id, lambda cur: engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts)
+        )
         assert engine is not None
-        previous = replaced[0]
-        if previous is not None:
-            # Also when it had ended already: a replica that ended it may have died before its loss was applied.
-            await self._lose_engine(previous if previous.ended_at else engine_rules.end_incarnation(now, previous))
+        engine = await self._apply_pending_loss(engine, now)
         log.info(
             "engine registered",
             extra={
@@ -138,7 +132,16 @@ class Coordinator:
             lambda cur: engine_rules.renew_lease(now, engine_rules.check_incarnation(now, cur, engine_id, incarnation)),
         )
         assert engine is not None
-        return engine
+        return await self._apply_pending_loss(engine, now)
+
+    async def _apply_pending_loss(self, engine: Engine, now: float) -> Engine:
+        """Abort what the incarnation engine replaced (and any before it) still holds, then clear the mark."""
+        if not engine.unlost_incarnation:
+            return engine
+        pending = engine.unlost_incarnation
+        await self._lose_engine(engine_rules.predecessor(engine, now))
+        cleared = await self.store.update_engine(engine.engine_id, lambda cur: engine_rules.loss_applied(cur, pending))
+        return cleared if cleared is not None and cleared.incarnation == engine.incarnation else engine
 
     async def deregister_engine(self, engine_id: str, incarnation: int) -> int:
         """End an engine's incarnation now; returns how many live transfers were aborted."""
@@ -213,32 +216,31 @@ class Coordinator:
     ) -> list[ItemOutcome]:
         """Apply step to every item; an item's error does not stop the others.
 
-        With joins, an item that would make the caller take part in one more live transfer is
-        refused once the caller is at max_live_transfers_per_engine.
+        With joins, the caller's live-transfer limit applies (core: engines.LiveTransferLimit).
         """
         check_batch(len(items), self.limits)
-        room = self.limits.max_live_transfers_per_engine
+        limit: engine_rules.LiveTransferLimit | None = None
         if joins and caller is not None:
-            room -= len(await self.store.live_transfer_ids(caller.engine_id))
+            live = await self.store.live_transfer_counts([caller.engine_id])
+            limit = engine_rules.LiveTransferLimit.of(self.limits, caller, live[caller.engine_id])
 
-        async def apply(item: SpecT, full: bool) -> ItemOutcome:
-            fn = partial(_guarded, step, self._context(), item, caller if full else None, self.limits)
+        async def apply(item: SpecT, limit: engine_rules.LiveTransferLimit | None) -> ItemOutcome:
+            fn = partial(_limited, step, self._context(), item, limit)
             try:
                 transition = await self._apply(item.transfer_id, fn)
             except RendezvousError as err:
                 return ItemOutcome(item.transfer_id, error=err)
             return ItemOutcome(item.transfer_id, transfer=transition.transfer)
 
-        if self.store.concurrent and room >= len(items):
+        if self.store.concurrent and (limit is None or limit.allows(len(items))):
             # No item can reach the limit, so they may be in flight together (one round trip to a
             # networked store); items of one transfer still apply in order (the store queues them).
-            return list(await asyncio.gather(*(apply(item, False) for item in items)))
+            return list(await asyncio.gather(*(apply(item, None) for item in items)))
         outcomes: list[ItemOutcome] = []
         for item in items:
-            outcome = await apply(item, joins and room <= 0)
-            t = outcome.transfer
-            if joins and caller is not None and t is not None and not t.state.terminal:
-                room -= 1
+            outcome = await apply(item, limit)
+            if limit is not None:
+                limit = limit.after(outcome.transfer)
             outcomes.append(outcome)
         return outcomes
 
@@ -374,21 +376,28 @@ class Coordinator:
     # Time
 
     async def _sweep_engine(self, engine: Engine, now: float) -> None:
-        """End a lapsed lease, or forget a tombstone once no transfer of that incarnation is left."""
-        if engine.ended_at:
+        """End a lapsed lease, or forget an aged tombstone; the core decides which (engines.lapse)."""
+        ttl = self.timeouts.tombstone_ttl
+        verdict = engine_rules.lapse(engine, now, ttl)
+        if verdict is None:
+            return
+        if verdict is engine_rules.Lapse.TOMBSTONE_AGED:
             # Apply the loss again before forgetting: the replica that ended it may have died before it could.
             await self._lose_engine(engine)
-            await self.store.update_engine(engine.engine_id, partial(_drop_tombstone, engine))
-            return
-        ended = await self.store.update_engine(engine.engine_id, partial(_end_lapsed, engine, now))
-        if ended is not None and ended.incarnation == engine.incarnation and ended.ended_at == now:
+        swept = await self.store.update_engine(engine.engine_id, partial(engine_rules.sweep_engine, now, ttl, engine))
+        if (
+            verdict is engine_rules.Lapse.LEASE_PASSED
+            and swept is not None
+            and swept.incarnation == engine.incarnation
+            and swept.ended_at == now
+        ):
             log.warning("engine lease expired", extra={"engine_id": engine.engine_id})
-            await self._lose_engine(ended)
+            await self._lose_engine(swept)
 
     async def sweep(self, max_transfers: int = 10_000) -> None:
         """End lapsed leases, expire due transfers and drop old engine tombstones."""
         now = self.clock()
-        for engine in await self.store.lapsed_engines(now, self.timeouts.tombstone_ttl):
+        for engine in await self.store.lapse_candidates(now, self.timeouts.tombstone_ttl):
             try:
                 await self._sweep_engine(engine, now)
             except StoreUnavailableError:
@@ -434,41 +443,22 @@ def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer |
         )
 
 
-def _guarded(
+def _limited(
     step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
     ctx: Context,
     item: SpecT,
-    full_caller: Engine | None,
-    limits: Limits,
+    limit: engine_rules.LiveTransferLimit | None,
     cur: Transfer | None,
     engines: Mapping[str, Engine],
 ) -> Transition:
-    """Apply step, refusing to make a caller that is at its live-transfer limit join one more transfer."""
-    if full_caller is not None and (cur is None or full_caller.engine_id not in cur.participants()):
-        raise RendezvousError(
-            Reason.TOO_MANY_TRANSFERS,
-            f"engine {full_caller.engine_id} has {limits.max_live_transfers_per_engine} live transfers",
-            limit=limits.max_live_transfers_per_engine,
-        )
+    """Apply step within the caller's live-transfer limit, if one applies."""
+    if limit is not None:
+        limit.check(cur)
     return step(ctx, cur, engines, item)
 
 
 def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:
     return engines.get(cur.consumer_engine_id) if cur and cur.consumer_engine_id else None
-
-
-def _end_lapsed(lapsed: Engine, now: float, cur: Engine | None) -> Engine | None:
-    """End the incarnation whose lease lapsed, unless it was renewed or replaced meanwhile."""
-    if cur is None or cur.incarnation != lapsed.incarnation or cur.ended_at or cur.lease_expires_at > now:
-        return cur
-    return engine_rules.end_incarnation(now, cur)
-
-
-def _drop_tombstone(tombstone: Engine, cur: Engine | None) -> Engine | None:
-    """Forget an ended incarnation, unless the engine registered again meanwhile."""
-    if cur is not None and cur.incarnation == tombstone.incarnation and cur.ended_at:
-        return None
-    return cur
 
 
 def _encode_page_token(last_id: str) -> str:

@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
-
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2, status_pb2
 
-from rendezvous.core.errors import ERROR_DOMAIN, Code, Reason, RendezvousError
-from rendezvous.core.model import (
-    Engine,
-    Event,
-    KvLayout,
-    KvRegion,
-    MemoryKind,
-    Mode,
-    NixlAgent,
-    Outcome,
-    Role,
-    Transfer,
-)
+from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
+from rendezvous.core.model import Engine, Event, Mode, Outcome, Role, Transfer
 from rendezvous.core.specs import (
     AbortSpec,
     ClaimSpec,
@@ -31,6 +16,8 @@ from rendezvous.core.specs import (
     SourceReadySpec,
     TargetSpec,
 )
+from rendezvous.protocol import convert
+from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _GRPC_CODE_NUMBERS: dict[Code, int] = {
@@ -46,32 +33,6 @@ _GRPC_CODE_NUMBERS: dict[Code, int] = {
     Code.UNAVAILABLE: 14,
     Code.UNAUTHENTICATED: 16,
 }
-
-
-def enum_value(value: int) -> Any:
-    """A domain enum as the protocol's enum value (the numbers are equal by design)."""
-    return cast(Any, int(value))
-
-
-def seconds(d: Duration) -> float:
-    """A Duration in seconds."""
-    return d.seconds + d.nanos / 1e9
-
-
-def duration(s: float) -> Duration:
-    """Seconds as a Duration."""
-    d = Duration()
-    d.FromNanoseconds(int(s * 1e9))
-    return d
-
-
-def timestamp(t: float) -> Timestamp | None:
-    """Unix seconds as a Timestamp; 0.0 (not happened) as None."""
-    if not t:
-        return None
-    ts = Timestamp()
-    ts.FromNanoseconds(int(t * 1e9))
-    return ts
 
 
 # An error travels in trailers, which clients cap (16 KiB by default): a huge id echoed into the
@@ -102,46 +63,15 @@ def _role(value: int) -> Role | None:
 
 def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
     """A RegisterEngineRequest as a registration."""
-    layout = req.layout
     return EngineSpec(
         engine_id=req.engine_id,
         pool=req.pool,
         role=_role(req.role),
-        layout=KvLayout(
-            model_fingerprint=layout.model_fingerprint,
-            dtype=layout.dtype,
-            block_size=layout.block_size,
-            num_layers=layout.num_layers,
-            tp_size=layout.tp_size,
-            pp_size=layout.pp_size,
-            kv_layout=layout.kv_layout,
-        ),
-        agents=tuple(
-            NixlAgent(
-                name=a.name,
-                metadata=a.metadata,
-                rank=a.rank,
-                memory_kind=_memory_kind(a),
-                regions=tuple(
-                    KvRegion(r.base_address, r.block_stride_bytes, r.block_length_bytes, r.num_blocks, r.device_id)
-                    for r in a.regions
-                ),
-            )
-            for a in req.agents
-        ),
+        layout=convert.layout(req.layout),
+        agents=tuple(convert.agent(a) for a in req.agents),
         labels=dict(req.labels),
         lease_ttl=seconds(req.lease_ttl),
     )
-
-
-def _memory_kind(agent: pb.NixlAgent) -> MemoryKind:
-    if agent.memory_kind not in (pb.MEMORY_KIND_DRAM, pb.MEMORY_KIND_VRAM):
-        raise RendezvousError(
-            Reason.AGENTS_INVALID,
-            f"agent {agent.name} has memory_kind {agent.memory_kind}; use DRAM or VRAM",
-            field="memory_kind",
-        )
-    return MemoryKind(agent.memory_kind)
 
 
 def _mode(value: int) -> Mode | None:
@@ -214,35 +144,9 @@ def engine_message(e: Engine, include_metadata: bool = True, live_transfers: int
     return pb.Engine(
         engine_id=e.engine_id,
         pool=e.pool,
-        role=enum_value(e.role),
-        layout=pb.KvLayout(
-            model_fingerprint=e.layout.model_fingerprint,
-            dtype=e.layout.dtype,
-            block_size=e.layout.block_size,
-            num_layers=e.layout.num_layers,
-            tp_size=e.layout.tp_size,
-            pp_size=e.layout.pp_size,
-            kv_layout=e.layout.kv_layout,
-        ),
-        agents=[
-            pb.NixlAgent(
-                name=a.name,
-                metadata=a.metadata if include_metadata else b"",
-                rank=a.rank,
-                memory_kind=enum_value(a.memory_kind),
-                regions=[
-                    pb.KvRegion(
-                        base_address=r.base_address,
-                        block_stride_bytes=r.block_stride_bytes,
-                        block_length_bytes=r.block_length_bytes,
-                        num_blocks=r.num_blocks,
-                        device_id=r.device_id,
-                    )
-                    for r in a.regions
-                ],
-            )
-            for a in e.agents
-        ],
+        role=number(e.role),
+        layout=convert.layout_message(e.layout),
+        agents=[convert.agent_message(a, include_metadata) for a in e.agents],
         labels=dict(e.labels),
         incarnation=e.incarnation,
         lease_ttl=duration(e.lease_ttl),
@@ -257,8 +161,8 @@ def transfer_message(t: Transfer) -> pb.Transfer:
     times = t.times
     return pb.Transfer(
         transfer_id=t.transfer_id,
-        state=enum_value(t.state),
-        mode=enum_value(t.mode),
+        state=number(t.state),
+        mode=number(t.mode),
         generation=t.generation,
         consumer_engine_id=t.consumer_engine_id,
         consumer_incarnation=t.consumer_incarnation,
@@ -267,7 +171,7 @@ def transfer_message(t: Transfer) -> pb.Transfer:
         target_block_ids=t.target_block_ids,
         source_block_ids=t.source_block_ids or (),
         num_tokens=t.num_tokens,
-        abort_reason=enum_value(t.abort_reason),
+        abort_reason=number(t.abort_reason),
         abort_message=t.abort_message,
         revoking_generation=t.revoking_generation,
         deadline=timestamp(t.deadline),
@@ -286,7 +190,7 @@ def event_message(e: Event) -> pb.Event:
     """An event as a message."""
     return pb.Event(
         revision=e.revision,
-        type=enum_value(e.type),
+        type=number(e.type),
         transfer=transfer_message(e.transfer) if e.transfer is not None else None,
         generation=e.generation,
         peer=engine_message(e.peer) if e.peer is not None else None,

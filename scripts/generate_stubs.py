@@ -1,4 +1,5 @@
-"""Regenerate the committed protobuf/gRPC stubs under rendezvous/v1/.
+"""Regenerate the committed protobuf/gRPC stubs under rendezvous/v1/, and rendezvous/protocol/reasons.py
+(the error reasons of proto/rendezvous/v1/errors.proto as a Python enum with their status codes).
 
 python scripts/generate_stubs.py          # write the stubs
 python scripts/generate_stubs.py --check  # exit 1 if the committed stubs are stale
@@ -18,6 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTOS = sorted(p.relative_to(PROTO_ROOT) for p in (PROTO_ROOT / "rendezvous").rglob("*.proto"))
 GENERATED_DIR = Path("rendezvous") / "v1"
+REASONS = Path("rendezvous") / "protocol" / "reasons.py"
+REASON_ENUM = "ErrorReason"
+REASON_PREFIX = "ERROR_REASON_"
 
 
 def generate(out_dir: Path) -> None:
@@ -35,6 +39,59 @@ def generate(out_dir: Path) -> None:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
+    (out_dir / REASONS).parent.mkdir(parents=True, exist_ok=True)
+    (out_dir / REASONS).write_text(reasons_module(include))
+
+
+def reasons_module(include: Path) -> str:
+    """The Reason enum and each reason's status code, read from the ErrorReason enum and its comments."""
+    from google.protobuf import descriptor_pb2
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "errors.desc"
+        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{include}", "--include_source_info", f"--descriptor_set_out={out}"]
+        if protoc.main([*args, "rendezvous/v1/errors.proto"]) != 0:
+            raise SystemExit("protoc failed")
+        files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    (proto,) = files.file
+    index = next(i for i, e in enumerate(proto.enum_type) if e.name == REASON_ENUM)
+    comments = {
+        tuple(loc.path): loc.leading_comments.strip() for loc in proto.source_code_info.location if loc.leading_comments
+    }
+    lines = [
+        '"""ErrorInfo reasons of the protocol and the status code each comes with.',
+        "",
+        "Generated from proto/rendezvous/v1/errors.proto by scripts/generate_stubs.py: do not edit.",
+        "Plain Python (no protobuf import), so the service core and the SDK share it at no cost.",
+        '"""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from collections.abc import Mapping",
+        "from enum import StrEnum",
+        "",
+        "",
+        "class Reason(StrEnum):",
+        '    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous")."""',
+        "",
+    ]
+    codes: list[str] = []
+    for i, value in enumerate(proto.enum_type[index].value):
+        if value.number == 0:
+            continue
+        name = value.name.removeprefix(REASON_PREFIX)
+        code, _, doc = comments[(5, index, 2, i)].partition(": ")
+        lines += [f'    {name} = "{name}"', f'    """{doc}"""', ""]
+        codes.append(f'    Reason.{name}: "{code}",')
+    lines[-1:] = [
+        "",
+        "",
+        "REASON_CODES: Mapping[Reason, str] = {",
+        *codes,
+        "}",
+        '"""The google.rpc.Code name of each reason."""',
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -46,11 +103,11 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
+        generated = [f.relative_to(tmp) for f in sorted((Path(tmp) / GENERATED_DIR).iterdir())] + [REASONS]
         stale = [
-            f.name
-            for f in sorted((Path(tmp) / GENERATED_DIR).iterdir())
-            if not (ROOT / GENERATED_DIR / f.name).exists()
-            or not filecmp.cmp(f, ROOT / GENERATED_DIR / f.name, shallow=False)
+            str(f)
+            for f in generated
+            if not (ROOT / f).exists() or not filecmp.cmp(Path(tmp) / f, ROOT / f, shallow=False)
         ]
     if stale:
         print(f"stale generated stubs: {', '.join(stale)}; run: python scripts/generate_stubs.py", file=sys.stderr)

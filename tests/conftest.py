@@ -7,9 +7,5 @@ import os
 os.environ.setdefault("UCX_TLS", "shm,tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-from hypothesis import settings
-
-# CI runs a fixed, reproducible sample; developers get fresh random ones each run.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+# Required suites and hypothesis profiles under CI.
+pytest_plugins = ["tests.ci"]

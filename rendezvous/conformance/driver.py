@@ -266,10 +266,7 @@ class Driver:
             self._channels = [grpc.aio.secure_channel(t, credentials) for t in options.targets]
         else:
             self._channels = [grpc.aio.insecure_channel(t) for t in options.targets]
-        self.stubs: list[Any] = [
-            pb_grpc.RendezvousServiceStub(c)  # type: ignore[no-untyped-call]
-            for c in self._channels
-        ]
+        self.stubs: list[Any] = [pb_grpc.RendezvousServiceStub(c) for c in self._channels]
 
     def new_id(self, kind: str) -> str:
         """A fresh id, e.g. conf-1a2b3c4d-t7."""

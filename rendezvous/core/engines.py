@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import Enum
 
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import Engine
+from rendezvous.core.model import Engine, Transfer
 from rendezvous.core.specs import EngineSpec
 from rendezvous.core.validation import check_engine_spec
 
@@ -48,7 +49,25 @@ def register_engine(
         lease_ttl=ttl,
         lease_expires_at=now + ttl,
         registered_at=now,
+        unlost_incarnation=_unlost(previous),
     )
+
+
+def _unlost(previous: Engine | None) -> int:
+    """The incarnation a new registration replaces: its loss (and that of any before it) is still to apply."""
+    return previous.incarnation if previous is not None else 0
+
+
+def loss_applied(engine: Engine | None, incarnation: int) -> Engine | None:
+    """The engine with its pending loss cleared, once the loss of incarnation (and all before) was applied."""
+    if engine is None or not engine.unlost_incarnation or engine.unlost_incarnation > incarnation:
+        return engine
+    return replace(engine, unlost_incarnation=0)
+
+
+def predecessor(engine: Engine, now: float) -> Engine:
+    """The ended record of the incarnation engine replaced but whose loss is pending (same id and agents)."""
+    return replace(engine, incarnation=engine.unlost_incarnation, ended_at=now, unlost_incarnation=0)
 
 
 def check_incarnation(now: float, engine: Engine | None, engine_id: str, incarnation: int) -> Engine:
@@ -77,6 +96,81 @@ def renew_lease(now: float, engine: Engine) -> Engine:
 def end_incarnation(now: float, engine: Engine) -> Engine:
     """The engine marked ended; it lingers as a tombstone so late calls get LEASE_EXPIRED."""
     return replace(engine, ended_at=now)
+
+
+class Lapse(Enum):
+    """Why the sweeper acts on an engine record (see `lapse`)."""
+
+    LEASE_PASSED = "lease passed"
+    """A live incarnation whose lease ran out: end it (its transfers abort, its peers are told)."""
+    TOMBSTONE_AGED = "tombstone aged"
+    """An ended incarnation kept tombstone_ttl already: forget the record."""
+
+
+def lapse(engine: Engine, now: float, tombstone_ttl: float) -> Lapse | None:
+    """The one rule for engine expiry: whether, and why, the sweeper acts on this record now.
+
+    Stores may narrow the candidates by an index (a lease or end-time order), never decide.
+    """
+    if engine.ended_at:
+        return Lapse.TOMBSTONE_AGED if engine.ended_at + tombstone_ttl <= now else None
+    return None if engine.alive(now) else Lapse.LEASE_PASSED
+
+
+def sweep_engine(now: float, tombstone_ttl: float, seen: Engine, cur: Engine | None) -> Engine | None:
+    """The engine update the sweeper applies to `seen`, a record that had lapsed, on the record now stored.
+
+    The lapse `seen` earned is applied only if the same incarnation still earns it: a lease renewed,
+    an incarnation replaced or already ended meanwhile is left as it is.
+    """
+    verdict = lapse(seen, now, tombstone_ttl)
+    if (
+        verdict is None
+        or cur is None
+        or cur.incarnation != seen.incarnation
+        or lapse(cur, now, tombstone_ttl) != verdict
+    ):
+        return cur
+    return end_incarnation(now, cur) if verdict is Lapse.LEASE_PASSED else None
+
+
+@dataclass(frozen=True)
+class LiveTransferLimit:
+    """The live-transfer limit (max_live_transfers_per_engine) for calls of one engine.
+
+    `room` is how many more unsettled transfers the engine may join. A call that would make it join
+    one more is refused once there is no room; calls on transfers it already takes part in go through.
+    """
+
+    engine_id: str
+    limit: int
+    room: int
+
+    @classmethod
+    def of(cls, limits: Limits, engine: Engine, live: int) -> LiveTransferLimit:
+        """The limit for an engine that takes part in `live` unsettled transfers now."""
+        limit = limits.max_live_transfers_per_engine
+        return cls(engine.engine_id, limit, limit - live)
+
+    def allows(self, calls: int) -> bool:
+        """Whether that many calls stay within the limit whatever they do (so they need no checking in order)."""
+        return self.room >= calls
+
+    def check(self, cur: Transfer | None) -> None:
+        """Refuse a call on cur that would make the engine join one more transfer without room for it."""
+        if self.room <= 0 and (cur is None or self.engine_id not in cur.participants()):
+            raise RendezvousError(
+                Reason.TOO_MANY_TRANSFERS,
+                f"engine {self.engine_id} has {self.limit} live transfers",
+                limit=self.limit,
+            )
+
+    def after(self, outcome: Transfer | None) -> LiveTransferLimit:
+        """The limit after a call that left outcome: a live transfer takes room (counted even when the
+        engine was in it already, which errs on the side of refusing)."""
+        if outcome is None or outcome.state.terminal:
+            return self
+        return LiveTransferLimit(self.engine_id, self.limit, self.room - 1)
 
 
 def layout_mismatch(producer: Engine, consumer: Engine) -> str | None:

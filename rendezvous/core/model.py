@@ -9,113 +9,43 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
 
+from rendezvous.protocol.enums import (
+    LIVE_STATES,
+    AbortReason,
+    CompletionOutcome,
+    EngineRole,
+    EventType,
+    MemoryKind,
+    TransferMode,
+    TransferState,
+)
+from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
 
-class Role(IntEnum):
-    """Which side of a transfer an engine plays."""
+__all__ = [
+    "LIVE_STATES",
+    "AbortReason",
+    "Addressed",
+    "Engine",
+    "Event",
+    "EventType",
+    "KvLayout",
+    "KvRegion",
+    "MemoryKind",
+    "Mode",
+    "NixlAgent",
+    "Outcome",
+    "Role",
+    "State",
+    "Transfer",
+    "TransferTimes",
+]
 
-    PRODUCER = 1
-    CONSUMER = 2
-
-
-class MemoryKind(IntEnum):
-    """Where an engine's KV regions live."""
-
-    DRAM = 1
-    VRAM = 2
-
-
-class State(IntEnum):
-    """Lifecycle state of a transfer."""
-
-    TARGETED = 1
-    CLAIMED = 2
-    MATCHED = 3
-    COMMITTED = 4
-    RELEASED = 5
-    ABORTED = 6
-
-    @property
-    def terminal(self) -> bool:
-        """Released and aborted transfers are tombstones: kept briefly, never revived."""
-        return self in (State.RELEASED, State.ABORTED)
-
-
-LIVE_STATES = (State.TARGETED, State.CLAIMED, State.MATCHED, State.COMMITTED)
-
-
-class Mode(IntEnum):
-    """Which side moves the bytes."""
-
-    PUSH = 1
-    PULL = 2
-
-
-class AbortReason(IntEnum):
-    """Why a transfer was aborted."""
-
-    NONE = 0
-    REQUESTED = 1
-    DEADLINE_EXCEEDED = 2
-    PEER_LOST = 3
-    LAYOUT_MISMATCH = 4
-    TRANSFER_FAILED = 5
-    BLOCK_MISMATCH = 6
-
-
-class EventType(IntEnum):
-    """Kinds of engine events."""
-
-    TRANSFER_ASSIGNED = 1
-    TRANSFER_REVOKED = 2
-    SOURCE_READY = 3
-    TRANSFER_COMMITTED = 4
-    TRANSFER_ABORTED = 5
-    PEER_LOST = 6
-    REVOCATION_CONFIRMED = 7
-
-
-class Outcome(IntEnum):
-    """Result of moving a generation's bytes."""
-
-    SUCCEEDED = 1
-    FAILED = 2
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """An engine's KV cache shape; producer and consumer must agree to match."""
-
-    model_fingerprint: str = ""
-    dtype: str = ""
-    block_size: int = 0
-    num_layers: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
-    kv_layout: str = ""
-
-
-@dataclass(frozen=True)
-class KvRegion:
-    """A registered region of equally sized blocks: block b starts at base + b * stride."""
-
-    base_address: int
-    block_stride_bytes: int
-    block_length_bytes: int
-    num_blocks: int
-    device_id: int = 0
-
-
-@dataclass(frozen=True)
-class NixlAgent:
-    """The data-plane identity of one rank: NIXL agent name, metadata and regions."""
-
-    name: str
-    metadata: bytes
-    rank: int = 0
-    memory_kind: MemoryKind = MemoryKind.DRAM
-    regions: tuple[KvRegion, ...] = ()
+# The protocol's vocabulary under the names the core speaks (same objects, not copies).
+Role = EngineRole
+State = TransferState
+Mode = TransferMode
+Outcome = CompletionOutcome
 
 
 @dataclass(frozen=True)
@@ -134,6 +64,9 @@ class Engine:
     registered_at: float
     # When the incarnation ended (deregistered, expired or replaced); 0.0 while live.
     ended_at: float = 0.0
+    # The incarnation this one replaced while the loss of that one's transfers is not known to be
+    # applied (0 when none): whoever finds it set (re-registration, keep-alive, sweep) applies it.
+    unlost_incarnation: int = 0
 
     def alive(self, now: float) -> bool:
         """True while the lease holds and the incarnation has not ended."""
@@ -173,7 +106,7 @@ class Transfer:
     target_block_ids: tuple[int, ...] = ()
     source_block_ids: tuple[int, ...] | None = None
     num_tokens: int = 0
-    abort_reason: AbortReason = AbortReason.NONE
+    abort_reason: AbortReason = AbortReason.UNSPECIFIED
     abort_message: str = ""
     # Generation the producer was told to write and may still be writing; 0 when none.
     assigned_generation: int = 0

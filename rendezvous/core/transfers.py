@@ -77,6 +77,18 @@ def _times(t: Transfer, **changes: float) -> TransferTimes:
     return replace(t.times, **changes)
 
 
+def _tombstone(ctx: Context, t: Transfer, state: State) -> Transfer:
+    """t ended in state (RELEASED or ABORTED) now: kept as a tombstone for tombstone_ttl, so late halves
+    and retried calls learn the outcome; then `expire` forgets it."""
+    return replace(t, state=state, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(t, end=ctx.now))
+
+
+def _release(ctx: Context, t: Transfer) -> Transition:
+    """The release step, the one way a committed transfer ends: its consumer is done with the blocks
+    (ReleaseTarget), release_timeout passed without a release, or the consumer's engine is gone."""
+    return Transition(_tombstone(ctx, t, State.RELEASED))
+
+
 def _require_role(engine: Engine, role: Role) -> None:
     if engine.role != role:
         raise RendezvousError(
@@ -122,14 +134,11 @@ def _abort(
     """Abort t. Unless the producer has stopped, a generation it may be writing stays fenced."""
     revoking = 0 if producer_stopped else (t.revoking_generation or t.assigned_generation)
     aborted = replace(
-        t,
-        state=State.ABORTED,
+        _tombstone(ctx, t, State.ABORTED),
         abort_reason=reason,
         abort_message=message,
         assigned_generation=0,
         revoking_generation=revoking,
-        deadline=ctx.now + ctx.timeouts.tombstone_ttl,
-        times=_times(t, end=ctx.now),
     )
     return Transition(aborted, tuple(_event(ctx, e, EventType.TRANSFER_ABORTED, aborted) for e in notify))
 
@@ -176,12 +185,7 @@ def _side_lost(ctx: Context, t: Transfer, producer_side: bool) -> Transition:
             )
         return Transition(t)
     if t.state == State.COMMITTED:
-        if producer_side:
-            return Transition(t)
-        released = replace(
-            t, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(t, end=ctx.now)
-        )
-        return Transition(released)
+        return Transition(t) if producer_side else _release(ctx, t)
     side = "producer" if producer_side else "consumer"
     engine_id = t.producer_engine_id if producer_side else t.consumer_engine_id
     incarnation = t.producer_incarnation if producer_side else t.consumer_incarnation
@@ -543,10 +547,7 @@ def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseS
             transfer_id=cur.transfer_id,
         )
     _check_generation(cur, spec.generation)
-    released = replace(
-        cur, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(cur, end=ctx.now)
-    )
-    return Transition(released)
+    return _release(ctx, cur)
 
 
 def abort(ctx: Context, cur: Transfer | None, caller: Engine | None, spec: AbortSpec) -> Transition:
@@ -556,16 +557,14 @@ def abort(ctx: Context, cur: Transfer | None, caller: Engine | None, spec: Abort
     """
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     if cur is None:
-        return Transition(
-            Transfer(
-                transfer_id=spec.transfer_id,
-                state=State.ABORTED,
-                deadline=ctx.now + ctx.timeouts.tombstone_ttl,
-                abort_reason=AbortReason.REQUESTED,
-                abort_message=spec.message,
-                times=TransferTimes(end=ctx.now),
-            )
+        unknown = Transfer(
+            transfer_id=spec.transfer_id,
+            state=State.ABORTED,
+            deadline=0.0,
+            abort_reason=AbortReason.REQUESTED,
+            abort_message=spec.message,
         )
+        return Transition(_tombstone(ctx, unknown, State.ABORTED))
     caller_id = caller.engine_id if caller else ""
     if caller is not None and caller_id not in cur.participants():
         raise _not_participant(cur, caller_id)
@@ -582,10 +581,7 @@ def expire(ctx: Context, cur: Transfer | None) -> Transition:
     if cur is None or cur.deadline > ctx.now:
         return Transition(cur)
     if cur.state == State.COMMITTED:
-        released = replace(
-            cur, state=State.RELEASED, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(cur, end=ctx.now)
-        )
-        return Transition(released)
+        return _release(ctx, cur)
     if not cur.state.terminal:
         return _abort(ctx, cur, AbortReason.DEADLINE_EXCEEDED, "deadline exceeded", cur.participants())
     if cur.revoking_generation and cur.consumer_engine_id:
@@ -600,6 +596,8 @@ def engine_lost(ctx: Context, cur: Transfer | None, lost: Engine) -> Transition:
     if cur is None or lost.engine_id not in cur.participants():
         return Transition(cur)
     is_producer = lost.engine_id == cur.producer_engine_id
-    if (cur.producer_incarnation if is_producer else cur.consumer_incarnation) != lost.incarnation:
+    if (cur.producer_incarnation if is_producer else cur.consumer_incarnation) > lost.incarnation:
+        # A later incarnation's transfer. Earlier ones are gone too: incarnations only grow, and a loss
+        # that was never applied (a replica died between re-registration and loss) is applied now.
         return Transition(cur)
     return _side_lost(ctx, cur, is_producer)

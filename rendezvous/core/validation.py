@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import KvRegion, NixlAgent
+from rendezvous.core.model import KvRegion, MemoryKind, NixlAgent
 from rendezvous.core.specs import EngineSpec
 
 
@@ -94,6 +94,12 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
         raise RendezvousError(Reason.AGENTS_INVALID, "agent ranks must be 0..N-1, each once")
     for agent in spec.agents:
         check_id("agent name", agent.name, limits)
+        if agent.memory_kind not in (MemoryKind.DRAM, MemoryKind.VRAM):
+            raise RendezvousError(
+                Reason.AGENTS_INVALID,
+                f"agent {agent.name} has no known memory kind; use DRAM or VRAM",
+                field="memory_kind",
+            )
         if len(agent.metadata) > limits.max_agent_metadata_bytes:
             raise RendezvousError(
                 Reason.AGENTS_INVALID,

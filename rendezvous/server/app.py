@@ -122,7 +122,7 @@ class RendezvousServer:
         servicer = RendezvousServicer(
             self.coordinator, self.metrics, self.server_id, cfg.idempotency_ttl, cfg.watch_batch, self._stopping
         )
-        pb_grpc.add_RendezvousServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+        pb_grpc.add_RendezvousServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         if self.certificates is not None:

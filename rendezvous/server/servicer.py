@@ -23,6 +23,7 @@ from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Role, State
+from rendezvous.protocol.convert import duration, number, timestamp
 from rendezvous.server.metrics import Metrics
 from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -143,7 +144,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             pb.ItemResult(
                 transfer_id=o.transfer_id,
                 status=wire.error_status(o.error) if o.error else None,
-                state=wire.enum_value(o.transfer.state if o.transfer else 0),
+                state=number(o.transfer.state if o.transfer else 0),
                 revoking_generation=o.transfer.revoking_generation if o.transfer else 0,
             )
             for o in outcomes
@@ -166,15 +167,14 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         async for request in request_iterator:
             try:
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
+                header = await self._header()
             except (RendezvousError, StoreUnavailableError) as exc:
                 err = _as_error(exc)
                 self.metrics.rpcs.labels("KeepAlive", err.code.value).inc()
                 await _abort(context, err)
                 return
             self.metrics.rpcs.labels("KeepAlive", "OK").inc()
-            yield pb.KeepAliveResponse(
-                header=await self._header(), engine_id=engine.engine_id, lease_ttl=wire.duration(engine.lease_ttl)
-            )
+            yield pb.KeepAliveResponse(header=header, engine_id=engine.engine_id, lease_ttl=duration(engine.lease_ttl))
 
     @_rpc(pb.DeregisterEngineResponse)
     async def DeregisterEngine(
@@ -305,7 +305,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             live_engines=counts.live_engines,
             transfers_by_state={s.name: n for s, n in counts.transfers_by_state.items()},
             watchers=self.watchers.total,
-            start_time=wire.timestamp(self.started_at),
+            start_time=timestamp(self.started_at),
         )
 
     # Events

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from rendezvous.core.engines import lapse
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
 
@@ -92,8 +93,17 @@ class Store(ABC):
         """Atomically replace an engine record by fn(current); returns the new record."""
 
     @abstractmethod
+    async def lapse_candidates(self, now: float, tombstone_ttl: float) -> list[Engine]:
+        """Engine records that may have lapsed by now: at least every one whose lease passed without
+        ending, or whose tombstone outlived tombstone_ttl; maybe more.
+
+        Backends narrow the candidates cheaply by an index (lease expiry, end time); whether a record
+        has lapsed is the core's decision (rendezvous.core.engines.lapse), which the sweeper applies.
+        """
+
     async def lapsed_engines(self, now: float, tombstone_ttl: float) -> list[Engine]:
-        """Engines whose lease passed without ending, or whose tombstone outlived tombstone_ttl."""
+        """The candidates that have lapsed, by the core's rule."""
+        return [e for e in await self.lapse_candidates(now, tombstone_ttl) if lapse(e, now, tombstone_ttl)]
 
     @abstractmethod
     async def get_transfer(self, transfer_id: str) -> Transfer | None:

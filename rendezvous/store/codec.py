@@ -142,6 +142,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.lease_expires_at,
         e.registered_at,
         e.ended_at,
+        e.unlost_incarnation,
     ]
 
 
@@ -170,6 +171,7 @@ def engine_from_fields(obj: Any) -> Engine:
         lease_expires_at=f[9],
         registered_at=f[10],
         ended_at=f[11],
+        unlost_incarnation=f[12] if len(f) > 12 else 0,
     )
 
 

@@ -92,12 +92,9 @@ class MemoryStore(Store):
             self._logs[engine_id] = _EventLog(self._max_events)
         return new
 
-    async def lapsed_engines(self, now: float, tombstone_ttl: float) -> list[Engine]:
-        return [
-            e
-            for e in self._engines.values()
-            if (not e.ended_at and e.lease_expires_at <= now) or (e.ended_at and e.ended_at + tombstone_ttl <= now)
-        ]
+    async def lapse_candidates(self, now: float, tombstone_ttl: float) -> list[Engine]:
+        # No index: every record is a candidate (the sweeper's core rule picks the lapsed ones).
+        return list(self._engines.values())
 
     async def get_transfer(self, transfer_id: str) -> Transfer | None:
         return self._transfers.get(transfer_id)

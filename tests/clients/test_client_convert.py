@@ -25,6 +25,7 @@ from clients import (
     _convert,
 )
 from clients import _commands as commands
+from rendezvous.protocol import convert
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.clients.conftest import LAYOUT, agent
 
@@ -52,10 +53,10 @@ def test_registration_request_carries_the_whole_engine_spec() -> None:
     request = _convert.register_engine_request(spec, "rid")
     assert request.request_id == "rid"
     assert (request.engine_id, request.pool, request.role) == ("d0", "decode", pb.ENGINE_ROLE_CONSUMER)
-    assert _convert.layout(request.layout) == LAYOUT
-    assert _convert.agent(request.agents[0]) == spec.agents[0]
+    assert convert.layout(request.layout) == LAYOUT
+    assert convert.agent(request.agents[0]) == spec.agents[0]
     assert dict(request.labels) == {"zone": "a"}
-    assert _convert.seconds(request.lease_ttl) == 2.5
+    assert convert.seconds(request.lease_ttl) == 2.5
 
 
 def test_zero_durations_are_left_unset_so_the_server_default_applies() -> None:
@@ -67,9 +68,9 @@ def test_zero_durations_are_left_unset_so_the_server_default_applies() -> None:
 
 @given(st.floats(min_value=0.001, max_value=3600.0, allow_nan=False))
 def test_durations_round_trip_to_the_nanosecond(seconds: float) -> None:
-    duration = _convert.duration(seconds)
+    duration = convert.duration(seconds)
     assert duration is not None
-    assert abs(_convert.seconds(duration) - seconds) < 1e-9
+    assert abs(convert.seconds(duration) - seconds) < 1e-9
 
 
 @given(

@@ -13,6 +13,8 @@ from connector import ConnectorConfig
 from connector._loop import LoopThread
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+NOT_NEEDED: Any = None
+"""Stands in for vLLM's config objects where the code under test does not reach them."""
 
 
 def test_stopping_the_thread_closes_its_event_loop() -> None:
@@ -63,7 +65,7 @@ def test_the_workers_shutdown_path_closes_its_loop() -> None:
     from connector.rendezvous_connector import _WorkerSide
 
     config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1"})
-    worker = _WorkerSide(config, True, "p0", None, None)  # type: ignore[arg-type]
+    worker = _WorkerSide(config, True, "p0", NOT_NEEDED, NOT_NEEDED)
     worker._thread = thread = LoopThread("test-worker")
     worker.stop()
     assert worker._thread is None
@@ -83,8 +85,8 @@ def test_a_worker_that_fails_to_start_closes_its_loop(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(module, "LoopThread", Recorded)
     config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1", "start_timeout": 5})
-    caches = SimpleNamespace(num_blocks=1)
-    worker = module._WorkerSide(config, True, "p0", None, caches)  # type: ignore[arg-type]
+    caches: Any = SimpleNamespace(num_blocks=1)
+    worker = module._WorkerSide(config, True, "p0", NOT_NEEDED, caches)
     with pytest.raises(AttributeError):  # no vLLM config: the start-up fails on the loop
         worker.start({})
     (thread,) = started

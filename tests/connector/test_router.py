@@ -48,6 +48,7 @@ class FakeEngine:
     def __init__(self, name: str) -> None:
         self.name = name
         self.bodies: list[dict[str, Any]] = []
+        self.received = asyncio.Event()
         self.gate = asyncio.Event()
         self.gate.set()
         self.status = 200
@@ -69,6 +70,7 @@ class FakeEngine:
 
     async def _complete(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
+        self.received.set()
         try:
             await self.gate.wait()
         except asyncio.CancelledError:
@@ -230,8 +232,7 @@ async def test_least_loaded_avoids_a_busy_engine(cluster: Cluster, make_router: 
     router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.LEAST_LOADED)
     busy.gate.clear()
     held = asyncio.create_task(router.complete("tiny"))  # d0 first (ids in order), and it does not answer
-    while not busy.bodies:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(busy.received.wait(), WAIT)
     assert router.router.engines.load("d0") == 1
     answers = [(await router.complete("tiny"))[1]["engine"] for _ in range(3)]
     assert answers == ["d1", "d1", "d1"]  # round-robin would have sent the second one to d0
@@ -277,8 +278,7 @@ async def test_a_client_that_goes_away_aborts_the_transfer(cluster: Cluster, mak
     decode.gate.clear()
     router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
     request = asyncio.create_task(router.complete("tiny"))
-    while not decode.bodies:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(decode.received.wait(), WAIT)
     request.cancel()  # closes the client's connection
     with pytest.raises(asyncio.CancelledError):
         await request

@@ -128,6 +128,30 @@ def test_a_new_incarnation_resending_its_predecessors_target_ends_it() -> None:
     assert ok(w.target()) == State.ABORTED
 
 
+def test_a_loss_the_registering_replica_never_applied_is_applied_by_the_next_keep_alive() -> None:
+    """A replica re-registered the consumer and died before aborting the old incarnation's transfers."""
+    w = World()
+    w.target("t-old")
+    new = replace_without_loss(w, "d1", Role.CONSUMER)
+    assert new.unlost_incarnation == w.d1.incarnation
+    record = run(w.store.get_transfer("t-old"))
+    assert record is not None and record.state == State.TARGETED
+    renewed = run(w.coord.keep_alive("d1", new.incarnation))
+    assert renewed.unlost_incarnation == 0
+    record = run(w.store.get_transfer("t-old"))
+    assert record is not None and record.state == State.ABORTED
+    assert record.abort_reason == AbortReason.PEER_LOST
+
+
+def test_losing_an_incarnation_also_ends_what_earlier_ones_left_behind() -> None:
+    w = World()
+    w.claim("t-first")
+    replace_without_loss(w, "p1", Role.PRODUCER)
+    run(w.coord.deregister_engine("p1", 0))
+    record = run(w.store.get_transfer("t-first"))
+    assert record is not None and record.state == State.ABORTED
+
+
 class RacingStore(MemoryStore):
     """A memory store in which another replica registers the engine just before this replica's update."""
 

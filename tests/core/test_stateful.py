@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -27,6 +29,7 @@ from rendezvous.core import (
     ClaimSpec,
     CompletionSpec,
     Engine,
+    Event,
     EventType,
     Mode,
     Outcome,
@@ -41,6 +44,7 @@ from rendezvous.core import (
 )
 from rendezvous.core.engines import end_incarnation, register_engine
 from rendezvous.store import MemoryStore
+from tests.ci import examples
 from tests.core.helpers import Clock, engine_spec, run
 
 CONSUMERS = ("c0", "c1")
@@ -81,11 +85,14 @@ class Lifecycle(RuleBasedStateMachine):
 
     @initialize(target=transfers)
     def first_transfer(self) -> str:
-        return self.mint()
+        return self._mint()
 
     @rule(target=transfers)
     def mint(self) -> str:
         """A router mints a fresh transfer id."""
+        return self._mint()
+
+    def _mint(self) -> str:
         self.minted.append(f"t{len(self.minted)}")
         return self.minted[-1]
 
@@ -99,7 +106,8 @@ class Lifecycle(RuleBasedStateMachine):
         for key in [k for k in self.held if k[0] == producer]:
             del self.held[key]
 
-    def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+    def _call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        """fn's answer, or None when it refused."""
         try:
             return run(fn(*args))
         except RendezvousError:
@@ -115,7 +123,7 @@ class Lifecycle(RuleBasedStateMachine):
                 self.seen[engine_id] = event.revision
                 self._check_event(engine_id, event)
 
-    def _check_event(self, engine_id: str, event) -> None:  # type: ignore[no-untyped-def]
+    def _check_event(self, engine_id: str, event: Event) -> None:
         t = event.transfer
         if t is not None:
             assert engine_id in t.participants(), f"{event.type.name} for {t.transfer_id} sent to outsider {engine_id}"
@@ -123,9 +131,9 @@ class Lifecycle(RuleBasedStateMachine):
                 assert engine_id == t.producer_engine_id
             if event.type in CONSUMER_EVENTS:
                 assert engine_id == t.consumer_engine_id
-        key = (engine_id, t.transfer_id) if t is not None else None
         if event.type == EventType.TRANSFER_ASSIGNED:
             assert t is not None and event.peer is not None
+            key = (engine_id, t.transfer_id)
             consumer = run(self.store.get_engine(t.consumer_engine_id))
             producer = run(self.store.get_engine(t.producer_engine_id))
             assert event.peer.incarnation == t.consumer_incarnation, f"{t.transfer_id} assigned another incarnation"
@@ -136,6 +144,7 @@ class Lifecycle(RuleBasedStateMachine):
             assert not self.held[key], f"{engine_id} assigned {event.generation} while holding {self.held[key]}"
             self.held[key].add(event.generation)
         elif event.type == EventType.REVOCATION_CONFIRMED:
+            assert t is not None
             producer_key = (t.producer_engine_id, t.transfer_id)
             still_held = event.generation in self.held.get(producer_key, set())
             tombstone_dropped = run(self.store.get_transfer(t.transfer_id)) is None
@@ -149,6 +158,7 @@ class Lifecycle(RuleBasedStateMachine):
             if still_held:
                 self.held[producer_key].discard(event.generation)
         elif event.type == EventType.TRANSFER_ABORTED:
+            assert t is not None
             abort_key = (engine_id, t.transfer_id, t.times.end)
             self.aborts_heard[abort_key] += 1
             assert self.aborts_heard[abort_key] == 1, f"{engine_id} told twice of the abort of {t.transfer_id}"
@@ -372,7 +382,7 @@ class Lifecycle(RuleBasedStateMachine):
 
 
 Lifecycle.TestCase.settings = settings(
-    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("STATEFUL_EXAMPLES", examples(150))),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

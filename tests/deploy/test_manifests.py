@@ -4,6 +4,7 @@ pass hadolint and the dashboard only charts metrics the server exports."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import re
@@ -118,7 +119,8 @@ def test_ha_runs_three_replicas_on_redis_with_mtls() -> None:
 
 @pytest.mark.parametrize("overlay", ["overlays/single", "overlays/ha"])
 def test_every_configured_variable_is_a_serve_flag(overlay: str) -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    (commands,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
     flags = {a.dest.upper() for a in serve._actions}
     for name in env(one(rendered(overlay), "Deployment", "kv-rendezvous")):
         assert name.removeprefix("KV_RENDEZVOUS_") in flags, name

@@ -99,16 +99,24 @@ class _Host:
 
 
 def _serve(conn: Connection) -> None:
+    import clients.nixl  # noqa: F401  (NIXL and torch load here, before the parent's first call is timed)
+
     host = _Host()
+    conn.send((0, "ok", "ready"))
     while True:
         request = conn.recv()
         if request is None:
             return
-        command, args = request
+        seq, command, args = request
         try:
-            conn.send(("ok", getattr(host, command)(*args)))
+            conn.send((seq, "ok", getattr(host, command)(*args)))
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            conn.send((seq, "error", traceback.format_exc()))
+
+
+STARTUP_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 30.0
+"""Only a failing test waits this long; a loaded 2-core machine can take over 10 s to register memory."""
 
 
 class PeerProcess:
@@ -121,19 +129,29 @@ class PeerProcess:
         self._process = ctx.Process(target=_serve, args=(child_conn,), daemon=True)
         self._process.start()
         child_conn.close()
+        self._sent = 0
+        # Spawning and importing NIXL take seconds, many more on a loaded machine: wait for that once,
+        # so each call's own timeout measures only the call.
+        assert self.result(STARTUP_TIMEOUT_S) == "ready"
 
     def send(self, command: str, *args: Any) -> None:
-        self._conn.send((command, args))
+        self._sent += 1
+        self._conn.send((self._sent, command, args))
 
-    def result(self, timeout: float = 10.0) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer process did not answer within {timeout} s")
-        status, value = self._conn.recv()
+    def result(self, timeout: float = CALL_TIMEOUT_S) -> Any:
+        """The answer to the latest command; answers to earlier ones that timed out are dropped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"peer process did not answer within {timeout} s")
+            seq, status, value = self._conn.recv()
+            if seq == self._sent:
+                break
         if status != "ok":
             raise RuntimeError(f"peer process failed:\n{value}")
         return value
 
-    def call(self, command: str, *args: Any, timeout: float = 10.0) -> Any:
+    def call(self, command: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         self.send(command, *args)
         return self.result(timeout)
 

@@ -25,6 +25,7 @@ from clients import (
     ClientConfig,
     CompletionSpec,
     ConsumerSession,
+    Event,
     EventType,
     KvLayout,
     ProducerSession,
@@ -293,11 +294,11 @@ async def test_a_push_transfer_completes_with_one_token_per_engine(server: Rende
             await decode.register_target(TargetSpec(transfer_id, block_ids=[1, 2]))
             await prefill.claim_transfer(ClaimSpec(transfer_id))
             async for event in prefill.events():
-                if getattr(event, "type", None) == EventType.TRANSFER_ASSIGNED:
+                if isinstance(event, Event) and event.type == EventType.TRANSFER_ASSIGNED:
                     await prefill.complete_transfer(CompletionSpec(transfer_id, event.generation))
                     break
             async for event in decode.events():
-                if getattr(event, "type", None) == EventType.TRANSFER_COMMITTED:
+                if isinstance(event, Event) and event.type == EventType.TRANSFER_COMMITTED:
                     await decode.release_target(ReleaseSpec(transfer_id, event.generation))
                     break
 

@@ -23,6 +23,7 @@ from clients.testing import TestServer
 from rendezvous.core import Limits
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.ci import examples
 from tests.service.conftest import engine_request
 
 SERVICE = pb.DESCRIPTOR.services_by_name["RendezvousService"]
@@ -53,6 +54,7 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
         low, high = _INTS[kind]
         edges = st.sampled_from([low, high, 0, 1, -1 if low < 0 else 2])
         if kind == _T.TYPE_ENUM:
+            assert field.enum_type is not None  # an enum field has its enum type
             return st.one_of(st.sampled_from([v.number for v in field.enum_type.values]), edges)
         return st.one_of(st.integers(low, high), edges)
     if kind == _T.TYPE_STRING:
@@ -70,6 +72,7 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
 
 def _value(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
     if field.type == _T.TYPE_MESSAGE:
+        assert field.message_type is not None  # a message field has its message type
         return messages(field.message_type, depth + 1)
     return _scalar(field)
 
@@ -81,8 +84,9 @@ def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Messag
         return st.just(cls())
     optional: dict[str, st.SearchStrategy[Any]] = {}
     for field in descriptor.fields:
-        if field.type == _T.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
-            key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+        entry = field.message_type if field.type == _T.TYPE_MESSAGE else None
+        if entry is not None and entry.GetOptions().map_entry:
+            key, value = entry.fields_by_name["key"], entry.fields_by_name["value"]
             optional[field.name] = st.dictionaries(_value(key, depth), _value(value, depth), max_size=3)
         elif field.is_repeated:
             optional[field.name] = st.lists(_value(field, depth), max_size=4)
@@ -126,7 +130,9 @@ def _call(channel: grpc.Channel, method: Any, request: Message) -> None:
 
 
 _SETTINGS = settings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=examples(200),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
 

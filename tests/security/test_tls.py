@@ -36,7 +36,10 @@ async def serving(tls: ServerTLS) -> AsyncIterator[RendezvousServer]:
 async def status_over(address: str, credentials: grpc.ChannelCredentials | None) -> pb.GetStatusResponse:
     channel = grpc.aio.secure_channel(address, credentials) if credentials else grpc.aio.insecure_channel(address)
     async with channel:
-        return await pb_grpc.RendezvousServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10)
+        status: pb.GetStatusResponse = await pb_grpc.RendezvousServiceStub(channel).GetStatus(
+            pb.GetStatusRequest(), timeout=10
+        )
+        return status
 
 
 async def test_a_tls_client_reaches_a_tls_server(server_files: tuple[str, str], ca: CertificateAuthority) -> None:

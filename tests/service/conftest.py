@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
@@ -20,7 +21,7 @@ def agent(name: str, num_blocks: int = 64) -> pb.NixlAgent:
     return pb.NixlAgent(name=name, metadata=b"md-" + name.encode(), memory_kind=pb.MEMORY_KIND_DRAM, regions=[region])
 
 
-def engine_request(engine_id: str, role: int, **kw: object) -> pb.RegisterEngineRequest:
+def engine_request(engine_id: str, role: pb.EngineRole, **kw: Any) -> pb.RegisterEngineRequest:
     pool = "decode" if role == pb.ENGINE_ROLE_CONSUMER else "prefill"
     return pb.RegisterEngineRequest(
         engine_id=engine_id, pool=pool, role=role, layout=LAYOUT, agents=[agent(engine_id + "-0")], **kw

@@ -28,7 +28,9 @@ async def test_bad_engine_ids(stub: Stub, engine_id: str, reason: str) -> None:
 
 
 async def test_unspecified_role(stub: Stub) -> None:
-    await expect_error(stub.RegisterEngine(engine_request("x", 0)), Code.INVALID_ARGUMENT, "ROLE_UNSPECIFIED")
+    await expect_error(
+        stub.RegisterEngine(engine_request("x", pb.ENGINE_ROLE_UNSPECIFIED)), Code.INVALID_ARGUMENT, "ROLE_UNSPECIFIED"
+    )
 
 
 async def test_overlapping_regions_are_invalid_agents(stub: Stub) -> None:
@@ -72,7 +74,7 @@ async def test_wrong_role(stub: Stub) -> None:
         ([64], Code.OUT_OF_RANGE, "BLOCK_ID_OUT_OF_RANGE"),
     ],
 )
-async def test_bad_block_ids(stub: Stub, blocks: list[int], code: Code, reason: str) -> None:
+async def test_bad_block_ids(stub: Stub, blocks: list[int], code: grpc.StatusCode, reason: str) -> None:
     await register_pair(stub)
     (result,) = await target(stub, pb.TargetSpec(transfer_id="t", block_ids=blocks))
     assert (result.status.code, item_reason(result.status)) == (code.value[0], reason)
@@ -138,7 +140,8 @@ async def test_bad_page_token_and_state_filter(stub: Stub) -> None:
     await expect_error(
         stub.ListTransfers(pb.ListTransfersRequest(page_token="%%%")), Code.INVALID_ARGUMENT, "PAGE_TOKEN_INVALID"
     )
-    await expect_error(stub.ListTransfers(pb.ListTransfersRequest(states=[42])), Code.INVALID_ARGUMENT, "STATE_INVALID")
+    bad_state = pb.ListTransfersRequest(states=[42])  # type: ignore[list-item]  # not a state: that is the test
+    await expect_error(stub.ListTransfers(bad_state), Code.INVALID_ARGUMENT, "STATE_INVALID")
 
 
 async def test_unspecified_completion_outcome(stub: Stub) -> None:

@@ -19,7 +19,7 @@ CONSUMER, PRODUCER = pb.ENGINE_ROLE_CONSUMER, pb.ENGINE_ROLE_PRODUCER
 
 
 def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    status = rpc_status.from_call(err)
     assert status is not None, "the error carries no google.rpc.Status"
     (detail,) = status.details
     info = error_details_pb2.ErrorInfo()
@@ -31,7 +31,7 @@ def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
 def item_reason(status: status_pb2.Status) -> str:
     info = error_details_pb2.ErrorInfo()
     assert status.details[0].Unpack(info)
-    return info.reason
+    return str(info.reason)
 
 
 async def expect_error(call: object, code: grpc.StatusCode, reason: str) -> None:
@@ -47,7 +47,7 @@ async def register_pair(stub: Stub) -> tuple[pb.RegisterEngineResponse, pb.Regis
     return d, p
 
 
-async def next_events(stream: grpc.aio.UnaryStreamCall, n: int = 1) -> list[pb.Event]:  # type: ignore[type-arg]
+async def next_events(stream: grpc.aio.UnaryStreamCall, n: int = 1) -> list[pb.Event]:
     events: list[pb.Event] = []
     while len(events) < n:
         response = await asyncio.wait_for(stream.read(), 5)

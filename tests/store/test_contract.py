@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,7 @@ LIMITS = Limits()
 TIMEOUTS = Timeouts()
 
 
-def make_engine(engine_id: str, role: Role = Role.CONSUMER, now: float = NOW, **kw: object) -> Engine:
+def make_engine(engine_id: str, role: Role = Role.CONSUMER, now: float = NOW, **kw: Any) -> Engine:
     return engine_rules.register_engine(now, None, engine_spec(engine_id, role, **kw), LIMITS, TIMEOUTS)
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rendezvous.coordinator import Coordinator
+from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import (
     AbortSpec,
     ClaimSpec,
@@ -33,6 +34,7 @@ from rendezvous.core import (
 )
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
+from tests.ci import examples
 from tests.core.helpers import Clock, engine_spec
 from tests.redis_fixtures import fresh_prefix, with_prefix
 
@@ -76,7 +78,7 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
             clock.advance(args[0])
             await coord.sweep()
             return None
-        calls = {
+        calls: dict[str, Callable[..., Awaitable[list[ItemOutcome]]]] = {
             "target": lambda c, t, g, b, pull: coord.register_targets(
                 c, 0, [TargetSpec(t, b, g, mode=Mode.PULL if pull else Mode.PUSH)]
             ),
@@ -133,7 +135,7 @@ async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
         await redis.close()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(operation, min_size=1, max_size=40))
 def test_random_operations_give_the_same_results_on_memory_and_redis(
     redis_url: str, ops: list[tuple[Any, ...]]

@@ -74,7 +74,7 @@ async def test_a_coordinator_page_decodes_about_a_page_of_redis_records(
 ) -> None:
     if backend == "memory":
         pytest.skip("the memory store decodes nothing")
-    import rendezvous.store.redis as redis_store
+    import rendezvous.store.redis.cache as redis_store
     from rendezvous.store import codec
 
     store = await make_store()

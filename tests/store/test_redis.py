@@ -405,3 +405,27 @@ async def test_one_undecodable_engine_record_does_not_stop_the_sweeper(redis_url
         assert record is not None and record.state == State.ABORTED
     finally:
         await store.close()
+
+
+async def test_a_write_seen_during_the_health_check_is_not_taken_for_redis_going_back_in_time(
+    redis_server: ControlledRedis,
+) -> None:
+    """The health check reads the revision while another call's write completes with a newer one."""
+    store = RedisStore(with_prefix(redis_server.url, fresh_prefix()))
+    await store.open()
+    try:
+        epoch = store.epoch
+        await put_engine(store, make_engine("c"))
+        assert store._health is not None
+        real_mget = store._health.mget
+
+        async def mget_while_a_write_lands(*keys: str) -> object:
+            stored = await real_mget(*keys)
+            await put_transfer(store, make_transfer("t"))  # its reply shows a revision newer than `stored`
+            return stored
+
+        store._health.mget = mget_while_a_write_lands  # type: ignore[method-assign,assignment]
+        assert await store.ping()
+        assert store.epoch == epoch, "a concurrent write made the replica start a new epoch"
+    finally:
+        await store.close()

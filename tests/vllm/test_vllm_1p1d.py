@@ -36,7 +36,7 @@ def disaggregated(
 ) -> tuple[str, str, dict[str, Any]]:
     """Both legs at once; returns (transfer id, decode's text, prefill's response)."""
     transfer_id = uuid.uuid4().hex
-    params = {"kv_transfer_params": {"transfer_id": transfer_id}}
+    params: dict[str, Any] = {"kv_transfer_params": {"transfer_id": transfer_id}}
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(prefill.complete, prompt if prefill_prompt is None else prefill_prompt, 1, **params)
         d = pool.submit(decode.complete, prompt, max_tokens, **params)

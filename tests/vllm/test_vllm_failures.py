@@ -175,7 +175,7 @@ def test_decode_preemption_keeps_outputs_exact(
     expected = [reference.complete(p, max_tokens, **extra)["choices"][0]["text"] for p in prompts]
 
     def one(prompt: list[int]) -> str:
-        params = {"kv_transfer_params": {"transfer_id": uuid.uuid4().hex}, **extra}
+        params: dict[str, Any] = {"kv_transfer_params": {"transfer_id": uuid.uuid4().hex}, **extra}
         with ThreadPoolExecutor(2) as pool:
             pool.submit(prefill.complete, prompt, 1, **params)
             return str(recompute_decode.complete(prompt, max_tokens, **params)["choices"][0]["text"])

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
     prefill, _, reference = engines
     prompt = token_prompt(3 * BLOCK_SIZE + 5, seed=13100)
     transfer_id = uuid.uuid4().hex
-    params = {"kv_transfer_params": {"transfer_id": transfer_id}}
+    params: dict[str, Any] = {"kv_transfer_params": {"transfer_id": transfer_id}}
     with ThreadPoolExecutor(2) as pool:
         prefill_leg = pool.submit(prefill.complete, prompt, 1, **params)
         decode_leg = pool.submit(big_block_decode.complete, prompt, 8, **params)

@@ -1,0 +1,118 @@
+"""The one mapping between the wire (rendezvous.v1 messages) and the protocol's shared records and scalars.
+
+Service (rendezvous.wire) and SDK (clients._convert) both build on it; each keeps only the mapping of
+the records that are its own (the service's domain records, the SDK's views of engines and transfers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from rendezvous.protocol.enums import MemoryKind
+from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+# Scalars
+
+
+def number(value: int) -> Any:
+    """A protocol enum member as the message enum of the same number (the stubs type those apart)."""
+    return int(value)
+
+
+def seconds(d: Duration) -> float:
+    """A Duration in seconds."""
+    return d.seconds + d.nanos * 1e-9
+
+
+def duration(s: float) -> Duration | None:
+    """Seconds as a Duration; zero (meaning "not set" or "server default") as unset."""
+    if not s:
+        return None
+    d = Duration()
+    d.FromNanoseconds(round(s * 1e9))
+    return d
+
+
+def unix_time(ts: Timestamp) -> float:
+    """A Timestamp as seconds since the Unix epoch; unset is 0.0."""
+    return ts.seconds + ts.nanos * 1e-9
+
+
+def timestamp(t: float) -> Timestamp | None:
+    """Seconds since the Unix epoch as a Timestamp; 0.0 (not happened) as unset."""
+    if not t:
+        return None
+    ts = Timestamp()
+    ts.FromNanoseconds(round(t * 1e9))
+    return ts
+
+
+# Shared records
+
+
+def layout_message(layout: KvLayout) -> pb.KvLayout:
+    """A KV layout as a message."""
+    return pb.KvLayout(
+        model_fingerprint=layout.model_fingerprint,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        tp_size=layout.tp_size,
+        pp_size=layout.pp_size,
+        kv_layout=layout.kv_layout,
+    )
+
+
+def layout(m: pb.KvLayout) -> KvLayout:
+    """A KV layout message as a record (sizes as sent: validation is the service's)."""
+    return KvLayout(
+        model_fingerprint=m.model_fingerprint,
+        dtype=m.dtype,
+        block_size=m.block_size,
+        num_layers=m.num_layers,
+        tp_size=m.tp_size,
+        pp_size=m.pp_size,
+        kv_layout=m.kv_layout,
+    )
+
+
+def region_message(r: KvRegion) -> pb.KvRegion:
+    """A KV region as a message."""
+    return pb.KvRegion(
+        base_address=r.base_address,
+        block_stride_bytes=r.block_stride_bytes,
+        block_length_bytes=r.block_length_bytes,
+        num_blocks=r.num_blocks,
+        device_id=r.device_id,
+    )
+
+
+def region(m: pb.KvRegion) -> KvRegion:
+    """A KV region message as a record."""
+    return KvRegion(m.base_address, m.block_stride_bytes, m.block_length_bytes, m.num_blocks, m.device_id)
+
+
+def agent_message(agent: NixlAgent, include_metadata: bool = True) -> pb.NixlAgent:
+    """A NIXL agent as a message; without its metadata bytes when include_metadata is false."""
+    return pb.NixlAgent(
+        name=agent.name,
+        metadata=agent.metadata if include_metadata else b"",
+        rank=agent.rank,
+        memory_kind=number(agent.memory_kind),
+        regions=[region_message(r) for r in agent.regions],
+    )
+
+
+def agent(m: pb.NixlAgent) -> NixlAgent:
+    """A NIXL agent message as a record; an unknown memory kind reads as UNSPECIFIED."""
+    return NixlAgent(
+        name=m.name,
+        metadata=m.metadata,
+        rank=m.rank,
+        memory_kind=MemoryKind(m.memory_kind),
+        regions=tuple(region(r) for r in m.regions),
+    )

@@ -1,0 +1,95 @@
+"""The protocol's enums, shared by the service and the SDK.
+
+Values equal the proto's numbers (rendezvous.v1), so mapping to the wire is a cast. A number this
+code does not know (sent by a newer peer) reads as UNSPECIFIED (0). Plain Python: no protobuf import.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class _WireEnum(IntEnum):
+    """An enum of the protocol: unknown numbers (added by a newer server) read as UNSPECIFIED (0)."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> _WireEnum:
+        return cls(0)
+
+
+class EngineRole(_WireEnum):
+    """Which side of a transfer an engine plays."""
+
+    UNSPECIFIED = 0
+    PRODUCER = 1
+    CONSUMER = 2
+
+
+class MemoryKind(_WireEnum):
+    """Where a NIXL region lives."""
+
+    UNSPECIFIED = 0
+    DRAM = 1
+    VRAM = 2
+
+
+class TransferState(_WireEnum):
+    """Lifecycle state of a transfer."""
+
+    UNSPECIFIED = 0
+    TARGETED = 1
+    CLAIMED = 2
+    MATCHED = 3
+    COMMITTED = 4
+    RELEASED = 5
+    ABORTED = 6
+
+    @property
+    def terminal(self) -> bool:
+        """Released and aborted transfers are over; the server keeps them briefly as tombstones."""
+        return self in (TransferState.RELEASED, TransferState.ABORTED)
+
+
+class TransferMode(_WireEnum):
+    """Which side moves the bytes. UNSPECIFIED is treated as PUSH by the server."""
+
+    UNSPECIFIED = 0
+    PUSH = 1
+    PULL = 2
+
+
+class AbortReason(_WireEnum):
+    """Why a transfer was aborted; UNSPECIFIED when it was not."""
+
+    UNSPECIFIED = 0
+    REQUESTED = 1
+    DEADLINE_EXCEEDED = 2
+    PEER_LOST = 3
+    LAYOUT_MISMATCH = 4
+    TRANSFER_FAILED = 5
+    BLOCK_MISMATCH = 6
+
+
+class EventType(_WireEnum):
+    """Kinds of engine events (see the protocol for who receives which)."""
+
+    UNSPECIFIED = 0
+    TRANSFER_ASSIGNED = 1
+    TRANSFER_REVOKED = 2
+    SOURCE_READY = 3
+    TRANSFER_COMMITTED = 4
+    TRANSFER_ABORTED = 5
+    PEER_LOST = 6
+    REVOCATION_CONFIRMED = 7
+
+
+class CompletionOutcome(_WireEnum):
+    """Result of moving a generation's bytes."""
+
+    UNSPECIFIED = 0
+    SUCCEEDED = 1
+    FAILED = 2
+
+
+LIVE_STATES = (TransferState.TARGETED, TransferState.CLAIMED, TransferState.MATCHED, TransferState.COMMITTED)
+"""States of a transfer that still holds both engines' attention (not a tombstone)."""

@@ -1,0 +1,195 @@
+"""ErrorInfo reasons of the protocol and the status code each comes with.
+
+Generated from proto/rendezvous/v1/errors.proto by scripts/generate_stubs.py: do not edit.
+Plain Python (no protobuf import), so the service core and the SDK share it at no cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous")."""
+
+    ID_EMPTY = "ID_EMPTY"
+    """An engine, pool, agent or transfer id is empty."""
+
+    ID_TOO_LONG = "ID_TOO_LONG"
+    """An id is longer than the server's max_id_length."""
+
+    ID_INVALID = "ID_INVALID"
+    """An id has whitespace or unprintable characters."""
+
+    ROLE_UNSPECIFIED = "ROLE_UNSPECIFIED"
+    """RegisterEngine without PRODUCER or CONSUMER."""
+
+    LAYOUT_INVALID = "LAYOUT_INVALID"
+    """Negative layout sizes, or TP or PP below 1."""
+
+    AGENTS_INVALID = "AGENTS_INVALID"
+    """Bad NIXL agents: duplicate names, ranks not 0..N-1, no or overlapping regions, bad memory kind, limits."""
+
+    BLOCK_ID_NEGATIVE = "BLOCK_ID_NEGATIVE"
+    """A negative block id."""
+
+    BLOCK_ID_DUPLICATE = "BLOCK_ID_DUPLICATE"
+    """A block id listed twice."""
+
+    BLOCK_ID_OUT_OF_RANGE = "BLOCK_ID_OUT_OF_RANGE"
+    """A block id beyond the engine's registered regions."""
+
+    TOO_MANY_BLOCKS = "TOO_MANY_BLOCKS"
+    """More block ids than max_blocks_per_target."""
+
+    GENERATION_INVALID = "GENERATION_INVALID"
+    """A malformed generation."""
+
+    TIMEOUT_INVALID = "TIMEOUT_INVALID"
+    """A negative timeout or one above the server's maximum."""
+
+    OUTCOME_UNSPECIFIED = "OUTCOME_UNSPECIFIED"
+    """CompleteTransfer without SUCCEEDED or FAILED."""
+
+    MODE_INVALID = "MODE_INVALID"
+    """A TargetSpec.mode the server does not know."""
+
+    LABELS_INVALID = "LABELS_INVALID"
+    """More labels than the server allows."""
+
+    BATCH_EMPTY = "BATCH_EMPTY"
+    """A batched call without items."""
+
+    BATCH_TOO_LARGE = "BATCH_TOO_LARGE"
+    """More items than max_batch_items."""
+
+    REVISION_INVALID = "REVISION_INVALID"
+    """A Watch start revision beyond the latest revision + 1."""
+
+    PAGE_TOKEN_INVALID = "PAGE_TOKEN_INVALID"
+    """A page token this server did not issue."""
+
+    STATE_INVALID = "STATE_INVALID"
+    """An unknown state in a ListTransfers filter."""
+
+    ENGINE_NOT_FOUND = "ENGINE_NOT_FOUND"
+    """The engine is unknown (or forgotten)."""
+
+    TRANSFER_NOT_FOUND = "TRANSFER_NOT_FOUND"
+    """The transfer is unknown (or forgotten)."""
+
+    ENGINE_CONFLICT = "ENGINE_CONFLICT"
+    """A live engine id re-registered with another role or pool."""
+
+    TARGET_CONFLICT = "TARGET_CONFLICT"
+    """Another consumer targets the transfer, or the same generation with other blocks."""
+
+    CLAIM_CONFLICT = "CLAIM_CONFLICT"
+    """Another producer claimed the transfer."""
+
+    WRONG_ROLE = "WRONG_ROLE"
+    """The call is for the other side of the transfer."""
+
+    NOT_PARTICIPANT = "NOT_PARTICIPANT"
+    """The engine is neither the transfer's consumer nor its producer."""
+
+    STALE_GENERATION = "STALE_GENERATION"
+    """A generation older than the transfer's current one."""
+
+    STALE_INCARNATION = "STALE_INCARNATION"
+    """The caller's incarnation was replaced."""
+
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    """The engine's lease ended; register again."""
+
+    INVALID_STATE = "INVALID_STATE"
+    """The transfer is not in a state that allows the call."""
+
+    TRANSFER_ENDED = "TRANSFER_ENDED"
+    """The transfer was released or aborted; mint a new id."""
+
+    LAYOUT_MISMATCH = "LAYOUT_MISMATCH"
+    """Producer and consumer layouts are incompatible."""
+
+    BLOCK_MISMATCH = "BLOCK_MISMATCH"
+    """More target blocks than source blocks."""
+
+    TOO_MANY_TRANSFERS = "TOO_MANY_TRANSFERS"
+    """The engine is at its live-transfer limit."""
+
+    TOO_MANY_WATCHERS = "TOO_MANY_WATCHERS"
+    """The engine has as many open watches as allowed."""
+
+    UNAUTHENTICATED_TOKEN = "UNAUTHENTICATED_TOKEN"
+    """Auth is on and the call carried no known token or certificate."""
+
+    IDENTITY_MISMATCH = "IDENTITY_MISMATCH"
+    """The caller's identity may not act for this engine."""
+
+    ROLE_REQUIRED = "ROLE_REQUIRED"
+    """The call needs the router or admin role."""
+
+    RATE_LIMITED = "RATE_LIMITED"
+    """The caller's request rate is over its limit."""
+
+    TOO_MANY_CONCURRENT_CALLS = "TOO_MANY_CONCURRENT_CALLS"
+    """The caller has too many calls in flight."""
+
+    STORE_UNAVAILABLE = "STORE_UNAVAILABLE"
+    """The store cannot be reached; retry."""
+
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    """The server is draining; retry on another replica."""
+
+    INTERNAL_ERROR = "INTERNAL_ERROR"
+    """A bug; please report."""
+
+
+REASON_CODES: Mapping[Reason, str] = {
+    Reason.ID_EMPTY: "INVALID_ARGUMENT",
+    Reason.ID_TOO_LONG: "INVALID_ARGUMENT",
+    Reason.ID_INVALID: "INVALID_ARGUMENT",
+    Reason.ROLE_UNSPECIFIED: "INVALID_ARGUMENT",
+    Reason.LAYOUT_INVALID: "INVALID_ARGUMENT",
+    Reason.AGENTS_INVALID: "INVALID_ARGUMENT",
+    Reason.BLOCK_ID_NEGATIVE: "INVALID_ARGUMENT",
+    Reason.BLOCK_ID_DUPLICATE: "INVALID_ARGUMENT",
+    Reason.BLOCK_ID_OUT_OF_RANGE: "OUT_OF_RANGE",
+    Reason.TOO_MANY_BLOCKS: "INVALID_ARGUMENT",
+    Reason.GENERATION_INVALID: "INVALID_ARGUMENT",
+    Reason.TIMEOUT_INVALID: "INVALID_ARGUMENT",
+    Reason.OUTCOME_UNSPECIFIED: "INVALID_ARGUMENT",
+    Reason.MODE_INVALID: "INVALID_ARGUMENT",
+    Reason.LABELS_INVALID: "INVALID_ARGUMENT",
+    Reason.BATCH_EMPTY: "INVALID_ARGUMENT",
+    Reason.BATCH_TOO_LARGE: "INVALID_ARGUMENT",
+    Reason.REVISION_INVALID: "OUT_OF_RANGE",
+    Reason.PAGE_TOKEN_INVALID: "INVALID_ARGUMENT",
+    Reason.STATE_INVALID: "INVALID_ARGUMENT",
+    Reason.ENGINE_NOT_FOUND: "NOT_FOUND",
+    Reason.TRANSFER_NOT_FOUND: "NOT_FOUND",
+    Reason.ENGINE_CONFLICT: "ALREADY_EXISTS",
+    Reason.TARGET_CONFLICT: "ALREADY_EXISTS",
+    Reason.CLAIM_CONFLICT: "ALREADY_EXISTS",
+    Reason.WRONG_ROLE: "FAILED_PRECONDITION",
+    Reason.NOT_PARTICIPANT: "PERMISSION_DENIED",
+    Reason.STALE_GENERATION: "FAILED_PRECONDITION",
+    Reason.STALE_INCARNATION: "FAILED_PRECONDITION",
+    Reason.LEASE_EXPIRED: "FAILED_PRECONDITION",
+    Reason.INVALID_STATE: "FAILED_PRECONDITION",
+    Reason.TRANSFER_ENDED: "FAILED_PRECONDITION",
+    Reason.LAYOUT_MISMATCH: "FAILED_PRECONDITION",
+    Reason.BLOCK_MISMATCH: "FAILED_PRECONDITION",
+    Reason.TOO_MANY_TRANSFERS: "RESOURCE_EXHAUSTED",
+    Reason.TOO_MANY_WATCHERS: "RESOURCE_EXHAUSTED",
+    Reason.UNAUTHENTICATED_TOKEN: "UNAUTHENTICATED",
+    Reason.IDENTITY_MISMATCH: "PERMISSION_DENIED",
+    Reason.ROLE_REQUIRED: "PERMISSION_DENIED",
+    Reason.RATE_LIMITED: "RESOURCE_EXHAUSTED",
+    Reason.TOO_MANY_CONCURRENT_CALLS: "RESOURCE_EXHAUSTED",
+    Reason.STORE_UNAVAILABLE: "UNAVAILABLE",
+    Reason.SHUTTING_DOWN: "UNAVAILABLE",
+    Reason.INTERNAL_ERROR: "INTERNAL",
+}
+"""The google.rpc.Code name of each reason."""

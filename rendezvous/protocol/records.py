@@ -1,0 +1,45 @@
+"""The protocol's records that service and SDK share as they are: an engine's KV layout, its memory
+regions and its NIXL agents. Frozen and plain Python (no protobuf); rendezvous.protocol.convert maps
+them to and from the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rendezvous.protocol.enums import MemoryKind
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """An engine's KV cache shape; producer and consumer layouts must agree for a transfer to match."""
+
+    model_fingerprint: str = ""
+    dtype: str = ""
+    block_size: int = 0
+    num_layers: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    kv_layout: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KvRegion:
+    """A registered memory region of equally sized blocks: block b starts at base + b * stride."""
+
+    base_address: int
+    block_stride_bytes: int
+    block_length_bytes: int
+    num_blocks: int
+    device_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NixlAgent:
+    """The data-plane identity of one rank: NIXL agent name, serialized metadata and KV regions."""
+
+    name: str
+    metadata: bytes
+    rank: int = 0
+    memory_kind: MemoryKind = MemoryKind.DRAM
+    regions: tuple[KvRegion, ...] = ()

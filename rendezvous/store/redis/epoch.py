@@ -1,0 +1,87 @@
+"""The epoch: the store's lifetime as this process knows it, and the guard every write carries.
+
+The epoch lives in Redis (SET NX once). If Redis loses its data, the epoch key is gone: the next
+write or health check makes a new one and clients see the epoch change. If Redis goes back in time
+with its epoch (a restart from an older AOF or RDB, a failover to a lagging replica), a replica
+that saw a later revision notices (every write carries it) and starts a new epoch too.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from rendezvous.store.redis.scripts import Scripts
+
+log = logging.getLogger(__name__)
+
+
+class Epoch:
+    """The epoch this process works in and the highest revision it has seen in it."""
+
+    def __init__(self, epoch_key: str, rev_key: str, scripts: Scripts, forget: Callable[[], None]) -> None:
+        self.value = 0
+        self.high_rev = 0
+        self._epoch_key = epoch_key
+        self._rev_key = rev_key
+        self._scripts = scripts
+        self._forget = forget
+        """Drops what was seen under another epoch (versions restart with the data, so it means nothing)."""
+
+    @property
+    def guard(self) -> str:
+        """What a write expects of Redis: this epoch, and no revision below one already seen."""
+        return f"{self.value}:{self.high_rev}"
+
+    def saw(self, rev: int) -> None:
+        """A reply showed revision rev."""
+        self.high_rev = max(self.high_rev, rev)
+
+    async def check(self, client: aioredis.Redis) -> None:
+        """Read the epoch, or make one if Redis has none (first start, or its data was lost)."""
+        # Only a revision seen before the read can prove a regression: a write completing meanwhile
+        # may show a newer one than the read returns.
+        seen = self.high_rev
+        stored_epoch, stored_rev = await client.mget(self._epoch_key, self._rev_key)
+        if stored_epoch is None:
+            await client.set(self._epoch_key, secrets.randbits(63) or 1, nx=True)
+            stored_epoch, stored_rev = await client.mget(self._epoch_key, self._rev_key)
+            assert stored_epoch is not None
+        epoch, rev = int(stored_epoch), int(stored_rev or 0)
+        if epoch != self.value:
+            self._adopt(epoch, rev)
+        elif rev < seen:
+            await self._regressed(rev, epoch)
+        else:
+            self.saw(rev)
+
+    async def refused(self, reply: Sequence[Any]) -> None:
+        """Act on a write's E reply (another epoch, or none) or R reply (Redis went back in time)."""
+        if reply[0] != b"E":
+            await self._regressed(int(reply[1]), int(reply[2]))
+        elif reply[1]:
+            self._adopt(int(reply[1]), 0)  # another replica moved on
+        else:
+            await self.check(self._scripts.client)  # the data is gone
+
+    def _adopt(self, epoch: int, rev: int) -> None:
+        if epoch != self.value:
+            self.value = epoch
+            self._forget()
+        self.high_rev = rev
+
+    async def _regressed(self, rev: int, epoch: int) -> None:
+        """Redis lost writes this process saw (it restarted from an older AOF or RDB, or failed over to a
+        lagging replica) but kept its epoch. Engines may have acted on what was lost and the logs would
+        reuse revisions, so start a new epoch: clients re-register and re-assert what they still want."""
+        if epoch != self.value:
+            return  # handled already
+        log.warning(
+            "Redis went back in time (revision %d, this replica saw %d): starting a new epoch", rev, self.high_rev
+        )
+        current = await self._scripts.run("replace_epoch", lost_epoch=epoch, new_epoch=secrets.randbits(63) or 1)
+        self._adopt(int(current), rev)

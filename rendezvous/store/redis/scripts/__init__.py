@@ -1,0 +1,240 @@
+"""The Lua scripts of the Redis store, called by named arguments: every multi-key step is one script.
+
+Each script is a `.lua` file of this package. `SIGNATURES` below is the one table of their arguments:
+from it, a header is generated in front of each script that binds every argument to a Lua local of
+the same name, and a Python function `Script.argv` that takes the same names as keyword arguments and
+lays them out in the same order, so neither side counts ARGV positions. A script also gets the shared
+helpers it names (`_guard.lua`, `_snapshot.lua`, `_append.lua`, `_records.lua`), after the header and
+before its own body.
+
+Calling convention (one EVALSHA, as before): KEYS[1] is the namespace's rev key (it routes the call
+in Redis Cluster); ARGV[1] is the key prefix `{namespace}:`, bound to `P`, from which a script builds
+every key name. Every key of a namespace carries the same hash tag, so each script touches a single
+slot. Then come the scalar arguments in table order, then the item count of each group, then the
+groups' items. A group is a list of items of one or more fields: in Lua, a table of the items, each a
+table of its named fields (or the value itself for a one-field group).
+
+Key schema (docs/operations.md has it for operators):
+
+    epoch            string  the store's lifetime id (SET NX once)
+    rev              string  global revision, INCR per write; also the version of what a write stores
+    t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state, l unsettled (1|0)
+    transfers        set     every transfer id
+    states           hash    state -> number of transfers
+    deadlines        zset    transfer id by deadline (swept by any replica)
+    el:<engine>      set     unsettled transfer ids of an engine (live, or awaiting a revocation)
+    et:<engine>      set     every transfer id (live or tombstone) of an engine
+    e:<engine>       hash    v version, d record, r latest event revision
+    engines          set     every engine id
+    leases           zset    live engine id by lease expiry
+    ended            zset    ended engine id (tombstone) by end time
+    s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine, if any)
+    r:<key>          string  idempotent response, with a TTL
+    op:<id>          string  marks an applied append_events call (retries apply once), with a TTL
+
+Replies use short status words: OK (applied, with the new version), N (no change, version
+verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
+R (Redis went back in time: its revision and the epoch follow).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import keyword
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as rex
+
+from rendezvous.store.base import StoreUnavailableError
+from rendezvous.store.redis.batcher import Batcher
+
+
+@dataclass(frozen=True)
+class Group:
+    """A variable-length argument: a list of items, each of these fields."""
+
+    name: str
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A script's arguments (scalars, then groups) and the shared helpers it uses."""
+
+    args: tuple[str, ...] = ()
+    groups: tuple[Group, ...] = ()
+    helpers: tuple[str, ...] = ()
+
+
+_EVENTS = Group("events", ("engine_id", "event", "peer"))
+"""Events to append: the addressed engine, the encoded event, the encoded peer engine or ""."""
+
+SIGNATURES: Mapping[str, Signature] = {
+    "read_transfer": Signature(("transfer_id",), helpers=("snapshot",)),
+    # version: the transfer's version the transition was computed on ("0": absent); checks: the engines'.
+    # op: w write | d delete | n verify only; unsettled: 1 | 0 (the core's Transfer.unsettled).
+    "commit_transfer": Signature(
+        (
+            "guard",
+            "transfer_id",
+            "version",
+            "op",
+            "record",
+            "consumer",
+            "producer",
+            "state",
+            "unsettled",
+            "deadline",
+            "max_events",
+        ),
+        (Group("checks", ("engine_id", "version")), _EVENTS),
+        ("guard", "snapshot", "append"),
+    ),
+    # op: w write | d delete | n verify only; ended: 1 | 0.
+    "commit_engine": Signature(
+        ("guard", "engine_id", "version", "op", "record", "ended", "lease_expires_at", "ended_at"),
+        helpers=("guard",),
+    ),
+    # operation: a fresh id per call, remembered remember_s seconds.
+    "append_events": Signature(("guard", "operation", "remember_s", "max_events"), (_EVENTS,), ("guard", "append")),
+    "read_events": Signature(("engine_id", "start_revision", "limit")),
+    "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),
+    "due_transfers": Signature(("now", "limit", "hold_until")),
+    "list_engines": Signature(helpers=("records",)),
+    "engine_transfers": Signature(("engine_id",), helpers=("records",)),
+    "scan_transfers": Signature(("cursor", "count"), helpers=("records",)),
+    "select_transfers": Signature(("states", "limit"), (Group("ids", ("transfer_id",)),)),
+    "replace_epoch": Signature(("lost_epoch", "new_epoch")),
+    "counts": Signature(),
+}
+
+
+def _read(name: str) -> str:
+    return resources.files(__name__).joinpath(name + ".lua").read_text(encoding="utf-8")
+
+
+def _header(signature: Signature) -> str:
+    """Lua that binds ARGV to the signature's names (see the module docstring for the layout)."""
+    lines = ["local P = ARGV[1]"]
+    position = 2
+    for name in signature.args:
+        lines.append(f"local {name} = ARGV[{position}]")
+        position += 1
+    if signature.groups:
+        counts = position
+        position += len(signature.groups)
+        lines.append(
+            f"local {', '.join(g.name for g in signature.groups)} = {', '.join('{}' for _ in signature.groups)}"
+        )
+        lines.append("do")
+        lines.append(f"  local i = {position}")
+        for k, group in enumerate(signature.groups):
+            width = len(group.fields)
+            slots = ["ARGV[i]"] + [f"ARGV[i + {j}]" for j in range(1, width)]
+            fields = ", ".join(f"{f} = {a}" for f, a in zip(group.fields, slots, strict=True))
+            item = slots[0] if width == 1 else "{" + fields + "}"
+            lines.append(f"  for j = 1, tonumber(ARGV[{counts + k}]) do")
+            lines.append(f"    {group.name}[j] = {item}")
+            lines.append(f"    i = i + {width}")
+            lines.append("  end")
+        lines.append("end")
+    return "\n".join(lines) + "\n"
+
+
+def _packer(name: str, signature: Signature) -> Callable[..., list[Any]]:
+    """The Python side of the header: a function of the prefix and the named (keyword-only) arguments that
+    lays them out as the header reads them. Generated from the same table, as dataclasses generate __init__,
+    so a call costs what a positional one does and a missing or unknown argument is a TypeError."""
+    names = [*signature.args, *(g.name for g in signature.groups)]
+    for arg in names:
+        # (A Lua reserved word fails when Redis loads the script.)
+        if not arg.isidentifier() or keyword.iskeyword(arg) or arg in ("P", "prefix"):
+            raise ValueError(f"script {name}: {arg!r} cannot be an argument name")
+    params = ", ".join(["prefix", "*", *names]) if names else "prefix"
+    items = ["prefix", *signature.args, *(f"len({g.name})" for g in signature.groups)]
+    lines = [f"def {name}({params}):", f"    out = [{', '.join(items)}]"]
+    for group in signature.groups:
+        if len(group.fields) == 1:
+            lines.append(f"    out += {group.name}")
+        else:
+            lines += [f"    for item in {group.name}:", "        out += item"]
+    lines.append("    return out")
+    namespace: dict[str, Any] = {}
+    exec("\n".join(lines), namespace)  # the source is built above from checked identifiers only
+    packer: Callable[..., list[Any]] = namespace[name]
+    return packer
+
+
+@dataclass(frozen=True)
+class Script:
+    """A script's full source (header, helpers, body), its SHA1 (the name EVALSHA calls it by) and signature."""
+
+    name: str
+    signature: Signature
+    source: str
+    sha: str = field(init=False)
+    argv: Callable[..., list[Any]] = field(init=False, repr=False, compare=False)
+    """argv(prefix, **named arguments): ARGV for a call, each argument where the header expects it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+        object.__setattr__(self, "argv", _packer(self.name, self.signature))
+
+    @classmethod
+    def load(cls, name: str, signature: Signature) -> Script:
+        parts = [_header(signature)]
+        parts += [_read("_" + helper) for helper in signature.helpers]
+        parts.append(_read(name))
+        return cls(name, signature, "".join(parts))
+
+
+SCRIPTS: Mapping[str, Script] = {name: Script.load(name, sig) for name, sig in SIGNATURES.items()}
+
+
+class Scripts:
+    """Runs the scripts of one namespace: one EVALSHA each, through the batcher (pipelined), once bound."""
+
+    def __init__(self, rev_key: str, prefix: str) -> None:
+        self._rev_key = rev_key
+        self._prefix = prefix
+        self._client: aioredis.Redis | None = None
+        self._batcher: Batcher | None = None
+
+    def bind(self, client: aioredis.Redis, batcher: Batcher) -> None:
+        """Run scripts on this connection (the store opened)."""
+        self._client, self._batcher = client, batcher
+
+    def unbind(self) -> None:
+        """Stop running scripts (the store closed)."""
+        self._client = self._batcher = None
+
+    @property
+    def client(self) -> aioredis.Redis:
+        if self._client is None:
+            raise StoreUnavailableError("the Redis store is not open")
+        return self._client
+
+    async def load(self) -> None:
+        """Load every script (EVALSHA then finds them)."""
+        for script in SCRIPTS.values():
+            await self.client.script_load(script.source)
+
+    async def run(self, name: str, /, **args: Any) -> Any:
+        """Call a script by name with its named arguments (SIGNATURES); returns its reply."""
+        script = SCRIPTS[name]
+        argv = script.argv(self._prefix, **args)
+        if self._batcher is None:
+            raise StoreUnavailableError("the Redis store is not open")
+        try:
+            return await self._batcher.call("EVALSHA", script.sha, 1, self._rev_key, *argv)
+        except rex.NoScriptError:
+            # Redis restarted (or SCRIPT FLUSH): load it again.
+            await self.client.script_load(script.source)
+            return await self.client.evalsha(script.sha, 1, self._rev_key, *argv)
+
+
+__all__ = ["SCRIPTS", "SIGNATURES", "Group", "Script", "Scripts", "Signature"]

@@ -1,0 +1,73 @@
+-- Write a transfer (or delete it, or only verify what was read), its indexes and its events, if the
+-- transfer and its engines are still at the versions the caller computed the transition on.
+-- op: w write | d delete | n verify only. Reply: OK rev | N | C snapshot... | E epoch | R rev epoch.
+local bad = guard_failed(guard)
+if bad then
+  return bad
+end
+local tk = P .. 't:' .. transfer_id
+local old = redis.call('HMGET', tk, 'v', 'c', 'p', 's', 'l')
+local conflict = (old[1] or '0') ~= version
+for _, check in ipairs(checks) do
+  if conflict then
+    break
+  end
+  conflict = (redis.call('HGET', P .. 'e:' .. check.engine_id, 'v') or '0') ~= check.version
+end
+if conflict then
+  local snap = snapshot(transfer_id)
+  table.insert(snap, 1, 'C')
+  return snap
+end
+if op == 'n' then
+  return {'N'}
+end
+local rev = redis.call('INCR', P .. 'rev')
+
+local existed = old[1] ~= false
+local write = op == 'w'
+local function members(a, b)
+  local m = {}
+  if a and a ~= '' then m[a] = true end
+  if b and b ~= '' then m[b] = true end
+  return m
+end
+-- Unsettled transfers (the core decides: live, or awaiting a revocation) are indexed per engine.
+-- A record without the flag was written before it existed: then only a live state is unsettled.
+local function was_unsettled(flag, s)
+  if flag then return flag == '1' end
+  return s ~= '5' and s ~= '6'
+end
+local before = existed and members(old[2], old[3]) or {}
+local after = write and members(consumer, producer) or {}
+local before_live = (existed and was_unsettled(old[5], old[4])) and before or {}
+local after_live = (write and unsettled == '1') and after or {}
+for e in pairs(before) do
+  if not after[e] then redis.call('SREM', P .. 'et:' .. e, transfer_id) end
+end
+for e in pairs(after) do
+  if not before[e] then redis.call('SADD', P .. 'et:' .. e, transfer_id) end
+end
+for e in pairs(before_live) do
+  if not after_live[e] then redis.call('SREM', P .. 'el:' .. e, transfer_id) end
+end
+for e in pairs(after_live) do
+  if not before_live[e] then redis.call('SADD', P .. 'el:' .. e, transfer_id) end
+end
+if existed then
+  redis.call('HINCRBY', P .. 'states', old[4], -1)
+end
+if write then
+  redis.call('HSET', tk, 'v', rev, 'd', record, 'c', consumer, 'p', producer, 's', state, 'l', unsettled)
+  redis.call('ZADD', P .. 'deadlines', deadline, transfer_id)
+  redis.call('HINCRBY', P .. 'states', state, 1)
+  if not existed then redis.call('SADD', P .. 'transfers', transfer_id) end
+elseif existed then
+  redis.call('DEL', tk)
+  redis.call('ZREM', P .. 'deadlines', transfer_id)
+  redis.call('SREM', P .. 'transfers', transfer_id)
+end
+for _, ev in ipairs(events) do
+  append(ev.engine_id, ev.event, ev.peer, max_events)
+end
+return {'OK', rev}

@@ -1,0 +1,531 @@
+"""RedisStore: the Store interface over Redis (standalone, Sentinel, or one Cluster slot per namespace).
+
+Records are hashes with a version (the global revision of the write that stored them); transitions
+are compare-and-set Lua scripts (scripts/) that write a record, its indexes and its events at once;
+each engine's events live in a Redis Stream whose entry ids are the engine's revisions ("<revision>-0").
+
+update_transfer is optimistic. It keeps the versions of the records it last saw (cache.py); a
+transition is computed on them (or, for an id it never saw, on "absent") and sent with one EVALSHA
+that checks the transfer's and its engines' versions before writing. On a conflict the script
+answers the current state, and the transition is computed again, so the common case costs one round
+trip. A transition that fails, or changes nothing, on a state not read in this call is recomputed on
+a fresh read before its answer counts. Engine records are checked the same way, so a transition
+sees the transfer and its engines as of one instant, as in the memory store.
+
+Commands that concurrent requests issue in one event-loop iteration go out as one pipeline
+(batcher.py), and the coordinator applies a batch's items concurrently (Store.concurrent), so a
+batch of transitions costs about one round trip. Every write carries the epoch guard (epoch.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import random
+import secrets
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialBackoff
+
+from rendezvous.core.model import Addressed, Engine, State, Transfer
+from rendezvous.core.transfers import Transition
+from rendezvous.store.base import EngineFn, EventPage, Store, StoreCounts, StoreUnavailableError, TransferFn
+from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer
+from rendezvous.store.redis.batcher import Batcher
+from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot
+from rendezvous.store.redis.epoch import Epoch
+from rendezvous.store.redis.errors import store_errors, unavailable
+from rendezvous.store.redis.locks import KeyLocks
+from rendezvous.store.redis.scripts import Scripts
+from rendezvous.store.redis.url import parse_url
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_SCAN_COUNT = 1000
+_TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
+_APPEND_MEMORY_S = 300
+# How long a due transfer handed to one sweeper is hidden from the others.
+_SWEEP_HOLD_S = 5.0
+# Longest single XREAD BLOCK: waits longer than this are several blocks, so close() is prompt.
+_MAX_BLOCK_S = 1.0
+
+
+def _guarded(
+    method: Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]]:
+    """Bound a store call by op_timeout and map Redis failures (see errors.store_errors)."""
+
+    @functools.wraps(method)
+    async def guarded(self: RedisStore, *args: P.args, **kwargs: P.kwargs) -> R:
+        if self._redis is None:
+            raise StoreUnavailableError("the Redis store is not open")
+        limit = self.options.op_timeout
+        with store_errors(limit):
+            async with asyncio.timeout(limit):
+                return await method(self, *args, **kwargs)
+
+    return cast("Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]]", guarded)
+
+
+async def _after_conflict(attempt: int) -> None:
+    """Back off a little (with jitter) once a record keeps changing under us; the first retries are immediate."""
+    if attempt >= 2:
+        await asyncio.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
+
+
+class RedisStore(Store):
+    """The Store interface over Redis (standalone, Sentinel, or one Cluster slot per namespace)."""
+
+    name = "redis"
+    concurrent = True
+
+    def __init__(self, url: str, max_events_per_engine: int = 100_000) -> None:
+        self.target = parse_url(url)
+        self.options = self.target.options
+        self._max_events = max_events_per_engine
+        self._prefix = "{" + self.options.prefix + "}:"
+        self._rev_key = self._prefix + "rev"
+        self._records = RecordCache(self.options.cache_size)
+        self._peers = PeerCache()
+        self._scripts = Scripts(self._rev_key, self._prefix)
+        self._epoch = Epoch(self._prefix + "epoch", self._rev_key, self._scripts, self._records.clear)
+        self._redis: aioredis.Redis | None = None
+        self._batcher: Batcher | None = None
+        self._health: aioredis.Redis | None = None
+        self._watch: aioredis.Redis | None = None
+        self._sentinels: list[Sentinel] = []
+        self._watch_slots = asyncio.Semaphore(self.options.max_watch_connections)
+        self._transfer_locks = KeyLocks()
+        self._engine_locks = KeyLocks()
+
+    # Connections
+
+    def _client(self, max_connections: int, retries: int, socket_timeout: float | None = None) -> aioredis.Redis:
+        kwargs = dict(self.target.connection)
+        kwargs["max_connections"] = max_connections
+        kwargs["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries)
+        if socket_timeout is not None:
+            kwargs["socket_timeout"] = socket_timeout
+        if self.options.cluster:
+            # Every key of the namespace is in one slot: the client routes each call to its node.
+            return RedisCluster.from_url(self.target.url, **kwargs)  # type: ignore[return-value]
+        if not self.target.sentinels:
+            pool = aioredis.ConnectionPool.from_url(self.target.url, **kwargs)
+            return aioredis.Redis.from_pool(pool)
+        sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+        if self.target.sentinel_password is not None:
+            sentinel_kwargs["password"] = self.target.sentinel_password
+        sentinel = Sentinel(list(self.target.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
+        self._sentinels.append(sentinel)
+        master: aioredis.Redis = sentinel.master_for(self.target.service, redis_class=aioredis.Redis)
+        return master
+
+    async def open(self) -> None:
+        if self._redis is not None:
+            return
+        base_timeout = float(self.target.connection.get("socket_timeout") or 1.0)
+        max_connections = int(self.target.connection["max_connections"])
+        # A few connections more than batches may use, for the odd direct command (loading scripts).
+        self._redis = self._client(max_connections + 4, self.options.retries)
+        self._batcher = Batcher(self._redis, max_connections)
+        self._scripts.bind(self._redis, self._batcher)
+        self._health = self._client(2, 0)
+        self._watch = self._client(self.options.max_watch_connections, 1, _MAX_BLOCK_S + base_timeout)
+        try:
+            async with asyncio.timeout(self.options.op_timeout):
+                await self._scripts.load()
+                await self._epoch.check(self._redis)
+        except Exception as err:
+            await self.close()
+            if isinstance(err, TimeoutError) or unavailable(err):
+                raise StoreUnavailableError(f"cannot reach Redis: {err}") from err
+            raise
+
+    async def close(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.close()
+            self._batcher = None
+        clients = [c for c in (self._redis, self._health, self._watch) if c is not None]
+        self._redis = self._health = self._watch = None
+        self._scripts.unbind()
+        for client in clients:
+            await client.aclose()
+        for sentinel in self._sentinels:
+            for s in sentinel.sentinels:
+                await s.aclose()
+        self._sentinels.clear()
+
+    async def ping(self) -> bool:
+        if self._health is None:
+            return False
+        try:
+            async with asyncio.timeout(self.options.ping_timeout):
+                await self._epoch.check(self._health)
+        except Exception:
+            return False
+        return True
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    # Calls
+
+    async def _command(self, *args: Any) -> Any:
+        assert self._batcher is not None
+        return await self._batcher.call(*args)
+
+    def _events(self, events: Sequence[Addressed], record: Transfer | None, record_json: str | None) -> list[Any]:
+        """The events group of a script call: (engine id, event, peer engine or "") per event."""
+        return [
+            (
+                addressed.engine_id,
+                encode_event(
+                    addressed.event,
+                    record_json if record_json is not None and addressed.event.transfer is record else None,
+                ),
+                self._records.engine_json(addressed.event.peer),
+            )
+            for addressed in events
+        ]
+
+    # Engines
+
+    @_guarded
+    async def revision(self) -> int:
+        rev = int(await self._command("GET", self._rev_key) or 0)
+        self._epoch.saw(rev)
+        return rev
+
+    async def _read_engine(self, engine_id: str) -> EngineEntry:
+        version, data = await self._command("HMGET", self._prefix + "e:" + engine_id, "v", "d")
+        return self._records.seen_engine(engine_id, version or ABSENT, data or b"")
+
+    @_guarded
+    async def get_engine(self, engine_id: str) -> Engine | None:
+        return (await self._read_engine(engine_id)).engine
+
+    def _engines_in(self, reply: Sequence[Any]) -> list[Engine]:
+        """The engines of a listing reply; a record that cannot be decoded is logged and left out, so
+        one bad record cannot stop listings and sweeps for every other engine."""
+        engines = []
+        for i in range(0, len(reply), 3):
+            engine_id = reply[i].decode(errors="replace")
+            try:
+                engine = self._records.seen_engine(engine_id, reply[i + 1], reply[i + 2]).engine
+            except Exception:
+                log.exception("undecodable engine record", extra={"engine_id": engine_id})
+                continue
+            if engine is not None:
+                engines.append(engine)
+        return engines
+
+    @_guarded
+    async def list_engines(self) -> list[Engine]:
+        return self._engines_in(await self._scripts.run("list_engines"))
+
+    @_guarded
+    async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
+        async with self._engine_locks.hold(engine_id):
+            return await self._update_engine(engine_id, fn)
+
+    async def _update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
+        entry = self._records.engine(engine_id)
+        fresh = entry is None
+        if entry is None:
+            entry = await self._read_engine(engine_id)
+        for attempt in itertools.count():
+            cur = entry.engine
+            try:
+                new = fn(cur)
+            except Exception:
+                if fresh:
+                    raise
+                entry, fresh = await self._read_engine(engine_id), True
+                continue
+            if new is cur and fresh:
+                return new
+            op = "n" if new is cur else ("d" if new is None else "w")
+            record = encode_engine(new) if op == "w" and new is not None else ""
+            reply = await self._scripts.run(
+                "commit_engine",
+                guard=self._epoch.guard,
+                engine_id=engine_id,
+                version=entry.version,
+                op=op,
+                record=record,
+                ended=1 if new is not None and new.ended_at else 0,
+                lease_expires_at=new.lease_expires_at if new is not None else 0,
+                ended_at=new.ended_at if new is not None else 0,
+            )
+            status = reply[0]
+            if status == b"OK":
+                self._epoch.saw(reply[1])
+                written = EngineEntry(b"%d" % reply[1] if new is not None else ABSENT, new)
+                written.encoded = record or None
+                self._records.remember_engine(engine_id, written)
+                return new
+            if status == b"N":
+                return new
+            if status in (b"E", b"R"):
+                await self._epoch.refused(reply)
+                entry, fresh = await self._read_engine(engine_id), True
+                continue
+            entry, fresh = self._records.seen_engine(engine_id, reply[1], reply[2]), True
+            await _after_conflict(attempt)
+        raise AssertionError("unreachable")
+
+    @_guarded
+    async def lapse_candidates(self, now: float, tombstone_ttl: float) -> list[Engine]:
+        # By index: leases expired by now, and tombstones ended by the cutoff (with a little slack).
+        return self._engines_in(
+            await self._scripts.run("lapse_candidates", now=now, tombstone_cutoff=now - tombstone_ttl + 1e-3)
+        )
+
+    # Transfers
+
+    @_guarded
+    async def get_transfer(self, transfer_id: str) -> Transfer | None:
+        version, data = await self._command("HMGET", self._prefix + "t:" + transfer_id, "v", "d")
+        return self._records.seen_transfer(version, data, transfer_id)
+
+    @_guarded
+    async def update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
+        async with self._transfer_locks.hold(transfer_id):
+            return await self._update_transfer(transfer_id, fn)
+
+    async def _read_transfer(self, transfer_id: str) -> Snapshot:
+        return self._records.snapshot(transfer_id, await self._scripts.run("read_transfer", transfer_id=transfer_id), 0)
+
+    async def _update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
+        snapshot = self._records.transfer(transfer_id)
+        fresh = False
+        for attempt in itertools.count():
+            entries = self._records.engines_of(snapshot)
+            if entries is None:
+                snapshot, fresh = await self._read_transfer(transfer_id), True
+                continue
+            cur = snapshot.transfer
+            engines = {e: entry.engine for e, entry in entries.items() if entry.engine is not None}
+            try:
+                transition = fn(cur, engines)
+            except Exception:
+                if fresh:
+                    raise
+                snapshot, fresh = await self._read_transfer(transfer_id), True
+                continue
+            new = transition.transfer
+            unchanged = new is cur and not transition.events
+            if unchanged and fresh:
+                return transition
+            record = encode_transfer(new) if new is not None and not unchanged else None
+            reply = await self._scripts.run(
+                "commit_transfer",
+                guard=self._epoch.guard,
+                transfer_id=transfer_id,
+                version=snapshot.version,
+                checks=[(engine_id, entry.version) for engine_id, entry in entries.items()],
+                op="n" if unchanged else ("w" if new is not None else "d"),
+                record=record or "",
+                consumer=new.consumer_engine_id if new else "",
+                producer=new.producer_engine_id if new else "",
+                state=int(new.state) if new else 0,
+                unsettled=1 if new is not None and new.unsettled else 0,
+                deadline=new.deadline if new else 0,
+                max_events=self._max_events,
+                events=self._events(transition.events, new, record) if not unchanged else (),
+            )
+            status = reply[0]
+            if status == b"OK":
+                self._epoch.saw(reply[1])
+                self._records.remember_transfer(
+                    transfer_id, Snapshot(b"%d" % reply[1] if new is not None else ABSENT, new)
+                )
+                return transition
+            if status == b"N":
+                return transition
+            if status in (b"E", b"R"):
+                await self._epoch.refused(reply)
+                snapshot, fresh = await self._read_transfer(transfer_id), True
+                continue
+            snapshot, fresh = self._records.snapshot(transfer_id, reply, 1), True
+            await _after_conflict(attempt)
+        raise AssertionError("unreachable")
+
+    def _transfers_in(self, reply: Sequence[Any], offset: int = 0) -> list[Transfer]:
+        transfers = []
+        for i in range(offset, len(reply), 2):
+            transfer = self._records.seen_transfer(reply[i], reply[i + 1])
+            assert transfer is not None
+            transfers.append(transfer)
+        return transfers
+
+    @_guarded
+    async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:
+        if engine_id is not None:
+            return self._transfers_in(await self._scripts.run("engine_transfers", engine_id=engine_id))
+        # SSCAN in pages, so a large namespace never blocks Redis for long; a set may repeat ids.
+        found: dict[str, Transfer] = {}
+        cursor: bytes | int = 0
+        while True:
+            reply = await self._scripts.run("scan_transfers", cursor=cursor, count=_SCAN_COUNT)
+            for t in self._transfers_in(reply, 1):
+                found[t.transfer_id] = t
+            cursor = reply[0]
+            if cursor in (b"0", 0):
+                return list(found.values())
+
+    @_guarded
+    async def live_transfer_ids(self, engine_id: str) -> list[str]:
+        return [m.decode() for m in await self._command("SMEMBERS", self._prefix + "el:" + engine_id)]
+
+    @_guarded
+    async def live_transfer_counts(self, engine_ids: Sequence[str]) -> dict[str, int]:
+        # Issued together, the SCARDs go out as one pipeline: one round trip for every engine.
+        sizes = await asyncio.gather(*(self._command("SCARD", self._prefix + "el:" + e) for e in engine_ids))
+        return {engine_id: int(n) for engine_id, n in zip(engine_ids, sizes, strict=True)}
+
+    async def _set_members(self, key: str) -> list[str]:
+        """A set's members, read in SSCAN pages so that a large set never blocks Redis for long."""
+        members: set[str] = set()  # SSCAN may repeat a member
+        cursor: Any = 0
+        while True:
+            cursor, page = await self._command("SSCAN", key, cursor, "COUNT", _SCAN_COUNT)
+            members.update(m.decode() for m in page)
+            if int(cursor) == 0:
+                return list(members)
+
+    @_guarded
+    async def page_transfers(
+        self, engine_id: str | None, states: AbstractSet[State], after: str, limit: int
+    ) -> list[Transfer]:
+        # Ids only (no records) of the smallest set that holds every candidate, sorted here; then the
+        # records of the first candidates, chunk by chunk, until the page is full: a script skips the
+        # ones in other states by their `s` field, so only the page's records are sent and decoded.
+        if limit <= 0 or not states:
+            return []
+        if engine_id is None:
+            key = "transfers"
+        elif states.isdisjoint(_TOMBSTONE_STATES):
+            key = "el:" + engine_id
+        else:
+            key = "et:" + engine_id
+        ids = sorted(tid for tid in await self._set_members(self._prefix + key) if tid > after)
+        wanted = ",".join(str(int(s)) for s in sorted(states))
+        chunk = min(max(2 * limit, 256), 4096)
+        page: list[Transfer] = []
+        for start in range(0, len(ids), chunk):
+            reply = await self._scripts.run(
+                "select_transfers", states=wanted, limit=limit - len(page), ids=ids[start : start + chunk]
+            )
+            page += self._transfers_in(reply)
+            if len(page) >= limit:
+                break
+        return page
+
+    @_guarded
+    async def due_transfers(self, now: float, limit: int) -> list[str]:
+        if limit <= 0:
+            return []
+        reply = await self._scripts.run("due_transfers", now=now, limit=limit, hold_until=now + _SWEEP_HOLD_S)
+        return [tid.decode() for tid in reply]
+
+    # Events
+
+    @_guarded
+    async def append_events(self, events: Sequence[Addressed]) -> None:
+        # The operation id makes a retried call (reply lost) apply once.
+        operation = secrets.token_hex(12)
+        for _ in range(3):
+            reply = await self._scripts.run(
+                "append_events",
+                guard=self._epoch.guard,
+                operation=operation,
+                remember_s=_APPEND_MEMORY_S,
+                max_events=self._max_events,
+                events=self._events(events, None, None),
+            )
+            if reply[0] == b"OK":
+                self._epoch.saw(reply[1])
+            if reply[0] not in (b"E", b"R"):
+                return
+            await self._epoch.refused(reply)
+        raise StoreUnavailableError("the store epoch keeps changing")
+
+    @_guarded
+    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
+        reply = await self._scripts.run("read_events", engine_id=engine_id, start_revision=start_revision, limit=limit)
+        last = int(reply[0])
+        if len(reply) == 1:
+            return EventPage((), last)
+        if reply[1] == 1:
+            return EventPage((), last, resync_revision=last + 1)
+        events = [
+            decode_event(
+                reply[i + 1],
+                int(reply[i].partition(b"-")[0]),
+                self._peers.peer(reply[i + 2]) if reply[i + 2] else None,
+            )
+            for i in range(2, len(reply), 3)
+        ]
+        return EventPage(events, last)
+
+    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
+        # Not _guarded: its time limit is the wait's own plus op_timeout.
+        watch = self._watch
+        if watch is None:
+            raise StoreUnavailableError("the Redis store is not open")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        stream: dict[Any, Any] = {self._prefix + "s:" + engine_id: f"{max(after_revision, 0)}-0"}
+        limit = max(timeout, 0) + self.options.op_timeout
+        with store_errors(limit):
+            async with asyncio.timeout(limit):
+                while (left := deadline - loop.time()) > 0:
+                    if self._watch_slots.locked():
+                        # Every watch connection is busy: poll instead of opening more.
+                        await asyncio.sleep(min(left, 0.05))
+                        return
+                    async with self._watch_slots:
+                        block_ms = max(1, int(min(left, _MAX_BLOCK_S) * 1000))
+                        if await watch.xread(stream, count=1, block=block_ms):
+                            return
+
+    @_guarded
+    async def last_event_revision(self, engine_id: str) -> int:
+        return int(await self._command("HGET", self._prefix + "e:" + engine_id, "r") or 0)
+
+    # Responses and counts
+
+    @_guarded
+    async def get_response(self, key: str) -> bytes | None:
+        value: bytes | None = await self._command("GET", self._prefix + "r:" + key)
+        return value
+
+    @_guarded
+    async def put_response(self, key: str, value: bytes, ttl: float) -> None:
+        await self._command("SET", self._prefix + "r:" + key, value, "PX", max(1, int(ttl * 1000)))
+
+    @_guarded
+    async def counts(self) -> StoreCounts:
+        reply = await self._scripts.run("counts")
+        by_state: Counter[State] = Counter()
+        for i in range(1, len(reply), 2):
+            n, state = int(reply[i + 1]), State(int(reply[i]))
+            if n > 0 and not state.terminal:  # tombstones are counted in Redis, but are not live
+                by_state[state] = n
+        return StoreCounts(int(reply[0]), by_state)
+
+
+__all__ = ["RedisStore"]

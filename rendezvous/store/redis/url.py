@@ -1,0 +1,138 @@
+"""Store URLs: where Redis is, how to talk to it, and this store's own options.
+
+URL forms: redis://[user:password@]host:port[/db], rediss://..., unix:///path/to/socket[?db=N],
+redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]. Query options of this
+store: prefix (key namespace, default "rdv"), cluster (true: the address is a Redis Cluster node),
+cache_size, max_watch_connections, retries, op_timeout, ping_timeout, sentinel_password (Sentinel
+only); anything else goes to redis-py (socket_timeout, socket_connect_timeout, max_connections,
+ssl_* ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    """Settings of the store itself (the URL's query options; see the module docstring)."""
+
+    prefix: str = "rdv"
+    cache_size: int = 16_384
+    max_watch_connections: int = 256
+    retries: int = 2
+    op_timeout: float = 5.0
+    ping_timeout: float = 1.0
+    cluster: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in "{} "):
+            raise ValueError(f"prefix {self.prefix!r} must be non-empty, without braces or spaces")
+        if self.cache_size < 0 or self.max_watch_connections < 1 or self.retries < 0:
+            raise ValueError("cache_size >= 0, max_watch_connections >= 1 and retries >= 0 are required")
+        if self.op_timeout <= 0 or self.ping_timeout <= 0:
+            raise ValueError("op_timeout and ping_timeout must be positive")
+
+
+def _boolean(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(value)
+
+
+_OPTION_TYPES: Mapping[str, Callable[[str], Any]] = {
+    "prefix": str,
+    "cache_size": int,
+    "max_watch_connections": int,
+    "retries": int,
+    "op_timeout": float,
+    "ping_timeout": float,
+    "cluster": _boolean,
+}
+
+# Connection defaults; the URL's query overrides them.
+_CONNECTION_DEFAULTS: Mapping[str, Any] = {
+    "socket_connect_timeout": 1.0,
+    "socket_timeout": 1.0,
+    "max_connections": 64,
+}
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed store URL: where Redis is and how to talk to it."""
+
+    url: str
+    """The URL for redis-py (redis://, rediss://, unix://) with this store's options removed; "" for Sentinel."""
+    options: RedisOptions
+    connection: Mapping[str, Any] = field(default_factory=dict)
+    """Connection settings: the defaults, then the URL's query (for Sentinel, also username/password/db)."""
+    sentinels: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    sentinel_password: str | None = None
+
+
+def parse_url(url: str) -> RedisTarget:
+    """Split a store URL into redis-py's part and this store's options; ValueError when malformed."""
+    split = urlsplit(url)
+    ours: dict[str, Any] = {}
+    theirs: list[tuple[str, str]] = []
+    sentinel_password = None
+    for key, value in parse_qsl(split.query, keep_blank_values=True):
+        if key in _OPTION_TYPES:
+            try:
+                ours[key] = _OPTION_TYPES[key](value)
+            except ValueError:
+                raise ValueError(
+                    f"store URL option {key}={value!r} is not a valid {_OPTION_TYPES[key].__name__}"
+                ) from None
+        elif key == "sentinel_password":
+            sentinel_password = value
+        else:
+            theirs.append((key, value))
+    options = RedisOptions(**ours)
+    connection: dict[str, Any] = dict(_CONNECTION_DEFAULTS)
+    for key, value in theirs:
+        parser = URL_QUERY_ARGUMENT_PARSERS.get(key)
+        connection[key] = parser(value) if parser else value
+    if split.scheme in ("redis", "rediss", "unix"):
+        if split.scheme != "unix" and not split.hostname:
+            raise ValueError(f"store URL {url!r} names no host")
+        if split.scheme == "unix" and not split.path:
+            raise ValueError(f"store URL {url!r} names no socket path")
+        if options.cluster and (split.scheme == "unix" or split.path.strip("/") not in ("", "0")):
+            raise ValueError(f"store URL {url!r}: Redis Cluster takes a TCP address and database 0")
+        return RedisTarget(url.partition("?")[0].partition("#")[0], options, connection)
+    if split.scheme == "redis+sentinel":
+        if options.cluster:
+            raise ValueError(f"store URL {url!r}: Sentinel and Cluster do not mix")
+        userinfo, _, hosts = split.netloc.rpartition("@")
+        sentinels = []
+        for host_port in hosts.split(","):
+            host, _, port = host_port.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"sentinel address {host_port!r} in {url!r} is not host:port")
+            sentinels.append((host.strip("[]"), int(port)))
+        parts = [unquote(p) for p in split.path.split("/") if p]
+        if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+            raise ValueError(f"store URL {url!r} must end in /service_name or /service_name/db")
+        if userinfo:
+            username, has_password, password = userinfo.partition(":")
+            if username:
+                connection["username"] = unquote(username)
+            if has_password:
+                connection["password"] = unquote(password)
+        if len(parts) == 2:
+            connection["db"] = int(parts[1])
+        return RedisTarget("", options, connection, tuple(sentinels), parts[0], sentinel_password)
+    raise ValueError(f"store URL {url!r}: use redis://, rediss://, unix:// or redis+sentinel://")
+
+
+__all__ = ["RedisOptions", "RedisTarget", "parse_url"]
