@@ -19,7 +19,7 @@ from clients import (
     TransferState,
     Unavailable,
 )
-from tests.redis_fixtures import ControlledRedis, LocalRedis, fresh_prefix, with_prefix
+from tests.redis_fixtures import ControlledRedis, LocalRedis, with_prefix
 from tests.replicas.harness import Replica, Workload, client, eventually, health
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
@@ -28,20 +28,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Short store time limits, so an unreachable Redis is reported in about a second.
 QUICK = "&op_timeout=2&socket_timeout=0.5&ping_timeout=0.5"
-
-
-@pytest.fixture
-def replicas(redis_url: str) -> Iterator[tuple[Replica, Replica]]:
-    """Two replicas on one Redis namespace."""
-    url = with_prefix(redis_url, fresh_prefix())
-    a, b = Replica(url, "a"), Replica(url, "b")
-    try:
-        a.start()
-        b.start()
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.fixture

@@ -4,14 +4,13 @@ other. No assignment may name an incarnation other than the one that registered 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from tests.redis_fixtures import fresh_prefix, with_prefix
 from tests.replicas.harness import Replica
 from tests.service.conftest import engine_request
 
@@ -23,21 +22,8 @@ WAIT_S = 20.0
 
 
 @pytest.fixture
-def two_replicas(redis_url: str) -> Iterator[tuple[Replica, Replica]]:
-    url = with_prefix(redis_url, fresh_prefix())
-    a, b = Replica(url, "a"), Replica(url, "b")
-    try:
-        a.start()
-        b.start()
-        yield a, b
-    finally:
-        a.close()
-        b.close()
-
-
-@pytest.fixture
-async def stubs(two_replicas: tuple[Replica, Replica]) -> AsyncIterator[tuple[pb_grpc.RendezvousServiceStub, ...]]:
-    channels = [grpc.aio.insecure_channel(r.address) for r in two_replicas]
+async def stubs(replicas: tuple[Replica, Replica]) -> AsyncIterator[tuple[pb_grpc.RendezvousServiceStub, ...]]:
+    channels = [grpc.aio.insecure_channel(r.address) for r in replicas]
     yield tuple(pb_grpc.RendezvousServiceStub(c) for c in channels)
     for channel in channels:
         await channel.close()
