@@ -12,8 +12,7 @@ from clients._exceptions import NotFound
 from clients._roles import mint_transfer_id
 from clients._types import AbortSpec, EngineInfo, EngineRole, ItemResult, KvLayout, TransferInfo
 from clients.aio import AsyncRendezvousClient
-
-_LAYOUT_FIELDS = ("model_fingerprint", "dtype", "block_size", "num_layers", "tp_size", "pp_size", "kv_layout")
+from rendezvous.protocol import kvmap
 
 
 class PickPolicy(enum.Enum):
@@ -29,12 +28,11 @@ class PickPolicy(enum.Enum):
 def layout_difference(producer: KvLayout, consumer: KvLayout) -> str | None:
     """Why a producer with one layout cannot write into a consumer with the other, or None if it can.
 
-    The rendezvous checks the same fields (and the KV regions) when it matches a transfer.
+    The rendezvous applies the same rule (`rendezvous.protocol.kvmap`), and the KV regions, when it matches
+    a transfer.
     """
-    for name in _LAYOUT_FIELDS:
-        if getattr(producer, name) != getattr(consumer, name):
-            return f"{name} differs: producer {getattr(producer, name)!r}, consumer {getattr(consumer, name)!r}"
-    return None
+    mismatch = kvmap.layout_mismatch(producer, (), consumer, ())
+    return None if mismatch is None else str(mismatch)
 
 
 class RouterClient:

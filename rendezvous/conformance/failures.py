@@ -148,11 +148,12 @@ async def source_blocks_fewer_than_target(s: Scenario) -> None:
 
 @check("aborts")
 async def layout_mismatch(s: Scenario) -> None:
-    """A producer with another block size: the match aborts with LAYOUT_MISMATCH naming the field, unassigned."""
+    """A producer whose block size neither divides nor is divided by the consumer's: the match aborts with
+    LAYOUT_MISMATCH naming the field, unassigned."""
     consumer = await s.consumer()
     layout = pb.KvLayout()
     layout.CopyFrom(LAYOUT)
-    layout.block_size = 2 * LAYOUT.block_size
+    layout.block_size = LAYOUT.block_size * 3 // 2
     producer = await s.producer(layout=layout)
     t = s.transfer_id()
     expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTarget")

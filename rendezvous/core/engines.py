@@ -10,6 +10,7 @@ from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Transfer
 from rendezvous.core.specs import EngineSpec
 from rendezvous.core.validation import check_engine_spec
+from rendezvous.protocol import kvmap
 
 
 def grant_lease_ttl(requested: float, timeouts: Timeouts) -> float:
@@ -174,16 +175,6 @@ class LiveTransferLimit:
 
 
 def layout_mismatch(producer: Engine, consumer: Engine) -> str | None:
-    """Why the producer cannot write into the consumer's blocks, or None if it can."""
-    p, c = producer.layout, consumer.layout
-    for name in ("model_fingerprint", "dtype", "block_size", "num_layers", "tp_size", "pp_size", "kv_layout"):
-        if getattr(p, name) != getattr(c, name):
-            return f"{name} differs: producer {getattr(p, name)!r}, consumer {getattr(c, name)!r}"
-    if len(producer.agents) != len(consumer.agents):
-        return f"agent count differs: producer {len(producer.agents)}, consumer {len(consumer.agents)}"
-    by_rank = {a.rank: a for a in consumer.agents}
-    for pa in producer.agents:
-        ca = by_rank[pa.rank]
-        if [r.block_length_bytes for r in pa.regions] != [r.block_length_bytes for r in ca.regions]:
-            return f"rank {pa.rank}: KV regions differ in count or block length"
-    return None
+    """Why the producer cannot write into the consumer's blocks, or None if it can (`kvmap.layout_mismatch`)."""
+    mismatch = kvmap.layout_mismatch(producer.layout, producer.agents, consumer.layout, consumer.agents)
+    return None if mismatch is None else str(mismatch)

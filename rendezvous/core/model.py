@@ -113,6 +113,10 @@ class Transfer:
     # Generation revoked from the producer and not yet acknowledged; 0 when none.
     revoking_generation: int = 0
     times: TransferTimes = field(default_factory=TransferTimes)
+    # Ranks of the moving engine that reported the generation in flight (assigned_generation, or
+    # revoking_generation while one is pending: never both), sorted. A multi-rank engine's generation
+    # commits, or its revocation is confirmed, once every rank is here.
+    reported_ranks: tuple[int, ...] = ()
 
     @property
     def unsettled(self) -> bool:

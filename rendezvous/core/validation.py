@@ -9,6 +9,7 @@ from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import KvRegion, MemoryKind, NixlAgent
 from rendezvous.core.specs import EngineSpec
+from rendezvous.protocol.kvmap import ShapeError, rank_shapes
 
 
 def check_id(kind: str, value: str, limits: Limits) -> None:
@@ -75,9 +76,6 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
     check_id("pool", spec.pool, limits)
     if spec.role is None:
         raise RendezvousError(Reason.ROLE_UNSPECIFIED, "role must be PRODUCER or CONSUMER")
-    layout = spec.layout
-    if layout.block_size < 0 or layout.num_layers < 0 or layout.tp_size < 1 or layout.pp_size < 1:
-        raise RendezvousError(Reason.LAYOUT_INVALID, "layout sizes must be positive (tp_size and pp_size >= 1)")
     if len(spec.labels) > limits.max_labels:
         raise RendezvousError(Reason.LABELS_INVALID, f"more than {limits.max_labels} labels", limit=limits.max_labels)
     if len(spec.agents) > limits.max_agents_per_engine:
@@ -89,9 +87,11 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
     names = [a.name for a in spec.agents]
     if len(set(names)) != len(names):
         raise RendezvousError(Reason.AGENTS_INVALID, "agent names must be distinct")
-    ranks = sorted(a.rank for a in spec.agents)
-    if ranks != list(range(len(ranks))):
-        raise RendezvousError(Reason.AGENTS_INVALID, "agent ranks must be 0..N-1, each once")
+    try:
+        rank_shapes(spec.layout, spec.agents)
+    except ShapeError as err:
+        reason = Reason.AGENTS_INVALID if err.agents else Reason.LAYOUT_INVALID
+        raise RendezvousError(reason, str(err), field=err.field) from None
     for agent in spec.agents:
         check_id("agent name", agent.name, limits)
         if agent.memory_kind not in (MemoryKind.DRAM, MemoryKind.VRAM):

@@ -64,6 +64,7 @@ def layout_message(layout: KvLayout) -> pb.KvLayout:
         tp_size=layout.tp_size,
         pp_size=layout.pp_size,
         kv_layout=layout.kv_layout,
+        num_kv_heads=layout.num_kv_heads,
     )
 
 
@@ -77,6 +78,7 @@ def layout(m: pb.KvLayout) -> KvLayout:
         tp_size=m.tp_size,
         pp_size=m.pp_size,
         kv_layout=m.kv_layout,
+        num_kv_heads=m.num_kv_heads,
     )
 
 
@@ -104,6 +106,8 @@ def agent_message(agent: NixlAgent, include_metadata: bool = True) -> pb.NixlAge
         rank=agent.rank,
         memory_kind=number(agent.memory_kind),
         regions=[region_message(r) for r in agent.regions],
+        first_layer=agent.first_layer,
+        num_layers=agent.num_layers,
     )
 
 
@@ -115,4 +119,6 @@ def agent(m: pb.NixlAgent) -> NixlAgent:
         rank=m.rank,
         memory_kind=MemoryKind(m.memory_kind),
         regions=tuple(region(r) for r in m.regions),
+        first_layer=m.first_layer,
+        num_layers=m.num_layers,
     )

@@ -26,10 +26,10 @@ class Reason(StrEnum):
     """RegisterEngine without PRODUCER or CONSUMER."""
 
     LAYOUT_INVALID = "LAYOUT_INVALID"
-    """Negative layout sizes, or TP or PP below 1."""
+    """Negative layout sizes, TP or PP below 1, or KV heads that TP does not divide."""
 
     AGENTS_INVALID = "AGENTS_INVALID"
-    """Bad NIXL agents: duplicate names, ranks not 0..N-1, no or overlapping regions, bad memory kind, limits."""
+    """Bad NIXL agents: names, missing or repeated ranks, layers, regions, memory kind, limits."""
 
     BLOCK_ID_NEGATIVE = "BLOCK_ID_NEGATIVE"
     """A negative block id."""
@@ -145,6 +145,9 @@ class Reason(StrEnum):
     INTERNAL_ERROR = "INTERNAL_ERROR"
     """A bug; please report."""
 
+    RANK_INVALID = "RANK_INVALID"
+    """A rank named in a completion or acknowledgement is not one of the engine's."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -191,5 +194,6 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.STORE_UNAVAILABLE: "UNAVAILABLE",
     Reason.SHUTTING_DOWN: "UNAVAILABLE",
     Reason.INTERNAL_ERROR: "INTERNAL",
+    Reason.RANK_INVALID: "INVALID_ARGUMENT",
 }
 """The google.rpc.Code name of each reason."""

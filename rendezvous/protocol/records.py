@@ -21,6 +21,8 @@ class KvLayout:
     tp_size: int = 1
     pp_size: int = 1
     kv_layout: str = ""
+    num_kv_heads: int = 0
+    """KV heads of the whole model; TP rank r holds the r-th of tp_size equal slices. 0 = not stated."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +45,7 @@ class NixlAgent:
     rank: int = 0
     memory_kind: MemoryKind = MemoryKind.DRAM
     regions: tuple[KvRegion, ...] = ()
+    first_layer: int = 0
+    """First layer this rank holds (its pipeline stage's first)."""
+    num_layers: int = 0
+    """Layers this rank holds; 0 = all of the layout's (pipeline parallel size 1)."""

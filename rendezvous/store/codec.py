@@ -70,6 +70,7 @@ def transfer_fields(t: Transfer) -> list[Any]:
         t.assigned_generation,
         t.revoking_generation,
         [times.target, times.claim, times.match, times.source_ready, times.commit, times.end],
+        list(t.reported_ranks),
     ]
 
 
@@ -95,6 +96,7 @@ def transfer_from_fields(obj: Any) -> Transfer:
         assigned_generation=f[15],
         revoking_generation=f[16],
         times=TransferTimes(times[0], times[1], times[2], times[3], times[4], times[5]),
+        reported_ranks=tuple(f[18]) if len(f) > 18 else (),
     )
 
 
@@ -122,7 +124,16 @@ def engine_fields(e: Engine) -> list[Any]:
         e.engine_id,
         e.pool,
         int(e.role),
-        [lay.model_fingerprint, lay.dtype, lay.block_size, lay.num_layers, lay.tp_size, lay.pp_size, lay.kv_layout],
+        [
+            lay.model_fingerprint,
+            lay.dtype,
+            lay.block_size,
+            lay.num_layers,
+            lay.tp_size,
+            lay.pp_size,
+            lay.kv_layout,
+            lay.num_kv_heads,
+        ],
         [
             [
                 a.name,
@@ -133,6 +144,8 @@ def engine_fields(e: Engine) -> list[Any]:
                     [r.base_address, r.block_stride_bytes, r.block_length_bytes, r.num_blocks, r.device_id]
                     for r in a.regions
                 ],
+                a.first_layer,
+                a.num_layers,
             ]
             for a in e.agents
         ],
@@ -154,7 +167,7 @@ def engine_from_fields(obj: Any) -> Engine:
         engine_id=f[1],
         pool=f[2],
         role=Role(f[3]),
-        layout=KvLayout(lay[0], lay[1], lay[2], lay[3], lay[4], lay[5], lay[6]),
+        layout=KvLayout(*lay),
         agents=tuple(
             NixlAgent(
                 name=a[0],
@@ -162,6 +175,8 @@ def engine_from_fields(obj: Any) -> Engine:
                 rank=a[2],
                 memory_kind=MemoryKind(a[3]),
                 regions=tuple(KvRegion(r[0], r[1], r[2], r[3], r[4]) for r in a[4]),
+                first_layer=a[5] if len(a) > 5 else 0,
+                num_layers=a[6] if len(a) > 6 else 0,
             )
             for a in f[5]
         ),

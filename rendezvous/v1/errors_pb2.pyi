@@ -51,6 +51,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_STORE_UNAVAILABLE: _ClassVar[ErrorReason]
     ERROR_REASON_SHUTTING_DOWN: _ClassVar[ErrorReason]
     ERROR_REASON_INTERNAL_ERROR: _ClassVar[ErrorReason]
+    ERROR_REASON_RANK_INVALID: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_ID_EMPTY: ErrorReason
 ERROR_REASON_ID_TOO_LONG: ErrorReason
@@ -96,3 +97,4 @@ ERROR_REASON_TOO_MANY_CONCURRENT_CALLS: ErrorReason
 ERROR_REASON_STORE_UNAVAILABLE: ErrorReason
 ERROR_REASON_SHUTTING_DOWN: ErrorReason
 ERROR_REASON_INTERNAL_ERROR: ErrorReason
+ERROR_REASON_RANK_INVALID: ErrorReason

@@ -112,7 +112,7 @@ class ResponseHeader(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., revision: _Optional[int] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "tp_size", "pp_size", "kv_layout")
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "tp_size", "pp_size", "kv_layout", "num_kv_heads")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class KvLayout(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     dtype: str
     block_size: int
@@ -127,7 +128,8 @@ class KvLayout(_message.Message):
     tp_size: int
     pp_size: int
     kv_layout: str
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    num_kv_heads: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class KvRegion(_message.Message):
     __slots__ = ("base_address", "block_stride_bytes", "block_length_bytes", "num_blocks", "device_id")
@@ -144,18 +146,22 @@ class KvRegion(_message.Message):
     def __init__(self, base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., block_length_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
 
 class NixlAgent(_message.Message):
-    __slots__ = ("name", "metadata", "rank", "memory_kind", "regions")
+    __slots__ = ("name", "metadata", "rank", "memory_kind", "regions", "first_layer", "num_layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     metadata: bytes
     rank: int
     memory_kind: MemoryKind
     regions: _containers.RepeatedCompositeFieldContainer[KvRegion]
-    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ...) -> None: ...
+    first_layer: int
+    num_layers: int
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class Engine(_message.Message):
     __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time")
@@ -296,7 +302,7 @@ class ListEnginesResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[Engine, _Mapping]]] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline", "times")
+    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline", "times", "reported_ranks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +319,7 @@ class Transfer(_message.Message):
     REVOKING_GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     TIMES_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_RANKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     state: TransferState
     mode: TransferMode
@@ -329,7 +336,8 @@ class Transfer(_message.Message):
     revoking_generation: int
     deadline: _timestamp_pb2.Timestamp
     times: TransferTimes
-    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ...) -> None: ...
+    reported_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ..., reported_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferTimes(_message.Message):
     __slots__ = ("target_time", "claim_time", "match_time", "source_ready_time", "commit_time", "end_time")
@@ -452,16 +460,18 @@ class MarkSourceReadyResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ...) -> None: ...
 
 class CompletionSpec(_message.Message):
-    __slots__ = ("transfer_id", "generation", "outcome", "message")
+    __slots__ = ("transfer_id", "generation", "outcome", "message", "ranks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     generation: int
     outcome: CompletionOutcome
     message: str
-    def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ..., message: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "completions")
@@ -484,12 +494,14 @@ class CompleteTransferResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ...) -> None: ...
 
 class RevocationAck(_message.Message):
-    __slots__ = ("transfer_id", "generation")
+    __slots__ = ("transfer_id", "generation", "ranks")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     generation: int
-    def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcknowledgeRevocationRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "acks")

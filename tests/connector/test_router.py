@@ -243,11 +243,13 @@ async def test_least_loaded_avoids_a_busy_engine(cluster: Cluster, make_router: 
 
 async def test_a_layout_mismatch_is_refused_before_anything_is_sent(cluster: Cluster, make_router: Any) -> None:
     prefill = await cluster.add("p", "prefill", EngineRole.PRODUCER)
-    decode = await cluster.add("d", "decode", EngineRole.CONSUMER, dataclasses.replace(LAYOUT, block_size=16))
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER, dataclasses.replace(LAYOUT, block_size=48))
     router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
     status, body = await router.complete("tiny")
     assert status == 503
-    assert "block_size differs: producer 32, consumer 16" in body["error"]["message"]
+    assert (
+        "block_size ratio unsupported (one must divide the other): producer 32, consumer 48" in body["error"]["message"]
+    )
     assert prefill.bodies == decode.bodies == []
 
 
