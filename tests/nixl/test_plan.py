@@ -1,0 +1,269 @@
+"""Write plans against a brute-force model: fake rank memories, a "copy" by descriptors, byte by byte."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clients._types import KvLayout, KvRegion, NixlAgentInfo
+from clients.nixl.errors import BlockRangeError, LayoutMismatchError
+from clients.nixl.plan import RankGeometry, WritePlan, plan_write
+from rendezvous.protocol import kvmap
+from tests.ci import examples
+
+BASE = 64  # arenas start at a non-zero "address"
+
+
+@dataclass
+class FakeEngine:
+    """An engine's ranks as byte arenas; region addresses are offsets into their rank's arena."""
+
+    layout: KvLayout
+    agents: tuple[NixlAgentInfo, ...]
+    arenas: list[npt.NDArray[np.uint8]]
+    units: tuple[int, ...]
+
+    @property
+    def heads(self) -> int:
+        return self.layout.num_kv_heads // self.layout.tp_size
+
+    def stage_layers(self, rank: int) -> range:
+        agent = self.agents[rank]
+        return range(agent.first_layer, agent.first_layer + (agent.num_layers or self.layout.num_layers))
+
+    def offset(self, unit: int, head: npt.NDArray[np.int64], token: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Byte offset of (head, token) in a block of this engine (opaque blocks are laid out HND)."""
+        b = self.layout.block_size
+        if self.layout.kv_layout == "NHD":
+            return (token * self.heads + head) * unit
+        return (head * b + token) * unit
+
+
+def make_engine(
+    tp: int,
+    pp: int,
+    layers: int,
+    heads: int,
+    block_size: int,
+    kv_layout: str,
+    units: tuple[int, ...],
+    blocks: int,
+    pad: int,
+    seed: int,
+) -> FakeEngine:
+    layout = KvLayout("m", "u8", block_size, layers, tp, pp, kv_layout, heads)
+    bounds = np.linspace(0, layers, pp + 1).astype(int)
+    rng = np.random.default_rng(seed)
+    agents, arenas = [], []
+    for rank in range(tp * pp):
+        stage = rank // tp
+        first, count = int(bounds[stage]), int(bounds[stage + 1] - bounds[stage])
+        regions, address = [], BASE
+        for _ in range(count):
+            for unit in units:
+                length = heads // tp * block_size * unit
+                regions.append(KvRegion(address, length + pad, length, blocks))
+                address += (length + pad) * blocks
+        arenas.append(rng.integers(0, 256, address, dtype=np.uint8))
+        agents.append(
+            NixlAgentInfo(
+                f"r{rank}",
+                b"",
+                rank,
+                regions=tuple(regions),
+                first_layer=first if pp > 1 else 0,
+                num_layers=count if pp > 1 else 0,
+            )
+        )
+    return FakeEngine(layout, tuple(agents), arenas, units)
+
+
+@dataclass(frozen=True)
+class Case:
+    producer: FakeEngine
+    consumer: FakeEngine
+    src: npt.NDArray[np.int64]
+    dst: npt.NDArray[np.int64]
+    prompt_tokens: int
+    target_tokens: int
+    explicit_runs: bool
+    merge: bool
+
+
+TP_PAIRS = [(n, 1) for n in range(1, 9)] + [(1, n) for n in range(2, 9)] + [(2, 4), (4, 2), (2, 8), (8, 4)]
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    tp_p, tp_d = draw(st.sampled_from(TP_PAIRS))
+    heads = max(tp_p, tp_d) * draw(st.sampled_from([1, 2]))
+    layers = draw(st.integers(1, 3))
+    pp_p, pp_d = draw(st.integers(1, min(layers, 2))), draw(st.integers(1, min(layers, 2)))
+    units = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=2)))
+    base = draw(st.sampled_from([1, 2, 4]))
+    bp, bd = draw(
+        st.sampled_from([(base, base), (base, 2 * base), (2 * base, base), (base, 4 * base), (4 * base, base)])
+    )
+    opaque_ok = tp_p == tp_d and bp == bd
+    kv_layout = draw(st.sampled_from(["HND", "NHD", "opaque"] if opaque_ok else ["HND", "NHD"]))
+    if bp == bd:
+        num_src = draw(st.integers(1, 5))
+        num_dst = draw(st.integers(0, num_src))  # fewer destination blocks: a prefix hit
+        prompt = target = 0
+    else:
+        prompt = draw(st.integers(1, 24))
+        start = bd * draw(st.integers(0, (prompt - 1) // bd))
+        target = prompt - start
+        num_src, num_dst = -(-prompt // bp) + draw(st.integers(0, 1)), -(-target // bd)
+    blocks_p, blocks_d = num_src + draw(st.integers(0, 3)), num_dst + draw(st.integers(0, 3)) + 1
+    pad = draw(st.sampled_from([0, 3]))
+    seed = draw(st.integers(0, 2**16))
+    producer = make_engine(tp_p, pp_p, layers, heads, bp, kv_layout, units, blocks_p, pad, seed)
+    consumer = make_engine(tp_d, pp_d, layers, heads, bd, kv_layout, units, blocks_d, pad, seed + 1)
+    rng = np.random.default_rng(seed)
+    src = rng.permutation(blocks_p)[:num_src] if draw(st.booleans()) else np.arange(num_src)
+    dst = rng.permutation(blocks_d)[:num_dst] if draw(st.booleans()) else np.arange(num_dst) + 1
+    return Case(producer, consumer, src, dst, prompt, target, draw(st.booleans()), draw(st.booleans()))
+
+
+def plans(case: Case) -> list[tuple[kvmap.RankShare, WritePlan]]:
+    """Every producer rank's plan for every consumer rank it has a share in."""
+    p, c = case.producer, case.consumer
+    shares = kvmap.shares(kvmap.rank_shapes(p.layout, p.agents), kvmap.rank_shapes(c.layout, c.agents))
+    bp, bd = p.layout.block_size, c.layout.block_size
+    runs = None
+    if bp != bd or case.explicit_runs:
+        runs = kvmap.token_runs(len(case.src), len(case.dst), bp, bd, case.prompt_tokens, case.target_tokens)
+    out = []
+    for share in shares:
+        producer = RankGeometry(p.agents[share.producer_rank].regions, p.heads, bp)
+        consumer = RankGeometry(c.agents[share.consumer_rank].regions, c.heads, bd)
+        plan = plan_write(producer, consumer, share, case.src, case.dst, p.layout.kv_layout, runs, merge=case.merge)
+        out.append((share, plan))
+    return out
+
+
+def expected(case: Case) -> tuple[list[npt.NDArray[np.uint8]], list[npt.NDArray[np.bool_]]]:
+    """Per consumer rank: the bytes it should hold after the transfer, and which of them must be written."""
+    p, c = case.producer, case.consumer
+    bp, bd, rpl = p.layout.block_size, c.layout.block_size, len(p.units)
+    num_src, num_dst = len(case.src), len(case.dst)
+    values = [a.copy() for a in c.arenas]
+    needed = [np.zeros(a.shape, dtype=bool) for a in c.arenas]
+    head, token = np.meshgrid(np.arange(c.heads), np.arange(bd), indexing="ij")
+    for c_rank, agent in enumerate(c.agents):
+        global_head = (c_rank % c.layout.tp_size) * c.heads + head
+        p_tp, p_head = global_head // p.heads, global_head % p.heads
+        for j, region in enumerate(agent.regions):
+            layer, kind = c.stage_layers(c_rank)[j // rpl], j % rpl
+            unit = c.units[kind]
+            p_rank = next(r for r in range(len(p.agents)) if r % p.layout.tp_size == 0 and layer in p.stage_layers(r))
+            p_region = (layer - p.stage_layers(p_rank).start) * rpl + kind
+            for di in range(num_dst):
+                if bp == bd:
+                    si, slot, valid = np.full_like(token, num_src - num_dst + di), token, np.ones_like(token, bool)
+                else:
+                    pos = case.prompt_tokens - case.target_tokens + di * bd + token
+                    si, slot, valid = pos // bp, pos % bp, pos < case.prompt_tokens
+                for h, t, s, sl in zip(head[valid], token[valid], si[valid], slot[valid], strict=True):
+                    src_rank = p_rank + int(p_tp[h, t])
+                    src_region = p.agents[src_rank].regions[p_region]
+                    src_at = src_region.base_address + int(case.src[s]) * src_region.block_stride_bytes
+                    src_at += int(p.offset(unit, p_head[h, t], sl))
+                    dst_at = region.base_address + int(case.dst[di]) * region.block_stride_bytes
+                    dst_at += int(c.offset(unit, h, t))
+                    values[c_rank][dst_at : dst_at + unit] = p.arenas[src_rank][src_at : src_at + unit]
+                    needed[c_rank][dst_at : dst_at + unit] = True
+    return values, needed
+
+
+def apply(
+    case: Case, planned: list[tuple[kvmap.RankShare, WritePlan]]
+) -> tuple[list[npt.NDArray[np.uint8]], list[npt.NDArray[np.int64]]]:
+    """The consumer arenas after "copying" by every plan, and how often each byte was written."""
+    arenas = [a.copy() for a in case.consumer.arenas]
+    writes = [np.zeros(a.shape, dtype=np.int64) for a in arenas]
+    for share, plan in planned:
+        source = case.producer.arenas[share.producer_rank]
+        for (la, n, ld), (ra, rn, rd) in zip(plan.local.tolist(), plan.remote.tolist(), strict=True):
+            assert n == rn > 0 and ld == rd == 0
+            assert la + n <= len(source) and ra + n <= len(arenas[share.consumer_rank])
+            arenas[share.consumer_rank][ra : ra + n] = source[la : la + n]
+            writes[share.consumer_rank][ra : ra + n] += 1
+    return arenas, writes
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(cases())
+def test_every_needed_destination_byte_is_written_exactly_once_with_its_source_byte(case: Case) -> None:
+    got, writes = apply(case, plans(case))
+    want, needed = expected(case)
+    for rank in range(len(got)):
+        np.testing.assert_array_equal(writes[rank], needed[rank].astype(np.int64), err_msg=f"consumer rank {rank}")
+        np.testing.assert_array_equal(got[rank], want[rank], err_msg=f"consumer rank {rank}")
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(cases())
+def test_merging_moves_the_same_bytes_in_fewer_descriptors(case: Case) -> None:
+    merged = plans(Case(**{**case.__dict__, "merge": True}))
+    unmerged = plans(Case(**{**case.__dict__, "merge": False}))
+    for (_, m), (_, u) in zip(merged, unmerged, strict=True):
+        assert m.num_descriptors <= u.num_descriptors and m.num_bytes == u.num_bytes
+    assert [a.tobytes() for a in apply(case, merged)[0]] == [a.tobytes() for a in apply(case, unmerged)[0]]
+
+
+def whole_head_case(kv_layout: str, pad: int) -> tuple[FakeEngine, FakeEngine, kvmap.RankShare]:
+    producer = make_engine(1, 1, 4, 2, 16, kv_layout, (2, 2), 200, pad, 0)
+    consumer = make_engine(1, 1, 4, 2, 16, kv_layout, (2, 2), 200, pad, 1)
+    (share,) = kvmap.shares(
+        kvmap.rank_shapes(producer.layout, producer.agents), kvmap.rank_shapes(consumer.layout, consumer.agents)
+    )
+    return producer, consumer, share
+
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD", "opaque"])
+def test_consecutive_whole_blocks_merge_into_one_descriptor_per_region(kv_layout: str) -> None:
+    producer, consumer, share = whole_head_case(kv_layout, pad=0)
+    geometry = [RankGeometry(e.agents[0].regions, 2, 16) for e in (producer, consumer)]
+    plan = plan_write(geometry[0], geometry[1], share, np.arange(10, 130), np.arange(50, 168), kv_layout)
+    assert plan.num_descriptors == 8  # 4 layers x K and V
+    assert plan.num_bytes == 8 * 118 * 2 * 16 * 2
+
+
+def test_padded_blocks_stay_one_descriptor_per_block() -> None:
+    producer, consumer, share = whole_head_case("HND", pad=3)
+    geometry = [RankGeometry(e.agents[0].regions, 2, 16) for e in (producer, consumer)]
+    plan = plan_write(geometry[0], geometry[1], share, np.arange(10), np.arange(10), "HND")
+    assert plan.num_descriptors == 8 * 10
+
+
+def test_an_opaque_layout_refuses_a_head_split() -> None:
+    producer = make_engine(2, 1, 1, 2, 4, "opaque", (1,), 4, 0, 0)
+    consumer = make_engine(1, 1, 1, 2, 4, "opaque", (1,), 4, 0, 1)
+    share = kvmap.shares(
+        kvmap.rank_shapes(producer.layout, producer.agents), kvmap.rank_shapes(consumer.layout, consumer.agents)
+    )[0]
+    with pytest.raises(LayoutMismatchError, match="whole blocks only"):
+        plan_write(
+            RankGeometry(producer.agents[0].regions, 1, 4),
+            RankGeometry(consumer.agents[0].regions, 2, 4),
+            share,
+            [0],
+            [0],
+            "opaque",
+        )
+
+
+def test_block_ids_outside_a_region_are_refused() -> None:
+    producer, consumer, share = whole_head_case("HND", pad=0)
+    geometry = [RankGeometry(e.agents[0].regions, 2, 16) for e in (producer, consumer)]
+    with pytest.raises(BlockRangeError):
+        plan_write(geometry[0], geometry[1], share, [0, 200], [0, 1], "HND")
+    with pytest.raises(BlockRangeError, match="only 1 source"):
+        plan_write(geometry[0], geometry[1], share, [0], [0, 1], "HND")
