@@ -15,10 +15,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import numpy.typing as npt
 
 from clients._types import KvRegion, MemoryKind, NixlAgentInfo
 from clients.nixl.errors import BlockRangeError, LayoutMismatchError, PeerError, TransferFailedError
@@ -77,7 +80,8 @@ class PostedTransfer:
 @dataclass(eq=False)
 class _Peer:
     incarnation: int
-    table: DescriptorTable
+    mem_type: str
+    table: DescriptorTable | None  # None when its whole-block descriptors were not prepared
     dlist: Any
 
 
@@ -134,11 +138,13 @@ class NixlEndpoint:
         peer = self._peers.get(name)
         return None if peer is None else peer.incarnation
 
-    def add_peer(self, agent: NixlAgentInfo, incarnation: int) -> bool:
+    def add_peer(self, agent: NixlAgentInfo, incarnation: int, *, whole_blocks: bool = True) -> bool:
         """Load a peer's metadata and prepare its descriptors; True if loaded, False if already cached.
 
+        With `whole_blocks` the peer's regions must pair with ours region by region (`LayoutMismatchError`
+        otherwise) and their blocks are prepared for `post`; without, only `post_descriptors` reaches the peer.
         A newer incarnation of a cached agent replaces it. Raises `PeerError` for an older incarnation or
-        unreadable metadata and `LayoutMismatchError` when the peer's regions do not pair with ours.
+        unreadable metadata.
         """
         agent_nixl = self._nixl()
         cached = self._peers.get(agent.name)
@@ -149,11 +155,12 @@ class NixlEndpoint:
                 raise PeerError(f"agent {agent.name!r}: incarnation {incarnation} is older than {cached.incarnation}")
             self.remove_peer(agent.name)
         try:
-            table = DescriptorTable(agent.regions)
+            table = DescriptorTable(agent.regions) if whole_blocks else None
             mem_type = nixl_memory_type(agent.memory_kind)
         except ValueError as e:
             raise LayoutMismatchError(f"agent {agent.name!r}: {e}") from e
-        self.table.check_pairs_with(table)
+        if table is not None:
+            self.table.check_pairs_with(table)
         try:
             loaded = agent_nixl.add_remote_agent(agent.metadata)
         except self._errors as e:
@@ -163,12 +170,14 @@ class NixlEndpoint:
             if loaded not in self._peers and loaded != self.name:
                 agent_nixl.remove_remote_agent(loaded)
             raise PeerError(f"metadata announced as agent {agent.name!r} belongs to agent {loaded!r}")
-        try:
-            dlist = agent_nixl.prep_xfer_dlist(agent.name, table.descriptors(), mem_type)
-        except self._errors as e:
-            agent_nixl.remove_remote_agent(agent.name)
-            raise PeerError(f"agent {agent.name!r}: its regions are not registered in its metadata ({e})") from e
-        self._peers[agent.name] = _Peer(incarnation, table, dlist)
+        dlist = None
+        if table is not None:
+            try:
+                dlist = agent_nixl.prep_xfer_dlist(agent.name, table.descriptors(), mem_type)
+            except self._errors as e:
+                agent_nixl.remove_remote_agent(agent.name)
+                raise PeerError(f"agent {agent.name!r}: its regions are not registered in its metadata ({e})") from e
+        self._peers[agent.name] = _Peer(incarnation, mem_type, table, dlist)
         return True
 
     def remove_peer(self, name: str) -> None:
@@ -178,7 +187,8 @@ class NixlEndpoint:
             return
         agent = self._nixl()
         try:
-            agent.release_dlist_handle(peer.dlist)
+            if peer.dlist is not None:
+                agent.release_dlist_handle(peer.dlist)
             agent.remove_remote_agent(name)
         except self._errors as e:  # the peer is forgotten either way; NIXL keeps at worst a stale entry
             logger.warning("endpoint %s: removing peer %s: %s", self.name, name, e)
@@ -200,8 +210,10 @@ class NixlEndpoint:
         """
         agent = self._nixl()
         remote = self._peers.get(peer)
-        if remote is None:
-            raise PeerError(f"unknown peer agent {peer!r}")
+        if remote is None or remote.table is None:
+            raise PeerError(
+                f"unknown peer agent {peer!r}" if remote is None else f"peer {peer!r} has no blocks prepared"
+            )
         local_idx = self.table.indices(local_block_ids)
         remote_idx = remote.table.indices(remote_block_ids)
         num_blocks = len(local_idx) // len(self.table.regions)
@@ -209,12 +221,47 @@ class NixlEndpoint:
             raise BlockRangeError("a transfer needs at least one block")
         if len(local_idx) != len(remote_idx):
             raise BlockRangeError(f"{num_blocks} local blocks but {len(remote_idx) // len(self.table.regions)} remote")
+        return self._post(
+            operation,
+            peer,
+            lambda: agent.make_prepped_xfer(
+                operation, self._local_dlist, local_idx, remote.dlist, remote_idx, notification
+            ),
+        )
+
+    def post_descriptors(
+        self,
+        operation: Operation,
+        peer: str,
+        local: npt.NDArray[np.uint64],
+        remote: npt.NDArray[np.uint64],
+        notification: bytes = b"",
+    ) -> PostedTransfer:
+        """Post a WRITE (local -> peer) or READ (peer -> local) of descriptor lists built for this transfer.
+
+        `local[i]` pairs with `remote[i]`, Nx3 (address, length, device) rows inside the registered memory of
+        each side (see `clients.nixl.plan`). Raises `PeerError` for an unknown peer and `TransferFailedError`
+        when NIXL refuses the lists or the transfer.
+        """
+        agent = self._nixl()
+        remote_peer = self._peers.get(peer)
+        if remote_peer is None:
+            raise PeerError(f"unknown peer agent {peer!r}")
+        if len(local) == 0 or len(local) != len(remote):
+            raise BlockRangeError(f"descriptor lists of {len(local)} and {len(remote)} rows")
+
+        def make() -> Any:
+            local_descs = agent.get_xfer_descs(local, self._mem_type)
+            remote_descs = agent.get_xfer_descs(remote, remote_peer.mem_type)
+            return agent.initialize_xfer(operation, local_descs, remote_descs, peer, notification)
+
+        return self._post(operation, peer, make)
+
+    def _post(self, operation: Operation, peer: str, make: Callable[[], Any]) -> PostedTransfer:
         handle = None
         try:
-            handle = agent.make_prepped_xfer(
-                operation, self._local_dlist, local_idx, remote.dlist, remote_idx, notification
-            )
-            state = agent.transfer(handle)
+            handle = make()
+            state = self._nixl().transfer(handle)
         except self._errors as e:
             if handle is not None:
                 handle.release()

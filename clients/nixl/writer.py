@@ -1,20 +1,28 @@
-"""`TransferWriter`: the producer's background writer, one thread that owns a `NixlEndpoint`.
+"""`TransferWriter`: one producer rank's background writer, one thread that owns a `NixlEndpoint`.
 
 Other threads hand it commands (thread-safe, non-blocking): `assign` (a consumer's destination blocks for one
 generation of a transfer), `source_ready` (the producer's computed blocks), `revoke`, `abort` and
-`forget_peer`. Once a transfer has both an assignment and its source blocks the writer WRITEs them, with the
-notification "<transfer_id>:<generation>", and polls until NIXL is done. The endpoint belongs to the writer
-from construction on. Outcomes come back through callbacks, which run on the writer thread: keep them short.
+`forget_peer`. Once a transfer has both an assignment and its source blocks the writer WRITEs them and polls
+until NIXL is done. The endpoint belongs to the writer from construction on. Outcomes come back through
+callbacks, which run on the writer thread: keep them short.
 
-Outcomes, per transfer:
+An assignment names either one consumer agent, whose regions pair with this rank's region by region (whole
+blocks), or the consumer engine (`ConsumerEngine`: its layout and every rank's agent). Then this rank writes
+its share of each consumer rank as `rendezvous.protocol.kvmap` says (its heads and layers; tokens paired by
+`token_runs` when block sizes differ): one WRITE per consumer rank it has a share in, each with descriptor
+lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>".
+
+Outcomes, per transfer (a generation's WRITEs count as one write):
 
 - every assignment ends in exactly one `on_complete` or `on_revoked`, unless a newer generation of the same
   transfer replaces it before it started;
-- a bad assignment (block id out of range, regions that do not pair, unreadable metadata, a stale peer
-  incarnation, fewer source than destination blocks) fails through `on_complete(ok=False)` without writing;
-  so does a write that NIXL reports failed (the peer died), after it was posted;
-- the LAST `len(dst)` source blocks go to the destination (the consumer may hold a prefix already); an empty
-  destination completes at once;
+- a bad assignment (block id out of range, regions or layouts that do not pair, unreadable metadata, a stale
+  peer incarnation, fewer source than destination blocks) fails through `on_complete(ok=False)` without
+  writing; so does a write that NIXL reports failed (the peer died), after it was posted;
+- `on_complete(ok=True)` only once every WRITE of the generation is DONE; if one fails or cannot be posted,
+  `on_complete(ok=False)` once the others posted have drained (none of them lands later);
+- with equal block sizes the LAST `len(dst)` source blocks go to the destination (the consumer may hold a
+  prefix already); an empty destination completes at once;
 - `on_source_free` tells the engine it may reuse the source blocks: after a successful write, on abort (once
   a write in flight has drained) or at stop. A revoked or failed generation keeps the source for a later
   generation until the transfer is aborted;
@@ -36,14 +44,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from clients._types import NixlAgentInfo
+from clients._types import KvLayout, NixlAgentInfo
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
-from clients.nixl.errors import DataPlaneError, TransferFailedError
+from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
 from clients.nixl.notifications import encode_notification
+from clients.nixl.plan import RankGeometry, plan_write
 from clients.nixl.polling import Backoff, PollConfig
-from clients.nixl.regions import BlockIds, DescriptorTable
+from clients.nixl.regions import BlockIds
+from rendezvous.protocol import kvmap
 
-__all__ = ["OnComplete", "OnRevoked", "OnSourceFree", "TransferWriter", "WriterConfig"]
+__all__ = ["ConsumerEngine", "OnComplete", "OnRevoked", "OnSourceFree", "TransferWriter", "WriterConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +78,37 @@ class WriterConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ConsumerEngine:
+    """The consumer engine of an assignment: its layout and its agents, one per rank (`EngineInfo` fits)."""
+
+    layout: KvLayout
+    agents: tuple[NixlAgentInfo, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Target:
+    """One consumer rank this producer rank writes into, and what it writes there."""
+
+    agent: NixlAgentInfo
+    share: kvmap.RankShare
+    geometry: RankGeometry
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Assign:
     transfer_id: str
     generation: int
-    agent: NixlAgentInfo
+    peer: NixlAgentInfo | ConsumerEngine
     incarnation: int
     dst: npt.NDArray[Any]  # checked against the peer's regions on the writer thread
+    prompt_tokens: int = 0
+    target_tokens: int = 0
+    targets: tuple[_Target, ...] = ()  # resolved on the writer thread
+    kv_layout: str = ""
+    producer: RankGeometry | None = None
+
+    def names(self) -> set[str]:
+        return {t.agent.name for t in self.targets}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,10 +149,17 @@ _Command = _Assign | _SourceReady | _Revoke | _Abort | _ForgetPeer | _Barrier | 
 
 @dataclasses.dataclass(eq=False)
 class _Write:
+    """A generation's WRITEs, one per consumer rank; `error` is set once one failed or could not be posted."""
+
     generation: int
-    transfer: PostedTransfer
+    posts: list[PostedTransfer]
+    error: str | None = None
     revoked: bool = False
     aborted: bool = False
+
+    @property
+    def peers(self) -> set[str]:
+        return {p.peer for p in self.posts}
 
 
 @dataclasses.dataclass(eq=False)
@@ -143,8 +185,17 @@ class TransferWriter:
         on_revoked: OnRevoked,
         on_source_free: OnSourceFree,
         config: WriterConfig | None = None,
+        layout: KvLayout | None = None,
+        rank: int = 0,
+        first_layer: int = 0,
+        num_layers: int = 0,
     ) -> None:
+        """`layout`, `rank` and the layers (with pipeline parallelism) place this rank in its engine; they
+        are needed for assignments to a `ConsumerEngine`."""
         self._endpoint = endpoint
+        self._layout = layout
+        self._rank = rank
+        self._layers = (first_layer, num_layers)
         self._on_complete = on_complete
         self._on_revoked = on_revoked
         self._on_source_free = on_source_free
@@ -158,9 +209,10 @@ class TransferWriter:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._forget: set[str] = set()
 
-    def agent_info(self, rank: int = 0) -> NixlAgentInfo:
+    def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
-        return self._endpoint.agent_info(rank)
+        info = self._endpoint.agent_info(self._rank if rank is None else rank)
+        return dataclasses.replace(info, first_layer=self._layers[0], num_layers=self._layers[1])
 
     def start(self) -> None:
         """Start the writer thread."""
@@ -191,11 +243,22 @@ class TransferWriter:
         self.stop()
 
     def assign(
-        self, transfer_id: str, generation: int, agent: NixlAgentInfo, incarnation: int, dst_block_ids: BlockIds
+        self,
+        transfer_id: str,
+        generation: int,
+        peer: NixlAgentInfo | ConsumerEngine,
+        incarnation: int,
+        dst_block_ids: BlockIds,
+        *,
+        prompt_tokens: int = 0,
+        target_tokens: int = 0,
     ) -> None:
-        """Write generation `generation` of a transfer into `dst_block_ids` of `agent` (incarnation
-        `incarnation`) once its source is ready. A newer generation replaces an older one not yet started."""
-        self._put(_Assign(transfer_id, generation, agent, incarnation, np.array(dst_block_ids)))
+        """Write generation `generation` of a transfer into `dst_block_ids` of `peer` (incarnation
+        `incarnation`) once its source is ready: whole blocks into one agent, or this rank's share of every
+        rank of a consumer engine. Different block sizes need the prompt's and the destination's token counts
+        (`kvmap.token_runs`). A newer generation replaces an older one not yet started."""
+        dst = np.array(dst_block_ids)
+        self._put(_Assign(transfer_id, generation, peer, incarnation, dst, prompt_tokens, target_tokens))
 
     def source_ready(self, transfer_id: str, src_block_ids: BlockIds) -> None:
         """The transfer's KV is computed in `src_block_ids`. Raises `BlockRangeError` for ids outside the
@@ -286,15 +349,57 @@ class TransferWriter:
             logger.debug("stale or repeated assignment %s:%d ignored", a.transfer_id, a.generation)
             return
         try:
-            peer_table = DescriptorTable(a.agent.regions)
-            self._endpoint.table.check_pairs_with(peer_table)
-            dst = peer_table.check_block_ids(a.dst)
-        except ValueError as e:  # BlockRangeError and LayoutMismatchError are ValueErrors
+            resolved = self._resolve(a)
+        except ValueError as e:  # BlockRangeError, LayoutMismatchError, ShapeError, BlockPairingError
             self._emit(self._on_complete, a.transfer_id, a.generation, False, str(e))
             self._drop_if_idle(a.transfer_id, t)
             return
-        t.assignment = dataclasses.replace(a, dst=dst)
+        t.assignment = resolved
         self._try_write(a.transfer_id, t)
+
+    def _resolve(self, a: _Assign) -> _Assign:
+        """The assignment with its targets, checked by planning it with placeholder source blocks."""
+        if a.dst.size and (a.dst.ndim != 1 or a.dst.dtype.kind not in "iu"):
+            raise BlockRangeError(f"block ids must be a flat list of integers, got {a.dst.dtype} shape {a.dst.shape}")
+        dst = a.dst.astype(np.int64) if a.dst.size else np.zeros(0, dtype=np.int64)
+        regions = self._endpoint.regions
+        if isinstance(a.peer, NixlAgentInfo):  # whole blocks, region by region
+            if len(a.peer.regions) != len(regions):
+                raise LayoutMismatchError(f"{len(regions)} regions here, {len(a.peer.regions)} at the peer")
+            whole = range(len(regions))
+            share = kvmap.RankShare(self._rank, a.peer.rank, whole, whole, 0, 0, 1)
+            targets: tuple[_Target, ...] = (_Target(a.peer, share, RankGeometry(a.peer.regions, 1, 1)),)
+            producer, kv_layout = RankGeometry(regions, 1, 1), ""
+        else:
+            if self._layout is None:
+                raise LayoutMismatchError("assignments to a consumer engine need the writer's layout")
+            me = kvmap.rank_shape(self._layout, self.agent_info())
+            consumers = kvmap.rank_shapes(a.peer.layout, a.peer.agents)
+            agents = {agent.rank: agent for agent in a.peer.agents}
+            bd = a.peer.layout.block_size
+            targets = tuple(
+                _Target(agents[s.consumer_rank], s, RankGeometry(agents[s.consumer_rank].regions, c.num_heads, bd))
+                for s in kvmap.shares((me,), consumers)
+                for c in (consumers[s.consumer_rank],)
+            )
+            if not targets:
+                raise LayoutMismatchError(f"no consumer rank holds the layers and heads of rank {self._rank}")
+            producer, kv_layout = RankGeometry(regions, me.num_heads, self._layout.block_size), self._layout.kv_layout
+        resolved = dataclasses.replace(a, dst=dst, targets=targets, kv_layout=kv_layout, producer=producer)
+        if len(dst):
+            bp, bd = producer.block_size, targets[0].geometry.block_size
+            num_src = len(dst) if bp == bd else -(-a.prompt_tokens // max(bp, 1))
+            self._plans(resolved, np.zeros(max(num_src, 0), dtype=np.int64))
+        return resolved
+
+    def _plans(self, a: _Assign, src: npt.NDArray[np.int64]) -> list[tuple[_Target, Any]]:
+        """Each target with its write plan for source blocks `src`; raises ValueError when they do not fit."""
+        assert a.producer is not None
+        bp, bd = a.producer.block_size, a.targets[0].geometry.block_size if a.targets else 0
+        runs = None
+        if bp != bd:
+            runs = kvmap.token_runs(len(src), len(a.dst), bp, bd, a.prompt_tokens, a.target_tokens)
+        return [(t, plan_write(a.producer, t.geometry, t.share, src, a.dst, a.kv_layout, runs)) for t in a.targets]
 
     def _source_ready(self, s: _SourceReady) -> None:
         if s.transfer_id in self._ended:
@@ -335,7 +440,7 @@ class TransferWriter:
 
         for transfer_id, t in list(self._transfers.items()):
             a = t.assignment
-            if a is not None and a.agent.name == name and lost(a.incarnation):
+            if a is not None and name in a.names() and lost(a.incarnation):
                 t.assignment = None
                 self._emit(self._on_complete, transfer_id, a.generation, False, f"peer agent {name!r} is gone")
                 self._drop_if_idle(transfer_id, t)
@@ -348,17 +453,21 @@ class TransferWriter:
             self._endpoint.remove_peer(name)
 
     def _connect(self, a: _Assign) -> bool:
-        """Make the assignment's peer incarnation current; False while writes to that agent must drain first."""
-        name = a.agent.name
-        if self._endpoint.peer_incarnation(name) == a.incarnation and name not in self._forget:
-            return True
-        if self._writing_to(name):
-            return False
-        if name in self._forget:
-            self._forget.discard(name)
-            self._endpoint.remove_peer(name)
-        self._endpoint.add_peer(a.agent, a.incarnation)
-        return True
+        """Make the assignment's peer incarnation current on every target agent; False while writes to one of
+        them must drain first."""
+        connected = True
+        for target in a.targets:
+            name = target.agent.name
+            if self._endpoint.peer_incarnation(name) == a.incarnation and name not in self._forget:
+                continue
+            if self._writing_to(name):
+                connected = False
+                continue
+            if name in self._forget:
+                self._forget.discard(name)
+                self._endpoint.remove_peer(name)
+            self._endpoint.add_peer(target.agent, a.incarnation, whole_blocks=False)
+        return connected
 
     def _try_write(self, transfer_id: str, t: _Transfer) -> None:
         a = t.assignment
@@ -379,23 +488,35 @@ class TransferWriter:
             self._emit(self._on_complete, transfer_id, a.generation, True, None)
             self._end(transfer_id, t)
             return
-        if len(t.source) < n:
-            error = f"{n} destination blocks but only {len(t.source)} source blocks"
-            self._emit(self._on_complete, transfer_id, a.generation, False, error)
-            return
         try:
-            src, notification = t.source[len(t.source) - n :], encode_notification(transfer_id, a.generation)
-            posted = self._endpoint.post("WRITE", a.agent.name, src, a.dst, notification)
-        except DataPlaneError as e:
+            plans = self._plans(a, t.source)
+        except ValueError as e:  # too few source blocks for the destination, or ids outside the regions
             self._emit(self._on_complete, transfer_id, a.generation, False, str(e))
             return
-        t.write = self._in_flight[transfer_id] = _Write(a.generation, posted)
-        if posted.status is not XferStatus.IN_PROGRESS:
+        notification = encode_notification(transfer_id, a.generation)
+        write = _Write(a.generation, [])
+        for target, plan in plans:
+            try:
+                write.posts.append(
+                    self._endpoint.post_descriptors("WRITE", target.agent.name, plan.local, plan.remote, notification)
+                )
+            except DataPlaneError as e:
+                write.error = str(e)
+                break
+        if not write.posts:
+            self._emit(self._on_complete, transfer_id, a.generation, False, write.error)
+            return
+        t.write = self._in_flight[transfer_id] = write
+        if self._drained(write):
             self._finish_write(transfer_id)
 
-    def _poll_writes(self) -> bool:
+    def _drained(self, write: _Write) -> bool:
+        """Poll the write's WRITEs; True once none is in progress."""
         poll = self._endpoint.poll
-        done = [tid for tid, w in self._in_flight.items() if poll(w.transfer) is not XferStatus.IN_PROGRESS]
+        return all([poll(p) is not XferStatus.IN_PROGRESS for p in write.posts])
+
+    def _poll_writes(self) -> bool:
+        done = [tid for tid, w in self._in_flight.items() if self._drained(w)]
         for transfer_id in done:
             self._finish_write(transfer_id)
         return bool(done)
@@ -404,20 +525,24 @@ class TransferWriter:
         w = self._in_flight.pop(transfer_id)
         t = self._transfers[transfer_id]
         t.write = None
-        try:
-            self._endpoint.release(w.transfer)
-        except TransferFailedError:
-            logger.exception("writer %s: releasing the write of %s failed", self._endpoint.name, transfer_id)
-        ok = w.transfer.status is XferStatus.DONE
+        for posted in w.posts:
+            try:
+                self._endpoint.release(posted)
+            except TransferFailedError:
+                logger.exception("writer %s: releasing a write of %s failed", self._endpoint.name, transfer_id)
+        failed = next((p for p in w.posts if p.status is not XferStatus.DONE), None)
+        ok = failed is None and w.error is None
+        error = w.error if failed is None else failed.error
         if w.revoked:
             self._emit(self._on_revoked, transfer_id, w.generation)
         elif not w.aborted:
-            self._emit(self._on_complete, transfer_id, w.generation, ok, w.transfer.error)
+            self._emit(self._on_complete, transfer_id, w.generation, ok, error)
         if w.aborted or (ok and not w.revoked and t.assignment is None):
             self._end(transfer_id, t)
         else:
             self._try_write(transfer_id, t)
-        self._after_drain(w.transfer.peer)
+        for peer in w.peers:
+            self._after_drain(peer)
 
     def _after_drain(self, peer: str) -> None:
         if self._writing_to(peer):
@@ -426,11 +551,11 @@ class TransferWriter:
             self._forget.discard(peer)
             self._endpoint.remove_peer(peer)
         for transfer_id, t in list(self._transfers.items()):
-            if t.assignment is not None and t.assignment.agent.name == peer:
+            if t.assignment is not None and peer in t.assignment.names():
                 self._try_write(transfer_id, t)
 
     def _writing_to(self, peer: str) -> bool:
-        return any(w.transfer.peer == peer for w in self._in_flight.values())
+        return any(peer in w.peers for w in self._in_flight.values())
 
     def _end(self, transfer_id: str, t: _Transfer) -> None:
         del self._transfers[transfer_id]

@@ -38,6 +38,7 @@ __all__ = [
     "ShapeError",
     "TokenRun",
     "layout_mismatch",
+    "rank_shape",
     "rank_shapes",
     "shares",
     "token_runs",
@@ -176,6 +177,45 @@ def _stage_layers(layout: KvLayout, agent: NixlAgent) -> range:
     return range(agent.first_layer, agent.first_layer + agent.num_layers)
 
 
+def rank_shape(layout: KvLayout, agent: NixlAgent) -> RankShape:
+    """What the rank of `agent` holds, from its own agent alone (a producer rank's writer knows no other).
+
+    Raises `ShapeError` when the layout is invalid, the rank is outside it, or the agent's layers or regions
+    do not fit it; `rank_shapes` also checks the ranks against each other.
+    """
+    _check_layout(layout)
+    if not 0 <= agent.rank < layout.tp_size * layout.pp_size:
+        raise ShapeError(
+            "rank",
+            f"agent {agent.name} has rank {agent.rank}; tp_size {layout.tp_size} x pp_size {layout.pp_size} "
+            f"makes ranks 0..{layout.tp_size * layout.pp_size - 1}",
+            agents=True,
+        )
+    pp_rank, tp_rank = divmod(agent.rank, layout.tp_size)
+    layers = _stage_layers(layout, agent)
+    count = len(agent.regions)
+    grouped = bool(layers) and count % len(layers) == 0
+    if layers and not grouped and layout.pp_size > 1:
+        raise ShapeError(
+            "regions",
+            f"rank {agent.rank} has {count} regions for {len(layers)} layers; with pp_size > 1 the regions "
+            "must be a whole number per layer",
+            agents=True,
+        )
+    heads = layout.num_kv_heads // layout.tp_size if layout.num_kv_heads else 1
+    return RankShape(
+        rank=agent.rank,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        first_layer=layers.start if grouped else 0,
+        num_layers=len(layers) if grouped else 0,
+        first_head=tp_rank * heads,
+        num_heads=heads,
+        num_regions=count,
+        regions_per_layer=count // len(layers) if grouped else count,
+    )
+
+
 def rank_shapes(layout: KvLayout, agents: Sequence[NixlAgent]) -> tuple[RankShape, ...]:
     """Every rank's share of the engine's KV, in rank order; raises `ShapeError` unless it adds up.
 
@@ -207,18 +247,16 @@ def rank_shapes(layout: KvLayout, agents: Sequence[NixlAgent]) -> tuple[RankShap
             f"agents, got {len(agents)}",
             agents=True,
         )
-    heads = layout.num_kv_heads // layout.tp_size if layout.num_kv_heads else 1
     shapes: list[RankShape] = []
     next_layer = 0
-    regions_per_layer = 0
     for pp_rank in range(layout.pp_size):
-        stage = [by_rank[pp_rank * layout.tp_size + t] for t in range(layout.tp_size)]
-        layers = _stage_layers(layout, stage[0])
-        for agent in stage[1:]:
-            if _stage_layers(layout, agent) != layers:
+        stage = [rank_shape(layout, by_rank[pp_rank * layout.tp_size + t]) for t in range(layout.tp_size)]
+        layers = _stage_layers(layout, by_rank[stage[0].rank])
+        for shape in stage[1:]:
+            if _stage_layers(layout, by_rank[shape.rank]) != layers:
                 raise ShapeError(
                     "first_layer",
-                    f"ranks {stage[0].rank} and {agent.rank} of pipeline stage {pp_rank} hold different layers",
+                    f"ranks {stage[0].rank} and {shape.rank} of pipeline stage {pp_rank} hold different layers",
                     agents=True,
                 )
         if layers.start != next_layer:
@@ -228,36 +266,15 @@ def rank_shapes(layout: KvLayout, agents: Sequence[NixlAgent]) -> tuple[RankShap
                 agents=True,
             )
         next_layer = layers.stop
-        for t, agent in enumerate(stage):
-            count = len(agent.regions)
-            grouped = bool(layers) and count % len(layers) == 0
-            if layers and not grouped and layout.pp_size > 1:
-                raise ShapeError(
-                    "regions",
-                    f"rank {agent.rank} has {count} regions for {len(layers)} layers; with pp_size > 1 the regions "
-                    "must be a whole number per layer",
-                    agents=True,
-                )
-            per_layer = count // len(layers) if grouped else count
-            if grouped and regions_per_layer and per_layer != regions_per_layer:
-                raise ShapeError(
-                    "regions",
-                    f"rank {agent.rank} has {per_layer} regions per layer; rank 0 has {regions_per_layer}",
-                    agents=True,
-                )
-            regions_per_layer = per_layer if grouped else regions_per_layer
-            shapes.append(
-                RankShape(
-                    rank=agent.rank,
-                    tp_rank=t,
-                    pp_rank=pp_rank,
-                    first_layer=layers.start if grouped else 0,
-                    num_layers=len(layers) if grouped else 0,
-                    first_head=t * heads,
-                    num_heads=heads,
-                    num_regions=count,
-                    regions_per_layer=per_layer,
-                )
+        shapes.extend(stage)
+    grouped = [s for s in shapes if s.num_layers]
+    for shape in grouped[1:]:
+        if shape.regions_per_layer != grouped[0].regions_per_layer:
+            raise ShapeError(
+                "regions",
+                f"rank {shape.rank} has {shape.regions_per_layer} regions per layer; rank {grouped[0].rank} has "
+                f"{grouped[0].regions_per_layer}",
+                agents=True,
             )
     if layout.num_layers and next_layer != layout.num_layers:
         raise ShapeError(
