@@ -81,6 +81,20 @@ class _Host:
                 time.sleep(50e-6)
         return received, receiver.malformed_notifications
 
+    def wait_all(self, counts: dict[str, int], timeout: float) -> dict[str, list[Any]]:
+        """Poll every named endpoint until each got its count of notifications or `timeout` passed."""
+        received: dict[str, list[Any]] = {name: [] for name in counts}
+        deadline = time.monotonic() + timeout
+        while any(len(received[n]) < c for n, c in counts.items()) and time.monotonic() < deadline:
+            new = 0
+            for name in counts:
+                got = self.endpoints[name][0].poll_notifications()
+                received[name].extend(got)
+                new += len(got)
+            if not new:
+                time.sleep(50e-6)
+        return received
+
     def add_peer(self, name: str, agent: Any, incarnation: int) -> bool:
         return bool(self.endpoints[name][0].add_peer(agent, incarnation))
 
