@@ -50,8 +50,13 @@ class Engine:
         return Layout((self.heads * self.block_size * UNIT,) * (len(self.stage(rank)) * KINDS), self.num_blocks)
 
     def agent_fields(self, rank: int) -> dict[str, int]:
+        """The agent's layer range, stated with pipeline parallelism only."""
         layers = self.stage(rank)
         return {"first_layer": layers.start, "num_layers": len(layers)} if self.pp > 1 else {}
+
+    def layers_of(self, rank: int) -> tuple[int, int]:
+        layers = self.stage(rank)
+        return (layers.start, len(layers)) if self.pp > 1 else (0, 0)
 
     def canonical(self, block_bytes: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
         """[num_blocks, bytes] of one region as [num_blocks, heads, tokens, unit]."""
@@ -118,7 +123,8 @@ def run_transfer(
                 on_source_free=recorder.on_source_free,
                 layout=p.layout,
                 rank=r,
-                **p.agent_fields(r),
+                first_layer=p.layers_of(r)[0],
+                num_layers=p.layers_of(r)[1],
             )
             writer.start()
             writers.append((writer, recorder))
