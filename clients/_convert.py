@@ -101,6 +101,7 @@ def completion_messages(completions: Iterable[CompletionSpec]) -> list[pb.Comple
             generation=c.generation,
             outcome=number(c.outcome),
             message=c.message,
+            ranks=c.ranks,
         )
         for c in completions
     ]
@@ -108,7 +109,7 @@ def completion_messages(completions: Iterable[CompletionSpec]) -> list[pb.Comple
 
 def ack_messages(acks: Iterable[RevocationAck]) -> list[pb.RevocationAck]:
     """Revocation acknowledgements as messages."""
-    return [pb.RevocationAck(transfer_id=a.transfer_id, generation=a.generation) for a in acks]
+    return [pb.RevocationAck(transfer_id=a.transfer_id, generation=a.generation, ranks=a.ranks) for a in acks]
 
 
 def release_messages(releases: Iterable[ReleaseSpec]) -> list[pb.ReleaseSpec]:
@@ -159,6 +160,7 @@ def transfer(m: pb.Transfer) -> TransferInfo:
         abort_reason=AbortReason(m.abort_reason),
         abort_message=m.abort_message,
         revoking_generation=m.revoking_generation,
+        reported_ranks=tuple(m.reported_ranks),
         deadline=unix_time(m.deadline),
         times=TransferTimes(
             target_time=unix_time(t.target_time),

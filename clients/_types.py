@@ -109,6 +109,8 @@ class TransferInfo:
     revoking_generation: int = 0
     deadline: float = 0.0
     times: TransferTimes = TransferTimes()
+    reported_ranks: tuple[int, ...] = ()
+    """Ranks of the moving engine that reported the generation in flight so far."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +182,9 @@ class CompletionSpec:
     generation: int
     outcome: CompletionOutcome = CompletionOutcome.SUCCEEDED
     message: str = ""
+    ranks: tuple[int, ...] = ()
+    """Ranks of a multi-rank engine whose share this reports; () = all. The generation commits once every
+    rank reported success; a failure of any rank aborts the transfer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +193,8 @@ class RevocationAck:
 
     transfer_id: str
     generation: int
+    ranks: tuple[int, ...] = ()
+    """Producer ranks that make the promise; () = all."""
 
 
 @dataclass(frozen=True, slots=True)

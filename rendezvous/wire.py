@@ -115,7 +115,11 @@ def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:
     """The completions of a CompleteTransferRequest."""
     return [
         CompletionSpec(
-            c.transfer_id, _generation(c.generation), Outcome(c.outcome) if c.outcome in (1, 2) else None, c.message
+            c.transfer_id,
+            _generation(c.generation),
+            Outcome(c.outcome) if c.outcome in (1, 2) else None,
+            c.message,
+            tuple(c.ranks),
         )
         for c in req.completions
     ]
@@ -123,7 +127,7 @@ def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:
 
 def revocation_acks(req: pb.AcknowledgeRevocationRequest) -> list[RevocationAck]:
     """The acknowledgements of an AcknowledgeRevocationRequest."""
-    return [RevocationAck(a.transfer_id, _generation(a.generation)) for a in req.acks]
+    return [RevocationAck(a.transfer_id, _generation(a.generation), tuple(a.ranks)) for a in req.acks]
 
 
 def release_specs(req: pb.ReleaseTargetRequest) -> list[ReleaseSpec]:
@@ -174,6 +178,7 @@ def transfer_message(t: Transfer) -> pb.Transfer:
         abort_reason=number(t.abort_reason),
         abort_message=t.abort_message,
         revoking_generation=t.revoking_generation,
+        reported_ranks=t.reported_ranks,
         deadline=timestamp(t.deadline),
         times=pb.TransferTimes(
             target_time=timestamp(times.target),

@@ -58,6 +58,8 @@ class CompletionSpec:
     generation: int
     outcome: Outcome | None
     message: str = ""
+    ranks: tuple[int, ...] = ()
+    """Ranks of the moving engine whose share this reports; () = all of them."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class RevocationAck:
 
     transfer_id: str
     generation: int
+    ranks: tuple[int, ...] = ()
+    """Producer ranks that make the promise; () = all of them."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,13 @@ the producer may be writing, that generation becomes `revoking_generation`: the 
 gets TRANSFER_REVOKED (or TRANSFER_ABORTED) and must acknowledge (AcknowledgeRevocation,
 or CompleteTransfer of that generation) before the consumer gets REVOCATION_CONFIRMED and
 may reuse those blocks. A lost producer, or the tombstone's expiry, confirms too.
+
+Ranks: an engine of several ranks (one NIXL agent each) moves a generation's bytes from every rank. Each
+rank reports its share (CompleteTransfer / AcknowledgeRevocation naming its ranks; none named = all), and the
+record collects them in `reported_ranks` for the one generation in flight: the generation commits, or its
+revocation is confirmed, once every rank has reported. A failure of any rank aborts the transfer; until the
+other ranks have reported, the generation stays fenced and the mover is told TRANSFER_ABORTED too, so its
+other ranks stop.
 """
 
 from __future__ import annotations
@@ -139,6 +146,7 @@ def _abort(
         abort_message=message,
         assigned_generation=0,
         revoking_generation=revoking,
+        reported_ranks=t.reported_ranks if revoking else (),
     )
     return Transition(aborted, tuple(_event(ctx, e, EventType.TRANSFER_ABORTED, aborted) for e in notify))
 
@@ -154,7 +162,7 @@ def _assign(ctx: Context, t: Transfer, consumer: Engine) -> Transition:
     """Hand the current generation to the producer (push), unless a revocation is pending."""
     if t.mode != Mode.PUSH or t.revoking_generation or t.assigned_generation:
         return Transition(t)
-    assigned = replace(t, assigned_generation=t.generation)
+    assigned = replace(t, assigned_generation=t.generation, reported_ranks=())
     return Transition(
         assigned,
         (_event(ctx, t.producer_engine_id, EventType.TRANSFER_ASSIGNED, assigned, t.generation, consumer),),
@@ -179,7 +187,7 @@ def _side_lost(ctx: Context, t: Transfer, producer_side: bool) -> Transition:
     if t.state.terminal:
         if producer_side and t.revoking_generation and other:
             # A lost producer writes no more: the consumer's revoked blocks are free.
-            confirmed = replace(t, revoking_generation=0)
+            confirmed = replace(t, revoking_generation=0, reported_ranks=())
             return Transition(
                 confirmed, (_event(ctx, other, EventType.REVOCATION_CONFIRMED, confirmed, t.revoking_generation),)
             )
@@ -445,12 +453,40 @@ def mark_source_ready(
 def _confirm_revocation(ctx: Context, t: Transfer, consumer: Engine | None) -> Transition:
     """The producer will not write the revoked generation: free it, then assign the current one."""
     revoked = t.revoking_generation
-    confirmed = replace(t, revoking_generation=0)
+    confirmed = replace(t, revoking_generation=0, reported_ranks=())
     events = (_event(ctx, t.consumer_engine_id, EventType.REVOCATION_CONFIRMED, confirmed, revoked),)
     if confirmed.state != State.MATCHED or consumer is None:
         return Transition(confirmed, events)
     assigned = _assign(ctx, confirmed, consumer)
     return Transition(assigned.transfer, events + assigned.events)
+
+
+def _reporting_ranks(engine: Engine, ranks: tuple[int, ...]) -> frozenset[int]:
+    """The ranks a report names (all of the engine's when it names none); an unknown rank is refused."""
+    count = max(len(engine.agents), 1)
+    unknown = [r for r in ranks if not 0 <= r < count]
+    if unknown:
+        raise RendezvousError(
+            Reason.RANK_INVALID,
+            f"rank {unknown[0]} is not one of engine {engine.engine_id}'s {count} ranks",
+            engine_id=engine.engine_id,
+            num_ranks=count,
+        )
+    return frozenset(ranks) if ranks else frozenset(range(count))
+
+
+def _report(t: Transfer, engine: Engine, ranks: frozenset[int]) -> tuple[Transfer, bool]:
+    """t with `ranks` added to the ranks that reported the generation in flight, and whether all have."""
+    reported = tuple(sorted(ranks.union(t.reported_ranks)))
+    return replace(t, reported_ranks=reported), len(reported) == max(len(engine.agents), 1)
+
+
+def _revocation_reported(
+    ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine, ranks: frozenset[int]
+) -> Transition:
+    """Producer ranks will not write the revoked generation; once all have said so, the consumer is told."""
+    reported, everyone = _report(t, producer, ranks)
+    return _confirm_revocation(ctx, t, consumer) if everyone else Transition(reported)
 
 
 def complete(
@@ -462,6 +498,7 @@ def complete(
         raise RendezvousError(Reason.OUTCOME_UNSPECIFIED, "outcome must be SUCCEEDED or FAILED")
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
+    ranks = _reporting_ranks(engine, spec.ranks)
     if cur is None:
         raise _not_found(spec.transfer_id)
     if engine.engine_id not in cur.participants():
@@ -474,7 +511,7 @@ def complete(
     if replaced:
         return replaced
     if cur.revoking_generation and spec.generation == cur.revoking_generation:
-        return _confirm_revocation(ctx, cur, consumer)
+        return _revocation_reported(ctx, cur, consumer, engine, ranks)
     if cur.state.terminal or (cur.state == State.COMMITTED and spec.generation == cur.generation):
         return Transition(cur)
     _check_generation(cur, spec.generation)
@@ -485,12 +522,19 @@ def complete(
             transfer_id=cur.transfer_id,
         )
     other = cur.counterpart(engine.engine_id)
+    reported, everyone = _report(cur, engine, ranks)
     if spec.outcome == Outcome.FAILED:
-        return _abort(ctx, cur, AbortReason.TRANSFER_FAILED, spec.message, (other,), producer_stopped=True)
+        # The mover's other ranks may still be writing: they are told, and fence the generation until they report.
+        notify = (other,) if everyone else (other, engine.engine_id)
+        stopped = everyone or cur.mode == Mode.PULL
+        return _abort(ctx, reported, AbortReason.TRANSFER_FAILED, spec.message, notify, producer_stopped=stopped)
+    if not everyone:
+        return Transition(reported)
     committed = replace(
         cur,
         state=State.COMMITTED,
         assigned_generation=0,
+        reported_ranks=(),
         deadline=ctx.now + ctx.timeouts.release_timeout,
         times=_times(cur, commit=ctx.now),
     )
@@ -510,11 +554,12 @@ def acknowledge_revocation(
         raise _not_participant(cur, producer.engine_id)
     if producer.engine_id != cur.producer_engine_id:
         raise _wrong_side(cur, producer, "AcknowledgeRevocation", "producer")
+    ranks = _reporting_ranks(producer, spec.ranks)
     replaced = _replaced(ctx, cur, producer)
     if replaced:
         return replaced
     if cur.revoking_generation and spec.generation == cur.revoking_generation:
-        return _confirm_revocation(ctx, cur, consumer)
+        return _revocation_reported(ctx, cur, consumer, producer, ranks)
     if spec.generation < cur.generation or cur.state.terminal:
         return Transition(cur)
     raise RendezvousError(

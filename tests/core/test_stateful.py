@@ -4,7 +4,8 @@ Invariants:
 - a transfer reaches exactly one terminal state and never leaves it (until its tombstone is dropped);
 - a producer never holds two generations of a transfer: no assignment arrives while it still holds one;
 - a consumer is told a revoked generation is free only once the producer let go of it (acknowledged,
-  completed or died), or when the tombstone's lifetime ran out;
+  completed or died), or when the tombstone's lifetime ran out; a producer of several ranks (p1 has two) has
+  let go only once every rank did, and the server stops fencing a generation only then;
 - an assignment only ever pairs the incarnations the transfer recorded, both still current, even while an
   engine has been replaced and the store has not yet applied the loss of its previous incarnation;
 - every event goes to an engine taking part in its transfer, in the role the event is for, and each
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -43,13 +45,16 @@ from rendezvous.core import (
     Timeouts,
 )
 from rendezvous.core.engines import end_incarnation, register_engine
+from rendezvous.core.specs import EngineSpec
 from rendezvous.store import MemoryStore
 from tests.ci import examples
-from tests.core.helpers import Clock, engine_spec, run
+from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, run
 
 CONSUMERS = ("c0", "c1")
 PRODUCERS = ("p0", "p1")
 ENGINES = CONSUMERS + PRODUCERS
+RANKS = {"p1": 2}  # p1 is a TP 2 producer: each rank reports its share
+HEADED = replace(LAYOUT, num_kv_heads=2, kv_layout="HND")
 TIMEOUTS = Timeouts(
     default_lease_ttl=20,
     min_lease_ttl=1,
@@ -60,6 +65,8 @@ TIMEOUTS = Timeouts(
 )
 PRODUCER_EVENTS = {EventType.TRANSFER_ASSIGNED, EventType.TRANSFER_REVOKED}
 CONSUMER_EVENTS = {EventType.SOURCE_READY, EventType.REVOCATION_CONFIRMED}
+
+RANK = (None, None, 0, 1)  # a report for every rank (no rank named), or for one
 
 blocks = st.lists(st.integers(0, 15), min_size=0, max_size=4, unique=True).map(tuple)
 
@@ -73,8 +80,10 @@ class Lifecycle(RuleBasedStateMachine):
         self.store = MemoryStore(max_events_per_engine=1_000_000)
         self.coord = Coordinator(self.store, timeouts=TIMEOUTS, clock=self.clock)
         self.seen: dict[str, int] = defaultdict(int)
-        # (producer, transfer) -> generations the producer was assigned and has not let go of.
+        # (producer, transfer) -> generations the producer was assigned and has not let go of (some rank holds).
         self.held: dict[tuple[str, str], set[int]] = defaultdict(set)
+        # (producer, transfer, generation) -> ranks that have not reported it.
+        self.unreported: dict[tuple[str, str, int], set[int]] = {}
         self.terminal: dict[str, State] = {}
         self.aborts_heard: dict[tuple[str, str, float], int] = defaultdict(int)
         self.minted: list[str] = []
@@ -98,13 +107,18 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _register(self, engine_id: str) -> None:
         role = Role.CONSUMER if engine_id in CONSUMERS else Role.PRODUCER
-        run(self.coord.register_engine(engine_spec(engine_id, role, num_blocks=16)))
+        ranks = RANKS.get(engine_id, 1)
+        spec = engine_spec(engine_id, role, HEADED, num_blocks=16)
+        if ranks > 1:
+            agents = tuple(replace(agent(f"{engine_id}-rank{r}", 16, 4096 // ranks), rank=r) for r in range(ranks))
+            spec = EngineSpec(engine_id, spec.pool, role, replace(HEADED, tp_size=ranks), agents)
+        run(self.coord.register_engine(spec))
         self.seen[engine_id] = run(self.store.last_event_revision(engine_id))
         self._forget_holdings(engine_id)
 
     def _forget_holdings(self, producer: str) -> None:
         for key in [k for k in self.held if k[0] == producer]:
-            del self.held[key]
+            self._forget_holdings_of(*key)
 
     def _call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
         """fn's answer, or None when it refused."""
@@ -143,6 +157,7 @@ class Lifecycle(RuleBasedStateMachine):
             assert producer is not None and producer.incarnation == t.producer_incarnation
             assert not self.held[key], f"{engine_id} assigned {event.generation} while holding {self.held[key]}"
             self.held[key].add(event.generation)
+            self.unreported[(*key, event.generation)] = set(range(RANKS.get(engine_id, 1)))
         elif event.type == EventType.REVOCATION_CONFIRMED:
             assert t is not None
             producer_key = (t.producer_engine_id, t.transfer_id)
@@ -156,7 +171,7 @@ class Lifecycle(RuleBasedStateMachine):
                 f"{t.transfer_id} g{event.generation} freed while held"
             )
             if still_held:
-                self.held[producer_key].discard(event.generation)
+                self._let_go(*producer_key, event.generation)
         elif event.type == EventType.TRANSFER_ABORTED:
             assert t is not None
             abort_key = (engine_id, t.transfer_id, t.times.end)
@@ -172,7 +187,12 @@ class Lifecycle(RuleBasedStateMachine):
                 assert gone or not held, f"{t.transfer_id} aborted without fencing generations {held}"
 
     def _forget_holdings_of(self, producer: str, transfer_id: str) -> None:
-        self.held.pop((producer, transfer_id), None)
+        for gen in self.held.pop((producer, transfer_id), set()):
+            self.unreported.pop((producer, transfer_id, gen), None)
+
+    def _let_go(self, producer: str, transfer_id: str, gen: int) -> None:
+        self.held[(producer, transfer_id)].discard(gen)
+        self.unreported.pop((producer, transfer_id, gen), None)
 
     @rule(
         t=transfers,
@@ -227,26 +247,35 @@ class Lifecycle(RuleBasedStateMachine):
         self._call(self.coord.mark_sources_ready, p, 0, [SourceReadySpec(t, b)])
         self._after()
 
-    @rule(e=st.sampled_from(ENGINES), t=transfers, gen=st.integers(1, 3), failed=st.booleans())
-    def complete(self, e: str, t: str, gen: int, failed: bool) -> None:
+    @rule(
+        e=st.sampled_from(ENGINES), t=transfers, gen=st.integers(1, 3), failed=st.booleans(), rank=st.sampled_from(RANK)
+    )
+    def complete(self, e: str, t: str, gen: int, failed: bool, rank: int | None = None) -> None:
         outcome = Outcome.FAILED if failed else Outcome.SUCCEEDED
-        if self._call(self.coord.complete_transfers, e, 0, [CompletionSpec(t, gen, outcome)]):
-            self._release_holding(e, t, gen)
+        ranks = () if rank is None else (rank,)
+        outcomes = self._call(self.coord.complete_transfers, e, 0, [CompletionSpec(t, gen, outcome, "", ranks)])
+        if outcomes and outcomes[0].error is None:
+            self._release_holding(e, t, gen, ranks)
         self._after()
 
-    @rule(p=st.sampled_from(PRODUCERS), t=transfers, gen=st.integers(1, 3))
-    def acknowledge(self, p: str, t: str, gen: int) -> None:
-        if self._call(self.coord.acknowledge_revocations, p, 0, [RevocationAck(t, gen)]):
-            self._release_holding(p, t, gen)
+    @rule(p=st.sampled_from(PRODUCERS), t=transfers, gen=st.integers(1, 3), rank=st.sampled_from(RANK))
+    def acknowledge(self, p: str, t: str, gen: int, rank: int | None = None) -> None:
+        ranks = () if rank is None else (rank,)
+        outcomes = self._call(self.coord.acknowledge_revocations, p, 0, [RevocationAck(t, gen, ranks)])
+        if outcomes and outcomes[0].error is None:
+            self._release_holding(p, t, gen, ranks)
         self._after()
 
-    def _release_holding(self, engine_id: str, t: str, gen: int) -> None:
+    def _release_holding(self, engine_id: str, t: str, gen: int, ranks: tuple[int, ...]) -> None:
         record = run(self.store.get_transfer(t))
         if record is None or record.producer_engine_id != engine_id:
             return
-        # The server let go of it only if it is no longer assigned nor being revoked.
+        remaining = self.unreported.get((engine_id, t, gen), set())
+        remaining.difference_update(ranks or range(RANKS.get(engine_id, 1)))
+        # The server let go of it only if it is no longer assigned nor being revoked, and only once every rank did.
         if gen not in (record.assigned_generation, record.revoking_generation):
-            self.held[(engine_id, t)].discard(gen)
+            assert not remaining, f"{t} g{gen} released while ranks {remaining} of {engine_id} still hold it"
+            self._let_go(engine_id, t, gen)
 
     # Anyone
 
@@ -273,22 +302,22 @@ class Lifecycle(RuleBasedStateMachine):
             assert not held, f"{t} aborted by its consumer without fencing generations {held}"
         self._after()
 
-    @rule(pick=st.integers(0, 100), failed=st.booleans())
-    def producer_finishes_a_held_generation(self, pick: int, failed: bool) -> None:
+    @rule(pick=st.integers(0, 100), failed=st.booleans(), rank=st.sampled_from(RANK))
+    def producer_finishes_a_held_generation(self, pick: int, failed: bool, rank: int | None) -> None:
         held = sorted((k, g) for k, gens in self.held.items() for g in gens)
         if held:
             (p, t), gen = held[pick % len(held)]
-            self.complete(p, t, gen, failed)
+            self.complete(p, t, gen, failed, rank)
 
-    @rule(pick=st.integers(0, 100))
-    def producer_acknowledges_a_revocation(self, pick: int) -> None:
+    @rule(pick=st.integers(0, 100), rank=st.sampled_from(RANK))
+    def producer_acknowledges_a_revocation(self, pick: int, rank: int | None) -> None:
         revoked = sorted(
             (r.producer_engine_id, r.transfer_id, r.revoking_generation)
             for r in run(self.store.list_transfers())
             if r.revoking_generation
         )
         if revoked:
-            self.acknowledge(*revoked[pick % len(revoked)])
+            self.acknowledge(*revoked[pick % len(revoked)], rank)
 
     # Engines and time
 

@@ -107,12 +107,14 @@ async def test_an_engine_record_round_trips_exactly(store: Store) -> None:
         rank=3,
         memory_kind=MemoryKind.VRAM,
         regions=(KvRegion(1 << 62, 4096, 4000, 1 << 20, 7), KvRegion(0, 1, 1, 1)),
+        first_layer=31,
+        num_layers=30,
     )
     engine = Engine(
         engine_id="e:1/x",
         pool="decode",
         role=Role.CONSUMER,
-        layout=KvLayout("fp", "bfloat16", 16, 61, 8, 2, "HND"),
+        layout=KvLayout("fp", "bfloat16", 16, 61, 8, 2, "HND", 64),
         agents=(agent, replace(agent, name="rank1", rank=1, metadata=b"")),
         labels={"zone": "a", "model": "\u00fc\u4e2d"},
         incarnation=1_700_000_000_123_456,
@@ -211,6 +213,7 @@ async def test_a_transfer_record_round_trips_exactly(store: Store) -> None:
         assigned_generation=6,
         revoking_generation=5,
         times=TransferTimes(NOW, NOW + 1e-6, NOW + 1 / 3, 0.0, NOW + 2, NOW + 3),
+        reported_ranks=(0, 2, 7),
     )
     await put_transfer(store, transfer)
     assert await store.get_transfer(transfer.transfer_id) == transfer

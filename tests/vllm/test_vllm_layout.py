@@ -1,7 +1,8 @@
-"""A decode pool whose KV layout differs from prefill's (64-token blocks against 32: the connector publishes its
-block shape, which differs, as kv_layout) gets a clear error, never garbage: the router refuses the pair before sending anything, and two legs sent straight to the engines (as an
-engine API client may) are stopped by the rendezvous at match time (LAYOUT_MISMATCH), both sides let go of their
-blocks, and decode answers an error."""
+"""A decode pool whose KV layout differs from prefill's (64-token blocks against 32: the connector publishes
+its block shape, which differs, as kv_layout) gets a clear error, never garbage: the router refuses the pair
+before sending anything, and two legs sent straight to the engines (as an engine API client may) are stopped by
+the rendezvous at match time (LAYOUT_MISMATCH), both sides let go of their blocks, and decode answers an
+error."""
 
 from __future__ import annotations
 
