@@ -6,16 +6,22 @@
               both sides polling in a tight loop, then both polling with the library's backoff
   writer      TransferWriter with the assignment already held: source_ready() -> on_complete, one 4 KiB block,
               the consumer polling with backoff
+  posting     one transfer of a 118-block context (32 layers x K and V, 16 tokens per block; one token of one
+              head is 64 fp16, or 2 bytes so that descriptors dominate): descriptors, plan time, post time
+              (making the transfer handle + the transfer call) and time to DONE, for whole blocks (TP 1 -> 1:
+              prepared lists with indices, or per-transfer lists from clients.nixl.plan, unmerged or merged) and
+              for one rank's head slice (TP 2 -> 1, HND)
 
 Both sides must poll for a WRITE to complete (see clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
 
-    python benchmarks/bench_nixl.py [--total-mib 64] [--reps 5] [--round-trips 1000]
+    python -m benchmarks.bench_nixl [--total-mib 64] [--reps 5] [--round-trips 1000] [--output nixl.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -38,7 +44,9 @@ from clients.nixl import (
     TransferWriter,
     XferStatus,
 )
+from clients.nixl.plan import RankGeometry, plan_write
 from clients.nixl.polling import Backoff, PollConfig
+from rendezvous.protocol.kvmap import RankShare
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
@@ -209,11 +217,83 @@ def writer_latencies(peer: Consumer, count: int) -> list[float]:
     return samples[20:]
 
 
+POST_REGIONS = 64  # 32 layers x K and V
+POST_HEADS = 4  # KV heads of the model
+POST_TOKENS = 16  # tokens per block
+POST_UNITS = (128, 2)  # bytes of one token of one head: 64 x fp16; 2 makes the bytes negligible next to descriptors
+POST_BLOCKS = 118
+
+
+def layer_regions(base: int, block: int, num_blocks: int) -> list[KvRegion]:
+    """`POST_REGIONS` regions of `num_blocks` blocks, back to back from `base`."""
+    return [KvRegion(base + r * block * num_blocks, block, block, num_blocks) for r in range(POST_REGIONS)]
+
+
+def posting(peer: Consumer, total: int, reps: int) -> list[dict[str, Any]]:
+    """Per mode: descriptors of one transfer, median plan, post and to-DONE microseconds over `reps`."""
+    rows = []
+    for unit in POST_UNITS:
+        rows += _posting(peer, total, reps, unit)
+    return rows
+
+
+def _posting(peer: Consumer, total: int, reps: int, unit: int) -> list[dict[str, Any]]:
+    block_d = POST_HEADS * POST_TOKENS * unit
+    num_blocks = min(total // (POST_REGIONS * block_d), 256)
+    agent: NixlAgentInfo = peer.call("create", f"bench-post-dst-{unit}", block_d)
+    remote_regions = layer_regions(agent.regions[0].base_address, block_d, num_blocks)
+    src, dst = np.arange(POST_BLOCKS), np.arange(POST_BLOCKS) + 5
+    rows = []
+    for tp in (1, 2):
+        heads = POST_HEADS // tp
+        block_p = heads * POST_TOKENS * unit
+        buffer = np.random.default_rng(tp).integers(0, 256, POST_REGIONS * block_p * num_blocks, dtype=np.uint8)
+        regions = layer_regions(buffer.ctypes.data, block_p, num_blocks)
+        endpoint = NixlEndpoint(f"bench-post-src-{unit}-{tp}", regions)
+        endpoint.add_peer(dataclasses.replace(agent, regions=tuple(remote_regions)), 1, whole_blocks=tp == 1)
+        share = RankShare(0, 0, range(POST_REGIONS), range(POST_REGIONS), 0, 0, heads)
+        producer = RankGeometry(regions, heads, POST_TOKENS)
+        consumer = RankGeometry(remote_regions, POST_HEADS, POST_TOKENS)
+        modes = ["prepared lists, indices"] if tp == 1 else []
+        for mode in [*modes, "per-transfer lists, unmerged", "per-transfer lists, merged"]:
+            samples, count = [], 0
+            for _ in range(reps + 2):
+                start = time.perf_counter()
+                if mode.startswith("prepared"):
+                    count = POST_REGIONS * POST_BLOCKS
+                    planned = time.perf_counter()
+                    posted = endpoint.post("WRITE", agent.name, src, dst, b"post:1")
+                else:
+                    plan = plan_write(producer, consumer, share, src, dst, "HND", merge=mode.endswith(" merged"))
+                    count, planned = plan.num_descriptors, time.perf_counter()
+                    posted = endpoint.post_descriptors("WRITE", agent.name, plan.local, plan.remote, b"post:1")
+                sent = time.perf_counter()
+                wait(endpoint, posted)
+                samples.append((planned - start, sent - planned, time.perf_counter() - start))
+            plan_s, post_s, done_s = (statistics.median(x) for x in zip(*samples[2:], strict=True))
+            rows.append(
+                {
+                    "case": f"TP {tp} -> 1" + (" (whole blocks)" if tp == 1 else " (head slice, HND)"),
+                    "mode": mode,
+                    "unit_bytes": unit,
+                    "descriptors": count,
+                    "bytes": POST_REGIONS * POST_BLOCKS * block_p,
+                    "plan_us": plan_s * 1e6,
+                    "post_us": post_s * 1e6,
+                    "done_us": done_s * 1e6,
+                }
+            )
+        endpoint.close()
+    peer.call("close", agent.name)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--round-trips", type=int, default=1000)
+    parser.add_argument("--output", default="nixl.json", help="file name under benchmarks/results/")
     args = parser.parse_args()
     os.environ.setdefault("UCX_TLS", "shm,tcp")  # loopback only, inherited by the consumer process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -236,6 +316,7 @@ def main() -> None:
         rtt_backoff = round_trips(peer, args.round_trips, backoff=True)
         peer.call("backoff", True)
         writer = writer_latencies(peer, args.round_trips)
+        posts = posting(peer, total, max(args.reps, 20))
     finally:
         peer.stop()
 
@@ -249,6 +330,14 @@ def main() -> None:
         latency[label] = {f"p{q}_us": percentile(samples, q / 100) * 1e6 for q in (50, 90, 99)}
         latency[label]["samples"] = len(samples)
         print(f"{label:>26}: " + "  ".join(f"{k} {v:.1f}" for k, v in latency[label].items() if k != "samples"))
+
+    print(f"one transfer of {POST_BLOCKS} blocks x {POST_REGIONS} regions (post = handle + transfer call)")
+    print(f"{'case':>28} {'mode':>30} {'unit':>4} {'descriptors':>11} {'plan us':>8} {'post us':>8} {'done us':>8}")
+    for row in posts:
+        print(
+            f"{row['case']:>28} {row['mode']:>30} {row['unit_bytes']:>4} {row['descriptors']:>11} "
+            f"{row['plan_us']:>8.0f} {row['post_us']:>8.0f} {row['done_us']:>8.0f}"
+        )
 
     RESULTS.mkdir(exist_ok=True)
     result = {
@@ -266,8 +355,9 @@ def main() -> None:
         "reps": args.reps,
         "throughput": rows,
         "latency": latency | {"round_trip_block_bytes": TINY_BLOCK, "writer_block_bytes": WRITER_BLOCK},
+        "posting": posts,
     }
-    (RESULTS / "nixl.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / args.output).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from clients._types import KvLayout, NixlAgentInfo
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
 from clients.nixl.notifications import encode_notification
-from clients.nixl.plan import RankGeometry, plan_write
+from clients.nixl.plan import RankGeometry, WritePlan, plan_write
 from clients.nixl.polling import Backoff, PollConfig
 from clients.nixl.regions import BlockIds
 from rendezvous.protocol import kvmap
@@ -92,6 +92,9 @@ class _Target:
     agent: NixlAgentInfo
     share: kvmap.RankShare
     geometry: RankGeometry
+    whole_blocks: bool
+    """Every region, every head, equal block sizes: posted from prepared lists by block index, which NIXL
+    merges itself (faster than building the lists; see benchmarks/bench_nixl.py)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -368,7 +371,7 @@ class TransferWriter:
                 raise LayoutMismatchError(f"{len(regions)} regions here, {len(a.peer.regions)} at the peer")
             whole = range(len(regions))
             share = kvmap.RankShare(self._rank, a.peer.rank, whole, whole, 0, 0, 1)
-            targets: tuple[_Target, ...] = (_Target(a.peer, share, RankGeometry(a.peer.regions, 1, 1)),)
+            targets: tuple[_Target, ...] = (_Target(a.peer, share, RankGeometry(a.peer.regions, 1, 1), True),)
             producer, kv_layout = RankGeometry(regions, 1, 1), ""
         else:
             if self._layout is None:
@@ -377,11 +380,19 @@ class TransferWriter:
             consumers = kvmap.rank_shapes(a.peer.layout, a.peer.agents)
             agents = {agent.rank: agent for agent in a.peer.agents}
             bd = a.peer.layout.block_size
-            targets = tuple(
-                _Target(agents[s.consumer_rank], s, RankGeometry(agents[s.consumer_rank].regions, c.num_heads, bd))
-                for s in kvmap.shares((me,), consumers)
-                for c in (consumers[s.consumer_rank],)
-            )
+            bp = self._layout.block_size
+
+            def target(s: kvmap.RankShare) -> _Target:
+                agent, c = agents[s.consumer_rank], consumers[s.consumer_rank]
+                whole = (
+                    s.num_heads == me.num_heads == c.num_heads
+                    and bp == bd
+                    and s.producer_regions == range(len(regions))
+                    and s.consumer_regions == range(len(agent.regions))
+                )
+                return _Target(agent, s, RankGeometry(agent.regions, c.num_heads, bd), whole)
+
+            targets = tuple(target(s) for s in kvmap.shares((me,), consumers))
             if not targets:
                 raise LayoutMismatchError(f"no consumer rank holds the layers and heads of rank {self._rank}")
             producer, kv_layout = RankGeometry(regions, me.num_heads, self._layout.block_size), self._layout.kv_layout
@@ -389,17 +400,28 @@ class TransferWriter:
         if len(dst):
             bp, bd = producer.block_size, targets[0].geometry.block_size
             num_src = len(dst) if bp == bd else -(-a.prompt_tokens // max(bp, 1))
-            self._plans(resolved, np.zeros(max(num_src, 0), dtype=np.int64))
+            self._plans(resolved, np.zeros(max(num_src, 0), dtype=np.int64), check=True)
         return resolved
 
-    def _plans(self, a: _Assign, src: npt.NDArray[np.int64]) -> list[tuple[_Target, Any]]:
-        """Each target with its write plan for source blocks `src`; raises ValueError when they do not fit."""
+    def _plans(
+        self, a: _Assign, src: npt.NDArray[np.int64], *, check: bool = False
+    ) -> list[tuple[_Target, WritePlan | None]]:
+        """Each target with its write plan for source blocks `src` (None: whole blocks by index, planned only
+        to `check` the assignment); raises ValueError when they do not fit."""
         assert a.producer is not None
         bp, bd = a.producer.block_size, a.targets[0].geometry.block_size if a.targets else 0
+        if len(src) < len(a.dst) and bp == bd:
+            raise BlockRangeError(f"{len(a.dst)} destination blocks but only {len(src)} source blocks")
         runs = None
         if bp != bd:
             runs = kvmap.token_runs(len(src), len(a.dst), bp, bd, a.prompt_tokens, a.target_tokens)
-        return [(t, plan_write(a.producer, t.geometry, t.share, src, a.dst, a.kv_layout, runs)) for t in a.targets]
+        plans: list[tuple[_Target, WritePlan | None]] = []
+        for t in a.targets:
+            planned = not t.whole_blocks or check
+            plans.append(
+                (t, plan_write(a.producer, t.geometry, t.share, src, a.dst, a.kv_layout, runs) if planned else None)
+            )
+        return plans
 
     def _source_ready(self, s: _SourceReady) -> None:
         if s.transfer_id in self._ended:
@@ -466,7 +488,7 @@ class TransferWriter:
             if name in self._forget:
                 self._forget.discard(name)
                 self._endpoint.remove_peer(name)
-            self._endpoint.add_peer(target.agent, a.incarnation, whole_blocks=False)
+            self._endpoint.add_peer(target.agent, a.incarnation, whole_blocks=target.whole_blocks)
         return connected
 
     def _try_write(self, transfer_id: str, t: _Transfer) -> None:
@@ -495,11 +517,15 @@ class TransferWriter:
             return
         notification = encode_notification(transfer_id, a.generation)
         write = _Write(a.generation, [])
+        source = t.source[len(t.source) - n :]
         for target, plan in plans:
+            name = target.agent.name
             try:
-                write.posts.append(
-                    self._endpoint.post_descriptors("WRITE", target.agent.name, plan.local, plan.remote, notification)
-                )
+                if plan is None:
+                    posted = self._endpoint.post("WRITE", name, source, a.dst, notification)
+                else:
+                    posted = self._endpoint.post_descriptors("WRITE", name, plan.local, plan.remote, notification)
+                write.posts.append(posted)
             except DataPlaneError as e:
                 write.error = str(e)
                 break

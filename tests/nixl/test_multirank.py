@@ -165,6 +165,10 @@ def test_four_producer_ranks_write_their_heads_into_one_consumer_rank(peer: Peer
     run_transfer(peer, Engine(4, 1, 4, 8), Engine(1, 1, 4, 8), src=[5, 1, 2, 6], dst=[3, 4, 7])
 
 
+def test_equal_ranks_write_whole_blocks_rank_to_rank_after_a_prefix_hit(peer: PeerProcess) -> None:
+    run_transfer(peer, Engine(2, 1, 4, 8), Engine(2, 1, 4, 8), src=[7, 0, 1, 2], dst=[5, 6])
+
+
 def test_one_producer_rank_writes_into_four_consumer_ranks(peer: PeerProcess) -> None:
     p, c = Engine(1, 1, 4, 8, kv_layout="NHD"), Engine(4, 1, 4, 8, kv_layout="NHD")
     run_transfer(peer, p, c, src=[0, 1, 2], dst=[6, 2, 3])
