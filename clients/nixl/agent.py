@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from clients._types import KvRegion, MemoryKind, NixlAgentInfo
 from clients.nixl.errors import BlockRangeError, LayoutMismatchError, PeerError, TransferFailedError
 from clients.nixl.regions import (
     BlockIds,
@@ -33,6 +32,9 @@ from clients.nixl.regions import (
     regions_from_tensors,
     registration_spans,
 )
+from rendezvous.protocol.enums import MemoryKind
+from rendezvous.protocol.records import KvRegion
+from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
 
 if TYPE_CHECKING:
     import torch

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from clients._types import KvRegion
 from clients.nixl.errors import BlockRangeError, LayoutMismatchError
 from rendezvous.protocol.kvmap import RankShare, TokenRun
+from rendezvous.protocol.records import KvRegion
 
 __all__ = ["RankGeometry", "WritePlan", "merge_descriptors", "plan_write"]
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import time
 
-from clients._types import NixlAgentInfo
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.errors import TransferFailedError
 from clients.nixl.notifications import TransferNotification, parse_notification
 from clients.nixl.polling import Backoff, PollConfig
 from clients.nixl.regions import BlockIds
+from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
 
 __all__ = ["TransferReceiver"]
 

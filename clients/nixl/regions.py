@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from clients._types import KvRegion, MemoryKind
 from clients.nixl.errors import BlockRangeError, LayoutMismatchError
+from rendezvous.protocol.enums import MemoryKind
+from rendezvous.protocol.records import KvRegion
 
 if TYPE_CHECKING:
     import torch

@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from clients._types import KvLayout, NixlAgentInfo
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
 from clients.nixl.notifications import encode_notification
@@ -52,6 +51,8 @@ from clients.nixl.plan import RankGeometry, WritePlan, plan_write
 from clients.nixl.polling import Backoff, PollConfig
 from clients.nixl.regions import BlockIds
 from rendezvous.protocol import kvmap
+from rendezvous.protocol.records import KvLayout
+from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
 
 __all__ = ["ConsumerEngine", "OnComplete", "OnRevoked", "OnSourceFree", "TransferWriter", "WriterConfig"]
 
