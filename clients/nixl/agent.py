@@ -140,6 +140,11 @@ class NixlEndpoint:
         peer = self._peers.get(name)
         return None if peer is None else peer.incarnation
 
+    def has_blocks(self, name: str) -> bool:
+        """Whether the cached peer `name` has its whole blocks prepared (see `add_peer`)."""
+        peer = self._peers.get(name)
+        return peer is not None and peer.table is not None
+
     def add_peer(self, agent: NixlAgentInfo, incarnation: int, *, whole_blocks: bool = True) -> bool:
         """Load a peer's metadata and prepare its descriptors; True if loaded, False if already cached.
 

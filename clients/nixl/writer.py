@@ -481,12 +481,13 @@ class TransferWriter:
         connected = True
         for target in a.targets:
             name = target.agent.name
-            if self._endpoint.peer_incarnation(name) == a.incarnation and name not in self._forget:
+            current = self._endpoint.peer_incarnation(name) == a.incarnation and name not in self._forget
+            if current and (not target.whole_blocks or self._endpoint.has_blocks(name)):
                 continue
             if self._writing_to(name):
                 connected = False
                 continue
-            if name in self._forget:
+            if name in self._forget or current:  # forgotten, or loaded without the blocks prepared
                 self._forget.discard(name)
                 self._endpoint.remove_peer(name)
             self._endpoint.add_peer(target.agent, a.incarnation, whole_blocks=target.whole_blocks)
