@@ -155,6 +155,14 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         store = self.coordinator.store
         return pb.ResponseHeader(epoch=store.epoch, revision=await store.revision(), server_id=self.server_id)
 
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, exc: RendezvousError | StoreUnavailableError
+    ) -> None:
+        """Fail a stream call with exc, counted under its status code (unary calls: `_rpc`)."""
+        err = _as_error(exc)
+        self.metrics.rpcs.labels(method, err.code.value).inc()
+        await _abort(context, err)
+
     def _results(self, method: str, outcomes: Sequence[ItemOutcome]) -> list[pb.ItemResult]:
         self.metrics.items.labels(method).inc(len(outcomes))
         return [
@@ -186,9 +194,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
                 header = await self._header()
             except (RendezvousError, StoreUnavailableError) as exc:
-                err = _as_error(exc)
-                self.metrics.rpcs.labels("KeepAlive", err.code.value).inc()
-                await _abort(context, err)
+                await self._refuse(context, "KeepAlive", exc)
                 return
             self.metrics.rpcs.labels("KeepAlive", "OK").inc()
             yield pb.KeepAliveResponse(header=header, engine_id=engine.engine_id, lease_ttl=duration(engine.lease_ttl))
@@ -278,9 +284,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             revision = await coordinator.check_watch(engine_id, request.start_revision)
             self.watchers.enter(engine_id)
         except (RendezvousError, StoreUnavailableError) as exc:
-            err = _as_error(exc)
-            self.metrics.rpcs.labels("Watch", err.code.value).inc()
-            await _abort(context, err)
+            await self._refuse(context, "Watch", exc)
             return
         self.metrics.rpcs.labels("Watch", "OK").inc()
         batch = min(request.max_batch or self.watch_batch, self.watch_batch)
