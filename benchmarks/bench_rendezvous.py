@@ -123,7 +123,7 @@ async def measure_floor(port: int, seconds: float) -> dict[str, float]:
 # Simulated engines.
 
 
-def engine_request(engine_id: str, role: int) -> pb.RegisterEngineRequest:
+def engine_request(engine_id: str, role: pb.EngineRole) -> pb.RegisterEngineRequest:
     agent = pb.NixlAgent(
         name=engine_id + "-0", metadata=os.urandom(400), memory_kind=pb.MEMORY_KIND_DRAM, regions=[REGION]
     )
