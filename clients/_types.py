@@ -20,6 +20,7 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
+from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
 
 NixlAgentInfo = NixlAgent
@@ -40,17 +41,9 @@ class EngineSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineInfo:
+class EngineInfo(Incarnation):
     """A registered engine incarnation as the server reports it."""
 
-    engine_id: str
-    pool: str
-    role: EngineRole
-    layout: KvLayout
-    agents: tuple[NixlAgentInfo, ...]
-    labels: Mapping[str, str]
-    incarnation: int
-    lease_ttl: float
     lease_expire_time: float
     live_transfers: int
     register_time: float

@@ -7,7 +7,6 @@ protocol's so the wire mapping is a cast. Times are seconds since the Unix epoch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rendezvous.protocol.enums import (
@@ -20,6 +19,7 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
+from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
 
 __all__ = [
@@ -49,17 +49,9 @@ Outcome = CompletionOutcome
 
 
 @dataclass(frozen=True)
-class Engine:
+class Engine(Incarnation):
     """A registered engine incarnation and its lease."""
 
-    engine_id: str
-    pool: str
-    role: Role
-    layout: KvLayout
-    agents: tuple[NixlAgent, ...]
-    labels: Mapping[str, str]
-    incarnation: int
-    lease_ttl: float
     lease_expires_at: float
     registered_at: float
     # When the incarnation ended (deregistered, expired or replaced); 0.0 while live.
