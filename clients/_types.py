@@ -47,6 +47,8 @@ class EngineInfo(Incarnation):
     lease_expire_time: float
     live_transfers: int
     register_time: float
+    watch_start_revision: int = 0
+    """A Watch from here sees every event of this incarnation (how an engine's other ranks follow it)."""
 
 
 @dataclass(frozen=True, slots=True)
