@@ -43,7 +43,7 @@ stubs: setup-dev
 	$(PY) scripts/generate_stubs.py
 
 # The fast developer loop, also run by the pre-commit hooks (.pre-commit-config.yaml): lint, format, types (the
-# packages and the tests; files in pyproject.toml), stub freshness, proto lint. No vLLM needed: without it mypy
+# packages, tests, scripts, benchmarks and examples; files in pyproject.toml), stub freshness, proto lint. No vLLM needed: without it mypy
 # sees vLLM's types as Any; CI installs vLLM first, so there the connector is checked against vLLM itself.
 check: setup-dev
 	$(VENV)/bin/ruff check .

@@ -22,7 +22,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,18 +33,13 @@ from typing import Any
 
 import grpc
 
+from connector.launch import free_port
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUT = pb.KvLayout(model_fingerprint="bench", dtype="float16", block_size=16, num_layers=32, tp_size=1, pp_size=1)
 REGION = pb.KvRegion(base_address=1 << 32, block_stride_bytes=1 << 16, block_length_bytes=1 << 16, num_blocks=100_000)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proc_usage(pid: int) -> tuple[float, int]:
@@ -123,7 +117,7 @@ async def measure_floor(port: int, seconds: float) -> dict[str, float]:
 # Simulated engines.
 
 
-def engine_request(engine_id: str, role: int) -> pb.RegisterEngineRequest:
+def engine_request(engine_id: str, role: pb.EngineRole) -> pb.RegisterEngineRequest:
     agent = pb.NixlAgent(
         name=engine_id + "-0", metadata=os.urandom(400), memory_kind=pb.MEMORY_KIND_DRAM, regions=[REGION]
     )

@@ -41,7 +41,7 @@ from clients._exceptions import (
 )
 from clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
 from clients._router import PickPolicy, RouterClient, layout_difference
-from clients._session import EPOCH_CHANGED, EngineSession, EventHandler, LiveTransfers
+from clients._session import EPOCH_CHANGED, EngineSession, EventHandler, LiveTransfers, RankSession
 from clients._types import (
     AbortReason,
     AbortSpec,
@@ -123,6 +123,7 @@ __all__ = [
     "PermissionDenied",
     "PickPolicy",
     "ProducerSession",
+    "RankSession",
     "Reason",
     "Registration",
     "ReleaseSpec",

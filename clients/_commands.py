@@ -106,83 +106,49 @@ def _engines(response: pb.ListEnginesResponse) -> list[EngineInfo]:
 # Transfers (batched; one ItemResult per item, in order)
 
 
+def _batched(request_type: type[Message], engine_id: str, incarnation: int, **items: Any) -> Call[list[ItemResult]]:
+    """A batched transfer call of request_type (the RPC it names) with a fresh request id."""
+    request = request_type(request_id=new_request_id(), engine_id=engine_id, incarnation=incarnation, **items)
+    return Call(request_type.__name__.removesuffix("Request"), request, _convert.item_results)
+
+
 def register_targets(engine_id: str, incarnation: int, targets: Iterable[TargetSpec]) -> Call[list[ItemResult]]:
     """RegisterTarget."""
-    request = pb.RegisterTargetRequest(
-        request_id=new_request_id(),
-        engine_id=engine_id,
-        incarnation=incarnation,
-        targets=_convert.target_messages(targets),
-    )
-    return Call("RegisterTarget", request, _convert.item_results)
+    return _batched(pb.RegisterTargetRequest, engine_id, incarnation, targets=_convert.target_messages(targets))
 
 
 def claim_transfers(engine_id: str, incarnation: int, claims: Iterable[ClaimSpec]) -> Call[list[ItemResult]]:
     """ClaimTransfer."""
-    request = pb.ClaimTransferRequest(
-        request_id=new_request_id(),
-        engine_id=engine_id,
-        incarnation=incarnation,
-        claims=_convert.claim_messages(claims),
-    )
-    return Call("ClaimTransfer", request, _convert.item_results)
+    return _batched(pb.ClaimTransferRequest, engine_id, incarnation, claims=_convert.claim_messages(claims))
 
 
 def mark_sources_ready(engine_id: str, incarnation: int, sources: Iterable[SourceReadySpec]) -> Call[list[ItemResult]]:
     """MarkSourceReady."""
-    request = pb.MarkSourceReadyRequest(
-        request_id=new_request_id(),
-        engine_id=engine_id,
-        incarnation=incarnation,
-        sources=_convert.source_messages(sources),
-    )
-    return Call("MarkSourceReady", request, _convert.item_results)
+    return _batched(pb.MarkSourceReadyRequest, engine_id, incarnation, sources=_convert.source_messages(sources))
 
 
 def complete_transfers(
     engine_id: str, incarnation: int, completions: Iterable[CompletionSpec]
 ) -> Call[list[ItemResult]]:
     """CompleteTransfer."""
-    request = pb.CompleteTransferRequest(
-        request_id=new_request_id(),
-        engine_id=engine_id,
-        incarnation=incarnation,
-        completions=_convert.completion_messages(completions),
+    return _batched(
+        pb.CompleteTransferRequest, engine_id, incarnation, completions=_convert.completion_messages(completions)
     )
-    return Call("CompleteTransfer", request, _convert.item_results)
 
 
 def acknowledge_revocations(engine_id: str, incarnation: int, acks: Iterable[RevocationAck]) -> Call[list[ItemResult]]:
     """AcknowledgeRevocation."""
-    request = pb.AcknowledgeRevocationRequest(
-        request_id=new_request_id(),
-        engine_id=engine_id,
-        incarnation=incarnation,
-        acks=_convert.ack_messages(acks),
-    )
-    return Call("AcknowledgeRevocation", request, _convert.item_results)
+    return _batched(pb.AcknowledgeRevocationRequest, engine_id, incarnation, acks=_convert.ack_messages(acks))
 
 
 def release_targets(engine_id: str, incarnation: int, releases: Iterable[ReleaseSpec]) -> Call[list[ItemResult]]:
     """ReleaseTarget."""
-    request = pb.ReleaseTargetRequest(
-        request_id=new_request_id(),
-        engine_id=engine_id,
-        incarnation=incarnation,
-        releases=_convert.release_messages(releases),
-    )
-    return Call("ReleaseTarget", request, _convert.item_results)
+    return _batched(pb.ReleaseTargetRequest, engine_id, incarnation, releases=_convert.release_messages(releases))
 
 
 def abort_transfers(engine_id: str, incarnation: int, aborts: Iterable[AbortSpec]) -> Call[list[ItemResult]]:
     """AbortTransfer; engine_id "" aborts as a router or operator."""
-    request = pb.AbortTransferRequest(
-        request_id=new_request_id(),
-        engine_id=engine_id,
-        incarnation=incarnation,
-        aborts=_convert.abort_messages(aborts),
-    )
-    return Call("AbortTransfer", request, _convert.item_results)
+    return _batched(pb.AbortTransferRequest, engine_id, incarnation, aborts=_convert.abort_messages(aborts))
 
 
 def get_transfer(transfer_id: str) -> Call[TransferInfo]:

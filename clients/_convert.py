@@ -139,6 +139,7 @@ def engine(m: pb.Engine) -> EngineInfo:
         lease_expire_time=unix_time(m.lease_expire_time),
         live_transfers=m.live_transfers,
         register_time=unix_time(m.register_time),
+        watch_start_revision=m.watch_start_revision,
     )
 
 

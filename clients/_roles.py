@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 from clients._config import SessionConfig
 from clients._session import EngineSession, EventHandler
@@ -27,11 +28,10 @@ def mint_transfer_id() -> str:
     return uuid.uuid4().hex
 
 
-class ConsumerSession(EngineSession):
-    """A consumer (decode) engine: registers destination blocks and releases them once used.
+class RoleSession(EngineSession):
+    """An engine session of one role (the subclass's `role`), registered from keyword arguments."""
 
-    In pull mode the consumer also reports completions (`complete_transfers`).
-    """
+    role: ClassVar[EngineRole]
 
     def __init__(
         self,
@@ -47,9 +47,18 @@ class ConsumerSession(EngineSession):
         handler: EventHandler | None = None,
     ) -> None:
         spec = EngineSpec(
-            engine_id, pool, EngineRole.CONSUMER, layout or KvLayout(), tuple(agents), dict(labels or {}), lease_ttl
+            engine_id, pool, self.role, layout or KvLayout(), tuple(agents), dict(labels or {}), lease_ttl
         )
         super().__init__(client, spec, config=config, handler=handler)
+
+
+class ConsumerSession(RoleSession):
+    """A consumer (decode) engine: registers destination blocks and releases them once used.
+
+    In pull mode the consumer also reports completions (`complete_transfers`).
+    """
+
+    role = EngineRole.CONSUMER
 
     async def register_targets(self, targets: Sequence[TargetSpec]) -> list[ItemResult]:
         """Register destination blocks; they are re-asserted until committed, released or aborted."""
@@ -72,26 +81,10 @@ class ConsumerSession(EngineSession):
         return (await self.release_targets((release,)))[0].raise_for_error()
 
 
-class ProducerSession(EngineSession):
+class ProducerSession(RoleSession):
     """A producer (prefill) engine: claims transfers, reports ready sources, completions and revocations."""
 
-    def __init__(
-        self,
-        client: AsyncRendezvousClient,
-        engine_id: str,
-        pool: str,
-        *,
-        layout: KvLayout | None = None,
-        agents: Sequence[NixlAgentInfo] = (),
-        labels: Mapping[str, str] | None = None,
-        lease_ttl: float = 0.0,
-        config: SessionConfig | None = None,
-        handler: EventHandler | None = None,
-    ) -> None:
-        spec = EngineSpec(
-            engine_id, pool, EngineRole.PRODUCER, layout or KvLayout(), tuple(agents), dict(labels or {}), lease_ttl
-        )
-        super().__init__(client, spec, config=config, handler=handler)
+    role = EngineRole.PRODUCER
 
     async def claim_transfers(self, claims: Sequence[ClaimSpec]) -> list[ItemResult]:
         """Claim transfers; claims are re-asserted until the transfer commits or aborts."""

@@ -27,6 +27,7 @@ from clients._types import (
     ClaimSpec,
     CompletionSpec,
     EngineInfo,
+    EngineRole,
     EngineSpec,
     Event,
     EventType,
@@ -34,6 +35,7 @@ from clients._types import (
     Registration,
     Reregistered,
     Resynced,
+    RevocationAck,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -485,3 +487,78 @@ class EngineSession:
                 await handler(item)
             except Exception:
                 log.exception("engine %s event handler failed on %r", self.engine_id, item)
+
+
+class RankSession(EngineSession):
+    """The session of one of a multi-rank engine's other ranks: it follows the registration rank 0 made.
+
+    A multi-rank engine registers once, with every rank's agent, from one process (`EngineSession`, rank 0).
+    The other ranks' processes each open a `RankSession`: it finds the current incarnation with GetEngine,
+    watches the engine's events from that incarnation's `watch_start_revision` (so it misses none) and sends
+    its rank's calls (CompleteTransfer, AcknowledgeRevocation) as that incarnation. It neither renews the lease
+    nor re-asserts transfers: when the incarnation is replaced (rank 0 re-registered after a server restart or a
+    lost lease) it waits for the next one, follows it and delivers `Reregistered`. Closing it deregisters nothing.
+    """
+
+    def __init__(
+        self,
+        client: AsyncRendezvousClient,
+        engine_id: str,
+        *,
+        config: SessionConfig | None = None,
+        handler: EventHandler | None = None,
+    ) -> None:
+        super().__init__(client, EngineSpec(engine_id, "", EngineRole.UNSPECIFIED), config=config, handler=handler)
+
+    async def start(self, incarnation: int = 0) -> EngineInfo:
+        """Follow the engine's incarnation (the first one newer than `incarnation - 1`) and watch its events."""
+        if self._registration is not None or self._closed:
+            raise RuntimeError("a session starts once")
+        self._registration = await self._follow(incarnation - 1 if incarnation else 0)
+        self._remove_listener = self._client.add_epoch_listener(self._on_epoch)
+        self._start_watch()
+        if self._handler is not None:
+            self._dispatch_task = asyncio.create_task(self._dispatch(self._handler), name=f"events {self.engine_id}")
+        return self.engine
+
+    async def close(self, *, deregister: bool = False) -> None:
+        """Stop following; the engine's registration is rank 0's to end."""
+        await super().close(deregister=False)
+
+    async def _follow(self, previous: int) -> Registration:
+        """The engine's live incarnation newer than `previous`, waiting (with backoff) until there is one."""
+        backoff = Backoff(self._config.reconnect)
+        while True:
+            try:
+                engine = await self._client.get_engine(self.engine_id)
+                if engine.incarnation > previous:
+                    return Registration(engine, engine.watch_start_revision, self._client.epoch)
+            except RendezvousError as err:
+                if err.reason not in _ENGINE_GONE and err.code not in _TRANSIENT:
+                    raise
+            await asyncio.sleep(backoff.next())
+
+    async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:
+        """A producer rank's promise not to write revoked generations (name the rank in each)."""
+        return await self._call(self._client.acknowledge_revocations, acks)
+
+    def _replaced(self, err: RendezvousError, incarnation: int) -> bool:
+        if err.reason in _ENGINE_GONE or err.reason == Reason.STALE_INCARNATION:
+            self._recover(err.reason, incarnation)
+            return True
+        return False
+
+    async def _reregister(self, cause: str) -> None:
+        previous = self.incarnation
+        watch = self._watch_task
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
+            await asyncio.wait([watch])
+        try:
+            self._registration = await self._follow(previous)
+        except RendezvousError as err:
+            self._fail(err)
+            return
+        log.info("engine %s rank session follows incarnation %d", self.engine_id, self.incarnation)
+        self._deliver(Reregistered(cause, previous, self.incarnation, self.epoch, ()))
+        self._start_watch()

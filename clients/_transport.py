@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
+import grpc
+
 from clients._config import ClientConfig
+from clients._exceptions import RendezvousError, from_rpc_error
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
 ChannelT = TypeVar("ChannelT")
@@ -105,3 +108,54 @@ class EpochTracker:
         """Call listener(old, new) on every change; returns a function that removes it."""
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener)
+
+
+class ClientBase(Generic[ChannelT]):
+    """What the sync and the asyncio client hold alike: configuration, endpoints, metadata and epochs.
+
+    The subclass passes its gRPC flavour's channel constructors; only sending differs between them.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig | str | Sequence[str],
+        insecure_channel: Callable[..., ChannelT],
+        secure_channel: Callable[..., ChannelT],
+    ) -> None:
+        self._config = config if isinstance(config, ClientConfig) else ClientConfig(targets=config)
+        options = self._config.channel.as_grpc_options()
+        credentials = self._config.channel_credentials()
+
+        def open_channel(target: str) -> ChannelT:
+            if credentials is None:
+                return insecure_channel(target, options=options)
+            return secure_channel(target, credentials, options=options)
+
+        self._endpoints: Endpoints[ChannelT] = Endpoints(tuple(self._config.targets), open_channel)
+        self._metadata = CallMetadata(self._config)
+        self._epochs = EpochTracker()
+
+    @property
+    def config(self) -> ClientConfig:
+        """The client's configuration."""
+        return self._config
+
+    @property
+    def target(self) -> str:
+        """The endpoint calls go to now ("host:port"); it moves on when one is UNAVAILABLE."""
+        return self._endpoints.current_target
+
+    @property
+    def epoch(self) -> int:
+        """The server epoch of the latest answer (0 before the first)."""
+        return self._epochs.epoch
+
+    def add_epoch_listener(self, listener: EpochListener) -> Callable[[], None]:
+        """Call listener(old_epoch, new_epoch) when answers show a new epoch; returns a remover."""
+        return self._epochs.add_listener(listener)
+
+    def _failed(self, error: grpc.RpcError, index: int) -> RendezvousError:
+        converted = from_rpc_error(error)
+        if converted.code == grpc.StatusCode.UNAVAILABLE:
+            self._endpoints.failover(index)
+        return converted

@@ -20,6 +20,7 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
+from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
 
 NixlAgentInfo = NixlAgent
@@ -40,20 +41,14 @@ class EngineSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineInfo:
+class EngineInfo(Incarnation):
     """A registered engine incarnation as the server reports it."""
 
-    engine_id: str
-    pool: str
-    role: EngineRole
-    layout: KvLayout
-    agents: tuple[NixlAgentInfo, ...]
-    labels: Mapping[str, str]
-    incarnation: int
-    lease_ttl: float
     lease_expire_time: float
     live_transfers: int
     register_time: float
+    watch_start_revision: int = 0
+    """A Watch from here sees every event of this incarnation (how an engine's other ranks follow it)."""
 
 
 @dataclass(frozen=True, slots=True)

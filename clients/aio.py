@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -19,9 +19,9 @@ from clients import _commands as commands
 from clients import _convert
 from clients._commands import Call
 from clients._config import ClientConfig
-from clients._exceptions import RendezvousError, Unavailable, from_rpc_error
+from clients._exceptions import RendezvousError, Unavailable
 from clients._retry import Attempts
-from clients._transport import CallMetadata, Endpoints, EpochListener, EpochTracker
+from clients._transport import ClientBase
 from clients._types import (
     AbortSpec,
     ClaimSpec,
@@ -46,7 +46,7 @@ from clients._types import (
 ResultT = TypeVar("ResultT")
 
 
-class AsyncRendezvousClient:
+class AsyncRendezvousClient(ClientBase[grpc.aio.Channel]):
     """An asyncio client of RendezvousService.
 
     Unary calls are retried per the configured `RetryPolicy` (UNAVAILABLE fails over to the next
@@ -58,37 +58,7 @@ class AsyncRendezvousClient:
 
     def __init__(self, config: ClientConfig | str | Sequence[str]) -> None:
         """Connect to `config`: a full `ClientConfig`, one "host:port" or a list of them."""
-        self._config = config if isinstance(config, ClientConfig) else ClientConfig(targets=config)
-        options = self._config.channel.as_grpc_options()
-        credentials = self._config.channel_credentials()
-
-        def open_channel(target: str) -> grpc.aio.Channel:
-            if credentials is None:
-                return grpc.aio.insecure_channel(target, options=options)
-            return grpc.aio.secure_channel(target, credentials, options=options)
-
-        self._endpoints: Endpoints[grpc.aio.Channel] = Endpoints(tuple(self._config.targets), open_channel)
-        self._metadata = CallMetadata(self._config)
-        self._epochs = EpochTracker()
-
-    @property
-    def config(self) -> ClientConfig:
-        """The client's configuration."""
-        return self._config
-
-    @property
-    def target(self) -> str:
-        """The endpoint calls go to now ("host:port"); it moves on when one is UNAVAILABLE."""
-        return self._endpoints.current_target
-
-    @property
-    def epoch(self) -> int:
-        """The server epoch of the latest answer (0 before the first)."""
-        return self._epochs.epoch
-
-    def add_epoch_listener(self, listener: EpochListener) -> Callable[[], None]:
-        """Call listener(old_epoch, new_epoch) when answers show a new epoch; returns a remover."""
-        return self._epochs.add_listener(listener)
+        super().__init__(config, grpc.aio.insecure_channel, grpc.aio.secure_channel)
 
     async def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
@@ -104,12 +74,6 @@ class AsyncRendezvousClient:
         await self.close()
 
     # Sending
-
-    def _failed(self, error: grpc.RpcError, index: int) -> RendezvousError:
-        converted = from_rpc_error(error)
-        if converted.code == grpc.StatusCode.UNAVAILABLE:
-            self._endpoints.failover(index)
-        return converted
 
     async def _invoke(self, call: Call[ResultT], timeout: float | None) -> ResultT:
         timeout = self._config.call_timeout if timeout is None else timeout

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -19,9 +19,9 @@ from clients import _commands as commands
 from clients import _convert
 from clients._commands import Call
 from clients._config import ClientConfig
-from clients._exceptions import RendezvousError, Unavailable, from_rpc_error
+from clients._exceptions import RendezvousError, Unavailable
 from clients._retry import Attempts
-from clients._transport import CallMetadata, Endpoints, EpochListener, EpochTracker
+from clients._transport import ClientBase
 from clients._types import (
     AbortSpec,
     ClaimSpec,
@@ -47,42 +47,12 @@ from rendezvous.v1 import rendezvous_pb2 as pb
 ResultT = TypeVar("ResultT")
 
 
-class RendezvousClient:
+class RendezvousClient(ClientBase[grpc.Channel]):
     """A blocking client of RendezvousService; see `AsyncRendezvousClient` for the behaviour."""
 
     def __init__(self, config: ClientConfig | str | Sequence[str]) -> None:
         """Connect to `config`: a full `ClientConfig`, one "host:port" or a list of them."""
-        self._config = config if isinstance(config, ClientConfig) else ClientConfig(targets=config)
-        options = self._config.channel.as_grpc_options()
-        credentials = self._config.channel_credentials()
-
-        def open_channel(target: str) -> grpc.Channel:
-            if credentials is None:
-                return grpc.insecure_channel(target, options=options)
-            return grpc.secure_channel(target, credentials, options=options)
-
-        self._endpoints: Endpoints[grpc.Channel] = Endpoints(tuple(self._config.targets), open_channel)
-        self._metadata = CallMetadata(self._config)
-        self._epochs = EpochTracker()
-
-    @property
-    def config(self) -> ClientConfig:
-        """The client's configuration."""
-        return self._config
-
-    @property
-    def target(self) -> str:
-        """The endpoint calls go to now ("host:port"); it moves on when one is UNAVAILABLE."""
-        return self._endpoints.current_target
-
-    @property
-    def epoch(self) -> int:
-        """The server epoch of the latest answer (0 before the first)."""
-        return self._epochs.epoch
-
-    def add_epoch_listener(self, listener: EpochListener) -> Callable[[], None]:
-        """Call listener(old_epoch, new_epoch) when answers show a new epoch; returns a remover."""
-        return self._epochs.add_listener(listener)
+        super().__init__(config, grpc.insecure_channel, grpc.secure_channel)
 
     def close(self) -> None:
         """Close the channels; calls in flight are cancelled."""
@@ -98,12 +68,6 @@ class RendezvousClient:
         self.close()
 
     # Sending
-
-    def _failed(self, error: grpc.RpcError, index: int) -> RendezvousError:
-        converted = from_rpc_error(error)
-        if converted.code == grpc.StatusCode.UNAVAILABLE:
-            self._endpoints.failover(index)
-        return converted
 
     def _invoke(self, call: Call[ResultT], timeout: float | None) -> ResultT:
         timeout = self._config.call_timeout if timeout is None else timeout

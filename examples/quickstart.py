@@ -13,6 +13,7 @@ from clients import (
     ClaimSpec,
     CompletionSpec,
     ConsumerSession,
+    Event,
     EventType,
     KvLayout,
     ProducerSession,
@@ -32,12 +33,13 @@ async def main(address: str) -> None:
             await decode.register_target(TargetSpec(transfer_id, block_ids=[7, 8, 9]))
             await prefill.claim_transfer(ClaimSpec(transfer_id))  # either order works
             async for event in prefill.events():  # the producer's writer receives the assignment
-                if getattr(event, "type", None) == EventType.TRANSFER_ASSIGNED:
+                if isinstance(event, Event) and event.type == EventType.TRANSFER_ASSIGNED:
+                    assert event.peer is not None and event.transfer is not None  # an assignment names both
                     print("write into", event.peer.engine_id, "blocks", list(event.transfer.target_block_ids))
                     await prefill.complete_transfer(CompletionSpec(transfer_id, event.generation))
                     break
             async for event in decode.events():
-                if getattr(event, "type", None) == EventType.TRANSFER_COMMITTED:
+                if isinstance(event, Event) and event.type == EventType.TRANSFER_COMMITTED:
                     print("committed generation", event.generation)
                     await decode.release_target(ReleaseSpec(transfer_id, event.generation))
                     break

@@ -105,11 +105,14 @@ class Coordinator:
     async def register_engine(self, spec: EngineSpec) -> tuple[Engine, int]:
         """Register a new incarnation; returns it and the revision its watch should start from."""
         now = self.clock()
+        # Every event of the new incarnation comes after this: the record keeps it for the engine's other ranks.
+        first = await self.store.last_event_revision(spec.engine_id) + 1
         # The record names the incarnation it replaced (read inside the atomic update), so concurrent
         # re-registrations each end their predecessor, and a loss this call cannot finish (cancelled,
         # store down, replica killed) is applied by the next keep-alive or sweep.
         engine = await self.store.update_engine(
-            spec.engine_id, lambda cur: engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts)
+            spec.engine_id,
+            lambda cur: engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts, first),
         )
         assert engine is not None
         engine = await self._apply_pending_loss(engine, now)

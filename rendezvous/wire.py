@@ -157,6 +157,7 @@ def engine_message(e: Engine, include_metadata: bool = True, live_transfers: int
         lease_expire_time=timestamp(e.lease_expires_at),
         register_time=timestamp(e.registered_at),
         live_transfers=live_transfers,
+        watch_start_revision=e.watch_start_revision,
     )
 
 

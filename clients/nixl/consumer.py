@@ -50,6 +50,7 @@ from clients.nixl.batching import Batcher
 from clients.nixl.notifications import TransferNotification
 from clients.nixl.polling import PollConfig
 from clients.nixl.producer import agent_for_rank
+from clients.nixl.rank import RankAgent
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
 
@@ -94,8 +95,10 @@ class _Closed:
     pass
 
 
-class ConsumerAgent:
+class ConsumerAgent(RankAgent[ConsumerSession]):
     """One consumer rank: NIXL endpoint + receiver thread + engine session. `start()`, then `close()`."""
+
+    session_type = ConsumerSession
 
     def __init__(
         self,
@@ -113,17 +116,23 @@ class ConsumerAgent:
         poll: PollConfig | None = None,
         on_result: OnResult | None = None,
     ) -> None:
-        self.rank = rank
+        super().__init__(
+            client,
+            engine_id,
+            pool,
+            tensors,
+            agent_name=agent_name,
+            rank=rank,
+            layout=layout,
+            labels=labels,
+            lease_ttl=lease_ttl,
+            session_config=session_config,
+        )
         self.stale_notifications = 0
         """Notifications for a generation or transfer no longer expected (ignored)."""
-        self._tensors = tuple(tensors)
-        self._agent_name = agent_name or f"{engine_id}-rank{rank}"
         self._poll = poll
         self._on_result = on_result
-        self._session_args = (client, engine_id, pool, layout, labels, lease_ttl, session_config)
-        self._session: ConsumerSession | None = None
         self._thread: ReceiverThread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
         self._targets: dict[str, _Target] = {}
         self._fenced: dict[tuple[str, int], TransferResult] = {}
@@ -137,27 +146,16 @@ class ConsumerAgent:
 
     async def start(self) -> None:
         """Register the tensors with NIXL, start the receiver thread, register the engine and watch events."""
-        client, engine_id, pool, layout, labels, lease_ttl, config = self._session_args
         self._loop = asyncio.get_running_loop()
         receiver = TransferReceiver(NixlEndpoint.from_tensors(self._agent_name, self._tensors), self._poll)
         self._thread = ReceiverThread(
             receiver,
-            on_notifications=self._from_thread(self._notified),
-            on_read_done=self._from_thread(self._read_done),
+            on_notifications=self._on_loop(self._notified),
+            on_read_done=self._on_loop(self._read_done),
             poll=self._poll,
         )
         self._thread.start()
-        session = ConsumerSession(
-            client,
-            engine_id,
-            pool,
-            layout=layout,
-            agents=(self._thread.agent_info(self.rank),),
-            labels=labels,
-            lease_ttl=lease_ttl,
-            config=config,
-            handler=self.handle_event,
-        )
+        session = self._new_session(self._thread.agent_info(self.rank))
         self._registrations = Batcher("RegisterTarget", session.register_targets)
         self._completions = Batcher("CompleteTransfer", session.complete_transfers)
         self._releases = Batcher("ReleaseTarget", session.release_targets)
@@ -178,25 +176,6 @@ class ConsumerAgent:
         if self._session is not None:
             await self._session.close(deregister=deregister)
         self._results.put_nowait(_Closed())
-
-    async def __aenter__(self) -> ConsumerAgent:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    @property
-    def session(self) -> ConsumerSession:
-        """The engine session (registration, lease, events)."""
-        if self._session is None:
-            raise RuntimeError("the agent is not started")
-        return self._session
-
-    @property
-    def agent_name(self) -> str:
-        """This rank's NIXL agent name."""
-        return self._agent_name
 
     # Engine API
 
@@ -341,14 +320,6 @@ class ConsumerAgent:
         self._thread.read(info.transfer_id, event.generation, agent, peer.incarnation, src, dst)
 
     # Receiver-thread callbacks, run on the loop
-
-    def _from_thread(self, callback: Callable[..., None]) -> Callable[..., None]:
-        def hop(*args: object) -> None:
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(callback, *args)
-
-        return hop
 
     def _notified(self, notifications: list[TransferNotification]) -> None:
         for n in notifications:

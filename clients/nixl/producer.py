@@ -52,6 +52,7 @@ from clients._types import (
 from clients.aio import AsyncRendezvousClient
 from clients.nixl.agent import NixlEndpoint
 from clients.nixl.batching import Batcher
+from clients.nixl.rank import RankAgent
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
 from clients.nixl.regions import BlockIds
@@ -105,8 +106,10 @@ def agent_for_rank(agents: Sequence[NixlAgentInfo], rank: int) -> NixlAgentInfo 
     return next((a for a in agents if a.rank == rank), None)
 
 
-class ProducerAgent:
+class ProducerAgent(RankAgent[ProducerSession]):
     """One producer rank: NIXL endpoint + background writer + engine session. `start()`, then `close()`."""
+
+    session_type = ProducerSession
 
     def __init__(
         self,
@@ -125,17 +128,23 @@ class ProducerAgent:
         on_report: OnReport | None = None,
         serve_reads: bool = False,
     ) -> None:
-        self.rank = rank
+        super().__init__(
+            client,
+            engine_id,
+            pool,
+            tensors,
+            agent_name=agent_name,
+            rank=rank,
+            layout=layout,
+            labels=labels,
+            lease_ttl=lease_ttl,
+            session_config=session_config,
+        )
         self.serve_reads = serve_reads
-        self._tensors = tuple(tensors)
-        self._agent_name = agent_name or f"{engine_id}-rank{rank}"
         self._writer_config = writer_config
         self._on_report = on_report
-        self._session_args = (client, engine_id, pool, layout, labels, lease_ttl, session_config)
-        self._session: ProducerSession | None = None
         self._writer: TransferWriter | None = None
         self._server: ReceiverThread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._sources: dict[str, _Source] = {}
         self._assigned: dict[str, float] = {}  # when the current assignment of a transfer arrived
         self._claims: Batcher[ClaimSpec] | None = None
@@ -147,14 +156,13 @@ class ProducerAgent:
 
     async def start(self) -> None:
         """Register the tensors with NIXL, start the writer thread, register the engine and watch its events."""
-        client, engine_id, pool, layout, labels, lease_ttl, config = self._session_args
         self._loop = asyncio.get_running_loop()
         writer_name = f"{self._agent_name}-writer" if self.serve_reads else self._agent_name
         self._writer = TransferWriter(
             NixlEndpoint.from_tensors(writer_name, self._tensors),
-            on_complete=self._from_writer(self._write_finished),
-            on_revoked=self._from_writer(self._write_revoked),
-            on_source_free=self._from_writer(self._source_free),
+            on_complete=self._on_loop(self._write_finished),
+            on_revoked=self._on_loop(self._write_revoked),
+            on_source_free=self._on_loop(self._source_free),
             config=self._writer_config,
         )
         self._writer.start()
@@ -164,17 +172,7 @@ class ProducerAgent:
             self._server = ReceiverThread(TransferReceiver(endpoint), on_notifications=_ignore, on_read_done=_ignore)
             self._server.start()
             announced = self._server.agent_info(self.rank)
-        session = ProducerSession(
-            client,
-            engine_id,
-            pool,
-            layout=layout,
-            agents=(announced,),
-            labels=labels,
-            lease_ttl=lease_ttl,
-            config=config,
-            handler=self.handle_event,
-        )
+        session = self._new_session(announced)
         self._claims = Batcher("ClaimTransfer", session.claim_transfers)
         self._ready = Batcher("MarkSourceReady", session.mark_sources_ready)
         self._completions = Batcher("CompleteTransfer", session.complete_transfers)
@@ -201,25 +199,6 @@ class ProducerAgent:
             await asyncio.to_thread(self._writer.stop)
         if self._server is not None:
             await asyncio.to_thread(self._server.stop)
-
-    async def __aenter__(self) -> ProducerAgent:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    @property
-    def session(self) -> ProducerSession:
-        """The engine session (registration, lease, events)."""
-        if self._session is None:
-            raise RuntimeError("the agent is not started")
-        return self._session
-
-    @property
-    def agent_name(self) -> str:
-        """This rank's NIXL agent name."""
-        return self._agent_name
 
     # Engine API
 
@@ -323,14 +302,6 @@ class ProducerAgent:
                 self._writer.abort(transfer_id)
 
     # Writer callbacks, run on the loop
-
-    def _from_writer(self, callback: Callable[..., None]) -> Callable[..., None]:
-        def hop(*args: object) -> None:
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(callback, *args)
-
-        return hop
 
     def _write_finished(self, transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
         written = time.monotonic()

@@ -21,7 +21,12 @@ def grant_lease_ttl(requested: float, timeouts: Timeouts) -> float:
 
 
 def register_engine(
-    now: float, previous: Engine | None, spec: EngineSpec, limits: Limits, timeouts: Timeouts
+    now: float,
+    previous: Engine | None,
+    spec: EngineSpec,
+    limits: Limits,
+    timeouts: Timeouts,
+    watch_start_revision: int = 0,
 ) -> Engine:
     """A new incarnation of an engine.
 
@@ -51,6 +56,7 @@ def register_engine(
         lease_expires_at=now + ttl,
         registered_at=now,
         unlost_incarnation=_unlost(previous),
+        watch_start_revision=watch_start_revision,
     )
 
 

@@ -7,7 +7,6 @@ protocol's so the wire mapping is a cast. Times are seconds since the Unix epoch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rendezvous.protocol.enums import (
@@ -20,6 +19,7 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
+from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
 
 __all__ = [
@@ -49,17 +49,9 @@ Outcome = CompletionOutcome
 
 
 @dataclass(frozen=True)
-class Engine:
+class Engine(Incarnation):
     """A registered engine incarnation and its lease."""
 
-    engine_id: str
-    pool: str
-    role: Role
-    layout: KvLayout
-    agents: tuple[NixlAgent, ...]
-    labels: Mapping[str, str]
-    incarnation: int
-    lease_ttl: float
     lease_expires_at: float
     registered_at: float
     # When the incarnation ended (deregistered, expired or replaced); 0.0 while live.
@@ -67,6 +59,9 @@ class Engine:
     # The incarnation this one replaced while the loss of that one's transfers is not known to be
     # applied (0 when none): whoever finds it set (re-registration, keep-alive, sweep) applies it.
     unlost_incarnation: int = 0
+    # A revision from which a watch sees all of this incarnation's events (its ranks that did not register
+    # follow it from here).
+    watch_start_revision: int = 0
 
     def alive(self, now: float) -> bool:
         """True while the lease holds and the incarnation has not ended."""

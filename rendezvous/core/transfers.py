@@ -450,15 +450,16 @@ def mark_source_ready(
     return _source_ready(ctx, ready, producer)
 
 
-def _confirm_revocation(ctx: Context, t: Transfer, consumer: Engine | None) -> Transition:
-    """The producer will not write the revoked generation: free it, then assign the current one."""
+def _confirm_revocation(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine) -> Transition:
+    """The producer will not write the revoked generation: free it, then assign the current one, unless a
+    side's recorded incarnation has gone meanwhile (then that loss applies instead of an assignment)."""
     revoked = t.revoking_generation
     confirmed = replace(t, revoking_generation=0, reported_ranks=())
     events = (_event(ctx, t.consumer_engine_id, EventType.REVOCATION_CONFIRMED, confirmed, revoked),)
     if confirmed.state != State.MATCHED or consumer is None:
         return Transition(confirmed, events)
-    assigned = _assign(ctx, confirmed, consumer)
-    return Transition(assigned.transfer, events + assigned.events)
+    after = _fenced(ctx, confirmed, consumer, producer) or _assign(ctx, confirmed, consumer)
+    return Transition(after.transfer, events + after.events)
 
 
 def _reporting_ranks(engine: Engine, ranks: tuple[int, ...]) -> frozenset[int]:
@@ -486,7 +487,7 @@ def _revocation_reported(
 ) -> Transition:
     """Producer ranks will not write the revoked generation; once all have said so, the consumer is told."""
     reported, everyone = _report(t, producer, ranks)
-    return _confirm_revocation(ctx, t, consumer) if everyone else Transition(reported)
+    return _confirm_revocation(ctx, t, consumer, producer) if everyone else Transition(reported)
 
 
 def complete(

@@ -32,6 +32,7 @@ from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 ResponseT = TypeVar("ResponseT", bound=Message)
+SpecT = TypeVar("SpecT")
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
@@ -79,6 +80,22 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
         return wrapped
 
     return decorate
+
+
+def _batch_rpc(
+    response_type: type[ResponseT],
+    specs: Callable[[Any], Sequence[SpecT]],
+    apply: Callable[[Coordinator, str, int, Sequence[SpecT]], Awaitable[list[ItemOutcome]]],
+) -> Handler[ResponseT]:
+    """A batched transfer RPC: the request's items through one coordinator call, one ItemResult each, in order."""
+    method = response_type.__name__.removesuffix("Response")
+
+    async def handler(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
+        outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, specs(request))
+        return response_type(header=await self._header(), results=self._results(method, outcomes))
+
+    handler.__name__ = handler.__qualname__ = method
+    return _rpc(response_type)(handler)
 
 
 class WatcherRegistry:
@@ -138,6 +155,14 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         store = self.coordinator.store
         return pb.ResponseHeader(epoch=store.epoch, revision=await store.revision(), server_id=self.server_id)
 
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, exc: RendezvousError | StoreUnavailableError
+    ) -> None:
+        """Fail a stream call with exc, counted under its status code (unary calls: `_rpc`)."""
+        err = _as_error(exc)
+        self.metrics.rpcs.labels(method, err.code.value).inc()
+        await _abort(context, err)
+
     def _results(self, method: str, outcomes: Sequence[ItemOutcome]) -> list[pb.ItemResult]:
         self.metrics.items.labels(method).inc(len(outcomes))
         return [
@@ -169,9 +194,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
                 header = await self._header()
             except (RendezvousError, StoreUnavailableError) as exc:
-                err = _as_error(exc)
-                self.metrics.rpcs.labels("KeepAlive", err.code.value).inc()
-                await _abort(context, err)
+                await self._refuse(context, "KeepAlive", exc)
                 return
             self.metrics.rpcs.labels("KeepAlive", "OK").inc()
             yield pb.KeepAliveResponse(header=header, engine_id=engine.engine_id, lease_ttl=duration(engine.lease_ttl))
@@ -205,74 +228,15 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     # Transfers
 
-    @_rpc(pb.RegisterTargetResponse)
-    async def RegisterTarget(
-        self, request: pb.RegisterTargetRequest, context: grpc.aio.ServicerContext
-    ) -> pb.RegisterTargetResponse:
-        outcomes = await self.coordinator.register_targets(
-            request.engine_id, request.incarnation, wire.target_specs(request)
-        )
-        return pb.RegisterTargetResponse(header=await self._header(), results=self._results("RegisterTarget", outcomes))
-
-    @_rpc(pb.ClaimTransferResponse)
-    async def ClaimTransfer(
-        self, request: pb.ClaimTransferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ClaimTransferResponse:
-        outcomes = await self.coordinator.claim_transfers(
-            request.engine_id, request.incarnation, wire.claim_specs(request)
-        )
-        return pb.ClaimTransferResponse(header=await self._header(), results=self._results("ClaimTransfer", outcomes))
-
-    @_rpc(pb.MarkSourceReadyResponse)
-    async def MarkSourceReady(
-        self, request: pb.MarkSourceReadyRequest, context: grpc.aio.ServicerContext
-    ) -> pb.MarkSourceReadyResponse:
-        outcomes = await self.coordinator.mark_sources_ready(
-            request.engine_id, request.incarnation, wire.source_specs(request)
-        )
-        return pb.MarkSourceReadyResponse(
-            header=await self._header(), results=self._results("MarkSourceReady", outcomes)
-        )
-
-    @_rpc(pb.CompleteTransferResponse)
-    async def CompleteTransfer(
-        self, request: pb.CompleteTransferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CompleteTransferResponse:
-        outcomes = await self.coordinator.complete_transfers(
-            request.engine_id, request.incarnation, wire.completion_specs(request)
-        )
-        return pb.CompleteTransferResponse(
-            header=await self._header(), results=self._results("CompleteTransfer", outcomes)
-        )
-
-    @_rpc(pb.AcknowledgeRevocationResponse)
-    async def AcknowledgeRevocation(
-        self, request: pb.AcknowledgeRevocationRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AcknowledgeRevocationResponse:
-        outcomes = await self.coordinator.acknowledge_revocations(
-            request.engine_id, request.incarnation, wire.revocation_acks(request)
-        )
-        return pb.AcknowledgeRevocationResponse(
-            header=await self._header(), results=self._results("AcknowledgeRevocation", outcomes)
-        )
-
-    @_rpc(pb.ReleaseTargetResponse)
-    async def ReleaseTarget(
-        self, request: pb.ReleaseTargetRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReleaseTargetResponse:
-        outcomes = await self.coordinator.release_targets(
-            request.engine_id, request.incarnation, wire.release_specs(request)
-        )
-        return pb.ReleaseTargetResponse(header=await self._header(), results=self._results("ReleaseTarget", outcomes))
-
-    @_rpc(pb.AbortTransferResponse)
-    async def AbortTransfer(
-        self, request: pb.AbortTransferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortTransferResponse:
-        outcomes = await self.coordinator.abort_transfers(
-            request.engine_id, request.incarnation, wire.abort_specs(request)
-        )
-        return pb.AbortTransferResponse(header=await self._header(), results=self._results("AbortTransfer", outcomes))
+    RegisterTarget = _batch_rpc(pb.RegisterTargetResponse, wire.target_specs, Coordinator.register_targets)
+    ClaimTransfer = _batch_rpc(pb.ClaimTransferResponse, wire.claim_specs, Coordinator.claim_transfers)
+    MarkSourceReady = _batch_rpc(pb.MarkSourceReadyResponse, wire.source_specs, Coordinator.mark_sources_ready)
+    CompleteTransfer = _batch_rpc(pb.CompleteTransferResponse, wire.completion_specs, Coordinator.complete_transfers)
+    AcknowledgeRevocation = _batch_rpc(
+        pb.AcknowledgeRevocationResponse, wire.revocation_acks, Coordinator.acknowledge_revocations
+    )
+    ReleaseTarget = _batch_rpc(pb.ReleaseTargetResponse, wire.release_specs, Coordinator.release_targets)
+    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, wire.abort_specs, Coordinator.abort_transfers)
 
     @_rpc(pb.GetTransferResponse)
     async def GetTransfer(
@@ -320,9 +284,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             revision = await coordinator.check_watch(engine_id, request.start_revision)
             self.watchers.enter(engine_id)
         except (RendezvousError, StoreUnavailableError) as exc:
-            err = _as_error(exc)
-            self.metrics.rpcs.labels("Watch", err.code.value).inc()
-            await _abort(context, err)
+            await self._refuse(context, "Watch", exc)
             return
         self.metrics.rpcs.labels("Watch", "OK").inc()
         batch = min(request.max_batch or self.watch_batch, self.watch_batch)

@@ -156,6 +156,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.registered_at,
         e.ended_at,
         e.unlost_incarnation,
+        e.watch_start_revision,
     ]
 
 
@@ -187,6 +188,7 @@ def engine_from_fields(obj: Any) -> Engine:
         registered_at=f[10],
         ended_at=f[11],
         unlost_incarnation=f[12] if len(f) > 12 else 0,
+        watch_start_revision=f[13] if len(f) > 13 else 0,
     )
 
 

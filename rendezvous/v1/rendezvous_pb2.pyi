@@ -164,7 +164,7 @@ class NixlAgent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time")
+    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_revision")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class Engine(_message.Message):
     LEASE_EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
     LIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     REGISTER_TIME_FIELD_NUMBER: _ClassVar[int]
+    WATCH_START_REVISION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool: str
     role: EngineRole
@@ -194,7 +195,8 @@ class Engine(_message.Message):
     lease_expire_time: _timestamp_pb2.Timestamp
     live_transfers: int
     register_time: _timestamp_pb2.Timestamp
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    watch_start_revision: int
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_revision: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "pool", "role", "layout", "agents", "labels", "lease_ttl")

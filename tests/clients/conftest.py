@@ -58,6 +58,7 @@ def consumer_session(
     *,
     lease_ttl: float = 0.0,
     handler: EventHandler | None = None,
+    layout: KvLayout = LAYOUT,
 ) -> ConsumerSession:
     """A consumer session with fast reconnects."""
     agents = [agent(f"{engine_id}-0")]
@@ -65,7 +66,7 @@ def consumer_session(
         client,
         engine_id,
         "decode",
-        layout=LAYOUT,
+        layout=layout,
         agents=agents,
         lease_ttl=lease_ttl,
         config=FAST_SESSION,

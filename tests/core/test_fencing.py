@@ -121,6 +121,22 @@ def test_a_target_never_matches_a_claim_of_the_producers_previous_incarnation() 
     assert w.events("p1") == []
 
 
+def test_a_revocation_confirmed_after_the_consumer_was_replaced_assigns_nothing() -> None:
+    """Found by the stateful test: the consumer re-registered (loss not applied yet) while its generation 1 was
+    being revoked for 2; the producer's acknowledgement must not hand generation 2 to anyone."""
+    w = World()
+    w.target()
+    w.claim()
+    assert ok(w.target(blocks=(4, 5), gen=2)) == State.MATCHED
+    assert types(w.events("p1")) == [EventType.TRANSFER_ASSIGNED, EventType.TRANSFER_REVOKED]
+    replace_without_loss(w, "d1", Role.CONSUMER)
+    (item,) = run(w.coord.acknowledge_revocations("p1", 0, [RevocationAck("t1", 1)]))
+    assert ok(item) == State.ABORTED
+    assert item.transfer is not None and item.transfer.abort_reason == AbortReason.PEER_LOST
+    assert types(w.events("p1")) == [EventType.TRANSFER_ABORTED]
+    assert types(w.events("d1")) == [EventType.REVOCATION_CONFIRMED]
+
+
 def test_a_new_incarnation_resending_its_predecessors_target_ends_it() -> None:
     w = World()
     w.target()

@@ -105,14 +105,18 @@ class Lifecycle(RuleBasedStateMachine):
         self.minted.append(f"t{len(self.minted)}")
         return self.minted[-1]
 
-    def _register(self, engine_id: str) -> None:
+    @staticmethod
+    def _spec(engine_id: str) -> EngineSpec:
         role = Role.CONSUMER if engine_id in CONSUMERS else Role.PRODUCER
         ranks = RANKS.get(engine_id, 1)
         spec = engine_spec(engine_id, role, HEADED, num_blocks=16)
-        if ranks > 1:
-            agents = tuple(replace(agent(f"{engine_id}-rank{r}", 16, 4096 // ranks), rank=r) for r in range(ranks))
-            spec = EngineSpec(engine_id, spec.pool, role, replace(HEADED, tp_size=ranks), agents)
-        run(self.coord.register_engine(spec))
+        if ranks == 1:
+            return spec
+        agents = tuple(replace(agent(f"{engine_id}-rank{r}", 16, 4096 // ranks), rank=r) for r in range(ranks))
+        return EngineSpec(engine_id, spec.pool, role, replace(HEADED, tp_size=ranks), agents)
+
+    def _register(self, engine_id: str) -> None:
+        run(self.coord.register_engine(self._spec(engine_id)))
         self.seen[engine_id] = run(self.store.last_event_revision(engine_id))
         self._forget_holdings(engine_id)
 
@@ -329,8 +333,7 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(e=st.sampled_from(ENGINES))
     def replaced_loss_not_yet_applied(self, e: str) -> None:
         """Another replica registered a new incarnation of e and has not yet aborted the old one's transfers."""
-        role = Role.CONSUMER if e in CONSUMERS else Role.PRODUCER
-        spec = engine_spec(e, role, num_blocks=16)
+        spec = self._spec(e)
         previous = run(self.store.get_engine(e))
         now = self.clock.now
         run(self.store.update_engine(e, lambda cur: register_engine(now, cur, spec, self.coord.limits, TIMEOUTS)))

@@ -122,6 +122,7 @@ async def test_an_engine_record_round_trips_exactly(store: Store) -> None:
         lease_expires_at=NOW + 1 / 3,
         registered_at=NOW,
         ended_at=0.0,
+        watch_start_revision=2**40 + 1,
     )
     await put_engine(store, engine)
     assert await store.get_engine("e:1/x") == engine

@@ -4,13 +4,13 @@ Records are hashes with a version (the global revision of the write that stored 
 are compare-and-set Lua scripts (scripts/) that write a record, its indexes and its events at once;
 each engine's events live in a Redis Stream whose entry ids are the engine's revisions ("<revision>-0").
 
-update_transfer is optimistic. It keeps the versions of the records it last saw (cache.py); a
-transition is computed on them (or, for an id it never saw, on "absent") and sent with one EVALSHA
-that checks the transfer's and its engines' versions before writing. On a conflict the script
-answers the current state, and the transition is computed again, so the common case costs one round
-trip. A transition that fails, or changes nothing, on a state not read in this call is recomputed on
-a fresh read before its answer counts. Engine records are checked the same way, so a transition
-sees the transfer and its engines as of one instant, as in the memory store.
+update_transfer is optimistic (the loop in optimistic.py, shared with update_engine). It keeps the
+versions of the records it last saw (cache.py); a transition is computed on them (or, for an id it never
+saw, on "absent") and sent with one EVALSHA that checks the transfer's and its engines' versions before
+writing. On a conflict the script answers the current state, and the transition is computed again, so the
+common case costs one round trip. A transition that fails, or changes nothing, on a state not read in
+this call is recomputed on a fresh read before its answer counts. Engine records are checked the same
+way, so a transition sees the transfer and its engines as of one instant, as in the memory store.
 
 Commands that concurrent requests issue in one event-loop iteration go out as one pipeline
 (batcher.py), and the coordinator applies a batch's items concurrently (Store.concurrent), so a
@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
-import random
 import secrets
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
@@ -40,11 +38,13 @@ from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store.base import EngineFn, EventPage, Store, StoreCounts, StoreUnavailableError, TransferFn
 from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer
+from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.batcher import Batcher
 from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.errors import store_errors, unavailable
 from rendezvous.store.redis.locks import KeyLocks
+from rendezvous.store.redis.optimistic import Attempt, Reply
 from rendezvous.store.redis.scripts import Scripts
 from rendezvous.store.redis.url import parse_url
 
@@ -76,12 +76,6 @@ def _guarded(
                 return await method(self, *args, **kwargs)
 
     return cast("Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]]", guarded)
-
-
-async def _after_conflict(attempt: int) -> None:
-    """Back off a little (with jitter) once a record keeps changing under us; the first retries are immediate."""
-    if attempt >= 2:
-        await asyncio.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
 
 
 class RedisStore(Store):
@@ -245,46 +239,41 @@ class RedisStore(Store):
         fresh = entry is None
         if entry is None:
             entry = await self._read_engine(engine_id)
-        for attempt in itertools.count():
+
+        def compute(entry: EngineEntry) -> Attempt[Engine | None]:
             cur = entry.engine
-            try:
-                new = fn(cur)
-            except Exception:
-                if fresh:
-                    raise
-                entry, fresh = await self._read_engine(engine_id), True
-                continue
-            if new is cur and fresh:
-                return new
+            new = fn(cur)
             op = "n" if new is cur else ("d" if new is None else "w")
             record = encode_engine(new) if op == "w" and new is not None else ""
-            reply = await self._scripts.run(
-                "commit_engine",
-                guard=self._epoch.guard,
-                engine_id=engine_id,
-                version=entry.version,
-                op=op,
-                record=record,
-                ended=1 if new is not None and new.ended_at else 0,
-                lease_expires_at=new.lease_expires_at if new is not None else 0,
-                ended_at=new.ended_at if new is not None else 0,
-            )
-            status = reply[0]
-            if status == b"OK":
-                self._epoch.saw(reply[1])
-                written = EngineEntry(b"%d" % reply[1] if new is not None else ABSENT, new)
-                written.encoded = record or None
-                self._records.remember_engine(engine_id, written)
-                return new
-            if status == b"N":
-                return new
-            if status in (b"E", b"R"):
-                await self._epoch.refused(reply)
-                entry, fresh = await self._read_engine(engine_id), True
-                continue
-            entry, fresh = self._records.seen_engine(engine_id, reply[1], reply[2]), True
-            await _after_conflict(attempt)
-        raise AssertionError("unreachable")
+
+            async def commit() -> Any:  # the script's reply
+                return await self._scripts.run(
+                    "commit_engine",
+                    guard=self._epoch.guard,
+                    engine_id=engine_id,
+                    version=entry.version,
+                    op=op,
+                    record=record,
+                    ended=1 if new is not None and new.ended_at else 0,
+                    lease_expires_at=new.lease_expires_at if new is not None else 0,
+                    ended_at=new.ended_at if new is not None else 0,
+                )
+
+            def written(reply: Reply) -> None:
+                remembered = EngineEntry(b"%d" % reply[1] if new is not None else ABSENT, new)
+                remembered.encoded = record or None
+                self._records.remember_engine(engine_id, remembered)
+
+            return Attempt(new, new is cur, commit, written)
+
+        return await optimistic.update(
+            self._epoch,
+            entry,
+            fresh,
+            lambda: self._read_engine(engine_id),
+            compute,
+            lambda reply: self._records.seen_engine(engine_id, reply[1], reply[2]),
+        )
 
     @_guarded
     async def lapse_candidates(self, now: float, tombstone_ttl: float) -> list[Engine]:
@@ -309,59 +298,49 @@ class RedisStore(Store):
         return self._records.snapshot(transfer_id, await self._scripts.run("read_transfer", transfer_id=transfer_id), 0)
 
     async def _update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
-        snapshot = self._records.transfer(transfer_id)
-        fresh = False
-        for attempt in itertools.count():
+        def compute(snapshot: Snapshot) -> Attempt[Transition] | None:
             entries = self._records.engines_of(snapshot)
             if entries is None:
-                snapshot, fresh = await self._read_transfer(transfer_id), True
-                continue
+                return None
             cur = snapshot.transfer
-            engines = {e: entry.engine for e, entry in entries.items() if entry.engine is not None}
-            try:
-                transition = fn(cur, engines)
-            except Exception:
-                if fresh:
-                    raise
-                snapshot, fresh = await self._read_transfer(transfer_id), True
-                continue
+            transition = fn(cur, {e: entry.engine for e, entry in entries.items() if entry.engine is not None})
             new = transition.transfer
             unchanged = new is cur and not transition.events
-            if unchanged and fresh:
-                return transition
             record = encode_transfer(new) if new is not None and not unchanged else None
-            reply = await self._scripts.run(
-                "commit_transfer",
-                guard=self._epoch.guard,
-                transfer_id=transfer_id,
-                version=snapshot.version,
-                checks=[(engine_id, entry.version) for engine_id, entry in entries.items()],
-                op="n" if unchanged else ("w" if new is not None else "d"),
-                record=record or "",
-                consumer=new.consumer_engine_id if new else "",
-                producer=new.producer_engine_id if new else "",
-                state=int(new.state) if new else 0,
-                unsettled=1 if new is not None and new.unsettled else 0,
-                deadline=new.deadline if new else 0,
-                max_events=self._max_events,
-                events=self._events(transition.events, new, record) if not unchanged else (),
-            )
-            status = reply[0]
-            if status == b"OK":
-                self._epoch.saw(reply[1])
+
+            async def commit() -> Any:  # the script's reply
+                return await self._scripts.run(
+                    "commit_transfer",
+                    guard=self._epoch.guard,
+                    transfer_id=transfer_id,
+                    version=snapshot.version,
+                    checks=[(engine_id, entry.version) for engine_id, entry in entries.items()],
+                    op="n" if unchanged else ("w" if new is not None else "d"),
+                    record=record or "",
+                    consumer=new.consumer_engine_id if new else "",
+                    producer=new.producer_engine_id if new else "",
+                    state=int(new.state) if new else 0,
+                    unsettled=1 if new is not None and new.unsettled else 0,
+                    deadline=new.deadline if new else 0,
+                    max_events=self._max_events,
+                    events=self._events(transition.events, new, record) if not unchanged else (),
+                )
+
+            def written(reply: Reply) -> None:
                 self._records.remember_transfer(
                     transfer_id, Snapshot(b"%d" % reply[1] if new is not None else ABSENT, new)
                 )
-                return transition
-            if status == b"N":
-                return transition
-            if status in (b"E", b"R"):
-                await self._epoch.refused(reply)
-                snapshot, fresh = await self._read_transfer(transfer_id), True
-                continue
-            snapshot, fresh = self._records.snapshot(transfer_id, reply, 1), True
-            await _after_conflict(attempt)
-        raise AssertionError("unreachable")
+
+            return Attempt(transition, unchanged, commit, written)
+
+        return await optimistic.update(
+            self._epoch,
+            self._records.transfer(transfer_id),
+            False,
+            lambda: self._read_transfer(transfer_id),
+            compute,
+            lambda reply: self._records.snapshot(transfer_id, reply, 1),
+        )
 
     def _transfers_in(self, reply: Sequence[Any], offset: int = 0) -> list[Transfer]:
         transfers = []
