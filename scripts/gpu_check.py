@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import types
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -83,10 +83,6 @@ class Engine:
                 out.append(torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g))
         return out
 
-    def agent_fields(self, rank: int) -> dict[str, int]:
-        layers = self.layers(rank)
-        return {"first_layer": layers.start, "num_layers": len(layers)} if self.pp > 1 else {}
-
 
 CONSUMER = Engine(2, 1)
 CASES = {"tp2->tp2": Engine(2, 1), "pp2->tp2": Engine(1, 2)}
@@ -100,22 +96,18 @@ def consumer(conn: Connection, device: str, num_blocks: int) -> None:
 
     tensors = [CONSUMER.tensors(r, num_blocks, device, None) for r in range(2)]
     receivers = [TransferReceiver(NixlEndpoint.from_tensors(f"gpu-check-c{r}", tensors[r])) for r in range(2)]
-    agents = [replace(rx.agent_info(r), **CONSUMER.agent_fields(r)) for r, rx in enumerate(receivers)]
-    conn.send(agents)
-    heard: dict[str, int] = {}
+    conn.send([rx.agent_info(r) for r, rx in enumerate(receivers)])  # TP 2, PP 1: no layer ranges to state
     while True:
         for rx in receivers:
-            for n in rx.poll_notifications():
-                heard[n.transfer_id] = heard.get(n.transfer_id, 0) + 1
+            rx.poll_notifications()  # completes the producers' WRITEs; their success is what is checked
         if not conn.poll():
             continue
         command, *args = conn.recv()
         if command == "stop":
             break
-        if command == "heard":
-            conn.send(heard.get(args[0], 0))
-        elif command == "check":
-            conn.send(check(tensors, *args, device=device, num_blocks=num_blocks))
+        if command == "check":
+            case, seed, src, dst = args
+            conn.send(check(tensors, case, seed, src, dst, device=device, num_blocks=num_blocks))
             for rank in tensors:
                 for t in rank:
                     t.zero_()
