@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from clients._config import SessionConfig
 from clients._exceptions import RendezvousError
 from clients._roles import ConsumerSession
+from clients._session import RankSession
 from clients._types import (
     AbortSpec,
     CompletionOutcome,
@@ -36,6 +37,7 @@ from clients._types import (
     EventType,
     ItemResult,
     KvLayout,
+    NixlAgentInfo,
     ReleaseSpec,
     Reregistered,
     Resynced,
@@ -89,6 +91,7 @@ class _Target:
     block_ids: tuple[int, ...]
     mode: TransferMode
     arrived: bool = False
+    senders: set[str] = dataclasses.field(default_factory=set)  # producer agents whose notification came
 
 
 class _Closed:
@@ -144,9 +147,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     # Lifecycle
 
-    async def start(self) -> None:
-        """Register the tensors with NIXL, start the receiver thread, register the engine and watch events."""
-        self._loop = asyncio.get_running_loop()
+    async def _open(self) -> NixlAgentInfo:
+        """Register the tensors with NIXL and start the receiver thread."""
         receiver = TransferReceiver(NixlEndpoint.from_tensors(self._agent_name, self._tensors), self._poll)
         self._thread = ReceiverThread(
             receiver,
@@ -155,26 +157,25 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             poll=self._poll,
         )
         self._thread.start()
-        session = self._new_session(self._thread.agent_info(self.rank))
-        self._registrations = Batcher("RegisterTarget", session.register_targets)
+        return self._thread.agent_info(self.rank)
+
+    def _on_session(self, session: ConsumerSession | RankSession) -> None:
+        if isinstance(session, ConsumerSession):
+            self._registrations = Batcher("RegisterTarget", session.register_targets)
+            self._releases = Batcher("ReleaseTarget", session.release_targets)
         self._completions = Batcher("CompleteTransfer", session.complete_transfers)
-        self._releases = Batcher("ReleaseTarget", session.release_targets)
-        self._session = session
-        try:
-            await session.start()
-        except BaseException:
+
+    async def _stop_threads(self) -> None:
+        if self._thread is not None:
             await asyncio.to_thread(self._thread.stop)
-            raise
 
     async def close(self, *, deregister: bool = True) -> None:
         """Stop the receiver thread (reads in flight finish), end the session and `results()`."""
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.stop)
+        await self._stop_threads()
         for batcher in (self._registrations, self._completions, self._releases):
             if batcher is not None:
                 await batcher.close()
-        if self._session is not None:
-            await self._session.close(deregister=deregister)
+        await self._close_session(deregister)
         self._results.put_nowait(_Closed())
 
     # Engine API
@@ -193,8 +194,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
         A newer generation of a transfer retires the older one: its blocks are reported (reason `REVOKED`)
         once no write of it can land. A failed item is returned, not raised, and leaves nothing registered.
+        On a following rank of a multi-rank engine the registration is rank 0's: this rank only expects its
+        share of the bytes into `block_ids` (the same ids on every rank) and answers TARGETED.
         """
         spec = TargetSpec(transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode)
+        if not self.leader:
+            self._targets[transfer_id] = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
+            self._update_expecting()
+            return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
         new = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
@@ -216,8 +223,12 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         return result
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
-        """Abort a transfer; its failed result comes once no write can land in its blocks."""
-        result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
+        """Abort a transfer (rank 0 tells the service; another rank just stops expecting it); its failed result
+        comes once no write can land in its blocks."""
+        if self.leader:
+            result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
+        else:
+            result = ItemResult(transfer_id, TransferState.ABORTED)
         target = self._targets.pop(transfer_id, None)
         if target is not None and not target.arrived:
             self._update_expecting()
@@ -283,8 +294,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._update_expecting()
         if not target.arrived:
             self._deliver(TransferResult(transfer_id, generation, True, target.block_ids))
-        assert self._releases is not None
-        self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+        if self._releases is not None:  # the registering rank releases for the engine
+            self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
 
     def _fail(self, transfer_id: str, reason: str, message: str, revoking_generation: int = 0) -> None:
         target = self._targets.pop(transfer_id, None)
@@ -327,14 +338,16 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             if target is None or target.generation != n.generation or target.mode is not TransferMode.PUSH:
                 self.stale_notifications += 1
                 continue
-            if not target.arrived:
+            target.senders.add(n.sender)
+            # Several producer ranks may write into this rank: the bytes are in once each of them said so.
+            if not target.arrived and n.writers and len(target.senders) >= n.writers:
                 target.arrived = True
                 self._deliver(TransferResult(n.transfer_id, n.generation, True, target.block_ids))
 
     def _read_done(self, transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
         assert self._completions is not None
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
-        future = self._completions.submit(CompletionSpec(transfer_id, generation, outcome, error or ""))
+        future = self._completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
         future.add_done_callback(lambda f: self._read_completed(transfer_id, generation, f))
         self._reading.discard((transfer_id, generation))
         retired = self._after_read.pop((transfer_id, generation), None)
@@ -357,8 +370,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         target = self._targets.get(transfer_id)
         if target is not None and target.generation == generation and result.state is TransferState.COMMITTED:
             del self._targets[transfer_id]
-            assert self._releases is not None
-            self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+            if self._releases is not None:
+                self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
 
     # Helpers
 
@@ -378,7 +391,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         key = (result.transfer_id, result.generation)
         self._fenced[key] = result  # first: the confirmation may arrive while we ask
         try:
-            revoking = (await self.session.client.get_transfer(result.transfer_id)).revoking_generation
+            revoking = (await self.engine_session.client.get_transfer(result.transfer_id)).revoking_generation
         except RendezvousError as e:  # forgotten: nothing is fenced any more
             logger.debug("GetTransfer %s: %s", result.transfer_id, e)
             revoking = 0

@@ -1,8 +1,9 @@
-"""The NIXL notification that accompanies a transfer's bytes: "<transfer_id>:<generation>" in UTF-8.
+"""The NIXL notification that accompanies a transfer's bytes: "<transfer_id>:<generation>" in UTF-8, or
+"<transfer_id>:<generation>/<writers>" when several producer ranks write into the same consumer rank.
 
-A consumer uses it to learn that the blocks of one generation of a transfer have landed, and ignores a
-notification for a generation it no longer expects (fencing). Transfer ids may contain ':'; the generation
-is what follows the last one.
+A consumer uses it to learn that the blocks of one generation of a transfer have landed (from every one of
+`writers` senders; 0 = unknown: wait for TRANSFER_COMMITTED), and ignores a notification for a generation it
+no longer expects (fencing). Transfer ids may contain ':'; the generation is what follows the last one.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ class TransferNotification:
     sender: str
     transfer_id: str
     generation: int
+    writers: int = 1
+    """Producer ranks whose notifications together say the consumer rank's blocks have landed (0 = unknown)."""
 
 
-def encode_notification(transfer_id: str, generation: int) -> bytes:
-    """The notification payload for one generation of a transfer."""
-    return f"{transfer_id}:{generation}".encode()
+def encode_notification(transfer_id: str, generation: int, writers: int = 1) -> bytes:
+    """The notification payload for one generation of a transfer, written by `writers` producer ranks."""
+    suffix = "" if writers == 1 else f"/{writers}"
+    return f"{transfer_id}:{generation}{suffix}".encode()
 
 
 def parse_notification(sender: str, payload: bytes) -> TransferNotification | None:
@@ -32,7 +36,12 @@ def parse_notification(sender: str, payload: bytes) -> TransferNotification | No
         text = payload.decode()
     except UnicodeDecodeError:
         return None
-    transfer_id, sep, generation = text.rpartition(":")
-    if not sep or not transfer_id or not generation.isdigit() or not generation.isascii():
+    transfer_id, sep, tail = text.rpartition(":")
+    generation, slash, writers = tail.partition("/")
+    if not sep or not transfer_id or not _number(generation) or (slash and not _number(writers)):
         return None
-    return TransferNotification(sender, transfer_id, int(generation))
+    return TransferNotification(sender, transfer_id, int(generation), int(writers) if slash else 1)
+
+
+def _number(text: str) -> bool:
+    return text.isdigit() and text.isascii()

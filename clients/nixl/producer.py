@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from clients._config import SessionConfig
 from clients._roles import ProducerSession
+from clients._session import RankSession
 from clients._types import (
     AbortSpec,
     ClaimSpec,
@@ -56,7 +57,7 @@ from clients.nixl.rank import RankAgent
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
 from clients.nixl.regions import BlockIds
-from clients.nixl.writer import TransferWriter, WriterConfig
+from clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +128,11 @@ class ProducerAgent(RankAgent[ProducerSession]):
         writer_config: WriterConfig | None = None,
         on_report: OnReport | None = None,
         serve_reads: bool = False,
+        first_layer: int = 0,
+        num_layers: int = 0,
     ) -> None:
+        """`rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its
+        engine; the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`)."""
         super().__init__(
             client,
             engine_id,
@@ -141,12 +146,15 @@ class ProducerAgent(RankAgent[ProducerSession]):
             session_config=session_config,
         )
         self.serve_reads = serve_reads
+        self._layers = (first_layer, num_layers)
         self._writer_config = writer_config
         self._on_report = on_report
         self._writer: TransferWriter | None = None
         self._server: ReceiverThread | None = None
         self._sources: dict[str, _Source] = {}
         self._assigned: dict[str, float] = {}  # when the current assignment of a transfer arrived
+        self._prompt_tokens: dict[str, int] = {}  # from `ready`: what pairs blocks of different sizes
+        self._deferred: dict[str, Event] = {}  # assignments that wait for `ready` to tell the prompt's tokens
         self._claims: Batcher[ClaimSpec] | None = None
         self._ready: Batcher[SourceReadySpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
@@ -154,9 +162,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     # Lifecycle
 
-    async def start(self) -> None:
-        """Register the tensors with NIXL, start the writer thread, register the engine and watch its events."""
-        self._loop = asyncio.get_running_loop()
+    async def _open(self) -> NixlAgentInfo:
+        """Register the tensors with NIXL and start the writer thread (and the read-serving agent)."""
         writer_name = f"{self._agent_name}-writer" if self.serve_reads else self._agent_name
         self._writer = TransferWriter(
             NixlEndpoint.from_tensors(writer_name, self._tensors),
@@ -164,6 +171,10 @@ class ProducerAgent(RankAgent[ProducerSession]):
             on_revoked=self._on_loop(self._write_revoked),
             on_source_free=self._on_loop(self._source_free),
             config=self._writer_config,
+            layout=self.layout,
+            rank=self.rank,
+            first_layer=self._layers[0],
+            num_layers=self._layers[1],
         )
         self._writer.start()
         announced = self._writer.agent_info(self.rank)
@@ -171,18 +182,17 @@ class ProducerAgent(RankAgent[ProducerSession]):
             endpoint = NixlEndpoint.from_tensors(self._agent_name, self._tensors)
             self._server = ReceiverThread(TransferReceiver(endpoint), on_notifications=_ignore, on_read_done=_ignore)
             self._server.start()
-            announced = self._server.agent_info(self.rank)
-        session = self._new_session(announced)
-        self._claims = Batcher("ClaimTransfer", session.claim_transfers)
-        self._ready = Batcher("MarkSourceReady", session.mark_sources_ready)
+            announced = dataclasses.replace(
+                self._server.agent_info(self.rank), first_layer=announced.first_layer, num_layers=announced.num_layers
+            )
+        return announced
+
+    def _on_session(self, session: ProducerSession | RankSession) -> None:
+        if isinstance(session, ProducerSession):
+            self._claims = Batcher("ClaimTransfer", session.claim_transfers)
+            self._ready = Batcher("MarkSourceReady", session.mark_sources_ready)
         self._completions = Batcher("CompleteTransfer", session.complete_transfers)
         self._acks = Batcher("AcknowledgeRevocation", session.acknowledge_revocations)
-        self._session = session
-        try:
-            await session.start()
-        except BaseException:
-            await self._stop_threads()
-            raise
 
     async def close(self, *, deregister: bool = True) -> None:
         """Stop the writer (writes in flight drain; held sources are freed), then end the session."""
@@ -191,8 +201,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         for batcher in (self._claims, self._ready, self._completions, self._acks):
             if batcher is not None:
                 await batcher.close()
-        if self._session is not None:
-            await self._session.close(deregister=deregister)
+        await self._close_session(deregister)
 
     async def _stop_threads(self) -> None:
         if self._writer is not None:
@@ -203,8 +212,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
     # Engine API
 
     async def claim(self, transfer_id: str, timeout: float = 0.0) -> ItemResult:
-        """Claim a transfer at admission (batched with other claims of this loop turn)."""
-        assert self._claims is not None, "the agent is not started"
+        """Claim a transfer at admission (batched with other claims of this loop turn); rank 0's call."""
+        if self._claims is None:
+            raise RuntimeError("the agent is not started" if self.leader else "claims are the registering rank's")
         return await self._claims.submit(ClaimSpec(transfer_id, timeout))
 
     def ready(
@@ -214,19 +224,21 @@ class ProducerAgent(RankAgent[ProducerSession]):
         on_free: OnFree | None = None,
         *,
         mode: TransferMode = TransferMode.PUSH,
+        prompt_tokens: int = 0,
     ) -> None:
         """The transfer's KV is computed in `block_ids`; `on_free(transfer_id)` is called once they may be reused.
 
-        Push: the writer WRITEs as soon as it holds the assignment (at once if it already does); raises
-        `BlockRangeError` for ids outside the registered regions. Pull (needs `serve_reads`): MarkSourceReady
-        is sent (batched).
+        Push: the writer WRITEs this rank's share as soon as it holds the assignment (at once if it already
+        does); raises `BlockRangeError` for ids outside the registered regions. `prompt_tokens` (the tokens the
+        blocks hold, from the first) is needed when the consumer's block size differs. Pull (needs
+        `serve_reads`, rank 0): MarkSourceReady is sent (batched).
         """
         writer, ready = self._writer, self._ready
-        assert writer is not None and ready is not None, "the agent is not started"
+        assert writer is not None, "the agent is not started"
         source = _Source(on_free, TransferMode(mode), time.monotonic())
         if source.mode is TransferMode.PULL:
-            if self._server is None:
-                raise ValueError("pull mode needs a ProducerAgent created with serve_reads=True")
+            if self._server is None or ready is None:
+                raise ValueError("pull mode needs a registering ProducerAgent created with serve_reads=True")
             self._sources[transfer_id] = source
             self._server.set_expecting(True)
             future = ready.submit(SourceReadySpec(transfer_id, [int(b) for b in block_ids]))
@@ -234,6 +246,10 @@ class ProducerAgent(RankAgent[ProducerSession]):
             return
         writer.source_ready(transfer_id, block_ids)  # validates first: nothing is recorded if it raises
         self._sources[transfer_id] = source
+        self._prompt_tokens[transfer_id] = prompt_tokens
+        deferred = self._deferred.pop(transfer_id, None)
+        if deferred is not None:
+            self._assign(deferred)
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight."""
@@ -282,18 +298,30 @@ class ProducerAgent(RankAgent[ProducerSession]):
     def _assign(self, event: Event) -> None:
         writer, info, peer = self._writer, event.transfer, event.peer
         assert writer is not None and info is not None
-        self._assigned[info.transfer_id] = time.monotonic()
-        agent = None if peer is None else agent_for_rank(peer.agents, self.rank)
-        if peer is None or agent is None:
-            self._write_finished(
-                info.transfer_id, event.generation, False, f"the consumer has no agent of rank {self.rank}"
-            )
+        self._assigned.setdefault(info.transfer_id, time.monotonic())
+        if peer is None:
+            self._write_finished(info.transfer_id, event.generation, False, "the assignment names no consumer")
             return
-        writer.assign(info.transfer_id, event.generation, agent, peer.incarnation, info.target_block_ids)
+        prompt_tokens = self._prompt_tokens.get(info.transfer_id)
+        if prompt_tokens is None and peer.layout.block_size != self.layout.block_size:
+            self._deferred[info.transfer_id] = event  # blocks of different sizes pair by token: wait for `ready`
+            return
+        consumer = ConsumerEngine(peer.layout, peer.agents)
+        writer.assign(
+            info.transfer_id,
+            event.generation,
+            consumer,
+            peer.incarnation,
+            info.target_block_ids,
+            prompt_tokens=prompt_tokens or 0,
+            target_tokens=info.num_tokens,
+        )
 
     def _end(self, transfer_id: str) -> None:
         """The transfer is over for this producer: drop it from the writer, free a pull source."""
         self._assigned.pop(transfer_id, None)
+        self._prompt_tokens.pop(transfer_id, None)
+        self._deferred.pop(transfer_id, None)
         source = self._sources.get(transfer_id)
         if source is not None and source.mode is TransferMode.PULL:
             self._free(transfer_id)
@@ -311,7 +339,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
         completions = self._completions
         assert completions is not None
-        future = completions.submit(CompletionSpec(transfer_id, generation, outcome, error or ""))
+        future = completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
         times = (ready_time, assigned, written)
         future.add_done_callback(lambda f: self._completed(transfer_id, generation, ok, error, times, f))
         if not ok:
@@ -335,7 +363,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
     def _write_revoked(self, transfer_id: str, generation: int) -> None:
         self._assigned.pop(transfer_id, None)
         assert self._acks is not None
-        self._acks.submit_logged(RevocationAck(transfer_id, generation))
+        self._acks.submit_logged(RevocationAck(transfer_id, generation, (self.rank,)))
 
     def _source_free(self, transfer_id: str) -> None:
         self._free(transfer_id)

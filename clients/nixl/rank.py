@@ -1,8 +1,16 @@
 """`RankAgent`: what a producer and a consumer rank have alike, around their own NIXL threads.
 
-Both join one rank's NIXL agent to an engine session of their role: the session is opened by `start`,
-announcing the rank's agent, and ended by `close`; callbacks from the NIXL thread hop onto the loop the
-agent was started on.
+Both join one rank's NIXL agent to an engine session: `open` starts the rank's NIXL side and returns its
+`NixlAgentInfo`; `start` then either registers the engine (rank 0, or a single-rank engine) with every rank's
+agent, in a session of its role, or follows that registration from another rank (`RankSession`); `close` ends
+it. Callbacks from the NIXL thread hop onto the loop the agent was started on.
+
+A multi-rank engine (tensor or pipeline parallel) runs one agent per rank, usually in one process each:
+
+    info = await agent.open()                       # every rank
+    infos = gather(info)                            # the engine's own channel (e.g. torch.distributed)
+    await agent.start(agents=infos)                 # rank 0: registers every rank
+    await agent.start(follow=incarnation)           # other ranks, once rank 0 registered
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import TYPE_CHECKING, Generic, Self, TypeVar
 
 from clients._config import SessionConfig
 from clients._roles import RoleSession
+from clients._session import RankSession
 from clients._types import KvLayout, NixlAgentInfo, SessionEvent
 from clients.aio import AsyncRendezvousClient
 
@@ -43,15 +52,54 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         session_config: SessionConfig | None,
     ) -> None:
         self.rank = rank
+        self.layout = layout or KvLayout()
         self._tensors = tuple(tensors)
         self._agent_name = agent_name or f"{engine_id}-rank{rank}"
         self._session_args = (client, engine_id, pool, layout, labels, lease_ttl, session_config)
         self._session: SessionT | None = None
+        self._follower: RankSession | None = None
+        self._announced: NixlAgentInfo | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    async def open(self) -> NixlAgentInfo:
+        """Start this rank's NIXL side (idempotent); its agent, to register with the engine's other ranks."""
+        if self._announced is None:
+            self._loop = asyncio.get_running_loop()
+            self._announced = await self._open()
+        return self._announced
+
+    async def start(self, *, agents: Sequence[NixlAgentInfo] = (), follow: int | None = None) -> None:
+        """Register the engine with `agents` (every rank's, this one's included; default: this rank alone) and
+        watch its events; or, with `follow`, follow the registration rank 0 made (incarnation `follow` or a later
+        one) as this rank. Opens the NIXL side first if `open` was not called."""
+        announced = await self.open()
+        try:
+            if follow is not None:
+                client, engine_id, *_, config = self._session_args
+                follower = RankSession(client, engine_id, config=config, handler=self.handle_event)
+                self._follower = follower
+                self._on_session(follower)
+                await follower.start(follow)
+            else:
+                session = self._new_session(tuple(agents) or (announced,))
+                self._session = session
+                self._on_session(session)
+                await session.start()
+        except BaseException:
+            await self._stop_threads()
+            raise
+
     @abc.abstractmethod
-    async def start(self) -> None:
-        """Start the NIXL side, register the engine and watch its events."""
+    async def _open(self) -> NixlAgentInfo:
+        """Start the NIXL side; this rank's agent."""
+
+    @abc.abstractmethod
+    def _on_session(self, session: SessionT | RankSession) -> None:
+        """Set up what calls the service through `session` (before it starts)."""
+
+    @abc.abstractmethod
+    async def _stop_threads(self) -> None:
+        """Stop the NIXL side."""
 
     @abc.abstractmethod
     async def close(self, *, deregister: bool = True) -> None:
@@ -61,20 +109,31 @@ class RankAgent(abc.ABC, Generic[SessionT]):
     async def handle_event(self, item: SessionEvent) -> None:
         """React to one session event; the session calls this for each, in order."""
 
-    def _new_session(self, announced: NixlAgentInfo) -> SessionT:
-        """The engine session announcing this rank's agent, its events going to `handle_event`."""
+    @property
+    def leader(self) -> bool:
+        """Whether this rank registered the engine (and makes its engine-wide calls), rather than follows."""
+        return self._follower is None
+
+    def _new_session(self, agents: tuple[NixlAgentInfo, ...]) -> SessionT:
+        """The engine session announcing `agents`, its events going to `handle_event`."""
         client, engine_id, pool, layout, labels, lease_ttl, config = self._session_args
         return self.session_type(
             client,
             engine_id,
             pool,
             layout=layout,
-            agents=(announced,),
+            agents=agents,
             labels=labels,
             lease_ttl=lease_ttl,
             config=config,
             handler=self.handle_event,
         )
+
+    async def _close_session(self, deregister: bool) -> None:
+        if self._session is not None:
+            await self._session.close(deregister=deregister)
+        if self._follower is not None:
+            await self._follower.close()
 
     def _on_loop(self, callback: Callable[..., None]) -> Callable[..., None]:
         """callback as a function another thread may call: it runs on the agent's loop (not once that closed)."""
@@ -95,10 +154,18 @@ class RankAgent(abc.ABC, Generic[SessionT]):
 
     @property
     def session(self) -> SessionT:
-        """The engine session (registration, lease, events)."""
+        """The engine session (registration, lease, events) of the rank that registered the engine."""
         if self._session is None:
-            raise RuntimeError("the agent is not started")
+            raise RuntimeError("the agent is not started" if self._follower is None else "a following rank has none")
         return self._session
+
+    @property
+    def engine_session(self) -> SessionT | RankSession:
+        """This rank's session: the registering one, or the one following it."""
+        session = self._session or self._follower
+        if session is None:
+            raise RuntimeError("the agent is not started")
+        return session
 
     @property
     def agent_name(self) -> str:

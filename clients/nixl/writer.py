@@ -96,6 +96,8 @@ class _Target:
     whole_blocks: bool
     """Every region, every head, equal block sizes: posted from prepared lists by block index, which NIXL
     merges itself (faster than building the lists; see benchmarks/bench_nixl.py)."""
+    writers: int = 1
+    """Producer ranks that write into this consumer rank (`kvmap.writers_into`), told in the notification."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -377,8 +379,9 @@ class TransferWriter:
         else:
             if self._layout is None:
                 raise LayoutMismatchError("assignments to a consumer engine need the writer's layout")
-            me = kvmap.rank_shape(self._layout, self.agent_info())
-            consumers = kvmap.rank_shapes(a.peer.layout, a.peer.agents)
+            mine, theirs = self._layout, a.peer.layout
+            me = kvmap.rank_shape(mine, self.agent_info())
+            consumers = kvmap.rank_shapes(theirs, a.peer.agents)
             agents = {agent.rank: agent for agent in a.peer.agents}
             bd = a.peer.layout.block_size
             bp = self._layout.block_size
@@ -391,7 +394,8 @@ class TransferWriter:
                     and s.producer_regions == range(len(regions))
                     and s.consumer_regions == range(len(agent.regions))
                 )
-                return _Target(agent, s, RankGeometry(agent.regions, c.num_heads, bd), whole)
+                writers = kvmap.writers_into(mine, theirs, c)
+                return _Target(agent, s, RankGeometry(agent.regions, c.num_heads, bd), whole, writers)
 
             targets = tuple(target(s) for s in kvmap.shares((me,), consumers))
             if not targets:
@@ -517,11 +521,11 @@ class TransferWriter:
         except ValueError as e:  # too few source blocks for the destination, or ids outside the regions
             self._emit(self._on_complete, transfer_id, a.generation, False, str(e))
             return
-        notification = encode_notification(transfer_id, a.generation)
         write = _Write(a.generation, [])
         source = t.source[len(t.source) - n :]
         for target, plan in plans:
             name = target.agent.name
+            notification = encode_notification(transfer_id, a.generation, target.writers)
             try:
                 if plan is None:
                     posted = self._endpoint.post("WRITE", name, source, a.dst, notification)

@@ -42,6 +42,7 @@ __all__ = [
     "rank_shapes",
     "shares",
     "token_runs",
+    "writers_into",
 ]
 
 HEAD_SPLIT_LAYOUTS = ("HND", "NHD")
@@ -439,3 +440,14 @@ def token_runs(
         runs.append(TokenRun(token // bp, dst, token % bp, token % bd, end - token))
         token = end
     return tuple(runs)
+
+
+def writers_into(producer: KvLayout, consumer: KvLayout, rank: RankShape) -> int:
+    """How many producer ranks write into consumer rank `rank` (its heads come from tp_p / tp_c ranks when the
+    producer has more TP ranks, its layers from every producer stage when it holds all layers); 0 when that
+    depends on other ranks' layer ranges (pipeline parallel on both sides)."""
+    heads = producer.tp_size // consumer.tp_size if producer.tp_size > consumer.tp_size else 1
+    if producer.pp_size == 1:
+        return heads
+    all_layers = not rank.num_layers or rank.num_layers == consumer.num_layers
+    return heads * producer.pp_size if all_layers else 0
