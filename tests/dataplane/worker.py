@@ -35,6 +35,10 @@ class Spec:
     num_blocks: int = 64
     lease_ttl: float = 0.0
 
+    def worker(self, events: Any) -> Any:
+        """What the spawned process runs: an object with async `start` and `close` and one method per command."""
+        return _Worker(self, events)
+
 
 def pattern(seed: int, region: int, count: int, length: int) -> npt.NDArray[np.uint8]:
     """The bytes of `count` source blocks of `region` for transfer seed `seed`."""
@@ -127,7 +131,7 @@ def _outcome(result: Any) -> str:
 
 
 async def _serve(conn: Connection, spec: Spec, events: Any) -> None:
-    worker = _Worker(spec, events)
+    worker = spec.worker(events)
     loop = asyncio.get_running_loop()
     try:
         conn.send(("ok", await worker.start()))
