@@ -19,7 +19,14 @@ token per step).
 
 TTFT = first token at the consumer - arrival; TPOT = mean time between a request's later tokens.
 
-    python benchmarks/bench_serving_sim.py [--rates 10,20,35] [--requests 60] [--out benchmarks/results]
+`--tp P:D` gives the producer engine P ranks and the consumer engine D (tensor parallel; `--tp 4:4,4:2,2:4`
+runs each pair in turn, with only that pair's engines alive). Each rank has its own agent (its own NIXL agent,
+writer or receiver thread, and rendezvous client); an engine's ranks share one process. The KV bytes per token
+are split across ranks by KV heads (HND blocks), and every producer rank writes its heads into the consumer
+ranks that hold them. A request's KV has arrived once every consumer rank has its share; ideal's WRITE
+duration is the slowest producer rank's. Pull (the consumer READs rank to rank) runs at 1:1 only.
+
+    python benchmarks/bench_serving_sim.py [--rates 10,20,35] [--requests 60] [--tp 1:1] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ MODELS = {
     "qwen3-32b": 64 * 8 * 128 * 2 * 2,
     "llama-3.1-8b": 32 * 8 * 128 * 2 * 2,
 }
+KV_HEADS = 8  # both models; TP ranks split them
 BLOCK_TOKENS = 16
 REGIONS = 2  # K and V
 
@@ -57,8 +65,25 @@ class Sim:
     decode_step_s: float
     pull_setup_s: float
     output_tokens: int
-    block_bytes: int  # per region
+    block_bytes: int  # per region, whole engine (each of `ranks` ranks holds 1/ranks of it)
     pool_blocks: int
+    model: str
+    producer_ranks: int = 1
+    consumer_ranks: int = 1
+
+    def layout(self, ranks: int) -> Any:
+        from clients import KvLayout
+
+        return KvLayout(self.model, "bf16", BLOCK_TOKENS, 0, ranks, 1, "HND", KV_HEADS)
+
+    @property
+    def pull(self) -> bool:
+        """Pull runs rank to rank, so only between single-rank engines."""
+        return self.producer_ranks == self.consumer_ranks == 1
+
+    @property
+    def label(self) -> str:
+        return f"{self.producer_ranks}x{self.consumer_ranks}"
 
 
 # Engine processes
@@ -70,20 +95,50 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     from clients import AsyncRendezvousClient, TransferMode
     from clients.nixl.producer import ProducerAgent
 
-    tensors = [torch.zeros((sim.pool_blocks, sim.block_bytes), dtype=torch.uint8) for _ in range(REGIONS)]
+    ranks = sim.producer_ranks
     free = list(range(sim.pool_blocks))
     work: asyncio.Queue[tuple[str, int, int, bool]] = asyncio.Queue()
+    writes: dict[str, list[float]] = {}  # each rank's WRITE duration, until every rank reported
+    frees: dict[str, int] = {}
 
     def on_report(r: Any) -> None:
-        reports.put(("write", r.transfer_id, r.ready_time, r.assigned_time, r.written_time))
+        durations = writes.setdefault(r.transfer_id, [])
+        durations.append(r.written_time - max(r.ready_time, r.assigned_time))
+        if len(durations) == ranks:
+            reports.put(("write", r.transfer_id, max(durations)))
+            del writes[r.transfer_id]
 
     def on_free(blocks: list[int]) -> Any:
-        return lambda _transfer_id: free.extend(blocks)
+        def freed(transfer_id: str) -> None:  # the blocks are free once every rank let go of them
+            frees[transfer_id] = frees.get(transfer_id, 0) + 1
+            if frees[transfer_id] == ranks:
+                del frees[transfer_id]
+                free.extend(blocks)
 
-    async with AsyncRendezvousClient(address) as client:
-        agent = ProducerAgent(client, "sim-prefill", "prefill", tensors, serve_reads=True, on_report=on_report)
-        await agent.start()
-        reports.put(("started", "producer"))
+        return freed
+
+    engine_id = f"sim-prefill-{sim.label}"
+    clients = [AsyncRendezvousClient(address) for _ in range(ranks)]
+    agents = [
+        ProducerAgent(
+            client,
+            engine_id,
+            "prefill",
+            [torch.zeros((sim.pool_blocks, sim.block_bytes // ranks), dtype=torch.uint8) for _ in range(REGIONS)],
+            rank=rank,
+            layout=sim.layout(ranks),
+            serve_reads=sim.pull,
+            on_report=on_report,
+        )
+        for rank, client in enumerate(clients)
+    ]
+    agent = agents[0]
+    infos = [await a.open() for a in agents]
+    await agent.start(agents=infos)
+    for follower in agents[1:]:
+        await follower.start(follow=agent.session.incarnation)
+    reports.put(("started", "producer"))
+    try:
 
         async def compute() -> None:  # one prefill at a time, like one GPU
             while True:
@@ -93,7 +148,8 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
                 blocks, free[:] = free[:num_blocks], free[num_blocks:]
                 await asyncio.sleep(tokens * sim.prefill_s_per_token)
                 mode = TransferMode.PULL if pull else TransferMode.PUSH
-                agent.ready(transfer_id, blocks, on_free(blocks), mode=mode)
+                for a in agents:
+                    a.ready(transfer_id, blocks, on_free(blocks), mode=mode)
                 reports.put(("prefilled", transfer_id, time.monotonic()))
 
         computing = asyncio.create_task(compute())
@@ -104,7 +160,11 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
                 await agent.claim(transfer_id)
             work.put_nowait((transfer_id, tokens, num_blocks, pull))
         computing.cancel()
-        await agent.close()
+    finally:
+        for a in reversed(agents):
+            await a.close()
+        for client in clients:
+            await client.close()
 
 
 async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
@@ -113,22 +173,50 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     from clients import AsyncRendezvousClient, TransferMode
     from clients.nixl.consumer import ConsumerAgent, TransferResult
 
-    tensors = [torch.zeros((sim.pool_blocks, sim.block_bytes), dtype=torch.uint8) for _ in range(REGIONS)]
+    ranks = sim.consumer_ranks
     free = list(range(sim.pool_blocks))
     arrived: asyncio.Queue[tuple[float, TransferResult]] = asyncio.Queue()
     admissions: list[tuple[str, int, bool]] = []  # decode legs the scheduler admits at the next step
+    shares: dict[str, int] = {}  # consumer ranks whose share of a transfer arrived
+    wake = asyncio.Event()
 
-    async with AsyncRendezvousClient(address) as client:
-        wake = asyncio.Event()
+    def on_result(result: TransferResult) -> None:
+        if result.ok:  # the request's KV is in once every rank has its share
+            shares[result.transfer_id] = shares.get(result.transfer_id, 0) + 1
+            if shares[result.transfer_id] < ranks:
+                return
+            del shares[result.transfer_id]
+        arrived.put_nowait((time.monotonic(), result))
+        wake.set()
 
-        def on_result(result: TransferResult) -> None:
-            arrived.put_nowait((time.monotonic(), result))
-            wake.set()
+    engine_id = f"sim-decode-{sim.label}"
+    clients = [AsyncRendezvousClient(address) for _ in range(ranks)]
+    agents = [
+        ConsumerAgent(
+            client,
+            engine_id,
+            "decode",
+            [torch.zeros((sim.pool_blocks, sim.block_bytes // ranks), dtype=torch.uint8) for _ in range(REGIONS)],
+            rank=rank,
+            layout=sim.layout(ranks),
+            on_result=on_result,
+        )
+        for rank, client in enumerate(clients)
+    ]
+    agent = agents[0]
+    infos = [await a.open() for a in agents]
+    await agent.start(agents=infos)
+    for follower in agents[1:]:
+        await follower.start(follow=agent.session.incarnation)
+    registering: set[asyncio.Task[Any]] = set()
+    reports.put(("started", "consumer"))
 
-        agent = ConsumerAgent(client, "sim-decode", "decode", tensors, on_result=on_result)
-        registering: set[asyncio.Task[Any]] = set()
-        await agent.start()
-        reports.put(("started", "consumer"))
+    async def register(transfer_id: str, target: list[int], mode: TransferMode) -> None:
+        for follower in agents[1:]:  # they expect their shares before rank 0 registers the target
+            await follower.register_target(transfer_id, target, mode=mode)
+        await agent.register_target(transfer_id, target, mode=mode)
+
+    try:
 
         async def step_loop() -> None:
             active: dict[str, list[float]] = {}  # transfer id -> KV arrival, then token times
@@ -142,7 +230,7 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
                     transfer_id, num_blocks, pull = admissions.pop(0)
                     target, free[:] = free[:num_blocks], free[num_blocks:]
                     mode = TransferMode.PULL if pull else TransferMode.PUSH
-                    registering.add(asyncio.create_task(agent.register_target(transfer_id, target, mode=mode)))
+                    registering.add(asyncio.create_task(register(transfer_id, target, mode)))
                     stall += sim.pull_setup_s if pull else 0.0
                 while not arrived.empty():
                     kv_time, result = arrived.get_nowait()
@@ -169,7 +257,11 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
             admissions.append(command[1:])
             wake.set()
         stepping.cancel()
-        await agent.close()
+    finally:
+        for a in reversed(agents):
+            await a.close()
+        for client in clients:
+            await client.close()
 
 
 def _engine(role: str, address: str, sim: Sim, commands: Any, reports: Any) -> None:
@@ -209,8 +301,7 @@ def _drain(reports: Any, requests: dict[str, _Request], on_prefilled: Any) -> in
             request.prefilled = report[2]
             on_prefilled(request)
         elif kind == "write":
-            _, _, ready, assigned, written = report
-            request.write_s = written - max(ready, assigned)
+            request.write_s = report[2]
         elif kind == "decoded":
             request.kv_arrived, request.first_token, request.tpot = report[2:5]
             finished += 1
@@ -219,7 +310,7 @@ def _drain(reports: Any, requests: dict[str, _Request], on_prefilled: Any) -> in
 
 
 def _run_load(
-    engines: dict[str, Any], reports: Any, rate: float, args: argparse.Namespace, pull: bool
+    engines: dict[str, Any], reports: Any, rate: float, args: argparse.Namespace, pull: bool, label: str
 ) -> list[_Request]:
     rng = random.Random(args.seed)
     requests: dict[str, _Request] = {}
@@ -234,7 +325,7 @@ def _run_load(
     for i in range(args.requests):
         arrival += rng.expovariate(rate)
         tokens = rng.randint(args.prompt_tokens // 2, args.prompt_tokens * 3 // 2)
-        request = _Request(f"sim-{'pull' if pull else 'push'}-{rate}-{i}-{os.getpid()}", arrival, tokens, 0)
+        request = _Request(f"sim-{'pull' if pull else 'push'}-{label}-{rate}-{i}-{os.getpid()}", arrival, tokens, 0)
         request.num_blocks = math.ceil(tokens / BLOCK_TOKENS)
         while time.monotonic() < arrival:
             finished += _drain(reports, requests, relay)
@@ -285,6 +376,73 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     print(f"plot: {path}")
 
 
+def _run_pair(server_address: str, sim: Sim, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start one producer/consumer engine pair, run every rate against it, stop it; a row per rate."""
+    ctx = multiprocessing.get_context("spawn")
+    reports: Any = ctx.Queue()
+    engines: dict[str, Any] = {role: ctx.Queue() for role in ("producer", "consumer")}
+    rows: list[dict[str, Any]] = []
+    processes = [
+        ctx.Process(target=_engine, args=(role, server_address, sim, q, reports), daemon=True)
+        for role, q in engines.items()
+    ]
+    for p in processes:
+        p.start()
+    try:
+        for _ in processes:
+            assert reports.get(timeout=120)[0] == "started"
+        tp = f"{sim.producer_ranks}:{sim.consumer_ranks}"
+        modes = ("pull", "push") if sim.pull else ("push",)
+        for rate in (float(r) for r in args.rates.split(",")):
+            row: dict[str, Any] = {"tp": tp, "rate": rate}
+            for mode in modes:
+                done = _run_load(engines, reports, rate, args, mode == "pull", sim.label)
+                row[mode] = {
+                    "ttft": _stats([r.first_token - r.arrival for r in done]),
+                    "tpot": _stats([r.tpot for r in done]),
+                }
+                if mode == "push":
+                    ideal = [r.prefilled + r.write_s + (r.first_token - r.kv_arrived) - r.arrival for r in done]
+                    row["ideal"] = {"ttft": _stats(ideal)}
+                    row["write"] = _stats([r.write_s for r in done])
+            push, ideal_ttft = row["push"], row["ideal"]["ttft"]["mean_ms"]
+            row["push_over_ideal_ttft"] = push["ttft"]["mean_ms"] / ideal_ttft
+            line = f"tp {tp}  rate {rate:5.1f}/s  TTFT mean push {push['ttft']['mean_ms']:7.1f} ms"
+            line += f"  ideal {ideal_ttft:7.1f}"
+            if "pull" in row:
+                pull = row["pull"]
+                row["pull_over_push_ttft"] = pull["ttft"]["mean_ms"] / push["ttft"]["mean_ms"]
+                line += (
+                    f"  pull {pull['ttft']['mean_ms']:7.1f}  (p99 pull {pull['ttft']['p99_ms']:.1f}, "
+                    f"push {push['ttft']['p99_ms']:.1f})  TPOT pull {pull['tpot']['mean_ms']:.1f} "
+                    f"push {push['tpot']['mean_ms']:.1f} ms  pull/push {row['pull_over_push_ttft']:.2f}x"
+                )
+            rows.append(row)
+            print(
+                f"{line}  WRITE p50 {row['write']['p50_ms']:.2f} ms  push/ideal {row['push_over_ideal_ttft']:.2f}x",
+                flush=True,
+            )
+    finally:
+        for q in engines.values():
+            q.put(("stop",))
+        for p in processes:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+    return rows
+
+
+def _tp_pairs(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        producer, _, consumer = item.partition(":")
+        pair = int(producer), int(consumer or producer)
+        if min(pair) < 1 or KV_HEADS % pair[0] or KV_HEADS % pair[1]:
+            raise argparse.ArgumentTypeError(f"--tp {item}: each side's ranks must divide the {KV_HEADS} KV heads")
+        pairs.append(pair)
+    return pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="10,20,35", help="request rates to run, req/s")
@@ -297,6 +455,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-32b", help="KV bytes per token")
     parser.add_argument("--kv-scale", type=int, default=32, help="divide the model's KV bytes per token by this")
     parser.add_argument("--pool-blocks", type=int, default=1024, help="KV blocks per engine")
+    parser.add_argument("--tp", type=_tp_pairs, default="1:1", help="producer:consumer ranks, e.g. 4:4,4:2,2:4")
+    parser.add_argument("--name", default="serving_sim", help="results file name (without .json)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -304,61 +464,24 @@ def main() -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
     bytes_per_token = MODELS[args.model] // args.kv_scale
-    sim = Sim(
-        prefill_s_per_token=args.prefill_us_per_token * 1e-6,
-        decode_step_s=args.decode_step_ms * 1e-3,
-        pull_setup_s=args.pull_setup_ms * 1e-3,
-        output_tokens=args.output_tokens,
-        block_bytes=bytes_per_token * BLOCK_TOKENS // REGIONS,
-        pool_blocks=args.pool_blocks,
-    )
+    print(f"{args.model} KV / {args.kv_scale}: {bytes_per_token} B/token, {args.prompt_tokens} tokens mean")
     from clients.testing import TestServer
 
-    ctx = multiprocessing.get_context("spawn")
-    reports: Any = ctx.Queue()
-    engines: dict[str, Any] = {role: ctx.Queue() for role in ("producer", "consumer")}
     results: list[dict[str, Any]] = []
     with TestServer() as server:
-        processes = [
-            ctx.Process(target=_engine, args=(role, server.address, sim, q, reports), daemon=True)
-            for role, q in engines.items()
-        ]
-        for p in processes:
-            p.start()
-        for _ in processes:
-            assert reports.get(timeout=120)[0] == "started"
-        print(f"{args.model} KV / {args.kv_scale}: {bytes_per_token} B/token, {args.prompt_tokens} tokens mean")
-        try:
-            for rate in (float(r) for r in args.rates.split(",")):
-                row: dict[str, Any] = {"rate": rate}
-                for mode in ("pull", "push"):
-                    done = _run_load(engines, reports, rate, args, pull=mode == "pull")
-                    row[mode] = {
-                        "ttft": _stats([r.first_token - r.arrival for r in done]),
-                        "tpot": _stats([r.tpot for r in done]),
-                    }
-                    if mode == "push":
-                        ideal = [r.prefilled + r.write_s + (r.first_token - r.kv_arrived) - r.arrival for r in done]
-                        row["ideal"] = {"ttft": _stats(ideal)}
-                push, pull, ideal_ttft = row["push"], row["pull"], row["ideal"]["ttft"]["mean_ms"]
-                row["pull_over_push_ttft"] = pull["ttft"]["mean_ms"] / push["ttft"]["mean_ms"]
-                row["push_over_ideal_ttft"] = push["ttft"]["mean_ms"] / ideal_ttft
-                results.append(row)
-                print(
-                    f"rate {rate:5.1f}/s  TTFT mean pull {pull['ttft']['mean_ms']:7.1f} ms  "
-                    f"push {push['ttft']['mean_ms']:7.1f}  ideal {ideal_ttft:7.1f}  "
-                    f"(p99 pull {pull['ttft']['p99_ms']:.1f}, push {push['ttft']['p99_ms']:.1f})  "
-                    f"TPOT pull {pull['tpot']['mean_ms']:.1f} push {push['tpot']['mean_ms']:.1f} ms  "
-                    f"pull/push {row['pull_over_push_ttft']:.2f}x  push/ideal {row['push_over_ideal_ttft']:.2f}x",
-                    flush=True,
-                )
-        finally:
-            for q in engines.values():
-                q.put(("stop",))
-            for p in processes:
-                p.join(15)
-                if p.is_alive():
-                    p.kill()
+        for producer_ranks, consumer_ranks in args.tp:
+            sim = Sim(
+                prefill_s_per_token=args.prefill_us_per_token * 1e-6,
+                decode_step_s=args.decode_step_ms * 1e-3,
+                pull_setup_s=args.pull_setup_ms * 1e-3,
+                output_tokens=args.output_tokens,
+                block_bytes=bytes_per_token * BLOCK_TOKENS // REGIONS,
+                pool_blocks=args.pool_blocks,
+                model=args.model,
+                producer_ranks=producer_ranks,
+                consumer_ranks=consumer_ranks,
+            )
+            results.extend(_run_pair(server.address, sim, args))
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "serving_sim",
@@ -367,9 +490,12 @@ def main() -> None:
         "bytes_per_token": bytes_per_token,
         "results": results,
     }
-    (args.out / "serving_sim.json").write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"results: {args.out / 'serving_sim.json'}")
-    _plot(results, args.out / "serving_sim.png")
+    path = args.out / f"{args.name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results: {path}")
+    with_pull = [r for r in results if "pull" in r]
+    if with_pull:
+        _plot(with_pull, args.out / f"{args.name}.png")
 
 
 if __name__ == "__main__":
