@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_vllm.py                       # default: all modes, 1 and 4 req/s
     .venv/bin/python benchmarks/bench_vllm.py --modes pull,ours --rates 2 --requests 12
+    .venv/bin/python benchmarks/bench_vllm.py --tp 2 --modes ours,pull --layout sequential   # TP 2 on both sides
 
 Modes (each a prefill engine, a decode engine and a proxy in front of them; all on 127.0.0.1):
 
@@ -91,6 +92,7 @@ class ProxyConfig:
     decode_url: str
     prefill_side_port: int = 0  # push only: prefill's VLLM_NIXL_SIDE_CHANNEL_PORT
     prefill_engine_id: str = PREFILL_ENGINE_ID
+    tp_size: int = 1  # push only: prefill's tensor-parallel size
 
 
 def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +124,7 @@ def push_decode_params(config: ProxyConfig, request_id: str) -> dict[str, Any]:
         "remote_port": config.prefill_side_port,
         "remote_request_id": f"cmpl-{request_id}-0",
         "remote_block_ids": [],
-        "tp_size": 1,
+        "tp_size": config.tp_size,
     }
 
 
@@ -247,7 +249,12 @@ def nixl_config(connector: str, role: str, engine_id: str, num_threads: int | No
     return config
 
 
-def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | None) -> Deployment:
+def tp_args(tp: int) -> list[str]:
+    """Engine arguments for `tp` tensor-parallel ranks (none for 1)."""
+    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+
+
+def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | None, tp: int) -> Deployment:
     """Start a prefill and a decode engine with NixlConnector (pull) or NixlPushConnector (push)."""
     connector = "NixlConnector" if mode == "pull" else "NixlPushConnector"
     deployment = Deployment(mode)
@@ -256,7 +263,7 @@ def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | No
         engine_id = PREFILL_ENGINE_ID if role == "prefill" else f"bench-{mode}-decode"
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[role])}
         config = nixl_config(connector, kv_role, engine_id, num_threads)
-        engine = start_engine(f"{mode}-{role}", model, log_dir, free_port(), config, env=env)
+        engine = start_engine(f"{mode}-{role}", model, log_dir, free_port(), config, env=env, extra_args=tp_args(tp))
         deployment.processes.append(engine)
     prefill, decode = deployment.engines()
     port = free_port()
@@ -268,6 +275,8 @@ def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | No
         decode.url,
         "--prefill-side-port",
         str(side_ports["prefill"]),
+        "--tp",
+        str(tp),
     ]
     log = log_dir / f"{mode}-proxy.log"
     with log.open("wb") as out:
@@ -289,7 +298,7 @@ def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60.0
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-def start_ours(model: Path, log_dir: Path) -> Deployment:
+def start_ours(model: Path, log_dir: Path, tp: int) -> Deployment:
     """Start a kv-rendezvous server, a prefill and a decode engine with RendezvousConnector, and our router."""
     deployment = Deployment("ours")
     rendezvous_port = free_port()
@@ -302,7 +311,8 @@ def start_ours(model: Path, log_dir: Path) -> Deployment:
     address = f"127.0.0.1:{rendezvous_port}"
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()
-        engine = start_engine(f"ours-{role}", model, log_dir, port, connector_config(kv_role, address, role, port))
+        config = connector_config(kv_role, address, role, port)
+        engine = start_engine(f"ours-{role}", model, log_dir, port, config, extra_args=tp_args(tp))
         deployment.processes.append(engine)
     port = free_port()
     router_args = ["--rendezvous", address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
@@ -311,10 +321,12 @@ def start_ours(model: Path, log_dir: Path) -> Deployment:
     return deployment
 
 
-def start_mode(mode: str, model: Path, log_dir: Path, nixl_threads: int | None) -> Deployment:
+def start_mode(mode: str, model: Path, log_dir: Path, nixl_threads: int | None, tp: int) -> Deployment:
     """Start a mode's processes (not yet healthy); a failure to start is recorded, not raised."""
     try:
-        return start_ours(model, log_dir) if mode == "ours" else start_nixl_mode(mode, model, log_dir, nixl_threads)
+        if mode == "ours":
+            return start_ours(model, log_dir, tp)
+        return start_nixl_mode(mode, model, log_dir, nixl_threads, tp)
     except Exception as exc:
         return Deployment(mode, error=f"start failed: {exc!r}")
 
@@ -595,21 +607,23 @@ def vocab_size(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
-def choose_layout(requested: str, modes: Sequence[str]) -> str:
+def choose_layout(requested: str, modes: Sequence[str], tp: int = 1) -> str:
     """`interleaved` (all engines at once) if memory allows, else `sequential`."""
     if requested != "auto":
         return requested
-    needed = 2 * len(modes) * ENGINE_GIB + 1.0
+    needed = 2 * len(modes) * ENGINE_GIB * tp + 1.0
     return "interleaved" if mem_available_gib() >= needed else "sequential"
 
 
 @contextlib.contextmanager
-def deployed(modes: Sequence[str], model: Path, log_dir: Path, nixl_threads: int | None) -> Iterator[list[Deployment]]:
+def deployed(
+    modes: Sequence[str], model: Path, log_dir: Path, nixl_threads: int | None, tp: int
+) -> Iterator[list[Deployment]]:
     """Start `modes` in parallel, wait until ready, and stop them all on exit (also on errors and Ctrl-C)."""
     deployments: list[Deployment] = []
     try:
         for mode in modes:
-            deployments.append(start_mode(mode, model, log_dir, nixl_threads))
+            deployments.append(start_mode(mode, model, log_dir, nixl_threads, tp))
         started = time.monotonic()
         wait_ready(deployments)
         print(f"modes {', '.join(modes)} ready in {time.monotonic() - started:.0f} s", flush=True)
@@ -647,14 +661,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = tiny_model(args.model, scratch)
     vocab = vocab_size(model)
     machine = machine_info()
-    layout = choose_layout(args.layout, args.modes)
+    layout = choose_layout(args.layout, args.modes, args.tp)
     print(f"layout {layout}; logs in {scratch}; {machine['mem_available_gib_at_start']} GiB available", flush=True)
     groups = [list(args.modes)] if layout == "interleaved" else [[m] for m in args.modes]
     results: list[RequestResult] = []
     failures: dict[str, str] = {}
     started = time.monotonic()
     for group in groups:
-        with deployed(group, model, scratch, args.nixl_threads) as deployments:
+        with deployed(group, model, scratch, args.nixl_threads, args.tp) as deployments:
             results += asyncio.run(measure(deployments, args, vocab))
             failures.update({d.mode: d.error for d in deployments if d.error is not None})
     by_rate: dict[str, dict[str, dict[str, Any]]] = {}
@@ -686,6 +700,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds,
             "seed": args.seed,
             "nixl_threads_pull_push": args.nixl_threads,
+            "tensor_parallel_size": args.tp,
             "layout": layout,
             "block_size": BLOCK_SIZE,
             "max_model_len": MAX_MODEL_LEN,
@@ -730,6 +745,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per mode before measuring")
     parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds per rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every engine (prefill and decode)")
     parser.add_argument("--layout", choices=("auto", "interleaved", "sequential"), default="auto")
     parser.add_argument(
         "--nixl-threads", type=int, default=None, help="NIXL num_threads for pull/push (default: vLLM's, 4)"
@@ -755,7 +771,7 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.proxy is not None:
-        config = ProxyConfig(args.proxy, args.prefill_url, args.decode_url, args.prefill_side_port)
+        config = ProxyConfig(args.proxy, args.prefill_url, args.decode_url, args.prefill_side_port, tp_size=args.tp)
         serve_proxy(config, args.proxy_port)
         return 0
     signal.signal(signal.SIGTERM, _raise_interrupt)  # stop every process on SIGTERM too, as on Ctrl-C

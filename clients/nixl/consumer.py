@@ -67,6 +67,8 @@ REVOKED = "REVOKED"
 """`TransferResult.reason` of a generation retired by a newer one."""
 READ_FAILED = "READ_FAILED"
 """`TransferResult.reason` of a pull-mode READ that failed."""
+FOLLOWER_CHECK_S = 5.0
+"""How often a following rank asks the service about a transfer it expects and has heard nothing of."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._fenced: dict[tuple[str, int], TransferResult] = {}
         self._reading: set[tuple[str, int]] = set()  # pull READs in flight: their blocks are still written
         self._after_read: dict[tuple[str, int], TransferResult] = {}
+        self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations
         self._registrations: Batcher[TargetSpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
         self._releases: Batcher[ReleaseSpec] | None = None
@@ -171,6 +174,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     async def close(self, *, deregister: bool = True) -> None:
         """Stop the receiver thread (reads in flight finish), end the session and `results()`."""
+        for check in list(self._checks):
+            check.cancel()
         await self._stop_threads()
         for batcher in (self._registrations, self._completions, self._releases):
             if batcher is not None:
@@ -199,8 +204,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         """
         spec = TargetSpec(transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode)
         if not self.leader:
-            self._targets[transfer_id] = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
+            target = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
+            self._targets[transfer_id] = target
             self._update_expecting()
+            self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
             return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
@@ -221,6 +228,29 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             retired = TransferResult(transfer_id, old.generation, False, old.block_ids, REVOKED)
             await self._when_unfenced(retired, maybe_fenced=result.state is not TransferState.TARGETED)
         return result
+
+    async def _check_target(self, transfer_id: str, target: _Target) -> None:
+        """A following rank's expectation ends with an event of the transfer; should rank 0's registration
+        have failed (then no event comes), it would wait forever: so it looks every `FOLLOWER_CHECK_S`."""
+        try:
+            while True:
+                await asyncio.sleep(FOLLOWER_CHECK_S)
+                if self._targets.get(transfer_id) is not target:
+                    return
+                try:
+                    info = await self.engine_session.client.get_transfer(transfer_id)
+                except RendezvousError as e:
+                    self._fail(transfer_id, "LOST", f"the service does not have this transfer: {e}")
+                    return
+                if info.consumer_engine_id != self.engine_session.engine_id:
+                    self._fail(transfer_id, "LOST", "the engine's registration of this transfer failed")
+                elif info.state is TransferState.COMMITTED and info.generation == target.generation:
+                    self._committed(transfer_id, target.generation)
+                elif info.state.terminal:
+                    reason = info.abort_reason.name if info.state is TransferState.ABORTED else info.state.name
+                    self._fail(transfer_id, reason, info.abort_message, info.revoking_generation)
+        finally:
+            self._checks.discard(asyncio.current_task())
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (rank 0 tells the service; another rank just stops expecting it); its failed result

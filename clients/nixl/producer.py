@@ -252,7 +252,11 @@ class ProducerAgent(RankAgent[ProducerSession]):
             self._assign(deferred)
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
-        """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight."""
+        """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight.
+        Rank 0 tells the service (and so every rank); another rank only drops it here."""
+        if not self.leader:
+            self._end(transfer_id)
+            return ItemResult(transfer_id, TransferState.ABORTED)
         result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
         self._end(transfer_id)
         return result
