@@ -283,11 +283,7 @@ class _WorkerSide:
         self.engine_id = engine_id
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self.rank = 0
-        if self.tp_size > 1:
-            from vllm.distributed.parallel_state import get_tp_group
-
-            self.rank = get_tp_group().rank_in_group
+        self.rank = 0  # this worker's TP rank, known once started
         self._thread: LoopThread | None = None
         self._client: Any = None
         self._agent: ProducerAgent | ConsumerAgent | None = None
@@ -303,8 +299,12 @@ class _WorkerSide:
 
     def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = self._block_tensors(kv_caches)
-        self._thread = LoopThread(f"rendezvous-{self.engine_id}-rank{self.rank}")
+        self._thread = LoopThread(f"rendezvous-{self.engine_id}")
         try:
+            if self.tp_size > 1:
+                from vllm.distributed.parallel_state import get_tp_group
+
+                self.rank = get_tp_group().rank_in_group
             info = self._thread.run(self._open(tensors), self.config.start_timeout)
             self._join_engine(info)
         except BaseException:
@@ -375,13 +375,15 @@ class _WorkerSide:
 
     def _layout(self, tensors: list[torch.Tensor]) -> Any:
         from clients import KvLayout
+        from rendezvous.protocol import kvmap
 
         model = self.vllm_config.model_config
         block_size = self.vllm_config.cache_config.block_size
         heads = model.get_total_num_kv_heads()
-        # The CPU backend's block is [heads of this rank, tokens, K and V of one head]: HND, which lets engines
-        # of other TP and block sizes pair with this one. Any other shape is published as it is: it pairs only
-        # with the same shape (same TP size and block size).
+        # The CPU backend's block is [heads of this rank, block_size, 2 * head_dim]; within a head its kernels
+        # keep the keys transposed ([head_dim, block_size]) before the values ([block_size, head_dim]). Heads
+        # are contiguous, tokens are not: HEAD_MAJOR, which pairs engines of other TP sizes (equal block sizes).
+        # Any other shape is published as it is: it pairs only with the same shape (same TP and block size).
         shape = tuple(tensors[0].shape[1:])
         hnd = len(shape) == 3 and shape[0] * self.tp_size == heads and shape[1] == block_size
         return KvLayout(
@@ -391,7 +393,7 @@ class _WorkerSide:
             num_layers=len(tensors),
             tp_size=self.tp_size,
             pp_size=1,
-            kv_layout="HND" if hnd else "x".join(str(d) for d in shape),
+            kv_layout=kvmap.HEAD_MAJOR if hnd else "x".join(str(d) for d in shape),
             num_kv_heads=heads if hnd else 0,
         )
 

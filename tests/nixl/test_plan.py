@@ -37,7 +37,8 @@ class FakeEngine:
         return range(agent.first_layer, agent.first_layer + (agent.num_layers or self.layout.num_layers))
 
     def offset(self, unit: int, head: npt.NDArray[np.int64], token: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-        """Byte offset of (head, token) in a block of this engine (opaque blocks are laid out HND)."""
+        """Byte offset of (head, token) in a block of this engine (opaque and HEAD_MAJOR blocks are laid out HND:
+        a HEAD_MAJOR head's order within is the engine's own, the same on both sides)."""
         b = self.layout.block_size
         if self.layout.kv_layout == "NHD":
             return (token * self.heads + head) * unit
@@ -110,7 +111,8 @@ def cases(draw: st.DrawFn) -> Case:
         st.sampled_from([(base, base), (base, 2 * base), (2 * base, base), (base, 4 * base), (4 * base, base)])
     )
     opaque_ok = tp_p == tp_d and bp == bd
-    kv_layout = draw(st.sampled_from(["HND", "NHD", "opaque"] if opaque_ok else ["HND", "NHD"]))
+    layouts = ["HND", "NHD"] + (["HEAD_MAJOR"] if bp == bd else []) + (["opaque"] if opaque_ok else [])
+    kv_layout = draw(st.sampled_from(layouts))
     if bp == bd:
         num_src = draw(st.integers(1, 5))
         num_dst = draw(st.integers(0, num_src))  # fewer destination blocks: a prefix hit
@@ -257,6 +259,25 @@ def test_an_opaque_layout_refuses_a_head_split() -> None:
             [0],
             [0],
             "opaque",
+        )
+
+
+def test_head_major_blocks_refuse_a_split_by_token() -> None:
+    producer = make_engine(1, 1, 1, 2, 4, "HEAD_MAJOR", (1,), 4, 0, 0)
+    consumer = make_engine(1, 1, 1, 2, 8, "HEAD_MAJOR", (1,), 4, 0, 1)
+    share = kvmap.shares(
+        kvmap.rank_shapes(producer.layout, producer.agents), kvmap.rank_shapes(consumer.layout, consumer.agents)
+    )[0]
+    runs = kvmap.token_runs(2, 1, 4, 8, 8, 8)
+    with pytest.raises(LayoutMismatchError, match="does not split blocks by token"):
+        plan_write(
+            RankGeometry(producer.agents[0].regions, 2, 4),
+            RankGeometry(consumer.agents[0].regions, 2, 8),
+            share,
+            [0, 1],
+            [0],
+            "HEAD_MAJOR",
+            runs,
         )
 
 

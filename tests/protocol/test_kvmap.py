@@ -53,6 +53,11 @@ def test_tp_sizes_where_one_divides_the_other_match(p_tp: int, c_tp: int) -> Non
     assert layout_mismatch(*engine(p_tp), *engine(c_tp)) is None
 
 
+@pytest.mark.parametrize(("p_tp", "c_tp"), [(1, 2), (2, 1), (2, 2), (4, 8)])
+def test_head_major_blocks_pair_across_tp_sizes_with_equal_block_sizes(p_tp: int, c_tp: int) -> None:
+    assert layout_mismatch(*engine(p_tp, kv_layout="HEAD_MAJOR"), *engine(c_tp, kv_layout="HEAD_MAJOR")) is None
+
+
 @pytest.mark.parametrize(("p_bs", "c_bs"), [(16, 32), (32, 16), (16, 64), (64, 16), (32, 32)])
 def test_block_sizes_where_one_divides_the_other_match(p_bs: int, c_bs: int) -> None:
     assert layout_mismatch(*engine(2, block_size=p_bs), *engine(4, block_size=c_bs)) is None
@@ -67,7 +72,12 @@ def test_block_sizes_where_one_divides_the_other_match(p_bs: int, c_bs: int) -> 
         ({"num_layers": 4}, {"num_layers": 2}, "num_layers differs: producer 4, consumer 2"),
         ({"num_kv_heads": 8}, {"num_kv_heads": 4}, "num_kv_heads differs"),
         ({"tp_size": 1, "num_kv_heads": 0}, {"tp_size": 2, "num_kv_heads": 0}, "num_kv_heads must be stated"),
-        ({"kv_layout": "opaque"}, {"kv_layout": "opaque", "tp_size": 2}, "kv_layout must be HND or NHD"),
+        ({"kv_layout": "opaque"}, {"kv_layout": "opaque", "tp_size": 2}, "kv_layout must be one of HND, NHD"),
+        (
+            {"kv_layout": "HEAD_MAJOR", "block_size": 16},
+            {"kv_layout": "HEAD_MAJOR", "block_size": 32},
+            "block_size must be equal with kv_layout 'HEAD_MAJOR' (its blocks do not split by token): producer 16",
+        ),
     ],
 )
 def test_incompatible_layouts_name_the_field_and_both_values(

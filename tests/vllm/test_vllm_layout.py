@@ -1,8 +1,9 @@
-"""A decode pool whose KV layout differs from prefill's (64-token blocks against 32: the connector publishes
-its block shape, which differs, as kv_layout) gets a clear error, never garbage: the router refuses the pair
-before sending anything, and two legs sent straight to the engines (as an engine API client may) are stopped by
-the rendezvous at match time (LAYOUT_MISMATCH), both sides let go of their blocks, and decode answers an
-error."""
+"""A decode pool whose KV layout differs from prefill's (64-token blocks against 32) gets a clear error, never
+garbage. The rendezvous pairs block sizes where one divides the other only for layouts that split blocks by token
+(HND, NHD); vLLM-CPU's cache keeps each head's keys transposed, so the connector publishes HEAD_MAJOR and such a
+pair is refused: the router answers 503 before sending anything, and two legs sent straight to the engines (as an
+engine API client may) are stopped by the rendezvous at match time (LAYOUT_MISMATCH), both sides let go of their
+blocks, and decode answers an error."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_promp
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 OTHER_BLOCK_SIZE = 2 * BLOCK_SIZE  # CPU attention needs multiples of 32
+MISMATCH = (
+    f"block_size must be equal with kv_layout 'HEAD_MAJOR' (its blocks do not split by token): "
+    f"producer {BLOCK_SIZE}, consumer {OTHER_BLOCK_SIZE}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def test_the_router_refuses_a_pair_with_different_layouts(
         router.complete(token_prompt(40, seed=13000), 8)
     assert error.value.code == 503
     message = error.value.read().decode()
-    assert "kv_layout differs: producer" in message, message
+    assert MISMATCH in message, message
 
 
 def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
@@ -65,7 +70,7 @@ def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
     with RendezvousClient(rendezvous.address) as client:
         info = client.get_transfer(transfer_id)
     assert (info.state, info.abort_reason) == (TransferState.ABORTED, AbortReason.LAYOUT_MISMATCH), info
-    assert "kv_layout differs: producer" in info.abort_message, info.abort_message
+    assert MISMATCH in info.abort_message, info.abort_message
     wait_blocks_free(prefill, big_block_decode)
     # Both still serve: the big-block engine on its own, the prefill engine with its own decode pool.
     plain = big_block_decode.complete(prompt, 8)["choices"][0]["text"]
