@@ -381,9 +381,9 @@ class _WorkerSide:
         block_size = self.vllm_config.cache_config.block_size
         heads = model.get_total_num_kv_heads()
         # The CPU backend's block is [heads of this rank, block_size, 2 * head_dim]; within a head its kernels
-        # keep the keys transposed ([head_dim, block_size]) before the values ([block_size, head_dim]). Heads
-        # are contiguous, tokens are not: HEAD_MAJOR, which pairs engines of other TP sizes (equal block sizes).
-        # Any other shape is published as it is: it pairs only with the same shape (same TP and block size).
+        # keep the keys transposed ([head_dim, block_size]) before the values ([block_size, head_dim]): HKTV,
+        # which pairs engines of other TP sizes and block sizes. Any other shape is published as it is: it pairs
+        # only with the same shape (same TP size and block size).
         shape = tuple(tensors[0].shape[1:])
         hnd = len(shape) == 3 and shape[0] * self.tp_size == heads and shape[1] == block_size
         return KvLayout(
@@ -393,7 +393,7 @@ class _WorkerSide:
             num_layers=len(tensors),
             tp_size=self.tp_size,
             pp_size=1,
-            kv_layout=kvmap.HEAD_MAJOR if hnd else "x".join(str(d) for d in shape),
+            kv_layout=kvmap.HKTV if hnd else "x".join(str(d) for d in shape),
             num_kv_heads=heads if hnd else 0,
         )
 

@@ -7,6 +7,9 @@ one head, `block_length_bytes / (heads * block_size)` bytes) each:
 
 - "HND": [heads, tokens, unit], so a run of tokens of one head is contiguous;
 - "NHD": [tokens, heads, unit], so the share's heads of one token are contiguous;
+- "HKTV" (vLLM-CPU): heads one after the other; per head the keys transposed, [head_dim, tokens], then the
+  values, [tokens, head_dim]: a run of tokens of one head is head_dim key pieces and one value piece (the
+  element size, `RankGeometry.element_bytes`, tells them apart);
 - "HEAD_MAJOR": heads one after the other, each opaque: head slices of whole blocks move as in HND;
 - any other layout is opaque: only whole blocks move, which needs the share to hold all heads on both sides
   and equal block sizes.
@@ -25,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from clients.nixl.errors import BlockRangeError, LayoutMismatchError
-from rendezvous.protocol.kvmap import HEAD_MAJOR, HEAD_SPLIT_LAYOUTS, RankShare, TokenRun
+from rendezvous.protocol.kvmap import HEAD_MAJOR, HEAD_SPLIT_LAYOUTS, HKTV, RankShare, TokenRun
 from rendezvous.protocol.records import KvRegion
 
 __all__ = ["RankGeometry", "WritePlan", "merge_descriptors", "plan_write"]
@@ -41,6 +44,8 @@ class RankGeometry:
     regions: Sequence[KvRegion]
     num_heads: int
     block_size: int
+    element_bytes: int = 0
+    """Bytes of one element of the KV dtype; needed by the HKTV layout only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +152,7 @@ def plan_write(
     whole_blocks = nh == hp == hd and bp == bd and bool(np.all(tokens == bp))
 
     p_regions, c_regions = share.producer_regions, share.consumer_regions
+    valid: npt.NDArray[np.bool_] | None = None
     p_len, c_len = (
         _column(producer.regions, p_regions, "block_length_bytes"),
         _column(consumer.regions, c_regions, "block_length_bytes"),
@@ -176,7 +182,23 @@ def plan_write(
         if np.any(unit != _units(consumer, c_regions, "consumer")):
             raise LayoutMismatchError("the unit (one token of one head) differs between producer and consumer")
         ph, ch = share.producer_head, share.consumer_head
-        if kv_layout in ("HND", HEAD_MAJOR):  # (region, run, head): a run of tokens of one head
+        if kv_layout == HKTV:  # (region, run, head, part): head_dim key rows, then the values
+            elt = producer.element_bytes
+            if elt < 1 or np.any(unit % (2 * elt)):
+                raise LayoutMismatchError(f"{HKTV} needs an element size dividing half the unit, got {elt}")
+            dim = unit[:, :, None, None] // (2 * elt)
+            head = np.arange(nh, dtype=np.int64)[None, None, :, None]
+            part = np.arange(int(dim.max()) + 1, dtype=np.int64)[None, None, None, :]
+            p_slab = p_block[:, :, None, None] + (ph + head) * bp * unit[:, :, None, None]
+            c_slab = c_block[:, :, None, None] + (ch + head) * bd * unit[:, :, None, None]
+            st, dt, n = (x[None, :, None, None] for x in (src_token, dst_token, tokens))
+            key = part < dim  # rows 0..head_dim-1 are keys, the last part the values
+            local = np.where(key, p_slab + (part * bp + st) * elt, p_slab + (bp + st) * dim * elt)
+            remote = np.where(key, c_slab + (part * bd + dt) * elt, c_slab + (bd + dt) * dim * elt)
+            length = np.where(key, n * elt, n * dim * elt)
+            local, remote, length = np.broadcast_arrays(local, remote, length)
+            valid = np.broadcast_to(part <= dim, local.shape)  # regions of a smaller head_dim have fewer parts
+        elif kv_layout in ("HND", HEAD_MAJOR):  # (region, run, head): a run of tokens of one head
             head = np.arange(nh, dtype=np.int64)[None, None, :]
             u = unit[:, :, None]
             local = p_block[:, :, None] + ((ph + head) * bp + src_token[None, :, None]) * u
@@ -201,6 +223,8 @@ def plan_write(
     )
     local_rows = np.stack([local.ravel(), length.ravel(), p_dev.ravel()], axis=1).astype(np.uint64)
     remote_rows = np.stack([remote.ravel(), length.ravel(), c_dev.ravel()], axis=1).astype(np.uint64)
+    if valid is not None:
+        local_rows, remote_rows = local_rows[valid.ravel()], remote_rows[valid.ravel()]
     if merge:
         local_rows, remote_rows = merge_descriptors(local_rows, remote_rows)
     return WritePlan(local_rows, remote_rows)

@@ -395,12 +395,14 @@ class TransferWriter:
                     and s.consumer_regions == range(len(agent.regions))
                 )
                 writers = kvmap.writers_into(mine, theirs, c)
-                return _Target(agent, s, RankGeometry(agent.regions, c.num_heads, bd), whole, writers)
+                geometry = RankGeometry(agent.regions, c.num_heads, bd, kvmap.element_bytes(theirs.dtype))
+                return _Target(agent, s, geometry, whole, writers)
 
             targets = tuple(target(s) for s in kvmap.shares((me,), consumers))
             if not targets:
                 raise LayoutMismatchError(f"no consumer rank holds the layers and heads of rank {self._rank}")
-            producer, kv_layout = RankGeometry(regions, me.num_heads, self._layout.block_size), self._layout.kv_layout
+            producer = RankGeometry(regions, me.num_heads, mine.block_size, kvmap.element_bytes(mine.dtype))
+            kv_layout = mine.kv_layout
         resolved = dataclasses.replace(a, dst=dst, targets=targets, kv_layout=kv_layout, producer=producer)
         if len(dst):
             bp, bd = producer.block_size, targets[0].geometry.block_size

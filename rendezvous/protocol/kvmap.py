@@ -32,6 +32,7 @@ from rendezvous.protocol.records import KvLayout, NixlAgent
 __all__ = [
     "HEAD_MAJOR",
     "HEAD_SPLIT_LAYOUTS",
+    "HKTV",
     "TOKEN_SPLIT_LAYOUTS",
     "BlockPairingError",
     "Mismatch",
@@ -39,6 +40,7 @@ __all__ = [
     "RankShare",
     "ShapeError",
     "TokenRun",
+    "element_bytes",
     "layout_mismatch",
     "rank_shape",
     "rank_shapes",
@@ -47,8 +49,25 @@ __all__ = [
     "writers_into",
 ]
 
-TOKEN_SPLIT_LAYOUTS = ("HND", "NHD")
+HKTV = "HKTV"
+"""vLLM-CPU's block: heads one after the other; per head the keys transposed ([head_dim, block_size]), then the
+values ([block_size, head_dim]). A unit (one token of one head) is 2 * head_dim elements; runs of tokens are
+addressable knowing the element size (`element_bytes` of the layout's dtype)."""
+TOKEN_SPLIT_LAYOUTS = ("HND", "NHD", HKTV)
 """Block layouts whose runs of tokens the data plane can address (needed when block sizes differ)."""
+_ELEMENT_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8": 1,
+}
 HEAD_MAJOR = "HEAD_MAJOR"
 """A block whose heads come one after the other, each head's bytes in an order of the engine's own (vLLM-CPU
 keeps a head's keys transposed): heads split between ranks, tokens do not."""
@@ -294,6 +313,11 @@ def rank_shapes(layout: KvLayout, agents: Sequence[NixlAgent]) -> tuple[RankShap
 _RATIO = "ratio unsupported (one must divide the other)"
 
 
+def element_bytes(dtype: str) -> int:
+    """Bytes of one element of a KV dtype name ("float16", "bfloat16", ...); 0 when unknown."""
+    return _ELEMENT_BYTES.get(dtype.removeprefix("torch."), 0)
+
+
 def _divides(a: int, b: int) -> bool:
     small, large = sorted((a, b))
     return small > 0 and large % small == 0
@@ -331,6 +355,8 @@ def layout_mismatch(
         if producer.kv_layout not in TOKEN_SPLIT_LAYOUTS:
             rule = f"must be equal with kv_layout {producer.kv_layout!r} (its blocks do not split by token)"
             return Mismatch("block_size", producer.block_size, consumer.block_size, rule)
+        if producer.kv_layout == HKTV and not element_bytes(producer.dtype):
+            return Mismatch("dtype", producer.dtype, consumer.dtype, f"has no known element size (needed by {HKTV})")
     if not producer_agents or not consumer_agents:
         return None
     return _regions_mismatch(producer, producer_agents, consumer, consumer_agents)

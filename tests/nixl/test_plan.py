@@ -288,3 +288,85 @@ def test_block_ids_outside_a_region_are_refused() -> None:
         plan_write(geometry[0], geometry[1], share, [0, 200], [0, 1], "HND")
     with pytest.raises(BlockRangeError, match="only 1 source"):
         plan_write(geometry[0], geometry[1], share, [0], [0, 1], "HND")
+
+
+class CpuCache:
+    """One rank's layer cache as vLLM-CPU lays it out ([blocks, heads, tokens, 2 * head_dim] float32, each head's
+    keys transposed then its values: what `cpu_attn_reshape_and_cache` writes), in a byte arena at `BASE`."""
+
+    BASE = 1 << 20
+
+    def __init__(self, blocks: int, heads: int, block_size: int, dim: int) -> None:
+        self.heads, self.block_size, self.dim = heads, block_size, dim
+        self.cache = np.zeros((blocks, heads, block_size, 2 * dim), dtype=np.float32)
+
+    def region(self) -> KvRegion:
+        block = self.cache[0].nbytes
+        return KvRegion(self.BASE, block, block, self.cache.shape[0])
+
+    def slab(self, block: int, head: int) -> npt.NDArray[np.float32]:
+        slab: npt.NDArray[np.float32] = self.cache[block, head].reshape(-1)
+        return slab  # keys [dim, block_size], then values [block_size, dim]
+
+    def put(
+        self, block: int, head: int, token: int, key: npt.NDArray[np.float32], value: npt.NDArray[np.float32]
+    ) -> None:
+        slab, b = self.slab(block, head), self.block_size
+        slab[token : b * self.dim : b] = key
+        slab[b * self.dim + token * self.dim : b * self.dim + (token + 1) * self.dim] = value
+
+    def get(self, block: int, head: int, token: int) -> tuple[list[float], list[float]]:
+        slab, b = self.slab(block, head), self.block_size
+        return slab[token : b * self.dim : b].tolist(), slab[b * self.dim + token * self.dim :][: self.dim].tolist()
+
+
+@pytest.mark.parametrize(
+    ("tp_p", "tp_d", "bp", "bd", "hit"),
+    [(1, 1, 32, 64, 0), (1, 2, 32, 64, 1), (2, 1, 64, 32, 2), (2, 2, 16, 32, 1), (1, 2, 32, 32, 1), (2, 1, 8, 8, 0)],
+)
+def test_vllm_cpu_blocks_move_by_token_with_their_transposed_keys(
+    tp_p: int, tp_d: int, bp: int, bd: int, hit: int
+) -> None:
+    """Every (head, token) the consumer needs gets the producer's key and value, whatever the TP and block-size
+    ratio, from a cache laid out as vLLM-CPU's kernels lay it out; nothing else is written."""
+    heads, dim, prompt = 4, 4, 3 * max(bp, bd) + 5
+    start = hit * bd
+    lp = KvLayout("m", "float32", bp, 1, tp_p, 1, kvmap.HKTV, heads)
+    ld = KvLayout("m", "float32", bd, 1, tp_d, 1, kvmap.HKTV, heads)
+    num_src, num_dst = -(-prompt // bp), -(-(prompt - start) // bd)
+    producers = [CpuCache(num_src + 1, heads // tp_p, bp, dim) for _ in range(tp_p)]
+    consumers = [CpuCache(num_dst + 2, heads // tp_d, bd, dim) for _ in range(tp_d)]
+    rng = np.random.default_rng(bp * 100 + bd + tp_p)
+    truth = rng.standard_normal((heads, prompt, 2, dim)).astype(np.float32)
+    src = list(range(1, num_src + 1))  # block 0 unused: a stray write would show there
+    for token in range(prompt):
+        for head in range(heads):
+            rank, local = divmod(head, heads // tp_p)
+            producers[rank].put(src[token // bp], local, token % bp, truth[head, token, 0], truth[head, token, 1])
+    dst = list(range(2, num_dst + 2))
+    agents = [NixlAgentInfo(f"p{r}", b"", rank=r, regions=(c.region(),)) for r, c in enumerate(producers)]
+    c_agents = [NixlAgentInfo(f"d{r}", b"", rank=r, regions=(c.region(),)) for r, c in enumerate(consumers)]
+    assert kvmap.layout_mismatch(lp, agents, ld, c_agents) is None
+    runs = kvmap.token_runs(num_src, num_dst, bp, bd, prompt, prompt - start) if bp != bd else None
+    shapes_p, shapes_d = kvmap.rank_shapes(lp, agents), kvmap.rank_shapes(ld, c_agents)
+    for share in kvmap.shares(shapes_p, shapes_d):
+        p, c = producers[share.producer_rank], consumers[share.consumer_rank]
+        plan = plan_write(
+            RankGeometry((p.region(),), p.heads, bp, 4),
+            RankGeometry((c.region(),), c.heads, bd, 4),
+            share,
+            src,
+            dst,
+            kvmap.HKTV,
+            runs,
+        )
+        source, target = p.cache.view(np.uint8).reshape(-1), c.cache.view(np.uint8).reshape(-1)
+        for (la, n, _), (ra, _, _) in zip(plan.local.tolist(), plan.remote.tolist(), strict=True):
+            target[ra - CpuCache.BASE : ra - CpuCache.BASE + n] = source[la - CpuCache.BASE : la - CpuCache.BASE + n]
+    for token in range(start, prompt):
+        for head in range(heads):
+            rank, local = divmod(head, heads // tp_d)
+            key, value = consumers[rank].get(dst[(token - start) // bd], local, (token - start) % bd)
+            assert key == truth[head, token, 0].tolist() and value == truth[head, token, 1].tolist(), (head, token)
+    for c in consumers:
+        assert not c.cache[:2].any()  # the blocks not in the target stay untouched

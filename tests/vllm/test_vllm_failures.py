@@ -120,6 +120,30 @@ def victim_prefill(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) 
         yield engine
 
 
+def decode_after_losing_prefill(
+    decode: Engine,
+    recompute_decode: Engine,
+    reference: Engine,
+    prompts: list[list[int]],
+    transfer_ids: list[str],
+    timeout: float,
+) -> float:
+    """Send the decode legs of two transfers whose prefill engine was lost: the "fail" decode must answer an
+    error, the "recompute" decode exactly what a plain engine answers. Returns how long that took."""
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        failed = pool.submit(decode.complete, prompts[0], 8, kv_transfer_params={"transfer_id": transfer_ids[0]})
+        recomputed = pool.submit(
+            recompute_decode.complete, prompts[1], 16, kv_transfer_params={"transfer_id": transfer_ids[1]}
+        )
+        with pytest.raises(urllib.error.HTTPError) as error:
+            failed.result(timeout)
+        answer = recomputed.result(timeout)
+    assert error.value.code == 500  # policy "fail": an error, never garbage
+    assert answer["choices"][0]["text"] == reference_text(reference, prompts[1], 16)
+    return time.monotonic() - started
+
+
 def test_a_prefill_engine_killed_mid_flight(
     engines: tuple[Engine, Engine, Engine],
     recompute_decode: Engine,
@@ -137,20 +161,7 @@ def test_a_prefill_engine_killed_mid_flight(
         victim_prefill.complete(prompt, 1, kv_transfer_params={"transfer_id": transfer_id})
         wait_state(rendezvous, transfer_id, {TransferState.CLAIMED})
     victim_prefill.stop(signal.SIGKILL)
-
-    started = time.monotonic()
-    with ThreadPoolExecutor(2) as pool:
-        failed = pool.submit(decode.complete, prompts[0], 8, kv_transfer_params={"transfer_id": transfer_ids[0]})
-        recomputed = pool.submit(
-            recompute_decode.complete, prompts[1], 16, kv_transfer_params={"transfer_id": transfer_ids[1]}
-        )
-        with pytest.raises(urllib.error.HTTPError) as error:
-            failed.result(120)
-        answer = recomputed.result(120)
-    elapsed = time.monotonic() - started
-
-    assert error.value.code == 500  # policy "fail": an error, never garbage
-    assert answer["choices"][0]["text"] == reference_text(reference, prompts[1], 16)
+    elapsed = decode_after_losing_prefill(decode, recompute_decode, reference, prompts, transfer_ids, 120)
     assert elapsed < VICTIM_LEASE_TTL + 20, elapsed  # the lease bounds the wait, not the transfer timeout (60 s)
     with RendezvousClient(rendezvous.address) as client:
         for transfer_id in transfer_ids:

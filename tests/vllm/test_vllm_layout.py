@@ -1,9 +1,9 @@
-"""A decode pool whose KV layout differs from prefill's (64-token blocks against 32) gets a clear error, never
-garbage. The rendezvous pairs block sizes where one divides the other only for layouts that split blocks by token
-(HND, NHD); vLLM-CPU's cache keeps each head's keys transposed, so the connector publishes HEAD_MAJOR and such a
-pair is refused: the router answers 503 before sending anything, and two legs sent straight to the engines (as an
-engine API client may) are stopped by the rendezvous at match time (LAYOUT_MISMATCH), both sides let go of their
-blocks, and decode answers an error."""
+"""Engines whose KV layouts differ. Block sizes where one divides the other pair: a decode engine with 64-token
+blocks takes prefill's 32-token blocks token by token (vLLM-CPU's blocks keep each head's keys transposed: HKTV),
+and answers exactly what a plain engine answers, also when a prompt sent twice hits decode's prefix cache. A
+decode engine of another dtype gets a clear error, never garbage: the router refuses the pair before sending
+anything, and two legs sent straight to the engines (as an engine API client may) are stopped by the rendezvous
+at match time (LAYOUT_MISMATCH), both sides let go of their blocks, and decode answers an error."""
 
 from __future__ import annotations
 
@@ -27,10 +27,7 @@ from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_promp
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 OTHER_BLOCK_SIZE = 2 * BLOCK_SIZE  # CPU attention needs multiples of 32
-MISMATCH = (
-    f"block_size must be equal with kv_layout 'HEAD_MAJOR' (its blocks do not split by token): "
-    f"producer {BLOCK_SIZE}, consumer {OTHER_BLOCK_SIZE}"
-)
+MISMATCH = "dtype differs: producer 'float32', consumer 'bfloat16'"
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +39,32 @@ def big_block_decode(tiny_model: Path, rendezvous: TestServer, engine_logs: Path
         yield engine
 
 
-def test_the_router_refuses_a_pair_with_different_layouts(
-    engines: tuple[Engine, Engine, Engine], big_block_decode: Engine, rendezvous: TestServer, engine_logs: Path
+@pytest.fixture(scope="module")
+def bf16_decode(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[Engine]:
+    """A decode engine (pool "decode-bf16") whose KV cache is bfloat16: no producer here can write into it."""
+    config = partial(connector_config, "kv_consumer", rendezvous.address, "decode-bf16")
+    with running_engine("decode-bf16", tiny_model, engine_logs, config, extra_args=["--dtype", "bfloat16"]) as engine:
+        yield engine
+
+
+def test_bigger_decode_blocks_take_prefill_kv_token_by_token(
+    engines: tuple[Engine, Engine, Engine], big_block_decode: Engine, rendezvous: TestServer
 ) -> None:
-    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-big-blocks"]
+    prefill, _, reference = engines
+    for length in (7, OTHER_BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 5 * OTHER_BLOCK_SIZE + 1):
+        prompt = token_prompt(length, seed=13200 + length)
+        for _ in range(2):  # the second time, decode holds the prompt's first full blocks already
+            transfer_id, text, _ = disaggregated(prefill, big_block_decode, prompt)
+            assert text == reference_text(reference, prompt), length
+            with RendezvousClient(rendezvous.address) as client:
+                assert client.get_transfer(transfer_id).state in (TransferState.COMMITTED, TransferState.RELEASED)
+    wait_blocks_free(prefill, big_block_decode)
+
+
+def test_the_router_refuses_a_pair_with_different_layouts(
+    engines: tuple[Engine, Engine, Engine], bf16_decode: Engine, rendezvous: TestServer, engine_logs: Path
+) -> None:
+    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-bf16"]
     with running_router(engine_logs, args, "router-layout") as router, pytest.raises(urllib.error.HTTPError) as error:
         router.complete(token_prompt(40, seed=13000), 8)
     assert error.value.code == 503
@@ -54,7 +73,7 @@ def test_the_router_refuses_a_pair_with_different_layouts(
 
 
 def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
-    engines: tuple[Engine, Engine, Engine], big_block_decode: Engine, rendezvous: TestServer
+    engines: tuple[Engine, Engine, Engine], bf16_decode: Engine, rendezvous: TestServer
 ) -> None:
     prefill, _, reference = engines
     prompt = token_prompt(3 * BLOCK_SIZE + 5, seed=13100)
@@ -62,7 +81,7 @@ def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
     params: dict[str, Any] = {"kv_transfer_params": {"transfer_id": transfer_id}}
     with ThreadPoolExecutor(2) as pool:
         prefill_leg = pool.submit(prefill.complete, prompt, 1, **params)
-        decode_leg = pool.submit(big_block_decode.complete, prompt, 8, **params)
+        decode_leg = pool.submit(bf16_decode.complete, prompt, 8, **params)
         with pytest.raises(urllib.error.HTTPError) as error:
             decode_leg.result(120)
         prefill_leg.result(120)
@@ -71,9 +90,8 @@ def test_legs_sent_straight_to_mismatched_engines_fail_cleanly(
         info = client.get_transfer(transfer_id)
     assert (info.state, info.abort_reason) == (TransferState.ABORTED, AbortReason.LAYOUT_MISMATCH), info
     assert MISMATCH in info.abort_message, info.abort_message
-    wait_blocks_free(prefill, big_block_decode)
-    # Both still serve: the big-block engine on its own, the prefill engine with its own decode pool.
-    plain = big_block_decode.complete(prompt, 8)["choices"][0]["text"]
-    assert plain == reference_text(reference, prompt, 8)
+    wait_blocks_free(prefill, bf16_decode)
+    # Both still serve: the bfloat16 engine on its own, the prefill engine with its own decode pool.
+    assert bf16_decode.complete(prompt, 8)["choices"][0]["text"]
     _, text, _ = disaggregated(prefill, engines[1], prompt)
     assert text == reference_text(reference, prompt)
