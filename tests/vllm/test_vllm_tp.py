@@ -40,7 +40,8 @@ def tp2(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator
     try:
         for name, role in (("prefill-tp2", "kv_producer"), ("decode-tp2", "kv_consumer")):
             port = free_port()
-            config = connector_config(role, rendezvous.address, name, port)
+            # Long lease and transfer timeout: a starved TP worker must make a test slow, not fail it.
+            config = connector_config(role, rendezvous.address, name, port, lease_ttl=300, transfer_timeout=300)
             started.append(start_engine(name, tiny_model, engine_logs, port, config, extra_args=TP2))
         wait_healthy(started)
         warm_up(rendezvous, started)
