@@ -73,6 +73,7 @@ REVOKED = "REVOKED"
 """`TransferResult.reason` of a generation retired by a newer one."""
 READ_FAILED = "READ_FAILED"
 """`TransferResult.reason` of a pull-mode READ that failed."""
+_ARRIVED = frozenset({TransferState.COMMITTED, TransferState.RELEASED})
 FOLLOWER_CHECK_S = 5.0
 """How often a following rank asks the service about a transfer it expects and has heard nothing of."""
 
@@ -250,7 +251,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                     return
                 if info.consumer_engine_id != self.engine_session.engine_id:
                     self._fail(transfer_id, "LOST", "the engine's registration of this transfer failed")
-                elif info.state is TransferState.COMMITTED and info.generation == target.generation:
+                elif info.state in _ARRIVED and info.generation == target.generation:
+                    # Its TRANSFER_COMMITTED came before this rank expected the transfer (rank 0 may have
+                    # released it since): the bytes are in.
                     self._committed(transfer_id, target.generation)
                 elif info.state.terminal:
                     reason = info.abort_reason.name if info.state is TransferState.ABORTED else info.state.name
