@@ -20,7 +20,9 @@ A rank of a multi-rank engine reports its own share: ok once every producer rank
 (or on TRANSFER_COMMITTED). Another rank's share may still fail (the transfer then aborts), so an engine treats a
 transfer as arrived only once every rank reported ok, as vLLM does with its workers' results. Rank 0 registers,
 aborts and releases for the engine; the other ranks only expect their share (`register_target` answers TARGETED
-at once) and ask the service every `FOLLOWER_CHECK_S` about a transfer they have heard nothing of.
+at once). A following rank may hear of a commit before it expects the transfer (its worker lagged behind rank 0's):
+it remembers the last `EARLY_COMMITS` such commits, so the expectation ends at once; and it asks the service every
+`follower_check_s` (default `FOLLOWER_CHECK_S`) about a transfer it has heard nothing of.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from clients._config import SessionConfig
-from clients._exceptions import RendezvousError
+from clients._exceptions import NotFound, RendezvousError
 from clients._roles import ConsumerSession
 from clients._session import RankSession
 from clients._types import (
@@ -76,6 +79,8 @@ READ_FAILED = "READ_FAILED"
 _ARRIVED = frozenset({TransferState.COMMITTED, TransferState.RELEASED})
 FOLLOWER_CHECK_S = 5.0
 """How often a following rank asks the service about a transfer it expects and has heard nothing of."""
+EARLY_COMMITS = 4096
+"""How many commits of transfers it did not expect (yet) a following rank remembers."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +132,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         session_config: SessionConfig | None = None,
         poll: PollConfig | None = None,
         on_result: OnResult | None = None,
+        follower_check_s: float = FOLLOWER_CHECK_S,
     ) -> None:
         super().__init__(
             client,
@@ -144,6 +150,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         """Notifications for a generation or transfer no longer expected (ignored)."""
         self._poll = poll
         self._on_result = on_result
+        self._follower_check_s = follower_check_s
         self._thread: ReceiverThread | None = None
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
         self._targets: dict[str, _Target] = {}
@@ -151,6 +158,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._reading: set[tuple[str, int]] = set()  # pull READs in flight: their blocks are still written
         self._after_read: dict[tuple[str, int], TransferResult] = {}
         self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations
+        self._early_commits: OrderedDict[str, int] = OrderedDict()  # following ranks: commits heard before expected
         self._registrations: Batcher[TargetSpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
         self._releases: Batcher[ReleaseSpec] | None = None
@@ -214,7 +222,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             target = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
             self._targets[transfer_id] = target
             self._update_expecting()
-            self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
+            if self._early_commits.pop(transfer_id, None) == generation:
+                self._committed(transfer_id, generation)
+            else:
+                self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
             return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
@@ -238,17 +249,20 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     async def _check_target(self, transfer_id: str, target: _Target) -> None:
         """A following rank's expectation ends with an event of the transfer; should rank 0's registration
-        have failed (then no event comes), it would wait forever: so it looks every `FOLLOWER_CHECK_S`."""
+        have failed (then no event comes), it would wait forever: so it looks every `follower_check_s`."""
         try:
             while True:
-                await asyncio.sleep(FOLLOWER_CHECK_S)
+                await asyncio.sleep(self._follower_check_s)
                 if self._targets.get(transfer_id) is not target:
                     return
                 try:
                     info = await self.engine_session.client.get_transfer(transfer_id)
-                except RendezvousError as e:
+                except NotFound as e:
                     self._fail(transfer_id, "LOST", f"the service does not have this transfer: {e}")
                     return
+                except RendezvousError as e:  # the service is slow or away: that says nothing of the transfer
+                    logger.warning("transfer %s: checking on it failed, looking again later: %s", transfer_id, e)
+                    continue
                 if info.consumer_engine_id != self.engine_session.engine_id:
                     self._fail(transfer_id, "LOST", "the engine's registration of this transfer failed")
                 elif info.state in _ARRIVED and info.generation == target.generation:
@@ -314,6 +328,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             return
         match event.type:
             case EventType.TRANSFER_COMMITTED:
+                if not self.leader and info.transfer_id not in self._targets:
+                    self._remember_commit(info.transfer_id, event.generation)
                 self._committed(info.transfer_id, event.generation)
             case EventType.TRANSFER_ABORTED:
                 reason = info.abort_reason.name
@@ -335,6 +351,12 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._deliver(TransferResult(transfer_id, generation, True, target.block_ids))
         if self._releases is not None:  # the registering rank releases for the engine
             self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+
+    def _remember_commit(self, transfer_id: str, generation: int) -> None:
+        self._early_commits[transfer_id] = generation
+        self._early_commits.move_to_end(transfer_id)
+        if len(self._early_commits) > EARLY_COMMITS:
+            self._early_commits.popitem(last=False)
 
     def _fail(self, transfer_id: str, reason: str, message: str, revoking_generation: int = 0) -> None:
         target = self._targets.pop(transfer_id, None)

@@ -37,6 +37,8 @@ class EngineSpec(Spec):
     heads: int = 4
     layers: int = 2
     kv_layout: str = "HND"
+    follower_check_s: float = 5.0
+    """How often a following consumer rank asks the service about a transfer it has heard nothing of."""
 
     def worker(self, events: Any) -> Any:
         return _EngineWorker(self, events)
@@ -112,6 +114,7 @@ class _EngineWorker:
         self.clients: list[Any] = []
         self.agents: list[Any] = []
         self.gates: list[asyncio.Event] = []
+        self.heard: list[list[Any]] = []  # each rank's session events, once handled
 
     async def start(self) -> tuple[str, int, str]:
         from clients import AsyncRendezvousClient
@@ -139,12 +142,13 @@ class _EngineWorker:
 
                 agent = ConsumerAgent(
                     client, s.engine_id, "decode", self.tensors[rank], rank=rank, layout=s.layout(),
-                    lease_ttl=s.lease_ttl, on_result=result,
+                    lease_ttl=s.lease_ttl, on_result=result, follower_check_s=s.follower_check_s,
                 )  # fmt: skip
-            gate = asyncio.Event()
+            gate, heard = asyncio.Event(), list[Any]()
             gate.set()
-            agent.handle_event = _gated(agent.handle_event, gate)  # before start: the session takes it then
+            agent.handle_event = _gated(agent.handle_event, gate, heard)  # before start: the session takes it then
             self.gates.append(gate)
+            self.heard.append(heard)
             self.agents.append(agent)
         infos = [await agent.open() for agent in self.agents]
         await self.agents[0].start(agents=infos)
@@ -159,6 +163,11 @@ class _EngineWorker:
 
     def release(self, rank: int) -> None:
         self.gates[rank].set()
+
+    def events_of(self, rank: int, transfer_id: str) -> list[str]:
+        """The types of the events of `transfer_id` that rank `rank` handled so far, in order."""
+        of = [e for e in self.heard[rank] if getattr(getattr(e, "transfer", None), "transfer_id", "") == transfer_id]
+        return [e.type.name for e in of]
 
     # Producer commands
 
@@ -193,12 +202,18 @@ class _EngineWorker:
 
     # Consumer commands
 
-    async def register(self, transfer_id: str, dst: list[int], num_tokens: int = 0) -> str:
+    async def register(self, transfer_id: str, dst: list[int], num_tokens: int = 0, followers: bool = True) -> str:
         """The other ranks expect their shares first (their notifications may come as soon as rank 0 registers),
-        then rank 0 registers the target with the service."""
+        unless not `followers` (then `follow` has them expect it later), then rank 0 registers the target with
+        the service."""
+        if followers:
+            await self.follow(transfer_id, dst, num_tokens)
+        return _outcome(await self.agents[0].register_target(transfer_id, dst, num_tokens=num_tokens))
+
+    async def follow(self, transfer_id: str, dst: list[int], num_tokens: int = 0) -> None:
+        """The other ranks expect their shares of `transfer_id`."""
         for agent in self.agents[1:]:
             await agent.register_target(transfer_id, dst, num_tokens=num_tokens)
-        return _outcome(await self.agents[0].register_target(transfer_id, dst, num_tokens=num_tokens))
 
     def memory(self) -> list[list[npt.NDArray[np.uint8]]]:
         return [[t.numpy().copy() for t in tensors] for tensors in self.tensors]
@@ -209,10 +224,13 @@ class _EngineWorker:
         await asyncio.gather(*(client.close() for client in self.clients))
 
 
-def _gated(handle: Callable[[Any], Awaitable[None]], gate: asyncio.Event) -> Callable[[Any], Awaitable[None]]:
+def _gated(
+    handle: Callable[[Any], Awaitable[None]], gate: asyncio.Event, heard: list[Any]
+) -> Callable[[Any], Awaitable[None]]:
     async def handle_when_open(item: Any) -> None:
         await gate.wait()
         await handle(item)
+        heard.append(item)
 
     return handle_when_open
 

@@ -76,10 +76,24 @@ CASES = {
     ),
 }
 
+LATE_FOLLOWER = Case(  # a consumer whose following ranks check their expectations with the service hourly
+    _engine("producer", "p-tp2c", tp=2, block_size=8),
+    _engine("consumer", "d-tp2c", tp=2, block_size=8, follower_check_s=3600.0),
+    [6, 7, 8],
+    [2, 3],
+)
+
+CHECKING_FOLLOWER = Case(  # a consumer whose following ranks check their expectations with the service often
+    _engine("producer", "p-tp2d", tp=2, block_size=8),
+    _engine("consumer", "d-tp2d", tp=2, block_size=8, follower_check_s=0.2),
+    [6, 7, 8],
+    [2, 3],
+)
+
 
 @pytest.fixture
 def engines(request: pytest.FixtureRequest, server: TestServer) -> Iterator[tuple[Case, EngineProcess, EngineProcess]]:
-    case: Case = CASES[request.param]
+    case: Case = {**CASES, "late_follower": LATE_FOLLOWER, "checking_follower": CHECKING_FOLLOWER}[request.param]
     case = dataclasses.replace(
         case,
         producer=dataclasses.replace(case.producer, address=server.address),
@@ -96,11 +110,15 @@ def engines(request: pytest.FixtureRequest, server: TestServer) -> Iterator[tupl
         producer.close()
 
 
-def assert_no_live_transfer(server: TestServer, *engine_ids: str) -> None:
+def assert_no_live_transfer(server: TestServer, *engine_ids: str, timeout: float = 15.0) -> None:
+    """Every transfer of the engines ends (a committed one once the consumer released it: rank 0 does that after
+    its results, which a notification may bring before the commit)."""
+    deadline = time.monotonic() + timeout
     with RendezvousClient(server.address) as client:
         for engine_id in engine_ids:
-            live = [t for t in client.iter_transfers(engine_id) if not t.state.terminal]
-            assert live == [], f"{engine_id} has live transfers"
+            while live := [t for t in client.iter_transfers(engine_id) if not t.state.terminal]:
+                assert time.monotonic() < deadline, f"{engine_id} has live transfers: {live}"
+                time.sleep(0.05)
 
 
 @pytest.mark.parametrize("engines", list(CASES), indirect=True)
@@ -167,3 +185,45 @@ def test_one_rank_failing_aborts_the_transfer_and_frees_the_blocks_once_no_write
         for a, b in zip(before, after, strict=True):
             np.testing.assert_array_equal(a, b)
     assert_no_live_transfer(server, case.producer.engine_id, case.consumer.engine_id)
+
+
+@pytest.mark.parametrize("engines", ["late_follower"], indirect=True)
+def test_a_following_rank_that_expects_a_transfer_after_its_commit_reports_it_at_once(
+    engines: tuple[Case, EngineProcess, EngineProcess], server: TestServer
+) -> None:
+    """Consumer rank 1's worker lags: the transfer commits (and rank 1 hears so) before rank 1 expects it. Its
+    expectation ends at once with ok, not after its next check with the service (an hour away here)."""
+    case, producer, consumer = engines
+    tid, seed = transfer_id("late-follower"), 7
+    prompt = len(case.src) * case.producer.block_size
+    producer.call("fill", seed, case.src)
+    assert consumer.call("register", tid, case.dst, 0, False) == "TARGETED"  # rank 0 only
+    assert producer.call("claim", tid) == "MATCHED"
+    producer.call("ready", tid, case.src, prompt)
+    assert consumer.expect(lambda e: e[:3] == ("result", 0, tid))[4] is True
+    deadline = time.monotonic() + 15
+    while "TRANSFER_COMMITTED" not in consumer.call("events_of", 1, tid):
+        assert time.monotonic() < deadline, "rank 1 never heard of the commit"
+        time.sleep(0.05)
+    consumer.call("follow", tid, case.dst)
+    rank1 = consumer.expect(lambda e: e[:3] == ("result", 1, tid), 15)
+    assert (rank1[4], rank1[5]) == (True, tuple(case.dst))
+    memory = consumer.call("memory")
+    target = len(case.dst) * case.consumer.block_size
+    want = expected(case.producer, case.consumer, seed, len(case.src), case.dst, prompt, target)
+    for got, w in zip(memory[1], want[1], strict=True):
+        np.testing.assert_array_equal(got, w)
+    assert_no_live_transfer(server, case.producer.engine_id, case.consumer.engine_id)
+
+
+@pytest.mark.parametrize("engines", ["checking_follower"], indirect=True)
+def test_a_following_rank_gives_up_a_transfer_the_service_does_not_have(
+    engines: tuple[Case, EngineProcess, EngineProcess], server: TestServer
+) -> None:
+    """Rank 1 expects a transfer whose registration by rank 0 never happened (or failed): its next check with the
+    service ends the expectation as LOST instead of waiting forever."""
+    case, _, consumer = engines
+    tid = transfer_id("never-registered")
+    consumer.call("follow", tid, case.dst)
+    result = consumer.expect(lambda e: e[:3] == ("result", 1, tid), 15)
+    assert (result[4], result[5], result[6]) == (False, tuple(case.dst), "LOST")
