@@ -89,11 +89,17 @@ class Sim:
 # Engine processes
 
 
-async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
+def rank_tensors(sim: Sim, ranks: int) -> list[Any]:
+    """One rank's KV regions: its share (1/ranks) of each block of the pool."""
     import torch
 
+    return [torch.zeros((sim.pool_blocks, sim.block_bytes // ranks), dtype=torch.uint8) for _ in range(REGIONS)]
+
+
+async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
     from clients import AsyncRendezvousClient, TransferMode
     from clients.nixl.producer import ProducerAgent
+    from clients.nixl.rank import start_ranks
 
     ranks = sim.producer_ranks
     free = list(range(sim.pool_blocks))
@@ -124,7 +130,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
             client,
             engine_id,
             "prefill",
-            [torch.zeros((sim.pool_blocks, sim.block_bytes // ranks), dtype=torch.uint8) for _ in range(REGIONS)],
+            rank_tensors(sim, ranks),
             rank=rank,
             layout=sim.layout(ranks),
             serve_reads=sim.pull,
@@ -133,10 +139,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
         for rank, client in enumerate(clients)
     ]
     agent = agents[0]
-    infos = [await a.open() for a in agents]
-    await agent.start(agents=infos)
-    for follower in agents[1:]:
-        await follower.start(follow=agent.session.incarnation)
+    await start_ranks(agents)
     reports.put(("started", "producer"))
     try:
 
@@ -168,10 +171,9 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
 
 
 async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
-    import torch
-
     from clients import AsyncRendezvousClient, TransferMode
     from clients.nixl.consumer import ConsumerAgent, TransferResult
+    from clients.nixl.rank import start_ranks
 
     ranks = sim.consumer_ranks
     free = list(range(sim.pool_blocks))
@@ -196,7 +198,7 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
             client,
             engine_id,
             "decode",
-            [torch.zeros((sim.pool_blocks, sim.block_bytes // ranks), dtype=torch.uint8) for _ in range(REGIONS)],
+            rank_tensors(sim, ranks),
             rank=rank,
             layout=sim.layout(ranks),
             on_result=on_result,
@@ -204,10 +206,7 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
         for rank, client in enumerate(clients)
     ]
     agent = agents[0]
-    infos = [await a.open() for a in agents]
-    await agent.start(agents=infos)
-    for follower in agents[1:]:
-        await follower.start(follow=agent.session.incarnation)
+    await start_ranks(agents)
     registering: set[asyncio.Task[Any]] = set()
     reports.put(("started", "consumer"))
 

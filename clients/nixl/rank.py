@@ -11,6 +11,8 @@ A multi-rank engine (tensor or pipeline parallel) runs one agent per rank, usual
     infos = gather(info)                            # the engine's own channel (e.g. torch.distributed)
     await agent.start(agents=infos)                 # rank 0: registers every rank
     await agent.start(follow=incarnation)           # other ranks, once rank 0 registered
+
+`start_ranks` does all of that for ranks hosted in one process (tests, benchmarks, a single-process engine).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 from clients._config import SessionConfig
 from clients._roles import RoleSession
@@ -171,3 +173,12 @@ class RankAgent(abc.ABC, Generic[SessionT]):
     def agent_name(self) -> str:
         """This rank's NIXL agent name."""
         return self._agent_name
+
+
+async def start_ranks(agents: Sequence[RankAgent[Any]]) -> None:
+    """Start one engine's ranks, all in this process: open each, register the engine from `agents[0]` with every
+    rank's agent, and have the others follow that registration."""
+    infos = [await agent.open() for agent in agents]
+    await agents[0].start(agents=infos)
+    for follower in agents[1:]:
+        await follower.start(follow=agents[0].session.incarnation)

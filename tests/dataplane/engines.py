@@ -120,6 +120,7 @@ class _EngineWorker:
         from clients import AsyncRendezvousClient
         from clients.nixl.consumer import ConsumerAgent
         from clients.nixl.producer import ProducerAgent
+        from clients.nixl.rank import start_ranks
 
         s, put = self.spec, self.events.put
         for rank in range(s.ranks):
@@ -150,12 +151,8 @@ class _EngineWorker:
             self.gates.append(gate)
             self.heard.append(heard)
             self.agents.append(agent)
-        infos = [await agent.open() for agent in self.agents]
-        await self.agents[0].start(agents=infos)
-        incarnation = self.agents[0].session.incarnation
-        for agent in self.agents[1:]:
-            await agent.start(follow=incarnation)
-        return s.engine_id, incarnation, self.agents[0].agent_name
+        await start_ranks(self.agents)
+        return s.engine_id, self.agents[0].session.incarnation, self.agents[0].agent_name
 
     def hold(self, rank: int) -> None:
         """Rank `rank` handles no more events until `release` (as a rank that lags behind its peers)."""

@@ -76,24 +76,23 @@ CASES = {
     ),
 }
 
-LATE_FOLLOWER = Case(  # a consumer whose following ranks check their expectations with the service hourly
-    _engine("producer", "p-tp2c", tp=2, block_size=8),
-    _engine("consumer", "d-tp2c", tp=2, block_size=8, follower_check_s=3600.0),
-    [6, 7, 8],
-    [2, 3],
-)
 
-CHECKING_FOLLOWER = Case(  # a consumer whose following ranks check their expectations with the service often
-    _engine("producer", "p-tp2d", tp=2, block_size=8),
-    _engine("consumer", "d-tp2d", tp=2, block_size=8, follower_check_s=0.2),
-    [6, 7, 8],
-    [2, 3],
-)
+def _tp2_pair(name: str, follower_check_s: float) -> Case:
+    """TP 2 -> TP 2 whose consumer's following ranks check their expectations with the service that often."""
+    return Case(
+        _engine("producer", f"p-{name}", tp=2, block_size=8),
+        _engine("consumer", f"d-{name}", tp=2, block_size=8, follower_check_s=follower_check_s),
+        [6, 7, 8],
+        [2, 3],
+    )
+
+
+FOLLOWERS = {"late_follower": _tp2_pair("late", 3600.0), "checking_follower": _tp2_pair("checking", 0.2)}
 
 
 @pytest.fixture
 def engines(request: pytest.FixtureRequest, server: TestServer) -> Iterator[tuple[Case, EngineProcess, EngineProcess]]:
-    case: Case = {**CASES, "late_follower": LATE_FOLLOWER, "checking_follower": CHECKING_FOLLOWER}[request.param]
+    case: Case = {**CASES, **FOLLOWERS}[request.param]
     case = dataclasses.replace(
         case,
         producer=dataclasses.replace(case.producer, address=server.address),
