@@ -14,18 +14,22 @@ import asyncio
 import dataclasses
 import math
 import os
+import re
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from rendezvous import __version__
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.logs import configure_logging
+
+if TYPE_CHECKING:
+    from rendezvous.v1 import rendezvous_pb2 as pb
 
 ENV_PREFIX = "KV_RENDEZVOUS_"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -178,6 +182,12 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
 
 
+def _label(enum: Any, value: int) -> str:
+    """A wire enum value as the CLI prints it: TRANSFER_STATE_MATCHED -> matched."""
+    prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", enum.DESCRIPTOR.name).upper() + "_"
+    return str(enum.Name(value)).removeprefix(prefix).lower()
+
+
 def _ago(ts: Any) -> str:
     if not ts.seconds and not ts.nanos:
         return "-"
@@ -241,7 +251,7 @@ def _inspect(args: argparse.Namespace) -> int:
                         (
                             e.engine_id,
                             e.pool,
-                            pb.EngineRole.Name(e.role).removeprefix("ENGINE_ROLE_").lower(),
+                            _label(pb.EngineRole, e.role),
                             e.incarnation,
                             len(e.agents),
                             e.live_transfers,
@@ -251,6 +261,11 @@ def _inspect(args: argparse.Namespace) -> int:
                     ],
                 )
             )
+        elif args.timeline:
+            response = stub.GetTransfer(
+                pb.GetTransferRequest(transfer_id=args.timeline), timeout=args.timeout, metadata=metadata
+            )
+            print(_timeline(response.transfer))
         else:
             wire_states: Any = [pb.TransferState.Value("TRANSFER_STATE_" + s.upper()) for s in args.state]
             transfers = stub.ListTransfers(
@@ -264,20 +279,52 @@ def _inspect(args: argparse.Namespace) -> int:
                     [
                         (
                             t.transfer_id,
-                            pb.TransferState.Name(t.state).removeprefix("TRANSFER_STATE_").lower(),
+                            _label(pb.TransferState, t.state),
                             t.generation,
                             t.consumer_engine_id or "-",
                             t.producer_engine_id or "-",
                             len(t.target_block_ids),
-                            pb.AbortReason.Name(t.abort_reason).removeprefix("ABORT_REASON_").lower()
-                            if t.abort_reason
-                            else "-",
+                            _label(pb.AbortReason, t.abort_reason) if t.abort_reason else "-",
                         )
                         for t in transfers
                     ],
                 )
             )
     return 0
+
+
+def _timeline(t: pb.Transfer) -> str:
+    """One transfer (a rendezvous.v1 Transfer): its fields, its moments as offsets from the first, its phases."""
+    from rendezvous.core import phases
+    from rendezvous.core.model import TransferTimes
+    from rendezvous.protocol.convert import unix_time
+    from rendezvous.v1 import rendezvous_pb2 as pb
+
+    state = _label(pb.TransferState, t.state)
+    reason = _label(pb.AbortReason, t.abort_reason)
+    fields = [
+        ("transfer", t.transfer_id),
+        ("state", state),
+        ("mode", _label(pb.TransferMode, t.mode)),
+        ("generation", t.generation),
+        ("consumer", f"{t.consumer_engine_id} (incarnation {t.consumer_incarnation})" if t.consumer_engine_id else "-"),
+        ("producer", f"{t.producer_engine_id} (incarnation {t.producer_incarnation})" if t.producer_engine_id else "-"),
+        ("blocks", f"{len(t.target_block_ids)} target, {len(t.source_block_ids)} source"),
+        ("abort reason", f"{reason}{': ' if t.abort_message else ''}{t.abort_message}" if t.abort_reason else "-"),
+    ]
+    names = [f.name for f in dataclasses.fields(TransferTimes)]
+    times = TransferTimes(*(unix_time(getattr(t.times, f"{name}_time")) for name in names))
+    reached = {name: at for name, at in zip(names, dataclasses.astuple(times), strict=True) if at}
+    first = min(reached.values(), default=0.0)
+    moments = [(name, f"{(at - first) * 1e3:.3f}") for name, at in sorted(reached.items(), key=lambda kv: kv[1])]
+    durations = phases.durations(times, released=state == "released")
+    return "\n\n".join(
+        (
+            _table(("field", "value"), fields),
+            _table(("moment", "at (ms)"), moments),
+            _table(("phase", "ms"), [(p, f"{d * 1e3:.3f}") for p, d in durations.items()]),
+        )
+    )
 
 
 def _add_entry_point_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -331,6 +378,12 @@ def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParse
                 help="only these states (repeatable; default: live states)",
             )
             p.add_argument("--limit", type=int, default=100, help="at most this many rows")
+            p.add_argument(
+                "--timeline",
+                metavar="ID",
+                default="",
+                help="instead of the list: one transfer's moments (ms from the first), phase durations and outcome",
+            )
     return parser
 
 

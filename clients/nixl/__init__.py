@@ -5,6 +5,7 @@
 - `TransferReceiver`: the consumer's notifications ("<transfer_id>:<generation>") and pull-mode reads.
 - `ProducerAgent` / `ConsumerAgent`: an engine rank's data plane wired to its rendezvous session: claims,
   ready blocks, assignments, writes, revocations and results.
+- `DataPlaneMetrics`: the agents' Prometheus histograms (write time, arrival to result), per registry.
 
 NIXL itself is imported when the first endpoint is created; this package imports without it.
 """
@@ -13,12 +14,13 @@ from clients._types import KvRegion, MemoryKind, NixlAgentInfo
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.consumer import READ_FAILED, REVOKED, ConsumerAgent, TransferResult
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, PeerError, TransferFailedError
+from clients.nixl.metrics import DataPlaneMetrics
 from clients.nixl.notifications import TransferNotification, encode_notification, parse_notification
 from clients.nixl.polling import PollConfig
 from clients.nixl.producer import ProducerAgent, WriteReport
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.regions import DescriptorTable, memory_kind_of, regions_from_tensors, registration_spans
-from clients.nixl.writer import OnComplete, OnRevoked, OnSourceFree, TransferWriter, WriterConfig
+from clients.nixl.writer import OnComplete, OnRevoked, OnSourceFree, OnWritten, TransferWriter, WriterConfig
 
 __all__ = [
     "READ_FAILED",
@@ -26,6 +28,7 @@ __all__ = [
     "BlockRangeError",
     "ConsumerAgent",
     "DataPlaneError",
+    "DataPlaneMetrics",
     "DescriptorTable",
     "KvRegion",
     "LayoutMismatchError",
@@ -35,6 +38,7 @@ __all__ = [
     "OnComplete",
     "OnRevoked",
     "OnSourceFree",
+    "OnWritten",
     "PeerError",
     "PollConfig",
     "PostedTransfer",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -67,6 +68,7 @@ from clients.nixl.receiver_thread import ReceiverThread
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["READ_FAILED", "REVOKED", "ConsumerAgent", "OnResult", "TransferResult"]
 
@@ -130,6 +132,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         labels: Mapping[str, str] | None = None,
         lease_ttl: float = 0.0,
         session_config: SessionConfig | None = None,
+        metrics_registry: CollectorRegistry | None = None,
         poll: PollConfig | None = None,
         on_result: OnResult | None = None,
         follower_check_s: float = FOLLOWER_CHECK_S,
@@ -145,6 +148,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             labels=labels,
             lease_ttl=lease_ttl,
             session_config=session_config,
+            metrics_registry=metrics_registry,
         )
         self.stale_notifications = 0
         """Notifications for a generation or transfer no longer expected (ignored)."""
@@ -170,12 +174,18 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         receiver = TransferReceiver(NixlEndpoint.from_tensors(self._agent_name, self._tensors), self._poll)
         self._thread = ReceiverThread(
             receiver,
-            on_notifications=self._on_loop(self._notified),
-            on_read_done=self._on_loop(self._read_done),
+            on_notifications=self._stamped(self._notified),
+            on_read_done=self._stamped(self._read_done),
             poll=self._poll,
         )
         self._thread.start()
         return self._thread.agent_info(self.rank)
+
+    def _stamped(self, callback: Callable[..., None]) -> Callable[..., None]:
+        """callback on the loop, given as its last argument when the receiver thread called it (time.monotonic()):
+        the arrival of what it reports, for the arrival-to-result histogram."""
+        hop = self._on_loop(callback)
+        return lambda *args: hop(*args, time.monotonic())
 
     def _on_session(self, session: ConsumerSession | RankSession) -> None:
         if isinstance(session, ConsumerSession):
@@ -348,7 +358,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         del self._targets[transfer_id]
         self._update_expecting()
         if not target.arrived:
-            self._deliver(TransferResult(transfer_id, generation, True, target.block_ids))
+            self._deliver(TransferResult(transfer_id, generation, True, target.block_ids), time.monotonic(), "commit")
         if self._releases is not None:  # the registering rank releases for the engine
             self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
 
@@ -393,7 +403,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     # Receiver-thread callbacks, run on the loop
 
-    def _notified(self, notifications: list[TransferNotification]) -> None:
+    def _notified(self, notifications: list[TransferNotification], arrived: float) -> None:
         for n in notifications:
             target = self._targets.get(n.transfer_id)
             if target is None or target.generation != n.generation or target.mode is not TransferMode.PUSH:
@@ -403,9 +413,13 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             # Several producer ranks may write into this rank: the bytes are in once each of them said so.
             if not target.arrived and n.writers and len(target.senders) >= n.writers:
                 target.arrived = True
-                self._deliver(TransferResult(n.transfer_id, n.generation, True, target.block_ids))
+                self._deliver(
+                    TransferResult(n.transfer_id, n.generation, True, target.block_ids), arrived, "notification"
+                )
 
-    def _read_done(self, transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+    def _read_done(
+        self, transfer_id: str, generation: int, ok: bool, error: str | None, arrived: float | None = None
+    ) -> None:
         assert self._completions is not None
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
         future = self._completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
@@ -419,7 +433,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             return
         if ok:
             target.arrived = True
-            self._deliver(TransferResult(transfer_id, generation, True, target.block_ids))
+            result = TransferResult(transfer_id, generation, True, target.block_ids)
+            self._deliver(result, time.monotonic() if arrived is None else arrived, "read")
         else:
             self._fail(transfer_id, READ_FAILED, error or "")
 
@@ -463,11 +478,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         if self._thread is not None:
             self._thread.set_expecting(bool(self._targets))
 
-    def _deliver(self, result: TransferResult) -> None:
+    def _deliver(self, result: TransferResult, arrived: float | None = None, via: str = "") -> None:
+        """Hand `result` to the engine; an arrival (`arrived`, a time.monotonic() stamp, and how) is timed."""
         key = (result.transfer_id, result.generation)
         if key in self._reading:  # our own READ may still write into these blocks
             self._after_read[key] = result
             return
+        if arrived is not None:
+            self.metrics.observe_result(self.rank, via, time.monotonic() - arrived)
         if self._on_result is None:
             self._results.put_nowait(result)
             return

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,7 @@ from clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client import CollectorRegistry
 
 __all__ = ["OnFree", "OnReport", "ProducerAgent", "WriteReport"]
 
@@ -125,6 +127,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         labels: Mapping[str, str] | None = None,
         lease_ttl: float = 0.0,
         session_config: SessionConfig | None = None,
+        metrics_registry: CollectorRegistry | None = None,
         writer_config: WriterConfig | None = None,
         on_report: OnReport | None = None,
         serve_reads: bool = False,
@@ -144,6 +147,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             labels=labels,
             lease_ttl=lease_ttl,
             session_config=session_config,
+            metrics_registry=metrics_registry,
         )
         self.serve_reads = serve_reads
         self._layers = (first_layer, num_layers)
@@ -170,6 +174,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             on_complete=self._on_loop(self._write_finished),
             on_revoked=self._on_loop(self._write_revoked),
             on_source_free=self._on_loop(self._source_free),
+            on_written=functools.partial(self.metrics.observe_write, self.rank),
             config=self._writer_config,
             layout=self.layout,
             rank=self.rank,

@@ -3,7 +3,9 @@
 Both join one rank's NIXL agent to an engine session: `open` starts the rank's NIXL side and returns its
 `NixlAgentInfo`; `start` then either registers the engine (rank 0, or a single-rank engine) with every rank's
 agent, in a session of its role, or follows that registration from another rank (`RankSession`); `close` ends
-it. Callbacks from the NIXL thread hop onto the loop the agent was started on.
+it. Callbacks from the NIXL thread hop onto the loop the agent was started on. Both time their side of the data
+plane in Prometheus histograms (`clients.nixl.metrics`), kept in the registry given as `metrics_registry`
+(default: prometheus_client's global `REGISTRY`).
 
 A multi-rank engine (tensor or pipeline parallel) runs one agent per rank, usually in one process each:
 
@@ -27,9 +29,11 @@ from clients._roles import RoleSession
 from clients._session import RankSession
 from clients._types import KvLayout, NixlAgentInfo, SessionEvent
 from clients.aio import AsyncRendezvousClient
+from clients.nixl.metrics import DataPlaneMetrics
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client import CollectorRegistry
 
 SessionT = TypeVar("SessionT", bound=RoleSession)
 
@@ -52,8 +56,11 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         labels: Mapping[str, str] | None,
         lease_ttl: float,
         session_config: SessionConfig | None,
+        metrics_registry: CollectorRegistry | None,
     ) -> None:
         self.rank = rank
+        self.metrics = DataPlaneMetrics.of(metrics_registry)
+        """This rank's data-plane histograms (`clients.nixl.metrics`), in the registry the agent was given."""
         self.layout = layout or KvLayout()
         self._tensors = tuple(tensors)
         self._agent_name = agent_name or f"{engine_id}-rank{rank}"

@@ -4,7 +4,8 @@ Other threads hand it commands (thread-safe, non-blocking): `assign` (a consumer
 generation of a transfer), `source_ready` (the producer's computed blocks), `revoke`, `abort` and
 `forget_peer`. Once a transfer has both an assignment and its source blocks the writer WRITEs them and polls
 until NIXL is done. The endpoint belongs to the writer from construction on. Outcomes come back through
-callbacks, which run on the writer thread: keep them short.
+callbacks, which run on the writer thread: keep them short; the optional `on_written` is told how long each
+generation's WRITEs took, from posting to completion.
 
 An assignment names either one consumer agent, whose regions pair with this rank's region by region (whole
 blocks), or the consumer engine (`ConsumerEngine`: its layout and every rank's agent). Then this rank writes
@@ -54,7 +55,7 @@ from rendezvous.protocol import kvmap
 from rendezvous.protocol.records import KvLayout
 from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
 
-__all__ = ["ConsumerEngine", "OnComplete", "OnRevoked", "OnSourceFree", "TransferWriter", "WriterConfig"]
+__all__ = ["ConsumerEngine", "OnComplete", "OnRevoked", "OnSourceFree", "OnWritten", "TransferWriter", "WriterConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ OnRevoked = Callable[[str, int], None]
 """on_revoked(transfer_id, generation): the generation will not be written (any write of it has drained)."""
 OnSourceFree = Callable[[str], None]
 """on_source_free(transfer_id): the engine may free the transfer's source blocks."""
+OnWritten = Callable[[float, bool], None]
+"""on_written(seconds, ok): a generation's WRITEs drained `seconds` after the first was posted; ok if all landed."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -159,6 +162,7 @@ class _Write:
 
     generation: int
     posts: list[PostedTransfer]
+    posted_at: float  # time.monotonic() before the first post
     error: str | None = None
     revoked: bool = False
     aborted: bool = False
@@ -190,6 +194,7 @@ class TransferWriter:
         on_complete: OnComplete,
         on_revoked: OnRevoked,
         on_source_free: OnSourceFree,
+        on_written: OnWritten | None = None,
         config: WriterConfig | None = None,
         layout: KvLayout | None = None,
         rank: int = 0,
@@ -205,6 +210,7 @@ class TransferWriter:
         self._on_complete = on_complete
         self._on_revoked = on_revoked
         self._on_source_free = on_source_free
+        self._on_written = on_written
         self._config = config or WriterConfig()
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._stopped = False
@@ -523,7 +529,7 @@ class TransferWriter:
         except ValueError as e:  # too few source blocks for the destination, or ids outside the regions
             self._emit(self._on_complete, transfer_id, a.generation, False, str(e))
             return
-        write = _Write(a.generation, [])
+        write = _Write(a.generation, [], time.monotonic())
         source = t.source[len(t.source) - n :]
         for target, plan in plans:
             name = target.agent.name
@@ -557,6 +563,7 @@ class TransferWriter:
 
     def _finish_write(self, transfer_id: str) -> None:
         w = self._in_flight.pop(transfer_id)
+        seconds = time.monotonic() - w.posted_at
         t = self._transfers[transfer_id]
         t.write = None
         for posted in w.posts:
@@ -567,6 +574,8 @@ class TransferWriter:
         failed = next((p for p in w.posts if p.status is not XferStatus.DONE), None)
         ok = failed is None and w.error is None
         error = w.error if failed is None else failed.error
+        if self._on_written is not None:
+            self._emit(self._on_written, seconds, ok)
         if w.revoked:
             self._emit(self._on_revoked, transfer_id, w.generation)
         elif not w.aborted:

@@ -10,11 +10,16 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from rendezvous.core import phases
 from rendezvous.core.model import LIVE_STATES, State, Transfer
 from rendezvous.store.base import StoreCounts
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+def _durations(t: Transfer) -> dict[str, float]:
+    return phases.durations(t.times, released=t.state == State.RELEASED)
 
 
 class Metrics:
@@ -45,7 +50,7 @@ class Metrics:
         )
         self.phase = Histogram(
             "rendezvous_transfer_phase_seconds",
-            "Duration of each transfer phase: match_to_commit, source_ready_to_commit, commit_to_release, total",
+            "Duration of each transfer phase, observed once when it ends: " + ", ".join(phases.PHASES),
             ["phase"],
             buckets=_PHASE_BUCKETS,
             registry=r,
@@ -72,24 +77,19 @@ class Metrics:
             self._http = None
 
     def on_transition(self, before: Transfer | None, after: Transfer | None, now: float) -> None:
-        """Count the phase a transfer just entered."""
-        if after is None or (before is not None and before.state == after.state):
+        """Observe the phases a transfer just completed and count the state it entered."""
+        if after is None:
             return
-        times = after.times
-        if after.state == State.MATCHED:
-            first = min(t for t in (times.target, times.claim) if t)
-            self.match_wait.observe(max(0.0, times.match - first))
-        elif after.state == State.COMMITTED:
+        done = _durations(before) if before else {}
+        ended = {p: s for p, s in _durations(after).items() if p not in done}
+        for phase, seconds in ended.items():
+            self.phase.labels(phase).observe(seconds)
+        if "target_to_match" in ended:  # the match just happened: the first half waited for the second this long
+            self.match_wait.observe(max(ended["target_to_match"], ended["claim_to_match"]))
+        if before is not None and before.state == after.state:
+            return
+        if after.state == State.COMMITTED:
             self.committed.inc()
-            if times.match:
-                self.phase.labels("match_to_commit").observe(max(0.0, times.commit - times.match))
-            if times.source_ready:
-                self.phase.labels("source_ready_to_commit").observe(max(0.0, times.commit - times.source_ready))
-        elif after.state == State.RELEASED:
-            if times.commit:
-                self.phase.labels("commit_to_release").observe(max(0.0, times.end - times.commit))
-            start = min((t for t in (times.target, times.claim) if t), default=times.end)
-            self.phase.labels("total").observe(max(0.0, times.end - start))
         elif after.state == State.ABORTED:
             self.aborts.labels(after.abort_reason.name).inc()
 

@@ -121,6 +121,12 @@ class _Worker:
         for t in self.tensors:
             t[block_ids] = SENTINEL
 
+    def metric(self, name: str, labels: dict[str, str]) -> float:
+        """A sample of this process's default Prometheus registry (where the agent keeps its histograms); 0 if none."""
+        from prometheus_client import REGISTRY
+
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
     async def close(self) -> None:
         await self.agent.close()
         await self.client.close()

@@ -14,6 +14,7 @@ from clients.nixl import (
     KvRegion,
     NixlAgentInfo,
     NixlEndpoint,
+    OnWritten,
     TransferNotification,
     TransferWriter,
 )
@@ -58,7 +59,7 @@ MakePair = Callable[..., Pair]
 def make_pair(peer: PeerProcess) -> Iterator[Callable[..., Pair]]:
     pairs: list[Pair] = []
 
-    def make(layout: Layout = LAYOUT, *, start: bool = True) -> Pair:
+    def make(layout: Layout = LAYOUT, *, start: bool = True, on_written: OnWritten | None = None) -> Pair:
         dest = unique("dst")
         agent = peer.call("create", dest, layout)
         views = region_views(layout, seed=len(pairs) + 11)
@@ -68,6 +69,7 @@ def make_pair(peer: PeerProcess) -> Iterator[Callable[..., Pair]]:
             on_complete=recorder.on_complete,
             on_revoked=recorder.on_revoked,
             on_source_free=recorder.on_source_free,
+            on_written=on_written,
         )
         if start:
             writer.start()
@@ -107,6 +109,19 @@ def test_source_first_then_assignment_writes(peer: PeerProcess, make_pair: MakeP
     assert p.notifications(peer, 1) == [("t1", 7)]
     assert [p.recorder.next(), p.recorder.next()] == [complete("t1", 7), Event("source_free", ("t1",))]
     p.landed(peer, [4, 6], [15, 0])
+
+
+def test_each_generation_written_reports_its_write_time_once(peer: PeerProcess, make_pair: MakePair) -> None:
+    written: list[tuple[float, bool]] = []
+    p = make_pair(on_written=lambda seconds, ok: written.append((seconds, ok)))
+    for i in range(3):
+        p.writer.assign(f"t{i}", 1, p.agent, 1, [i])
+        p.writer.source_ready(f"t{i}", [i + 4])
+    assert sorted(p.notifications(peer, 3)) == [("t0", 1), ("t1", 1), ("t2", 1)]
+    events = [p.recorder.next() for _ in range(6)]  # complete and source_free of each; on_written comes before
+    assert sorted(e.args[0] for e in events if e.kind == "complete") == ["t0", "t1", "t2"]
+    assert len(written) == 3
+    assert all(ok and 0 < seconds < 5 for seconds, ok in written)
 
 
 def test_many_transfers_in_flight_land_byte_exact(peer: PeerProcess, make_pair: MakePair) -> None:
