@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 ANY_MODEL = "*"
 _LEG_HEADERS = {"Content-Type": "application/json"}
+TRANSFER_ID_HEADER = "X-Transfer-Id"
+"""Response header naming the transfer the router minted for a request (`kv-rendezvous transfers --timeline`)."""
 _ENGINE_KEEPALIVE = 2.0
 
 
@@ -202,12 +204,15 @@ class Router:
     ) -> web.StreamResponse:
         try:
             async with self.http.post(url, json=body, headers=_LEG_HEADERS) as response:
+                named = {TRANSFER_ID_HEADER: transfer_id}
                 if response.status != 200 or not body.get("stream"):
                     payload = await response.read()
                     if response.status != 200:
                         await self._abort(transfer_id, "the decode leg failed")
-                    return web.Response(status=response.status, body=payload, content_type="application/json")
-                out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+                    return web.Response(
+                        status=response.status, body=payload, content_type="application/json", headers=named
+                    )
+                out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", **named})
                 await out.prepare(request)
                 async for chunk in response.content.iter_any():
                     await out.write(chunk)

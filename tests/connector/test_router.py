@@ -33,7 +33,7 @@ from clients import (
 )
 from clients.testing import AsyncTestServer, start_test_server
 from connector.launch import free_port
-from connector.router import ANY_MODEL, Route, Router, parse_route
+from connector.router import ANY_MODEL, TRANSFER_ID_HEADER, Route, Router, parse_route
 
 LAYOUT = KvLayout(model_fingerprint="tiny", dtype="float32", block_size=32, num_layers=2)
 WAIT = 10.0
@@ -132,10 +132,12 @@ async def cluster(server: AsyncTestServer) -> AsyncIterator[Cluster]:
 class RouterUnderTest:
     def __init__(self, router: Router, port: int, http: ClientSession) -> None:
         self.router, self.port, self.http = router, port, http
+        self.last_transfer_id: str | None = None
 
     async def complete(self, model: str, **extra: Any) -> tuple[int, dict[str, Any]]:
         body = {"model": model, "prompt": "hi", "max_tokens": 8, **extra}
         async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions", json=body) as response:
+            self.last_transfer_id = response.headers.get(TRANSFER_ID_HEADER)
             return response.status, json.loads(await response.read())
 
 
@@ -184,11 +186,14 @@ async def test_requests_follow_their_models_route(cluster: Cluster, make_router:
     )
 
     assert await router.complete("a", stream=True, stream_options={"include_usage": True}) == (200, da_answer())
+    streamed = router.last_transfer_id
     assert (await router.complete("something-else"))[1]["engine"] == "db"
     assert [len(e.bodies) for e in (pa, da, pb, db)] == [1, 1, 1, 1]
     prefill, decode = pa.bodies[0], da.bodies[0]
     transfer_id = decode["kv_transfer_params"]["transfer_id"]
     assert prefill["kv_transfer_params"] == {"transfer_id": transfer_id}
+    assert streamed == transfer_id  # each answer names its transfer, streamed or not
+    assert router.last_transfer_id == db.bodies[0]["kv_transfer_params"]["transfer_id"]
     assert (prefill["max_tokens"], prefill["stream"], "stream_options" in prefill) == (1, False, False)
     assert (decode["max_tokens"], decode["stream"]) == (8, True)
     assert pb.bodies[0]["kv_transfer_params"]["transfer_id"] not in (transfer_id, "")
