@@ -86,6 +86,15 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "seconds the answer to a request with a request_id is kept for its retries (AIP-155); > 0",
         float,
     )
+    p.add_argument(
+        "--tracing",
+        nargs="?",
+        const=True,
+        default=_bool(_env("tracing", False)),
+        type=_bool,
+        help="export OpenTelemetry traces (OTEL_EXPORTER_OTLP_ENDPOINT; needs the tracing extra; docs/operations.md) "
+        f"(env {ENV_PREFIX}TRACING; default False)",
+    )
     _flag(p, "log-format", "text", "log format: text or json")
     _flag(p, "log-level", "info", "log level")
     g = p.add_argument_group("security (docs/security.md)")
@@ -157,8 +166,11 @@ def _config_from(args: argparse.Namespace) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from rendezvous.protocol import tracing
     from rendezvous.server import RendezvousServer
 
+    if args.tracing:
+        tracing.configure("kv-rendezvous")
     server = RendezvousServer(_config_from(args))
     await server.start()
     print(
