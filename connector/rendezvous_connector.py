@@ -7,7 +7,8 @@ Load it with
                            "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu",
                            "kv_connector_extra_config": {"rendezvous": "host:port", "pool": "..."}}'
 
-and give both legs of a request the same `kv_transfer_params = {"transfer_id": ...}` (the router mints it).
+and give both legs of a request the same `kv_transfer_params = {"transfer_id": ...}` (the router mints it). A
+`traceparent` there (the router adds it when it traces) makes the connector's spans children of the router's.
 
 The scheduler-side instance only bookkeeps; everything that talks to the network lives in the worker-side
 instance, on a background thread with its own event loop (`connector._loop.LoopThread`, closed when the worker
