@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import logging
 import os
+import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -84,6 +85,7 @@ class _NoSpan:
 NO_SPAN: Span = _NoSpan()
 _NO_SPAN_CONTEXT = contextlib.nullcontext(NO_SPAN)
 _tracer: Tracer | None = None
+_OS_RANDOM = random.SystemRandom()
 
 
 def about(
@@ -146,7 +148,7 @@ def _global_provider(service_name: str) -> TracerProvider | None:
     except ImportError:
         logger.warning(_MISSING, "opentelemetry-sdk")
         return None
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), id_generator=_os_random_ids())
     path = os.environ.get(FILE_ENV)
     if path:
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -158,6 +160,21 @@ def _global_provider(service_name: str) -> TracerProvider | None:
         provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()))
     trace.set_tracer_provider(provider)
     return provider
+
+
+def _os_random_ids() -> Any:
+    """Span and trace ids from the OS. OpenTelemetry's default draws them from `random`, which vLLM seeds
+    (`--seed`): engines started with one seed would mint the same ids."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class OsRandomIds(RandomIdGenerator):
+        def generate_span_id(self) -> int:
+            return _OS_RANDOM.getrandbits(64) or 1  # 0 is the invalid id
+
+        def generate_trace_id(self) -> int:
+            return _OS_RANDOM.getrandbits(128) or 1
+
+    return OsRandomIds()
 
 
 def _otlp_exporter() -> Any:

@@ -47,3 +47,22 @@ def test_with_the_variables_set_each_finished_span_is_a_json_line_of_the_file(tm
     span = json.loads(line)
     assert span["name"] == "request" and span["attributes"] == {"kv_rendezvous.transfer_id": "t1"}
     assert span["resource"]["attributes"]["service.name"] == "kv-test"
+
+
+def test_processes_seeded_alike_still_mint_different_ids(tmp_path: Path) -> None:
+    """vLLM seeds `random` (--seed 0 in the tests): two engines must not mint the same span ids."""
+    path = tmp_path / "spans.jsonl"
+    code = (
+        "import random\n"
+        "from rendezvous.protocol import tracing\n"
+        "random.seed(0)\n"
+        "assert tracing.configure_from_env('kv-test')\n"
+        "with tracing.span('request'):\n"
+        "    pass\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), tracing.ENABLE_ENV: "1", tracing.FILE_ENV: str(path)}
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+    first, second = (json.loads(line)["context"] for line in path.read_text().splitlines())
+    assert first["span_id"] != second["span_id"] and first["trace_id"] != second["trace_id"]
