@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
     from opentelemetry.trace import Tracer
 
 __all__ = [
     "ENABLE_ENV",
     "FILE_ENV",
     "NO_SPAN",
+    "RPC_SERVICE",
     "TRACEPARENT",
     "Attribute",
     "Span",
@@ -51,6 +53,9 @@ FILE_ENV = "KV_RENDEZVOUS_TRACING_FILE"
 """A file each process appends its finished spans to, one JSON object a line, instead of exporting over OTLP."""
 TRACEPARENT = "traceparent"
 """The W3C trace-context key, in gRPC metadata, HTTP headers and `kv_transfer_params`."""
+
+RPC_SERVICE = "rendezvous.v1.RendezvousService"
+"""The service whose calls `rpc_span` names `RPC_SERVICE/Method` (OpenTelemetry's RPC conventions)."""
 
 _MISSING = "tracing asked for, but %s is not installed: pip install 'kv-rendezvous[tracing]'"
 
@@ -162,7 +167,7 @@ def _global_provider(service_name: str) -> TracerProvider | None:
     return provider
 
 
-def _os_random_ids() -> Any:
+def _os_random_ids() -> IdGenerator:
     """Span and trace ids from the OS. OpenTelemetry's default draws them from `random`, which vLLM seeds
     (`--seed`): engines started with one seed would mint the same ids."""
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
@@ -246,9 +251,6 @@ def carrier() -> dict[str, str]:
     out: dict[str, str] = {}
     propagate.inject(out)
     return out
-
-
-RPC_SERVICE = "rendezvous.v1.RendezvousService"
 
 
 def rpc_span(

@@ -168,11 +168,9 @@ def wait_blocks_free(*engines: Engine, timeout: float = 30.0) -> None:
 
 
 @contextmanager
-def running_router(
-    log_dir: Path, args: list[str], name: str = "router", env: dict[str, str] | None = None
-) -> Iterator[RouterProcess]:
-    """A router process, healthy, stopped on exit; `env` adds environment variables."""
-    router = start_router(log_dir, free_port(), args, name, env)
+def running_router(log_dir: Path, args: list[str], name: str = "router") -> Iterator[RouterProcess]:
+    """A router process, healthy, stopped on exit."""
+    router = start_router(log_dir, free_port(), args, name)
     try:
         wait_healthy([router], timeout=60)
         yield router

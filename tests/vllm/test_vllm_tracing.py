@@ -18,10 +18,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from clients.testing import TestServer
-from connector.launch import Engine, connector_config, free_port, post_json, start_engine, wait_healthy
+from connector.launch import (
+    Engine,
+    RouterProcess,
+    connector_config,
+    free_port,
+    post_json,
+    start_engine,
+    start_router,
+    wait_healthy,
+)
 from rendezvous.protocol import tracing
 from tests.tracing.conftest import traced
-from tests.vllm.conftest import running_router, warm_up
+from tests.vllm.conftest import warm_up
 from tests.vllm.test_vllm_1p1d import token_prompt
 
 __all__ = ["traced"]  # the in-memory exporter of the tracing tests
@@ -39,23 +48,28 @@ def spans_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def traced_pair(
+def traced_router(
     tiny_model: Path, rendezvous: TestServer, engine_logs: Path, spans_file: Path
-) -> Iterator[tuple[Engine, Engine]]:
-    """A 1P1D pair (pools traced-prefill, traced-decode) that exports its spans to `spans_file`."""
+) -> Iterator[RouterProcess]:
+    """A router in front of a 1P1D pair (pools traced-prefill, traced-decode), all started at once, all
+    exporting their spans to `spans_file`."""
     env = {tracing.ENABLE_ENV: "1", tracing.FILE_ENV: str(spans_file)}
-    started: list[Engine] = []
+    pools = ("traced-prefill", "traced-decode")
+    engines: list[Engine] = []
+    router = None
     try:
-        for name, role in (("traced-prefill", "kv_producer"), ("traced-decode", "kv_consumer")):
+        for name, role in zip(pools, ("kv_producer", "kv_consumer"), strict=True):
             port = free_port()
             config = connector_config(role, rendezvous.address, name, port)
-            started.append(start_engine(name, tiny_model, engine_logs, port, config, env=env))
-        wait_healthy(started)
-        warm_up(rendezvous, started)
-        yield started[0], started[1]
+            engines.append(start_engine(name, tiny_model, engine_logs, port, config, env=env))
+        args = ["--rendezvous", rendezvous.address, "--prefill-pool", pools[0], "--decode-pool", pools[1]]
+        router = start_router(engine_logs, free_port(), args, "traced-router", env)
+        wait_healthy([*engines, router])
+        warm_up(rendezvous, engines)
+        yield router
     finally:
-        for engine in started:
-            engine.stop()
+        for process in (*engines, *([router] if router else [])):
+            process.stop()
 
 
 def file_spans(path: Path, trace_id: str, names: set[str]) -> dict[str, dict[str, Any]]:
@@ -75,19 +89,12 @@ def file_spans(path: Path, trace_id: str, names: set[str]) -> dict[str, dict[str
 
 
 def test_a_request_through_the_router_is_one_trace_across_every_process(
-    traced: InMemorySpanExporter,
-    traced_pair: tuple[Engine, Engine],
-    rendezvous: TestServer,
-    engine_logs: Path,
-    spans_file: Path,
+    traced: InMemorySpanExporter, traced_router: RouterProcess, spans_file: Path
 ) -> None:
-    args = ["--rendezvous", rendezvous.address, "--prefill-pool", "traced-prefill", "--decode-pool", "traced-decode"]
-    env = {tracing.ENABLE_ENV: "1", tracing.FILE_ENV: str(spans_file)}
-    with running_router(engine_logs, args, "traced-router", env) as router:
-        body = {"model": "tiny", "prompt": token_prompt(40, seed=11), "max_tokens": 4, "temperature": 0.0}
-        post_json(f"{router.url}/v1/completions", body, headers={tracing.TRACEPARENT: CALLER})
-        names = {"router.dispatch", "router.prefill", "router.decode", "connector.claim", "connector.send"}
-        spans = file_spans(spans_file, TRACE_ID, names | {"producer.write", "connector.receive"})
+    body = {"model": "tiny", "prompt": token_prompt(40, seed=11), "max_tokens": 4, "temperature": 0.0}
+    post_json(f"{traced_router.url}/v1/completions", body, headers={tracing.TRACEPARENT: CALLER})
+    names = {"router.dispatch", "router.prefill", "router.decode", "connector.claim", "connector.send"}
+    spans = file_spans(spans_file, TRACE_ID, names | {"producer.write", "connector.receive"})
 
     dispatch = spans["router.dispatch"]
     assert dispatch["parent_id"] == "0x00f067aa0ba902b7"  # the caller's span
