@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
 
 import grpc
 
+from clients._commands import Call
 from clients._config import ClientConfig
 from clients._exceptions import RendezvousError, from_rpc_error
+from rendezvous.protocol import tracing
+from rendezvous.protocol.tracing import Span
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
 ChannelT = TypeVar("ChannelT")
@@ -68,7 +72,8 @@ class Endpoints(Generic[ChannelT]):
 
 
 class CallMetadata:
-    """The metadata of every call: static (token, configured pairs) plus the hook's, if any."""
+    """The metadata of every call: static (token, configured pairs) plus the hook's, if any, plus the trace
+    context (`traceparent`) while tracing is on."""
 
     __slots__ = ("_hook", "_static")
 
@@ -77,9 +82,10 @@ class CallMetadata:
         self._hook = config.metadata_hook
 
     def __call__(self) -> Metadata | None:
-        if self._hook is None:
-            return self._static or None
-        return (*self._static, *self._hook())
+        metadata = self._static if self._hook is None else (*self._static, *self._hook())
+        if tracing.enabled():  # inside the call's client span: the server's span is its child
+            metadata = (*metadata, *tracing.carrier().items())
+        return metadata or None
 
 
 class EpochTracker:
@@ -153,6 +159,11 @@ class ClientBase(Generic[ChannelT]):
     def add_epoch_listener(self, listener: EpochListener) -> Callable[[], None]:
         """Call listener(old_epoch, new_epoch) when answers show a new epoch; returns a remover."""
         return self._epochs.add_listener(listener)
+
+    @staticmethod
+    def _span(call: Call[Any]) -> AbstractContextManager[Span]:
+        """The client span of one unary call, its retries included."""
+        return tracing.rpc_span(call.method, getattr(call.request, "engine_id", ""))
 
     def _failed(self, error: grpc.RpcError, index: int) -> RendezvousError:
         converted = from_rpc_error(error)

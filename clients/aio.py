@@ -78,11 +78,12 @@ class AsyncRendezvousClient(ClientBase[grpc.aio.Channel]):
     async def _invoke(self, call: Call[ResultT], timeout: float | None) -> ResultT:
         timeout = self._config.call_timeout if timeout is None else timeout
         started = time.monotonic()
-        index, stub = self._endpoints.current()
-        try:
-            response = await getattr(stub, call.method)(call.request, timeout=timeout, metadata=self._metadata())
-        except grpc.RpcError as error:
-            response = await self._retry(call, timeout, self._failed(error, index), started)
+        with self._span(call):
+            index, stub = self._endpoints.current()
+            try:
+                response = await getattr(stub, call.method)(call.request, timeout=timeout, metadata=self._metadata())
+            except grpc.RpcError as error:
+                response = await self._retry(call, timeout, self._failed(error, index), started)
         self._epochs.observe(response.header.epoch)
         return call.parse(response)
 

@@ -72,11 +72,12 @@ class RendezvousClient(ClientBase[grpc.Channel]):
     def _invoke(self, call: Call[ResultT], timeout: float | None) -> ResultT:
         timeout = self._config.call_timeout if timeout is None else timeout
         started = time.monotonic()
-        index, stub = self._endpoints.current()
-        try:
-            response = getattr(stub, call.method)(call.request, timeout=timeout, metadata=self._metadata())
-        except grpc.RpcError as error:
-            response = self._retry(call, timeout, self._failed(error, index), started)
+        with self._span(call):
+            index, stub = self._endpoints.current()
+            try:
+                response = getattr(stub, call.method)(call.request, timeout=timeout, metadata=self._metadata())
+            except grpc.RpcError as error:
+                response = self._retry(call, timeout, self._failed(error, index), started)
         self._epochs.observe(response.header.epoch)
         return call.parse(response)
 

@@ -6,10 +6,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["TRANSFER_ID_KEY", "ConnectorConfig"]
+from rendezvous.protocol import tracing
+
+__all__ = ["TRACE_KEYS", "TRANSFER_ID_KEY", "ConnectorConfig", "trace_context"]
 
 TRANSFER_ID_KEY = "transfer_id"
 """The `kv_transfer_params` key that carries a request's transfer id (minted by the router)."""
+TRACE_KEYS = (tracing.TRACEPARENT, "tracestate")
+"""The `kv_transfer_params` keys that carry the router's trace context (W3C trace-context), when it traces."""
+
+
+def trace_context(params: Mapping[str, Any] | None) -> dict[str, str]:
+    """The trace context in a request's `kv_transfer_params`; empty when the router sent none."""
+    return {key: str(params[key]) for key in TRACE_KEYS if key in params} if params else {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

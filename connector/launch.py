@@ -72,11 +72,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def post_json(url: str, body: Mapping[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+def post_json(
+    url: str, body: Mapping[str, Any], timeout: float = 120.0, headers: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """POST a JSON body and return the decoded JSON answer (raises urllib.error.HTTPError on non-2xx)."""
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return dict(json.loads(response.read()))
 
@@ -226,15 +227,18 @@ def build_tiny_model(path: Path) -> Path:
     return Path(build(path))
 
 
-def start_router(log_dir: Path, port: int, args: Sequence[str], name: str = "router") -> RouterProcess:
-    """Start `python -m connector.router --listen 127.0.0.1:<port> <args>` (not yet healthy: see wait_healthy)."""
+def start_router(
+    log_dir: Path, port: int, args: Sequence[str], name: str = "router", env: Mapping[str, str] | None = None
+) -> RouterProcess:
+    """Start `python -m connector.router --listen 127.0.0.1:<port> <args>` (not yet healthy: see wait_healthy);
+    `env` adds environment variables."""
     argv = [sys.executable, "-m", "connector.router", "--listen", f"127.0.0.1:{port}", *args]
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
             argv,
             cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -7,7 +7,8 @@ Load it with
                            "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu",
                            "kv_connector_extra_config": {"rendezvous": "host:port", "pool": "..."}}'
 
-and give both legs of a request the same `kv_transfer_params = {"transfer_id": ...}` (the router mints it).
+and give both legs of a request the same `kv_transfer_params = {"transfer_id": ...}` (the router mints it). A
+`traceparent` there (the router adds it when it traces) makes the connector's spans children of the router's.
 
 The scheduler-side instance only bookkeeps; everything that talks to the network lives in the worker-side
 instance, on a background thread with its own event loop (`connector._loop.LoopThread`, closed when the worker
@@ -52,7 +53,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector._loop import LoopThread
-from connector.config import TRANSFER_ID_KEY, ConnectorConfig
+from connector.config import TRANSFER_ID_KEY, ConnectorConfig, trace_context
+from rendezvous.protocol import tracing
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +89,8 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     """Producer: (request id, transfer id, source block ids, prompt tokens) whose KV is computed."""
     aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """Both: (request id, transfer id) of requests that ended before their transfer did."""
+    traces: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    """Both: transfer id -> the router's trace context (`traceparent`), for the transfers above that have one."""
 
     def __bool__(self) -> bool:
         return bool(self.targets or self.claims or self.ready or self.aborts)
@@ -225,13 +229,20 @@ class _SchedulerSide:
         first = (prompt_len - num_external_tokens) // self.block_size
         block_ids = list(blocks.get_block_ids()[0][first : _cdiv(prompt_len, self.block_size)])
         self.meta.targets.append((request.request_id, transfer_id, block_ids, num_external_tokens))
+        self._trace(request, transfer_id)
         self.transfer_of[request.request_id] = transfer_id
 
     def new_request(self, request: Request) -> None:
         transfer_id = _transfer_id(request)
         if self.producer and transfer_id is not None:
             self.meta.claims.append((request.request_id, transfer_id))
+            self._trace(request, transfer_id)
             self.transfer_of[request.request_id] = transfer_id
+
+    def _trace(self, request: Request, transfer_id: str) -> None:
+        context = trace_context(request.kv_transfer_params)
+        if context:
+            self.meta.traces[transfer_id] = context
 
     def build_meta(self) -> RendezvousConnectorMetadata:
         meta, self.meta = self.meta, RendezvousConnectorMetadata()
@@ -254,6 +265,7 @@ class _SchedulerSide:
             self.meta.aborts.append((request_id, transfer_id))
             return False, None
         self.meta.ready.append((request_id, transfer_id, list(block_ids[:prompt_blocks]), request.num_prompt_tokens))
+        self._trace(request, transfer_id)
         self.sending.add(request_id)
         return True, {TRANSFER_ID_KEY: transfer_id, "producer_engine_id": self.engine_id}
 
@@ -294,10 +306,13 @@ class _WorkerSide:
         # Owned by the loop:
         self._request_of: dict[str, str] = {}  # consumer: transfer id -> request id, until reported
         self._claims: dict[str, asyncio.Future[ItemResult]] = {}  # producer: transfer id -> claim
+        self._traces: dict[str, dict[str, str]] = {}  # transfer id -> the router's trace context, until used
+        self._receiving: dict[str, tracing.Span] = {}  # consumer: transfer id -> connector.receive
 
     # Start and stop (called by the model runner's thread)
 
     def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tracing.configure_from_env("kv-rendezvous-prefill" if self.producer else "kv-rendezvous-decode")
         tensors = self._block_tensors(kv_caches)
         self._thread = LoopThread(f"rendezvous-{self.engine_id}")
         try:
@@ -469,6 +484,7 @@ class _WorkerSide:
     # On the loop
 
     def _handle(self, meta: RendezvousConnectorMetadata) -> None:
+        self._traces.update(meta.traces)
         for request_id, transfer_id, block_ids, num_tokens in meta.targets:
             self._request_of[transfer_id] = request_id
             self._spawn(self._register(transfer_id, block_ids, num_tokens))
@@ -483,6 +499,9 @@ class _WorkerSide:
         task = asyncio.get_running_loop().create_task(coroutine)
         task.add_done_callback(self._log_failure)
         return task
+
+    def _about(self, transfer_id: str) -> dict[str, tracing.Attribute]:
+        return tracing.about(transfer_id=transfer_id, engine_id=self.engine_id, rank=self.rank)
 
     @staticmethod
     def _log_failure(task: asyncio.Task[Any]) -> None:
@@ -500,10 +519,13 @@ class _WorkerSide:
     async def _register(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
         from clients import TransferState
 
+        span = tracing.start("connector.receive", self._about(transfer_id), parent=self._traces.pop(transfer_id, None))
+        self._receiving[transfer_id] = span
         try:
-            result = await self._consumer().register_target(
-                transfer_id, block_ids, timeout=self.config.transfer_timeout, num_tokens=num_tokens
-            )
+            with tracing.activate(span):  # RegisterTarget is its child
+                result = await self._consumer().register_target(
+                    transfer_id, block_ids, timeout=self.config.transfer_timeout, num_tokens=num_tokens
+                )
         except Exception as e:
             logger.warning("RegisterTarget %s failed: %s", transfer_id, e)
             self._received_failed(transfer_id)
@@ -513,17 +535,25 @@ class _WorkerSide:
             self._received_failed(transfer_id)
 
     def _received_failed(self, transfer_id: str) -> None:
+        self._end_receiving(transfer_id, False)
         request_id = self._request_of.pop(transfer_id, None)
         if request_id is not None:
             self._report_received(request_id, False)
 
     def _on_result(self, result: TransferResult) -> None:
+        self._end_receiving(result.transfer_id, result.ok)
         request_id = self._request_of.pop(result.transfer_id, None)
         if request_id is None:
             return
         if not result.ok:
             logger.warning("transfer %s failed: %s %s", result.transfer_id, result.reason, result.message)
         self._report_received(request_id, result.ok)
+
+    def _end_receiving(self, transfer_id: str, ok: bool) -> None:
+        """The completion notice at decode (the KV arrived, or will not) ends its connector.receive span."""
+        span = self._receiving.pop(transfer_id, tracing.NO_SPAN)
+        span.set_attribute("kv_rendezvous.ok", ok)
+        span.end()
 
     # Producer
 
@@ -534,7 +564,8 @@ class _WorkerSide:
         return self._agent
 
     async def _claim(self, transfer_id: str) -> ItemResult:
-        return await self._producer_agent().claim(transfer_id, self.config.transfer_timeout)
+        with tracing.span("connector.claim", self._about(transfer_id), parent=self._traces.get(transfer_id)):
+            return await self._producer_agent().claim(transfer_id, self.config.transfer_timeout)
 
     async def _claimed(self, transfer_id: str) -> bool:
         """Whether this producer holds the transfer (awaiting the claim sent at admission, or claiming now).
@@ -555,6 +586,11 @@ class _WorkerSide:
         return True
 
     async def _ready(self, request_id: str, transfer_id: str, block_ids: list[int], prompt_tokens: int) -> None:
+        # The agent's producer.write span of this rank is a child of connector.send.
+        with tracing.span("connector.send", self._about(transfer_id), parent=self._traces.pop(transfer_id, None)):
+            await self._send(request_id, transfer_id, block_ids, prompt_tokens)
+
+    async def _send(self, request_id: str, transfer_id: str, block_ids: list[int], prompt_tokens: int) -> None:
         if not await self._claimed(transfer_id):
             self._report_sent(request_id)  # nobody will write these blocks
             return
@@ -570,6 +606,7 @@ class _WorkerSide:
     # Both
 
     async def _abort(self, request_id: str, transfer_id: str) -> None:
+        self._traces.pop(transfer_id, None)
         if self.producer:
             self._claims.pop(transfer_id, None)
         elif transfer_id not in self._request_of:

@@ -11,6 +11,8 @@ prefill with max_tokens=1, decode with the client's request, whose answer (strea
 client. Engines are picked round-robin or least-loaded (fewest legs in flight from this router) among the live
 engines of the route's pools; an engine's OpenAI base URL is its `url` label. If one leg fails, or the client
 goes away, the transfer is aborted so the other side lets go of its blocks at once.
+With tracing on (KV_RENDEZVOUS_TRACING=1, docs/operations.md) each request is a `router.dispatch` span, continued
+from the caller's `traceparent` header, whose context both legs carry in `kv_transfer_params["traceparent"]`.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).
@@ -23,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ from clients import (
     RouterClient,
 )
 from connector.config import TRANSFER_ID_KEY
+from rendezvous.protocol import tracing
 
 __all__ = ["ANY_MODEL", "Route", "Router", "main", "parse_route"]
 
@@ -162,13 +165,27 @@ class Router:
         route = self.route(model) if isinstance(model, str) else None
         if route is None:
             return _error(404, f"model {model!r} is not routed by this router")
+        with tracing.span("router.dispatch", parent=request.headers, kind="server") as span:
+            return await self._dispatch(request, path, limit_keys, body, route, span)
+
+    async def _dispatch(
+        self,
+        request: web.Request,
+        path: str,
+        limit_keys: Sequence[str],
+        body: dict[str, Any],
+        route: Route,
+        span: tracing.Span,
+    ) -> web.StreamResponse:
         try:
             prefill, decode = await self.engines.pick_pair(route.prefill_pools, route.decode_pools)
             prefill_url, decode_url = _engine_url(prefill), _engine_url(decode)
         except RendezvousError as e:
             return _error(503, f"no engines: {e}")
         transfer_id = self.engines.mint_transfer_id()
-        params = {**(body.get("kv_transfer_params") or {}), TRANSFER_ID_KEY: transfer_id}
+        span.set_attribute("kv_rendezvous.transfer_id", transfer_id)
+        # Both legs' engines make their spans children of this one (the connector reads kv_transfer_params).
+        params = {**(body.get("kv_transfer_params") or {}), TRANSFER_ID_KEY: transfer_id, **tracing.carrier()}
         decode_body = {**body, "kv_transfer_params": params}
         prefill_body = {**body, "kv_transfer_params": params, "stream": False}
         prefill_body.pop("stream_options", None)
@@ -177,7 +194,7 @@ class Router:
         prefill_leg = asyncio.create_task(self._prefill(prefill, prefill_url + path, prefill_body, transfer_id))
         try:
             with self.engines.in_flight(decode):
-                return await self._decode(request, decode_url + path, decode_body, transfer_id)
+                return await self._decode(request, decode, decode_url + path, decode_body, transfer_id)
         except asyncio.CancelledError:  # the client went away: let both engines go at once
             await asyncio.shield(self._abort(transfer_id, "the client went away"))
             raise
@@ -187,9 +204,9 @@ class Router:
                 prefill_leg.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _prefill(self, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str) -> None:
-        with self.engines.in_flight(engine):
+        with self.engines.in_flight(engine), _leg_span("router.prefill", engine, transfer_id) as headers:
             try:
-                async with self.http.post(url, json=body, headers=_LEG_HEADERS) as response:
+                async with self.http.post(url, json=body, headers=headers) as response:
                     await response.read()
                     if response.status == 200:
                         return
@@ -200,32 +217,45 @@ class Router:
         await self._abort(transfer_id, "the prefill leg failed")
 
     async def _decode(
-        self, request: web.Request, url: str, body: dict[str, Any], transfer_id: str
+        self, request: web.Request, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str
     ) -> web.StreamResponse:
         try:
-            async with self.http.post(url, json=body, headers=_LEG_HEADERS) as response:
-                named = {TRANSFER_ID_HEADER: transfer_id}
-                if response.status != 200 or not body.get("stream"):
-                    payload = await response.read()
-                    if response.status != 200:
-                        await self._abort(transfer_id, "the decode leg failed")
-                    return web.Response(
-                        status=response.status, body=payload, content_type="application/json", headers=named
-                    )
-                out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", **named})
-                await out.prepare(request)
-                async for chunk in response.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+            with _leg_span("router.decode", engine, transfer_id) as headers:
+                return await self._relay(request, url, body, transfer_id, headers)
         except (ClientError, OSError, TimeoutError) as e:
             self.engines.invalidate()
             await self._abort(transfer_id, "the decode leg failed")
             return _error(502, f"decode engine failed: {e}")
 
+    async def _relay(
+        self, request: web.Request, url: str, body: dict[str, Any], transfer_id: str, headers: Mapping[str, str]
+    ) -> web.StreamResponse:
+        async with self.http.post(url, json=body, headers=headers) as response:
+            named = {TRANSFER_ID_HEADER: transfer_id}
+            if response.status != 200 or not body.get("stream"):
+                payload = await response.read()
+                if response.status != 200:
+                    await self._abort(transfer_id, "the decode leg failed")
+                return web.Response(
+                    status=response.status, body=payload, content_type="application/json", headers=named
+                )
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", **named})
+            await out.prepare(request)
+            async for chunk in response.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
+
     async def _abort(self, transfer_id: str, message: str) -> None:
         with contextlib.suppress(RendezvousError):  # ended already: nothing to abort
             await self.engines.abort_transfer(transfer_id, message)
+
+
+@contextlib.contextmanager
+def _leg_span(name: str, engine: EngineInfo, transfer_id: str) -> Iterator[Mapping[str, str]]:
+    """The span of one leg; yields the leg's HTTP headers, which carry it (vLLM's own tracing may join)."""
+    with tracing.span(name, tracing.about(transfer_id=transfer_id, engine_id=engine.engine_id), kind="client"):
+        yield {**_LEG_HEADERS, **tracing.carrier()}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -272,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(routes) != len(args.route) and args.route:
         parser.error("a model is routed twice")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing.configure_from_env("kv-rendezvous-router")
     host, _, port = args.listen.rpartition(":")
     targets = [t.strip() for t in args.rendezvous.split(",") if t.strip()]
 

@@ -70,6 +70,19 @@ def _bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
 
 
+def _switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, help: str) -> None:
+    """A boolean flag, off by default: `--NAME` turns it on, `--NAME=off` off, and so does its variable."""
+    env = ENV_PREFIX + name.upper().replace("-", "_")
+    parser.add_argument(
+        f"--{name}",
+        nargs="?",
+        const=True,
+        default=_bool(_env(name, False)),
+        type=_bool,
+        help=f"{help} (env {env}; default False)",
+    )
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the rendezvous service")
     _flag(p, "listen", DEFAULT_ADDRESS, "gRPC listen address host:port")
@@ -86,21 +99,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "seconds the answer to a request with a request_id is kept for its retries (AIP-155); > 0",
         float,
     )
+    _switch(
+        p, "tracing", "export OpenTelemetry traces (OTEL_EXPORTER_OTLP_ENDPOINT; the tracing extra; docs/operations.md)"
+    )
     _flag(p, "log-format", "text", "log format: text or json")
     _flag(p, "log-level", "info", "log level")
     g = p.add_argument_group("security (docs/security.md)")
     _flag(g, "tls-cert", None, "serve TLS with this certificate chain (file path or PEM; re-read when it changes)")
     _flag(g, "tls-key", None, "the certificate's private key (file path or PEM)")
     _flag(g, "tls-client-ca", None, "CA bundle that signs client certificates, for mTLS (file path or PEM)")
-    g.add_argument(
-        "--tls-require-client-cert",
-        nargs="?",
-        const=True,
-        default=_bool(_env("tls-require-client-cert", False)),
-        type=_bool,
-        help="mTLS: refuse clients without a certificate from --tls-client-ca "
-        f"(env {ENV_PREFIX}TLS_REQUIRE_CLIENT_CERT; default False)",
-    )
+    _switch(g, "tls-require-client-cert", "mTLS: refuse clients without a certificate from --tls-client-ca")
     _flag(g, "auth-file", None, "JSON file binding tokens and certificate names to identities; unset: no auth")
     _flag(g, "rate-limit", 0.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
     _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
@@ -157,8 +165,11 @@ def _config_from(args: argparse.Namespace) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from rendezvous.protocol import tracing
     from rendezvous.server import RendezvousServer
 
+    if args.tracing:
+        tracing.configure("kv-rendezvous")
     server = RendezvousServer(_config_from(args))
     await server.start()
     print(

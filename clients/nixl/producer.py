@@ -59,6 +59,7 @@ from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
 from clients.nixl.regions import BlockIds
 from clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig
+from rendezvous.protocol import tracing
 
 if TYPE_CHECKING:
     import torch
@@ -159,6 +160,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._assigned: dict[str, float] = {}  # when the current assignment of a transfer arrived
         self._prompt_tokens: dict[str, int] = {}  # from `ready`: what pairs blocks of different sizes
         self._deferred: dict[str, Event] = {}  # assignments that wait for `ready` to tell the prompt's tokens
+        self._writing: dict[str, tracing.Span] = {}  # push: producer.write, from `ready` to the write's end
         self._claims: Batcher[ClaimSpec] | None = None
         self._ready: Batcher[SourceReadySpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
@@ -251,6 +253,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
             return
         writer.source_ready(transfer_id, block_ids)  # validates first: nothing is recorded if it raises
         self._sources[transfer_id] = source
+        about = tracing.about(transfer_id=transfer_id, engine_id=self.engine_id, rank=self.rank)
+        self._writing[transfer_id] = tracing.start("producer.write", about)
         self._prompt_tokens[transfer_id] = prompt_tokens
         deferred = self._deferred.pop(transfer_id, None)
         if deferred is not None:
@@ -308,6 +312,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         writer, info, peer = self._writer, event.transfer, event.peer
         assert writer is not None and info is not None
         self._assigned.setdefault(info.transfer_id, time.monotonic())
+        self._writing.get(info.transfer_id, tracing.NO_SPAN).add_event(
+            "assigned", tracing.about(generation=event.generation)
+        )
         if peer is None:
             self._write_finished(info.transfer_id, event.generation, False, "the assignment names no consumer")
             return
@@ -348,7 +355,12 @@ class ProducerAgent(RankAgent[ProducerSession]):
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
         completions = self._completions
         assert completions is not None
-        future = completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
+        span = self._writing.pop(transfer_id, tracing.NO_SPAN)
+        span.set_attribute("kv_rendezvous.generation", generation)
+        span.set_attribute("kv_rendezvous.ok", ok)
+        with tracing.activate(span):  # CompleteTransfer is its child
+            future = completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
+        span.end()
         times = (ready_time, assigned, written)
         future.add_done_callback(lambda f: self._completed(transfer_id, generation, ok, error, times, f))
         if not ok:
@@ -378,6 +390,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._free(transfer_id)
 
     def _free(self, transfer_id: str) -> None:
+        self._writing.pop(transfer_id, tracing.NO_SPAN).end()  # freed unwritten (aborted, revoked)
         source = self._sources.pop(transfer_id, None)
         if self._server is not None and source is not None and source.mode is TransferMode.PULL:
             self._server.set_expecting(any(s.mode is TransferMode.PULL for s in self._sources.values()))

@@ -58,6 +58,7 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         session_config: SessionConfig | None,
         metrics_registry: CollectorRegistry | None,
     ) -> None:
+        self.engine_id = engine_id
         self.rank = rank
         self.metrics = DataPlaneMetrics.of(metrics_registry)
         """This rank's data-plane histograms (`clients.nixl.metrics`), in the registry the agent was given."""

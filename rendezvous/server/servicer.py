@@ -23,6 +23,7 @@ from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Role, State
+from rendezvous.protocol import tracing
 from rendezvous.protocol.convert import duration, number, timestamp
 from rendezvous.server.metrics import Metrics
 from rendezvous.store.base import StoreUnavailableError
@@ -57,24 +58,28 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
         async def wrapped(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
             started = time.perf_counter()
             code = "OK"
-            try:
-                request_id = getattr(request, "request_id", "")
-                key = f"{method}/{request.engine_id}/{request_id}" if request_id else ""
-                if key:
-                    cached = await self.coordinator.store.get_response(key)
-                    if cached is not None:
-                        return response_type.FromString(cached)
-                response = await handler(self, request, context)
-                if key:
-                    await self.coordinator.store.put_response(key, response.SerializeToString(), self.idempotency_ttl)
-                return response
-            except (RendezvousError, StoreUnavailableError) as exc:
-                err = _as_error(exc)
-                code = err.code.value
-                await _abort(context, err)
-            finally:
-                self.metrics.rpcs.labels(method, code).inc()
-                self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+            engine_id = getattr(request, "engine_id", "")
+            with tracing.rpc_span(method, engine_id, incoming=context.invocation_metadata() or ()):
+                try:
+                    request_id = getattr(request, "request_id", "")
+                    key = f"{method}/{engine_id}/{request_id}" if request_id else ""
+                    if key:
+                        cached = await self.coordinator.store.get_response(key)
+                        if cached is not None:
+                            return response_type.FromString(cached)
+                    response = await handler(self, request, context)
+                    if key:
+                        await self.coordinator.store.put_response(
+                            key, response.SerializeToString(), self.idempotency_ttl
+                        )
+                    return response
+                except (RendezvousError, StoreUnavailableError) as exc:
+                    err = _as_error(exc)
+                    code = err.code.value
+                    await _abort(context, err)
+                finally:
+                    self.metrics.rpcs.labels(method, code).inc()
+                    self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
             raise AssertionError("unreachable: abort_with_status raises")
 
         return wrapped
@@ -92,10 +97,26 @@ def _batch_rpc(
 
     async def handler(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
         outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, specs(request))
+        _trace_items(outcomes)
         return response_type(header=await self._header(), results=self._results(method, outcomes))
 
     handler.__name__ = handler.__qualname__ = method
     return _rpc(response_type)(handler)
+
+
+def _trace_items(outcomes: Sequence[ItemOutcome]) -> None:
+    """One event per batch item on the call's span: the transfer, and the state it is in now or the error."""
+    span = tracing.current()
+    if span is tracing.NO_SPAN:
+        return
+    for o in outcomes:
+        attributes = tracing.about(transfer_id=o.transfer_id)
+        if o.transfer is not None:
+            attributes |= tracing.about(generation=o.transfer.generation)
+            attributes["kv_rendezvous.state"] = o.transfer.state.name
+        if o.error is not None:
+            attributes["kv_rendezvous.error"] = o.error.reason.name
+        span.add_event("transfer", attributes)
 
 
 class WatcherRegistry:

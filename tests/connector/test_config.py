@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from connector import ConnectorConfig
+from connector.config import trace_context
 
 
 def test_minimal() -> None:
@@ -71,3 +72,9 @@ def test_tls_keys_turn_tls_on() -> None:
 def test_a_client_certificate_needs_its_key() -> None:
     with pytest.raises(ValueError, match="tls_cert and tls_key"):
         ConnectorConfig.from_extra_config({"rendezvous": "a:1", "tls_cert": "/engine.pem"})
+
+
+def test_the_routers_trace_context_is_read_from_kv_transfer_params() -> None:
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert trace_context({"transfer_id": "t1", "traceparent": parent, "other": 1}) == {"traceparent": parent}
+    assert trace_context({"transfer_id": "t1"}) == trace_context(None) == {}
