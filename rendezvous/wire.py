@@ -143,15 +143,17 @@ def abort_specs(req: pb.AbortTransferRequest) -> list[AbortSpec]:
 # Domain -> responses
 
 
-def engine_message(e: Engine, include_metadata: bool = True, live_transfers: int = 0) -> pb.Engine:
-    """An engine record as a message."""
+def engine_message(
+    e: Engine, include_metadata: bool = True, live_transfers: int = 0, include_labels: bool = True
+) -> pb.Engine:
+    """An engine record as a message; without agent metadata bytes or labels when asked."""
     return pb.Engine(
         engine_id=e.engine_id,
         pool=e.pool,
         role=number(e.role),
         layout=convert.layout_message(e.layout),
         agents=[convert.agent_message(a, include_metadata) for a in e.agents],
-        labels=dict(e.labels),
+        labels=dict(e.labels) if include_labels else None,
         incarnation=e.incarnation,
         lease_ttl=duration(e.lease_ttl),
         lease_expire_time=timestamp(e.lease_expires_at),

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Limits:
-    """Hard limits; requests beyond them are rejected with a reason, never truncated."""
+    """Hard limits; requests beyond them are rejected with a reason, never truncated.
+
+    One exception: a response page (ListEngines, ListTransfers) is cut before it grows past
+    `max_response_bytes`; the rest follows in the next page.
+    """
 
     max_id_length: int = 256
     max_blocks_per_target: int = 65_536
@@ -20,6 +24,9 @@ class Limits:
     max_events_per_engine: int = 100_000
     max_watchers_per_engine: int = 16
     max_list_page: int = 10_000
+    max_engine_page: int = 1_000
+    default_engine_page: int = 100
+    max_response_bytes: int = 2 << 20
 
 
 @dataclass(frozen=True)
