@@ -21,6 +21,7 @@ from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, ItemOutcome
+from rendezvous.core import paging
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Engine, Role, State, Transfer
 from rendezvous.protocol.convert import duration, number, timestamp
@@ -324,11 +325,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     revision = page.resync_revision
                     yield pb.WatchResponse(header=await self._header(), resync_required=True, resync_revision=revision)
                 elif page.events:
-                    revision = page.events[-1].revision + 1
-                    self.metrics.events_sent.inc(len(page.events))
-                    yield pb.WatchResponse(
-                        header=await self._header(), events=[wire.event_message(e) for e in page.events]
-                    )
+                    # Cut by bytes too, converted lazily: a peer's large agent metadata or labels, repeated in
+                    # many events, must not make one response larger than a client accepts.
+                    messages = (wire.event_message(e) for e in page.events)
+                    for events in paging.chunks(messages, _weigh, coordinator.limits.max_response_bytes):
+                        revision = events[-1].revision + 1
+                        self.metrics.events_sent.inc(len(events))
+                        yield pb.WatchResponse(header=await self._header(), events=events)
                 elif await coordinator.store.get_engine(engine_id) is None:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,
