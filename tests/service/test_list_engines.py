@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvous import cli
 from rendezvous.core import Limits, Timeouts
@@ -135,3 +136,28 @@ async def test_the_engines_command_lists_every_page(
     assert await asyncio.to_thread(cli.main, ["engines", "--address", server.address]) == 0
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [row.split()[0] for row in rows] == ids
+
+
+async def test_health_answers_within_its_deadline_while_every_page_of_a_large_fleet_is_listed() -> None:
+    # Default page limits: 400 engines with the most label bytes allowed, listed at the largest page size
+    # with their metadata, while a probe with a 1 s deadline (a Kubernetes gRPC probe's default) checks health.
+    server = RendezvousServer(ServerConfig(listen="127.0.0.1:0", grace=0.2))
+    await server.start()
+    labels = {f"k{i}": "v" * (Limits().max_labels_bytes // 4 - 3) for i in range(4)}
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = Stub(channel)
+            for i in range(400):
+                await stub.RegisterEngine(engine_request(f"d{i:03d}", CONSUMER, labels=labels))
+            health = health_pb2_grpc.HealthStub(channel)
+            listing = asyncio.ensure_future(every_page(stub, pb.ListEnginesRequest(page_size=1000)))
+            probes = 0
+            while not listing.done():
+                answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+                probes += 1
+            pages = await listing
+    finally:
+        await server.stop(0)
+    assert sum(len(p.engines) for p in pages) == 400 and len(pages) > 1  # cut by bytes, not by count
+    assert all(p.ByteSize() < 4 << 20 for p in pages) and probes >= 1
