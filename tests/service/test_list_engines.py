@@ -1,5 +1,5 @@
 """ListEngines pages (AIP-158): a default and a maximum page size, tokens bound to the listing, pages
-bounded in bytes, and labels or agent metadata left out on request."""
+bounded in bytes (ListTransfers pages too), and labels or agent metadata left out on request."""
 
 from __future__ import annotations
 
@@ -161,3 +161,19 @@ async def test_health_answers_within_its_deadline_while_every_page_of_a_large_fl
         await server.stop(0)
     assert sum(len(p.engines) for p in pages) == 400 and len(pages) > 1  # cut by bytes, not by count
     assert all(p.ByteSize() < 4 << 20 for p in pages) and probes >= 1
+
+
+async def test_a_list_transfers_page_is_cut_by_bytes_the_same_way(stub: Stub) -> None:
+    await register(stub, 1)
+    ids = [f"t{i:02d}" for i in range(40)]
+    targets = [pb.TargetSpec(transfer_id=t, block_ids=list(range(60))) for t in ids]
+    await stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d00", targets=targets))
+    pages = []
+    token = ""
+    while True:
+        pages.append(await stub.ListTransfers(pb.ListTransfersRequest(page_size=1000, page_token=token)))
+        token = pages[-1].next_page_token
+        if not token:
+            break
+    assert [t.transfer_id for p in pages for t in p.transfers] == ids
+    assert len(pages) > 1 and all(p.ByteSize() <= LIMITS.max_response_bytes + 200 for p in pages)
