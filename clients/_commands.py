@@ -21,6 +21,7 @@ from clients._types import (
     ClaimSpec,
     CompletionSpec,
     EngineInfo,
+    EnginePage,
     EngineRole,
     EngineSpec,
     ItemResult,
@@ -93,14 +94,19 @@ def _engine(response: pb.GetEngineResponse) -> EngineInfo:
     return _convert.engine(response.engine)
 
 
-def list_engines(pool: str, role: EngineRole | None, omit_agent_metadata: bool) -> Call[list[EngineInfo]]:
-    """ListEngines, optionally of one pool and role."""
-    request = pb.ListEnginesRequest(pool=pool, role=number(role or 0), omit_agent_metadata=omit_agent_metadata)
-    return Call("ListEngines", request, _engines, idempotent=True)
-
-
-def _engines(response: pb.ListEnginesResponse) -> list[EngineInfo]:
-    return [_convert.engine(e) for e in response.engines]
+def list_engines(
+    pool: str, role: EngineRole | None, omit_agent_metadata: bool, omit_labels: bool, page_size: int, page_token: str
+) -> Call[EnginePage]:
+    """ListEngines: one page, optionally of one pool and role."""
+    request = pb.ListEnginesRequest(
+        pool=pool,
+        role=number(role or 0),
+        omit_agent_metadata=omit_agent_metadata,
+        omit_labels=omit_labels,
+        page_size=page_size,
+        page_token=page_token,
+    )
+    return Call("ListEngines", request, _convert.engine_page, idempotent=True)
 
 
 # Transfers (batched; one ItemResult per item, in order)

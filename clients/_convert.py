@@ -11,6 +11,7 @@ from clients._types import (
     ClaimSpec,
     CompletionSpec,
     EngineInfo,
+    EnginePage,
     EngineRole,
     EngineSpec,
     Event,
@@ -210,6 +211,11 @@ def lease_renewal(m: pb.KeepAliveResponse) -> LeaseRenewal:
 def watch_batch(m: pb.WatchResponse) -> WatchBatch:
     """A Watch message as a record."""
     return WatchBatch(tuple(event(e) for e in m.events), m.resync_required, m.resync_revision, m.header.epoch)
+
+
+def engine_page(m: pb.ListEnginesResponse) -> EnginePage:
+    """A ListEngines answer as a record."""
+    return EnginePage(tuple(engine(e) for e in m.engines), m.next_page_token)
 
 
 def transfer_page(m: pb.ListTransfersResponse) -> TransferPage:

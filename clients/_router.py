@@ -14,6 +14,9 @@ from clients._types import AbortSpec, EngineInfo, EngineRole, ItemResult, KvLayo
 from clients.aio import AsyncRendezvousClient
 from rendezvous.protocol import kvmap
 
+_PAGE_SIZE = 1_000
+"""Engines asked for per ListEngines page (the server caps it at its max_engine_page)."""
+
 
 class PickPolicy(enum.Enum):
     """How a router chooses among the live engines of its pools."""
@@ -61,8 +64,9 @@ class RouterClient:
         return mint_transfer_id()
 
     async def list_engines(self, pool: str = "", role: EngineRole | None = None) -> list[EngineInfo]:
-        """Live engines sorted by id (without NIXL metadata), optionally of one pool and role."""
-        return await self._client.list_engines(pool, role, omit_agent_metadata=True)
+        """Live engines sorted by id (without NIXL metadata), optionally of one pool and role: every page."""
+        engines = self._client.iter_engines(pool, role, omit_agent_metadata=True, page_size=_PAGE_SIZE)
+        return [engine async for engine in engines]
 
     async def _live(self, pool: str, role: EngineRole) -> list[EngineInfo]:
         key = (pool, role)

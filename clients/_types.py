@@ -109,6 +109,14 @@ class TransferInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class EnginePage:
+    """One page of ListEngines; pass next_page_token back for the next ("" on the last page)."""
+
+    engines: tuple[EngineInfo, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True, slots=True)
 class TransferPage:
     """One page of ListTransfers; pass next_page_token back for the next ("" on the last page)."""
 

@@ -115,16 +115,42 @@ class AsyncRendezvousClient(ClientBase[grpc.aio.Channel]):
         """One live engine, with its NIXL agents."""
         return await self._invoke(commands.get_engine(engine_id), timeout)
 
+    async def iter_engines(
+        self,
+        pool: str = "",
+        role: EngineRole | None = None,
+        *,
+        page_size: int = 0,
+        omit_agent_metadata: bool = False,
+        omit_labels: bool = False,
+        timeout: float | None = None,
+    ) -> AsyncIterator[EngineInfo]:
+        """Live engines sorted by id, optionally of one pool and role, page after page (page_size 0: the
+        server's default; timeout: per page)."""
+        token = ""
+        while True:
+            call = commands.list_engines(pool, role, omit_agent_metadata, omit_labels, page_size, token)
+            page = await self._invoke(call, timeout)
+            for engine in page.engines:
+                yield engine
+            token = page.next_page_token
+            if not token:
+                return
+
     async def list_engines(
         self,
         pool: str = "",
         role: EngineRole | None = None,
         *,
         omit_agent_metadata: bool = False,
+        omit_labels: bool = False,
         timeout: float | None = None,
     ) -> list[EngineInfo]:
-        """Live engines sorted by id, optionally of one pool and role."""
-        return await self._invoke(commands.list_engines(pool, role, omit_agent_metadata), timeout)
+        """Every live engine sorted by id, optionally of one pool and role (all pages; timeout: per page)."""
+        engines = self.iter_engines(
+            pool, role, omit_agent_metadata=omit_agent_metadata, omit_labels=omit_labels, timeout=timeout
+        )
+        return [engine async for engine in engines]
 
     # Transfers
 

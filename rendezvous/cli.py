@@ -252,9 +252,14 @@ def _inspect(args: argparse.Namespace) -> int:
             ]
             print(_table(("field", "value"), rows))
         elif args.command == "engines":
-            engines = stub.ListEngines(
-                pb.ListEnginesRequest(pool=args.pool, omit_agent_metadata=True), timeout=args.timeout, metadata=metadata
-            ).engines
+            engines = []
+            request = pb.ListEnginesRequest(pool=args.pool, omit_agent_metadata=True, omit_labels=True)
+            while True:  # every page (a page is bounded in count and bytes; --timeout applies to each)
+                page = stub.ListEngines(request, timeout=args.timeout, metadata=metadata)
+                engines += page.engines
+                request.page_token = page.next_page_token
+                if not request.page_token:
+                    break
             print(
                 _table(
                     ("engine", "pool", "role", "incarnation", "agents", "live transfers", "registered"),

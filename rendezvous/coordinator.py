@@ -8,8 +8,6 @@ an observer (metrics). It knows nothing of gRPC; the server maps the wire onto i
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,6 +16,7 @@ from functools import partial
 from typing import Protocol, TypeVar
 
 from rendezvous.core import engines as engine_rules
+from rendezvous.core import paging
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
@@ -54,6 +53,14 @@ class ItemOutcome:
     transfer_id: str
     transfer: Transfer | None = None
     error: RendezvousError | None = None
+
+
+@dataclass(frozen=True)
+class EnginePage:
+    """One page of ListEngines."""
+
+    engines: list[Engine]
+    next_page_token: str
 
 
 @dataclass(frozen=True)
@@ -167,15 +174,33 @@ class Coordinator:
             raise RendezvousError(Reason.ENGINE_NOT_FOUND, f"engine {engine_id} is not registered", engine_id=engine_id)
         return engine
 
-    async def list_engines(self, pool: str = "", role: Role | None = None) -> list[Engine]:
-        """Live engines, sorted by id, optionally of one pool and role."""
+    async def list_engines(
+        self,
+        pool: str = "",
+        role: Role | None = None,
+        page_size: int = 0,
+        page_token: str = "",
+        weigh: Callable[[Engine], int] = paging.weightless,
+    ) -> EnginePage:
+        """Live engines sorted by id, optionally of one pool and role, paged.
+
+        A page also ends before it outgrows max_response_bytes by weigh (an engine's size in the
+        response); it holds one engine at least.
+        """
+        limits = self.limits
+        size = paging.page_size(page_size, limits.default_engine_page, limits.max_engine_page)
+        scope = f"engines {pool} {role.name if role else ''}"
+        after = paging.decode_token(scope, page_token)
         now = self.clock()
-        engines = [
-            e
-            for e in await self.store.list_engines()
-            if e.alive(now) and (not pool or e.pool == pool) and (role is None or e.role == role)
-        ]
-        return sorted(engines, key=lambda e: e.engine_id)
+
+        def wanted(e: Engine) -> bool:
+            return e.alive(now) and (not pool or e.pool == pool) and (role is None or e.role == role)
+
+        # One more than a page tells whether another follows.
+        found = await self.store.page_engines(after, size + 1, wanted)
+        page = paging.cut(found, size, weigh, limits.max_response_bytes)
+        token = paging.encode_token(scope, page[-1].engine_id) if len(found) > len(page) else ""
+        return EnginePage(page, token)
 
     async def _lose_engine(self, lost: Engine) -> int:
         """Abort the live transfers of an ended incarnation and tell its peers."""
@@ -334,18 +359,25 @@ class Coordinator:
         return t
 
     async def list_transfers(
-        self, engine_id: str = "", states: Iterable[State] = (), page_size: int = 0, page_token: str = ""
+        self,
+        engine_id: str = "",
+        states: Iterable[State] = (),
+        page_size: int = 0,
+        page_token: str = "",
+        weigh: Callable[[Transfer], int] = paging.weightless,
     ) -> TransferPage:
-        """Transfers sorted by id, paged; by default the live ones."""
+        """Transfers sorted by id, paged; by default the live ones. A page ends before it outgrows
+        max_response_bytes by weigh, as in list_engines."""
         if engine_id:
             check_id("engine_id", engine_id, self.limits)
         wanted = frozenset(states) or frozenset(LIVE_STATES)
-        size = min(page_size or self.limits.max_list_page, self.limits.max_list_page)
-        after = _decode_page_token(page_token)
+        size = paging.page_size(page_size, self.limits.max_list_page, self.limits.max_list_page)
+        scope = f"transfers {engine_id} {','.join(sorted(s.name for s in wanted))}"
+        after = paging.decode_token(scope, page_token)
         # One more than a page tells whether another follows; the store reads about a page, not everything.
         found = await self.store.page_transfers(engine_id or None, wanted, after, size + 1)
-        page = found[:size]
-        token = _encode_page_token(page[-1].transfer_id) if len(found) > size else ""
+        page = paging.cut(found, size, weigh, self.limits.max_response_bytes)
+        token = paging.encode_token(scope, page[-1].transfer_id) if len(found) > len(page) else ""
         return TransferPage(page, token)
 
     # Events
@@ -462,16 +494,3 @@ def _limited(
 
 def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:
     return engines.get(cur.consumer_engine_id) if cur and cur.consumer_engine_id else None
-
-
-def _encode_page_token(last_id: str) -> str:
-    return base64.urlsafe_b64encode(last_id.encode()).decode()
-
-
-def _decode_page_token(token: str) -> str:
-    if not token:
-        return ""
-    try:
-        return base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        raise RendezvousError(Reason.PAGE_TOKEN_INVALID, "page_token is not one this server issued") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from google.rpc import error_details_pb2, status_pb2
 
 from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
+from rendezvous.core.limits import clip
 from rendezvous.core.model import Engine, Event, Mode, Outcome, Role, Transfer
 from rendezvous.core.specs import (
     AbortSpec,
@@ -37,19 +38,15 @@ _GRPC_CODE_NUMBERS: dict[Code, int] = {
 
 # An error travels in trailers, which clients cap (16 KiB by default): a huge id echoed into the
 # message or metadata would turn a refusal with a reason into a bare RESOURCE_EXHAUSTED.
-_MAX_ERROR_MESSAGE = 400
-_MAX_ERROR_METADATA_VALUE = 100
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+_MAX_ERROR_MESSAGE_BYTES = 400
+_MAX_ERROR_METADATA_VALUE_BYTES = 100
 
 
 def error_status(err: RendezvousError) -> status_pb2.Status:
     """A domain error as google.rpc.Status with one ErrorInfo detail (AIP-193); long texts are clipped."""
-    metadata = {k: _clip(v, _MAX_ERROR_METADATA_VALUE) for k, v in err.metadata.items()}
+    metadata = {k: clip(v, _MAX_ERROR_METADATA_VALUE_BYTES) for k, v in err.metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=err.reason.value, domain=ERROR_DOMAIN, metadata=metadata)
-    status = status_pb2.Status(code=_GRPC_CODE_NUMBERS[err.code], message=_clip(err.message, _MAX_ERROR_MESSAGE))
+    status = status_pb2.Status(code=_GRPC_CODE_NUMBERS[err.code], message=clip(err.message, _MAX_ERROR_MESSAGE_BYTES))
     status.details.add().Pack(info)
     return status
 
@@ -143,15 +140,17 @@ def abort_specs(req: pb.AbortTransferRequest) -> list[AbortSpec]:
 # Domain -> responses
 
 
-def engine_message(e: Engine, include_metadata: bool = True, live_transfers: int = 0) -> pb.Engine:
-    """An engine record as a message."""
+def engine_message(
+    e: Engine, include_metadata: bool = True, live_transfers: int = 0, include_labels: bool = True
+) -> pb.Engine:
+    """An engine record as a message; without agent metadata bytes or labels when asked."""
     return pb.Engine(
         engine_id=e.engine_id,
         pool=e.pool,
         role=number(e.role),
         layout=convert.layout_message(e.layout),
         agents=[convert.agent_message(a, include_metadata) for a in e.agents],
-        labels=dict(e.labels),
+        labels=dict(e.labels) if include_labels else None,
         incarnation=e.incarnation,
         lease_ttl=duration(e.lease_ttl),
         lease_expire_time=timestamp(e.lease_expires_at),

@@ -7,19 +7,35 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Limits:
-    """Hard limits; requests beyond them are rejected with a reason, never truncated."""
+    """Hard limits; requests beyond them are rejected with a reason, never truncated.
+
+    Two exceptions, because neither is worth refusing a call for: an abort or completion message is
+    clipped to `max_abort_message_bytes`, and a response (a ListEngines or ListTransfers page, a Watch batch) is cut
+    before it grows past `max_response_bytes` (the rest follows in the next page or batch). Byte sizes
+    are of UTF-8. Under the defaults the largest single engine or event stays under 4 MiB, the receive
+    limit of a gRPC client left at its defaults (tests/security/test_sizes.py checks it).
+    """
 
     max_id_length: int = 256
     max_blocks_per_target: int = 65_536
     max_batch_items: int = 4_096
     max_live_transfers_per_engine: int = 100_000
     max_agents_per_engine: int = 256
-    max_regions_per_agent: int = 65_536
+    max_regions_per_agent: int = 16_384
+    max_regions_per_engine: int = 16_384
     max_agent_metadata_bytes: int = 1 << 20
+    max_engine_agent_metadata_bytes: int = 2 << 20
     max_labels: int = 64
+    max_label_key_bytes: int = 256
+    max_label_value_bytes: int = 4_096
+    max_labels_bytes: int = 16_384
+    max_abort_message_bytes: int = 1_024
     max_events_per_engine: int = 100_000
     max_watchers_per_engine: int = 16
     max_list_page: int = 10_000
+    max_engine_page: int = 1_000
+    default_engine_page: int = 100
+    max_response_bytes: int = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -34,3 +50,11 @@ class Timeouts:
     max_timeout: float = 3_600.0
     release_timeout: float = 120.0
     tombstone_ttl: float = 300.0
+
+
+def clip(text: str, max_bytes: int) -> str:
+    """text cut to at most max_bytes of UTF-8, on a character boundary, ending in "..." when cut."""
+    data = text.encode()
+    if len(data) <= max_bytes:
+        return text
+    return data[: max(max_bytes - 3, 0)].decode(errors="ignore") + "..."[:max_bytes]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from rendezvous.core.engines import layout_mismatch
 from rendezvous.core.errors import Reason, RendezvousError
-from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.limits import Limits, Timeouts, clip
 from rendezvous.core.model import (
     AbortReason,
     Addressed,
@@ -138,12 +138,15 @@ def _abort(
     notify: Iterable[str],
     producer_stopped: bool = False,
 ) -> Transition:
-    """Abort t. Unless the producer has stopped, a generation it may be writing stays fenced."""
+    """Abort t. Unless the producer has stopped, a generation it may be writing stays fenced.
+
+    The message (a caller's, from AbortSpec or a failed CompletionSpec) is clipped: it travels to the peer.
+    """
     revoking = 0 if producer_stopped else (t.revoking_generation or t.assigned_generation)
     aborted = replace(
         _tombstone(ctx, t, State.ABORTED),
         abort_reason=reason,
-        abort_message=message,
+        abort_message=clip(message, ctx.limits.max_abort_message_bytes),
         assigned_generation=0,
         revoking_generation=revoking,
         reported_ranks=t.reported_ranks if revoking else (),
@@ -608,7 +611,7 @@ def abort(ctx: Context, cur: Transfer | None, caller: Engine | None, spec: Abort
             state=State.ABORTED,
             deadline=0.0,
             abort_reason=AbortReason.REQUESTED,
-            abort_message=spec.message,
+            abort_message=clip(spec.message, ctx.limits.max_abort_message_bytes),
         )
         return Transition(_tombstone(ctx, unknown, State.ABORTED))
     caller_id = caller.engine_id if caller else ""

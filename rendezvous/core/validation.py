@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
@@ -76,13 +76,25 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
     check_id("pool", spec.pool, limits)
     if spec.role is None:
         raise RendezvousError(Reason.ROLE_UNSPECIFIED, "role must be PRODUCER or CONSUMER")
-    if len(spec.labels) > limits.max_labels:
-        raise RendezvousError(Reason.LABELS_INVALID, f"more than {limits.max_labels} labels", limit=limits.max_labels)
+    _check_labels(spec.labels, limits)
+    for name in ("model_fingerprint", "dtype", "kv_layout"):
+        text = getattr(spec.layout, name)
+        if len(text.encode()) > limits.max_id_length:
+            raise _too_large(Reason.LAYOUT_INVALID, name, f"layout {name}", limits.max_id_length)
     if len(spec.agents) > limits.max_agents_per_engine:
         raise RendezvousError(
             Reason.AGENTS_INVALID,
             f"more than {limits.max_agents_per_engine} agents",
             limit=limits.max_agents_per_engine,
+        )
+    # Counted before any agent's regions are compared with each other.
+    regions = sum(len(a.regions) for a in spec.agents)
+    if regions > limits.max_regions_per_engine:
+        raise RendezvousError(
+            Reason.AGENTS_INVALID,
+            f"the agents have {regions} regions; the limit is {limits.max_regions_per_engine} per engine",
+            field="regions",
+            limit=limits.max_regions_per_engine,
         )
     names = [a.name for a in spec.agents]
     if len(set(names)) != len(names):
@@ -101,10 +113,11 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
                 field="memory_kind",
             )
         if len(agent.metadata) > limits.max_agent_metadata_bytes:
-            raise RendezvousError(
+            raise _too_large(
                 Reason.AGENTS_INVALID,
-                f"agent {agent.name} metadata exceeds {limits.max_agent_metadata_bytes} bytes",
-                limit=limits.max_agent_metadata_bytes,
+                "agents.metadata",
+                f"agent {agent.name} metadata ({len(agent.metadata)} bytes)",
+                limits.max_agent_metadata_bytes,
             )
         if len(agent.regions) > limits.max_regions_per_agent:
             raise RendezvousError(
@@ -113,6 +126,51 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
                 limit=limits.max_regions_per_agent,
             )
         _check_regions(agent)
+    metadata_bytes = sum(len(a.metadata) for a in spec.agents)
+    if metadata_bytes > limits.max_engine_agent_metadata_bytes:
+        raise _too_large(
+            Reason.AGENTS_INVALID,
+            "agents.metadata",
+            f"the agents' metadata ({metadata_bytes} bytes)",
+            limits.max_engine_agent_metadata_bytes,
+        )
+
+
+def _check_labels(labels: Mapping[str, str], limits: Limits) -> None:
+    """Labels are few and short: each key and value, and all of them together, within their byte limits.
+
+    A peer's labels travel in other engines' events and in every ListEngines page, so their size is
+    bounded like any other field a caller does not control.
+    """
+    if len(labels) > limits.max_labels:
+        raise RendezvousError(
+            Reason.LABELS_INVALID, f"more than {limits.max_labels} labels", field="labels", limit=limits.max_labels
+        )
+    total = 0
+    for key, value in labels.items():
+        key_bytes, value_bytes = len(key.encode()), len(value.encode())
+        if key_bytes > limits.max_label_key_bytes:
+            raise _too_large(
+                Reason.LABELS_INVALID,
+                "labels.key",
+                f"label key {key!r} ({key_bytes} bytes)",
+                limits.max_label_key_bytes,
+            )
+        if value_bytes > limits.max_label_value_bytes:
+            raise _too_large(
+                Reason.LABELS_INVALID,
+                "labels.value",
+                f"label {key!r}'s value ({value_bytes} bytes)",
+                limits.max_label_value_bytes,
+            )
+        total += key_bytes + value_bytes
+    if total > limits.max_labels_bytes:
+        raise _too_large(Reason.LABELS_INVALID, "labels", f"the labels ({total} bytes)", limits.max_labels_bytes)
+
+
+def _too_large(reason: Reason, field: str, what: str, limit: int) -> RendezvousError:
+    """A size refusal that names the field and the limit, in the message and in ErrorInfo metadata."""
+    return RendezvousError(reason, f"{what}: over the limit of {limit} bytes", field=field, limit=limit)
 
 
 def _check_regions(agent: NixlAgent) -> None:

@@ -29,7 +29,8 @@ class Reason(StrEnum):
     """Negative layout sizes, TP or PP below 1, or KV heads that TP does not divide."""
 
     AGENTS_INVALID = "AGENTS_INVALID"
-    """Bad NIXL agents: names, missing or repeated ranks, layers, regions, memory kind, limits."""
+    """Bad NIXL agents: names, missing or repeated ranks, layers, regions, memory kind, limits
+ (metadata bytes per agent and per engine included)."""
 
     BLOCK_ID_NEGATIVE = "BLOCK_ID_NEGATIVE"
     """A negative block id."""
@@ -56,7 +57,7 @@ class Reason(StrEnum):
     """A TargetSpec.mode the server does not know."""
 
     LABELS_INVALID = "LABELS_INVALID"
-    """More labels than the server allows."""
+    """More labels, or longer label keys, values or labels in all, than the server allows."""
 
     BATCH_EMPTY = "BATCH_EMPTY"
     """A batched call without items."""

@@ -21,8 +21,9 @@ from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, ItemOutcome
+from rendezvous.core import paging
 from rendezvous.core.errors import Reason, RendezvousError
-from rendezvous.core.model import Role, State
+from rendezvous.core.model import Engine, Role, State, Transfer
 from rendezvous.protocol import tracing
 from rendezvous.protocol.convert import duration, number, timestamp
 from rendezvous.server.metrics import Metrics
@@ -117,6 +118,14 @@ def _trace_items(outcomes: Sequence[ItemOutcome]) -> None:
         if o.error is not None:
             attributes["kv_rendezvous.error"] = o.error.reason.name
         span.add_event("transfer", attributes)
+
+
+_FRAMING_BYTES = 16
+"""Allowance for an item's tag and length in a repeated field, over the item's own ByteSize."""
+
+
+def _weigh(message: Message) -> int:
+    return message.ByteSize() + _FRAMING_BYTES
 
 
 class WatcherRegistry:
@@ -240,11 +249,22 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
         role = Role(request.role) if request.role in (1, 2) else None
-        engines = await self.coordinator.list_engines(request.pool, role)
-        live = await self.coordinator.store.live_transfer_counts([e.engine_id for e in engines])
+        messages: dict[str, pb.Engine] = {}
+
+        def weigh(engine: Engine) -> int:
+            # Built once: the page keeps the messages it was cut by.
+            messages[engine.engine_id] = message = wire.engine_message(
+                engine, not request.omit_agent_metadata, include_labels=not request.omit_labels
+            )
+            return _weigh(message)
+
+        page = await self.coordinator.list_engines(request.pool, role, request.page_size, request.page_token, weigh)
+        live = await self.coordinator.store.live_transfer_counts([e.engine_id for e in page.engines])
+        engines = [messages[e.engine_id] for e in page.engines]
+        for message in engines:
+            message.live_transfers = live[message.engine_id]
         return pb.ListEnginesResponse(
-            header=await self._header(),
-            engines=[wire.engine_message(e, not request.omit_agent_metadata, live[e.engine_id]) for e in engines],
+            header=await self._header(), engines=engines, next_page_token=page.next_page_token
         )
 
     # Transfers
@@ -273,10 +293,18 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         states = [State(s) for s in request.states if s in State._value2member_map_]
         if len(states) != len(request.states):
             raise RendezvousError(Reason.STATE_INVALID, "states must be known TransferState values")
-        page = await self.coordinator.list_transfers(request.engine_id, states, request.page_size, request.page_token)
+        messages: dict[str, pb.Transfer] = {}
+
+        def weigh(transfer: Transfer) -> int:
+            messages[transfer.transfer_id] = message = wire.transfer_message(transfer)
+            return _weigh(message)
+
+        page = await self.coordinator.list_transfers(
+            request.engine_id, states, request.page_size, request.page_token, weigh
+        )
         return pb.ListTransfersResponse(
             header=await self._header(),
-            transfers=[wire.transfer_message(t) for t in page.transfers],
+            transfers=[messages[t.transfer_id] for t in page.transfers],
             next_page_token=page.next_page_token,
         )
 
@@ -318,11 +346,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     revision = page.resync_revision
                     yield pb.WatchResponse(header=await self._header(), resync_required=True, resync_revision=revision)
                 elif page.events:
-                    revision = page.events[-1].revision + 1
-                    self.metrics.events_sent.inc(len(page.events))
-                    yield pb.WatchResponse(
-                        header=await self._header(), events=[wire.event_message(e) for e in page.events]
-                    )
+                    # Cut by bytes too, converted lazily: a peer's large agent metadata or labels, repeated in
+                    # many events, must not make one response larger than a client accepts.
+                    messages = (wire.event_message(e) for e in page.events)
+                    for events in paging.chunks(messages, _weigh, coordinator.limits.max_response_bytes):
+                        revision = events[-1].revision + 1
+                        self.metrics.events_sent.inc(len(events))
+                        yield pb.WatchResponse(header=await self._header(), events=events)
                 elif await coordinator.store.get_engine(engine_id) is None:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,

@@ -24,6 +24,9 @@ TransferFn = Callable[[Transfer | None, Mapping[str, Engine]], Transition]
 EngineFn = Callable[[Engine | None], Engine | None]
 """An engine update: gets the current record (live or ended), returns the new one (None deletes)."""
 
+EngineFilter = Callable[[Engine], bool]
+"""Which engine records a listing wants (pure: a backend may call it on records it then drops)."""
+
 
 @dataclass(frozen=True)
 class EventPage:
@@ -85,8 +88,12 @@ class Store(ABC):
         """An engine record, live or ended (tombstone), or None."""
 
     @abstractmethod
-    async def list_engines(self) -> list[Engine]:
-        """Every engine record, live or ended."""
+    async def page_engines(self, after: str, limit: int, keep: EngineFilter) -> list[Engine]:
+        """Up to limit engine records (live or ended) with ids above after, by id, that keep accepts.
+
+        One page of ListEngines: backends read about a page's worth of records where keep accepts most,
+        never every record at once.
+        """
 
     @abstractmethod
     async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store._sorted import SortedIds
-from rendezvous.store.base import EngineFn, EventPage, Store, StoreCounts, TransferFn
+from rendezvous.store.base import EngineFilter, EngineFn, EventPage, Store, StoreCounts, TransferFn
 
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
@@ -38,7 +38,7 @@ class _EventLog:
 
 
 class MemoryStore(Store):
-    """Dicts, a deadline heap and bounded per-engine deques."""
+    """Dicts, id-ordered indexes, a deadline heap and bounded per-engine deques."""
 
     name = "memory"
 
@@ -46,6 +46,7 @@ class MemoryStore(Store):
         self._epoch = secrets.randbits(63) or 1
         self._revision = 0
         self._engines: dict[str, Engine] = {}
+        self._engine_ids = SortedIds()  # for paging ListEngines
         self._transfers: dict[str, Transfer] = {}
         self._live_by_engine: dict[str, set[str]] = {}
         # Id order, for paging (_order keeps them): every transfer, the live ones, each engine's.
@@ -77,17 +78,28 @@ class MemoryStore(Store):
     async def get_engine(self, engine_id: str) -> Engine | None:
         return self._engines.get(engine_id)
 
-    async def list_engines(self) -> list[Engine]:
-        return list(self._engines.values())
+    async def page_engines(self, after: str, limit: int, keep: EngineFilter) -> list[Engine]:
+        page: list[Engine] = []
+        if limit <= 0:
+            return page
+        for engine_id in self._engine_ids.after(after):
+            engine = self._engines[engine_id]
+            if keep(engine):
+                page.append(engine)
+                if len(page) == limit:
+                    break
+        return page
 
     async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
         new = fn(self._engines.get(engine_id))
         self._revision += 1
         if new is None:
             self._engines.pop(engine_id, None)
+            self._engine_ids.discard(engine_id)
             self._logs.pop(engine_id, None)
             return None
         self._engines[engine_id] = new
+        self._engine_ids.add(engine_id)
         if engine_id not in self._logs:
             self._logs[engine_id] = _EventLog(self._max_events)
         return new

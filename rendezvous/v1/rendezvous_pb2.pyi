@@ -286,22 +286,30 @@ class GetEngineResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
-    __slots__ = ("pool", "role", "omit_agent_metadata")
+    __slots__ = ("pool", "role", "omit_agent_metadata", "page_size", "page_token", "omit_labels")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     OMIT_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OMIT_LABELS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     role: EngineRole
     omit_agent_metadata: bool
-    def __init__(self, pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., omit_agent_metadata: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    omit_labels: bool
+    def __init__(self, pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., omit_agent_metadata: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., omit_labels: _Optional[bool] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
-    __slots__ = ("header", "engines")
+    __slots__ = ("header", "engines", "next_page_token")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     header: ResponseHeader
     engines: _containers.RepeatedCompositeFieldContainer[Engine]
-    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[Engine, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline", "times", "reported_ranks")

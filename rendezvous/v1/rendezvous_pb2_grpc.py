@@ -174,7 +174,7 @@ class RendezvousServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListEngines(self, request, context):
-        """ListEngines lists live engines, optionally filtered by pool and role.
+        """ListEngines lists live engines, optionally filtered by pool and role, one page at a time (AIP-158).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from rendezvous.core import KvLayout, KvRegion, NixlAgent, Role
+from rendezvous.core import Engine, KvLayout, KvRegion, NixlAgent, Role
 from rendezvous.core.specs import EngineSpec
+from rendezvous.store.base import Store
 
 T = TypeVar("T")
 
@@ -46,3 +47,8 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         return done.value  # type: ignore[no-any-return]
     coro.close()
     raise AssertionError("coroutine suspended; only non-blocking store calls may be driven synchronously")
+
+
+async def every_engine(store: Store) -> list[Engine]:
+    """Every engine record of a store, live or ended, by id."""
+    return await store.page_engines("", 1 << 30, lambda _e: True)

@@ -48,7 +48,7 @@ from rendezvous.core.engines import end_incarnation, register_engine
 from rendezvous.core.specs import EngineSpec
 from rendezvous.store import MemoryStore
 from tests.ci import examples
-from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, run
+from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, every_engine, run
 
 CONSUMERS = ("c0", "c1")
 PRODUCERS = ("p0", "p1")
@@ -410,7 +410,7 @@ class Lifecycle(RuleBasedStateMachine):
             self.clock.advance(TIMEOUTS.max_lease_ttl + TIMEOUTS.tombstone_ttl + TIMEOUTS.max_timeout)
             self._after()
         assert run(self.store.list_transfers()) == []
-        assert run(self.store.list_engines()) == []
+        assert run(every_engine(self.store)) == []
 
 
 Lifecycle.TestCase.settings = settings(

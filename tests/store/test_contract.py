@@ -34,7 +34,7 @@ from rendezvous.core.model import (
 )
 from rendezvous.core.transfers import Transition
 from rendezvous.store import Store
-from tests.core.helpers import engine_spec
+from tests.core.helpers import engine_spec, every_engine
 from tests.store.conftest import StoreFactory
 
 NOW = 1_000_000.0
@@ -83,7 +83,7 @@ async def test_an_open_store_answers_and_has_an_epoch(store: Store) -> None:
 async def test_a_fresh_store_knows_nothing(store: Store) -> None:
     assert await store.get_engine("e") is None
     assert await store.get_transfer("t") is None
-    assert await store.list_engines() == []
+    assert await every_engine(store) == []
     assert await store.list_transfers() == []
     assert await store.list_transfers("e") == []
     assert await store.live_transfer_ids("e") == []
@@ -126,7 +126,7 @@ async def test_an_engine_record_round_trips_exactly(store: Store) -> None:
     )
     await put_engine(store, engine)
     assert await store.get_engine("e:1/x") == engine
-    assert await store.list_engines() == [engine]
+    assert await every_engine(store) == [engine]
 
 
 async def test_update_engine_creates_replaces_and_deletes(store: Store) -> None:
@@ -144,7 +144,7 @@ async def test_update_engine_creates_replaces_and_deletes(store: Store) -> None:
     assert await store.get_engine("e") == renewed
     assert await store.update_engine("e", lambda _cur: None) is None
     assert await store.get_engine("e") is None
-    assert await store.list_engines() == []
+    assert await every_engine(store) == []
 
 
 async def test_a_failing_engine_update_changes_nothing(store: Store) -> None:
@@ -171,6 +171,49 @@ async def test_engines_whose_lease_passed_or_whose_tombstone_aged_have_lapsed(st
         "old",
     ]
     assert [e.engine_id for e in await store.lapsed_engines(NOW - 15, 1000)] == []
+
+
+async def test_page_engines_lists_by_id_after_a_key_up_to_the_limit_that_the_filter_keeps(store: Store) -> None:
+    for engine_id in ("e3", "e1", "p2", "e4", "e2"):
+        await put_engine(store, make_engine(engine_id, Role.PRODUCER if engine_id.startswith("p") else Role.CONSUMER))
+    await put_engine(store, engine_rules.end_incarnation(NOW, make_engine("e0")))
+
+    def ids(page: list[Engine]) -> list[str]:
+        return [e.engine_id for e in page]
+
+    assert ids(await store.page_engines("", 10, lambda _e: True)) == ["e0", "e1", "e2", "e3", "e4", "p2"]
+    assert ids(await store.page_engines("e1", 2, lambda _e: True)) == ["e2", "e3"]
+    assert ids(await store.page_engines("e2x", 10, lambda _e: True)) == ["e3", "e4", "p2"]
+    consumers = await store.page_engines("", 3, lambda e: e.role == Role.CONSUMER and not e.ended_at)
+    assert ids(consumers) == ["e1", "e2", "e3"]
+    assert ids(await store.page_engines("e3", 3, lambda e: e.role == Role.CONSUMER)) == ["e4"]
+    assert await store.page_engines("p2", 10, lambda _e: True) == []
+    assert await store.page_engines("", 0, lambda _e: True) == []
+    assert (await store.page_engines("e3", 1, lambda _e: True))[0] == await store.get_engine("e4")
+
+
+async def test_page_engines_follows_new_replaced_and_deleted_records(store: Store) -> None:
+    await put_engine(store, make_engine("b"))
+    await put_engine(store, make_engine("d"))
+    await put_engine(store, make_engine("a"))
+    await put_engine(store, make_engine("c"))
+    await store.update_engine("b", lambda _cur: None)
+    renewed = await store.update_engine("d", lambda cur: engine_rules.renew_lease(NOW + 5, cur))  # type: ignore[arg-type]
+    page = await store.page_engines("", 10, lambda _e: True)
+    assert [e.engine_id for e in page] == ["a", "c", "d"]
+    assert page[-1] == renewed
+
+
+async def test_page_engines_pages_through_many_in_order_with_a_sparse_filter(store: Store) -> None:
+    ids = [f"e{i:03d}" for i in range(200)]
+    for engine_id in reversed(ids):
+        await put_engine(store, make_engine(engine_id, Role.PRODUCER if int(engine_id[1:]) % 7 else Role.CONSUMER))
+    seen: list[str] = []
+    after = ""
+    while page := await store.page_engines(after, 5, lambda e: e.role == Role.CONSUMER):
+        seen += [e.engine_id for e in page]
+        after = page[-1].engine_id
+    assert seen == [i for i in ids if int(i[1:]) % 7 == 0]
 
 
 async def test_counts_live_engines_and_live_transfers_by_state(store: Store) -> None:

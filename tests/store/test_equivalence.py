@@ -35,7 +35,7 @@ from rendezvous.core import (
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
 from tests.ci import examples
-from tests.core.helpers import Clock, engine_spec
+from tests.core.helpers import Clock, engine_spec, every_engine
 from tests.redis_fixtures import fresh_prefix, with_prefix
 
 pytestmark = pytest.mark.redis
@@ -109,7 +109,7 @@ async def state(store: Store) -> Any:
     counts = await store.counts()
     return (
         sorted(await store.list_transfers(), key=lambda t: t.transfer_id),
-        sorted(await store.list_engines(), key=lambda e: e.engine_id),
+        await every_engine(store),
         {e: sorted(await store.live_transfer_ids(e)) for e in CONSUMERS + PRODUCERS},
         logs,
         counts.live_engines,

@@ -36,7 +36,15 @@ from redis.backoff import ExponentialBackoff
 
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
-from rendezvous.store.base import EngineFn, EventPage, Store, StoreCounts, StoreUnavailableError, TransferFn
+from rendezvous.store.base import (
+    EngineFilter,
+    EngineFn,
+    EventPage,
+    Store,
+    StoreCounts,
+    StoreUnavailableError,
+    TransferFn,
+)
 from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer
 from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.batcher import Batcher
@@ -53,6 +61,8 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _SCAN_COUNT = 1000
+# Engine records read per script call while paging ListEngines.
+_ENGINE_CHUNK = 64
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 _APPEND_MEMORY_S = 300
 # How long a due transfer handed to one sweeper is hidden from the others.
@@ -226,8 +236,20 @@ class RedisStore(Store):
         return engines
 
     @_guarded
-    async def list_engines(self) -> list[Engine]:
-        return self._engines_in(await self._scripts.run("list_engines"))
+    async def page_engines(self, after: str, limit: int, keep: EngineFilter) -> list[Engine]:
+        # Ids only of every engine, sorted here; then the records from `after` on, a few at a time (an
+        # engine's record may be megabytes of agent metadata), until the page is full.
+        if limit <= 0:
+            return []
+        ids = sorted(eid for eid in await self._set_members(self._prefix + "engines") if eid > after)
+        chunk = min(limit, _ENGINE_CHUNK)
+        page: list[Engine] = []
+        for start in range(0, len(ids), chunk):
+            reply = await self._scripts.run("read_engines", ids=ids[start : start + chunk])
+            page += [e for e in self._engines_in(reply) if keep(e)]
+            if len(page) >= limit:
+                return page[:limit]
+        return page
 
     @_guarded
     async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:

@@ -104,7 +104,7 @@ SIGNATURES: Mapping[str, Signature] = {
     "read_events": Signature(("engine_id", "start_revision", "limit")),
     "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),
     "due_transfers": Signature(("now", "limit", "hold_until")),
-    "list_engines": Signature(helpers=("records",)),
+    "read_engines": Signature(groups=(Group("ids", ("engine_id",)),), helpers=("records",)),
     "engine_transfers": Signature(("engine_id",), helpers=("records",)),
     "scan_transfers": Signature(("cursor", "count"), helpers=("records",)),
     "select_transfers": Signature(("states", "limit"), (Group("ids", ("transfer_id",)),)),

@@ -1,0 +1,71 @@
+"""Paging (AIP-158): page sizes, opaque page tokens bound to the listing they continue, byte-bounded chunks."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+from rendezvous.core.errors import Reason, RendezvousError
+
+T = TypeVar("T")
+
+
+def page_size(requested: int, default: int, maximum: int) -> int:
+    """The page size to serve: the default when none was asked for, never above the maximum."""
+    return min(requested or default, maximum)
+
+
+def encode_token(scope: str, last_id: str) -> str:
+    """A token that continues a listing after last_id. scope names the listing and its filters, so a
+    token cannot continue another one."""
+    return base64.urlsafe_b64encode(f"{scope}\n{last_id}".encode()).decode()
+
+
+def decode_token(scope: str, token: str) -> str:
+    """The id a token continues after ("" for no token); PAGE_TOKEN_INVALID unless this scope issued it."""
+    if not token:
+        return ""
+    try:
+        text = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        text = ""
+    issued, _, last_id = text.rpartition("\n")
+    # Ids are printable without whitespace (validation.check_id), so a token's last id is one.
+    if issued != scope or not last_id or not last_id.isprintable() or any(c.isspace() for c in last_id):
+        raise RendezvousError(
+            Reason.PAGE_TOKEN_INVALID,
+            "page_token is not one this server issued for this listing (same filters as the first page)",
+            field="page_token",
+        )
+    return last_id
+
+
+def chunks(items: Iterable[T], weigh: Callable[[T], int], budget: int) -> Iterator[list[T]]:
+    """items in order, in consecutive lists that weigh at most budget in all, or of one item that alone
+    weighs more. Lazy: a chunk is yielded once the item after it has been weighed, no later."""
+    chunk: list[T] = []
+    weight = 0
+    for item in items:
+        w = weigh(item)
+        if chunk and weight + w > budget:
+            yield chunk
+            chunk, weight = [], 0
+        chunk.append(item)
+        weight += w
+    if chunk:
+        yield chunk
+
+
+def cut(items: Sequence[T], size: int, weigh: Callable[[T], int], budget: int) -> list[T]:
+    """A page of items: the first size, fewer if they weigh more than budget in all (one at least, if any)."""
+    return next(chunks(items[:size], weigh, budget), [])
+
+
+def weightless(_item: object) -> int:
+    """The weight of an item whose size is not counted."""
+    return 0
+
+
+__all__ = ["chunks", "cut", "decode_token", "encode_token", "page_size", "weightless"]

@@ -1,2 +1,0 @@
--- Reply: flat (engine id, version, record) of every engine.
-return add_engines({}, redis.call('SMEMBERS', P .. 'engines'))
