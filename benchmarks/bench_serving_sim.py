@@ -7,10 +7,17 @@ at a time); the KV bytes are real and sized like `--model` (bytes per token from
 `--kv-scale` to fit memory). Decode is a step loop (`--decode-step-ms` per step, every active request gets a
 token per step).
 
-  pull   as vLLM's default connector does it: the router sends the decode leg only after prefill finished
-         (relay); the consumer then allocates and registers its blocks, gets SOURCE_READY and READs. The
-         decode side's transfer setup runs on its step loop: each new pull request stalls the next step by
-         `--pull-setup-ms`, which shows in the TPOT of requests already decoding.
+  pull   as vLLM's default connector does it, paying each of its costs (named parameters, all on the path
+         after prefill finished):
+         - relay (`--pull-relay-ms`): the router learns prefill is done and sends the decode leg, one HTTP
+           hop later;
+         - admission at a step boundary: decode's scheduler allocates the request's blocks when its running
+           step ends (push pays this too, but while prefill still computes);
+         - handshake on first contact (`--pull-handshake-ms`): decode fetches prefill's NIXL metadata before
+           its first READ from that engine;
+         - the READ on the step loop: issued in the step that admitted the request, it is seen done at the next
+           step boundary (the request then decodes); its setup stalls that step by `--pull-setup-ms`, which
+           shows in the TPOT of requests already decoding.
   push   both legs at once through the rendezvous: the consumer registers its blocks while the producer
          computes; the producer's writer thread WRITEs as soon as the KV is ready.
   ideal  push's compute and raw WRITE time with no coordination: the KV lands at prefill done + the WRITE's
@@ -64,6 +71,8 @@ class Sim:
     prefill_s_per_token: float
     decode_step_s: float
     pull_setup_s: float
+    pull_relay_s: float
+    pull_handshake_s: float
     output_tokens: int
     block_bytes: int  # per region, whole engine (each of `ranks` ranks holds 1/ranks of it)
     pool_blocks: int
@@ -210,7 +219,13 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     registering: set[asyncio.Task[Any]] = set()
     reports.put(("started", "consumer"))
 
+    first_contact: list[asyncio.Task[None]] = []  # pull: fetching prefill's NIXL metadata, once
+
     async def register(transfer_id: str, target: list[int], mode: TransferMode) -> None:
+        if mode is TransferMode.PULL:  # no READ before decode holds the metadata
+            if not first_contact:
+                first_contact.append(asyncio.create_task(asyncio.sleep(sim.pull_handshake_s)))
+            await first_contact[0]
         for follower in agents[1:]:  # they expect their shares before rank 0 registers the target
             await follower.register_target(transfer_id, target, mode=mode)
         await agent.register_target(transfer_id, target, mode=mode)
@@ -252,9 +267,17 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
 
         stepping = asyncio.create_task(step_loop())
         loop = asyncio.get_running_loop()
-        while (command := await loop.run_in_executor(None, commands.get))[0] != "stop":
-            admissions.append(command[1:])
+
+        def admit(leg: tuple[str, int, bool]) -> None:
+            admissions.append(leg)
             wake.set()
+
+        while (command := await loop.run_in_executor(None, commands.get))[0] != "stop":
+            leg = command[1:]
+            if leg[2]:  # pull: the leg reaches decode one router hop after prefill finished
+                loop.call_later(sim.pull_relay_s, admit, leg)
+            else:
+                admit(leg)
         stepping.cancel()
     finally:
         for a in reversed(agents):
@@ -451,6 +474,10 @@ def main() -> None:
     parser.add_argument("--prefill-us-per-token", type=float, default=40.0, help="simulated prefill compute")
     parser.add_argument("--decode-step-ms", type=float, default=20.0, help="simulated decode step")
     parser.add_argument("--pull-setup-ms", type=float, default=2.0, help="pull setup on the decode step loop")
+    parser.add_argument("--pull-relay-ms", type=float, default=1.0, help="pull: the router's hop to decode")
+    parser.add_argument(
+        "--pull-handshake-ms", type=float, default=50.0, help="pull: decode's first contact with prefill"
+    )
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-32b", help="KV bytes per token")
     parser.add_argument("--kv-scale", type=int, default=32, help="divide the model's KV bytes per token by this")
     parser.add_argument("--pool-blocks", type=int, default=1024, help="KV blocks per engine")
@@ -473,6 +500,8 @@ def main() -> None:
                 prefill_s_per_token=args.prefill_us_per_token * 1e-6,
                 decode_step_s=args.decode_step_ms * 1e-3,
                 pull_setup_s=args.pull_setup_ms * 1e-3,
+                pull_relay_s=args.pull_relay_ms * 1e-3,
+                pull_handshake_s=args.pull_handshake_ms * 1e-3,
                 output_tokens=args.output_tokens,
                 block_bytes=bytes_per_token * BLOCK_TOKENS // REGIONS,
                 pool_blocks=args.pool_blocks,
