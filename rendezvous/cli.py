@@ -110,6 +110,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "tls-client-ca", None, "CA bundle that signs client certificates, for mTLS (file path or PEM)")
     _switch(g, "tls-require-client-cert", "mTLS: refuse clients without a certificate from --tls-client-ca")
     _flag(g, "auth-file", None, "JSON file binding tokens and certificate names to identities; unset: no auth")
+    _flag(g, "min-token-bytes", 16, "refuse to start if the auth file names a shorter token in the clear", int)
     _flag(g, "rate-limit", 0.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
     _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
     _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller; 0: unlimited", int)
@@ -160,6 +161,7 @@ def _config_from(args: argparse.Namespace) -> Any:
         health_listen=None if args.health_listen in ("", "off") else args.health_listen,
         tls=tls,
         auth_file=args.auth_file or None,
+        min_token_bytes=args.min_token_bytes,
         call_limits=CallLimits(args.rate_limit, args.rate_burst, args.max_concurrent_calls),
     )
 

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import paging
 from rendezvous.core import transfers as lifecycle
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
 from rendezvous.core.specs import (
@@ -353,9 +353,7 @@ class Coordinator:
         check_id("transfer_id", transfer_id, self.limits)
         t = await self.store.get_transfer(transfer_id)
         if t is None:
-            raise RendezvousError(
-                Reason.TRANSFER_NOT_FOUND, f"transfer {transfer_id} is unknown", transfer_id=transfer_id
-            )
+            raise transfer_not_found(transfer_id)
         return t
 
     async def list_transfers(

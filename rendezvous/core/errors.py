@@ -52,4 +52,9 @@ class RendezvousError(Exception):
         return f"RendezvousError({self.reason.value}, {self.message!r})"
 
 
-__all__ = ["ERROR_DOMAIN", "REASON_CODES", "Code", "Reason", "RendezvousError"]
+def transfer_not_found(transfer_id: str) -> RendezvousError:
+    """The answer for a transfer id the service does not know (or forgot)."""
+    return RendezvousError(Reason.TRANSFER_NOT_FOUND, f"transfer {transfer_id} is unknown", transfer_id=transfer_id)
+
+
+__all__ = ["ERROR_DOMAIN", "REASON_CODES", "Code", "Reason", "RendezvousError", "transfer_not_found"]

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from rendezvous.core.engines import layout_mismatch
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.core.limits import Limits, Timeouts, clip
 from rendezvous.core.model import (
     AbortReason,
@@ -124,10 +124,6 @@ def _not_participant(t: Transfer, engine_id: str) -> RendezvousError:
         transfer_id=t.transfer_id,
         engine_id=engine_id,
     )
-
-
-def _not_found(transfer_id: str) -> RendezvousError:
-    return RendezvousError(Reason.TRANSFER_NOT_FOUND, f"transfer {transfer_id} is unknown", transfer_id=transfer_id)
 
 
 def _abort(
@@ -322,7 +318,7 @@ def register_target(
     if cur.consumer_engine_id and cur.consumer_engine_id != consumer.engine_id:
         raise RendezvousError(
             Reason.TARGET_CONFLICT,
-            f"transfer {spec.transfer_id} is targeted by engine {cur.consumer_engine_id}",
+            f"transfer {spec.transfer_id} is targeted by another engine",
             transfer_id=spec.transfer_id,
         )
     gone = _fenced(ctx, cur, consumer, producer)
@@ -409,7 +405,7 @@ def _claim(
     if cur.producer_engine_id:
         raise RendezvousError(
             Reason.CLAIM_CONFLICT,
-            f"transfer {transfer_id} is claimed by engine {cur.producer_engine_id}",
+            f"transfer {transfer_id} is claimed by another engine",
             transfer_id=transfer_id,
         )
     claimed = replace(
@@ -504,7 +500,7 @@ def complete(
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
     ranks = _reporting_ranks(engine, spec.ranks)
     if cur is None:
-        raise _not_found(spec.transfer_id)
+        raise transfer_not_found(spec.transfer_id)
     if engine.engine_id not in cur.participants():
         raise _not_participant(cur, engine.engine_id)
     mover = cur.producer_engine_id if cur.mode == Mode.PUSH else cur.consumer_engine_id
@@ -553,7 +549,7 @@ def acknowledge_revocation(
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
     if cur is None:
-        raise _not_found(spec.transfer_id)
+        raise transfer_not_found(spec.transfer_id)
     if producer.engine_id not in cur.participants():
         raise _not_participant(cur, producer.engine_id)
     if producer.engine_id != cur.producer_engine_id:
@@ -579,7 +575,7 @@ def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseS
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
     if cur is None:
-        raise _not_found(spec.transfer_id)
+        raise transfer_not_found(spec.transfer_id)
     if consumer.engine_id not in cur.participants():
         raise _not_participant(cur, consumer.engine_id)
     if consumer.engine_id != cur.consumer_engine_id:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping, Sequence
 
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import KvRegion, MemoryKind, NixlAgent
+from rendezvous.core.model import MemoryKind
+from rendezvous.core.regions import check_regions
 from rendezvous.core.specs import EngineSpec
 from rendezvous.protocol.kvmap import ShapeError, rank_shapes
 
@@ -125,7 +125,7 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
                 f"agent {agent.name} has more than {limits.max_regions_per_agent} regions",
                 limit=limits.max_regions_per_agent,
             )
-        _check_regions(agent)
+        check_regions(agent)
     metadata_bytes = sum(len(a.metadata) for a in spec.agents)
     if metadata_bytes > limits.max_engine_agent_metadata_bytes:
         raise _too_large(
@@ -171,46 +171,3 @@ def _check_labels(labels: Mapping[str, str], limits: Limits) -> None:
 def _too_large(reason: Reason, field: str, what: str, limit: int) -> RendezvousError:
     """A size refusal that names the field and the limit, in the message and in ErrorInfo metadata."""
     return RendezvousError(reason, f"{what}: over the limit of {limit} bytes", field=field, limit=limit)
-
-
-def _check_regions(agent: NixlAgent) -> None:
-    """An agent publishes at least one region; regions are non-empty and no two share a byte.
-
-    Without a region no block id could be checked against the engine's pool. Agents of different
-    ranks live in different processes, so only the regions of one agent are compared.
-    """
-    if not agent.regions:
-        raise RendezvousError(Reason.AGENTS_INVALID, f"agent {agent.name} has no KV region", field="regions")
-    for region in agent.regions:
-        if region.block_length_bytes <= 0 or region.num_blocks <= 0:
-            raise RendezvousError(Reason.AGENTS_INVALID, f"agent {agent.name} has an empty region")
-        if region.num_blocks > 1 and region.block_stride_bytes < region.block_length_bytes:
-            raise RendezvousError(
-                Reason.AGENTS_INVALID, f"agent {agent.name} has a region whose blocks overlap (stride < length)"
-            )
-    for (i, a), (j, b) in itertools.combinations(enumerate(agent.regions), 2):
-        if _regions_overlap(a, b):
-            raise RendezvousError(
-                Reason.AGENTS_INVALID, f"agent {agent.name}: regions {i} and {j} overlap", field="regions"
-            )
-
-
-def _span(r: KvRegion) -> tuple[int, int]:
-    return r.base_address, r.base_address + (r.num_blocks - 1) * r.block_stride_bytes + r.block_length_bytes
-
-
-def _regions_overlap(a: KvRegion, b: KvRegion) -> bool:
-    """Whether two regions share a byte. Interleaved regions (K and V views of one [blocks, 2, ...]
-    tensor: same stride, offset by a block length) do not; regions of different strides whose spans
-    meet are refused, as no engine lays out its cache that way."""
-    if a.device_id != b.device_id:
-        return False
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    if a1 <= b0 or b1 <= a0:
-        return False
-    if a.block_stride_bytes != b.block_stride_bytes or a.num_blocks == 1 or b.num_blocks == 1:
-        return True
-    if b0 < a0:
-        a, b = b, a
-    offset = (b.base_address - a.base_address) % a.block_stride_bytes
-    return offset < a.block_length_bytes or a.block_stride_bytes - offset < b.block_length_bytes

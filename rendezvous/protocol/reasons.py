@@ -93,7 +93,8 @@ class Reason(StrEnum):
     """The call is for the other side of the transfer."""
 
     NOT_PARTICIPANT = "NOT_PARTICIPANT"
-    """The engine is neither the transfer's consumer nor its producer."""
+    """The engine is neither the transfer's consumer nor its producer (with auth on, only
+ admin identities are told so; others get TRANSFER_NOT_FOUND, as for an unknown id)."""
 
     STALE_GENERATION = "STALE_GENERATION"
     """A generation older than the transfer's current one."""
@@ -123,10 +124,12 @@ class Reason(StrEnum):
     """The engine has as many open watches as allowed."""
 
     UNAUTHENTICATED_TOKEN = "UNAUTHENTICATED_TOKEN"
-    """Auth is on and the call carried no known token or certificate."""
+    """Auth is on and the call carried no known token or certificate, or the stream's
+ identity left the auth file."""
 
     IDENTITY_MISMATCH = "IDENTITY_MISMATCH"
-    """The caller's identity may not act for this engine."""
+    """The caller's identity may not act for this engine, or not with that role or in that
+ pool (ErrorInfo metadata field: role or pool)."""
 
     ROLE_REQUIRED = "ROLE_REQUIRED"
     """The call needs the router or admin role."""

@@ -18,8 +18,9 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.server.auth import AuthPolicy, Guard
+from rendezvous.server.auth import Guard
 from rendezvous.server.metrics import Metrics
+from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
 from rendezvous.server.tls import CertificateReloader, TLSConfig
@@ -60,6 +61,8 @@ class ServerConfig:
     server_id: str = ""
     tls: TLSConfig | None = None
     auth_file: str | None = None
+    min_token_bytes: int = DEFAULT_MIN_TOKEN_BYTES
+    """The shortest token the auth file may name in the clear (sha256: keys are not checked)."""
     health_listen: str | None = None
     call_limits: CallLimits = field(default_factory=CallLimits)
 
@@ -92,7 +95,11 @@ class RendezvousServer:
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.certificates = CertificateReloader(self.config.tls) if self.config.tls else None
-        self.auth = AuthPolicy(self.config.auth_file) if self.config.auth_file else None
+        self.auth = (
+            AuthPolicy(self.config.auth_file, min_token_bytes=self.config.min_token_bytes)
+            if self.config.auth_file
+            else None
+        )
 
     @property
     def address(self) -> str:
@@ -117,7 +124,7 @@ class RendezvousServer:
         interceptors = []
         if self.auth is not None or cfg.call_limits.enabled:
             quotas = CallQuotas(cfg.call_limits) if cfg.call_limits.enabled else None
-            interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self._pool_of, self.metrics))
+            interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics))
         server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(
             self.coordinator, self.metrics, self.server_id, cfg.idempotency_ttl, cfg.watch_batch, self._stopping
@@ -160,10 +167,6 @@ class RendezvousServer:
                 "auth": "on" if self.auth else "off",
             },
         )
-
-    async def _pool_of(self, engine_id: str) -> str | None:
-        engine = await self.store.get_engine(engine_id)
-        return engine.pool if engine is not None else None
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry
 from clients.nixl.metrics import DataPlaneMetrics
 from connector.config import ConnectorConfig
 from rendezvous.cli import build_parser
-from rendezvous.server.auth import AuthPolicy
 from rendezvous.server.metrics import Metrics
+from rendezvous.server.policy import AuthPolicy
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rendezvous.server import RendezvousServer, ServerConfig
 from tests.security.certs import CertificateAuthority, Pair
+
+
+@contextlib.asynccontextmanager
+async def serving(**config: Any) -> AsyncIterator[RendezvousServer]:
+    """A server on a free port, configured by ServerConfig fields (tls=..., auth_file=...)."""
+    server = RendezvousServer(ServerConfig(listen="127.0.0.1:0", grace=0.1, **config))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(0)
 
 
 @pytest.fixture(scope="session")

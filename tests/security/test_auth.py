@@ -35,12 +35,14 @@ from clients import (
     mint_transfer_id,
 )
 from clients._exceptions import from_rpc_error
+from rendezvous.cli import _config_from, build_parser
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.server import TLSConfig as ServerTLS
-from rendezvous.server.auth import AuthPolicy
+from rendezvous.server.policy import AuthPolicy
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.security.certs import CertificateAuthority
+from tests.security.conftest import serving
 from tests.service.conftest import engine_request
 
 DECODE = "tok-decode-0-3f9a1c"
@@ -91,10 +93,8 @@ def auth_file(tmp_path: Path, doc: dict[str, Any] | None = None) -> str:
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
-    srv = RendezvousServer(ServerConfig(listen="127.0.0.1:0", auth_file=auth_file(tmp_path), grace=0.1))
-    await srv.start()
-    yield srv
-    await srv.stop(0)
+    async with serving(auth_file=auth_file(tmp_path)) as srv:
+        yield srv
 
 
 @pytest.fixture
@@ -364,20 +364,20 @@ def test_the_policy_reloads_a_changed_file_and_keeps_the_old_one_when_the_new_is
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
         now[0] += 2
 
-    rewrite(json.dumps({"tokens": {"tok-new": {"engines": ["decode-0"]}}}))
+    rewrite(json.dumps({"tokens": {"tok-new-identity-9d2e": {"engines": ["decode-0"]}}}))
     assert policy.by_token(DECODE) is None
-    identity = policy.by_token("tok-new")
+    identity = policy.by_token("tok-new-identity-9d2e")
     assert identity is not None and identity.names_engine("decode-0")
     rewrite("{not json")
-    assert policy.by_token("tok-new") is not None
+    assert policy.by_token("tok-new-identity-9d2e") is not None
 
 
 @pytest.mark.parametrize(
     "doc",
     [
-        {"tokens": {"t": {"roles": ["root"]}}},
-        {"tokens": {"t": {"engines": "decode-0"}}},
-        {"tokens": {"t": {"colour": "red"}}},
+        {"tokens": {DECODE: {"roles": ["root"]}}},
+        {"tokens": {DECODE: {"engines": "decode-0"}}},
+        {"tokens": {DECODE: {"colour": "red"}}},
         {"users": {}},
     ],
 )
@@ -386,9 +386,34 @@ def test_a_malformed_policy_is_refused_at_start(tmp_path: Path, doc: dict[str, A
         AuthPolicy(auth_file(tmp_path, doc))
 
 
+@pytest.mark.parametrize("key", ["sha256:abc", "sha256:" + "z" * 64, "sha256:" + "0" * 63, "sha256:"])
+def test_a_malformed_sha256_key_is_refused_at_start(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError, match="64 hex digits"):
+        AuthPolicy(auth_file(tmp_path, {"tokens": {key: {"engines": ["decode-0"]}}}))
+
+
+def test_a_token_shorter_than_the_minimum_is_refused_at_start_without_showing_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="shorter than 16") as err:
+        AuthPolicy(auth_file(tmp_path, {"tokens": {"short-tok": {"engines": ["decode-0"]}}}))
+    assert "short-tok" not in str(err.value)
+
+
+def test_the_minimum_token_length_is_configurable(tmp_path: Path) -> None:
+    path = auth_file(tmp_path, {"tokens": {"abcd": {"engines": ["decode-0"]}}})
+    assert AuthPolicy(path, min_token_bytes=4).by_token("abcd") is not None
+    with pytest.raises(ValueError, match="shorter than 32"):
+        RendezvousServer(ServerConfig(auth_file=auth_file(tmp_path), min_token_bytes=32))
+
+
+def test_serve_reads_the_minimum_token_length_from_its_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _config_from(build_parser().parse_args(["serve", "--min-token-bytes=24"])).min_token_bytes == 24
+    monkeypatch.setenv("KV_RENDEZVOUS_MIN_TOKEN_BYTES", "40")
+    assert _config_from(build_parser().parse_args(["serve"])).min_token_bytes == 40
+
+
 def test_identity_globs_match_engine_ids(tmp_path: Path) -> None:
-    policy = AuthPolicy(auth_file(tmp_path, {"tokens": {"t": {"engines": ["decode-*"]}}}))
-    identity = policy.by_token("t")
+    policy = AuthPolicy(auth_file(tmp_path, {"tokens": {DECODE: {"engines": ["decode-*"]}}}))
+    identity = policy.by_token(DECODE)
     assert identity is not None
     assert identity.names_engine("decode-12") and not identity.names_engine("prefill-1")
 

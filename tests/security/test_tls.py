@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
@@ -21,16 +19,7 @@ from rendezvous.server import TLSConfig as ServerTLS
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.security.certs import CertificateAuthority, Pair
-
-
-@asynccontextmanager
-async def serving(tls: ServerTLS) -> AsyncIterator[RendezvousServer]:
-    server = RendezvousServer(ServerConfig(listen="127.0.0.1:0", tls=tls, grace=0.1))
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop(0)
+from tests.security.conftest import serving
 
 
 async def status_over(address: str, credentials: grpc.ChannelCredentials | None) -> pb.GetStatusResponse:
@@ -43,7 +32,7 @@ async def status_over(address: str, credentials: grpc.ChannelCredentials | None)
 
 
 async def test_a_tls_client_reaches_a_tls_server(server_files: tuple[str, str], ca: CertificateAuthority) -> None:
-    async with serving(ServerTLS(*server_files)) as server:
+    async with serving(tls=ServerTLS(*server_files)) as server:
         config = ClientConfig(server.address, tls=TLSConfig(ca=ca.pem), retry=NO_RETRY)
         async with AsyncRendezvousClient(config) as client:
             status = await client.get_status(timeout=10)
@@ -51,7 +40,7 @@ async def test_a_tls_client_reaches_a_tls_server(server_files: tuple[str, str], 
 
 
 async def test_a_plaintext_client_is_refused_by_a_tls_server(server_files: tuple[str, str]) -> None:
-    async with serving(ServerTLS(*server_files)) as server:
+    async with serving(tls=ServerTLS(*server_files)) as server:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await status_over(server.address, None)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -60,7 +49,7 @@ async def test_a_plaintext_client_is_refused_by_a_tls_server(server_files: tuple
 async def test_mtls_refuses_a_client_without_a_certificate(
     server_files: tuple[str, str], ca: CertificateAuthority
 ) -> None:
-    async with serving(ServerTLS(*server_files, client_ca=ca.pem, require_client_cert=True)) as server:
+    async with serving(tls=ServerTLS(*server_files, client_ca=ca.pem, require_client_cert=True)) as server:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await status_over(server.address, grpc.ssl_channel_credentials(ca.pem.encode()))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -70,7 +59,7 @@ async def test_mtls_refuses_a_certificate_from_another_ca(
     server_files: tuple[str, str], ca: CertificateAuthority
 ) -> None:
     stranger = CertificateAuthority("stranger").issue("decode-0")
-    async with serving(ServerTLS(*server_files, client_ca=ca.pem, require_client_cert=True)) as server:
+    async with serving(tls=ServerTLS(*server_files, client_ca=ca.pem, require_client_cert=True)) as server:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await status_over(server.address, TLSConfig(ca.pem, stranger.cert, stranger.key).credentials())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -79,7 +68,7 @@ async def test_mtls_refuses_a_certificate_from_another_ca(
 async def test_mtls_admits_a_client_certificate_given_as_pem(server_pair: Pair, ca: CertificateAuthority) -> None:
     client = ca.issue("decode-0")
     tls = ServerTLS(server_pair.cert, server_pair.key, client_ca=ca.pem, require_client_cert=True)
-    async with serving(tls) as server:
+    async with serving(tls=tls) as server:
         status = await status_over(server.address, TLSConfig(ca.pem, client.cert, client.key).credentials())
     assert status.store == "memory"
 
@@ -89,7 +78,7 @@ async def test_a_rotated_certificate_is_served_to_new_connections_without_restar
 ) -> None:
     cert_path, key_path = server_files
     new_ca = CertificateAuthority("rotated-ca")
-    async with serving(ServerTLS(cert_path, key_path)) as server:
+    async with serving(tls=ServerTLS(cert_path, key_path)) as server:
         assert (await status_over(server.address, grpc.ssl_channel_credentials(ca.pem.encode()))).store
         rotated = new_ca.issue("kv-rendezvous", server=True)
         rotated.write(tmp_path, "server")
@@ -141,13 +130,13 @@ def test_the_cli_checks_health_and_status_over_tls_with_a_token(
     tmp_path: Path, server_files: tuple[str, str], ca: CertificateAuthority, capsys: pytest.CaptureFixture[str]
 ) -> None:
     auth = tmp_path / "auth.json"
-    auth.write_text(json.dumps({"tokens": {"tok-ops-91ab": {"roles": ["router"]}}}))
+    auth.write_text(json.dumps({"tokens": {"tok-ops-91ab-5c7e2d": {"roles": ["router"]}}}))
     ca_file = tmp_path / "ca.crt"
     ca_file.write_text(ca.pem)
     with TestServer(tls=ServerTLS(*server_files), auth_file=str(auth)) as server:
         common = ["--address", server.address, "--ca", str(ca_file)]
         assert main(["health", *common]) == 0
-        assert main(["status", *common, "--token", "tok-ops-91ab"]) == 0
+        assert main(["status", *common, "--token", "tok-ops-91ab-5c7e2d"]) == 0
         assert main(["status", *common]) == 1
     out = capsys.readouterr()
     assert "SERVING" in out.out and "memory" in out.out

@@ -1,0 +1,42 @@
+"""What an engine learns of a transfer it takes no part in: no more than of an unknown id.
+
+The service's rule refuses an engine that is neither half of a transfer with NOT_PARTICIPANT,
+which confirms that the id exists. With auth on, every identity but admin gets such an item
+answered exactly as an unknown id is: NOT_FOUND / TRANSFER_NOT_FOUND with the same message.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2
+
+from rendezvous import wire
+from rendezvous.core.errors import Reason, transfer_not_found
+from rendezvous.v1 import rendezvous_pb2 as pb
+
+# The batched transfer calls: those whose answers are ItemResults, which may carry NOT_PARTICIPANT.
+TRANSFER_CALLS = frozenset(
+    m.name
+    for m in pb.DESCRIPTOR.services_by_name["RendezvousService"].methods
+    if "results" in m.output_type.fields_by_name
+)
+
+
+def _is_not_participant(result: pb.ItemResult) -> bool:
+    if not result.HasField("status"):
+        return False
+    info = error_details_pb2.ErrorInfo()
+    return any(d.Unpack(info) and info.reason == Reason.NOT_PARTICIPANT for d in result.status.details)
+
+
+def hide_non_participation(response: Message) -> None:
+    """Answer every NOT_PARTICIPANT item of a batched transfer call's response as an unknown id."""
+    results = getattr(response, "results")  # noqa: B009 - the batched responses share the field, not a type
+    for result in results:
+        if _is_not_participant(result):
+            result.CopyFrom(
+                pb.ItemResult(
+                    transfer_id=result.transfer_id,
+                    status=wire.error_status(transfer_not_found(result.transfer_id)),
+                )
+            )

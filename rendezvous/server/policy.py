@@ -1,0 +1,205 @@
+"""The auth file: identities by bearer token digest and by client-certificate name.
+
+    {
+      "tokens": {
+        "s3cret-decode-0-8c1f": {"name": "decode-0", "engines": ["decode-0", "decode-0-*"],
+                                 "engine_roles": ["consumer"], "engine_pools": ["decode"]},
+        "sha256:9f86d08...": {"name": "prefill-pool", "pools": ["prefill"]},
+        "s3cret-router-77a2e0": {"name": "router", "roles": ["router"]}
+      },
+      "certificates": {
+        "decode-1.kv.svc": {"engines": ["decode-1", "decode-1-*"]},
+        "ops": {"roles": ["admin"]}
+      }
+    }
+
+A token key is the token itself (at least `min_token_bytes` long) or `sha256:<64 hex digits>` of it,
+so the file need not hold secrets. `engines` are engine ids or shell-style globs; `pools` admit every
+engine registered in those pools. `engine_roles` (producer, consumer) and `engine_pools`, when given,
+bind the identity: its engines may only be registered, and acted for, with those roles and in those
+pools. `roles` are call permissions: `router` reads and aborts as the router, `admin` does everything.
+The file is re-read when its modification time changes; a broken new file keeps the old identities.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.model import Role
+
+log = logging.getLogger(__name__)
+
+ROUTER = "router"
+ADMIN = "admin"
+_ROLES = frozenset({ROUTER, ADMIN})
+_ENGINE_ROLES = {"producer": Role.PRODUCER, "consumer": Role.CONSUMER}
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+DEFAULT_MIN_TOKEN_BYTES = 16
+"""The shortest token an auth file may name in the clear."""
+
+# Re-check the auth file's modification time at most this often (seconds).
+RELOAD_CHECK = 1.0
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A caller: a name for logs, the engines it may act for, its roles, and what binds its engines."""
+
+    name: str
+    engines: tuple[str, ...] = ()
+    pools: tuple[str, ...] = ()
+    roles: frozenset[str] = frozenset()
+    engine_roles: frozenset[Role] = frozenset()
+    engine_pools: tuple[str, ...] = ()
+
+    def has_role(self, role: str) -> bool:
+        """Whether the identity holds role (admin holds every role)."""
+        return role in self.roles or ADMIN in self.roles
+
+    def names_engine(self, engine_id: str) -> bool:
+        """Whether engine_id is one of the identity's engines (an id or a glob)."""
+        return any(fnmatch.fnmatchcase(engine_id, pattern) for pattern in self.engines)
+
+    @property
+    def bound(self) -> bool:
+        """Whether the identity's engines are bound to roles or pools."""
+        return bool(self.engine_roles or self.engine_pools)
+
+    def check_binding(self, engine_id: str, role: Role, pool: str) -> None:
+        """Refuse an engine of this identity with a role or in a pool the identity is not bound to."""
+        if self.engine_roles and role and role not in self.engine_roles:
+            raise RendezvousError(
+                Reason.IDENTITY_MISMATCH,
+                f"identity {self.name} may not hold engine {engine_id} as a {role.name}",
+                engine_id=engine_id,
+                field="role",
+            )
+        if self.engine_pools and pool not in self.engine_pools:
+            raise RendezvousError(
+                Reason.IDENTITY_MISMATCH,
+                f"identity {self.name} may not hold engine {engine_id} in pool {pool}",
+                engine_id=engine_id,
+                field="pool",
+            )
+
+
+def digest(token: str) -> str:
+    """The sha256 hex digest an auth file may list a token by."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _identity(name: str, entry: Any) -> Identity:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"auth file: identity {name!r} must be an object")
+    keys = ("engines", "pools", "roles", "engine_roles", "engine_pools")
+    if unknown := set(entry) - {"name", *keys}:
+        raise ValueError(f"auth file: identity {name!r} has unknown keys {sorted(unknown)}")
+    lists = {k: entry.get(k, []) for k in keys}
+    for key, value in lists.items():
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"auth file: {key} of identity {name!r} must be a list of non-empty strings")
+    if bad := set(lists["roles"]) - _ROLES:
+        raise ValueError(f"auth file: identity {name!r} has unknown roles {sorted(bad)}; known: router, admin")
+    if bad := set(lists["engine_roles"]) - set(_ENGINE_ROLES):
+        raise ValueError(
+            f"auth file: identity {name!r} has unknown engine_roles {sorted(bad)}; known: producer, consumer"
+        )
+    return Identity(
+        name=str(entry.get("name", name)),
+        engines=tuple(lists["engines"]),
+        pools=tuple(lists["pools"]),
+        roles=frozenset(lists["roles"]),
+        engine_roles=frozenset(_ENGINE_ROLES[r] for r in lists["engine_roles"]),
+        engine_pools=tuple(lists["engine_pools"]),
+    )
+
+
+def _token_digest(key: str, min_token_bytes: int) -> str:
+    if key.startswith("sha256:"):
+        hex_digest = key.removeprefix("sha256:")
+        if not _SHA256_HEX.fullmatch(hex_digest):
+            raise ValueError(f"auth file: token key {key[:16]!r}... is not sha256: and 64 hex digits")
+        return hex_digest.lower()
+    if len(key.encode()) < min_token_bytes:
+        # The key is a secret: say which entry, not what it is.
+        raise ValueError(f"auth file: a token is {len(key.encode())} bytes, shorter than {min_token_bytes}")
+    return digest(key)
+
+
+class AuthPolicy:
+    """The identities of an auth file, by token digest and by certificate name; reloaded when it changes."""
+
+    def __init__(
+        self,
+        path: str,
+        clock: Callable[[], float] = time.monotonic,
+        min_token_bytes: int = DEFAULT_MIN_TOKEN_BYTES,
+    ) -> None:
+        if min_token_bytes < 1:
+            raise ValueError(f"min_token_bytes must be at least 1, not {min_token_bytes}")
+        self.path = path
+        self.min_token_bytes = min_token_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._mtime = 0
+        self._checked = 0.0
+        self._tokens: dict[str, Identity] = {}
+        self._certificates: dict[str, Identity] = {}
+        self._known: frozenset[Identity] = frozenset()
+        self._load()
+
+    def _load(self) -> None:
+        mtime = os.stat(self.path).st_mtime_ns
+        with open(self.path, encoding="utf-8") as f:
+            try:
+                doc = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"auth file {self.path} is not JSON: {err.msg} at line {err.lineno}") from None
+        if not isinstance(doc, Mapping) or set(doc) - {"tokens", "certificates"}:
+            raise ValueError(f"auth file {self.path}: expected an object with 'tokens' and/or 'certificates'")
+        tokens: dict[str, Identity] = {}
+        for n, (key, entry) in enumerate(dict(doc.get("tokens", {})).items()):
+            tokens[_token_digest(key, self.min_token_bytes)] = _identity(f"token-{n}", entry)
+        certificates = {name: _identity(name, entry) for name, entry in dict(doc.get("certificates", {})).items()}
+        self._tokens, self._certificates, self._mtime = tokens, certificates, mtime
+        self._known = frozenset([*tokens.values(), *certificates.values()])
+
+    def _maybe_reload(self) -> None:
+        now = self._clock()
+        if now - self._checked < RELOAD_CHECK:
+            return
+        with self._lock:
+            self._checked = now
+            try:
+                if os.stat(self.path).st_mtime_ns != self._mtime:
+                    self._load()
+                    log.info("auth file reloaded", extra={"path": self.path})
+            except (OSError, ValueError) as err:
+                log.warning("auth file reload failed; keeping the current identities: %s", err)
+
+    def by_token(self, token: str) -> Identity | None:
+        """The identity a bearer token stands for, if any."""
+        self._maybe_reload()
+        return self._tokens.get(digest(token))
+
+    def by_certificate(self, names: Iterable[str]) -> Identity | None:
+        """The identity of the first certificate name (CN or SAN) the file knows, if any."""
+        self._maybe_reload()
+        return next((self._certificates[n] for n in names if n in self._certificates), None)
+
+    def knows(self, identity: Identity) -> bool:
+        """Whether the file (re-read if due) still holds identity unchanged."""
+        self._maybe_reload()
+        return identity in self._known
