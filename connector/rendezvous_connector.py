@@ -577,9 +577,14 @@ class _WorkerSide:
         claim = self._claims.pop(transfer_id, None)
         try:
             result = await (claim if claim is not None else self._claim(transfer_id))
-        except Exception as e:
-            logger.warning("ClaimTransfer %s failed: %s", transfer_id, e)
-            return False
+        except Exception as e:  # e.g. DEADLINE_EXCEEDED on a starved host: it may or may not have been applied
+            logger.warning("ClaimTransfer %s failed, claiming again: %s", transfer_id, e)
+            try:
+                result = await self._claim(transfer_id)  # asserting a claim twice is harmless
+            except Exception as again:
+                logger.warning("ClaimTransfer %s failed again, aborting the transfer: %s", transfer_id, again)
+                await self._abort_transfer(transfer_id, f"prefill could not claim the transfer: {again}")
+                return False  # decode learns now, not at the transfer's deadline
         if not result.ok or result.state in (TransferState.ABORTED, TransferState.RELEASED):
             logger.warning("ClaimTransfer %s: %s", transfer_id, result.error or result.state.name)
             return False

@@ -1,4 +1,5 @@
-"""The connector's loop thread: its event loop is closed when the thread ends (the loop part needs no vLLM)."""
+"""The connector's loop thread: its event loop is closed when the thread ends (the loop part needs no vLLM); a
+prefill worker's claim that fails is sent again, and if that fails too the transfer is aborted."""
 
 from __future__ import annotations
 
@@ -91,3 +92,47 @@ def test_a_worker_that_fails_to_start_closes_its_loop(monkeypatch: pytest.Monkey
         worker.start({})
     (thread,) = started
     assert not thread.alive and thread.loop.is_closed()
+
+
+def _prefill_worker(monkeypatch: pytest.MonkeyPatch, claims: list[Exception | None], aborted: list[str]) -> Any:
+    """Rank 0 of a prefill engine whose ClaimTransfer answers from `claims` (an exception raises, None succeeds)."""
+    from clients import ItemResult, TransferState
+    from connector.rendezvous_connector import _WorkerSide
+
+    config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1"})
+    worker = _WorkerSide(config, True, "p0", NOT_NEEDED, NOT_NEEDED)
+
+    async def claim(transfer_id: str) -> ItemResult:
+        outcome = claims.pop(0)
+        if outcome is not None:
+            raise outcome
+        return ItemResult(transfer_id, TransferState.MATCHED)
+
+    async def abort(transfer_id: str, message: str) -> None:
+        aborted.append(f"{transfer_id}: {message}")
+
+    monkeypatch.setattr(worker, "_claim", claim)
+    monkeypatch.setattr(worker, "_abort_transfer", abort)
+    return worker
+
+
+@needs_vllm
+def test_a_claim_that_failed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from clients import DeadlineExceeded
+
+    claims: list[Exception | None] = [DeadlineExceeded("Deadline Exceeded"), None]
+    aborted: list[str] = []
+    worker = _prefill_worker(monkeypatch, claims, aborted)
+    assert asyncio.run(worker._claimed("t1")) is True
+    assert (claims, aborted) == ([], [])
+
+
+@needs_vllm
+def test_a_claim_that_fails_twice_aborts_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from clients import DeadlineExceeded
+
+    claims: list[Exception | None] = [DeadlineExceeded("Deadline Exceeded"), DeadlineExceeded("again")]
+    aborted: list[str] = []
+    worker = _prefill_worker(monkeypatch, claims, aborted)
+    assert asyncio.run(worker._claimed("t1")) is False
+    assert claims == [] and aborted == ["t1: prefill could not claim the transfer: DEADLINE_EXCEEDED: again"]
