@@ -22,25 +22,34 @@ PHASES: dict[str, tuple[str, str]] = {
 released transfer; an aborted one has none) or `first` (the earlier of target and claim)."""
 
 
-def _moments(times: TransferTimes, released: bool) -> dict[str, float]:
-    """The moments a transfer has reached, by name (see `PHASES`); those not reached are left out."""
-    named = {
-        "target": times.target,
-        "claim": times.claim,
-        "match": times.match,
-        "source_ready": times.source_ready,
-        "commit": times.commit,
-        "release": times.end if released else 0.0,
-        "first": min((t for t in (times.target, times.claim) if t), default=0.0),
-    }
-    return {name: t for name, t in named.items() if t}
+_MOMENTS = ("target", "claim", "match", "source_ready", "commit", "release", "first")
+_SPANS = tuple((phase, _MOMENTS.index(start), _MOMENTS.index(end)) for phase, (start, end) in PHASES.items())
+_NOT_YET = (0.0,) * len(_MOMENTS)
+
+
+def _moments(times: TransferTimes, released: bool) -> tuple[float, ...]:
+    """The transfer's moments in `_MOMENTS` order (0.0: not reached). Cheap: the service computes them on
+    every transition."""
+    target, claim = times.target, times.claim
+    first = min(target, claim) if target and claim else target or claim
+    return (target, claim, times.match, times.source_ready, times.commit, times.end if released else 0.0, first)
 
 
 def durations(times: TransferTimes, released: bool) -> dict[str, float]:
     """The duration in seconds of every phase whose two moments have happened, in `PHASES` order."""
-    reached = _moments(times, released)
-    return {
-        phase: max(0.0, reached[end] - reached[start])
-        for phase, (start, end) in PHASES.items()
-        if start in reached and end in reached
-    }
+    m = _moments(times, released)
+    return {phase: max(0.0, m[end] - m[start]) for phase, start, end in _SPANS if m[start] and m[end]}
+
+
+def ended(
+    before: TransferTimes | None, was_released: bool, after: TransferTimes, released: bool
+) -> list[tuple[str, float]]:
+    """The phases a transition from `before` (None: a new transfer) to `after` completed, with their durations:
+    those whose two moments have both happened now and had not both happened before."""
+    new = _moments(after, released)
+    old = _NOT_YET if before is None else _moments(before, was_released)
+    return [
+        (phase, max(0.0, new[end] - new[start]))
+        for phase, start, end in _SPANS
+        if new[start] and new[end] and not (old[start] and old[end])
+    ]

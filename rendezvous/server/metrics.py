@@ -18,10 +18,6 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-def _durations(t: Transfer) -> dict[str, float]:
-    return phases.durations(t.times, released=t.state == State.RELEASED)
-
-
 class Metrics:
     """The server's metrics; also the coordinator's transition observer."""
 
@@ -55,6 +51,7 @@ class Metrics:
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
+        self._phases = {name: self.phase.labels(name) for name in phases.PHASES}  # bound once: on every transition
         self.rejected = Counter(
             "rendezvous_rejected_calls",
             "Calls refused before reaching the service (auth, quotas), by reason",
@@ -80,12 +77,13 @@ class Metrics:
         """Observe the phases a transfer just completed and count the state it entered."""
         if after is None:
             return
-        done = _durations(before) if before else {}
-        ended = {p: s for p, s in _durations(after).items() if p not in done}
-        for phase, seconds in ended.items():
-            self.phase.labels(phase).observe(seconds)
-        if "target_to_match" in ended:  # the match just happened: the first half waited for the second this long
-            self.match_wait.observe(max(ended["target_to_match"], ended["claim_to_match"]))
+        was_released = before is not None and before.state == State.RELEASED
+        ended = phases.ended(before.times if before else None, was_released, after.times, after.state == State.RELEASED)
+        for phase, seconds in ended:
+            self._phases[phase].observe(seconds)
+        waits = [seconds for phase, seconds in ended if phase in ("target_to_match", "claim_to_match")]
+        if waits:  # the match just happened: the first half waited for the second this long
+            self.match_wait.observe(max(waits))
         if before is not None and before.state == after.state:
             return
         if after.state == State.COMMITTED:
