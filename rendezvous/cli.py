@@ -113,7 +113,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "min-token-bytes", 16, "refuse to start if the auth file names a shorter token in the clear", int)
     _flag(g, "rate-limit", 0.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
     _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
-    _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller; 0: unlimited", int)
+    _flag(g, "rate-cost-bytes", 65_536, "a call costs one more per started N bytes of request; 0: one each", int)
+    _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller (they wait on Redis); 0: unlimited", int)
+    _flag(g, "max-streams", 1_024, "open Watch and KeepAlive streams per caller; 0: unlimited", int)
+    _flag(g, "refusal-rate", 5.0, "calls refused for credentials per second per peer host; 0: unlimited", float)
+    _flag(g, "refusal-burst", 50, "burst of refused calls above --refusal-rate", int)
     for group, cls in (("timeouts (seconds)", Timeouts), ("limits", Limits)):
         g = p.add_argument_group(group)
         for f in dataclasses.fields(cls):
@@ -162,7 +166,15 @@ def _config_from(args: argparse.Namespace) -> Any:
         tls=tls,
         auth_file=args.auth_file or None,
         min_token_bytes=args.min_token_bytes,
-        call_limits=CallLimits(args.rate_limit, args.rate_burst, args.max_concurrent_calls),
+        call_limits=CallLimits(
+            args.rate_limit,
+            args.rate_burst,
+            args.max_concurrent_calls,
+            args.rate_cost_bytes,
+            args.max_streams,
+            args.refusal_rate,
+            args.refusal_burst,
+        ),
     )
 
 

@@ -123,7 +123,7 @@ class RendezvousServer:
         ]
         interceptors = []
         if self.auth is not None or cfg.call_limits.enabled:
-            quotas = CallQuotas(cfg.call_limits) if cfg.call_limits.enabled else None
+            quotas = CallQuotas(cfg.call_limits)
             interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics))
         server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(

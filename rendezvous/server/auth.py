@@ -22,7 +22,7 @@ import grpc
 from grpc_status import rpc_status
 
 from rendezvous import wire
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.errors import Code, Reason, RendezvousError
 from rendezvous.core.model import Engine, Role
 from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
@@ -37,6 +37,8 @@ _ENGINE_SCOPED = (
     frozenset({"RegisterEngine", "KeepAlive", "DeregisterEngine", "Watch", "ListTransfers"}) | TRANSFER_CALLS
 )
 # RPCs the router role may make for any engine (AbortTransfer only as the router: empty engine_id).
+# Refusals for the caller's credentials, charged to its host (CallLimits.refusal_rate).
+_CREDENTIAL_REFUSALS = frozenset({Code.UNAUTHENTICATED, Code.PERMISSION_DENIED})
 _ROUTER_CALLS = frozenset({"GetEngine", "ListEngines", "GetTransfer", "ListTransfers", "GetStatus"})
 
 
@@ -68,13 +70,13 @@ class _Denied(Exception):
 
 class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Authenticates and authorizes every RendezvousService call (when a policy is set) and applies
-    the per-caller quotas (when set). `engine_of` answers a registered engine (None if unknown)."""
+    the per-caller quotas. `engine_of` answers a registered engine (None if unknown)."""
 
     def __init__(
         self,
         service: str,
         policy: AuthPolicy | None,
-        quotas: CallQuotas | None,
+        quotas: CallQuotas,
         engine_of: EngineLookup,
         metrics: Metrics,
     ) -> None:
@@ -127,10 +129,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         return identity
 
-    def _caller(self, identity: Identity | None, context: grpc.aio.ServicerContext) -> str:
-        if identity is not None:
-            return "id:" + identity.name
-        return "peer:" + str(context.peer()).rpartition(":")[0]
+    @staticmethod
+    def _caller(identity: Identity | None, peer: str) -> str:
+        return "id:" + identity.name if identity is not None else "peer:" + peer
 
     async def _authorize(self, method: str, identity: Identity | None, request: Any) -> None:
         if identity is None or identity.has_role(ADMIN):
@@ -170,18 +171,27 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return engine.pool in identity.pools
 
     async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> tuple[Identity | None, str]:
-        """Identify, authorize and rate-limit a call: the identity and the caller key for the quotas."""
-        identity = self._identify(context)
+        """Identify, authorize and charge a call: the identity and the caller key for the quotas."""
+        peer = _peer_host(context)
+        quotas = self._quotas
+        quotas.check_refusals(peer)
+        identity: Identity | None = None
         try:
+            identity = self._identify(context)
             await self._authorize(method, identity, request)
         except RendezvousError as err:
+            if err.code in _CREDENTIAL_REFUSALS:
+                quotas.refused(peer)
             name = identity.name if identity else "-"
             log.info("call denied", extra={"method": method, "identity": name, "reason": err.reason.value})
             raise
-        key = self._caller(identity, context)
-        if self._quotas is not None:
-            self._quotas.admit(key)
+        key = self._caller(identity, peer)
+        self._charge(key, request)
         return identity, key
+
+    def _charge(self, key: str, request: Any) -> None:
+        quotas = self._quotas
+        quotas.admit(key, request.ByteSize() if quotas.charges_by_size else 0)
 
     # Wrappers per RPC shape
 
@@ -189,8 +199,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 identity, key = await self._admit(method, request, context)
-                if self._quotas is not None:
-                    self._quotas.enter(key)
+                self._quotas.enter(key)
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(method, context, _as_error(exc))
                 raise AssertionError("unreachable: abort_with_status raises") from None
@@ -200,15 +209,15 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     hide_non_participation(response)
                 return response
             finally:
-                if self._quotas is not None:
-                    self._quotas.leave(key)
+                self._quotas.leave(key)
 
         return checked
 
     def _unary_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                identity, _ = await self._admit(method, request, context)
+                identity, key = await self._admit(method, request, context)
+                self._quotas.open_stream(key)
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(method, context, _as_error(exc))
                 return
@@ -217,30 +226,38 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     yield response
             except _Denied as denied:
                 await self._refuse(method, context, denied.error)
+            finally:
+                self._quotas.close_stream(key)
 
         return checked
 
     def _stream_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            identity: list[Identity | None] = []
+            caller: list[tuple[Identity | None, str]] = []  # once the first message is admitted
 
             async def each_checked() -> AsyncIterator[Any]:
                 async for request in requests:
                     try:
-                        if not identity:
-                            identity.append((await self._admit(method, request, context))[0])
+                        if not caller:
+                            identity, key = await self._admit(method, request, context)
+                            self._quotas.open_stream(key)
+                            caller.append((identity, key))
                         else:
-                            await self._authorize(method, identity[0], request)
+                            await self._authorize(method, caller[0][0], request)
+                            self._charge(caller[0][1], request)
                     except (RendezvousError, StoreUnavailableError) as exc:
                         raise _Denied(_as_error(exc)) from None
                     yield request
 
             try:
                 responses = behavior(each_checked(), context)
-                async for response in self._while_known(responses, lambda: identity[0] if identity else None):
+                async for response in self._while_known(responses, lambda: caller[0][0] if caller else None):
                     yield response
             except _Denied as denied:
                 await self._refuse(method, context, denied.error)
+            finally:
+                if caller:
+                    self._quotas.close_stream(caller[0][1])
 
         return checked
 
@@ -273,6 +290,11 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if pending is not None and not pending.done():
                 pending.cancel()
                 await asyncio.wait({pending})
+
+
+def _peer_host(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port ("ipv4:127.0.0.1")."""
+    return str(context.peer()).rpartition(":")[0]
 
 
 def _as_error(exc: RendezvousError | StoreUnavailableError) -> RendezvousError:

@@ -1,8 +1,14 @@
-"""Per-caller call quotas: a token bucket for the request rate and a cap on unary calls in flight.
+"""Per-caller quotas: token buckets for the request rate and for refusals, caps on calls in flight and
+on open streams.
 
-The caller is the authenticated identity when auth is on, else the peer's host. Watch and KeepAlive
-streams are long-lived and count against the rate when they open, not against concurrency (the
-watcher limit bounds them).
+The caller is the authenticated identity when auth is on, else the peer's host. A call is charged by
+its size (one call per started `cost_bytes` of request), so one large batch costs what many small
+calls would. Every message of a KeepAlive stream and every Watch open is charged like a call. A call
+refused for its credentials (UNAUTHENTICATED, PERMISSION_DENIED) is also charged to its peer's host in
+a bucket of its own: once that is empty, every call from that host is refused before its token is
+looked at, so guessing tokens costs the guesser time. Calls in flight are counted while they wait on
+the store: with the memory store a call never waits (it runs to its answer on the event loop), so
+that cap bites with Redis.
 """
 
 from __future__ import annotations
@@ -20,68 +26,117 @@ _MAX_BUCKETS = 10_000
 
 @dataclass(frozen=True)
 class CallLimits:
-    """`rate` calls per second with bursts of `burst` (0: no rate limit), and at most `concurrency`
-    unary calls in flight (0: no limit), per caller."""
+    """Per caller: `rate` calls per second with bursts of `burst` (0: no rate limit), each call
+    costing one more per started `cost_bytes` of request (0: every call costs one); at most
+    `concurrency` unary calls in flight (0: no limit) and `streams` open Watch and KeepAlive streams
+    (0: no limit). Per peer host: `refusal_rate` refused calls per second with bursts of
+    `refusal_burst` (0: not limited)."""
 
     rate: float = 0.0
     burst: int = 0
     concurrency: int = 0
+    cost_bytes: int = 65_536
+    streams: int = 1_024
+    refusal_rate: float = 5.0
+    refusal_burst: int = 50
 
     def __post_init__(self) -> None:
-        if self.rate < 0 or self.burst < 0 or self.concurrency < 0:
+        numbers = (self.rate, self.burst, self.concurrency, self.cost_bytes, self.streams)
+        if min(*numbers, self.refusal_rate, self.refusal_burst) < 0:
             raise ValueError("call limits must not be negative")
 
     @property
     def enabled(self) -> bool:
-        """Whether any limit is set."""
+        """Whether a per-call limit is set (without auth, the guard is installed only then)."""
         return bool(self.rate or self.concurrency)
 
-    @property
-    def bucket_size(self) -> float:
-        """Tokens a full bucket holds: `burst`, or one second's worth of calls (at least one)."""
-        return float(self.burst) if self.burst else max(1.0, self.rate)
 
+class TokenBucket:
+    """Tokens refilled at `rate` per second up to `size`; a call is admitted while the bucket holds at
+    least one token and then pays its whole cost, so a call dearer than the bucket is admitted from a
+    full bucket and leaves a debt."""
 
-class _Bucket:
-    __slots__ = ("stamp", "tokens")
+    __slots__ = ("_buckets", "_clock", "rate", "size")
 
-    def __init__(self, tokens: float, stamp: float) -> None:
-        self.tokens = tokens
-        self.stamp = stamp
-
-
-class CallQuotas:
-    """Admits or refuses calls per caller key."""
-
-    def __init__(self, limits: CallLimits, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limits = limits
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.size = float(burst) if burst else max(1.0, rate)
+        self._buckets: dict[str, list[float]] = {}  # key -> [tokens, stamp]
         self._clock = clock
-        self._buckets: dict[str, _Bucket] = {}
-        self._in_flight: Counter[str] = Counter()
 
-    def admit(self, key: str) -> None:
-        """Take one token from key's bucket, or raise RATE_LIMITED."""
-        rate = self.limits.rate
-        if not rate:
-            return
-        now, size = self._clock(), self.limits.bucket_size
+    def _refilled(self, key: str) -> list[float]:
+        now = self._clock()
         bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) >= _MAX_BUCKETS:
-                self._forget_idle(now)
-            bucket = self._buckets[key] = _Bucket(size, now)
-        bucket.tokens = min(size, bucket.tokens + (now - bucket.stamp) * rate)
-        bucket.stamp = now
-        if bucket.tokens < 1:
-            raise RendezvousError(
-                Reason.RATE_LIMITED, f"more than {rate:g} calls/s (burst {size:g}); back off", limit=rate
-            )
-        bucket.tokens -= 1
+                self._forget_full(now)
+            bucket = self._buckets[key] = [self.size, now]
+        bucket[0] = min(self.size, bucket[0] + (now - bucket[1]) * self.rate)
+        bucket[1] = now
+        return bucket
 
-    def _forget_idle(self, now: float) -> None:
-        size, rate = self.limits.bucket_size, self.limits.rate
-        for key in [k for k, b in self._buckets.items() if b.tokens + (now - b.stamp) * rate >= size]:
+    def has_token(self, key: str) -> bool:
+        """Whether key may make a call now."""
+        return self._refilled(key)[0] >= 1
+
+    def take(self, key: str, cost: float = 1.0) -> bool:
+        """Charge key `cost` tokens if it has one now; whether it had."""
+        bucket = self._refilled(key)
+        if bucket[0] < 1:
+            return False
+        bucket[0] -= cost
+        return True
+
+    def _forget_full(self, now: float) -> None:
+        full = [k for k, (tokens, stamp) in self._buckets.items() if tokens + (now - stamp) * self.rate >= self.size]
+        for key in full:
             del self._buckets[key]
+
+
+class CallQuotas:
+    """Admits or refuses calls per caller key (and refused calls per peer host)."""
+
+    def __init__(self, limits: CallLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self._calls = TokenBucket(limits.rate, limits.burst, clock) if limits.rate else None
+        self._refusals = TokenBucket(limits.refusal_rate, limits.refusal_burst, clock) if limits.refusal_rate else None
+        self._in_flight: Counter[str] = Counter()
+        self._streams: Counter[str] = Counter()
+
+    def cost(self, request_bytes: int) -> int:
+        """What a request of request_bytes costs, in calls."""
+        unit = self.limits.cost_bytes
+        return 1 + request_bytes // unit if unit else 1
+
+    @property
+    def charges_by_size(self) -> bool:
+        """Whether admit() wants the request's size (a rate is set and calls cost by size)."""
+        return self._calls is not None and bool(self.limits.cost_bytes)
+
+    def admit(self, key: str, request_bytes: int = 0) -> None:
+        """Charge one call (more for a large request) to key's bucket, or raise RATE_LIMITED."""
+        calls = self._calls
+        if calls is not None and not calls.take(key, self.cost(request_bytes)):
+            rate = self.limits.rate
+            raise RendezvousError(
+                Reason.RATE_LIMITED, f"more than {rate:g} calls/s (burst {calls.size:g}); back off", limit=rate
+            )
+
+    def check_refusals(self, peer: str) -> None:
+        """Raise RATE_LIMITED if peer has used up its refused calls."""
+        refusals = self._refusals
+        if refusals is not None and not refusals.has_token(peer):
+            rate = self.limits.refusal_rate
+            raise RendezvousError(
+                Reason.RATE_LIMITED,
+                f"more than {rate:g} refused calls/s from this host (burst {refusals.size:g}); back off",
+                limit=rate,
+            )
+
+    def refused(self, peer: str) -> None:
+        """Charge a call refused for its credentials to its peer host."""
+        if self._refusals is not None:
+            self._refusals.take(peer)
 
     def enter(self, key: str) -> None:
         """Count a unary call in flight, or raise TOO_MANY_CONCURRENT_CALLS."""
@@ -94,6 +149,23 @@ class CallQuotas:
 
     def leave(self, key: str) -> None:
         """A counted call ended."""
-        self._in_flight[key] -= 1
-        if not self._in_flight[key]:
-            del self._in_flight[key]
+        _decrement(self._in_flight, key)
+
+    def open_stream(self, key: str) -> None:
+        """Count an open stream, or raise TOO_MANY_CONCURRENT_CALLS."""
+        limit = self.limits.streams
+        if limit and self._streams[key] >= limit:
+            raise RendezvousError(
+                Reason.TOO_MANY_CONCURRENT_CALLS, f"more than {limit} open streams; close some", limit=limit
+            )
+        self._streams[key] += 1
+
+    def close_stream(self, key: str) -> None:
+        """A counted stream ended."""
+        _decrement(self._streams, key)
+
+
+def _decrement(counter: Counter[str], key: str) -> None:
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
