@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from clients._exceptions import NotFound
+from clients._prefix import PrefixIndex
 from clients._roles import mint_transfer_id
 from clients._types import AbortSpec, EngineInfo, EngineRole, ItemResult, KvLayout, TransferInfo
 from clients.aio import AsyncRendezvousClient
@@ -26,6 +27,9 @@ class PickPolicy(enum.Enum):
     LEAST_LOADED = "least-loaded"
     """Fewest requests in flight from this router; ties go to fewer live transfers at the rendezvous (which
     counts other routers' work too, as of the last refresh), then in turn."""
+    PREFIX_AWARE = "prefix-aware"
+    """Least work: the prompt blocks an engine likely lacks (`PrefixIndex`: what this router sent it before)
+    plus `load_weight` whole prompts per request in flight; ties as for least-loaded."""
 
 
 def layout_difference(producer: KvLayout, consumer: KvLayout) -> str | None:
@@ -50,10 +54,16 @@ class RouterClient:
         *,
         refresh_interval: float = 1.0,
         policy: PickPolicy = PickPolicy.ROUND_ROBIN,
+        load_weight: float = 1.0,
+        prefix_capacity: int = 1 << 18,
     ) -> None:
+        if load_weight < 0:
+            raise ValueError(f"load_weight must not be negative, not {load_weight:g}")
         self._client = client
         self._refresh_interval = refresh_interval
         self.policy = policy
+        self.load_weight = load_weight
+        self.prefixes = PrefixIndex(prefix_capacity)
         self._cache: dict[tuple[str, EngineRole], tuple[float, list[EngineInfo]]] = {}
         self._turns: Counter[tuple[tuple[str, ...], EngineRole]] = Counter()
         self._in_flight: Counter[str] = Counter()
@@ -78,10 +88,17 @@ class RouterClient:
         return cached[1]
 
     async def pick_engine(
-        self, pools: str | Sequence[str], role: EngineRole, *, layout: KvLayout | None = None
+        self,
+        pools: str | Sequence[str],
+        role: EngineRole,
+        *,
+        layout: KvLayout | None = None,
+        prefix: Sequence[int] = (),
     ) -> EngineInfo:
         """A live engine of one of `pools` with `role`, chosen by the policy; with `layout`, only engines that
-        can exchange KV with that layout qualify. Raises NotFound if no engine qualifies."""
+        can exchange KV with that layout qualify; `prefix` is the prompt's chained block hashes
+        (`connector.prompts`), which the prefix-aware policy weighs and records. Raises NotFound if no engine
+        qualifies."""
         names = (pools,) if isinstance(pools, str) else tuple(pools)
         engines = [engine for pool in names for engine in await self._live(pool, role)]
         if not engines:
@@ -98,16 +115,33 @@ class RouterClient:
         turn = self._turns[(names, role)]
         self._turns[(names, role)] += 1
         rotated = engines[turn % len(engines) :] + engines[: turn % len(engines)]
+        if self.policy is PickPolicy.ROUND_ROBIN:
+            return rotated[0]
         if self.policy is PickPolicy.LEAST_LOADED:
             return min(rotated, key=lambda e: (self._in_flight[e.engine_id], e.live_transfers))
-        return rotated[0]
+        prompt = max(len(prefix), 1)
+        chosen = min(
+            rotated,
+            key=lambda e: (
+                len(prefix)
+                - self.prefixes.matched(e.engine_id, prefix)
+                + self.load_weight * prompt * self._in_flight[e.engine_id],
+                e.live_transfers,
+            ),
+        )
+        self.prefixes.record(chosen.engine_id, prefix)
+        return chosen
 
     async def pick_pair(
-        self, producer_pools: str | Sequence[str], consumer_pools: str | Sequence[str]
+        self,
+        producer_pools: str | Sequence[str],
+        consumer_pools: str | Sequence[str],
+        *,
+        prefix: Sequence[int] = (),
     ) -> tuple[EngineInfo, EngineInfo]:
         """A producer and a consumer with compatible KV layouts for the two legs of one request."""
-        consumer = await self.pick_engine(consumer_pools, EngineRole.CONSUMER)
-        producer = await self.pick_engine(producer_pools, EngineRole.PRODUCER, layout=consumer.layout)
+        consumer = await self.pick_engine(consumer_pools, EngineRole.CONSUMER, prefix=prefix)
+        producer = await self.pick_engine(producer_pools, EngineRole.PRODUCER, layout=consumer.layout, prefix=prefix)
         return producer, consumer
 
     @contextmanager
@@ -120,6 +154,13 @@ class RouterClient:
             self._in_flight[engine.engine_id] -= 1
             if not self._in_flight[engine.engine_id]:
                 del self._in_flight[engine.engine_id]
+
+    async def lightest_load(self, pools: str | Sequence[str], role: EngineRole) -> int:
+        """The fewest request legs this router has in flight on any live engine of `pools` with `role`
+        (0 when there is none: nothing is busy)."""
+        names = (pools,) if isinstance(pools, str) else tuple(pools)
+        engines = [engine for pool in names for engine in await self._live(pool, role)]
+        return min((self._in_flight[e.engine_id] for e in engines), default=0)
 
     def load(self, engine_id: str) -> int:
         """Request legs this router has in flight on an engine."""

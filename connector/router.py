@@ -42,9 +42,10 @@ from clients import (
     RouterClient,
 )
 from connector.config import TRANSFER_ID_KEY
+from connector.prompts import PromptReader, Tokenizer
 from rendezvous.protocol import tracing
 
-__all__ = ["ANY_MODEL", "Route", "Router", "main", "parse_route"]
+__all__ = ["ANY_MODEL", "LocalPrefill", "Route", "Router", "main", "parse_route"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,12 @@ ANY_MODEL = "*"
 _LEG_HEADERS = {"Content-Type": "application/json"}
 TRANSFER_ID_HEADER = "X-Transfer-Id"
 """Response header naming the transfer the router minted for a request (`kv-rendezvous transfers --timeline`)."""
+PREFILL_HEADER = "X-Kv-Prefill"
+"""Response header saying where the prompt was computed: `remote` (a prefill engine, KV pushed to decode),
+`local-short` (on the decode engine: the prompt is below --local-prefill-below) or `local-busy` (on the decode
+engine: every prefill engine had --local-prefill-when-busy requests in flight)."""
+LOCAL_SHORT = "local-short"
+LOCAL_BUSY = "local-busy"
 _ENGINE_KEEPALIVE = 2.0
 
 
@@ -61,6 +68,23 @@ class Route:
 
     prefill_pools: tuple[str, ...]
     decode_pools: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """Conditional disaggregation: when the decode engine computes the prompt itself instead of a prefill engine.
+
+    A prompt shorter than `below_tokens` (0: never) costs less to compute in place than to hand over (two HTTP
+    legs, a claim, a WRITE); when every prefill engine of the route already has `when_busy` requests in flight
+    from this router (0: never), prefill is the bottleneck and an idle decode engine does better to start now.
+    """
+
+    below_tokens: int = 0
+    when_busy: int = 0
+
+    def __post_init__(self) -> None:
+        if self.below_tokens < 0 or self.when_busy < 0:
+            raise ValueError("local prefill thresholds must not be negative")
 
 
 def parse_route(text: str) -> tuple[str, Route]:
@@ -92,12 +116,19 @@ class Router:
         policy: PickPolicy = PickPolicy.ROUND_ROBIN,
         refresh_interval: float = 1.0,
         timeout: float = 600.0,
+        load_weight: float = 1.0,
+        prompts: PromptReader | None = None,
+        local_prefill: LocalPrefill | None = None,
     ) -> None:
         if not routes:
             raise ValueError("the router needs at least one route")
         self.rendezvous = rendezvous
-        self.engines = RouterClient(rendezvous, refresh_interval=refresh_interval, policy=policy)
+        self.engines = RouterClient(
+            rendezvous, refresh_interval=refresh_interval, policy=policy, load_weight=load_weight
+        )
         self.routes = dict(routes)
+        self.prompts = prompts or PromptReader()
+        self.local_prefill = local_prefill or LocalPrefill()
         self._timeout = ClientTimeout(total=timeout)
         self._http: ClientSession | None = None
 
@@ -177,11 +208,21 @@ class Router:
         route: Route,
         span: tracing.Span,
     ) -> web.StreamResponse:
+        engines = self.engines
+        prefix = self.prompts.block_hashes(body) if engines.policy is PickPolicy.PREFIX_AWARE else []
         try:
-            prefill, decode = await self.engines.pick_pair(route.prefill_pools, route.decode_pools)
-            prefill_url, decode_url = _engine_url(prefill), _engine_url(decode)
+            decode = await engines.pick_engine(route.decode_pools, EngineRole.CONSUMER, prefix=prefix)
+            decode_url = _engine_url(decode)
+            local = await self._prefill_locally(body, route)
+            if local:
+                return await self._local(request, decode, decode_url + path, body, local, span)
+            prefill = await engines.pick_engine(
+                route.prefill_pools, EngineRole.PRODUCER, layout=decode.layout, prefix=prefix
+            )
+            prefill_url = _engine_url(prefill)
         except RendezvousError as e:
             return _error(503, f"no engines: {e}")
+        span.set_attribute("kv_rendezvous.prefill", "remote")
         transfer_id = self.engines.mint_transfer_id()
         span.set_attribute("kv_rendezvous.transfer_id", transfer_id)
         # Both legs' engines make their spans children of this one (the connector reads kv_transfer_params).
@@ -203,6 +244,36 @@ class Router:
                 # The client is answered; let prefill finish in the background (its blocks are freed by then).
                 prefill_leg.add_done_callback(lambda t: t.cancelled() or t.exception())
 
+    async def _prefill_locally(self, body: Mapping[str, Any], route: Route) -> str:
+        """Why the decode engine should compute this request's prompt itself, or "" (disaggregate)."""
+        rule = self.local_prefill
+        if rule.below_tokens and self.prompts.tokens(body) < rule.below_tokens:
+            return LOCAL_SHORT
+        if rule.when_busy:
+            lightest = await self.engines.lightest_load(route.prefill_pools, EngineRole.PRODUCER)
+            if lightest >= rule.when_busy:
+                return LOCAL_BUSY
+        return ""
+
+    async def _local(
+        self,
+        request: web.Request,
+        engine: EngineInfo,
+        url: str,
+        body: dict[str, Any],
+        why: str,
+        span: tracing.Span,
+    ) -> web.StreamResponse:
+        """The whole request to the decode engine, which computes the prompt itself (no transfer)."""
+        span.set_attribute("kv_rendezvous.prefill", why)
+        named = {PREFILL_HEADER: why}
+        try:
+            with self.engines.in_flight(engine), _leg_span("router.decode", engine, "") as headers:
+                return await self._relay(request, url, body, headers, named)
+        except (ClientError, OSError, TimeoutError) as e:
+            self.engines.invalidate()
+            return _error(502, f"decode engine failed: {e}")
+
     async def _prefill(self, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str) -> None:
         with self.engines.in_flight(engine), _leg_span("router.prefill", engine, transfer_id) as headers:
             try:
@@ -219,23 +290,25 @@ class Router:
     async def _decode(
         self, request: web.Request, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str
     ) -> web.StreamResponse:
+        named = {TRANSFER_ID_HEADER: transfer_id, PREFILL_HEADER: "remote"}
         try:
             with _leg_span("router.decode", engine, transfer_id) as headers:
-                return await self._relay(request, url, body, transfer_id, headers)
+                response = await self._relay(request, url, body, headers, named)
         except (ClientError, OSError, TimeoutError) as e:
             self.engines.invalidate()
             await self._abort(transfer_id, "the decode leg failed")
             return _error(502, f"decode engine failed: {e}")
+        if response.status != 200:
+            await self._abort(transfer_id, "the decode leg failed")
+        return response
 
     async def _relay(
-        self, request: web.Request, url: str, body: dict[str, Any], transfer_id: str, headers: Mapping[str, str]
+        self, request: web.Request, url: str, body: dict[str, Any], headers: Mapping[str, str], named: dict[str, str]
     ) -> web.StreamResponse:
+        """POST body to url and relay the answer (streamed or not), with the `named` response headers."""
         async with self.http.post(url, json=body, headers=headers) as response:
-            named = {TRANSFER_ID_HEADER: transfer_id}
             if response.status != 200 or not body.get("stream"):
                 payload = await response.read()
-                if response.status != 200:
-                    await self._abort(transfer_id, "the decode leg failed")
                 return web.Response(
                     status=response.status, body=payload, content_type="application/json", headers=named
                 )
@@ -290,9 +363,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=PickPolicy.ROUND_ROBIN.value,
         help="how engines are picked among a route's live engines",
     )
+    parser.add_argument(
+        "--load-weight",
+        type=float,
+        default=1.0,
+        help="prefix-aware: what one request in flight weighs, in whole prompts of uncached blocks",
+    )
+    parser.add_argument("--prefix-block", type=int, default=16, help="tokens per KV block, for prompt block hashes")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer (path or name) to count prompt tokens exactly; default: estimate",
+    )
+    parser.add_argument(
+        "--local-prefill-below",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="send prompts shorter than this to a decode engine alone (no transfer); 0: never",
+    )
+    parser.add_argument(
+        "--local-prefill-when-busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill on the decode engine when every prefill engine has N requests in flight; 0: never",
+    )
     parser.add_argument("--refresh-interval", type=float, default=1.0, help="seconds engine lists are cached")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
     return parser
+
+
+def _tokenizer(name: str) -> Tokenizer:
+    from transformers import AutoTokenizer  # installed with vLLM
+
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(name)
+    return tokenizer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -314,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy=PickPolicy(args.policy),
             refresh_interval=args.refresh_interval,
             timeout=args.timeout,
+            load_weight=args.load_weight,
+            prompts=PromptReader(args.prefix_block, _tokenizer(args.tokenizer) if args.tokenizer else None),
+            local_prefill=LocalPrefill(args.local_prefill_below, args.local_prefill_when_busy),
         )
         return router.app()
 

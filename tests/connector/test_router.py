@@ -33,7 +33,8 @@ from clients import (
 )
 from clients.testing import AsyncTestServer, start_test_server
 from connector.launch import free_port
-from connector.router import ANY_MODEL, TRANSFER_ID_HEADER, Route, Router, parse_route
+from connector.prompts import PromptReader
+from connector.router import ANY_MODEL, PREFILL_HEADER, TRANSFER_ID_HEADER, LocalPrefill, Route, Router, parse_route
 
 LAYOUT = KvLayout(model_fingerprint="tiny", dtype="float32", block_size=32, num_layers=2)
 WAIT = 10.0
@@ -49,6 +50,7 @@ class FakeEngine:
         self.name = name
         self.bodies: list[dict[str, Any]] = []
         self.received = asyncio.Event()
+        self._arrivals = asyncio.Condition()
         self.gate = asyncio.Event()
         self.gate.set()
         self.status = 200
@@ -64,6 +66,11 @@ class FakeEngine:
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
 
+    async def wait_bodies(self, count: int) -> None:
+        """Until `count` requests have arrived."""
+        async with self._arrivals:
+            await self._arrivals.wait_for(lambda: len(self.bodies) >= count)
+
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -71,6 +78,8 @@ class FakeEngine:
     async def _complete(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
         self.received.set()
+        async with self._arrivals:
+            self._arrivals.notify_all()
         try:
             await self.gate.wait()
         except asyncio.CancelledError:
@@ -133,19 +142,24 @@ class RouterUnderTest:
     def __init__(self, router: Router, port: int, http: ClientSession) -> None:
         self.router, self.port, self.http = router, port, http
         self.last_transfer_id: str | None = None
+        self.last_prefill: str | None = None
 
     async def complete(self, model: str, **extra: Any) -> tuple[int, dict[str, Any]]:
         body = {"model": model, "prompt": "hi", "max_tokens": 8, **extra}
         async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions", json=body) as response:
             self.last_transfer_id = response.headers.get(TRANSFER_ID_HEADER)
+            self.last_prefill = response.headers.get(PREFILL_HEADER)
             return response.status, json.loads(await response.read())
 
 
 async def start_router(
-    server: AsyncTestServer, routes: Mapping[str, Route], policy: PickPolicy = PickPolicy.ROUND_ROBIN
+    server: AsyncTestServer,
+    routes: Mapping[str, Route],
+    policy: PickPolicy = PickPolicy.ROUND_ROBIN,
+    **options: Any,
 ) -> tuple[RouterUnderTest, web.AppRunner]:
     client = AsyncRendezvousClient(ClientConfig(targets=(server.address,), call_timeout=5.0))
-    router = Router(client, routes, policy=policy, refresh_interval=0.0)
+    router = Router(client, routes, policy=policy, refresh_interval=0.0, **options)
     runner = web.AppRunner(router.app(), handler_cancellation=True)
     await runner.setup()
     port = free_port()
@@ -157,8 +171,10 @@ async def start_router(
 async def make_router(server: AsyncTestServer) -> AsyncIterator[Any]:
     started: list[tuple[RouterUnderTest, web.AppRunner]] = []
 
-    async def make(routes: Mapping[str, Route], policy: PickPolicy = PickPolicy.ROUND_ROBIN) -> RouterUnderTest:
-        started.append(await start_router(server, routes, policy))
+    async def make(
+        routes: Mapping[str, Route], policy: PickPolicy = PickPolicy.ROUND_ROBIN, **options: Any
+    ) -> RouterUnderTest:
+        started.append(await start_router(server, routes, policy, **options))
         return started[-1][0]
 
     yield make
@@ -309,3 +325,100 @@ async def test_models_lists_every_routes_models(cluster: Cluster, make_router: A
     async with router.http.get(f"http://127.0.0.1:{router.port}/v1/models") as response:
         listed = await response.json()
     assert sorted(m["id"] for m in listed["data"]) == ["model-of-da", "model-of-db"]
+
+
+# Conditional disaggregation
+
+
+async def test_a_short_prompt_is_computed_by_the_decode_engine_alone(cluster: Cluster, make_router: Any) -> None:
+    prefill = await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, local_prefill=LocalPrefill(8))
+    assert (await router.complete("tiny", prompt=list(range(7))))[1]["engine"] == "d"
+    assert (router.last_prefill, router.last_transfer_id) == ("local-short", None)
+    assert prefill.bodies == [] and "kv_transfer_params" not in decode.bodies[0]
+    assert (await cluster.rendezvous.list_transfers()).transfers == ()  # nothing to hand over, nothing registered
+    await router.complete("tiny", prompt=list(range(8)))
+    assert router.last_prefill == "remote"
+    await asyncio.wait_for(prefill.received.wait(), WAIT)
+    assert decode.bodies[1]["kv_transfer_params"]["transfer_id"] == router.last_transfer_id
+
+
+async def test_prompts_go_to_decode_alone_while_every_prefill_engine_is_busy(
+    cluster: Cluster, make_router: Any
+) -> None:
+    prefill = await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, local_prefill=LocalPrefill(when_busy=1))
+    prefill.gate.clear()  # the prefill engine holds its first request
+    await router.complete("tiny")
+    assert router.last_prefill == "remote"
+    await asyncio.wait_for(prefill.received.wait(), WAIT)
+    assert router.router.engines.load("p") == 1
+    await router.complete("tiny")
+    assert router.last_prefill == "local-busy" and len(prefill.bodies) == 1
+    prefill.gate.set()
+
+
+def test_local_prefill_thresholds_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="must not be negative"):
+        LocalPrefill(-1)
+
+
+# Prefix-aware placement
+
+
+def prompt_of(prefix: int, blocks: int, tail: int) -> list[int]:
+    """Token ids: `blocks` full blocks of 16 shared by every prompt with the same `prefix`, then a tail."""
+    return [prefix * 1_000 + t for t in range(16 * blocks)] + [tail] * 5
+
+
+async def test_prefix_aware_sends_a_shared_prefix_back_to_the_engines_that_computed_it(
+    cluster: Cluster, make_router: Any
+) -> None:
+    for i in range(2):
+        await cluster.add(f"p{i}", "prefill", EngineRole.PRODUCER)
+        await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.PREFIX_AWARE)
+    answers = [(await router.complete("tiny", prompt=prompt_of(p, 4, t)))[1]["engine"] for p, t in [(1, 0), (2, 0)]]
+    assert answers == ["d0", "d1"]  # nothing cached: in turn
+    for prefix, tail in [(2, 1), (1, 1), (1, 2), (2, 2)]:
+        engine = (await router.complete("tiny", prompt=prompt_of(prefix, 4, tail)))[1]["engine"]
+        assert engine == answers[prefix - 1]
+    prefills = {name: len(cluster.engines[name].bodies) for name in ("p0", "p1")}
+    assert prefills == {"p0": 3, "p1": 3}  # prefill follows the prefix too
+
+
+@pytest.mark.parametrize(("load_weight", "expected"), [(0.5, "d0"), (2.0, "d1")])
+async def test_prefix_aware_weighs_a_cached_prefix_against_load(
+    cluster: Cluster, make_router: Any, load_weight: float, expected: str
+) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    d0 = await cluster.add("d0", "decode", EngineRole.CONSUMER)
+    await cluster.add("d1", "decode", EngineRole.CONSUMER)
+    router = await make_router(
+        {ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.PREFIX_AWARE, load_weight=load_weight
+    )
+    assert (await router.complete("tiny", prompt=prompt_of(1, 4, 0)))[1]["engine"] == "d0"
+    d0.gate.clear()
+    held = asyncio.create_task(router.complete("tiny", prompt=prompt_of(1, 4, 1)))
+    await asyncio.wait_for(d0.wait_bodies(2), WAIT)
+    # d0 holds the prefix and a request in flight: 0 blocks to compute + load_weight x 4 blocks of load,
+    # against 4 blocks to compute on an idle d1.
+    probe = asyncio.create_task(router.complete("tiny", prompt=prompt_of(1, 4, 2)))
+    third_on_d0 = asyncio.create_task(d0.wait_bodies(3))
+    await asyncio.wait({probe, third_on_d0}, timeout=WAIT, return_when=asyncio.FIRST_COMPLETED)  # d1 answers
+    third_on_d0.cancel()
+    d0.gate.set()
+    await held
+    assert (await probe)[1]["engine"] == expected
+
+
+async def test_the_router_reads_prompts_in_the_engines_block_size(cluster: Cluster, make_router: Any) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router(
+        {ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.PREFIX_AWARE, prompts=PromptReader(32)
+    )
+    await router.complete("tiny", prompt=prompt_of(1, 4, 0))  # 64 + 5 tokens: two blocks of 32
+    assert len(router.router.engines.prefixes) == 2 * 2  # two blocks, on the decode and the prefill engine
