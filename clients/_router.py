@@ -28,8 +28,9 @@ class PickPolicy(enum.Enum):
     """Fewest requests in flight from this router; ties go to fewer live transfers at the rendezvous (which
     counts other routers' work too, as of the last refresh), then in turn."""
     PREFIX_AWARE = "prefix-aware"
-    """Least work: the prompt blocks an engine likely lacks (`PrefixIndex`: what this router sent it before)
-    plus `load_weight` whole prompts per request in flight; ties as for least-loaded."""
+    """Least work: the prompt blocks an engine likely lacks (`PrefixIndex`: what this router sent it before),
+    plus one, plus `load_weight` times the same measure summed over the legs it has in flight from this
+    router (the work queued ahead); ties as for least-loaded."""
 
 
 def layout_difference(producer: KvLayout, consumer: KvLayout) -> str | None:
@@ -64,6 +65,7 @@ class RouterClient:
         self.policy = policy
         self.load_weight = load_weight
         self.prefixes = PrefixIndex(prefix_capacity)
+        self._work: Counter[str] = Counter()
         self._cache: dict[tuple[str, EngineRole], tuple[float, list[EngineInfo]]] = {}
         self._turns: Counter[tuple[tuple[str, ...], EngineRole]] = Counter()
         self._in_flight: Counter[str] = Counter()
@@ -97,8 +99,7 @@ class RouterClient:
     ) -> EngineInfo:
         """A live engine of one of `pools` with `role`, chosen by the policy; with `layout`, only engines that
         can exchange KV with that layout qualify; `prefix` is the prompt's chained block hashes
-        (`connector.prompts`), which the prefix-aware policy weighs and records. Raises NotFound if no engine
-        qualifies."""
+        (`connector.prompts`), which the prefix-aware policy weighs. Raises NotFound if no engine qualifies."""
         names = (pools,) if isinstance(pools, str) else tuple(pools)
         engines = [engine for pool in names for engine in await self._live(pool, role)]
         if not engines:
@@ -119,18 +120,15 @@ class RouterClient:
             return rotated[0]
         if self.policy is PickPolicy.LEAST_LOADED:
             return min(rotated, key=lambda e: (self._in_flight[e.engine_id], e.live_transfers))
-        prompt = max(len(prefix), 1)
-        chosen = min(
+        weight = self.load_weight
+        return min(
             rotated,
-            key=lambda e: (
-                len(prefix)
-                - self.prefixes.matched(e.engine_id, prefix)
-                + self.load_weight * prompt * self._in_flight[e.engine_id],
-                e.live_transfers,
-            ),
+            key=lambda e: (self._leg_work(e.engine_id, prefix) + weight * self._work[e.engine_id], e.live_transfers),
         )
-        self.prefixes.record(chosen.engine_id, prefix)
-        return chosen
+
+    def _leg_work(self, engine_id: str, prefix: Sequence[int]) -> int:
+        """A leg's work on an engine, in blocks: those of the prompt it likely lacks, plus one."""
+        return len(prefix) - self.prefixes.matched(engine_id, prefix) + 1
 
     async def pick_pair(
         self,
@@ -145,15 +143,21 @@ class RouterClient:
         return producer, consumer
 
     @contextmanager
-    def in_flight(self, engine: EngineInfo) -> Iterator[None]:
-        """Count a request leg as in flight on `engine` for the least-loaded policy while the block runs."""
-        self._in_flight[engine.engine_id] += 1
+    def in_flight(self, engine: EngineInfo, prefix: Sequence[int] = ()) -> Iterator[None]:
+        """Count a request leg as in flight on `engine` while the block runs (for least-loaded), with its work
+        (for prefix-aware); the engine is then taken to hold the leg's prompt blocks `prefix`."""
+        engine_id = engine.engine_id
+        work = self._leg_work(engine_id, prefix)
+        self.prefixes.record(engine_id, prefix)
+        self._in_flight[engine_id] += 1
+        self._work[engine_id] += work
         try:
             yield
         finally:
-            self._in_flight[engine.engine_id] -= 1
-            if not self._in_flight[engine.engine_id]:
-                del self._in_flight[engine.engine_id]
+            for counter, amount in ((self._in_flight, 1), (self._work, work)):
+                counter[engine_id] -= amount
+                if not counter[engine_id]:
+                    del counter[engine_id]
 
     async def lightest_load(self, pools: str | Sequence[str], role: EngineRole) -> int:
         """The fewest request legs this router has in flight on any live engine of `pools` with `role`

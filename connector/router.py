@@ -215,7 +215,7 @@ class Router:
             decode_url = _engine_url(decode)
             local = await self._prefill_locally(body, route)
             if local:
-                return await self._local(request, decode, decode_url + path, body, local, span)
+                return await self._local(request, decode, decode_url + path, body, prefix, local, span)
             prefill = await engines.pick_engine(
                 route.prefill_pools, EngineRole.PRODUCER, layout=decode.layout, prefix=prefix
             )
@@ -232,9 +232,9 @@ class Router:
         prefill_body.pop("stream_options", None)
         for key in limit_keys:
             prefill_body[key] = 1
-        prefill_leg = asyncio.create_task(self._prefill(prefill, prefill_url + path, prefill_body, transfer_id))
+        prefill_leg = asyncio.create_task(self._prefill(prefill, prefill_url + path, prefill_body, transfer_id, prefix))
         try:
-            with self.engines.in_flight(decode):
+            with self.engines.in_flight(decode, prefix):
                 return await self._decode(request, decode, decode_url + path, decode_body, transfer_id)
         except asyncio.CancelledError:  # the client went away: let both engines go at once
             await asyncio.shield(self._abort(transfer_id, "the client went away"))
@@ -261,6 +261,7 @@ class Router:
         engine: EngineInfo,
         url: str,
         body: dict[str, Any],
+        prefix: Sequence[int],
         why: str,
         span: tracing.Span,
     ) -> web.StreamResponse:
@@ -268,14 +269,16 @@ class Router:
         span.set_attribute("kv_rendezvous.prefill", why)
         named = {PREFILL_HEADER: why}
         try:
-            with self.engines.in_flight(engine), _leg_span("router.decode", engine, "") as headers:
+            with self.engines.in_flight(engine, prefix), _leg_span("router.decode", engine, "") as headers:
                 return await self._relay(request, url, body, headers, named)
         except (ClientError, OSError, TimeoutError) as e:
             self.engines.invalidate()
             return _error(502, f"decode engine failed: {e}")
 
-    async def _prefill(self, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str) -> None:
-        with self.engines.in_flight(engine), _leg_span("router.prefill", engine, transfer_id) as headers:
+    async def _prefill(
+        self, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str, prefix: Sequence[int]
+    ) -> None:
+        with self.engines.in_flight(engine, prefix), _leg_span("router.prefill", engine, transfer_id) as headers:
             try:
                 async with self.http.post(url, json=body, headers=headers) as response:
                     await response.read()

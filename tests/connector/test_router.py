@@ -389,7 +389,7 @@ async def test_prefix_aware_sends_a_shared_prefix_back_to_the_engines_that_compu
     assert prefills == {"p0": 3, "p1": 3}  # prefill follows the prefix too
 
 
-@pytest.mark.parametrize(("load_weight", "expected"), [(0.5, "d0"), (2.0, "d1")])
+@pytest.mark.parametrize(("load_weight", "expected"), [(2.0, "d0"), (8.0, "d1")])
 async def test_prefix_aware_weighs_a_cached_prefix_against_load(
     cluster: Cluster, make_router: Any, load_weight: float, expected: str
 ) -> None:
@@ -403,8 +403,8 @@ async def test_prefix_aware_weighs_a_cached_prefix_against_load(
     d0.gate.clear()
     held = asyncio.create_task(router.complete("tiny", prompt=prompt_of(1, 4, 1)))
     await asyncio.wait_for(d0.wait_bodies(2), WAIT)
-    # d0 holds the prefix and a request in flight: 0 blocks to compute + load_weight x 4 blocks of load,
-    # against 4 blocks to compute on an idle d1.
+    # d0 holds the prefix and a request in flight: its own work 0 + 1 blocks, and load_weight x (0 + 1) queued
+    # ahead of it, against 4 + 1 blocks on an idle d1.
     probe = asyncio.create_task(router.complete("tiny", prompt=prompt_of(1, 4, 2)))
     third_on_d0 = asyncio.create_task(d0.wait_bodies(3))
     await asyncio.wait({probe, third_on_d0}, timeout=WAIT, return_when=asyncio.FIRST_COMPLETED)  # d1 answers
@@ -421,4 +421,5 @@ async def test_the_router_reads_prompts_in_the_engines_block_size(cluster: Clust
         {ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.PREFIX_AWARE, prompts=PromptReader(32)
     )
     await router.complete("tiny", prompt=prompt_of(1, 4, 0))  # 64 + 5 tokens: two blocks of 32
+    await asyncio.wait_for(cluster.engines["p"].received.wait(), WAIT)  # the prefill leg was sent too
     assert len(router.router.engines.prefixes) == 2 * 2  # two blocks, on the decode and the prefill engine
