@@ -206,7 +206,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 response = await behavior(request, context)
                 if identity is not None and not identity.has_role(ADMIN) and method in TRANSFER_CALLS:
-                    hide_non_participation(response)
+                    hide_non_participation(method, response)
                 return response
             finally:
                 self._quotas.leave(key)
