@@ -8,11 +8,23 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 
+from clients import (
+    AsyncRendezvousClient,
+    ClaimSpec,
+    ClientConfig,
+    ConsumerSession,
+    EngineRole,
+    ProducerSession,
+    RouterClient,
+    TargetSpec,
+    TransferState,
+)
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.protocol import bindings
 from rendezvous.protocol.bindings import Binding
@@ -32,6 +44,7 @@ D1 = "tok-d1-consumer-5b93e7"
 P0 = "tok-p0-producer-c4d611"
 P1 = "tok-p1-producer-0fe2a8"
 ADMIN = "tok-admin-binding-7d3c19"
+ROUTER = "tok-router-binding-e24b5a"
 AUTH = {
     "tokens": {
         D0: {"name": "d0", "engines": ["d0"], "engine_roles": ["consumer"]},
@@ -39,6 +52,7 @@ AUTH = {
         P0: {"name": "p0", "engines": ["p0"], "engine_roles": ["producer"]},
         P1: {"name": "p1", "engines": ["p1"], "engine_roles": ["producer"]},
         ADMIN: {"name": "ops", "roles": ["admin"]},
+        ROUTER: {"name": "router", "roles": ["router"]},
     }
 }
 TOKENS = {"d0": D0, "d1": D1, "p0": P0, "p1": P1}
@@ -306,6 +320,53 @@ def test_a_binding_travels_in_kv_transfer_params_as_plain_data() -> None:
     assert Binding.from_params({**params, "mac": "zz"}) is None
     assert Binding.from_params({**params, "expires": "1"}) is None
     assert Binding.from_params(None) is None
+
+
+# The SDK, end to end
+
+
+from tests.clients.conftest import LAYOUT, agent  # noqa: E402 - the SDK tests' engines
+
+
+def client(srv: RendezvousServer, token: str) -> AsyncRendezvousClient:
+    return AsyncRendezvousClient(ClientConfig(targets=(srv.address,), token=token))
+
+
+async def test_a_router_minted_binding_through_the_sdk_end_to_end(server: RendezvousServer) -> None:
+    clients = {name: client(server, token) for name, token in {**TOKENS, "router": ROUTER}.items()}
+    try:
+        kw: dict[str, Any] = {"layout": LAYOUT}
+        d0 = ConsumerSession(clients["d0"], "d0", "decode", agents=[agent("d0-0")], **kw)
+        d1 = ConsumerSession(clients["d1"], "d1", "decode", agents=[agent("d1-0")], **kw)
+        p0 = ProducerSession(clients["p0"], "p0", "prefill", agents=[agent("p0-0")], **kw)
+        for session in (d0, d1, p0):
+            await session.start()
+        router = RouterClient(clients["router"], binding_key=KEY)
+        producer = await router.pick_engine("prefill", EngineRole.PRODUCER)
+        consumer = await router.pick_engine("decode", EngineRole.CONSUMER)
+        transfer_id = router.mint_transfer_id()
+        binding = router.bind(transfer_id, producer, consumer)
+        assert binding is not None and binding.expires_at > time.time() + 500
+        # Through kv_transfer_params (JSON) to the engines.
+        params = Binding.from_params(binding.to_params())
+        chosen, other = (d0, d1) if consumer.engine_id == "d0" else (d1, d0)
+        refused = await other.register_targets([TargetSpec(transfer_id, [1, 2], binding=params)])
+        assert refused[0].error is not None and refused[0].error.reason == "BINDING_MISMATCH"
+        claimed = await p0.claim_transfer(ClaimSpec(transfer_id, binding=params))
+        assert claimed.state is TransferState.CLAIMED
+        matched = await chosen.register_target(TargetSpec(transfer_id, [1, 2], binding=params))
+        assert matched.state is TransferState.MATCHED
+        assert RouterClient(clients["router"]).bind(transfer_id, producer, consumer) is None
+        for session in (d0, d1, p0):
+            await session.close()
+    finally:
+        for c in clients.values():
+            await c.close()
+
+
+def test_a_router_refuses_a_short_binding_key() -> None:
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        RouterClient(AsyncRendezvousClient("127.0.0.1:1"), binding_key=b"short")
 
 
 def test_the_mac_covers_the_documented_bytes() -> None:
