@@ -38,6 +38,8 @@ from rendezvous.store.base import EventPage, Store, StoreCounts, StoreUnavailabl
 
 log = logging.getLogger(__name__)
 
+_BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, Reason.BINDING_REQUIRED})
+
 SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
 
 
@@ -254,6 +256,7 @@ class Coordinator:
         the server has no binding keys; exempt callers (admin) need none.
         """
         check_batch(len(items), self.limits)
+        caller_id = caller.engine_id if caller is not None else ""
         rules = self.bindings
         if half is not None and rules is not None and caller is not None:
             step = partial(_bound, step, rules, caller.engine_id, half, exempt)
@@ -267,6 +270,11 @@ class Coordinator:
             try:
                 transition = await self._apply(item.transfer_id, fn)
             except RendezvousError as err:
+                if err.reason in _BINDING_REFUSALS:
+                    log.info(
+                        "transfer half refused",
+                        extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason.value},
+                    )
                 return ItemOutcome(item.transfer_id, error=err)
             return ItemOutcome(item.transfer_id, transfer=transition.transfer)
 

@@ -5,7 +5,9 @@ claims) carrying a binding are admitted only if the binding verifies for the ite
 expired, and names the caller for its half. With `required`, a half without a binding is refused too,
 unless the call is exempt (an admin identity). An engine that already holds its half of the transfer
 needs no binding and is not refused for an expired one: it was admitted when it joined, so a
-re-registration after preemption or a re-assertion after a restart goes through.
+re-registration after preemption goes through, and so does a re-assertion after a restart of a Redis-backed
+service (the record survives). A memory store forgets the transfer on restart: the engines' sessions then
+re-assert with the binding they were given, which must still be live (the router's TTL bounds that).
 
 A refusal names no other engine and is the same whether the transfer exists or not.
 """

@@ -5,6 +5,7 @@ and Redis stores."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -211,7 +212,10 @@ async def test_an_invalid_binding_is_refused_with_its_reason_and_field(
     assert info(await claim(channel, "p0", "t-1", binding)) == ("BINDING_INVALID", field), case
 
 
-async def test_batched_items_each_carry_their_own_binding(channel: grpc.aio.Channel) -> None:
+async def test_batched_items_each_carry_their_own_binding(
+    channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "rendezvous.coordinator")
     await engines(channel, "d0")
     specs = [
         pb.TargetSpec(transfer_id="t-a", block_ids=[1], binding=message(signed("t-a"))),
@@ -221,6 +225,11 @@ async def test_batched_items_each_carry_their_own_binding(channel: grpc.aio.Chan
     ]
     response = await call(channel, "RegisterTarget", pb.RegisterTargetRequest(engine_id="d0", targets=specs), D0)
     assert [info(r)[0] for r in response.results] == ["", "BINDING_INVALID", "BINDING_REQUIRED", ""]
+    refused = [r for r in caplog.records if r.getMessage() == "transfer half refused"]
+    assert sorted((r.__dict__["transfer_id"], r.__dict__["reason"]) for r in refused) == [
+        ("t-b", "BINDING_INVALID"),
+        ("t-c", "BINDING_REQUIRED"),
+    ]
 
 
 async def test_an_engine_holding_its_half_needs_no_live_binding_to_re_register(channel: grpc.aio.Channel) -> None:
