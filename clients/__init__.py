@@ -45,6 +45,7 @@ from clients._session import EPOCH_CHANGED, EngineSession, EventHandler, LiveTra
 from clients._types import (
     AbortReason,
     AbortSpec,
+    Binding,
     ClaimSpec,
     CompletionOutcome,
     CompletionSpec,
@@ -89,6 +90,7 @@ __all__ = [
     "AsyncKeepAliveStream",
     "AsyncRendezvousClient",
     "AsyncWatchStream",
+    "Binding",
     "Cancelled",
     "ChannelOptions",
     "ClaimSpec",

@@ -31,6 +31,7 @@ from clients._types import (
     TransferTimes,
     WatchBatch,
 )
+from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.convert import (
     agent,
     agent_message,
@@ -39,6 +40,7 @@ from rendezvous.protocol.convert import (
     layout_message,
     number,
     seconds,
+    timestamp,
     unix_time,
 )
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -69,6 +71,18 @@ def register_engine_request(spec: EngineSpec, request_id: str) -> pb.RegisterEng
     )
 
 
+def binding_message(b: Binding | None) -> pb.TransferBinding | None:
+    """A binding as a message; None as unset."""
+    if b is None:
+        return None
+    return pb.TransferBinding(
+        consumer_engine_id=b.consumer_engine_id,
+        producer_engine_id=b.producer_engine_id,
+        expire_time=timestamp(b.expires_at),
+        mac=b.mac,
+    )
+
+
 def target_messages(targets: Iterable[TargetSpec]) -> list[pb.TargetSpec]:
     """Targets as messages."""
     return [
@@ -79,6 +93,7 @@ def target_messages(targets: Iterable[TargetSpec]) -> list[pb.TargetSpec]:
             generation=t.generation,
             timeout=duration(t.timeout),
             mode=number(t.mode),
+            binding=binding_message(t.binding),
         )
         for t in targets
     ]
@@ -86,12 +101,18 @@ def target_messages(targets: Iterable[TargetSpec]) -> list[pb.TargetSpec]:
 
 def claim_messages(claims: Iterable[ClaimSpec]) -> list[pb.ClaimSpec]:
     """Claims as messages."""
-    return [pb.ClaimSpec(transfer_id=c.transfer_id, timeout=duration(c.timeout)) for c in claims]
+    return [
+        pb.ClaimSpec(transfer_id=c.transfer_id, timeout=duration(c.timeout), binding=binding_message(c.binding))
+        for c in claims
+    ]
 
 
 def source_messages(sources: Iterable[SourceReadySpec]) -> list[pb.SourceReadySpec]:
     """Ready sources as messages."""
-    return [pb.SourceReadySpec(transfer_id=s.transfer_id, block_ids=s.block_ids) for s in sources]
+    return [
+        pb.SourceReadySpec(transfer_id=s.transfer_id, block_ids=s.block_ids, binding=binding_message(s.binding))
+        for s in sources
+    ]
 
 
 def completion_messages(completions: Iterable[CompletionSpec]) -> list[pb.CompletionSpec]:

@@ -11,11 +11,15 @@ from contextlib import contextmanager
 from clients._exceptions import NotFound
 from clients._prefix import PrefixIndex
 from clients._roles import mint_transfer_id
-from clients._types import AbortSpec, EngineInfo, EngineRole, ItemResult, KvLayout, TransferInfo
+from clients._types import AbortSpec, Binding, EngineInfo, EngineRole, ItemResult, KvLayout, TransferInfo
 from clients.aio import AsyncRendezvousClient
-from rendezvous.protocol import kvmap
+from rendezvous.protocol import bindings, kvmap
 
 _PAGE_SIZE = 1_000
+
+DEFAULT_BINDING_TTL = 600.0
+"""Seconds a router's binding admits the engines it names (`RouterClient(binding_ttl=)`): long enough for a
+request to wait in the engines' queues; an engine that already holds its half needs no live binding."""
 """Engines asked for per ListEngines page (the server caps it at its max_engine_page)."""
 
 
@@ -47,6 +51,8 @@ class RouterClient:
     """Picks engines for requests, counts what this router has in flight on each, and aborts transfers.
 
     Engine lists are cached per pool and role for `refresh_interval` seconds (`invalidate` forgets them).
+    With `binding_key` (the first key of the service's `--binding-key-file`), `bind` signs a transfer to the
+    engines chosen for it, for `binding_ttl` seconds; the binding goes into both legs' `kv_transfer_params`.
     """
 
     def __init__(
@@ -57,9 +63,17 @@ class RouterClient:
         policy: PickPolicy = PickPolicy.ROUND_ROBIN,
         load_weight: float = 1.0,
         prefix_capacity: int = 1 << 18,
+        binding_key: bytes | None = None,
+        binding_ttl: float = DEFAULT_BINDING_TTL,
     ) -> None:
         if load_weight < 0:
             raise ValueError(f"load_weight must not be negative, not {load_weight:g}")
+        if binding_key is not None and len(binding_key) < bindings.MIN_KEY_BYTES:
+            raise ValueError(f"a binding key must be at least {bindings.MIN_KEY_BYTES} bytes")
+        if binding_ttl <= 0:
+            raise ValueError(f"binding_ttl must be positive, not {binding_ttl:g}")
+        self._binding_key = binding_key
+        self._binding_ttl = binding_ttl
         self._client = client
         self._refresh_interval = refresh_interval
         self.policy = policy
@@ -74,6 +88,19 @@ class RouterClient:
     def mint_transfer_id() -> str:
         """A fresh transfer id (a uuid4 in hex). Mint a new one for every attempt of a request."""
         return mint_transfer_id()
+
+    def bind(self, transfer_id: str, producer: EngineInfo | str, consumer: EngineInfo | str) -> Binding | None:
+        """The binding of transfer_id to the producer and consumer chosen for it; None without a binding key.
+
+        One HMAC, no call: put `binding.to_params()` in both legs' `kv_transfer_params` under
+        `rendezvous.protocol.bindings.PARAMS_KEY`.
+        """
+        if self._binding_key is None:
+            return None
+        producer_id = producer if isinstance(producer, str) else producer.engine_id
+        consumer_id = consumer if isinstance(consumer, str) else consumer.engine_id
+        expires = int(time.time() + self._binding_ttl) + 1
+        return bindings.sign(self._binding_key, transfer_id, consumer_id, producer_id, expires)
 
     async def list_engines(self, pool: str = "", role: EngineRole | None = None) -> list[EngineInfo]:
         """Live engines sorted by id (without NIXL metadata), optionally of one pool and role: every page."""

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from clients._exceptions import RendezvousError
+from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.enums import (
     AbortReason,
     CompletionOutcome,
@@ -159,6 +160,8 @@ class TargetSpec:
     generation: int = 1
     timeout: float = 0.0
     mode: TransferMode = TransferMode.PUSH
+    binding: Binding | None = None
+    """The router's binding of the transfer to this consumer (from the request's `kv_transfer_params`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,8 @@ class ClaimSpec:
 
     transfer_id: str
     timeout: float = 0.0
+    binding: Binding | None = None
+    """The router's binding of the transfer to this producer (from the request's `kv_transfer_params`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +180,8 @@ class SourceReadySpec:
 
     transfer_id: str
     block_ids: Sequence[int]
+    binding: Binding | None = None
+    """The router's binding, checked by the service when this claims the transfer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +296,7 @@ class ServerStatus:
 __all__ = [
     "AbortReason",
     "AbortSpec",
+    "Binding",
     "ClaimSpec",
     "CompletionOutcome",
     "CompletionSpec",

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from rendezvous.protocol import tracing
+from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
 
-__all__ = ["TRACE_KEYS", "TRANSFER_ID_KEY", "ConnectorConfig", "trace_context"]
+__all__ = ["BINDING_KEY", "TRACE_KEYS", "TRANSFER_ID_KEY", "ConnectorConfig", "binding_params", "trace_context"]
 
 TRANSFER_ID_KEY = "transfer_id"
 """The `kv_transfer_params` key that carries a request's transfer id (minted by the router)."""
@@ -19,6 +20,13 @@ TRACE_KEYS = (tracing.TRACEPARENT, "tracestate")
 def trace_context(params: Mapping[str, Any] | None) -> dict[str, str]:
     """The trace context in a request's `kv_transfer_params`; empty when the router sent none."""
     return {key: str(params[key]) for key in TRACE_KEYS if key in params} if params else {}
+
+
+def binding_params(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The router's binding in a request's `kv_transfer_params` (`Binding.to_params`), as plain data; None when
+    the router sent none. The engine presents it with its half; the rendezvous judges it."""
+    value = params.get(BINDING_KEY) if params else None
+    return dict(value) if isinstance(value, Mapping) else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

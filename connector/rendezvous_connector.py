@@ -53,8 +53,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector._loop import LoopThread
-from connector.config import TRANSFER_ID_KEY, ConnectorConfig, trace_context
+from connector.config import TRANSFER_ID_KEY, ConnectorConfig, binding_params, trace_context
 from rendezvous.protocol import tracing
+from rendezvous.protocol.bindings import Binding
 
 if TYPE_CHECKING:
     import torch
@@ -91,6 +92,9 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     """Both: (request id, transfer id) of requests that ended before their transfer did."""
     traces: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """Both: transfer id -> the router's trace context (`traceparent`), for the transfers above that have one."""
+    bindings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Both: transfer id -> the router's binding (`Binding.to_params`), for the targets and claims above that have
+    one; presented with the half (docs/security.md, Bindings)."""
 
     def __bool__(self) -> bool:
         return bool(self.targets or self.claims or self.ready or self.aborts)
@@ -243,6 +247,9 @@ class _SchedulerSide:
         context = trace_context(request.kv_transfer_params)
         if context:
             self.meta.traces[transfer_id] = context
+        binding = binding_params(request.kv_transfer_params)
+        if binding is not None:
+            self.meta.bindings[transfer_id] = binding
 
     def build_meta(self) -> RendezvousConnectorMetadata:
         meta, self.meta = self.meta, RendezvousConnectorMetadata()
@@ -307,6 +314,7 @@ class _WorkerSide:
         self._request_of: dict[str, str] = {}  # consumer: transfer id -> request id, until reported
         self._claims: dict[str, asyncio.Future[ItemResult]] = {}  # producer: transfer id -> claim
         self._traces: dict[str, dict[str, str]] = {}  # transfer id -> the router's trace context, until used
+        self._bindings: dict[str, Binding] = {}  # transfer id -> the router's binding, until the half is taken
         self._receiving: dict[str, tracing.Span] = {}  # consumer: transfer id -> connector.receive
 
     # Start and stop (called by the model runner's thread)
@@ -485,6 +493,12 @@ class _WorkerSide:
 
     def _handle(self, meta: RendezvousConnectorMetadata) -> None:
         self._traces.update(meta.traces)
+        for transfer_id, params in meta.bindings.items():
+            binding = Binding.from_params(params)
+            if binding is not None:
+                self._bindings[transfer_id] = binding
+            else:
+                logger.warning("transfer %s: the router's binding is malformed; sending none", transfer_id)
         for request_id, transfer_id, block_ids, num_tokens in meta.targets:
             self._request_of[transfer_id] = request_id
             self._spawn(self._register(transfer_id, block_ids, num_tokens))
@@ -524,7 +538,11 @@ class _WorkerSide:
         try:
             with tracing.activate(span):  # RegisterTarget is its child
                 result = await self._consumer().register_target(
-                    transfer_id, block_ids, timeout=self.config.transfer_timeout, num_tokens=num_tokens
+                    transfer_id,
+                    block_ids,
+                    timeout=self.config.transfer_timeout,
+                    num_tokens=num_tokens,
+                    binding=self._bindings.pop(transfer_id, None),
                 )
         except Exception as e:
             logger.warning("RegisterTarget %s failed: %s", transfer_id, e)
@@ -565,7 +583,8 @@ class _WorkerSide:
 
     async def _claim(self, transfer_id: str) -> ItemResult:
         with tracing.span("connector.claim", self._about(transfer_id), parent=self._traces.get(transfer_id)):
-            return await self._producer_agent().claim(transfer_id, self.config.transfer_timeout)
+            binding = self._bindings.get(transfer_id)
+            return await self._producer_agent().claim(transfer_id, self.config.transfer_timeout, binding)
 
     async def _claimed(self, transfer_id: str) -> bool:
         """Whether this producer holds the transfer (awaiting the claim sent at admission, or claiming now).
@@ -596,7 +615,9 @@ class _WorkerSide:
             await self._send(request_id, transfer_id, block_ids, prompt_tokens)
 
     async def _send(self, request_id: str, transfer_id: str, block_ids: list[int], prompt_tokens: int) -> None:
-        if not await self._claimed(transfer_id):
+        claimed = await self._claimed(transfer_id)
+        self._bindings.pop(transfer_id, None)  # the claim is taken (or will not be): the session re-asserts it
+        if not claimed:
             self._report_sent(request_id)  # nobody will write these blocks
             return
         try:
@@ -612,6 +633,7 @@ class _WorkerSide:
 
     async def _abort(self, request_id: str, transfer_id: str) -> None:
         self._traces.pop(transfer_id, None)
+        self._bindings.pop(transfer_id, None)
         if self.producer:
             self._claims.pop(transfer_id, None)
         elif transfer_id not in self._request_of:

@@ -11,6 +11,9 @@ prefill with max_tokens=1, decode with the client's request, whose answer (strea
 client. Engines are picked round-robin or least-loaded (fewest legs in flight from this router) among the live
 engines of the route's pools; an engine's OpenAI base URL is its `url` label. If one leg fails, or the client
 goes away, the transfer is aborted so the other side lets go of its blocks at once.
+With `--binding-key-file` (the rendezvous's own key file, whose first key signs) both legs also carry
+`kv_transfer_params["kv_rendezvous_binding"]`, the router's signed binding of the transfer to the two engines it
+picked, so that no other engine can take either half (docs/security.md, Bindings); no call is added.
 With tracing on (KV_RENDEZVOUS_TRACING=1, docs/operations.md) each request is a `router.dispatch` span, continued
 from the caller's `traceparent` header, whose context both legs carry in `kv_transfer_params["traceparent"]`.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,9 +45,11 @@ from clients import (
     RendezvousError,
     RouterClient,
 )
+from clients._router import DEFAULT_BINDING_TTL
 from connector.config import TRANSFER_ID_KEY
 from connector.prompts import PromptReader, Tokenizer
-from rendezvous.protocol import tracing
+from rendezvous.protocol import bindings, tracing
+from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
 
 __all__ = ["ANY_MODEL", "LocalPrefill", "Route", "Router", "main", "parse_route"]
 
@@ -119,12 +125,19 @@ class Router:
         load_weight: float = 1.0,
         prompts: PromptReader | None = None,
         local_prefill: LocalPrefill | None = None,
+        binding_key: bytes | None = None,
+        binding_ttl: float = DEFAULT_BINDING_TTL,
     ) -> None:
         if not routes:
             raise ValueError("the router needs at least one route")
         self.rendezvous = rendezvous
         self.engines = RouterClient(
-            rendezvous, refresh_interval=refresh_interval, policy=policy, load_weight=load_weight
+            rendezvous,
+            refresh_interval=refresh_interval,
+            policy=policy,
+            load_weight=load_weight,
+            binding_key=binding_key,
+            binding_ttl=binding_ttl,
         )
         self.routes = dict(routes)
         self.prompts = prompts or PromptReader()
@@ -227,6 +240,11 @@ class Router:
         span.set_attribute("kv_rendezvous.transfer_id", transfer_id)
         # Both legs' engines make their spans children of this one (the connector reads kv_transfer_params).
         params = {**(body.get("kv_transfer_params") or {}), TRANSFER_ID_KEY: transfer_id, **tracing.carrier()}
+        # A binding the client sent is never passed on: the router's own replaces it, or none goes.
+        params.pop(BINDING_KEY, None)
+        binding = self.engines.bind(transfer_id, prefill, decode)
+        if binding is not None:
+            params[BINDING_KEY] = binding.to_params()
         decode_body = {**body, "kv_transfer_params": params}
         prefill_body = {**body, "kv_transfer_params": params, "stream": False}
         prefill_body.pop("stream_options", None)
@@ -394,6 +412,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--refresh-interval", type=float, default=1.0, help="seconds engine lists are cached")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
+    parser.add_argument(
+        "--binding-key-file",
+        default=os.environ.get("KV_RENDEZVOUS_BINDING_KEY_FILE"),
+        help="sign each transfer to the engines picked for it with this file's first key (the rendezvous's "
+        "--binding-key-file; env KV_RENDEZVOUS_BINDING_KEY_FILE)",
+    )
+    parser.add_argument(
+        "--binding-ttl",
+        type=float,
+        default=DEFAULT_BINDING_TTL,
+        help="seconds a binding admits the engines it names",
+    )
     return parser
 
 
@@ -414,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tracing.configure_from_env("kv-rendezvous-router")
     host, _, port = args.listen.rpartition(":")
     targets = [t.strip() for t in args.rendezvous.split(",") if t.strip()]
+    binding_key = bindings.load_keys(args.binding_key_file)[0] if args.binding_key_file else None
 
     async def app() -> web.Application:
         client = AsyncRendezvousClient(ClientConfig(targets=targets, token=args.token))
@@ -426,6 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_weight=args.load_weight,
             prompts=PromptReader(args.prefix_block, _tokenizer(args.tokenizer) if args.tokenizer else None),
             local_prefill=LocalPrefill(args.local_prefill_below, args.local_prefill_when_busy),
+            binding_key=binding_key,
+            binding_ttl=args.binding_ttl,
         )
         return router.app()
 

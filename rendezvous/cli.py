@@ -111,6 +111,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _switch(g, "tls-require-client-cert", "mTLS: refuse clients without a certificate from --tls-client-ca")
     _flag(g, "auth-file", None, "JSON file binding tokens and certificate names to identities; unset: no auth")
     _flag(g, "min-token-bytes", 16, "refuse to start if the auth file names a shorter token in the clear", int)
+    _flag(
+        g,
+        "binding-key-file",
+        None,
+        "keys (one a line, >= 32 bytes) routers sign transfer bindings with; unset: bindings are not checked",
+    )
+    _switch(g, "require-binding", "refuse a transfer half without the router's binding (needs --binding-key-file)")
     _flag(g, "rate-limit", 0.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
     _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
     _flag(g, "rate-cost-bytes", 65_536, "a call costs one more per started N bytes of request; 0: one each", int)
@@ -141,6 +148,8 @@ def _config_from(args: argparse.Namespace) -> Any:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     if bool(args.tls_client_ca) != bool(args.tls_require_client_cert):
         raise ValueError("--tls-client-ca and --tls-require-client-cert go together (mTLS)")
+    if args.require_binding and not args.binding_key_file:
+        raise ValueError("--require-binding needs --binding-key-file")
     if not math.isfinite(args.idempotency_ttl) or args.idempotency_ttl <= 0:
         raise ValueError(f"--idempotency-ttl must be a positive number of seconds, not {args.idempotency_ttl:g}")
     tls = (
@@ -166,6 +175,8 @@ def _config_from(args: argparse.Namespace) -> Any:
         tls=tls,
         auth_file=args.auth_file or None,
         min_token_bytes=args.min_token_bytes,
+        binding_key_file=args.binding_key_file or None,
+        require_binding=args.require_binding,
         call_limits=CallLimits(
             args.rate_limit,
             args.rate_burst,

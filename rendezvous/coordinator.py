@@ -18,6 +18,7 @@ from typing import Protocol, TypeVar
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import paging
 from rendezvous.core import transfers as lifecycle
+from rendezvous.core.bindings import BindingRules, check_binding
 from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
@@ -36,6 +37,8 @@ from rendezvous.core.validation import check_batch, check_id
 from rendezvous.store.base import EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
+
+_BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, Reason.BINDING_REQUIRED})
 
 SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
 
@@ -81,8 +84,10 @@ class Coordinator:
         timeouts: Timeouts | None = None,
         clock: Callable[[], float] = time.time,
         observer: TransitionObserver | None = None,
+        bindings: BindingRules | None = None,
     ) -> None:
         self.store = store
+        self.bindings = bindings
         self.limits = limits or Limits()
         self.timeouts = timeouts or Timeouts()
         self.clock = clock
@@ -241,12 +246,20 @@ class Coordinator:
         items: Sequence[SpecT],
         step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
         joins: bool = False,
+        half: Role | None = None,
+        exempt: bool = False,
     ) -> list[ItemOutcome]:
         """Apply step to every item; an item's error does not stop the others.
 
-        With joins, the caller's live-transfer limit applies (core: engines.LiveTransferLimit).
+        With joins, the caller's live-transfer limit applies (core: engines.LiveTransferLimit). With half,
+        each item takes that half of its transfer: its binding is checked first (core: bindings), unless
+        the server has no binding keys; exempt callers (admin) need none.
         """
         check_batch(len(items), self.limits)
+        caller_id = caller.engine_id if caller is not None else ""
+        rules = self.bindings
+        if half is not None and rules is not None and caller is not None:
+            step = partial(_bound, step, rules, caller.engine_id, half, exempt)
         limit: engine_rules.LiveTransferLimit | None = None
         if joins and caller is not None:
             live = await self.store.live_transfer_counts([caller.engine_id])
@@ -257,6 +270,11 @@ class Coordinator:
             try:
                 transition = await self._apply(item.transfer_id, fn)
             except RendezvousError as err:
+                if err.reason in _BINDING_REFUSALS:
+                    log.info(
+                        "transfer half refused",
+                        extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason.value},
+                    )
                 return ItemOutcome(item.transfer_id, error=err)
             return ItemOutcome(item.transfer_id, transfer=transition.transfer)
 
@@ -273,30 +291,33 @@ class Coordinator:
         return outcomes
 
     async def register_targets(
-        self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec]
+        self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
-        """A consumer registers destination blocks."""
+        """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
         consumer = await self._caller(engine_id, incarnation)
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
             producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
             return lifecycle.register_target(ctx, cur, consumer, producer, spec)
 
-        return await self._batch(consumer, specs, step, joins=True)
+        return await self._batch(consumer, specs, step, joins=True, half=Role.CONSUMER, exempt=exempt)
 
-    async def claim_transfers(self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec]) -> list[ItemOutcome]:
-        """A producer claims transfers."""
+    async def claim_transfers(
+        self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec], exempt: bool = False
+    ) -> list[ItemOutcome]:
+        """A producer claims transfers (exempt: needs no binding, see `_batch`)."""
         producer = await self._caller(engine_id, incarnation)
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: ClaimSpec) -> Transition:
             return lifecycle.claim(ctx, cur, producer, _consumer_of(cur, engines), spec)
 
-        return await self._batch(producer, specs, step, joins=True)
+        return await self._batch(producer, specs, step, joins=True, half=Role.PRODUCER, exempt=exempt)
 
     async def mark_sources_ready(
-        self, engine_id: str, incarnation: int, specs: Sequence[SourceReadySpec]
+        self, engine_id: str, incarnation: int, specs: Sequence[SourceReadySpec], exempt: bool = False
     ) -> list[ItemOutcome]:
-        """A producer's source blocks are computed."""
+        """A producer's source blocks are computed; claims the transfer if it had not (exempt: needs no
+        binding, see `_batch`)."""
         producer = await self._caller(engine_id, incarnation)
 
         def step(
@@ -304,7 +325,7 @@ class Coordinator:
         ) -> Transition:
             return lifecycle.mark_source_ready(ctx, cur, producer, _consumer_of(cur, engines), spec)
 
-        return await self._batch(producer, specs, step, joins=True)
+        return await self._batch(producer, specs, step, joins=True, half=Role.PRODUCER, exempt=exempt)
 
     async def complete_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[CompletionSpec]
@@ -474,6 +495,23 @@ def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer |
                 "generation": after.generation if after else 0,
             },
         )
+
+
+def _bound(
+    step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
+    rules: BindingRules,
+    engine_id: str,
+    half: Role,
+    exempt: bool,
+    ctx: Context,
+    cur: Transfer | None,
+    engines: Mapping[str, Engine],
+    item: SpecT,
+) -> Transition:
+    """Apply step once the item's binding admits engine_id to its half (before any other rule, so the
+    refusal is the same whether the transfer exists or not)."""
+    check_binding(rules, ctx.now, cur, item.transfer_id, getattr(item, "binding", None), engine_id, half, exempt)
+    return step(ctx, cur, engines, item)
 
 
 def _limited(

@@ -18,6 +18,7 @@ from rendezvous.core.specs import (
     TargetSpec,
 )
 from rendezvous.protocol import convert
+from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -83,6 +84,13 @@ def _generation(value: int) -> int:
     return value or 1
 
 
+def binding(b: pb.TransferBinding, present: bool) -> Binding | None:
+    """A TransferBinding, or None when the item has none."""
+    if not present:
+        return None
+    return Binding(b.consumer_engine_id, b.producer_engine_id, b.expire_time.seconds, b.mac)
+
+
 def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
     """The targets of a RegisterTargetRequest."""
     return [
@@ -93,6 +101,7 @@ def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
             t.num_tokens,
             seconds(t.timeout),
             _mode(t.mode),
+            binding(t.binding, t.HasField("binding")),
         )
         for t in req.targets
     ]
@@ -100,12 +109,15 @@ def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
 
 def claim_specs(req: pb.ClaimTransferRequest) -> list[ClaimSpec]:
     """The claims of a ClaimTransferRequest."""
-    return [ClaimSpec(c.transfer_id, seconds(c.timeout)) for c in req.claims]
+    return [ClaimSpec(c.transfer_id, seconds(c.timeout), binding(c.binding, c.HasField("binding"))) for c in req.claims]
 
 
 def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:
     """The sources of a MarkSourceReadyRequest."""
-    return [SourceReadySpec(s.transfer_id, tuple(s.block_ids)) for s in req.sources]
+    return [
+        SourceReadySpec(s.transfer_id, tuple(s.block_ids), binding(s.binding, s.HasField("binding")))
+        for s in req.sources
+    ]
 
 
 def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:

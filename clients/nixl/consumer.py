@@ -41,6 +41,7 @@ from clients._roles import ConsumerSession
 from clients._session import RankSession
 from clients._types import (
     AbortSpec,
+    Binding,
     CompletionOutcome,
     CompletionSpec,
     Event,
@@ -219,15 +220,19 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         mode: TransferMode = TransferMode.PUSH,
         timeout: float = 0.0,
         num_tokens: int = 0,
+        binding: Binding | None = None,
     ) -> ItemResult:
         """Register destination blocks (batched with the other registrations of this loop turn).
+
+        `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
+        request's `kv_transfer_params`), which a service with binding keys checks.
 
         A newer generation of a transfer retires the older one: its blocks are reported (reason `REVOKED`)
         once no write of it can land. A failed item is returned, not raised, and leaves nothing registered.
         On a following rank of a multi-rank engine the registration is rank 0's: this rank only expects its
         share of the bytes into `block_ids` (the same ids on every rank) and answers TARGETED.
         """
-        spec = TargetSpec(transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode)
+        spec = TargetSpec(transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode, binding)
         if not self.leader:
             target = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
             self._targets[transfer_id] = target

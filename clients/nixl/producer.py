@@ -35,6 +35,7 @@ from clients._roles import ProducerSession
 from clients._session import RankSession
 from clients._types import (
     AbortSpec,
+    Binding,
     ClaimSpec,
     CompletionOutcome,
     CompletionSpec,
@@ -218,11 +219,15 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     # Engine API
 
-    async def claim(self, transfer_id: str, timeout: float = 0.0) -> ItemResult:
-        """Claim a transfer at admission (batched with other claims of this loop turn); rank 0's call."""
+    async def claim(self, transfer_id: str, timeout: float = 0.0, binding: Binding | None = None) -> ItemResult:
+        """Claim a transfer at admission (batched with other claims of this loop turn); rank 0's call.
+
+        `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
+        request's `kv_transfer_params`), which a service with binding keys checks.
+        """
         if self._claims is None:
             raise RuntimeError("the agent is not started" if self.leader else "claims are the registering rank's")
-        return await self._claims.submit(ClaimSpec(transfer_id, timeout))
+        return await self._claims.submit(ClaimSpec(transfer_id, timeout, binding))
 
     def ready(
         self,
@@ -232,13 +237,14 @@ class ProducerAgent(RankAgent[ProducerSession]):
         *,
         mode: TransferMode = TransferMode.PUSH,
         prompt_tokens: int = 0,
+        binding: Binding | None = None,
     ) -> None:
         """The transfer's KV is computed in `block_ids`; `on_free(transfer_id)` is called once they may be reused.
 
         Push: the writer WRITEs this rank's share as soon as it holds the assignment (at once if it already
         does); raises `BlockRangeError` for ids outside the registered regions. `prompt_tokens` (the tokens the
         blocks hold, from the first) is needed when the consumer's block size differs. Pull (needs
-        `serve_reads`, rank 0): MarkSourceReady is sent (batched).
+        `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the router's `binding` in case it claims.
         """
         writer, ready = self._writer, self._ready
         assert writer is not None, "the agent is not started"
@@ -248,7 +254,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
                 raise ValueError("pull mode needs a registering ProducerAgent created with serve_reads=True")
             self._sources[transfer_id] = source
             self._server.set_expecting(True)
-            future = ready.submit(SourceReadySpec(transfer_id, [int(b) for b in block_ids]))
+            future = ready.submit(SourceReadySpec(transfer_id, [int(b) for b in block_ids], binding))
             future.add_done_callback(lambda f: self._pull_source_marked(transfer_id, f))
             return
         writer.source_ready(transfer_id, block_ids)  # validates first: nothing is recorded if it raises

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rendezvous.core.model import KvLayout, Mode, NixlAgent, Outcome, Role
+from rendezvous.protocol.bindings import Binding
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class TargetSpec:
     timeout: float = 0.0
     # None: a mode this server does not know (rejected with MODE_INVALID).
     mode: Mode | None = Mode.PUSH
+    binding: Binding | None = None
+    """The router's binding of the transfer (rendezvous.core.bindings); None: none was sent."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class ClaimSpec:
 
     transfer_id: str
     timeout: float = 0.0
+    binding: Binding | None = None
+    """The router's binding of the transfer (rendezvous.core.bindings); None: none was sent."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class SourceReadySpec:
 
     transfer_id: str
     block_ids: tuple[int, ...]
+    binding: Binding | None = None
+    """The router's binding, checked when the call would claim the transfer; None: none was sent."""
 
 
 @dataclass(frozen=True)

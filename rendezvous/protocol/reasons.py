@@ -152,6 +152,17 @@ class Reason(StrEnum):
     RANK_INVALID = "RANK_INVALID"
     """A rank named in a completion or acknowledgement is not one of the engine's."""
 
+    BINDING_INVALID = "BINDING_INVALID"
+    """A transfer binding that does not verify under the server's keys (forged, for another
+ transfer, malformed) or that expired (ErrorInfo metadata field: mac or expire_time)."""
+
+    BINDING_MISMATCH = "BINDING_MISMATCH"
+    """A valid transfer binding that names another engine for the caller's half (ErrorInfo
+ metadata field: consumer_engine_id or producer_engine_id)."""
+
+    BINDING_REQUIRED = "BINDING_REQUIRED"
+    """The server requires a transfer binding (require_binding) and the half has none."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -199,5 +210,8 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.SHUTTING_DOWN: "UNAVAILABLE",
     Reason.INTERNAL_ERROR: "INTERNAL",
     Reason.RANK_INVALID: "INVALID_ARGUMENT",
+    Reason.BINDING_INVALID: "PERMISSION_DENIED",
+    Reason.BINDING_MISMATCH: "PERMISSION_DENIED",
+    Reason.BINDING_REQUIRED: "PERMISSION_DENIED",
 }
 """The google.rpc.Code name of each reason."""

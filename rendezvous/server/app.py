@@ -17,7 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rendezvous.coordinator import Coordinator
+from rendezvous.core.bindings import BindingRules
 from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.protocol.bindings import load_keys
 from rendezvous.server.auth import Guard
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
@@ -65,10 +67,17 @@ class ServerConfig:
     """The shortest token the auth file may name in the clear (sha256: keys are not checked)."""
     health_listen: str | None = None
     call_limits: CallLimits = field(default_factory=CallLimits)
+    binding_key_file: str | None = None
+    """The keys routers sign transfer bindings with (rendezvous.protocol.bindings); unset: bindings are
+    not checked."""
+    require_binding: bool = False
+    """Refuse a transfer's half without a binding (admin identities exempt); needs binding_key_file."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.idempotency_ttl) or self.idempotency_ttl <= 0:
             raise ValueError(f"idempotency_ttl must be a positive number of seconds, not {self.idempotency_ttl:g}")
+        if self.require_binding and not self.binding_key_file:
+            raise ValueError("require_binding needs binding_key_file (the keys to check bindings with)")
 
 
 def _split_host_port(address: str) -> tuple[str, int]:
@@ -84,7 +93,14 @@ class RendezvousServer:
         self.clock = clock
         self.metrics = Metrics()
         self.store: Store = create_store(self.config.store, self.config.limits)
-        self.coordinator = Coordinator(self.store, self.config.limits, self.config.timeouts, clock, self.metrics)
+        bindings = (
+            BindingRules(load_keys(self.config.binding_key_file), self.config.require_binding)
+            if self.config.binding_key_file
+            else None
+        )
+        self.coordinator = Coordinator(
+            self.store, self.config.limits, self.config.timeouts, clock, self.metrics, bindings=bindings
+        )
         self.server_id = self.config.server_id or f"{socket.gethostname()}-{os.getpid()}"
         self.port = 0
         self.metrics_port: int | None = None

@@ -26,7 +26,7 @@ from rendezvous.core.errors import Code, Reason, RendezvousError
 from rendezvous.core.model import Engine, Role
 from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import ADMIN, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
+from rendezvous.server.policy import ADMIN, BINDING_EXEMPT, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.store.base import StoreUnavailableError
 
@@ -203,12 +203,15 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(method, context, _as_error(exc))
                 raise AssertionError("unreachable: abort_with_status raises") from None
+            admin = identity is not None and identity.has_role(ADMIN)
+            exempt = BINDING_EXEMPT.set(admin)
             try:
                 response = await behavior(request, context)
-                if identity is not None and not identity.has_role(ADMIN) and method in TRANSFER_CALLS:
-                    hide_non_participation(response)
+                if identity is not None and not admin and method in TRANSFER_CALLS:
+                    hide_non_participation(method, response)
                 return response
             finally:
+                BINDING_EXEMPT.reset(exempt)
                 self._quotas.leave(key)
 
         return checked

@@ -2,7 +2,11 @@
 
 The service's rule refuses an engine that is neither half of a transfer with NOT_PARTICIPANT,
 which confirms that the id exists. With auth on, every identity but admin gets such an item
-answered exactly as an unknown id is: NOT_FOUND / TRANSFER_NOT_FOUND with the same message.
+answered exactly as an unknown id is answered by that call: NOT_FOUND / TRANSFER_NOT_FOUND with the
+same message for CompleteTransfer, AcknowledgeRevocation and ReleaseTarget; for the calls that accept
+an unknown id, what they answer for one: AbortTransfer OK with state ABORTED (an unknown id leaves an
+aborted tombstone) and MarkSourceReady OK with state CLAIMED (an unknown id is claimed). Nothing
+changes for such an item: the transfer belongs to others.
 """
 
 from __future__ import annotations
@@ -29,14 +33,21 @@ def _is_not_participant(result: pb.ItemResult) -> bool:
     return any(d.Unpack(info) and info.reason == Reason.NOT_PARTICIPANT for d in result.status.details)
 
 
-def hide_non_participation(response: Message) -> None:
-    """Answer every NOT_PARTICIPANT item of a batched transfer call's response as an unknown id."""
+# The answer to an unknown id of the calls that accept one: its state afterwards, OK.
+_UNKNOWN_ID_STATE = {"AbortTransfer": pb.TRANSFER_STATE_ABORTED, "MarkSourceReady": pb.TRANSFER_STATE_CLAIMED}
+
+
+def _as_unknown(method: str, transfer_id: str) -> pb.ItemResult:
+    state = _UNKNOWN_ID_STATE.get(method)
+    if state is not None:
+        return pb.ItemResult(transfer_id=transfer_id, state=state)
+    return pb.ItemResult(transfer_id=transfer_id, status=wire.error_status(transfer_not_found(transfer_id)))
+
+
+def hide_non_participation(method: str, response: Message) -> None:
+    """Answer every NOT_PARTICIPANT item of a batched transfer call's response as that call answers an
+    unknown id."""
     results = getattr(response, "results")  # noqa: B009 - the batched responses share the field, not a type
     for result in results:
         if _is_not_participant(result):
-            result.CopyFrom(
-                pb.ItemResult(
-                    transfer_id=result.transfer_id,
-                    status=wire.error_status(transfer_not_found(result.transfer_id)),
-                )
-            )
+            result.CopyFrom(_as_unknown(method, result.transfer_id))

@@ -32,6 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,10 @@ DEFAULT_MIN_TOKEN_BYTES = 16
 
 # Re-check the auth file's modification time at most this often (seconds).
 RELOAD_CHECK = 1.0
+
+BINDING_EXEMPT: ContextVar[bool] = ContextVar("binding_exempt", default=False)
+"""Whether the call being served may take a transfer's half without the router's binding (under
+require_binding): set by the auth guard for admin identities, read where the service applies bindings."""
 
 
 @dataclass(frozen=True)

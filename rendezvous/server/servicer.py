@@ -27,6 +27,7 @@ from rendezvous.core.model import Engine, Role, State, Transfer
 from rendezvous.protocol import tracing
 from rendezvous.protocol.convert import duration, number, timestamp
 from rendezvous.server.metrics import Metrics
+from rendezvous.server.policy import BINDING_EXEMPT
 from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -91,13 +92,18 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
 def _batch_rpc(
     response_type: type[ResponseT],
     specs: Callable[[Any], Sequence[SpecT]],
-    apply: Callable[[Coordinator, str, int, Sequence[SpecT]], Awaitable[list[ItemOutcome]]],
+    apply: Callable[..., Awaitable[list[ItemOutcome]]],
+    takes_half: bool = False,
 ) -> Handler[ResponseT]:
-    """A batched transfer RPC: the request's items through one coordinator call, one ItemResult each, in order."""
+    """A batched transfer RPC: the request's items through one coordinator call, one ItemResult each, in order.
+
+    takes_half: the call takes a half of its transfers, so the caller's exemption from bindings is passed on.
+    """
     method = response_type.__name__.removesuffix("Response")
 
     async def handler(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
-        outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, specs(request))
+        extra = {"exempt": BINDING_EXEMPT.get()} if takes_half else {}
+        outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, specs(request), **extra)
         _trace_items(outcomes)
         return response_type(header=await self._header(), results=self._results(method, outcomes))
 
@@ -269,9 +275,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     # Transfers
 
-    RegisterTarget = _batch_rpc(pb.RegisterTargetResponse, wire.target_specs, Coordinator.register_targets)
-    ClaimTransfer = _batch_rpc(pb.ClaimTransferResponse, wire.claim_specs, Coordinator.claim_transfers)
-    MarkSourceReady = _batch_rpc(pb.MarkSourceReadyResponse, wire.source_specs, Coordinator.mark_sources_ready)
+    RegisterTarget = _batch_rpc(
+        pb.RegisterTargetResponse, wire.target_specs, Coordinator.register_targets, takes_half=True
+    )
+    ClaimTransfer = _batch_rpc(pb.ClaimTransferResponse, wire.claim_specs, Coordinator.claim_transfers, takes_half=True)
+    MarkSourceReady = _batch_rpc(
+        pb.MarkSourceReadyResponse, wire.source_specs, Coordinator.mark_sources_ready, takes_half=True
+    )
     CompleteTransfer = _batch_rpc(pb.CompleteTransferResponse, wire.completion_specs, Coordinator.complete_transfers)
     AcknowledgeRevocation = _batch_rpc(
         pb.AcknowledgeRevocationResponse, wire.revocation_acks, Coordinator.acknowledge_revocations

@@ -377,21 +377,35 @@ class ItemResult(_message.Message):
     revoking_generation: int
     def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., state: _Optional[_Union[TransferState, str]] = ..., revoking_generation: _Optional[int] = ...) -> None: ...
 
+class TransferBinding(_message.Message):
+    __slots__ = ("consumer_engine_id", "producer_engine_id", "expire_time", "mac")
+    CONSUMER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    consumer_engine_id: str
+    producer_engine_id: str
+    expire_time: _timestamp_pb2.Timestamp
+    mac: bytes
+    def __init__(self, consumer_engine_id: _Optional[str] = ..., producer_engine_id: _Optional[str] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., mac: _Optional[bytes] = ...) -> None: ...
+
 class TargetSpec(_message.Message):
-    __slots__ = ("transfer_id", "block_ids", "num_tokens", "generation", "timeout", "mode")
+    __slots__ = ("transfer_id", "block_ids", "num_tokens", "generation", "timeout", "mode", "binding")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    BINDING_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     generation: int
     timeout: _duration_pb2.Duration
     mode: TransferMode
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[TransferMode, str]] = ...) -> None: ...
+    binding: TransferBinding
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
 
 class RegisterTargetRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "targets")
@@ -414,12 +428,14 @@ class RegisterTargetResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ...) -> None: ...
 
 class ClaimSpec(_message.Message):
-    __slots__ = ("transfer_id", "timeout")
+    __slots__ = ("transfer_id", "timeout", "binding")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    BINDING_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     timeout: _duration_pb2.Duration
-    def __init__(self, transfer_id: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    binding: TransferBinding
+    def __init__(self, transfer_id: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
 
 class ClaimTransferRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "claims")
@@ -442,12 +458,14 @@ class ClaimTransferResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ...) -> None: ...
 
 class SourceReadySpec(_message.Message):
-    __slots__ = ("transfer_id", "block_ids")
+    __slots__ = ("transfer_id", "block_ids", "binding")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BINDING_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    binding: TransferBinding
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
 
 class MarkSourceReadyRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "sources")

@@ -78,3 +78,13 @@ def test_the_routers_trace_context_is_read_from_kv_transfer_params() -> None:
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     assert trace_context({"transfer_id": "t1", "traceparent": parent, "other": 1}) == {"traceparent": parent}
     assert trace_context({"transfer_id": "t1"}) == trace_context(None) == {}
+
+
+def test_the_routers_binding_is_read_from_kv_transfer_params_as_plain_data() -> None:
+    from connector.config import BINDING_KEY, binding_params
+
+    value = {"consumer": "d0", "producer": "p0", "expires": 1, "mac": "00"}
+    assert binding_params({"transfer_id": "t", BINDING_KEY: value}) == value
+    assert binding_params({"transfer_id": "t"}) is None
+    assert binding_params({BINDING_KEY: "not an object"}) is None
+    assert binding_params(None) is None

@@ -35,6 +35,8 @@ from clients.testing import AsyncTestServer, start_test_server
 from connector.launch import free_port
 from connector.prompts import PromptReader
 from connector.router import ANY_MODEL, PREFILL_HEADER, TRANSFER_ID_HEADER, LocalPrefill, Route, Router, parse_route
+from rendezvous.protocol import bindings
+from rendezvous.protocol.bindings import Binding
 
 LAYOUT = KvLayout(model_fingerprint="tiny", dtype="float32", block_size=32, num_layers=2)
 WAIT = 10.0
@@ -213,6 +215,26 @@ async def test_requests_follow_their_models_route(cluster: Cluster, make_router:
     assert (prefill["max_tokens"], prefill["stream"], "stream_options" in prefill) == (1, False, False)
     assert (decode["max_tokens"], decode["stream"]) == (8, True)
     assert pb.bodies[0]["kv_transfer_params"]["transfer_id"] not in (transfer_id, "")
+
+
+async def test_a_router_with_a_binding_key_binds_both_legs_to_the_engines_it_picked(
+    cluster: Cluster, make_router: Any
+) -> None:
+    pa = await cluster.add("pa", "prefill", EngineRole.PRODUCER)
+    da = await cluster.add("da", "decode", EngineRole.CONSUMER)
+    key = b"router-test-binding-key-0123456789abcdef"
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, binding_key=key)
+    forged = {"consumer": "evil", "producer": "evil", "expires": 1, "mac": "00"}
+    assert (await router.complete("m", kv_transfer_params={"kv_rendezvous_binding": forged}))[0] == 200
+    prefill, decode = pa.bodies[0]["kv_transfer_params"], da.bodies[0]["kv_transfer_params"]
+    assert prefill == decode
+    binding = Binding.from_params(decode["kv_rendezvous_binding"])
+    assert binding is not None and (binding.consumer_engine_id, binding.producer_engine_id) == ("da", "pa")
+    assert bindings.verifies((key,), decode["transfer_id"], binding) and binding.expires_at > time.time() + 500
+    # Without a key no binding goes, and a client's is not passed on.
+    plain = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    assert (await plain.complete("m", kv_transfer_params={"kv_rendezvous_binding": forged}))[0] == 200
+    assert "kv_rendezvous_binding" not in da.bodies[1]["kv_transfer_params"]
 
 
 def da_answer() -> dict[str, Any]:

@@ -177,6 +177,38 @@ async def test_a_non_participant_is_answered_as_for_an_unknown_id(
     assert reason(await answer("t-live", ADMIN)) == "NOT_PARTICIPANT"
 
 
+@pytest.mark.parametrize(
+    ("method", "engine_id", "token"),
+    [("AbortTransfer", "d1", DECODE_1), ("AbortTransfer", "p1", PREFILL_1), ("MarkSourceReady", "p1", PREFILL_1)],
+)
+async def test_a_non_participant_aborting_or_marking_a_source_ready_is_answered_as_for_an_unknown_id(
+    channel: grpc.aio.Channel, method: str, engine_id: str, token: str
+) -> None:
+    await matched_transfer(channel, "t-live")
+    role = pb.ENGINE_ROLE_CONSUMER if engine_id.startswith("d") else pb.ENGINE_ROLE_PRODUCER
+    incarnation = await register(channel, engine_id, role, token)
+
+    async def answer(transfer_id: str, as_token: str) -> pb.ItemResult:
+        request = getattr(pb, f"{method}Request")(engine_id=engine_id, incarnation=incarnation)
+        if method == "AbortTransfer":
+            request.aborts.append(pb.AbortSpec(transfer_id=transfer_id, message="mine now"))
+        else:
+            request.sources.append(pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[1, 2]))
+        return await item(channel, method, request, as_token)
+
+    def seen(result: pb.ItemResult) -> bytes:
+        result.transfer_id = ""
+        return result.SerializeToString(deterministic=True)
+
+    live, unknown = await answer("t-live", token), await answer("t-none", token)
+    assert not live.HasField("status") and seen(live) == seen(unknown)
+    # A second try at the id it just took (a tombstone or a claim of its own) is no different either.
+    assert seen(await answer("t-live", token)) == seen(await answer("t-none", token))
+    transfer = (await call(channel, "GetTransfer", pb.GetTransferRequest(transfer_id="t-live"), ADMIN)).transfer
+    assert transfer.state == pb.TRANSFER_STATE_MATCHED and transfer.producer_engine_id == "p0"
+    assert reason(await answer("t-live", ADMIN)) == "NOT_PARTICIPANT"
+
+
 async def test_a_claim_conflict_names_no_other_engine(channel: grpc.aio.Channel) -> None:
     await matched_transfer(channel, "t-live")
     incarnation = await register(channel, "p1", pb.ENGINE_ROLE_PRODUCER, PREFILL_1)
