@@ -295,6 +295,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
     def _on_server_event(self, event: Event) -> None:
         writer, info = self._writer, event.transfer
         assert writer is not None
+        if writer.stopped:  # closing: the session still delivers events until it ends; nothing is left to do
+            return
         if event.type is EventType.PEER_LOST and event.peer is not None:
             for agent in event.peer.agents:
                 writer.forget_peer(agent.name, event.peer.incarnation)

@@ -226,6 +226,11 @@ class TransferWriter:
         info = self._endpoint.agent_info(self._rank if rank is None else rank)
         return dataclasses.replace(info, first_layer=self._layers[0], num_layers=self._layers[1])
 
+    @property
+    def stopped(self) -> bool:
+        """Whether `stop` was called (commands are then refused)."""
+        return self._stopped
+
     def start(self) -> None:
         """Start the writer thread."""
         if self._stopped:
