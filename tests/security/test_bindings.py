@@ -135,6 +135,23 @@ def without_id(result: pb.ItemResult, transfer_id: str) -> tuple[int, str, str]:
     return result.status.code, reason(result), result.status.message.replace(transfer_id, "<id>")
 
 
+def participant_call(method: str, engine_id: str, incarnation: int, transfer_id: str) -> Any:
+    """A one-item request of a transfer-scoped call for transfer_id."""
+    request = getattr(pb, f"{method}Request")(engine_id=engine_id, incarnation=incarnation)
+    if method == "ReleaseTarget":
+        request.releases.append(pb.ReleaseSpec(transfer_id=transfer_id, generation=1))
+    elif method == "CompleteTransfer":
+        outcome = pb.COMPLETION_OUTCOME_SUCCEEDED
+        request.completions.append(pb.CompletionSpec(transfer_id=transfer_id, generation=1, outcome=outcome))
+    elif method == "AcknowledgeRevocation":
+        request.acks.append(pb.RevocationAck(transfer_id=transfer_id, generation=1))
+    elif method == "AbortTransfer":
+        request.aborts.append(pb.AbortSpec(transfer_id=transfer_id, message="mine now"))
+    else:
+        request.sources.append(pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[1, 2]))
+    return request
+
+
 async def matched_transfer(channel: grpc.aio.Channel, transfer_id: str) -> None:
     await targeted_transfer(channel, transfer_id)
     incarnation = await register(channel, "p0", pb.ENGINE_ROLE_PRODUCER, PREFILL)
@@ -160,14 +177,7 @@ async def test_a_non_participant_is_answered_as_for_an_unknown_id(
     incarnation = await register(channel, engine_id, role, token)
 
     async def answer(transfer_id: str, as_token: str) -> pb.ItemResult:
-        request = getattr(pb, f"{method}Request")(engine_id=engine_id, incarnation=incarnation)
-        if method == "ReleaseTarget":
-            request.releases.append(pb.ReleaseSpec(transfer_id=transfer_id, generation=1))
-        elif method == "CompleteTransfer":
-            outcome = pb.COMPLETION_OUTCOME_SUCCEEDED
-            request.completions.append(pb.CompletionSpec(transfer_id=transfer_id, generation=1, outcome=outcome))
-        else:
-            request.acks.append(pb.RevocationAck(transfer_id=transfer_id, generation=1))
+        request = participant_call(method, engine_id, incarnation, transfer_id)
         return await item(channel, method, request, as_token)
 
     live, unknown = await answer("t-live", token), await answer("t-none", token)
@@ -189,11 +199,7 @@ async def test_a_non_participant_aborting_or_marking_a_source_ready_is_answered_
     incarnation = await register(channel, engine_id, role, token)
 
     async def answer(transfer_id: str, as_token: str) -> pb.ItemResult:
-        request = getattr(pb, f"{method}Request")(engine_id=engine_id, incarnation=incarnation)
-        if method == "AbortTransfer":
-            request.aborts.append(pb.AbortSpec(transfer_id=transfer_id, message="mine now"))
-        else:
-            request.sources.append(pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[1, 2]))
+        request = participant_call(method, engine_id, incarnation, transfer_id)
         return await item(channel, method, request, as_token)
 
     def seen(result: pb.ItemResult) -> bytes:

@@ -26,12 +26,13 @@ from clients import (
     TargetSpec,
     TransferState,
 )
+from clients._convert import binding_message as message
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.protocol import bindings
 from rendezvous.protocol.bindings import Binding
-from rendezvous.protocol.convert import timestamp
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
+from tests.clients.conftest import LAYOUT, agent
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 from tests.security.conftest import serving
 from tests.security.test_auth import auth_file, call
@@ -89,17 +90,6 @@ async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
 
 def signed(transfer_id: str, consumer: str = "d0", producer: str = "p0", ttl: float = 600, key: bytes = KEY) -> Binding:
     return bindings.sign(key, transfer_id, consumer, producer, int(time.time() + ttl))
-
-
-def message(b: Binding | None) -> pb.TransferBinding | None:
-    if b is None:
-        return None
-    return pb.TransferBinding(
-        consumer_engine_id=b.consumer_engine_id,
-        producer_engine_id=b.producer_engine_id,
-        expire_time=timestamp(b.expires_at),
-        mac=b.mac,
-    )
 
 
 def info(result: pb.ItemResult) -> tuple[str, str]:
@@ -332,9 +322,6 @@ def test_a_binding_travels_in_kv_transfer_params_as_plain_data() -> None:
 
 
 # The SDK, end to end
-
-
-from tests.clients.conftest import LAYOUT, agent  # noqa: E402 - the SDK tests' engines
 
 
 def client(srv: RendezvousServer, token: str) -> AsyncRendezvousClient:
