@@ -100,8 +100,8 @@ class CallQuotas:
         self.limits = limits
         self._calls = TokenBucket(limits.rate, limits.burst, clock) if limits.rate else None
         self._refusals = TokenBucket(limits.refusal_rate, limits.refusal_burst, clock) if limits.refusal_rate else None
-        self._in_flight: Counter[str] = Counter()
-        self._streams: Counter[str] = Counter()
+        self._in_flight = _Cap(limits.concurrency, "calls in flight")
+        self._streams = _Cap(limits.streams, "open streams")
 
     def cost(self, request_bytes: int) -> int:
         """What a request of request_bytes costs, in calls."""
@@ -140,32 +140,41 @@ class CallQuotas:
 
     def enter(self, key: str) -> None:
         """Count a unary call in flight, or raise TOO_MANY_CONCURRENT_CALLS."""
-        limit = self.limits.concurrency
-        if limit and self._in_flight[key] >= limit:
-            raise RendezvousError(
-                Reason.TOO_MANY_CONCURRENT_CALLS, f"more than {limit} calls in flight; wait for some", limit=limit
-            )
-        self._in_flight[key] += 1
+        self._in_flight.enter(key)
 
     def leave(self, key: str) -> None:
         """A counted call ended."""
-        _decrement(self._in_flight, key)
+        self._in_flight.leave(key)
 
     def open_stream(self, key: str) -> None:
         """Count an open stream, or raise TOO_MANY_CONCURRENT_CALLS."""
-        limit = self.limits.streams
-        if limit and self._streams[key] >= limit:
-            raise RendezvousError(
-                Reason.TOO_MANY_CONCURRENT_CALLS, f"more than {limit} open streams; close some", limit=limit
-            )
-        self._streams[key] += 1
+        self._streams.enter(key)
 
     def close_stream(self, key: str) -> None:
         """A counted stream ended."""
-        _decrement(self._streams, key)
+        self._streams.leave(key)
 
 
-def _decrement(counter: Counter[str], key: str) -> None:
-    counter[key] -= 1
-    if not counter[key]:
-        del counter[key]
+class _Cap:
+    """At most `limit` (0: no limit) of something at once per key."""
+
+    __slots__ = ("_counts", "_limit", "_what")
+
+    def __init__(self, limit: int, what: str) -> None:
+        self._limit = limit
+        self._what = what
+        self._counts: Counter[str] = Counter()
+
+    def enter(self, key: str) -> None:
+        limit = self._limit
+        if limit and self._counts[key] >= limit:
+            raise RendezvousError(
+                Reason.TOO_MANY_CONCURRENT_CALLS, f"more than {limit} {self._what}; wait for some", limit=limit
+            )
+        self._counts[key] += 1
+
+    def leave(self, key: str) -> None:
+        counts = self._counts
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]
