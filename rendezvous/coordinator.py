@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
+from rendezvous.core import budget, paging
 from rendezvous.core import engines as engine_rules
-from rendezvous.core import paging
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.bindings import BindingRules, check_binding
 from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 _BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, Reason.BINDING_REQUIRED})
 
+A = TypeVar("A")
+B = TypeVar("B")
 SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
 
 
@@ -93,6 +95,13 @@ class Coordinator:
         self.clock = clock
         self.observer = observer
 
+    async def _both(self, first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
+        """Two store reads: in flight together where that saves a round trip (Store.concurrent), else in turn
+        (never suspending on a store that answers at once)."""
+        if self.store.concurrent:
+            return await asyncio.gather(first, second)
+        return await first, await second
+
     def _context(self) -> Context:
         return Context(self.clock(), self.limits, self.timeouts)
 
@@ -118,14 +127,20 @@ class Coordinator:
         """Register a new incarnation; returns it and the revision its watch should start from."""
         now = self.clock()
         # Every event of the new incarnation comes after this: the record keeps it for the engine's other ranks.
-        first = await self.store.last_event_revision(spec.engine_id) + 1
+        # The memory budget (core: budget.check_engine) is checked against the usage of the server and of the
+        # registering identity as it is now; both reads in one round trip to a networked store.
+        last, tally = await self._both(self.store.last_event_revision(spec.engine_id), self.store.usage(spec.owner))
+        first = last + 1
+
+        def registered(cur: Engine | None) -> Engine:
+            new = engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts, first)
+            budget.check_engine(self.limits, tally, cur, new)
+            return new
+
         # The record names the incarnation it replaced (read inside the atomic update), so concurrent
         # re-registrations each end their predecessor, and a loss this call cannot finish (cancelled,
         # store down, replica killed) is applied by the next keep-alive or sweep.
-        engine = await self.store.update_engine(
-            spec.engine_id,
-            lambda cur: engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts, first),
-        )
+        engine = await self.store.update_engine(spec.engine_id, registered)
         assert engine is not None
         engine = await self._apply_pending_loss(engine, now)
         log.info(
@@ -248,10 +263,12 @@ class Coordinator:
         joins: bool = False,
         half: Role | None = None,
         exempt: bool = False,
+        blocks: bool = False,
     ) -> list[ItemOutcome]:
         """Apply step to every item; an item's error does not stop the others.
 
-        With joins, the caller's live-transfer limit applies (core: engines.LiveTransferLimit). With half,
+        With joins, the caller's live-transfer limit applies (core: engines.LiveTransferLimit); with
+        blocks (items that name block ids), the live-block budget (core: budget.BlockBudget). With half,
         each item takes that half of its transfer: its binding is checked first (core: bindings), unless
         the server has no binding keys; exempt callers (admin) need none.
         """
@@ -261,12 +278,23 @@ class Coordinator:
         if half is not None and rules is not None and caller is not None:
             step = partial(_bound, step, rules, caller.engine_id, half, exempt)
         limit: engine_rules.LiveTransferLimit | None = None
-        if joins and caller is not None:
-            live = await self.store.live_transfer_counts([caller.engine_id])
-            limit = engine_rules.LiveTransferLimit.of(self.limits, caller, live[caller.engine_id])
+        room: budget.BlockBudget | None = None
+        if caller is not None and (joins or blocks):
+            # Both reads at once (one round trip to a networked store).
+            live, tally = await self._both(
+                self.store.live_transfer_counts([caller.engine_id]) if joins else _none(),
+                self.store.usage(caller.owner) if blocks else _none(),
+            )
+            if live is not None:
+                limit = engine_rules.LiveTransferLimit.of(self.limits, caller, live[caller.engine_id])
+            if tally is not None:
+                room = budget.BlockBudget.of(self.limits, caller, tally)
 
-        async def apply(item: SpecT, limit: engine_rules.LiveTransferLimit | None) -> ItemOutcome:
-            fn = partial(_limited, step, self._context(), item, limit)
+        async def apply(
+            item: SpecT, limit: engine_rules.LiveTransferLimit | None, room: budget.BlockBudget | None
+        ) -> tuple[ItemOutcome, tuple[int, int]]:
+            change = [(0, 0)]
+            fn = partial(_limited, step, self._context(), item, limit, room, change)
             try:
                 transition = await self._apply(item.transfer_id, fn)
             except RendezvousError as err:
@@ -275,18 +303,22 @@ class Coordinator:
                         "transfer half refused",
                         extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason.value},
                     )
-                return ItemOutcome(item.transfer_id, error=err)
-            return ItemOutcome(item.transfer_id, transfer=transition.transfer)
+                return ItemOutcome(item.transfer_id, error=err), (0, 0)
+            return ItemOutcome(item.transfer_id, transfer=transition.transfer), change[0]
 
-        if self.store.concurrent and (limit is None or limit.allows(len(items))):
-            # No item can reach the limit, so they may be in flight together (one round trip to a
+        most = sum(len(getattr(item, "block_ids", ())) for item in items) if room is not None else 0
+        roomy = (limit is None or limit.allows(len(items))) and (room is None or room.allows(most))
+        if self.store.concurrent and roomy:
+            # No item can reach a limit, so they may be in flight together (one round trip to a
             # networked store); items of one transfer still apply in order (the store queues them).
-            return list(await asyncio.gather(*(apply(item, None) for item in items)))
+            return [o for o, _ in await asyncio.gather(*(apply(item, None, None) for item in items))]
         outcomes: list[ItemOutcome] = []
         for item in items:
-            outcome = await apply(item, limit)
+            outcome, change = await apply(item, limit, room)
             if limit is not None:
                 limit = limit.after(outcome.transfer)
+            if room is not None:
+                room = room.spent(change)
             outcomes.append(outcome)
         return outcomes
 
@@ -300,7 +332,7 @@ class Coordinator:
             producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
             return lifecycle.register_target(ctx, cur, consumer, producer, spec)
 
-        return await self._batch(consumer, specs, step, joins=True, half=Role.CONSUMER, exempt=exempt)
+        return await self._batch(consumer, specs, step, joins=True, half=Role.CONSUMER, exempt=exempt, blocks=True)
 
     async def claim_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec], exempt: bool = False
@@ -325,7 +357,7 @@ class Coordinator:
         ) -> Transition:
             return lifecycle.mark_source_ready(ctx, cur, producer, _consumer_of(cur, engines), spec)
 
-        return await self._batch(producer, specs, step, joins=True, half=Role.PRODUCER, exempt=exempt)
+        return await self._batch(producer, specs, step, joins=True, half=Role.PRODUCER, exempt=exempt, blocks=True)
 
     async def complete_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[CompletionSpec]
@@ -519,13 +551,24 @@ def _limited(
     ctx: Context,
     item: SpecT,
     limit: engine_rules.LiveTransferLimit | None,
+    room: budget.BlockBudget | None,
+    change: list[tuple[int, int]],
     cur: Transfer | None,
     engines: Mapping[str, Engine],
 ) -> Transition:
-    """Apply step within the caller's live-transfer limit, if one applies."""
+    """Apply step within the caller's live-transfer limit and live-block budget, if they apply; the
+    block ids the step adds (budget.BlockBudget.change) are left in change[0]."""
     if limit is not None:
         limit.check(cur)
-    return step(ctx, cur, engines, item)
+    transition = step(ctx, cur, engines, item)
+    if room is not None:
+        change[0] = room.change(cur, transition.transfer)
+        room.refuse(change[0])
+    return transition
+
+
+async def _none() -> None:
+    return None
 
 
 def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:

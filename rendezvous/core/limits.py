@@ -14,6 +14,19 @@ class Limits:
     before it grows past `max_response_bytes` (the rest follows in the next page or batch). Byte sizes
     are of UTF-8. Under the defaults the largest single engine or event stays under 4 MiB, the receive
     limit of a gRPC client left at its defaults (tests/security/test_sizes.py checks it).
+
+    The memory budget (`max_engines` to `max_agent_metadata_bytes_per_identity`) bounds what the server
+    holds in total, whatever each request's size: live engines, block ids of live transfers and agent
+    metadata bytes of live engines, over the whole server and per identity (the auth identity that
+    registered the engine; without auth only the global budgets apply). The rule is
+    `rendezvous.core.budget`; a request over budget is refused with BUDGET_EXHAUSTED. What each unit
+    costs, measured in the memory store (docs/security.md, "Limits against abuse"): a block id 40-48 bytes
+    (a 65,536-block target 2.6 MiB), an engine about 150 KiB before its agent metadata (10,000 engines held
+    1.47 GB), agent metadata its bytes (and in RSS up to as much again: glibc's heap keeps the native copies
+    of the requests). Under the defaults the budget allows about 10,000 x 150 KiB (1.5 GiB) of engines,
+    25 M x 40-48 B (1-1.1 GiB) of block ids and 1 GiB of agent metadata: more than a fleet holds (a decode
+    engine rarely has more than 100,000 KV blocks, and its live targets name at most the blocks it has; a
+    per-identity 4 M is 40 such engines with every block in flight), but a bound an operator can lower.
     """
 
     max_id_length: int = 256
@@ -36,6 +49,12 @@ class Limits:
     max_engine_page: int = 1_000
     default_engine_page: int = 100
     max_response_bytes: int = 2 << 20
+    max_engines: int = 10_000
+    max_engines_per_identity: int = 1_000
+    max_live_blocks: int = 25_000_000
+    max_live_blocks_per_identity: int = 4_000_000
+    max_agent_metadata_bytes_total: int = 1 << 30
+    max_agent_metadata_bytes_per_identity: int = 256 << 20
 
 
 @dataclass(frozen=True)

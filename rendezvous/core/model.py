@@ -7,6 +7,8 @@ protocol's so the wire mapping is a cast. Times are seconds since the Unix epoch
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 
 from rendezvous.protocol.enums import (
@@ -62,6 +64,9 @@ class Engine(Incarnation):
     # A revision from which a watch sees all of this incarnation's events (its ranks that did not register
     # follow it from here).
     watch_start_revision: int = 0
+    # The auth identity that registered this incarnation ("" without auth): the memory budget's per-identity
+    # tallies charge it (rendezvous.core.budget).
+    owner: str = ""
 
     def alive(self, now: float) -> bool:
         """True while the lease holds and the incarnation has not ended."""
@@ -112,6 +117,10 @@ class Transfer:
     # revoking_generation while one is pending: never both), sorted. A multi-rank engine's generation
     # commits, or its revocation is confirmed, once every rank is here.
     reported_ranks: tuple[int, ...] = ()
+    # A tombstone's block ids, as digests ("<target>:<source>", `blocks_digest`; "" while the record holds
+    # them): an ended transfer keeps no block ids (up to megabytes each, for tombstone_ttl), only enough to
+    # tell a retried call with the same blocks from one with others.
+    block_digests: str = ""
 
     @property
     def unsettled(self) -> bool:
@@ -130,6 +139,13 @@ class Transfer:
         if engine_id == self.producer_engine_id:
             return self.consumer_engine_id
         return ""
+
+
+def blocks_digest(blocks: tuple[int, ...] | None) -> str:
+    """A stable digest of block ids ("" for None: not given)."""
+    if blocks is None:
+        return ""
+    return hashlib.blake2b(array("q", blocks).tobytes(), digest_size=12).hexdigest()
 
 
 @dataclass(frozen=True)

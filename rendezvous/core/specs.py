@@ -20,6 +20,8 @@ class EngineSpec:
     agents: tuple[NixlAgent, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
     lease_ttl: float = 0.0
+    owner: str = ""
+    """The auth identity registering it ("" without auth); set by the server, not the request."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from rendezvous.core.model import (
     State,
     Transfer,
     TransferTimes,
+    blocks_digest,
 )
 from rendezvous.core.specs import (
     AbortSpec,
@@ -84,10 +85,37 @@ def _times(t: Transfer, **changes: float) -> TransferTimes:
     return replace(t.times, **changes)
 
 
+TOMBSTONE_BLOCK_IDS = 64
+"""Block ids a tombstone keeps as they are (about the size of the rest of its record); above, digests."""
+
+
 def _tombstone(ctx: Context, t: Transfer, state: State) -> Transfer:
     """t ended in state (RELEASED or ABORTED) now: kept as a tombstone for tombstone_ttl, so late halves
-    and retried calls learn the outcome; then `expire` forgets it."""
-    return replace(t, state=state, deadline=ctx.now + ctx.timeouts.tombstone_ttl, times=_times(t, end=ctx.now))
+    and retried calls learn the outcome; then `expire` forgets it.
+
+    A tombstone of more than TOMBSTONE_BLOCK_IDS block ids keeps digests of them, not the ids (`_same_blocks`
+    compares a retry with them; source_block_ids stays () where the source was ready, None where not): a
+    65,536-block target's ids are 2.6 MiB, which the memory budget no longer counts once the transfer ended.
+    """
+    deadline, times = ctx.now + ctx.timeouts.tombstone_ttl, _times(t, end=ctx.now)
+    if t.block_digests or len(t.target_block_ids) + len(t.source_block_ids or ()) <= TOMBSTONE_BLOCK_IDS:
+        return replace(t, state=state, deadline=deadline, times=times)
+    return replace(
+        t,
+        state=state,
+        deadline=deadline,
+        times=times,
+        target_block_ids=(),
+        source_block_ids=None if t.source_block_ids is None else (),
+        block_digests=f"{blocks_digest(t.target_block_ids)}:{blocks_digest(t.source_block_ids)}",
+    )
+
+
+def _same_blocks(t: Transfer, blocks: tuple[int, ...], source: bool) -> bool:
+    """Whether blocks are t's target (or source) block ids, on a live record or a tombstone's digests."""
+    if not t.block_digests:
+        return (t.source_block_ids if source else t.target_block_ids) == blocks
+    return t.block_digests.split(":")[1 if source else 0] == blocks_digest(blocks)
 
 
 def _release(ctx: Context, t: Transfer) -> Transition:
@@ -306,10 +334,8 @@ def register_target(
                 times=TransferTimes(target=ctx.now),
             )
         )
-    same_target = (cur.consumer_engine_id, cur.generation, cur.target_block_ids) == (
-        consumer.engine_id,
-        spec.generation,
-        blocks,
+    same_target = (cur.consumer_engine_id, cur.generation) == (consumer.engine_id, spec.generation) and _same_blocks(
+        cur, blocks, source=False
     )
     if cur.state.terminal:
         if same_target:
@@ -435,7 +461,7 @@ def mark_source_ready(
     if gone:
         return gone
     if cur.source_block_ids is not None:
-        if cur.source_block_ids == blocks:
+        if _same_blocks(cur, blocks, source=True):
             return Transition(cur)
         raise RendezvousError(Reason.INVALID_STATE, "the source was already marked ready with other blocks")
     if cur.state.terminal:

@@ -163,6 +163,10 @@ class Reason(StrEnum):
     BINDING_REQUIRED = "BINDING_REQUIRED"
     """The server requires a transfer binding (require_binding) and the half has none."""
 
+    BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"
+    """The server's memory budget (engines, live block ids or agent metadata bytes, global or
+ of the caller's identity) has no room for the request (ErrorInfo metadata budget, scope, limit)."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -213,5 +217,6 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.BINDING_INVALID: "PERMISSION_DENIED",
     Reason.BINDING_MISMATCH: "PERMISSION_DENIED",
     Reason.BINDING_REQUIRED: "PERMISSION_DENIED",
+    Reason.BUDGET_EXHAUSTED: "RESOURCE_EXHAUSTED",
 }
 """The google.rpc.Code name of each reason."""

@@ -214,6 +214,7 @@ class RendezvousServer:
                 up = await self.store.ping()
                 if up:
                     self.metrics.update_counts(await self.store.counts())
+                    self.metrics.update_budget((await self.store.usage("")).total, self.config.limits)
             except Exception:
                 up = False
             if up != serving and not self._stopping.is_set():

@@ -26,7 +26,7 @@ from rendezvous.core.errors import Code, Reason, RendezvousError
 from rendezvous.core.model import Engine, Role
 from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import ADMIN, BINDING_EXEMPT, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
+from rendezvous.server.policy import ADMIN, BINDING_EXEMPT, CALLER_IDENTITY, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.store.base import StoreUnavailableError
 
@@ -205,6 +205,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise AssertionError("unreachable: abort_with_status raises") from None
             admin = identity is not None and identity.has_role(ADMIN)
             exempt = BINDING_EXEMPT.set(admin)
+            named = CALLER_IDENTITY.set(identity.name if identity is not None else "")
             try:
                 response = await behavior(request, context)
                 if identity is not None and not admin and method in TRANSFER_CALLS:
@@ -212,6 +213,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 return response
             finally:
                 BINDING_EXEMPT.reset(exempt)
+                CALLER_IDENTITY.reset(named)
                 self._quotas.leave(key)
 
         return checked

@@ -10,7 +10,9 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from rendezvous.core import phases
+from rendezvous.core import budget, phases
+from rendezvous.core.budget import Usage
+from rendezvous.core.limits import Limits
 from rendezvous.core.model import LIVE_STATES, State, Transfer
 from rendezvous.store.base import StoreCounts
 
@@ -34,6 +36,13 @@ class Metrics:
         self.live_engines = Gauge("rendezvous_live_engines", "Engines holding a lease", registry=r)
         self.live_transfers = Gauge("rendezvous_live_transfers", "Live transfers by state", ["state"], registry=r)
         self.watchers = Gauge("rendezvous_watchers", "Open Watch streams on this replica", registry=r)
+        self.budget_used = Gauge(
+            "rendezvous_budget_used",
+            "Memory budget in use, server-wide",
+            ["budget"],
+            registry=r,
+        )
+        self.budget_limit = Gauge("rendezvous_budget_limit", "Memory budget limit, server-wide", ["budget"], registry=r)
         self.events_sent = Counter("rendezvous_events_sent", "Events written to Watch streams", registry=r)
         self.resyncs = Counter("rendezvous_watch_resyncs", "Watchers told to resync", registry=r)
         self.committed = Counter("rendezvous_transfers_committed", "Transfers whose bytes arrived", registry=r)
@@ -90,6 +99,16 @@ class Metrics:
             self.committed.inc()
         elif after.state == State.ABORTED:
             self.aborts.labels(after.abort_reason.name).inc()
+
+    def update_budget(self, used: Usage, limits: Limits) -> None:
+        """Refresh the memory-budget gauges (server-wide; per-identity tallies are not exported)."""
+        for name, value, limit in (
+            (budget.ENGINES, used.engines, limits.max_engines),
+            (budget.LIVE_BLOCKS, used.blocks, limits.max_live_blocks),
+            (budget.AGENT_METADATA_BYTES, used.metadata_bytes, limits.max_agent_metadata_bytes_total),
+        ):
+            self.budget_used.labels(name).set(value)
+            self.budget_limit.labels(name).set(limit)
 
     def update_counts(self, counts: StoreCounts) -> None:
         """Refresh the live-state gauges."""

@@ -57,6 +57,10 @@ BINDING_EXEMPT: ContextVar[bool] = ContextVar("binding_exempt", default=False)
 """Whether the call being served may take a transfer's half without the router's binding (under
 require_binding): set by the auth guard for admin identities, read where the service applies bindings."""
 
+CALLER_IDENTITY: ContextVar[str] = ContextVar("caller_identity", default="")
+"""The name of the identity the current call was admitted as ("" without auth): set by the auth guard around
+a unary call, read by the servicer to name who registers an engine (the memory budget's owner)."""
+
 
 @dataclass(frozen=True)
 class Identity:

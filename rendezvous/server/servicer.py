@@ -13,6 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -27,7 +28,7 @@ from rendezvous.core.model import Engine, Role, State, Transfer
 from rendezvous.protocol import tracing
 from rendezvous.protocol.convert import duration, number, timestamp
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import BINDING_EXEMPT
+from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
 from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -217,7 +218,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     async def RegisterEngine(
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
-        engine, start = await self.coordinator.register_engine(wire.engine_spec(request))
+        # The registering identity owns the engine for the memory budget (per-identity tallies; none without auth).
+        spec = replace(wire.engine_spec(request), owner=CALLER_IDENTITY.get())
+        engine, start = await self.coordinator.register_engine(spec)
         return pb.RegisterEngineResponse(
             header=await self._header(), engine=wire.engine_message(engine), watch_start_revision=start
         )

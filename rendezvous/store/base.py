@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from rendezvous.core.budget import Tally
 from rendezvous.core.engines import lapse
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
@@ -173,6 +174,14 @@ class Store(ABC):
     @abstractmethod
     async def put_response(self, key: str, value: bytes, ttl: float) -> None:
         """Remember a response for ttl seconds."""
+
+    @abstractmethod
+    async def usage(self, owner: str) -> Tally:
+        """What the stored records charge the memory budget (rendezvous.core.budget), in all and to owner.
+
+        Backends keep the sums exact, updated in the same atomic step that writes a record; owner "" asks
+        for the server's total only.
+        """
 
     @abstractmethod
     async def counts(self) -> StoreCounts:

@@ -71,6 +71,7 @@ def transfer_fields(t: Transfer) -> list[Any]:
         t.revoking_generation,
         [times.target, times.claim, times.match, times.source_ready, times.commit, times.end],
         list(t.reported_ranks),
+        t.block_digests,
     ]
 
 
@@ -97,6 +98,7 @@ def transfer_from_fields(obj: Any) -> Transfer:
         revoking_generation=f[16],
         times=TransferTimes(times[0], times[1], times[2], times[3], times[4], times[5]),
         reported_ranks=tuple(f[18]) if len(f) > 18 else (),
+        block_digests=f[19] if len(f) > 19 else "",
     )
 
 
@@ -157,6 +159,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.ended_at,
         e.unlost_incarnation,
         e.watch_start_revision,
+        e.owner,
     ]
 
 
@@ -189,6 +192,7 @@ def engine_from_fields(obj: Any) -> Engine:
         ended_at=f[11],
         unlost_incarnation=f[12] if len(f) > 12 else 0,
         watch_start_revision=f[13] if len(f) > 13 else 0,
+        owner=f[14] if len(f) > 14 else "",
     )
 
 

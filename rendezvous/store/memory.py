@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 
+from rendezvous.core import budget
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store._sorted import SortedIds
@@ -58,6 +59,15 @@ class MemoryStore(Store):
         self._max_events = max_events_per_engine
         self._responses: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._max_responses = max_responses
+        # The memory budget's tallies (rendezvous.core.budget), as plain counters: what each record charges
+        # (kept, so that a change takes back exactly that, from the owner it charged), and the sums, over all
+        # and by owner, as [engines, block ids, metadata bytes].
+        self._engine_charges: dict[str, tuple[str, int, int]] = {}
+        # A transfer's: ((consumer id, target block ids, producer id, source block ids), consumer's owner,
+        # producer's owner); a side without block ids has id "".
+        self._transfer_charges: dict[str, tuple[tuple[str, int, str, int], str, str]] = {}
+        self._total = [0, 0, 0]
+        self._by_owner: dict[str, list[int]] = {}
 
     @property
     def epoch(self) -> int:
@@ -93,6 +103,7 @@ class MemoryStore(Store):
     async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
         new = fn(self._engines.get(engine_id))
         self._revision += 1
+        self._charge_engine(engine_id, new)
         if new is None:
             self._engines.pop(engine_id, None)
             self._engine_ids.discard(engine_id)
@@ -119,6 +130,9 @@ class MemoryStore(Store):
         if new is cur and not transition.events:
             return transition
         self._revision += 1
+        target, source = budget.transfer_blocks(new)
+        if target or source or transfer_id in self._transfer_charges:
+            self._charge_transfer(transfer_id, new, target, source)
         self._index(cur, new)
         self._order(cur, new)
         if new is None:
@@ -129,6 +143,60 @@ class MemoryStore(Store):
                 heapq.heappush(self._deadlines, (new.deadline, transfer_id))
         self._append(transition.events)
         return transition
+
+    def _owner(self, engine_id: str) -> str:
+        engine = self._engines.get(engine_id) if engine_id else None
+        return engine.owner if engine is not None else ""
+
+    def _add(self, owner: str, kind: int, n: int) -> None:
+        """Add n (maybe negative) to a kind of the sums (0 engines, 1 block ids, 2 metadata bytes)."""
+        if not n:
+            return
+        self._total[kind] += n
+        if owner:
+            mine = self._by_owner.get(owner)
+            if mine is None:
+                mine = self._by_owner[owner] = [0, 0, 0]
+            mine[kind] += n
+            if not any(mine):
+                del self._by_owner[owner]
+
+    def _charge_engine(self, engine_id: str, new: Engine | None) -> None:
+        usage = budget.engine_usage(new)
+        charge = (new.owner, usage.engines, usage.metadata_bytes) if new is not None and usage.engines else None
+        old = self._engine_charges.pop(engine_id, None)
+        if charge is not None:
+            self._engine_charges[engine_id] = charge
+        if old == charge:
+            return
+        for sign, c in ((-1, old), (1, charge)):
+            if c is not None:
+                self._add(c[0], 0, sign * c[1])
+                self._add(c[0], 2, sign * c[2])
+
+    def _charge_transfer(self, transfer_id: str, new: Transfer | None, target: int, source: int) -> None:
+        old = self._transfer_charges.get(transfer_id)
+        charge = None
+        if new is not None and (target or source):
+            consumer = new.consumer_engine_id if target else ""
+            producer = new.producer_engine_id if source else ""
+            key = (consumer, target, producer, source)
+            if old is not None and old[0] == key:
+                return  # the same charge (most writes: a transfer's blocks change at its target and source calls)
+            charge = (key, self._owner(consumer), self._owner(producer))
+            self._transfer_charges[transfer_id] = charge
+        else:
+            self._transfer_charges.pop(transfer_id, None)
+        if old is not None:
+            self._add(old[1], 1, -old[0][1])
+            self._add(old[2], 1, -old[0][3])
+        if charge is not None:
+            self._add(charge[1], 1, target)
+            self._add(charge[2], 1, source)
+
+    async def usage(self, owner: str) -> budget.Tally:
+        mine = self._by_owner.get(owner) if owner else None
+        return budget.Tally(budget.Usage(*self._total), budget.Usage(*mine) if mine else budget.Usage())
 
     def _index(self, cur: Transfer | None, new: Transfer | None) -> None:
         before = set(cur.participants()) if cur and cur.unsettled else set()

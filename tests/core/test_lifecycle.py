@@ -27,6 +27,7 @@ from rendezvous.core import (
     TargetSpec,
     Timeouts,
 )
+from rendezvous.core.transfers import TOMBSTONE_BLOCK_IDS
 from rendezvous.store import MemoryStore
 from tests.core.helpers import LAYOUT, Clock, engine_spec, run
 
@@ -106,6 +107,27 @@ def test_full_push_lifecycle_commits_then_releases_to_a_tombstone() -> None:
     w.clock.advance(TIMEOUTS.tombstone_ttl + 1)
     w.sweep()
     assert run(w.store.get_transfer("t1")) is None
+
+
+@pytest.mark.parametrize("size", [3, TOMBSTONE_BLOCK_IDS])
+def test_a_large_tombstone_keeps_no_block_ids_yet_answers_retries_as_before(size: int) -> None:
+    w = World()
+    target, source = tuple(range(size)), tuple(reversed(range(size)))
+    w.target(blocks=target, mode=Mode.PULL)
+    ok(run(w.coord.mark_sources_ready("p1", 0, [SourceReadySpec("t1", source)]))[0])
+    ok(run(w.coord.abort_transfers("d1", 0, [AbortSpec("t1")]))[0])
+    tomb = run(w.store.get_transfer("t1"))
+    assert tomb is not None and tomb.state == State.ABORTED
+    if size > TOMBSTONE_BLOCK_IDS // 2:  # more ids than a tombstone keeps: () for a source that had been ready
+        assert (tomb.target_block_ids, tomb.source_block_ids) == ((), ())
+    else:
+        assert (tomb.target_block_ids, tomb.source_block_ids) == (target, source)
+    # A retry with the same blocks is answered with the tombstone; other blocks are refused as before.
+    assert ok(w.target(blocks=target, mode=Mode.PULL)) == State.ABORTED
+    assert reason(w.target(blocks=(1, 2), mode=Mode.PULL)) == Reason.TRANSFER_ENDED
+    assert ok(run(w.coord.mark_sources_ready("p1", 0, [SourceReadySpec("t1", source)]))[0]) == State.ABORTED
+    again = run(w.coord.mark_sources_ready("p1", 0, [SourceReadySpec("t1", source[:-1])]))[0]
+    assert reason(again) == Reason.INVALID_STATE
 
 
 def test_pull_mode_sends_source_ready_to_the_consumer_who_completes() -> None:

@@ -78,6 +78,15 @@ async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: Server
         assert 'rendezvous_rpcs_total{code="OK",method="RegisterTarget"} 1.0' in body
         assert 'rendezvous_transfer_aborts_total{reason="REQUESTED"} 1.0' in body
         assert "rendezvous_match_wait_seconds_bucket" in body
+        # The memory budget's gauges follow the store (refreshed every health_interval).
+        used = 'rendezvous_budget_used{budget="engines"} 1.0'
+        for _ in range(100):
+            if used in body:
+                break
+            await asyncio.sleep(0.05)
+            body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        assert used in body and 'rendezvous_budget_used{budget="live_blocks"} 0.0' in body
+        assert f'rendezvous_budget_limit{{budget="engines"}} {float(server_config.limits.max_engines)}' in body
     finally:
         await server.stop(0)
 

@@ -22,6 +22,7 @@ from rendezvous.core import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    Limits,
     Mode,
     Outcome,
     ReleaseSpec,
@@ -31,6 +32,7 @@ from rendezvous.core import (
     SourceReadySpec,
     TargetSpec,
     Timeouts,
+    budget,
 )
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
@@ -44,6 +46,9 @@ CONSUMERS = ("c0", "c1")
 PRODUCERS = ("p0", "p1")
 TRANSFERS = ("t0", "t1", "t2")
 TIMEOUTS = Timeouts(default_lease_ttl=300, max_lease_ttl=300, release_timeout=20, tombstone_ttl=30)
+# Identities that registered each engine, and a memory budget small enough for the operations to reach it.
+OWNERS = {"c0": "a", "c1": "b", "p0": "a", "p1": ""}
+LIMITS = Limits(max_live_blocks=3, max_live_blocks_per_identity=2)
 
 blocks = st.lists(st.integers(0, 15), max_size=3, unique=True).map(tuple)
 transfer = st.sampled_from(TRANSFERS)
@@ -70,7 +75,9 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
     try:
         if kind == "register":
             role = Role.CONSUMER if args[0] in CONSUMERS else Role.PRODUCER
-            engine, start = await coord.register_engine(engine_spec(args[0], role, num_blocks=16))
+            engine, start = await coord.register_engine(
+                engine_spec(args[0], role, num_blocks=16, owner=OWNERS[args[0]])
+            )
             return engine, start
         if kind == "deregister":
             return await coord.deregister_engine(args[0], 0)
@@ -107,7 +114,21 @@ async def state(store: Store) -> Any:
             (e.type, e.transfer, e.generation, e.peer.engine_id if e.peer else "", e.time) for e in page.events
         )
     counts = await store.counts()
+    tallies = [await store.usage(owner) for owner in ("", "a", "b")]
+    # The tallies are what the records charge (core: budget), summed.
+    engines, transfers = await every_engine(store), await store.list_transfers()
+    owner_of = {e.engine_id: e.owner for e in engines}
+    charged: dict[str, budget.Usage] = {}
+    for charges in [budget.engine_charges(e) for e in engines] + [
+        budget.transfer_charges(t, owner_of.get(t.consumer_engine_id, ""), owner_of.get(t.producer_engine_id, ""))
+        for t in transfers
+    ]:
+        for owner, usage in charges:
+            charged[owner] = charged.get(owner, budget.Usage()) + usage
+    assert tallies[0].total == sum(charged.values(), budget.Usage())
+    assert [t.identity for t in tallies[1:]] == [charged.get(o, budget.Usage()) for o in ("a", "b")]
     return (
+        tallies,
         sorted(await store.list_transfers(), key=lambda t: t.transfer_id),
         await every_engine(store),
         {e: sorted(await store.live_transfer_ids(e)) for e in CONSUMERS + PRODUCERS},
@@ -123,7 +144,7 @@ async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
     await redis.open()
     try:
         clocks = Clock(), Clock()
-        coords = [Coordinator(s, timeouts=TIMEOUTS, clock=c) for s, c in zip((memory, redis), clocks, strict=True)]
+        coords = [Coordinator(s, LIMITS, TIMEOUTS, clock=c) for s, c in zip((memory, redis), clocks, strict=True)]
         for engine_id in CONSUMERS + PRODUCERS:
             for coord, clock in zip(coords, clocks, strict=True):
                 await apply(coord, clock, ("register", engine_id))

@@ -11,6 +11,8 @@ from dataclasses import replace
 import pytest
 
 from rendezvous.coordinator import Coordinator
+from rendezvous.core import budget
+from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Role, State, Transfer
 from rendezvous.core.specs import TargetSpec
@@ -34,6 +36,26 @@ async def test_a_second_instance_sees_the_same_state_and_epoch(redis_pair: tuple
     assert await b.get_transfer("t") == t.transfer
     assert [e.revision for e in (await b.read_events("c", 1, 10)).events] == [1]
     assert await b.revision() == await a.revision()
+
+
+async def test_replicas_share_one_memory_budget(redis_pair: tuple[RedisStore, RedisStore]) -> None:
+    """Two replicas' coordinators see (and refuse by) the same tallies: they live in Redis, beside the records."""
+    a, b = redis_pair
+    limits = Limits(max_engines_per_identity=1, max_live_blocks=5)
+    coords = Coordinator(a, limits), Coordinator(b, limits)
+    await coords[0].register_engine(engine_spec("c0", Role.CONSUMER, owner="x"))
+    with pytest.raises(RendezvousError) as refused:
+        await coords[1].register_engine(engine_spec("c1", Role.CONSUMER, owner="x"))
+    assert refused.value.reason == Reason.BUDGET_EXHAUSTED and refused.value.metadata["scope"] == "identity"
+    (ok,) = await coords[0].register_targets("c0", 0, [TargetSpec("t0", (0, 1, 2, 3))])
+    assert ok.error is None
+    (over,) = await coords[1].register_targets("c0", 0, [TargetSpec("t1", (0, 1))])
+    assert over.error is not None and over.error.reason == Reason.BUDGET_EXHAUSTED
+    usage = await b.usage("x")
+    assert (usage.total.engines, usage.total.blocks, usage.identity.blocks) == (1, 4, 4)
+    await coords[1].deregister_engine("c0", 0)  # its transfer aborts: every unit comes back
+    usage = await a.usage("x")
+    assert usage.total == usage.identity == budget.Usage()
 
 
 async def test_a_waiter_on_one_instance_wakes_for_a_write_through_the_other(

@@ -34,6 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
+from rendezvous.core import budget
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store.base import (
@@ -267,6 +268,7 @@ class RedisStore(Store):
             new = fn(cur)
             op = "n" if new is cur else ("d" if new is None else "w")
             record = encode_engine(new) if op == "w" and new is not None else ""
+            charge = budget.engine_usage(new)
 
             async def commit() -> Any:  # the script's reply
                 return await self._scripts.run(
@@ -279,6 +281,9 @@ class RedisStore(Store):
                     ended=1 if new is not None and new.ended_at else 0,
                     lease_expires_at=new.lease_expires_at if new is not None else 0,
                     ended_at=new.ended_at if new is not None else 0,
+                    owner=new.owner if new is not None else "",
+                    engines=charge.engines,
+                    metadata_bytes=charge.metadata_bytes,
                 )
 
             def written(reply: Reply) -> None:
@@ -329,6 +334,7 @@ class RedisStore(Store):
             new = transition.transfer
             unchanged = new is cur and not transition.events
             record = encode_transfer(new) if new is not None and not unchanged else None
+            target_blocks, source_blocks = budget.transfer_blocks(new)
 
             async def commit() -> Any:  # the script's reply
                 return await self._scripts.run(
@@ -345,6 +351,8 @@ class RedisStore(Store):
                     unsettled=1 if new is not None and new.unsettled else 0,
                     deadline=new.deadline if new else 0,
                     max_events=self._max_events,
+                    target_blocks=target_blocks,
+                    source_blocks=source_blocks,
                     events=self._events(transition.events, new, record) if not unchanged else (),
                 )
 
@@ -517,6 +525,12 @@ class RedisStore(Store):
     @_guarded
     async def put_response(self, key: str, value: bytes, ttl: float) -> None:
         await self._command("SET", self._prefix + "r:" + key, value, "PX", max(1, int(ttl * 1000)))
+
+    @_guarded
+    async def usage(self, owner: str) -> budget.Tally:
+        n = [int(v or 0) for v in await self._scripts.run("usage", owner=owner)]
+        mine = budget.Usage(*n[3:6]) if owner else budget.Usage()
+        return budget.Tally(budget.Usage(*n[:3]), mine)
 
     @_guarded
     async def counts(self) -> StoreCounts:

@@ -4,7 +4,7 @@ Each script is a `.lua` file of this package. `SIGNATURES` below is the one tabl
 from it, a header is generated in front of each script that binds every argument to a Lua local of
 the same name, and a Python function `Script.argv` that takes the same names as keyword arguments and
 lays them out in the same order, so neither side counts ARGV positions. A script also gets the shared
-helpers it names (`_guard.lua`, `_snapshot.lua`, `_append.lua`, `_records.lua`), after the header and
+helpers it names (`_guard.lua`, `_snapshot.lua`, `_append.lua`, `_records.lua`, `_budget.lua`), after the header and
 before its own body.
 
 Calling convention (one EVALSHA, as before): KEYS[1] is the namespace's rev key (it routes the call
@@ -18,13 +18,17 @@ Key schema (docs/operations.md has it for operators):
 
     epoch            string  the store's lifetime id (SET NX once)
     rev              string  global revision, INCR per write; also the version of what a write stores
-    t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state, l unsettled (1|0)
+    t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state, l unsettled (1|0),
+                             bc, bs block ids charged to the budget, to owners oc (consumer's), os (producer's)
     transfers        set     every transfer id
     states           hash    state -> number of transfers
     deadlines        zset    transfer id by deadline (swept by any replica)
     el:<engine>      set     unsettled transfer ids of an engine (live, or awaiting a revocation)
     et:<engine>      set     every transfer id (live or tombstone) of an engine
-    e:<engine>       hash    v version, d record, r latest event revision
+    e:<engine>       hash    v version, d record, r latest event revision, o owner (auth identity), n engines
+                             and m agent metadata bytes charged to the budget
+    budget           hash    the memory budget's tallies: e engines, b live block ids, m agent metadata
+                             bytes; `<kind>:<owner>` the same per owner
     engines          set     every engine id
     leases           zset    live engine id by lease expiry
     ended            zset    ended engine id (tombstone) by end time
@@ -90,14 +94,29 @@ SIGNATURES: Mapping[str, Signature] = {
             "unsettled",
             "deadline",
             "max_events",
+            "target_blocks",
+            "source_blocks",
         ),
         (Group("checks", ("engine_id", "version")), _EVENTS),
-        ("guard", "snapshot", "append"),
+        ("guard", "snapshot", "append", "budget"),
     ),
-    # op: w write | d delete | n verify only; ended: 1 | 0.
+    # op: w write | d delete | n verify only; ended: 1 | 0. owner, engines, metadata_bytes: what the record
+    # charges the memory budget (rendezvous.core.budget.engine_usage).
     "commit_engine": Signature(
-        ("guard", "engine_id", "version", "op", "record", "ended", "lease_expires_at", "ended_at"),
-        helpers=("guard",),
+        (
+            "guard",
+            "engine_id",
+            "version",
+            "op",
+            "record",
+            "ended",
+            "lease_expires_at",
+            "ended_at",
+            "owner",
+            "engines",
+            "metadata_bytes",
+        ),
+        helpers=("guard", "budget"),
     ),
     # operation: a fresh id per call, remembered remember_s seconds.
     "append_events": Signature(("guard", "operation", "remember_s", "max_events"), (_EVENTS,), ("guard", "append")),
@@ -110,6 +129,7 @@ SIGNATURES: Mapping[str, Signature] = {
     "select_transfers": Signature(("states", "limit"), (Group("ids", ("transfer_id",)),)),
     "replace_epoch": Signature(("lost_epoch", "new_epoch")),
     "counts": Signature(),
+    "usage": Signature(("owner",)),
 }
 
 

@@ -14,8 +14,14 @@ if op == 'n' then
   return {'N'}
 end
 local rev = redis.call('INCR', P .. 'rev')
+-- What the record charged the budget (o owner, n engines, m metadata bytes) goes; the new record's comes.
+local charged = redis.call('HMGET', ek, 'o', 'n', 'm')
+budget_add(charged[1], 'e', -(tonumber(charged[2]) or 0))
+budget_add(charged[1], 'm', -(tonumber(charged[3]) or 0))
 if op == 'w' then
-  redis.call('HSET', ek, 'v', rev, 'd', record)
+  budget_add(owner, 'e', engines)
+  budget_add(owner, 'm', metadata_bytes)
+  redis.call('HSET', ek, 'v', rev, 'd', record, 'o', owner, 'n', engines, 'm', metadata_bytes)
   redis.call('SADD', P .. 'engines', engine_id)
   if ended == '1' then
     redis.call('ZREM', P .. 'leases', engine_id)

@@ -56,9 +56,21 @@ for e in pairs(after_live) do
 end
 if existed then
   redis.call('HINCRBY', P .. 'states', old[4], -1)
+  -- The budget: what the record charged (bc block ids to owner oc, bs to os) goes.
+  local charged = redis.call('HMGET', tk, 'oc', 'bc', 'os', 'bs')
+  budget_add(charged[1], 'b', -(tonumber(charged[2]) or 0))
+  budget_add(charged[3], 'b', -(tonumber(charged[4]) or 0))
 end
 if write then
-  redis.call('HSET', tk, 'v', rev, 'd', record, 'c', consumer, 'p', producer, 's', state, 'l', unsettled)
+  -- ... and the new record's comes, to the owners its engines were registered by.
+  local oc = consumer ~= '' and (redis.call('HGET', P .. 'e:' .. consumer, 'o') or '') or ''
+  local op_owner = producer ~= '' and (redis.call('HGET', P .. 'e:' .. producer, 'o') or '') or ''
+  budget_add(oc, 'b', target_blocks)
+  budget_add(op_owner, 'b', source_blocks)
+  redis.call(
+    'HSET', tk, 'v', rev, 'd', record, 'c', consumer, 'p', producer, 's', state, 'l', unsettled,
+    'oc', oc, 'bc', target_blocks, 'os', op_owner, 'bs', source_blocks
+  )
   redis.call('ZADD', P .. 'deadlines', deadline, transfer_id)
   redis.call('HINCRBY', P .. 'states', state, 1)
   if not existed then redis.call('SADD', P .. 'transfers', transfer_id) end
