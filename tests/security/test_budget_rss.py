@@ -20,7 +20,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import grpc
@@ -102,7 +101,6 @@ def attack(budget: dict[str, int] | None) -> dict[str, int]:
             stub.RegisterTarget(warm, timeout=30)
             churn = stub.RegisterEngine(_engine("warm-engine", MIB), timeout=30).engine
             stub.DeregisterEngine(pb.DeregisterEngineRequest(engine_id="warm-engine", incarnation=churn.incarnation))
-            time.sleep(0.5)
             base = rss(serve.pid)
             blocks = range(BLOCKS_PER_TARGET)
             aborted = 0
@@ -140,7 +138,6 @@ def attack(budget: dict[str, int] | None) -> dict[str, int]:
                     for engine in live:
                         end = pb.DeregisterEngineRequest(engine_id=engine.engine_id, incarnation=engine.incarnation)
                         stub.DeregisterEngine(end, timeout=30)
-            time.sleep(0.5)
             end_rss = rss(serve.pid)
             health = stub.GetStatus(pb.GetStatusRequest(), timeout=10)
             assert health.header.epoch
