@@ -453,3 +453,21 @@ async def test_a_write_seen_during_the_health_check_is_not_taken_for_redis_going
         assert store.epoch == epoch, "a concurrent write made the replica start a new epoch"
     finally:
         await store.close()
+
+
+async def test_engines_listed_by_a_namespace_written_before_the_id_index_are_all_found(redis_url: str) -> None:
+    """ListEngines pages come from the id index `engine_ids`; a namespace an older server wrote has only the
+    `engines` set, from which the first listing builds the index."""
+    store = RedisStore(with_prefix(redis_url, fresh_prefix()))
+    await store.open()
+    try:
+        for engine_id in ("e2", "e0", "e1", "e3"):
+            await put_engine(store, make_engine(engine_id))
+        assert store._redis is not None
+        await store._redis.delete(store._prefix + "engine_ids")  # as an older server left it
+        pages = [await store.page_engines(after, 2, lambda _e: True) for after in ("", "e1", "e3")]
+        assert [[e.engine_id for e in page] for page in pages] == [["e0", "e1"], ["e2", "e3"], []]
+        await put_engine(store, make_engine("e05"))
+        assert [e.engine_id for e in await store.page_engines("e0", 2, lambda _e: True)] == ["e05", "e1"]
+    finally:
+        await store.close()

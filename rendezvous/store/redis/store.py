@@ -238,19 +238,17 @@ class RedisStore(Store):
 
     @_guarded
     async def page_engines(self, after: str, limit: int, keep: EngineFilter) -> list[Engine]:
-        # Ids only of every engine, sorted here; then the records from `after` on, a few at a time (an
-        # engine's record may be megabytes of agent metadata), until the page is full.
-        if limit <= 0:
-            return []
-        ids = sorted(eid for eid in await self._set_members(self._prefix + "engines") if eid > after)
-        chunk = min(limit, _ENGINE_CHUNK)
+        # A few records at a time (an engine's record may be megabytes of agent metadata), in id order from
+        # the id index, until the page is full: a page costs its own size, not the fleet's.
         page: list[Engine] = []
-        for start in range(0, len(ids), chunk):
-            reply = await self._scripts.run("read_engines", ids=ids[start : start + chunk])
-            page += [e for e in self._engines_in(reply) if keep(e)]
-            if len(page) >= limit:
-                return page[:limit]
-        return page
+        chunk = min(limit, _ENGINE_CHUNK)
+        while len(page) < limit:
+            reply = await self._scripts.run("page_engines", after=after, count=chunk)
+            after = reply[0].decode()
+            if not after:
+                break
+            page += [e for e in self._engines_in(reply[1:]) if keep(e)]
+        return page[:limit]
 
     @_guarded
     async def update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:

@@ -30,6 +30,7 @@ Key schema (docs/operations.md has it for operators):
     budget           hash    the memory budget's tallies: e engines, b live block ids, m agent metadata
                              bytes; `<kind>:<owner>` the same per owner
     engines          set     every engine id
+    engine_ids       zset    every engine id, score 0 (ordered by id: ListEngines pages)
     leases           zset    live engine id by lease expiry
     ended            zset    ended engine id (tombstone) by end time
     s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine, if any)
@@ -124,6 +125,7 @@ SIGNATURES: Mapping[str, Signature] = {
     "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),
     "due_transfers": Signature(("now", "limit", "hold_until")),
     "read_engines": Signature(groups=(Group("ids", ("engine_id",)),), helpers=("records",)),
+    "page_engines": Signature(("after", "count"), helpers=("records",)),
     "engine_transfers": Signature(("engine_id",), helpers=("records",)),
     "scan_transfers": Signature(("cursor", "count"), helpers=("records",)),
     "select_transfers": Signature(("states", "limit"), (Group("ids", ("transfer_id",)),)),

@@ -23,6 +23,7 @@ if op == 'w' then
   budget_add(owner, 'm', metadata_bytes)
   redis.call('HSET', ek, 'v', rev, 'd', record, 'o', owner, 'n', engines, 'm', metadata_bytes)
   redis.call('SADD', P .. 'engines', engine_id)
+  redis.call('ZADD', P .. 'engine_ids', 0, engine_id)
   if ended == '1' then
     redis.call('ZREM', P .. 'leases', engine_id)
     redis.call('ZADD', P .. 'ended', ended_at, engine_id)
@@ -33,6 +34,7 @@ if op == 'w' then
 else
   redis.call('DEL', ek, P .. 's:' .. engine_id)
   redis.call('SREM', P .. 'engines', engine_id)
+  redis.call('ZREM', P .. 'engine_ids', engine_id)
   redis.call('ZREM', P .. 'leases', engine_id)
   redis.call('ZREM', P .. 'ended', engine_id)
 end
