@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
+from rendezvous.core import credits, paging
 from rendezvous.core import engines as engine_rules
-from rendezvous.core import paging
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.bindings import BindingRules, check_binding
 from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
@@ -56,6 +56,27 @@ class ItemOutcome:
     transfer_id: str
     transfer: Transfer | None = None
     error: RendezvousError | None = None
+
+
+@dataclass(frozen=True)
+class CreditOutcome:
+    """The result of one ReserveCredits or ReleaseCredits item: the reservation, or the error."""
+
+    transfer_id: str
+    reservation: credits.Reservation | None = None
+    error: RendezvousError | None = None
+
+
+_RESERVE_ATTEMPTS = 32
+"""Compare-and-set rounds of one reservation before it gives up (every round lost is another's success)."""
+
+
+@dataclass
+class _CapacityGate:
+    """A consumer's usage while its RegisterTarget batch applies (items apply in order)."""
+
+    spent: credits.Usage
+    reservations: Mapping[str, credits.Reservation]
 
 
 @dataclass(frozen=True)
@@ -208,8 +229,9 @@ class Coordinator:
         return EnginePage(page, token)
 
     async def _lose_engine(self, lost: Engine) -> int:
-        """Abort the live transfers of an ended incarnation and tell its peers."""
+        """Abort the live transfers of an ended incarnation and tell its peers; its credits come back."""
         ctx = self._context()
+        await self._reclaim_credits(lost)
         aborted = 0
         peers: set[str] = set()
         for transfer_id in await self.store.live_transfer_ids(lost.engine_id):
@@ -248,6 +270,7 @@ class Coordinator:
         joins: bool = False,
         half: Role | None = None,
         exempt: bool = False,
+        sequential: bool = False,
     ) -> list[ItemOutcome]:
         """Apply step to every item; an item's error does not stop the others.
 
@@ -278,7 +301,7 @@ class Coordinator:
                 return ItemOutcome(item.transfer_id, error=err)
             return ItemOutcome(item.transfer_id, transfer=transition.transfer)
 
-        if self.store.concurrent and (limit is None or limit.allows(len(items))):
+        if self.store.concurrent and not sequential and (limit is None or limit.allows(len(items))):
             # No item can reach the limit, so they may be in flight together (one round trip to a
             # networked store); items of one transfer still apply in order (the store queues them).
             return list(await asyncio.gather(*(apply(item, None) for item in items)))
@@ -295,12 +318,28 @@ class Coordinator:
     ) -> list[ItemOutcome]:
         """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
         consumer = await self._caller(engine_id, incarnation)
+        gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
             producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
-            return lifecycle.register_target(ctx, cur, consumer, producer, spec)
+            if gate is None:
+                return lifecycle.register_target(ctx, cur, consumer, producer, spec)
+            reservation = gate.reservations.get(spec.transfer_id)
+            spent = credits.target_admission(consumer, gate.spent, cur, reservation, len(spec.block_ids), ctx.now)
+            transition = lifecycle.register_target(ctx, cur, consumer, producer, spec)
+            gate.spent = spent
+            return transition
 
-        return await self._batch(consumer, specs, step, joins=True, half=Role.CONSUMER, exempt=exempt)
+        outcomes = await self._batch(
+            consumer, specs, step, joins=True, half=Role.CONSUMER, exempt=exempt, sequential=gate is not None
+        )
+        # A reservation the target took the place of is spent: drop it (the core would not count it anyway).
+        ledger = self.store.credits()
+        held = gate.reservations if gate is not None else await self._reservations([o.transfer_id for o in outcomes])
+        for o in outcomes:
+            if o.error is None and o.transfer_id in held:
+                await ledger.drop(o.transfer_id)
+        return outcomes
 
     async def claim_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec], exempt: bool = False
@@ -367,7 +406,100 @@ class Coordinator:
         def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: AbortSpec) -> Transition:
             return lifecycle.abort(ctx, cur, caller, spec)
 
-        return await self._batch(caller, specs, step)
+        outcomes = await self._batch(caller, specs, step)
+        # The aborted transfers' credit goes back; a router may abort an id that only holds a reservation.
+        for o in outcomes:
+            if o.error is None or (caller is None and o.error.reason == Reason.TRANSFER_NOT_FOUND):
+                await self.store.credits().drop(o.transfer_id)
+        return outcomes
+
+    # Credits
+
+    async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
+        ledger = self.store.credits()
+        found = await asyncio.gather(*(ledger.get(tid) for tid in transfer_ids))
+        return {r.transfer_id: r for r in found if r is not None}
+
+    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> credits.Usage:
+        """What engine has in use now (core: credits.usage), from its transfers and its reservations."""
+        targets = await self.store.list_transfers(engine.engine_id)
+        ids = [r.transfer_id for r in reservations]
+        records = await asyncio.gather(*(self.store.get_transfer(tid) for tid in ids))
+        return credits.usage(engine, targets, reservations, dict(zip(ids, records, strict=True)), now)
+
+    async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
+        ledger = await self.store.credits().ledger(consumer.engine_id)
+        spent = await self._usage(consumer, ledger.reservations, self.clock())
+        wanted = {s.transfer_id for s in specs}
+        return _CapacityGate(spent, {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted})
+
+    async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, credits.Usage]:
+        """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
+        now = self.clock()
+        limited = [e for e in engines if e.capacity.limited]
+        ledgers = await self.store.credits().ledgers([e.engine_id for e in limited])
+        return {e.engine_id: await self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited}
+
+    async def reserve_credits(self, specs: Sequence[credits.CreditRequest], ttl: float = 0.0) -> list[CreditOutcome]:
+        """Reserve credit on consumer engines for transfer ids, each item atomically (compare-and-set on the
+        engine's ledger; core: credits.reserve decides). An item's error does not stop the others."""
+        check_batch(len(specs), self.limits)
+        lifetime = credits.credit_ttl(ttl, self.timeouts)
+        outcomes: list[CreditOutcome] = []
+        for spec in specs:
+            try:
+                check_id("transfer_id", spec.transfer_id, self.limits)
+                check_id("engine_id", spec.engine_id, self.limits)
+                outcomes.append(CreditOutcome(spec.transfer_id, reservation=await self._reserve(spec, lifetime)))
+            except RendezvousError as err:
+                outcomes.append(CreditOutcome(spec.transfer_id, error=err))
+        return outcomes
+
+    async def _reserve(self, spec: credits.CreditRequest, ttl: float) -> credits.Reservation:
+        ledger_store = self.store.credits()
+        for _ in range(_RESERVE_ATTEMPTS):
+            now = self.clock()
+            engine = await self.store.get_engine(spec.engine_id)
+            ledger = await ledger_store.ledger(spec.engine_id)
+            existing = await ledger_store.get(spec.transfer_id)
+            transfer = await self.store.get_transfer(spec.transfer_id)
+            limited = engine is not None and engine.capacity.limited
+            spent = await self._usage(engine, ledger.reservations, now) if engine is not None and limited else None
+            reservation = credits.reserve(
+                now, engine, spec, existing, transfer, spent or credits.Usage(), ttl, self.limits
+            )
+            if await ledger_store.put(reservation, ledger.version, existing):
+                log.debug(
+                    "credit reserved",
+                    extra={"transfer_id": spec.transfer_id, "engine_id": spec.engine_id, "blocks": spec.blocks},
+                )
+                return reservation
+        raise RendezvousError(
+            Reason.STORE_UNAVAILABLE,
+            f"engine {spec.engine_id}'s credit ledger kept changing under {_RESERVE_ATTEMPTS} attempts; retry",
+            engine_id=spec.engine_id,
+        )
+
+    async def release_credits(self, transfer_ids: Sequence[str]) -> list[CreditOutcome]:
+        """Drop the reservations of transfer ids; an id without one is OK (nothing to release)."""
+        check_batch(len(transfer_ids), self.limits)
+        outcomes: list[CreditOutcome] = []
+        for transfer_id in transfer_ids:
+            try:
+                check_id("transfer_id", transfer_id, self.limits)
+                dropped = await self.store.credits().drop(transfer_id)
+                outcomes.append(CreditOutcome(transfer_id, reservation=dropped))
+            except RendezvousError as err:
+                outcomes.append(CreditOutcome(transfer_id, error=err))
+        return outcomes
+
+    async def _reclaim_credits(self, lost: Engine) -> None:
+        """Drop the reservations on an ended incarnation (and older ones): its credit is back."""
+        ledger_store = self.store.credits()
+        ledger = await ledger_store.ledger(lost.engine_id)
+        for r in ledger.reservations:
+            if r.incarnation <= lost.incarnation:
+                await ledger_store.drop(r.transfer_id)
 
     async def get_transfer(self, transfer_id: str) -> Transfer:
         """A transfer, live or tombstone."""
@@ -468,6 +600,15 @@ class Coordinator:
             except Exception:
                 # One bad record must not stop every other transfer from expiring.
                 log.exception("cannot expire transfer", extra={"transfer_id": transfer_id})
+        await self._expire_credits(ctx.now, max_transfers)
+
+    async def _expire_credits(self, now: float, limit: int) -> None:
+        """Drop reservations past their ttl (the core no longer counts them; this frees their records)."""
+        ledger_store = self.store.credits()
+        for transfer_id in await ledger_store.due(now, limit):
+            reservation = await ledger_store.get(transfer_id)
+            if reservation is not None and reservation.expires_at <= now:
+                await ledger_store.drop(transfer_id)
 
 
 def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer | None) -> None:

@@ -36,6 +36,10 @@ class Limits:
     max_engine_page: int = 1_000
     default_engine_page: int = 100
     max_response_bytes: int = 2 << 20
+    max_capacity_transfers: int = 1_000_000
+    """The largest EngineCapacity.max_transfers an engine may declare (larger is CAPACITY_INVALID)."""
+    max_capacity_blocks: int = 1 << 40
+    """The largest EngineCapacity.max_blocks an engine may declare."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class Timeouts:
     max_timeout: float = 3_600.0
     release_timeout: float = 120.0
     tombstone_ttl: float = 300.0
+    default_credit_ttl: float = 30.0
+    """How long an unspent credit reservation lasts when ReserveCredits names no ttl (max: max_timeout)."""
 
 
 def clip(text: str, max_bytes: int) -> str:

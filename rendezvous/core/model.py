@@ -20,13 +20,14 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
+from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent
 
 __all__ = [
     "LIVE_STATES",
     "AbortReason",
     "Addressed",
     "Engine",
+    "EngineCapacity",
     "Event",
     "EventType",
     "KvLayout",
@@ -62,6 +63,8 @@ class Engine(Incarnation):
     # A revision from which a watch sees all of this incarnation's events (its ranks that did not register
     # follow it from here).
     watch_start_revision: int = 0
+    # What a consumer admits at once (rendezvous.core.credits); no limit by default.
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
 
     def alive(self, now: float) -> bool:
         """True while the lease holds and the incarnation has not ended."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rendezvous.core.model import KvLayout, Mode, NixlAgent, Outcome, Role
+from rendezvous.core.model import EngineCapacity, KvLayout, Mode, NixlAgent, Outcome, Role
 from rendezvous.protocol.bindings import Binding
 
 
@@ -20,6 +20,8 @@ class EngineSpec:
     agents: tuple[NixlAgent, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
     lease_ttl: float = 0.0
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
+    """What a consumer admits at once (rendezvous.core.credits); zero fields: no limit."""
 
 
 @dataclass(frozen=True)

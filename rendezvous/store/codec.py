@@ -16,6 +16,7 @@ from typing import Any
 from rendezvous.core.model import (
     AbortReason,
     Engine,
+    EngineCapacity,
     Event,
     EventType,
     KvLayout,
@@ -157,6 +158,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.ended_at,
         e.unlost_incarnation,
         e.watch_start_revision,
+        [e.capacity.max_transfers, e.capacity.max_blocks],
     ]
 
 
@@ -189,6 +191,7 @@ def engine_from_fields(obj: Any) -> Engine:
         ended_at=f[11],
         unlost_incarnation=f[12] if len(f) > 12 else 0,
         watch_start_revision=f[13] if len(f) > 13 else 0,
+        capacity=EngineCapacity(*f[14]) if len(f) > 14 else EngineCapacity(),
     )
 
 
