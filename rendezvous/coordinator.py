@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, Reason.BINDING_REQUIRED})
 
+T = TypeVar("T")
 SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
 
 
@@ -417,14 +418,20 @@ class Coordinator:
 
     async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
         ledger = self.store.credits()
-        found = await asyncio.gather(*(ledger.get(tid) for tid in transfer_ids))
+        found = await self._each([ledger.get(tid) for tid in transfer_ids])
         return {r.transfer_id: r for r in found if r is not None}
+
+    async def _each(self, calls: Sequence[Awaitable[T]]) -> list[T]:
+        """Store calls in flight together where that gains (Store.concurrent), else one by one."""
+        if self.store.concurrent:
+            return list(await asyncio.gather(*calls))
+        return [await call for call in calls]
 
     async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> credits.Usage:
         """What engine has in use now (core: credits.usage), from its transfers and its reservations."""
         targets = await self.store.list_transfers(engine.engine_id)
         ids = [r.transfer_id for r in reservations]
-        records = await asyncio.gather(*(self.store.get_transfer(tid) for tid in ids))
+        records = await self._each([self.store.get_transfer(tid) for tid in ids])
         return credits.usage(engine, targets, reservations, dict(zip(ids, records, strict=True)), now)
 
     async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
