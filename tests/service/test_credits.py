@@ -14,6 +14,7 @@ from clients import (
     AbortSpec,
     AsyncRendezvousClient,
     ClaimSpec,
+    ConsumerSession,
     CreditSpec,
     EngineCapacity,
     EngineRole,
@@ -209,3 +210,13 @@ async def test_concurrent_reservations_never_overcommit(server: AsyncTestServer)
     finally:
         for c in clients:
             await c.close()
+
+
+async def test_a_consumer_session_declares_its_capacity(client: AsyncRendezvousClient) -> None:
+    """How the vLLM connector's decode side registers (kv_connector_extra_config max_transfers, max_blocks)."""
+    session = ConsumerSession(client, "d9", "decode", layout=LAYOUT, capacity=EngineCapacity(3, 300))
+    await session.start()
+    try:
+        assert (await client.get_engine("d9")).capacity == EngineCapacity(3, 300)
+    finally:
+        await session.close()
