@@ -23,6 +23,7 @@ from clients import (
     TargetSpec,
 )
 from clients.testing import AsyncTestServer, start_test_server
+from rendezvous import cli
 from rendezvous.core import Limits, Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -220,3 +221,19 @@ async def test_a_consumer_session_declares_its_capacity(client: AsyncRendezvousC
         assert (await client.get_engine("d9")).capacity == EngineCapacity(3, 300)
     finally:
         await session.close()
+
+
+async def test_the_engines_command_shows_capacity_and_free_credits(
+    client: AsyncRendezvousClient, server: AsyncTestServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inc = await register(client, decode("d0", transfers=4, blocks=100))
+    await client.register_engine(EngineSpec("p0", "prefill", EngineRole.PRODUCER, LAYOUT))
+    await client.register_targets("d0", [TargetSpec("t1", list(range(10)))], incarnation=inc)
+    await client.reserve_credits([CreditSpec("t2", "d0", 5)])
+    assert await asyncio.to_thread(cli.main, ["engines", "--address", server.address]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "capacity" in out[0] and "free credits" in out[0]
+    d0 = next(line for line in out if line.startswith("d0"))
+    assert "4 transfers / 100 blocks" in d0 and "2 transfers (1 reserved) / 85 blocks (5 reserved)" in d0
+    p0 = next(line for line in out if line.startswith("p0"))
+    assert " -  " in p0
