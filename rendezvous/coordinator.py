@@ -428,11 +428,13 @@ class Coordinator:
         return [await call for call in calls]
 
     async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> credits.Usage:
-        """What engine has in use now (core: credits.usage), from its transfers and its reservations."""
-        targets = await self.store.list_transfers(engine.engine_id)
+        """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
+        as many as its capacity admits, so the reads are bounded by it) and its reservations' transfers."""
+        live = await self.store.live_transfer_ids(engine.engine_id)
         ids = [r.transfer_id for r in reservations]
-        records = await self._each([self.store.get_transfer(tid) for tid in ids])
-        return credits.usage(engine, targets, reservations, dict(zip(ids, records, strict=True)), now)
+        records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
+        targets = [t for t in records[: len(live)] if t is not None]
+        return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
 
     async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
         ledger = await self.store.credits().ledger(consumer.engine_id)
