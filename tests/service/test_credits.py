@@ -237,3 +237,28 @@ async def test_the_engines_command_shows_capacity_and_free_credits(
     assert "4 transfers / 100 blocks" in d0 and "2 transfers (1 reserved) / 85 blocks (5 reserved)" in d0
     p0 = next(line for line in out if line.startswith("p0"))
     assert " -  " in p0
+
+
+@pytest.mark.redis
+async def test_replicas_share_one_ledger(redis_url: str) -> None:
+    """Two replicas on one Redis namespace: routers on either never take more than the engine's capacity."""
+    url = with_prefix(redis_url, fresh_prefix())
+    async with start_test_server(store=url) as one, start_test_server(store=url) as two:
+        clients = [AsyncRendezvousClient(one.address), AsyncRendezvousClient(two.address)]
+        try:
+            await register(clients[0], decode("d0", transfers=3))
+
+            async def attempt(i: int) -> bool:
+                [r] = await clients[i % 2].reserve_credits([CreditSpec(f"t{i}", "d0")])
+                return r.ok
+
+            assert sum(await asyncio.gather(*(attempt(i) for i in range(30)))) == 3
+            for c in clients:
+                assert (await c.get_engine("d0")).credits.transfers_reserved == 3
+            # A release on one replica is seen by the other.
+            held = [f"t{i}" for i in range(30)]
+            await clients[1].release_credits(held)
+            assert (await clients[0].get_engine("d0")).free_transfers == 3
+        finally:
+            for c in clients:
+                await c.close()
