@@ -334,12 +334,12 @@ class Coordinator:
         outcomes = await self._batch(
             consumer, specs, step, joins=True, half=Role.CONSUMER, exempt=exempt, sequential=gate is not None
         )
-        # A reservation the target took the place of is spent: drop it (the core would not count it anyway).
-        ledger = self.store.credits()
-        held = gate.reservations if gate is not None else await self._reservations([o.transfer_id for o in outcomes])
-        for o in outcomes:
-            if o.error is None and o.transfer_id in held:
-                await ledger.drop(o.transfer_id)
+        # A reservation the target took the place of is spent: drop it (the core no longer counts it anyway).
+        # Consumers without a capacity pay nothing here (routers reserve only on those with one).
+        if gate is not None:
+            for o in outcomes:
+                if o.error is None and o.transfer_id in gate.reservations:
+                    await self.store.credits().drop(o.transfer_id)
         return outcomes
 
     async def claim_transfers(
@@ -408,18 +408,16 @@ class Coordinator:
             return lifecycle.abort(ctx, cur, caller, spec)
 
         outcomes = await self._batch(caller, specs, step)
-        # The aborted transfers' credit goes back; a router may abort an id that only holds a reservation.
-        for o in outcomes:
-            if o.error is None or (caller is None and o.error.reason == Reason.TRANSFER_NOT_FOUND):
-                await self.store.credits().drop(o.transfer_id)
+        # An ended transfer's reservation holds no credit (core: credits.counts), whoever aborted it; a router's
+        # abort, which may name an id that only holds a reservation, also drops the record (engines' aborts, on
+        # the hot path, leave it to the router's release or the sweeper).
+        if caller is None:
+            for o in outcomes:
+                if o.error is None or o.error.reason == Reason.TRANSFER_NOT_FOUND:
+                    await self.store.credits().drop(o.transfer_id)
         return outcomes
 
     # Credits
-
-    async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
-        ledger = self.store.credits()
-        found = await self._each([ledger.get(tid) for tid in transfer_ids])
-        return {r.transfer_id: r for r in found if r is not None}
 
     async def _each(self, calls: Sequence[Awaitable[T]]) -> list[T]:
         """Store calls in flight together where that gains (Store.concurrent), else one by one."""
@@ -429,9 +427,14 @@ class Coordinator:
 
     async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> credits.Usage:
         """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
-        as many as its capacity admits, so the reads are bounded by it) and its reservations' transfers."""
-        live = await self.store.live_transfer_ids(engine.engine_id)
+        as many as its capacity admits, so the reads are bounded by it; only counted, without a block limit) and
+        its reservations' transfers."""
         ids = [r.transfer_id for r in reservations]
+        if not engine.capacity.max_blocks:
+            count = (await self.store.live_transfer_counts([engine.engine_id]))[engine.engine_id]
+            found = await self._each([self.store.get_transfer(tid) for tid in ids])
+            return credits.usage_by_count(engine, count, reservations, dict(zip(ids, found, strict=True)), now)
+        live = await self.store.live_transfer_ids(engine.engine_id)
         records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
         targets = [t for t in records[: len(live)] if t is not None]
         return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)

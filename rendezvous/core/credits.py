@@ -29,6 +29,7 @@ __all__ = [
     "reserve",
     "target_admission",
     "usage",
+    "usage_by_count",
 ]
 
 
@@ -121,6 +122,20 @@ def usage(
     ]
     held = [r for r in reservations if counts(r, engine, transfers.get(r.transfer_id), now)]
     return Usage(len(live), sum(len(t.target_block_ids) for t in live), len(held), sum(r.blocks for r in held))
+
+
+def usage_by_count(
+    engine: Engine,
+    live_transfers: int,
+    reservations: Iterable[Reservation],
+    transfers: Mapping[str, Transfer | None],
+    now: float,
+) -> Usage:
+    """`usage` for an engine without a block limit, from the size of its live index alone (no target records
+    read): every unsettled transfer of the engine id counts, an older incarnation's still pinned ones included,
+    which errs on the side of refusing. Blocks in use are not counted (nothing limits them)."""
+    held = [r for r in reservations if counts(r, engine, transfers.get(r.transfer_id), now)]
+    return Usage(live_transfers, 0, len(held), sum(r.blocks for r in held))
 
 
 def _refuse(engine: Engine, limit: str, most: int, spent: Usage, requested: int) -> RendezvousError:

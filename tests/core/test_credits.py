@@ -55,6 +55,12 @@ def test_usage_counts_live_targets_and_reservations_that_still_hold_credit() -> 
     assert u == Usage(transfers_in_use=1, blocks_in_use=3, transfers_reserved=1, blocks_reserved=5)
 
 
+def test_usage_by_count_reads_no_targets() -> None:
+    d = consumer(4)
+    u = credits.usage_by_count(d, 3, [held(d, "r1", 5), held(d, "r2", expires=NOW)], {}, NOW)
+    assert u == Usage(transfers_in_use=3, blocks_in_use=0, transfers_reserved=1, blocks_reserved=5)
+
+
 def test_reserve_refuses_beyond_capacity_naming_the_limit() -> None:
     d = consumer(max_transfers=2, max_blocks=10)
     r = credits.reserve(NOW, d, CreditRequest("t", "d0", 4), None, None, Usage(1, 6), 30, LIMITS)
@@ -154,9 +160,10 @@ def test_the_coordinator_spends_reservations_and_reclaims_them() -> None:
     [target_1] = run(coordinator.register_targets("d0", d.incarnation, [TargetSpec("t1", (0,))]))
     assert target_1.error is None
     assert run(coordinator.store.credits().get("t1")) is None  # spent: the target holds the credit now
-    assert run(coordinator.credit_usage([d]))["d0"] == Usage(1, 1, 1, 1)
+    # Without a block limit the target's blocks are not counted (nothing limits them).
+    assert run(coordinator.credit_usage([d]))["d0"] == Usage(1, 0, 1, 1)
     run(coordinator.abort_transfers("", 0, [AbortSpec("t2")]))  # only a reservation: it goes
-    assert run(coordinator.credit_usage([d]))["d0"] == Usage(1, 1, 0, 0)
+    assert run(coordinator.credit_usage([d]))["d0"] == Usage(1, 0, 0, 0)
     [r4] = run(coordinator.reserve_credits([CreditRequest("t4", "d0")], ttl=10))
     assert r4.reservation is not None
     clock.advance(11)
