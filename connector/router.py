@@ -16,6 +16,11 @@ With `--binding-key-file` (the rendezvous's own key file, whose first key signs)
 picked, so that no other engine can take either half (docs/security.md, Bindings); no call is added.
 With tracing on (KV_RENDEZVOUS_TRACING=1, docs/operations.md) each request is a `router.dispatch` span, continued
 from the caller's `traceparent` header, whose context both legs carry in `kv_transfer_params["traceparent"]`.
+Decode admission credits (connector/admission.py): a decode engine that declared a capacity is only sent a
+request once the router holds a reservation on it (`ReserveCredits`, atomic at the rendezvous, so several routers
+never overcommit it); when no decode engine has credit the request waits in a bounded queue (`--max-queued`,
+`--queue-timeout`) or is answered 503 naming why (`X-Kv-Refusal`); the reservation is released when the request
+ends. `GET /metrics` serves the router's Prometheus metrics (queue, waits, refusals, pools' free credit).
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).

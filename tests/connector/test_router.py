@@ -508,6 +508,7 @@ async def test_a_flood_beyond_capacity_queues_then_every_request_is_answered(
 
     await until(settled, "4 requests in flight on the decode engines and 6 queued")
     # Two found the queue full: answered 503 naming why, at once.
+    await until(lambda: _is(asyncio.sleep(0, sum(t.done() for t in flood)), 2), "two requests answered")
     refused = [t for t in flood if t.done()]
     assert len(refused) == 2
     for t in refused:
@@ -586,3 +587,14 @@ async def test_two_routers_never_double_spend_a_decode_engines_credit(cluster: C
         assert all(d.in_flight <= 2 for d in decodes)
     assert [t.result()[0] for t in flood] == [200] * 16
     assert max(d.max_in_flight for d in decodes) <= 2
+
+
+def test_the_queue_flags_parse() -> None:
+    from connector.router import build_parser
+
+    args = build_parser().parse_args(
+        ["--rendezvous", "r:1", "--max-queued", "7", "--queue-timeout", "2.5", "--credit-ttl", "9"]
+    )
+    assert (args.max_queued, args.queue_timeout, args.credit_ttl) == (7, 2.5, 9.0)
+    defaults = build_parser().parse_args(["--rendezvous", "r:1"])
+    assert (defaults.max_queued, defaults.queue_timeout, defaults.credit_ttl) == (100, 30.0, 60.0)
