@@ -298,6 +298,8 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     def _credit_results(self, method: str, outcomes: Sequence[CreditOutcome]) -> list[pb.CreditResult]:
         self.metrics.items.labels(method).inc(len(outcomes))
+        for o in outcomes:
+            self.metrics.credits.labels(method, o.error.reason.value if o.error else "OK").inc()
         return [
             pb.CreditResult(
                 transfer_id=o.transfer_id,

@@ -262,3 +262,17 @@ async def test_replicas_share_one_ledger(redis_url: str) -> None:
         finally:
             for c in clients:
                 await c.close()
+
+
+async def test_the_service_counts_credit_items_by_outcome(
+    client: AsyncRendezvousClient, server: AsyncTestServer
+) -> None:
+    await register(client, decode("d0", transfers=1))
+    await client.reserve_credits([CreditSpec("t1", "d0"), CreditSpec("t2", "d0")])
+    await client.release_credits(["t1"])
+    registry = server.server.metrics.registry
+    sample = registry.get_sample_value
+    labels = {"method": "ReserveCredits", "outcome": "ENGINE_CAPACITY_EXCEEDED"}
+    assert sample("rendezvous_credit_items_total", labels) == 1
+    assert sample("rendezvous_credit_items_total", {"method": "ReserveCredits", "outcome": "OK"}) == 1
+    assert sample("rendezvous_credit_items_total", {"method": "ReleaseCredits", "outcome": "OK"}) == 1
