@@ -450,7 +450,8 @@ class Coordinator:
         now = self.clock()
         limited = [e for e in engines if e.capacity.limited]
         ledgers = await self.store.credits().ledgers([e.engine_id for e in limited])
-        return {e.engine_id: await self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited}
+        found = await self._each([self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited])
+        return {e.engine_id: u for e, u in zip(limited, found, strict=True)}
 
     async def reserve_credits(self, specs: Sequence[credits.CreditRequest], ttl: float = 0.0) -> list[CreditOutcome]:
         """Reserve credit on consumer engines for transfer ids, each item atomically (compare-and-set on the

@@ -8,8 +8,9 @@ epoch guard like the store's own scripts.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from rendezvous.core.credits import Reservation
@@ -53,6 +54,11 @@ class RedisCredits(CreditStore):
     async def ledger(self, engine_id: str) -> Ledger:
         version, records = await self._scripts.run("read_credits", engine_id=engine_id)
         return Ledger(engine_id, int(version), tuple(decode(r) for r in records))
+
+    async def ledgers(self, engine_ids: Sequence[str]) -> dict[str, Ledger]:
+        # In flight together: the store's batcher sends them in one pipeline.
+        found = await asyncio.gather(*(self.ledger(engine_id) for engine_id in engine_ids))
+        return dict(zip(engine_ids, found, strict=True))
 
     async def get(self, transfer_id: str) -> Reservation | None:
         record = await self._command("HGET", self._prefix + "crt", transfer_id)
