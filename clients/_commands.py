@@ -20,6 +20,8 @@ from clients._types import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    CreditResult,
+    CreditSpec,
     EngineInfo,
     EnginePage,
     EngineRole,
@@ -35,7 +37,7 @@ from clients._types import (
     TransferPage,
     TransferState,
 )
-from rendezvous.protocol.convert import number
+from rendezvous.protocol.convert import duration, number
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 ResultT = TypeVar("ResultT")
@@ -155,6 +157,24 @@ def release_targets(engine_id: str, incarnation: int, releases: Iterable[Release
 def abort_transfers(engine_id: str, incarnation: int, aborts: Iterable[AbortSpec]) -> Call[list[ItemResult]]:
     """AbortTransfer; engine_id "" aborts as a router or operator."""
     return _batched(pb.AbortTransferRequest, engine_id, incarnation, aborts=_convert.abort_messages(aborts))
+
+
+def reserve_credits(reservations: Iterable[CreditSpec], ttl: float) -> Call[list[CreditResult]]:
+    """ReserveCredits (a router's): credit on consumer engines for transfer ids, for ttl seconds (0: default)."""
+    request = pb.ReserveCreditsRequest(
+        request_id=new_request_id(),
+        reservations=[
+            pb.CreditSpec(transfer_id=r.transfer_id, engine_id=r.engine_id, blocks=r.blocks) for r in reservations
+        ],
+        ttl=duration(ttl),
+    )
+    return Call("ReserveCredits", request, _convert.credit_results)
+
+
+def release_credits(transfer_ids: Iterable[str]) -> Call[list[CreditResult]]:
+    """ReleaseCredits: drop the reservations of transfer ids."""
+    request = pb.ReleaseCreditsRequest(request_id=new_request_id(), transfer_ids=list(transfer_ids))
+    return Call("ReleaseCredits", request, _convert.credit_results)
 
 
 def get_transfer(transfer_id: str) -> Call[TransferInfo]:

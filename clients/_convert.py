@@ -10,6 +10,9 @@ from clients._types import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    CreditResult,
+    EngineCapacity,
+    EngineCredits,
     EngineInfo,
     EnginePage,
     EngineRole,
@@ -68,6 +71,9 @@ def register_engine_request(spec: EngineSpec, request_id: str) -> pb.RegisterEng
         agents=[agent_message(a) for a in spec.agents],
         labels=dict(spec.labels),
         lease_ttl=duration(spec.lease_ttl),
+        capacity=pb.EngineCapacity(max_transfers=spec.capacity.max_transfers, max_blocks=spec.capacity.max_blocks)
+        if spec.capacity.limited
+        else None,
     )
 
 
@@ -162,7 +168,24 @@ def engine(m: pb.Engine) -> EngineInfo:
         live_transfers=m.live_transfers,
         register_time=unix_time(m.register_time),
         watch_start_revision=m.watch_start_revision,
+        capacity=EngineCapacity(m.capacity.max_transfers, m.capacity.max_blocks),
+        credits=EngineCredits(
+            m.credits.transfers_in_use, m.credits.blocks_in_use, m.credits.transfers_reserved, m.credits.blocks_reserved
+        ),
     )
+
+
+def credit_results(m: pb.ReserveCreditsResponse | pb.ReleaseCreditsResponse) -> list[CreditResult]:
+    """The results of ReserveCredits or ReleaseCredits, in request order."""
+    return [
+        CreditResult(
+            r.transfer_id,
+            r.engine_id,
+            unix_time(r.expire_time),
+            from_status(r.status) if r.status.code else None,
+        )
+        for r in m.results
+    ]
 
 
 def transfer(m: pb.Transfer) -> TransferInfo:

@@ -10,6 +10,7 @@ from clients._config import SessionConfig
 from clients._session import EngineSession, EventHandler
 from clients._types import (
     ClaimSpec,
+    EngineCapacity,
     EngineRole,
     EngineSpec,
     ItemResult,
@@ -45,9 +46,17 @@ class RoleSession(EngineSession):
         lease_ttl: float = 0.0,
         config: SessionConfig | None = None,
         handler: EventHandler | None = None,
+        capacity: EngineCapacity | None = None,
     ) -> None:
         spec = EngineSpec(
-            engine_id, pool, self.role, layout or KvLayout(), tuple(agents), dict(labels or {}), lease_ttl
+            engine_id,
+            pool,
+            self.role,
+            layout or KvLayout(),
+            tuple(agents),
+            dict(labels or {}),
+            lease_ttl,
+            capacity or EngineCapacity(),
         )
         super().__init__(client, spec, config=config, handler=handler)
 

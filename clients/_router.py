@@ -11,7 +11,17 @@ from contextlib import contextmanager
 from clients._exceptions import NotFound
 from clients._prefix import PrefixIndex
 from clients._roles import mint_transfer_id
-from clients._types import AbortSpec, Binding, EngineInfo, EngineRole, ItemResult, KvLayout, TransferInfo
+from clients._types import (
+    AbortSpec,
+    Binding,
+    CreditResult,
+    CreditSpec,
+    EngineInfo,
+    EngineRole,
+    ItemResult,
+    KvLayout,
+    TransferInfo,
+)
 from clients.aio import AsyncRendezvousClient
 from rendezvous.protocol import bindings, kvmap
 
@@ -127,6 +137,18 @@ class RouterClient:
         """A live engine of one of `pools` with `role`, chosen by the policy; with `layout`, only engines that
         can exchange KV with that layout qualify; `prefix` is the prompt's chained block hashes
         (`connector.prompts`), which the prefix-aware policy weighs. Raises NotFound if no engine qualifies."""
+        return (await self.rank_engines(pools, role, layout=layout, prefix=prefix))[0]
+
+    async def rank_engines(
+        self,
+        pools: str | Sequence[str],
+        role: EngineRole,
+        *,
+        layout: KvLayout | None = None,
+        prefix: Sequence[int] = (),
+    ) -> list[EngineInfo]:
+        """Every qualifying engine (as for `pick_engine`), best first by the policy: a caller that cannot use
+        the first (no credit left on it) goes down the list. Raises NotFound if no engine qualifies."""
         names = (pools,) if isinstance(pools, str) else tuple(pools)
         engines = [engine for pool in names for engine in await self._live(pool, role)]
         if not engines:
@@ -144,11 +166,11 @@ class RouterClient:
         self._turns[(names, role)] += 1
         rotated = engines[turn % len(engines) :] + engines[: turn % len(engines)]
         if self.policy is PickPolicy.ROUND_ROBIN:
-            return rotated[0]
+            return rotated
         if self.policy is PickPolicy.LEAST_LOADED:
-            return min(rotated, key=lambda e: (self._in_flight[e.engine_id], e.live_transfers))
+            return sorted(rotated, key=lambda e: (self._in_flight[e.engine_id], e.live_transfers))
         weight = self.load_weight
-        return min(
+        return sorted(
             rotated,
             key=lambda e: (self._leg_work(e.engine_id, prefix) + weight * self._work[e.engine_id], e.live_transfers),
         )
@@ -208,6 +230,19 @@ class RouterClient:
     async def abort_transfer(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort one transfer as the router; raises the item's error."""
         return await self._client.abort_transfer("", AbortSpec(transfer_id, message))
+
+    async def reserve_credit(
+        self, engine: EngineInfo | str, transfer_id: str, blocks: int = 0, ttl: float = 0.0
+    ) -> CreditResult:
+        """Reserve credit for one transfer on a consumer (ReserveCredits); raises the item's error, e.g.
+        ResourceExhausted (ENGINE_CAPACITY_EXCEEDED) when another router took the last of it."""
+        engine_id = engine if isinstance(engine, str) else engine.engine_id
+        [result] = await self._client.reserve_credits([CreditSpec(transfer_id, engine_id, blocks)], ttl=ttl)
+        return result.raise_for_error()
+
+    async def release_credits(self, transfer_ids: Sequence[str]) -> list[CreditResult]:
+        """Drop the reservations of transfer ids (ReleaseCredits); ids without one are OK."""
+        return await self._client.release_credits(transfer_ids)
 
     async def get_transfer(self, transfer_id: str) -> TransferInfo:
         """One transfer's state."""

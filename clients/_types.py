@@ -22,7 +22,7 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
+from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent
 
 NixlAgentInfo = NixlAgent
 """The SDK's name for a rank's NIXL agent record (the protocol's NixlAgent)."""
@@ -39,6 +39,23 @@ class EngineSpec:
     agents: tuple[NixlAgentInfo, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
     lease_ttl: float = 0.0
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
+    """Consumers: what the engine admits at once (live targets, their blocks); 0 fields: no limit. The
+    service refuses RegisterTarget and ReserveCredits beyond it (ENGINE_CAPACITY_EXCEEDED)."""
+
+    def __post_init__(self) -> None:
+        if self.capacity.max_transfers < 0 or self.capacity.max_blocks < 0:
+            raise ValueError(f"a capacity must not be negative: {self.capacity}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCredits:
+    """What of a consumer's capacity is spent, as the service counts it: live targets and reservations."""
+
+    transfers_in_use: int = 0
+    blocks_in_use: int = 0
+    transfers_reserved: int = 0
+    blocks_reserved: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +67,31 @@ class EngineInfo(Incarnation):
     register_time: float
     watch_start_revision: int = 0
     """A Watch from here sees every event of this incarnation (how an engine's other ranks follow it)."""
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
+    """What the engine admits at once (0 fields: no limit)."""
+    credits: EngineCredits = field(default_factory=EngineCredits)
+    """What of the capacity is in use and reserved (as of the listing)."""
+
+    @property
+    def free_transfers(self) -> int | None:
+        """Transfers the engine has room for (capacity - in use - reserved, not below 0); None: no limit."""
+        if not self.capacity.max_transfers:
+            return None
+        c = self.credits
+        return max(self.capacity.max_transfers - c.transfers_in_use - c.transfers_reserved, 0)
+
+    @property
+    def free_blocks(self) -> int | None:
+        """Blocks the engine has room for; None: no limit."""
+        if not self.capacity.max_blocks:
+            return None
+        c = self.credits
+        return max(self.capacity.max_blocks - c.blocks_in_use - c.blocks_reserved, 0)
+
+    def has_credit(self, blocks: int = 0) -> bool:
+        """Whether one more transfer of `blocks` fits in what is free (always, without a capacity)."""
+        transfers, free_blocks = self.free_transfers, self.free_blocks
+        return (transfers is None or transfers > 0) and (free_blocks is None or free_blocks >= blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +335,38 @@ class ServerStatus:
     epoch: int
 
 
+# Credits
+
+
+@dataclass(frozen=True, slots=True)
+class CreditSpec:
+    """Reserve credit for one transfer on one consumer engine (`blocks`: the target it will register)."""
+
+    transfer_id: str
+    engine_id: str
+    blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CreditResult:
+    """The outcome of one reservation or release: where the credit is held and until when, or an error."""
+
+    transfer_id: str
+    engine_id: str = ""
+    expire_time: float = 0.0
+    error: RendezvousError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def raise_for_error(self) -> CreditResult:
+        """Raise the item's error, if any; otherwise return self."""
+        if self.error is not None:
+            raise self.error
+        return self
+
+
 __all__ = [
     "AbortReason",
     "AbortSpec",
@@ -300,6 +374,10 @@ __all__ = [
     "ClaimSpec",
     "CompletionOutcome",
     "CompletionSpec",
+    "CreditResult",
+    "CreditSpec",
+    "EngineCapacity",
+    "EngineCredits",
     "EngineInfo",
     "EngineRole",
     "EngineSpec",

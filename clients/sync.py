@@ -26,6 +26,8 @@ from clients._types import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    CreditResult,
+    CreditSpec,
     EngineInfo,
     EngineRole,
     EngineSpec,
@@ -240,6 +242,17 @@ class RendezvousClient(ClientBase[grpc.Channel]):
     ) -> ItemResult:
         """Abort one transfer; engine_id "" acts as a router or operator; raises the item's error."""
         return self._invoke(commands.abort_transfers(engine_id, incarnation, (abort,)).one(), timeout)
+
+    def reserve_credits(
+        self, reservations: Sequence[CreditSpec], *, ttl: float = 0.0, timeout: float | None = None
+    ) -> list[CreditResult]:
+        """Reserve credit on consumer engines for transfer ids (router role), each item atomically; ttl 0: the
+        server's default. One result per item: its error, or the engine and expiry of the reservation."""
+        return self._invoke(commands.reserve_credits(reservations, ttl), timeout)
+
+    def release_credits(self, transfer_ids: Sequence[str], *, timeout: float | None = None) -> list[CreditResult]:
+        """Drop the reservations of transfer ids (router role); an id without one is OK."""
+        return self._invoke(commands.release_credits(transfer_ids), timeout)
 
     def get_transfer(self, transfer_id: str, *, timeout: float | None = None) -> TransferInfo:
         """One transfer, live or recently ended."""

@@ -59,6 +59,12 @@ class ConnectorConfig:
     """mTLS: this engine's private key (file path)."""
     labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Engine labels; the router reads `url` (the engine's OpenAI base URL) from them."""
+    max_transfers: int = 0
+    """Decode engines: the requests (live targets) the engine admits at once, declared at registration
+    (`EngineCapacity`); the rendezvous refuses targets beyond it and routers reserve credit within it.
+    0 = no limit. Set it to what the engine can hold, e.g. vLLM's --max-num-seqs."""
+    max_blocks: int = 0
+    """Decode engines: the target KV blocks admitted at once (e.g. the engine's GPU block count); 0 = no limit."""
 
     @property
     def uses_tls(self) -> bool:
@@ -91,7 +97,11 @@ class ConnectorConfig:
         for key, value in floats.items():
             if value < 0:
                 raise ValueError(f"{key} must not be negative, got {value}")
+        ints = {k: int(extra.pop(k)) for k in ("max_transfers", "max_blocks") if k in extra}
+        for name, count in ints.items():
+            if count < 0:
+                raise ValueError(f"{name} must not be negative, got {count}")
         strings = {k: str(v) for k, v in extra.items()}
         if ("tls_cert" in strings) != ("tls_key" in strings):
             raise ValueError("tls_cert and tls_key go together (mTLS)")
-        return cls(rendezvous=targets, labels=labels, **floats, **strings)  # type: ignore[arg-type]
+        return cls(rendezvous=targets, labels=labels, **floats, **ints, **strings)  # type: ignore[arg-type]

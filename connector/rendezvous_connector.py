@@ -422,7 +422,7 @@ class _WorkerSide:
 
     async def _open(self, tensors: list[torch.Tensor]) -> NixlAgentInfo:
         """This rank's client and agent, its NIXL side started; its agent, for the engine's registration."""
-        from clients import AsyncRendezvousClient, ClientConfig, TLSConfig
+        from clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, TLSConfig
         from clients.nixl.consumer import ConsumerAgent
         from clients.nixl.producer import ProducerAgent
 
@@ -444,8 +444,15 @@ class _WorkerSide:
         if self.producer:
             self._agent = ProducerAgent(self._client, self.engine_id, config.pool, tensors, **common)
         else:
+            capacity = EngineCapacity(config.max_transfers, config.max_blocks)  # what routers reserve within
             self._agent = ConsumerAgent(
-                self._client, self.engine_id, config.pool, tensors, on_result=self._on_result, **common
+                self._client,
+                self.engine_id,
+                config.pool,
+                tensors,
+                on_result=self._on_result,
+                capacity=capacity,
+                **common,
             )
         return await self._agent.open()
 

@@ -16,6 +16,11 @@ With `--binding-key-file` (the rendezvous's own key file, whose first key signs)
 picked, so that no other engine can take either half (docs/security.md, Bindings); no call is added.
 With tracing on (KV_RENDEZVOUS_TRACING=1, docs/operations.md) each request is a `router.dispatch` span, continued
 from the caller's `traceparent` header, whose context both legs carry in `kv_transfer_params["traceparent"]`.
+Decode admission credits (connector/admission.py): a decode engine that declared a capacity is only sent a
+request once the router holds a reservation on it (`ReserveCredits`, atomic at the rendezvous, so several routers
+never overcommit it); when no decode engine has credit the request waits in a bounded queue (`--max-queued`,
+`--queue-timeout`) or is answered 503 naming why (`X-Kv-Refusal`); the reservation is released when the request
+ends. `GET /metrics` serves the router's Prometheus metrics (queue, waits, refusals, pools' free credit).
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from clients import (
     AsyncRendezvousClient,
@@ -46,6 +52,7 @@ from clients import (
     RouterClient,
 )
 from clients._router import DEFAULT_BINDING_TTL
+from connector.admission import Admission, DecodeAdmission, Refused, RouterMetrics
 from connector.config import TRANSFER_ID_KEY
 from connector.prompts import PromptReader, Tokenizer
 from rendezvous.protocol import bindings, tracing
@@ -63,6 +70,8 @@ PREFILL_HEADER = "X-Kv-Prefill"
 """Response header saying where the prompt was computed: `remote` (a prefill engine, KV pushed to decode),
 `local-short` (on the decode engine: the prompt is below --local-prefill-below) or `local-busy` (on the decode
 engine: every prefill engine had --local-prefill-when-busy requests in flight)."""
+REFUSAL_HEADER = "X-Kv-Refusal"
+"""On a 503 for want of decode credit: why (`queue_full`, `queue_timeout`, `no_capacity`; connector.admission)."""
 LOCAL_SHORT = "local-short"
 LOCAL_BUSY = "local-busy"
 _ENGINE_KEEPALIVE = 2.0
@@ -127,6 +136,9 @@ class Router:
         local_prefill: LocalPrefill | None = None,
         binding_key: bytes | None = None,
         binding_ttl: float = DEFAULT_BINDING_TTL,
+        max_queued: int = 100,
+        queue_timeout: float = 30.0,
+        credit_ttl: float = 60.0,
     ) -> None:
         if not routes:
             raise ValueError("the router needs at least one route")
@@ -140,6 +152,15 @@ class Router:
             binding_ttl=binding_ttl,
         )
         self.routes = dict(routes)
+        self.metrics = RouterMetrics()
+        self.admission = DecodeAdmission(
+            self.engines,
+            self.metrics,
+            max_queued=max_queued,
+            queue_timeout=queue_timeout,
+            credit_ttl=credit_ttl,
+            retry_interval=refresh_interval,
+        )
         self.prompts = prompts or PromptReader()
         self.local_prefill = local_prefill or LocalPrefill()
         self._timeout = ClientTimeout(total=timeout)
@@ -150,6 +171,7 @@ class Router:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics_page)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.on_startup.append(self._open)
@@ -177,6 +199,10 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        """Prometheus text: queued requests, queue waits, refusals by reason, pools' capacity and free credit."""
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         """The union of what one decode engine of each route serves."""
@@ -223,8 +249,36 @@ class Router:
     ) -> web.StreamResponse:
         engines = self.engines
         prefix = self.prompts.block_hashes(body) if engines.policy is PickPolicy.PREFIX_AWARE else []
+        transfer_id = self.engines.mint_transfer_id()
+        blocks = -(-self.prompts.tokens(body) // self.prompts.block_tokens)
         try:
-            decode = await engines.pick_engine(route.decode_pools, EngineRole.CONSUMER, prefix=prefix)
+            admission = await self.admission.admit(route.decode_pools, transfer_id, blocks, prefix)
+        except Refused as e:
+            span.set_attribute("kv_rendezvous.refused", e.reason)
+            return _error(503, f"no decode credit ({e.reason}): {e}", headers={REFUSAL_HEADER: e.reason})
+        except RendezvousError as e:
+            return _error(503, f"no engines: {e}")
+        try:
+            return await self._admitted(request, path, limit_keys, body, route, span, admission, prefix)
+        finally:
+            # However the request ended (answered, failed, the client gone): its decode credit goes back.
+            await asyncio.shield(asyncio.ensure_future(self.admission.release(admission)))
+
+    async def _admitted(
+        self,
+        request: web.Request,
+        path: str,
+        limit_keys: Sequence[str],
+        body: dict[str, Any],
+        route: Route,
+        span: tracing.Span,
+        admission: Admission,
+        prefix: Sequence[int],
+    ) -> web.StreamResponse:
+        """The request, once a decode engine admitted it (with credit reserved on it)."""
+        engines = self.engines
+        decode, transfer_id = admission.engine, admission.transfer_id
+        try:
             decode_url = _engine_url(decode)
             local = await self._prefill_locally(body, route)
             if local:
@@ -236,7 +290,6 @@ class Router:
         except RendezvousError as e:
             return _error(503, f"no engines: {e}")
         span.set_attribute("kv_rendezvous.prefill", "remote")
-        transfer_id = self.engines.mint_transfer_id()
         span.set_attribute("kv_rendezvous.transfer_id", transfer_id)
         # Both legs' engines make their spans children of this one (the connector reads kv_transfer_params).
         params = {**(body.get("kv_transfer_params") or {}), TRANSFER_ID_KEY: transfer_id, **tracing.carrier()}
@@ -352,8 +405,10 @@ def _leg_span(name: str, engine: EngineInfo, transfer_id: str) -> Iterator[Mappi
         yield {**_LEG_HEADERS, **tracing.carrier()}
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "router_error", "code": status}}, status=status)
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "router_error", "code": status}}, status=status, headers=headers
+    )
 
 
 def _route_arg(text: str) -> tuple[str, Route]:
@@ -419,6 +474,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--binding-key-file; env KV_RENDEZVOUS_BINDING_KEY_FILE)",
     )
     parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=100,
+        metavar="N",
+        help="requests that may wait for decode credit at once (more are answered 503 queue_full); 0: none wait",
+    )
+    parser.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a request waits for decode credit before it is answered 503 queue_timeout",
+    )
+    parser.add_argument(
+        "--credit-ttl",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long a decode credit reservation lasts unless the engine registers the target or the request ends",
+    )
+    parser.add_argument(
         "--binding-ttl",
         type=float,
         default=DEFAULT_BINDING_TTL,
@@ -459,6 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             local_prefill=LocalPrefill(args.local_prefill_below, args.local_prefill_when_busy),
             binding_key=binding_key,
             binding_ttl=args.binding_ttl,
+            max_queued=args.max_queued,
+            queue_timeout=args.queue_timeout,
+            credit_ttl=args.credit_ttl,
         )
         return router.app()
 

@@ -224,6 +224,24 @@ def _label(enum: Any, value: int) -> str:
     return str(enum.Name(value)).removeprefix(prefix).lower()
 
 
+def _credits(e: Any) -> tuple[str, str]:
+    """An engine's capacity and free credits as `engines` prints them: "8 transfers / 4096 blocks", "-" when
+    none is declared; free = capacity - in use - reserved (reserved shown when any)."""
+    cap, used = e.capacity, e.credits
+    if not cap.max_transfers and not cap.max_blocks:
+        return "-", "-"
+    parts, free = [], []
+    for limit, in_use, reserved, unit in (
+        (cap.max_transfers, used.transfers_in_use, used.transfers_reserved, "transfers"),
+        (cap.max_blocks, used.blocks_in_use, used.blocks_reserved, "blocks"),
+    ):
+        if limit:
+            parts.append(f"{limit} {unit}")
+            held = f" ({reserved} reserved)" if reserved else ""
+            free.append(f"{max(limit - in_use - reserved, 0)} {unit}{held}")
+    return " / ".join(parts), " / ".join(free)
+
+
 def _ago(ts: Any) -> str:
     if not ts.seconds and not ts.nanos:
         return "-"
@@ -287,7 +305,17 @@ def _inspect(args: argparse.Namespace) -> int:
                     break
             print(
                 _table(
-                    ("engine", "pool", "role", "incarnation", "agents", "live transfers", "registered"),
+                    (
+                        "engine",
+                        "pool",
+                        "role",
+                        "incarnation",
+                        "agents",
+                        "live transfers",
+                        "capacity",
+                        "free credits",
+                        "registered",
+                    ),
                     [
                         (
                             e.engine_id,
@@ -296,6 +324,7 @@ def _inspect(args: argparse.Namespace) -> int:
                             e.incarnation,
                             len(e.agents),
                             e.live_transfers,
+                            *_credits(e),
                             _ago(e.register_time),
                         )
                         for e in engines

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, TypeVar
 
-from rendezvous.core import budget, paging
+from rendezvous.core import budget, credits, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.bindings import BindingRules, check_binding
@@ -42,6 +42,7 @@ _BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, 
 
 A = TypeVar("A")
 B = TypeVar("B")
+T = TypeVar("T")
 SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
 
 
@@ -58,6 +59,27 @@ class ItemOutcome:
     transfer_id: str
     transfer: Transfer | None = None
     error: RendezvousError | None = None
+
+
+@dataclass(frozen=True)
+class CreditOutcome:
+    """The result of one ReserveCredits or ReleaseCredits item: the reservation, or the error."""
+
+    transfer_id: str
+    reservation: credits.Reservation | None = None
+    error: RendezvousError | None = None
+
+
+_RESERVE_ATTEMPTS = 32
+"""Compare-and-set rounds of one reservation before it gives up (every round lost is another's success)."""
+
+
+@dataclass
+class _CapacityGate:
+    """A consumer's usage while its RegisterTarget batch applies (items apply in order)."""
+
+    spent: credits.Usage
+    reservations: Mapping[str, credits.Reservation]
 
 
 @dataclass(frozen=True)
@@ -223,8 +245,9 @@ class Coordinator:
         return EnginePage(page, token)
 
     async def _lose_engine(self, lost: Engine) -> int:
-        """Abort the live transfers of an ended incarnation and tell its peers."""
+        """Abort the live transfers of an ended incarnation and tell its peers; its credits come back."""
         ctx = self._context()
+        await self._reclaim_credits(lost)
         aborted = 0
         peers: set[str] = set()
         for transfer_id in await self.store.live_transfer_ids(lost.engine_id):
@@ -264,6 +287,7 @@ class Coordinator:
         half: Role | None = None,
         exempt: bool = False,
         blocks: bool = False,
+        sequential: bool = False,
     ) -> list[ItemOutcome]:
         """Apply step to every item; an item's error does not stop the others.
 
@@ -308,7 +332,7 @@ class Coordinator:
 
         most = sum(len(getattr(item, "block_ids", ())) for item in items) if room is not None else 0
         roomy = (limit is None or limit.allows(len(items))) and (room is None or room.allows(most))
-        if self.store.concurrent and roomy:
+        if self.store.concurrent and not sequential and roomy:
             # No item can reach a limit, so they may be in flight together (one round trip to a
             # networked store); items of one transfer still apply in order (the store queues them).
             return [o for o, _ in await asyncio.gather(*(apply(item, None, None) for item in items))]
@@ -327,12 +351,35 @@ class Coordinator:
     ) -> list[ItemOutcome]:
         """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
         consumer = await self._caller(engine_id, incarnation)
+        gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
             producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
-            return lifecycle.register_target(ctx, cur, consumer, producer, spec)
+            if gate is None:
+                return lifecycle.register_target(ctx, cur, consumer, producer, spec)
+            reservation = gate.reservations.get(spec.transfer_id)
+            spent = credits.target_admission(consumer, gate.spent, cur, reservation, len(spec.block_ids), ctx.now)
+            transition = lifecycle.register_target(ctx, cur, consumer, producer, spec)
+            gate.spent = spent
+            return transition
 
-        return await self._batch(consumer, specs, step, joins=True, half=Role.CONSUMER, exempt=exempt, blocks=True)
+        outcomes = await self._batch(
+            consumer,
+            specs,
+            step,
+            joins=True,
+            half=Role.CONSUMER,
+            exempt=exempt,
+            blocks=True,
+            sequential=gate is not None,
+        )
+        # A reservation the target took the place of is spent: drop it (the core no longer counts it anyway).
+        # Consumers without a capacity pay nothing here (routers reserve only on those with one).
+        if gate is not None:
+            for o in outcomes:
+                if o.error is None and o.transfer_id in gate.reservations:
+                    await self.store.credits().drop(o.transfer_id)
+        return outcomes
 
     async def claim_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec], exempt: bool = False
@@ -399,7 +446,112 @@ class Coordinator:
         def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: AbortSpec) -> Transition:
             return lifecycle.abort(ctx, cur, caller, spec)
 
-        return await self._batch(caller, specs, step)
+        outcomes = await self._batch(caller, specs, step)
+        # An ended transfer's reservation holds no credit (core: credits.counts), whoever aborted it; a router's
+        # abort, which may name an id that only holds a reservation, also drops the record (engines' aborts, on
+        # the hot path, leave it to the router's release or the sweeper).
+        if caller is None:
+            for o in outcomes:
+                if o.error is None or o.error.reason == Reason.TRANSFER_NOT_FOUND:
+                    await self.store.credits().drop(o.transfer_id)
+        return outcomes
+
+    # Credits
+
+    async def _each(self, calls: Sequence[Awaitable[T]]) -> list[T]:
+        """Store calls in flight together where that gains (Store.concurrent), else one by one."""
+        if self.store.concurrent:
+            return list(await asyncio.gather(*calls))
+        return [await call for call in calls]
+
+    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> credits.Usage:
+        """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
+        as many as its capacity admits, so the reads are bounded by it; only counted, without a block limit) and
+        its reservations' transfers."""
+        ids = [r.transfer_id for r in reservations]
+        if not engine.capacity.max_blocks:
+            count = (await self.store.live_transfer_counts([engine.engine_id]))[engine.engine_id]
+            found = await self._each([self.store.get_transfer(tid) for tid in ids])
+            return credits.usage_by_count(engine, count, reservations, dict(zip(ids, found, strict=True)), now)
+        live = await self.store.live_transfer_ids(engine.engine_id)
+        records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
+        targets = [t for t in records[: len(live)] if t is not None]
+        return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
+
+    async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
+        ledger = await self.store.credits().ledger(consumer.engine_id)
+        spent = await self._usage(consumer, ledger.reservations, self.clock())
+        wanted = {s.transfer_id for s in specs}
+        return _CapacityGate(spent, {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted})
+
+    async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, credits.Usage]:
+        """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
+        now = self.clock()
+        limited = [e for e in engines if e.capacity.limited]
+        ledgers = await self.store.credits().ledgers([e.engine_id for e in limited])
+        found = await self._each([self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited])
+        return {e.engine_id: u for e, u in zip(limited, found, strict=True)}
+
+    async def reserve_credits(self, specs: Sequence[credits.CreditRequest], ttl: float = 0.0) -> list[CreditOutcome]:
+        """Reserve credit on consumer engines for transfer ids, each item atomically (compare-and-set on the
+        engine's ledger; core: credits.reserve decides). An item's error does not stop the others."""
+        check_batch(len(specs), self.limits)
+        lifetime = credits.credit_ttl(ttl, self.timeouts)
+        outcomes: list[CreditOutcome] = []
+        for spec in specs:
+            try:
+                check_id("transfer_id", spec.transfer_id, self.limits)
+                check_id("engine_id", spec.engine_id, self.limits)
+                outcomes.append(CreditOutcome(spec.transfer_id, reservation=await self._reserve(spec, lifetime)))
+            except RendezvousError as err:
+                outcomes.append(CreditOutcome(spec.transfer_id, error=err))
+        return outcomes
+
+    async def _reserve(self, spec: credits.CreditRequest, ttl: float) -> credits.Reservation:
+        ledger_store = self.store.credits()
+        for _ in range(_RESERVE_ATTEMPTS):
+            now = self.clock()
+            engine = await self.store.get_engine(spec.engine_id)
+            ledger = await ledger_store.ledger(spec.engine_id)
+            existing = await ledger_store.get(spec.transfer_id)
+            transfer = await self.store.get_transfer(spec.transfer_id)
+            limited = engine is not None and engine.capacity.limited
+            spent = await self._usage(engine, ledger.reservations, now) if engine is not None and limited else None
+            reservation = credits.reserve(
+                now, engine, spec, existing, transfer, spent or credits.Usage(), ttl, self.limits
+            )
+            if await ledger_store.put(reservation, ledger.version, existing):
+                log.debug(
+                    "credit reserved",
+                    extra={"transfer_id": spec.transfer_id, "engine_id": spec.engine_id, "blocks": spec.blocks},
+                )
+                return reservation
+        raise RendezvousError(
+            Reason.STORE_UNAVAILABLE,
+            f"engine {spec.engine_id}'s credit ledger kept changing under {_RESERVE_ATTEMPTS} attempts; retry",
+            engine_id=spec.engine_id,
+        )
+
+    async def release_credits(self, transfer_ids: Sequence[str]) -> list[CreditOutcome]:
+        """Drop the reservations of transfer ids; an id without one is OK (nothing to release)."""
+        check_batch(len(transfer_ids), self.limits)
+        outcomes: list[CreditOutcome] = []
+        for transfer_id in transfer_ids:
+            try:
+                check_id("transfer_id", transfer_id, self.limits)
+                dropped = await self.store.credits().drop(transfer_id)
+                outcomes.append(CreditOutcome(transfer_id, reservation=dropped))
+            except RendezvousError as err:
+                outcomes.append(CreditOutcome(transfer_id, error=err))
+        return outcomes
+
+    async def _reclaim_credits(self, lost: Engine) -> None:
+        """Drop the reservations on an ended incarnation (and older ones): its credit is back."""
+        ledger_store = self.store.credits()
+        ledger = await ledger_store.ledger(lost.engine_id)
+        for r in ledger.reservations:
+            if r.incarnation <= lost.incarnation:
+                await ledger_store.drop(r.transfer_id)
 
     async def get_transfer(self, transfer_id: str) -> Transfer:
         """A transfer, live or tombstone."""
@@ -500,6 +652,15 @@ class Coordinator:
             except Exception:
                 # One bad record must not stop every other transfer from expiring.
                 log.exception("cannot expire transfer", extra={"transfer_id": transfer_id})
+        await self._expire_credits(ctx.now, max_transfers)
+
+    async def _expire_credits(self, now: float, limit: int) -> None:
+        """Drop reservations past their ttl (the core no longer counts them; this frees their records)."""
+        ledger_store = self.store.credits()
+        for transfer_id in await ledger_store.due(now, limit):
+            reservation = await ledger_store.get(transfer_id)
+            if reservation is not None and reservation.expires_at <= now:
+                await ledger_store.drop(transfer_id)
 
 
 def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer | None) -> None:

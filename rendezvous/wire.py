@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from google.rpc import error_details_pb2, status_pb2
 
+from rendezvous.core.credits import CreditRequest, Usage
 from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
 from rendezvous.core.limits import clip
-from rendezvous.core.model import Engine, Event, Mode, Outcome, Role, Transfer
+from rendezvous.core.model import Engine, EngineCapacity, Event, Mode, Outcome, Role, Transfer
 from rendezvous.core.specs import (
     AbortSpec,
     ClaimSpec,
@@ -69,7 +70,13 @@ def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
         agents=tuple(convert.agent(a) for a in req.agents),
         labels=dict(req.labels),
         lease_ttl=seconds(req.lease_ttl),
+        capacity=EngineCapacity(req.capacity.max_transfers, req.capacity.max_blocks),
     )
+
+
+def credit_requests(req: pb.ReserveCreditsRequest) -> list[CreditRequest]:
+    """The items of a ReserveCreditsRequest."""
+    return [CreditRequest(c.transfer_id, c.engine_id, c.blocks) for c in req.reservations]
 
 
 def _mode(value: int) -> Mode | None:
@@ -169,6 +176,19 @@ def engine_message(
         register_time=timestamp(e.registered_at),
         live_transfers=live_transfers,
         watch_start_revision=e.watch_start_revision,
+        capacity=pb.EngineCapacity(max_transfers=e.capacity.max_transfers, max_blocks=e.capacity.max_blocks)
+        if e.capacity.limited
+        else None,
+    )
+
+
+def credits_message(u: Usage) -> pb.EngineCredits:
+    """A consumer's usage of its capacity as a message."""
+    return pb.EngineCredits(
+        transfers_in_use=u.transfers_in_use,
+        blocks_in_use=u.blocks_in_use,
+        transfers_reserved=u.transfers_reserved,
+        blocks_reserved=u.blocks_reserved,
     )
 
 

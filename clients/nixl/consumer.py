@@ -44,6 +44,7 @@ from clients._types import (
     Binding,
     CompletionOutcome,
     CompletionSpec,
+    EngineCapacity,
     Event,
     EventType,
     ItemResult,
@@ -137,6 +138,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         poll: PollConfig | None = None,
         on_result: OnResult | None = None,
         follower_check_s: float = FOLLOWER_CHECK_S,
+        capacity: EngineCapacity | None = None,
     ) -> None:
         super().__init__(
             client,
@@ -150,6 +152,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             lease_ttl=lease_ttl,
             session_config=session_config,
             metrics_registry=metrics_registry,
+            capacity=capacity,
         )
         self.stale_notifications = 0
         """Notifications for a generation or transfer no longer expected (ignored)."""

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 from clients._config import SessionConfig
 from clients._roles import RoleSession
 from clients._session import RankSession
-from clients._types import KvLayout, NixlAgentInfo, SessionEvent
+from clients._types import EngineCapacity, KvLayout, NixlAgentInfo, SessionEvent
 from clients.aio import AsyncRendezvousClient
 from clients.nixl.metrics import DataPlaneMetrics
 
@@ -57,6 +57,7 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         lease_ttl: float,
         session_config: SessionConfig | None,
         metrics_registry: CollectorRegistry | None,
+        capacity: EngineCapacity | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.rank = rank
@@ -66,6 +67,7 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         self._tensors = tuple(tensors)
         self._agent_name = agent_name or f"{engine_id}-rank{rank}"
         self._session_args = (client, engine_id, pool, layout, labels, lease_ttl, session_config)
+        self._capacity = capacity
         self._session: SessionT | None = None
         self._follower: RankSession | None = None
         self._announced: NixlAgentInfo | None = None
@@ -137,6 +139,7 @@ class RankAgent(abc.ABC, Generic[SessionT]):
             lease_ttl=lease_ttl,
             config=config,
             handler=self.handle_event,
+            capacity=self._capacity,
         )
 
     async def _close_session(self, deregister: bool) -> None:

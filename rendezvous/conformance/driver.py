@@ -439,6 +439,8 @@ class Engine:
         self._keepalive: asyncio.Task[None] | None = None
         self._stop_keepalive = asyncio.Event()
         self.deregistered = False
+        self.capacity: pb.EngineCapacity | None = None
+        """What a consumer declares it admits at once (decode admission credits); None: no limit."""
 
     @property
     def name(self) -> str:
@@ -455,9 +457,10 @@ class Engine:
     async def register(self, lease_ttl: float = 0.0) -> pb.RegisterEngineResponse:
         """Register a new incarnation and keep its lease alive."""
         await self.stop_keepalive()
-        response: pb.RegisterEngineResponse = await self.driver.call(
-            self.stub, "RegisterEngine", engine_request(self.engine_id, self.role, lease_ttl, self.layout)
-        )
+        request = engine_request(self.engine_id, self.role, lease_ttl, self.layout)
+        if self.capacity is not None:
+            request.capacity.CopyFrom(self.capacity)
+        response: pb.RegisterEngineResponse = await self.driver.call(self.stub, "RegisterEngine", request)
         self.incarnation = int(response.engine.incarnation)
         self.lease_ttl = _seconds(response.engine.lease_ttl)
         if not self.watch_start_revision:
@@ -671,6 +674,21 @@ class Scenario:
                 pb.DeregisterEngineRequest(engine_id=request.engine_id, incarnation=response.engine.incarnation),
             )
         return response
+
+    async def reserve_credit(self, transfer_id: str, engine: Engine, blocks: int = 0) -> pb.CreditResult:
+        """ReserveCredits of one reservation, as a router does."""
+        spec = pb.CreditSpec(transfer_id=transfer_id, engine_id=engine.engine_id, blocks=blocks)
+        request = pb.ReserveCreditsRequest(reservations=[spec])
+        response = await self.driver.call(self.driver.next_stub(), "ReserveCredits", request)
+        expect(len(response.results) == 1, f"ReserveCredits: 1 item sent, {len(response.results)} results answered")
+        return response.results[0]  # type: ignore[no-any-return]
+
+    async def release_credit(self, transfer_id: str) -> pb.CreditResult:
+        """ReleaseCredits of one transfer id, as a router does."""
+        request = pb.ReleaseCreditsRequest(transfer_ids=[transfer_id])
+        response = await self.driver.call(self.driver.next_stub(), "ReleaseCredits", request)
+        expect(len(response.results) == 1, f"ReleaseCredits: 1 id sent, {len(response.results)} results answered")
+        return response.results[0]  # type: ignore[no-any-return]
 
     async def router_abort(self, transfer_id: str, message: str = "conformance router") -> pb.ItemResult:
         """AbortTransfer with an empty engine id, as a router does."""

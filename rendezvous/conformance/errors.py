@@ -12,9 +12,13 @@ from rendezvous.conformance.driver import (
     CONSUMER,
     Engine,
     Scenario,
+    code_name,
+    describe_status,
     engine_request,
+    error_reason,
     expect,
     expect_item_error,
+    expect_ok,
     expect_rpc_error,
     expect_state,
     state_name,
@@ -184,3 +188,39 @@ async def stale_incarnation(s: Scenario) -> None:
         "STALE_INCARNATION",
         "KeepAlive with the replaced incarnation",
     )
+
+
+def _credit_refused(result: pb.CreditResult, what: str) -> None:
+    got = (code_name(result.status.code), error_reason(result.status))
+    expect(
+        got == (Code.RESOURCE_EXHAUSTED.name, "ENGINE_CAPACITY_EXCEEDED"),
+        f"{what}: expected RESOURCE_EXHAUSTED/ENGINE_CAPACITY_EXCEEDED, got "
+        + (describe_status(result.status) if result.status.code else "OK"),
+    )
+
+
+@check("errors")
+async def beyond_declared_capacity(s: Scenario) -> None:
+    """ReserveCredits and RegisterTarget beyond a consumer's capacity: RESOURCE_EXHAUSTED /
+    ENGINE_CAPACITY_EXCEEDED; the reserved target is admitted and takes its reservation's place."""
+    consumer = Engine(s, 0, s.driver.new_id("d"), CONSUMER)
+    consumer.capacity = pb.EngineCapacity(max_transfers=1)
+    s.engines.append(consumer)
+    await consumer.register()
+    reserved, other = s.transfer_id(), s.transfer_id()
+    held = await s.reserve_credit(reserved, consumer, 4)
+    expect(not held.status.code, f"ReserveCredits on a free consumer: {describe_status(held.status)}")
+    _credit_refused(await s.reserve_credit(other, consumer), "ReserveCredits on a consumer with no credit left")
+    expect_item_error(
+        await consumer.register_target(other),
+        Code.RESOURCE_EXHAUSTED,
+        "ENGINE_CAPACITY_EXCEEDED",
+        "RegisterTarget without a reservation on a consumer with no credit left",
+    )
+    expect_state(await consumer.register_target(reserved), TARGETED, "RegisterTarget of the reserved transfer")
+    _credit_refused(await s.reserve_credit(other, consumer), "ReserveCredits while the target holds the credit")
+    expect_ok(await s.router_abort(reserved), "AbortTransfer of the target")
+    again = await s.reserve_credit(other, consumer)
+    expect(not again.status.code, f"ReserveCredits after the abort freed the credit: {describe_status(again.status)}")
+    released = await s.release_credit(other)
+    expect(released.engine_id == consumer.engine_id, "ReleaseCredits names the engine it released on")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from rendezvous.core import credits
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Transfer
@@ -36,6 +37,7 @@ def register_engine(
     """
     check_engine_spec(spec, limits)
     assert spec.role is not None
+    credits.check_capacity(spec.role, spec.capacity, limits)
     if previous is not None and previous.alive(now) and (previous.role, previous.pool) != (spec.role, spec.pool):
         raise RendezvousError(
             Reason.ENGINE_CONFLICT,
@@ -58,6 +60,7 @@ def register_engine(
         unlost_incarnation=_unlost(previous),
         watch_start_revision=watch_start_revision,
         owner=spec.owner,
+        capacity=spec.capacity,
     )
 
 

@@ -55,6 +55,10 @@ class Limits:
     max_live_blocks_per_identity: int = 4_000_000
     max_agent_metadata_bytes_total: int = 1 << 30
     max_agent_metadata_bytes_per_identity: int = 256 << 20
+    max_capacity_transfers: int = 1_000_000
+    """The largest EngineCapacity.max_transfers an engine may declare (larger is CAPACITY_INVALID)."""
+    max_capacity_blocks: int = 1 << 40
+    """The largest EngineCapacity.max_blocks an engine may declare."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class Timeouts:
     max_timeout: float = 3_600.0
     release_timeout: float = 120.0
     tombstone_ttl: float = 300.0
+    default_credit_ttl: float = 30.0
+    """How long an unspent credit reservation lasts when ReserveCredits names no ttl (max: max_timeout)."""
 
 
 def clip(text: str, max_bytes: int) -> str:

@@ -22,13 +22,14 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
+from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent
 
 __all__ = [
     "LIVE_STATES",
     "AbortReason",
     "Addressed",
     "Engine",
+    "EngineCapacity",
     "Event",
     "EventType",
     "KvLayout",
@@ -67,6 +68,8 @@ class Engine(Incarnation):
     # The auth identity that registered this incarnation ("" without auth): the memory budget's per-identity
     # tallies charge it (rendezvous.core.budget).
     owner: str = ""
+    # What a consumer admits at once (rendezvous.core.credits); no limit by default.
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
 
     def alive(self, now: float) -> bool:
         """True while the lease holds and the incarnation has not ended."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rendezvous.core.model import KvLayout, Mode, NixlAgent, Outcome, Role
+from rendezvous.core.model import EngineCapacity, KvLayout, Mode, NixlAgent, Outcome, Role
 from rendezvous.protocol.bindings import Binding
 
 
@@ -22,6 +22,8 @@ class EngineSpec:
     lease_ttl: float = 0.0
     owner: str = ""
     """The auth identity registering it ("" without auth); set by the server, not the request."""
+    capacity: EngineCapacity = field(default_factory=EngineCapacity)
+    """What a consumer admits at once (rendezvous.core.credits); zero fields: no limit."""
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,17 @@ class Reason(StrEnum):
     """The server's memory budget (engines, live block ids or agent metadata bytes, global or
  of the caller's identity) has no room for the request (ErrorInfo metadata budget, scope, limit)."""
 
+    ENGINE_CAPACITY_EXCEEDED = "ENGINE_CAPACITY_EXCEEDED"
+    """The consumer engine's declared capacity (EngineCapacity) has no room for the target
+ or reservation (ErrorInfo metadata fields: engine_id, limit (transfers or blocks), max, in_use, reserved,
+ requested)."""
+
+    CAPACITY_INVALID = "CAPACITY_INVALID"
+    """A declared capacity above the server's max_capacity_transfers or max_capacity_blocks."""
+
+    CREDIT_CONFLICT = "CREDIT_CONFLICT"
+    """The transfer id already holds a credit reservation on another engine or for other blocks."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -218,5 +229,8 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.BINDING_MISMATCH: "PERMISSION_DENIED",
     Reason.BINDING_REQUIRED: "PERMISSION_DENIED",
     Reason.BUDGET_EXHAUSTED: "RESOURCE_EXHAUSTED",
+    Reason.ENGINE_CAPACITY_EXCEEDED: "RESOURCE_EXHAUSTED",
+    Reason.CAPACITY_INVALID: "INVALID_ARGUMENT",
+    Reason.CREDIT_CONFLICT: "ALREADY_EXISTS",
 }
 """The google.rpc.Code name of each reason."""

@@ -49,3 +49,17 @@ class NixlAgent:
     """First layer this rank holds (its pipeline stage's first)."""
     num_layers: int = 0
     """Layers this rank holds; 0 = all of the layout's (pipeline parallel size 1)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapacity:
+    """What a consumer engine admits at once: live targets (transfers) and their blocks, reservations
+    included. 0 = no limit."""
+
+    max_transfers: int = 0
+    max_blocks: int = 0
+
+    @property
+    def limited(self) -> bool:
+        """Whether either limit is set."""
+        return bool(self.max_transfers or self.max_blocks)

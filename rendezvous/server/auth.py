@@ -39,7 +39,9 @@ _ENGINE_SCOPED = (
 # RPCs the router role may make for any engine (AbortTransfer only as the router: empty engine_id).
 # Refusals for the caller's credentials, charged to its host (CallLimits.refusal_rate).
 _CREDENTIAL_REFUSALS = frozenset({Code.UNAUTHENTICATED, Code.PERMISSION_DENIED})
-_ROUTER_CALLS = frozenset({"GetEngine", "ListEngines", "GetTransfer", "ListTransfers", "GetStatus"})
+_ROUTER_CALLS = frozenset(
+    {"GetEngine", "ListEngines", "GetTransfer", "ListTransfers", "GetStatus", "ReserveCredits", "ReleaseCredits"}
+)
 
 
 def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:

@@ -23,6 +23,7 @@ TRANSFER_CALLS = frozenset(
     m.name
     for m in pb.DESCRIPTOR.services_by_name["RendezvousService"].methods
     if "results" in m.output_type.fields_by_name
+    and getattr(m.output_type.fields_by_name["results"].message_type, "name", "") == "ItemResult"
 )
 
 

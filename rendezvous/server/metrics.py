@@ -68,6 +68,12 @@ class Metrics:
             registry=r,
         )
         self.store_up = Gauge("rendezvous_store_up", "1 when the store answers", registry=r)
+        self.credits = Counter(
+            "rendezvous_credit_items",
+            "ReserveCredits and ReleaseCredits items by method and outcome (OK or the error reason)",
+            ["method", "outcome"],
+            registry=r,
+        )
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     def serve(self, host: str, port: int) -> int:

@@ -21,12 +21,12 @@ from google.protobuf.message import Message
 from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
-from rendezvous.coordinator import Coordinator, ItemOutcome
+from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
 from rendezvous.core import paging
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Engine, Role, State, Transfer
 from rendezvous.protocol import tracing
-from rendezvous.protocol.convert import duration, number, timestamp
+from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
 from rendezvous.store.base import StoreUnavailableError
@@ -249,9 +249,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
         engine = await self.coordinator.get_engine(request.engine_id)
         live = await self.coordinator.store.live_transfer_counts([engine.engine_id])
-        return pb.GetEngineResponse(
-            header=await self._header(), engine=wire.engine_message(engine, live_transfers=live[engine.engine_id])
-        )
+        message = wire.engine_message(engine, live_transfers=live[engine.engine_id])
+        for usage in (await self.coordinator.credit_usage([engine])).values():
+            message.credits.CopyFrom(wire.credits_message(usage))
+        return pb.GetEngineResponse(header=await self._header(), engine=message)
 
     @_rpc(pb.ListEnginesResponse)
     async def ListEngines(
@@ -272,6 +273,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         engines = [messages[e.engine_id] for e in page.engines]
         for message in engines:
             message.live_transfers = live[message.engine_id]
+        usage = await self.coordinator.credit_usage(page.engines)
+        for message in engines:
+            if message.engine_id in usage:
+                message.credits.CopyFrom(wire.credits_message(usage[message.engine_id]))
         return pb.ListEnginesResponse(
             header=await self._header(), engines=engines, next_page_token=page.next_page_token
         )
@@ -291,6 +296,40 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     )
     ReleaseTarget = _batch_rpc(pb.ReleaseTargetResponse, wire.release_specs, Coordinator.release_targets)
     AbortTransfer = _batch_rpc(pb.AbortTransferResponse, wire.abort_specs, Coordinator.abort_transfers)
+
+    # Credits
+
+    def _credit_results(self, method: str, outcomes: Sequence[CreditOutcome]) -> list[pb.CreditResult]:
+        self.metrics.items.labels(method).inc(len(outcomes))
+        for o in outcomes:
+            self.metrics.credits.labels(method, o.error.reason.value if o.error else "OK").inc()
+        return [
+            pb.CreditResult(
+                transfer_id=o.transfer_id,
+                status=wire.error_status(o.error) if o.error else None,
+                engine_id=o.reservation.engine_id if o.reservation else "",
+                expire_time=timestamp(o.reservation.expires_at) if o.reservation else None,
+            )
+            for o in outcomes
+        ]
+
+    @_rpc(pb.ReserveCreditsResponse)
+    async def ReserveCredits(
+        self, request: pb.ReserveCreditsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReserveCreditsResponse:
+        outcomes = await self.coordinator.reserve_credits(wire.credit_requests(request), seconds(request.ttl))
+        return pb.ReserveCreditsResponse(
+            header=await self._header(), results=self._credit_results("ReserveCredits", outcomes)
+        )
+
+    @_rpc(pb.ReleaseCreditsResponse)
+    async def ReleaseCredits(
+        self, request: pb.ReleaseCreditsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseCreditsResponse:
+        outcomes = await self.coordinator.release_credits(list(request.transfer_ids))
+        return pb.ReleaseCreditsResponse(
+            header=await self._header(), results=self._credit_results("ReleaseCredits", outcomes)
+        )
 
     @_rpc(pb.GetTransferResponse)
     async def GetTransfer(

@@ -18,6 +18,7 @@ from rendezvous.core.budget import Tally
 from rendezvous.core.engines import lapse
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
+from rendezvous.store.credits import CreditStore
 
 TransferFn = Callable[[Transfer | None, Mapping[str, Engine]], Transition]
 """A transition: gets the current record and the engines it names (consumer, producer), if known."""
@@ -186,3 +187,7 @@ class Store(ABC):
     @abstractmethod
     async def counts(self) -> StoreCounts:
         """Live engines and live transfers by state (no tombstones)."""
+
+    def credits(self) -> CreditStore:
+        """The store's credit reservations (rendezvous.store.credits), shared as the store is."""
+        raise NotImplementedError(f"the {self.name} store keeps no credit reservations")

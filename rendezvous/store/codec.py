@@ -16,6 +16,7 @@ from typing import Any
 from rendezvous.core.model import (
     AbortReason,
     Engine,
+    EngineCapacity,
     Event,
     EventType,
     KvLayout,
@@ -160,6 +161,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.unlost_incarnation,
         e.watch_start_revision,
         e.owner,
+        [e.capacity.max_transfers, e.capacity.max_blocks],
     ]
 
 
@@ -193,6 +195,7 @@ def engine_from_fields(obj: Any) -> Engine:
         unlost_incarnation=f[12] if len(f) > 12 else 0,
         watch_start_revision=f[13] if len(f) > 13 else 0,
         owner=f[14] if len(f) > 14 else "",
+        capacity=EngineCapacity(*f[15]) if len(f) > 15 else EngineCapacity(),
     )
 
 

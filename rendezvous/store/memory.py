@@ -19,6 +19,7 @@ from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store._sorted import SortedIds
 from rendezvous.store.base import EngineFilter, EngineFn, EventPage, Store, StoreCounts, TransferFn
+from rendezvous.store.credits import CreditStore, MemoryCredits
 
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
@@ -338,6 +339,13 @@ class MemoryStore(Store):
     async def counts(self) -> StoreCounts:
         live = sum(1 for e in self._engines.values() if not e.ended_at)
         return StoreCounts(live, Counter(self._transfers[tid].state for tid in self._live_ids))
+
+    def credits(self) -> CreditStore:
+        """In-process reservations (rendezvous.store.credits.MemoryCredits), made on first use."""
+        ledger: CreditStore | None = getattr(self, "_credits", None)
+        if ledger is None:
+            ledger = self._credits = MemoryCredits()
+        return ledger
 
 
 __all__ = ["MemoryStore"]

@@ -101,6 +101,82 @@ EVENT_TYPE_TRANSFER_ABORTED: EventType
 EVENT_TYPE_PEER_LOST: EventType
 EVENT_TYPE_REVOCATION_CONFIRMED: EventType
 
+class EngineCapacity(_message.Message):
+    __slots__ = ("max_transfers", "max_blocks")
+    MAX_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    max_transfers: int
+    max_blocks: int
+    def __init__(self, max_transfers: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+
+class EngineCredits(_message.Message):
+    __slots__ = ("transfers_in_use", "blocks_in_use", "transfers_reserved", "blocks_reserved")
+    TRANSFERS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    transfers_in_use: int
+    blocks_in_use: int
+    transfers_reserved: int
+    blocks_reserved: int
+    def __init__(self, transfers_in_use: _Optional[int] = ..., blocks_in_use: _Optional[int] = ..., transfers_reserved: _Optional[int] = ..., blocks_reserved: _Optional[int] = ...) -> None: ...
+
+class CreditSpec(_message.Message):
+    __slots__ = ("transfer_id", "engine_id", "blocks")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    engine_id: str
+    blocks: int
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class CreditResult(_message.Message):
+    __slots__ = ("transfer_id", "status", "engine_id", "expire_time")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    status: _status_pb2.Status
+    engine_id: str
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, transfer_id: _Optional[str] = ..., status: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., engine_id: _Optional[str] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ReserveCreditsRequest(_message.Message):
+    __slots__ = ("request_id", "reservations", "ttl")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    TTL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reservations: _containers.RepeatedCompositeFieldContainer[CreditSpec]
+    ttl: _duration_pb2.Duration
+    def __init__(self, request_id: _Optional[str] = ..., reservations: _Optional[_Iterable[_Union[CreditSpec, _Mapping]]] = ..., ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ReserveCreditsResponse(_message.Message):
+    __slots__ = ("header", "results")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    results: _containers.RepeatedCompositeFieldContainer[CreditResult]
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[CreditResult, _Mapping]]] = ...) -> None: ...
+
+class ReleaseCreditsRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., transfer_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseCreditsResponse(_message.Message):
+    __slots__ = ("header", "results")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    header: ResponseHeader
+    results: _containers.RepeatedCompositeFieldContainer[CreditResult]
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[CreditResult, _Mapping]]] = ...) -> None: ...
+
 class ResponseHeader(_message.Message):
     __slots__ = ("epoch", "revision", "server_id")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -164,7 +240,7 @@ class NixlAgent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_revision")
+    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_revision", "capacity", "credits")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +260,8 @@ class Engine(_message.Message):
     LIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     REGISTER_TIME_FIELD_NUMBER: _ClassVar[int]
     WATCH_START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool: str
     role: EngineRole
@@ -196,10 +274,12 @@ class Engine(_message.Message):
     live_transfers: int
     register_time: _timestamp_pb2.Timestamp
     watch_start_revision: int
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_revision: _Optional[int] = ...) -> None: ...
+    capacity: EngineCapacity
+    credits: EngineCredits
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_revision: _Optional[int] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ..., credits: _Optional[_Union[EngineCredits, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("request_id", "engine_id", "pool", "role", "layout", "agents", "labels", "lease_ttl")
+    __slots__ = ("request_id", "engine_id", "pool", "role", "layout", "agents", "labels", "lease_ttl", "capacity")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +295,7 @@ class RegisterEngineRequest(_message.Message):
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
     pool: str
@@ -223,7 +304,8 @@ class RegisterEngineRequest(_message.Message):
     agents: _containers.RepeatedCompositeFieldContainer[NixlAgent]
     labels: _containers.ScalarMap[str, str]
     lease_ttl: _duration_pb2.Duration
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    capacity: EngineCapacity
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("header", "engine", "watch_start_revision")

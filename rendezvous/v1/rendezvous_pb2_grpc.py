@@ -126,6 +126,16 @@ class RendezvousServiceStub:
                 request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
+        self.ReserveCredits = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/ReserveCredits',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReserveCreditsRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReserveCreditsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseCredits = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/ReleaseCredits',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseCreditsRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseCreditsResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServiceServicer:
@@ -259,6 +269,22 @@ class RendezvousServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveCredits(self, request, context):
+        """ReserveCredits reserves admission credit (one transfer and its blocks) on consumer engines for transfer
+        ids, atomically per item, for routers that must not overcommit a decode engine. A reservation becomes
+        the live target when the consumer's RegisterTarget for that transfer id arrives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseCredits(self, request, context):
+        """ReleaseCredits drops the reservations of transfer ids (unknown or spent ones are OK).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -341,6 +367,16 @@ def add_RendezvousServiceServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetStatusRequest.FromString,
                     response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.GetStatusResponse.SerializeToString,
+            ),
+            'ReserveCredits': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveCredits,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReserveCreditsRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReserveCreditsResponse.SerializeToString,
+            ),
+            'ReleaseCredits': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseCredits,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseCreditsRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseCreditsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -787,6 +823,60 @@ class RendezvousService:
             '/rendezvous.v1.RendezvousService/GetStatus',
             rendezvous_dot_v1_dot_rendezvous__pb2.GetStatusRequest.SerializeToString,
             rendezvous_dot_v1_dot_rendezvous__pb2.GetStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveCredits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.RendezvousService/ReserveCredits',
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReserveCreditsRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReserveCreditsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseCredits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rendezvous.v1.RendezvousService/ReleaseCredits',
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseCreditsRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseCreditsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,8 @@ import pytest
 from clients import (
     ClaimSpec,
     CompletionSpec,
+    CreditSpec,
+    EngineCapacity,
     EngineRole,
     EngineSpec,
     EventType,
@@ -113,3 +115,15 @@ def test_a_restart_keeps_the_port_and_changes_the_epoch(sync_server: TestServer,
     assert sync_server.port == port
     assert after == sync_server.epoch != before
     assert heard == [(before, after)]
+
+
+def test_the_sync_client_reserves_and_releases_credits(client: RendezvousClient) -> None:
+    spec = EngineSpec("sync-credit-d", "decode", EngineRole.CONSUMER, LAYOUT, capacity=EngineCapacity(1))
+    client.register_engine(spec)
+    [held] = client.reserve_credits([CreditSpec("sync-credit-t1", "sync-credit-d")])
+    assert held.ok and held.engine_id == "sync-credit-d"
+    [full] = client.reserve_credits([CreditSpec("sync-credit-t2", "sync-credit-d")])
+    assert full.error is not None and full.error.reason == "ENGINE_CAPACITY_EXCEEDED"
+    assert client.get_engine("sync-credit-d").free_transfers == 0
+    [released] = client.release_credits(["sync-credit-t1"])
+    assert released.ok and client.get_engine("sync-credit-d").free_transfers == 1

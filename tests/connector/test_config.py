@@ -88,3 +88,11 @@ def test_the_routers_binding_is_read_from_kv_transfer_params_as_plain_data() -> 
     assert binding_params({"transfer_id": "t"}) is None
     assert binding_params({BINDING_KEY: "not an object"}) is None
     assert binding_params(None) is None
+
+
+def test_a_decode_engine_declares_its_capacity() -> None:
+    config = ConnectorConfig.from_extra_config({"rendezvous": "a:1", "max_transfers": "8", "max_blocks": 4096})
+    assert (config.max_transfers, config.max_blocks) == (8, 4096)
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1"}).max_transfers == 0  # no limit
+    with pytest.raises(ValueError, match="max_transfers must not be negative"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "max_transfers": -1})

@@ -20,6 +20,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 from clients import (
     AsyncRendezvousClient,
     ClientConfig,
+    EngineCapacity,
     EngineRole,
     EngineSpec,
     KvLayout,
@@ -57,6 +58,8 @@ class FakeEngine:
         self.gate.set()
         self.status = 200
         self.cancelled = asyncio.Event()
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.port = free_port()
         self._runner: web.AppRunner | None = None
 
@@ -80,6 +83,8 @@ class FakeEngine:
     async def _complete(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
         self.received.set()
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
         async with self._arrivals:
             self._arrivals.notify_all()
         try:
@@ -87,6 +92,8 @@ class FakeEngine:
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+        finally:
+            self.in_flight -= 1
         return web.json_response({"engine": self.name, "choices": [{"text": self.name}]}, status=self.status)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -98,14 +105,17 @@ class Cluster:
     rendezvous: AsyncRendezvousClient
     engines: dict[str, FakeEngine]
 
-    async def add(self, name: str, pool: str, role: EngineRole, layout: KvLayout = LAYOUT) -> FakeEngine:
+    async def add(
+        self, name: str, pool: str, role: EngineRole, layout: KvLayout = LAYOUT, capacity: int = 0
+    ) -> FakeEngine:
         engine = FakeEngine(name)
         await engine.start()
         self.engines[name] = engine
         region = KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=64)
         agent = NixlAgentInfo(name=name, metadata=b"md", memory_kind=MemoryKind.DRAM, regions=(region,))
         labels = {"url": f"http://127.0.0.1:{engine.port}"}
-        await self.rendezvous.register_engine(EngineSpec(name, pool, role, layout, (agent,), labels, lease_ttl=60))
+        spec = EngineSpec(name, pool, role, layout, (agent,), labels, lease_ttl=60, capacity=EngineCapacity(capacity))
+        await self.rendezvous.register_engine(spec)
         return engine
 
     async def transfer(self, transfer_id: str, state: TransferState) -> TransferInfo:
@@ -445,3 +455,146 @@ async def test_the_router_reads_prompts_in_the_engines_block_size(cluster: Clust
     await router.complete("tiny", prompt=prompt_of(1, 4, 0))  # 64 + 5 tokens: two blocks of 32
     await asyncio.wait_for(cluster.engines["p"].received.wait(), WAIT)  # the prefill leg was sent too
     assert len(router.router.engines.prefixes) == 2 * 2  # two blocks, on the decode and the prefill engine
+
+
+# Decode admission credits (connector/admission.py): decode engines registered with a capacity.
+
+FLEET = {ANY_MODEL: Route(("prefill",), ("decode",))}
+
+
+async def two_p_two_d(cluster: Cluster, capacity: int) -> list[FakeEngine]:
+    """2P2D; the decode engines declare `capacity` transfers and are gated (their requests wait)."""
+    for name in ("p0", "p1"):
+        await cluster.add(name, "prefill", EngineRole.PRODUCER)
+    decodes = [await cluster.add(name, "decode", EngineRole.CONSUMER, capacity=capacity) for name in ("d0", "d1")]
+    for d in decodes:
+        d.gate.clear()
+    return decodes
+
+
+async def metric(router: RouterUnderTest, name: str) -> float:
+    """One sample of the router's /metrics (0 when absent)."""
+    async with router.http.get(f"http://127.0.0.1:{router.port}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not await predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def free_transfers(cluster: Cluster, engine_id: str) -> int | None:
+    return (await cluster.rendezvous.get_engine(engine_id)).free_transfers
+
+
+async def test_a_flood_beyond_capacity_queues_then_every_request_is_answered(
+    cluster: Cluster, make_router: Any
+) -> None:
+    decodes = await two_p_two_d(cluster, capacity=2)
+    router = await make_router(FLEET, max_queued=6, queue_timeout=WAIT)
+    flood = [asyncio.create_task(router.complete("tiny")) for _ in range(12)]
+
+    async def settled() -> bool:
+        return (
+            sum(d.in_flight for d in decodes) == 4 and await metric(router, "kv_rendezvous_router_queued_requests") == 6
+        )
+
+    await until(settled, "4 requests in flight on the decode engines and 6 queued")
+    # Two found the queue full: answered 503 naming why, at once.
+    await until(lambda: _is(asyncio.sleep(0, sum(t.done() for t in flood)), 2), "two requests answered")
+    refused = [t for t in flood if t.done()]
+    assert len(refused) == 2
+    for t in refused:
+        status, body = t.result()
+        assert status == 503 and "queue_full" in body["error"]["message"]
+    assert await metric(router, 'kv_rendezvous_router_refusals_total{reason="queue_full"}') == 2
+    assert await metric(router, 'kv_rendezvous_router_pool_capacity_transfers{pool="decode"}') == 4
+    assert [await free_transfers(cluster, d.name) for d in decodes] == [0, 0]
+    for d in decodes:
+        d.gate.set()
+    answered = [await asyncio.wait_for(t, WAIT) for t in flood if t not in refused]
+    assert [status for status, _ in answered] == [200] * 10  # none stranded, none lost
+    assert max(d.max_in_flight for d in decodes) <= 2
+    assert await metric(router, "kv_rendezvous_router_queued_requests") == 0
+    assert await metric(router, "kv_rendezvous_router_queue_wait_seconds_count") == 6
+    for d in decodes:  # every reservation was given back
+        await until(lambda d=d: _is(free_transfers(cluster, d.name), 2), f"{d.name}'s credit back")
+
+
+async def _is(value: Any, expected: Any) -> bool:
+    return bool(await value == expected)
+
+
+async def test_a_queued_request_times_out_and_no_capacity_without_a_queue(cluster: Cluster, make_router: Any) -> None:
+    decodes = await two_p_two_d(cluster, capacity=1)
+    router = await make_router(FLEET, max_queued=4, queue_timeout=0.3)
+    held = [asyncio.create_task(router.complete("tiny")) for _ in range(2)]
+    await until(lambda: _is(asyncio.sleep(0, sum(d.in_flight for d in decodes)), 2), "both decode engines busy")
+    status, body = await router.complete("tiny")
+    assert status == 503 and "queue_timeout" in body["error"]["message"]
+    unqueued = await make_router(FLEET, max_queued=0)
+    status, body = await unqueued.complete("tiny")
+    assert status == 503 and "no_capacity" in body["error"]["message"]
+    for d in decodes:
+        d.gate.set()
+    assert [(await t)[0] for t in held] == [200, 200]
+
+
+async def test_a_client_that_hangs_up_while_queued_leaves_nothing_behind(cluster: Cluster, make_router: Any) -> None:
+    decodes = await two_p_two_d(cluster, capacity=1)
+    router = await make_router(FLEET, max_queued=4, queue_timeout=WAIT)
+    held = [asyncio.create_task(router.complete("tiny")) for _ in range(2)]
+    await until(lambda: _is(asyncio.sleep(0, sum(d.in_flight for d in decodes)), 2), "both decode engines busy")
+    gone = asyncio.create_task(router.complete("tiny"))
+    await until(lambda: _is(metric(router, "kv_rendezvous_router_queued_requests"), 1), "one request queued")
+    gone.cancel()  # the client hangs up
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await until(lambda: _is(metric(router, "kv_rendezvous_router_queued_requests"), 0), "the queue empty")
+    for d in decodes:
+        d.gate.set()
+    assert [(await t)[0] for t in held] == [200, 200]
+    assert sum(len(d.bodies) for d in decodes) == 2  # the hung-up request never reached an engine
+    for d in decodes:
+        await until(lambda d=d: _is(free_transfers(cluster, d.name), 1), f"{d.name}'s credit back")
+
+
+async def test_two_routers_never_double_spend_a_decode_engines_credit(cluster: Cluster, make_router: Any) -> None:
+    decodes = await two_p_two_d(cluster, capacity=2)
+    routers = [await make_router(FLEET, max_queued=50, queue_timeout=WAIT) for _ in range(2)]
+    flood = [asyncio.create_task(routers[i % 2].complete("tiny")) for i in range(16)]
+    await until(lambda: _is(asyncio.sleep(0, sum(d.in_flight for d in decodes)), 4), "every credit spent")
+
+    async def queued() -> bool:
+        return sum([await metric(r, "kv_rendezvous_router_queued_requests") for r in routers]) == 12
+
+    await until(queued, "the rest queued on both routers")
+    await asyncio.sleep(0.3)  # both routers retry meanwhile: neither gets past the engines' capacity
+    assert [d.in_flight for d in decodes] == [2, 2]
+    # Let requests finish a few at a time: credit passes between the routers, never beyond capacity.
+    while not all(t.done() for t in flood):
+        for d in decodes:
+            d.gate.set()
+            d.gate.clear()
+        await asyncio.sleep(0.05)
+        assert all(d.in_flight <= 2 for d in decodes)
+    assert [t.result()[0] for t in flood] == [200] * 16
+    assert max(d.max_in_flight for d in decodes) <= 2
+
+
+def test_the_queue_flags_parse() -> None:
+    from connector.router import build_parser
+
+    args = build_parser().parse_args(
+        ["--rendezvous", "r:1", "--max-queued", "7", "--queue-timeout", "2.5", "--credit-ttl", "9"]
+    )
+    assert (args.max_queued, args.queue_timeout, args.credit_ttl) == (7, 2.5, 9.0)
+    defaults = build_parser().parse_args(["--rendezvous", "r:1"])
+    assert (defaults.max_queued, defaults.queue_timeout, defaults.credit_ttl) == (100, 30.0, 60.0)

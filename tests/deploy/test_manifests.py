@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from clients.nixl.metrics import DataPlaneMetrics
+from connector.admission import RouterMetrics
 from connector.config import ConnectorConfig
 from rendezvous.cli import build_parser
 from rendezvous.server.metrics import Metrics
@@ -173,9 +174,11 @@ def test_the_dashboard_charts_only_exported_metrics() -> None:
     dashboard = json.loads((DEPLOY / "grafana" / "kv-rendezvous.json").read_text())
     data_plane = CollectorRegistry()
     DataPlaneMetrics.of(data_plane)
-    exported = {m.name for registry in (Metrics().registry, data_plane) for m in registry.collect()}
+    routers = RouterMetrics().registry
+    exported = {m.name for registry in (Metrics().registry, data_plane, routers) for m in registry.collect()}
     exported |= {f"{name}_{suffix}" for name in list(exported) for suffix in ("total", "bucket", "sum", "count")}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     charted = {metric for expr in exprs for metric in re.findall(r"\b((?:kv_)?rendezvous_\w+)", expr)}
     assert {"rendezvous_transfer_phase_seconds_bucket", "kv_rendezvous_write_seconds_bucket"} <= charted
+    assert {"kv_rendezvous_router_queued_requests", "kv_rendezvous_router_pool_free_transfers"} <= charted
     assert charted <= exported, charted - exported

@@ -82,6 +82,8 @@ ROUTER_CALLS = [
     ("GetTransfer", pb.GetTransferRequest(transfer_id="t-1")),
     ("ListTransfers", pb.ListTransfersRequest()),
     ("AbortTransfer", pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t-1")])),
+    ("ReserveCredits", pb.ReserveCreditsRequest(reservations=[pb.CreditSpec(transfer_id="t-1", engine_id="decode-0")])),
+    ("ReleaseCredits", pb.ReleaseCreditsRequest(transfer_ids=["t-1"])),
 ]
 
 

@@ -34,6 +34,7 @@ from rendezvous.core import (
     Timeouts,
     budget,
 )
+from rendezvous.core.credits import CreditRequest, EngineCapacity
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
 from tests.ci import examples
@@ -66,7 +67,11 @@ operation = st.one_of(
     st.tuples(st.just("release"), consumer, transfer, generation),
     st.tuples(st.just("abort"), st.sampled_from(("", *CONSUMERS, *PRODUCERS)), transfer),
     st.tuples(st.just("advance"), st.sampled_from((1.0, 15.0, 25.0, 40.0))),
+    st.tuples(st.just("reserve"), st.sampled_from(CONSUMERS + PRODUCERS), transfer, st.integers(0, 4)),
+    st.tuples(st.just("unreserve"), transfer),
 )
+CAPACITY = {"c0": EngineCapacity(max_transfers=2, max_blocks=6)}
+"""Decode admission credits: c0 declares a capacity (targets and reservations refused beyond it)."""
 
 
 async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
@@ -75,10 +80,18 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
     try:
         if kind == "register":
             role = Role.CONSUMER if args[0] in CONSUMERS else Role.PRODUCER
+            capacity = CAPACITY.get(args[0], EngineCapacity())
             engine, start = await coord.register_engine(
-                engine_spec(args[0], role, num_blocks=16, owner=OWNERS[args[0]])
+                engine_spec(args[0], role, num_blocks=16, owner=OWNERS[args[0]], capacity=capacity)
             )
             return engine, start
+        if kind in ("reserve", "unreserve"):
+            credited = await (
+                coord.reserve_credits([CreditRequest(args[1], args[0], args[2])], ttl=20)
+                if kind == "reserve"
+                else coord.release_credits([args[0]])
+            )
+            return [(o.transfer_id, o.reservation, o.error.reason if o.error else None) for o in credited]
         if kind == "deregister":
             return await coord.deregister_engine(args[0], 0)
         if kind == "advance":
@@ -135,6 +148,7 @@ async def state(store: Store) -> Any:
         logs,
         counts.live_engines,
         {s: n for s, n in counts.transfers_by_state.items() if n},
+        {e: sorted((await store.credits().ledger(e)).reservations, key=lambda r: r.transfer_id) for e in CONSUMERS},
     )
 
 

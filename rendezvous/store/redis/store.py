@@ -47,9 +47,11 @@ from rendezvous.store.base import (
     TransferFn,
 )
 from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer
+from rendezvous.store.credits import CreditStore
 from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.batcher import Batcher
 from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot
+from rendezvous.store.redis.credits import RedisCredits
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.errors import store_errors, unavailable
 from rendezvous.store.redis.locks import KeyLocks
@@ -539,6 +541,13 @@ class RedisStore(Store):
             if n > 0 and not state.terminal:  # tombstones are counted in Redis, but are not live
                 by_state[state] = n
         return StoreCounts(int(reply[0]), by_state)
+
+    def credits(self) -> CreditStore:
+        """Reservations in this store's namespace (rendezvous.store.redis.credits), made on first use."""
+        ledger: CreditStore | None = getattr(self, "_credits", None)
+        if ledger is None:
+            ledger = self._credits = RedisCredits(self._prefix, self._scripts, self._epoch, self._command)
+        return ledger
 
 
 __all__ = ["RedisStore"]

@@ -36,6 +36,10 @@ Key schema (docs/operations.md has it for operators):
     s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine, if any)
     r:<key>          string  idempotent response, with a TTL
     op:<id>          string  marks an applied append_events call (retries apply once), with a TTL
+    cr:<engine>      hash    credit reservations on a consumer: transfer id -> reservation
+    crv:<engine>     string  the version of that ledger, INCR per change (compare-and-set of put_credit)
+    crt              hash    transfer id -> its reservation (which engine holds it)
+    crd              zset    transfer id by reservation expiry (swept by any replica)
 
 Replies use short status words: OK (applied, with the new version), N (no change, version
 verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
@@ -132,6 +136,14 @@ SIGNATURES: Mapping[str, Signature] = {
     "replace_epoch": Signature(("lost_epoch", "new_epoch")),
     "counts": Signature(),
     "usage": Signature(("owner",)),
+    # Credit reservations (rendezvous/store/redis/credits.py). holder: the transfer id's reservation as read
+    # ("" for none); holder_engine: its engine ("" for none).
+    "put_credit": Signature(
+        ("guard", "engine_id", "version", "transfer_id", "record", "holder", "holder_engine", "expires_at"),
+        helpers=("guard",),
+    ),
+    "drop_credit": Signature(("guard", "transfer_id"), helpers=("guard",)),
+    "read_credits": Signature(("engine_id",)),
 }
 
 

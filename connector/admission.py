@@ -1,0 +1,236 @@
+"""Decode admission for the router: a request goes to a decode engine only with credit reserved on it.
+
+A consumer that declared a capacity (`EngineCapacity`, `kv_connector_extra_config["max_transfers"]`) is only
+sent a request once the router holds a reservation on it (`ReserveCredits`, one transfer and the prompt's
+blocks), which the rendezvous grants atomically: several routers cannot spend the same credit. The router
+tries the decode engines by its policy, skipping those its engine list shows full; one that refuses (another
+router took the last credit) sends it to the next. When none has room the request waits in a bounded queue
+(`max_queued`, `queue_timeout`) and tries again when credit may have come back: when this router releases a
+reservation (at once), and at every engine-list refresh (other routers' releases, targets released by the
+engines). A request that waits too long, or finds the queue full, is refused (`Refused`, the router's 503);
+a client that hangs up while queued just leaves the queue. Engines without a capacity need no reservation.
+The reservation is released when the request ends, however it ends; the engine's RegisterTarget has by then
+taken its place (the rendezvous counts it once), and its TTL bounds what a crashed router leaves behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from clients import EngineInfo, EngineRole, NotFound, RendezvousError, RouterClient
+
+__all__ = ["NO_CAPACITY", "QUEUE_FULL", "QUEUE_TIMEOUT", "Admission", "DecodeAdmission", "Refused", "RouterMetrics"]
+
+logger = logging.getLogger(__name__)
+
+QUEUE_FULL = "queue_full"
+"""Refused: no decode engine had credit and the queue held max_queued requests already."""
+QUEUE_TIMEOUT = "queue_timeout"
+"""Refused: the request waited queue_timeout seconds and no credit came back."""
+NO_CAPACITY = "no_capacity"
+"""Refused: no decode engine had credit, and the router queues nothing (max_queued or queue_timeout 0)."""
+ENGINE_FULL = "engine_full"
+"""Counted only: an engine refused a reservation (another router took the credit); the next was tried."""
+
+_MIN_RETRY = 0.05
+"""Queued requests retry at least this far apart (the engine-list refresh, when it is longer)."""
+
+
+class Refused(Exception):
+    """No decode engine admits the request: `reason` is QUEUE_FULL, QUEUE_TIMEOUT or NO_CAPACITY."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of its own (`GET /metrics`)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.queued = Gauge(
+            "kv_rendezvous_router_queued_requests",
+            "Requests waiting for decode credit",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "kv_rendezvous_router_queue_wait_seconds",
+            "Time queued requests waited for decode credit (admitted or not)",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "kv_rendezvous_router_refusals",
+            "Requests refused for want of decode credit by reason (queue_full, queue_timeout, no_capacity), "
+            "and reservations an engine refused (engine_full)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.capacity = Gauge(
+            "kv_rendezvous_router_pool_capacity_transfers",
+            "Declared max_transfers summed over a decode pool's engines, as of the router's last listing",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.free = Gauge(
+            "kv_rendezvous_router_pool_free_transfers",
+            "Free decode credit (transfers) in a pool, as of the router's last listing",
+            ["pool"],
+            registry=self.registry,
+        )
+        self.reserved = Counter(
+            "kv_rendezvous_router_credit_reservations",
+            "Reservations this router was granted",
+            registry=self.registry,
+        )
+
+    def observe_pools(self, engines: Sequence[EngineInfo]) -> None:
+        """Record the capacity and free credit of the pools these engines make up."""
+        capacity: dict[str, int] = {}
+        free: dict[str, int] = {}
+        for e in engines:
+            if e.free_transfers is None:
+                continue
+            capacity[e.pool] = capacity.get(e.pool, 0) + e.capacity.max_transfers
+            free[e.pool] = free.get(e.pool, 0) + e.free_transfers
+        for pool, value in capacity.items():
+            self.capacity.labels(pool).set(value)
+            self.free.labels(pool).set(free[pool])
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A decode engine that admitted a request; `reserved`: credit is held for `transfer_id` on it."""
+
+    engine: EngineInfo
+    transfer_id: str
+    reserved: bool
+
+
+class DecodeAdmission:
+    """Reserves decode credit for requests, queueing those that find none (module docstring)."""
+
+    def __init__(
+        self,
+        engines: RouterClient,
+        metrics: RouterMetrics,
+        *,
+        max_queued: int = 100,
+        queue_timeout: float = 30.0,
+        credit_ttl: float = 60.0,
+        retry_interval: float = 1.0,
+    ) -> None:
+        if max_queued < 0 or queue_timeout < 0:
+            raise ValueError("max_queued and queue_timeout must not be negative")
+        if credit_ttl <= 0:
+            raise ValueError("credit_ttl must be positive")
+        self.engines = engines
+        self.metrics = metrics
+        self.max_queued = max_queued
+        self.queue_timeout = queue_timeout
+        self.credit_ttl = credit_ttl
+        self.retry_interval = max(retry_interval, _MIN_RETRY)
+        self._waiters: deque[asyncio.Event] = deque()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for credit now."""
+        return len(self._waiters)
+
+    async def admit(self, pools: Sequence[str], transfer_id: str, blocks: int, prefix: Sequence[int] = ()) -> Admission:
+        """A decode engine of `pools` with credit for one transfer of `blocks`, reserved for transfer_id;
+        waits in the queue when there is none. Raises Refused, or NotFound when the pools have no engine."""
+        admission = await self._try(pools, transfer_id, blocks, prefix)
+        if admission is not None:
+            return admission
+        if not self.max_queued or not self.queue_timeout:
+            raise self._refuse(NO_CAPACITY, f"no decode engine of {', '.join(pools)} has credit left")
+        if len(self._waiters) >= self.max_queued:
+            raise self._refuse(
+                QUEUE_FULL, f"no decode engine has credit and {len(self._waiters)} requests are queued already"
+            )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.queue_timeout
+        waiter = asyncio.Event()
+        self._waiters.append(waiter)
+        self.metrics.queued.inc()
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise self._refuse(
+                        QUEUE_TIMEOUT, f"no decode credit came back within {self.queue_timeout:g} s (queue timeout)"
+                    )
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(remaining, self.retry_interval)):
+                        await waiter.wait()
+                waiter.clear()
+                admission = await self._try(pools, transfer_id, blocks, prefix)
+                if admission is not None:
+                    return admission
+        finally:
+            self._waiters.remove(waiter)
+            self.metrics.queued.dec()
+            self.metrics.queue_wait.observe(loop.time() - started)
+            self._wake()  # credit may be left for the next one (or this one's turn passes on)
+
+    def _refuse(self, reason: str, message: str) -> Refused:
+        self.metrics.refusals.labels(reason).inc()
+        return Refused(reason, message)
+
+    async def _try(
+        self, pools: Sequence[str], transfer_id: str, blocks: int, prefix: Sequence[int]
+    ) -> Admission | None:
+        ranked = await self.engines.rank_engines(pools, EngineRole.CONSUMER, prefix=prefix)
+        self.metrics.observe_pools(ranked)
+        for engine in ranked:
+            if not engine.capacity.limited:
+                return Admission(engine, transfer_id, reserved=False)
+            if not engine.has_credit(blocks):
+                continue
+            try:
+                await self.engines.reserve_credit(engine, transfer_id, blocks, self.credit_ttl)
+            except asyncio.CancelledError:
+                # The client went away while asking: the answer may have granted credit; give it back.
+                self._release_soon(transfer_id)
+                raise
+            except NotFound:  # the engine is gone: the next listing will not show it
+                self.engines.invalidate()
+                continue
+            except RendezvousError as e:
+                if e.reason != "ENGINE_CAPACITY_EXCEEDED":
+                    logger.warning("cannot reserve credit on %s: %s", engine.engine_id, e)
+                self.metrics.refusals.labels(ENGINE_FULL).inc()
+                continue
+            self.metrics.reserved.inc()
+            return Admission(engine, transfer_id, reserved=True)
+        return None
+
+    async def release(self, admission: Admission) -> None:
+        """The request ended: give its credit back and let a queued request try again."""
+        if admission.reserved:
+            try:
+                await self.engines.release_credits([admission.transfer_id])
+            except RendezvousError as e:  # the reservation lapses at its TTL instead
+                logger.warning("cannot release credit of %s: %s", admission.transfer_id, e)
+            self.engines.invalidate()  # the listing's credit is stale now
+        self._wake()
+
+    def _release_soon(self, transfer_id: str) -> None:
+        task = asyncio.ensure_future(self.engines.release_credits([transfer_id]))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.is_set():
+                waiter.set()
+                return

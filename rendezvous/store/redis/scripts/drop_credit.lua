@@ -1,0 +1,16 @@
+-- Drop a transfer id's credit reservation. Reply: OK record | N (none) | E epoch | R rev epoch.
+local bad = guard_failed(guard)
+if bad then
+  return bad
+end
+local record = redis.call('HGET', P .. 'crt', transfer_id)
+if not record then
+  return {'N'}
+end
+local engine_id = cjson.decode(record)[2]
+redis.call('HDEL', P .. 'crt', transfer_id)
+redis.call('ZREM', P .. 'crd', transfer_id)
+if redis.call('HDEL', P .. 'cr:' .. engine_id, transfer_id) == 1 then
+  redis.call('INCR', P .. 'crv:' .. engine_id)
+end
+return {'OK', record}
