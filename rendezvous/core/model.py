@@ -7,7 +7,11 @@ protocol's so the wire mapping is a cast. Times are seconds since the Unix epoch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+from collections import deque
+from dataclasses import dataclass, field, fields
+from itertools import repeat
+from typing import Any, TypeVar
 
 from rendezvous.protocol.enums import (
     LIVE_STATES,
@@ -39,6 +43,7 @@ __all__ = [
     "State",
     "Transfer",
     "TransferTimes",
+    "evolve",
 ]
 
 # The protocol's vocabulary under the names the core speaks (same objects, not copies).
@@ -73,7 +78,7 @@ class Engine(Incarnation):
         return min(counts) if counts else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TransferTimes:
     """When each phase began (0.0 = not yet)."""
 
@@ -85,7 +90,7 @@ class TransferTimes:
     end: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transfer:
     """One transfer, keyed by its router-minted id."""
 
@@ -121,7 +126,10 @@ class Transfer:
 
     def participants(self) -> tuple[str, ...]:
         """Engine ids taking part, consumer first."""
-        return tuple(e for e in (self.consumer_engine_id, self.producer_engine_id) if e)
+        consumer, producer = self.consumer_engine_id, self.producer_engine_id
+        if consumer and producer:
+            return (consumer, producer)
+        return (consumer,) if consumer else (producer,) if producer else ()
 
     def counterpart(self, engine_id: str) -> str:
         """The other participant's engine id, or "" when there is none yet."""
@@ -132,7 +140,7 @@ class Transfer:
         return ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """A change that concerns one engine; the store assigns its revision."""
 
@@ -144,9 +152,35 @@ class Event:
     revision: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Addressed:
     """An event and the engine whose log it goes to."""
 
     engine_id: str
     event: Event
+
+
+R = TypeVar("R", Transfer, TransferTimes, Event)
+
+_SET = object.__setattr__
+_NEW = object.__new__
+_COPIERS = {
+    cls: (tuple(f.name for f in fields(cls)), frozenset(f.name for f in fields(cls)))
+    for cls in (Transfer, TransferTimes, Event)
+}
+_GETTERS = {cls: operator.attrgetter(*names) for cls, (names, _) in _COPIERS.items()}
+
+
+def evolve(record: R, **changes: Any) -> R:
+    """`dataclasses.replace` for the records transitions copy on every step (Transfer, TransferTimes, Event), at
+    about half its cost: the copy takes every field as it is (none has an `__init__`-only meaning) and then
+    the changes; an unknown field name raises TypeError, as replace does."""
+    cls = type(record)
+    names, known = _COPIERS[cls]
+    if not changes.keys() <= known:
+        raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - known)[0]!r}")
+    new = _NEW(cls)
+    deque(map(_SET, repeat(new), names, _GETTERS[cls](record)), 0)
+    for name, value in changes.items():
+        _SET(new, name, value)
+    return new

@@ -12,9 +12,8 @@ import secrets
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import replace
 
-from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
+from rendezvous.core.model import Addressed, Engine, Event, State, Transfer, evolve
 from rendezvous.core.transfers import Transition
 from rendezvous.store._sorted import SortedIds
 from rendezvous.store.base import EngineFilter, EngineFn, EventPage, Store, StoreCounts, TransferFn
@@ -32,7 +31,7 @@ class _EventLog:
 
     def append(self, event: Event) -> None:
         self.last_revision += 1
-        self.events.append(replace(event, revision=self.last_revision))
+        self.events.append(evolve(event, revision=self.last_revision))
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -113,7 +112,13 @@ class MemoryStore(Store):
 
     async def update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
         cur = self._transfers.get(transfer_id)
-        engines = {e: self._engines[e] for e in (cur.participants() if cur else ()) if e in self._engines}
+        engines: dict[str, Engine] = {}
+        if cur is not None:
+            known = self._engines
+            for engine_id in cur.participants():
+                engine = known.get(engine_id)
+                if engine is not None:
+                    engines[engine_id] = engine
         transition = fn(cur, engines)
         new = transition.transfer
         if new is cur and not transition.events:
@@ -131,16 +136,18 @@ class MemoryStore(Store):
         return transition
 
     def _index(self, cur: Transfer | None, new: Transfer | None) -> None:
-        before = set(cur.participants()) if cur and cur.unsettled else set()
-        after = set(new.participants()) if new and new.unsettled else set()
+        before = cur.participants() if cur is not None and cur.unsettled else ()
+        after = new.participants() if new is not None and new.unsettled else ()
+        if before == after:  # most transitions: the same engines stay tied up
+            return
         tid = (cur or new).transfer_id  # type: ignore[union-attr]
-        for engine_id in before - after:
+        for engine_id in set(before) - set(after):
             ids = self._live_by_engine.get(engine_id)
             if ids is not None:
                 ids.discard(tid)
                 if not ids:
                     del self._live_by_engine[engine_id]
-        for engine_id in after - before:
+        for engine_id in set(after) - set(before):
             self._live_by_engine.setdefault(engine_id, set()).add(tid)
 
     async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:
