@@ -19,7 +19,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
-from rendezvous.protocol.convert import duration, number, seconds, timestamp
+from rendezvous.protocol.convert import duration, number, seconds, set_time, timestamp
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _GRPC_CODE_NUMBERS: dict[Code, int] = {
@@ -174,8 +174,7 @@ def engine_message(
 
 def transfer_message(t: Transfer) -> pb.Transfer:
     """A transfer record as a message."""
-    times = t.times
-    return pb.Transfer(
+    m = pb.Transfer(
         transfer_id=t.transfer_id,
         state=number(t.state),
         mode=number(t.mode),
@@ -191,25 +190,55 @@ def transfer_message(t: Transfer) -> pb.Transfer:
         abort_message=t.abort_message,
         revoking_generation=t.revoking_generation,
         reported_ranks=t.reported_ranks,
-        deadline=timestamp(t.deadline),
-        times=pb.TransferTimes(
-            target_time=timestamp(times.target),
-            claim_time=timestamp(times.claim),
-            match_time=timestamp(times.match),
-            source_ready_time=timestamp(times.source_ready),
-            commit_time=timestamp(times.commit),
-            end_time=timestamp(times.end),
-        ),
     )
+    # Times set in place (a moment not reached stays unset); `times` is always present, if empty.
+    if t.deadline:
+        set_time(m.deadline, t.deadline)
+    times, out = t.times, m.times
+    out.SetInParent()
+    if times.target:
+        set_time(out.target_time, times.target)
+    if times.claim:
+        set_time(out.claim_time, times.claim)
+    if times.match:
+        set_time(out.match_time, times.match)
+    if times.source_ready:
+        set_time(out.source_ready_time, times.source_ready)
+    if times.commit:
+        set_time(out.commit_time, times.commit)
+    if times.end:
+        set_time(out.end_time, times.end)
+    return m
+
+
+_PEERS_KEPT = 1_024
+_peers: dict[int, tuple[Engine, pb.Engine]] = {}
+"""The message of each engine record events carry as their peer, by the record's identity: events of one
+record (every assignment to a consumer's blocks until its next keep-alive) build its message once. Records
+are immutable, so a message stays right while its record lives; the entry keeps the record alive, so its
+id is not reused while the entry is here."""
+
+
+def _peer_message(e: Engine) -> pb.Engine:
+    entry = _peers.get(id(e))
+    if entry is not None and entry[0] is e:
+        return entry[1]
+    if len(_peers) >= _PEERS_KEPT:
+        _peers.clear()
+    message = engine_message(e)
+    _peers[id(e)] = (e, message)
+    return message
 
 
 def event_message(e: Event) -> pb.Event:
     """An event as a message."""
-    return pb.Event(
+    m = pb.Event(
         revision=e.revision,
         type=number(e.type),
         transfer=transfer_message(e.transfer) if e.transfer is not None else None,
         generation=e.generation,
-        peer=engine_message(e.peer) if e.peer is not None else None,
-        time=timestamp(e.time),
+        peer=_peer_message(e.peer) if e.peer is not None else None,
     )
+    if e.time:
+        set_time(m.time, e.time)
+    return m

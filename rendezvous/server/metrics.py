@@ -59,6 +59,9 @@ class Metrics:
             registry=r,
         )
         self.store_up = Gauge("rendezvous_store_up", "1 when the store answers", registry=r)
+        # Children of the per-call metrics, bound once per label set: every call counts in them.
+        self._rpc_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._item_children: dict[str, Counter] = {}
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     def serve(self, host: str, port: int) -> int:
@@ -72,6 +75,24 @@ class Metrics:
             self._http[0].shutdown()
             self._http[0].server_close()
             self._http = None
+
+    def rpc_done(self, method: str, code: str, seconds: float) -> None:
+        """Count a finished unary call under its method and status code, and observe how long it took."""
+        children = self._rpc_children.get((method, code))
+        if children is None:
+            children = self._rpc_children[(method, code)] = (
+                self.rpcs.labels(method, code),
+                self.rpc_seconds.labels(method),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def batch_items(self, method: str, count: int) -> None:
+        """Count the items of a batched call."""
+        child = self._item_children.get(method)
+        if child is None:
+            child = self._item_children[method] = self.items.labels(method)
+        child.inc(count)
 
     def on_transition(self, before: Transfer | None, after: Transfer | None, now: float) -> None:
         """Observe the phases a transfer just completed and count the state it entered."""

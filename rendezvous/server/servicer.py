@@ -61,7 +61,9 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
             started = time.perf_counter()
             code = "OK"
             engine_id = getattr(request, "engine_id", "")
-            with tracing.rpc_span(method, engine_id, incoming=context.invocation_metadata() or ()):
+            # The call's metadata is read only when tracing is on: off, a span costs nothing.
+            incoming = (context.invocation_metadata() or ()) if tracing.enabled() else ()
+            with tracing.rpc_span(method, engine_id, incoming=incoming):
                 try:
                     request_id = getattr(request, "request_id", "")
                     key = f"{method}/{engine_id}/{request_id}" if request_id else ""
@@ -80,8 +82,7 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                     code = err.code.value
                     await _abort(context, err)
                 finally:
-                    self.metrics.rpcs.labels(method, code).inc()
-                    self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+                    self.metrics.rpc_done(method, code, time.perf_counter() - started)
             raise AssertionError("unreachable: abort_with_status raises")
 
         return wrapped
@@ -200,7 +201,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         await _abort(context, err)
 
     def _results(self, method: str, outcomes: Sequence[ItemOutcome]) -> list[pb.ItemResult]:
-        self.metrics.items.labels(method).inc(len(outcomes))
+        self.metrics.batch_items(method, len(outcomes))
         return [
             pb.ItemResult(
                 transfer_id=o.transfer_id,
