@@ -211,22 +211,24 @@ def transfer_message(t: Transfer) -> pb.Transfer:
     return m
 
 
-_PEERS_KEPT = 1_024
-_peers: dict[int, tuple[Engine, pb.Engine]] = {}
-"""The message of each engine record events carry as their peer, by the record's identity: events of one
-record (every assignment to a consumer's blocks until its next keep-alive) build its message once. Records
-are immutable, so a message stays right while its record lives; the entry keeps the record alive, so its
-id is not reused while the entry is here."""
+_PEERS_KEPT = 256
+_PEER_BYTES_KEPT = 64 << 10
+_peers: dict[str, tuple[Engine, pb.Engine]] = {}
+"""The message of the engine record events last carried as their peer, per engine: events of one record
+(every assignment to a consumer's blocks until its next keep-alive) build its message once. Records are
+immutable, so a message is right for as long as its record is the one an event names. Bounded: at most
+_PEERS_KEPT engines, none with more than _PEER_BYTES_KEPT of agent metadata (those are built each time)."""
 
 
 def _peer_message(e: Engine) -> pb.Engine:
-    entry = _peers.get(id(e))
+    entry = _peers.get(e.engine_id)
     if entry is not None and entry[0] is e:
         return entry[1]
-    if len(_peers) >= _PEERS_KEPT:
-        _peers.clear()
     message = engine_message(e)
-    _peers[id(e)] = (e, message)
+    if sum(len(a.metadata) for a in e.agents) <= _PEER_BYTES_KEPT:
+        if len(_peers) >= _PEERS_KEPT and e.engine_id not in _peers:
+            _peers.clear()
+        _peers[e.engine_id] = (e, message)
     return message
 
 
