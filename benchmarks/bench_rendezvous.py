@@ -311,7 +311,8 @@ def live_state(address: str) -> dict[str, int]:
     return {"live_engines": status.live_engines, "live_transfers": sum(live.values())}
 
 
-def start_server(store: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(store: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    """`kv-rendezvous serve` on a free port with this store (and extra serve flags)."""
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [
@@ -329,6 +330,7 @@ def start_server(store: str) -> tuple[subprocess.Popen[str], str]:
             "0",
             "--log-level",
             "warning",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         text=True,
