@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from google.rpc import error_details_pb2, status_pb2
 
 from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
@@ -91,12 +93,28 @@ def binding(b: pb.TransferBinding, present: bool) -> Binding | None:
     return Binding(b.consumer_engine_id, b.producer_engine_id, b.expire_time.seconds, b.mac)
 
 
+_BLOCK_IDS_SHARED = 1 << 18
+_block_id_ints: dict[int, int] = {}
+"""One int object per block id value seen, shared by every record that names it: a live 16-block transfer
+then holds 16 pointers (128 bytes) instead of 16 ints of its own (512 bytes; CPython shares only -5..256).
+Bounded: cleared when it passes _BLOCK_IDS_SHARED values (the sharing is an optimisation, never a meaning)."""
+
+
+def block_ids(values: Iterable[int]) -> tuple[int, ...]:
+    """Block ids from the wire as the tuple records keep, made of shared int objects."""
+    shared = _block_id_ints
+    if len(shared) > _BLOCK_IDS_SHARED:
+        shared.clear()
+    ids = list(values)
+    return tuple(list(map(shared.setdefault, ids, ids)))  # from a list: a tuple of exactly its size
+
+
 def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
     """The targets of a RegisterTargetRequest."""
     return [
         TargetSpec(
             t.transfer_id,
-            tuple(t.block_ids),
+            block_ids(t.block_ids),
             _generation(t.generation),
             t.num_tokens,
             seconds(t.timeout),
@@ -115,7 +133,7 @@ def claim_specs(req: pb.ClaimTransferRequest) -> list[ClaimSpec]:
 def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:
     """The sources of a MarkSourceReadyRequest."""
     return [
-        SourceReadySpec(s.transfer_id, tuple(s.block_ids), binding(s.binding, s.HasField("binding")))
+        SourceReadySpec(s.transfer_id, block_ids(s.block_ids), binding(s.binding, s.HasField("binding")))
         for s in req.sources
     ]
 

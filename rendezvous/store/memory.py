@@ -22,18 +22,28 @@ _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
 
 class _EventLog:
-    """One engine's bounded event log and the waiters for its next event."""
+    """One engine's bounded event log and the waiters for its next event.
+
+    Events are kept as the core made them: an event's revision follows from its place in the log (the
+    oldest kept is last_revision - len(events) + 1), so it is set when the event is read, not stored."""
 
     def __init__(self, capacity: int) -> None:
         self.events: deque[Event] = deque(maxlen=capacity)
         self.last_revision = 0
-        self.changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made by the first waiter, set by the next append
 
     def append(self, event: Event) -> None:
         self.last_revision += 1
-        self.events.append(evolve(event, revision=self.last_revision))
-        self.changed.set()
-        self.changed = asyncio.Event()
+        self.events.append(event)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def changed(self) -> asyncio.Event:
+        """Set once the next event is appended."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
 
 class MemoryStore(Store):
@@ -238,7 +248,8 @@ class MemoryStore(Store):
         if start_revision < first:
             return EventPage((), log.last_revision, resync_revision=log.last_revision + 1)
         offset = start_revision - first
-        events = [log.events[i] for i in range(offset, min(len(log.events), offset + limit))]
+        kept = log.events
+        events = [evolve(kept[i], revision=first + i) for i in range(offset, min(len(kept), offset + limit))]
         return EventPage(events, log.last_revision)
 
     async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
@@ -250,7 +261,7 @@ class MemoryStore(Store):
             await asyncio.sleep(0)  # always yield, so a caller looping on this never starves the event loop
             return
         try:
-            await asyncio.wait_for(log.changed.wait(), timeout)
+            await asyncio.wait_for(log.changed().wait(), timeout)
         except TimeoutError:
             return
 
