@@ -142,8 +142,18 @@ class MemoryStore(Store):
             self._transfers[transfer_id] = new
             if cur is None or new.deadline != cur.deadline:
                 heapq.heappush(self._deadlines, (new.deadline, transfer_id))
+                if len(self._deadlines) > 2 * len(self._transfers) + 1_024:
+                    self._compact_deadlines()
         self._append(transition.events)
         return transition
+
+    def _compact_deadlines(self) -> None:
+        """Rebuild the deadline heap from the records: one entry each. A deadline that moves leaves its old
+        entry behind (skipped when popped), and a lifecycle moves it three times (target, commit, release), so
+        without this the heap would hold entries of transfers long forgotten until their old deadlines passed
+        (release_timeout: minutes). Amortised O(1) per push: it runs once the heap is twice the records."""
+        self._deadlines = [(t.deadline, tid) for tid, t in self._transfers.items()]
+        heapq.heapify(self._deadlines)
 
     def _index(self, cur: Transfer | None, new: Transfer | None) -> None:
         before = cur.participants() if cur is not None and cur.unsettled else ()
