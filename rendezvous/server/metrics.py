@@ -15,6 +15,7 @@ from rendezvous.core.model import LIVE_STATES, State, Transfer
 from rendezvous.store.base import StoreCounts
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_MATCH_WAITS = frozenset(("target_to_match", "claim_to_match"))
 _PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -100,11 +101,13 @@ class Metrics:
             return
         was_released = before is not None and before.state == State.RELEASED
         ended = phases.ended(before.times if before else None, was_released, after.times, after.state == State.RELEASED)
+        wait = -1.0
         for phase, seconds in ended:
             self._phases[phase].observe(seconds)
-        waits = [seconds for phase, seconds in ended if phase in ("target_to_match", "claim_to_match")]
-        if waits:  # the match just happened: the first half waited for the second this long
-            self.match_wait.observe(max(waits))
+            if phase in _MATCH_WAITS and seconds > wait:
+                wait = seconds
+        if wait >= 0:  # the match just happened: the first half waited for the second this long
+            self.match_wait.observe(wait)
         if before is not None and before.state == after.state:
             return
         if after.state == State.COMMITTED:
