@@ -192,24 +192,30 @@ def engine_message(
 
 def transfer_message(t: Transfer) -> pb.Transfer:
     """A transfer record as a message."""
-    m = pb.Transfer(
-        transfer_id=t.transfer_id,
-        state=number(t.state),
-        mode=number(t.mode),
-        generation=t.generation,
-        consumer_engine_id=t.consumer_engine_id,
-        consumer_incarnation=t.consumer_incarnation,
-        producer_engine_id=t.producer_engine_id,
-        producer_incarnation=t.producer_incarnation,
-        target_block_ids=t.target_block_ids,
-        source_block_ids=t.source_block_ids or (),
-        num_tokens=t.num_tokens,
-        abort_reason=number(t.abort_reason),
-        abort_message=t.abort_message,
-        revoking_generation=t.revoking_generation,
-        reported_ranks=t.reported_ranks,
-    )
-    # Times set in place (a moment not reached stays unset); `times` is always present, if empty.
+    m = pb.Transfer()
+    fill_transfer(m, t)
+    return m
+
+
+def fill_transfer(m: pb.Transfer, t: Transfer) -> None:
+    """Set an empty Transfer message (a new one, or a field of another: no copy) to a transfer record."""
+    m.transfer_id = t.transfer_id
+    m.state = number(t.state)
+    m.mode = number(t.mode)
+    m.generation = t.generation
+    m.consumer_engine_id = t.consumer_engine_id
+    m.consumer_incarnation = t.consumer_incarnation
+    m.producer_engine_id = t.producer_engine_id
+    m.producer_incarnation = t.producer_incarnation
+    m.target_block_ids.extend(t.target_block_ids)
+    if t.source_block_ids:
+        m.source_block_ids.extend(t.source_block_ids)
+    m.num_tokens = t.num_tokens
+    m.abort_reason = number(t.abort_reason)
+    m.abort_message = t.abort_message
+    m.revoking_generation = t.revoking_generation
+    m.reported_ranks.extend(t.reported_ranks)
+    # A moment not reached stays unset; `times` is always present, if empty.
     if t.deadline:
         set_time(m.deadline, t.deadline)
     times, out = t.times, m.times
@@ -226,7 +232,6 @@ def transfer_message(t: Transfer) -> pb.Transfer:
         set_time(out.commit_time, times.commit)
     if times.end:
         set_time(out.end_time, times.end)
-    return m
 
 
 _PEERS_KEPT = 256
@@ -252,13 +257,19 @@ def _peer_message(e: Engine) -> pb.Engine:
 
 def event_message(e: Event) -> pb.Event:
     """An event as a message."""
-    m = pb.Event(
-        revision=e.revision,
-        type=number(e.type),
-        transfer=transfer_message(e.transfer) if e.transfer is not None else None,
-        generation=e.generation,
-        peer=_peer_message(e.peer) if e.peer is not None else None,
-    )
+    m = pb.Event()
+    fill_event(m, e)
+    return m
+
+
+def fill_event(m: pb.Event, e: Event) -> None:
+    """Set an empty Event message (a new one, or an item of a response: no copy) to an event."""
+    m.revision = e.revision
+    m.type = number(e.type)
+    if e.transfer is not None:
+        fill_transfer(m.transfer, e.transfer)
+    m.generation = e.generation
+    if e.peer is not None:
+        m.peer.CopyFrom(_peer_message(e.peer))
     if e.time:
         set_time(m.time, e.time)
-    return m

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rendezvous import wire
+from rendezvous.core import paging
 from rendezvous.core.model import (
     Engine,
     Event,
@@ -23,6 +24,7 @@ from rendezvous.core.model import (
     Transfer,
     TransferTimes,
 )
+from rendezvous.server import servicer
 
 moments = st.one_of(st.just(0.0), st.floats(min_value=1e-9, max_value=4e9, allow_nan=False))
 
@@ -78,3 +80,15 @@ def test_peers_with_large_metadata_are_built_every_time() -> None:
     message = wire.event_message(Event(EventType.TRANSFER_ASSIGNED, 1.0, t, 1, large, 1)).peer
     assert message == wire.engine_message(large)
     assert "consumer-large" not in wire._peers
+
+
+@given(sizes=st.lists(st.integers(min_value=0, max_value=3_000), min_size=1, max_size=12), budget=st.integers(1, 9_000))
+def test_watch_responses_are_cut_as_paging_chunks_cuts_the_messages(sizes: list[int], budget: int) -> None:
+    t = Transfer("t-1", State.MATCHED, 1.0)
+    events = [
+        Event(EventType.TRANSFER_ASSIGNED, 1.0, t, 1, _engine(f"c-{i}", metadata=b"m" * size), revision=i + 1)
+        for i, size in enumerate(sizes)
+    ]
+    expected = list(paging.chunks((wire.event_message(e) for e in events), servicer._weigh, budget))
+    got = [list(r.events) for r in servicer._event_responses(events, budget)]
+    assert got == expected
