@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,29 @@ async def register(stub: Any, engine_id: str, role: Any) -> int:
     return int(reply.engine.incarnation)
 
 
+async def keep_alive(stub: Any, engines: list[tuple[str, int]], every: float = 20.0) -> None:
+    """Renew the engines' leases (300 s) until cancelled: a soak on a slow machine outlasts one."""
+
+    async def requests() -> Any:
+        while True:
+            for engine_id, incarnation in engines:
+                yield pb.KeepAliveRequest(engine_id=engine_id, incarnation=incarnation)
+            await asyncio.sleep(every)
+
+    async for _ in stub.KeepAlive(requests()):
+        pass
+
+
+@contextlib.asynccontextmanager
+async def renewed(stub: Any, engines: list[tuple[str, int]]) -> AsyncIterator[None]:
+    """The engines' leases renewed while the block runs."""
+    task = asyncio.create_task(keep_alive(stub, engines))
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
 def ok(reply: Any) -> None:
     bad = [r for r in reply.results if r.HasField("status")]
     if bad:
@@ -76,36 +101,42 @@ async def live(args: argparse.Namespace) -> dict[str, Any]:
                         await register(stub, d, pb.ENGINE_ROLE_PRODUCER),
                     )
                 )
-            # Warm up every path once (and let the allocator settle) before the baseline.
-            await lifecycle_batch(stub, pairs[0], "warm", range(args.batch), args.blocks)
-            await asyncio.sleep(1)
-            before = rss_mib(proc.pid)
-            started = time.monotonic()
-            sem = asyncio.Semaphore(4)
+            engines = [(c, ci) for c, ci, _, _ in pairs] + [(d, di) for _, _, d, di in pairs]
+            async with renewed(stub, engines):
+                # Warm up every path once (and let the allocator settle) before the baseline.
+                await lifecycle_batch(stub, pairs[0], "warm", range(args.batch), args.blocks)
+                await asyncio.sleep(1)
+                before = rss_mib(proc.pid)
+                started = time.monotonic()
+                sem = asyncio.Semaphore(4)
 
-            async def hold(p: int, first: int) -> None:
-                c, ci, d, di = pairs[p]
-                ids = range(first, min(args.transfers, first + args.batch))
-                async with sem:
-                    targets = [
-                        pb.TargetSpec(transfer_id=f"live-{i:09d}", block_ids=blocks(i, args.blocks), generation=1)
-                        for i in ids
-                    ]
-                    ok(
-                        await stub.RegisterTarget(
-                            pb.RegisterTargetRequest(engine_id=c, incarnation=ci, targets=targets)
+                async def hold(p: int, first: int) -> None:
+                    c, ci, d, di = pairs[p]
+                    ids = range(first, min(args.transfers, first + args.batch))
+                    async with sem:
+                        targets = [
+                            pb.TargetSpec(transfer_id=f"live-{i:09d}", block_ids=blocks(i, args.blocks), generation=1)
+                            for i in ids
+                        ]
+                        ok(
+                            await stub.RegisterTarget(
+                                pb.RegisterTargetRequest(engine_id=c, incarnation=ci, targets=targets)
+                            )
                         )
-                    )
-                    claims = [pb.ClaimSpec(transfer_id=f"live-{i:09d}") for i in ids]
-                    ok(await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id=d, incarnation=di, claims=claims)))
+                        claims = [pb.ClaimSpec(transfer_id=f"live-{i:09d}") for i in ids]
+                        ok(
+                            await stub.ClaimTransfer(
+                                pb.ClaimTransferRequest(engine_id=d, incarnation=di, claims=claims)
+                            )
+                        )
 
-            await asyncio.gather(
-                *(hold((first // args.batch) % args.pairs, first) for first in range(0, args.transfers, args.batch))
-            )
-            elapsed = time.monotonic() - started
-            await asyncio.sleep(1)
-            status = await stub.GetStatus(pb.GetStatusRequest())
-            after = rss_mib(proc.pid)
+                await asyncio.gather(
+                    *(hold((first // args.batch) % args.pairs, first) for first in range(0, args.transfers, args.batch))
+                )
+                elapsed = time.monotonic() - started
+                await asyncio.sleep(1)
+                status = await stub.GetStatus(pb.GetStatusRequest())
+                after = rss_mib(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -157,29 +188,34 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 "producer-0",
                 await register(stub, "producer-0", pb.ENGINE_ROLE_PRODUCER),
             )
-            total, batch = args.lifecycles, args.batch
-            every = max(batch, total // args.samples // batch * batch)
-            started = time.monotonic()
-            samples.append({"lifecycles": 0, "seconds": 0.0, "rss_mib": rss_mib(proc.pid)})
-            done = 0
-            next_first = 0
+            async with renewed(stub, [(pair[0], pair[1]), (pair[2], pair[3])]):
+                total, batch = args.lifecycles, args.batch
+                every = max(batch, total // args.samples // batch * batch)
+                started = time.monotonic()
+                samples.append({"lifecycles": 0, "seconds": 0.0, "rss_mib": rss_mib(proc.pid)})
+                done = 0
+                next_first = 0
 
-            async def worker() -> None:
-                nonlocal done, next_first
-                while next_first < total:
-                    first = next_first
-                    next_first += batch
-                    await lifecycle_batch(stub, pair, "soak", range(first, min(total, first + batch)), args.blocks)
-                    before, done = done, done + min(batch, total - first)
-                    if before // every != done // every or done == total:
-                        samples.append(
-                            {"lifecycles": done, "seconds": time.monotonic() - started, "rss_mib": rss_mib(proc.pid)}
-                        )
-                        at = samples[-1]
-                        print(f"  {done:>9,} lifecycles  {at['seconds']:6.0f} s  RSS {at['rss_mib']:.0f} MiB")
+                async def worker() -> None:
+                    nonlocal done, next_first
+                    while next_first < total:
+                        first = next_first
+                        next_first += batch
+                        await lifecycle_batch(stub, pair, "soak", range(first, min(total, first + batch)), args.blocks)
+                        before, done = done, done + min(batch, total - first)
+                        if before // every != done // every or done == total:
+                            samples.append(
+                                {
+                                    "lifecycles": done,
+                                    "seconds": time.monotonic() - started,
+                                    "rss_mib": rss_mib(proc.pid),
+                                }
+                            )
+                            at = samples[-1]
+                            print(f"  {done:>9,} lifecycles  {at['seconds']:6.0f} s  RSS {at['rss_mib']:.0f} MiB")
 
-            await asyncio.gather(*(worker() for _ in range(4)))
-            status = await stub.GetStatus(pb.GetStatusRequest())
+                await asyncio.gather(*(worker() for _ in range(4)))
+                status = await stub.GetStatus(pb.GetStatusRequest())
     finally:
         proc.terminate()
         proc.wait(timeout=30)
