@@ -76,10 +76,21 @@ _RESERVE_ATTEMPTS = 32
 
 @dataclass
 class _CapacityGate:
-    """A consumer's usage while its RegisterTarget batch applies (items apply in order)."""
+    """A consumer's usage while its RegisterTarget batch applies (items apply in order).
+
+    A step may run more than once for one item (a networked store redoes a transition, or checks a refusal
+    again, on the current record), and a later rule (the budget) may still refuse it: the step only proposes
+    its item's usage, which `settle` takes once the item's outcome is known."""
 
     spent: credits.Usage
     reservations: Mapping[str, credits.Reservation]
+    proposed: credits.Usage | None = None
+
+    def settle(self, outcome: ItemOutcome) -> None:
+        """The item ended: its proposed usage is spent if it was admitted."""
+        if outcome.error is None and self.proposed is not None:
+            self.spent = self.proposed
+        self.proposed = None
 
 
 @dataclass(frozen=True)
@@ -290,14 +301,15 @@ class Coordinator:
         half: Role | None = None,
         exempt: bool = False,
         blocks: bool = False,
-        sequential: bool = False,
+        settle: Callable[[ItemOutcome], None] | None = None,
     ) -> list[ItemOutcome]:
         """Apply step to every item; an item's error does not stop the others.
 
         With joins, the caller's live-transfer limit applies (core: engines.LiveTransferLimit); with
         blocks (items that name block ids), the live-block budget (core: budget.BlockBudget). With half,
         each item takes that half of its transfer: its binding is checked first (core: bindings), unless
-        the server has no binding keys; exempt callers (admin) need none.
+        the server has no binding keys; exempt callers (admin) need none. With settle, items apply one after
+        another and settle hears each outcome before the next item applies.
         """
         check_batch(len(items), self.limits)
         caller_id = caller.engine_id if caller is not None else ""
@@ -335,7 +347,7 @@ class Coordinator:
 
         most = sum(len(getattr(item, "block_ids", ())) for item in items) if room is not None else 0
         roomy = (limit is None or limit.allows(len(items))) and (room is None or room.allows(most))
-        if self.store.concurrent and not sequential and roomy:
+        if self.store.concurrent and settle is None and roomy:
             # No item can reach a limit, so they may be in flight together (one round trip to a
             # networked store); items of one transfer still apply in order (the store queues them).
             return [o for o, _ in await asyncio.gather(*(apply(item, None, None) for item in items))]
@@ -346,6 +358,8 @@ class Coordinator:
                 limit = limit.after(outcome.transfer)
             if room is not None:
                 room = room.spent(change)
+            if settle is not None:
+                settle(outcome)
             outcomes.append(outcome)
         return outcomes
 
@@ -363,7 +377,7 @@ class Coordinator:
             reservation = gate.reservations.get(spec.transfer_id)
             spent = credits.target_admission(consumer, gate.spent, cur, reservation, len(spec.block_ids), ctx.now)
             transition = lifecycle.register_target(ctx, cur, consumer, producer, spec)
-            gate.spent = spent
+            gate.proposed = spent
             return transition
 
         outcomes = await self._batch(
@@ -374,7 +388,7 @@ class Coordinator:
             half=Role.CONSUMER,
             exempt=exempt,
             blocks=True,
-            sequential=gate is not None,
+            settle=gate.settle if gate is not None else None,
         )
         # A reservation the target took the place of is spent: drop it (the core no longer counts it anyway).
         # Consumers without a capacity pay nothing here (routers reserve only on those with one).
