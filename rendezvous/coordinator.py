@@ -141,20 +141,17 @@ class Coordinator:
     async def _apply(
         self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition]
     ) -> Transition:
-        seen: list[Transfer | None] = []  # every record fn was applied to (a shared store may retry): the last counts
+        before: list[Transfer | None] = []
 
         def observed(cur: Transfer | None, engines: Mapping[str, Engine]) -> Transition:
-            seen.append(cur)
+            before[:] = [cur]
             return fn(cur, engines)
 
         transition = await self.store.update_transfer(transfer_id, observed)
-        if seen:
-            before = seen[-1]
-            after = transition.transfer
-            if before is not after:
-                if self.observer is not None:
-                    self.observer.on_transition(before, after, self.clock())
-                _log_transition(transfer_id, before, after)
+        if before and before[0] is not transition.transfer:
+            if self.observer is not None:
+                self.observer.on_transition(before[0], transition.transfer, self.clock())
+            _log_transition(transfer_id, before[0], transition.transfer)
         return transition
 
     # Engines
@@ -682,15 +679,9 @@ class Coordinator:
 
 def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer | None) -> None:
     """Aborts at info, every state change at debug; structured fields carry the transfer id."""
-    aborted = (
-        after is not None and after.state is State.ABORTED and (before is None or before.state is not State.ABORTED)
-    )
-    if not aborted and not log.isEnabledFor(logging.DEBUG):
-        return  # the common case: nothing to log, so no names to look up
     old_state = before.state.name if before else "NONE"
     new_state = after.state.name if after else "FORGOTTEN"
-    if aborted:
-        assert after is not None
+    if after is not None and after.state == State.ABORTED and old_state != "ABORTED":
         log.info(
             "transfer aborted",
             extra={
@@ -701,7 +692,7 @@ def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer |
                 "generation": after.generation,
             },
         )
-    elif old_state != new_state:
+    elif old_state != new_state and log.isEnabledFor(logging.DEBUG):
         log.debug(
             "transfer state",
             extra={
