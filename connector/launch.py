@@ -154,6 +154,10 @@ class RouterProcess(_Process):
     """A `python -m connector.router` process."""
 
 
+ENGINE_NICE_ENV = "KV_RENDEZVOUS_ENGINE_NICE"
+"""Environment variable: the niceness engines started here run at (unset: the caller's)."""
+
+
 def start_engine(
     name: str,
     model: Path,
@@ -164,8 +168,14 @@ def start_engine(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> Engine:
-    """Start an engine serving `model` as "tiny" on 127.0.0.1:`port` (not yet healthy: see wait_healthy)."""
+    """Start an engine serving `model` as "tiny" on 127.0.0.1:`port` (not yet healthy: see wait_healthy).
+
+    With ENGINE_NICE_ENV set (the tests set it), the engine runs at that niceness: on a small machine the spin of
+    vLLM-CPU's TP workers (every worker's gloo threads) must not starve a rendezvous served by the caller."""
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    niceness = int(os.environ.get(ENGINE_NICE_ENV, "0"))
+    if niceness:
+        args = ["nice", "-n", str(niceness), *args]
     args += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     args += ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--enforce-eager"]
     args += ["--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(KV_BLOCKS), *extra_args]

