@@ -11,6 +11,10 @@ plus server CPU seconds and RSS, and that no live engine or transfer remains aft
 
     python benchmarks/bench_rendezvous.py [--batch 64] [--rate 1000] [--store memory|redis] [--replicas N]
     python benchmarks/bench_rendezvous.py --compare      # memory vs Redis vs 2 Redis replicas, one run
+    python benchmarks/bench_rendezvous.py --profile benchmarks/results   # py-spy of the throughput phase
+
+With --profile, py-spy (the dev extra) samples each server replica during the throughput phase only and writes
+a speedscope profile per configuration (`profile-<config>.speedscope.json`, open it at speedscope.app).
 """
 
 from __future__ import annotations
@@ -307,7 +311,8 @@ def live_state(address: str) -> dict[str, int]:
     return {"live_engines": status.live_engines, "live_transfers": sum(live.values())}
 
 
-def start_server(store: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(store: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    """`kv-rendezvous serve` on a free port with this store (and extra serve flags)."""
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [
@@ -325,6 +330,7 @@ def start_server(store: str) -> tuple[subprocess.Popen[str], str]:
             "0",
             "--log-level",
             "warning",
+            *flags,
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -354,6 +360,42 @@ def local_redis() -> Iterator[str]:
             proc.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def profiled(pids: list[int], out: Path | None, name: str) -> Iterator[None]:
+    """Sample the server replicas with py-spy while the block runs (nothing when out is None)."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    spies = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("py-spy")),
+                "record",
+                "--pid",
+                str(pid),
+                "--rate",
+                "200",
+                "--nonblocking",
+                "--format",
+                "speedscope",
+                "--output",
+                str(out / f"profile-{name}{'-' + str(i) if len(pids) > 1 else ''}.speedscope.json"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i, pid in enumerate(pids)
+    ]
+    time.sleep(1)  # py-spy attaches
+    try:
+        yield
+    finally:
+        for spy in spies:
+            spy.send_signal(2)  # SIGINT: py-spy writes its profile and exits
+            spy.wait(timeout=60)
+
+
 def run_config(config: str, args: argparse.Namespace, redis_url: str | None) -> dict[str, Any]:
     """One store configuration, `memory`, `redis` or `redis:N` (N replicas on one Redis): both phases."""
     kind, _, replicas = config.partition(":")
@@ -363,18 +405,19 @@ def run_config(config: str, args: argparse.Namespace, redis_url: str | None) -> 
     servers = [start_server(store) for _ in range(int(replicas or 1))]
     addresses, pids = [a for _, a in servers], [p.pid for p, _ in servers]
     try:
-        through = run_phase(
-            addresses,
-            {
-                "run": f"{config}-tp",
-                "total": args.transfers,
-                "batch": args.batch,
-                "window": args.window,
-                "rate": 0,
-                "timeout": 300,
-            },
-            pids,
-        )
+        with profiled(pids, args.profile, config.replace(":", "-")):
+            through = run_phase(
+                addresses,
+                {
+                    "run": f"{config}-tp",
+                    "total": args.transfers,
+                    "batch": args.batch,
+                    "window": args.window,
+                    "rate": 0,
+                    "timeout": 300,
+                },
+                pids,
+            )
         latency_total = int(args.rate * args.latency_seconds)
         paced = run_phase(
             addresses,
@@ -410,6 +453,7 @@ def main() -> int:
     parser.add_argument("--latency-seconds", type=float, default=8, help="length of the latency phase")
     parser.add_argument("--floor-seconds", type=float, default=3, help="length of the unary floor measurement")
     parser.add_argument("--out", type=Path, default=RESULTS / "rendezvous.json", help="results file")
+    parser.add_argument("--profile", type=Path, help="write py-spy profiles of the throughput phase to this folder")
     args = parser.parse_args()
     if args.compare:
         configs = ["memory", "redis", "redis:2"]

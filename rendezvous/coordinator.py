@@ -141,17 +141,20 @@ class Coordinator:
     async def _apply(
         self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition]
     ) -> Transition:
-        before: list[Transfer | None] = []
+        seen: list[Transfer | None] = []  # every record fn was applied to (a shared store may retry): the last counts
 
         def observed(cur: Transfer | None, engines: Mapping[str, Engine]) -> Transition:
-            before[:] = [cur]
+            seen.append(cur)
             return fn(cur, engines)
 
         transition = await self.store.update_transfer(transfer_id, observed)
-        if before and before[0] is not transition.transfer:
-            if self.observer is not None:
-                self.observer.on_transition(before[0], transition.transfer, self.clock())
-            _log_transition(transfer_id, before[0], transition.transfer)
+        if seen:
+            before = seen[-1]
+            after = transition.transfer
+            if before is not after:
+                if self.observer is not None:
+                    self.observer.on_transition(before, after, self.clock())
+                _log_transition(transfer_id, before, after)
         return transition
 
     # Engines
@@ -679,9 +682,15 @@ class Coordinator:
 
 def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer | None) -> None:
     """Aborts at info, every state change at debug; structured fields carry the transfer id."""
+    aborted = (
+        after is not None and after.state is State.ABORTED and (before is None or before.state is not State.ABORTED)
+    )
+    if not aborted and not log.isEnabledFor(logging.DEBUG):
+        return  # the common case: nothing to log, so no names to look up
     old_state = before.state.name if before else "NONE"
     new_state = after.state.name if after else "FORGOTTEN"
-    if after is not None and after.state == State.ABORTED and old_state != "ABORTED":
+    if aborted:
+        assert after is not None
         log.info(
             "transfer aborted",
             extra={
@@ -692,7 +701,7 @@ def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer |
                 "generation": after.generation,
             },
         )
-    elif old_state != new_state and log.isEnabledFor(logging.DEBUG):
+    elif old_state != new_state:
         log.debug(
             "transfer state",
             extra={

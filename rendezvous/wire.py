@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from google.rpc import error_details_pb2, status_pb2
 
 from rendezvous.core.credits import CreditRequest, Usage
@@ -20,7 +22,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
-from rendezvous.protocol.convert import duration, number, seconds, timestamp
+from rendezvous.protocol.convert import duration, number, seconds, set_time, timestamp
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _GRPC_CODE_NUMBERS: dict[Code, int] = {
@@ -98,12 +100,28 @@ def binding(b: pb.TransferBinding, present: bool) -> Binding | None:
     return Binding(b.consumer_engine_id, b.producer_engine_id, b.expire_time.seconds, b.mac)
 
 
+_BLOCK_IDS_SHARED = 1 << 18
+_block_id_ints: dict[int, int] = {}
+"""One int object per block id value seen, shared by every record that names it: a live 16-block transfer
+then holds 16 pointers (128 bytes) instead of 16 ints of its own (512 bytes; CPython shares only -5..256).
+Bounded: cleared when it passes _BLOCK_IDS_SHARED values (the sharing is an optimisation, never a meaning)."""
+
+
+def block_ids(values: Iterable[int]) -> tuple[int, ...]:
+    """Block ids from the wire as the tuple records keep, made of shared int objects."""
+    shared = _block_id_ints
+    if len(shared) > _BLOCK_IDS_SHARED:
+        shared.clear()
+    ids = list(values)
+    return tuple(list(map(shared.setdefault, ids, ids)))  # from a list: a tuple of exactly its size
+
+
 def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
     """The targets of a RegisterTargetRequest."""
     return [
         TargetSpec(
             t.transfer_id,
-            tuple(t.block_ids),
+            block_ids(t.block_ids),
             _generation(t.generation),
             t.num_tokens,
             seconds(t.timeout),
@@ -122,7 +140,7 @@ def claim_specs(req: pb.ClaimTransferRequest) -> list[ClaimSpec]:
 def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:
     """The sources of a MarkSourceReadyRequest."""
     return [
-        SourceReadySpec(s.transfer_id, tuple(s.block_ids), binding(s.binding, s.HasField("binding")))
+        SourceReadySpec(s.transfer_id, block_ids(s.block_ids), binding(s.binding, s.HasField("binding")))
         for s in req.sources
     ]
 
@@ -194,42 +212,84 @@ def credits_message(u: Usage) -> pb.EngineCredits:
 
 def transfer_message(t: Transfer) -> pb.Transfer:
     """A transfer record as a message."""
-    times = t.times
-    return pb.Transfer(
-        transfer_id=t.transfer_id,
-        state=number(t.state),
-        mode=number(t.mode),
-        generation=t.generation,
-        consumer_engine_id=t.consumer_engine_id,
-        consumer_incarnation=t.consumer_incarnation,
-        producer_engine_id=t.producer_engine_id,
-        producer_incarnation=t.producer_incarnation,
-        target_block_ids=t.target_block_ids,
-        source_block_ids=t.source_block_ids or (),
-        num_tokens=t.num_tokens,
-        abort_reason=number(t.abort_reason),
-        abort_message=t.abort_message,
-        revoking_generation=t.revoking_generation,
-        reported_ranks=t.reported_ranks,
-        deadline=timestamp(t.deadline),
-        times=pb.TransferTimes(
-            target_time=timestamp(times.target),
-            claim_time=timestamp(times.claim),
-            match_time=timestamp(times.match),
-            source_ready_time=timestamp(times.source_ready),
-            commit_time=timestamp(times.commit),
-            end_time=timestamp(times.end),
-        ),
-    )
+    m = pb.Transfer()
+    fill_transfer(m, t)
+    return m
+
+
+def fill_transfer(m: pb.Transfer, t: Transfer) -> None:
+    """Set an empty Transfer message (a new one, or a field of another: no copy) to a transfer record."""
+    m.transfer_id = t.transfer_id
+    m.state = number(t.state)
+    m.mode = number(t.mode)
+    m.generation = t.generation
+    m.consumer_engine_id = t.consumer_engine_id
+    m.consumer_incarnation = t.consumer_incarnation
+    m.producer_engine_id = t.producer_engine_id
+    m.producer_incarnation = t.producer_incarnation
+    m.target_block_ids.extend(t.target_block_ids)
+    if t.source_block_ids:
+        m.source_block_ids.extend(t.source_block_ids)
+    m.num_tokens = t.num_tokens
+    m.abort_reason = number(t.abort_reason)
+    m.abort_message = t.abort_message
+    m.revoking_generation = t.revoking_generation
+    m.reported_ranks.extend(t.reported_ranks)
+    # A moment not reached stays unset; `times` is always present, if empty.
+    if t.deadline:
+        set_time(m.deadline, t.deadline)
+    times, out = t.times, m.times
+    out.SetInParent()
+    if times.target:
+        set_time(out.target_time, times.target)
+    if times.claim:
+        set_time(out.claim_time, times.claim)
+    if times.match:
+        set_time(out.match_time, times.match)
+    if times.source_ready:
+        set_time(out.source_ready_time, times.source_ready)
+    if times.commit:
+        set_time(out.commit_time, times.commit)
+    if times.end:
+        set_time(out.end_time, times.end)
+
+
+_PEERS_KEPT = 256
+_PEER_BYTES_KEPT = 64 << 10
+_peers: dict[str, tuple[Engine, pb.Engine]] = {}
+"""The message of the engine record events last carried as their peer, per engine: events of one record
+(every assignment to a consumer's blocks until its next keep-alive) build its message once. Records are
+immutable, so a message is right for as long as its record is the one an event names. Bounded: at most
+_PEERS_KEPT engines, none with more than _PEER_BYTES_KEPT of agent metadata (those are built each time)."""
+
+
+def _peer_message(e: Engine) -> pb.Engine:
+    entry = _peers.get(e.engine_id)
+    if entry is not None and entry[0] is e:
+        return entry[1]
+    message = engine_message(e)
+    if sum(len(a.metadata) for a in e.agents) <= _PEER_BYTES_KEPT:
+        if len(_peers) >= _PEERS_KEPT and e.engine_id not in _peers:
+            _peers.clear()
+        _peers[e.engine_id] = (e, message)
+    return message
 
 
 def event_message(e: Event) -> pb.Event:
     """An event as a message."""
-    return pb.Event(
-        revision=e.revision,
-        type=number(e.type),
-        transfer=transfer_message(e.transfer) if e.transfer is not None else None,
-        generation=e.generation,
-        peer=engine_message(e.peer) if e.peer is not None else None,
-        time=timestamp(e.time),
-    )
+    m = pb.Event()
+    fill_event(m, e)
+    return m
+
+
+def fill_event(m: pb.Event, e: Event) -> None:
+    """Set an empty Event message (a new one, or an item of a response: no copy) to an event."""
+    m.revision = e.revision
+    m.type = number(e.type)
+    if e.transfer is not None:
+        fill_transfer(m.transfer, e.transfer)
+    m.generation = e.generation
+    if e.peer is not None:
+        m.peer.CopyFrom(_peer_message(e.peer))
+    if e.time:
+        set_time(m.time, e.time)

@@ -189,7 +189,25 @@ class LiveTransferLimit:
         return LiveTransferLimit(self.engine_id, self.limit, self.room - 1)
 
 
+_PAIRS_KEPT = 64
+_PAIR_METADATA_KEPT = 64 << 10
+_pairs: dict[tuple[str, str], tuple[Engine, Engine, str | None]] = {}
+"""The last verdict of each (producer, consumer) pair of engine ids, with the records it was reached for: a
+pure function of the two records, asked on every match, so the answer holds while both are the same
+objects. Bounded: at most _PAIRS_KEPT pairs, and none whose engines carry over _PAIR_METADATA_KEPT bytes of
+agent metadata."""
+
+
 def layout_mismatch(producer: Engine, consumer: Engine) -> str | None:
     """Why the producer cannot write into the consumer's blocks, or None if it can (`kvmap.layout_mismatch`)."""
-    mismatch = kvmap.layout_mismatch(producer.layout, producer.agents, consumer.layout, consumer.agents)
-    return None if mismatch is None else str(mismatch)
+    key = (producer.engine_id, consumer.engine_id)
+    known = _pairs.get(key)
+    if known is not None and known[0] is producer and known[1] is consumer:
+        return known[2]
+    found = kvmap.layout_mismatch(producer.layout, producer.agents, consumer.layout, consumer.agents)
+    mismatch = None if found is None else str(found)
+    if sum(len(a.metadata) for a in producer.agents + consumer.agents) <= _PAIR_METADATA_KEPT:
+        if len(_pairs) >= _PAIRS_KEPT and key not in _pairs:
+            _pairs.clear()
+        _pairs[key] = (producer, consumer, mismatch)
+    return mismatch

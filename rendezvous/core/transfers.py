@@ -27,7 +27,7 @@ other ranks stop.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from rendezvous.core.engines import layout_mismatch
 from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
@@ -45,6 +45,7 @@ from rendezvous.core.model import (
     Transfer,
     TransferTimes,
     blocks_digest,
+    evolve,
 )
 from rendezvous.core.specs import (
     AbortSpec,
@@ -82,7 +83,7 @@ def _event(
 
 
 def _times(t: Transfer, **changes: float) -> TransferTimes:
-    return replace(t.times, **changes)
+    return evolve(t.times, **changes)
 
 
 TOMBSTONE_BLOCK_IDS = 64
@@ -99,8 +100,8 @@ def _tombstone(ctx: Context, t: Transfer, state: State) -> Transfer:
     """
     deadline, times = ctx.now + ctx.timeouts.tombstone_ttl, _times(t, end=ctx.now)
     if t.block_digests or len(t.target_block_ids) + len(t.source_block_ids or ()) <= TOMBSTONE_BLOCK_IDS:
-        return replace(t, state=state, deadline=deadline, times=times)
-    return replace(
+        return evolve(t, state=state, deadline=deadline, times=times)
+    return evolve(
         t,
         state=state,
         deadline=deadline,
@@ -167,7 +168,7 @@ def _abort(
     The message (a caller's, from AbortSpec or a failed CompletionSpec) is clipped: it travels to the peer.
     """
     revoking = 0 if producer_stopped else (t.revoking_generation or t.assigned_generation)
-    aborted = replace(
+    aborted = evolve(
         _tombstone(ctx, t, State.ABORTED),
         abort_reason=reason,
         abort_message=clip(message, ctx.limits.max_abort_message_bytes),
@@ -189,7 +190,7 @@ def _assign(ctx: Context, t: Transfer, consumer: Engine) -> Transition:
     """Hand the current generation to the producer (push), unless a revocation is pending."""
     if t.mode != Mode.PUSH or t.revoking_generation or t.assigned_generation:
         return Transition(t)
-    assigned = replace(t, assigned_generation=t.generation, reported_ranks=())
+    assigned = evolve(t, assigned_generation=t.generation, reported_ranks=())
     return Transition(
         assigned,
         (_event(ctx, t.producer_engine_id, EventType.TRANSFER_ASSIGNED, assigned, t.generation, consumer),),
@@ -214,7 +215,7 @@ def _side_lost(ctx: Context, t: Transfer, producer_side: bool) -> Transition:
     if t.state.terminal:
         if producer_side and t.revoking_generation and other:
             # A lost producer writes no more: the consumer's revoked blocks are free.
-            confirmed = replace(t, revoking_generation=0, reported_ranks=())
+            confirmed = evolve(t, revoking_generation=0, reported_ranks=())
             return Transition(
                 confirmed, (_event(ctx, other, EventType.REVOCATION_CONFIRMED, confirmed, t.revoking_generation),)
             )
@@ -303,7 +304,7 @@ def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine 
     mismatch = layout_mismatch(producer, consumer)
     if mismatch:
         return _abort(ctx, t, AbortReason.LAYOUT_MISMATCH, mismatch, t.participants(), True)
-    return _deliver(ctx, replace(t, state=State.MATCHED, times=_times(t, match=ctx.now)), consumer, producer)
+    return _deliver(ctx, evolve(t, state=State.MATCHED, times=_times(t, match=ctx.now)), consumer, producer)
 
 
 def register_target(
@@ -350,7 +351,7 @@ def register_target(
     gone = _fenced(ctx, cur, consumer, producer)
     if gone:
         return gone
-    retarget = replace(
+    retarget = evolve(
         cur,
         generation=spec.generation,
         target_block_ids=blocks,
@@ -360,7 +361,7 @@ def register_target(
         times=_times(cur, target=ctx.now),
     )
     if not cur.consumer_engine_id:
-        claimed = replace(retarget, consumer_engine_id=consumer.engine_id, consumer_incarnation=consumer.incarnation)
+        claimed = evolve(retarget, consumer_engine_id=consumer.engine_id, consumer_incarnation=consumer.incarnation)
         return _match(ctx, claimed, consumer, producer)
     if spec.generation == cur.generation:
         if same_target:
@@ -384,7 +385,7 @@ def register_target(
         return Transition(retarget)
     if cur.assigned_generation:
         revoked = cur.assigned_generation
-        fenced = replace(retarget, assigned_generation=0, revoking_generation=revoked)
+        fenced = evolve(retarget, assigned_generation=0, revoking_generation=revoked)
         return Transition(fenced, (_event(ctx, cur.producer_engine_id, EventType.TRANSFER_REVOKED, fenced, revoked),))
     return _deliver(ctx, retarget, consumer, producer)
 
@@ -434,7 +435,7 @@ def _claim(
             f"transfer {transfer_id} is claimed by another engine",
             transfer_id=transfer_id,
         )
-    claimed = replace(
+    claimed = evolve(
         cur,
         producer_engine_id=producer.engine_id,
         producer_incarnation=producer.incarnation,
@@ -466,7 +467,7 @@ def mark_source_ready(
         raise RendezvousError(Reason.INVALID_STATE, "the source was already marked ready with other blocks")
     if cur.state.terminal:
         return Transition(cur)
-    ready = replace(cur, source_block_ids=blocks, times=_times(cur, source_ready=ctx.now))
+    ready = evolve(cur, source_block_ids=blocks, times=_times(cur, source_ready=ctx.now))
     if ready.state != State.MATCHED:
         return Transition(ready)
     mismatch = _block_mismatch(ready)
@@ -479,7 +480,7 @@ def _confirm_revocation(ctx: Context, t: Transfer, consumer: Engine | None, prod
     """The producer will not write the revoked generation: free it, then assign the current one, unless a
     side's recorded incarnation has gone meanwhile (then that loss applies instead of an assignment)."""
     revoked = t.revoking_generation
-    confirmed = replace(t, revoking_generation=0, reported_ranks=())
+    confirmed = evolve(t, revoking_generation=0, reported_ranks=())
     events = (_event(ctx, t.consumer_engine_id, EventType.REVOCATION_CONFIRMED, confirmed, revoked),)
     if confirmed.state != State.MATCHED or consumer is None:
         return Transition(confirmed, events)
@@ -501,10 +502,16 @@ def _reporting_ranks(engine: Engine, ranks: tuple[int, ...]) -> frozenset[int]:
     return frozenset(ranks) if ranks else frozenset(range(count))
 
 
+def _reported(t: Transfer, engine: Engine, ranks: frozenset[int]) -> tuple[tuple[int, ...], bool]:
+    """The ranks that reported the generation in flight once `ranks` have, and whether all have."""
+    reported = tuple(sorted(ranks.union(t.reported_ranks)))
+    return reported, len(reported) == max(len(engine.agents), 1)
+
+
 def _report(t: Transfer, engine: Engine, ranks: frozenset[int]) -> tuple[Transfer, bool]:
     """t with `ranks` added to the ranks that reported the generation in flight, and whether all have."""
-    reported = tuple(sorted(ranks.union(t.reported_ranks)))
-    return replace(t, reported_ranks=reported), len(reported) == max(len(engine.agents), 1)
+    reported, everyone = _reported(t, engine, ranks)
+    return evolve(t, reported_ranks=reported), everyone
 
 
 def _revocation_reported(
@@ -548,15 +555,16 @@ def complete(
             transfer_id=cur.transfer_id,
         )
     other = cur.counterpart(engine.engine_id)
-    reported, everyone = _report(cur, engine, ranks)
+    reported_ranks, everyone = _reported(cur, engine, ranks)
     if spec.outcome == Outcome.FAILED:
         # The mover's other ranks may still be writing: they are told, and fence the generation until they report.
         notify = (other,) if everyone else (other, engine.engine_id)
         stopped = everyone or cur.mode == Mode.PULL
+        reported = evolve(cur, reported_ranks=reported_ranks)
         return _abort(ctx, reported, AbortReason.TRANSFER_FAILED, spec.message, notify, producer_stopped=stopped)
     if not everyone:
-        return Transition(reported)
-    committed = replace(
+        return Transition(evolve(cur, reported_ranks=reported_ranks))
+    committed = evolve(
         cur,
         state=State.COMMITTED,
         assigned_generation=0,

@@ -47,8 +47,14 @@ def timestamp(t: float) -> Timestamp | None:
     if not t:
         return None
     ts = Timestamp()
-    ts.FromNanoseconds(round(t * 1e9))
+    set_time(ts, t)
     return ts
+
+
+def set_time(ts: Timestamp, t: float) -> None:
+    """Set a Timestamp field in place to seconds since the Unix epoch (as `Timestamp.FromNanoseconds` of the
+    rounded nanoseconds would; cheaper than building a message to copy in)."""
+    ts.seconds, ts.nanos = divmod(round(t * 1e9), 1_000_000_000)
 
 
 # Shared records

@@ -47,7 +47,11 @@ class TransferState(_WireEnum):
     @property
     def terminal(self) -> bool:
         """Released and aborted transfers are over; the server keeps them briefly as tombstones."""
-        return self in (TransferState.RELEASED, TransferState.ABORTED)
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset((TransferState.RELEASED, TransferState.ABORTED))
+"""`TransferState.terminal`: a set lookup, as cheap as comparing one state (asked on every transition)."""
 
 
 class TransferMode(_WireEnum):

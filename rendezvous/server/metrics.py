@@ -17,6 +17,7 @@ from rendezvous.core.model import LIVE_STATES, State, Transfer
 from rendezvous.store.base import StoreCounts
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_MATCH_WAITS = frozenset(("target_to_match", "claim_to_match"))
 _PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -74,6 +75,9 @@ class Metrics:
             ["method", "outcome"],
             registry=r,
         )
+        # Children of the per-call metrics, bound once per label set: every call counts in them.
+        self._rpc_children: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        self._item_children: dict[str, Counter] = {}
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     def serve(self, host: str, port: int) -> int:
@@ -88,17 +92,37 @@ class Metrics:
             self._http[0].server_close()
             self._http = None
 
+    def rpc_done(self, method: str, code: str, seconds: float) -> None:
+        """Count a finished unary call under its method and status code, and observe how long it took."""
+        children = self._rpc_children.get((method, code))
+        if children is None:
+            children = self._rpc_children[(method, code)] = (
+                self.rpcs.labels(method, code),
+                self.rpc_seconds.labels(method),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def batch_items(self, method: str, count: int) -> None:
+        """Count the items of a batched call."""
+        child = self._item_children.get(method)
+        if child is None:
+            child = self._item_children[method] = self.items.labels(method)
+        child.inc(count)
+
     def on_transition(self, before: Transfer | None, after: Transfer | None, now: float) -> None:
         """Observe the phases a transfer just completed and count the state it entered."""
         if after is None:
             return
         was_released = before is not None and before.state == State.RELEASED
         ended = phases.ended(before.times if before else None, was_released, after.times, after.state == State.RELEASED)
+        wait = -1.0
         for phase, seconds in ended:
             self._phases[phase].observe(seconds)
-        waits = [seconds for phase, seconds in ended if phase in ("target_to_match", "claim_to_match")]
-        if waits:  # the match just happened: the first half waited for the second this long
-            self.match_wait.observe(max(waits))
+            if phase in _MATCH_WAITS and seconds > wait:
+                wait = seconds
+        if wait >= 0:  # the match just happened: the first half waited for the second this long
+            self.match_wait.observe(wait)
         if before is not None and before.state == after.state:
             return
         if after.state == State.COMMITTED:

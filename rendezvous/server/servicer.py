@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -22,9 +22,8 @@ from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
-from rendezvous.core import paging
 from rendezvous.core.errors import Reason, RendezvousError
-from rendezvous.core.model import Engine, Role, State, Transfer
+from rendezvous.core.model import Engine, Event, Role, State, Transfer
 from rendezvous.protocol import tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.server.metrics import Metrics
@@ -62,7 +61,9 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
             started = time.perf_counter()
             code = "OK"
             engine_id = getattr(request, "engine_id", "")
-            with tracing.rpc_span(method, engine_id, incoming=context.invocation_metadata() or ()):
+            # The call's metadata is read only when tracing is on: off, a span costs nothing.
+            incoming = (context.invocation_metadata() or ()) if tracing.enabled() else ()
+            with tracing.rpc_span(method, engine_id, incoming=incoming):
                 try:
                     request_id = getattr(request, "request_id", "")
                     key = f"{method}/{engine_id}/{request_id}" if request_id else ""
@@ -81,8 +82,7 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                     code = err.code.value
                     await _abort(context, err)
                 finally:
-                    self.metrics.rpcs.labels(method, code).inc()
-                    self.metrics.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+                    self.metrics.rpc_done(method, code, time.perf_counter() - started)
             raise AssertionError("unreachable: abort_with_status raises")
 
         return wrapped
@@ -106,7 +106,9 @@ def _batch_rpc(
         extra = {"exempt": BINDING_EXEMPT.get()} if takes_half else {}
         outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, specs(request), **extra)
         _trace_items(outcomes)
-        return response_type(header=await self._header(), results=self._results(method, outcomes))
+        response = response_type(header=await self._header())
+        self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
+        return response
 
     handler.__name__ = handler.__qualname__ = method
     return _rpc(response_type)(handler)
@@ -133,6 +135,29 @@ _FRAMING_BYTES = 16
 
 def _weigh(message: Message) -> int:
     return message.ByteSize() + _FRAMING_BYTES
+
+
+def _event_responses(events: Sequence[Event], budget: int) -> Iterator[pb.WatchResponse]:
+    """The events in order, in consecutive responses whose events weigh at most budget in all (`_weigh`), or of
+    one event that alone weighs more (as `paging.chunks` cuts them). Each event is built in its response
+    (no copy); one that does not fit moves to the next response. Lazy, like `paging.chunks`."""
+    response = pb.WatchResponse()
+    weight = 0
+    for event in events:
+        message = response.events.add()
+        wire.fill_event(message, event)
+        w = _weigh(message)
+        if weight and weight + w > budget:
+            moved = pb.Event()
+            moved.CopyFrom(message)
+            del response.events[-1]
+            yield response
+            response = pb.WatchResponse()
+            response.events.append(moved)
+            weight = 0
+        weight += w
+    if response.events:
+        yield response
 
 
 class WatcherRegistry:
@@ -200,17 +225,16 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.metrics.rpcs.labels(method, err.code.value).inc()
         await _abort(context, err)
 
-    def _results(self, method: str, outcomes: Sequence[ItemOutcome]) -> list[pb.ItemResult]:
-        self.metrics.items.labels(method).inc(len(outcomes))
-        return [
-            pb.ItemResult(
-                transfer_id=o.transfer_id,
-                status=wire.error_status(o.error) if o.error else None,
-                state=number(o.transfer.state if o.transfer else 0),
-                revoking_generation=o.transfer.revoking_generation if o.transfer else 0,
-            )
-            for o in outcomes
-        ]
+    def _results(self, method: str, outcomes: Sequence[ItemOutcome], results: Any) -> None:
+        """One ItemResult per outcome, added to a response's results in place (no message copied in)."""
+        self.metrics.batch_items(method, len(outcomes))
+        for o in outcomes:
+            item = results.add(transfer_id=o.transfer_id)
+            if o.error is not None:
+                item.status.CopyFrom(wire.error_status(o.error))
+            if o.transfer is not None:
+                item.state = number(o.transfer.state)
+                item.revoking_generation = o.transfer.revoking_generation
 
     # Engines
 
@@ -400,11 +424,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                 elif page.events:
                     # Cut by bytes too, converted lazily: a peer's large agent metadata or labels, repeated in
                     # many events, must not make one response larger than a client accepts.
-                    messages = (wire.event_message(e) for e in page.events)
-                    for events in paging.chunks(messages, _weigh, coordinator.limits.max_response_bytes):
-                        revision = events[-1].revision + 1
-                        self.metrics.events_sent.inc(len(events))
-                        yield pb.WatchResponse(header=await self._header(), events=events)
+                    for response in _event_responses(page.events, coordinator.limits.max_response_bytes):
+                        revision = response.events[-1].revision + 1
+                        self.metrics.events_sent.inc(len(response.events))
+                        response.header.CopyFrom(await self._header())
+                        yield response
                 elif await coordinator.store.get_engine(engine_id) is None:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,

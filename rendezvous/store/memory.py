@@ -12,10 +12,9 @@ import secrets
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import replace
 
 from rendezvous.core import budget
-from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
+from rendezvous.core.model import Addressed, Engine, Event, State, Transfer, evolve
 from rendezvous.core.transfers import Transition
 from rendezvous.store._sorted import SortedIds
 from rendezvous.store.base import EngineFilter, EngineFn, EventPage, Store, StoreCounts, TransferFn
@@ -25,18 +24,28 @@ _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
 
 class _EventLog:
-    """One engine's bounded event log and the waiters for its next event."""
+    """One engine's bounded event log and the waiters for its next event.
+
+    Events are kept as the core made them: an event's revision follows from its place in the log (the
+    oldest kept is last_revision - len(events) + 1), so it is set when the event is read, not stored."""
 
     def __init__(self, capacity: int) -> None:
         self.events: deque[Event] = deque(maxlen=capacity)
         self.last_revision = 0
-        self.changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made by the first waiter, set by the next append
 
     def append(self, event: Event) -> None:
         self.last_revision += 1
-        self.events.append(replace(event, revision=self.last_revision))
-        self.changed.set()
-        self.changed = asyncio.Event()
+        self.events.append(event)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def changed(self) -> asyncio.Event:
+        """Set once the next event is appended."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
 
 class MemoryStore(Store):
@@ -125,7 +134,13 @@ class MemoryStore(Store):
 
     async def update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
         cur = self._transfers.get(transfer_id)
-        engines = {e: self._engines[e] for e in (cur.participants() if cur else ()) if e in self._engines}
+        engines: dict[str, Engine] = {}
+        if cur is not None:
+            known = self._engines
+            for engine_id in cur.participants():
+                engine = known.get(engine_id)
+                if engine is not None:
+                    engines[engine_id] = engine
         transition = fn(cur, engines)
         new = transition.transfer
         if new is cur and not transition.events:
@@ -142,6 +157,8 @@ class MemoryStore(Store):
             self._transfers[transfer_id] = new
             if cur is None or new.deadline != cur.deadline:
                 heapq.heappush(self._deadlines, (new.deadline, transfer_id))
+                if len(self._deadlines) > 2 * len(self._transfers) + 1_024:
+                    self._compact_deadlines()
         self._append(transition.events)
         return transition
 
@@ -199,17 +216,27 @@ class MemoryStore(Store):
         mine = self._by_owner.get(owner) if owner else None
         return budget.Tally(budget.Usage(*self._total), budget.Usage(*mine) if mine else budget.Usage())
 
+    def _compact_deadlines(self) -> None:
+        """Rebuild the deadline heap from the records: one entry each. A deadline that moves leaves its old
+        entry behind (skipped when popped), and a lifecycle moves it three times (target, commit, release), so
+        without this the heap would hold entries of transfers long forgotten until their old deadlines passed
+        (release_timeout: minutes). Amortised O(1) per push: it runs once the heap is twice the records."""
+        self._deadlines = [(t.deadline, tid) for tid, t in self._transfers.items()]
+        heapq.heapify(self._deadlines)
+
     def _index(self, cur: Transfer | None, new: Transfer | None) -> None:
-        before = set(cur.participants()) if cur and cur.unsettled else set()
-        after = set(new.participants()) if new and new.unsettled else set()
+        before = cur.participants() if cur is not None and cur.unsettled else ()
+        after = new.participants() if new is not None and new.unsettled else ()
+        if before == after:  # most transitions: the same engines stay tied up
+            return
         tid = (cur or new).transfer_id  # type: ignore[union-attr]
-        for engine_id in before - after:
+        for engine_id in set(before) - set(after):
             ids = self._live_by_engine.get(engine_id)
             if ids is not None:
                 ids.discard(tid)
                 if not ids:
                     del self._live_by_engine[engine_id]
-        for engine_id in after - before:
+        for engine_id in set(after) - set(before):
             self._live_by_engine.setdefault(engine_id, set()).add(tid)
 
     async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:
@@ -300,7 +327,8 @@ class MemoryStore(Store):
         if start_revision < first:
             return EventPage((), log.last_revision, resync_revision=log.last_revision + 1)
         offset = start_revision - first
-        events = [log.events[i] for i in range(offset, min(len(log.events), offset + limit))]
+        kept = log.events
+        events = [evolve(kept[i], revision=first + i) for i in range(offset, min(len(kept), offset + limit))]
         return EventPage(events, log.last_revision)
 
     async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
@@ -312,7 +340,7 @@ class MemoryStore(Store):
             await asyncio.sleep(0)  # always yield, so a caller looping on this never starves the event loop
             return
         try:
-            await asyncio.wait_for(log.changed.wait(), timeout)
+            await asyncio.wait_for(log.changed().wait(), timeout)
         except TimeoutError:
             return
 

@@ -10,6 +10,7 @@ import pytest
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core.model import State, Transfer
+from rendezvous.core.transfers import Transition
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store._sorted import SortedIds
 from tests.store.conftest import StoreFactory
@@ -145,3 +146,16 @@ async def test_each_coordinator_page_gets_about_a_page_of_records_from_the_store
     assert seen == [f"t{i:04d}" for i in range(300) if i % 3]
     assert pages == 8
     assert "list_transfers" not in counting.calls
+
+
+async def test_the_memory_deadline_heap_stays_within_twice_the_records_as_deadlines_move() -> None:
+    store = MemoryStore()
+    for i in range(3_000):
+        tid = f"t{i:05d}"
+        for step in range(4):  # a lifecycle moves its deadline: target, commit, release
+            await put_transfer(store, make_transfer(tid, deadline=1_000.0 + i + step))
+        if i % 3:
+            await store.update_transfer(tid, lambda _cur, _e: Transition(None))
+    assert len(store._deadlines) <= 2 * len(store._transfers) + 1_024
+    due = await store.due_transfers(1e9, 10_000)
+    assert sorted(due) == sorted(store._transfers) and len(due) == len(set(due))
