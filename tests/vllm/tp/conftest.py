@@ -17,10 +17,10 @@ from connector.launch import Engine, connector_config, free_port, start_engine
 from tests.vllm.conftest import RENEWAL_TIMEOUT_S, WARM_UP_TIMEOUT_S
 
 TP2 = ["--tensor-parallel-size", "2"]
-LONG = {"lease_ttl": 300, "transfer_timeout": 300}
-"""Leases and transfer timeouts of this session's engines: TP workers spinning in CPU all-reduces on 2 cores can
-starve a process (the rendezvous in pytest's, an engine's connector) for half a minute; that must make a test
-slow, not make an engine look lost (its transfers would abort, rightly)."""
+LONG = {"lease_ttl": 300, "transfer_timeout": 300, "call_timeout": 60}
+"""Leases, transfer and call timeouts of this session's engines: TP workers spinning in CPU all-reduces on 2 cores
+can starve a process (the rendezvous in pytest's, an engine's connector) for half a minute; that must make a test
+slow, not make an engine look lost or a claim fail (its transfer would abort, rightly)."""
 TP_START_TIMEOUT_S = 420.0
 TP_TEST_TIMEOUT_S = TP_START_TIMEOUT_S + WARM_UP_TIMEOUT_S + RENEWAL_TIMEOUT_S + 300
 """A test's pytest timeout: above what its fixture's own bounded waits add up to, so that a slow start fails
