@@ -557,7 +557,8 @@ class _WorkerSide:
             return
         if not result.ok or result.state is TransferState.ABORTED:
             logger.warning("RegisterTarget %s: %s", transfer_id, result.error or result.state.name)
-            self._received_failed(transfer_id)
+            if not self._consumer().awaiting_result(transfer_id):  # else the agent reports it once no write can land
+                self._received_failed(transfer_id)
 
     def _received_failed(self, transfer_id: str) -> None:
         self._end_receiving(transfer_id, False)

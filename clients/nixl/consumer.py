@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from clients._config import SessionConfig
-from clients._exceptions import NotFound, RendezvousError
+from clients._exceptions import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 from clients._roles import ConsumerSession
 from clients._session import RankSession
 from clients._types import (
@@ -80,6 +80,10 @@ REVOKED = "REVOKED"
 """`TransferResult.reason` of a generation retired by a newer one."""
 READ_FAILED = "READ_FAILED"
 """`TransferResult.reason` of a pull-mode READ that failed."""
+_IN_DOUBT = (DeadlineExceeded, Unavailable, Cancelled, Unknown)
+"""Failures of a call that say nothing of whether the service applied it."""
+ABORT_IN_DOUBT_S = 60.0
+"""How long an agent tries to abort a transfer whose registration is in doubt, when it has no timeout of its own."""
 _ARRIVED = frozenset({TransferState.COMMITTED, TransferState.RELEASED})
 FOLLOWER_CHECK_S = 5.0
 """How often a following rank asks the service about a transfer it expects and has heard nothing of."""
@@ -231,7 +235,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         request's `kv_transfer_params`), which a service with binding keys checks.
 
         A newer generation of a transfer retires the older one: its blocks are reported (reason `REVOKED`)
-        once no write of it can land. A failed item is returned, not raised, and leaves nothing registered.
+        once no write of it can land. A failed item is returned, not raised, and leaves nothing registered. A
+        call that fails in transit may have been applied: it is sent once more, and should that fail too the
+        agent aborts the transfer, whose failed `TransferResult` then comes as well, once no write can land
+        (`awaiting_result` says whether it is still to come).
         On a following rank of a multi-rank engine the registration is rank 0's: this rank only expects its
         share of the bytes into `block_ids` (the same ids on every rank) and answers TARGETED.
         """
@@ -254,7 +261,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._targets[transfer_id] = new  # first: a notification may come before the answer
             self._update_expecting()
         try:
-            result = await self._registrations.submit(spec)
+            result = await self._submit_target(spec)
         except BaseException:
             self._undo_register(transfer_id, new, old)
             raise
@@ -264,6 +271,45 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             retired = TransferResult(transfer_id, old.generation, False, old.block_ids, REVOKED)
             await self._when_unfenced(retired, maybe_fenced=result.state is not TransferState.TARGETED)
         return result
+
+    async def _submit_target(self, spec: TargetSpec) -> ItemResult:
+        """Send the registration. A call that failed in transit (`_IN_DOUBT`) may still have been applied, and a
+        producer may be writing into the blocks: so it is sent again (the same blocks again are harmless), and if
+        that fails too the transfer is aborted before a failed item is returned."""
+        assert self._registrations is not None
+        try:
+            return await self._registrations.submit(spec)
+        except _IN_DOUBT as e:
+            logger.warning("RegisterTarget %s: %s; registering again", spec.transfer_id, e)
+        try:
+            return await self._registrations.submit(spec)
+        except _IN_DOUBT as e:
+            logger.warning("RegisterTarget %s: %s again; aborting the transfer", spec.transfer_id, e)
+            await self._abort_in_doubt(spec.transfer_id, spec.timeout, f"its registration failed in transit: {e}")
+            return ItemResult(spec.transfer_id, TransferState.ABORTED, e)
+
+    async def _abort_in_doubt(self, transfer_id: str, timeout: float, message: str) -> None:
+        """Abort a transfer whose registration may stand, until the service answers (its failed result comes once
+        no write can land), the transfer ends otherwise, or its deadline passed: the service has ended it then,
+        and its end comes through the session's events."""
+        deadline = time.monotonic() + (timeout or ABORT_IN_DOUBT_S)
+        delay = 0.05
+        while transfer_id in self._targets and time.monotonic() < deadline:
+            try:
+                await self.abort(transfer_id, message)
+                return
+            except _IN_DOUBT as e:
+                logger.warning("AbortTransfer %s: %s; trying again", transfer_id, e)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+            except RendezvousError as e:  # answered: the registration did not stand, or the transfer ended
+                await self._give_back(transfer_id, f"{message}; {e}")
+                return
+
+    def awaiting_result(self, transfer_id: str) -> bool:
+        """Whether a `TransferResult` of this transfer is still to come: its blocks are expected, or its failure
+        waits for the service to stop fencing a generation."""
+        return transfer_id in self._targets or any(key[0] == transfer_id for key in self._fenced)
 
     async def _check_target(self, transfer_id: str, target: _Target) -> None:
         """A following rank's expectation ends with an event of the transfer; should rank 0's registration
@@ -300,12 +346,16 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
         else:
             result = ItemResult(transfer_id, TransferState.ABORTED)
+        await self._give_back(transfer_id, message)
+        return result
+
+    async def _give_back(self, transfer_id: str, message: str) -> None:
+        """Stop expecting an aborted transfer; its failed result comes once no write can land."""
         target = self._targets.pop(transfer_id, None)
         if target is not None and not target.arrived:
             self._update_expecting()
             failed = TransferResult(transfer_id, target.generation, False, target.block_ids, "REQUESTED", message)
             await self._when_unfenced(failed, maybe_fenced=True)
-        return result
 
     async def results(self) -> AsyncIterator[TransferResult]:
         """Each transfer result as it comes; ends when the agent closes. Unused when `on_result` is given."""

@@ -1,0 +1,104 @@
+"""A RegisterTarget whose call fails in transit may still have been applied, and a producer may then write into
+its blocks. The consumer agent sends it once more; should that fail too, it aborts the transfer and reports the
+blocks free only once the service heard the abort. Here the service waits on a paused Redis, so a call times out
+at the client while the service applies it afterwards: a registration in doubt for real, over real NIXL."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis
+
+from clients import AsyncRendezvousClient, TransferState
+from clients._exceptions import DeadlineExceeded
+from clients.testing import start_test_server
+from tests.clients.conftest import WAIT, client_config
+from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+
+__all__ = ["redis_url"]
+
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(not importlib.util.find_spec("nixl"), reason="needs nixl"),
+    pytest.mark.timeout(120),
+]
+
+CALL_TIMEOUT = 1.0
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[AsyncRendezvousClient]:
+    store = with_prefix(redis_url, fresh_prefix()) + "&socket_timeout=10&op_timeout=10"
+    async with start_test_server(store=store, grace=0.1) as server:
+        config = dataclasses.replace(client_config(server.address), call_timeout=CALL_TIMEOUT)
+        async with AsyncRendezvousClient(config) as c:
+            yield c
+
+
+def pause_redis(url: str, seconds: float) -> None:
+    """Every command, the service's too, waits until `seconds` have passed."""
+    admin = redis.Redis.from_url(url)
+    admin.client_pause(int(seconds * 1000))
+    admin.close()
+
+
+async def test_a_registration_that_timed_out_is_sent_again_and_the_kv_arrives(
+    client: AsyncRendezvousClient, redis_url: str
+) -> None:
+    import torch
+
+    from clients.nixl.consumer import ConsumerAgent
+    from clients.nixl.producer import ProducerAgent
+
+    arrived: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    destination = torch.zeros(8, 256, dtype=torch.uint8)
+    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)])
+    consumer = ConsumerAgent(client, "d0", "decode", [destination], on_result=arrived.set_result)
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await producer.claim("t1")).state is TransferState.CLAIMED
+        pause_redis(redis_url, 1.5 * CALL_TIMEOUT)  # the first call times out; the second is answered
+        result = await consumer.register_target("t1", [2, 3])
+        assert result.ok and result.state is TransferState.MATCHED
+        producer.ready("t1", [0, 1])
+        assert (await asyncio.wait_for(arrived, WAIT)).ok
+        assert bool(destination[2:4].eq(1).all()) and not bool(destination[:2].any())
+    finally:
+        await producer.close()
+        await consumer.close()
+
+
+async def test_a_registration_that_timed_out_twice_is_aborted_before_its_blocks_go_back(
+    client: AsyncRendezvousClient, redis_url: str
+) -> None:
+    import torch
+
+    from clients.nixl.consumer import ConsumerAgent
+    from clients.nixl.producer import ProducerAgent
+
+    arrived: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)])
+    consumer = ConsumerAgent(
+        client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], on_result=arrived.set_result
+    )
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await producer.claim("t1")).state is TransferState.CLAIMED
+        pause_redis(redis_url, 2.5 * CALL_TIMEOUT)  # both calls time out; the abort is answered
+        result = await consumer.register_target("t1", [2, 3])
+        assert result.state is TransferState.ABORTED and isinstance(result.error, DeadlineExceeded)
+        failed = await asyncio.wait_for(arrived, WAIT)
+        assert not failed.ok and failed.reason == "REQUESTED" and failed.block_ids == (2, 3)
+        assert not consumer.awaiting_result("t1")
+        info = await client.get_transfer("t1")  # the abort ended it, or the registration never stood
+        assert info.state is TransferState.ABORTED or info.consumer_engine_id == ""  # either way no write can land
+    finally:
+        await producer.close()
+        await consumer.close()
