@@ -40,7 +40,7 @@ from connector.launch import (
 REPO = Path(__file__).resolve().parents[2]
 # The engines run below the rendezvous this process serves: on two cores, the spin of a TP engine's workers
 # (dozens of gloo threads each) otherwise starves the in-process service until claims and leases time out.
-os.environ.setdefault(ENGINE_NICE_ENV, "10")
+os.environ.setdefault(ENGINE_NICE_ENV, "19")
 RECOMPUTE_DECODE_BLOCKS = 24
 WARM_UP_PROMPT = [5, 6, 7]
 WARM_UP_TIMEOUT_S = 300.0
