@@ -11,7 +11,8 @@ commits with bytes missing.
 The check is a sweep over the layers: parts start and end at layer boundaries, the parts spanning the current
 layer interval are kept sorted by first token, and each newcomer is compared with its two neighbours (disjoint
 intervals overlap a newcomer only if a neighbour does). Between boundaries the spanning parts' tokens must add
-up to the target's. O(n log n) comparisons for n parts (the list inserts move pointers, O(n) each, cheap up to
+up to the target's (the first shortfall is raised after the sweep, so an overlap anywhere is named first).
+O(n log n) comparisons for n parts (the list inserts move pointers, O(n) each, cheap up to
 `Limits.max_parts_per_completion`); no part is stored.
 """
 
@@ -139,6 +140,7 @@ def check_parts(parts: Sequence[WrittenPart], num_tokens: int, held: tuple[range
     stops: list[int] = []
     owners: list[int] = []
     covered = position = k = 0
+    gap: RendezvousError | None = None  # the first unwritten cell; raised once no overlap can come
     while True:
         while k < len(events) and events[k][0] == position:
             _, arrives, index = events[k]
@@ -163,16 +165,18 @@ def check_parts(parts: Sequence[WrittenPart], num_tokens: int, held: tuple[range
                 covered -= stop - first
             k += 1
         if position >= layers.total:
-            return
-        if covered < num_tokens:
+            break
+        if covered < num_tokens and gap is None:
             token = _first_gap(starts, stops)
-            raise RendezvousError(
+            gap = RendezvousError(
                 Reason.PARTS_INCOMPLETE,
                 f"no part writes token {token} of layer {layers.layer(position)}",
                 layer=layers.layer(position),
                 token=token,
             )
         position = events[k][0] if k < len(events) else layers.total
+    if gap is not None:
+        raise gap
 
 
 def _first_gap(starts: list[int], stops: list[int]) -> int:
