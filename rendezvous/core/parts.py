@@ -50,6 +50,7 @@ def check_part_count(parts: Sequence[WrittenPart], limits: Limits) -> None:
         raise RendezvousError(
             Reason.TOO_MANY_PARTS,
             f"{len(parts)} parts in one completion; the limit is {limits.max_parts_per_completion}",
+            field="parts",
             limit=limits.max_parts_per_completion,
         )
 
