@@ -9,8 +9,9 @@ thread that makes NIXL calls:
 - TRANSFER_ABORTED    -> revoke a generation the service still fences, drop the transfer, free the source;
 - PEER_LOST           -> forget that incarnation's agents.
 
-The engine calls `claim` at admission and `ready` when the KV is computed; the source blocks come back through
-the `on_free` callback once written (or once the transfer ended otherwise). Each finished write is reported
+The engine calls `claim` at admission and `ready` when the KV is computed (and, for a consumer that accepts
+parts, `ready_part` as prefill computes layers or chunks, which the writer posts ahead); the source blocks come
+back through the `on_free` callback once written (or once the transfer ended otherwise). Each finished write is reported
 with CompleteTransfer. In pull mode (`serve_reads=True`) `ready(..., mode=PULL)` calls MarkSourceReady instead and
 the consumer READs; the blocks are freed when the consumer commits or the transfer aborts. Without a progress
 thread NIXL serves a peer's READ only while the target agent is polled, and the writer polls only while it

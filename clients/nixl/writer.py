@@ -1,11 +1,12 @@
 """`TransferWriter`: one producer rank's background writer, one thread that owns a `NixlEndpoint`.
 
 Other threads hand it commands (thread-safe, non-blocking): `assign` (a consumer's destination blocks for one
-generation of a transfer), `source_ready` (the producer's computed blocks), `revoke`, `abort` and
-`forget_peer`. Once a transfer has both an assignment and its source blocks the writer WRITEs them and polls
-until NIXL is done. The endpoint belongs to the writer from construction on. Outcomes come back through
-callbacks, which run on the writer thread: keep them short; the optional `on_written` is told how long each
-generation's WRITEs took, from posting to completion.
+generation of a transfer), `source_part` (part of the KV is computed), `source_ready` (all of it is, in these
+source blocks), `revoke`, `abort` and `forget_peer`. Once a transfer has both an assignment and its source
+blocks the writer WRITEs them and polls until NIXL is done. The endpoint belongs to the writer from
+construction on. Outcomes come back through callbacks, which run on the writer thread: keep them short; the
+optional `on_written` is told how long each generation's WRITEs took, from posting (or from the final, when
+written in parts) to completion.
 
 An assignment names either one consumer agent, whose regions pair with this rank's region by region (whole
 blocks), or the consumer engine (`ConsumerEngine`: its layout and every rank's agent). Then this rank writes
@@ -13,22 +14,41 @@ its share of each consumer rank as `rendezvous.protocol.kvmap` says (its heads a
 `token_runs` when block sizes differ): one WRITE per consumer rank it has a share in, each with descriptor
 lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>".
 
-Outcomes, per transfer (a generation's WRITEs count as one write):
+Progressive push (`assign(..., progressive=True)`: the consumer accepts parts). The engine reports what it
+computed with `source_part` (layer-wise prefill: each layer of the whole prompt; chunked prefill: each chunk
+in all layers), and the writer posts what is new as soon as it holds the assignment: a part covers the target
+blocks all of whose tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed
+block waits for the next part or the final write. That needs the writer's `layout` (block sizes, layers) and
+the prompt's length (from `source_part` or `assign`); until both are known parts are only remembered. A part
+goes in one WRITE per consumer rank with a share in it, no notification, its cells merged into as few
+descriptors as they allow (its prepared whole blocks when a part holds all layers of a whole-block share);
+every share works, with different block sizes and TP sizes too. At most `WriterConfig.max_parts_in_flight`
+WRITEs of parts per transfer are in flight; what is computed meanwhile goes together once one drains.
+`source_ready` is the final: what is left is posted at once, each consumer rank notified with its last WRITE
+when none of its parts is in flight, else by a notification alone once every WRITE of the generation is done.
+Without `progressive` (or when nothing went ahead) the generation goes in one write at `source_ready`.
 
-- every assignment ends in exactly one `on_complete` or `on_revoked`, unless a newer generation of the same
-  transfer replaces it before it started;
+Outcomes, per transfer (a generation's WRITEs, its parts included, count as one write):
+
+- every assignment ends in exactly one `on_complete` (or `on_complete_parts`, also told the parts written, as
+  rectangles of target tokens x layers, () for one write) or `on_revoked`, unless a newer generation of the
+  same transfer replaces it before it started; a newer generation waits for the one being written (written in
+  parts: for its final or its revocation), then writes all it needs itself;
 - a bad assignment (block id out of range, regions or layouts that do not pair, unreadable metadata, a stale
   peer incarnation, fewer source than destination blocks) fails through `on_complete(ok=False)` without
   writing; so does a write that NIXL reports failed (the peer died), after it was posted;
-- `on_complete(ok=True)` only once every WRITE of the generation is DONE; if one fails or cannot be posted,
-  `on_complete(ok=False)` once the others posted have drained (none of them lands later);
+- `on_complete(ok=True)` only once every WRITE of the generation is DONE, and the consumer's notification is
+  sent only then or with the last of them; if one fails or cannot be posted (a part too), no more are posted
+  and `on_complete(ok=False)` comes once the others posted have drained (none of them lands later);
 - with equal block sizes the LAST `len(dst)` source blocks go to the destination (the consumer may hold a
-  prefix already); an empty destination completes at once;
-- `on_source_free` tells the engine it may reuse the source blocks: after a successful write, on abort (once
-  a write in flight has drained) or at stop. A revoked or failed generation keeps the source for a later
-  generation until the transfer is aborted;
+  prefix already); an empty destination completes at once once the source is ready;
+- `revoke` and `abort` stop the posting of parts; `on_revoked` and the abort's `on_source_free` come once
+  the WRITEs posted have drained, so no write of the generation lands after them;
+- `on_source_free` tells the engine it may reuse the source blocks (handed over ready or in parts): after a
+  successful write, on abort (once a write in flight has drained) or at stop. A revoked or failed generation
+  keeps the source for a later generation until the transfer is aborted;
 - a transfer that succeeded or was aborted has ended: a late `source_ready` is freed at once, a late
-  `revoke` acknowledged at once, a late `assign` ignored.
+  `source_part` ignored, a late `revoke` acknowledged at once, a late `assign` ignored.
 """
 
 from __future__ import annotations
@@ -80,7 +100,8 @@ OnRevoked = Callable[[str, int], None]
 OnSourceFree = Callable[[str], None]
 """on_source_free(transfer_id): the engine may free the transfer's source blocks."""
 OnWritten = Callable[[float, bool], None]
-"""on_written(seconds, ok): a generation's WRITEs drained `seconds` after the first was posted; ok if all landed."""
+"""on_written(seconds, ok): a generation's WRITEs drained `seconds` after the first was posted (written in parts:
+after the final); ok if all landed."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -735,6 +756,7 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         self._record(progress, grid, rects)
+        w.posted_at = time.monotonic()  # `on_written` times what is left once prefill is done
         busy, posts = w.peers, []
         for target in w.assignment.targets:
             name, piece = target.agent.name, pieces.get(target.agent.name)

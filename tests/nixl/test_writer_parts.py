@@ -293,3 +293,45 @@ def test_chunks_into_bigger_blocks_of_fewer_ranks_land_byte_exact(peer: PeerProc
         for w in writers:
             assert w.stop(10)
         peer.call("close", name)
+
+
+def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerProcess) -> None:
+    p, c = Engine(1, 1, 4, 6), Engine(1, 2, 4, 6)  # the consumer's stage r holds layer r
+    src, dst = [0, 1, 2], [5, 4, 3]
+    names = [unique("c0"), unique("c1")]
+    agents = tuple(
+        dataclasses.replace(peer.call("create", n, c.region_layout(r)), rank=r, **c.agent_fields(r))
+        for r, n in enumerate(names)
+    )
+    views = region_views(p.region_layout(0), seed=300)
+    recorder = Recorder()
+    writer = TransferWriter(
+        NixlEndpoint.from_tensors(unique("p"), views),
+        on_complete_parts=recorder.on_complete_parts,
+        on_revoked=recorder.on_revoked,
+        on_source_free=recorder.on_source_free,
+        layout=p.layout,
+    )
+    try:
+        writer.start()
+        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, dst, progressive=True)
+        writer.source_part("t", src, 12, (0, 1), prompt_tokens=12)
+        assert writer.barrier(5) and writer.parts_in_flight == 1  # one WRITE, into stage 0
+        writer.source_part("t", src, 12, (1, 2))
+        assert writer.barrier(5) and writer.parts_in_flight == 2
+
+        writer.source_ready("t", src)
+
+        received = peer.call("wait_all", {n: 1 for n in names}, 10.0)
+        assert all([(x.transfer_id, x.generation) for x in received[n]] == [("t", 1)] for n in names)
+        assert recorder.next(10) == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+        assert recorder.next() == Event("source_free", ("t",))
+        sources = [[v.numpy() for v in views]]
+        for r, n in enumerate(names):
+            got = [c.canonical(b) for b in peer.call("blocks", n)]
+            for g, w in zip(got, expected(p, c, sources, r, src, dst, 12, 12), strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=f"consumer rank {r}")
+    finally:
+        assert writer.stop(10)
+        for n in names:
+            peer.call("close", n)
