@@ -147,6 +147,11 @@ class Grid:
             if num_src < num_dst:
                 raise kvmap.BlockPairingError(f"{num_dst} target blocks but the prompt fills {num_src}")
             start = (num_src - num_dst) * bd
+            if target_tokens and target_tokens != prompt_tokens - start:  # the parts name the target's tokens
+                raise kvmap.BlockPairingError(
+                    f"a target of {target_tokens} tokens is not the last {num_dst} blocks of a {prompt_tokens}-token"
+                    " prompt"
+                )
         else:
             runs = kvmap.token_runs(num_src, num_dst, bp, bd, prompt_tokens, target_tokens)
             start = prompt_tokens - target_tokens
