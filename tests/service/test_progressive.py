@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from rendezvous.core import Limits, Timeouts
-from rendezvous.server import ServerConfig
+from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.service.conftest import LAYOUT, agent, engine_request
@@ -61,13 +61,20 @@ async def complete(
     return response.results[0]
 
 
+def written_parts(server: RendezvousServer) -> float:
+    """The service's count of parts in accepted completions (rendezvous_written_parts)."""
+    return server.metrics.registry.get_sample_value("rendezvous_written_parts_total") or 0.0
+
+
 async def refusal(stub: Stub, result: pb.ItemResult) -> tuple[int, str, int]:
     """A refused item's status code and reason, and its transfer's state now."""
     t = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id=result.transfer_id))).transfer
     return result.status.code, item_reason(result.status), t.state
 
 
-async def test_the_producer_sees_a_progressive_target_and_its_complete_parts_commit(stub: Stub) -> None:
+async def test_the_producer_sees_a_progressive_target_and_its_complete_parts_commit(
+    stub: Stub, server: RendezvousServer
+) -> None:
     _, p = await register_pair(stub)
     watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
     await watch.read()
@@ -77,6 +84,7 @@ async def test_the_producer_sees_a_progressive_target_and_its_complete_parts_com
     assert assigned.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED and assigned.transfer.progressive
     layers = [P(first_token=0, num_tokens=32, first_layer=layer, num_layers=1) for layer in range(LAYERS)]
     assert (await complete(stub, "t1", *layers)).state == pb.TRANSFER_STATE_COMMITTED
+    assert written_parts(server) == LAYERS
     got = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t1"))).transfer
     assert got.progressive and got.num_tokens == 32
     watch.cancel()
@@ -94,7 +102,7 @@ async def test_the_producer_sees_a_progressive_target_and_its_complete_parts_com
     ids=["incomplete", "overlap", "past-the-tokens", "past-the-layers", "too-many"],
 )
 async def test_bad_parts_are_refused_and_the_transfer_stays_matched(
-    stub: Stub, parts: list[pb.WrittenPart], code: grpc.StatusCode, reason: str
+    stub: Stub, server: RendezvousServer, parts: list[pb.WrittenPart], code: grpc.StatusCode, reason: str
 ) -> None:
     d, _ = await register_pair(stub)
     watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=d.watch_start_revision))
@@ -102,6 +110,7 @@ async def test_bad_parts_are_refused_and_the_transfer_stays_matched(
     await target(stub, "t1", num_tokens=32, progressive=True)
     await claim(stub, "t1")
     assert await refusal(stub, await complete(stub, "t1", *parts)) == (code.value[0], reason, pb.TRANSFER_STATE_MATCHED)
+    assert written_parts(server) == 0  # a refused report's parts are not counted
     # A later transfer's abort is the consumer's next event: no TRANSFER_COMMITTED came before it.
     await target(stub, "t2")
     await claim(stub, "t2")
