@@ -21,24 +21,11 @@ import numpy as np
 import numpy.typing as npt
 
 from rendezvous.protocol import kvmap
-from rendezvous.protocol.records import KvLayout, NixlAgent
+from rendezvous.protocol.records import KvLayout, NixlAgent, WrittenPart
 
 __all__ = ["Columns", "Computed", "Grid", "Rectangle", "WrittenPart", "rectangles"]
 
 _Ints = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, slots=True)
-class WrittenPart:
-    """A rectangle of a target written by one producer rank: target tokens x layers (CompleteTransfer's parts).
-
-    `first_token` 0 is the first of the target's tokens; `num_layers` 0 means all the model's layers.
-    """
-
-    first_token: int
-    num_tokens: int
-    first_layer: int
-    num_layers: int
 
 
 @dataclass(frozen=True, slots=True)

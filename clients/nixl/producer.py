@@ -374,8 +374,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             info.target_block_ids,
             prompt_tokens=prompt_tokens or 0,
             target_tokens=info.num_tokens,
-            # TransferInfo.progressive: added by the protocol branch
-            progressive=getattr(info, "progressive", False),
+            progressive=info.progressive,
         )
 
     def _end(self, transfer_id: str) -> None:
@@ -406,8 +405,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
         span.set_attribute("kv_rendezvous.generation", generation)
         span.set_attribute("kv_rendezvous.ok", ok)
         with tracing.activate(span):  # CompleteTransfer is its child
-            # `parts` go into CompletionSpec once the protocol branch adds the field
-            future = completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
+            spec = CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,), parts if ok else ())
+            future = completions.submit(spec)
         span.end()
         times = (ready_time, assigned, written)
         future.add_done_callback(lambda f: self._completed(transfer_id, generation, ok, error, times, parts, f))
