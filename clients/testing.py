@@ -113,6 +113,11 @@ class TestServer:
         """The running server's store epoch."""
         return self._server.epoch
 
+    @property
+    def server(self) -> Any:
+        """The running `rendezvous.server.RendezvousServer`, for inspection (e.g. its metrics registry)."""
+        return self._server.server
+
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
             coroutine.close()

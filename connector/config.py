@@ -65,6 +65,10 @@ class ConnectorConfig:
     0 = no limit. Set it to what the engine can hold, e.g. vLLM's --max-num-seqs."""
     max_blocks: int = 0
     """Decode engines: the target KV blocks admitted at once (e.g. the engine's GPU block count); 0 = no limit."""
+    progressive: bool = False
+    """Progressive push (docs/protocol.md). Decode: accept KV written in parts while prefill computes. Prefill:
+    write each finished chunk of a chunked prefill before the next chunk is computed, into a decode that
+    accepts it (else the KV goes in one write at the end, as without it). Decode starts on the final commit."""
 
     @property
     def uses_tls(self) -> bool:
@@ -101,7 +105,17 @@ class ConnectorConfig:
         for name, count in ints.items():
             if count < 0:
                 raise ValueError(f"{name} must not be negative, got {count}")
+        flags = {k: _flag(k, extra.pop(k)) for k in ("progressive",) if k in extra}
         strings = {k: str(v) for k, v in extra.items()}
         if ("tls_cert" in strings) != ("tls_key" in strings):
             raise ValueError("tls_cert and tls_key go together (mTLS)")
-        return cls(rendezvous=targets, labels=labels, **floats, **ints, **strings)  # type: ignore[arg-type]
+        return cls(rendezvous=targets, labels=labels, **floats, **ints, **flags, **strings)  # type: ignore[arg-type]
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A JSON boolean, or "true"/"false" as a command line may pass it."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"{key} must be true or false, got {value!r}")

@@ -18,7 +18,10 @@ thread-safe sets, never waiting on the network.
 - Producer (prefill): `on_new_request` claims the transfer at admission; `request_finished` keeps the
   request's prompt blocks (delay_free) and hands them to the worker's `ProducerAgent`, which WRITEs them once
   the consumer's target is assigned. The request id comes back in `finished_sending` once the WRITE is done or
-  the transfer ended otherwise (aborted, timed out): only then does vLLM free the blocks.
+  the transfer ended otherwise (aborted, timed out): only then does vLLM free the blocks. With `progressive`
+  (chunked prefill), each step that leaves a claimed prompt unfinished hands the writer what it computed once
+  the step's forward is done (`wait_for_save` -> `ProducerAgent.ready_part`), so the chunk's full blocks are
+  written while the next chunk is computed.
 - Consumer (decode): `get_num_new_matched_tokens` asks for the prompt tokens not computed locally (async);
   `update_state_after_alloc` turns the allocated blocks into a target registered by the worker's
   `ConsumerAgent` (one batch per step). Arrival is reported in `finished_recving`; a failed transfer is
@@ -90,6 +93,10 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     """Producer: (request id, transfer id, source block ids, prompt tokens) whose KV is computed."""
     aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """Both: (request id, transfer id) of requests that ended before their transfer did."""
+    parts: list[tuple[str, list[int], int, int]] = dataclasses.field(default_factory=list)
+    """Producer, progressive: (transfer id, the prompt's blocks so far, tokens computed once this step's forward is
+    done, prompt tokens) of prompts prefilled in chunks, for every chunk but the last (which goes out with
+    `ready`)."""
     traces: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """Both: transfer id -> the router's trace context (`traceparent`), for the transfers above that have one."""
     bindings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -97,7 +104,7 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     one; presented with the half (docs/security.md, Bindings)."""
 
     def __bool__(self) -> bool:
-        return bool(self.targets or self.claims or self.ready or self.aborts)
+        return bool(self.targets or self.claims or self.ready or self.aborts or self.parts)
 
 
 def _transfer_id(request: Request) -> str | None:
@@ -133,7 +140,8 @@ class RendezvousConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(self._producer, self.block_size, self.engine_id)
+            progressive = self._config.progressive
+            self._scheduler = _SchedulerSide(self._producer, self.block_size, self.engine_id, progressive)
         else:
             self._worker = _WorkerSide(self._config, self._producer, self.engine_id, vllm_config, kv_cache_config)
 
@@ -153,7 +161,7 @@ class RendezvousConnector(KVConnectorBase_V1):
         self._sched().new_request(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_meta()
+        return self._sched().build_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().finished(request, block_ids)
@@ -187,7 +195,9 @@ class RendezvousConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        return
+        meta = self._connector_metadata  # the step's forward is done: its chunks' KV is in the blocks
+        if isinstance(meta, RendezvousConnectorMetadata) and meta.parts:
+            self._work().submit_parts(meta.parts)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -203,13 +213,23 @@ class RendezvousConnector(KVConnectorBase_V1):
             self._worker.stop()
 
 
+@dataclasses.dataclass
+class _Prefill:
+    """A claimed prompt still prefilling (progressive push): its transfer, length and blocks so far."""
+
+    transfer_id: str
+    prompt_tokens: int
+    blocks: list[int] = dataclasses.field(default_factory=list)
+
+
 class _SchedulerSide:
     """Bookkeeping in the engine-core process: what each step asks of the worker."""
 
-    def __init__(self, producer: bool, block_size: int, engine_id: str) -> None:
+    def __init__(self, producer: bool, block_size: int, engine_id: str, progressive: bool = False) -> None:
         self.producer = producer
         self.block_size = block_size
         self.engine_id = engine_id
+        self.progressive = progressive
         self.meta = RendezvousConnectorMetadata()
         self.transfer_of: dict[str, str] = {}
         """Consumer: requests whose target was registered and has not arrived. Producer: claimed requests."""
@@ -217,6 +237,8 @@ class _SchedulerSide:
         """Producer: requests whose blocks the worker holds until the WRITE ends."""
         self.consumed: set[str] = set()
         """Consumer: requests that asked for their KV once (a preempted request recomputes instead)."""
+        self.chunked: dict[str, _Prefill] = {}
+        """Producer, progressive: claimed requests still prefilling, with their blocks so far."""
 
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self.producer or request.request_id in self.consumed or _transfer_id(request) is None:
@@ -242,6 +264,36 @@ class _SchedulerSide:
             self.meta.claims.append((request.request_id, transfer_id))
             self._trace(request, transfer_id)
             self.transfer_of[request.request_id] = transfer_id
+            if self.progressive:
+                self.chunked[request.request_id] = _Prefill(transfer_id, len(request.prompt_token_ids or ()))
+
+    def _chunks(self, output: SchedulerOutput) -> None:
+        """Producer, progressive: a prompt whose prefill this step does not finish hands over what it will have
+        computed once the step's forward is done (its full blocks go out before the next chunk is computed)."""
+        for new in output.scheduled_new_reqs:
+            prefill = self.chunked.get(new.req_id)
+            if prefill is not None:
+                prefill.blocks = list(new.block_ids[0])
+                self._chunk(new.req_id, prefill, new.num_computed_tokens, output)
+        cached = output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            prefill = self.chunked.get(request_id)
+            if prefill is None:
+                continue
+            added = cached.new_block_ids[i]
+            if added is not None:
+                prefill.blocks = (
+                    list(added[0]) if request_id in cached.resumed_req_ids else prefill.blocks + list(added[0])
+                )
+            self._chunk(request_id, prefill, cached.num_computed_tokens[i], output)
+
+    def _chunk(self, request_id: str, prefill: _Prefill, computed: int, output: SchedulerOutput) -> None:
+        done = computed + output.num_scheduled_tokens.get(request_id, 0)
+        if done >= prefill.prompt_tokens:  # the last chunk: `ready` hands the rest over when the request ends
+            del self.chunked[request_id]
+        elif done // self.block_size > 0:
+            blocks = prefill.blocks[: _cdiv(done, self.block_size)]
+            self.meta.parts.append((prefill.transfer_id, blocks, done, prefill.prompt_tokens))
 
     def _trace(self, request: Request, transfer_id: str) -> None:
         context = trace_context(request.kv_transfer_params)
@@ -251,7 +303,9 @@ class _SchedulerSide:
         if binding is not None:
             self.meta.bindings[transfer_id] = binding
 
-    def build_meta(self) -> RendezvousConnectorMetadata:
+    def build_meta(self, output: SchedulerOutput) -> RendezvousConnectorMetadata:
+        if self.chunked:
+            self._chunks(output)
         meta, self.meta = self.meta, RendezvousConnectorMetadata()
         return meta
 
@@ -260,6 +314,7 @@ class _SchedulerSide:
 
         request_id = request.request_id
         self.consumed.discard(request_id)
+        self.chunked.pop(request_id, None)
         transfer_id = self.transfer_of.pop(request_id, None)
         if transfer_id is None:
             return False, None
@@ -480,6 +535,12 @@ class _WorkerSide:
             raise RuntimeError("the rendezvous connector's worker is not started (register_kv_caches)")
         self._thread.call(self._handle, meta)
 
+    def submit_parts(self, parts: list[tuple[str, list[int], int, int]]) -> None:
+        """Hand the chunks computed by the step's forward to the writer (after the forward, never before)."""
+        if self._thread is None:
+            raise RuntimeError("the rendezvous connector's worker is not started (register_kv_caches)")
+        self._thread.call(self._hand_parts, parts)
+
     def take_results(self) -> KVConnectorTransferResults:
         with self._lock:
             results = KVConnectorTransferResults(self._sent, self._received, self._failed)
@@ -550,6 +611,7 @@ class _WorkerSide:
                     timeout=self.config.transfer_timeout,
                     num_tokens=num_tokens,
                     binding=self._bindings.pop(transfer_id, None),
+                    progressive=self.config.progressive,
                 )
         except Exception as e:
             logger.warning("RegisterTarget %s failed: %s", transfer_id, e)
@@ -636,6 +698,13 @@ class _WorkerSide:
             logger.warning("transfer %s: source not accepted: %s", transfer_id, e)
             await self._abort_transfer(transfer_id, f"prefill failed to hand over its KV: {e}")
             self._report_sent(request_id)
+
+    def _hand_parts(self, parts: list[tuple[str, list[int], int, int]]) -> None:
+        for transfer_id, block_ids, computed, prompt_tokens in parts:
+            try:  # the writer posts it once the consumer's blocks are assigned, if the consumer accepts parts
+                self._producer_agent().ready_part(transfer_id, block_ids, computed, prompt_tokens=prompt_tokens)
+            except Exception as e:  # the final `ready` still writes everything
+                logger.warning("transfer %s: chunk not handed over: %s", transfer_id, e)
 
     # Both
 

@@ -96,3 +96,15 @@ def test_a_decode_engine_declares_its_capacity() -> None:
     assert ConnectorConfig.from_extra_config({"rendezvous": "a:1"}).max_transfers == 0  # no limit
     with pytest.raises(ValueError, match="max_transfers must not be negative"):
         ConnectorConfig.from_extra_config({"rendezvous": "a:1", "max_transfers": -1})
+
+
+@pytest.mark.parametrize(("value", "expected"), [(True, True), (False, False), ("true", True), ("False", False)])
+def test_progressive_push_is_a_flag(value: object, expected: bool) -> None:
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1", "progressive": value}).progressive is expected
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1"}).progressive is False
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_progressive_push_refuses_what_is_not_a_boolean(value: object) -> None:
+    with pytest.raises(ValueError, match="progressive must be true or false"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "progressive": value})

