@@ -7,6 +7,7 @@ that the chunks did go out as parts."""
 
 from __future__ import annotations
 
+import urllib.error
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from clients import TransferState
+from clients import AbortSpec, TransferState
+from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
 from tests.vllm.conftest import running_router, wait_blocks_free, wait_committed, wait_state
@@ -110,3 +112,33 @@ def test_through_the_router_chunked_prompts_answer_as_a_plain_engine(
             text = router.complete(prompt, 16)["choices"][0]["text"]
             assert text == reference_text(reference, prompt, 16), length
     wait_blocks_free(prefill, decode)
+
+
+def test_a_transfer_aborted_while_prefill_computes_fails_cleanly_and_both_engines_go_on(
+    engines: tuple[Engine, Engine, Engine], progressive_pair: tuple[Engine, Engine], rendezvous: TestServer
+) -> None:
+    """Aborted once matched, while prefill works through its chunks (parts may be in flight): decode answers an
+    error (its failure policy is "fail"), never garbage; prefill lets go of its blocks once no write is in flight;
+    and the next request through the pair answers as a plain engine."""
+    _, _, reference = engines
+    prefill, decode = progressive_pair
+    prompt = token_prompt(14 * BLOCK_SIZE + 3, seed=16400)
+    transfer_id = uuid.uuid4().hex
+    params: dict[str, Any] = {"kv_transfer_params": {"transfer_id": transfer_id}}
+    with ThreadPoolExecutor(2) as pool:
+        decoded = pool.submit(decode.complete, prompt, MAX_TOKENS, **params)
+        wait_state(rendezvous, transfer_id, {TransferState.TARGETED})
+        prefilled = pool.submit(prefill.complete, prompt, 1, **params)
+        wait_state(rendezvous, transfer_id, {TransferState.MATCHED})
+        with RendezvousClient(rendezvous.address) as client:
+            client.abort_transfer("", AbortSpec(transfer_id, "aborted by the test"))
+        with pytest.raises(urllib.error.HTTPError) as error:
+            decoded.result(120)
+        prefilled.result(120)
+    assert error.value.code == 500
+    wait_state(rendezvous, transfer_id, {TransferState.ABORTED})
+    wait_blocks_free(prefill, decode)
+    again = token_prompt(6 * BLOCK_SIZE + 1, seed=16500)
+    transfer_id, text = decode_first(prefill, decode, again, rendezvous)
+    assert text == reference_text(reference, again)
+    wait_committed(rendezvous, transfer_id)
