@@ -69,6 +69,9 @@ class ConnectorConfig:
     """Progressive push (docs/protocol.md). Decode: accept KV written in parts while prefill computes. Prefill:
     write each finished chunk of a chunked prefill before the next chunk is computed, into a decode that
     accepts it (else the KV goes in one write at the end, as without it). Decode starts on the final commit."""
+    progressive_layers: bool = False
+    """Prefill, with `progressive`: hand each layer's KV over as the forward pass computes it (`save_kv_layer`),
+    so a layer is written while the next ones compute, in every chunk including the last."""
 
     @property
     def uses_tls(self) -> bool:
@@ -105,7 +108,9 @@ class ConnectorConfig:
         for name, count in ints.items():
             if count < 0:
                 raise ValueError(f"{name} must not be negative, got {count}")
-        flags = {k: _flag(k, extra.pop(k)) for k in ("progressive",) if k in extra}
+        flags = {k: _flag(k, extra.pop(k)) for k in ("progressive", "progressive_layers") if k in extra}
+        if flags.get("progressive_layers") and not flags.get("progressive"):
+            raise ValueError("progressive_layers needs progressive")
         strings = {k: str(v) for k, v in extra.items()}
         if ("tls_cert" in strings) != ("tls_key" in strings):
             raise ValueError("tls_cert and tls_key go together (mTLS)")

@@ -97,6 +97,9 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     """Producer, progressive: (transfer id, the prompt's blocks so far, tokens computed once this step's forward is
     done, prompt tokens) of prompts prefilled in chunks, for every chunk but the last (which goes out with
     `ready`)."""
+    layer_parts: list[tuple[str, list[int], int, int]] = dataclasses.field(default_factory=list)
+    """Producer, progressive by layer: the same for every claimed prompt the step computes, its last chunk too;
+    each layer's KV goes to the writer as soon as the forward pass computed it (`save_kv_layer`)."""
     traces: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """Both: transfer id -> the router's trace context (`traceparent`), for the transfers above that have one."""
     bindings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -104,7 +107,7 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     one; presented with the half (docs/security.md, Bindings)."""
 
     def __bool__(self) -> bool:
-        return bool(self.targets or self.claims or self.ready or self.aborts or self.parts)
+        return bool(self.targets or self.claims or self.ready or self.aborts or self.parts or self.layer_parts)
 
 
 def _transfer_id(request: Request) -> str | None:
@@ -140,7 +143,7 @@ class RendezvousConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            progressive = self._config.progressive
+            progressive = "layers" if self._config.progressive_layers else "chunks" if self._config.progressive else ""
             self._scheduler = _SchedulerSide(self._producer, self.block_size, self.engine_id, progressive)
         else:
             self._worker = _WorkerSide(self._config, self._producer, self.engine_id, vllm_config, kv_cache_config)
@@ -192,7 +195,9 @@ class RendezvousConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return
+        meta = self._connector_metadata  # this layer's forward is done: its KV is in the blocks
+        if isinstance(meta, RendezvousConnectorMetadata) and meta.layer_parts:
+            self._work().submit_layer(layer_name, meta.layer_parts)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata  # the step's forward is done: its chunks' KV is in the blocks
@@ -225,11 +230,12 @@ class _Prefill:
 class _SchedulerSide:
     """Bookkeeping in the engine-core process: what each step asks of the worker."""
 
-    def __init__(self, producer: bool, block_size: int, engine_id: str, progressive: bool = False) -> None:
+    def __init__(self, producer: bool, block_size: int, engine_id: str, progressive: str = "") -> None:
         self.producer = producer
         self.block_size = block_size
         self.engine_id = engine_id
         self.progressive = progressive
+        """Producer: "" (one write at the end), "chunks" (each chunk but the last once computed) or "layers"."""
         self.meta = RendezvousConnectorMetadata()
         self.transfer_of: dict[str, str] = {}
         """Consumer: requests whose target was registered and has not arrived. Producer: claimed requests."""
@@ -289,11 +295,13 @@ class _SchedulerSide:
 
     def _chunk(self, request_id: str, prefill: _Prefill, computed: int, output: SchedulerOutput) -> None:
         done = computed + output.num_scheduled_tokens.get(request_id, 0)
-        if done >= prefill.prompt_tokens:  # the last chunk: `ready` hands the rest over when the request ends
-            del self.chunked[request_id]
-        elif done // self.block_size > 0:
-            blocks = prefill.blocks[: _cdiv(done, self.block_size)]
+        blocks = prefill.blocks[: _cdiv(done, self.block_size)]
+        if self.progressive == "layers":
+            self.meta.layer_parts.append((prefill.transfer_id, blocks, done, prefill.prompt_tokens))
+        elif done < prefill.prompt_tokens and done >= self.block_size:  # not the last: that goes out with `ready`
             self.meta.parts.append((prefill.transfer_id, blocks, done, prefill.prompt_tokens))
+        if done >= prefill.prompt_tokens:
+            del self.chunked[request_id]
 
     def _trace(self, request: Request, transfer_id: str) -> None:
         context = trace_context(request.kv_transfer_params)
@@ -371,6 +379,7 @@ class _WorkerSide:
         self._traces: dict[str, dict[str, str]] = {}  # transfer id -> the router's trace context, until used
         self._bindings: dict[str, Binding] = {}  # transfer id -> the router's binding, until the half is taken
         self._receiving: dict[str, tracing.Span] = {}  # consumer: transfer id -> connector.receive
+        self._layer_of: dict[str, int] = {}  # layer name -> index of its KV tensor (its layer column), at start
 
     # Start and stop (called by the model runner's thread)
 
@@ -436,12 +445,12 @@ class _WorkerSide:
         """One [num_blocks, ...] tensor per distinct layer cache, in layer order, block = scheduler block."""
         num_blocks = self.kv_cache_config.num_blocks
         tensors: list[torch.Tensor] = []
-        seen: set[tuple[int, tuple[int, ...]]] = set()
+        seen: dict[tuple[int, tuple[int, ...]], int] = {}
         for name, t in kv_caches.items():
             key = (t.data_ptr(), tuple(t.shape))
-            if key in seen:
+            self._layer_of[name] = seen.setdefault(key, len(seen))
+            if self._layer_of[name] < len(tensors):
                 continue
-            seen.add(key)
             if t.shape[0] != num_blocks:
                 if t.shape[0] % num_blocks or not t.is_contiguous():
                     raise ValueError(
@@ -534,6 +543,13 @@ class _WorkerSide:
         if self._thread is None:
             raise RuntimeError("the rendezvous connector's worker is not started (register_kv_caches)")
         self._thread.call(self._handle, meta)
+
+    def submit_layer(self, layer_name: str, parts: list[tuple[str, list[int], int, int]]) -> None:
+        """Hand one layer's KV, just computed, of the step's prompts to the writer."""
+        layer = self._layer_of.get(layer_name)
+        if self._thread is None or layer is None:
+            raise RuntimeError(f"the rendezvous connector's worker does not know layer {layer_name!r}")
+        self._thread.call(self._hand_parts, parts, (layer, layer + 1))
 
     def submit_parts(self, parts: list[tuple[str, list[int], int, int]]) -> None:
         """Hand the chunks computed by the step's forward to the writer (after the forward, never before)."""
@@ -699,10 +715,10 @@ class _WorkerSide:
             await self._abort_transfer(transfer_id, f"prefill failed to hand over its KV: {e}")
             self._report_sent(request_id)
 
-    def _hand_parts(self, parts: list[tuple[str, list[int], int, int]]) -> None:
+    def _hand_parts(self, parts: list[tuple[str, list[int], int, int]], layers: tuple[int, int] | None = None) -> None:
         for transfer_id, block_ids, computed, prompt_tokens in parts:
             try:  # the writer posts it once the consumer's blocks are assigned, if the consumer accepts parts
-                self._producer_agent().ready_part(transfer_id, block_ids, computed, prompt_tokens=prompt_tokens)
+                self._producer_agent().ready_part(transfer_id, block_ids, computed, layers, prompt_tokens=prompt_tokens)
             except Exception as e:  # the final `ready` still writes everything
                 logger.warning("transfer %s: chunk not handed over: %s", transfer_id, e)
 

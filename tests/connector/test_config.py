@@ -108,3 +108,10 @@ def test_progressive_push_is_a_flag(value: object, expected: bool) -> None:
 def test_progressive_push_refuses_what_is_not_a_boolean(value: object) -> None:
     with pytest.raises(ValueError, match="progressive must be true or false"):
         ConnectorConfig.from_extra_config({"rendezvous": "a:1", "progressive": value})
+
+
+def test_progressive_layers_needs_progressive() -> None:
+    config = ConnectorConfig.from_extra_config({"rendezvous": "a:1", "progressive": True, "progressive_layers": True})
+    assert config.progressive and config.progressive_layers
+    with pytest.raises(ValueError, match="progressive_layers needs progressive"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "progressive_layers": True})

@@ -2,8 +2,8 @@
 (`--max-num-batched-tokens 32`) writes each finished chunk into a decode engine that accepts parts, before the next
 chunk is computed; decode starts on the final commit only, and answers exactly what a plain engine answers, with
 legs sent straight to the engines and through the router, also when decode holds the prompt's first blocks (a
-prefix-cache hit: the target is shorter than the prompt). The service counts the parts it accepted, which tells
-that the chunks did go out as parts."""
+prefix-cache hit: the target is shorter than the prompt). Another prefill engine hands each layer's KV over as the
+forward pass computes it. The service counts the parts it accepted, which tells that the KV did go out in parts."""
 
 from __future__ import annotations
 
@@ -43,6 +43,19 @@ def progressive_pair(tiny_model: Path, rendezvous: TestServer, engine_logs: Path
         running_engine("decode-parts", tiny_model, engine_logs, consumer) as decode,
     ):
         yield prefill, decode
+
+
+@pytest.fixture(scope="module")
+def layer_prefill(
+    tiny_model: Path, rendezvous: TestServer, engine_logs: Path, progressive_pair: tuple[Engine, Engine]
+) -> Iterator[Engine]:
+    """A producer (pool "prefill-layers") that hands each layer's KV over as the forward pass computes it."""
+    config = partial(
+        connector_config, "kv_producer", rendezvous.address, "prefill-layers", progressive=True, progressive_layers=True
+    )
+    chunked = ["--max-num-batched-tokens", str(4 * CHUNK)]
+    with running_engine("prefill-layers", tiny_model, engine_logs, config, extra_args=chunked) as engine:
+        yield engine
 
 
 def written_parts(rendezvous: TestServer) -> float:
@@ -142,3 +155,26 @@ def test_a_transfer_aborted_while_prefill_computes_fails_cleanly_and_both_engine
     transfer_id, text = decode_first(prefill, decode, again, rendezvous)
     assert text == reference_text(reference, again)
     wait_committed(rendezvous, transfer_id)
+
+
+def test_layer_by_layer_the_kv_goes_out_as_the_forward_computes_it(
+    engines: tuple[Engine, Engine, Engine],
+    progressive_pair: tuple[Engine, Engine],
+    layer_prefill: Engine,
+    rendezvous: TestServer,
+) -> None:
+    """Every chunk, the last one too, goes out a layer at a time (save_kv_layer): prompts of one chunk and of
+    several, and again with both engines' prefix caches holding the first blocks."""
+    _, _, reference = engines
+    _, decode = progressive_pair
+    for length in (3 * BLOCK_SIZE + 1, 9 * BLOCK_SIZE + 17):
+        prompt = token_prompt(length, seed=16600 + length)
+        parts = written_parts(rendezvous)
+        transfer_id, text = decode_first(layer_prefill, decode, prompt, rendezvous)
+        assert text == reference_text(reference, prompt), length
+        wait_committed(rendezvous, transfer_id)
+        assert written_parts(rendezvous) > parts, length
+        transfer_id, text, _ = disaggregated(layer_prefill, decode, prompt)
+        assert text == reference_text(reference, prompt), length
+        wait_committed(rendezvous, transfer_id)
+    wait_blocks_free(layer_prefill, decode)
