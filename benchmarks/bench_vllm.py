@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_vllm.py                       # default: all modes, 1 and 4 req/s
     .venv/bin/python benchmarks/bench_vllm.py --modes plain,pull,ours --rates 2 --requests 12
     .venv/bin/python benchmarks/bench_vllm.py --tp 2 --modes ours,pull   # TP 2 on both sides
+    .venv/bin/python benchmarks/bench_vllm.py --modes plain,ours,ours-progressive --prefill-chunk 64
 
 Modes (each but `plain` a prefill engine, a decode engine and a proxy in front of them; all on 127.0.0.1):
 
@@ -20,6 +21,10 @@ Modes (each but `plain` a prefill engine, a decode engine and a proxy in front o
 - `ours`: a `kv-rendezvous serve` process, `RendezvousConnector` on both engines, and `python -m connector.router`.
   Each request's TTFT is also split into phases from the service's record of its transfer
   (benchmarks/vllm_phases.py), reported as medians (`phases_p50_ms`).
+- `ours-progressive` (not in the default set): `ours` with progressive push on both engines: with chunked
+  prefill (`--prefill-chunk N`, applied to every engine that prefills, plain included, so the modes compute
+  alike) each finished chunk is written while the next one computes (`--progressive-layers`: each layer as the
+  forward computes it). Its TTFT over `ours`'s is reported as `ours-progressive/ours`.
 
 The pull and push proxies are this file run as a subprocess (`--proxy pull|push`), like the router for `ours`,
 so no proxy shares a process with the load generator.
@@ -83,7 +88,8 @@ from connector.launch import (  # noqa: E402
 )
 from connector.router import TRANSFER_ID_HEADER  # noqa: E402
 
-ALL_MODES = ("plain", "pull", "push", "ours")
+ALL_MODES = ("plain", "pull", "push", "ours", "ours-progressive")
+DEFAULT_MODES = ALL_MODES[:4]
 GIB = 1024**3
 ENGINE_GIB = 3.0  # per engine, with margin (measured ~2.8 GiB)
 REQUEST_TIMEOUT = 180.0
@@ -264,12 +270,28 @@ def nixl_config(connector: str, role: str, engine_id: str, num_threads: int | No
     return config
 
 
-def tp_args(tp: int) -> list[str]:
-    """Engine arguments for `tp` tensor-parallel ranks (none for 1)."""
-    return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+@dataclass(frozen=True)
+class Setup:
+    """What the modes' engines share."""
+
+    tp: int = 1
+    """Tensor-parallel size of every engine."""
+    nixl_threads: int | None = 1
+    """NIXL num_threads of pull and push."""
+    prefill_chunk: int = 0
+    """`--max-num-batched-tokens` of every engine that prefills (plain and each prefill engine): chunked prefill
+    in steps of this many tokens; 0 = vLLM's default."""
+    progressive_layers: bool = False
+    """ours-progressive hands KV over layer by layer (`progressive_layers`), not only chunk by chunk."""
+
+    def engine_args(self, prefills: bool) -> list[str]:
+        args = ["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []
+        if prefills and self.prefill_chunk:
+            args += ["--max-num-batched-tokens", str(self.prefill_chunk)]
+        return args
 
 
-def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | None, tp: int) -> Deployment:
+def start_nixl_mode(mode: str, model: Path, log_dir: Path, setup: Setup) -> Deployment:
     """Start a prefill and a decode engine with NixlConnector (pull) or NixlPushConnector (push)."""
     connector = "NixlConnector" if mode == "pull" else "NixlPushConnector"
     deployment = Deployment(mode)
@@ -277,8 +299,9 @@ def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | No
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         engine_id = PREFILL_ENGINE_ID if role == "prefill" else f"bench-{mode}-decode"
         env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[role])}
-        config = nixl_config(connector, kv_role, engine_id, num_threads)
-        engine = start_engine(f"{mode}-{role}", model, log_dir, free_port(), config, env=env, extra_args=tp_args(tp))
+        config = nixl_config(connector, kv_role, engine_id, setup.nixl_threads)
+        extra = setup.engine_args(role == "prefill")
+        engine = start_engine(f"{mode}-{role}", model, log_dir, free_port(), config, env=env, extra_args=extra)
         deployment.processes.append(engine)
     prefill, decode = deployment.engines()
     port = free_port()
@@ -291,7 +314,7 @@ def start_nixl_mode(mode: str, model: Path, log_dir: Path, num_threads: int | No
         "--prefill-side-port",
         str(side_ports["prefill"]),
         "--tp",
-        str(tp),
+        str(setup.tp),
     ]
     log = log_dir / f"{mode}-proxy.log"
     with log.open("wb") as out:
@@ -313,43 +336,48 @@ def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60.0
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
 
 
-def start_plain(model: Path, log_dir: Path, tp: int) -> Deployment:
+def start_plain(model: Path, log_dir: Path, setup: Setup) -> Deployment:
     """Start one engine without a connector; requests go straight to it."""
-    engine = start_engine("plain", model, log_dir, free_port(), None, extra_args=tp_args(tp))
+    engine = start_engine("plain", model, log_dir, free_port(), None, extra_args=setup.engine_args(True))
     return Deployment("plain", url=engine.url, processes=[engine])
 
 
-def start_ours(model: Path, log_dir: Path, tp: int) -> Deployment:
-    """Start a kv-rendezvous server, a prefill and a decode engine with RendezvousConnector, and our router."""
-    deployment = Deployment("ours")
+def start_ours(model: Path, log_dir: Path, setup: Setup, mode: str = "ours") -> Deployment:
+    """Start a kv-rendezvous server, a prefill and a decode engine with RendezvousConnector, and our router;
+    mode "ours-progressive" turns progressive push on in both engines."""
+    deployment = Deployment(mode)
+    progressive: dict[str, Any] = {}
+    if mode == "ours-progressive":
+        progressive = {"progressive": True, "progressive_layers": setup.progressive_layers}
     rendezvous_port = free_port()
     argv = [str(REPO / ".venv" / "bin" / "kv-rendezvous"), "serve", "--listen", f"127.0.0.1:{rendezvous_port}"]
     argv += ["--metrics-listen", "off"]
-    with (log_dir / "ours-rendezvous.log").open("wb") as out:
+    with (log_dir / f"{mode}-rendezvous.log").open("wb") as out:
         server = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deployment.processes.append(server)
     wait_port(rendezvous_port, server)
     address = deployment.rendezvous = f"127.0.0.1:{rendezvous_port}"
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()
-        config = connector_config(kv_role, address, role, port)
-        engine = start_engine(f"ours-{role}", model, log_dir, port, config, extra_args=tp_args(tp))
+        config = connector_config(kv_role, address, role, port, **progressive)
+        extra = setup.engine_args(role == "prefill")
+        engine = start_engine(f"{mode}-{role}", model, log_dir, port, config, extra_args=extra)
         deployment.processes.append(engine)
     port = free_port()
     router_args = ["--rendezvous", address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
-    deployment.processes.append(start_router(log_dir, port, router_args, name="ours-router"))
+    deployment.processes.append(start_router(log_dir, port, router_args, name=f"{mode}-router"))
     deployment.url = f"http://127.0.0.1:{port}"
     return deployment
 
 
-def start_mode(mode: str, model: Path, log_dir: Path, nixl_threads: int | None, tp: int) -> Deployment:
+def start_mode(mode: str, model: Path, log_dir: Path, setup: Setup) -> Deployment:
     """Start a mode's processes (not yet healthy); a failure to start is recorded, not raised."""
     try:
-        if mode == "ours":
-            return start_ours(model, log_dir, tp)
+        if mode.startswith("ours"):
+            return start_ours(model, log_dir, setup, mode)
         if mode == "plain":
-            return start_plain(model, log_dir, tp)
-        return start_nixl_mode(mode, model, log_dir, nixl_threads, tp)
+            return start_plain(model, log_dir, setup)
+        return start_nixl_mode(mode, model, log_dir, setup)
     except Exception as exc:
         return Deployment(mode, error=f"start failed: {exc!r}")
 
@@ -607,7 +635,7 @@ def format_table(by_rate: dict[str, dict[str, dict[str, Any]]]) -> str:
         for mode, s in summaries.items():
             cells = " ".join(f"{s[c]:11.1f}" if c in s else f"{'-':>11}" for c in columns)
             lines.append(f"{rate:>5} {mode:<5} {s['ok']:>3}/{s['requests']:<3} {cells}")
-        for mode in ("pull", "push"):
+        for mode in ("pull", "push", "ours-progressive"):
             if mode in summaries and "ours" in summaries:
                 values = [ratio(summaries, mode, c) for c in columns]
                 cells = " ".join(f"{v:11.2f}" if v is not None else f"{'-':>11}" for v in values)
@@ -671,14 +699,12 @@ def choose_layout(requested: str, modes: Sequence[str], tp: int = 1) -> str:
 
 
 @contextlib.contextmanager
-def deployed(
-    modes: Sequence[str], model: Path, log_dir: Path, nixl_threads: int | None, tp: int
-) -> Iterator[list[Deployment]]:
+def deployed(modes: Sequence[str], model: Path, log_dir: Path, setup: Setup) -> Iterator[list[Deployment]]:
     """Start `modes` in parallel, wait until ready, and stop them all on exit (also on errors and Ctrl-C)."""
     deployments: list[Deployment] = []
     try:
         for mode in modes:
-            deployments.append(start_mode(mode, model, log_dir, nixl_threads, tp))
+            deployments.append(start_mode(mode, model, log_dir, setup))
         started = time.monotonic()
         wait_ready(deployments)
         print(f"modes {', '.join(modes)} ready in {time.monotonic() - started:.0f} s", flush=True)
@@ -723,7 +749,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     failures: dict[str, str] = {}
     started = time.monotonic()
     for group in groups:
-        with deployed(group, model, scratch, args.nixl_threads, args.tp) as deployments:
+        setup = Setup(args.tp, args.nixl_threads, args.prefill_chunk, args.progressive_layers)
+        with deployed(group, model, scratch, setup) as deployments:
             measured = asyncio.run(measure(deployments, args, vocab))
             for deployment in deployments:
                 add_phases(deployment, measured)
@@ -739,7 +766,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {
         rate: {f"{m}/ours": {c: ratio(s, m, c) for c in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms")}}
         for rate, s in by_rate.items()
-        for m in ("pull", "push")
+        for m in ("pull", "push", "ours-progressive")
         if m in s and "ours" in s
     }
     wrong = mismatches(results, args.modes)
@@ -760,6 +787,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "nixl_threads_pull_push": args.nixl_threads,
             "tensor_parallel_size": args.tp,
+            "prefill_chunk": args.prefill_chunk,
+            "progressive_layers": args.progressive_layers,
             "layout": layout,
             "block_size": BLOCK_SIZE,
             "max_model_len": MAX_MODEL_LEN,
@@ -801,7 +830,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=parse_prompt_len, default=(128, 384), help="N or LOW-HIGH tokens")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument(
-        "--modes", type=parse_modes, default=ALL_MODES, help=f"comma-separated, of {','.join(ALL_MODES)}"
+        "--modes", type=parse_modes, default=DEFAULT_MODES, help=f"comma-separated, of {','.join(ALL_MODES)}"
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=0, help="--max-num-batched-tokens of engines that prefill (0: vLLM's)"
+    )
+    parser.add_argument(
+        "--progressive-layers", action="store_true", help="ours-progressive goes layer by layer, not only by chunk"
     )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "vllm.json")
     parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per mode before measuring")
