@@ -61,6 +61,10 @@ operation = st.one_of(
     st.tuples(st.just("deregister"), st.sampled_from(CONSUMERS + PRODUCERS)),
     st.tuples(st.just("target"), consumer, transfer, generation, blocks, st.booleans()),
     st.tuples(st.just("claim"), producer, transfer),
+    # Batches of several items (one store call on Redis), one transfer maybe more than once.
+    st.tuples(st.just("claims"), producer, st.lists(transfer, min_size=2, max_size=4)),
+    st.tuples(st.just("completes"), producer, st.lists(transfer, min_size=2, max_size=4), generation),
+    st.tuples(st.just("aborts"), st.sampled_from(("", *CONSUMERS)), st.lists(transfer, min_size=2, max_size=4)),
     st.tuples(st.just("ready"), producer, transfer, blocks),
     st.tuples(st.just("complete"), st.sampled_from(CONSUMERS + PRODUCERS), transfer, generation, st.booleans()),
     st.tuples(st.just("ack"), producer, transfer, generation),
@@ -103,6 +107,11 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
                 c, 0, [TargetSpec(t, b, g, mode=Mode.PULL if pull else Mode.PUSH)]
             ),
             "claim": lambda p, t: coord.claim_transfers(p, 0, [ClaimSpec(t)]),
+            "claims": lambda p, ts: coord.claim_transfers(p, 0, [ClaimSpec(t) for t in ts]),
+            "completes": lambda p, ts, g: coord.complete_transfers(
+                p, 0, [CompletionSpec(t, g, Outcome.SUCCEEDED) for t in ts]
+            ),
+            "aborts": lambda e, ts: coord.abort_transfers(e, 0, [AbortSpec(t, "stop") for t in ts]),
             "ready": lambda p, t, b: coord.mark_sources_ready(p, 0, [SourceReadySpec(t, b)]),
             "complete": lambda e, t, g, failed: coord.complete_transfers(
                 e, 0, [CompletionSpec(t, g, Outcome.FAILED if failed else Outcome.SUCCEEDED)]
