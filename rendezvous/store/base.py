@@ -61,8 +61,8 @@ class Store(ABC):
 
     name: str = "abstract"
     concurrent: bool = False
-    """Whether calls gain from being in flight together (a networked store sends them in one round
-    trip); the coordinator then applies the items of a batch concurrently."""
+    """Whether calls gain from being made together (a networked store sends them in one round trip); the
+    coordinator then applies the items of a batch with one update_transfers call."""
 
     @property
     @abstractmethod

@@ -12,9 +12,11 @@ common case costs one round trip. A transition that fails, or changes nothing, o
 this call is recomputed on a fresh read before its answer counts. Engine records are checked the same
 way, so a transition sees the transfer and its engines as of one instant, as in the memory store.
 
-Commands that concurrent requests issue in one event-loop iteration go out as one pipeline
-(batcher.py), and the coordinator applies a batch's items concurrently (Store.concurrent), so a
-batch of transitions costs about one round trip. Every write carries the epoch guard (epoch.py).
+update_transfers computes a whole batch on the records as last seen and sends it as one commit_transfers
+call (the items as one JSON argument: a few arguments to pack and parse, not hundreds); the items it
+refuses (a conflict) or could not compute on what was seen take update_transfer's loop. Other commands
+that concurrent requests issue in one event-loop iteration go out as one pipeline (batcher.py). Every
+write carries the epoch guard (epoch.py).
 """
 
 from __future__ import annotations
