@@ -81,6 +81,11 @@ _MAX_BLOCK_S = 1.0
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
+def _no_peers() -> dict[str, int]:
+    """The peers table of a commit_transfers call before any item: index 0 is "no peer"."""
+    return {"": 0}
+
+
 @dataclass(frozen=True, slots=True)
 class _Plan:
     """A transition computed on a snapshot, and the commit_transfers item (commit_transfers.lua) that writes it."""
@@ -340,9 +345,10 @@ class RedisStore(Store):
     async def _read_transfer(self, transfer_id: str) -> Snapshot:
         return self._records.snapshot(transfer_id, await self._scripts.run("read_transfer", transfer_id=transfer_id), 0)
 
-    def _plan(self, transfer_id: str, fn: TransferFn, snapshot: Snapshot) -> _Plan | None:
+    def _plan(self, transfer_id: str, fn: TransferFn, snapshot: Snapshot, peers: dict[str, int]) -> _Plan | None:
         """fn's transition on snapshot, with the commit_transfers item that writes it; None when an engine the
-        transfer names was never seen (read them first)."""
+        transfer names was never seen (read them first). Its events name their peers by index in peers (the
+        encoded peer engines of one call, each sent once: a batch's assignments mostly carry the same one)."""
         entries = self._records.engines_of(snapshot)
         if entries is None:
             return None
@@ -355,7 +361,10 @@ class RedisStore(Store):
         checks: list[str] = []
         for engine_id, entry in entries.items():
             checks += (engine_id, entry.version.decode())
-        events = [] if unchanged else [f for event in self._events(transition.events, new, record) for f in event]
+        events: list[Any] = []
+        if not unchanged:
+            for engine_id, event, peer in self._events(transition.events, new, record):
+                events += (engine_id, event, peers.setdefault(peer, len(peers)))
         item = [
             transfer_id,
             snapshot.version.decode(),
@@ -373,10 +382,14 @@ class RedisStore(Store):
         ]
         return _Plan(transition, unchanged, item)
 
-    async def _commit(self, items: Sequence[list[Any]]) -> Reply:
-        """Run commit_transfers: OK and one answer per item, or the guard's refusal."""
+    async def _commit(self, items: Sequence[list[Any]], peers: dict[str, int]) -> Reply:
+        """Run commit_transfers (peers: the items' peers by index, _plan): OK and one answer per item, or the
+        guard's refusal."""
         reply: Reply = await self._scripts.run(
-            "commit_transfers", guard=self._epoch.guard, max_events=self._max_events, items=_dumps(items)
+            "commit_transfers",
+            guard=self._epoch.guard,
+            max_events=self._max_events,
+            items=_dumps([list(peers), items]),
         )
         return reply
 
@@ -387,12 +400,13 @@ class RedisStore(Store):
 
     async def _update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
         def compute(snapshot: Snapshot) -> Attempt[Transition] | None:
-            plan = self._plan(transfer_id, fn, snapshot)
+            peers = _no_peers()
+            plan = self._plan(transfer_id, fn, snapshot, peers)
             if plan is None:
                 return None
 
             async def commit() -> Reply:
-                reply = await self._commit([plan.item])
+                reply = await self._commit([plan.item], peers)
                 return reply[1] if reply[0] == b"OK" else reply
 
             return Attempt(
@@ -424,9 +438,10 @@ class RedisStore(Store):
         results: list[Transition | Exception | None] = [None] * len(updates)
         plans: list[tuple[int, _Plan]] = []
         again: list[int] = []
+        peers = _no_peers()
         for i, (transfer_id, fn) in enumerate(updates):
             try:
-                plan = self._plan(transfer_id, fn, self._records.transfer(transfer_id))
+                plan = self._plan(transfer_id, fn, self._records.transfer(transfer_id), peers)
             except Exception:
                 plan = None  # computed on a remembered record: its answer counts only on a fresh read
             if plan is None:
@@ -434,7 +449,7 @@ class RedisStore(Store):
             else:
                 plans.append((i, plan))
         if plans:
-            reply = await self._commit([plan.item for _, plan in plans])
+            reply = await self._commit([plan.item for _, plan in plans], peers)
             if reply[0] != b"OK":
                 await self._epoch.refused(reply)
                 again += (i for i, _ in plans)

@@ -1,9 +1,10 @@
 -- Commit transfer transitions, in order, under one epoch guard: each writes a transfer (or deletes it, or
 -- only verifies what was read), its indexes and its events, if the transfer and its engines are still at the
--- versions the caller computed its transition on. items: a JSON array (one argument, decoded here, so that a
--- batch is a few arguments to send and parse, not hundreds); per item, strings all:
+-- versions the caller computed its transition on. items: JSON (one argument, decoded here, so that a batch
+-- is a few arguments to send and parse, not hundreds), [peers, [item, ...]]: peers the encoded peer engines
+-- the events carry, each once (peers[1] is "", no peer); per item, strings but for peer indexes:
 --   [transfer_id, version, op, record, consumer, producer, state, unsettled, deadline, target_blocks,
---    source_blocks, checks (flat: engine id, version, ...), events (flat: engine id, event, peer, ...)]
+--    source_blocks, checks (flat: engine id, version, ...), events (flat: engine id, event, peer index, ...)]
 -- op: w write | d delete | n verify only. Reply: OK, then per item OK rev | N | C snapshot...;
 -- or E epoch | R rev epoch (the guard refused the whole call).
 local function members(a, b)
@@ -19,7 +20,7 @@ local function was_unsettled(flag, s)
   return s ~= '5' and s ~= '6'
 end
 
-local function commit(item)
+local function commit(item, peers)
   local transfer_id, version, op, record = item[1], item[2], item[3], item[4]
   local consumer, producer, state, unsettled, deadline = item[5], item[6], item[7], item[8], item[9]
   local target_blocks, source_blocks, checks, events = item[10], item[11], item[12], item[13]
@@ -86,7 +87,7 @@ local function commit(item)
     redis.call('SREM', P .. 'transfers', transfer_id)
   end
   for i = 1, #events, 3 do
-    append(events[i], events[i + 1], events[i + 2], max_events)
+    append(events[i], events[i + 1], peers[events[i + 2] + 1], max_events)
   end
   return {'OK', rev}
 end
@@ -96,7 +97,8 @@ if bad then
   return bad
 end
 local out = {'OK'}
-for k, item in ipairs(cjson.decode(items)) do
-  out[k + 1] = commit(item)
+local batch = cjson.decode(items)
+for k, item in ipairs(batch[2]) do
+  out[k + 1] = commit(item, batch[1])
 end
 return out
