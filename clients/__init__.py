@@ -79,6 +79,7 @@ from clients._types import (
     TransferState,
     TransferTimes,
     WatchBatch,
+    WrittenPart,
 )
 from clients.aio import AsyncKeepAliveStream, AsyncRendezvousClient, AsyncWatchStream
 from clients.sync import KeepAliveStream, RendezvousClient, WatchStream
@@ -162,6 +163,7 @@ __all__ = [
     "Unknown",
     "WatchBatch",
     "WatchStream",
+    "WrittenPart",
     "layout_difference",
     "mint_transfer_id",
 ]

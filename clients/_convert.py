@@ -42,6 +42,7 @@ from rendezvous.protocol.convert import (
     layout,
     layout_message,
     number,
+    part_message,
     seconds,
     timestamp,
     unix_time,
@@ -100,6 +101,7 @@ def target_messages(targets: Iterable[TargetSpec]) -> list[pb.TargetSpec]:
             timeout=duration(t.timeout),
             mode=number(t.mode),
             binding=binding_message(t.binding),
+            progressive=t.progressive,
         )
         for t in targets
     ]
@@ -130,6 +132,7 @@ def completion_messages(completions: Iterable[CompletionSpec]) -> list[pb.Comple
             outcome=number(c.outcome),
             message=c.message,
             ranks=c.ranks,
+            parts=[part_message(p) for p in c.parts],
         )
         for c in completions
     ]
@@ -207,6 +210,7 @@ def transfer(m: pb.Transfer) -> TransferInfo:
         abort_message=m.abort_message,
         revoking_generation=m.revoking_generation,
         reported_ranks=tuple(m.reported_ranks),
+        progressive=m.progressive,
         deadline=unix_time(m.deadline),
         times=TransferTimes(
             target_time=unix_time(t.target_time),

@@ -22,7 +22,7 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent
+from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, WrittenPart
 
 NixlAgentInfo = NixlAgent
 """The SDK's name for a rank's NIXL agent record (the protocol's NixlAgent)."""
@@ -149,6 +149,9 @@ class TransferInfo:
     times: TransferTimes = TransferTimes()
     reported_ranks: tuple[int, ...] = ()
     """Ranks of the moving engine that reported the generation in flight so far."""
+    progressive: bool = False
+    """The consumer accepts progressive writes of the current generation: the producer may write it in parts
+    and report them (`CompletionSpec.parts`); otherwise it writes the whole generation at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +207,9 @@ class TargetSpec:
     mode: TransferMode = TransferMode.PUSH
     binding: Binding | None = None
     """The router's binding of the transfer to this consumer (from the request's `kv_transfer_params`)."""
+    progressive: bool = False
+    """Accept progressive writes: the producer may write parts as their KV is computed (push only, and
+    num_tokens must be stated). The consumer still learns of the bytes only from the commit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +243,9 @@ class CompletionSpec:
     ranks: tuple[int, ...] = ()
     """Ranks of a multi-rank engine whose share this reports; () = all. The generation commits once every
     rank reported success; a failure of any rank aborts the transfer."""
+    parts: tuple[WrittenPart, ...] = ()
+    """With SUCCEEDED, for a progressive transfer: the parts these ranks wrote, which must tile their share
+    (every target token x every layer they hold) without overlap; () = the whole share in one write."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,4 +413,5 @@ __all__ = [
     "TransferState",
     "TransferTimes",
     "WatchBatch",
+    "WrittenPart",
 ]

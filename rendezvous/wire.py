@@ -127,6 +127,7 @@ def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
             seconds(t.timeout),
             _mode(t.mode),
             binding(t.binding, t.HasField("binding")),
+            t.progressive,
         )
         for t in req.targets
     ]
@@ -154,6 +155,7 @@ def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:
             Outcome(c.outcome) if c.outcome in (1, 2) else None,
             c.message,
             tuple(c.ranks),
+            tuple(convert.part(p) for p in c.parts),
         )
         for c in req.completions
     ]
@@ -235,6 +237,7 @@ def fill_transfer(m: pb.Transfer, t: Transfer) -> None:
     m.abort_message = t.abort_message
     m.revoking_generation = t.revoking_generation
     m.reported_ranks.extend(t.reported_ranks)
+    m.progressive = t.progressive
     # A moment not reached stays unset; `times` is always present, if empty.
     if t.deadline:
         set_time(m.deadline, t.deadline)

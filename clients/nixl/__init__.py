@@ -1,7 +1,8 @@
 """NIXL data plane: register KV regions, push (WRITE) or pull (READ) whole blocks between engine ranks.
 
 - `NixlEndpoint`: one NIXL agent (UCX, no progress thread) with its regions and cached peers; one thread owns it.
-- `TransferWriter`: the producer's background writer thread, fed assignments and ready source blocks.
+- `TransferWriter`: the producer's background writer thread, fed assignments and ready source blocks (or parts
+  of them, posted while prefill computes the rest).
 - `TransferReceiver`: the consumer's notifications ("<transfer_id>:<generation>") and pull-mode reads.
 - `ProducerAgent` / `ConsumerAgent`: an engine rank's data plane wired to its rendezvous session: claims,
   ready blocks, assignments, writes, revocations and results.
@@ -20,7 +21,16 @@ from clients.nixl.polling import PollConfig
 from clients.nixl.producer import ProducerAgent, WriteReport
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.regions import DescriptorTable, memory_kind_of, regions_from_tensors, registration_spans
-from clients.nixl.writer import OnComplete, OnRevoked, OnSourceFree, OnWritten, TransferWriter, WriterConfig
+from clients.nixl.writer import (
+    OnComplete,
+    OnCompleteParts,
+    OnRevoked,
+    OnSourceFree,
+    OnWritten,
+    TransferWriter,
+    WriterConfig,
+    WrittenPart,
+)
 
 __all__ = [
     "READ_FAILED",
@@ -36,6 +46,7 @@ __all__ = [
     "NixlAgentInfo",
     "NixlEndpoint",
     "OnComplete",
+    "OnCompleteParts",
     "OnRevoked",
     "OnSourceFree",
     "OnWritten",
@@ -50,6 +61,7 @@ __all__ = [
     "TransferWriter",
     "WriteReport",
     "WriterConfig",
+    "WrittenPart",
     "XferStatus",
     "encode_notification",
     "memory_kind_of",

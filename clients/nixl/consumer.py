@@ -228,11 +228,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         timeout: float = 0.0,
         num_tokens: int = 0,
         binding: Binding | None = None,
+        progressive: bool = False,
     ) -> ItemResult:
         """Register destination blocks (batched with the other registrations of this loop turn).
 
         `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
-        request's `kv_transfer_params`), which a service with binding keys checks.
+        request's `kv_transfer_params`), which a service with binding keys checks. `progressive`: the producer
+        may write the KV in parts while it computes (it needs `num_tokens`); arrival still means the whole
+        generation, since the producer notifies only once every part landed.
 
         A newer generation of a transfer retires the older one: its blocks are reported (reason `REVOKED`)
         once no write of it can land. A failed item is returned, not raised, and leaves nothing registered. A
@@ -242,7 +245,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         On a following rank of a multi-rank engine the registration is rank 0's: this rank only expects its
         share of the bytes into `block_ids` (the same ids on every rank) and answers TARGETED.
         """
-        spec = TargetSpec(transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode, binding)
+        spec = TargetSpec(
+            transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode, binding, progressive
+        )
         if not self.leader:
             target = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
             self._targets[transfer_id] = target

@@ -9,8 +9,9 @@ thread that makes NIXL calls:
 - TRANSFER_ABORTED    -> revoke a generation the service still fences, drop the transfer, free the source;
 - PEER_LOST           -> forget that incarnation's agents.
 
-The engine calls `claim` at admission and `ready` when the KV is computed; the source blocks come back through
-the `on_free` callback once written (or once the transfer ended otherwise). Each finished write is reported
+The engine calls `claim` at admission and `ready` when the KV is computed (and, for a consumer that accepts
+parts, `ready_part` as prefill computes layers or chunks, which the writer posts ahead); the source blocks come
+back through the `on_free` callback once written (or once the transfer ended otherwise). Each finished write is reported
 with CompleteTransfer. In pull mode (`serve_reads=True`) `ready(..., mode=PULL)` calls MarkSourceReady instead and
 the consumer READs; the blocks are freed when the consumer commits or the transfer aborts. Without a progress
 thread NIXL serves a peer's READ only while the target agent is polled, and the writer polls only while it
@@ -59,7 +60,7 @@ from clients.nixl.rank import RankAgent
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
 from clients.nixl.regions import BlockIds
-from clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig
+from clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig, WrittenPart
 from rendezvous.protocol import tracing
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class WriteReport:
     """When the writer reported the WRITE finished (or failed)."""
     completed_time: float
     """When the service acknowledged CompleteTransfer."""
+    parts: tuple[WrittenPart, ...] = ()
+    """The rectangles written in parts (`ready_part`), the final piece included; () for one write."""
 
 
 OnReport = Callable[[WriteReport], None]
@@ -174,7 +177,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         writer_name = f"{self._agent_name}-writer" if self.serve_reads else self._agent_name
         self._writer = TransferWriter(
             NixlEndpoint.from_tensors(writer_name, self._tensors),
-            on_complete=self._on_loop(self._write_finished),
+            on_complete_parts=self._on_loop(self._write_finished),
             on_revoked=self._on_loop(self._write_revoked),
             on_source_free=self._on_loop(self._source_free),
             on_written=functools.partial(self.metrics.observe_write, self.rank),
@@ -258,13 +261,45 @@ class ProducerAgent(RankAgent[ProducerSession]):
             future.add_done_callback(lambda f: self._pull_source_marked(transfer_id, f))
             return
         writer.source_ready(transfer_id, block_ids)  # validates first: nothing is recorded if it raises
+        earlier = self._sources.get(transfer_id)
+        if on_free is None and earlier is not None:
+            source.on_free = earlier.on_free  # given with a part
         self._sources[transfer_id] = source
         about = tracing.about(transfer_id=transfer_id, engine_id=self.engine_id, rank=self.rank)
         self._writing[transfer_id] = tracing.start("producer.write", about)
-        self._prompt_tokens[transfer_id] = prompt_tokens
+        self._prompt_tokens[transfer_id] = prompt_tokens or self._prompt_tokens.get(transfer_id, 0)
         deferred = self._deferred.pop(transfer_id, None)
         if deferred is not None:
             self._assign(deferred)
+
+    def ready_part(
+        self,
+        transfer_id: str,
+        block_ids: BlockIds,
+        num_computed_tokens: int,
+        layers: tuple[int, int] | None = None,
+        *,
+        prompt_tokens: int = 0,
+        on_free: OnFree | None = None,
+    ) -> None:
+        """Push only: the prompt's first `num_computed_tokens` tokens are computed in model layers `[first, end)`
+        (None = all) in `block_ids`, the prompt's blocks so far; `ready` still follows once all is computed.
+
+        Layer-wise prefill calls this once per layer, chunked prefill once per chunk. When the consumer accepts
+        parts, this rank's writer posts what is new at once (`TransferWriter.source_part`, which needs the
+        prompt's length: pass `prompt_tokens`); else the write waits for `ready`. `on_free` (or the one given
+        to `ready`) is called once the blocks may be reused, also when the transfer ends before `ready`.
+        """
+        writer = self._writer
+        assert writer is not None, "the agent is not started"
+        writer.source_part(transfer_id, block_ids, num_computed_tokens, layers, prompt_tokens=prompt_tokens)
+        if on_free is not None and transfer_id not in self._sources:
+            self._sources[transfer_id] = _Source(on_free, TransferMode.PUSH, time.monotonic())
+        if prompt_tokens and not self._prompt_tokens.get(transfer_id):
+            self._prompt_tokens[transfer_id] = prompt_tokens
+            deferred = self._deferred.pop(transfer_id, None)
+            if deferred is not None:
+                self._assign(deferred)
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight.
@@ -339,6 +374,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             info.target_block_ids,
             prompt_tokens=prompt_tokens or 0,
             target_tokens=info.num_tokens,
+            progressive=info.progressive,
         )
 
     def _end(self, transfer_id: str) -> None:
@@ -355,7 +391,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     # Writer callbacks, run on the loop
 
-    def _write_finished(self, transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+    def _write_finished(
+        self, transfer_id: str, generation: int, ok: bool, error: str | None, parts: tuple[WrittenPart, ...] = ()
+    ) -> None:
         written = time.monotonic()
         source = self._sources.get(transfer_id)
         ready_time = source.ready_time if source is not None else 0.0
@@ -367,10 +405,11 @@ class ProducerAgent(RankAgent[ProducerSession]):
         span.set_attribute("kv_rendezvous.generation", generation)
         span.set_attribute("kv_rendezvous.ok", ok)
         with tracing.activate(span):  # CompleteTransfer is its child
-            future = completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
+            spec = CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,), parts if ok else ())
+            future = completions.submit(spec)
         span.end()
         times = (ready_time, assigned, written)
-        future.add_done_callback(lambda f: self._completed(transfer_id, generation, ok, error, times, f))
+        future.add_done_callback(lambda f: self._completed(transfer_id, generation, ok, error, times, parts, f))
         if not ok:
             self._end(transfer_id)  # the service aborts it: let go of the source
 
@@ -381,13 +420,14 @@ class ProducerAgent(RankAgent[ProducerSession]):
         ok: bool,
         error: str | None,
         times: tuple[float, float, float],
+        parts: tuple[WrittenPart, ...],
         future: asyncio.Future[ItemResult],
     ) -> None:
         failure = None if future.cancelled() else (future.exception() or future.result().error)
         if failure is not None:
             logger.warning("CompleteTransfer %s:%d: %s", transfer_id, generation, failure)
         if self._on_report is not None:
-            self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic()))
+            self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic(), parts))
 
     def _write_revoked(self, transfer_id: str, generation: int) -> None:
         self._assigned.pop(transfer_id, None)

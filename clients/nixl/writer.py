@@ -1,11 +1,12 @@
 """`TransferWriter`: one producer rank's background writer, one thread that owns a `NixlEndpoint`.
 
 Other threads hand it commands (thread-safe, non-blocking): `assign` (a consumer's destination blocks for one
-generation of a transfer), `source_ready` (the producer's computed blocks), `revoke`, `abort` and
-`forget_peer`. Once a transfer has both an assignment and its source blocks the writer WRITEs them and polls
-until NIXL is done. The endpoint belongs to the writer from construction on. Outcomes come back through
-callbacks, which run on the writer thread: keep them short; the optional `on_written` is told how long each
-generation's WRITEs took, from posting to completion.
+generation of a transfer), `source_part` (part of the KV is computed), `source_ready` (all of it is, in these
+source blocks), `revoke`, `abort` and `forget_peer`. Once a transfer has both an assignment and its source
+blocks the writer WRITEs them and polls until NIXL is done. The endpoint belongs to the writer from
+construction on. Outcomes come back through callbacks, which run on the writer thread: keep them short; the
+optional `on_written` is told how long each generation's WRITEs took, from posting (or from the final, when
+written in parts) to completion.
 
 An assignment names either one consumer agent, whose regions pair with this rank's region by region (whole
 blocks), or the consumer engine (`ConsumerEngine`: its layout and every rank's agent). Then this rank writes
@@ -13,22 +14,41 @@ its share of each consumer rank as `rendezvous.protocol.kvmap` says (its heads a
 `token_runs` when block sizes differ): one WRITE per consumer rank it has a share in, each with descriptor
 lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>".
 
-Outcomes, per transfer (a generation's WRITEs count as one write):
+Progressive push (`assign(..., progressive=True)`: the consumer accepts parts). The engine reports what it
+computed with `source_part` (layer-wise prefill: each layer of the whole prompt; chunked prefill: each chunk
+in all layers), and the writer posts what is new as soon as it holds the assignment: a part covers the target
+blocks all of whose tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed
+block waits for the next part or the final write. That needs the writer's `layout` (block sizes, layers) and
+the prompt's length (from `source_part` or `assign`); until both are known parts are only remembered. A part
+goes in one WRITE per consumer rank with a share in it, no notification, its cells merged into as few
+descriptors as they allow (its prepared whole blocks when a part holds all layers of a whole-block share);
+every share works, with different block sizes and TP sizes too. At most `WriterConfig.max_parts_in_flight`
+WRITEs of parts per transfer are in flight; what is computed meanwhile goes together once one drains.
+`source_ready` is the final: what is left is posted at once, each consumer rank notified with its last WRITE
+when none of its parts is in flight, else by a notification alone once every WRITE of the generation is done.
+Without `progressive` (or when nothing went ahead) the generation goes in one write at `source_ready`.
 
-- every assignment ends in exactly one `on_complete` or `on_revoked`, unless a newer generation of the same
-  transfer replaces it before it started;
+Outcomes, per transfer (a generation's WRITEs, its parts included, count as one write):
+
+- every assignment ends in exactly one `on_complete` (or `on_complete_parts`, also told the parts written, as
+  rectangles of target tokens x layers, () for one write) or `on_revoked`, unless a newer generation of the
+  same transfer replaces it before it started; a newer generation waits for the one being written (written in
+  parts: for its final or its revocation), then writes all it needs itself;
 - a bad assignment (block id out of range, regions or layouts that do not pair, unreadable metadata, a stale
   peer incarnation, fewer source than destination blocks) fails through `on_complete(ok=False)` without
   writing; so does a write that NIXL reports failed (the peer died), after it was posted;
-- `on_complete(ok=True)` only once every WRITE of the generation is DONE; if one fails or cannot be posted,
-  `on_complete(ok=False)` once the others posted have drained (none of them lands later);
+- `on_complete(ok=True)` only once every WRITE of the generation is DONE, and the consumer's notification is
+  sent only then or with the last of them; if one fails or cannot be posted (a part too), no more are posted
+  and `on_complete(ok=False)` comes once the others posted have drained (none of them lands later);
 - with equal block sizes the LAST `len(dst)` source blocks go to the destination (the consumer may hold a
-  prefix already); an empty destination completes at once;
-- `on_source_free` tells the engine it may reuse the source blocks: after a successful write, on abort (once
-  a write in flight has drained) or at stop. A revoked or failed generation keeps the source for a later
-  generation until the transfer is aborted;
+  prefix already); an empty destination completes at once once the source is ready;
+- `revoke` and `abort` stop the posting of parts; `on_revoked` and the abort's `on_source_free` come once
+  the WRITEs posted have drained, so no write of the generation lands after them;
+- `on_source_free` tells the engine it may reuse the source blocks (handed over ready or in parts): after a
+  successful write, on abort (once a write in flight has drained) or at stop. A revoked or failed generation
+  keeps the source for a later generation until the transfer is aborted;
 - a transfer that succeeded or was aborted has ended: a late `source_ready` is freed at once, a late
-  `revoke` acknowledged at once, a late `assign` ignored.
+  `source_part` ignored, a late `revoke` acknowledged at once, a late `assign` ignored.
 """
 
 from __future__ import annotations
@@ -48,25 +68,40 @@ import numpy.typing as npt
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
 from clients.nixl.notifications import encode_notification
-from clients.nixl.plan import RankGeometry, WritePlan, plan_write
+from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
+from clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
 from clients.nixl.polling import Backoff, PollConfig
 from clients.nixl.regions import BlockIds
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.records import KvLayout
 from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
 
-__all__ = ["ConsumerEngine", "OnComplete", "OnRevoked", "OnSourceFree", "OnWritten", "TransferWriter", "WriterConfig"]
+__all__ = [
+    "ConsumerEngine",
+    "OnComplete",
+    "OnCompleteParts",
+    "OnRevoked",
+    "OnSourceFree",
+    "OnWritten",
+    "TransferWriter",
+    "WriterConfig",
+    "WrittenPart",
+]
 
 logger = logging.getLogger(__name__)
 
 OnComplete = Callable[[str, int, bool, str | None], None]
 """on_complete(transfer_id, generation, ok, error): the WRITE of a generation finished or could not start."""
+OnCompleteParts = Callable[[str, int, bool, str | None, tuple[WrittenPart, ...]], None]
+"""on_complete_parts(transfer_id, generation, ok, error, parts): `OnComplete` with the rectangles a generation
+written in parts covered (the final piece included); () when it went in one write."""
 OnRevoked = Callable[[str, int], None]
 """on_revoked(transfer_id, generation): the generation will not be written (any write of it has drained)."""
 OnSourceFree = Callable[[str], None]
 """on_source_free(transfer_id): the engine may free the transfer's source blocks."""
 OnWritten = Callable[[float, bool], None]
-"""on_written(seconds, ok): a generation's WRITEs drained `seconds` after the first was posted; ok if all landed."""
+"""on_written(seconds, ok): a generation's WRITEs drained `seconds` after the first was posted (written in parts:
+after the final); ok if all landed."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +114,8 @@ class WriterConfig:
     """How long `stop` lets writes in flight finish."""
     ended_transfers_kept: int = 65536
     """Ids of finished and aborted transfers remembered, so late commands for them are answered."""
+    max_parts_in_flight: int = 8
+    """WRITEs of parts (`source_part`) of one transfer in flight at most; newer parts wait and go together."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,6 +152,7 @@ class _Assign:
     targets: tuple[_Target, ...] = ()  # resolved on the writer thread
     kv_layout: str = ""
     producer: RankGeometry | None = None
+    progressive: bool = False
 
     def names(self) -> set[str]:
         return {t.agent.name for t in self.targets}
@@ -124,6 +162,15 @@ class _Assign:
 class _SourceReady:
     transfer_id: str
     src: npt.NDArray[np.int64]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SourcePart:
+    transfer_id: str
+    src: npt.NDArray[np.int64]
+    num_tokens: int
+    layers: tuple[int, int] | None
+    prompt_tokens: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,35 +200,74 @@ class _Stop:
     pass
 
 
-_Command = _Assign | _SourceReady | _Revoke | _Abort | _ForgetPeer | _Barrier | _Stop
+_Command = _Assign | _SourceReady | _SourcePart | _Revoke | _Abort | _ForgetPeer | _Barrier | _Stop
+
+
+@dataclasses.dataclass(eq=False)
+class _Progress:
+    """A generation written in parts: the cells posted so far, per column a prefix of the target's blocks."""
+
+    posted: npt.NDArray[np.int64]
+    grid: Grid | None = None  # once the prompt's length is known
+    written: list[WrittenPart] = dataclasses.field(default_factory=list)
+    notify: list[str] = dataclasses.field(default_factory=list)  # targets notified alone once all drained
 
 
 @dataclasses.dataclass(eq=False)
 class _Write:
-    """A generation's WRITEs, one per consumer rank; `error` is set once one failed or could not be posted."""
+    """A generation being written: its WRITEs in flight (one per consumer rank, and per part); `error` is set
+    once one failed or could not be posted, `complete` once everything is posted."""
 
-    generation: int
-    posts: list[PostedTransfer]
-    posted_at: float  # time.monotonic() before the first post
+    assignment: _Assign
+    posts: list[PostedTransfer] = dataclasses.field(default_factory=list)
+    part_posts: set[PostedTransfer] = dataclasses.field(default_factory=set)  # of `posts`: parts (the cap)
+    posted_at: float = 0.0  # time.monotonic() before the first post; 0.0 = none yet
+    progress: _Progress | None = None  # written in parts
+    complete: bool = False
     error: str | None = None
     revoked: bool = False
     aborted: bool = False
 
     @property
+    def generation(self) -> int:
+        return self.assignment.generation
+
+    @property
     def peers(self) -> set[str]:
         return {p.peer for p in self.posts}
+
+    @property
+    def stopped(self) -> bool:
+        """Nothing more is posted: everything was, or the generation failed, was revoked or aborted."""
+        return self.complete or self.error is not None or self.revoked or self.aborted
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Piece:
+    """What one WRITE moves into one target: block ids (its prepared whole blocks) or a plan."""
+
+    target: _Target
+    plan: WritePlan | None
+    src: npt.NDArray[np.int64] | None = None
+    dst: npt.NDArray[np.int64] | None = None
 
 
 @dataclasses.dataclass(eq=False)
 class _Transfer:
     assignment: _Assign | None = None
     source: npt.NDArray[np.int64] | None = None
+    computed: Computed | None = None  # what parts reported computed
     write: _Write | None = None
     fence: int = -1  # highest revoked generation: never write it or an older one
 
     @property
     def idle(self) -> bool:
-        return self.assignment is None and self.source is None and self.write is None
+        return self.assignment is None and not self.held and self.write is None
+
+    @property
+    def held(self) -> bool:
+        """Whether the engine handed over source blocks (ready, or in parts) that it gets back."""
+        return self.source is not None or self.computed is not None
 
 
 class TransferWriter:
@@ -191,7 +277,8 @@ class TransferWriter:
         self,
         endpoint: NixlEndpoint,
         *,
-        on_complete: OnComplete,
+        on_complete: OnComplete | None = None,
+        on_complete_parts: OnCompleteParts | None = None,
         on_revoked: OnRevoked,
         on_source_free: OnSourceFree,
         on_written: OnWritten | None = None,
@@ -202,12 +289,16 @@ class TransferWriter:
         num_layers: int = 0,
     ) -> None:
         """`layout`, `rank` and the layers (with pipeline parallelism) place this rank in its engine; they
-        are needed for assignments to a `ConsumerEngine`."""
+        are needed for assignments to a `ConsumerEngine` and for writes in parts. Exactly one of `on_complete`
+        and `on_complete_parts` (which is also told the parts written) reports each generation's outcome."""
+        if (on_complete is None) == (on_complete_parts is None):
+            raise TypeError("pass one of on_complete and on_complete_parts")
         self._endpoint = endpoint
         self._layout = layout
         self._rank = rank
         self._layers = (first_layer, num_layers)
         self._on_complete = on_complete
+        self._on_complete_parts = on_complete_parts
         self._on_revoked = on_revoked
         self._on_source_free = on_source_free
         self._on_written = on_written
@@ -220,11 +311,19 @@ class TransferWriter:
         self._in_flight: dict[str, _Write] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._forget: set[str] = set()
+        self._columns = Columns.of(layout, self.agent_info())
+        self._parts_in_flight = 0
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
         info = self._endpoint.agent_info(self._rank if rank is None else rank)
         return dataclasses.replace(info, first_layer=self._layers[0], num_layers=self._layers[1])
+
+    @property
+    def parts_in_flight(self) -> int:
+        """WRITEs of parts posted and not yet done, all transfers together (kept by the writer thread; exact
+        after a `barrier` while no WRITE can complete)."""
+        return self._parts_in_flight
 
     @property
     def stopped(self) -> bool:
@@ -269,19 +368,48 @@ class TransferWriter:
         *,
         prompt_tokens: int = 0,
         target_tokens: int = 0,
+        progressive: bool = False,
     ) -> None:
         """Write generation `generation` of a transfer into `dst_block_ids` of `peer` (incarnation
         `incarnation`) once its source is ready: whole blocks into one agent, or this rank's share of every
         rank of a consumer engine. Different block sizes need the prompt's and the destination's token counts
-        (`kvmap.token_runs`). A newer generation replaces an older one not yet started."""
+        (`kvmap.token_runs`). A newer generation replaces an older one not yet started. `progressive`: the
+        consumer accepts parts (`source_part`), posted as soon as they are computed; without it parts are
+        only remembered and the whole generation goes in one write once the source is ready."""
         dst = np.array(dst_block_ids)
-        self._put(_Assign(transfer_id, generation, peer, incarnation, dst, prompt_tokens, target_tokens))
+        assign = _Assign(transfer_id, generation, peer, incarnation, dst, prompt_tokens, target_tokens)
+        self._put(dataclasses.replace(assign, progressive=progressive))
 
     def source_ready(self, transfer_id: str, src_block_ids: BlockIds) -> None:
         """The transfer's KV is computed in `src_block_ids`. Raises `BlockRangeError` for ids outside the
         endpoint's regions (checked here, in the caller's thread)."""
         src = self._endpoint.table.check_block_ids(src_block_ids).copy()
         self._put(_SourceReady(transfer_id, src))
+
+    def source_part(
+        self,
+        transfer_id: str,
+        src_block_ids: BlockIds,
+        num_computed_tokens: int,
+        layers: tuple[int, int] | None = None,
+        *,
+        prompt_tokens: int = 0,
+    ) -> None:
+        """The prompt's first `num_computed_tokens` tokens are computed in model layers `[first, end)` (None =
+        all), in `src_block_ids` (the prompt's blocks so far, in order): layer-wise prefill calls this once
+        per layer, chunked prefill once per chunk. Target blocks all of whose tokens are computed are written
+        ahead of `source_ready` (see the module docstring); that needs the prompt's length, `prompt_tokens`
+        here or in the assignment, and the writer's `layout`. Raises `BlockRangeError` for ids outside the
+        regions or too few of them for the tokens, ValueError for negative tokens or empty layers."""
+        src = self._endpoint.table.check_block_ids(src_block_ids).copy()
+        if num_computed_tokens < 0 or prompt_tokens < 0:
+            raise ValueError(f"token counts must not be negative: {num_computed_tokens}, {prompt_tokens}")
+        if layers is not None and not 0 <= layers[0] < layers[1]:
+            raise ValueError(f"layers [{layers[0]}, {layers[1]}) are empty")
+        block_size = self._layout.block_size if self._layout is not None else 0
+        if len(src) * block_size < num_computed_tokens and block_size:
+            raise BlockRangeError(f"{num_computed_tokens} tokens do not fit {len(src)} blocks of {block_size}")
+        self._put(_SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens))
 
     def revoke(self, transfer_id: str, generation: int) -> None:
         """Do not write `generation` (or older); `on_revoked` acknowledges once no write of it can land."""
@@ -345,6 +473,8 @@ class TransferWriter:
                     self._assign(command)
                 case _SourceReady():
                     self._source_ready(command)
+                case _SourcePart():
+                    self._source_part(command)
                 case _Revoke():
                     self._revoke(command.transfer_id, command.generation)
                 case _Abort():
@@ -368,7 +498,7 @@ class TransferWriter:
         try:
             resolved = self._resolve(a)
         except ValueError as e:  # BlockRangeError, LayoutMismatchError, ShapeError, BlockPairingError
-            self._emit(self._on_complete, a.transfer_id, a.generation, False, str(e))
+            self._complete(a.transfer_id, a.generation, False, str(e))
             self._drop_if_idle(a.transfer_id, t)
             return
         t.assignment = resolved
@@ -415,8 +545,8 @@ class TransferWriter:
             producer = RankGeometry(regions, me.num_heads, mine.block_size, kvmap.element_bytes(mine.dtype))
             kv_layout = mine.kv_layout
         resolved = dataclasses.replace(a, dst=dst, targets=targets, kv_layout=kv_layout, producer=producer)
-        if len(dst):
-            bp, bd = producer.block_size, targets[0].geometry.block_size
+        bp, bd = producer.block_size, targets[0].geometry.block_size
+        if len(dst) and (bp == bd or a.prompt_tokens or not a.progressive):  # else the parts tell the prompt's length
             num_src = len(dst) if bp == bd else -(-a.prompt_tokens // max(bp, 1))
             self._plans(resolved, np.zeros(max(num_src, 0), dtype=np.int64), check=True)
         return resolved
@@ -447,7 +577,25 @@ class TransferWriter:
             return
         t = self._transfers.setdefault(s.transfer_id, _Transfer())
         t.source = s.src
-        self._try_write(s.transfer_id, t)
+        w = t.write
+        if w is None:
+            self._try_write(s.transfer_id, t)
+        elif w.progress is not None and not w.stopped:
+            self._post_final(s.transfer_id, t, w)
+
+    def _source_part(self, p: _SourcePart) -> None:
+        if p.transfer_id in self._ended:
+            return
+        t = self._transfers.setdefault(p.transfer_id, _Transfer())
+        if t.computed is None:
+            t.computed = Computed.empty(self._columns)
+        t.computed.add(p.src, p.num_tokens, self._columns.select(p.layers), p.prompt_tokens)
+        if t.source is not None:
+            return  # the final write covers it
+        if t.write is None:
+            self._try_write(p.transfer_id, t)
+        else:
+            self._post_parts(p.transfer_id, t, t.write)
 
     def _revoke(self, transfer_id: str, generation: int) -> None:
         t = self._transfers.get(transfer_id)
@@ -458,7 +606,9 @@ class TransferWriter:
         if t.assignment is not None and t.assignment.generation <= generation:
             t.assignment = None
         if t.write is not None and t.write.generation == generation:
-            t.write.revoked = True  # acknowledged when the write drains
+            t.write.revoked = True  # acknowledged once its WRITEs drained
+            if self._settle(transfer_id, t):
+                return
         else:
             self._emit(self._on_revoked, transfer_id, generation)
         self._drop_if_idle(transfer_id, t)
@@ -470,7 +620,8 @@ class TransferWriter:
             return
         t.assignment = None
         if t.write is not None:
-            t.write.aborted = True  # the source is freed when the write drains
+            t.write.aborted = True  # the source is freed once its WRITEs drained
+            self._settle(transfer_id, t)
         else:
             self._end(transfer_id, t)
 
@@ -482,8 +633,12 @@ class TransferWriter:
             a = t.assignment
             if a is not None and name in a.names() and lost(a.incarnation):
                 t.assignment = None
-                self._emit(self._on_complete, transfer_id, a.generation, False, f"peer agent {name!r} is gone")
+                self._complete(transfer_id, a.generation, False, f"peer agent {name!r} is gone")
                 self._drop_if_idle(transfer_id, t)
+            w = t.write
+            if w is not None and not w.stopped and name in w.assignment.names() and lost(w.assignment.incarnation):
+                w.error = f"peer agent {name!r} is gone"  # written in parts: stop, fail once drained
+                self._settle(transfer_id, t)
         cached = self._endpoint.peer_incarnation(name)
         if cached is None or not lost(cached):
             return
@@ -510,6 +665,10 @@ class TransferWriter:
             self._endpoint.add_peer(target.agent, a.incarnation, whole_blocks=target.whole_blocks)
         return connected
 
+    def _in_parts(self, a: _Assign) -> bool:
+        """Whether the assignment may be written in parts (the consumer accepts them, block sizes known)."""
+        return a.progressive and self._layout is not None and len(a.dst) > 0
+
     def _try_write(self, transfer_id: str, t: _Transfer) -> None:
         a = t.assignment
         if a is None or t.write is not None:
@@ -518,79 +677,256 @@ class TransferWriter:
             connected = self._connect(a)  # early, even before the source is ready: off the critical path
         except DataPlaneError as e:
             t.assignment = None
-            self._emit(self._on_complete, transfer_id, a.generation, False, str(e))
+            self._complete(transfer_id, a.generation, False, str(e))
             self._drop_if_idle(transfer_id, t)
             return
-        if not connected or t.source is None:
+        if not connected or (t.source is None and not self._in_parts(a)):
             return
         t.assignment = None
-        n = len(a.dst)
-        if n == 0:
-            self._emit(self._on_complete, transfer_id, a.generation, True, None)
+        if len(a.dst) == 0:
+            self._complete(transfer_id, a.generation, True, None)
             self._end(transfer_id, t)
             return
+        w = t.write = _Write(a)
+        if t.source is not None:
+            self._post_whole(transfer_id, t, w)
+        else:
+            w.progress = _Progress(np.zeros(self._columns.count, dtype=np.int64))
+            self._post_parts(transfer_id, t, w)
+
+    def _post_whole(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
+        """Post the generation in one WRITE per target, each with the notification."""
+        a, w.complete = w.assignment, True
+        assert t.source is not None
+        if not a.prompt_tokens and t.computed is not None:  # told with the parts
+            a = dataclasses.replace(a, prompt_tokens=t.computed.prompt_tokens)
         try:
             plans = self._plans(a, t.source)
         except ValueError as e:  # too few source blocks for the destination, or ids outside the regions
-            self._emit(self._on_complete, transfer_id, a.generation, False, str(e))
+            w.error = str(e)
+            self._settle(transfer_id, t)
             return
-        write = _Write(a.generation, [], time.monotonic())
-        source = t.source[len(t.source) - n :]
-        for target, plan in plans:
-            name = target.agent.name
-            notification = encode_notification(transfer_id, a.generation, target.writers)
+        source = t.source[len(t.source) - len(a.dst) :]
+        pieces = [_Piece(target, plan, source, a.dst) for target, plan in plans]
+        self._post(transfer_id, t, w, [(p, self._notification(w, p.target)) for p in pieces])
+
+    def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
+        """Post the cells computed and not posted yet, unless the generation's parts in flight are at the cap."""
+        progress, computed = w.progress, t.computed
+        if progress is None or computed is None or w.stopped:
+            return
+        grid = self._grid(w, computed.prompt_tokens)
+        if grid is None:
+            return
+        rects = rectangles(progress.posted, grid.ready(computed))
+        if not rects:
+            return
+        try:
+            pieces = self._pieces(w.assignment, grid, rects, computed.src)
+        except ValueError as e:  # BlockRangeError: ids outside the regions
+            w.error = str(e)
+            self._settle(transfer_id, t)
+            return
+        if w.part_posts and len(w.part_posts) + len(pieces) > self._config.max_parts_in_flight:
+            return  # posted, with what else is computed by then, once parts drain
+        self._record(progress, grid, rects)
+        self._post(transfer_id, t, w, [(p, b"") for p in pieces], parts=True)
+
+    def _post_final(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
+        """Everything is computed: post what is left, notifying each target with its last WRITE when none of
+        its parts is in flight, else alone once the generation drained."""
+        progress, src = w.progress, t.source
+        assert progress is not None and src is not None
+        if not progress.written:  # nothing went ahead: one write, as without parts
+            w.progress = None
+            self._post_whole(transfer_id, t, w)
+            return
+        w.complete = True
+        grid = progress.grid
+        assert grid is not None
+        if len(src) < grid.num_src or (grid.runs is None and len(src) != grid.num_src):
+            w.error = f"{len(src)} source blocks, but the parts written placed the prompt in {grid.num_src}"
+            self._settle(transfer_id, t)
+            return
+        rects = rectangles(progress.posted, np.full_like(progress.posted, len(w.assignment.dst)))
+        try:
+            pieces = {p.target.agent.name: p for p in self._pieces(w.assignment, grid, rects, src)}
+        except ValueError as e:
+            w.error = str(e)
+            self._settle(transfer_id, t)
+            return
+        self._record(progress, grid, rects)
+        w.posted_at = time.monotonic()  # `on_written` times what is left once prefill is done
+        busy, posts = w.peers, []
+        for target in w.assignment.targets:
+            name, piece = target.agent.name, pieces.get(target.agent.name)
+            if piece is not None and name not in busy:
+                posts.append((piece, self._notification(w, target)))
+                continue
+            if piece is not None:
+                posts.append((piece, b""))
+            progress.notify.append(name)
+        self._post(transfer_id, t, w, posts)
+
+    def _grid(self, w: _Write, prompt_tokens: int) -> Grid | None:
+        """The write's target placed in the prompt, once its length is known; None before (or on failure)."""
+        progress, a = w.progress, w.assignment
+        assert progress is not None and self._layout is not None
+        if progress.grid is None and (prompt_tokens or a.prompt_tokens):
+            bp = self._layout.block_size
+            bd = a.peer.layout.block_size if isinstance(a.peer, ConsumerEngine) else bp
             try:
-                if plan is None:
-                    posted = self._endpoint.post("WRITE", name, source, a.dst, notification)
+                progress.grid = Grid.of(len(a.dst), bp, bd, prompt_tokens or a.prompt_tokens, a.target_tokens)
+            except ValueError as e:  # BlockPairingError: the target does not fit the prompt
+                w.error = str(e)
+        return progress.grid
+
+    def _record(self, progress: _Progress, grid: Grid, rects: list[Rectangle]) -> None:
+        for r in rects:
+            progress.posted[r.first_column : r.end_column] = r.end_block
+            progress.written.append(self._columns.part(r, grid))
+
+    def _pieces(self, a: _Assign, grid: Grid, rects: list[Rectangle], src: npt.NDArray[np.int64]) -> list[_Piece]:
+        """Per target, one WRITE of the rectangles' cells: its prepared whole blocks when one rectangle holds
+        all columns, else their descriptors, merged; targets without a share in them get none."""
+        assert a.producer is not None
+        first_src = grid.start // grid.producer_block_size
+        pieces: list[_Piece] = []
+        for target in a.targets:
+            share = target.share
+            if (
+                target.whole_blocks
+                and grid.runs is None
+                and len(rects) == 1
+                and (rects[0].first_column, rects[0].end_column) == (0, self._columns.count)
+            ):
+                r = rects[0]
+                blocks = slice(first_src + r.first_block, first_src + r.end_block)
+                pieces.append(_Piece(target, None, src[blocks], a.dst[r.first_block : r.end_block]))
+                continue
+            plans: list[WritePlan] = []
+            for r in rects:
+                wanted = self._columns.regions(r.first_column, r.end_column)
+                regions = range(
+                    max(wanted.start, share.producer_regions.start), min(wanted.stop, share.producer_regions.stop)
+                )
+                if not regions:
+                    continue
+                shift = share.consumer_regions.start - share.producer_regions.start
+                sub = dataclasses.replace(
+                    share, producer_regions=regions, consumer_regions=range(regions.start + shift, regions.stop + shift)
+                )
+                if grid.runs is None:
+                    blocks = slice(first_src + r.first_block, first_src + r.end_block)
+                    dst = a.dst[r.first_block : r.end_block]
+                    plans.append(
+                        plan_write(a.producer, target.geometry, sub, src[blocks], dst, a.kv_layout, merge=False)
+                    )
                 else:
+                    runs = grid.runs_of(r)
+                    plans.append(
+                        plan_write(a.producer, target.geometry, sub, src, a.dst, a.kv_layout, runs, merge=False)
+                    )
+            if plans:
+                local, remote = merge_descriptors(
+                    np.concatenate([p.local for p in plans]), np.concatenate([p.remote for p in plans])
+                )
+                pieces.append(_Piece(target, WritePlan(local, remote)))
+        return pieces
+
+    @staticmethod
+    def _notification(w: _Write, target: _Target) -> bytes:
+        return encode_notification(w.assignment.transfer_id, w.generation, target.writers)
+
+    def _post(
+        self, transfer_id: str, t: _Transfer, w: _Write, posts: list[tuple[_Piece, bytes]], *, parts: bool = False
+    ) -> None:
+        """Post each piece with its notification (b"": none); the first failure stops the generation."""
+        if not w.posted_at:
+            w.posted_at = time.monotonic()
+        for piece, notification in posts:
+            name = piece.target.agent.name
+            try:
+                if piece.plan is not None:
+                    plan = piece.plan
                     posted = self._endpoint.post_descriptors("WRITE", name, plan.local, plan.remote, notification)
-                write.posts.append(posted)
+                else:
+                    assert piece.src is not None and piece.dst is not None
+                    posted = self._endpoint.post("WRITE", name, piece.src, piece.dst, notification)
             except DataPlaneError as e:
-                write.error = str(e)
+                w.error = str(e)
                 break
-        if not write.posts:
-            self._emit(self._on_complete, transfer_id, a.generation, False, write.error)
-            return
-        t.write = self._in_flight[transfer_id] = write
-        if self._drained(write):
-            self._finish_write(transfer_id)
+            w.posts.append(posted)
+            if parts:
+                w.part_posts.add(posted)
+                self._parts_in_flight += 1
+        if w.posts:
+            self._in_flight[transfer_id] = w
+        self._advance(transfer_id, t, w)
 
-    def _drained(self, write: _Write) -> bool:
-        """Poll the write's WRITEs; True once none is in progress."""
+    def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
+        """Poll the write's WRITEs; release those done, then finish the generation or post more parts.
+        True if one was done."""
         poll = self._endpoint.poll
-        return all([poll(p) is not XferStatus.IN_PROGRESS for p in write.posts])
-
-    def _poll_writes(self) -> bool:
-        done = [tid for tid, w in self._in_flight.items() if self._drained(w)]
-        for transfer_id in done:
-            self._finish_write(transfer_id)
-        return bool(done)
-
-    def _finish_write(self, transfer_id: str) -> None:
-        w = self._in_flight.pop(transfer_id)
-        seconds = time.monotonic() - w.posted_at
-        t = self._transfers[transfer_id]
-        t.write = None
-        for posted in w.posts:
+        drained = [p for p in w.posts if poll(p) is not XferStatus.IN_PROGRESS]
+        for posted in drained:
+            w.posts.remove(posted)
+            if posted in w.part_posts:
+                w.part_posts.discard(posted)
+                self._parts_in_flight -= 1
             try:
                 self._endpoint.release(posted)
             except TransferFailedError:
                 logger.exception("writer %s: releasing a write of %s failed", self._endpoint.name, transfer_id)
-        failed = next((p for p in w.posts if p.status is not XferStatus.DONE), None)
-        ok = failed is None and w.error is None
-        error = w.error if failed is None else failed.error
-        if self._on_written is not None:
-            self._emit(self._on_written, seconds, ok)
+            if posted.status is not XferStatus.DONE and w.error is None:
+                w.error = posted.error or "the write failed"
+        if not w.posts:
+            self._in_flight.pop(transfer_id, None)
+        if not self._settle(transfer_id, t) and drained:
+            self._post_parts(transfer_id, t, w)
+        for peer in {p.peer for p in drained}:
+            self._after_drain(peer)
+        return bool(drained)
+
+    def _poll_writes(self) -> bool:
+        progressed = False
+        for transfer_id, w in list(self._in_flight.items()):
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.write is w:
+                progressed = self._advance(transfer_id, t, w) or progressed
+        return progressed
+
+    def _settle(self, transfer_id: str, t: _Transfer) -> bool:
+        """Finish the transfer's write if nothing more will be posted and none of its WRITEs is in flight."""
+        w = t.write
+        if w is None or w.posts or not w.stopped:
+            return False
+        self._finish_write(transfer_id, t, w)
+        return True
+
+    def _finish_write(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
+        t.write = None
+        ok = w.error is None and w.complete
+        error = w.error
+        if ok and not (w.revoked or w.aborted) and w.progress is not None:
+            for name in w.progress.notify:  # every part landed: now the consumer may hear of it
+                target = next(x for x in w.assignment.targets if x.agent.name == name)
+                try:
+                    self._endpoint.notify(name, self._notification(w, target))
+                except DataPlaneError as e:
+                    ok, error = False, str(e)
+                    break
+        if self._on_written is not None and w.posted_at:
+            self._emit(self._on_written, time.monotonic() - w.posted_at, ok)
+        parts = tuple(w.progress.written) if w.progress is not None else ()
         if w.revoked:
             self._emit(self._on_revoked, transfer_id, w.generation)
         elif not w.aborted:
-            self._emit(self._on_complete, transfer_id, w.generation, ok, error)
+            self._complete(transfer_id, w.generation, ok, error, parts)
         if w.aborted or (ok and not w.revoked and t.assignment is None):
             self._end(transfer_id, t)
         else:
             self._try_write(transfer_id, t)
-        for peer in w.peers:
-            self._after_drain(peer)
 
     def _after_drain(self, peer: str) -> None:
         if self._writing_to(peer):
@@ -608,7 +944,7 @@ class TransferWriter:
     def _end(self, transfer_id: str, t: _Transfer) -> None:
         del self._transfers[transfer_id]
         self._remember_ended(transfer_id)
-        if t.source is not None:
+        if t.held:
             self._emit(self._on_source_free, transfer_id)
 
     def _remember_ended(self, transfer_id: str) -> None:
@@ -622,10 +958,13 @@ class TransferWriter:
             del self._transfers[transfer_id]
 
     def _shutdown(self) -> None:
-        for transfer_id, t in self._transfers.items():
+        for transfer_id, t in list(self._transfers.items()):
             if t.assignment is not None:
-                self._emit(self._on_complete, transfer_id, t.assignment.generation, False, "writer stopped")
+                self._complete(transfer_id, t.assignment.generation, False, "writer stopped")
                 t.assignment = None
+            if t.write is not None and not t.write.stopped:  # written in parts, not all posted
+                t.write.error = "writer stopped"
+                self._settle(transfer_id, t)
         self._drain()
         for transfer_id, t in list(self._transfers.items()):
             if t.write is None:
@@ -653,6 +992,14 @@ class TransferWriter:
                 return
             if isinstance(command, _Barrier):
                 command.done.set()
+
+    def _complete(
+        self, transfer_id: str, generation: int, ok: bool, error: str | None, parts: tuple[WrittenPart, ...] = ()
+    ) -> None:
+        if self._on_complete_parts is not None:
+            self._emit(self._on_complete_parts, transfer_id, generation, ok, error, parts)
+        elif self._on_complete is not None:
+            self._emit(self._on_complete, transfer_id, generation, ok, error)
 
     def _emit(self, callback: Callable[..., None], *args: object) -> None:
         try:

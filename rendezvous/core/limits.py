@@ -59,6 +59,8 @@ class Limits:
     """The largest EngineCapacity.max_transfers an engine may declare (larger is CAPACITY_INVALID)."""
     max_capacity_blocks: int = 1 << 40
     """The largest EngineCapacity.max_blocks an engine may declare."""
+    max_parts_per_completion: int = 4_096
+    """The most parts one CompletionSpec may report (more is TOO_MANY_PARTS); checking them is O(n log n)."""
 
 
 @dataclass(frozen=True)

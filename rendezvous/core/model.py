@@ -127,6 +127,9 @@ class Transfer:
     # them): an ended transfer keeps no block ids (up to megabytes each, for tombstone_ttl), only enough to
     # tell a retried call with the same blocks from one with others.
     block_digests: str = ""
+    # The consumer accepts progressive writes of the current generation (TargetSpec.progressive): its
+    # producer may report the parts it wrote (rendezvous.core.parts checks them; none is kept).
+    progressive: bool = False
 
     @property
     def unsettled(self) -> bool:

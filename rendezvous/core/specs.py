@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from rendezvous.core.model import EngineCapacity, KvLayout, Mode, NixlAgent, Outcome, Role
 from rendezvous.protocol.bindings import Binding
+from rendezvous.protocol.records import WrittenPart
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class TargetSpec:
     mode: Mode | None = Mode.PUSH
     binding: Binding | None = None
     """The router's binding of the transfer (rendezvous.core.bindings); None: none was sent."""
+    progressive: bool = False
+    """The consumer accepts progressive writes (push only, num_tokens > 0)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class CompletionSpec:
     message: str = ""
     ranks: tuple[int, ...] = ()
     """Ranks of the moving engine whose share this reports; () = all of them."""
+    parts: tuple[WrittenPart, ...] = ()
+    """With SUCCEEDED, the parts the ranks wrote progressively (rendezvous.core.parts); () = one whole write."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ record collects them in `reported_ranks` for the one generation in flight: the g
 revocation is confirmed, once every rank has reported. A failure of any rank aborts the transfer; until the
 other ranks have reported, the generation stays fenced and the mover is told TRANSFER_ABORTED too, so its
 other ranks stop.
+
+Progressive push: a target may accept parts (`progressive`); a producer's success may then list the parts its
+ranks wrote, and `rendezvous.core.parts` refuses a set that does not tile their share before anything changes.
+Parts change nothing else: the generation commits, is revoked or aborts as a whole, and covers every part.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from rendezvous.core.model import (
     blocks_digest,
     evolve,
 )
+from rendezvous.core.parts import check_part_count, check_parts, check_progressive_target, held_layers
 from rendezvous.core.specs import (
     AbortSpec,
     ClaimSpec,
@@ -317,6 +322,7 @@ def register_target(
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
     if spec.mode is None:
         raise RendezvousError(Reason.MODE_INVALID, "mode must be PUSH or PULL", field="mode")
+    check_progressive_target(spec)
     timeout = resolve_timeout(spec.timeout, ctx.timeouts.default_target_timeout, ctx.timeouts)
     _require_role(consumer, Role.CONSUMER)
     blocks = tuple(spec.block_ids)
@@ -333,6 +339,7 @@ def register_target(
                 target_block_ids=blocks,
                 num_tokens=spec.num_tokens,
                 times=TransferTimes(target=ctx.now),
+                progressive=spec.progressive,
             )
         )
     same_target = (cur.consumer_engine_id, cur.generation) == (consumer.engine_id, spec.generation) and _same_blocks(
@@ -356,6 +363,7 @@ def register_target(
         generation=spec.generation,
         target_block_ids=blocks,
         num_tokens=spec.num_tokens,
+        progressive=spec.progressive,
         mode=spec.mode,
         deadline=ctx.now + timeout,
         times=_times(cur, target=ctx.now),
@@ -532,6 +540,7 @@ def complete(
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
     ranks = _reporting_ranks(engine, spec.ranks)
+    check_part_count(spec.parts, ctx.limits)
     if cur is None:
         raise transfer_not_found(spec.transfer_id)
     if engine.engine_id not in cur.participants():
@@ -554,6 +563,8 @@ def complete(
             f"transfer {cur.transfer_id} generation {spec.generation} was not assigned (state {cur.state.name})",
             transfer_id=cur.transfer_id,
         )
+    if spec.parts and spec.outcome == Outcome.SUCCEEDED:
+        _check_written_parts(cur, engine, ranks, spec)
     other = cur.counterpart(engine.engine_id)
     reported_ranks, everyone = _reported(cur, engine, ranks)
     if spec.outcome == Outcome.FAILED:
@@ -573,6 +584,17 @@ def complete(
         times=_times(cur, commit=ctx.now),
     )
     return Transition(committed, (_event(ctx, other, EventType.TRANSFER_COMMITTED, committed, cur.generation),))
+
+
+def _check_written_parts(t: Transfer, engine: Engine, ranks: frozenset[int], spec: CompletionSpec) -> None:
+    """The parts a success reports tile the ranks' share of t's target, and t accepted parts at all."""
+    if not t.progressive:
+        raise RendezvousError(
+            Reason.PROGRESSIVE_NOT_ACCEPTED,
+            f"transfer {t.transfer_id} generation {t.generation} was not registered progressive; report no parts",
+            transfer_id=t.transfer_id,
+        )
+    check_parts(spec.parts, t.num_tokens, held_layers(engine, ranks))
 
 
 def acknowledge_revocation(

@@ -17,7 +17,7 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.reasons import REASON_CODES, Reason
-from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
+from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, WrittenPart
 
 ERROR_DOMAIN = "kv-rendezvous"
 """The google.rpc.ErrorInfo domain of the service's errors."""
@@ -37,4 +37,5 @@ __all__ = [
     "Reason",
     "TransferMode",
     "TransferState",
+    "WrittenPart",
 ]

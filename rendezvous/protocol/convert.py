@@ -12,7 +12,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rendezvous.protocol.enums import MemoryKind
-from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent
+from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, WrittenPart
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 # Scalars
@@ -128,3 +128,15 @@ def agent(m: pb.NixlAgent) -> NixlAgent:
         first_layer=m.first_layer,
         num_layers=m.num_layers,
     )
+
+
+def part_message(p: WrittenPart) -> pb.WrittenPart:
+    """A written part as a message."""
+    return pb.WrittenPart(
+        first_token=p.first_token, num_tokens=p.num_tokens, first_layer=p.first_layer, num_layers=p.num_layers
+    )
+
+
+def part(m: pb.WrittenPart) -> WrittenPart:
+    """A written part message as a record (as sent: the service checks it)."""
+    return WrittenPart(m.first_token, m.num_tokens, m.first_layer, m.num_layers)

@@ -178,6 +178,29 @@ class Reason(StrEnum):
     CREDIT_CONFLICT = "CREDIT_CONFLICT"
     """The transfer id already holds a credit reservation on another engine or for other blocks."""
 
+    PROGRESSIVE_NEEDS_TOKENS = "PROGRESSIVE_NEEDS_TOKENS"
+    """A progressive target without num_tokens (its parts are ranges of those tokens)."""
+
+    PROGRESSIVE_NEEDS_PUSH = "PROGRESSIVE_NEEDS_PUSH"
+    """A progressive target in pull mode (only a pushing producer writes in parts)."""
+
+    PROGRESSIVE_NOT_ACCEPTED = "PROGRESSIVE_NOT_ACCEPTED"
+    """A completion with parts for a transfer whose target did not accept progressive writes."""
+
+    TOO_MANY_PARTS = "TOO_MANY_PARTS"
+    """More parts in one completion than max_parts_per_completion."""
+
+    PART_OUT_OF_RANGE = "PART_OUT_OF_RANGE"
+    """A part outside the target's tokens or the reporting ranks' layers, or an empty one
+ (ErrorInfo metadata field: part, the part's index)."""
+
+    PARTS_OVERLAP = "PARTS_OVERLAP"
+    """Two parts of a completion share a token of a layer (ErrorInfo metadata field: part, other)."""
+
+    PARTS_INCOMPLETE = "PARTS_INCOMPLETE"
+    """The parts of a completion leave tokens of some layer unwritten (ErrorInfo metadata
+ fields: layer, token)."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -232,5 +255,12 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.ENGINE_CAPACITY_EXCEEDED: "RESOURCE_EXHAUSTED",
     Reason.CAPACITY_INVALID: "INVALID_ARGUMENT",
     Reason.CREDIT_CONFLICT: "ALREADY_EXISTS",
+    Reason.PROGRESSIVE_NEEDS_TOKENS: "INVALID_ARGUMENT",
+    Reason.PROGRESSIVE_NEEDS_PUSH: "INVALID_ARGUMENT",
+    Reason.PROGRESSIVE_NOT_ACCEPTED: "FAILED_PRECONDITION",
+    Reason.TOO_MANY_PARTS: "INVALID_ARGUMENT",
+    Reason.PART_OUT_OF_RANGE: "OUT_OF_RANGE",
+    Reason.PARTS_OVERLAP: "INVALID_ARGUMENT",
+    Reason.PARTS_INCOMPLETE: "INVALID_ARGUMENT",
 }
 """The google.rpc.Code name of each reason."""

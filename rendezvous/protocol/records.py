@@ -63,3 +63,15 @@ class EngineCapacity:
     def limited(self) -> bool:
         """Whether either limit is set."""
         return bool(self.max_transfers or self.max_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class WrittenPart:
+    """One part of a progressive write: tokens [first_token, +num_tokens) of the target (0 = its first token)
+    x layers [first_layer, +num_layers) of the model; num_layers 0 = every layer the writing ranks hold (then
+    first_layer is 0). The service checks a completion's parts (rendezvous.core.parts) and keeps none."""
+
+    first_token: int
+    num_tokens: int
+    first_layer: int = 0
+    num_layers: int = 0

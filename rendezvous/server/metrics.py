@@ -47,6 +47,9 @@ class Metrics:
         self.events_sent = Counter("rendezvous_events_sent", "Events written to Watch streams", registry=r)
         self.resyncs = Counter("rendezvous_watch_resyncs", "Watchers told to resync", registry=r)
         self.committed = Counter("rendezvous_transfers_committed", "Transfers whose bytes arrived", registry=r)
+        self.written_parts = Counter(
+            "rendezvous_written_parts", "Parts of progressive writes in accepted CompleteTransfer reports", registry=r
+        )
         self.aborts = Counter("rendezvous_transfer_aborts", "Aborted transfers by reason", ["reason"], registry=r)
         self.match_wait = Histogram(
             "rendezvous_match_wait_seconds",

@@ -24,6 +24,7 @@ from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Engine, Event, Role, State, Transfer
+from rendezvous.core.specs import CompletionSpec
 from rendezvous.protocol import tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.server.metrics import Metrics
@@ -95,23 +96,35 @@ def _batch_rpc(
     specs: Callable[[Any], Sequence[SpecT]],
     apply: Callable[..., Awaitable[list[ItemOutcome]]],
     takes_half: bool = False,
+    observe: Callable[[Metrics, Sequence[SpecT], Sequence[ItemOutcome]], None] | None = None,
 ) -> Handler[ResponseT]:
     """A batched transfer RPC: the request's items through one coordinator call, one ItemResult each, in order.
 
     takes_half: the call takes a half of its transfers, so the caller's exemption from bindings is passed on.
+    observe: counts what the items carried, once they are answered.
     """
     method = response_type.__name__.removesuffix("Response")
 
     async def handler(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
         extra = {"exempt": BINDING_EXEMPT.get()} if takes_half else {}
-        outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, specs(request), **extra)
+        items = specs(request)
+        outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, items, **extra)
         _trace_items(outcomes)
+        if observe is not None:
+            observe(self.metrics, items, outcomes)
         response = response_type(header=await self._header())
         self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
         return response
 
     handler.__name__ = handler.__qualname__ = method
     return _rpc(response_type)(handler)
+
+
+def _count_parts(metrics: Metrics, specs: Sequence[CompletionSpec], outcomes: Sequence[ItemOutcome]) -> None:
+    """Parts of progressive writes in the accepted completions."""
+    parts = sum(len(spec.parts) for spec, o in zip(specs, outcomes, strict=True) if o.error is None)
+    if parts:
+        metrics.written_parts.inc(parts)
 
 
 def _trace_items(outcomes: Sequence[ItemOutcome]) -> None:
@@ -314,7 +327,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     MarkSourceReady = _batch_rpc(
         pb.MarkSourceReadyResponse, wire.source_specs, Coordinator.mark_sources_ready, takes_half=True
     )
-    CompleteTransfer = _batch_rpc(pb.CompleteTransferResponse, wire.completion_specs, Coordinator.complete_transfers)
+    CompleteTransfer = _batch_rpc(
+        pb.CompleteTransferResponse, wire.completion_specs, Coordinator.complete_transfers, observe=_count_parts
+    )
     AcknowledgeRevocation = _batch_rpc(
         pb.AcknowledgeRevocationResponse, wire.revocation_acks, Coordinator.acknowledge_revocations
     )

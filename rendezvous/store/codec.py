@@ -73,6 +73,7 @@ def transfer_fields(t: Transfer) -> list[Any]:
         [times.target, times.claim, times.match, times.source_ready, times.commit, times.end],
         list(t.reported_ranks),
         t.block_digests,
+        t.progressive,
     ]
 
 
@@ -100,6 +101,7 @@ def transfer_from_fields(obj: Any) -> Transfer:
         times=TransferTimes(times[0], times[1], times[2], times[3], times[4], times[5]),
         reported_ranks=tuple(f[18]) if len(f) > 18 else (),
         block_digests=f[19] if len(f) > 19 else "",
+        progressive=bool(f[20]) if len(f) > 20 else False,
     )
 
 

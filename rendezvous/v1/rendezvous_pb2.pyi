@@ -394,7 +394,7 @@ class ListEnginesResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline", "times", "reported_ranks")
+    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline", "times", "reported_ranks", "progressive")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +412,7 @@ class Transfer(_message.Message):
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     TIMES_FIELD_NUMBER: _ClassVar[int]
     REPORTED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     state: TransferState
     mode: TransferMode
@@ -429,7 +430,8 @@ class Transfer(_message.Message):
     deadline: _timestamp_pb2.Timestamp
     times: TransferTimes
     reported_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ..., reported_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    progressive: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ..., reported_ranks: _Optional[_Iterable[int]] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
 class TransferTimes(_message.Message):
     __slots__ = ("target_time", "claim_time", "match_time", "source_ready_time", "commit_time", "end_time")
@@ -472,7 +474,7 @@ class TransferBinding(_message.Message):
     def __init__(self, consumer_engine_id: _Optional[str] = ..., producer_engine_id: _Optional[str] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class TargetSpec(_message.Message):
-    __slots__ = ("transfer_id", "block_ids", "num_tokens", "generation", "timeout", "mode", "binding")
+    __slots__ = ("transfer_id", "block_ids", "num_tokens", "generation", "timeout", "mode", "binding", "progressive")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -480,6 +482,7 @@ class TargetSpec(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     BINDING_FIELD_NUMBER: _ClassVar[int]
+    PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -487,7 +490,8 @@ class TargetSpec(_message.Message):
     timeout: _duration_pb2.Duration
     mode: TransferMode
     binding: TransferBinding
-    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
+    progressive: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
 class RegisterTargetRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "targets")
@@ -569,19 +573,33 @@ class MarkSourceReadyResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ItemResult]
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., results: _Optional[_Iterable[_Union[ItemResult, _Mapping]]] = ...) -> None: ...
 
+class WrittenPart(_message.Message):
+    __slots__ = ("first_token", "num_tokens", "first_layer", "num_layers")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_tokens: int
+    first_layer: int
+    num_layers: int
+    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
 class CompletionSpec(_message.Message):
-    __slots__ = ("transfer_id", "generation", "outcome", "message", "ranks")
+    __slots__ = ("transfer_id", "generation", "outcome", "message", "ranks", "parts")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     generation: int
     outcome: CompletionOutcome
     message: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ..., message: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[WrittenPart]
+    def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ..., message: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., parts: _Optional[_Iterable[_Union[WrittenPart, _Mapping]]] = ...) -> None: ...
 
 class CompleteTransferRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "completions")

@@ -22,6 +22,7 @@ from clients import (
     TargetSpec,
     TransferMode,
     TransferState,
+    WrittenPart,
     _convert,
 )
 from clients import _commands as commands
@@ -115,6 +116,20 @@ def test_a_transfer_message_becomes_a_record_with_its_times() -> None:
     assert (record.abort_reason, record.abort_message) == (AbortReason.PEER_LOST, "gone")
     assert record.deadline == 100.5
     assert (record.times.target_time, record.times.commit_time) == (90.0, 0.0)
+
+
+def test_progressive_targets_and_their_parts_cross_the_wire_both_ways() -> None:
+    (target,) = _convert.target_messages([TargetSpec("t", [1], num_tokens=32, progressive=True)])
+    assert target.progressive and not _convert.target_messages([TargetSpec("u", [1])])[0].progressive
+    parts = (WrittenPart(0, 16), WrittenPart(16, 16, first_layer=3, num_layers=2))
+    (completion,) = _convert.completion_messages([CompletionSpec("t", 1, parts=parts)])
+    assert tuple(convert.part(p) for p in completion.parts) == parts
+    assert [(p.first_token, p.num_tokens, p.first_layer, p.num_layers) for p in completion.parts] == [
+        (0, 16, 0, 0),
+        (16, 16, 3, 2),
+    ]
+    assert _convert.transfer(pb.Transfer(transfer_id="t", progressive=True)).progressive
+    assert not _convert.transfer(pb.Transfer(transfer_id="t")).progressive
 
 
 def test_an_event_without_transfer_or_peer_has_none_for_them() -> None:

@@ -10,7 +10,9 @@ Invariants:
   engine has been replaced and the store has not yet applied the loss of its previous incarnation;
 - every event goes to an engine taking part in its transfer, in the role the event is for, and each
   engine hears of a transfer's abort at most once;
-- once every deadline and lease has passed, nothing is left: no transfer, no engine.
+- once every deadline and lease has passed, nothing is left: no transfer, no engine;
+- a report of written parts that does not tile the rank's share (or for a target that did not accept parts)
+  is refused and changes nothing: a generation never commits with bytes missing.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from rendezvous.core import (
 )
 from rendezvous.core.engines import end_incarnation, register_engine
 from rendezvous.core.specs import EngineSpec
+from rendezvous.protocol.records import WrittenPart
 from rendezvous.store import MemoryStore
 from tests.ci import examples
 from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, every_engine, run
@@ -69,6 +72,15 @@ CONSUMER_EVENTS = {EventType.SOURCE_READY, EventType.REVOCATION_CONFIRMED}
 RANK = (None, None, 0, 1)  # a report for every rank (no rank named), or for one
 
 blocks = st.lists(st.integers(0, 15), min_size=0, max_size=4, unique=True).map(tuple)
+TOKENS = 32
+"""Tokens of a progressive target; the layout has LAYOUT.num_layers (2) layers."""
+PARTS = {
+    "chunks": (WrittenPart(0, 16), WrittenPart(16, 16)),
+    "layers": (WrittenPart(0, TOKENS, 0, 1), WrittenPart(0, TOKENS, 1, 1)),
+    "incomplete": (WrittenPart(0, TOKENS, 1, 1),),
+    "overlap": (WrittenPart(0, TOKENS), WrittenPart(0, 1, 1, 1)),
+}
+TILING = {"chunks", "layers"}
 
 
 class Lifecycle(RuleBasedStateMachine):
@@ -208,11 +220,11 @@ class Lifecycle(RuleBasedStateMachine):
     def both_halves(self, t: str, c: str, p: str, consumer_first: bool, pull: bool) -> None:
         """The common case: a router sent both legs; they arrive in either order."""
         if consumer_first:
-            self.register_target(c, t, 1, (1, 2, 3), pull)
+            self.register_target(c, t, 1, (1, 2, 3), pull, not pull)
             self.source_ready(p, t, (4, 5, 6)) if pull else self.claim(p, t)
         else:
             self.source_ready(p, t, (4, 5, 6)) if pull else self.claim(p, t)
-            self.register_target(c, t, 1, (1, 2, 3), pull)
+            self.register_target(c, t, 1, (1, 2, 3), pull, not pull)
 
     # Consumer operations
 
@@ -228,10 +240,22 @@ class Lifecycle(RuleBasedStateMachine):
             c, t, gen, pull = live[pick % len(live)]
             self.register_target(c, t, gen + 1, b, pull)
 
-    @rule(c=st.sampled_from(CONSUMERS), t=transfers, gen=st.integers(1, 3), b=blocks, pull=st.booleans())
-    def register_target(self, c: str, t: str, gen: int, b: tuple[int, ...], pull: bool) -> None:
+    @rule(
+        c=st.sampled_from(CONSUMERS),
+        t=transfers,
+        gen=st.integers(1, 3),
+        b=blocks,
+        pull=st.booleans(),
+        progressive=st.booleans(),
+    )
+    def register_target(
+        self, c: str, t: str, gen: int, b: tuple[int, ...], pull: bool, progressive: bool = False
+    ) -> None:
         mode = Mode.PULL if pull else Mode.PUSH
-        self._call(self.coord.register_targets, c, 0, [TargetSpec(t, b, gen, mode=mode)])
+        tokens = TOKENS if progressive else 0
+        self._call(
+            self.coord.register_targets, c, 0, [TargetSpec(t, b, gen, tokens, mode=mode, progressive=progressive)]
+        )
         self._after()
 
     @rule(c=st.sampled_from(CONSUMERS), t=transfers, gen=st.integers(1, 3))
@@ -312,6 +336,33 @@ class Lifecycle(RuleBasedStateMachine):
         if held:
             (p, t), gen = held[pick % len(held)]
             self.complete(p, t, gen, failed, rank)
+
+    @rule(pick=st.integers(0, 100), kind=st.sampled_from(sorted(PARTS)), rank=st.sampled_from(RANK))
+    def producer_reports_written_parts(self, pick: int, kind: str, rank: int | None) -> None:
+        """A producer reports a held generation as written in parts: only parts that tile the share of the
+        reporting ranks, for a target that accepted parts, may move the transfer on."""
+        held = sorted((k, g) for k, gens in self.held.items() for g in gens)
+        if not held:
+            return
+        (p, t), gen = held[pick % len(held)]
+        before = run(self.store.get_transfer(t))
+        ranks = () if rank is None else (rank,)
+        spec = CompletionSpec(t, gen, Outcome.SUCCEEDED, "", ranks, PARTS[kind])
+        outcomes = self._call(self.coord.complete_transfers, p, 0, [spec])
+        checked = (
+            before is not None
+            and before.state == State.MATCHED
+            and before.assigned_generation == gen
+            and before.revoking_generation != gen
+        )
+        if outcomes and outcomes[0].error is not None:
+            assert run(self.store.get_transfer(t)) == before, f"a refused report of {t} changed it"
+        elif outcomes:
+            assert not checked or (before is not None and before.progressive and kind in TILING), (
+                f"{t} g{gen} took {kind} parts (progressive: {before.progressive if before else None})"
+            )
+            self._release_holding(p, t, gen, ranks)
+        self._after()
 
     @rule(pick=st.integers(0, 100), rank=st.sampled_from(RANK))
     def producer_acknowledges_a_revocation(self, pick: int, rank: int | None) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from clients.nixl.parts import WrittenPart
 from clients.nixl.regions import BlockIds
 from tests.nixl.peer import SENTINEL, Layout
 
@@ -71,6 +72,11 @@ class Recorder:
 
     def on_complete(self, transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
         self.events.put(Event("complete", (transfer_id, generation, ok, error)))
+
+    def on_complete_parts(
+        self, transfer_id: str, generation: int, ok: bool, error: str | None, parts: tuple[WrittenPart, ...]
+    ) -> None:
+        self.events.put(Event("complete", (transfer_id, generation, ok, error, parts)))
 
     def on_revoked(self, transfer_id: str, generation: int) -> None:
         self.events.put(Event("revoked", (transfer_id, generation)))

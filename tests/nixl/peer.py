@@ -81,6 +81,24 @@ class _Host:
                 time.sleep(50e-6)
         return received, receiver.malformed_notifications
 
+    def wait_landed(self, name: str, expected: list[npt.NDArray[np.uint8]], timeout: float) -> tuple[bool, list[Any]]:
+        """Poll until the regions hold `expected` (as `blocks` returns them) or `timeout` passed: whether they
+        do, and the transfer notifications that arrived meanwhile."""
+        receiver = self.endpoints[name][0]
+        received: list[Any] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            received.extend(receiver.poll_notifications())
+            if all(np.array_equal(b, e) for b, e in zip(self.blocks(name), expected, strict=True)):
+                return True, received
+            if time.monotonic() >= deadline:
+                return False, received
+            time.sleep(50e-6)
+
+    def pending_notifications(self, name: str) -> list[Any]:
+        """The transfer notifications that arrived since the last poll (one poll, no waiting)."""
+        return list(self.endpoints[name][0].poll_notifications())
+
     def wait_all(self, counts: dict[str, int], timeout: float) -> dict[str, list[Any]]:
         """Poll every named endpoint until each got its count of notifications or `timeout` passed."""
         received: dict[str, list[Any]] = {name: [] for name in counts}

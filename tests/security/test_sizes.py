@@ -106,6 +106,7 @@ def test_under_the_default_limits_the_largest_event_fits_a_default_client() -> N
         num_tokens=(1 << 32) - 1,
         abort_message="x" * LIMITS.max_abort_message_bytes,
         reported_ranks=tuple(range(LIMITS.max_agents_per_engine)),
+        progressive=True,
     )
     event = Event(EventType.TRANSFER_ASSIGNED, 1e9, transfer, (1 << 64) - 1, peer, (1 << 64) - 1)
     header = pb.ResponseHeader(epoch=(1 << 64) - 1, revision=(1 << 64) - 1, server_id="s" * 255)

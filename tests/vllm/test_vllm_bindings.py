@@ -24,7 +24,7 @@ from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import Engine, RouterProcess, connector_config, running_engine
 from rendezvous.protocol import bindings
-from tests.vllm.conftest import running_router, warm_up
+from tests.vllm.conftest import running_router, wait_committed, warm_up
 from tests.vllm.test_vllm_1p1d import MAX_TOKENS, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -91,7 +91,7 @@ def test_legs_bound_to_this_pair_move_their_kv(bound_pair: tuple[Engine, Engine]
     params = {"transfer_id": transfer_id, bindings.PARAMS_KEY: binding.to_params()}
     response = legs(prefill, decode, token_prompt(40, seed=9100), params)
     assert response["choices"][0]["text"]
-    assert transfer_state(bound_rendezvous, transfer_id) in (TransferState.COMMITTED, TransferState.RELEASED)
+    wait_committed(bound_rendezvous, transfer_id)
 
 
 @pytest.mark.parametrize("case", ["no binding", "bound to another pair"])

@@ -23,25 +23,10 @@ from clients import AbortReason, AbortSpec, TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
-from tests.vllm.conftest import wait_blocks_free
+from tests.vllm.conftest import wait_blocks_free, wait_state
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-
-
-def wait_state(server: TestServer, transfer_id: str, states: set[TransferState], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    with RendezvousClient(server.address) as client:
-        while True:
-            try:
-                state = client.get_transfer(transfer_id).state
-            except Exception:
-                state = None
-            if state in states:
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"transfer {transfer_id} is {state}, not one of {states}")
-            time.sleep(0.1)
 
 
 def decode_aborted_while_waiting(

@@ -22,7 +22,7 @@ from clients import AbortReason, TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
-from tests.vllm.conftest import running_router, wait_blocks_free
+from tests.vllm.conftest import running_router, wait_blocks_free, wait_committed
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -57,8 +57,7 @@ def test_bigger_decode_blocks_take_prefill_kv_token_by_token(
         for _ in range(2):  # the second time, decode holds the prompt's first full blocks already
             transfer_id, text, _ = disaggregated(prefill, big_block_decode, prompt)
             assert text == reference_text(reference, prompt), length
-            with RendezvousClient(rendezvous.address) as client:
-                assert client.get_transfer(transfer_id).state in (TransferState.COMMITTED, TransferState.RELEASED)
+            wait_committed(rendezvous, transfer_id)
     wait_blocks_free(prefill, big_block_decode)
 
 

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from clients import TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import BLOCK_SIZE, Engine, wait_healthy
-from tests.vllm.conftest import running_router, wait_blocks_free, warm_up
+from tests.vllm.conftest import running_router, wait_blocks_free, wait_committed, warm_up
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 from tests.vllm.tp.conftest import LONG, TP_START_TIMEOUT_S, TP_TEST_TIMEOUT_S, start_tp_engine
 
@@ -60,8 +59,7 @@ def test_greedy_output_matches_a_plain_engine(
     for prompt in PROMPTS:
         transfer_id, text, _ = disaggregated(prefill, decode, prompt)
         assert text == reference_text(reference, prompt), (pair, len(prompt))
-        with RendezvousClient(rendezvous.address) as client:
-            assert client.get_transfer(transfer_id).state in (TransferState.COMMITTED, TransferState.RELEASED)
+        wait_committed(rendezvous, transfer_id)
     wait_blocks_free(prefill, decode)
 
 

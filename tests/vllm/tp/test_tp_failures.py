@@ -16,9 +16,9 @@ from clients import AbortReason, TransferState
 from clients.sync import RendezvousClient
 from clients.testing import TestServer
 from connector.launch import BLOCK_SIZE, Engine, wait_healthy
-from tests.vllm.conftest import wait_blocks_free, warm_up
+from tests.vllm.conftest import wait_blocks_free, wait_state, warm_up
 from tests.vllm.test_vllm_1p1d import token_prompt
-from tests.vllm.test_vllm_failures import decode_after_losing_prefill, wait_state
+from tests.vllm.test_vllm_failures import decode_after_losing_prefill
 from tests.vllm.tp.conftest import TP_START_TIMEOUT_S, TP_TEST_TIMEOUT_S, start_tp_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(TP_TEST_TIMEOUT_S)]

@@ -1,0 +1,101 @@
+"""`ProducerAgent.ready_part` with a real service: parts handed over as prefill computes them, then `ready`.
+A consumer that accepts parts (a progressive target) gets each as it comes and the producer reports them with its
+completion, which the service checks before it commits; to any other consumer the transfer goes in one write at
+`ready`. A producer and a consumer rank share this process here."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from clients import AsyncRendezvousClient, TransferState, WrittenPart
+from clients._types import KvLayout
+from clients.nixl import BlockRangeError
+from clients.nixl.consumer import ConsumerAgent
+from clients.nixl.producer import ProducerAgent
+from clients.testing import AsyncTestServer
+from tests.clients.conftest import WAIT, client, server
+
+__all__ = ["client", "server"]  # the SDK tests' real server and client, here too
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
+
+LAYOUT = KvLayout("m", "uint8", 16, 2, kv_layout="HND", num_kv_heads=1)
+
+
+async def test_parts_then_ready_write_the_transfer_once(server: AsyncTestServer, client: AsyncRendezvousClient) -> None:
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Future[Any] = loop.create_future()
+    reported: asyncio.Future[Any] = loop.create_future()
+    freed: list[str] = []
+    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
+    producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result)
+    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
+    consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result)
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await consumer.register_target("t1", [5, 6], num_tokens=32)).state is TransferState.TARGETED
+        assert (await producer.claim("t1")).state is TransferState.MATCHED
+        with pytest.raises(BlockRangeError):
+            producer.ready_part("t1", [0], 32, (0, 1))  # 32 tokens do not fit one block of 16
+        for layer in range(2):
+            producer.ready_part("t1", [1, 2], 32, (layer, layer + 1), prompt_tokens=32, on_free=freed.append)
+        producer.ready("t1", [1, 2])
+
+        assert (await asyncio.wait_for(arrived, WAIT)).ok
+        report = await asyncio.wait_for(reported, WAIT)
+        assert report.ok and report.parts == ()  # a whole assignment: one write
+        for d, s in zip(decode, kv, strict=True):
+            assert torch.equal(d[5:7], s[1:3]) and not d[:5].any() and not d[7:].any()
+    finally:
+        await producer.close()
+        await consumer.close()
+    assert freed == ["t1"]  # the on_free given with the parts, once
+
+
+async def landed(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Wait (bounded) until a part's bytes are in the consumer's blocks."""
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while not torch.equal(destination, source):
+        assert asyncio.get_running_loop().time() < deadline, "the part never landed"
+        await asyncio.sleep(0.01)
+
+
+async def test_parts_into_a_progressive_target_are_reported_and_commit(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Future[Any] = loop.create_future()
+    reported: asyncio.Future[Any] = loop.create_future()
+    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(241).to(torch.uint8).reshape(8, 256) for _ in range(2)]
+    producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result)
+    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
+    consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result)
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+        assert (await producer.claim("t1")).state is TransferState.MATCHED
+        producer.ready_part("t1", [1, 2], 32, (0, 1), prompt_tokens=32)  # layer 0 is computed
+        await landed(decode[0][5:7], kv[0][1:3])  # written once TRANSFER_ASSIGNED reached the writer
+        assert not decode[1].any() and not arrived.done()  # layer 1 waits; no arrival before the final
+        producer.ready("t1", [1, 2])  # then the rest
+
+        assert (await asyncio.wait_for(arrived, WAIT)).ok
+        report = await asyncio.wait_for(reported, WAIT)
+        assert report.ok and sorted(report.parts, key=lambda p: p.first_layer) == [
+            WrittenPart(0, 32, 0, 1),
+            WrittenPart(0, 32, 1, 1),
+        ]
+        assert (await client.get_transfer("t1")).state in (TransferState.COMMITTED, TransferState.RELEASED)
+        registry = server.server.metrics.registry
+        assert registry.get_sample_value("rendezvous_written_parts_total") == 2
+        for d, s in zip(decode, kv, strict=True):
+            assert torch.equal(d[5:7], s[1:3]) and not d[:5].any() and not d[7:].any()
+    finally:
+        await producer.close()
+        await consumer.close()

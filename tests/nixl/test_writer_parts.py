@@ -1,0 +1,337 @@
+"""Progressive push: a TransferWriter posting parts (layers, token ranges) before the source is ready, into
+consumer endpoints in a peer process. The consumer polls only while a test waits on it, so the first WRITEs
+to a fresh consumer stay in flight until it does."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+
+from clients._types import KvLayout
+from clients.nixl import NixlAgentInfo, NixlEndpoint, TransferWriter, WriterConfig, WrittenPart
+from clients.nixl.writer import ConsumerEngine
+from tests.nixl.helpers import Event, Recorder, region_views, unique
+from tests.nixl.peer import SENTINEL, Layout, PeerProcess
+from tests.nixl.test_multirank import Engine, expected
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
+
+BLOCK = 4  # tokens per block
+LAYERS = 2
+REGION = 16384  # bytes per block and region: large enough that a WRITE waits for the consumer to poll
+LAYOUT = Layout((REGION,) * (2 * LAYERS), 16)  # K and V of each layer, layer-major
+SRC = [0, 1, 7, 3, 11]  # a 20-token prompt
+PROMPT = 20
+
+
+@dataclass
+class Pair:
+    writer: TransferWriter
+    recorder: Recorder
+    agent: NixlAgentInfo
+    dest: str
+    views: list[torch.Tensor]
+
+    def expected(self, moved: dict[int, tuple[Sequence[int], Sequence[int]]]) -> list[npt.NDArray[np.uint8]]:
+        """The consumer's regions when region r holds source blocks `moved[r][0]` in blocks `moved[r][1]`."""
+        out = []
+        for r, view in enumerate(self.views):
+            region = np.full((LAYOUT.num_blocks, REGION), SENTINEL, dtype=np.uint8)
+            src, dst = moved.get(r, ([], []))
+            region[np.asarray(dst, dtype=np.int64)] = view.numpy()[np.asarray(src, dtype=np.int64)]
+            out.append(region)
+        return out
+
+    def landed(self, peer: PeerProcess, moved: dict[int, tuple[Sequence[int], Sequence[int]]]) -> list[object]:
+        """Let the consumer poll until exactly `moved` landed; the notifications it got meanwhile."""
+        ok, notifications = peer.call("wait_landed", self.dest, self.expected(moved), 10.0)
+        assert ok, "the parts did not land"
+        return list(notifications)
+
+    def drained(self, peer: PeerProcess) -> Event:
+        """The next callback, while the consumer polls (a WRITE is done at the writer only after that)."""
+        peer.send("wait_notifications", self.dest, 1, 2.0)
+        event = self.recorder.next()
+        assert peer.result()[0] == []
+        return event
+
+    def settled(self) -> list[Event]:
+        assert self.writer.barrier(5)
+        return self.recorder.pending()
+
+
+MakePair = Callable[..., Pair]
+
+
+@pytest.fixture
+def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
+    pairs: list[Pair] = []
+
+    def make(layers: int = LAYERS, max_parts_in_flight: int = 8) -> Pair:
+        layout = Layout((REGION,) * (2 * layers), 16)
+        dest = unique("dst")
+        agent = peer.call("create", dest, layout)
+        views = region_views(layout, seed=len(pairs) + 21)
+        recorder = Recorder()
+        writer = TransferWriter(
+            NixlEndpoint.from_tensors(unique("src"), views),
+            on_complete_parts=recorder.on_complete_parts,
+            on_revoked=recorder.on_revoked,
+            on_source_free=recorder.on_source_free,
+            config=WriterConfig(max_parts_in_flight=max_parts_in_flight),
+            layout=KvLayout("m", "uint8", BLOCK, layers, kv_layout="HND"),
+        )
+        writer.start()
+        pairs.append(Pair(writer, recorder, agent, dest, views))
+        return pairs[-1]
+
+    yield make
+    for pair in pairs:
+        assert pair.writer.stop(10)
+        peer.call("close", pair.dest)
+
+
+def layers(regions: range, src: Sequence[int], dst: Sequence[int]) -> dict[int, tuple[Sequence[int], Sequence[int]]]:
+    return {r: (src, dst) for r in regions}
+
+
+def complete(generation: int, *parts: WrittenPart) -> Event:
+    return Event("complete", ("t", generation, True, None, parts))
+
+
+def test_layer_parts_land_before_the_final_which_only_notifies(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)  # the consumer holds the first 2 blocks
+
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+    p.writer.source_part("t", SRC, PROMPT, (1, 2), prompt_tokens=PROMPT)
+    assert p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5])) == []
+    assert p.settled() == []  # no outcome before the final
+
+    p.writer.source_ready("t", SRC)
+
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    assert p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+    assert p.recorder.next() == Event("source_free", ("t",))
+    assert peer.call("pending_notifications", p.dest) == []  # one notification for the whole generation
+    p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]))
+
+
+def test_chunk_parts_write_the_blocks_computed_after_a_prefix_hit(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)  # target: prompt tokens 8..20
+
+    p.writer.source_part("t", SRC[:2], 6, prompt_tokens=PROMPT)  # all of the consumer's prefix
+    assert p.settled() == [] and p.writer.parts_in_flight == 0
+    p.writer.source_part("t", SRC[:3], 12)  # target block 0 (tokens 8..12)
+    assert p.landed(peer, layers(range(4), SRC[2:3], [9])) == []
+    p.writer.source_part("t", SRC, 18)  # block 1; block 2 (tokens 16..20) is not all computed
+    assert p.landed(peer, layers(range(4), SRC[2:4], [9, 2])) == []
+
+    p.writer.source_ready("t", SRC)
+
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    parts = (WrittenPart(0, 4, 0, 0), WrittenPart(4, 4, 0, 0), WrittenPart(8, 4, 0, 0))
+    assert p.recorder.next() == complete(1, *parts)
+    assert p.recorder.next() == Event("source_free", ("t",))
+    p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]))
+
+
+def test_parts_in_flight_stay_under_the_cap_and_the_rest_goes_together(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair(layers=4, max_parts_in_flight=2)
+    p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
+    for layer in range(4):
+        p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
+
+    assert p.settled() == [] and p.writer.parts_in_flight == 2  # the consumer does not poll yet
+
+    assert p.landed(peer, layers(range(8), SRC[:2], [3, 4])) == []
+    p.writer.source_ready("t", SRC[:2])
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert len(received) == 1
+    # Layers 2 and 3 waited for a free slot and went in one WRITE.
+    assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 1), WrittenPart(0, 8, 2, 2))
+    assert p.writer.parts_in_flight == 0
+
+
+def test_abort_mid_way_posts_no_more_and_frees_the_source_once_parts_drained(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    p = make_pair()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.abort("t")
+    p.writer.source_part("t", SRC, PROMPT, (1, 2))  # ended: ignored
+    assert p.settled() == []  # layer 0 is still in flight
+
+    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+
+    assert p.drained(peer) == Event("source_free", ("t",))
+    p.writer.source_ready("t", SRC)
+    assert p.settled() == [Event("source_free", ("t",))]  # a late source is freed at once, nothing written
+    assert p.writer.parts_in_flight == 0
+    p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]))
+
+
+def test_revoke_mid_way_is_acknowledged_after_parts_drained_and_the_next_generation_writes_its_own(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    p = make_pair()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.revoke("t", 1)
+    p.writer.source_part("t", SRC, PROMPT, (1, 2))  # for a revoked generation: not written
+    assert p.settled() == []
+
+    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+
+    assert p.drained(peer) == Event("revoked", ("t", 1))
+    assert p.settled() == [] and p.writer.parts_in_flight == 0
+
+    p.writer.assign("t", 2, p.agent, 1, [12, 13, 14], progressive=True)
+    assert (
+        p.landed(
+            peer, {**layers(range(2), SRC[2:] * 2, [9, 2, 5, 12, 13, 14]), **layers(range(2, 4), SRC[2:], [12, 13, 14])}
+        )
+        == []
+    )
+    p.writer.source_ready("t", SRC)
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert [(n.transfer_id, n.generation) for n in received] == [("t", 2)]
+    assert p.recorder.next() == complete(2, WrittenPart(0, 12, 0, 0))
+    assert p.recorder.next() == Event("source_free", ("t",))
+
+
+def test_a_non_progressive_assignment_remembers_parts_and_writes_once(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5])
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.source_part("t", SRC, PROMPT, (1, 2), prompt_tokens=PROMPT)
+    assert p.settled() == [] and p.writer.parts_in_flight == 0
+
+    p.writer.source_ready("t", SRC)
+
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    assert p.recorder.next() == complete(1)  # no parts: one write
+    assert p.recorder.next() == Event("source_free", ("t",))
+    p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]))
+
+
+def test_parts_before_the_assignment_are_posted_when_it_comes(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair()
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.source_part("t", SRC, PROMPT, (1, 2))
+    assert p.settled() == []
+
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+
+    assert p.settled() == [] and p.writer.parts_in_flight == 1  # both layers at once: one WRITE
+    assert p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5])) == []
+    p.writer.source_ready("t", SRC)
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    assert p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 0))
+
+
+def test_chunks_into_bigger_blocks_of_fewer_ranks_land_byte_exact(peer: PeerProcess) -> None:
+    # 80 prompt tokens in blocks of 16 on 2 ranks; the consumer (1 rank, blocks of 32) holds the first 32.
+    p, c = Engine(2, 1, 16, 6), Engine(1, 1, 32, 4)
+    src, dst, prompt, target = [4, 0, 1, 2, 5], [3, 1], 80, 48
+    name = unique("c")
+    consumer = ConsumerEngine(c.layout, (dataclasses.replace(peer.call("create", name, c.region_layout(0)), rank=0),))
+    views = [region_views(p.region_layout(r), seed=200 + r) for r in range(2)]
+    recorders = [Recorder(), Recorder()]
+    writers = [
+        TransferWriter(
+            NixlEndpoint.from_tensors(unique(f"p{r}"), views[r]),
+            on_complete_parts=recorders[r].on_complete_parts,
+            on_revoked=recorders[r].on_revoked,
+            on_source_free=recorders[r].on_source_free,
+            layout=p.layout,
+            rank=r,
+        )
+        for r in range(2)
+    ]
+    sources = [[v.numpy() for v in rank] for rank in views]
+
+    def landed(blocks: list[int]) -> list[object]:
+        want = [w.reshape(c.num_blocks, -1) for w in expected(p, c, sources, 0, src, blocks, prompt, target)]
+        ok, notifications = peer.call("wait_landed", name, want, 10.0)
+        assert ok
+        return list(notifications)
+
+    try:
+        for w in writers:
+            w.start()
+            w.assign("t", 1, consumer, 1, dst, target_tokens=target, progressive=True)
+            w.source_part("t", src[:3], 48, prompt_tokens=prompt)  # target block 0 holds tokens 32..64: not yet
+        assert all(w.barrier(5) and w.parts_in_flight == 0 for w in writers)
+        for w in writers:
+            w.source_part("t", src[:4], 64)
+        assert landed(dst[:1]) == []
+
+        for w in writers:
+            w.source_ready("t", src)
+
+        received = peer.call("wait_all", {name: 2}, 10.0)[name]
+        assert sorted((n.transfer_id, n.generation, n.writers) for n in received) == [("t", 1, 2)] * 2
+        for recorder in recorders:
+            assert recorder.next(10) == complete(1, WrittenPart(0, 32, 0, 0), WrittenPart(32, 16, 0, 0))
+            assert recorder.next() == Event("source_free", ("t",))
+        landed(dst)
+    finally:
+        for w in writers:
+            assert w.stop(10)
+        peer.call("close", name)
+
+
+def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerProcess) -> None:
+    p, c = Engine(1, 1, 4, 6), Engine(1, 2, 4, 6)  # the consumer's stage r holds layer r
+    src, dst = [0, 1, 2], [5, 4, 3]
+    names = [unique("c0"), unique("c1")]
+    agents = tuple(
+        dataclasses.replace(peer.call("create", n, c.region_layout(r)), rank=r, **c.agent_fields(r))
+        for r, n in enumerate(names)
+    )
+    views = region_views(p.region_layout(0), seed=300)
+    recorder = Recorder()
+    writer = TransferWriter(
+        NixlEndpoint.from_tensors(unique("p"), views),
+        on_complete_parts=recorder.on_complete_parts,
+        on_revoked=recorder.on_revoked,
+        on_source_free=recorder.on_source_free,
+        layout=p.layout,
+    )
+    try:
+        writer.start()
+        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, dst, progressive=True)
+        writer.source_part("t", src, 12, (0, 1), prompt_tokens=12)
+        assert writer.barrier(5) and writer.parts_in_flight == 1  # one WRITE, into stage 0
+        writer.source_part("t", src, 12, (1, 2))
+        assert writer.barrier(5) and writer.parts_in_flight == 2
+
+        writer.source_ready("t", src)
+
+        received = peer.call("wait_all", {n: 1 for n in names}, 10.0)
+        assert all([(x.transfer_id, x.generation) for x in received[n]] == [("t", 1)] for n in names)
+        assert recorder.next(10) == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+        assert recorder.next() == Event("source_free", ("t",))
+        sources = [[v.numpy() for v in views]]
+        for r, n in enumerate(names):
+            got = [c.canonical(b) for b in peer.call("blocks", n)]
+            for g, w in zip(got, expected(p, c, sources, r, src, dst, 12, 12), strict=True):
+                np.testing.assert_array_equal(g, w, err_msg=f"consumer rank {r}")
+    finally:
+        assert writer.stop(10)
+        for n in names:
+            peer.call("close", n)
