@@ -70,6 +70,9 @@ class CreditOutcome:
     error: RendezvousError | None = None
 
 
+_STORE_BATCH = 256
+"""Transfers a sweep or an engine loss applies per store call (Store.update_transfers)."""
+
 _RESERVE_ATTEMPTS = 32
 """Compare-and-set rounds of one reservation before it gives up (every round lost is another's success)."""
 
@@ -142,12 +145,25 @@ class Coordinator:
         self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition]
     ) -> Transition:
         seen: list[Transfer | None] = []  # every record fn was applied to (a shared store may retry): the last counts
+        transition = await self.store.update_transfer(transfer_id, partial(_recording, fn, seen))
+        self._observe(transfer_id, seen, transition)
+        return transition
 
-        def observed(cur: Transfer | None, engines: Mapping[str, Engine]) -> Transition:
-            seen.append(cur)
-            return fn(cur, engines)
+    async def _apply_all(
+        self, updates: Sequence[tuple[str, Callable[[Transfer | None, Mapping[str, Engine]], Transition]]]
+    ) -> list[Transition | Exception]:
+        """_apply for several transfers in one store call (Store.update_transfers): a transition or an error each."""
+        seen: list[list[Transfer | None]] = [[] for _ in updates]
+        results = await self.store.update_transfers(
+            [(transfer_id, partial(_recording, fn, s)) for (transfer_id, fn), s in zip(updates, seen, strict=True)]
+        )
+        for (transfer_id, _), s, result in zip(updates, seen, results, strict=True):
+            if not isinstance(result, Exception):
+                self._observe(transfer_id, s, result)
+        return results
 
-        transition = await self.store.update_transfer(transfer_id, observed)
+    def _observe(self, transfer_id: str, seen: Sequence[Transfer | None], transition: Transition) -> None:
+        """Tell the observer and the log about an applied transition (seen: the records its fn was applied to)."""
         if seen:
             before = seen[-1]
             after = transition.transfer
@@ -155,7 +171,6 @@ class Coordinator:
                 if self.observer is not None:
                     self.observer.on_transition(before, after, self.clock())
                 _log_transition(transfer_id, before, after)
-        return transition
 
     # Engines
 
@@ -264,19 +279,19 @@ class Coordinator:
         await self._reclaim_credits(lost)
         aborted = 0
         peers: set[str] = set()
-        for transfer_id in await self.store.live_transfer_ids(lost.engine_id):
-            try:
-                transition = await self._apply(transfer_id, lambda cur, _e: lifecycle.engine_lost(ctx, cur, lost))
-            except StoreUnavailableError:
-                raise
-            except Exception:
-                # One bad record must not keep the engine's other transfers alive (its deadline still applies).
-                log.exception("cannot apply engine loss", extra={"transfer_id": transfer_id})
-                continue
-            t = transition.transfer
-            if t is not None and t.state == State.ABORTED and t.times.end == ctx.now:
-                aborted += 1
-            peers.update(a.engine_id for a in transition.events)
+        ids = await self.store.live_transfer_ids(lost.engine_id)
+        for first in range(0, len(ids), _STORE_BATCH):
+            chunk = ids[first : first + _STORE_BATCH]
+            results = await self._apply_all([(t, lambda cur, _e: lifecycle.engine_lost(ctx, cur, lost)) for t in chunk])
+            for transfer_id, result in zip(chunk, results, strict=True):
+                if isinstance(result, Exception):
+                    # One bad record must not keep the engine's other transfers alive (its deadline still applies).
+                    log.error("cannot apply engine loss", exc_info=result, extra={"transfer_id": transfer_id})
+                    continue
+                t = result.transfer
+                if t is not None and t.state == State.ABORTED and t.times.end == ctx.now:
+                    aborted += 1
+                peers.update(a.engine_id for a in result.events)
         if peers:
             note = Event(EventType.PEER_LOST, ctx.now, peer=lost)
             await self.store.append_events([Addressed(p, note) for p in sorted(peers)])
@@ -329,6 +344,16 @@ class Coordinator:
             if tally is not None:
                 room = budget.BlockBudget.of(self.limits, caller, tally)
 
+        def refused(item: SpecT, err: Exception) -> ItemOutcome:
+            if not isinstance(err, RendezvousError):
+                raise err
+            if err.reason in _BINDING_REFUSALS:
+                log.info(
+                    "transfer half refused",
+                    extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason.value},
+                )
+            return ItemOutcome(item.transfer_id, error=err)
+
         async def apply(
             item: SpecT, limit: engine_rules.LiveTransferLimit | None, room: budget.BlockBudget | None
         ) -> tuple[ItemOutcome, tuple[int, int]]:
@@ -337,20 +362,21 @@ class Coordinator:
             try:
                 transition = await self._apply(item.transfer_id, fn)
             except RendezvousError as err:
-                if err.reason in _BINDING_REFUSALS:
-                    log.info(
-                        "transfer half refused",
-                        extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason.value},
-                    )
-                return ItemOutcome(item.transfer_id, error=err), (0, 0)
+                return refused(item, err), (0, 0)
             return ItemOutcome(item.transfer_id, transfer=transition.transfer), change[0]
 
         most = sum(len(getattr(item, "block_ids", ())) for item in items) if room is not None else 0
         roomy = (limit is None or limit.allows(len(items))) and (room is None or room.allows(most))
         if self.store.concurrent and settle is None and roomy:
-            # No item can reach a limit, so they may be in flight together (one round trip to a
-            # networked store); items of one transfer still apply in order (the store queues them).
-            return [o for o, _ in await asyncio.gather(*(apply(item, None, None) for item in items))]
+            # No item can reach a limit, so they may be applied together (one store call, one round trip
+            # to a networked store); items of one transfer still apply in order.
+            results = await self._apply_all(
+                [(i.transfer_id, partial(_limited, step, self._context(), i, None, None, [(0, 0)])) for i in items]
+            )
+            return [
+                refused(item, r) if isinstance(r, Exception) else ItemOutcome(item.transfer_id, transfer=r.transfer)
+                for item, r in zip(items, results, strict=True)
+            ]
         outcomes: list[ItemOutcome] = []
         for item in items:
             outcome, change = await apply(item, limit, room)
@@ -661,14 +687,14 @@ class Coordinator:
                 # One bad record must not stop the leases of every other engine from being enforced.
                 log.exception("cannot sweep engine", extra={"engine_id": engine.engine_id})
         ctx = self._context()
-        for transfer_id in await self.store.due_transfers(ctx.now, max_transfers):
-            try:
-                await self._apply(transfer_id, lambda cur, _e: lifecycle.expire(ctx, cur))
-            except StoreUnavailableError:
-                raise
-            except Exception:
-                # One bad record must not stop every other transfer from expiring.
-                log.exception("cannot expire transfer", extra={"transfer_id": transfer_id})
+        due = await self.store.due_transfers(ctx.now, max_transfers)
+        for first in range(0, len(due), _STORE_BATCH):
+            chunk = due[first : first + _STORE_BATCH]
+            results = await self._apply_all([(t, lambda cur, _e: lifecycle.expire(ctx, cur)) for t in chunk])
+            for transfer_id, result in zip(chunk, results, strict=True):
+                if isinstance(result, Exception):
+                    # One bad record must not stop every other transfer from expiring.
+                    log.error("cannot expire transfer", exc_info=result, extra={"transfer_id": transfer_id})
         await self._expire_credits(ctx.now, max_transfers)
 
     async def _expire_credits(self, now: float, limit: int) -> None:
@@ -728,6 +754,17 @@ def _bound(
     refusal is the same whether the transfer exists or not)."""
     check_binding(rules, ctx.now, cur, item.transfer_id, getattr(item, "binding", None), engine_id, half, exempt)
     return step(ctx, cur, engines, item)
+
+
+def _recording(
+    fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition],
+    seen: list[Transfer | None],
+    cur: Transfer | None,
+    engines: Mapping[str, Engine],
+) -> Transition:
+    """fn, noting each record it is applied to (a shared store may apply it more than once: the last counts)."""
+    seen.append(cur)
+    return fn(cur, engines)
 
 
 def _limited(

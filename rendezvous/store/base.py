@@ -61,8 +61,8 @@ class Store(ABC):
 
     name: str = "abstract"
     concurrent: bool = False
-    """Whether calls gain from being in flight together (a networked store sends them in one round
-    trip); the coordinator then applies the items of a batch concurrently."""
+    """Whether calls gain from being made together (a networked store sends them in one round trip); the
+    coordinator then applies the items of a batch with one update_transfers call."""
 
     @property
     @abstractmethod
@@ -121,6 +121,23 @@ class Store(ABC):
     @abstractmethod
     async def update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
         """Atomically apply fn to a transfer and append its events; errors from fn leave no trace."""
+
+    async def update_transfers(self, updates: Sequence[tuple[str, TransferFn]]) -> list[Transition | Exception]:
+        """Apply each (transfer id, fn) as update_transfer does, in one call: a result per update, its
+        transition or the error it ended with (raised by its fn, or by its record), which does not stop the
+        others; the store's own failures (StoreUnavailableError) raise. Updates of one transfer apply in order.
+
+        Backends override this to send a batch in about one round trip; this default applies them in turn.
+        """
+        results: list[Transition | Exception] = []
+        for transfer_id, fn in updates:
+            try:
+                results.append(await self.update_transfer(transfer_id, fn))
+            except StoreUnavailableError:
+                raise
+            except Exception as err:
+                results.append(err)
+        return results
 
     @abstractmethod
     async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -319,6 +319,54 @@ async def test_an_unchanged_transition_writes_nothing(store: Store) -> None:
     await store.update_transfer("missing", lambda cur, _e: Transition(cur))
     assert await store.revision() == revision
     assert await store.get_transfer("missing") is None
+
+
+async def test_a_batch_of_updates_gives_each_its_own_answer_and_an_error_stops_no_other(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    await put_transfer(store, make_transfer("old", num_tokens=1))
+
+    def grow(cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        assert cur is not None
+        new = replace(cur, num_tokens=cur.num_tokens + 1)
+        return Transition(new, (note("c", new, EventType.SOURCE_READY),))
+
+    def fail(_cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        raise LookupError("rejected")
+
+    made = make_transfer("new")
+    results = await store.update_transfers(
+        [
+            ("old", grow),
+            ("bad", fail),
+            ("new", lambda _cur, _e: Transition(made)),
+            ("gone", lambda cur, _e: Transition(cur)),
+        ]
+    )
+    assert isinstance(results[1], LookupError)
+    assert [r.transfer for r in (results[0], results[2], results[3]) if isinstance(r, Transition)] == [
+        replace(make_transfer("old", num_tokens=1), num_tokens=2),
+        made,
+        None,
+    ]
+    assert sorted(t.transfer_id for t in await store.list_transfers()) == ["new", "old"]
+    assert await store.get_transfer("bad") is None
+    assert [e.transfer.num_tokens for e in (await store.read_events("c", 1, 10)).events if e.transfer] == [2]
+
+
+async def test_updates_of_one_transfer_in_one_batch_apply_in_order(store: Store) -> None:
+    await put_transfer(store, make_transfer("t", num_tokens=1))
+
+    def scaled(k: int, plus: int = 0) -> Callable[[Transfer | None, Mapping[str, Engine]], Transition]:
+        def scale(cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+            assert cur is not None
+            return Transition(replace(cur, num_tokens=cur.num_tokens * k + plus))
+
+        return scale
+
+    results = await store.update_transfers([("t", scaled(3)), ("t", scaled(1, 1)), ("t", scaled(5))])
+    assert [r.transfer.num_tokens for r in results if isinstance(r, Transition) and r.transfer] == [3, 4, 20]
+    final = await store.get_transfer("t")
+    assert final is not None and final.num_tokens == 20
 
 
 async def test_the_revision_grows_with_every_write(store: Store) -> None:

@@ -72,6 +72,10 @@ operation = st.one_of(
     st.tuples(st.just("deregister"), st.sampled_from(CONSUMERS + PRODUCERS)),
     st.tuples(st.just("target"), consumer, transfer, generation, blocks, st.booleans(), st.sampled_from(TARGETS)),
     st.tuples(st.just("claim"), producer, transfer),
+    # Batches of several items (one store call on Redis), one transfer maybe more than once.
+    st.tuples(st.just("claims"), producer, st.lists(transfer, min_size=2, max_size=4)),
+    st.tuples(st.just("completes"), producer, st.lists(transfer, min_size=2, max_size=4), generation),
+    st.tuples(st.just("aborts"), st.sampled_from(("", *CONSUMERS)), st.lists(transfer, min_size=2, max_size=4)),
     st.tuples(st.just("ready"), producer, transfer, blocks),
     st.tuples(
         st.just("complete"),
@@ -123,6 +127,11 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
                 [TargetSpec(t, b, g, shape[0], mode=Mode.PULL if pull else Mode.PUSH, progressive=shape[1])],
             ),
             "claim": lambda p, t: coord.claim_transfers(p, 0, [ClaimSpec(t)]),
+            "claims": lambda p, ts: coord.claim_transfers(p, 0, [ClaimSpec(t) for t in ts]),
+            "completes": lambda p, ts, g: coord.complete_transfers(
+                p, 0, [CompletionSpec(t, g, Outcome.SUCCEEDED) for t in ts]
+            ),
+            "aborts": lambda e, ts: coord.abort_transfers(e, 0, [AbortSpec(t, "stop") for t in ts]),
             "ready": lambda p, t, b: coord.mark_sources_ready(p, 0, [SourceReadySpec(t, b)]),
             "complete": lambda e, t, g, failed, parts: coord.complete_transfers(
                 e, 0, [CompletionSpec(t, g, Outcome.FAILED if failed else Outcome.SUCCEEDED, parts=PARTS[parts])]

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import pytest
+import redis.asyncio as redis
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
@@ -85,6 +86,48 @@ async def test_a_transition_sees_what_another_instance_wrote_since(redis_pair: t
     assert [t.num_tokens for t in seen if t] == [1, 2]  # tried on what a remembered, redone on b's write
     final = await b.get_transfer("t")
     assert final is not None and final.num_tokens == 12
+
+
+async def test_a_batch_of_transitions_is_one_script_call(redis_pair: tuple[RedisStore, RedisStore]) -> None:
+    a, _ = redis_pair
+    await put_engine(a, make_engine("c"))
+    for i in range(8):
+        await put_transfer(a, make_transfer(f"t{i}"))  # a remembers every record
+    counter = redis.Redis.from_url(a.target.url)
+    before = await _script_calls(counter)
+    results = await a.update_transfers(
+        [(f"t{i}", lambda cur, _e: Transition(replace(cur, num_tokens=7) if cur else None)) for i in range(8)]
+    )
+    assert await _script_calls(counter) - before == 1
+    await counter.aclose()
+    assert all(isinstance(r, Transition) and r.transfer and r.transfer.num_tokens == 7 for r in results)
+
+
+async def _script_calls(client: redis.Redis) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_a_transition_of_a_batch_that_another_instance_overtook_is_redone_alone(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    a, b = redis_pair
+    await put_engine(a, make_engine("c"))
+    first = await put_transfer(a, make_transfer("t", num_tokens=1))
+    await put_transfer(a, make_transfer("u", num_tokens=1))
+    assert first.transfer is not None
+    await put_transfer(b, replace(first.transfer, num_tokens=2))
+    seen: list[tuple[str, int]] = []
+
+    def grow(cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        assert cur is not None
+        seen.append((cur.transfer_id, cur.num_tokens))
+        return Transition(replace(cur, num_tokens=cur.num_tokens + 10))
+
+    results = await a.update_transfers([("t", grow), ("u", grow)])
+    assert seen == [("t", 1), ("u", 1), ("t", 2)]  # t redone on b's write, u committed at once
+    assert [r.transfer.num_tokens for r in results if isinstance(r, Transition) and r.transfer] == [12, 11]
+    assert [(await b.get_transfer(t)).num_tokens for t in "tu"] == [12, 11]  # type: ignore[union-attr]
 
 
 async def test_a_refusal_based_on_a_remembered_state_is_checked_against_the_current_one(

@@ -12,23 +12,28 @@ common case costs one round trip. A transition that fails, or changes nothing, o
 this call is recomputed on a fresh read before its answer counts. Engine records are checked the same
 way, so a transition sees the transfer and its engines as of one instant, as in the memory store.
 
-Commands that concurrent requests issue in one event-loop iteration go out as one pipeline
-(batcher.py), and the coordinator applies a batch's items concurrently (Store.concurrent), so a
-batch of transitions costs about one round trip. Every write carries the epoch guard (epoch.py).
+update_transfers computes a whole batch on the records as last seen and sends it as one commit_transfers
+call (the items as one JSON argument: a few arguments to pack and parse, not hundreds); the items it
+refuses (a conflict) or could not compute on what was seen take update_transfer's loop. Other commands
+that concurrent requests issue in one event-loop iteration go out as one pipeline (batcher.py). Every
+write carries the epoch guard (epoch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import secrets
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis.asyncio as aioredis
+from redis import exceptions as rex
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -72,6 +77,22 @@ _APPEND_MEMORY_S = 300
 _SWEEP_HOLD_S = 5.0
 # Longest single XREAD BLOCK: waits longer than this are several blocks, so close() is prompt.
 _MAX_BLOCK_S = 1.0
+# The commit_transfers items argument (records inside are JSON text already, passed through as strings).
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+def _no_peers() -> dict[str, int]:
+    """The peers table of a commit_transfers call before any item: index 0 is "no peer"."""
+    return {"": 0}
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A transition computed on a snapshot, and the commit_transfers item (commit_transfers.lua) that writes it."""
+
+    transition: Transition
+    unchanged: bool
+    item: list[Any]
 
 
 def _guarded(
@@ -324,44 +345,73 @@ class RedisStore(Store):
     async def _read_transfer(self, transfer_id: str) -> Snapshot:
         return self._records.snapshot(transfer_id, await self._scripts.run("read_transfer", transfer_id=transfer_id), 0)
 
+    def _plan(self, transfer_id: str, fn: TransferFn, snapshot: Snapshot, peers: dict[str, int]) -> _Plan | None:
+        """fn's transition on snapshot, with the commit_transfers item that writes it; None when an engine the
+        transfer names was never seen (read them first). Its events name their peers by index in peers (the
+        encoded peer engines of one call, each sent once: a batch's assignments mostly carry the same one)."""
+        entries = self._records.engines_of(snapshot)
+        if entries is None:
+            return None
+        cur = snapshot.transfer
+        transition = fn(cur, {e: entry.engine for e, entry in entries.items() if entry.engine is not None})
+        new = transition.transfer
+        unchanged = new is cur and not transition.events
+        record = encode_transfer(new) if new is not None and not unchanged else None
+        target_blocks, source_blocks = budget.transfer_blocks(new)
+        checks: list[str] = []
+        for engine_id, entry in entries.items():
+            checks += (engine_id, entry.version.decode())
+        events: list[Any] = []
+        if not unchanged:
+            for engine_id, event, peer in self._events(transition.events, new, record):
+                events += (engine_id, event, peers.setdefault(peer, len(peers)))
+        item = [
+            transfer_id,
+            snapshot.version.decode(),
+            "n" if unchanged else ("w" if new is not None else "d"),
+            record or "",
+            new.consumer_engine_id if new else "",
+            new.producer_engine_id if new else "",
+            str(int(new.state)) if new else "0",
+            "1" if new is not None and new.unsettled else "0",
+            repr(new.deadline) if new else "0",
+            str(target_blocks),
+            str(source_blocks),
+            checks,
+            events,
+        ]
+        return _Plan(transition, unchanged, item)
+
+    async def _commit(self, items: Sequence[list[Any]], peers: dict[str, int]) -> Reply:
+        """Run commit_transfers (peers: the items' peers by index, _plan): OK and one answer per item, or the
+        guard's refusal."""
+        reply: Reply = await self._scripts.run(
+            "commit_transfers",
+            guard=self._epoch.guard,
+            max_events=self._max_events,
+            items=_dumps([list(peers), items]),
+        )
+        return reply
+
+    def _written(self, transfer_id: str, transition: Transition, answer: Reply) -> None:
+        """Remember what a commit wrote (answer: its OK and revision)."""
+        new = transition.transfer
+        self._records.remember_transfer(transfer_id, Snapshot(b"%d" % answer[1] if new is not None else ABSENT, new))
+
     async def _update_transfer(self, transfer_id: str, fn: TransferFn) -> Transition:
         def compute(snapshot: Snapshot) -> Attempt[Transition] | None:
-            entries = self._records.engines_of(snapshot)
-            if entries is None:
+            peers = _no_peers()
+            plan = self._plan(transfer_id, fn, snapshot, peers)
+            if plan is None:
                 return None
-            cur = snapshot.transfer
-            transition = fn(cur, {e: entry.engine for e, entry in entries.items() if entry.engine is not None})
-            new = transition.transfer
-            unchanged = new is cur and not transition.events
-            record = encode_transfer(new) if new is not None and not unchanged else None
-            target_blocks, source_blocks = budget.transfer_blocks(new)
 
-            async def commit() -> Any:  # the script's reply
-                return await self._scripts.run(
-                    "commit_transfer",
-                    guard=self._epoch.guard,
-                    transfer_id=transfer_id,
-                    version=snapshot.version,
-                    checks=[(engine_id, entry.version) for engine_id, entry in entries.items()],
-                    op="n" if unchanged else ("w" if new is not None else "d"),
-                    record=record or "",
-                    consumer=new.consumer_engine_id if new else "",
-                    producer=new.producer_engine_id if new else "",
-                    state=int(new.state) if new else 0,
-                    unsettled=1 if new is not None and new.unsettled else 0,
-                    deadline=new.deadline if new else 0,
-                    max_events=self._max_events,
-                    target_blocks=target_blocks,
-                    source_blocks=source_blocks,
-                    events=self._events(transition.events, new, record) if not unchanged else (),
-                )
+            async def commit() -> Reply:
+                reply = await self._commit([plan.item], peers)
+                return reply[1] if reply[0] == b"OK" else reply
 
-            def written(reply: Reply) -> None:
-                self._records.remember_transfer(
-                    transfer_id, Snapshot(b"%d" % reply[1] if new is not None else ABSENT, new)
-                )
-
-            return Attempt(transition, unchanged, commit, written)
+            return Attempt(
+                plan.transition, plan.unchanged, commit, functools.partial(self._written, transfer_id, plan.transition)
+            )
 
         return await optimistic.update(
             self._epoch,
@@ -371,6 +421,63 @@ class RedisStore(Store):
             compute,
             lambda reply: self._records.snapshot(transfer_id, reply, 1),
         )
+
+    @_guarded
+    async def update_transfers(self, updates: Sequence[tuple[str, TransferFn]]) -> list[Transition | Exception]:
+        # Every transition is computed on the records as last seen and all go in one commit_transfers call;
+        # the few it cannot settle (a conflict, a record never seen, a refusal to check afresh) then take the
+        # optimistic loop of update_transfer, in flight together (pipelined). Updates of one transfer apply
+        # in turn instead.
+        ids = [transfer_id for transfer_id, _ in updates]
+        if len(set(ids)) < len(ids):
+            return await super().update_transfers(updates)
+        async with self._transfer_locks.hold_all(ids):
+            return await self._update_transfers(updates)
+
+    async def _update_transfers(self, updates: Sequence[tuple[str, TransferFn]]) -> list[Transition | Exception]:
+        results: list[Transition | Exception | None] = [None] * len(updates)
+        plans: list[tuple[int, _Plan]] = []
+        again: list[int] = []
+        peers = _no_peers()
+        for i, (transfer_id, fn) in enumerate(updates):
+            try:
+                plan = self._plan(transfer_id, fn, self._records.transfer(transfer_id), peers)
+            except Exception:
+                plan = None  # computed on a remembered record: its answer counts only on a fresh read
+            if plan is None:
+                again.append(i)
+            else:
+                plans.append((i, plan))
+        if plans:
+            reply = await self._commit([plan.item for _, plan in plans], peers)
+            if reply[0] != b"OK":
+                await self._epoch.refused(reply)
+                again += (i for i, _ in plans)
+            else:
+                for (i, plan), answer in zip(plans, reply[1:], strict=True):
+                    if answer[0] == b"OK":
+                        self._epoch.saw(answer[1])
+                        self._written(updates[i][0], plan.transition, answer)
+                        results[i] = plan.transition
+                    elif answer[0] == b"N":
+                        results[i] = plan.transition
+                    else:  # a conflict: the answer holds the current records
+                        self._records.snapshot(updates[i][0], answer, 1)
+                        again.append(i)
+        if again:
+            redone = await asyncio.gather(*(self._redo(*updates[i]) for i in again))
+            for i, result in zip(again, redone, strict=True):
+                results[i] = result
+        return cast("list[Transition | Exception]", results)
+
+    async def _redo(self, transfer_id: str, fn: TransferFn) -> Transition | Exception:
+        """update_transfer under the lock already held: its transition, or the error fn (or a record) raised."""
+        try:
+            return await self._update_transfer(transfer_id, fn)
+        except (StoreUnavailableError, rex.RedisError, OSError):
+            raise
+        except Exception as err:
+            return err
 
     def _transfers_in(self, reply: Sequence[Any], offset: int = 0) -> list[Transfer]:
         transfers = []

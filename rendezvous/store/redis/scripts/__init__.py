@@ -84,27 +84,10 @@ _EVENTS = Group("events", ("engine_id", "event", "peer"))
 
 SIGNATURES: Mapping[str, Signature] = {
     "read_transfer": Signature(("transfer_id",), helpers=("snapshot",)),
-    # version: the transfer's version the transition was computed on ("0": absent); checks: the engines'.
+    # items: JSON, one array per transition (the fields are in commit_transfers.lua). Per item, version is
+    # the transfer's version the transition was computed on ("0": absent), checks its engines' versions;
     # op: w write | d delete | n verify only; unsettled: 1 | 0 (the core's Transfer.unsettled).
-    "commit_transfer": Signature(
-        (
-            "guard",
-            "transfer_id",
-            "version",
-            "op",
-            "record",
-            "consumer",
-            "producer",
-            "state",
-            "unsettled",
-            "deadline",
-            "max_events",
-            "target_blocks",
-            "source_blocks",
-        ),
-        (Group("checks", ("engine_id", "version")), _EVENTS),
-        ("guard", "snapshot", "append", "budget"),
-    ),
+    "commit_transfers": Signature(("guard", "max_events", "items"), helpers=("guard", "snapshot", "append", "budget")),
     # op: w write | d delete | n verify only; ended: 1 | 0. owner, engines, metadata_bytes: what the record
     # charges the memory budget (rendezvous.core.budget.engine_usage).
     "commit_engine": Signature(
