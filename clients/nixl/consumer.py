@@ -5,7 +5,9 @@ registers destination blocks (`register_target`, batched per loop turn) and lear
 from `results()` (or the `on_result` callback), as `TransferResult`s:
 
 - ok: the generation's bytes are in its blocks. Push: the first of the NIXL notification "T:g" and the
-  TRANSFER_COMMITTED event says so; notifications of other generations are ignored (fencing). Pull: on
+  TRANSFER_COMMITTED event says so; notifications of other generations are ignored (fencing). A progressive
+  target (written in parts) arrives on TRANSFER_COMMITTED only: the service commits once the producer's parts
+  tile the target, so a producer that notifies too early cannot start decode on missing bytes. Pull: on
   SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfer.
 - failed: the transfer aborted (`reason` is the abort reason) or a READ failed. When the service still
   fences a generation the producer may be writing (`revoking_generation`), the result waits for
@@ -112,6 +114,7 @@ class _Target:
     generation: int
     block_ids: tuple[int, ...]
     mode: TransferMode
+    progressive: bool = False  # arrives on TRANSFER_COMMITTED only: the service checked that the parts tile it
     arrived: bool = False
     senders: set[str] = dataclasses.field(default_factory=set)  # producer agents whose notification came
 
@@ -159,7 +162,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             capacity=capacity,
         )
         self.stale_notifications = 0
-        """Notifications for a generation or transfer no longer expected (ignored)."""
+        """Notifications ignored: for a generation or transfer no longer expected, or for a progressive target."""
         self._poll = poll
         self._on_result = on_result
         self._follower_check_s = follower_check_s
@@ -249,7 +252,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode, binding, progressive
         )
         if not self.leader:
-            target = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
+            target = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)
             self._targets[transfer_id] = target
             self._update_expecting()
             if self._early_commits.pop(transfer_id, None) == generation:
@@ -259,7 +262,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
-        new = _Target(generation, tuple(spec.block_ids), TransferMode(mode))
+        new = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)
         if old is not None and generation <= old.generation:
             old = None  # a repeat (or a stale one, which the service refuses)
         else:
@@ -469,7 +472,12 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     def _notified(self, notifications: list[TransferNotification], arrived: float) -> None:
         for n in notifications:
             target = self._targets.get(n.transfer_id)
-            if target is None or target.generation != n.generation or target.mode is not TransferMode.PUSH:
+            if (
+                target is None
+                or target.generation != n.generation
+                or target.mode is not TransferMode.PUSH
+                or target.progressive  # written in parts: only the commit says that all of them landed
+            ):
                 self.stale_notifications += 1
                 continue
             target.senders.add(n.sender)

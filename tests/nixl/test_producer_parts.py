@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from clients import AsyncRendezvousClient, TransferState, WrittenPart
-from clients._types import KvLayout
+from clients._exceptions import InvalidArgument
+from clients._types import CompletionSpec, KvLayout
 from clients.nixl import BlockRangeError
+from clients.nixl.agent import NixlEndpoint
 from clients.nixl.consumer import ConsumerAgent
+from clients.nixl.notifications import encode_notification
 from clients.nixl.producer import ProducerAgent
 from clients.testing import AsyncTestServer
 from tests.clients.conftest import WAIT, client, server
@@ -97,5 +100,50 @@ async def test_parts_into_a_progressive_target_are_reported_and_commit(
         for d, s in zip(decode, kv, strict=True):
             assert torch.equal(d[5:7], s[1:3]) and not d[:5].any() and not d[7:].any()
     finally:
+        await producer.close()
+        await consumer.close()
+
+
+async def test_decode_does_not_start_on_an_incomplete_progressive_transfer(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """A producer that notifies before every part landed (a rogue NIXL agent here), then reports too few parts:
+    decode does not take the KV as arrived on the notification (a progressive target arrives on the commit only),
+    the service refuses the incomplete report, and only a report whose parts tile the target commits it."""
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Future[Any] = loop.create_future()
+    kv = [torch.ones(8, 256, dtype=torch.uint8) for _ in range(2)]
+    producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT)
+    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
+    consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result)
+    rogue = NixlEndpoint.from_tensors("rogue-producer", kv)
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+        assert (await producer.claim("t1")).state is TransferState.MATCHED
+        engine = await client.get_engine("d0")
+        rogue.add_peer(engine.agents[0], engine.incarnation)
+        # One of the target's two blocks, with the notification that says "all landed".
+        posted = rogue.post("WRITE", engine.agents[0].name, [1], [5], encode_notification("t1", 1))
+        deadline = loop.time() + WAIT
+        while consumer.stale_notifications == 0:
+            assert loop.time() < deadline, "the notification never came"
+            rogue.poll(posted)  # NIXL moves the bytes while the sender polls
+            await asyncio.sleep(0.01)
+        rogue.release(posted)
+        assert not arrived.done()  # ignored: decode still waits
+
+        incomplete = CompletionSpec("t1", 1, parts=(WrittenPart(0, 32, 0, 1),))  # layer 1 is missing
+        with pytest.raises(InvalidArgument) as refused:
+            await producer.session.complete_transfer(incomplete)
+        assert refused.value.reason == "PARTS_INCOMPLETE"
+        assert (await client.get_transfer("t1")).state is TransferState.MATCHED and not arrived.done()
+
+        complete = CompletionSpec("t1", 1, parts=(WrittenPart(0, 32, 0, 1), WrittenPart(0, 32, 1, 1)))
+        assert (await producer.session.complete_transfer(complete)).state is TransferState.COMMITTED
+        assert (await asyncio.wait_for(arrived, WAIT)).ok  # on TRANSFER_COMMITTED
+    finally:
+        rogue.close()
         await producer.close()
         await consumer.close()
