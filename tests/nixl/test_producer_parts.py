@@ -6,6 +6,9 @@ completion, which the service checks before it commits; to any other consumer th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -29,11 +32,23 @@ pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
 LAYOUT = KvLayout("m", "uint8", 16, 2, kv_layout="HND", num_kv_heads=1)
 
 
-async def test_parts_then_ready_write_the_transfer_once(server: AsyncTestServer, client: AsyncRendezvousClient) -> None:
+@dataclasses.dataclass
+class Pair:
+    """A producer rank "p0" over two layers of 8 blocks, and a consumer rank "d0" of the same shape."""
+
+    producer: ProducerAgent
+    consumer: ConsumerAgent
+    kv: list[torch.Tensor]
+    decode: list[torch.Tensor]
+    arrived: asyncio.Future[Any]  # the consumer's first TransferResult
+    reported: asyncio.Future[Any]  # the producer's first WriteReport
+
+
+@contextlib.asynccontextmanager
+async def started_pair(client: AsyncRendezvousClient) -> AsyncIterator[Pair]:
     loop = asyncio.get_running_loop()
     arrived: asyncio.Future[Any] = loop.create_future()
     reported: asyncio.Future[Any] = loop.create_future()
-    freed: list[str] = []
     kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
     producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result)
     decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
@@ -41,23 +56,15 @@ async def test_parts_then_ready_write_the_transfer_once(server: AsyncTestServer,
     await producer.start()
     await consumer.start()
     try:
-        assert (await consumer.register_target("t1", [5, 6], num_tokens=32)).state is TransferState.TARGETED
-        assert (await producer.claim("t1")).state is TransferState.MATCHED
-        with pytest.raises(BlockRangeError):
-            producer.ready_part("t1", [0], 32, (0, 1))  # 32 tokens do not fit one block of 16
-        for layer in range(2):
-            producer.ready_part("t1", [1, 2], 32, (layer, layer + 1), prompt_tokens=32, on_free=freed.append)
-        producer.ready("t1", [1, 2])
-
-        assert (await asyncio.wait_for(arrived, WAIT)).ok
-        report = await asyncio.wait_for(reported, WAIT)
-        assert report.ok and report.parts == ()  # a whole assignment: one write
-        for d, s in zip(decode, kv, strict=True):
-            assert torch.equal(d[5:7], s[1:3]) and not d[:5].any() and not d[7:].any()
+        yield Pair(producer, consumer, kv, decode, arrived, reported)
     finally:
         await producer.close()
         await consumer.close()
-    assert freed == ["t1"]  # the on_free given with the parts, once
+
+
+def assert_blocks_5_6_hold_source_1_2(pair: Pair) -> None:
+    for d, s in zip(pair.decode, pair.kv, strict=True):
+        assert torch.equal(d[5:7], s[1:3]) and not d[:5].any() and not d[7:].any()
 
 
 async def landed(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -68,28 +75,39 @@ async def landed(destination: torch.Tensor, source: torch.Tensor) -> None:
         await asyncio.sleep(0.01)
 
 
+async def test_parts_then_ready_write_the_transfer_once(server: AsyncTestServer, client: AsyncRendezvousClient) -> None:
+    freed: list[str] = []
+    async with started_pair(client) as pair:
+        producer = pair.producer
+        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32)).state is TransferState.TARGETED
+        assert (await producer.claim("t1")).state is TransferState.MATCHED
+        with pytest.raises(BlockRangeError):
+            producer.ready_part("t1", [0], 32, (0, 1))  # 32 tokens do not fit one block of 16
+        for layer in range(2):
+            producer.ready_part("t1", [1, 2], 32, (layer, layer + 1), prompt_tokens=32, on_free=freed.append)
+        producer.ready("t1", [1, 2])
+
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        report = await asyncio.wait_for(pair.reported, WAIT)
+        assert report.ok and report.parts == ()  # a whole assignment: one write
+        assert_blocks_5_6_hold_source_1_2(pair)
+    assert freed == ["t1"]  # the on_free given with the parts, once
+
+
 async def test_parts_into_a_progressive_target_are_reported_and_commit(
     server: AsyncTestServer, client: AsyncRendezvousClient
 ) -> None:
-    loop = asyncio.get_running_loop()
-    arrived: asyncio.Future[Any] = loop.create_future()
-    reported: asyncio.Future[Any] = loop.create_future()
-    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(241).to(torch.uint8).reshape(8, 256) for _ in range(2)]
-    producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result)
-    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
-    consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result)
-    await producer.start()
-    await consumer.start()
-    try:
-        assert (await consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+    async with started_pair(client) as pair:
+        producer, decode, kv = pair.producer, pair.decode, pair.kv
+        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
         assert (await producer.claim("t1")).state is TransferState.MATCHED
         producer.ready_part("t1", [1, 2], 32, (0, 1), prompt_tokens=32)  # layer 0 is computed
         await landed(decode[0][5:7], kv[0][1:3])  # written once TRANSFER_ASSIGNED reached the writer
-        assert not decode[1].any() and not arrived.done()  # layer 1 waits; no arrival before the final
+        assert not decode[1].any() and not pair.arrived.done()  # layer 1 waits; no arrival before the final
         producer.ready("t1", [1, 2])  # then the rest
 
-        assert (await asyncio.wait_for(arrived, WAIT)).ok
-        report = await asyncio.wait_for(reported, WAIT)
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        report = await asyncio.wait_for(pair.reported, WAIT)
         assert report.ok and sorted(report.parts, key=lambda p: p.first_layer) == [
             WrittenPart(0, 32, 0, 1),
             WrittenPart(0, 32, 1, 1),
@@ -97,11 +115,7 @@ async def test_parts_into_a_progressive_target_are_reported_and_commit(
         assert (await client.get_transfer("t1")).state in (TransferState.COMMITTED, TransferState.RELEASED)
         registry = server.server.metrics.registry
         assert registry.get_sample_value("rendezvous_written_parts_total") == 2
-        for d, s in zip(decode, kv, strict=True):
-            assert torch.equal(d[5:7], s[1:3]) and not d[:5].any() and not d[7:].any()
-    finally:
-        await producer.close()
-        await consumer.close()
+        assert_blocks_5_6_hold_source_1_2(pair)
 
 
 async def test_decode_does_not_start_on_an_incomplete_progressive_transfer(
@@ -111,28 +125,25 @@ async def test_decode_does_not_start_on_an_incomplete_progressive_transfer(
     decode does not take the KV as arrived on the notification (a progressive target arrives on the commit only),
     the service refuses the incomplete report, and only a report whose parts tile the target commits it."""
     loop = asyncio.get_running_loop()
-    arrived: asyncio.Future[Any] = loop.create_future()
-    kv = [torch.ones(8, 256, dtype=torch.uint8) for _ in range(2)]
-    producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT)
-    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
-    consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result)
-    rogue = NixlEndpoint.from_tensors("rogue-producer", kv)
-    await producer.start()
-    await consumer.start()
-    try:
-        assert (await consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
-        assert (await producer.claim("t1")).state is TransferState.MATCHED
-        engine = await client.get_engine("d0")
-        rogue.add_peer(engine.agents[0], engine.incarnation)
-        # One of the target's two blocks, with the notification that says "all landed".
-        posted = rogue.post("WRITE", engine.agents[0].name, [1], [5], encode_notification("t1", 1))
-        deadline = loop.time() + WAIT
-        while consumer.stale_notifications == 0:
-            assert loop.time() < deadline, "the notification never came"
-            rogue.poll(posted)  # NIXL moves the bytes while the sender polls
-            await asyncio.sleep(0.01)
-        rogue.release(posted)
-        assert not arrived.done()  # ignored: decode still waits
+    async with started_pair(client) as pair:
+        producer, consumer, arrived = pair.producer, pair.consumer, pair.arrived
+        rogue = NixlEndpoint.from_tensors("rogue-producer", pair.kv)
+        try:
+            assert (await consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+            assert (await producer.claim("t1")).state is TransferState.MATCHED
+            engine = await client.get_engine("d0")
+            rogue.add_peer(engine.agents[0], engine.incarnation)
+            # One of the target's two blocks, with the notification that says "all landed".
+            posted = rogue.post("WRITE", engine.agents[0].name, [1], [5], encode_notification("t1", 1))
+            deadline = loop.time() + WAIT
+            while consumer.stale_notifications == 0:
+                assert loop.time() < deadline, "the notification never came"
+                rogue.poll(posted)  # NIXL moves the bytes while the sender polls
+                await asyncio.sleep(0.01)
+            rogue.release(posted)
+            assert not arrived.done()  # ignored: decode still waits
+        finally:
+            rogue.close()
 
         incomplete = CompletionSpec("t1", 1, parts=(WrittenPart(0, 32, 0, 1),))  # layer 1 is missing
         with pytest.raises(InvalidArgument) as refused:
@@ -143,7 +154,3 @@ async def test_decode_does_not_start_on_an_incomplete_progressive_transfer(
         complete = CompletionSpec("t1", 1, parts=(WrittenPart(0, 32, 0, 1), WrittenPart(0, 32, 1, 1)))
         assert (await producer.session.complete_transfer(complete)).state is TransferState.COMMITTED
         assert (await asyncio.wait_for(arrived, WAIT)).ok  # on TRANSFER_COMMITTED
-    finally:
-        rogue.close()
-        await producer.close()
-        await consumer.close()

@@ -76,23 +76,28 @@ def decode_first(prefill: Engine, decode: Engine, prompt: list[int], rendezvous:
         return transfer_id, str(decoded.result()["choices"][0]["text"])
 
 
+def answers_in_parts(
+    prefill: Engine, decode: Engine, reference: Engine, rendezvous: TestServer, prompt: list[int]
+) -> None:
+    """The prompt through the pair, decode first: decode answers as a plain engine and the KV went out in parts;
+    then again, when both engines hold the prompt's first blocks, so prefill computes only its last chunk (one
+    write of what decode lacks) and decode receives fewer blocks than the prompt has."""
+    parts = written_parts(rendezvous)
+    transfer_id, text = decode_first(prefill, decode, prompt, rendezvous)
+    assert text == reference_text(reference, prompt)
+    wait_committed(rendezvous, transfer_id)
+    assert written_parts(rendezvous) > parts  # the KV went out as parts
+    transfer_id, text, _ = disaggregated(prefill, decode, prompt)
+    assert text == reference_text(reference, prompt)
+    wait_committed(rendezvous, transfer_id)
+
+
 def test_chunks_go_out_as_parts_and_decode_answers_as_a_plain_engine(
     engines: tuple[Engine, Engine, Engine], progressive_pair: tuple[Engine, Engine], rendezvous: TestServer
 ) -> None:
-    _, _, reference = engines
     prefill, decode = progressive_pair
     for length in (5 * BLOCK_SIZE + 7, 12 * BLOCK_SIZE + 5):
-        prompt = token_prompt(length, seed=16100 + length)
-        parts = written_parts(rendezvous)
-        transfer_id, text = decode_first(prefill, decode, prompt, rendezvous)
-        assert text == reference_text(reference, prompt), length
-        wait_committed(rendezvous, transfer_id)
-        assert written_parts(rendezvous) > parts, length  # the chunks went out as parts
-        # Again: both engines hold the prompt's first blocks now, so prefill computes only its last chunk (one
-        # write of what decode lacks) and decode receives fewer blocks than the prompt has.
-        transfer_id, text, _ = disaggregated(prefill, decode, prompt)
-        assert text == reference_text(reference, prompt), length
-        wait_committed(rendezvous, transfer_id)
+        answers_in_parts(prefill, decode, engines[2], rendezvous, token_prompt(length, seed=16100 + length))
     wait_blocks_free(prefill, decode)
 
 
@@ -164,17 +169,8 @@ def test_layer_by_layer_the_kv_goes_out_as_the_forward_computes_it(
     rendezvous: TestServer,
 ) -> None:
     """Every chunk, the last one too, goes out a layer at a time (save_kv_layer): prompts of one chunk and of
-    several, and again with both engines' prefix caches holding the first blocks."""
-    _, _, reference = engines
+    several."""
     _, decode = progressive_pair
     for length in (3 * BLOCK_SIZE + 1, 9 * BLOCK_SIZE + 17):
-        prompt = token_prompt(length, seed=16600 + length)
-        parts = written_parts(rendezvous)
-        transfer_id, text = decode_first(layer_prefill, decode, prompt, rendezvous)
-        assert text == reference_text(reference, prompt), length
-        wait_committed(rendezvous, transfer_id)
-        assert written_parts(rendezvous) > parts, length
-        transfer_id, text, _ = disaggregated(layer_prefill, decode, prompt)
-        assert text == reference_text(reference, prompt), length
-        wait_committed(rendezvous, transfer_id)
+        answers_in_parts(layer_prefill, decode, engines[2], rendezvous, token_prompt(length, seed=16600 + length))
     wait_blocks_free(layer_prefill, decode)
