@@ -37,7 +37,8 @@ a list in turn).
 `--modes` picks among pull, push and push-progressive (ideal comes with push, ideal-compute with either push).
 With push-progressive every mode of the run uses per-layer KV regions (K and V of each of the model's layers,
 layer-major), so they all move the same layout. TTFT = first token at the consumer - arrival; TPOT = mean time
-between a request's later tokens; WRITE = first post to done (push-progressive: from `ready`, the tail).
+between a request's later tokens; WRITE = first post to done (push-progressive: from `ready`, the tail). Each
+mode first runs `--warmup` requests that are not counted (first contact: peer metadata, descriptor lists).
 `--verify` (on by default) stamps every head of every block of every region the producer computes with a value
 of (request, block, region, head), and the consumer checks all of its blocks' bytes after the last token (off
 the TTFT path, in a thread, before it frees the blocks); a request whose bytes differ stops the run.
@@ -163,32 +164,40 @@ def _heads(tensors: list[Any], rank: int, ranks: int) -> tuple[list[Any], range]
     return views, range(rank * per_rank, (rank + 1) * per_rank)
 
 
+def _runs(block_ids: list[int] | tuple[int, ...], blocks: range) -> Iterator[tuple[range, int]]:
+    """The request's blocks `blocks` (positions in `block_ids`) as runs of consecutive ids: (positions, first id),
+    so that each run is a view of the pool, not a copy."""
+    first = blocks.start
+    for end in range(blocks.start + 1, blocks.stop + 1):
+        if end == blocks.stop or block_ids[end] != block_ids[end - 1] + 1:
+            yield range(first, end), block_ids[first]
+            first = end
+
+
 def stamp(ranks: list[list[Any]], transfer_id: str, block_ids: list[int], blocks: range, regions: range) -> None:
     """Write the request's stamps into its blocks `blocks` (positions in `block_ids`) of `regions`, every rank."""
-    import torch
-
-    if not blocks:
-        return
-    index = torch.tensor(block_ids[blocks.start : blocks.stop], dtype=torch.int64)
     for rank, tensors in enumerate(ranks):
         views, heads = _heads(tensors, rank, len(ranks))
         values = stamps(transfer_id, blocks, regions, heads)
-        for i, region in enumerate(regions):
-            view = views[region]
-            view[index] = values[:, i, :, None].expand(-1, -1, view.shape[2])
+        for run, first in _runs(block_ids, blocks):
+            for i, region in enumerate(regions):
+                pool = views[region][first : first + len(run)]
+                pool.copy_(values[run.start - blocks.start : run.stop - blocks.start, i, :, None].expand_as(pool))
 
 
 def intact(ranks: list[list[Any]], transfer_id: str, block_ids: tuple[int, ...]) -> bool:
     """Whether the request's blocks hold, on every rank, every byte the producer stamped."""
     import torch
 
-    index = torch.tensor(block_ids, dtype=torch.int64)
+    blocks = range(len(block_ids))
     for rank, tensors in enumerate(ranks):
         views, heads = _heads(tensors, rank, len(ranks))
-        values = stamps(transfer_id, range(len(block_ids)), range(len(tensors)), heads)
-        for region, view in enumerate(views):
-            if not bool((view[index] == values[:, region, :, None]).all()):
-                return False
+        values = stamps(transfer_id, blocks, range(len(tensors)), heads)
+        for run, first in _runs(block_ids, blocks):
+            for region, view in enumerate(views):
+                pool = view[first : first + len(run)]
+                if not torch.equal(pool, values[run.start : run.stop, region, :, None].expand_as(pool)):
+                    return False
     return True
 
 
@@ -622,6 +631,9 @@ def _run_pair(server_address: str, sim: Sim, args: argparse.Namespace) -> list[d
             assert reports.get(timeout=120)[0] == "started"
         tp = f"{sim.producer_ranks}:{sim.consumer_ranks}"
         modes = [m for m in args.modes if m != PULL or sim.pull]
+        warmup = argparse.Namespace(**{**vars(args), "requests": args.warmup})
+        for mode in modes if args.warmup else ():  # first contact: peer metadata, prepared descriptor lists
+            _run_load(engines, reports, args.rates[0], args.prompt_tokens[0], warmup, mode, f"{sim.label}-warmup")
         for prompt_tokens in args.prompt_tokens:
             for rate in args.rates:
                 runs = {m: _run_load(engines, reports, rate, prompt_tokens, args, m, sim.label) for m in modes}
@@ -668,6 +680,7 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", type=_numbers(float), default="10,20,35", help="request rates to run, req/s")
     parser.add_argument("--requests", type=int, default=60, help="requests per rate and mode")
+    parser.add_argument("--warmup", type=int, default=2, help="requests per mode run first and not counted")
     parser.add_argument("--modes", type=_modes, default="pull,push", help=f"among {', '.join(MODES)}")
     parser.add_argument("--prompt-tokens", type=_numbers(int), default="512", help="mean prompt lengths to run")
     parser.add_argument("--prompt-spread", type=float, default=0.5, help="prompts uniform within +-this share")

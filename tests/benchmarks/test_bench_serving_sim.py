@@ -12,8 +12,8 @@ from bench_serving_sim import PROGRESSIVE, PUSH, parser, run
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 
-TINY = "--requests 3 --rates 50 --prompt-tokens 40,96 --prefill-us-per-token 10 --decode-step-ms 1 --output-tokens 2"
-TINY += " --model llama-3.1-8b --kv-scale 128 --pool-blocks 64 --modes push,push-progressive"
+TINY = "--requests 3 --warmup 1 --rates 50 --prompt-tokens 40,96 --prefill-us-per-token 10 --decode-step-ms 1"
+TINY += " --output-tokens 2 --model llama-3.1-8b --kv-scale 128 --pool-blocks 64 --modes push,push-progressive"
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ def test_a_tiny_run_reports_every_figure_with_every_request_intact(options: str)
     for row in results:
         for mode in (PUSH, PROGRESSIVE):
             assert row[mode]["verified"] == args.requests
-            assert row[mode]["ttft"]["mean_ms"] > 0 and row[mode]["write"]["p50_ms"] > 0
+            assert row[mode]["ttft"]["mean_ms"] > 0 and row[mode]["write"]["p50_ms"] >= 0
         assert row[PUSH]["parts"] == 0 and row[PROGRESSIVE]["parts"] >= 0  # parts go ahead if assigned in time
         for figure in ("ideal", "ideal-compute"):
             assert row[figure]["ttft"]["mean_ms"] > 0
