@@ -31,17 +31,21 @@ a list in turn).
          own duration, and the decode side takes as long as it did in push to emit the first token (the wait
          for the running step, then one step).
   ideal-compute
-         no transfer at all: each push-progressive request's prefill done + its decode side's time to the first
-         token (push's, when push-progressive does not run).
+         no transfer at all: each push request's prefill done (its forward not slowed by any handing over) +
+         its decode side's time to the first token (push-progressive's requests when push does not run).
 
 `--modes` picks among pull, push and push-progressive (ideal comes with push, ideal-compute with either push).
 With push-progressive every mode of the run uses per-layer KV regions (K and V of each of the model's layers,
 layer-major), so they all move the same layout. TTFT = first token at the consumer - arrival; TPOT = mean time
-between a request's later tokens; WRITE = first post to done (push-progressive: from `ready`, the tail). Each
-mode first runs `--warmup` requests that are not counted (first contact: peer metadata, descriptor lists).
-`--verify` (on by default) stamps every head of every block of every region the producer computes with a value
-of (request, block, region, head), and the consumer checks all of its blocks' bytes after the last token (off
-the TTFT path, in a thread, before it frees the blocks); a request whose bytes differ stops the run.
+between a request's later tokens; WRITE = first post to done (push-progressive: from `ready`, the tail); compute
+= the simulated forward, handing over included (the sleeps aim at deadlines, so only what overruns them counts).
+Each mode first runs `--warmup` requests that are not counted (first contact: peer metadata, descriptor lists).
+`--verify` checks that every request's KV arrived: the simulated forward stamps each head of every block of every
+region it computes with a value of (request, block, region, head), and the consumer checks its blocks after the
+last token (off the TTFT path, in a thread, before it frees them); a request whose blocks differ stops the run.
+`ends` (the default) stamps and checks the first and last 8 bytes of each head (a WRITE moves whole heads of a
+block, so this catches a missing, misplaced, truncated or stale one), `bytes` every byte (at the benchmark's
+sizes that costs the engines' CPU as much as the copies), `off` nothing.
 
 `--tp P:D` gives the producer engine P ranks and the consumer engine D (tensor parallel; `--tp 4:4,4:2,2:4`
 runs each pair in turn, with only that pair's engines alive). Each rank has its own agent (its own NIXL agent,
@@ -112,7 +116,8 @@ class Sim:
     progressive: str = "layer"
     """How push-progressive hands the KV over: "layer" or "chunk"."""
     chunk_tokens: int = 512
-    verify: bool = True
+    verify: str = "ends"
+    """What the consumer checks: every byte ("bytes"), each head's first and last 8 bytes ("ends"), or "off"."""
 
     def layout(self, ranks: int) -> Any:
         from clients import KvLayout
@@ -140,7 +145,8 @@ def rank_tensors(sim: Sim, ranks: int) -> list[Any]:
     """One rank's KV regions: its share (1/ranks) of each block of the pool."""
     import torch
 
-    return [torch.zeros((sim.pool_blocks, sim.block_bytes // ranks), dtype=torch.uint8) for _ in range(sim.regions)]
+    shape = (sim.pool_blocks, sim.block_bytes // ranks)
+    return [torch.zeros(shape, dtype=torch.uint8).fill_(0) for _ in range(sim.regions)]  # touched: no page faults later
 
 
 def stamps(transfer_id: str, blocks: range, regions: range, heads: range) -> Any:
@@ -155,13 +161,20 @@ def stamps(transfer_id: str, blocks: range, regions: range, heads: range) -> Any
     return seed ^ b ^ r ^ h
 
 
-def _heads(tensors: list[Any], rank: int, ranks: int) -> tuple[list[Any], range]:
-    """A rank's regions as (blocks, its heads, 8-byte words), and which of the model's heads it holds."""
-    import torch
+@dataclass(frozen=True)
+class _Words:
+    """One rank's regions as (blocks, its heads, 8-byte words), and which of the model's heads it holds."""
 
-    per_rank = KV_HEADS // ranks
-    views = [t.view(torch.int64).view(t.shape[0], per_rank, -1) for t in tensors]
-    return views, range(rank * per_rank, (rank + 1) * per_rank)
+    regions: list[Any]
+    heads: range
+
+    @classmethod
+    def of(cls, tensors: list[Any], rank: int, ranks: int) -> _Words:
+        import torch
+
+        per_rank = KV_HEADS // ranks
+        views = [t.view(torch.int64).view(t.shape[0], per_rank, -1) for t in tensors]
+        return cls(views, range(rank * per_rank, (rank + 1) * per_rank))
 
 
 def _runs(block_ids: list[int] | tuple[int, ...], blocks: range) -> Iterator[tuple[range, int]]:
@@ -174,30 +187,38 @@ def _runs(block_ids: list[int] | tuple[int, ...], blocks: range) -> Iterator[tup
             first = end
 
 
-def stamp(ranks: list[list[Any]], transfer_id: str, block_ids: list[int], blocks: range, regions: range) -> None:
+def _stamped(pool: Any, verify: str) -> list[Any]:
+    """The words of a run of blocks of a region that hold stamps: all ("bytes"), or each head's first and last."""
+    return [pool] if verify == "bytes" else [pool[:, :, 0], pool[:, :, -1]]
+
+
+def stamp(
+    ranks: list[_Words], transfer_id: str, block_ids: list[int], blocks: range, regions: range, verify: str
+) -> None:
     """Write the request's stamps into its blocks `blocks` (positions in `block_ids`) of `regions`, every rank."""
-    for rank, tensors in enumerate(ranks):
-        views, heads = _heads(tensors, rank, len(ranks))
-        values = stamps(transfer_id, blocks, regions, heads)
+    for words in ranks:
+        values = stamps(transfer_id, blocks, regions, words.heads)
         for run, first in _runs(block_ids, blocks):
             for i, region in enumerate(regions):
-                pool = views[region][first : first + len(run)]
-                pool.copy_(values[run.start - blocks.start : run.stop - blocks.start, i, :, None].expand_as(pool))
+                value = values[run.start - blocks.start : run.stop - blocks.start, i]
+                for stamped in _stamped(words.regions[region][first : first + len(run)], verify):
+                    stamped.copy_(value.view(*value.shape, *[1] * (stamped.dim() - 2)).expand_as(stamped))
 
 
-def intact(ranks: list[list[Any]], transfer_id: str, block_ids: tuple[int, ...]) -> bool:
-    """Whether the request's blocks hold, on every rank, every byte the producer stamped."""
+def intact(ranks: list[_Words], transfer_id: str, block_ids: tuple[int, ...], verify: str) -> bool:
+    """Whether the request's blocks hold, on every rank, every stamp the producer wrote."""
     import torch
 
     blocks = range(len(block_ids))
-    for rank, tensors in enumerate(ranks):
-        views, heads = _heads(tensors, rank, len(ranks))
-        values = stamps(transfer_id, blocks, range(len(tensors)), heads)
+    for words in ranks:
+        values = stamps(transfer_id, blocks, range(len(words.regions)), words.heads)
         for run, first in _runs(block_ids, blocks):
-            for region, view in enumerate(views):
-                pool = view[first : first + len(run)]
-                if not torch.equal(pool, values[run.start : run.stop, region, :, None].expand_as(pool)):
-                    return False
+            for region, view in enumerate(words.regions):
+                value = values[run.start : run.stop, region]
+                for stamped in _stamped(view[first : first + len(run)], verify):
+                    expected = value.view(*value.shape, *[1] * (stamped.dim() - 2)).expand_as(stamped)
+                    if not torch.equal(stamped, expected):
+                        return False
     return True
 
 
@@ -260,6 +281,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     engine_id = f"sim-prefill-{sim.label}"
     clients = [AsyncRendezvousClient(address) for _ in range(ranks)]
     kv = [rank_tensors(sim, ranks) for _ in range(ranks)]
+    words = [_Words.of(tensors, rank, ranks) for rank, tensors in enumerate(kv)]
     agents = [
         ProducerAgent(
             client,
@@ -286,8 +308,8 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
                 blocks, free[:] = free[:num_blocks], free[num_blocks:]
                 start, seconds = time.monotonic(), tokens * sim.prefill_s_per_token
                 for piece in pieces(sim, tokens, mode):
-                    if sim.verify:  # the forward writes the piece's KV
-                        stamp(kv, transfer_id, blocks, piece.blocks, piece.regions)
+                    if sim.verify != "off":  # the forward writes the piece's KV
+                        stamp(words, transfer_id, blocks, piece.blocks, piece.regions, sim.verify)
                     await asyncio.sleep(max(0.0, start + piece.done * seconds - time.monotonic()))
                     if mode == PROGRESSIVE:
                         so_far = blocks[: math.ceil(piece.computed_tokens / BLOCK_TOKENS)]
@@ -296,7 +318,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
                 transfer_mode = TransferMode.PULL if mode == PULL else TransferMode.PUSH
                 for a in agents:
                     a.ready(transfer_id, blocks, on_free(blocks), mode=transfer_mode, prompt_tokens=tokens)
-                reports.put(("prefilled", transfer_id, time.monotonic()))
+                reports.put(("prefilled", transfer_id, time.monotonic(), time.monotonic() - start))
 
         computing = asyncio.create_task(compute())
         loop = asyncio.get_running_loop()
@@ -337,6 +359,7 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     engine_id = f"sim-decode-{sim.label}"
     clients = [AsyncRendezvousClient(address) for _ in range(ranks)]
     kv = [rank_tensors(sim, ranks) for _ in range(ranks)]
+    words = [_Words.of(tensors, rank, ranks) for rank, tensors in enumerate(kv)]
     agents = [
         ConsumerAgent(
             client,
@@ -372,8 +395,9 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     async def finish(transfer_id: str, target: tuple[int, ...], tokens: list[float]) -> None:
         """Report a decoded request (its bytes checked first, off the step loop), then free its blocks."""
         checked = None
-        if sim.verify:
-            checked = await asyncio.get_running_loop().run_in_executor(None, intact, kv, transfer_id, target)
+        if sim.verify != "off":
+            loop = asyncio.get_running_loop()
+            checked = await loop.run_in_executor(None, intact, words, transfer_id, target, sim.verify)
         free.extend(target)
         gaps = [b - a for a, b in itertools.pairwise(tokens[1:])]
         tpot = statistics.fmean(gaps) if gaps else 0.0
@@ -446,6 +470,7 @@ class _Request:
     tokens: int
     num_blocks: int
     prefilled: float = 0.0
+    compute_s: float = 0.0
     write_s: float = 0.0
     parts: int = 0
     kv_arrived: float = 0.0
@@ -467,7 +492,7 @@ def _drain(reports: Any, requests: dict[str, _Request], on_prefilled: Any) -> in
         if request is None:
             continue
         if kind == "prefilled":
-            request.prefilled = report[2]
+            request.prefilled, request.compute_s = report[2:4]
             on_prefilled(request)
         elif kind == "write":
             request.write_s, request.parts = report[2:4]
@@ -562,6 +587,7 @@ def _row(tp: str, prompt_tokens: int, rate: float, runs: dict[str, list[_Request
             "ttft": _stats([r.first_token - r.arrival for r in done]),
             "tpot": _stats([r.tpot for r in done]),
             "verified": sum(r.intact is True for r in done),
+            "compute": _stats([r.compute_s for r in done]),  # the simulated forward, handing over included
         }
         if mode != PULL:
             row[mode]["write"] = _stats([r.write_s for r in done])
@@ -570,7 +596,7 @@ def _row(tp: str, prompt_tokens: int, rate: float, runs: dict[str, list[_Request
             ideal = [r.prefilled + r.write_s + (r.first_token - r.kv_arrived) - r.arrival for r in done]
             row["ideal"] = {"ttft": _stats(ideal)}
             row["write"] = row[PUSH]["write"]
-    compute_only = runs.get(PROGRESSIVE) or runs.get(PUSH)
+    compute_only = runs.get(PUSH) or runs.get(PROGRESSIVE)
     if compute_only:
         ideal = [r.prefilled + (r.first_token - r.kv_arrived) - r.arrival for r in compute_only]
         row["ideal-compute"] = {
@@ -697,7 +723,7 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--chunk-tokens", type=int, default=512, help="push-progressive --progressive chunk")
     parser.add_argument(
-        "--verify", action=argparse.BooleanOptionalAction, default=True, help="check every request's bytes"
+        "--verify", choices=("ends", "bytes", "off"), default="ends", help="what the consumer checks of each request"
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-32b", help="KV bytes per token")
     parser.add_argument("--kv-scale", type=int, default=32, help="divide the model's KV bytes per token by this")
@@ -717,7 +743,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layers = MODEL_LAYERS[args.model] if PROGRESSIVE in args.modes else 0
     regions = KV * (layers or 1)
     head_bytes = bytes_per_token * BLOCK_TOKENS // regions // KV_HEADS
-    if head_bytes * regions * KV_HEADS != bytes_per_token * BLOCK_TOKENS or (args.verify and head_bytes % 8):
+    if head_bytes * regions * KV_HEADS != bytes_per_token * BLOCK_TOKENS or (args.verify != "off" and head_bytes % 8):
         raise SystemExit(f"--kv-scale {args.kv_scale}: a head of a block of a region must be a multiple of 8 bytes")
     largest = math.ceil(max(args.prompt_tokens) * (1 + args.prompt_spread) / BLOCK_TOKENS)
     if largest > args.pool_blocks:

@@ -17,7 +17,9 @@ TINY += " --output-tokens 2 --model llama-3.1-8b --kv-scale 128 --pool-blocks 64
 
 
 @pytest.mark.parametrize(
-    "options", ["--progressive layer", "--progressive chunk --chunk-tokens 32 --tp 2:1"], ids=["layer", "chunk-tp2:1"]
+    "options",
+    ["--progressive layer", "--progressive chunk --chunk-tokens 32 --tp 2:1 --verify bytes"],
+    ids=["layer", "chunk-tp2:1-bytes"],
 )
 def test_a_tiny_run_reports_every_figure_with_every_request_intact(options: str) -> None:
     args = parser().parse_args(f"{TINY} {options}".split())
