@@ -1,4 +1,4 @@
-"""Simulated disaggregated serving with real gRPC and real NIXL bytes: pull vs push vs ideal.
+r"""Simulated disaggregated serving with real gRPC and real NIXL bytes: pull vs push vs ideal.
 
 One producer (prefill) and one consumer (decode) engine run as separate processes with DRAM KV pools and the
 data-plane agents; the rendezvous service runs in this process, which is also the router. Requests arrive as
@@ -34,7 +34,7 @@ a list in turn).
          no transfer at all: each push request's prefill done (its forward not slowed by any handing over) +
          its decode side's time to the first token (push-progressive's requests when push does not run).
 
-`--modes` picks among pull, push and push-progressive (ideal comes with push, ideal-compute with either push).
+`--modes` picks among pull, push and push-progressive (ideal comes with push, ideal-compute with either push mode).
 With push-progressive every mode of the run uses per-layer KV regions (K and V of each of the model's layers,
 layer-major), so they all move the same layout. TTFT = first token at the consumer - arrival; TPOT = mean time
 between a request's later tokens; WRITE = first post to done (push-progressive: from `ready`, the tail); compute
@@ -57,10 +57,12 @@ duration is the slowest producer rank's. Pull (the consumer READs rank to rank) 
     python benchmarks/bench_serving_sim.py [--rates 10,20,35] [--requests 60] [--tp 1:1] [--out benchmarks/results]
 
 Progressive push with the WRITE about as long as the compute (Qwen3-32B's KV / 4 = 64 KiB per token, 20 us of
-compute per token: on this loopback WRITE/compute is ~1, as for Qwen3-32B at TP 4 behind ~50 Gb/s):
+compute per token: on this loopback push's WRITE is 0.9-1.0x its compute, as for Qwen3-32B at ~40 us/token
+writing at ~6.5 GB/s per engine; benchmarks/RESULTS.md, "Progressive push"):
 
     python benchmarks/bench_serving_sim.py --modes push,push-progressive --prompt-tokens 512,2048,8192 \
-        --prompt-spread 0 --prefill-us-per-token 20 --kv-scale 4 --rates 2 --requests 30
+        --prompt-spread 0 --prefill-us-per-token 20 --kv-scale 4 --pool-blocks 1536 --rates 1 --requests 30 \
+        [--progressive layer|chunk] [--chunk-tokens 512]
 """
 
 from __future__ import annotations
