@@ -237,8 +237,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
         `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
         request's `kv_transfer_params`), which a service with binding keys checks. `progressive`: the producer
-        may write the KV in parts while it computes (it needs `num_tokens`); arrival still means the whole
-        generation, since the producer notifies only once every part landed.
+        may write the KV in parts while it computes (it needs `num_tokens`); the target then arrives on
+        TRANSFER_COMMITTED only, once the service checked that the producer's parts tile it.
 
         A newer generation of a transfer retires the older one: its blocks are reported (reason `REVOKED`)
         once no write of it can land. A failed item is returned, not raised, and leaves nothing registered. A
