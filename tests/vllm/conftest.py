@@ -175,7 +175,7 @@ def wait_state(server: TestServer, transfer_id: str, states: set[TransferState],
                 return
             if time.monotonic() > deadline:
                 raise AssertionError(f"transfer {transfer_id} is {state}, not one of {states}")
-            time.sleep(0.1)
+            time.sleep(0.02)  # a state may last only as long as a short prefill
 
 
 def wait_committed(server: TestServer, transfer_id: str) -> None:
