@@ -31,7 +31,6 @@ from clients._types import (
     TransferMode,
     TransferPage,
     TransferState,
-    TransferTimes,
     WatchBatch,
 )
 from rendezvous.protocol.bindings import Binding
@@ -44,6 +43,7 @@ from rendezvous.protocol.convert import (
     number,
     part_message,
     seconds,
+    times,
     timestamp,
     unix_time,
 )
@@ -193,7 +193,6 @@ def credit_results(m: pb.ReserveCreditsResponse | pb.ReleaseCreditsResponse) -> 
 
 def transfer(m: pb.Transfer) -> TransferInfo:
     """A transfer message as a record."""
-    t = m.times
     return TransferInfo(
         transfer_id=m.transfer_id,
         state=TransferState(m.state),
@@ -212,14 +211,7 @@ def transfer(m: pb.Transfer) -> TransferInfo:
         reported_ranks=tuple(m.reported_ranks),
         progressive=m.progressive,
         deadline=unix_time(m.deadline),
-        times=TransferTimes(
-            target_time=unix_time(t.target_time),
-            claim_time=unix_time(t.claim_time),
-            match_time=unix_time(t.match_time),
-            source_ready_time=unix_time(t.source_ready_time),
-            commit_time=unix_time(t.commit_time),
-            end_time=unix_time(t.end_time),
-        ),
+        times=times(m.times),
     )
 
 

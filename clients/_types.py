@@ -22,7 +22,7 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, WrittenPart
+from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
 
 NixlAgentInfo = NixlAgent
 """The SDK's name for a rank's NIXL agent record (the protocol's NixlAgent)."""
@@ -116,18 +116,6 @@ class LeaseRenewal:
 
 
 @dataclass(frozen=True, slots=True)
-class TransferTimes:
-    """When each phase of a transfer began (0.0 = not yet)."""
-
-    target_time: float = 0.0
-    claim_time: float = 0.0
-    match_time: float = 0.0
-    source_ready_time: float = 0.0
-    commit_time: float = 0.0
-    end_time: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class TransferInfo:
     """The state of one transfer as the server reports it."""
 
@@ -146,7 +134,7 @@ class TransferInfo:
     abort_message: str = ""
     revoking_generation: int = 0
     deadline: float = 0.0
-    times: TransferTimes = TransferTimes()
+    times: TransferTimes = field(default_factory=TransferTimes)
     reported_ranks: tuple[int, ...] = ()
     """Ranks of the moving engine that reported the generation in flight so far."""
     progressive: bool = False

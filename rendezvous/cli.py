@@ -366,8 +366,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _timeline(t: pb.Transfer) -> str:
     """One transfer (a rendezvous.v1 Transfer): its fields, its moments as offsets from the first, its phases."""
     from rendezvous.core import phases
-    from rendezvous.core.model import TransferTimes
-    from rendezvous.protocol.convert import unix_time
+    from rendezvous.protocol import convert
     from rendezvous.v1 import rendezvous_pb2 as pb
 
     state = _label(pb.TransferState, t.state)
@@ -382,9 +381,9 @@ def _timeline(t: pb.Transfer) -> str:
         ("blocks", f"{len(t.target_block_ids)} target, {len(t.source_block_ids)} source"),
         ("abort reason", f"{reason}{': ' if t.abort_message else ''}{t.abort_message}" if t.abort_reason else "-"),
     ]
-    names = [f.name for f in dataclasses.fields(TransferTimes)]
-    times = TransferTimes(*(unix_time(getattr(t.times, f"{name}_time")) for name in names))
-    reached = {name: at for name, at in zip(names, dataclasses.astuple(times), strict=True) if at}
+    times = convert.times(t.times)
+    reached = {f.name.removesuffix("_time"): getattr(times, f.name) for f in dataclasses.fields(times)}
+    reached = {name: at for name, at in reached.items() if at}
     first = min(reached.values(), default=0.0)
     moments = [(name, f"{(at - first) * 1e3:.3f}") for name, at in sorted(reached.items(), key=lambda kv: kv[1])]
     durations = phases.durations(times, released=state == "released")

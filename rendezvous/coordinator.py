@@ -289,7 +289,7 @@ class Coordinator:
                     log.error("cannot apply engine loss", exc_info=result, extra={"transfer_id": transfer_id})
                     continue
                 t = result.transfer
-                if t is not None and t.state == State.ABORTED and t.times.end == ctx.now:
+                if t is not None and t.state == State.ABORTED and t.times.end_time == ctx.now:
                     aborted += 1
                 peers.update(a.engine_id for a in result.events)
         if peers:

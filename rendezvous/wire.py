@@ -22,7 +22,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
-from rendezvous.protocol.convert import duration, number, seconds, set_time, timestamp
+from rendezvous.protocol.convert import duration, number, seconds, set_time, set_times, timestamp
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _GRPC_CODE_NUMBERS: dict[Code, int] = {
@@ -241,20 +241,7 @@ def fill_transfer(m: pb.Transfer, t: Transfer) -> None:
     # A moment not reached stays unset; `times` is always present, if empty.
     if t.deadline:
         set_time(m.deadline, t.deadline)
-    times, out = t.times, m.times
-    out.SetInParent()
-    if times.target:
-        set_time(out.target_time, times.target)
-    if times.claim:
-        set_time(out.claim_time, times.claim)
-    if times.match:
-        set_time(out.match_time, times.match)
-    if times.source_ready:
-        set_time(out.source_ready_time, times.source_ready)
-    if times.commit:
-        set_time(out.commit_time, times.commit)
-    if times.end:
-        set_time(out.end_time, times.end)
+    set_times(m.times, t.times)
 
 
 _PEERS_KEPT = 256

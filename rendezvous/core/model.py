@@ -24,7 +24,7 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent
+from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes
 
 __all__ = [
     "LIVE_STATES",
@@ -82,18 +82,6 @@ class Engine(Incarnation):
         """Blocks addressable in every region of every agent, or None when no region is published."""
         counts = [r.num_blocks for a in self.agents for r in a.regions]
         return min(counts) if counts else None
-
-
-@dataclass(frozen=True, slots=True)
-class TransferTimes:
-    """When each phase began (0.0 = not yet)."""
-
-    target: float = 0.0
-    claim: float = 0.0
-    match: float = 0.0
-    source_ready: float = 0.0
-    commit: float = 0.0
-    end: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

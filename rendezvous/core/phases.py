@@ -7,7 +7,7 @@ whose end came first (a pull source ready before the match) lasted 0: nothing on
 
 from __future__ import annotations
 
-from rendezvous.core.model import TransferTimes
+from rendezvous.protocol.records import TransferTimes
 
 PHASES: dict[str, tuple[str, str]] = {
     "target_to_match": ("target", "match"),
@@ -18,7 +18,7 @@ PHASES: dict[str, tuple[str, str]] = {
     "commit_to_release": ("commit", "release"),
     "total": ("first", "release"),
 }
-"""Each phase's name and the moments it runs between: a field of `TransferTimes`, `release` (the end of a
+"""Each phase's name and the moments it runs between: a field of `TransferTimes` (less `_time`), `release` (the end of a
 released transfer; an aborted one has none) or `first` (the earlier of target and claim)."""
 
 
@@ -30,9 +30,10 @@ _NOT_YET = (0.0,) * len(_MOMENTS)
 def _moments(times: TransferTimes, released: bool) -> tuple[float, ...]:
     """The transfer's moments in `_MOMENTS` order (0.0: not reached). Cheap: the service computes them on
     every transition."""
-    target, claim = times.target, times.claim
+    target, claim = times.target_time, times.claim_time
     first = min(target, claim) if target and claim else target or claim
-    return (target, claim, times.match, times.source_ready, times.commit, times.end if released else 0.0, first)
+    end = times.end_time if released else 0.0
+    return (target, claim, times.match_time, times.source_ready_time, times.commit_time, end, first)
 
 
 def durations(times: TransferTimes, released: bool) -> dict[str, float]:

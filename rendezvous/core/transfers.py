@@ -103,7 +103,7 @@ def _tombstone(ctx: Context, t: Transfer, state: State) -> Transfer:
     compares a retry with them; source_block_ids stays () where the source was ready, None where not): a
     65,536-block target's ids are 2.6 MiB, which the memory budget no longer counts once the transfer ended.
     """
-    deadline, times = ctx.now + ctx.timeouts.tombstone_ttl, _times(t, end=ctx.now)
+    deadline, times = ctx.now + ctx.timeouts.tombstone_ttl, _times(t, end_time=ctx.now)
     if t.block_digests or len(t.target_block_ids) + len(t.source_block_ids or ()) <= TOMBSTONE_BLOCK_IDS:
         return evolve(t, state=state, deadline=deadline, times=times)
     return evolve(
@@ -309,7 +309,7 @@ def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine 
     mismatch = layout_mismatch(producer, consumer)
     if mismatch:
         return _abort(ctx, t, AbortReason.LAYOUT_MISMATCH, mismatch, t.participants(), True)
-    return _deliver(ctx, evolve(t, state=State.MATCHED, times=_times(t, match=ctx.now)), consumer, producer)
+    return _deliver(ctx, evolve(t, state=State.MATCHED, times=_times(t, match_time=ctx.now)), consumer, producer)
 
 
 def register_target(
@@ -338,7 +338,7 @@ def register_target(
                 consumer_incarnation=consumer.incarnation,
                 target_block_ids=blocks,
                 num_tokens=spec.num_tokens,
-                times=TransferTimes(target=ctx.now),
+                times=TransferTimes(target_time=ctx.now),
                 progressive=spec.progressive,
             )
         )
@@ -366,7 +366,7 @@ def register_target(
         progressive=spec.progressive,
         mode=spec.mode,
         deadline=ctx.now + timeout,
-        times=_times(cur, target=ctx.now),
+        times=_times(cur, target_time=ctx.now),
     )
     if not cur.consumer_engine_id:
         claimed = evolve(retarget, consumer_engine_id=consumer.engine_id, consumer_incarnation=consumer.incarnation)
@@ -430,7 +430,7 @@ def _claim(
                 producer_engine_id=producer.engine_id,
                 producer_incarnation=producer.incarnation,
                 source_block_ids=source,
-                times=TransferTimes(claim=ctx.now, source_ready=ready),
+                times=TransferTimes(claim_time=ctx.now, source_ready_time=ready),
             )
         )
     if cur.producer_engine_id == producer.engine_id:
@@ -448,7 +448,7 @@ def _claim(
         producer_engine_id=producer.engine_id,
         producer_incarnation=producer.incarnation,
         source_block_ids=source,
-        times=_times(cur, claim=ctx.now, source_ready=ready),
+        times=_times(cur, claim_time=ctx.now, source_ready_time=ready),
     )
     return _match(ctx, claimed, consumer, producer)
 
@@ -475,7 +475,7 @@ def mark_source_ready(
         raise RendezvousError(Reason.INVALID_STATE, "the source was already marked ready with other blocks")
     if cur.state.terminal:
         return Transition(cur)
-    ready = evolve(cur, source_block_ids=blocks, times=_times(cur, source_ready=ctx.now))
+    ready = evolve(cur, source_block_ids=blocks, times=_times(cur, source_ready_time=ctx.now))
     if ready.state != State.MATCHED:
         return Transition(ready)
     mismatch = _block_mismatch(ready)
@@ -581,7 +581,7 @@ def complete(
         assigned_generation=0,
         reported_ranks=(),
         deadline=ctx.now + ctx.timeouts.release_timeout,
-        times=_times(cur, commit=ctx.now),
+        times=_times(cur, commit_time=ctx.now),
     )
     return Transition(committed, (_event(ctx, other, EventType.TRANSFER_COMMITTED, committed, cur.generation),))
 

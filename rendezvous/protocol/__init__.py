@@ -17,7 +17,7 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.reasons import REASON_CODES, Reason
-from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, WrittenPart
+from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
 
 ERROR_DOMAIN = "kv-rendezvous"
 """The google.rpc.ErrorInfo domain of the service's errors."""
@@ -37,5 +37,6 @@ __all__ = [
     "Reason",
     "TransferMode",
     "TransferState",
+    "TransferTimes",
     "WrittenPart",
 ]

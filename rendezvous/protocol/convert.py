@@ -12,7 +12,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from rendezvous.protocol.enums import MemoryKind
-from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, WrittenPart
+from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 # Scalars
@@ -140,3 +140,32 @@ def part_message(p: WrittenPart) -> pb.WrittenPart:
 def part(m: pb.WrittenPart) -> WrittenPart:
     """A written part message as a record (as sent: the service checks it)."""
     return WrittenPart(m.first_token, m.num_tokens, m.first_layer, m.num_layers)
+
+
+def set_times(out: pb.TransferTimes, times: TransferTimes) -> None:
+    """Fill a TransferTimes message in place (present, if empty); a moment not reached stays unset."""
+    out.SetInParent()
+    if times.target_time:
+        set_time(out.target_time, times.target_time)
+    if times.claim_time:
+        set_time(out.claim_time, times.claim_time)
+    if times.match_time:
+        set_time(out.match_time, times.match_time)
+    if times.source_ready_time:
+        set_time(out.source_ready_time, times.source_ready_time)
+    if times.commit_time:
+        set_time(out.commit_time, times.commit_time)
+    if times.end_time:
+        set_time(out.end_time, times.end_time)
+
+
+def times(m: pb.TransferTimes) -> TransferTimes:
+    """A TransferTimes message as a record; an unset moment reads 0.0."""
+    return TransferTimes(
+        target_time=unix_time(m.target_time),
+        claim_time=unix_time(m.claim_time),
+        match_time=unix_time(m.match_time),
+        source_ready_time=unix_time(m.source_ready_time),
+        commit_time=unix_time(m.commit_time),
+        end_time=unix_time(m.end_time),
+    )

@@ -1,6 +1,6 @@
 """The protocol's records that service and SDK share as they are: an engine's KV layout, its memory
-regions and its NIXL agents. Frozen and plain Python (no protobuf); rendezvous.protocol.convert maps
-them to and from the wire.
+regions and its NIXL agents, a consumer's capacity, a transfer's moments and a progressive write's parts.
+Frozen and plain Python (no protobuf); rendezvous.protocol.convert maps them to and from the wire.
 """
 
 from __future__ import annotations
@@ -75,3 +75,16 @@ class WrittenPart:
     num_tokens: int
     first_layer: int = 0
     num_layers: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTimes:
+    """When each phase of a transfer began, in seconds since the Unix epoch (the service's wall clock; 0.0 = not
+    yet). Named as the wire's `TransferTimes` fields."""
+
+    target_time: float = 0.0
+    claim_time: float = 0.0
+    match_time: float = 0.0
+    source_ready_time: float = 0.0
+    commit_time: float = 0.0
+    end_time: float = 0.0

@@ -190,7 +190,7 @@ class Lifecycle(RuleBasedStateMachine):
                 self._let_go(*producer_key, event.generation)
         elif event.type == EventType.TRANSFER_ABORTED:
             assert t is not None
-            abort_key = (engine_id, t.transfer_id, t.times.end)
+            abort_key = (engine_id, t.transfer_id, t.times.end_time)
             self.aborts_heard[abort_key] += 1
             assert self.aborts_heard[abort_key] == 1, f"{engine_id} told twice of the abort of {t.transfer_id}"
             if engine_id == t.producer_engine_id and not t.revoking_generation:
