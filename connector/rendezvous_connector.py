@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from connector._loop import LoopThread
 from connector.config import TRANSFER_ID_KEY, ConnectorConfig, binding_params, trace_context
+from connector.first_step import FirstSteps
 from rendezvous.protocol import tracing
 from rendezvous.protocol.bindings import Binding
 
@@ -237,6 +238,10 @@ class _SchedulerSide:
         self.progressive = progressive
         """Producer: "" (one write at the end), "chunks" (each chunk but the last once computed) or "layers"."""
         self.meta = RendezvousConnectorMetadata()
+        self.first_steps = FirstSteps(engine_id)
+        """Consumer: the `connector.first_step` spans of traced requests."""
+        if not producer:
+            tracing.configure_from_env("kv-rendezvous-decode")  # the engine-core process may not be a worker's
         self.transfer_of: dict[str, str] = {}
         """Consumer: requests whose target was registered and has not arrived. Producer: claimed requests."""
         self.sending: set[str] = set()
@@ -262,6 +267,7 @@ class _SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0][first : _cdiv(prompt_len, self.block_size)])
         self.meta.targets.append((request.request_id, transfer_id, block_ids, num_external_tokens))
         self._trace(request, transfer_id)
+        self.first_steps.expect(request.request_id, transfer_id, trace_context(request.kv_transfer_params))
         self.transfer_of[request.request_id] = transfer_id
 
     def new_request(self, request: Request) -> None:
@@ -314,6 +320,8 @@ class _SchedulerSide:
     def build_meta(self, output: SchedulerOutput) -> RendezvousConnectorMetadata:
         if self.chunked:
             self._chunks(output)
+        if not self.producer:
+            self.first_steps.scheduled(output.num_scheduled_tokens)
         meta, self.meta = self.meta, RendezvousConnectorMetadata()
         return meta
 
@@ -321,6 +329,7 @@ class _SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         request_id = request.request_id
+        self.first_steps.forget(request_id)
         self.consumed.discard(request_id)
         self.chunked.pop(request_id, None)
         transfer_id = self.transfer_of.pop(request_id, None)
@@ -344,6 +353,8 @@ class _SchedulerSide:
             self.sending.discard(request_id)
         for request_id in output.finished_recving or ():
             self.transfer_of.pop(request_id, None)
+        if not self.producer:
+            self.first_steps.stepped(output.finished_recving or ())
 
     def pending_work(self) -> bool:
         return bool(self.sending) or bool(self.meta)

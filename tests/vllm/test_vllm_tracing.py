@@ -106,18 +106,22 @@ def test_a_request_through_the_router_is_one_trace_across_every_process(
     body = {"model": "tiny", "prompt": token_prompt(40, seed=11), "max_tokens": 4, "temperature": 0.0}
     post_json(f"{traced_router.url}/v1/completions", body, headers={tracing.TRACEPARENT: CALLER})
     names = {"router.dispatch", "router.prefill", "router.decode", "connector.claim", "connector.send"}
-    spans = file_spans(spans_file, TRACE_ID, names | {"producer.write", "connector.receive"})
+    spans = file_spans(spans_file, TRACE_ID, names | {"producer.write", "connector.receive", "connector.first_step"})
 
     dispatch = spans["router.dispatch"]
     assert dispatch["parent_id"] == "0x00f067aa0ba902b7"  # the caller's span
     transfer_id = dispatch["attributes"]["kv_rendezvous.transfer_id"]
-    for name in ("connector.claim", "connector.send", "connector.receive"):
+    for name in ("connector.claim", "connector.send", "connector.receive", "connector.first_step"):
         assert spans[name]["parent_id"] == dispatch["context"]["span_id"], name  # via kv_transfer_params
         assert spans[name]["attributes"]["kv_rendezvous.transfer_id"] == transfer_id
     write = spans["producer.write"]
     assert write["parent_id"] == spans["connector.send"]["context"]["span_id"]
     assert write["attributes"]["kv_rendezvous.rank"] == 0 and write["attributes"]["kv_rendezvous.ok"] is True
     assert spans["connector.receive"]["attributes"]["kv_rendezvous.ok"] is True
+    # Decode's first step starts once the completion notice reached its scheduler, after the receive ended.
+    first_step = spans["connector.first_step"]
+    assert first_step["attributes"]["kv_rendezvous.ok"] is True
+    assert first_step["start_time"] >= spans["connector.receive"]["end_time"]
     # The service's spans of the claim and the target are in the same trace, children of the engines' calls.
     # (The producer reports its WRITE after producer.write ends: its CompleteTransfer may still be on its way.)
     server_spans(traced, {"ClaimTransfer", "RegisterTarget", "CompleteTransfer", "ListEngines"})
