@@ -143,6 +143,8 @@ class RendezvousConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        self._submitted: RendezvousConnectorMetadata | None = None
+        """Worker: the step metadata last handed to the network thread."""
         if role == KVConnectorRole.SCHEDULER:
             progressive = "layers" if self._config.progressive_layers else "chunks" if self._config.progressive else ""
             self._scheduler = _SchedulerSide(self._producer, self.block_size, self.engine_id, progressive)
@@ -185,10 +187,20 @@ class RendezvousConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().start(kv_caches)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._connector_metadata
-        if isinstance(meta, RendezvousConnectorMetadata) and meta:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step's claims, targets, finished prompts' blocks and aborts go to the network thread here, before
+        the forward: vLLM calls `start_load_kv` after it when nothing loads synchronously, which on CPU (whose
+        forward is synchronous) held a prefill's claim back for the whole step. None of them waits on this step's
+        forward: blocks handed over were computed by earlier steps (a chunk of this step goes out in
+        `wait_for_save`, a layer in `save_kv_layer`)."""
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if isinstance(meta, RendezvousConnectorMetadata) and meta and meta is not self._submitted:
+            self._submitted = meta  # once per step: a runner may bind the same metadata again
             self._work().submit(meta)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # the step's work went out at bind_connector_metadata; nothing is loaded into the forward
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
