@@ -112,7 +112,7 @@ def _batch_rpc(
         _trace_items(outcomes)
         if observe is not None:
             observe(self.metrics, items, outcomes)
-        response = response_type(header=await self._header())
+        response = response_type(header=await self._header(wrote=True))
         self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
         return response
 
@@ -226,9 +226,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.started_at = time.time()
         self._stopping = stopping
 
-    async def _header(self) -> pb.ResponseHeader:
+    async def _header(self, wrote: bool = False) -> pb.ResponseHeader:
+        """The response header. wrote: the call changed records, so the revision this server last saw covers
+        its writes (Store.answered_revision, no store call where the store tracks it); reads carry the store's
+        current revision."""
         store = self.coordinator.store
-        return pb.ResponseHeader(epoch=store.epoch, revision=await store.revision(), server_id=self.server_id)
+        revision = await (store.answered_revision() if wrote else store.revision())
+        return pb.ResponseHeader(epoch=store.epoch, revision=revision, server_id=self.server_id)
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, method: str, exc: RendezvousError | StoreUnavailableError
@@ -259,7 +263,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         spec = replace(wire.engine_spec(request), owner=CALLER_IDENTITY.get())
         engine, start = await self.coordinator.register_engine(spec)
         return pb.RegisterEngineResponse(
-            header=await self._header(), engine=wire.engine_message(engine), watch_start_revision=start
+            header=await self._header(wrote=True), engine=wire.engine_message(engine), watch_start_revision=start
         )
 
     async def KeepAlive(
@@ -268,7 +272,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         async for request in request_iterator:
             try:
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
-                header = await self._header()
+                header = await self._header(wrote=True)
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(context, "KeepAlive", exc)
                 return
@@ -280,7 +284,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.DeregisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeregisterEngineResponse:
         aborted = await self.coordinator.deregister_engine(request.engine_id, request.incarnation)
-        return pb.DeregisterEngineResponse(header=await self._header(), aborted_transfers=aborted)
+        return pb.DeregisterEngineResponse(header=await self._header(wrote=True), aborted_transfers=aborted)
 
     @_rpc(pb.GetEngineResponse)
     async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
