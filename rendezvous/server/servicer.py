@@ -112,7 +112,7 @@ def _batch_rpc(
         _trace_items(outcomes)
         if observe is not None:
             observe(self.metrics, items, outcomes)
-        response = response_type(header=await self._header(wrote=True))
+        response = response_type(header=await self._header(seen=True))
         self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
         return response
 
@@ -226,12 +226,12 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.started_at = time.time()
         self._stopping = stopping
 
-    async def _header(self, wrote: bool = False) -> pb.ResponseHeader:
-        """The response header. wrote: the call changed records, so the revision this server last saw covers
-        its writes (Store.answered_revision, no store call where the store tracks it); reads carry the store's
-        current revision."""
+    async def _header(self, seen: bool = False) -> pb.ResponseHeader:
+        """The response header. seen: the call's store calls showed the revision its answer must cover (its
+        writes, the events it read), so the revision this server last saw will do (Store.answered_revision: no
+        store call where the store tracks it); other answers carry the store's current revision."""
         store = self.coordinator.store
-        revision = await (store.answered_revision() if wrote else store.revision())
+        revision = await (store.answered_revision() if seen else store.revision())
         return pb.ResponseHeader(epoch=store.epoch, revision=revision, server_id=self.server_id)
 
     async def _refuse(
@@ -263,7 +263,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         spec = replace(wire.engine_spec(request), owner=CALLER_IDENTITY.get())
         engine, start = await self.coordinator.register_engine(spec)
         return pb.RegisterEngineResponse(
-            header=await self._header(wrote=True), engine=wire.engine_message(engine), watch_start_revision=start
+            header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_revision=start
         )
 
     async def KeepAlive(
@@ -272,7 +272,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         async for request in request_iterator:
             try:
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
-                header = await self._header(wrote=True)
+                header = await self._header(seen=True)
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(context, "KeepAlive", exc)
                 return
@@ -284,7 +284,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.DeregisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeregisterEngineResponse:
         aborted = await self.coordinator.deregister_engine(request.engine_id, request.incarnation)
-        return pb.DeregisterEngineResponse(header=await self._header(wrote=True), aborted_transfers=aborted)
+        return pb.DeregisterEngineResponse(header=await self._header(seen=True), aborted_transfers=aborted)
 
     @_rpc(pb.GetEngineResponse)
     async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
@@ -446,7 +446,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     for response in _event_responses(page.events, coordinator.limits.max_response_bytes):
                         revision = response.events[-1].revision + 1
                         self.metrics.events_sent.inc(len(response.events))
-                        response.header.CopyFrom(await self._header())
+                        response.header.CopyFrom(await self._header(seen=True))
                         yield response
                 elif await coordinator.store.get_engine(engine_id) is None:
                     raise RendezvousError(

@@ -98,8 +98,9 @@ class Store(ABC):
         """Monotonically increasing revision of the whole store."""
 
     async def answered_revision(self) -> int:
-        """The revision a response header carries: at least the revision of every write this process has
-        made (so of every event its calls appended), and never below what it answered before in this epoch.
+        """The revision a response header carries after store calls that showed one: at least the revision
+        of every write this process has made (so of every event its calls appended) and of every event
+        `read_events` gave it, and never below what it answered before in this epoch.
 
         Backends that track it answer without a store call; this default reads `revision`.
         """

@@ -610,10 +610,12 @@ class RedisStore(Store):
     @_guarded
     async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
         reply = await self._scripts.run("read_events", engine_id=engine_id, start_revision=start_revision, limit=limit)
-        last = int(reply[0])
-        if len(reply) == 1:
+        # The store's revision, read with the events: a response that carries them answers at least it.
+        self._epoch.saw(reply[0])
+        last = int(reply[1])
+        if len(reply) == 2:
             return EventPage((), last)
-        if reply[1] == 1:
+        if reply[2] == 1:
             return EventPage((), last, resync_revision=last + 1)
         events = [
             decode_event(
@@ -621,7 +623,7 @@ class RedisStore(Store):
                 int(reply[i].partition(b"-")[0]),
                 self._peers.peer(reply[i + 2]) if reply[i + 2] else None,
             )
-            for i in range(2, len(reply), 3)
+            for i in range(3, len(reply), 3)
         ]
         return EventPage(events, last)
 
