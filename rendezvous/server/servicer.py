@@ -448,7 +448,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                         self.metrics.events_sent.inc(len(response.events))
                         response.header.CopyFrom(await self._header(seen=True))
                         yield response
-                elif await coordinator.store.get_engine(engine_id) is None:
+                elif page.forgotten:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,
                         f"engine {engine_id} was forgotten; register again",

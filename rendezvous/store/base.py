@@ -35,12 +35,14 @@ class EventPage:
     """Events read from an engine's log.
 
     `resync_revision` is set when the requested revision is no longer retained: the reader must
-    rebuild its view (list its transfers) and continue from that revision.
+    rebuild its view (list its transfers) and continue from that revision. `forgotten`: the engine has
+    no record (never registered, or its tombstone was dropped), so it has no log either.
     """
 
     events: Sequence[Event]
     last_revision: int
     resync_revision: int | None = None
+    forgotten: bool = False
 
 
 @dataclass(frozen=True)

@@ -588,6 +588,14 @@ async def test_a_due_transfer_whose_deadline_moves_comes_due_again_later(store: 
 # Events
 
 
+async def test_an_engine_without_a_record_reads_as_forgotten(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    assert (await store.read_events("c", 1, 10)).forgotten is False
+    assert (await store.read_events("nobody", 1, 10)).forgotten is True
+    await store.update_engine("c", lambda _cur: None)
+    assert (await store.read_events("c", 1, 10)).forgotten is True
+
+
 async def test_each_engine_numbers_its_events_from_one(store: Store) -> None:
     await put_engine(store, make_engine("c"))
     await put_engine(store, make_engine("p", Role.PRODUCER))

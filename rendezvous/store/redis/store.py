@@ -614,7 +614,7 @@ class RedisStore(Store):
         self._epoch.saw(reply[0])
         last = int(reply[1])
         if len(reply) == 2:
-            return EventPage((), last)
+            return EventPage((), last, forgotten=True)
         if reply[2] == 1:
             return EventPage((), last, resync_revision=last + 1)
         events = [
