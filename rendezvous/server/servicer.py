@@ -448,6 +448,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                         self.metrics.events_sent.inc(len(response.events))
                         response.header.CopyFrom(await self._header(seen=True))
                         yield response
+                    if revision > page.last_revision:
+                        # The log was read to its end: wait for more (no empty read first: one round trip less
+                        # to a networked store; a forgotten engine shows on the read after the wait).
+                        await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
                 elif page.forgotten:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,

@@ -14,7 +14,10 @@ way, so a transition sees the transfer and its engines as of one instant, as in 
 
 update_transfers computes a whole batch on the records as last seen and sends it as one commit_transfers
 call (the items as one JSON argument: a few arguments to pack and parse, not hundreds); the items it
-refuses (a conflict) or could not compute on what was seen take update_transfer's loop. Other commands
+refuses (a conflict) or could not compute on what was seen take update_transfer's loop. A batch RPC reads
+its caller first (caller: the record, its live count and its owner's tallies, in one script), and its
+response header takes the highest revision seen (answered_revision), which the commit's reply raised: two
+round trips in all when the records are known. Other commands
 that concurrent requests issue in one event-loop iteration go out as one pipeline (batcher.py). Every
 write carries the epoch guard (epoch.py).
 """
