@@ -34,7 +34,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
-from rendezvous.store.base import EventPage, Store, StoreCounts, StoreUnavailableError
+from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -301,27 +301,30 @@ class Coordinator:
 
     # Transfers
 
-    async def _caller(self, engine_id: str, incarnation: int) -> Engine:
+    async def _caller(
+        self, engine_id: str, incarnation: int, joins: bool = False, blocks: bool = False
+    ) -> tuple[Engine, CallerView]:
+        """The calling incarnation, checked, and what its batch's limits need (joins: its live-transfer count;
+        blocks: the budget's tallies), read with its record (one round trip to a networked store)."""
         check_id("engine_id", engine_id, self.limits)
-        return engine_rules.check_incarnation(
-            self.clock(), await self.store.get_engine(engine_id), engine_id, incarnation
-        )
+        view = await self.store.caller(engine_id, live=joins, usage=blocks)
+        return engine_rules.check_incarnation(self.clock(), view.engine, engine_id, incarnation), view
 
     async def _batch(
         self,
         caller: Engine | None,
         items: Sequence[SpecT],
         step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
-        joins: bool = False,
+        view: CallerView | None = None,
         half: Role | None = None,
         exempt: bool = False,
-        blocks: bool = False,
         settle: Callable[[ItemOutcome], None] | None = None,
     ) -> list[ItemOutcome]:
         """Apply step to every item; an item's error does not stop the others.
 
-        With joins, the caller's live-transfer limit applies (core: engines.LiveTransferLimit); with
-        blocks (items that name block ids), the live-block budget (core: budget.BlockBudget). With half,
+        With the caller's live-transfer count in view (_caller with joins), its live-transfer limit applies
+        (core: engines.LiveTransferLimit); with the budget's tallies (with blocks: items that name block
+        ids), the live-block budget (core: budget.BlockBudget). With half,
         each item takes that half of its transfer: its binding is checked first (core: bindings), unless
         the server has no binding keys; exempt callers (admin) need none. With settle, items apply one after
         another and settle hears each outcome before the next item applies.
@@ -333,16 +336,11 @@ class Coordinator:
             step = partial(_bound, step, rules, caller.engine_id, half, exempt)
         limit: engine_rules.LiveTransferLimit | None = None
         room: budget.BlockBudget | None = None
-        if caller is not None and (joins or blocks):
-            # Both reads at once (one round trip to a networked store).
-            live, tally = await self._both(
-                self.store.live_transfer_counts([caller.engine_id]) if joins else _none(),
-                self.store.usage(caller.owner) if blocks else _none(),
-            )
-            if live is not None:
-                limit = engine_rules.LiveTransferLimit.of(self.limits, caller, live[caller.engine_id])
-            if tally is not None:
-                room = budget.BlockBudget.of(self.limits, caller, tally)
+        if caller is not None and view is not None:
+            if view.live_transfers is not None:
+                limit = engine_rules.LiveTransferLimit.of(self.limits, caller, view.live_transfers)
+            if view.tally is not None:
+                room = budget.BlockBudget.of(self.limits, caller, view.tally)
 
         def refused(item: SpecT, err: Exception) -> ItemOutcome:
             if not isinstance(err, RendezvousError):
@@ -393,7 +391,7 @@ class Coordinator:
         self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
         """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
-        consumer = await self._caller(engine_id, incarnation)
+        consumer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
         gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
@@ -410,10 +408,9 @@ class Coordinator:
             consumer,
             specs,
             step,
-            joins=True,
+            view,
             half=Role.CONSUMER,
             exempt=exempt,
-            blocks=True,
             settle=gate.settle if gate is not None else None,
         )
         # A reservation the target took the place of is spent: drop it (the core no longer counts it anyway).
@@ -428,32 +425,32 @@ class Coordinator:
         self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
         """A producer claims transfers (exempt: needs no binding, see `_batch`)."""
-        producer = await self._caller(engine_id, incarnation)
+        producer, view = await self._caller(engine_id, incarnation, joins=True)
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: ClaimSpec) -> Transition:
             return lifecycle.claim(ctx, cur, producer, _consumer_of(cur, engines), spec)
 
-        return await self._batch(producer, specs, step, joins=True, half=Role.PRODUCER, exempt=exempt)
+        return await self._batch(producer, specs, step, view, half=Role.PRODUCER, exempt=exempt)
 
     async def mark_sources_ready(
         self, engine_id: str, incarnation: int, specs: Sequence[SourceReadySpec], exempt: bool = False
     ) -> list[ItemOutcome]:
         """A producer's source blocks are computed; claims the transfer if it had not (exempt: needs no
         binding, see `_batch`)."""
-        producer = await self._caller(engine_id, incarnation)
+        producer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
 
         def step(
             ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: SourceReadySpec
         ) -> Transition:
             return lifecycle.mark_source_ready(ctx, cur, producer, _consumer_of(cur, engines), spec)
 
-        return await self._batch(producer, specs, step, joins=True, half=Role.PRODUCER, exempt=exempt, blocks=True)
+        return await self._batch(producer, specs, step, view, half=Role.PRODUCER, exempt=exempt)
 
     async def complete_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[CompletionSpec]
     ) -> list[ItemOutcome]:
         """The side that moved the bytes reports outcomes."""
-        mover = await self._caller(engine_id, incarnation)
+        mover, _ = await self._caller(engine_id, incarnation)
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: CompletionSpec) -> Transition:
             return lifecycle.complete(ctx, cur, mover, _consumer_of(cur, engines), spec)
@@ -464,7 +461,7 @@ class Coordinator:
         self, engine_id: str, incarnation: int, specs: Sequence[RevocationAck]
     ) -> list[ItemOutcome]:
         """A producer confirms it will not write revoked generations."""
-        producer = await self._caller(engine_id, incarnation)
+        producer, _ = await self._caller(engine_id, incarnation)
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: RevocationAck) -> Transition:
             return lifecycle.acknowledge_revocation(ctx, cur, producer, _consumer_of(cur, engines), spec)
@@ -475,7 +472,7 @@ class Coordinator:
         self, engine_id: str, incarnation: int, specs: Sequence[ReleaseSpec]
     ) -> list[ItemOutcome]:
         """A consumer is done with committed transfers."""
-        consumer = await self._caller(engine_id, incarnation)
+        consumer, _ = await self._caller(engine_id, incarnation)
 
         def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: ReleaseSpec) -> Transition:
             return lifecycle.release(ctx, cur, consumer, spec)
@@ -484,7 +481,7 @@ class Coordinator:
 
     async def abort_transfers(self, engine_id: str, incarnation: int, specs: Sequence[AbortSpec]) -> list[ItemOutcome]:
         """An engine, or with an empty engine_id a router or operator, aborts transfers."""
-        caller = await self._caller(engine_id, incarnation) if engine_id else None
+        caller = (await self._caller(engine_id, incarnation))[0] if engine_id else None
 
         def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: AbortSpec) -> Transition:
             return lifecycle.abort(ctx, cur, caller, spec)
@@ -786,10 +783,6 @@ def _limited(
         change[0] = room.change(cur, transition.transfer)
         room.refuse(change[0])
     return transition
-
-
-async def _none() -> None:
-    return None
 
 
 def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:

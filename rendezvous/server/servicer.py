@@ -112,7 +112,7 @@ def _batch_rpc(
         _trace_items(outcomes)
         if observe is not None:
             observe(self.metrics, items, outcomes)
-        response = response_type(header=await self._header())
+        response = response_type(header=await self._header(seen=True))
         self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
         return response
 
@@ -226,9 +226,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.started_at = time.time()
         self._stopping = stopping
 
-    async def _header(self) -> pb.ResponseHeader:
+    async def _header(self, seen: bool = False) -> pb.ResponseHeader:
+        """The response header. seen: the call's store calls showed the revision its answer must cover (its
+        writes, the events it read), so the revision this server last saw will do (Store.answered_revision: no
+        store call where the store tracks it); other answers carry the store's current revision."""
         store = self.coordinator.store
-        return pb.ResponseHeader(epoch=store.epoch, revision=await store.revision(), server_id=self.server_id)
+        revision = await (store.answered_revision() if seen else store.revision())
+        return pb.ResponseHeader(epoch=store.epoch, revision=revision, server_id=self.server_id)
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, method: str, exc: RendezvousError | StoreUnavailableError
@@ -259,7 +263,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         spec = replace(wire.engine_spec(request), owner=CALLER_IDENTITY.get())
         engine, start = await self.coordinator.register_engine(spec)
         return pb.RegisterEngineResponse(
-            header=await self._header(), engine=wire.engine_message(engine), watch_start_revision=start
+            header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_revision=start
         )
 
     async def KeepAlive(
@@ -268,7 +272,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         async for request in request_iterator:
             try:
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
-                header = await self._header()
+                header = await self._header(seen=True)
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(context, "KeepAlive", exc)
                 return
@@ -280,7 +284,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.DeregisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeregisterEngineResponse:
         aborted = await self.coordinator.deregister_engine(request.engine_id, request.incarnation)
-        return pb.DeregisterEngineResponse(header=await self._header(), aborted_transfers=aborted)
+        return pb.DeregisterEngineResponse(header=await self._header(seen=True), aborted_transfers=aborted)
 
     @_rpc(pb.GetEngineResponse)
     async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
@@ -442,9 +446,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     for response in _event_responses(page.events, coordinator.limits.max_response_bytes):
                         revision = response.events[-1].revision + 1
                         self.metrics.events_sent.inc(len(response.events))
-                        response.header.CopyFrom(await self._header())
+                        response.header.CopyFrom(await self._header(seen=True))
                         yield response
-                elif await coordinator.store.get_engine(engine_id) is None:
+                    if revision > page.last_revision:
+                        # The log was read to its end: wait for more (no empty read first: one round trip less
+                        # to a networked store; a forgotten engine shows on the read after the wait).
+                        await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
+                elif page.forgotten:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,
                         f"engine {engine_id} was forgotten; register again",

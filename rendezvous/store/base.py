@@ -35,12 +35,14 @@ class EventPage:
     """Events read from an engine's log.
 
     `resync_revision` is set when the requested revision is no longer retained: the reader must
-    rebuild its view (list its transfers) and continue from that revision.
+    rebuild its view (list its transfers) and continue from that revision. `forgotten`: the engine has
+    no record (never registered, or its tombstone was dropped), so it has no log either.
     """
 
     events: Sequence[Event]
     last_revision: int
     resync_revision: int | None = None
+    forgotten: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,18 @@ class StoreCounts:
     live_engines: int
     transfers_by_state: Mapping[State, int]
     """Live transfers by state; states without any are left out."""
+
+
+@dataclass(frozen=True)
+class CallerView:
+    """What a batch RPC reads about its caller before it applies (Store.caller): the engine record, and on
+    request its unsettled-transfer count and the memory budget's tallies (the server's and its owner's)."""
+
+    engine: Engine | None
+    live_transfers: int | None = None
+    """How many ids `live_transfer_ids` would list; None when not asked for."""
+    tally: Tally | None = None
+    """`usage` of the record's owner; None when not asked for (or there is no record)."""
 
 
 class StoreUnavailableError(Exception):
@@ -85,9 +99,29 @@ class Store(ABC):
     async def revision(self) -> int:
         """Monotonically increasing revision of the whole store."""
 
+    async def answered_revision(self) -> int:
+        """The revision a response header carries after store calls that showed one: at least the revision
+        of every write this process has made (so of every event its calls appended) and of every event
+        `read_events` gave it, and never below what it answered before in this epoch.
+
+        Backends that track it answer without a store call; this default reads `revision`.
+        """
+        return await self.revision()
+
     @abstractmethod
     async def get_engine(self, engine_id: str) -> Engine | None:
         """An engine record, live or ended (tombstone), or None."""
+
+    async def caller(self, engine_id: str, live: bool = False, usage: bool = False) -> CallerView:
+        """An engine record with, if live, its `live_transfer_counts` entry and, if usage, the `usage` of its
+        owner: what a batch RPC checks its caller by, as of one instant.
+
+        Backends override this with one round trip; this default reads one after the other.
+        """
+        engine = await self.get_engine(engine_id)
+        count = (await self.live_transfer_counts([engine_id]))[engine_id] if live else None
+        tally = await self.usage(engine.owner) if usage and engine is not None else None
+        return CallerView(engine, count, tally)
 
     @abstractmethod
     async def page_engines(self, after: str, limit: int, keep: EngineFilter) -> list[Engine]:

@@ -322,7 +322,7 @@ class MemoryStore(Store):
     async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
         log = self._logs.get(engine_id)
         if log is None:
-            return EventPage((), 0)
+            return EventPage((), 0, forgotten=True)
         first = log.last_revision - len(log.events) + 1
         if start_revision < first:
             return EventPage((), log.last_revision, resync_revision=log.last_revision + 1)

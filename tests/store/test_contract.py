@@ -34,6 +34,7 @@ from rendezvous.core.model import (
 )
 from rendezvous.core.transfers import Transition
 from rendezvous.store import Store
+from rendezvous.store.base import CallerView
 from tests.core.helpers import engine_spec, every_engine
 from tests.store.conftest import StoreFactory
 
@@ -382,6 +383,16 @@ async def test_the_revision_grows_with_every_write(store: Store) -> None:
     assert revisions == sorted(set(revisions))
 
 
+async def test_the_answered_revision_covers_every_write_of_the_store(store: Store) -> None:
+    """What a response header carries after a call that wrote: here the only writer, so the revision itself."""
+    await put_engine(store, make_engine("c"))
+    after_engine = await store.answered_revision()
+    assert after_engine == await store.revision() > 0
+    await put_transfer(store, make_transfer("t"), [note("c")])
+    await store.append_events([note("c")])
+    assert await store.answered_revision() == await store.revision() > after_engine
+
+
 async def test_concurrent_transitions_of_one_transfer_are_atomic(backend: str, make_store: StoreFactory) -> None:
     # Many tasks increment one counter; with Redis they go through two stores (two replicas of one namespace).
     stores = [await make_store()] if backend == "memory" else [await make_store(), await make_store()]
@@ -530,6 +541,20 @@ async def test_live_transfer_counts_answer_for_many_engines_at_once(store: Store
     assert await store.live_transfer_counts([]) == {}
 
 
+async def test_a_caller_is_its_record_its_live_count_and_its_owner_s_tallies_at_once(store: Store) -> None:
+    engine = await put_engine(store, make_engine("c", owner="x"))
+    await put_engine(store, make_engine("o", owner="y"))
+    await put_transfer(store, make_transfer("t1", target_block_ids=(0, 1, 2)))
+    await put_transfer(store, make_transfer("t2", target_block_ids=(3,)))
+    await put_transfer(store, make_transfer("t3", consumer="o", target_block_ids=(4, 5)))
+    view = await store.caller("c", live=True, usage=True)
+    assert view == CallerView(engine, 2, await store.usage("x"))
+    assert view.tally is not None and (view.tally.total.blocks, view.tally.identity.blocks) == (6, 4)
+    assert await store.caller("c") == CallerView(engine)
+    assert await store.caller("c", live=True) == CallerView(engine, 2)
+    assert await store.caller("nobody", live=True, usage=True) == CallerView(None, 0)
+
+
 async def test_due_transfers_are_those_whose_deadline_passed(store: Store) -> None:
     await put_transfer(store, make_transfer("early", deadline=NOW + 1))
     await put_transfer(store, make_transfer("exact", deadline=NOW + 2))
@@ -561,6 +586,14 @@ async def test_a_due_transfer_whose_deadline_moves_comes_due_again_later(store: 
 
 
 # Events
+
+
+async def test_an_engine_without_a_record_reads_as_forgotten(store: Store) -> None:
+    await put_engine(store, make_engine("c"))
+    assert (await store.read_events("c", 1, 10)).forgotten is False
+    assert (await store.read_events("nobody", 1, 10)).forgotten is True
+    await store.update_engine("c", lambda _cur: None)
+    assert (await store.read_events("c", 1, 10)).forgotten is True
 
 
 async def test_each_engine_numbers_its_events_from_one(store: Store) -> None:

@@ -7,16 +7,18 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import redis.asyncio as redis
+from redis.asyncio.connection import AbstractConnection
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Role, State, Transfer
-from rendezvous.core.specs import TargetSpec
+from rendezvous.core.specs import ClaimSpec, TargetSpec
 from rendezvous.core.transfers import Transition
 from rendezvous.store import StoreUnavailableError
 from rendezvous.store.factory import create_store
@@ -101,6 +103,108 @@ async def test_a_batch_of_transitions_is_one_script_call(redis_pair: tuple[Redis
     assert await _script_calls(counter) - before == 1
     await counter.aclose()
     assert all(isinstance(r, Transition) and r.transfer and r.transfer.num_tokens == 7 for r in results)
+
+
+async def test_a_batch_rpc_costs_two_redis_round_trips_once_its_records_are_known(
+    redis_pair: tuple[RedisStore, RedisStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its caller's record, live count and tallies in one script, then the commit; the response header's
+    revision is what the commit showed. Round trips are counted where redis-py writes to a connection."""
+    a, _ = redis_pair
+    coordinator = Coordinator(a)
+    consumer, _ = await coordinator.register_engine(engine_spec("c", Role.CONSUMER))
+    producer, _ = await coordinator.register_engine(engine_spec("p", Role.PRODUCER))
+    trips = _RoundTrips(monkeypatch)
+    targeted = await coordinator.register_targets(
+        "c", consumer.incarnation, [TargetSpec(f"t{i}", (i,)) for i in range(4)]
+    )
+    assert trips.take() == 2
+    claimed = await coordinator.claim_transfers("p", producer.incarnation, [ClaimSpec(f"t{i}") for i in range(4)])
+    revision = await a.answered_revision()
+    assert trips.take() == 2
+    assert all(o.error is None and o.transfer and o.transfer.state == State.TARGETED for o in targeted)
+    assert all(o.error is None and o.transfer and o.transfer.state == State.MATCHED for o in claimed)
+    # The header covers the call's writes and the events they appended (the assignments): here, every write.
+    assert revision == await a.revision()
+    assigned = [e.transfer.transfer_id for e in (await a.read_events("p", 1, 10)).events if e.transfer]
+    assert assigned == [f"t{i}" for i in range(4)]
+
+
+class _RoundTrips:
+    """Counts what redis-py sends on any connection (one command, or one pipeline: one round trip)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        send = AbstractConnection.send_packed_command
+
+        async def counted(connection: AbstractConnection, *args: Any, **kwargs: Any) -> None:
+            self.count += 1
+            await send(connection, *args, **kwargs)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+
+    def take(self) -> int:
+        """The round trips since the last take."""
+        n, self.count = self.count, 0
+        return n
+
+
+async def test_a_replica_answers_a_revision_that_covers_its_own_writes_without_asking_redis(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """Not the other replicas' writes it has not seen, but the events it reads (docs/protocol.md: headers)."""
+    a, b = redis_pair
+    await put_engine(a, make_engine("c"))
+    await put_transfer(a, make_transfer("t"), [note("c")])
+    by_a = await a.answered_revision()
+    await put_transfer(b, make_transfer("u"), [note("c")])
+    by_b = await b.answered_revision()
+    assert by_b == await b.revision() > by_a
+    assert await a.answered_revision() == by_a
+    page = await a.read_events("c", 2, 10)  # b's event: a Watch on a sends it with a header that covers it
+    assert [e.revision for e in page.events] == [2]
+    assert await a.answered_revision() == by_b
+
+
+async def test_a_batch_checks_its_caller_in_redis_not_by_a_remembered_record(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """Replica a remembers c's first incarnation; b registers a second: a refuses the first, admits the second."""
+    a, b = redis_pair
+    on_a, on_b = Coordinator(a), Coordinator(b)
+    first, _ = await on_a.register_engine(engine_spec("c", Role.CONSUMER))
+    (ok,) = await on_a.register_targets("c", first.incarnation, [TargetSpec("t0", (0,))])
+    assert ok.error is None
+    second, _ = await on_b.register_engine(engine_spec("c", Role.CONSUMER))
+    assert second.incarnation != first.incarnation
+    with pytest.raises(RendezvousError) as stale:
+        await on_a.register_targets("c", first.incarnation, [TargetSpec("t1", (1,))])
+    assert stale.value.reason == Reason.STALE_INCARNATION
+    (new,) = await on_a.register_targets("c", second.incarnation, [TargetSpec("t2", (2,))])
+    assert new.error is None and new.transfer is not None
+    assert new.transfer.consumer_incarnation == second.incarnation
+
+
+async def test_a_caller_whose_owner_field_disagrees_with_its_record_is_tallied_by_the_record(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """The engine hash's owner field (`o`, what the one-script read tallies by) is written with the record;
+    should it differ (a hash edited by hand), the caller's budget is still the record's owner's."""
+    a, _ = redis_pair
+    engine = await put_engine(a, make_engine("c", owner="x"))
+    await put_transfer(a, make_transfer("t", target_block_ids=(0, 1, 2)))
+    raw = redis.Redis.from_url(a.target.url)
+    await raw.hset("{" + a.options.prefix + "}:e:c", "o", "y")
+    await raw.aclose()
+    view = await a.caller("c", live=True, usage=True)
+    assert view.engine == engine and view.live_transfers == 1
+    assert view.tally is not None and view.tally.identity.blocks == 3
+
+
+async def _commands(client: redis.Redis) -> int:
+    """Commands Redis has run, but for INFO (how this counts them)."""
+    stats = await client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k.startswith("cmdstat_") and k != "cmdstat_info")
 
 
 async def _script_calls(client: redis.Redis) -> int:

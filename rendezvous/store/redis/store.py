@@ -14,7 +14,10 @@ way, so a transition sees the transfer and its engines as of one instant, as in 
 
 update_transfers computes a whole batch on the records as last seen and sends it as one commit_transfers
 call (the items as one JSON argument: a few arguments to pack and parse, not hundreds); the items it
-refuses (a conflict) or could not compute on what was seen take update_transfer's loop. Other commands
+refuses (a conflict) or could not compute on what was seen take update_transfer's loop. A batch RPC reads
+its caller first (caller: the record, its live count and its owner's tallies, in one script), and its
+response header takes the highest revision seen (answered_revision), which the commit's reply raised: two
+round trips in all when the records are known. Other commands
 that concurrent requests issue in one event-loop iteration go out as one pipeline (batcher.py). Every
 write carries the epoch guard (epoch.py).
 """
@@ -43,6 +46,7 @@ from rendezvous.core import budget
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store.base import (
+    CallerView,
     EngineFilter,
     EngineFn,
     EventPage,
@@ -79,6 +83,13 @@ _SWEEP_HOLD_S = 5.0
 _MAX_BLOCK_S = 1.0
 # The commit_transfers items argument (records inside are JSON text already, passed through as strings).
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
+def _tally(values: Sequence[Any], owner: str) -> budget.Tally:
+    """The budget's tallies of a usage.lua reply (e, b, m of the namespace, then of owner)."""
+    n = [int(v or 0) for v in values]
+    mine = budget.Usage(*n[3:6]) if owner else budget.Usage()
+    return budget.Tally(budget.Usage(*n[:3]), mine)
 
 
 def _no_peers() -> dict[str, int]:
@@ -236,6 +247,11 @@ class RedisStore(Store):
         self._epoch.saw(rev)
         return rev
 
+    async def answered_revision(self) -> int:
+        # Every write's reply shows its revision (Epoch.saw), so the highest seen covers this process's
+        # writes without asking Redis; only a replica that has seen none yet asks.
+        return self._epoch.high_rev or await self.revision()
+
     async def _read_engine(self, engine_id: str) -> EngineEntry:
         version, data = await self._command("HMGET", self._prefix + "e:" + engine_id, "v", "d")
         return self._records.seen_engine(engine_id, version or ABSENT, data or b"")
@@ -243,6 +259,21 @@ class RedisStore(Store):
     @_guarded
     async def get_engine(self, engine_id: str) -> Engine | None:
         return (await self._read_engine(engine_id)).engine
+
+    @_guarded
+    async def caller(self, engine_id: str, live: bool = False, usage: bool = False) -> CallerView:
+        if not (live or usage):
+            return CallerView((await self._read_engine(engine_id)).engine)
+        # One script reads the record, the count and the tallies of the owner it names (the record's `o`).
+        reply = await self._scripts.run("read_caller", engine_id=engine_id, live=int(live), usage=int(usage))
+        engine = self._records.seen_engine(engine_id, reply[0] or ABSENT, reply[1] or b"").engine
+        count = int(reply[3]) if live else None
+        tally: budget.Tally | None = None
+        if usage and engine is not None:
+            owner = reply[2].decode()
+            # The index field and the record agree (one script writes both); should they not, the record counts.
+            tally = _tally(reply[4:], owner) if owner == engine.owner else await self.usage(engine.owner)
+        return CallerView(engine, count, tally)
 
     def _engines_in(self, reply: Sequence[Any]) -> list[Engine]:
         """The engines of a listing reply; a record that cannot be decoded is logged and left out, so
@@ -582,10 +613,12 @@ class RedisStore(Store):
     @_guarded
     async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
         reply = await self._scripts.run("read_events", engine_id=engine_id, start_revision=start_revision, limit=limit)
-        last = int(reply[0])
-        if len(reply) == 1:
-            return EventPage((), last)
-        if reply[1] == 1:
+        # The store's revision, read with the events: a response that carries them answers at least it.
+        self._epoch.saw(reply[0])
+        last = int(reply[1])
+        if len(reply) == 2:
+            return EventPage((), last, forgotten=True)
+        if reply[2] == 1:
             return EventPage((), last, resync_revision=last + 1)
         events = [
             decode_event(
@@ -593,7 +626,7 @@ class RedisStore(Store):
                 int(reply[i].partition(b"-")[0]),
                 self._peers.peer(reply[i + 2]) if reply[i + 2] else None,
             )
-            for i in range(2, len(reply), 3)
+            for i in range(3, len(reply), 3)
         ]
         return EventPage(events, last)
 
@@ -635,9 +668,7 @@ class RedisStore(Store):
 
     @_guarded
     async def usage(self, owner: str) -> budget.Tally:
-        n = [int(v or 0) for v in await self._scripts.run("usage", owner=owner)]
-        mine = budget.Usage(*n[3:6]) if owner else budget.Usage()
-        return budget.Tally(budget.Usage(*n[:3]), mine)
+        return _tally(await self._scripts.run("usage", owner=owner), owner)
 
     @_guarded
     async def counts(self) -> StoreCounts:

@@ -1,8 +1,10 @@
--- Reply: {last revision} for an unknown engine's empty log, {last, 1} when start was trimmed (resync),
--- {last, 0, flat (entry id, event, peer or "")...} otherwise.
+-- Reply: the store's revision (the `rev` key: at least that of every event read here), then {last revision}
+-- for an unknown engine's empty log, {last, 1} when start was trimmed (resync), {last, 0, flat (entry id,
+-- event, peer or "")...} otherwise.
+local rev = tonumber(redis.call('GET', P .. 'rev') or '0')
 local ek = P .. 'e:' .. engine_id
 if redis.call('EXISTS', ek) == 0 then
-  return {0}
+  return {rev, 0}
 end
 local last = tonumber(redis.call('HGET', ek, 'r') or '0')
 local sk = P .. 's:' .. engine_id
@@ -13,10 +15,10 @@ if head[1] then
 end
 local start = tonumber(start_revision)
 if start < first then
-  return {last, 1}
+  return {rev, last, 1}
 end
 local n = tonumber(limit)
-local out = {last, 0}
+local out = {rev, last, 0}
 if n <= 0 or start > last then
   return out
 end
