@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 
 from clients._exceptions import NotFound
 from clients._prefix import PrefixIndex
@@ -25,7 +28,13 @@ from clients._types import (
 from clients.aio import AsyncRendezvousClient
 from rendezvous.protocol import bindings, kvmap
 
+log = logging.getLogger(__name__)
+
 _PAGE_SIZE = 1_000
+
+WAIT_AFTER_INTERVALS = 5
+"""An engine list older than this many refresh intervals is waited for; a younger stale one is used while it is
+refreshed in the background."""
 
 DEFAULT_BINDING_TTL = 600.0
 """Seconds a router's binding admits the engines it names (`RouterClient(binding_ttl=)`): long enough for a
@@ -60,7 +69,10 @@ def layout_difference(producer: KvLayout, consumer: KvLayout) -> str | None:
 class RouterClient:
     """Picks engines for requests, counts what this router has in flight on each, and aborts transfers.
 
-    Engine lists are cached per pool and role for `refresh_interval` seconds (`invalidate` forgets them).
+    Engine lists are cached per pool and role. A list older than `refresh_interval` seconds is refreshed in the
+    background and used meanwhile, so a request does not wait for ListEngines; a request waits only for the
+    first list, one older than WAIT_AFTER_INTERVALS intervals (an idle router's), or any with interval 0
+    (`invalidate` forgets them).
     With `binding_key` (the first key of the service's `--binding-key-file`), `bind` signs a transfer to the
     engines chosen for it, for `binding_ttl` seconds; the binding goes into both legs' `kv_transfer_params`.
     """
@@ -75,6 +87,7 @@ class RouterClient:
         prefix_capacity: int = 1 << 18,
         binding_key: bytes | None = None,
         binding_ttl: float = DEFAULT_BINDING_TTL,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if load_weight < 0:
             raise ValueError(f"load_weight must not be negative, not {load_weight:g}")
@@ -91,6 +104,8 @@ class RouterClient:
         self.prefixes = PrefixIndex(prefix_capacity)
         self._work: Counter[str] = Counter()
         self._cache: dict[tuple[str, EngineRole], tuple[float, list[EngineInfo]]] = {}
+        self._refreshing: dict[tuple[str, EngineRole], asyncio.Task[list[EngineInfo]]] = {}
+        self._clock = clock
         self._turns: Counter[tuple[tuple[str, ...], EngineRole]] = Counter()
         self._in_flight: Counter[str] = Counter()
 
@@ -120,11 +135,29 @@ class RouterClient:
     async def _live(self, pool: str, role: EngineRole) -> list[EngineInfo]:
         key = (pool, role)
         cached = self._cache.get(key)
-        now = time.monotonic()
-        if cached is None or now - cached[0] >= self._refresh_interval:
-            cached = (now, await self.list_engines(pool, role))
-            self._cache[key] = cached
+        age = self._clock() - cached[0] if cached is not None else float("inf")
+        if cached is None or age >= self._refresh_interval * WAIT_AFTER_INTERVALS:
+            return await self._refresh(key)
+        if age >= self._refresh_interval and key not in self._refreshing:
+            task = asyncio.create_task(self._refresh(key))
+            self._refreshing[key] = task
+            task.add_done_callback(partial(self._refreshed, key))
         return cached[1]
+
+    async def _refresh(self, key: tuple[str, EngineRole]) -> list[EngineInfo]:
+        started = self._clock()
+        engines = await self.list_engines(*key)
+        self._cache[key] = (started, engines)
+        return engines
+
+    def _refreshed(self, key: tuple[str, EngineRole], task: asyncio.Task[list[EngineInfo]]) -> None:
+        self._refreshing.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:  # the next request tries again
+            log.warning("refreshing the engine list of %s failed: %s", key, task.exception())
+
+    async def refreshed(self) -> None:
+        """Wait for the background refreshes of engine lists in flight (tests; before shutting down)."""
+        await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
 
     async def pick_engine(
         self,

@@ -20,6 +20,7 @@ from clients import (
     TransferState,
     mint_transfer_id,
 )
+from clients._router import WAIT_AFTER_INTERVALS
 from tests.clients.conftest import LAYOUT, agent, consumer_session, next_event, of_type, producer_session
 
 
@@ -59,6 +60,33 @@ async def test_engine_lists_are_cached_until_invalidated(client: AsyncRendezvous
     assert [(await router.pick_engine("decode", EngineRole.CONSUMER)).engine_id for _ in range(2)] == ["d0", "d0"]
     router.invalidate()
     assert {(await router.pick_engine("decode", EngineRole.CONSUMER)).engine_id for _ in range(2)} == {"d0", "d1"}
+
+
+async def test_a_stale_engine_list_is_used_while_it_is_refreshed_in_the_background(
+    client: AsyncRendezvousClient,
+) -> None:
+    """A request does not wait for ListEngines once the router has a list: a stale one serves it and a refresh
+    goes out behind it; only a list WAIT_AFTER_INTERVALS intervals old (an idle router's) is waited for."""
+    now = [0.0]
+    router = RouterClient(client, refresh_interval=1.0, clock=lambda: now[0])
+    await register(client, "d0", EngineRole.CONSUMER)
+    assert (await router.pick_engine("decode", EngineRole.CONSUMER)).engine_id == "d0"  # the first list: waited for
+    await register(client, "d1", EngineRole.CONSUMER)
+    now[0] = 1.5  # stale: d1 is not in the list that answers, but the refresh that starts now has it
+    assert [e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)] == ["d0"]
+    await router.refreshed()
+    assert {e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)} == {"d0", "d1"}
+    await register(client, "d2", EngineRole.CONSUMER)
+    now[0] = 1.5 + WAIT_AFTER_INTERVALS * 1.0  # too old to use: waited for
+    assert {e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)} == {"d0", "d1", "d2"}
+
+
+async def test_with_refresh_interval_0_every_request_lists_the_engines(client: AsyncRendezvousClient) -> None:
+    router = RouterClient(client, refresh_interval=0.0)
+    await register(client, "d0", EngineRole.CONSUMER)
+    assert [e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)] == ["d0"]
+    await register(client, "d1", EngineRole.CONSUMER)
+    assert {e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)} == {"d0", "d1"}
 
 
 async def test_a_router_abort_reaches_both_sides(client: AsyncRendezvousClient) -> None:
