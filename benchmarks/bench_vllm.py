@@ -72,6 +72,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from vllm_phases import median_ms, overhead_ms, phases  # noqa: E402
+from vllm_spans import format_timeline, median_timeline, read_spans, timelines  # noqa: E402
 
 from clients.sync import RendezvousClient  # noqa: E402
 from connector.launch import (  # noqa: E402
@@ -87,6 +88,7 @@ from connector.launch import (  # noqa: E402
     wait_healthy,
 )
 from connector.router import TRANSFER_ID_HEADER  # noqa: E402
+from rendezvous.protocol import tracing  # noqa: E402
 
 ALL_MODES = ("plain", "pull", "push", "ours", "ours-progressive")
 DEFAULT_MODES = ALL_MODES[:4]
@@ -351,7 +353,7 @@ def start_ours(model: Path, log_dir: Path, setup: Setup, mode: str = "ours") -> 
         progressive = {"progressive": True, "progressive_layers": setup.progressive_layers}
     rendezvous_port = free_port()
     argv = [str(REPO / ".venv" / "bin" / "kv-rendezvous"), "serve", "--listen", f"127.0.0.1:{rendezvous_port}"]
-    argv += ["--metrics-listen", "off"]
+    argv += ["--metrics-listen", "off", *(["--tracing"] if os.environ.get(tracing.ENABLE_ENV) else [])]
     with (log_dir / f"{mode}-rendezvous.log").open("wb") as out:
         server = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deployment.processes.append(server)
@@ -739,6 +741,9 @@ async def measure(deployments: Sequence[Deployment], args: argparse.Namespace, v
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the JSON report."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=args.log_dir))
+    if args.trace is not None:  # every process started from here on appends its spans to the file
+        args.trace.unlink(missing_ok=True)
+        os.environ.update({tracing.ENABLE_ENV: "1", tracing.FILE_ENV: str(args.trace.resolve())})
     model = tiny_model(args.model, scratch)
     vocab = vocab_size(model)
     machine = machine_info()
@@ -771,6 +776,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     wrong = mismatches(results, args.modes)
     overheads = {rate: overhead_ms(s) for rate, s in by_rate.items() if "plain" in s}
+    traced = timelines(read_spans(args.trace)) if args.trace is not None else []
     return {
         "benchmark": "bench_vllm",
         "description": "TTFT/TPOT of 1P1D disaggregated serving on vLLM-CPU: NixlConnector (pull), "
@@ -801,6 +807,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratios_to_ours": ratios,
         "overhead_vs_plain_ms": overheads,
         "output_mismatches": {"count": len(wrong), "examples": wrong[:5]},
+        "span_timeline_p50_ms": [
+            {"span": name, "start": round(start, 2), "end": round(end, 2), "traces": n}
+            for name, start, end, n in median_timeline(traced)
+        ],
         "requests": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results],
         "table": format_table(by_rate),
     }
@@ -842,6 +852,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per mode before measuring")
     parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds per rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="trace ours' processes into this file (JSON lines) and print each span's median timeline",
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every engine (prefill and decode)")
     parser.add_argument(
         "--layout",
@@ -881,6 +897,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     report = run(args)
     print(report["table"])
+    if args.trace is not None:
+        rows = [(r["span"], r["start"], r["end"], r["traces"]) for r in report["span_timeline_p50_ms"]]
+        print(f"traced requests' spans, median ms from router.dispatch ({args.trace}):\n{format_timeline(rows)}")
     for mode, error in report["failed_modes"].items():
         print(f"{mode} FAILED: {error[:1500]}")
     print(f"output mismatches across modes: {report['output_mismatches']['count']}")
