@@ -285,8 +285,6 @@ class Setup:
     in steps of this many tokens; 0 = vLLM's default."""
     progressive_layers: bool = False
     """ours-progressive hands KV over layer by layer (`progressive_layers`), not only chunk by chunk."""
-    switch_interval_ms: float | None = None
-    """ours: the connectors' `switch_interval_ms` (None: the connector's default)."""
 
     def engine_args(self, prefills: bool) -> list[str]:
         args = ["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []
@@ -350,11 +348,9 @@ def start_ours(model: Path, log_dir: Path, setup: Setup, mode: str = "ours") -> 
     """Start a kv-rendezvous server, a prefill and a decode engine with RendezvousConnector, and our router;
     mode "ours-progressive" turns progressive push on in both engines."""
     deployment = Deployment(mode)
-    keys: dict[str, Any] = {}  # kv_connector_extra_config of both engines
+    progressive: dict[str, Any] = {}
     if mode == "ours-progressive":
-        keys = {"progressive": True, "progressive_layers": setup.progressive_layers}
-    if setup.switch_interval_ms is not None:
-        keys["switch_interval_ms"] = setup.switch_interval_ms
+        progressive = {"progressive": True, "progressive_layers": setup.progressive_layers}
     rendezvous_port = free_port()
     argv = [str(REPO / ".venv" / "bin" / "kv-rendezvous"), "serve", "--listen", f"127.0.0.1:{rendezvous_port}"]
     argv += ["--metrics-listen", "off", *(["--tracing"] if os.environ.get(tracing.ENABLE_ENV) else [])]
@@ -365,7 +361,7 @@ def start_ours(model: Path, log_dir: Path, setup: Setup, mode: str = "ours") -> 
     address = deployment.rendezvous = f"127.0.0.1:{rendezvous_port}"
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()
-        config = connector_config(kv_role, address, role, port, **keys)
+        config = connector_config(kv_role, address, role, port, **progressive)
         extra = setup.engine_args(role == "prefill")
         engine = start_engine(f"{mode}-{role}", model, log_dir, port, config, extra_args=extra)
         deployment.processes.append(engine)
@@ -758,7 +754,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     failures: dict[str, str] = {}
     started = time.monotonic()
     for group in groups:
-        setup = Setup(args.tp, args.nixl_threads, args.prefill_chunk, args.progressive_layers, args.switch_interval_ms)
+        setup = Setup(args.tp, args.nixl_threads, args.prefill_chunk, args.progressive_layers)
         with deployed(group, model, scratch, setup) as deployments:
             measured = asyncio.run(measure(deployments, args, vocab))
             for deployment in deployments:
@@ -856,12 +852,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="uncounted requests per mode before measuring")
     parser.add_argument("--rounds", type=int, default=3, help="interleaving rounds per rate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--switch-interval-ms",
-        type=float,
-        default=None,
-        help="ours: the connectors' switch_interval_ms (0: Python's 5 ms; default: the connector's)",
-    )
     parser.add_argument(
         "--trace",
         type=Path,

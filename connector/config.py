@@ -72,11 +72,6 @@ class ConnectorConfig:
     progressive_layers: bool = False
     """Prefill, with `progressive`: hand each layer's KV over as the forward pass computes it (`save_kv_layer`),
     so a layer is written while the next ones compute, in every chunk including the last."""
-    switch_interval_ms: float = 0.5
-    """The worker process's `sys.setswitchinterval`, in ms; 0 leaves Python's (5 ms). The connector's network
-    thread shares the GIL with vLLM's step loop, which holds it through every step, empty steps included while
-    a request waits for KV: a thread asking for the GIL gets it after this interval, so each hop of a claim,
-    a target, a notification or a completion waited up to 5 ms per GIL hand-over with Python's default."""
 
     @property
     def uses_tls(self) -> bool:
@@ -103,7 +98,7 @@ class ConnectorConfig:
         labels = {str(k): str(v) for k, v in dict(extra.pop("labels", None) or {}).items()}
         floats = {
             k: float(extra.pop(k))
-            for k in ("lease_ttl", "transfer_timeout", "call_timeout", "start_timeout", "switch_interval_ms")
+            for k in ("lease_ttl", "transfer_timeout", "call_timeout", "start_timeout")
             if k in extra
         }
         for key, value in floats.items():

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import sys
 import threading
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -409,8 +408,6 @@ class _WorkerSide:
 
     def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tracing.configure_from_env("kv-rendezvous-prefill" if self.producer else "kv-rendezvous-decode")
-        if self.config.switch_interval_ms:  # the network thread gets the GIL from the step loop sooner
-            sys.setswitchinterval(self.config.switch_interval_ms / 1000)
         tensors = self._block_tensors(kv_caches)
         self._thread = LoopThread(f"rendezvous-{self.engine_id}")
         try:
