@@ -156,8 +156,14 @@ class RouterClient:
             log.warning("refreshing the engine list of %s failed: %s", key, task.exception())
 
     async def refreshed(self) -> None:
-        """Wait for the background refreshes of engine lists in flight (tests; before shutting down)."""
+        """Wait for the background refreshes of engine lists in flight."""
         await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
+
+    async def stop_refreshing(self) -> None:
+        """Cancel the background refreshes in flight (before the client closes)."""
+        for task in self._refreshing.values():
+            task.cancel()
+        await self.refreshed()
 
     async def pick_engine(
         self,

@@ -186,7 +186,7 @@ class Router:
     async def _close(self, app: web.Application) -> None:
         if self._http is not None:
             await self._http.close()
-        await self.engines.refreshed()  # a background ListEngines ends before its channel closes
+        await self.engines.stop_refreshing()  # no background ListEngines outlives its channel
         await self.rendezvous.close()
 
     @property

@@ -81,6 +81,21 @@ async def test_a_stale_engine_list_is_used_while_it_is_refreshed_in_the_backgrou
     assert {e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)} == {"d0", "d1", "d2"}
 
 
+async def test_stopping_cancels_a_background_refresh(client: AsyncRendezvousClient) -> None:
+    now = [0.0]
+    router = RouterClient(client, refresh_interval=1.0, clock=lambda: now[0])
+    await register(client, "d0", EngineRole.CONSUMER)
+    await router.rank_engines("decode", EngineRole.CONSUMER)
+    await register(client, "d1", EngineRole.CONSUMER)
+    now[0] = 1.5
+    await router.rank_engines("decode", EngineRole.CONSUMER)  # starts a refresh
+    await router.stop_refreshing()
+    now[0] = 1.6  # the cancelled refresh left the old list, still young enough to use (and refresh again)
+    assert [e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)] == ["d0"]
+    await router.refreshed()
+    assert {e.engine_id for e in await router.rank_engines("decode", EngineRole.CONSUMER)} == {"d0", "d1"}
+
+
 async def test_with_refresh_interval_0_every_request_lists_the_engines(client: AsyncRendezvousClient) -> None:
     router = RouterClient(client, refresh_interval=0.0)
     await register(client, "d0", EngineRole.CONSUMER)
