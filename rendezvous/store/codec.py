@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from collections.abc import Callable
+from dataclasses import fields
+from enum import IntEnum
+from typing import Any, TypeVar
 
 from rendezvous.core.model import (
     AbortReason,
@@ -34,6 +37,43 @@ FORMAT = 1
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 _loads = json.loads
+
+E = TypeVar("E", bound=IntEnum)
+
+
+def _member(cls: type[E]) -> Callable[[Any], E]:
+    """cls(value) by a table lookup (~0.1 us instead of ~0.7 us; a record decodes three), with cls's own
+    answer for what the table lacks (an unknown number reads as cls's _missing_ says)."""
+    table: dict[Any, E] = {m.value: m for m in cls}
+
+    def member(value: Any) -> E:
+        try:
+            found = table.get(value)
+        except TypeError:  # unhashable
+            found = None
+        return cls(value) if found is None else found
+
+    return member
+
+
+def _positional(cls: type[Any]) -> Callable[..., Any]:
+    """cls(*values), all fields in order, for a frozen slots dataclass without __post_init__: built as a plain
+    object of the same slots, then given cls as its class (as core.model.evolve copies), so each field costs
+    a plain attribute store, not the frozen __init__'s object.__setattr__ (a Transfer decodes in ~1/3 the time)."""
+    names = tuple(f.name for f in fields(cls))
+    assert cls.__slots__ == names and not hasattr(cls, "__post_init__"), cls
+    settable = type(f"_Decoded{cls.__name__}", (), {"__slots__": names})
+    lines = [f"def make({', '.join(names)}):", "    new = _new(_settable)"]
+    lines += [f"    new.{n} = {n}" for n in names]
+    lines += ["    new.__class__ = _cls", "    return new"]
+    namespace: dict[str, Any] = {"_new": object.__new__, "_settable": settable, "_cls": cls}
+    exec("\n".join(lines), namespace)  # generated from the dataclass's own field names
+    make: Callable[..., Any] = namespace["make"]
+    return make
+
+
+_state, _mode, _abort_reason, _event_type = (_member(c) for c in (State, Mode, AbortReason, EventType))
+_new_transfer, _new_times, _new_event = (_positional(c) for c in (Transfer, TransferTimes, Event))
 
 
 class CodecError(ValueError):
@@ -88,27 +128,28 @@ def transfer_from_fields(obj: Any) -> Transfer:
     """The transfer of an array made by transfer_fields."""
     f = _check(obj, "transfer")
     times = f[17]
-    return Transfer(
-        transfer_id=f[1],
-        state=State(f[2]),
-        deadline=f[3],
-        mode=Mode(f[4]),
-        generation=f[5],
-        consumer_engine_id=f[6],
-        consumer_incarnation=f[7],
-        producer_engine_id=f[8],
-        producer_incarnation=f[9],
-        target_block_ids=tuple(f[10]),
-        source_block_ids=None if f[11] is None else tuple(f[11]),
-        num_tokens=f[12],
-        abort_reason=AbortReason(f[13]),
-        abort_message=f[14],
-        assigned_generation=f[15],
-        revoking_generation=f[16],
-        times=TransferTimes(times[0], times[1], times[2], times[3], times[4], times[5]),
-        reported_ranks=tuple(f[18]) if len(f) > 18 else (),
-        block_digests=f[19] if len(f) > 19 else "",
-        progressive=bool(f[20]) if len(f) > 20 else False,
+    n = len(f)
+    return _new_transfer(  # Transfer's fields, in order
+        f[1],
+        _state(f[2]),
+        f[3],
+        _mode(f[4]),
+        f[5],
+        f[6],
+        f[7],
+        f[8],
+        f[9],
+        tuple(f[10]),
+        None if f[11] is None else tuple(f[11]),
+        f[12],
+        _abort_reason(f[13]),
+        f[14],
+        f[15],
+        f[16],
+        _new_times(times[0], times[1], times[2], times[3], times[4], times[5]),
+        tuple(f[18]) if n > 18 else (),
+        f[19] if n > 19 else "",
+        bool(f[20]) if n > 20 else False,
     )
 
 
@@ -239,13 +280,9 @@ def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -
     """The event of encode_event's text, at a revision, with its peer engine."""
     try:
         f = _check(_loads(data), "event")
-        return Event(
-            type=EventType(f[1]),
-            time=f[2],
-            transfer=None if f[3] is None else transfer_from_fields(f[3]),
-            generation=f[4],
-            peer=peer,
-            revision=revision,
+        # Event's fields, in order: type, time, transfer, generation, peer, revision.
+        return _new_event(
+            _event_type(f[1]), f[2], None if f[3] is None else transfer_from_fields(f[3]), f[4], peer, revision
         )
     except (IndexError, KeyError, TypeError, ValueError) as err:
         raise CodecError(f"unreadable event record: {err}") from err
