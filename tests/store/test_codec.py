@@ -3,6 +3,8 @@ stay those earlier versions wrote (Redis holds them across upgrades)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rendezvous.core.model import (
@@ -26,6 +28,7 @@ from rendezvous.store.codec import (
     encode_engine,
     encode_event,
     encode_transfer,
+    to_json,
 )
 
 TRANSFER = Transfer(
@@ -117,3 +120,14 @@ def test_an_event_round_trips_with_its_revision_and_peer() -> None:
     decoded = decode_event(data, 17, peer)
     assert decoded == Event(EventType.TRANSFER_ASSIGNED, 4.25, TRANSFER, 2, peer, 17) and type(decoded) is Event
     assert decoded.type is EventType.TRANSFER_ASSIGNED and decode_event(b"[1,0,1.0,null,0]", 1).transfer is None
+
+
+def test_to_json_writes_what_the_compact_encoder_writes_and_refuses_what_it_refuses() -> None:
+    reference = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+    for obj in ([1, 'é"\n', 2.5, None, True, (3, 4), {"k": [State.MATCHED]}], 1e300, "x", [[], {}]):
+        assert to_json(obj) == reference(obj)
+    with pytest.raises(ValueError, match="Out of range float"):
+        to_json([float("nan")])
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        to_json([object()])
+    assert to_json([1]) == "[1]"  # the encoder keeps no state across a refusal

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import secrets
 from collections import Counter
@@ -55,7 +54,7 @@ from rendezvous.store.base import (
     StoreUnavailableError,
     TransferFn,
 )
-from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer
+from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer, to_json
 from rendezvous.store.credits import CreditStore
 from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.batcher import Batcher
@@ -81,8 +80,6 @@ _APPEND_MEMORY_S = 300
 _SWEEP_HOLD_S = 5.0
 # Longest single XREAD BLOCK: waits longer than this are several blocks, so close() is prompt.
 _MAX_BLOCK_S = 1.0
-# The commit_transfers items argument (records inside are JSON text already, passed through as strings).
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
 def _tally(values: Sequence[Any], owner: str) -> budget.Tally:
@@ -420,7 +417,7 @@ class RedisStore(Store):
             "commit_transfers",
             guard=self._epoch.guard,
             max_events=self._max_events,
-            items=_dumps([list(peers), items]),
+            items=to_json([list(peers), items]),  # records inside are JSON text, passed as strings
         )
         return reply
 
