@@ -4,6 +4,7 @@ stay those earlier versions wrote (Redis holds them across upgrades)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -124,7 +125,8 @@ def test_an_event_round_trips_with_its_revision_and_peer() -> None:
 
 def test_to_json_writes_what_the_compact_encoder_writes_and_refuses_what_it_refuses() -> None:
     reference = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
-    for obj in ([1, 'é"\n', 2.5, None, True, (3, 4), {"k": [State.MATCHED]}], 1e300, "x", [[], {}]):
+    objects: list[Any] = [[1, 'é"\n', 2.5, None, True, (3, 4), {"k": [State.MATCHED]}], 1e300, "x", [[], {}]]
+    for obj in objects:
         assert to_json(obj) == reference(obj)
     with pytest.raises(ValueError, match="Out of range float"):
         to_json([float("nan")])
