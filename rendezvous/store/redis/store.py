@@ -384,31 +384,39 @@ class RedisStore(Store):
         transition = fn(cur, {e: entry.engine for e, entry in entries.items() if entry.engine is not None})
         new = transition.transfer
         unchanged = new is cur and not transition.events
-        record = encode_transfer(new) if new is not None and not unchanged else None
-        target_blocks, source_blocks = budget.transfer_blocks(new)
         checks: list[str] = []
         for engine_id, entry in entries.items():
             checks += (engine_id, entry.version.decode())
+        version = snapshot.version.decode()
+        if unchanged:
+            return _Plan(transition, True, [transfer_id, version, "n", "", "", "", "0", "0", "0", "0", "0", checks, []])
         events: list[Any] = []
-        if not unchanged:
-            for engine_id, event, peer in self._events(transition.events, new, record):
-                events += (engine_id, event, peers.setdefault(peer, len(peers)))
-        item = [
-            transfer_id,
-            snapshot.version.decode(),
-            "n" if unchanged else ("w" if new is not None else "d"),
-            record or "",
-            new.consumer_engine_id if new else "",
-            new.producer_engine_id if new else "",
-            str(int(new.state)) if new else "0",
-            "1" if new is not None and new.unsettled else "0",
-            repr(new.deadline) if new else "0",
-            str(target_blocks),
-            str(source_blocks),
-            checks,
-            events,
-        ]
-        return _Plan(transition, unchanged, item)
+        record = None if new is None else encode_transfer(new)
+        if record is None or new is None:
+            item = [transfer_id, version, "d", "", "", "", "0", "0", "0", "0", "0", checks, events]
+        else:
+            target_blocks, source_blocks = budget.transfer_blocks(new)
+            item = [
+                transfer_id,
+                version,
+                "w",
+                record,
+                new.consumer_engine_id,
+                new.producer_engine_id,
+                str(int(new.state)),
+                "1" if new.unsettled else "0",
+                repr(new.deadline),
+                str(target_blocks),
+                str(source_blocks),
+                checks,
+                events,
+            ]
+        engine_json = self._records.engine_json
+        for addressed in transition.events:
+            event = addressed.event
+            encoded = encode_event(event, record if event.transfer is new else None)
+            events += (addressed.engine_id, encoded, peers.setdefault(engine_json(event.peer), len(peers)))
+        return _Plan(transition, False, item)
 
     async def _commit(self, items: Sequence[list[Any]], peers: dict[str, int]) -> Reply:
         """Run commit_transfers (peers: the items' peers by index, _plan): OK and one answer per item, or the
