@@ -54,11 +54,11 @@ from rendezvous.store.base import (
     StoreUnavailableError,
     TransferFn,
 )
-from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer, to_json
+from rendezvous.store.codec import encode_engine, encode_event, encode_transfer, to_json
 from rendezvous.store.credits import CreditStore
 from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.batcher import Batcher
-from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot
+from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot, WrittenEvents
 from rendezvous.store.redis.credits import RedisCredits
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.errors import store_errors, unavailable
@@ -134,6 +134,7 @@ class RedisStore(Store):
         self._rev_key = self._prefix + "rev"
         self._records = RecordCache(self.options.cache_size)
         self._peers = PeerCache()
+        self._written_events = WrittenEvents()
         self._scripts = Scripts(self._rev_key, self._prefix)
         self._epoch = Epoch(self._prefix + "epoch", self._rev_key, self._scripts, self._records.clear)
         self._redis: aioredis.Redis | None = None
@@ -415,6 +416,7 @@ class RedisStore(Store):
         for addressed in transition.events:
             event = addressed.event
             encoded = encode_event(event, record if event.transfer is new else None)
+            self._written_events.wrote(encoded, event)
             events += (addressed.engine_id, encoded, peers.setdefault(engine_json(event.peer), len(peers)))
         return _Plan(transition, False, item)
 
@@ -626,7 +628,7 @@ class RedisStore(Store):
         if reply[2] == 1:
             return EventPage((), last, resync_revision=last + 1)
         events = [
-            decode_event(
+            self._written_events.read(
                 reply[i + 1],
                 int(reply[i].partition(b"-")[0]),
                 self._peers.peer(reply[i + 2]) if reply[i + 2] else None,
