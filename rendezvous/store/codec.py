@@ -287,7 +287,13 @@ def encode_event(event: Event, transfer_json: str | None = None) -> str:
     """
     if transfer_json is None:
         transfer_json = "null" if event.transfer is None else encode_transfer(event.transfer)
-    return f"[{FORMAT},{int(event.type)},{to_json(event.time)},{transfer_json},{int(event.generation)}]"
+    head, tail = event_around(event)
+    return head + transfer_json + tail
+
+
+def event_around(event: Event) -> tuple[str, str]:
+    """encode_event's text before and after its transfer's (which the Redis store sends once per write)."""
+    return f"[{FORMAT},{int(event.type)},{to_json(event.time)},", f",{int(event.generation)}]"
 
 
 def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -> Event:
@@ -311,5 +317,6 @@ __all__ = [
     "encode_engine",
     "encode_event",
     "encode_transfer",
+    "event_around",
     "to_json",
 ]

@@ -22,6 +22,7 @@ from rendezvous.core.specs import ClaimSpec, TargetSpec
 from rendezvous.core.transfers import Transition
 from rendezvous.store import StoreUnavailableError
 from rendezvous.store.base import TransferFn
+from rendezvous.store.codec import encode_event
 from rendezvous.store.factory import create_store
 from rendezvous.store.redis import RedisStore, parse_url
 from tests.core.helpers import engine_spec
@@ -128,6 +129,11 @@ async def test_events_read_back_by_their_writer_equal_those_another_replica_deco
 
     await a.update_transfers([(t.transfer_id, writes(t, n)) for t, n in zip(transfers, events, strict=True)])
     assert len(a._written_events) == 6
+    raw = redis.Redis.from_url(a.target.url)
+    stored: list[tuple[bytes, dict[bytes, bytes]]] = await raw.xrange(a._prefix + "s:p")  # type: ignore[assignment]
+    await raw.aclose()
+    # The script put each event's record between its parts: the stored bytes are encode_event's.
+    assert [fields[b"e"] for _, fields in stored] == [encode_event(e.event).encode() for e, _ in events]
     mine, theirs = await a.read_events("p", 1, 10), await b.read_events("p", 1, 10)
     assert len(a._written_events) == 3  # c's events are not read yet
     assert (

@@ -54,7 +54,7 @@ from rendezvous.store.base import (
     StoreUnavailableError,
     TransferFn,
 )
-from rendezvous.store.codec import encode_engine, encode_event, encode_transfer, to_json
+from rendezvous.store.codec import encode_engine, encode_event, encode_transfer, event_around, to_json
 from rendezvous.store.credits import CreditStore
 from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.batcher import Batcher
@@ -415,9 +415,15 @@ class RedisStore(Store):
         engine_json = self._records.engine_json
         for addressed in transition.events:
             event = addressed.event
-            encoded = encode_event(event, record if event.transfer is new else None)
+            sent: str | tuple[str, str]
+            if record is not None and event.transfer is new:
+                # Its text around the item's record, which the script puts in between: the record goes once.
+                sent = event_around(event)
+                encoded = sent[0] + record + sent[1]
+            else:
+                sent = encoded = encode_event(event)
             self._written_events.wrote(encoded, event)
-            events += (addressed.engine_id, encoded, peers.setdefault(engine_json(event.peer), len(peers)))
+            events += (addressed.engine_id, sent, peers.setdefault(engine_json(event.peer), len(peers)))
         return _Plan(transition, False, item)
 
     async def _commit(self, items: Sequence[list[Any]], peers: dict[str, int]) -> Reply:
