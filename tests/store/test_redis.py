@@ -17,10 +17,12 @@ from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import Engine, Role, State, Transfer
+from rendezvous.core.model import Addressed, Engine, Event, EventType, Role, State, Transfer
 from rendezvous.core.specs import ClaimSpec, TargetSpec
 from rendezvous.core.transfers import Transition
 from rendezvous.store import StoreUnavailableError
+from rendezvous.store.base import TransferFn
+from rendezvous.store.codec import encode_event
 from rendezvous.store.factory import create_store
 from rendezvous.store.redis import RedisStore, parse_url
 from tests.core.helpers import engine_spec
@@ -103,6 +105,45 @@ async def test_a_batch_of_transitions_is_one_script_call(redis_pair: tuple[Redis
     assert await _script_calls(counter) - before == 1
     await counter.aclose()
     assert all(isinstance(r, Transition) and r.transfer and r.transfer.num_tokens == 7 for r in results)
+
+
+async def test_events_read_back_by_their_writer_equal_those_another_replica_decodes(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """The writer keeps the events it wrote until read back (no decode then); a replica that did not write them
+    decodes the same bytes, and both answer equal events, with the revision and peer the log holds."""
+    a, b = redis_pair
+    consumer = await put_engine(a, make_engine("c"))
+    await put_engine(a, make_engine("p"))
+    transfers = [make_transfer(f"t{i}", State.MATCHED, producer="p", num_tokens=i) for i in range(3)]
+    events = [
+        (
+            Addressed("p", Event(EventType.TRANSFER_ASSIGNED, NOW + i, t, 1, peer=consumer)),
+            Addressed("c", Event(EventType.TRANSFER_ASSIGNED, NOW, None, i)),
+        )
+        for i, t in enumerate(transfers)
+    ]
+
+    def writes(t: Transfer, emits: tuple[Addressed, ...]) -> TransferFn:
+        return lambda _cur, _engines: Transition(t, emits)
+
+    await a.update_transfers([(t.transfer_id, writes(t, n)) for t, n in zip(transfers, events, strict=True)])
+    assert len(a._written_events) == 6
+    raw = redis.Redis.from_url(a.target.url)
+    stored: list[tuple[bytes, dict[bytes, bytes]]] = await raw.xrange(a._prefix + "s:p")  # type: ignore[assignment]
+    await raw.aclose()
+    # The script put each event's record between its parts: the stored bytes are encode_event's.
+    assert [fields[b"e"] for _, fields in stored] == [encode_event(e.event).encode() for e, _ in events]
+    mine, theirs = await a.read_events("p", 1, 10), await b.read_events("p", 1, 10)
+    assert len(a._written_events) == 3  # c's events are not read yet
+    assert (
+        list(mine.events)
+        == list(theirs.events)
+        == [replace(e.event, revision=r + 1) for r, (e, _) in enumerate(events)]
+    )
+    assert [e.peer for e in mine.events] == [consumer] * 3 and mine.events[0].transfer == transfers[0]
+    assert (await a.read_events("c", 1, 10)).events == (await b.read_events("c", 1, 10)).events
+    assert len(a._written_events) == 0
 
 
 async def test_a_batch_rpc_costs_two_redis_round_trips_once_its_records_are_known(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import secrets
 from collections import Counter
@@ -55,11 +54,11 @@ from rendezvous.store.base import (
     StoreUnavailableError,
     TransferFn,
 )
-from rendezvous.store.codec import decode_event, encode_engine, encode_event, encode_transfer
+from rendezvous.store.codec import encode_engine, encode_event, encode_transfer, event_around, to_json
 from rendezvous.store.credits import CreditStore
 from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.batcher import Batcher
-from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot
+from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot, WrittenEvents
 from rendezvous.store.redis.credits import RedisCredits
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.errors import store_errors, unavailable
@@ -81,8 +80,6 @@ _APPEND_MEMORY_S = 300
 _SWEEP_HOLD_S = 5.0
 # Longest single XREAD BLOCK: waits longer than this are several blocks, so close() is prompt.
 _MAX_BLOCK_S = 1.0
-# The commit_transfers items argument (records inside are JSON text already, passed through as strings).
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
 def _tally(values: Sequence[Any], owner: str) -> budget.Tally:
@@ -137,6 +134,7 @@ class RedisStore(Store):
         self._rev_key = self._prefix + "rev"
         self._records = RecordCache(self.options.cache_size)
         self._peers = PeerCache()
+        self._written_events = WrittenEvents()
         self._scripts = Scripts(self._rev_key, self._prefix)
         self._epoch = Epoch(self._prefix + "epoch", self._rev_key, self._scripts, self._records.clear)
         self._redis: aioredis.Redis | None = None
@@ -387,31 +385,46 @@ class RedisStore(Store):
         transition = fn(cur, {e: entry.engine for e, entry in entries.items() if entry.engine is not None})
         new = transition.transfer
         unchanged = new is cur and not transition.events
-        record = encode_transfer(new) if new is not None and not unchanged else None
-        target_blocks, source_blocks = budget.transfer_blocks(new)
         checks: list[str] = []
         for engine_id, entry in entries.items():
             checks += (engine_id, entry.version.decode())
+        version = snapshot.version.decode()
+        if unchanged:
+            return _Plan(transition, True, [transfer_id, version, "n", "", "", "", "0", "0", "0", "0", "0", checks, []])
         events: list[Any] = []
-        if not unchanged:
-            for engine_id, event, peer in self._events(transition.events, new, record):
-                events += (engine_id, event, peers.setdefault(peer, len(peers)))
-        item = [
-            transfer_id,
-            snapshot.version.decode(),
-            "n" if unchanged else ("w" if new is not None else "d"),
-            record or "",
-            new.consumer_engine_id if new else "",
-            new.producer_engine_id if new else "",
-            str(int(new.state)) if new else "0",
-            "1" if new is not None and new.unsettled else "0",
-            repr(new.deadline) if new else "0",
-            str(target_blocks),
-            str(source_blocks),
-            checks,
-            events,
-        ]
-        return _Plan(transition, unchanged, item)
+        record = None if new is None else encode_transfer(new)
+        if record is None or new is None:
+            item = [transfer_id, version, "d", "", "", "", "0", "0", "0", "0", "0", checks, events]
+        else:
+            target_blocks, source_blocks = budget.transfer_blocks(new)
+            item = [
+                transfer_id,
+                version,
+                "w",
+                record,
+                new.consumer_engine_id,
+                new.producer_engine_id,
+                str(int(new.state)),
+                "1" if new.unsettled else "0",
+                repr(new.deadline),
+                str(target_blocks),
+                str(source_blocks),
+                checks,
+                events,
+            ]
+        engine_json = self._records.engine_json
+        for addressed in transition.events:
+            event = addressed.event
+            sent: str | tuple[str, str]
+            if record is not None and event.transfer is new:
+                # Its text around the item's record, which the script puts in between: the record goes once.
+                sent = event_around(event)
+                encoded = sent[0] + record + sent[1]
+            else:
+                sent = encoded = encode_event(event)
+            self._written_events.wrote(encoded, event)
+            events += (addressed.engine_id, sent, peers.setdefault(engine_json(event.peer), len(peers)))
+        return _Plan(transition, False, item)
 
     async def _commit(self, items: Sequence[list[Any]], peers: dict[str, int]) -> Reply:
         """Run commit_transfers (peers: the items' peers by index, _plan): OK and one answer per item, or the
@@ -420,7 +433,7 @@ class RedisStore(Store):
             "commit_transfers",
             guard=self._epoch.guard,
             max_events=self._max_events,
-            items=_dumps([list(peers), items]),
+            items=to_json([list(peers), items]),  # records inside are JSON text, passed as strings
         )
         return reply
 
@@ -621,7 +634,7 @@ class RedisStore(Store):
         if reply[2] == 1:
             return EventPage((), last, resync_revision=last + 1)
         events = [
-            decode_event(
+            self._written_events.read(
                 reply[i + 1],
                 int(reply[i].partition(b"-")[0]),
                 self._peers.peer(reply[i + 2]) if reply[i + 2] else None,

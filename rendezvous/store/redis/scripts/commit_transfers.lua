@@ -5,6 +5,7 @@
 -- the events carry, each once (peers[1] is "", no peer); per item, strings but for peer indexes:
 --   [transfer_id, version, op, record, consumer, producer, state, unsettled, deadline, target_blocks,
 --    source_blocks, checks (flat: engine id, version, ...), events (flat: engine id, event, peer index, ...)]
+-- An event that carries the item's record comes as [before, after], its text around the record's.
 -- op: w write | d delete | n verify only. Reply: OK, then per item OK rev | N | C snapshot...;
 -- or E epoch | R rev epoch (the guard refused the whole call).
 local function members(a, b)
@@ -87,7 +88,11 @@ local function commit(item, peers)
     redis.call('SREM', P .. 'transfers', transfer_id)
   end
   for i = 1, #events, 3 do
-    append(events[i], events[i + 1], peers[events[i + 2] + 1], max_events)
+    local event = events[i + 1]
+    if type(event) == 'table' then
+      event = event[1] .. record .. event[2]
+    end
+    append(events[i], event, peers[events[i + 2] + 1], max_events)
   end
   return {'OK', rev}
 end
