@@ -161,7 +161,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._writer: TransferWriter | None = None
         self._server: ReceiverThread | None = None
         self._sources: dict[str, _Source] = {}
-        self._assigned: dict[str, float] = {}  # when the current assignment of a transfer arrived
+        self._assigned: dict[str, tuple[float, int]] = {}  # when the current assignment arrived, its generation
         self._prompt_tokens: dict[str, int] = {}  # from `ready`: what pairs blocks of different sizes
         self._deferred: dict[str, Event] = {}  # assignments that wait for `ready` to tell the prompt's tokens
         self._writing: dict[str, tracing.Span] = {}  # push: producer.write, from `ready` to the write's end
@@ -266,7 +266,10 @@ class ProducerAgent(RankAgent[ProducerSession]):
             source.on_free = earlier.on_free  # given with a part
         self._sources[transfer_id] = source
         about = tracing.about(transfer_id=transfer_id, engine_id=self.engine_id, rank=self.rank)
-        self._writing[transfer_id] = tracing.start("producer.write", about)
+        span = self._writing[transfer_id] = tracing.start("producer.write", about)
+        early = self._assigned.get(transfer_id)
+        if early is not None:  # the assignment came before the KV was ready: the span says so at its start
+            span.add_event("assigned", tracing.about(generation=early[1]))
         self._prompt_tokens[transfer_id] = prompt_tokens or self._prompt_tokens.get(transfer_id, 0)
         deferred = self._deferred.pop(transfer_id, None)
         if deferred is not None:
@@ -354,7 +357,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
     def _assign(self, event: Event) -> None:
         writer, info, peer = self._writer, event.transfer, event.peer
         assert writer is not None and info is not None
-        self._assigned.setdefault(info.transfer_id, time.monotonic())
+        self._assigned.setdefault(info.transfer_id, (time.monotonic(), event.generation))
         self._writing.get(info.transfer_id, tracing.NO_SPAN).add_event(
             "assigned", tracing.about(generation=event.generation)
         )
@@ -397,7 +400,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         written = time.monotonic()
         source = self._sources.get(transfer_id)
         ready_time = source.ready_time if source is not None else 0.0
-        assigned = self._assigned.pop(transfer_id, 0.0)
+        assigned, _ = self._assigned.pop(transfer_id, (0.0, 0))
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
         completions = self._completions
         assert completions is not None
