@@ -118,9 +118,9 @@ SIGNATURES: Mapping[str, Signature] = {
     "select_transfers": Signature(("states", "limit"), (Group("ids", ("transfer_id",)),)),
     "replace_epoch": Signature(("lost_epoch", "new_epoch")),
     "counts": Signature(),
-    "usage": Signature(("owner",)),
+    "usage": Signature(("owner",), helpers=("budget",)),
     # live, usage: 1 | 0, whether to read the caller's unsettled-transfer count and the budget's tallies.
-    "read_caller": Signature(("engine_id", "live", "usage")),
+    "read_caller": Signature(("engine_id", "live", "usage"), helpers=("budget",)),
     # Credit reservations (rendezvous/store/redis/credits.py). holder: the transfer id's reservation as read
     # ("" for none); holder_engine: its engine ("" for none).
     "put_credit": Signature(

@@ -14,3 +14,12 @@ local function budget_add(owner, kind, n)
     end
   end
 end
+
+-- The tallies usage.lua answers: e, b, m over the namespace, then of owner (none when owner is "").
+local function budget_tallies(owner)
+  local f = {'e', 'b', 'm'}
+  if owner ~= '' then
+    f[4], f[5], f[6] = 'e:' .. owner, 'b:' .. owner, 'm:' .. owner
+  end
+  return redis.call('HMGET', P .. 'budget', unpack(f))
+end

@@ -8,12 +8,8 @@ if live == '1' then
   out[4] = redis.call('SCARD', P .. 'el:' .. engine_id)
 end
 if usage == '1' then
-  local f = {'e', 'b', 'm'}
-  if owner ~= '' then
-    f[4], f[5], f[6] = 'e:' .. owner, 'b:' .. owner, 'm:' .. owner
-  end
-  local tallies = redis.call('HMGET', P .. 'budget', unpack(f))
-  for i = 1, #f do
+  local tallies = budget_tallies(owner)
+  for i = 1, #tallies do
     out[4 + i] = tallies[i]
   end
 end
