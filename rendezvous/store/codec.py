@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
-from dataclasses import fields
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -31,6 +30,7 @@ from rendezvous.core.model import (
     State,
     Transfer,
     TransferTimes,
+    positional,
 )
 
 FORMAT = 1
@@ -52,7 +52,6 @@ def to_json(obj: Any) -> str:
 _loads = json.loads
 
 E = TypeVar("E", bound=IntEnum)
-R = TypeVar("R")
 
 
 def _member(cls: type[E]) -> Callable[[Any], E]:
@@ -70,24 +69,8 @@ def _member(cls: type[E]) -> Callable[[Any], E]:
     return member
 
 
-def _positional(cls: type[R]) -> Callable[..., R]:
-    """cls(*values), all fields in order, for a frozen slots dataclass without __post_init__: built as a plain
-    object of the same slots, then given cls as its class (as core.model.evolve copies), so each field costs
-    a plain attribute store, not the frozen __init__'s object.__setattr__ (a Transfer's fields in ~1/5 the time)."""
-    names = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-    assert getattr(cls, "__slots__", None) == names and not hasattr(cls, "__post_init__"), cls
-    settable = type(f"_Decoded{cls.__name__}", (), {"__slots__": names})
-    lines = [f"def make({', '.join(names)}):", "    new = _new(_settable)"]
-    lines += [f"    new.{n} = {n}" for n in names]
-    lines += ["    new.__class__ = _cls", "    return new"]
-    namespace: dict[str, Any] = {"_new": object.__new__, "_settable": settable, "_cls": cls}
-    exec("\n".join(lines), namespace)  # generated from the dataclass's own field names
-    make: Callable[..., R] = namespace["make"]
-    return make
-
-
 _state, _mode, _abort_reason, _event_type = (_member(c) for c in (State, Mode, AbortReason, EventType))
-_new_transfer, _new_times, _new_event = _positional(Transfer), _positional(TransferTimes), _positional(Event)
+_new_transfer, _new_times, _new_event = positional(Transfer), positional(TransferTimes), positional(Event)
 
 
 class CodecError(ValueError):
