@@ -392,10 +392,11 @@ class RedisStore(Store):
         if unchanged:
             return _Plan(transition, True, [transfer_id, version, "n", "", "", "", "0", "0", "0", "0", "0", checks, []])
         events: list[Any] = []
-        record = None if new is None else encode_transfer(new)
-        if record is None or new is None:
+        record: str | None = None
+        if new is None:
             item = [transfer_id, version, "d", "", "", "", "0", "0", "0", "0", "0", checks, events]
         else:
+            record = encode_transfer(new)
             target_blocks, source_blocks = budget.transfer_blocks(new)
             item = [
                 transfer_id,
