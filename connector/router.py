@@ -10,7 +10,7 @@ does), mints a fresh transfer id and sends both legs at once with `kv_transfer_p
 prefill with max_tokens=1, decode with the client's request, whose answer (streamed or not) goes back to the
 client. Engines are picked round-robin or least-loaded (fewest legs in flight from this router) among the live
 engines of the route's pools; an engine's OpenAI base URL is its `url` label. If one leg fails, or the client
-goes away, the transfer is aborted so the other side lets go of its blocks at once.
+goes away before decode answered, the transfer is aborted so the other side lets go of its blocks at once.
 With `--binding-key-file` (the rendezvous's own key file, whose first key signs) both legs also carry
 `kv_transfer_params["kv_rendezvous_binding"]`, the router's signed binding of the transfer to the two engines it
 picked, so that no other engine can take either half (docs/security.md, Bindings); no call is added.
@@ -305,11 +305,16 @@ class Router:
         for key in limit_keys:
             prefill_body[key] = 1
         prefill_leg = asyncio.create_task(self._prefill(prefill, prefill_url + path, prefill_body, transfer_id, prefix))
+        answer = _Answer()
         try:
             with self.engines.in_flight(decode, prefix):
-                return await self._decode(request, decode, decode_url + path, decode_body, transfer_id)
-        except asyncio.CancelledError:  # the client went away: let both engines go at once
-            await asyncio.shield(self._abort(transfer_id, "the client went away"))
+                return await self._decode(request, decode, decode_url + path, decode_body, transfer_id, answer)
+        except asyncio.CancelledError:
+            # The client went away. Before decode answered, let both engines go at once. After, decode had the
+            # KV (its first token needs it): the transfer was delivered, and decode drops the request when its
+            # leg is closed, so an abort would only end a delivered transfer ABORTED.
+            if not answer.started:
+                await asyncio.shield(self._abort(transfer_id, "the client went away"))
             raise
         finally:
             if not prefill_leg.done():
@@ -363,12 +368,18 @@ class Router:
         await self._abort(transfer_id, "the prefill leg failed")
 
     async def _decode(
-        self, request: web.Request, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str
+        self,
+        request: web.Request,
+        engine: EngineInfo,
+        url: str,
+        body: dict[str, Any],
+        transfer_id: str,
+        answer: _Answer,
     ) -> web.StreamResponse:
         named = {TRANSFER_ID_HEADER: transfer_id, PREFILL_HEADER: "remote"}
         try:
             with _leg_span("router.decode", engine, transfer_id) as headers:
-                response = await self._relay(request, url, body, headers, named)
+                response = await self._relay(request, url, body, headers, named, answer)
         except (ClientError, OSError, TimeoutError) as e:
             self.engines.invalidate()
             await self._abort(transfer_id, "the decode leg failed")
@@ -378,18 +389,29 @@ class Router:
         return response
 
     async def _relay(
-        self, request: web.Request, url: str, body: dict[str, Any], headers: Mapping[str, str], named: dict[str, str]
+        self,
+        request: web.Request,
+        url: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        named: dict[str, str],
+        answer: _Answer | None = None,
     ) -> web.StreamResponse:
-        """POST body to url and relay the answer (streamed or not), with the `named` response headers."""
+        """POST body to url and relay the answer (streamed or not), with the `named` response headers;
+        `answer.started` is set once the engine's answer has begun (a whole 200 body, or a first chunk)."""
         async with self.http.post(url, json=body, headers=headers) as response:
             if response.status != 200 or not body.get("stream"):
                 payload = await response.read()
+                if answer is not None and response.status == 200:
+                    answer.started = True
                 return web.Response(
                     status=response.status, body=payload, content_type="application/json", headers=named
                 )
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", **named})
             await out.prepare(request)
             async for chunk in response.content.iter_any():
+                if answer is not None:
+                    answer.started = True
                 await out.write(chunk)
             await out.write_eof()
             return out
@@ -397,6 +419,13 @@ class Router:
     async def _abort(self, transfer_id: str, message: str) -> None:
         with contextlib.suppress(RendezvousError):  # ended already: nothing to abort
             await self.engines.abort_transfer(transfer_id, message)
+
+
+@dataclass
+class _Answer:
+    """Whether an engine's answer to a leg has begun."""
+
+    started: bool = False
 
 
 @contextlib.contextmanager

@@ -46,7 +46,8 @@ WAIT = 10.0
 class FakeEngine:
     """A stand-in for a vLLM OpenAI server: records request bodies, answers with its name.
 
-    While `gate` is clear, completions wait (a busy engine); `status` other than 200 makes them fail.
+    While `gate` is clear, completions wait (a busy engine); `status` other than 200 makes them fail. With
+    `streams` a streamed completion sends one event and `[DONE]`, then holds its stream open while `hold` is clear.
     """
 
     def __init__(self, name: str) -> None:
@@ -56,6 +57,9 @@ class FakeEngine:
         self._arrivals = asyncio.Condition()
         self.gate = asyncio.Event()
         self.gate.set()
+        self.streams = False
+        self.hold = asyncio.Event()
+        self.hold.set()
         self.status = 200
         self.cancelled = asyncio.Event()
         self.in_flight = 0
@@ -80,7 +84,7 @@ class FakeEngine:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def _complete(self, request: web.Request) -> web.Response:
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.received.set()
         self.in_flight += 1
@@ -89,12 +93,19 @@ class FakeEngine:
             self._arrivals.notify_all()
         try:
             await self.gate.wait()
+            answer = {"engine": self.name, "choices": [{"text": self.name}]}
+            if self.status != 200 or not (self.streams and self.bodies[-1].get("stream")):
+                return web.json_response(answer, status=self.status)
+            stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await stream.prepare(request)
+            await stream.write(f"data: {json.dumps(answer)}\n\ndata: [DONE]\n\n".encode())
+            await self.hold.wait()
+            return stream
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
         finally:
             self.in_flight -= 1
-        return web.json_response({"engine": self.name, "choices": [{"text": self.name}]}, status=self.status)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": f"model-of-{self.name}"}]})
@@ -341,6 +352,39 @@ async def test_a_client_that_goes_away_aborts_the_transfer(cluster: Cluster, mak
     assert info.abort_message == "the client went away"
     await asyncio.wait_for(decode.cancelled.wait(), WAIT)  # and the decode leg was dropped
     assert router.router.engines.load("d") == 0
+
+
+async def test_a_client_that_goes_away_once_decode_answered_aborts_nothing(cluster: Cluster, make_router: Any) -> None:
+    """Decode answered, so it had the KV: the transfer was delivered and must not end ABORTED.
+
+    The client leaves on `[DONE]` while decode's stream is still open (as it is for a moment after vLLM's
+    last event); the router's handler is cancelled then, as when it is caught in its last write."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER, capacity=1)
+    decode.streams = True
+    decode.hold.clear()
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True}
+    async with router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body) as response:
+        assert response.status == 200
+        transfer_id = response.headers[TRANSFER_ID_HEADER]
+        events = [line async for line in _until_done(response.content)]
+        response.close()  # the client hangs up
+    assert json.loads(events[0].removeprefix(b"data: "))["engine"] == "d"
+    await asyncio.wait_for(decode.cancelled.wait(), WAIT)  # the router's handler was cancelled: its leg dropped
+    # The credit goes back after the abort would have been sent (the request's last step).
+    await until(lambda: _is(free_transfers(cluster, "d"), 1), "d's credit back")
+    with pytest.raises(NotFound):  # nothing registered, nothing aborted
+        await cluster.rendezvous.get_transfer(transfer_id)
+
+
+async def _until_done(content: Any) -> AsyncIterator[bytes]:
+    """A stream's SSE data lines, up to `[DONE]`."""
+    async for line in content:
+        if line.strip() == b"data: [DONE]":
+            return
+        if line.strip():
+            yield line.strip()
 
 
 async def test_models_lists_every_routes_models(cluster: Cluster, make_router: Any) -> None:
