@@ -47,19 +47,38 @@ def ended(
 ) -> list[tuple[str, float]]:
     """The phases a transition from `before` (None: a new transfer) to `after` completed, with their durations:
     those whose two moments have both happened now and had not both happened before."""
-    new = _moments(after, released)
-    old = _NOT_YET if before is None else _moments(before, was_released)
-    key = (tuple(map(bool, old)), tuple(map(bool, new)))
+    if before is after and was_released == released:  # the transition left the times alone
+        return []
+    reached = _reached(after, released)
+    key = (_reached(before, was_released) if before is not None else 0) << len(_MOMENTS) | reached
     spans = _ENDED.get(key)
     if spans is None:  # which moments have happened decides which phases end: worked out once per pattern
-        reached_before, reached = key
         spans = _ENDED[key] = tuple(
-            span
-            for span in _SPANS
-            if reached[span[1]] and reached[span[2]] and not (reached_before[span[1]] and reached_before[span[2]])
+            span for span in _SPANS if _both(reached, span) and not _both(key >> len(_MOMENTS), span)
         )
+    if not spans:
+        return []
+    new = _moments(after, released)
     return [(phase, max(0.0, new[end] - new[start])) for phase, start, end in spans]
 
 
-_ENDED: dict[tuple[tuple[bool, ...], tuple[bool, ...]], tuple[tuple[str, int, int], ...]] = {}
-"""The phases that end between two patterns of moments reached (at most 2^7 x 2^7 entries; a few dozen occur)."""
+def _reached(times: TransferTimes, released: bool) -> int:
+    """The moments reached, as bits in `_MOMENTS` order (bit 0: target)."""
+    bits = (
+        (times.target_time > 0)
+        | (times.claim_time > 0) << 1
+        | (times.match_time > 0) << 2
+        | (times.source_ready_time > 0) << 3
+        | (times.commit_time > 0) << 4
+        | (released and times.end_time > 0) << 5
+    )
+    return bits | 64 if bits & 3 else bits  # first: target or claim
+
+
+def _both(reached: int, span: tuple[str, int, int]) -> bool:
+    return bool(reached >> span[1] & 1 and reached >> span[2] & 1)
+
+
+_ENDED: dict[int, tuple[tuple[str, int, int], ...]] = {}
+"""The phases that end between two patterns of moments reached, keyed by the patterns' bits (before, after; at
+most 2^14 entries, a few dozen occur)."""
