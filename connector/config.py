@@ -72,6 +72,12 @@ class ConnectorConfig:
     progressive_layers: bool = False
     """Prefill, with `progressive`: hand each layer's KV over as the forward pass computes it (`save_kv_layer`),
     so a layer is written while the next ones compute, in every chunk including the last."""
+    idle_wait_ms: float = 2.0
+    """How long a step that computes nothing waits for a transfer to end. vLLM steps without pause while a
+    request waits for its KV (decode) or its KV is being sent (prefill), and such steps only ask the connector
+    what ended; without a wait they spin a core and the GIL that the other engine, the connector's own thread
+    and the network need. A transfer that ends wakes the step at once; a request that arrives meanwhile waits
+    at most this long to be scheduled. 0 = no wait."""
 
     @property
     def uses_tls(self) -> bool:
@@ -98,7 +104,7 @@ class ConnectorConfig:
         labels = {str(k): str(v) for k, v in dict(extra.pop("labels", None) or {}).items()}
         floats = {
             k: float(extra.pop(k))
-            for k in ("lease_ttl", "transfer_timeout", "call_timeout", "start_timeout")
+            for k in ("lease_ttl", "transfer_timeout", "call_timeout", "start_timeout", "idle_wait_ms")
             if k in extra
         }
         for key, value in floats.items():

@@ -106,6 +106,9 @@ class RendezvousConnectorMetadata(KVConnectorMetadata):
     bindings: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     """Both: transfer id -> the router's binding (`Binding.to_params`), for the targets and claims above that have
     one; presented with the half (docs/security.md, Bindings)."""
+    idle: bool = False
+    """The step computes nothing (no token scheduled): the engine steps only to hear which transfers ended, so
+    the worker may wait for one (`idle_wait_ms`)."""
 
     def __bool__(self) -> bool:
         return bool(self.targets or self.claims or self.ready or self.aborts or self.parts or self.layer_parts)
@@ -224,7 +227,9 @@ class RendezvousConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
             return KVConnectorTransferResults()
-        return self._worker.take_results()
+        meta = self._connector_metadata
+        idle = isinstance(meta, RendezvousConnectorMetadata) and meta.idle
+        return self._worker.take_results(self._worker.config.idle_wait_ms / 1e3 if idle else 0.0)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -335,6 +340,7 @@ class _SchedulerSide:
         if not self.producer:
             self.first_steps.scheduled(output.num_scheduled_tokens)
         meta, self.meta = self.meta, RendezvousConnectorMetadata()
+        meta.idle = not output.total_num_scheduled_tokens
         return meta
 
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -392,7 +398,7 @@ class _WorkerSide:
         self._thread: LoopThread | None = None
         self._client: Any = None
         self._agent: ProducerAgent | ConsumerAgent | None = None
-        self._lock = threading.Lock()
+        self._results = threading.Condition()  # guards the three sets below; notified when a transfer ends
         self._sent: set[str] = set()
         self._received: set[str] = set()
         self._failed: set[str] = set()
@@ -580,21 +586,26 @@ class _WorkerSide:
             raise RuntimeError("the rendezvous connector's worker is not started (register_kv_caches)")
         self._thread.call(self._hand_parts, parts)
 
-    def take_results(self) -> KVConnectorTransferResults:
-        with self._lock:
+    def take_results(self, wait_s: float = 0.0) -> KVConnectorTransferResults:
+        """The transfers that ended since the last call; waits up to wait_s for one when none has."""
+        with self._results:
+            if wait_s > 0 and not (self._sent or self._received or self._failed):
+                self._results.wait(wait_s)
             results = KVConnectorTransferResults(self._sent, self._received, self._failed)
             self._sent, self._received, self._failed = set(), set(), set()
         return results
 
     def _report_sent(self, request_id: str) -> None:
-        with self._lock:
+        with self._results:
             self._sent.add(request_id)
+            self._results.notify()
 
     def _report_received(self, request_id: str, ok: bool) -> None:
-        with self._lock:
+        with self._results:
             self._received.add(request_id)
             if not ok:
                 self._failed.add(request_id)
+            self._results.notify()
 
     # On the loop
 

@@ -115,3 +115,10 @@ def test_progressive_layers_needs_progressive() -> None:
     assert config.progressive and config.progressive_layers
     with pytest.raises(ValueError, match="progressive_layers needs progressive"):
         ConnectorConfig.from_extra_config({"rendezvous": "a:1", "progressive_layers": True})
+
+
+def test_the_idle_step_wait() -> None:
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1"}).idle_wait_ms == 2.0
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1", "idle_wait_ms": "0"}).idle_wait_ms == 0.0
+    with pytest.raises(ValueError, match="idle_wait_ms"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "idle_wait_ms": -1})

@@ -136,3 +136,37 @@ def test_a_claim_that_fails_twice_aborts_the_transfer(monkeypatch: pytest.Monkey
     worker = _prefill_worker(monkeypatch, claims, aborted)
     assert asyncio.run(worker._claimed("t1")) is False
     assert claims == [] and aborted == ["t1: prefill could not claim the transfer: DEADLINE_EXCEEDED: again"]
+
+
+@needs_vllm
+def test_a_step_that_computes_nothing_is_marked_idle() -> None:
+    from connector.rendezvous_connector import _SchedulerSide
+
+    side = _SchedulerSide(producer=True, block_size=16, engine_id="p0")
+    step: Any = SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
+    assert side.build_meta(step).idle
+    step = SimpleNamespace(total_num_scheduled_tokens=5, num_scheduled_tokens={"r": 5})
+    assert not side.build_meta(step).idle
+
+
+@needs_vllm
+def test_an_idle_step_waits_for_a_transfer_to_end_and_wakes_when_one_does() -> None:
+    """What an idle step asks of the worker (`take_results` with a wait): nothing ended waits the whole wait; a
+    transfer that ends meanwhile ends the wait at once."""
+    import threading
+    import time
+
+    from connector.rendezvous_connector import _WorkerSide
+
+    config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1"})
+    worker = _WorkerSide(config, False, "d0", NOT_NEEDED, NOT_NEEDED)
+    started = time.monotonic()
+    assert not worker.take_results(0.05).finished_recving
+    assert time.monotonic() - started >= 0.05
+    reporter = threading.Thread(target=worker._report_received, args=("r1", True))
+    started = time.monotonic()
+    reporter.start()
+    results = worker.take_results(60.0)  # woken by the report (or it came first): far sooner than 60 s
+    assert results.finished_recving == {"r1"} and time.monotonic() - started < 30
+    reporter.join()
+    assert not worker.take_results().finished_recving  # taken once
