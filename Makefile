@@ -49,13 +49,15 @@ stubs: setup-dev
 	$(PY) scripts/generate_stubs.py
 
 # The fast developer loop, also run by the pre-commit hooks (.pre-commit-config.yaml): lint, format, types (the
-# packages, tests, scripts, benchmarks and examples; files in pyproject.toml), stub freshness, proto lint. No vLLM needed: without it mypy
+# packages, tests, scripts, benchmarks and examples; files in pyproject.toml), freshness of the stubs and of the sync
+# client's calls generated from the asyncio ones (scripts/unasync.py), proto lint. No vLLM needed: without it mypy
 # sees vLLM's types as Any; CI installs vLLM first, so there the connector is checked against vLLM itself.
 check: setup-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) scripts/generate_stubs.py --check
+	$(PY) scripts/unasync.py --check
 	cd proto && buf lint
 
 lint: check
