@@ -38,7 +38,9 @@ connection set-up) are not counted. By default modes run one after another with 
 (`--layout sequential`): on a small machine, engines of other modes idling or spinning next to the measured ones
 say more about starvation than about the connectors. `--layout interleaved` starts every mode at once and
 rotates them in rounds, so slow drifts of the machine hit them alike. vLLM's NIXL connectors get `num_threads` 1
-(`--nixl-threads`). Greedy outputs are compared across modes per prompt; mismatches are reported. Results go to
+(`--nixl-threads`). Every engine's workers busy-poll their step queue for 2 ms after a step, not vLLM's 1 s
+(`--worker-spin-ms`, connector/worker_spin): on 2 cores, two engines' spinning workers otherwise take most of
+the machine between steps. Greedy outputs are compared across modes per prompt; mismatches are reported. Results go to
 `--out` (JSON) and a table on stdout.
 """
 
@@ -78,6 +80,8 @@ from clients.sync import RendezvousClient  # noqa: E402
 from connector.launch import (  # noqa: E402
     BLOCK_SIZE,
     MAX_MODEL_LEN,
+    WORKER_SPIN_ENV,
+    WORKER_SPIN_MS,
     Engine,
     RouterProcess,
     build_tiny_model,
@@ -741,6 +745,8 @@ async def measure(deployments: Sequence[Deployment], args: argparse.Namespace, v
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the JSON report."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=args.log_dir))
+    if args.worker_spin_ms is not None:  # every engine started from here on (connector.launch.start_engine)
+        os.environ[WORKER_SPIN_ENV] = args.worker_spin_ms
     if args.trace is not None:  # every process started from here on appends its spans to the file
         args.trace.unlink(missing_ok=True)
         os.environ.update({tracing.ENABLE_ENV: "1", tracing.FILE_ENV: str(args.trace.resolve())})
@@ -792,6 +798,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": args.rounds,
             "seed": args.seed,
             "nixl_threads_pull_push": args.nixl_threads,
+            "worker_spin_ms": os.environ.get(WORKER_SPIN_ENV, WORKER_SPIN_MS),
             "tensor_parallel_size": args.tp,
             "prefill_chunk": args.prefill_chunk,
             "progressive_layers": args.progressive_layers,
@@ -867,6 +874,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--nixl-threads", type=int, default=1, help="NIXL num_threads for pull/push (vLLM's own default is 4)"
+    )
+    parser.add_argument(
+        "--worker-spin-ms",
+        default=None,
+        help="how long every engine's workers busy-poll for the next step (default: connector.launch's, 2 ms; "
+        "'' = vLLM's own 1 s)",
     )
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="where engine logs go (default: a temp dir)")

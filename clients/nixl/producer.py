@@ -28,10 +28,9 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Unpack
 
-from clients._config import SessionConfig
 from clients._roles import ProducerSession
 from clients._session import RankSession
 from clients._types import (
@@ -43,7 +42,6 @@ from clients._types import (
     Event,
     EventType,
     ItemResult,
-    KvLayout,
     NixlAgentInfo,
     Reregistered,
     Resynced,
@@ -56,7 +54,7 @@ from clients._types import (
 from clients.aio import AsyncRendezvousClient
 from clients.nixl.agent import NixlEndpoint
 from clients.nixl.batching import Batcher
-from clients.nixl.rank import RankAgent
+from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
 from clients.nixl.regions import BlockIds
@@ -65,7 +63,6 @@ from rendezvous.protocol import tracing
 
 if TYPE_CHECKING:
     import torch
-    from prometheus_client import CollectorRegistry
 
 __all__ = ["OnFree", "OnReport", "ProducerAgent", "WriteReport"]
 
@@ -126,34 +123,18 @@ class ProducerAgent(RankAgent[ProducerSession]):
         pool: str,
         tensors: Sequence[torch.Tensor],
         *,
-        agent_name: str | None = None,
-        rank: int = 0,
-        layout: KvLayout | None = None,
-        labels: Mapping[str, str] | None = None,
-        lease_ttl: float = 0.0,
-        session_config: SessionConfig | None = None,
-        metrics_registry: CollectorRegistry | None = None,
         writer_config: WriterConfig | None = None,
         on_report: OnReport | None = None,
         serve_reads: bool = False,
         first_layer: int = 0,
         num_layers: int = 0,
+        **options: Unpack[RankOptions],
     ) -> None:
-        """`rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its
-        engine; the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`)."""
-        super().__init__(
-            client,
-            engine_id,
-            pool,
-            tensors,
-            agent_name=agent_name,
-            rank=rank,
-            layout=layout,
-            labels=labels,
-            lease_ttl=lease_ttl,
-            session_config=session_config,
-            metrics_registry=metrics_registry,
-        )
+        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, ...).
+
+        `rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its engine;
+        the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`)."""
+        super().__init__(client, engine_id, pool, tensors, **options)
         self.serve_reads = serve_reads
         self._layers = (first_layer, num_layers)
         self._writer_config = writer_config

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar, Unpack
 
 from clients._config import SessionConfig
 from clients._roles import RoleSession
@@ -38,6 +38,25 @@ if TYPE_CHECKING:
 SessionT = TypeVar("SessionT", bound=RoleSession)
 
 
+class RankOptions(TypedDict, total=False):
+    """The keyword arguments every rank agent takes (`ProducerAgent`, `ConsumerAgent`); all optional."""
+
+    agent_name: str | None
+    """This rank's NIXL agent name; default "<engine_id>-rank<rank>"."""
+    rank: int
+    """This rank's place in its engine (tensor-parallel rank, then pipeline stages); default 0."""
+    layout: KvLayout | None
+    """The engine's KV layout, registered with it; default `KvLayout()`."""
+    labels: Mapping[str, str] | None
+    """Engine labels (the router reads `url`)."""
+    lease_ttl: float
+    """Seconds of lease per renewal; default 0: the server's."""
+    session_config: SessionConfig | None
+    """The engine session's batching, reconnect and lease settings."""
+    metrics_registry: CollectorRegistry | None
+    """Where the data-plane histograms go; default prometheus_client's global `REGISTRY`."""
+
+
 class RankAgent(abc.ABC, Generic[SessionT]):
     """One rank's NIXL agent and its engine session (of type `session_type`). `start()`, then `close()`."""
 
@@ -50,23 +69,26 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         pool: str,
         tensors: Sequence[torch.Tensor],
         *,
-        agent_name: str | None,
-        rank: int,
-        layout: KvLayout | None,
-        labels: Mapping[str, str] | None,
-        lease_ttl: float,
-        session_config: SessionConfig | None,
-        metrics_registry: CollectorRegistry | None,
         capacity: EngineCapacity | None = None,
+        **options: Unpack[RankOptions],
     ) -> None:
         self.engine_id = engine_id
-        self.rank = rank
-        self.metrics = DataPlaneMetrics.of(metrics_registry)
+        self.rank = rank = options.get("rank", 0)
+        self.metrics = DataPlaneMetrics.of(options.get("metrics_registry"))
         """This rank's data-plane histograms (`clients.nixl.metrics`), in the registry the agent was given."""
+        layout = options.get("layout")
         self.layout = layout or KvLayout()
         self._tensors = tuple(tensors)
-        self._agent_name = agent_name or f"{engine_id}-rank{rank}"
-        self._session_args = (client, engine_id, pool, layout, labels, lease_ttl, session_config)
+        self._agent_name = options.get("agent_name") or f"{engine_id}-rank{rank}"
+        self._session_args = (
+            client,
+            engine_id,
+            pool,
+            layout,
+            options.get("labels"),
+            options.get("lease_ttl", 0.0),
+            options.get("session_config"),
+        )
         self._capacity = capacity
         self._session: SessionT | None = None
         self._follower: RankSession | None = None
