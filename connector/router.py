@@ -409,16 +409,31 @@ class Router:
                 )
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", **named})
             await out.prepare(request)
-            async for chunk in response.content.iter_any():
-                if answer is not None:
-                    answer.started = True
-                await out.write(chunk)
-            await out.write_eof()
+            try:
+                async for chunk in response.content.iter_any():
+                    if answer is not None:
+                        answer.started = True
+                    await _write(out, chunk)
+                await _write(out, None)
+            except _ClientGone:  # the client hung up (as it does once it has `[DONE]`): not the engine's failure
+                pass
             return out
 
     async def _abort(self, transfer_id: str, message: str) -> None:
         with contextlib.suppress(RendezvousError):  # ended already: nothing to abort
             await self.engines.abort_transfer(transfer_id, message)
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it went away."""
+
+
+async def _write(out: web.StreamResponse, chunk: bytes | None) -> None:
+    """Write a chunk (None: the end) of the answer to the client; raise _ClientGone if it went away."""
+    try:
+        await (out.write(chunk) if chunk is not None else out.write_eof())
+    except ConnectionResetError as e:  # aiohttp's ClientConnectionResetError: the transport is closing
+        raise _ClientGone from e
 
 
 @dataclass

@@ -47,7 +47,8 @@ class FakeEngine:
     """A stand-in for a vLLM OpenAI server: records request bodies, answers with its name.
 
     While `gate` is clear, completions wait (a busy engine); `status` other than 200 makes them fail. With
-    `streams` a streamed completion sends one event and `[DONE]`, then holds its stream open while `hold` is clear.
+    `streams` a streamed completion sends one event and `[DONE]`, holds its stream open while `hold` is clear,
+    then sends a last (comment) chunk.
     """
 
     def __init__(self, name: str) -> None:
@@ -100,6 +101,7 @@ class FakeEngine:
             await stream.prepare(request)
             await stream.write(f"data: {json.dumps(answer)}\n\ndata: [DONE]\n\n".encode())
             await self.hold.wait()
+            await stream.write(b": end\n\n")  # an SSE comment: one more chunk for the router to relay
             return stream
         except asyncio.CancelledError:
             self.cancelled.set()
@@ -179,11 +181,12 @@ async def start_router(
     server: AsyncTestServer,
     routes: Mapping[str, Route],
     policy: PickPolicy = PickPolicy.ROUND_ROBIN,
+    handler_cancellation: bool = True,
     **options: Any,
 ) -> tuple[RouterUnderTest, web.AppRunner]:
     client = AsyncRendezvousClient(ClientConfig(targets=(server.address,), call_timeout=5.0))
     router = Router(client, routes, policy=policy, refresh_interval=0.0, **options)
-    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    runner = web.AppRunner(router.app(), handler_cancellation=handler_cancellation)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -195,9 +198,12 @@ async def make_router(server: AsyncTestServer) -> AsyncIterator[Any]:
     started: list[tuple[RouterUnderTest, web.AppRunner]] = []
 
     async def make(
-        routes: Mapping[str, Route], policy: PickPolicy = PickPolicy.ROUND_ROBIN, **options: Any
+        routes: Mapping[str, Route],
+        policy: PickPolicy = PickPolicy.ROUND_ROBIN,
+        handler_cancellation: bool = True,
+        **options: Any,
     ) -> RouterUnderTest:
-        started.append(await start_router(server, routes, policy, **options))
+        started.append(await start_router(server, routes, policy, handler_cancellation, **options))
         return started[-1][0]
 
     yield make
@@ -354,16 +360,20 @@ async def test_a_client_that_goes_away_aborts_the_transfer(cluster: Cluster, mak
     assert router.router.engines.load("d") == 0
 
 
-async def test_a_client_that_goes_away_once_decode_answered_aborts_nothing(cluster: Cluster, make_router: Any) -> None:
+@pytest.mark.parametrize("handler_cancellation", [True, False], ids=["handler-cancelled", "write-fails"])
+async def test_a_client_that_goes_away_once_decode_answered_aborts_nothing(
+    cluster: Cluster, make_router: Any, handler_cancellation: bool
+) -> None:
     """Decode answered, so it had the KV: the transfer was delivered and must not end ABORTED.
 
     The client leaves on `[DONE]` while decode's stream is still open (as it is for a moment after vLLM's
-    last event); the router's handler is cancelled then, as when it is caught in its last write."""
+    last event). Either the router's handler is cancelled then, or (as when it is caught between two writes)
+    its next write to the client fails: here decode's last chunk, sent once the client is gone."""
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     decode = await cluster.add("d", "decode", EngineRole.CONSUMER, capacity=1)
     decode.streams = True
     decode.hold.clear()
-    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))})
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, handler_cancellation=handler_cancellation)
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True}
     async with router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body) as response:
         assert response.status == 200
@@ -371,7 +381,10 @@ async def test_a_client_that_goes_away_once_decode_answered_aborts_nothing(clust
         events = [line async for line in _until_done(response.content)]
         response.close()  # the client hangs up
     assert json.loads(events[0].removeprefix(b"data: "))["engine"] == "d"
-    await asyncio.wait_for(decode.cancelled.wait(), WAIT)  # the router's handler was cancelled: its leg dropped
+    if handler_cancellation:
+        await asyncio.wait_for(decode.cancelled.wait(), WAIT)  # the router's handler was cancelled: its leg dropped
+    else:
+        decode.hold.set()  # decode's last chunk: the router's write of it to the gone client fails
     # The credit goes back after the abort would have been sent (the request's last step).
     await until(lambda: _is(free_transfers(cluster, "d"), 1), "d's credit back")
     with pytest.raises(NotFound):  # nothing registered, nothing aborted
