@@ -12,7 +12,8 @@ Modes (each but `plain` a prefill engine, a decode engine and a proxy in front o
 
 - `pull`: vLLM's `NixlConnector` (READ). The proxy does what vLLM's toy proxy does: prefill first with
   max_tokens=1 and `kv_transfer_params={"do_remote_decode": true}`, then decode with the `kv_transfer_params`
-  prefill returned (decode handshakes with prefill and READs the blocks).
+  prefill returned (decode handshakes with prefill and READs the blocks). Its TTFT splits into the prefill leg
+  (timed by the proxy) and the decode leg (`phases_p50_ms`, benchmarks/vllm_phases.py).
 - `push`: vLLM's `NixlPushConnector` (WRITE, vLLM PR #35264). The proxy sends both legs at once, with the same
   `X-Request-Id` (prefill's writer matches decode's registration by request id): prefill as above, decode with
   `{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port" (prefill's NIXL side channel),
@@ -61,7 +62,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -73,7 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_phases import median_ms, overhead_ms, phases  # noqa: E402
+from vllm_phases import PREFILL_LEG_HEADER, median_ms, overhead_ms, phases, pull_phases  # noqa: E402
 from vllm_spans import format_timeline, median_timeline, read_spans, timelines  # noqa: E402
 
 from clients.sync import RendezvousClient  # noqa: E402
@@ -196,9 +197,11 @@ class NixlProxy:
         body: dict[str, Any] = await request.json()
         request_id = uuid.uuid4().hex
         if self.config.mode == "pull":
+            started = time.perf_counter()
             answer = await self._prefill(body, request_id)
+            leg_ms = f"{(time.perf_counter() - started) * 1000:.3f}"
             decode_body = {**body, "kv_transfer_params": answer.get("kv_transfer_params")}
-            return await self._relay_decode(request, decode_body, request_id)
+            return await self._relay_decode(request, decode_body, request_id, {PREFILL_LEG_HEADER: leg_ms})
         decode_body = {**body, "kv_transfer_params": push_decode_params(self.config, request_id)}
         prefill = asyncio.create_task(self._prefill(body, request_id))
         try:
@@ -207,11 +210,13 @@ class NixlProxy:
             with contextlib.suppress(Exception):
                 await prefill
 
-    async def _relay_decode(self, request: web.Request, body: dict[str, Any], request_id: str) -> web.StreamResponse:
+    async def _relay_decode(
+        self, request: web.Request, body: dict[str, Any], request_id: str, headers: Mapping[str, str] | None = None
+    ) -> web.StreamResponse:
         assert self._http is not None
         url = f"{self.config.decode_url}/v1/completions"
         async with self._http.post(url, json=body, headers={"X-Request-Id": request_id}) as upstream:
-            response = web.StreamResponse(status=upstream.status)
+            response = web.StreamResponse(status=upstream.status, headers=headers)
             response.content_type = upstream.content_type
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
@@ -420,7 +425,7 @@ class RequestResult:
     sent_at: float = 0.0  # time.time() when sent, and of the first token (phases use the service's wall clock)
     first_token_at: float = 0.0
     transfer_id: str = ""  # ours: the router's X-Transfer-Id
-    phases: dict[str, float] = field(default_factory=dict)  # ours: vllm_phases.phases, seconds
+    phases: dict[str, float] = field(default_factory=dict)  # ours: vllm_phases.phases; pull: pull_phases (s)
 
 
 def make_prompts(count: int, lengths: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:
@@ -464,6 +469,7 @@ async def stream_request(
     try:
         async with session.post(f"{url}/v1/completions", json=body, timeout=ClientTimeout(total=timeout)) as resp:
             result.transfer_id = resp.headers.get(TRANSFER_ID_HEADER, "")
+            prefill_leg = resp.headers.get(PREFILL_LEG_HEADER)
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 return result
@@ -486,6 +492,8 @@ async def stream_request(
         return result
     result.ttft = times[0] - start
     result.first_token_at = result.sent_at + result.ttft
+    if prefill_leg is not None:  # pull: the proxy timed its prefill leg
+        result.phases = pull_phases(float(prefill_leg) / 1000, result.ttft)
     if result.tokens > 1:
         result.tpot = (times[-1] - times[0]) / (result.tokens - 1)
     return result
@@ -649,9 +657,11 @@ def format_table(by_rate: dict[str, dict[str, dict[str, Any]]]) -> str:
         for mode, diffs in overhead_ms(summaries).items():
             p50, mean = diffs["ttft_p50"], diffs["ttft_mean"]
             lines.append(f"{rate:>5} {mode} - plain: TTFT p50 {p50:+.1f} ms, mean {mean:+.1f} ms")
-        split = summaries.get("ours", {}).get("phases_p50_ms")
-        if split:
-            lines.append(f"{rate:>5} ours phases p50 (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in split.items()))
+        for mode in ("ours", "pull"):
+            split = summaries.get(mode, {}).get("phases_p50_ms")
+            if split:
+                phases_ms = ", ".join(f"{k} {v:.1f}" for k, v in split.items())
+                lines.append(f"{rate:>5} {mode} phases p50 (ms): {phases_ms}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,15 @@ host's clock) one request's TTFT splits into:
   tells the service nothing in between);
 - `commit_to_first_token`: decode learning the KV is in, scheduling the request, one decode step, and the
   relay of its first token through the router.
+
+Pull (vLLM's NixlConnector) has no record of ours; its proxy sends the legs one after the other and names how
+long the prefill leg took (`PREFILL_LEG_HEADER`), which splits its TTFT into:
+
+- `prefill_leg`: the proxy sending prefill its leg (max_tokens 1) until prefill answered: admission, the
+  prompt's compute, its first token;
+- `decode_leg`: the rest, from the proxy sending decode its leg with prefill's `kv_transfer_params` to the
+  client's first token: decode's admission, the handshake with prefill (first contact), the READ on decode's
+  step loop, decode's first step and the relay.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 PHASES = ("to_target", "to_claim", "to_match", "match_to_commit", "commit_to_first_token")
+PULL_PHASES = ("prefill_leg", "decode_leg")
+PREFILL_LEG_HEADER = "X-Prefill-Leg-Ms"
+"""Response header of the pull proxy: milliseconds its prefill leg took."""
 
 
 class Times(Protocol):
@@ -52,9 +64,19 @@ def phases(sent: float, first_token: float, times: Times) -> dict[str, float] | 
     }
 
 
+def pull_phases(prefill_leg: float, ttft: float) -> dict[str, float]:
+    """Seconds per phase of one pull request whose prefill leg took `prefill_leg` and whose TTFT was `ttft`."""
+    return {"prefill_leg": prefill_leg, "decode_leg": ttft - prefill_leg}
+
+
 def median_ms(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """The median of each phase over `rows`, in milliseconds (phases no row has are left out)."""
-    return {p: statistics.median(r[p] for r in rows) * 1000 for p in PHASES if rows and all(p in r for r in rows)}
+    """The median of each phase over `rows`, in milliseconds, in `PHASES` or `PULL_PHASES` order (phases some
+    row lacks are left out)."""
+    return {
+        p: statistics.median(r[p] for r in rows) * 1000
+        for p in (*PHASES, *PULL_PHASES)
+        if rows and all(p in r for r in rows)
+    }
 
 
 def overhead_ms(summaries: Mapping[str, Mapping[str, Any]], baseline: str = "plain") -> dict[str, dict[str, float]]:

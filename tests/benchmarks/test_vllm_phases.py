@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from vllm_phases import PHASES, median_ms, overhead_ms, phases
+from vllm_phases import PHASES, median_ms, overhead_ms, phases, pull_phases
 
 from clients import TransferTimes
 
@@ -45,3 +45,10 @@ def test_overhead_is_each_modes_ttft_minus_plains() -> None:
     }
     assert overhead_ms(summaries) == {"ours": {"ttft_p50": 25.0, "ttft_mean": 35.0}, "pull": {"ttft_p50": 100.0}}
     assert overhead_ms({"ours": {"ttft_p50_ms": 1.0}}) == {}
+
+
+def test_a_pull_request_splits_at_its_prefill_legs_end() -> None:
+    split = pull_phases(prefill_leg=0.030, ttft=0.100)
+    assert split == pytest.approx({"prefill_leg": 0.030, "decode_leg": 0.070})
+    rows = [pull_phases(0.01, 0.05), pull_phases(0.03, 0.04), pull_phases(0.02, 0.10)]
+    assert median_ms(rows) == pytest.approx({"prefill_leg": 20.0, "decode_leg": 40.0})
