@@ -24,7 +24,6 @@ released transfer; an aborted one has none) or `first` (the earlier of target an
 
 _MOMENTS = ("target", "claim", "match", "source_ready", "commit", "release", "first")
 _SPANS = tuple((phase, _MOMENTS.index(start), _MOMENTS.index(end)) for phase, (start, end) in PHASES.items())
-_NOT_YET = (0.0,) * len(_MOMENTS)
 
 
 def _moments(times: TransferTimes, released: bool) -> tuple[float, ...]:
