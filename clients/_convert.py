@@ -6,7 +6,6 @@ from collections.abc import Iterable, Mapping
 
 from clients._exceptions import from_status
 from clients._types import (
-    AbortReason,
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
@@ -28,11 +27,11 @@ from clients._types import (
     SourceReadySpec,
     TargetSpec,
     TransferInfo,
-    TransferMode,
     TransferPage,
     TransferState,
     WatchBatch,
 )
+from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.convert import (
     agent,
@@ -43,7 +42,6 @@ from rendezvous.protocol.convert import (
     number,
     part_message,
     seconds,
-    times,
     timestamp,
     unix_time,
 )
@@ -193,26 +191,7 @@ def credit_results(m: pb.ReserveCreditsResponse | pb.ReleaseCreditsResponse) -> 
 
 def transfer(m: pb.Transfer) -> TransferInfo:
     """A transfer message as a record."""
-    return TransferInfo(
-        transfer_id=m.transfer_id,
-        state=TransferState(m.state),
-        mode=TransferMode(m.mode),
-        generation=m.generation,
-        consumer_engine_id=m.consumer_engine_id,
-        consumer_incarnation=m.consumer_incarnation,
-        producer_engine_id=m.producer_engine_id,
-        producer_incarnation=m.producer_incarnation,
-        target_block_ids=tuple(m.target_block_ids),
-        source_block_ids=tuple(m.source_block_ids),
-        num_tokens=m.num_tokens,
-        abort_reason=AbortReason(m.abort_reason),
-        abort_message=m.abort_message,
-        revoking_generation=m.revoking_generation,
-        reported_ranks=tuple(m.reported_ranks),
-        progressive=m.progressive,
-        deadline=unix_time(m.deadline),
-        times=times(m.times),
-    )
+    return convert.transfer(m, TransferInfo)
 
 
 def event(m: pb.Event) -> Event:

@@ -23,6 +23,7 @@ from rendezvous.protocol.enums import (
 )
 from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
+from rendezvous.protocol.transfer import TransferRecord
 
 NixlAgentInfo = NixlAgent
 """The SDK's name for a rank's NIXL agent record (the protocol's NixlAgent)."""
@@ -116,30 +117,11 @@ class LeaseRenewal:
 
 
 @dataclass(frozen=True, slots=True)
-class TransferInfo:
-    """The state of one transfer as the server reports it."""
+class TransferInfo(TransferRecord):
+    """The state of one transfer as the server reports it (its fields: `TransferRecord`)."""
 
-    transfer_id: str
-    state: TransferState
-    mode: TransferMode = TransferMode.PUSH
-    generation: int = 0
-    consumer_engine_id: str = ""
-    consumer_incarnation: int = 0
-    producer_engine_id: str = ""
-    producer_incarnation: int = 0
-    target_block_ids: tuple[int, ...] = ()
     source_block_ids: tuple[int, ...] = ()
-    num_tokens: int = 0
-    abort_reason: AbortReason = AbortReason.UNSPECIFIED
-    abort_message: str = ""
-    revoking_generation: int = 0
-    deadline: float = 0.0
-    times: TransferTimes = field(default_factory=TransferTimes)
-    reported_ranks: tuple[int, ...] = ()
-    """Ranks of the moving engine that reported the generation in flight so far."""
-    progressive: bool = False
-    """The consumer accepts progressive writes of the current generation: the producer may write it in parts
-    and report them (`CompletionSpec.parts`); otherwise it writes the whole generation at once."""
+    """The producer's source blocks (pull); () while it has not said them."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from google.rpc import error_details_pb2, status_pb2
 from rendezvous.core.credits import CreditRequest, Usage
 from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
 from rendezvous.core.limits import clip
-from rendezvous.core.model import Engine, EngineCapacity, Event, Mode, Outcome, Role, Transfer
+from rendezvous.core.model import Engine, EngineCapacity, Event, Mode, Outcome, Role
 from rendezvous.core.specs import (
     AbortSpec,
     ClaimSpec,
@@ -22,7 +22,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
-from rendezvous.protocol.convert import duration, number, seconds, set_time, set_times, timestamp
+from rendezvous.protocol.convert import duration, fill_transfer, number, seconds, set_time, timestamp
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _GRPC_CODE_NUMBERS: dict[Code, int] = {
@@ -210,38 +210,6 @@ def credits_message(u: Usage) -> pb.EngineCredits:
         transfers_reserved=u.transfers_reserved,
         blocks_reserved=u.blocks_reserved,
     )
-
-
-def transfer_message(t: Transfer) -> pb.Transfer:
-    """A transfer record as a message."""
-    m = pb.Transfer()
-    fill_transfer(m, t)
-    return m
-
-
-def fill_transfer(m: pb.Transfer, t: Transfer) -> None:
-    """Set an empty Transfer message (a new one, or a field of another: no copy) to a transfer record."""
-    m.transfer_id = t.transfer_id
-    m.state = number(t.state)
-    m.mode = number(t.mode)
-    m.generation = t.generation
-    m.consumer_engine_id = t.consumer_engine_id
-    m.consumer_incarnation = t.consumer_incarnation
-    m.producer_engine_id = t.producer_engine_id
-    m.producer_incarnation = t.producer_incarnation
-    m.target_block_ids.extend(t.target_block_ids)
-    if t.source_block_ids:
-        m.source_block_ids.extend(t.source_block_ids)
-    m.num_tokens = t.num_tokens
-    m.abort_reason = number(t.abort_reason)
-    m.abort_message = t.abort_message
-    m.revoking_generation = t.revoking_generation
-    m.reported_ranks.extend(t.reported_ranks)
-    m.progressive = t.progressive
-    # A moment not reached stays unset; `times` is always present, if empty.
-    if t.deadline:
-        set_time(m.deadline, t.deadline)
-    set_times(m.times, t.times)
 
 
 _PEERS_KEPT = 256

@@ -25,6 +25,7 @@ from rendezvous.protocol.enums import (
 )
 from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes
+from rendezvous.protocol.transfer import TransferRecord
 
 __all__ = [
     "LIVE_STATES",
@@ -86,39 +87,20 @@ class Engine(Incarnation):
 
 
 @dataclass(frozen=True, slots=True)
-class Transfer:
-    """One transfer, keyed by its router-minted id."""
+class Transfer(TransferRecord):
+    """One transfer as the service keeps it: what it reports (`TransferRecord`) and its fencing state.
 
-    transfer_id: str
-    state: State
-    deadline: float
-    mode: Mode = Mode.PUSH
-    generation: int = 0
-    consumer_engine_id: str = ""
-    consumer_incarnation: int = 0
-    producer_engine_id: str = ""
-    producer_incarnation: int = 0
-    target_block_ids: tuple[int, ...] = ()
-    source_block_ids: tuple[int, ...] | None = None
-    num_tokens: int = 0
-    abort_reason: AbortReason = AbortReason.UNSPECIFIED
-    abort_message: str = ""
+    `reported_ranks` names the ranks that reported `assigned_generation`, or `revoking_generation` while one
+    is pending (never both at once). `source_block_ids` is None until the producer says them.
+    """
+
+    deadline: float  # every stored transfer has one (it stays in its place: third)
     # Generation the producer was told to write and may still be writing; 0 when none.
     assigned_generation: int = 0
-    # Generation revoked from the producer and not yet acknowledged; 0 when none.
-    revoking_generation: int = 0
-    times: TransferTimes = field(default_factory=TransferTimes)
-    # Ranks of the moving engine that reported the generation in flight (assigned_generation, or
-    # revoking_generation while one is pending: never both), sorted. A multi-rank engine's generation
-    # commits, or its revocation is confirmed, once every rank is here.
-    reported_ranks: tuple[int, ...] = ()
     # A tombstone's block ids, as digests ("<target>:<source>", `blocks_digest`; "" while the record holds
     # them): an ended transfer keeps no block ids (up to megabytes each, for tombstone_ttl), only enough to
     # tell a retried call with the same blocks from one with others.
     block_digests: str = ""
-    # The consumer accepts progressive writes of the current generation (TargetSpec.progressive): its
-    # producer may report the parts it wrote (rendezvous.core.parts checks them; none is kept).
-    progressive: bool = False
 
     @property
     def unsettled(self) -> bool:
@@ -174,15 +156,21 @@ R = TypeVar("R", Transfer, TransferTimes, Event)
 
 def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
     """A generated function `(parameters)` that builds a `cls` (a frozen slots dataclass without
-    `__post_init__`) whose field `n` is `value` with `{n}` replaced by the field's name.
+    `__post_init__`, or one that extends one such as `Transfer` does) whose field `n` is `value` with `{n}`
+    replaced by the field's name.
 
-    The record is built as an instance of a plain class with the same slots (so each field costs one plain
-    attribute store, not a frozen `object.__setattr__` call: ~0.3 us a Transfer instead of ~3.7 us for
-    `dataclasses.replace`) and then becomes a `cls`, which the same slot layout allows.
+    The record is built as an instance of a class with the same slots and base whose attributes are plainly
+    settable (so each field costs one plain attribute store, not a frozen `object.__setattr__` call: ~0.3 us a
+    Transfer instead of ~3.7 us for `dataclasses.replace`) and then becomes a `cls`, which the same layout
+    allows.
     """
     names = tuple(f.name for f in fields(cls))
-    assert cls.__slots__ == names and not hasattr(cls, "__post_init__"), f"{cls.__name__}: a plain slots dataclass"
-    settable = type(f"_Settable{cls.__name__}", (), {"__slots__": names})
+    base = cls.__mro__[1]  # object, or the one record cls extends
+    inherited = tuple(getattr(base, "__slots__", ()))
+    assert len(cls.__mro__) <= 3 and inherited + cls.__slots__ == names, f"{cls.__name__}: one layer of slots"
+    assert not hasattr(cls, "__post_init__"), f"{cls.__name__}: no __post_init__"
+    own = {"__slots__": cls.__slots__, "__setattr__": object.__setattr__}
+    settable = type(f"_Settable{cls.__name__}", (base,), own)
     lines = [f"def build({parameters.format(names=', '.join(names))}):", "    new = _new(_settable)"]
     lines += [f"    new.{n} = {value.format(n=n)}" for n in names]
     lines += ["    new.__class__ = _cls", "    return new"]

@@ -6,14 +6,17 @@ the records that are its own (the service's domain records, the SDK's views of e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from rendezvous.protocol.enums import MemoryKind
+from rendezvous.protocol.enums import AbortReason, MemoryKind, TransferMode, TransferState
 from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
+from rendezvous.protocol.transfer import TransferRecord
 from rendezvous.v1 import rendezvous_pb2 as pb
+
+T = TypeVar("T", bound=TransferRecord)
 
 # Scalars
 
@@ -168,4 +171,64 @@ def times(m: pb.TransferTimes) -> TransferTimes:
         source_ready_time=unix_time(m.source_ready_time),
         commit_time=unix_time(m.commit_time),
         end_time=unix_time(m.end_time),
+    )
+
+
+# Transfers (TransferRecord: the service's Transfer and the SDK's TransferInfo)
+
+
+def transfer_message(t: TransferRecord) -> pb.Transfer:
+    """A transfer record as a message."""
+    m = pb.Transfer()
+    fill_transfer(m, t)
+    return m
+
+
+def fill_transfer(m: pb.Transfer, t: TransferRecord) -> None:
+    """Set an empty Transfer message (a new one, or a field of another: no copy) to a transfer record."""
+    m.transfer_id = t.transfer_id
+    m.state = number(t.state)
+    m.mode = number(t.mode)
+    m.generation = t.generation
+    m.consumer_engine_id = t.consumer_engine_id
+    m.consumer_incarnation = t.consumer_incarnation
+    m.producer_engine_id = t.producer_engine_id
+    m.producer_incarnation = t.producer_incarnation
+    m.target_block_ids.extend(t.target_block_ids)
+    if t.source_block_ids:
+        m.source_block_ids.extend(t.source_block_ids)
+    m.num_tokens = t.num_tokens
+    m.abort_reason = number(t.abort_reason)
+    m.abort_message = t.abort_message
+    m.revoking_generation = t.revoking_generation
+    m.reported_ranks.extend(t.reported_ranks)
+    m.progressive = t.progressive
+    # A moment not reached stays unset; `times` is always present, if empty.
+    if t.deadline:
+        set_time(m.deadline, t.deadline)
+    set_times(m.times, t.times)
+
+
+def transfer(m: pb.Transfer, record: type[T]) -> T:
+    """A transfer message as a record of the class `record` (the SDK's `TransferInfo`). Source blocks read as
+    a tuple: a message does not tell blocks not yet said from none."""
+    return record(
+        transfer_id=m.transfer_id,
+        state=TransferState(m.state),
+        deadline=unix_time(m.deadline),
+        mode=TransferMode(m.mode),
+        generation=m.generation,
+        consumer_engine_id=m.consumer_engine_id,
+        consumer_incarnation=m.consumer_incarnation,
+        producer_engine_id=m.producer_engine_id,
+        producer_incarnation=m.producer_incarnation,
+        target_block_ids=tuple(m.target_block_ids),
+        source_block_ids=tuple(m.source_block_ids),
+        num_tokens=m.num_tokens,
+        abort_reason=AbortReason(m.abort_reason),
+        abort_message=m.abort_message,
+        revoking_generation=m.revoking_generation,
+        times=times(m.times),
+        reported_ranks=tuple(m.reported_ranks),
+        progressive=m.progressive,
     )

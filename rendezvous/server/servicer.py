@@ -25,7 +25,7 @@ from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Engine, Event, Role, State, Transfer
 from rendezvous.core.specs import CompletionSpec
-from rendezvous.protocol import tracing
+from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
@@ -379,7 +379,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetTransferResponse:
         transfer = await self.coordinator.get_transfer(request.transfer_id)
-        return pb.GetTransferResponse(header=await self._header(), transfer=wire.transfer_message(transfer))
+        return pb.GetTransferResponse(header=await self._header(), transfer=convert.transfer_message(transfer))
 
     @_rpc(pb.ListTransfersResponse)
     async def ListTransfers(
@@ -391,7 +391,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         messages: dict[str, pb.Transfer] = {}
 
         def weigh(transfer: Transfer) -> int:
-            messages[transfer.transfer_id] = message = wire.transfer_message(transfer)
+            messages[transfer.transfer_id] = message = convert.transfer_message(transfer)
             return _weigh(message)
 
         page = await self.coordinator.list_transfers(

@@ -126,7 +126,7 @@ def transfer_from_fields(obj: Any) -> Transfer:
     f = _check(obj, "transfer")
     times = f[17]
     n = len(f)
-    return _new_transfer(  # Transfer's fields, in order
+    return _new_transfer(  # Transfer's fields in their order (the array keeps its own: FORMAT 1)
         f[1],
         _state(f[2]),
         f[3],
@@ -141,12 +141,12 @@ def transfer_from_fields(obj: Any) -> Transfer:
         f[12],
         _abort_reason(f[13]),
         f[14],
-        f[15],
         f[16],
         _new_times(times[0], times[1], times[2], times[3], times[4], times[5]),
         tuple(f[18]) if n > 18 else (),
-        f[19] if n > 19 else "",
         bool(f[20]) if n > 20 else False,
+        f[15],
+        f[19] if n > 19 else "",
     )
 
 

@@ -24,6 +24,7 @@ from rendezvous.core.model import (
     Transfer,
     TransferTimes,
 )
+from rendezvous.protocol import convert
 from rendezvous.server import servicer
 
 moments = st.one_of(st.just(0.0), st.floats(min_value=1e-9, max_value=4e9, allow_nan=False))
@@ -45,7 +46,7 @@ def _stamp(t: float) -> Timestamp:
 @given(deadline=moments, times=st.lists(moments, min_size=6, max_size=6), at=moments)
 def test_times_are_the_timestamps_of_their_nanoseconds(deadline: float, times: list[float], at: float) -> None:
     t = Transfer("t-1", State.MATCHED, deadline, times=TransferTimes(*times))
-    m = wire.transfer_message(t)
+    m = convert.transfer_message(t)
     assert m.HasField("times")
     assert m.HasField("deadline") == bool(deadline)
     if deadline:
