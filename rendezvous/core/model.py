@@ -169,7 +169,9 @@ def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
     inherited = tuple(getattr(base, "__slots__", ()))
     assert len(cls.__mro__) <= 3 and inherited + cls.__slots__ == names, f"{cls.__name__}: one layer of slots"
     assert not hasattr(cls, "__post_init__"), f"{cls.__name__}: no __post_init__"
-    own = {"__slots__": cls.__slots__, "__setattr__": object.__setattr__}
+    # Both of object's own: CPython fills a type's one setattr slot from __setattr__ and __delattr__ together,
+    # and a frozen base's Python __delattr__ alone would make every store a Python-level call (~2.7x evolve).
+    own = {"__slots__": cls.__slots__, "__setattr__": object.__setattr__, "__delattr__": object.__delattr__}
     settable = type(f"_Settable{cls.__name__}", (base,), own)
     lines = [f"def build({parameters.format(names=', '.join(names))}):", "    new = _new(_settable)"]
     lines += [f"    new.{n} = {value.format(n=n)}" for n in names]
