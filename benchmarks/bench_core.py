@@ -116,6 +116,17 @@ def run_checkout(checkout: Path, count: int, batch: int) -> dict[str, Any]:
     return result
 
 
+def commit(checkout: Path) -> str:
+    """The checkout's commit, "+" when its tree has changes; "" outside git."""
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("+" if head and git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
 
@@ -133,13 +144,14 @@ def report(checkouts: list[Path], rounds: list[list[dict[str, Any]]]) -> list[di
         first = first or medians
         summary.append(
             {
-                "checkout": str(checkout),
+                "checkout": str(checkout.resolve()),
+                "commit": commit(checkout),
                 "runs": figures,
                 "median": medians,
                 "ratio_to_first": {k: medians[k] / first[k] for k in medians},
             }
         )
-        print(f"{checkout}:")
+        print(f"{checkout} ({summary[-1]['commit'] or 'not git'}):")
         for name, values in figures.items():
             print(f"  {name:13} {spread(values)}   x{medians[name] / first[name]:.3f} of the first")
     return summary

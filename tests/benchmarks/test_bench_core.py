@@ -17,7 +17,7 @@ def test_a_small_comparison_measures_each_checkout_and_writes_its_ratios(tmp_pat
     subprocess.run([*argv, "--out", str(out)], check=True, capture_output=True, timeout=120)
     results = json.loads(out.read_text())
     first, second = results["checkouts"]
-    assert first["checkout"] == second["checkout"] == repo
+    assert first["checkout"] == second["checkout"] == repo and first["commit"] == second["commit"] != ""
     for figures in (first, second):
         assert len(figures["runs"]["lifecycle_us"]) == 2 and all(v > 0 for v in figures["runs"]["lifecycle_us"])
         assert set(figures["median"]) == {"lifecycle_us", "evolve_ns", "encode_ns", "decode_ns", "message_ns"}
