@@ -1,7 +1,8 @@
 """The one mapping between the wire (rendezvous.v1 messages) and the protocol's shared records and scalars.
 
 Service (rendezvous.wire) and SDK (clients._convert) both build on it; each keeps only the mapping of
-the records that are its own (the service's domain records, the SDK's views of engines and transfers).
+the records that are its own (the service's engines and events, the SDK's views of engines and its
+requests). A transfer maps here, both ways, as the `TransferRecord` that both sides extend.
 """
 
 from __future__ import annotations
