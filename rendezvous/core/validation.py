@@ -23,7 +23,9 @@ def check_id(kind: str, value: str, limits: Limits) -> None:
             field=kind,
             limit=limits.max_id_length,
         )
-    if not value.isprintable() or any(c.isspace() for c in value):
+    # The space is the one whitespace character str.isprintable() accepts (tests/core/test_validation.py checks
+    # every code point), so this is "printable, no whitespace" without a Python-level loop over the characters.
+    if not value.isprintable() or " " in value:
         raise RendezvousError(Reason.ID_INVALID, f"{kind} must be printable without whitespace", field=kind)
 
 
