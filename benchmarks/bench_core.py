@@ -109,8 +109,10 @@ def run_checkout(checkout: Path, count: int, batch: int) -> dict[str, Any]:
     """measure() in a fresh interpreter with `checkout` first on sys.path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, __file__, "--worker", "--lifecycles", str(count), "--batch", str(batch)]
-    out = subprocess.run(argv, env=env, cwd=checkout, check=True, capture_output=True, text=True).stdout
-    result: dict[str, Any] = json.loads(out)
+    run = subprocess.run(argv, env=env, cwd=checkout, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"{checkout}: the measurement failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(run.stdout)
     if Path(result["code"]) != checkout.resolve():
         raise SystemExit(f"{checkout}: its interpreter imported rendezvous from {result['code']}")
     return result
@@ -168,6 +170,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.lifecycles < args.batch or args.batch < 1 or args.rounds < 1:
         parser.error("--batch and --rounds must be at least 1, and --lifecycles at least --batch")
+    if missing := [str(c) for c in args.checkouts if not c.is_dir()]:
+        parser.error(f"not a folder: {', '.join(missing)}")
     if args.worker:
         print(json.dumps(measure(args.lifecycles, args.batch)))
         return

@@ -35,3 +35,13 @@ def test_a_checkout_that_imports_other_code_is_refused(tmp_path: Path) -> None:
         timeout=120,
     )
     assert run.returncode != 0 and "imported rendezvous from" in run.stderr
+
+
+def test_a_checkout_that_is_no_folder_is_a_usage_error(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, bench_core.__file__, "--checkouts", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and "not a folder" in run.stderr
