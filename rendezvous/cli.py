@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rendezvous import __version__
-from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits, Timeouts
 from rendezvous.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -118,6 +118,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "keys (one a line, >= 32 bytes) routers sign transfer bindings with; unset: bindings are not checked",
     )
     _switch(g, "require-binding", "refuse a transfer half without the router's binding (needs --binding-key-file)")
+    _flag(
+        g,
+        "max-message-bytes",
+        DEFAULT_MAX_MESSAGE_BYTES,
+        "largest request (and response) message; a larger request is refused unread with RESOURCE_EXHAUSTED",
+        int,
+    )
     _flag(g, "rate-limit", 0.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
     _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
     _flag(g, "rate-cost-bytes", 65_536, "a call costs one more per started N bytes of request; 0: one each", int)
@@ -172,6 +179,7 @@ def _config_from(args: argparse.Namespace) -> Any:
         grace=args.grace,
         drain=args.drain,
         health_listen=None if args.health_listen in ("", "off") else args.health_listen,
+        max_message_bytes=args.max_message_bytes,
         tls=tls,
         auth_file=args.auth_file or None,
         min_token_bytes=args.min_token_bytes,

@@ -34,6 +34,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
+from rendezvous.pacing import Pacer
 from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -376,7 +377,9 @@ class Coordinator:
                 for item, r in zip(items, results, strict=True)
             ]
         outcomes: list[ItemOutcome] = []
+        pacer = Pacer()  # a store that never waits (memory) would otherwise hold the event loop for the batch
         for item in items:
+            await pacer.tick()
             outcome, change = await apply(item, limit, room)
             if limit is not None:
                 limit = limit.after(outcome.transfer)

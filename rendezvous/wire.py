@@ -116,64 +116,55 @@ def block_ids(values: Iterable[int]) -> tuple[int, ...]:
     return tuple(list(map(shared.setdefault, ids, ids)))  # from a list: a tuple of exactly its size
 
 
-def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
-    """The targets of a RegisterTargetRequest."""
-    return [
-        TargetSpec(
-            t.transfer_id,
-            block_ids(t.block_ids),
-            _generation(t.generation),
-            t.num_tokens,
-            seconds(t.timeout),
-            _mode(t.mode),
-            binding(t.binding, t.HasField("binding")),
-            t.progressive,
-        )
-        for t in req.targets
-    ]
+def target_spec(t: pb.TargetSpec) -> TargetSpec:
+    """One target of a RegisterTargetRequest."""
+    return TargetSpec(
+        t.transfer_id,
+        block_ids(t.block_ids),
+        _generation(t.generation),
+        t.num_tokens,
+        seconds(t.timeout),
+        _mode(t.mode),
+        binding(t.binding, t.HasField("binding")),
+        t.progressive,
+    )
 
 
-def claim_specs(req: pb.ClaimTransferRequest) -> list[ClaimSpec]:
-    """The claims of a ClaimTransferRequest."""
-    return [ClaimSpec(c.transfer_id, seconds(c.timeout), binding(c.binding, c.HasField("binding"))) for c in req.claims]
+def claim_spec(c: pb.ClaimSpec) -> ClaimSpec:
+    """One claim of a ClaimTransferRequest."""
+    return ClaimSpec(c.transfer_id, seconds(c.timeout), binding(c.binding, c.HasField("binding")))
 
 
-def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:
-    """The sources of a MarkSourceReadyRequest."""
-    return [
-        SourceReadySpec(s.transfer_id, block_ids(s.block_ids), binding(s.binding, s.HasField("binding")))
-        for s in req.sources
-    ]
+def source_spec(s: pb.SourceReadySpec) -> SourceReadySpec:
+    """One source of a MarkSourceReadyRequest."""
+    return SourceReadySpec(s.transfer_id, block_ids(s.block_ids), binding(s.binding, s.HasField("binding")))
 
 
-def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:
-    """The completions of a CompleteTransferRequest."""
-    return [
-        CompletionSpec(
-            c.transfer_id,
-            _generation(c.generation),
-            Outcome(c.outcome) if c.outcome in (1, 2) else None,
-            c.message,
-            tuple(c.ranks),
-            tuple(convert.part(p) for p in c.parts),
-        )
-        for c in req.completions
-    ]
+def completion_spec(c: pb.CompletionSpec) -> CompletionSpec:
+    """One completion of a CompleteTransferRequest."""
+    return CompletionSpec(
+        c.transfer_id,
+        _generation(c.generation),
+        Outcome(c.outcome) if c.outcome in (1, 2) else None,
+        c.message,
+        tuple(c.ranks),
+        tuple(convert.part(p) for p in c.parts),
+    )
 
 
-def revocation_acks(req: pb.AcknowledgeRevocationRequest) -> list[RevocationAck]:
-    """The acknowledgements of an AcknowledgeRevocationRequest."""
-    return [RevocationAck(a.transfer_id, _generation(a.generation), tuple(a.ranks)) for a in req.acks]
+def revocation_ack(a: pb.RevocationAck) -> RevocationAck:
+    """One acknowledgement of an AcknowledgeRevocationRequest."""
+    return RevocationAck(a.transfer_id, _generation(a.generation), tuple(a.ranks))
 
 
-def release_specs(req: pb.ReleaseTargetRequest) -> list[ReleaseSpec]:
-    """The releases of a ReleaseTargetRequest."""
-    return [ReleaseSpec(r.transfer_id, _generation(r.generation)) for r in req.releases]
+def release_spec(r: pb.ReleaseSpec) -> ReleaseSpec:
+    """One release of a ReleaseTargetRequest."""
+    return ReleaseSpec(r.transfer_id, _generation(r.generation))
 
 
-def abort_specs(req: pb.AbortTransferRequest) -> list[AbortSpec]:
-    """The aborts of an AbortTransferRequest."""
-    return [AbortSpec(a.transfer_id, a.message) for a in req.aborts]
+def abort_spec(a: pb.AbortSpec) -> AbortSpec:
+    """One abort of an AbortTransferRequest."""
+    return AbortSpec(a.transfer_id, a.message)
 
 
 # Domain -> responses

@@ -12,6 +12,10 @@ from rendezvous.core.errors import Reason, RendezvousError
 T = TypeVar("T")
 
 
+MAX_TOKEN_CHARS = 4_096
+"""The longest page token decode_token reads (an issued one is far shorter: its listing's scope and one id)."""
+
+
 def page_size(requested: int, default: int, maximum: int) -> int:
     """The page size to serve: the default when none was asked for, never above the maximum."""
     return min(requested or default, maximum)
@@ -27,6 +31,13 @@ def decode_token(scope: str, token: str) -> str:
     """The id a token continues after ("" for no token); PAGE_TOKEN_INVALID unless this scope issued it."""
     if not token:
         return ""
+    if len(token) > MAX_TOKEN_CHARS:  # refused unread: decoding a huge token would be work for nothing
+        raise RendezvousError(
+            Reason.PAGE_TOKEN_INVALID,
+            f"page_token is {len(token)} characters; this server issues at most {MAX_TOKEN_CHARS}",
+            field="page_token",
+            limit=MAX_TOKEN_CHARS,
+        )
     try:
         text = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):

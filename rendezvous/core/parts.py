@@ -55,6 +55,17 @@ def check_part_count(parts: Sequence[WrittenPart], limits: Limits) -> None:
         )
 
 
+def check_request_part_count(count: int, limits: Limits) -> None:
+    """A request reports at most max_parts_per_request parts over all its completions."""
+    if count > limits.max_parts_per_request:
+        raise RendezvousError(
+            Reason.TOO_MANY_PARTS,
+            f"{count} parts in one request; the limit is {limits.max_parts_per_request}",
+            field="parts",
+            limit=limits.max_parts_per_request,
+        )
+
+
 def held_layers(engine: Engine, ranks: Iterable[int]) -> tuple[range, ...]:
     """The model layers the given ranks of engine hold, as sorted disjoint ranges (merged where they touch);
     () when the layout states no layers."""

@@ -1,0 +1,245 @@
+"""Bounded work per request: no request can stall the service or its health checks.
+
+A request is refused unread past `max_message_bytes` (4 MiB); its items and parts are counted on the message
+before any is converted or any record looked up; long batches give the event loop back between items
+(rendezvous.pacing); and the health port answers from threads of its own, however long the loop is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from rendezvous import pacing, wire
+from rendezvous.core import paging
+from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits
+from rendezvous.protocol import convert
+from rendezvous.server import RendezvousServer, ServerConfig
+from rendezvous.server.app import LIVENESS
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.security.conftest import serving
+from tests.security.test_sizes import largest_engine_request
+from tests.service.conftest import engine_request
+from tests.service.test_service import error_info
+
+Stub = pb_grpc.RendezvousServiceStub
+CONSUMER = pb.ENGINE_ROLE_CONSUMER
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[RendezvousServer]:
+    async with serving(limits=Limits(max_batch_items=8, max_parts_per_request=100)) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def stub(server: RendezvousServer) -> AsyncIterator[Stub]:
+    async with grpc.aio.insecure_channel(server.address) as channel:  # no send limit of its own
+        yield pb_grpc.RendezvousServiceStub(channel)
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[int]:
+    """Count the calls of module.name from now on (one entry per call)."""
+    calls: list[int] = []
+    original: Callable[..., Any] = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+async def refused(call: Any, code: grpc.StatusCode, reason: Reason) -> dict[str, str]:
+    """The ErrorInfo metadata of a call that must fail with code and reason."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert caught.value.code() == code, caught.value.details()
+    info = error_info(caught.value)
+    assert info.reason == reason.value, caught.value.details()
+    return dict(info.metadata)
+
+
+# Message size
+
+
+def test_the_default_message_size_admits_the_largest_registration_and_target() -> None:
+    assert ServerConfig().max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES == 4 << 20
+    limits = Limits()
+    engine = largest_engine_request("d", CONSUMER)
+    assert engine.ByteSize() < DEFAULT_MAX_MESSAGE_BYTES
+    assert engine.ByteSize() > limits.max_engine_agent_metadata_bytes  # every field at its limit is in it
+    top = (1 << 63) - 1  # the longest varint a block id takes
+    target = pb.TargetSpec(
+        transfer_id="t" * limits.max_id_length, block_ids=range(top - limits.max_blocks_per_target, top)
+    )
+    request = pb.RegisterTargetRequest(engine_id="d" * limits.max_id_length, targets=[target])
+    assert request.ByteSize() < DEFAULT_MAX_MESSAGE_BYTES // 4
+
+
+async def test_a_request_over_the_message_size_is_refused_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving() as server, grpc.aio.insecure_channel(server.address) as channel:
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        converted = counting(monkeypatch, wire, "block_ids")
+        blocks = range(1 << 40, (1 << 40) + 65_536)  # 6 bytes a block id: 384 KiB a target
+        targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=blocks) for i in range(12)]
+        request = pb.RegisterTargetRequest(engine_id="d0", incarnation=1, targets=targets)
+        assert request.ByteSize() > DEFAULT_MAX_MESSAGE_BYTES
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.RegisterTarget(request)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value.details()
+        assert not converted
+
+
+# Items and parts, counted before anything is converted
+
+
+async def test_a_batch_over_the_item_cap_is_refused_before_any_item_is_converted(
+    stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    converted = counting(monkeypatch, wire, "block_ids")
+    targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i]) for i in range(9)]
+    metadata = await refused(
+        stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d0", incarnation=1, targets=targets)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        Reason.BATCH_TOO_LARGE,
+    )
+    assert metadata["limit"] == "8"
+    assert not converted
+
+
+async def test_a_completion_batch_over_the_parts_cap_is_refused_before_any_part_is_converted(
+    stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    converted = counting(monkeypatch, convert, "part")
+    parts = [pb.WrittenPart(first_token=i, num_tokens=1, num_layers=1) for i in range(34)]
+    completions = [
+        pb.CompletionSpec(transfer_id=f"t{i}", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts) for i in range(3)
+    ]
+    metadata = await refused(
+        stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id="d0", incarnation=1, completions=completions)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        Reason.TOO_MANY_PARTS,
+    )
+    assert (metadata["field"], metadata["limit"]) == ("parts", "100")
+    assert not converted
+
+
+async def test_a_huge_page_token_is_refused_unread(stub: Stub, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded = counting(monkeypatch, base64, "b64decode")
+    token = "A" * (paging.MAX_TOKEN_CHARS + 4)
+    metadata = await refused(
+        stub.ListEngines(pb.ListEnginesRequest(page_token=token)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        Reason.PAGE_TOKEN_INVALID,
+    )
+    assert (metadata["field"], metadata["limit"]) == ("page_token", str(paging.MAX_TOKEN_CHARS))
+    assert not decoded
+
+
+def test_a_token_this_server_issues_is_far_under_the_token_cap() -> None:
+    limits = Limits()
+    longest_id = "x" * limits.max_id_length
+    scope = f"transfers {longest_id} {','.join(['TRANSFER_STATE_PLACEHOLDER'] * 8)}"
+    assert len(paging.encode_token(scope, longest_id)) < paging.MAX_TOKEN_CHARS // 2
+    with pytest.raises(RendezvousError):
+        paging.decode_token(scope, "A" * (paging.MAX_TOKEN_CHARS + 1))
+
+
+# Long work yields to the event loop
+
+
+async def test_a_long_batch_gives_the_loop_to_other_tasks_between_items(
+    stub: Stub, server: RendezvousServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pacing, "QUANTUM", 0.0)  # yield at every chance, so the test needs no timing
+    engine = (await stub.RegisterEngine(engine_request("d0", CONSUMER))).engine
+    ticks = [0]
+    seen_at_conversion: list[int] = []
+    seen_at_apply: list[int] = []
+    original_ids = wire.block_ids
+    store = server.coordinator.store
+    original_update = store.update_transfer
+
+    def block_ids(values: Any) -> tuple[int, ...]:
+        seen_at_conversion.append(ticks[0])
+        return original_ids(values)
+
+    async def update_transfer(transfer_id: str, fn: Any) -> Any:
+        seen_at_apply.append(ticks[0])
+        return await original_update(transfer_id, fn)
+
+    monkeypatch.setattr(wire, "block_ids", block_ids)
+    monkeypatch.setattr(store, "update_transfer", update_transfer)
+
+    async def tick() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i]) for i in range(8)]
+        response = await stub.RegisterTarget(
+            pb.RegisterTargetRequest(engine_id="d0", incarnation=engine.incarnation, targets=targets)
+        )
+    finally:
+        ticker.cancel()
+    assert [r.status.code for r in response.results] == [0] * 8
+    # Without yields a memory-store batch runs from its first item to its last in one go: no tick between.
+    assert len(seen_at_conversion) == len(seen_at_apply) == 8
+    assert seen_at_conversion[-1] > seen_at_conversion[0]
+    assert seen_at_apply[-1] > seen_at_apply[0]
+
+
+# Health off the serving loop
+
+
+def probe(port: int, service: str) -> int:
+    """A health check of service on the health port, from this thread."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=60).status)
+
+
+async def test_the_health_port_answers_while_the_serving_loop_is_blocked() -> None:
+    async with serving(health_listen="127.0.0.1:0") as server:
+        assert server.health_port
+        answers: list[int | BaseException] = []
+        answered = threading.Event()
+
+        def check() -> None:
+            try:
+                answers.append(probe(server.health_port or 0, LIVENESS))
+            except BaseException as exc:  # reported below, on the test's thread
+                answers.append(exc)
+            finally:
+                answered.set()
+
+        thread = threading.Thread(target=check)
+        thread.start()
+        # Hold the serving loop (this test's loop) until the probe is answered: a health service on the loop
+        # could answer only after it, so the probe would time out first.
+        answered.wait(timeout=120)
+        thread.join()
+        assert answers == [SERVING]
+
+
+async def test_the_health_port_follows_the_status_the_loop_sets() -> None:
+    async with serving(health_listen="127.0.0.1:0") as server:
+        port = server.health_port or 0
+        assert await asyncio.to_thread(probe, port, "") == SERVING
+        await server._set_serving(False)
+        assert await asyncio.to_thread(probe, port, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await asyncio.to_thread(probe, port, LIVENESS) == SERVING
