@@ -9,11 +9,17 @@ GetStatus latency, and the probes that failed (docs/security.md, "Threat model: 
     python benchmarks/bench_stall.py --completions 1400 --parts 4096 --calls 2         # the 49 MiB attack
     python benchmarks/bench_stall.py --completions 16 --parts 4096 --calls 20          # the largest admitted
     python benchmarks/bench_stall.py --checkout ../main ...                            # the same against main
+    PYTHONPATH=. python benchmarks/bench_stall.py --loop-gaps --completions 16 --calls 5   # longest loop steps
+
+`--loop-gaps` runs the server in this process instead (the `rendezvous` on PYTHONPATH) beside a task that only
+yields, sends the calls from a thread, and prints the longest gaps between that task's turns: how long one step
+of a call held the event loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
@@ -73,6 +79,50 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+def loop_gaps(completions: int, parts: int, calls: int) -> dict[str, object]:
+    """The longest gaps between turns of a task that only yields, while calls run in a server in this process."""
+    from rendezvous.server import RendezvousServer, ServerConfig
+
+    async def run() -> dict[str, object]:
+        server = RendezvousServer(ServerConfig(listen="127.0.0.1:0", metrics_listen=None))
+        await server.start()
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        def attack() -> list[str]:
+            with grpc.insecure_channel(server.address, options=UNLIMITED) as channel:
+                request = attack_request(producer(pb_grpc.RendezvousServiceStub(channel)), completions, parts)
+                complete = pb_grpc.RendezvousServiceStub(channel).CompleteTransfer
+                codes = []
+                for _ in range(calls):
+                    try:
+                        complete(request, timeout=120)
+                        codes.append("OK")
+                    except grpc.RpcError as err:
+                        codes.append(err.code().name)
+                return codes
+
+        task = asyncio.create_task(ticker())
+        try:
+            codes = await asyncio.to_thread(attack)
+        finally:
+            done.set()
+            await task
+            await server.stop(0)
+        longest = sorted(gaps)[-8:]
+        return {"statuses": codes, "longest_loop_steps_ms": [round(1e3 * g, 1) for g in reversed(longest)]}
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkout", type=Path, default=Path(__file__).resolve().parents[1])
@@ -80,7 +130,11 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=4_096)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--serve-flag", action="append", default=[], help="an extra `serve` flag (repeatable)")
+    parser.add_argument("--loop-gaps", action="store_true", help="measure loop steps in this process (see above)")
     args = parser.parse_args()
+    if args.loop_gaps:
+        print(json.dumps(loop_gaps(args.completions, args.parts, args.calls)))
+        return
     health = f"127.0.0.1:{free_port()}"
     proc, address = start_server(args.checkout.resolve(), health, args.serve_flag)
     try:

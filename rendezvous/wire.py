@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 from google.rpc import error_details_pb2, status_pb2
 
 from rendezvous.core.credits import CreditRequest, Usage
 from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
-from rendezvous.core.limits import clip
+from rendezvous.core.limits import Limits, clip
 from rendezvous.core.model import Engine, EngineCapacity, Event, Mode, Outcome, Role
 from rendezvous.core.specs import (
     AbortSpec,
@@ -24,6 +25,8 @@ from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.convert import duration, fill_transfer, number, seconds, set_time, timestamp
 from rendezvous.v1 import rendezvous_pb2 as pb
+
+T = TypeVar("T")
 
 _GRPC_CODE_NUMBERS: dict[Code, int] = {
     Code.INVALID_ARGUMENT: 3,
@@ -116,11 +119,17 @@ def block_ids(values: Iterable[int]) -> tuple[int, ...]:
     return tuple(list(map(shared.setdefault, ids, ids)))  # from a list: a tuple of exactly its size
 
 
-def target_spec(t: pb.TargetSpec) -> TargetSpec:
-    """One target of a RegisterTargetRequest."""
+def _at_most(values: Sequence[T], limit: int) -> Sequence[T]:
+    """An item's list converted no further than one past its limit: a longer one is refused (TOO_MANY_BLOCKS,
+    TOO_MANY_PARTS) for being over it, so converting the rest would be work for nothing."""
+    return values[: limit + 1] if len(values) > limit else values
+
+
+def target_spec(t: pb.TargetSpec, limits: Limits) -> TargetSpec:
+    """One target of a RegisterTargetRequest (block ids past the limit: see `_at_most`)."""
     return TargetSpec(
         t.transfer_id,
-        block_ids(t.block_ids),
+        block_ids(_at_most(t.block_ids, limits.max_blocks_per_target)),
         _generation(t.generation),
         t.num_tokens,
         seconds(t.timeout),
@@ -135,20 +144,24 @@ def claim_spec(c: pb.ClaimSpec) -> ClaimSpec:
     return ClaimSpec(c.transfer_id, seconds(c.timeout), binding(c.binding, c.HasField("binding")))
 
 
-def source_spec(s: pb.SourceReadySpec) -> SourceReadySpec:
-    """One source of a MarkSourceReadyRequest."""
-    return SourceReadySpec(s.transfer_id, block_ids(s.block_ids), binding(s.binding, s.HasField("binding")))
+def source_spec(s: pb.SourceReadySpec, limits: Limits) -> SourceReadySpec:
+    """One source of a MarkSourceReadyRequest (block ids past the limit: see `_at_most`)."""
+    return SourceReadySpec(
+        s.transfer_id,
+        block_ids(_at_most(s.block_ids, limits.max_blocks_per_target)),
+        binding(s.binding, s.HasField("binding")),
+    )
 
 
-def completion_spec(c: pb.CompletionSpec) -> CompletionSpec:
-    """One completion of a CompleteTransferRequest."""
+def completion_spec(c: pb.CompletionSpec, limits: Limits) -> CompletionSpec:
+    """One completion of a CompleteTransferRequest (parts past the limit: see `_at_most`)."""
     return CompletionSpec(
         c.transfer_id,
         _generation(c.generation),
         Outcome(c.outcome) if c.outcome in (1, 2) else None,
         c.message,
         tuple(c.ranks),
-        tuple(convert.part(p) for p in c.parts),
+        tuple(convert.part(p) for p in _at_most(c.parts, limits.max_parts_per_completion)),
     )
 
 

@@ -49,7 +49,7 @@ def check_part_count(parts: Sequence[WrittenPart], limits: Limits) -> None:
     if len(parts) > limits.max_parts_per_completion:
         raise RendezvousError(
             Reason.TOO_MANY_PARTS,
-            f"{len(parts)} parts in one completion; the limit is {limits.max_parts_per_completion}",
+            f"more than {limits.max_parts_per_completion} parts in one completion",
             field="parts",
             limit=limits.max_parts_per_completion,
         )

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ResponseT = TypeVar("ResponseT", bound=Message)
 SpecT = TypeVar("SpecT")
+M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
@@ -98,14 +99,14 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
 def _batch_rpc(
     response_type: type[ResponseT],
     field: str,
-    spec: Callable[[Any], SpecT],
+    spec: Callable[[Any, Limits], SpecT],
     apply: Callable[..., Awaitable[list[ItemOutcome]]],
     takes_half: bool = False,
     check: Callable[[Any, Limits], None] | None = None,
     observe: Callable[[Metrics, Sequence[SpecT], Sequence[ItemOutcome]], None] | None = None,
 ) -> Handler[ResponseT]:
-    """A batched transfer RPC: the items of the request's repeated `field`, each converted by spec, through one
-    coordinator call, one ItemResult each, in order.
+    """A batched transfer RPC: the items of the request's repeated `field`, each converted by spec (under the
+    server's limits), through one coordinator call, one ItemResult each, in order.
 
     The request's shape is checked on the message before any item is converted or any record looked up (the
     item count, and check's limits over all items), and conversion and answers yield to the event loop
@@ -121,7 +122,7 @@ def _batch_rpc(
         check_batch(len(raw), limits)
         if check is not None:
             check(request, limits)
-        items = await paced_map(spec, raw)
+        items = await paced_map(lambda message: spec(message, limits), raw)
         outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, items, **extra)
         _trace_items(outcomes)
         if observe is not None:
@@ -132,6 +133,11 @@ def _batch_rpc(
 
     handler.__name__ = handler.__qualname__ = method
     return _rpc(response_type)(handler)
+
+
+def _plain(convert: Callable[[M], SpecT]) -> Callable[[M, Limits], SpecT]:
+    """A converter that needs no limits, as `_batch_rpc` calls one."""
+    return lambda message, _limits: convert(message)
 
 
 def _check_parts(request: pb.CompleteTransferRequest, limits: Limits) -> None:
@@ -350,7 +356,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         pb.RegisterTargetResponse, "targets", wire.target_spec, Coordinator.register_targets, takes_half=True
     )
     ClaimTransfer = _batch_rpc(
-        pb.ClaimTransferResponse, "claims", wire.claim_spec, Coordinator.claim_transfers, takes_half=True
+        pb.ClaimTransferResponse, "claims", _plain(wire.claim_spec), Coordinator.claim_transfers, takes_half=True
     )
     MarkSourceReady = _batch_rpc(
         pb.MarkSourceReadyResponse, "sources", wire.source_spec, Coordinator.mark_sources_ready, takes_half=True
@@ -364,10 +370,12 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         observe=_count_parts,
     )
     AcknowledgeRevocation = _batch_rpc(
-        pb.AcknowledgeRevocationResponse, "acks", wire.revocation_ack, Coordinator.acknowledge_revocations
+        pb.AcknowledgeRevocationResponse, "acks", _plain(wire.revocation_ack), Coordinator.acknowledge_revocations
     )
-    ReleaseTarget = _batch_rpc(pb.ReleaseTargetResponse, "releases", wire.release_spec, Coordinator.release_targets)
-    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, "aborts", wire.abort_spec, Coordinator.abort_transfers)
+    ReleaseTarget = _batch_rpc(
+        pb.ReleaseTargetResponse, "releases", _plain(wire.release_spec), Coordinator.release_targets
+    )
+    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, "aborts", _plain(wire.abort_spec), Coordinator.abort_transfers)
 
     # Credits
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvous import pacing, wire
@@ -38,7 +39,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture
 async def server() -> AsyncIterator[RendezvousServer]:
-    async with serving(limits=Limits(max_batch_items=8, max_parts_per_request=100)) as srv:
+    limits = Limits(max_batch_items=8, max_parts_per_request=100, max_parts_per_completion=8, max_blocks_per_target=8)
+    async with serving(limits=limits) as srv:
         yield srv
 
 
@@ -134,6 +136,45 @@ async def test_a_completion_batch_over_the_parts_cap_is_refused_before_any_part_
     )
     assert (metadata["field"], metadata["limit"]) == ("parts", "100")
     assert not converted
+
+
+async def test_an_item_over_its_own_limit_is_refused_alone_converting_one_past_the_limit(
+    stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    consumer = (await stub.RegisterEngine(engine_request("d0", CONSUMER))).engine
+    producer = (await stub.RegisterEngine(engine_request("p0", pb.ENGINE_ROLE_PRODUCER))).engine
+    converted_parts = counting(monkeypatch, convert, "part")
+    converted_blocks: list[int] = []
+    original_ids = wire.block_ids
+
+    def block_ids(values: Any) -> tuple[int, ...]:
+        ids = original_ids(values)
+        converted_blocks.append(len(ids))
+        return ids
+
+    monkeypatch.setattr(wire, "block_ids", block_ids)
+    targets = [pb.TargetSpec(transfer_id="long", block_ids=range(50)), pb.TargetSpec(transfer_id="t", block_ids=[1])]
+    registered = await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d0", incarnation=consumer.incarnation, targets=targets)
+    )
+    assert converted_blocks == [9, 1]
+    assert [error_reason(r) for r in registered.results] == ["TOO_MANY_BLOCKS", ""]
+    parts = [pb.WrittenPart(first_token=i, num_tokens=1) for i in range(50)]
+    completion = pb.CompletionSpec(transfer_id="t", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts)
+    completed = await stub.CompleteTransfer(
+        pb.CompleteTransferRequest(engine_id="p0", incarnation=producer.incarnation, completions=[completion])
+    )
+    assert len(converted_parts) == 9
+    assert [error_reason(r) for r in completed.results] == ["TOO_MANY_PARTS"]
+
+
+def error_reason(result: pb.ItemResult) -> str:
+    """The ErrorInfo reason of a batch item's status ("" when it succeeded)."""
+    for detail in result.status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return str(info.reason)
+    return ""
 
 
 async def test_a_huge_page_token_is_refused_unread(stub: Stub, monkeypatch: pytest.MonkeyPatch) -> None:
