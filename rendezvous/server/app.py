@@ -79,6 +79,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not math.isfinite(self.idempotency_ttl) or self.idempotency_ttl <= 0:
             raise ValueError(f"idempotency_ttl must be a positive number of seconds, not {self.idempotency_ttl:g}")
+        if self.max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be a positive number of bytes, not {self.max_message_bytes}")
         if self.require_binding and not self.binding_key_file:
             raise ValueError("require_binding needs binding_key_file (the keys to check bindings with)")
 

@@ -19,6 +19,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rendezvous import pacing, wire
+from rendezvous.cli import _config_from, build_parser
 from rendezvous.core import paging
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits
@@ -88,6 +89,19 @@ def test_the_default_message_size_admits_the_largest_registration_and_target() -
     )
     request = pb.RegisterTargetRequest(engine_id="d" * limits.max_id_length, targets=[target])
     assert request.ByteSize() < DEFAULT_MAX_MESSAGE_BYTES // 4
+
+
+def test_serve_flags_set_the_message_size_and_the_parts_cap() -> None:
+    defaults = _config_from(build_parser().parse_args(["serve"]))
+    assert defaults.max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES
+    args = build_parser().parse_args(["serve", "--max-message-bytes=1048576", "--max-parts-per-request=512"])
+    config = _config_from(args)
+    assert (config.max_message_bytes, config.limits.max_parts_per_request) == (1 << 20, 512)
+
+
+def test_the_message_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        ServerConfig(max_message_bytes=0)
 
 
 async def test_a_request_over_the_message_size_is_refused_unread(monkeypatch: pytest.MonkeyPatch) -> None:
