@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -23,11 +23,15 @@ from rendezvous.cli import _config_from, build_parser
 from rendezvous.core import paging
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits
+from rendezvous.core.model import Engine, Transfer
+from rendezvous.core.transfers import Transition
 from rendezvous.protocol import convert
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.server.app import LIVENESS
+from rendezvous.store.redis import RedisStore
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 from tests.security.conftest import serving
 from tests.security.test_sizes import largest_engine_request
 from tests.service.conftest import engine_request
@@ -36,6 +40,7 @@ from tests.service.test_service import error_info
 Stub = pb_grpc.RendezvousServiceStub
 CONSUMER = pb.ENGINE_ROLE_CONSUMER
 SERVING = health_pb2.HealthCheckResponse.SERVING
+__all__ = ["redis_url"]  # the fixture
 
 
 @pytest.fixture
@@ -256,6 +261,34 @@ async def test_a_long_batch_gives_the_loop_to_other_tasks_between_items(
     assert len(seen_at_conversion) == len(seen_at_apply) == 8
     assert seen_at_conversion[-1] > seen_at_conversion[0]
     assert seen_at_apply[-1] > seen_at_apply[0]
+
+
+@pytest.mark.redis
+async def test_a_redis_batch_gives_the_loop_to_other_tasks_between_items(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pacing, "QUANTUM", 0.0)
+    store = RedisStore(with_prefix(redis_url, fresh_prefix()))
+    await store.open()
+    ticks = [0]
+    seen: list[int] = []
+
+    def unchanged(cur: Transfer | None, _engines: Mapping[str, Engine]) -> Transition:
+        seen.append(ticks[0])
+        return Transition(cur)
+
+    async def tick() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await store.update_transfers([(f"t{i}", unchanged) for i in range(8)])
+    finally:
+        ticker.cancel()
+        await store.close()
+    assert len(seen) == 8 and seen[-1] > seen[0]  # planned in turns, not in one go
 
 
 # Health off the serving loop
