@@ -24,6 +24,7 @@ from rendezvous.core.specs import (
 from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.convert import duration, fill_transfer, number, seconds, set_time, timestamp
+from rendezvous.protocol.records import NixlAgent
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 T = TypeVar("T")
@@ -65,14 +66,14 @@ def _role(value: int) -> Role | None:
     return Role(value) if value in (pb.ENGINE_ROLE_PRODUCER, pb.ENGINE_ROLE_CONSUMER) else None
 
 
-def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
-    """A RegisterEngineRequest as a registration."""
+def engine_spec(req: pb.RegisterEngineRequest, agents: Sequence[NixlAgent] | None = None) -> EngineSpec:
+    """A RegisterEngineRequest as a registration; agents: its agents, converted already (convert.agent)."""
     return EngineSpec(
         engine_id=req.engine_id,
         pool=req.pool,
         role=_role(req.role),
         layout=convert.layout(req.layout),
-        agents=tuple(convert.agent(a) for a in req.agents),
+        agents=tuple(convert.agent(a) for a in req.agents) if agents is None else tuple(agents),
         labels=dict(req.labels),
         lease_ttl=seconds(req.lease_ttl),
         capacity=EngineCapacity(req.capacity.max_transfers, req.capacity.max_blocks),

@@ -288,8 +288,12 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
         # The registering identity owns the engine for the memory budget (per-identity tallies; none without auth).
-        spec = replace(wire.engine_spec(request), owner=CALLER_IDENTITY.get())
+        # Up to 16,384 regions and 2 MiB of metadata: converted, registered and answered in separate turns.
+        pacer = Pacer()
+        agents = await paced_map(convert.agent, request.agents)
+        spec = replace(wire.engine_spec(request, agents), owner=CALLER_IDENTITY.get())
         engine, start = await self.coordinator.register_engine(spec)
+        await pacer.tick()
         return pb.RegisterEngineResponse(
             header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_revision=start
         )
