@@ -16,9 +16,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 _THREADS = 4
-"""Threads answering health calls: Check answers at once and Watch holds none (it is non-blocking)."""
-_MAX_CALLS = 64
-"""Health calls in progress at once (open Watch streams included); more are refused with RESOURCE_EXHAUSTED."""
+"""Threads answering health calls: Check answers at once and Watch holds none (it is non-blocking), so open
+Watch streams never keep a probe's Check waiting (no cap on calls in progress either, for the same reason)."""
 
 
 class HealthPort:
@@ -28,7 +27,7 @@ class HealthPort:
         self._address = address
         self._pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="health")
         self._servicer = health.HealthServicer(experimental_non_blocking=True, experimental_thread_pool=self._pool)
-        self._server = grpc.server(self._pool, maximum_concurrent_rpcs=_MAX_CALLS)
+        self._server = grpc.server(self._pool)
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
 
     def start(self) -> int:

@@ -331,3 +331,21 @@ async def test_the_health_port_follows_the_status_the_loop_sets() -> None:
         await server._set_serving(False)
         assert await asyncio.to_thread(probe, port, "") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await asyncio.to_thread(probe, port, LIVENESS) == SERVING
+
+
+async def test_open_watches_on_the_health_port_do_not_hold_its_threads() -> None:
+    async with serving(health_listen="127.0.0.1:0") as server:
+        port = server.health_port or 0
+
+        def watch_many_then_check() -> int:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                watches = [stub.Watch(health_pb2.HealthCheckRequest(service=LIVENESS)) for _ in range(64)]
+                try:
+                    assert all(next(w).status == SERVING for w in watches)  # every stream is open
+                    return probe(port, LIVENESS)
+                finally:
+                    for w in watches:
+                        w.cancel()
+
+        assert await asyncio.to_thread(watch_many_then_check) == SERVING
