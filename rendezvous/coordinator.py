@@ -34,7 +34,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
-from rendezvous.pacing import Pacer
+from rendezvous.pacing import Pacer, paced_cut
 from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ class Coordinator:
 
         # One more than a page tells whether another follows.
         found = await self.store.page_engines(after, size + 1, wanted)
-        page = paging.cut(found, size, weigh, limits.max_response_bytes)
+        page = await paced_cut(found, size, weigh, limits.max_response_bytes)
         token = paging.encode_token(scope, page[-1].engine_id) if len(found) > len(page) else ""
         return EnginePage(page, token)
 
@@ -622,7 +622,7 @@ class Coordinator:
         after = paging.decode_token(scope, page_token)
         # One more than a page tells whether another follows; the store reads about a page, not everything.
         found = await self.store.page_transfers(engine_id or None, wanted, after, size + 1)
-        page = paging.cut(found, size, weigh, self.limits.max_response_bytes)
+        page = await paced_cut(found, size, weigh, self.limits.max_response_bytes)
         token = paging.encode_token(scope, page[-1].transfer_id) if len(found) > len(page) else ""
         return TransferPage(page, token)
 

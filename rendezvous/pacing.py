@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
+
+from rendezvous.core import paging
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -47,3 +49,21 @@ async def paced_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         results.append(fn(item))
         await pacer.tick()
     return results
+
+
+async def paced_cut(items: Sequence[T], size: int, weigh: Callable[[T], int], budget: int) -> list[T]:
+    """`paging.cut(items, size, weigh, budget)`, the items weighed in turns (weighing may build an item's whole
+    response message: an engine at every limit takes 20 ms). Weighs what cut would: up to the first item that
+    no longer fits."""
+    weights: list[int] = []
+    total = 0
+    pacer = Pacer()
+    for item in items[:size]:
+        weight = weigh(item)
+        weights.append(weight)
+        await pacer.tick()
+        if len(weights) > 1 and total + weight > budget:
+            break  # this item starts the next page (the first one is on this page, however heavy)
+        total += weight
+    weighed = iter(weights)  # cut weighs each item once, in order
+    return paging.cut(items[: len(weights)], size, lambda _item: next(weighed), budget)

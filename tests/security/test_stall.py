@@ -263,6 +263,25 @@ async def test_a_long_batch_gives_the_loop_to_other_tasks_between_items(
     assert seen_at_apply[-1] > seen_at_apply[0]
 
 
+@pytest.mark.parametrize("budget", [0, 5, 10, 25, 1_000])
+@pytest.mark.parametrize("size", [0, 1, 3, 10])
+async def test_a_paced_page_is_the_page_paging_cuts_weighing_the_same_items(budget: int, size: int) -> None:
+    items = [7, 1, 12, 3, 3, 9, 2, 30, 1, 4]
+
+    def weighing(log: list[int]) -> Callable[[int], int]:
+        def weigh(item: int) -> int:
+            log.append(item)
+            return item
+
+        return weigh
+
+    cut_log: list[int] = []
+    paced_log: list[int] = []
+    expected = paging.cut(items, size, weighing(cut_log), budget)
+    assert await pacing.paced_cut(items, size, weighing(paced_log), budget) == expected
+    assert paced_log == cut_log
+
+
 @pytest.mark.redis
 async def test_a_redis_batch_gives_the_loop_to_other_tasks_between_items(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
