@@ -88,7 +88,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(p, "listen", DEFAULT_ADDRESS, "gRPC listen address host:port")
     _flag(p, "store", "memory", "store: 'memory' or redis://, rediss://, unix://, redis+sentinel:// URL")
     _flag(p, "metrics-listen", "127.0.0.1:9464", "Prometheus /metrics address host:port; 'off' disables")
-    _flag(p, "health-listen", "off", "plaintext grpc.health.v1-only address host:port, for probes; 'off' disables")
+    _flag(
+        p,
+        "health-listen",
+        "off",
+        "plaintext grpc.health.v1-only address host:port, answered off the serving loop: point probes here; "
+        "'off' disables",
+    )
     _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", float)
     _flag(p, "grace", 5.0, "seconds running calls then get to finish", float)
     _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps", float)
@@ -132,8 +138,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "max-streams", 1_024, "open Watch and KeepAlive streams per caller; 0: unlimited", int)
     _flag(g, "refusal-rate", 5.0, "calls refused for credentials per second per peer host; 0: unlimited", float)
     _flag(g, "refusal-burst", 50, "burst of refused calls above --refusal-rate", int)
-    for group, cls in (("timeouts (seconds)", Timeouts), ("limits", Limits)):
-        g = p.add_argument_group(group)
+    limits = (
+        "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
+        "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfer's parts (--max-parts-per-request, "
+        "TOO_MANY_PARTS) are counted before anything is converted; the rest apply per item or field. Each RPC's "
+        "limits: docs/security.md, 'Limits against abuse'."
+    )
+    for group, cls, description in (("timeouts (seconds)", Timeouts, None), ("limits", Limits, limits)):
+        g = p.add_argument_group(group, description)
         for f in dataclasses.fields(cls):
             kind = float if cls is Timeouts else int
             name = f.name.replace("_", "-")
