@@ -569,7 +569,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=8, help="length of each phase")
     parser.add_argument("--factors", default="1,2,5", help="offered load as multiples of the measured capacity")
     parser.add_argument(
-        "--heavy-bytes", type=int, default=4 << 20, help="size of the heavy identity's requests (the server's maximum); 0: no heavy identity"
+        "--heavy-bytes",
+        type=int,
+        default=4 << 20,
+        help="size of the heavy identity's requests (the server's maximum); 0: no heavy identity",
     )
     parser.add_argument("--serve-flag", action="append", default=[], help="a flag passed to serve (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS / "overload.json", help="results file")
