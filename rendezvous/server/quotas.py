@@ -1,14 +1,16 @@
 """Per-caller quotas: token buckets for the request rate and for refusals, caps on calls in flight and
 on open streams.
 
-The caller is the authenticated identity when auth is on, else the peer's host. A call is charged by
-its size (one call per started `cost_bytes` of request), so one large batch costs what many small
-calls would. Every message of a KeepAlive stream and every Watch open is charged like a call. A call
-refused for its credentials (UNAUTHENTICATED, PERMISSION_DENIED) is also charged to its peer's host in
-a bucket of its own: once that is empty, every call from that host is refused before its token is
-looked at, so guessing tokens costs the guesser time. Calls in flight are counted while they wait on
-the store: with the memory store a call never waits (it runs to its answer on the event loop), so
-that cap bites with Redis.
+The caller is the authenticated identity when auth is on (its key, which a rename keeps), else the peer's
+host: each identity has buckets and caps of its own, so no identity's load spends another's allowance. A
+call is charged by its size (one call per started `cost_bytes` of request), so one large batch costs what
+many small calls would. Every message of a KeepAlive stream and every Watch open is charged like a call,
+and so is an identified caller's call that is then denied. A call that did not authenticate (no known
+token or certificate) is charged to its peer's host in a bucket of its own: once that is empty, that
+host's unauthenticated calls are refused RATE_LIMITED, unlogged; a caller with a valid token from the same
+host (behind the same NAT) is never refused for them. Calls in flight are counted while they wait on the
+store: with the memory store a call never waits (it runs to its answer on the event loop), so that cap
+bites with Redis.
 """
 
 from __future__ import annotations
@@ -23,16 +25,21 @@ from rendezvous.core.errors import Reason, RendezvousError
 # Beyond this many remembered callers, idle (full) buckets are forgotten.
 _MAX_BUCKETS = 10_000
 
+DEFAULT_RATE = 10_000.0
+"""Calls per second per caller by default: above what one replica serves at all (benchmarks/RESULTS.md:
+2,200-7,400 empty unary calls/s, 11,000-15,000 stream messages/s on the 2-core VM), so a legitimate load
+never meets it, while one caller cannot take more than a replica's worth (docs/security.md, Defaults)."""
+
 
 @dataclass(frozen=True)
 class CallLimits:
     """Per caller: `rate` calls per second with bursts of `burst` (0: no rate limit), each call
     costing one more per started `cost_bytes` of request (0: every call costs one); at most
     `concurrency` unary calls in flight (0: no limit) and `streams` open Watch and KeepAlive streams
-    (0: no limit). Per peer host: `refusal_rate` refused calls per second with bursts of
+    (0: no limit). Per peer host: `refusal_rate` unauthenticated calls per second with bursts of
     `refusal_burst` (0: not limited)."""
 
-    rate: float = 0.0
+    rate: float = DEFAULT_RATE
     burst: int = 0
     concurrency: int = 0
     cost_bytes: int = 65_536
@@ -123,18 +130,18 @@ class CallQuotas:
             )
 
     def check_refusals(self, peer: str) -> None:
-        """Raise RATE_LIMITED if peer has used up its refused calls."""
+        """Raise RATE_LIMITED if peer has used up its unauthenticated calls."""
         refusals = self._refusals
         if refusals is not None and not refusals.has_token(peer):
             rate = self.limits.refusal_rate
             raise RendezvousError(
                 Reason.RATE_LIMITED,
-                f"more than {rate:g} refused calls/s from this host (burst {refusals.size:g}); back off",
+                f"more than {rate:g} unauthenticated calls/s from this host (burst {refusals.size:g}); back off",
                 limit=rate,
             )
 
     def refused(self, peer: str) -> None:
-        """Charge a call refused for its credentials to its peer host."""
+        """Charge a call that did not authenticate to its peer host."""
         if self._refusals is not None:
             self._refusals.take(peer)
 
