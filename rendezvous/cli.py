@@ -109,7 +109,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "tls-key", None, "the certificate's private key (file path or PEM)")
     _flag(g, "tls-client-ca", None, "CA bundle that signs client certificates, for mTLS (file path or PEM)")
     _switch(g, "tls-require-client-cert", "mTLS: refuse clients without a certificate from --tls-client-ca")
-    _flag(g, "auth-file", None, "JSON file binding tokens and certificate names to identities; unset: no auth")
+    _flag(
+        g,
+        "auth-file",
+        None,
+        "JSON file binding tokens and certificate names to identities (re-read when it changes, and on SIGHUP); "
+        "unset: no auth",
+    )
     _flag(g, "min-token-bytes", 16, "refuse to start if the auth file names a shorter token in the clear", int)
     _switch(
         g,
