@@ -9,6 +9,11 @@ modification-time check; a busy stream is one whose next message comes before an
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -156,3 +161,43 @@ async def test_a_reload_that_leaves_an_identity_unchanged_keeps_its_streams(
         await stream.write(renewal)
         assert (await stream.read()).engine_id == "p0"
     stream.cancel()
+
+
+def test_sighup_reloads_the_auth_file_of_a_serving_process(tmp_path: Path) -> None:
+    """`kill -HUP` re-reads the file at once, whatever its modification time: here the rewrite keeps the old
+    one, so only the signal can make the busy KeepAlive end (within a bounded number of messages)."""
+    path = auth_file(tmp_path, AUTH)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rendezvous.cli", "serve", "--listen=127.0.0.1:0", "--metrics-listen=off"],
+        env={**os.environ, "KV_RENDEZVOUS_AUTH_FILE": path, "KV_RENDEZVOUS_DRAIN": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert serve.stdout is not None
+        address = serve.stdout.readline().split("serving on ")[1].split(" ")[0]
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.RendezvousServiceStub(channel)
+            request = engine_request("p0", pb.ENGINE_ROLE_PRODUCER)
+            request.pool = "prefill"
+            incarnation = stub.RegisterEngine(request, metadata=bearer(P0), timeout=30).engine.incarnation
+            renewals: queue.Queue[pb.KeepAliveRequest | None] = queue.Queue()
+            responses = stub.KeepAlive(iter(renewals.get, None), metadata=bearer(P0), timeout=60)
+            renewal = pb.KeepAliveRequest(engine_id="p0", incarnation=incarnation)
+            renewals.put(renewal)
+            assert next(responses).engine_id == "p0"
+            mtime = os.stat(path).st_mtime_ns
+            Path(path).write_text(json.dumps(without(P0)))
+            os.utime(path, ns=(mtime, mtime))
+            serve.send_signal(signal.SIGHUP)
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in range(100_000):
+                    renewals.put(renewal)
+                    next(responses)
+            renewals.put(None)
+            ended = from_rpc_error(err.value)
+            assert (ended.code, ended.reason) == UNAUTHENTICATED
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=30)
