@@ -5,12 +5,13 @@ The caller is the authenticated identity when auth is on (its key, which a renam
 host: each identity has buckets and caps of its own, so no identity's load spends another's allowance. A
 call is charged by its size (one call per started `cost_bytes` of request), so one large batch costs what
 many small calls would. Every message of a KeepAlive stream and every Watch open is charged like a call,
-and so is an identified caller's call that is then denied. A call that did not authenticate (no known
-token or certificate) is charged to its peer's host in a bucket of its own: once that is empty, that
-host's unauthenticated calls are refused RATE_LIMITED, unlogged; a caller with a valid token from the same
-host (behind the same NAT) is never refused for them. Calls in flight are counted while they wait on the
-store: with the memory store a call never waits (it runs to its answer on the event loop), so that cap
-bites with Redis.
+and so is an identified caller's call that is then denied. A RATE_LIMITED refusal says when the caller's
+bucket holds a token again (a google.rpc.RetryInfo, which the SDK waits out before it retries). A call that
+did not authenticate (no known token or certificate) is charged to its peer's host in a bucket of its own:
+once that is empty, that host's unauthenticated calls are refused RATE_LIMITED, unlogged; a caller with a
+valid token from the same host (behind the same NAT) is never refused for them. Calls in flight are counted
+while they wait on the store: with the memory store a call never waits (it runs to its answer on the event
+loop), so that cap bites with Redis.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ class TokenBucket:
         """Whether key may make a call now."""
         return self._refilled(key)[0] >= 1
 
+    def wait(self, key: str) -> float:
+        """Seconds until key has a token again (0 if it has one now)."""
+        return max(0.0, 1 - self._refilled(key)[0]) / self.rate
+
     def take(self, key: str, cost: float = 1.0) -> bool:
         """Charge key `cost` tokens if it has one now; whether it had."""
         bucket = self._refilled(key)
@@ -126,7 +131,10 @@ class CallQuotas:
         if calls is not None and not calls.take(key, self.cost(request_bytes)):
             rate = self.limits.rate
             raise RendezvousError(
-                Reason.RATE_LIMITED, f"more than {rate:g} calls/s (burst {calls.size:g}); back off", limit=rate
+                Reason.RATE_LIMITED,
+                f"more than {rate:g} calls/s (burst {calls.size:g}); back off",
+                limit=rate,
+                retry_after=calls.wait(key),
             )
 
     def check_refusals(self, peer: str) -> None:
@@ -138,6 +146,7 @@ class CallQuotas:
                 Reason.RATE_LIMITED,
                 f"more than {rate:g} unauthenticated calls/s from this host (burst {refusals.size:g}); back off",
                 limit=rate,
+                retry_after=refusals.wait(peer),
             )
 
     def refused(self, peer: str) -> None:

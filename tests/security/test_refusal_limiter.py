@@ -10,7 +10,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from clients._exceptions import from_rpc_error
+from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.server import CallLimits, RendezvousServer
+from rendezvous.server.quotas import CallQuotas
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.security.conftest import serving
 from tests.security.test_auth import DECODE, ROUTER, UNAUTHENTICATED, auth_file, call, refusal, register
@@ -74,3 +77,34 @@ async def test_an_identity_s_denied_calls_are_charged_to_its_own_rate(tmp_path: 
             assert await refusal(register(channel, "decode-1", DECODE)) == DENIED
         assert await refusal(register(channel, "decode-0", DECODE)) == RATE_LIMITED
         assert (await call(channel, "GetStatus", pb.GetStatusRequest(), ROUTER)).version
+
+
+def test_a_rate_limited_refusal_says_when_to_retry() -> None:
+    now = [0.0]
+    quotas = CallQuotas(CallLimits(rate=4, burst=1, refusal_rate=2, refusal_burst=1), lambda: now[0])
+    quotas.admit("id:a")
+    with pytest.raises(RendezvousError) as err:
+        quotas.admit("id:a")
+    assert err.value.retry_after == pytest.approx(0.25)
+    now[0] += 0.1
+    with pytest.raises(RendezvousError) as err:
+        quotas.admit("id:a")
+    assert err.value.retry_after == pytest.approx(0.15)
+    quotas.refused("ipv4:10.0.0.1")
+    with pytest.raises(RendezvousError) as err:
+        quotas.check_refusals("ipv4:10.0.0.1")
+    assert err.value.reason == Reason.RATE_LIMITED
+    assert err.value.retry_after == pytest.approx(0.5)
+
+
+async def test_the_retry_hint_reaches_the_client(tmp_path: Path) -> None:
+    async with (
+        serving(auth_file=auth_file(tmp_path), call_limits=CallLimits(rate=2, burst=1)) as server,
+        grpc.aio.insecure_channel(server.address) as channel,
+    ):
+        await call(channel, "GetStatus", pb.GetStatusRequest(), ROUTER)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(channel, "GetStatus", pb.GetStatusRequest(), ROUTER)
+    refused = from_rpc_error(err.value)
+    assert refused.reason == "RATE_LIMITED"
+    assert refused.retry_after is not None and 0 < refused.retry_after <= 0.5
