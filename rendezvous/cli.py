@@ -131,7 +131,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     _switch(g, "allow-unbound", "with --binding-key-file, admit a transfer half without a binding (rollout step)")
     # The defaults of CallLimits (rendezvous.server.quotas; tests/security/test_defaults.py keeps them equal).
-    _flag(g, "rate-limit", 10_000.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
+    _flag(
+        g,
+        "rate-limit",
+        None,
+        "calls per second per caller (identity, else peer host), KeepAlive messages included; 0: unlimited; "
+        "unset: 10000 with --auth-file, unlimited without",
+        float,
+    )
     _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
     _flag(g, "rate-cost-bytes", 65_536, "a call costs one more per started N bytes of request; 0: one each", int)
     _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller (they wait on Redis); 0: unlimited", int)

@@ -144,8 +144,9 @@ class RendezvousServer:
             ("grpc.so_reuseport", 0),
         ]
         interceptors = []
-        if self.auth is not None or cfg.call_limits.enabled:
-            quotas = CallQuotas(cfg.call_limits)
+        limits = cfg.call_limits.for_server(auth=self.auth is not None)
+        if self.auth is not None or limits.enabled:
+            quotas = CallQuotas(limits)
             interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics))
         server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rendezvous.core.errors import Reason, RendezvousError
 
@@ -27,20 +27,21 @@ from rendezvous.core.errors import Reason, RendezvousError
 _MAX_BUCKETS = 10_000
 
 DEFAULT_RATE = 10_000.0
-"""Calls per second per caller by default: above what one replica serves at all (benchmarks/RESULTS.md:
-2,200-7,400 empty unary calls/s, 11,000-15,000 stream messages/s on the 2-core VM), so a legitimate load
-never meets it, while one caller cannot take more than a replica's worth (docs/security.md, Defaults)."""
+"""Calls per second per identity by default (with auth): above what one replica serves at all
+(benchmarks/RESULTS.md: 2,200-7,400 empty unary calls/s, 11,000-15,000 stream messages/s on the 2-core VM), so
+a legitimate load never meets it, while one identity cannot take more than a replica's worth."""
 
 
 @dataclass(frozen=True)
 class CallLimits:
-    """Per caller: `rate` calls per second with bursts of `burst` (0: no rate limit), each call
+    """Per caller: `rate` calls per second with bursts of `burst` (0: no rate limit; None: DEFAULT_RATE
+    with auth, none without, see `for_server`), each call
     costing one more per started `cost_bytes` of request (0: every call costs one); at most
     `concurrency` unary calls in flight (0: no limit) and `streams` open Watch and KeepAlive streams
     (0: no limit). Per peer host: `refusal_rate` unauthenticated calls per second with bursts of
     `refusal_burst` (0: not limited)."""
 
-    rate: float = DEFAULT_RATE
+    rate: float | None = None
     burst: int = 0
     concurrency: int = 0
     cost_bytes: int = 65_536
@@ -49,7 +50,7 @@ class CallLimits:
     refusal_burst: int = 50
 
     def __post_init__(self) -> None:
-        numbers = (self.rate, self.burst, self.concurrency, self.cost_bytes, self.streams)
+        numbers = (self.rate or 0, self.burst, self.concurrency, self.cost_bytes, self.streams)
         if min(*numbers, self.refusal_rate, self.refusal_burst) < 0:
             raise ValueError("call limits must not be negative")
 
@@ -57,6 +58,14 @@ class CallLimits:
     def enabled(self) -> bool:
         """Whether a per-call limit is set (without auth, the guard is installed only then)."""
         return bool(self.rate or self.concurrency)
+
+    def for_server(self, auth: bool) -> CallLimits:
+        """These limits with the default rate decided: DEFAULT_RATE per identity with auth; none without,
+        where the caller is the peer's host and a whole fleet behind one address (a NAT, a benchmark's
+        loopback) would share one bucket."""
+        if self.rate is not None:
+            return self
+        return replace(self, rate=DEFAULT_RATE if auth else 0.0)
 
 
 class TokenBucket:
@@ -110,7 +119,8 @@ class CallQuotas:
 
     def __init__(self, limits: CallLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
-        self._calls = TokenBucket(limits.rate, limits.burst, clock) if limits.rate else None
+        self._rate = limits.rate or 0.0  # undecided (None): no rate; RendezvousServer decides it (for_server)
+        self._calls = TokenBucket(self._rate, limits.burst, clock) if self._rate else None
         self._refusals = TokenBucket(limits.refusal_rate, limits.refusal_burst, clock) if limits.refusal_rate else None
         self._in_flight = _Cap(limits.concurrency, "calls in flight")
         self._streams = _Cap(limits.streams, "open streams")
@@ -129,7 +139,7 @@ class CallQuotas:
         """Charge one call (more for a large request) to key's bucket, or raise RATE_LIMITED."""
         calls = self._calls
         if calls is not None and not calls.take(key, self.cost(request_bytes)):
-            rate = self.limits.rate
+            rate = self._rate
             raise RendezvousError(
                 Reason.RATE_LIMITED,
                 f"more than {rate:g} calls/s (burst {calls.size:g}); back off",

@@ -4,12 +4,14 @@
   (`--allow-unbound` relaxes that, for the rollout step where routers do not sign yet).
 - An engine identity without `engine_roles` (or, for `engines`, `engine_pools`) is named in a warning at
   start and at each reload; `--strict-identities` refuses such a file instead.
-- A rate limit is on: 10,000 calls/s per caller, above what one replica serves, so that a legitimate
-  load never meets it; KeepAlive messages are counted against it.
+- A rate limit is on: 10,000 calls/s per identity, above what one replica serves, so that a legitimate
+  load never meets it; KeepAlive messages are counted against it. Without auth the caller is the peer's
+  host, which a whole fleet behind one address shares: there it stays off unless set.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,8 +25,11 @@ import pytest
 from rendezvous.cli import _config_from, build_parser, main
 from rendezvous.server import CallLimits, RendezvousServer, ServerConfig, quotas
 from rendezvous.server.policy import AuthPolicy
-from tests.security.test_auth import auth_file
-from tests.security.test_transfer_bindings import AUTH, claim, engines, info, key_file, target
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.security.conftest import serving
+from tests.security.test_auth import auth_file, bearer
+from tests.security.test_transfer_bindings import AUTH, D0, claim, engines, info, key_file, target
 
 BOUND = {"name": "d0", "engines": ["d0", "d0-*"], "engine_roles": ["consumer"], "engine_pools": ["decode"]}
 POOL = {"name": "prefill", "pools": ["prefill"], "engine_roles": ["producer"]}
@@ -115,14 +120,16 @@ def test_serve_with_strict_identities_and_an_unbound_identity_exits_with_the_rea
 # The rate limit
 
 
-def test_a_rate_limit_is_on_by_default_and_the_cli_agrees() -> None:
-    assert CallLimits().rate == quotas.DEFAULT_RATE == 10_000
+def test_a_rate_limit_is_on_by_default_with_auth_and_the_cli_agrees() -> None:
+    assert CallLimits().for_server(auth=True).rate == quotas.DEFAULT_RATE == 10_000
+    assert CallLimits().for_server(auth=False).rate == 0
+    assert CallLimits(rate=50).for_server(auth=True).rate == CallLimits(rate=50).for_server(auth=False).rate == 50
     assert served().call_limits == CallLimits()
 
 
 def test_the_default_rate_counts_every_message_and_refuses_past_a_second_s_worth() -> None:
     now = [0.0]
-    limiter = quotas.CallQuotas(CallLimits(), lambda: now[0])
+    limiter = quotas.CallQuotas(CallLimits().for_server(auth=True), lambda: now[0])
     for _ in range(10_000):  # one second's worth: a burst above any replica's serving rate
         limiter.admit("id:engine")
     with pytest.raises(Exception, match="more than 10000 calls/s"):
@@ -130,3 +137,23 @@ def test_the_default_rate_counts_every_message_and_refuses_past_a_second_s_worth
     limiter.admit("id:another-engine")
     now[0] += 0.001
     limiter.admit("id:engine")
+
+
+async def test_without_auth_callers_behind_one_address_are_not_capped_by_default(tmp_path: Path) -> None:
+    """With auth, `--max-streams` caps an identity's streams; without, every caller is 127.0.0.1 here (as a
+    fleet behind a NAT would be), and no default limit lumps them together."""
+    for auth, opened in ((True, 1), (False, 3)):
+        config = {"auth_file": auth_file(tmp_path, AUTH)} if auth else {}
+        async with (
+            serving(call_limits=CallLimits(streams=1), **config) as server,
+            grpc.aio.insecure_channel(server.address) as channel,
+        ):
+            await engines(channel, "d0")  # its token is ignored without auth
+            stub = pb_grpc.RendezvousServiceStub(channel)
+            watches = [
+                stub.Watch(pb.WatchRequest(engine_id="d0"), metadata=bearer(D0) if auth else None) for _ in range(3)
+            ]
+            outcomes = await asyncio.gather(*(w.read() for w in watches), return_exceptions=True)
+            assert sum(not isinstance(o, BaseException) for o in outcomes) == opened
+            for watch in watches:
+                watch.cancel()
