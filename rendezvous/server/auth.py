@@ -4,11 +4,12 @@ An engine identity may register, renew, deregister, watch and act on transfers f
 only, and only with the roles and in the pools it is bound to; the `router` role may read
 (GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router (an empty
 engine_id); `admin` may do everything. Health checks and reflection need no identity. A stream ends
-when its identity leaves the auth file (or changes), and a non-participant learns nothing of a
-transfer (rendezvous.server.disclosure).
+at its next message once its identity leaves the auth file (or changes), and a non-participant learns
+nothing of a transfer (rendezvous.server.disclosure).
 
-`Guard` is the server interceptor that applies this and the per-caller quotas. Tokens and
-metadata are never logged; denials are logged with the identity's name.
+`Guard` is the server interceptor that applies this and the per-caller quotas (keyed by the identity's
+token, Identity.key; only calls that did not authenticate are limited by host). Tokens and metadata are
+never logged; denials are logged with the identity's name.
 """
 
 from __future__ import annotations
