@@ -261,7 +261,8 @@ class Coordinator:
         limits = self.limits
         size = paging.page_size(page_size, limits.default_engine_page, limits.max_engine_page)
         scope = f"engines {pool} {role.name if role else ''}"
-        after = paging.decode_token(scope, page_token)
+        key = await self.store.page_token_key()
+        after = paging.decode_token(key, scope, page_token)
         now = self.clock()
 
         def wanted(e: Engine) -> bool:
@@ -270,7 +271,7 @@ class Coordinator:
         # One more than a page tells whether another follows.
         found = await self.store.page_engines(after, size + 1, wanted)
         page = paging.cut(found, size, weigh, limits.max_response_bytes)
-        token = paging.encode_token(scope, page[-1].engine_id) if len(found) > len(page) else ""
+        token = paging.encode_token(key, scope, page[-1].engine_id) if len(found) > len(page) else ""
         return EnginePage(page, token)
 
     async def _lose_engine(self, lost: Engine) -> int:
@@ -616,11 +617,12 @@ class Coordinator:
         wanted = frozenset(states) or frozenset(LIVE_STATES)
         size = paging.page_size(page_size, self.limits.max_list_page, self.limits.max_list_page)
         scope = f"transfers {engine_id} {','.join(sorted(s.name for s in wanted))}"
-        after = paging.decode_token(scope, page_token)
+        key = await self.store.page_token_key()
+        after = paging.decode_token(key, scope, page_token)
         # One more than a page tells whether another follows; the store reads about a page, not everything.
         found = await self.store.page_transfers(engine_id or None, wanted, after, size + 1)
         page = paging.cut(found, size, weigh, self.limits.max_response_bytes)
-        token = paging.encode_token(scope, page[-1].transfer_id) if len(found) > len(page) else ""
+        token = paging.encode_token(key, scope, page[-1].transfer_id) if len(found) > len(page) else ""
         return TransferPage(page, token)
 
     # Events

@@ -138,6 +138,7 @@ class RedisStore(Store):
         self._scripts = Scripts(self._rev_key, self._prefix)
         self._epoch = Epoch(self._prefix + "epoch", self._rev_key, self._scripts, self._records.clear)
         self._redis: aioredis.Redis | None = None
+        self._page_key: bytes | None = None
         self._batcher: Batcher | None = None
         self._health: aioredis.Redis | None = None
         self._watch: aioredis.Redis | None = None
@@ -683,6 +684,15 @@ class RedisStore(Store):
     @_guarded
     async def usage(self, owner: str) -> budget.Tally:
         return _tally(await self._scripts.run("usage", owner=owner), owner)
+
+    @_guarded
+    async def page_token_key(self) -> bytes:
+        # The first replica to ask makes the namespace's key (SET NX); every replica reads the one that won.
+        if self._page_key is None:
+            name = self._prefix + "page-key"
+            await self._command("SET", name, secrets.token_bytes(32), "NX")
+            self._page_key = bytes(await self._command("GET", name))
+        return self._page_key
 
     @_guarded
     async def counts(self) -> StoreCounts:

@@ -1,0 +1,124 @@
+"""The contract as an independent client and an attacker read it (issue 24, Deliver 6): signed page tokens,
+an engine's agents, `Engine.live_transfers`, pre-aborts, what a non-participant learns, credits held on
+another consumer, and the ambiguous requests decided in docs/protocol.md. Real server on 127.0.0.1, memory
+and Redis stores."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from clients.testing import start_test_server
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.service.conftest import engine_request
+from tests.service.test_service import error_info
+
+__all__ = ["redis_url"]  # the fixture
+
+CONSUMER, PRODUCER = pb.ENGINE_ROLE_CONSUMER, pb.ENGINE_ROLE_PRODUCER
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory"
+    return with_prefix(request.getfixturevalue("redis_url"), fresh_prefix())
+
+
+@contextlib.asynccontextmanager
+async def servers(*stores: str, **config: Any) -> AsyncIterator[list[pb_grpc.RendezvousServiceStub]]:
+    """A server per store (a Redis URL twice: two replicas of one deployment) and a stub to each."""
+    async with contextlib.AsyncExitStack() as stack:
+        stubs = []
+        for store in stores:
+            server = await stack.enter_async_context(start_test_server(store=store, **config))
+            channel = await stack.enter_async_context(grpc.aio.insecure_channel(server.address))
+            stubs.append(pb_grpc.RendezvousServiceStub(channel))
+        yield stubs
+
+
+@pytest.fixture
+async def stub(store: str) -> AsyncIterator[pb_grpc.RendezvousServiceStub]:
+    async with start_test_server(store=store) as server, grpc.aio.insecure_channel(server.address) as channel:
+        yield pb_grpc.RendezvousServiceStub(channel)
+
+
+def reason_of(err: grpc.aio.AioRpcError) -> str:
+    return str(error_info(err).reason)
+
+
+async def refused(call: Any, code: grpc.StatusCode, reason: str) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert (caught.value.code(), reason_of(caught.value)) == (code, reason), caught.value.details()
+    return caught.value
+
+
+async def register(
+    stub: pb_grpc.RendezvousServiceStub, engine_id: str, role: pb.EngineRole.ValueType = CONSUMER, **kw: Any
+) -> int:
+    reply = await stub.RegisterEngine(engine_request(engine_id, role, **kw))
+    return int(reply.engine.incarnation)
+
+
+# 1. Page tokens are signed with the deployment's key.
+
+
+def _edited(token: str) -> str:
+    raw = bytearray(base64.urlsafe_b64decode(token))
+    raw[-1] ^= 1  # the id the page ended at, one bit off
+    return base64.urlsafe_b64encode(bytes(raw)).decode()
+
+
+async def test_a_forged_or_edited_page_token_is_refused(stub: pb_grpc.RendezvousServiceStub) -> None:
+    for i in range(3):
+        await register(stub, f"d{i}")
+    first = await stub.ListEngines(pb.ListEnginesRequest(page_size=1))
+    assert first.next_page_token
+    # The old format: unsigned base64 of the listing's scope and the id to continue after.
+    forged = base64.urlsafe_b64encode(b"engines  \nd0").decode()
+    for token in (forged, _edited(first.next_page_token)):
+        await refused(
+            stub.ListEngines(pb.ListEnginesRequest(page_size=1, page_token=token)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "PAGE_TOKEN_INVALID",
+        )
+    second = await stub.ListEngines(pb.ListEnginesRequest(page_size=1, page_token=first.next_page_token))
+    assert [e.engine_id for e in second.engines] == ["d1"]
+
+
+async def test_a_page_token_of_another_deployment_is_refused() -> None:
+    async with servers("memory", "memory") as (first, second):
+        for s in (first, second):
+            for i in range(2):
+                await register(s, f"d{i}")
+        token = (await first.ListEngines(pb.ListEnginesRequest(page_size=1))).next_page_token
+        await refused(
+            second.ListEngines(pb.ListEnginesRequest(page_size=1, page_token=token)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "PAGE_TOKEN_INVALID",
+        )
+
+
+@pytest.mark.redis
+async def test_replicas_of_one_deployment_continue_each_others_pages_and_no_other(redis_url: str) -> None:
+    url, other = with_prefix(redis_url, fresh_prefix()), with_prefix(redis_url, fresh_prefix())
+    async with servers(url, url, other) as (a, b, c):
+        for s in (a, c):
+            for i in range(2):
+                await register(s, f"d{i}")
+        token = (await a.ListEngines(pb.ListEnginesRequest(page_size=1))).next_page_token
+        page = await b.ListEngines(pb.ListEnginesRequest(page_size=1, page_token=token))
+        assert [e.engine_id for e in page.engines] == ["d1"]
+        await refused(
+            c.ListEngines(pb.ListEnginesRequest(page_size=1, page_token=token)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "PAGE_TOKEN_INVALID",
+        )
