@@ -62,7 +62,7 @@ async def refused(call: Any, code: grpc.StatusCode, reason: str) -> grpc.aio.Aio
 
 
 async def register(
-    stub: pb_grpc.RendezvousServiceStub, engine_id: str, role: pb.EngineRole.ValueType = CONSUMER, **kw: Any
+    stub: pb_grpc.RendezvousServiceStub, engine_id: str, role: pb.EngineRole = CONSUMER, **kw: Any
 ) -> int:
     reply = await stub.RegisterEngine(engine_request(engine_id, role, **kw))
     return int(reply.engine.incarnation)
