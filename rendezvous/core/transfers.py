@@ -139,7 +139,15 @@ def _require_role(engine: Engine, role: Role) -> None:
         )
 
 
-def _ended(t: Transfer) -> RendezvousError:
+def _ended(t: Transfer, engine_id: str) -> RendezvousError:
+    """TRANSFER_ENDED for engine_id; only a half of the transfer learns why it was aborted (the abort reason
+    and message a peer gave are its participants' business)."""
+    if engine_id not in (t.consumer_engine_id, t.producer_engine_id):
+        return RendezvousError(
+            Reason.TRANSFER_ENDED,
+            f"transfer {t.transfer_id} already ended; mint a new transfer id",
+            transfer_id=t.transfer_id,
+        )
     return RendezvousError(
         Reason.TRANSFER_ENDED,
         f"transfer {t.transfer_id} already ended ({t.state.name}"
@@ -348,7 +356,7 @@ def register_target(
     if cur.state.terminal:
         if same_target:
             return Transition(cur)
-        raise _ended(cur)
+        raise _ended(cur, consumer.engine_id)
     if cur.consumer_engine_id and cur.consumer_engine_id != consumer.engine_id:
         raise RendezvousError(
             Reason.TARGET_CONFLICT,
@@ -436,7 +444,7 @@ def _claim(
     if cur.producer_engine_id == producer.engine_id:
         return _fenced(ctx, cur, consumer, producer) or Transition(cur)
     if cur.state.terminal:
-        raise _ended(cur)
+        raise _ended(cur, producer.engine_id)
     if cur.producer_engine_id:
         raise RendezvousError(
             Reason.CLAIM_CONFLICT,

@@ -100,7 +100,8 @@ def _batch_rpc(
 ) -> Handler[ResponseT]:
     """A batched transfer RPC: the request's items through one coordinator call, one ItemResult each, in order.
 
-    takes_half: the call takes a half of its transfers, so the caller's exemption from bindings is passed on.
+    takes_half: the call takes a half of its transfers (or, AbortTransfer, ends them), so the caller's exemption from
+    bindings is passed on.
     observe: counts what the items carried, once they are answered.
     """
     method = response_type.__name__.removesuffix("Response")
@@ -338,7 +339,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         pb.AcknowledgeRevocationResponse, wire.revocation_acks, Coordinator.acknowledge_revocations
     )
     ReleaseTarget = _batch_rpc(pb.ReleaseTargetResponse, wire.release_specs, Coordinator.release_targets)
-    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, wire.abort_specs, Coordinator.abort_transfers)
+    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, wire.abort_specs, Coordinator.abort_transfers, takes_half=True)
 
     # Credits
 

@@ -8,15 +8,20 @@ from __future__ import annotations
 import base64
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
 from clients.testing import start_test_server
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.security.conftest import serving
+from tests.security.test_auth import auth_file, call
+from tests.security.test_transfer_bindings import AUTH, ROUTER, TOKENS, claim, engines, info, key_file, signed, target
 from tests.service.conftest import engine_request
 from tests.service.test_service import error_info
 
@@ -122,3 +127,79 @@ async def test_replicas_of_one_deployment_continue_each_others_pages_and_no_othe
             grpc.StatusCode.INVALID_ARGUMENT,
             "PAGE_TOKEN_INVALID",
         )
+
+
+# 2. An engine registers tp x pp agents: none is AGENTS_INVALID.
+
+
+async def test_an_engine_without_agents_is_refused(stub: pb_grpc.RendezvousServiceStub) -> None:
+    request = engine_request("d0", CONSUMER)
+    del request.agents[:]
+    err = await refused(stub.RegisterEngine(request), grpc.StatusCode.INVALID_ARGUMENT, "AGENTS_INVALID")
+    assert error_info(err).metadata["field"] == "agents"
+    await refused(stub.GetEngine(pb.GetEngineRequest(engine_id="d0")), grpc.StatusCode.NOT_FOUND, "ENGINE_NOT_FOUND")
+
+
+# 5. TRANSFER_ENDED tells a non-participant that the transfer ended, not why.
+
+
+def item_error(result: pb.ItemResult) -> tuple[str, str, dict[str, str]]:
+    """(reason, message, metadata) of a refused item."""
+    assert result.HasField("status"), result
+    info = error_details_pb2.ErrorInfo()
+    assert result.status.details[0].Unpack(info)
+    return info.reason, result.status.message, dict(info.metadata)
+
+
+async def test_a_non_participant_learns_no_abort_message(stub: pb_grpc.RendezvousServiceStub) -> None:
+    for name, role in (("d0", CONSUMER), ("d1", CONSUMER), ("p1", PRODUCER)):
+        await register(stub, name, role)
+    await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    )
+    secret = "p0's disk at /srv/kv failed"
+    await stub.AbortTransfer(
+        pb.AbortTransferRequest(engine_id="d0", aborts=[pb.AbortSpec(transfer_id="t", message=secret)])
+    )
+    other_target = pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    other_claim = pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")])
+    for reply in (await stub.RegisterTarget(other_target), await stub.ClaimTransfer(other_claim)):
+        reason, text, metadata = item_error(reply.results[0])
+        assert reason == "TRANSFER_ENDED" and "/srv/kv" not in text and "REQUESTED" not in text
+        assert "abort_reason" not in metadata and "state" not in metadata
+    # The participant still learns why.
+    own = pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[2])])
+    reason, text, metadata = item_error((await stub.RegisterTarget(own)).results[0])
+    assert reason == "TRANSFER_ENDED" and secret in text and metadata["abort_reason"] == "REQUESTED"
+
+
+# 4. Under required bindings an engine aborts only its own transfers: a pre-abort cannot poison a router's id.
+
+
+@pytest.fixture
+async def bound(tmp_path: Path, store: str) -> AsyncIterator[grpc.aio.Channel]:
+    """A server with auth, a binding key and --require-binding, and a channel to it."""
+    config = {"auth_file": auth_file(tmp_path, AUTH), "binding_key_file": key_file(tmp_path), "store": store}
+    async with serving(require_binding=True, **config) as server, grpc.aio.insecure_channel(server.address) as ch:
+        yield ch
+
+
+async def abort(channel: grpc.aio.Channel, engine: str, transfer_id: str) -> pb.ItemResult:
+    request = pb.AbortTransferRequest(engine_id=engine, aborts=[pb.AbortSpec(transfer_id=transfer_id, message="x")])
+    token = TOKENS[engine] if engine else ROUTER
+    result: pb.ItemResult = (await call(channel, "AbortTransfer", request, token)).results[0]
+    return result
+
+
+async def test_an_unbound_engine_cannot_pre_abort_a_routers_transfer(bound: grpc.aio.Channel) -> None:
+    await engines(bound, "d0", "p0", "p1")
+    # p1 guesses (or saw) the id the router minted for d0 and p0, before either half arrives.
+    assert info(await abort(bound, "p1", "t")) == ("BINDING_REQUIRED", "")
+    assert info(await target(bound, "d0", "t", signed("t"))) == ("", "")
+    # The same answer once the transfer exists: no oracle, and no abort of someone else's transfer.
+    assert info(await abort(bound, "p1", "t")) == ("BINDING_REQUIRED", "")
+    assert info(await claim(bound, "p0", "t", signed("t"))) == ("", "")
+    # A half aborts its own transfer; the router pre-aborts any id.
+    assert (await abort(bound, "d0", "t")).state == pb.TRANSFER_STATE_ABORTED
+    assert (await abort(bound, "", "t2")).state == pb.TRANSFER_STATE_ABORTED
+    assert info(await target(bound, "d0", "t2", signed("t2")))[0] == "TRANSFER_ENDED"

@@ -138,7 +138,6 @@ class RedisStore(Store):
         self._scripts = Scripts(self._rev_key, self._prefix)
         self._epoch = Epoch(self._prefix + "epoch", self._rev_key, self._scripts, self._records.clear)
         self._redis: aioredis.Redis | None = None
-        self._page_key: bytes | None = None
         self._batcher: Batcher | None = None
         self._health: aioredis.Redis | None = None
         self._watch: aioredis.Redis | None = None
@@ -688,11 +687,9 @@ class RedisStore(Store):
     @_guarded
     async def page_token_key(self) -> bytes:
         # The first replica to ask makes the namespace's key (SET NX); every replica reads the one that won.
-        if self._page_key is None:
-            name = self._prefix + "page-key"
-            await self._command("SET", name, secrets.token_bytes(32), "NX")
-            self._page_key = bytes(await self._command("GET", name))
-        return self._page_key
+        name = self._prefix + "page-key"
+        await self._command("SET", name, secrets.token_bytes(32), "NX")
+        return bytes(await self._command("GET", name))
 
     @_guarded
     async def counts(self) -> StoreCounts:
