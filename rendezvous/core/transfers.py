@@ -469,11 +469,11 @@ def mark_source_ready(
     check_block_ids(spec.block_ids, ctx.limits, producer.num_blocks())
     _require_role(producer, Role.PRODUCER)
     blocks = tuple(spec.block_ids)
-    if cur is None or not cur.producer_engine_id:
+    if cur is None or cur.producer_engine_id != producer.engine_id:
+        # Claims the transfer as ClaimTransfer would, and is refused as it would be (TRANSFER_ENDED,
+        # CLAIM_CONFLICT): never an answer that another call on the same id would contradict.
         timeout = ctx.timeouts.default_claim_timeout
         return _claim(ctx, cur, producer, consumer, spec.transfer_id, timeout, blocks)
-    if cur.producer_engine_id != producer.engine_id:
-        raise _not_participant(cur, producer.engine_id)
     gone = _fenced(ctx, cur, consumer, producer)
     if gone:
         return gone

@@ -203,3 +203,30 @@ async def test_an_unbound_engine_cannot_pre_abort_a_routers_transfer(bound: grpc
     assert (await abort(bound, "d0", "t")).state == pb.TRANSFER_STATE_ABORTED
     assert (await abort(bound, "", "t2")).state == pb.TRANSFER_STATE_ABORTED
     assert info(await target(bound, "d0", "t2", signed("t2")))[0] == "TRANSFER_ENDED"
+
+
+# 6. MarkSourceReady + AcknowledgeRevocation: no existence oracle.
+
+
+async def test_mark_source_ready_then_acknowledge_answers_a_foreign_id_as_an_unknown_one(
+    bound: grpc.aio.Channel,
+) -> None:
+    await engines(bound, "d0", "p0", "p1")
+    assert info(await target(bound, "d0", "t-foreign", signed("t-foreign"))) == ("", "")
+    assert info(await claim(bound, "p0", "t-foreign", signed("t-foreign"))) == ("", "")
+
+    async def probe(transfer_id: str) -> list[bytes]:
+        ready = pb.MarkSourceReadyRequest(
+            engine_id="p1", sources=[pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[1, 2])]
+        )
+        ack = pb.AcknowledgeRevocationRequest(
+            engine_id="p1", acks=[pb.RevocationAck(transfer_id=transfer_id, generation=1)]
+        )
+        answers = []
+        for method, request in (("MarkSourceReady", ready), ("AcknowledgeRevocation", ack)):
+            result: pb.ItemResult = (await call(bound, method, request, TOKENS["p1"])).results[0]
+            result.transfer_id = ""
+            answers.append(result.status.SerializeToString(deterministic=True).replace(transfer_id.encode(), b"<id>"))
+        return answers
+
+    assert await probe("t-foreign") == await probe("t-unknown")
