@@ -402,8 +402,11 @@ class Coordinator:
         """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
         consumer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
         gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
+        check_batch(len(specs), self.limits)
+        held = await self._reservations([s.transfer_id for s in specs])
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
+            credits.check_reserved_elsewhere(consumer, spec.transfer_id, held.get(spec.transfer_id), ctx.now)
             producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
             if gate is None:
                 return lifecycle.register_target(ctx, cur, consumer, producer, spec)
@@ -532,6 +535,19 @@ class Coordinator:
         records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
         targets = [t for t in records[: len(live)] if t is not None]
         return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
+
+    async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
+        """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, read together:
+        a RegisterTarget honours the router's choice of consumer (core: credits.check_reserved_elsewhere)."""
+        ids = []
+        for transfer_id in dict.fromkeys(transfer_ids):
+            try:
+                check_id("transfer_id", transfer_id, self.limits)
+            except RendezvousError:
+                continue  # its item is refused for it
+            ids.append(transfer_id)
+        found = await self._each([self.store.credits().get(i) for i in ids])
+        return {i: r for i, r in zip(ids, found, strict=True) if r is not None}
 
     async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
         ledger = await self.store.credits().ledger(consumer.engine_id)

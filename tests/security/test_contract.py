@@ -230,3 +230,26 @@ async def test_mark_source_ready_then_acknowledge_answers_a_foreign_id_as_an_unk
         return answers
 
     assert await probe("t-foreign") == await probe("t-unknown")
+
+
+# 7. A router's credit reservation on one consumer holds against the others.
+
+
+async def test_a_credit_reserved_on_one_consumer_holds_against_another(stub: pb_grpc.RendezvousServiceStub) -> None:
+    for name in ("d0", "d1"):
+        await register(stub, name)
+    reserved = await stub.ReserveCredits(
+        pb.ReserveCreditsRequest(reservations=[pb.CreditSpec(transfer_id="t", engine_id="d0", blocks=1)])
+    )
+    assert not reserved.results[0].HasField("status")
+    d1 = pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    reason, text, _ = item_error((await stub.RegisterTarget(d1)).results[0])
+    assert reason == "CREDIT_CONFLICT" and "another consumer" in text and "d0" not in text
+    await stub.ReleaseCredits(pb.ReleaseCreditsRequest(transfer_ids=["t"]))
+    assert (await stub.RegisterTarget(d1)).results[0].state == pb.TRANSFER_STATE_TARGETED
+    # The consumer the router chose is admitted as before.
+    await stub.ReserveCredits(
+        pb.ReserveCreditsRequest(reservations=[pb.CreditSpec(transfer_id="t2", engine_id="d0", blocks=1)])
+    )
+    d0 = pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t2", block_ids=[1])])
+    assert (await stub.RegisterTarget(d0)).results[0].state == pb.TRANSFER_STATE_TARGETED
