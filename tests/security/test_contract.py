@@ -253,3 +253,36 @@ async def test_a_credit_reserved_on_one_consumer_holds_against_another(stub: pb_
     )
     d0 = pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t2", block_ids=[1])])
     assert (await stub.RegisterTarget(d0)).results[0].state == pb.TRANSFER_STATE_TARGETED
+
+
+# 3. Engine.live_transfers counts unsettled transfers: an abort awaiting its revocation ack is one.
+
+
+async def test_live_transfers_count_an_abort_until_its_revocation_is_acknowledged(
+    stub: pb_grpc.RendezvousServiceStub,
+) -> None:
+    await register(stub, "d0")
+    await register(stub, "p0", PRODUCER)
+    await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    )
+    matched = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t")]))
+    assert matched.results[0].state == pb.TRANSFER_STATE_MATCHED
+
+    async def live() -> list[int]:
+        listed = await stub.ListEngines(pb.ListEnginesRequest())
+        got = [(await stub.GetEngine(pb.GetEngineRequest(engine_id=e))).engine.live_transfers for e in ("d0", "p0")]
+        assert [e.live_transfers for e in listed.engines] == got
+        return got
+
+    assert await live() == [1, 1]
+    # The consumer aborts while the producer may be writing generation 1: d0's blocks stay pinned.
+    await stub.AbortTransfer(pb.AbortTransferRequest(engine_id="d0", aborts=[pb.AbortSpec(transfer_id="t")]))
+    transfer = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))).transfer
+    assert (transfer.state, transfer.revoking_generation) == (pb.TRANSFER_STATE_ABORTED, 1)
+    assert await live() == [1, 1]
+    assert not any("ABORTED" in s for s in (await stub.GetStatus(pb.GetStatusRequest())).transfers_by_state)
+    await stub.AcknowledgeRevocation(
+        pb.AcknowledgeRevocationRequest(engine_id="p0", acks=[pb.RevocationAck(transfer_id="t", generation=1)])
+    )
+    assert await live() == [0, 0]
