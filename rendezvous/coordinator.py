@@ -214,7 +214,16 @@ class Coordinator:
         return engine, await self.store.last_event_revision(spec.engine_id) + 1
 
     async def keep_alive(self, engine_id: str, incarnation: int) -> Engine:
-        """Renew an engine's lease."""
+        """Renew an engine's lease: the incarnation that holds it must be named (0, which skips the check on other
+        calls, would let a process that lost track of its incarnation keep a successor's lease alive after the
+        successor died, and its transfers with it)."""
+        if not incarnation:
+            raise RendezvousError(
+                Reason.STALE_INCARNATION,
+                f"KeepAlive of engine {engine_id} names no incarnation; renew the one RegisterEngine returned",
+                engine_id=engine_id,
+                field="incarnation",
+            )
         now = self.clock()
         engine = await self.store.update_engine(
             engine_id,
@@ -400,10 +409,13 @@ class Coordinator:
         self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
         """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
-        consumer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
-        gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
         check_batch(len(specs), self.limits)
-        held = await self._reservations([s.transfer_id for s in specs])
+        # The items' reservations on any consumer are read with the caller (one round trip to a networked store).
+        (consumer, view), held = await self._both(
+            self._caller(engine_id, incarnation, joins=True, blocks=True),
+            self._reservations([s.transfer_id for s in specs]),
+        )
+        gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
             credits.check_reserved_elsewhere(consumer, spec.transfer_id, held.get(spec.transfer_id), ctx.now)
@@ -537,7 +549,7 @@ class Coordinator:
         return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
 
     async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
-        """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, read together:
+        """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, in one store call:
         a RegisterTarget honours the router's choice of consumer (core: credits.check_reserved_elsewhere)."""
         ids = []
         for transfer_id in dict.fromkeys(transfer_ids):
@@ -546,8 +558,7 @@ class Coordinator:
             except RendezvousError:
                 continue  # its item is refused for it
             ids.append(transfer_id)
-        found = await self._each([self.store.credits().get(i) for i in ids])
-        return {i: r for i, r in zip(ids, found, strict=True) if r is not None}
+        return await self.store.credits().holders(ids)
 
     async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
         ledger = await self.store.credits().ledger(consumer.engine_id)

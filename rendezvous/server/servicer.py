@@ -23,7 +23,7 @@ from grpc_status import rpc_status
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
-from rendezvous.core.model import Engine, Event, Role, State, Transfer
+from rendezvous.core.model import Engine, Event, State, Transfer
 from rendezvous.core.specs import CompletionSpec
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
@@ -300,7 +300,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
-        role = Role(request.role) if request.role in (1, 2) else None
+        role = wire.role_filter(request.role)
         messages: dict[str, pb.Engine] = {}
 
         def weigh(engine: Engine) -> int:

@@ -286,3 +286,114 @@ async def test_live_transfers_count_an_abort_until_its_revocation_is_acknowledge
         pb.AcknowledgeRevocationRequest(engine_id="p0", acks=[pb.RevocationAck(transfer_id="t", generation=1)])
     )
     assert await live() == [0, 0]
+
+
+# 9. Ambiguous requests, decided (docs/protocol.md, "Edge cases decided").
+
+
+async def test_list_engines_with_a_role_this_server_does_not_know_is_refused(
+    stub: pb_grpc.RendezvousServiceStub,
+) -> None:
+    await register(stub, "d0")
+    err = await refused(
+        stub.ListEngines(pb.ListEnginesRequest(role=7)),  # type: ignore[arg-type]
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "ROLE_UNSPECIFIED",
+    )
+    assert error_info(err).metadata["field"] == "role"
+    assert len((await stub.ListEngines(pb.ListEnginesRequest())).engines) == 1
+
+
+async def test_keep_alive_must_name_its_incarnation(stub: pb_grpc.RendezvousServiceStub) -> None:
+    incarnation = await register(stub, "d0")
+    stream = stub.KeepAlive()
+    await stream.write(pb.KeepAliveRequest(engine_id="d0", incarnation=incarnation))
+    assert (await stream.read()).engine_id == "d0"
+    await stream.write(pb.KeepAliveRequest(engine_id="d0"))
+    err = await refused(stream.read(), grpc.StatusCode.FAILED_PRECONDITION, "STALE_INCARNATION")
+    assert error_info(err).metadata["field"] == "incarnation"
+
+
+async def test_a_duration_with_mixed_signs_is_refused(stub: pb_grpc.RendezvousServiceStub) -> None:
+    await register(stub, "d0")
+    await register(stub, "p0", PRODUCER)
+    mixed = {"seconds": 5, "nanos": -500_000_000}
+    for call_, request in (
+        (stub.RegisterEngine, engine_request("d1", CONSUMER, lease_ttl=mixed)),
+        (
+            stub.RegisterTarget,
+            pb.RegisterTargetRequest(
+                engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1], timeout=mixed)]
+            ),
+        ),
+        (
+            stub.ClaimTransfer,
+            pb.ClaimTransferRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t", timeout=mixed)]),
+        ),
+    ):
+        await refused(call_(request), grpc.StatusCode.INVALID_ARGUMENT, "TIMEOUT_INVALID")
+    # Both negative is a negative wait: refused for its item, as before.
+    negative = pb.RegisterTargetRequest(
+        engine_id="d0",
+        targets=[pb.TargetSpec(transfer_id="t", block_ids=[1], timeout={"seconds": -5, "nanos": -5})],
+    )
+    assert item_error((await stub.RegisterTarget(negative)).results[0])[0] == "TIMEOUT_INVALID"
+
+
+async def test_a_target_of_no_blocks_matches_and_commits_with_nothing_to_write(
+    stub: pb_grpc.RendezvousServiceStub,
+) -> None:
+    await register(stub, "d0")
+    await register(stub, "p0", PRODUCER)
+    target_ = await stub.RegisterTarget(
+        pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t")])
+    )
+    assert target_.results[0].state == pb.TRANSFER_STATE_TARGETED
+    claim_ = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t")]))
+    assert claim_.results[0].state == pb.TRANSFER_STATE_MATCHED
+    done = pb.CompletionSpec(transfer_id="t", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED)
+    completed = await stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id="p0", completions=[done]))
+    assert completed.results[0].state == pb.TRANSFER_STATE_COMMITTED
+
+
+@pytest.mark.parametrize(("field", "unstated"), [("model_fingerprint", ""), ("dtype", ""), ("block_size", 0)])
+async def test_an_unstated_layout_field_matches_only_an_unstated_one(
+    stub: pb_grpc.RendezvousServiceStub, field: str, unstated: object
+) -> None:
+    for name, role in (("d-unstated", CONSUMER), ("p-unstated", PRODUCER), ("p-stated", PRODUCER)):
+        request = engine_request(name, role)
+        if name.endswith("-unstated"):
+            setattr(request.layout, field, unstated)
+        await stub.RegisterEngine(request)
+    for transfer_id, producer, state in (
+        ("t-same", "p-unstated", pb.TRANSFER_STATE_MATCHED),
+        ("t-differs", "p-stated", pb.TRANSFER_STATE_ABORTED),
+    ):
+        await stub.RegisterTarget(
+            pb.RegisterTargetRequest(
+                engine_id="d-unstated", targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1])]
+            )
+        )
+        claimed = await stub.ClaimTransfer(
+            pb.ClaimTransferRequest(engine_id=producer, claims=[pb.ClaimSpec(transfer_id=transfer_id)])
+        )
+        assert claimed.results[0].state == state
+    aborted = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t-differs"))).transfer
+    assert aborted.abort_reason == pb.ABORT_REASON_LAYOUT_MISMATCH and field in aborted.abort_message
+
+
+async def test_reserve_credits_reports_the_first_fault_in_the_documented_order(
+    stub: pb_grpc.RendezvousServiceStub,
+) -> None:
+    await register(stub, "d0")
+    await register(stub, "p0", PRODUCER)
+    await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t-ended")]))
+    huge = 1 << 40
+    cases = [
+        (pb.CreditSpec(transfer_id="t-ended", engine_id="nobody", blocks=huge), "ENGINE_NOT_FOUND"),
+        (pb.CreditSpec(transfer_id="t-ended", engine_id="p0", blocks=huge), "WRONG_ROLE"),
+        (pb.CreditSpec(transfer_id="t-ended", engine_id="d0", blocks=huge), "TOO_MANY_BLOCKS"),
+        (pb.CreditSpec(transfer_id="t-ended", engine_id="d0", blocks=1), "TRANSFER_ENDED"),
+    ]
+    reply = await stub.ReserveCredits(pb.ReserveCreditsRequest(reservations=[spec for spec, _ in cases]))
+    assert [item_error(r)[0] for r in reply.results] == [reason for _, reason in cases]
