@@ -11,7 +11,9 @@ changes that free budget always go through. Ended engines (tombstones) keep no a
 (`rendezvous.core.engines.end_incarnation`) and charge nothing, nor do ended transfers.
 
 The tally is read before the change is applied, as the live-transfer limit is, so calls in flight together
-from different requests may pass a budget by what they add (at most their requests' size limits).
+from different requests may pass the live-block budget by what they add (at most their requests' size
+limits). The engine budgets are exact: the memory store applies check_engine in the step that writes, and the
+Redis store checks them again in the script that writes the engine (commit_engine.lua), across replicas.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ and Redis stores."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ import pytest
 from google.rpc import error_details_pb2
 
 from clients.testing import start_test_server
+from rendezvous.core import Limits
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
@@ -397,3 +399,35 @@ async def test_reserve_credits_reports_the_first_fault_in_the_documented_order(
     ]
     reply = await stub.ReserveCredits(pb.ReserveCreditsRequest(reservations=[spec for spec, _ in cases]))
     assert [item_error(r)[0] for r in reply.results] == [reason for _, reason in cases]
+
+
+# 8. Engine budgets are exact across Redis replicas: checked in the script that writes the engine.
+
+FLEET = "tok-contract-fleet-6e1d0b9a"
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("scope", ["server", "identity"])
+async def test_replicas_registering_at_once_never_pass_an_engine_budget(
+    redis_url: str, tmp_path: Path, scope: str
+) -> None:
+    url = with_prefix(redis_url, fresh_prefix())
+    if scope == "server":
+        config: dict[str, Any] = {"limits": Limits(max_engines=10)}
+        metadata = None
+    else:
+        doc = {"tokens": {FLEET: {"name": "fleet", "engines": ["e-*"]}}}
+        config = {"limits": Limits(max_engines_per_identity=10), "auth_file": auth_file(tmp_path, doc)}
+        metadata = (("authorization", f"Bearer {FLEET}"),)
+    async with servers(url, url, **config) as replicas:
+        calls = [
+            replicas[i % 2].RegisterEngine(engine_request(f"e-{i:02d}", CONSUMER), metadata=metadata) for i in range(16)
+        ]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    admitted = [o for o in outcomes if not isinstance(o, BaseException)]
+    refusals = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert (len(admitted), len(refusals)) == (10, 6), [o for o in outcomes if isinstance(o, BaseException)]
+    for err in refusals:
+        info_ = error_info(err)
+        assert (err.code(), info_.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "BUDGET_EXHAUSTED")
+        assert (info_.metadata["budget"], info_.metadata["scope"]) == ("engines", scope)

@@ -42,6 +42,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
 from rendezvous.core import budget
+from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store.base import (
@@ -126,8 +127,11 @@ class RedisStore(Store):
     name = "redis"
     concurrent = True
 
-    def __init__(self, url: str, max_events_per_engine: int = 100_000) -> None:
+    def __init__(self, url: str, max_events_per_engine: int = 100_000, limits: Limits | None = None) -> None:
         self.target = parse_url(url)
+        # The engine budgets, checked again inside the script that writes an engine (commit_engine.lua), so
+        # that replicas registering at once never pass them together.
+        self._limits = limits or Limits()
         self.options = self.target.options
         self._max_events = max_events_per_engine
         self._prefix = "{" + self.options.prefix + "}:"
@@ -308,6 +312,7 @@ class RedisStore(Store):
             return await self._update_engine(engine_id, fn)
 
     async def _update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
+        limits = self._limits
         entry = self._records.engine(engine_id)
         fresh = entry is None
         if entry is None:
@@ -321,7 +326,7 @@ class RedisStore(Store):
             charge = budget.engine_usage(new)
 
             async def commit() -> Any:  # the script's reply
-                return await self._scripts.run(
+                reply = await self._scripts.run(
                     "commit_engine",
                     guard=self._epoch.guard,
                     engine_id=engine_id,
@@ -334,7 +339,15 @@ class RedisStore(Store):
                     owner=new.owner if new is not None else "",
                     engines=charge.engines,
                     metadata_bytes=charge.metadata_bytes,
+                    max_engines=limits.max_engines,
+                    max_engines_per_identity=limits.max_engines_per_identity,
+                    max_metadata_bytes=limits.max_agent_metadata_bytes_total,
+                    max_metadata_bytes_per_identity=limits.max_agent_metadata_bytes_per_identity,
                 )
+                if reply[0] == b"B":
+                    kind, scope, limit, have, adding = reply[1:]
+                    raise budget.exhausted(kind.decode(), scope.decode(), int(limit), int(have), int(adding))
+                return reply
 
             def written(reply: Reply) -> None:
                 remembered = EngineEntry(b"%d" % reply[1] if new is not None else ABSENT, new)

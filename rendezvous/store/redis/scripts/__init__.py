@@ -43,7 +43,7 @@ Key schema (docs/operations.md has it for operators):
 
 Replies use short status words: OK (applied, with the new version), N (no change, version
 verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
-R (Redis went back in time: its revision and the epoch follow).
+R (Redis went back in time: its revision and the epoch follow), B (a budget the write would pass: refused).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ SIGNATURES: Mapping[str, Signature] = {
     # op: w write | d delete | n verify only; unsettled: 1 | 0 (the core's Transfer.unsettled).
     "commit_transfers": Signature(("guard", "max_events", "items"), helpers=("guard", "snapshot", "append", "budget")),
     # op: w write | d delete | n verify only; ended: 1 | 0. owner, engines, metadata_bytes: what the record
-    # charges the memory budget (rendezvous.core.budget.engine_usage).
+    # charges the memory budget (rendezvous.core.budget.engine_usage); max_*: the budgets a write must keep to.
     "commit_engine": Signature(
         (
             "guard",
@@ -103,6 +103,10 @@ SIGNATURES: Mapping[str, Signature] = {
             "owner",
             "engines",
             "metadata_bytes",
+            "max_engines",
+            "max_engines_per_identity",
+            "max_metadata_bytes",
+            "max_metadata_bytes_per_identity",
         ),
         helpers=("guard", "budget"),
     ),
