@@ -401,9 +401,31 @@ async def test_reserve_credits_reports_the_first_fault_in_the_documented_order(
     assert [item_error(r)[0] for r in reply.results] == [reason for _, reason in cases]
 
 
-# 8. Engine budgets are exact across Redis replicas: checked in the script that writes the engine.
+# 8. Budgets are exact across Redis replicas: checked in the scripts that write the records.
 
 FLEET = "tok-contract-fleet-6e1d0b9a"
+
+
+def budget_config(scope: str, tmp_path: Path, **limits: int) -> tuple[dict[str, Any], Any]:
+    """Server config whose budgets are `limits` (server scope: without auth; identity scope: the *_per_identity
+    limits, one identity for engines e-*), and the call metadata of that identity."""
+    if scope == "server":
+        return {"limits": Limits(**limits)}, None
+    doc = {"tokens": {FLEET: {"name": "fleet", "engines": ["e-*"]}}}
+    per_identity = {f"{name}_per_identity": n for name, n in limits.items()}
+    return {"limits": Limits(**per_identity), "auth_file": auth_file(tmp_path, doc)}, (
+        ("authorization", f"Bearer {FLEET}"),
+    )
+
+
+def ten_of_sixteen(outcomes: list[Any], budget: str, scope: str) -> None:
+    """Exactly 10 of 16 calls went through; the others were refused for `budget` of `scope`."""
+    refusals = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert (len(outcomes) - len(refusals), len(refusals)) == (10, 6), [o for o in outcomes if o in refusals]
+    for err in refusals:
+        info_ = error_info(err)
+        assert (err.code(), info_.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "BUDGET_EXHAUSTED")
+        assert (info_.metadata["budget"], info_.metadata["scope"]) == (budget, scope)
 
 
 @pytest.mark.redis
@@ -412,22 +434,35 @@ async def test_replicas_registering_at_once_never_pass_an_engine_budget(
     redis_url: str, tmp_path: Path, scope: str
 ) -> None:
     url = with_prefix(redis_url, fresh_prefix())
-    if scope == "server":
-        config: dict[str, Any] = {"limits": Limits(max_engines=10)}
-        metadata = None
-    else:
-        doc = {"tokens": {FLEET: {"name": "fleet", "engines": ["e-*"]}}}
-        config = {"limits": Limits(max_engines_per_identity=10), "auth_file": auth_file(tmp_path, doc)}
-        metadata = (("authorization", f"Bearer {FLEET}"),)
+    config, metadata = budget_config(scope, tmp_path, max_engines=10)
     async with servers(url, url, **config) as replicas:
         calls = [
             replicas[i % 2].RegisterEngine(engine_request(f"e-{i:02d}", CONSUMER), metadata=metadata) for i in range(16)
         ]
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
-    admitted = [o for o in outcomes if not isinstance(o, BaseException)]
-    refusals = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
-    assert (len(admitted), len(refusals)) == (10, 6), [o for o in outcomes if isinstance(o, BaseException)]
-    for err in refusals:
-        info_ = error_info(err)
-        assert (err.code(), info_.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "BUDGET_EXHAUSTED")
-        assert (info_.metadata["budget"], info_.metadata["scope"]) == ("engines", scope)
+    ten_of_sixteen(outcomes, "engines", scope)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("scope", ["server", "identity"])
+async def test_replicas_targeting_at_once_never_pass_the_live_block_budget(
+    redis_url: str, tmp_path: Path, scope: str
+) -> None:
+    url = with_prefix(redis_url, fresh_prefix())
+    config, metadata = budget_config(scope, tmp_path, max_live_blocks=100)
+    async with servers(url, url, **config) as replicas:
+        for i in range(16):
+            await replicas[i % 2].RegisterEngine(engine_request(f"e-{i:02d}", CONSUMER), metadata=metadata)
+
+        async def target_(i: int) -> pb.RegisterTargetResponse:
+            spec = pb.TargetSpec(transfer_id=f"t-{i:02d}", block_ids=range(10))
+            request = pb.RegisterTargetRequest(engine_id=f"e-{i:02d}", targets=[spec])
+            reply: pb.RegisterTargetResponse = await replicas[i % 2].RegisterTarget(request, metadata=metadata)
+            return reply
+
+        replies = await asyncio.gather(*(target_(i) for i in range(16)))
+    refused_ = [r.results[0] for r in replies if r.results[0].HasField("status")]
+    assert (16 - len(refused_), len(refused_)) == (10, 6)
+    for result in refused_:
+        reason, _, metadata_ = item_error(result)
+        assert (reason, metadata_["budget"], metadata_["scope"]) == ("BUDGET_EXHAUSTED", "live_blocks", scope)

@@ -42,6 +42,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
 from rendezvous.core import budget
+from rendezvous.core.errors import RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
@@ -88,6 +89,12 @@ def _tally(values: Sequence[Any], owner: str) -> budget.Tally:
     n = [int(v or 0) for v in values]
     mine = budget.Usage(*n[3:6]) if owner else budget.Usage()
     return budget.Tally(budget.Usage(*n[:3]), mine)
+
+
+def _exhausted(reply: Sequence[Any]) -> RendezvousError:
+    """The refusal a commit script answered B for: a budget the write would pass (B budget scope limit have adding)."""
+    kind, scope, limit, have, adding = reply[1:6]
+    return budget.exhausted(kind.decode(), scope.decode(), int(limit), int(have), int(adding))
 
 
 def _no_peers() -> dict[str, int]:
@@ -345,8 +352,7 @@ class RedisStore(Store):
                     max_metadata_bytes_per_identity=limits.max_agent_metadata_bytes_per_identity,
                 )
                 if reply[0] == b"B":
-                    kind, scope, limit, have, adding = reply[1:]
-                    raise budget.exhausted(kind.decode(), scope.decode(), int(limit), int(have), int(adding))
+                    raise _exhausted(reply)
                 return reply
 
             def written(reply: Reply) -> None:
@@ -447,6 +453,8 @@ class RedisStore(Store):
             "commit_transfers",
             guard=self._epoch.guard,
             max_events=self._max_events,
+            max_blocks=self._limits.max_live_blocks,
+            max_blocks_per_identity=self._limits.max_live_blocks_per_identity,
             items=to_json([list(peers), items]),  # records inside are JSON text, passed as strings
         )
         return reply
@@ -465,7 +473,12 @@ class RedisStore(Store):
 
             async def commit() -> Reply:
                 reply = await self._commit([plan.item], peers)
-                return reply[1] if reply[0] == b"OK" else reply
+                if reply[0] != b"OK":
+                    return reply
+                answer: Reply = reply[1]
+                if answer[0] == b"B":
+                    raise _exhausted(answer)
+                return answer
 
             return Attempt(
                 plan.transition, plan.unchanged, commit, functools.partial(self._written, transfer_id, plan.transition)
@@ -519,6 +532,8 @@ class RedisStore(Store):
                         results[i] = plan.transition
                     elif answer[0] == b"N":
                         results[i] = plan.transition
+                    elif answer[0] == b"B":
+                        results[i] = _exhausted(answer)
                     else:  # a conflict: the answer holds the current records
                         self._records.snapshot(updates[i][0], answer, 1)
                         again.append(i)

@@ -87,7 +87,11 @@ SIGNATURES: Mapping[str, Signature] = {
     # items: JSON, one array per transition (the fields are in commit_transfers.lua). Per item, version is
     # the transfer's version the transition was computed on ("0": absent), checks its engines' versions;
     # op: w write | d delete | n verify only; unsettled: 1 | 0 (the core's Transfer.unsettled).
-    "commit_transfers": Signature(("guard", "max_events", "items"), helpers=("guard", "snapshot", "append", "budget")),
+    # max_blocks, max_blocks_per_identity: the live-block budgets a write must keep to.
+    "commit_transfers": Signature(
+        ("guard", "max_events", "max_blocks", "max_blocks_per_identity", "items"),
+        helpers=("guard", "snapshot", "append", "budget"),
+    ),
     # op: w write | d delete | n verify only; ended: 1 | 0. owner, engines, metadata_bytes: what the record
     # charges the memory budget (rendezvous.core.budget.engine_usage); max_*: the budgets a write must keep to.
     "commit_engine": Signature(

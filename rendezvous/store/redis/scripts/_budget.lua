@@ -53,3 +53,38 @@ local function budget_refusal(charged, owner, engines, metadata, limits)
   end
   return nil
 end
+
+-- Whether a transfer record that charged block ids `charged` (HMGET oc bc os bs of the record) may charge
+-- `target` to owner oc and `source` to owner os instead, in the step that writes it: nil, or the refusal
+-- {'B', 'live_blocks', scope, limit, have, adding} of the first budget a growth would pass (the server's,
+-- then each owner's), as rendezvous.core.budget.BlockBudget.
+local function blocks_refusal(charged, oc, target, os, source, max_blocks, max_blocks_per_identity)
+  local old = {}
+  local old_total = 0
+  for i = 1, 3, 2 do
+    local n = tonumber(charged[i + 1]) or 0
+    local owner = charged[i] or ''
+    old[owner] = (old[owner] or 0) + n
+    old_total = old_total + n
+  end
+  local new = {}
+  new[oc] = (new[oc] or 0) + (tonumber(target) or 0)
+  new[os] = (new[os] or 0) + (tonumber(source) or 0)
+  local adding = (tonumber(target) or 0) + (tonumber(source) or 0) - old_total
+  if adding > 0 then
+    local have = tonumber(redis.call('HGET', P .. 'budget', 'b') or '0')
+    if have + adding > tonumber(max_blocks) then
+      return {'B', 'live_blocks', 'server', tonumber(max_blocks), have, adding}
+    end
+  end
+  for _, owner in ipairs({oc, os}) do
+    local mine = (new[owner] or 0) - (old[owner] or 0)
+    if owner ~= '' and mine > 0 then
+      local have = tonumber(redis.call('HGET', P .. 'budget', 'b:' .. owner) or '0')
+      if have + mine > tonumber(max_blocks_per_identity) then
+        return {'B', 'live_blocks', 'identity', tonumber(max_blocks_per_identity), have, mine}
+      end
+    end
+  end
+  return nil
+end
