@@ -17,6 +17,7 @@ table of its named fields (or the value itself for a one-field group).
 Key schema (docs/operations.md has it for operators):
 
     epoch            string  the store's lifetime id (SET NX once)
+    page-key         string  the key that signs page tokens (SET NX once; rendezvous.core.paging)
     rev              string  global revision, INCR per write; also the version of what a write stores
     t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state, l unsettled (1|0),
                              bc, bs block ids charged to the budget, to owners oc (consumer's), os (producer's)
