@@ -141,8 +141,10 @@ def _require_role(engine: Engine, role: Role) -> None:
 
 def _ended(t: Transfer, engine_id: str) -> RendezvousError:
     """TRANSFER_ENDED for engine_id; only a half of the transfer learns why it was aborted (the abort reason
-    and message a peer gave are its participants' business)."""
-    if engine_id not in (t.consumer_engine_id, t.producer_engine_id):
+    and message a peer gave are its participants' business), or, for a pre-aborted id that no half had joined,
+    any half that arrives (the abort was meant for it)."""
+    halves = {t.consumer_engine_id, t.producer_engine_id} - {""}
+    if halves and engine_id not in halves:
         return RendezvousError(
             Reason.TRANSFER_ENDED,
             f"transfer {t.transfer_id} already ended; mint a new transfer id",

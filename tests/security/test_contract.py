@@ -175,6 +175,15 @@ async def test_a_non_participant_learns_no_abort_message(stub: pb_grpc.Rendezvou
     assert reason == "TRANSFER_ENDED" and secret in text and metadata["abort_reason"] == "REQUESTED"
 
 
+async def test_the_halves_of_a_pre_aborted_id_learn_why(stub: pb_grpc.RendezvousServiceStub) -> None:
+    await register(stub, "d0")
+    abort_ = pb.AbortSpec(transfer_id="t", message="the client went away")
+    await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[abort_]))  # the router, before either half
+    request = pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    reason, text, metadata = item_error((await stub.RegisterTarget(request)).results[0])
+    assert reason == "TRANSFER_ENDED" and "went away" in text and metadata["abort_reason"] == "REQUESTED"
+
+
 # 4. Under required bindings an engine aborts only its own transfers: a pre-abort cannot poison a router's id.
 
 
