@@ -45,6 +45,7 @@ class RendezvousError(Exception):
         domain: the ErrorInfo domain; `ERROR_DOMAIN` for errors of the rendezvous server.
         metadata: the ErrorInfo metadata (e.g. transfer_id, current_generation).
         message: the human-readable message.
+        retry_after: seconds the server asked to wait before retrying (google.rpc.RetryInfo), or None.
     """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
@@ -57,12 +58,14 @@ class RendezvousError(Exception):
         domain: str = "",
         metadata: Mapping[str, str] | None = None,
         code: grpc.StatusCode | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason
         self.domain = domain
         self.metadata: dict[str, str] = dict(metadata or {})
+        self.retry_after = retry_after
         if code is not None:
             self.code = code
 
@@ -74,7 +77,10 @@ class RendezvousError(Exception):
         return f"{type(self).__name__}(code={self.code.name}, reason={self.reason!r}, message={self.message!r})"
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild, (type(self), self.message, self.reason, self.domain, self.metadata, self.code))
+        return (
+            _rebuild,
+            (type(self), self.message, self.reason, self.domain, self.metadata, self.code, self.retry_after),
+        )
 
 
 def _rebuild(
@@ -84,8 +90,9 @@ def _rebuild(
     domain: str,
     metadata: dict[str, str],
     code: grpc.StatusCode,
+    retry_after: float | None,
 ) -> RendezvousError:
-    return cls(message, reason=reason, domain=domain, metadata=metadata, code=code)
+    return cls(message, reason=reason, domain=domain, metadata=metadata, code=code, retry_after=retry_after)
 
 
 class Cancelled(RendezvousError):
@@ -215,20 +222,32 @@ def error_for(
     reason: str = "",
     domain: str = "",
     metadata: Mapping[str, str] | None = None,
+    retry_after: float | None = None,
 ) -> RendezvousError:
     """The exception of the class that matches code."""
-    return _CLASSES.get(code, RendezvousError)(message, reason=reason, domain=domain, metadata=metadata, code=code)
+    return _CLASSES.get(code, RendezvousError)(
+        message, reason=reason, domain=domain, metadata=metadata, code=code, retry_after=retry_after
+    )
 
 
 def from_status(status: status_pb2.Status) -> RendezvousError:
-    """The exception described by a google.rpc.Status (with at most one ErrorInfo detail)."""
+    """The exception described by a google.rpc.Status (with at most one ErrorInfo and one RetryInfo detail)."""
     code = _CODES_BY_NUMBER.get(status.code, grpc.StatusCode.UNKNOWN)
+    info: error_details_pb2.ErrorInfo | None = None
+    retry_after: float | None = None
     for detail in status.details:
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR) and info is None:
             info = error_details_pb2.ErrorInfo()
             detail.Unpack(info)
-            return error_for(code, status.message, reason=info.reason, domain=info.domain, metadata=info.metadata)
-    return error_for(code, status.message)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            retry = error_details_pb2.RetryInfo()
+            detail.Unpack(retry)
+            retry_after = max(0.0, retry.retry_delay.ToTimedelta().total_seconds())
+    if info is None:
+        return error_for(code, status.message, retry_after=retry_after)
+    return error_for(
+        code, status.message, reason=info.reason, domain=info.domain, metadata=info.metadata, retry_after=retry_after
+    )
 
 
 def from_rpc_error(error: grpc.RpcError) -> RendezvousError:

@@ -36,9 +36,14 @@ class Attempts:
         self._started = clock() if started is None else started
 
     def next_delay(self, error: RendezvousError, idempotent: bool) -> float | None:
-        """Seconds to wait before retrying after error, or None to give up and raise it."""
+        """Seconds to wait before retrying after error, or None to give up and raise it.
+
+        A RESOURCE_EXHAUSTED that carries the server's retry hint (google.rpc.RetryInfo: a call refused
+        before any of its work, e.g. RATE_LIMITED) is retried after at least that hint, whatever the call.
+        """
         policy = self._policy
-        if not policy.retryable(error.code, idempotent):
+        hinted = error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after is not None
+        if not hinted and not policy.retryable(error.code, idempotent):
             return None
         self._retries += 1
         if policy.max_attempts is not None and self._retries >= policy.max_attempts:
@@ -48,6 +53,8 @@ class Attempts:
             delay = policy.backoff(rounds) if not within_round else 0.0
         else:
             delay = policy.backoff(self._retries)
+        if hinted and error.retry_after is not None:
+            delay = max(delay, error.retry_after)
         if policy.deadline is not None and self._clock() - self._started + delay > policy.deadline:
             return None
         return delay

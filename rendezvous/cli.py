@@ -109,22 +109,42 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "tls-key", None, "the certificate's private key (file path or PEM)")
     _flag(g, "tls-client-ca", None, "CA bundle that signs client certificates, for mTLS (file path or PEM)")
     _switch(g, "tls-require-client-cert", "mTLS: refuse clients without a certificate from --tls-client-ca")
-    _flag(g, "auth-file", None, "JSON file binding tokens and certificate names to identities; unset: no auth")
+    _flag(
+        g,
+        "auth-file",
+        None,
+        "JSON file binding tokens and certificate names to identities (re-read when it changes, and on SIGHUP); "
+        "unset: no auth",
+    )
     _flag(g, "min-token-bytes", 16, "refuse to start if the auth file names a shorter token in the clear", int)
+    _switch(
+        g,
+        "strict-identities",
+        "refuse an auth file whose engine identities lack engine_roles (or engine_pools); default: log a warning",
+    )
     _flag(
         g,
         "binding-key-file",
         None,
-        "keys (one a line, >= 32 bytes) routers sign transfer bindings with; unset: bindings are not checked",
+        "keys (one a line, >= 32 bytes) routers sign transfer bindings with; set, a transfer half without the "
+        "router's binding is refused; unset: bindings are not checked",
     )
-    _switch(g, "require-binding", "refuse a transfer half without the router's binding (needs --binding-key-file)")
-    _flag(g, "rate-limit", 0.0, "calls per second per caller (identity, else peer host); 0: unlimited", float)
+    _switch(g, "allow-unbound", "with --binding-key-file, admit a transfer half without a binding (rollout step)")
+    # The defaults of CallLimits (rendezvous.server.quotas; tests/security/test_defaults.py keeps them equal).
+    _flag(
+        g,
+        "rate-limit",
+        None,
+        "calls per second per caller (identity, else peer host), KeepAlive messages included; 0: unlimited; "
+        "unset: 10000 with --auth-file, unlimited without",
+        float,
+    )
     _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
     _flag(g, "rate-cost-bytes", 65_536, "a call costs one more per started N bytes of request; 0: one each", int)
     _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller (they wait on Redis); 0: unlimited", int)
     _flag(g, "max-streams", 1_024, "open Watch and KeepAlive streams per caller; 0: unlimited", int)
-    _flag(g, "refusal-rate", 5.0, "calls refused for credentials per second per peer host; 0: unlimited", float)
-    _flag(g, "refusal-burst", 50, "burst of refused calls above --refusal-rate", int)
+    _flag(g, "refusal-rate", 5.0, "unauthenticated calls per second per peer host; 0: unlimited", float)
+    _flag(g, "refusal-burst", 50, "burst of unauthenticated calls above --refusal-rate", int)
     for group, cls in (("timeouts (seconds)", Timeouts), ("limits", Limits)):
         g = p.add_argument_group(group)
         for f in dataclasses.fields(cls):
@@ -148,8 +168,8 @@ def _config_from(args: argparse.Namespace) -> Any:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
     if bool(args.tls_client_ca) != bool(args.tls_require_client_cert):
         raise ValueError("--tls-client-ca and --tls-require-client-cert go together (mTLS)")
-    if args.require_binding and not args.binding_key_file:
-        raise ValueError("--require-binding needs --binding-key-file")
+    if args.allow_unbound and not args.binding_key_file:
+        raise ValueError("--allow-unbound needs --binding-key-file (without keys no binding is required)")
     if not math.isfinite(args.idempotency_ttl) or args.idempotency_ttl <= 0:
         raise ValueError(f"--idempotency-ttl must be a positive number of seconds, not {args.idempotency_ttl:g}")
     tls = (
@@ -175,8 +195,9 @@ def _config_from(args: argparse.Namespace) -> Any:
         tls=tls,
         auth_file=args.auth_file or None,
         min_token_bytes=args.min_token_bytes,
+        strict_identities=args.strict_identities,
         binding_key_file=args.binding_key_file or None,
-        require_binding=args.require_binding,
+        allow_unbound=args.allow_unbound,
         call_limits=CallLimits(
             args.rate_limit,
             args.rate_burst,
@@ -207,6 +228,8 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.auth is not None:
+        loop.add_signal_handler(signal.SIGHUP, server.auth.reload)
     await stop.wait()
     await server.stop()
     return 0

@@ -53,6 +53,8 @@ def error_status(err: RendezvousError) -> status_pb2.Status:
     info = error_details_pb2.ErrorInfo(reason=err.reason.value, domain=ERROR_DOMAIN, metadata=metadata)
     status = status_pb2.Status(code=_GRPC_CODE_NUMBERS[err.code], message=clip(err.message, _MAX_ERROR_MESSAGE_BYTES))
     status.details.add().Pack(info)
+    if err.retry_after is not None:
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=duration(err.retry_after)))
     return status
 
 

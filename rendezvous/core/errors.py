@@ -35,12 +35,17 @@ REASON_CODES: Mapping[Reason, Code] = {reason: Code(code) for reason, code in RE
 
 
 class RendezvousError(Exception):
-    """A rejected operation: a reason (which fixes the status code), a message and metadata."""
+    """A rejected operation: a reason (which fixes the status code), a message and metadata.
 
-    def __init__(self, reason: Reason, message: str, **metadata: object) -> None:
+    `retry_after`: seconds after which the caller may retry the same call (sent as google.rpc.RetryInfo);
+    None when the server gives no hint.
+    """
+
+    def __init__(self, reason: Reason, message: str, *, retry_after: float | None = None, **metadata: object) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.retry_after = retry_after
         self.metadata: dict[str, str] = {k: str(v) for k, v in metadata.items()}
 
     @property

@@ -67,17 +67,19 @@ class ServerConfig:
     """The shortest token the auth file may name in the clear (sha256: keys are not checked)."""
     health_listen: str | None = None
     call_limits: CallLimits = field(default_factory=CallLimits)
+    strict_identities: bool = False
+    """Refuse an auth file with an identity that may register engines of any role or pool (else: warned)."""
     binding_key_file: str | None = None
     """The keys routers sign transfer bindings with (rendezvous.protocol.bindings); unset: bindings are
-    not checked."""
-    require_binding: bool = False
-    """Refuse a transfer's half without a binding (admin identities exempt); needs binding_key_file."""
+    not checked. Set, a transfer's half without a binding is refused (admin identities exempt)."""
+    allow_unbound: bool = False
+    """With binding_key_file: admit a half without a binding (only a presented one is checked)."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.idempotency_ttl) or self.idempotency_ttl <= 0:
             raise ValueError(f"idempotency_ttl must be a positive number of seconds, not {self.idempotency_ttl:g}")
-        if self.require_binding and not self.binding_key_file:
-            raise ValueError("require_binding needs binding_key_file (the keys to check bindings with)")
+        if self.allow_unbound and not self.binding_key_file:
+            raise ValueError("allow_unbound needs binding_key_file (without keys no binding is required)")
 
 
 def _split_host_port(address: str) -> tuple[str, int]:
@@ -94,7 +96,7 @@ class RendezvousServer:
         self.metrics = Metrics()
         self.store: Store = create_store(self.config.store, self.config.limits)
         bindings = (
-            BindingRules(load_keys(self.config.binding_key_file), self.config.require_binding)
+            BindingRules(load_keys(self.config.binding_key_file), not self.config.allow_unbound)
             if self.config.binding_key_file
             else None
         )
@@ -112,7 +114,11 @@ class RendezvousServer:
         self._tasks: list[asyncio.Task[None]] = []
         self.certificates = CertificateReloader(self.config.tls) if self.config.tls else None
         self.auth = (
-            AuthPolicy(self.config.auth_file, min_token_bytes=self.config.min_token_bytes)
+            AuthPolicy(
+                self.config.auth_file,
+                min_token_bytes=self.config.min_token_bytes,
+                strict=self.config.strict_identities,
+            )
             if self.config.auth_file
             else None
         )
@@ -138,8 +144,9 @@ class RendezvousServer:
             ("grpc.so_reuseport", 0),
         ]
         interceptors = []
-        if self.auth is not None or cfg.call_limits.enabled:
-            quotas = CallQuotas(cfg.call_limits)
+        limits = cfg.call_limits.for_server(auth=self.auth is not None)
+        if self.auth is not None or limits.enabled:
+            quotas = CallQuotas(limits)
             interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics))
         server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(

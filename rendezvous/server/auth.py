@@ -4,11 +4,12 @@ An engine identity may register, renew, deregister, watch and act on transfers f
 only, and only with the roles and in the pools it is bound to; the `router` role may read
 (GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router (an empty
 engine_id); `admin` may do everything. Health checks and reflection need no identity. A stream ends
-when its identity leaves the auth file (or changes), and a non-participant learns nothing of a
-transfer (rendezvous.server.disclosure).
+at its next message once its identity leaves the auth file (or changes), and a non-participant learns
+nothing of a transfer (rendezvous.server.disclosure).
 
-`Guard` is the server interceptor that applies this and the per-caller quotas. Tokens and
-metadata are never logged; denials are logged with the identity's name.
+`Guard` is the server interceptor that applies this and the per-caller quotas (keyed by the identity's
+token, Identity.key; only calls that did not authenticate are limited by host). Tokens and metadata are
+never logged; denials are logged with the identity's name.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_status import rpc_status
 
 from rendezvous import wire
-from rendezvous.core.errors import Code, Reason, RendezvousError
+from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Engine, Role
 from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
@@ -37,8 +39,6 @@ _ENGINE_SCOPED = (
     frozenset({"RegisterEngine", "KeepAlive", "DeregisterEngine", "Watch", "ListTransfers"}) | TRANSFER_CALLS
 )
 # RPCs the router role may make for any engine (AbortTransfer only as the router: empty engine_id).
-# Refusals for the caller's credentials, charged to its host (CallLimits.refusal_rate).
-_CREDENTIAL_REFUSALS = frozenset({Code.UNAUTHENTICATED, Code.PERMISSION_DENIED})
 _ROUTER_CALLS = frozenset(
     {"GetEngine", "ListEngines", "GetTransfer", "ListTransfers", "GetStatus", "ReserveCredits", "ReleaseCredits"}
 )
@@ -61,6 +61,16 @@ def _certificate_names(context: grpc.aio.ServicerContext) -> list[str]:
 
 
 EngineLookup = Callable[[str], Awaitable[Engine | None]]
+
+
+@dataclass
+class _Caller:
+    """An admitted caller: its identity (None without auth), its key for the quotas, and the auth file's
+    generation it was last found unchanged in."""
+
+    identity: Identity | None
+    key: str
+    generation: int
 
 
 class _Denied(Exception):
@@ -133,7 +143,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     @staticmethod
     def _caller(identity: Identity | None, peer: str) -> str:
-        return "id:" + identity.name if identity is not None else "peer:" + peer
+        return "id:" + identity.key if identity is not None else "peer:" + peer
 
     async def _authorize(self, method: str, identity: Identity | None, request: Any) -> None:
         if identity is None or identity.has_role(ADMIN):
@@ -172,42 +182,58 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise RendezvousError(Reason.ENGINE_NOT_FOUND, f"engine {engine_id} is not registered", engine_id=engine_id)
         return engine.pool in identity.pools
 
-    async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> tuple[Identity | None, str]:
-        """Identify, authorize and charge a call: the identity and the caller key for the quotas."""
+    async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> _Caller:
+        """Identify, charge and authorize a call. Only a caller without a known token or certificate is
+        charged to its host's refused calls (and refused RATE_LIMITED once they are spent): a caller that
+        authenticated is never refused for another's failures. An identified caller's denied calls are
+        charged to its own rate."""
         peer = _peer_host(context)
-        quotas = self._quotas
-        quotas.check_refusals(peer)
         identity: Identity | None = None
         try:
             identity = self._identify(context)
+        except RendezvousError as err:
+            self._quotas.check_refusals(peer)
+            self._quotas.refused(peer)
+            log.info("call denied", extra={"method": method, "identity": "-", "reason": err.reason.value})
+            raise
+        generation = self._policy.generation if self._policy is not None else 0
+        key = self._caller(identity, peer)
+        self._charge(key, request)
+        try:
             await self._authorize(method, identity, request)
         except RendezvousError as err:
-            if err.code in _CREDENTIAL_REFUSALS:
-                quotas.refused(peer)
             name = identity.name if identity else "-"
             log.info("call denied", extra={"method": method, "identity": name, "reason": err.reason.value})
             raise
-        key = self._caller(identity, peer)
-        self._charge(key, request)
-        return identity, key
+        return _Caller(identity, key, generation)
 
     def _charge(self, key: str, request: Any) -> None:
         quotas = self._quotas
         quotas.admit(key, request.ByteSize() if quotas.charges_by_size else 0)
+
+    def _recheck(self, caller: _Caller) -> None:
+        """Raise _Denied once the stream's identity left the auth file or changed (checked on every message)."""
+        policy = self._policy
+        if policy is not None and caller.identity is not None:
+            try:
+                caller.generation = policy.recheck(caller.identity, caller.generation)
+            except RendezvousError as err:
+                raise _Denied(err) from None
 
     # Wrappers per RPC shape
 
     def _unary(self, method: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                identity, key = await self._admit(method, request, context)
-                self._quotas.enter(key)
+                caller = await self._admit(method, request, context)
+                self._quotas.enter(caller.key)
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(method, context, _as_error(exc))
                 raise AssertionError("unreachable: abort_with_status raises") from None
+            identity = caller.identity
             admin = identity is not None and identity.has_role(ADMIN)
             exempt = BINDING_EXEMPT.set(admin)
-            named = CALLER_IDENTITY.set(identity.name if identity is not None else "")
+            named = CALLER_IDENTITY.set(identity.key if identity is not None else "")
             try:
                 response = await behavior(request, context)
                 if identity is not None and not admin and method in TRANSFER_CALLS:
@@ -216,82 +242,80 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             finally:
                 BINDING_EXEMPT.reset(exempt)
                 CALLER_IDENTITY.reset(named)
-                self._quotas.leave(key)
+                self._quotas.leave(caller.key)
 
         return checked
 
     def _unary_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                identity, key = await self._admit(method, request, context)
-                self._quotas.open_stream(key)
+                caller = await self._admit(method, request, context)
+                self._quotas.open_stream(caller.key)
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(method, context, _as_error(exc))
                 return
             try:
-                async for response in self._while_known(behavior(request, context), lambda: identity):
+                async for response in self._while_known(behavior(request, context), lambda: caller):
                     yield response
             except _Denied as denied:
                 await self._refuse(method, context, denied.error)
             finally:
-                self._quotas.close_stream(key)
+                self._quotas.close_stream(caller.key)
 
         return checked
 
     def _stream_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            caller: list[tuple[Identity | None, str]] = []  # once the first message is admitted
+            admitted: list[_Caller] = []  # once the first message is admitted
 
             async def each_checked() -> AsyncIterator[Any]:
                 async for request in requests:
                     try:
-                        if not caller:
-                            identity, key = await self._admit(method, request, context)
-                            self._quotas.open_stream(key)
-                            caller.append((identity, key))
+                        if not admitted:
+                            caller = await self._admit(method, request, context)
+                            self._quotas.open_stream(caller.key)
+                            admitted.append(caller)
                         else:
-                            await self._authorize(method, caller[0][0], request)
-                            self._charge(caller[0][1], request)
+                            caller = admitted[0]
+                            self._recheck(caller)
+                            self._charge(caller.key, request)
+                            await self._authorize(method, caller.identity, request)
                     except (RendezvousError, StoreUnavailableError) as exc:
                         raise _Denied(_as_error(exc)) from None
                     yield request
 
             try:
                 responses = behavior(each_checked(), context)
-                async for response in self._while_known(responses, lambda: caller[0][0] if caller else None):
+                async for response in self._while_known(responses, lambda: admitted[0] if admitted else None):
                     yield response
             except _Denied as denied:
                 await self._refuse(method, context, denied.error)
             finally:
-                if caller:
-                    self._quotas.close_stream(caller[0][1])
+                if admitted:
+                    self._quotas.close_stream(admitted[0].key)
 
         return checked
 
     async def _while_known(
-        self, responses: AsyncIterator[Any], identity: Callable[[], Identity | None]
+        self, responses: AsyncIterator[Any], caller: Callable[[], _Caller | None]
     ) -> AsyncIterator[Any]:
         """A stream's responses, ended with _Denied once its caller's identity leaves the auth file (or
-        changes): the stream is polled while it waits, so an idle Watch or KeepAlive ends too."""
-        policy = self._policy
+        changes): checked before every response is sent, and every RELOAD_CHECK while the stream waits, so
+        a busy stream ends at its next message and an idle one within about a second."""
         pending: asyncio.Future[Any] | None = None
         try:
             while True:
                 pending = asyncio.ensure_future(anext(responses))
                 while not (await asyncio.wait({pending}, timeout=RELOAD_CHECK))[0]:
-                    caller = identity()
-                    if policy is not None and caller is not None and not policy.knows(caller):
-                        raise _Denied(
-                            RendezvousError(
-                                Reason.UNAUTHENTICATED_TOKEN,
-                                f"identity {caller.name} was removed from the auth file or changed; reconnect",
-                            )
-                        )
+                    if (waiting := caller()) is not None:
+                        self._recheck(waiting)
                 try:
                     response = pending.result()
                 except StopAsyncIteration:
                     return
                 pending = None
+                if (sending := caller()) is not None:
+                    self._recheck(sending)
                 yield response
         finally:
             if pending is not None and not pending.done():

@@ -10,8 +10,8 @@ tombstone). Nothing changes for such an item: the transfer belongs to others.
 MarkSourceReady takes the producer half as ClaimTransfer does and is refused as it is (CLAIM_CONFLICT for
 another producer's transfer): an answer "claimed" for a transfer the caller did not claim would be
 contradicted by its next call on the id (ClaimTransfer, CompleteTransfer, AcknowledgeRevocation). Who holds an
-id is hidden from other engines by the router's bindings (--require-binding): then a foreign and an unknown id
-are answered alike by every call.
+id is hidden from other engines by the router's bindings (required with a binding key unless --allow-unbound):
+then a foreign and an unknown id are answered alike by every call.
 """
 
 from __future__ import annotations

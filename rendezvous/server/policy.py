@@ -18,7 +18,13 @@ so the file need not hold secrets. `engines` are engine ids or shell-style globs
 engine registered in those pools. `engine_roles` (producer, consumer) and `engine_pools`, when given,
 bind the identity: its engines may only be registered, and acted for, with those roles and in those
 pools. `roles` are call permissions: `router` reads and aborts as the router, `admin` does everything.
-The file is re-read when its modification time changes; a broken new file keeps the old identities.
+The file is re-read when its modification time changes (or on `reload()`); a broken new file keeps the old
+identities. Each re-read that changes the identities moves the policy's `generation`, which open streams
+compare on every message (rendezvous.server.auth).
+
+An identity that may register engines (it has `engines` or `pools`) without `engine_roles` (and, for
+`engines`, without `engine_pools`) may register them with any role (or in any pool): the policy logs a
+warning for each such identity, or, when strict, refuses the file.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ BINDING_EXEMPT: ContextVar[bool] = ContextVar("binding_exempt", default=False)
 require_binding): set by the auth guard for admin identities, read where the service applies bindings."""
 
 CALLER_IDENTITY: ContextVar[str] = ContextVar("caller_identity", default="")
-"""The name of the identity the current call was admitted as ("" without auth): set by the auth guard around
-a unary call, read by the servicer to name who registers an engine (the memory budget's owner)."""
+"""The key (Identity.key) of the identity the current call was admitted as ("" without auth): set by the auth
+guard around a unary call, read by the servicer to name who registers an engine (the memory budget's owner)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,9 @@ class Identity:
     roles: frozenset[str] = frozenset()
     engine_roles: frozenset[Role] = frozenset()
     engine_pools: tuple[str, ...] = ()
+    key: str = ""
+    """What the identity is charged under (its rate bucket, its memory budget): `token:` and the first 32
+    hex digits of its token's sha256, or `certificate:` and its certificate name. A rename keeps it."""
 
     def has_role(self, role: str) -> bool:
         """Whether the identity holds role (admin holds every role)."""
@@ -85,6 +94,14 @@ class Identity:
     def bound(self) -> bool:
         """Whether the identity's engines are bound to roles or pools."""
         return bool(self.engine_roles or self.engine_pools)
+
+    def unbound(self) -> tuple[str, ...]:
+        """The binding keys an identity that may register engines lacks: engine_roles, and engine_pools
+        unless its `pools` bound where it registers."""
+        if not (self.engines or self.pools) or ADMIN in self.roles:
+            return ()
+        missing = () if self.engine_roles else ("engine_roles",)
+        return missing if self.engine_pools or not self.engines else (*missing, "engine_pools")
 
     def check_binding(self, engine_id: str, role: Role, pool: str) -> None:
         """Refuse an engine of this identity with a role or in a pool the identity is not bound to."""
@@ -109,7 +126,7 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _identity(name: str, entry: Any) -> Identity:
+def _identity(name: str, entry: Any, charged_as: str) -> Identity:
     if not isinstance(entry, Mapping):
         raise ValueError(f"auth file: identity {name!r} must be an object")
     keys = ("engines", "pools", "roles", "engine_roles", "engine_pools")
@@ -132,6 +149,7 @@ def _identity(name: str, entry: Any) -> Identity:
         roles=frozenset(lists["roles"]),
         engine_roles=frozenset(_ENGINE_ROLES[r] for r in lists["engine_roles"]),
         engine_pools=tuple(lists["engine_pools"]),
+        key=charged_as,
     )
 
 
@@ -148,28 +166,35 @@ def _token_digest(key: str, min_token_bytes: int) -> str:
 
 
 class AuthPolicy:
-    """The identities of an auth file, by token digest and by certificate name; reloaded when it changes."""
+    """The identities of an auth file, by token digest and by certificate name; reloaded when it changes.
+
+    `strict` refuses a file with an identity that may register engines unbound (Identity.unbound); otherwise
+    each such identity is logged as a warning."""
 
     def __init__(
         self,
         path: str,
         clock: Callable[[], float] = time.monotonic,
         min_token_bytes: int = DEFAULT_MIN_TOKEN_BYTES,
+        strict: bool = False,
     ) -> None:
         if min_token_bytes < 1:
             raise ValueError(f"min_token_bytes must be at least 1, not {min_token_bytes}")
         self.path = path
         self.min_token_bytes = min_token_bytes
+        self.strict = strict
         self._clock = clock
         self._lock = threading.Lock()
         self._mtime = 0
-        self._checked = 0.0
+        self._checked = clock()
         self._tokens: dict[str, Identity] = {}
         self._certificates: dict[str, Identity] = {}
         self._known: frozenset[Identity] = frozenset()
+        self._generation = 0
         self._load()
 
-    def _load(self) -> None:
+    def _load(self) -> bool:
+        """Read the file; whether its identities differ from the current ones (then the generation moves)."""
         mtime = os.stat(self.path).st_mtime_ns
         with open(self.path, encoding="utf-8") as f:
             try:
@@ -180,10 +205,49 @@ class AuthPolicy:
             raise ValueError(f"auth file {self.path}: expected an object with 'tokens' and/or 'certificates'")
         tokens: dict[str, Identity] = {}
         for n, (key, entry) in enumerate(dict(doc.get("tokens", {})).items()):
-            tokens[_token_digest(key, self.min_token_bytes)] = _identity(f"token-{n}", entry)
-        certificates = {name: _identity(name, entry) for name, entry in dict(doc.get("certificates", {})).items()}
+            hex_digest = _token_digest(key, self.min_token_bytes)
+            tokens[hex_digest] = _identity(f"token-{n}", entry, "token:" + hex_digest[:32])
+        certificates = {
+            name: _identity(name, entry, "certificate:" + name)
+            for name, entry in dict(doc.get("certificates", {})).items()
+        }
+        self._check_bound([*tokens.values(), *certificates.values()])
+        changed = (tokens, certificates) != (self._tokens, self._certificates)
         self._tokens, self._certificates, self._mtime = tokens, certificates, mtime
-        self._known = frozenset([*tokens.values(), *certificates.values()])
+        if changed:
+            self._known = frozenset([*tokens.values(), *certificates.values()])
+            self._generation += 1
+        return changed
+
+    def _check_bound(self, identities: list[Identity]) -> None:
+        unbound = [(identity.name, missing) for identity in identities if (missing := identity.unbound())]
+        if unbound and self.strict:
+            names = ", ".join(f"{name} (no {' or '.join(missing)})" for name, missing in unbound)
+            raise ValueError(
+                f"auth file {self.path}: identities may register engines of any role or pool: {names}; "
+                "bind them (engine_roles, engine_pools, docs/security.md) or serve without --strict-identities"
+            )
+        for name, missing in unbound:
+            log.warning(
+                "identity %s may register engines of any %s (no %s): bind it (docs/security.md)",
+                name,
+                " or ".join(m.removeprefix("engine_").removesuffix("s") for m in missing),
+                " or ".join(missing),
+            )
+
+    def _reread(self, force: bool) -> bool:
+        """Under the lock: re-read the file if forced or its modification time moved; whether the identities
+        changed. A file that cannot be read or is broken keeps the current identities (logged)."""
+        try:
+            if not force and os.stat(self.path).st_mtime_ns == self._mtime:
+                return False
+            changed = self._load()
+        except (OSError, ValueError) as err:
+            log.warning("auth file reload failed; keeping the current identities: %s", err)
+            return False
+        if changed:
+            log.info("auth file reloaded", extra={"path": self.path, "generation": self._generation})
+        return changed
 
     def _maybe_reload(self) -> None:
         now = self._clock()
@@ -191,12 +255,20 @@ class AuthPolicy:
             return
         with self._lock:
             self._checked = now
-            try:
-                if os.stat(self.path).st_mtime_ns != self._mtime:
-                    self._load()
-                    log.info("auth file reloaded", extra={"path": self.path})
-            except (OSError, ValueError) as err:
-                log.warning("auth file reload failed; keeping the current identities: %s", err)
+            self._reread(force=False)
+
+    def reload(self) -> bool:
+        """Re-read the file now, whatever its modification time (SIGHUP; tests); whether its identities
+        changed. A broken file keeps the current identities."""
+        with self._lock:
+            self._checked = self._clock()
+            return self._reread(force=True)
+
+    @property
+    def generation(self) -> int:
+        """A number that moves on every reload that changes the identities (re-read first if due)."""
+        self._maybe_reload()
+        return self._generation
 
     def by_token(self, token: str) -> Identity | None:
         """The identity a bearer token stands for, if any."""
@@ -208,7 +280,13 @@ class AuthPolicy:
         self._maybe_reload()
         return next((self._certificates[n] for n in names if n in self._certificates), None)
 
-    def knows(self, identity: Identity) -> bool:
-        """Whether the file (re-read if due) still holds identity unchanged."""
-        self._maybe_reload()
-        return identity in self._known
+    def recheck(self, identity: Identity, seen: int) -> int:
+        """The current generation, once identity is found unchanged in it (compared only when it moved from
+        `seen`): raises UNAUTHENTICATED_TOKEN if the file (re-read if due) no longer holds identity as it was."""
+        generation = self.generation
+        if generation != seen and identity not in self._known:
+            raise RendezvousError(
+                Reason.UNAUTHENTICATED_TOKEN,
+                f"identity {identity.name} was removed from the auth file or changed; reconnect",
+            )
+        return generation

@@ -1,14 +1,17 @@
 """Per-caller quotas: token buckets for the request rate and for refusals, caps on calls in flight and
 on open streams.
 
-The caller is the authenticated identity when auth is on, else the peer's host. A call is charged by
-its size (one call per started `cost_bytes` of request), so one large batch costs what many small
-calls would. Every message of a KeepAlive stream and every Watch open is charged like a call. A call
-refused for its credentials (UNAUTHENTICATED, PERMISSION_DENIED) is also charged to its peer's host in
-a bucket of its own: once that is empty, every call from that host is refused before its token is
-looked at, so guessing tokens costs the guesser time. Calls in flight are counted while they wait on
-the store: with the memory store a call never waits (it runs to its answer on the event loop), so
-that cap bites with Redis.
+The caller is the authenticated identity when auth is on (its key, which a rename keeps), else the peer's
+host: each identity has buckets and caps of its own, so no identity's load spends another's allowance. A
+call is charged by its size (one call per started `cost_bytes` of request), so one large batch costs what
+many small calls would. Every message of a KeepAlive stream and every Watch open is charged like a call,
+and so is an identified caller's call that is then denied. A RATE_LIMITED refusal says when the caller's
+bucket holds a token again (a google.rpc.RetryInfo, which the SDK waits out before it retries). A call that
+did not authenticate (no known token or certificate) is charged to its peer's host in a bucket of its own:
+once that is empty, that host's unauthenticated calls are refused RATE_LIMITED, unlogged; a caller with a
+valid token from the same host (behind the same NAT) is never refused for them. Calls in flight are counted
+while they wait on the store: with the memory store a call never waits (it runs to its answer on the event
+loop), so that cap bites with Redis.
 """
 
 from __future__ import annotations
@@ -16,23 +19,29 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rendezvous.core.errors import Reason, RendezvousError
 
 # Beyond this many remembered callers, idle (full) buckets are forgotten.
 _MAX_BUCKETS = 10_000
 
+DEFAULT_RATE = 10_000.0
+"""Calls per second per identity by default (with auth): above what one replica serves at all
+(benchmarks/RESULTS.md: 2,200-7,400 empty unary calls/s, 11,000-15,000 stream messages/s on the 2-core VM), so
+a legitimate load never meets it, while one identity cannot take more than a replica's worth."""
+
 
 @dataclass(frozen=True)
 class CallLimits:
-    """Per caller: `rate` calls per second with bursts of `burst` (0: no rate limit), each call
+    """Per caller: `rate` calls per second with bursts of `burst` (0: no rate limit; None: DEFAULT_RATE
+    with auth, none without, see `for_server`), each call
     costing one more per started `cost_bytes` of request (0: every call costs one); at most
     `concurrency` unary calls in flight (0: no limit) and `streams` open Watch and KeepAlive streams
-    (0: no limit). Per peer host: `refusal_rate` refused calls per second with bursts of
+    (0: no limit). Per peer host: `refusal_rate` unauthenticated calls per second with bursts of
     `refusal_burst` (0: not limited)."""
 
-    rate: float = 0.0
+    rate: float | None = None
     burst: int = 0
     concurrency: int = 0
     cost_bytes: int = 65_536
@@ -41,7 +50,7 @@ class CallLimits:
     refusal_burst: int = 50
 
     def __post_init__(self) -> None:
-        numbers = (self.rate, self.burst, self.concurrency, self.cost_bytes, self.streams)
+        numbers = (self.rate or 0, self.burst, self.concurrency, self.cost_bytes, self.streams)
         if min(*numbers, self.refusal_rate, self.refusal_burst) < 0:
             raise ValueError("call limits must not be negative")
 
@@ -49,6 +58,14 @@ class CallLimits:
     def enabled(self) -> bool:
         """Whether a per-call limit is set (without auth, the guard is installed only then)."""
         return bool(self.rate or self.concurrency)
+
+    def for_server(self, auth: bool) -> CallLimits:
+        """These limits with the default rate decided: DEFAULT_RATE per identity with auth; none without,
+        where the caller is the peer's host and a whole fleet behind one address (a NAT, a benchmark's
+        loopback) would share one bucket."""
+        if self.rate is not None:
+            return self
+        return replace(self, rate=DEFAULT_RATE if auth else 0.0)
 
 
 class TokenBucket:
@@ -79,6 +96,10 @@ class TokenBucket:
         """Whether key may make a call now."""
         return self._refilled(key)[0] >= 1
 
+    def wait(self, key: str) -> float:
+        """Seconds until key has a token again (0 if it has one now)."""
+        return max(0.0, 1 - self._refilled(key)[0]) / self.rate
+
     def take(self, key: str, cost: float = 1.0) -> bool:
         """Charge key `cost` tokens if it has one now; whether it had."""
         bucket = self._refilled(key)
@@ -98,7 +119,8 @@ class CallQuotas:
 
     def __init__(self, limits: CallLimits, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
-        self._calls = TokenBucket(limits.rate, limits.burst, clock) if limits.rate else None
+        self._rate = limits.rate or 0.0  # undecided (None): no rate; RendezvousServer decides it (for_server)
+        self._calls = TokenBucket(self._rate, limits.burst, clock) if self._rate else None
         self._refusals = TokenBucket(limits.refusal_rate, limits.refusal_burst, clock) if limits.refusal_rate else None
         self._in_flight = _Cap(limits.concurrency, "calls in flight")
         self._streams = _Cap(limits.streams, "open streams")
@@ -117,24 +139,28 @@ class CallQuotas:
         """Charge one call (more for a large request) to key's bucket, or raise RATE_LIMITED."""
         calls = self._calls
         if calls is not None and not calls.take(key, self.cost(request_bytes)):
-            rate = self.limits.rate
+            rate = self._rate
             raise RendezvousError(
-                Reason.RATE_LIMITED, f"more than {rate:g} calls/s (burst {calls.size:g}); back off", limit=rate
+                Reason.RATE_LIMITED,
+                f"more than {rate:g} calls/s (burst {calls.size:g}); back off",
+                limit=rate,
+                retry_after=calls.wait(key),
             )
 
     def check_refusals(self, peer: str) -> None:
-        """Raise RATE_LIMITED if peer has used up its refused calls."""
+        """Raise RATE_LIMITED if peer has used up its unauthenticated calls."""
         refusals = self._refusals
         if refusals is not None and not refusals.has_token(peer):
             rate = self.limits.refusal_rate
             raise RendezvousError(
                 Reason.RATE_LIMITED,
-                f"more than {rate:g} refused calls/s from this host (burst {refusals.size:g}); back off",
+                f"more than {rate:g} unauthenticated calls/s from this host (burst {refusals.size:g}); back off",
                 limit=rate,
+                retry_after=refusals.wait(peer),
             )
 
     def refused(self, peer: str) -> None:
-        """Charge a call refused for its credentials to its peer host."""
+        """Charge a call that did not authenticate to its peer host."""
         if self._refusals is not None:
             self._refusals.take(peer)
 

@@ -95,3 +95,14 @@ def test_the_message_names_code_and_reason() -> None:
 
 def test_the_documented_reasons_are_the_servers() -> None:
     assert {r.value for r in Reason} == {r.value for r in server_errors.Reason}
+
+
+def test_a_retry_hint_of_the_server_reaches_the_error_and_survives_pickling() -> None:
+    from rendezvous import wire
+
+    refused = server_errors.RendezvousError(server_errors.Reason.RATE_LIMITED, "slow down", retry_after=0.25)
+    err = from_status(wire.error_status(refused))
+    assert (err.code, err.reason, err.retry_after) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED", 0.25)
+    assert pickle.loads(pickle.dumps(err)).retry_after == 0.25
+    unhinted = from_status(wire.error_status(server_errors.RendezvousError(server_errors.Reason.RATE_LIMITED, "no")))
+    assert unhinted.retry_after is None

@@ -17,6 +17,7 @@ from clients import (
     FailedPrecondition,
     KeepAliveConfig,
     RendezvousClient,
+    ResourceExhausted,
     RetryPolicy,
     SessionConfig,
     Unavailable,
@@ -53,6 +54,17 @@ def test_an_unavailable_endpoint_is_left_at_once_and_a_failed_round_backs_off() 
     attempts = Attempts(RetryPolicy(initial_backoff=0.1, max_backoff=1.0, jitter=0.0), endpoints=3)
     delays = [attempts.next_delay(UNAVAILABLE, idempotent=False) for _ in range(6)]
     assert delays == pytest.approx([0.0, 0.0, 0.1, 0.0, 0.0, 0.2])
+
+
+def test_a_refusal_with_a_retry_hint_is_retried_after_the_hint_and_one_without_is_not() -> None:
+    policy = RetryPolicy(initial_backoff=0.01, max_backoff=0.01, jitter=0.0, deadline=None)
+    hinted = ResourceExhausted("slow down", reason="RATE_LIMITED", retry_after=0.5)
+    # Refused before any work: retried even for a call that is not idempotent, after the hint.
+    assert Attempts(policy, endpoints=1).next_delay(hinted, idempotent=False) == pytest.approx(0.5)
+    assert Attempts(policy, endpoints=1).next_delay(ResourceExhausted("full"), idempotent=True) is None
+    # The policy's deadline still bounds the wait.
+    bounded = Attempts(RetryPolicy(deadline=0.2), endpoints=1, started=0.0, clock=lambda: 0.0)
+    assert bounded.next_delay(hinted, idempotent=False) is None
 
 
 def test_a_timed_out_read_backs_off_on_the_same_endpoint() -> None:

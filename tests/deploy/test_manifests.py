@@ -130,10 +130,14 @@ def test_every_configured_variable_is_a_serve_flag(overlay: str) -> None:
 
 
 def test_the_auth_secret_is_a_valid_policy(tmp_path: Path) -> None:
+    """Valid under --strict-identities, which the Deployment turns on: every engine identity is bound."""
     secret = one(rendered("overlays/single"), "Secret", "kv-rendezvous-auth")
     path = tmp_path / "auth.json"
     path.write_text(secret["stringData"]["auth.json"])
-    AuthPolicy(str(path))
+    AuthPolicy(str(path), strict=True)
+    assert (
+        env(one(rendered("overlays/single"), "Deployment", "kv-rendezvous"))["KV_RENDEZVOUS_STRICT_IDENTITIES"] == "on"
+    )
 
 
 def test_the_vllm_pools_are_wired_through_kv_connector_extra_config() -> None:

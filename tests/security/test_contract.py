@@ -189,9 +189,9 @@ async def test_the_halves_of_a_pre_aborted_id_learn_why(stub: pb_grpc.Rendezvous
 
 @pytest.fixture
 async def bound(tmp_path: Path, store: str) -> AsyncIterator[grpc.aio.Channel]:
-    """A server with auth, a binding key and --require-binding, and a channel to it."""
+    """A server with auth and a binding key (bindings required: the default), and a channel to it."""
     config = {"auth_file": auth_file(tmp_path, AUTH), "binding_key_file": key_file(tmp_path), "store": store}
-    async with serving(require_binding=True, **config) as server, grpc.aio.insecure_channel(server.address) as ch:
+    async with serving(**config) as server, grpc.aio.insecure_channel(server.address) as ch:
         yield ch
 
 

@@ -78,7 +78,7 @@ def store(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 async def server(tmp_path: Path, store: str) -> AsyncIterator[RendezvousServer]:
     config = {"auth_file": auth_file(tmp_path, AUTH), "binding_key_file": key_file(tmp_path), "store": store}
-    async with serving(require_binding=True, **config) as srv:
+    async with serving(**config) as srv:  # a key requires bindings by default
         yield srv
 
 
@@ -240,7 +240,7 @@ async def test_an_engine_holding_its_half_needs_no_live_binding_to_re_register(c
     assert info(await target(channel, "d1", "t-1", soon)) == ("BINDING_MISMATCH", "consumer_engine_id")
 
 
-async def test_an_admin_identity_is_exempt_from_require_binding_but_not_from_a_bad_binding(
+async def test_an_admin_identity_is_exempt_from_the_binding_requirement_but_not_from_a_bad_binding(
     channel: grpc.aio.Channel,
 ) -> None:
     await engines(channel, "d0", "p0")
@@ -252,13 +252,18 @@ async def test_an_admin_identity_is_exempt_from_require_binding_but_not_from_a_b
     )
 
 
-# Without --require-binding, and without a key
+# With --allow-unbound, and without a key
 
 
-async def test_without_require_binding_unbound_halves_match_as_before_and_a_presented_binding_is_checked(
+async def test_with_allow_unbound_unbound_halves_match_as_before_and_a_presented_binding_is_checked(
     tmp_path: Path, store: str
 ) -> None:
-    config = {"auth_file": auth_file(tmp_path, AUTH), "binding_key_file": key_file(tmp_path), "store": store}
+    config = {
+        "auth_file": auth_file(tmp_path, AUTH),
+        "binding_key_file": key_file(tmp_path),
+        "allow_unbound": True,
+        "store": store,
+    }
     async with serving(**config) as srv, grpc.aio.insecure_channel(srv.address) as channel:
         await engines(channel, "d0", "d1", "p0")
         assert info(await target(channel, "d0", "t-1", None)) == ("", "")
@@ -293,22 +298,24 @@ def test_the_key_file_holds_one_key_a_line_and_refuses_short_ones(tmp_path: Path
         bindings.load_keys(str(path))
 
 
-def test_a_server_with_a_short_key_or_require_binding_without_a_key_refuses_to_start(tmp_path: Path) -> None:
+def test_a_server_with_a_short_key_or_allow_unbound_without_a_key_refuses_to_start(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("too-short\n")
     with pytest.raises(ValueError, match="shorter than 32"):
         RendezvousServer(ServerConfig(binding_key_file=str(path)))
-    with pytest.raises(ValueError, match="require_binding needs binding_key_file"):
-        ServerConfig(require_binding=True)
-    with pytest.raises(ValueError, match="--require-binding needs --binding-key-file"):
-        _config_from(build_parser().parse_args(["serve", "--require-binding"]))
+    with pytest.raises(ValueError, match="allow_unbound needs binding_key_file"):
+        ServerConfig(allow_unbound=True)
+    with pytest.raises(ValueError, match="--allow-unbound needs --binding-key-file"):
+        _config_from(build_parser().parse_args(["serve", "--allow-unbound"]))
 
 
 def test_the_serve_flags_read_their_environment_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KV_RENDEZVOUS_BINDING_KEY_FILE", key_file(tmp_path))
-    monkeypatch.setenv("KV_RENDEZVOUS_REQUIRE_BINDING", "1")
     config = _config_from(build_parser().parse_args(["serve"]))
-    assert (config.binding_key_file, config.require_binding) == (key_file(tmp_path), True)
+    assert (config.binding_key_file, config.allow_unbound) == (key_file(tmp_path), False)
+    monkeypatch.setenv("KV_RENDEZVOUS_ALLOW_UNBOUND", "1")
+    config = _config_from(build_parser().parse_args(["serve"]))
+    assert (config.binding_key_file, config.allow_unbound) == (key_file(tmp_path), True)
 
 
 def test_a_binding_travels_in_kv_transfer_params_as_plain_data() -> None:

@@ -1,4 +1,4 @@
-"""1P1D behind a rendezvous that requires the router's bindings (`--require-binding`, issue 17 item 5).
+"""1P1D behind a rendezvous that requires the router's bindings (a `--binding-key-file`, issue 17 item 5).
 
 The connector presents the binding it finds in `kv_transfer_params` with its half: legs bound to this pair move
 their KV (the transfer commits), legs bound to other engines, or without a binding, are refused at the
@@ -42,7 +42,7 @@ def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def bound_rendezvous(key_file: Path) -> Iterator[TestServer]:
-    with TestServer(binding_key_file=str(key_file), require_binding=True) as server:
+    with TestServer(binding_key_file=str(key_file)) as server:  # a key requires bindings
         yield server
 
 

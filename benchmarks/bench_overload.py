@@ -1,0 +1,603 @@
+"""Overload benchmark: what the others see while load far beyond one replica's capacity arrives.
+
+One `kv-rendezvous serve` with an auth file, a health port and metrics. Four *flood* identities, each an
+engine of its own, send ClaimTransfer batches (64 re-claims of the same ids: real per-item work, no state
+growth) from h2load (nghttp2-client), which offers HTTP/2 gRPC calls far faster than the server can answer at
+little CPU of its own. First a closed-loop phase measures what the server serves (capacity, calls/s); then
+each phase offers 1x, 2x and 5x that, while, side by side in the same phase:
+
+  others   a consumer and a producer engine (their own identities) run paced lifecycles (RegisterTarget,
+           ClaimTransfer, TRANSFER_ASSIGNED, CompleteTransfer, TRANSFER_COMMITTED, ReleaseTarget) and a
+           router reads GetStatus: their goodput, p99 and every error code
+  heavy    one more identity sends maximum-size CompleteTransfer requests (completions with parts, for
+           unknown ids) back to back, as a buggy engine or an attacker would
+  health   a prober asks grpc.health.v1 on the health port (and on the serving port) every 100 ms with a
+           1 s timeout
+  memory   the server's RSS, sampled every 100 ms
+
+The flood's calls are counted by the server (its /metrics, by status code): `admitted` is every call that
+was answered by the service, `shed` every RESOURCE_EXHAUSTED. No transfer of the others may be lost: each
+lifecycle ends released, or its error is counted.
+
+    python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
+    python benchmarks/bench_overload.py --compare     # memory and Redis, one run
+    python benchmarks/bench_overload.py --serve-flag=--rate-limit=0   # flags passed to serve
+
+Needs h2load (`apt-get install nghttp2-client`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rendezvous import LAYOUT, REGION, local_redis, percentile, proc_usage
+
+from connector.launch import free_port
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+
+RESULTS = Path(__file__).parent / "results"
+FLOODERS = 4
+FLOOD_BATCH = 64
+GOOD_RATE = 100.0  # the others' lifecycles per second
+ROUTER_RATE = 20.0  # the router's GetStatus per second
+
+
+def token(name: str) -> str:
+    return f"{name}-token-0123456789abcdef"
+
+
+def auth_file(folder: Path) -> Path:
+    """Every identity bound to its engines, role and pool, as docs/deploy.md asks."""
+    tokens: dict[str, Any] = {
+        token("router"): {"name": "router", "roles": ["router"]},
+        token("good-d"): {"name": "good-d", "engines": ["good-d"], "engine_roles": ["consumer"], "engine_pools": ["d"]},
+        token("good-p"): {"name": "good-p", "engines": ["good-p"], "engine_roles": ["producer"], "engine_pools": ["p"]},
+        token("heavy"): {"name": "heavy", "engines": ["heavy"], "engine_roles": ["producer"], "engine_pools": ["p"]},
+    }
+    for i in range(FLOODERS):
+        name = f"flood-{i}"
+        tokens[token(name)] = {"name": name, "engines": [name], "engine_roles": ["producer"], "engine_pools": ["p"]}
+    path = folder / "auth.json"
+    path.write_text(json.dumps({"tokens": tokens}))
+    return path
+
+
+def credentials(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token(name)}"),)
+
+
+def engine_request(engine_id: str, role: pb.EngineRole, pool: str) -> pb.RegisterEngineRequest:
+    agent = pb.NixlAgent(
+        name=engine_id + "-0", metadata=os.urandom(400), memory_kind=pb.MEMORY_KIND_DRAM, regions=[REGION]
+    )
+    return pb.RegisterEngineRequest(
+        engine_id=engine_id, pool=pool, role=role, layout=LAYOUT, agents=[agent], lease_ttl={"seconds": 300}
+    )
+
+
+def grpc_frame(message: Any) -> bytes:
+    """A message as one gRPC length-prefixed frame (uncompressed)."""
+    body: bytes = message.SerializeToString()
+    return struct.pack(">BI", 0, len(body)) + body
+
+
+# The server and what it reports.
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    address: str
+    health: str
+    metrics: str
+
+    def rpc_counts(self) -> Counter[tuple[str, str]]:
+        """Answered calls by (method, code), and calls refused before the service as (REJECTED, reason)."""
+        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=30).read().decode()
+        counts: Counter[tuple[str, str]] = Counter()
+        for line in text.splitlines():
+            if line.startswith("rendezvous_rpcs_total{"):
+                labels, value = line[len("rendezvous_rpcs_total{") :].rsplit("} ", 1)
+                parsed = dict(part.split("=", 1) for part in labels.split(","))
+                counts[(parsed["method"].strip('"'), parsed["code"].strip('"'))] += int(float(value))
+            elif line.startswith("rendezvous_rejected_calls_total{"):
+                labels, value = line[len("rendezvous_rejected_calls_total{") :].rsplit("} ", 1)
+                reason = labels.split("=", 1)[1].strip('"')
+                counts[("REJECTED", reason)] += int(float(value))
+        return counts
+
+
+@contextlib.contextmanager
+def serving(store: str, auth: Path, flags: list[str]) -> Iterator[Server]:
+    address, health, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rendezvous.cli",
+            "serve",
+            "--listen",
+            address,
+            "--store",
+            store,
+            "--health-listen",
+            health,
+            "--metrics-listen",
+            metrics,
+            "--auth-file",
+            str(auth),
+            "--drain",
+            "0",
+            "--log-level",
+            "error",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and "serving on" in proc.stdout.readline()
+        yield Server(proc, address, health, metrics)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# The flood: h2load offering ClaimTransfer batches.
+
+
+async def register_flooders(address: str) -> list[bytes]:
+    """Register each flood engine; the ClaimTransfer body each of them sends."""
+    bodies = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        for i in range(FLOODERS):
+            name = f"flood-{i}"
+            reg = await stub.RegisterEngine(
+                engine_request(name, pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials(name)
+            )
+            claims = [pb.ClaimSpec(transfer_id=f"{name}-t{j}") for j in range(FLOOD_BATCH)]
+            request = pb.ClaimTransferRequest(engine_id=name, incarnation=reg.engine.incarnation, claims=claims)
+            bodies.append(grpc_frame(request))
+    return bodies
+
+
+def h2load(address: str, name: str, body: Path, seconds: float, rate: float | None) -> subprocess.Popen[str]:
+    """One flood identity: 4 connections of 16 streams each, closed loop, or `rate` calls/s in all."""
+    clients = 4
+    command = [
+        "h2load",
+        f"http://{address}/rendezvous.v1.RendezvousService/ClaimTransfer",
+        "-d",
+        str(body),
+        "-H",
+        "content-type: application/grpc",
+        "-H",
+        "te: trailers",
+        "-H",
+        f"authorization: Bearer {token(name)}",
+        "-c",
+        str(clients),
+        "-m",
+        "16",
+        "-D",
+        str(round(seconds)),
+    ]
+    if rate is not None:
+        command += ["--rps", f"{max(rate / clients, 0.1):.2f}"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+# The others: paced lifecycles and a router, with every error counted.
+
+
+@dataclass
+class Others:
+    lifecycle_ms: list[float] = field(default_factory=list)
+    router_ms: list[float] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    started: int = 0
+    released: int = 0
+    retries: int = 0
+
+
+async def call(others: Others, what: str, method: Any, request: Any, name: str) -> Any:
+    """A unary call; RESOURCE_EXHAUSTED is retried after its hint (as the SDK does), anything else counted."""
+    while True:
+        try:
+            return await method(request, metadata=credentials(name), timeout=30)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                others.retries += 1
+                await asyncio.sleep(0.05)
+                continue
+            others.errors[f"{what}:{err.code().name}"] += 1
+            return None
+
+
+async def run_others(address: str, seconds: float, run: str) -> Others:
+    others = Others()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        d = await stub.RegisterEngine(
+            engine_request("good-d", pb.ENGINE_ROLE_CONSUMER, "d"), metadata=credentials("good-d")
+        )
+        p = await stub.RegisterEngine(
+            engine_request("good-p", pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials("good-p")
+        )
+        d_inc, p_inc = d.engine.incarnation, p.engine.incarnation
+        d_watch = stub.Watch(
+            pb.WatchRequest(engine_id="good-d", start_revision=d.watch_start_revision), metadata=credentials("good-d")
+        )
+        p_watch = stub.Watch(
+            pb.WatchRequest(engine_id="good-p", start_revision=p.watch_start_revision), metadata=credentials("good-p")
+        )
+        await d_watch.read()
+        await p_watch.read()
+        sent: dict[str, float] = {}  # lifecycles not yet committed or aborted
+        drained = asyncio.Event()  # set once every lifecycle was issued and none is left in `sent`
+        issuing = True
+
+        def ended(transfer_id: str) -> float | None:
+            began = sent.pop(transfer_id, None)
+            if not sent and not issuing:
+                drained.set()
+            return began
+
+        pending: set[asyncio.Task[Any]] = set()
+
+        def background(coro: Any) -> None:
+            task = asyncio.ensure_future(coro)
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+        async def producer_events() -> None:
+            while True:
+                response = await p_watch.read()
+                if response is grpc.aio.EOF:
+                    return
+                done = [e for e in response.events if e.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED]
+                if done:
+                    request = pb.CompleteTransferRequest(
+                        engine_id="good-p",
+                        incarnation=p_inc,
+                        completions=[
+                            pb.CompletionSpec(
+                                transfer_id=e.transfer.transfer_id,
+                                generation=e.generation,
+                                outcome=pb.COMPLETION_OUTCOME_SUCCEEDED,
+                            )
+                            for e in done
+                        ],
+                    )
+                    background(call(others, "CompleteTransfer", stub.CompleteTransfer, request, "good-p"))
+
+        async def consumer_events() -> None:
+            while True:
+                response = await d_watch.read()
+                if response is grpc.aio.EOF:
+                    return
+                now = time.monotonic()
+                committed = [e for e in response.events if e.type == pb.EVENT_TYPE_TRANSFER_COMMITTED]
+                for e in committed:
+                    began = ended(e.transfer.transfer_id)
+                    if began is not None:
+                        others.lifecycle_ms.append((now - began) * 1e3)
+                for e in response.events:
+                    if e.type == pb.EVENT_TYPE_TRANSFER_ABORTED:
+                        others.errors["aborted:" + pb.AbortReason.Name(e.transfer.abort_reason)] += 1
+                        ended(e.transfer.transfer_id)
+                if committed:
+                    request = pb.ReleaseTargetRequest(
+                        engine_id="good-d",
+                        incarnation=d_inc,
+                        releases=[
+                            pb.ReleaseSpec(transfer_id=e.transfer.transfer_id, generation=e.generation)
+                            for e in committed
+                        ],
+                    )
+
+                    async def release(request: pb.ReleaseTargetRequest = request, n: int = len(committed)) -> None:
+                        if await call(others, "ReleaseTarget", stub.ReleaseTarget, request, "good-d") is not None:
+                            others.released += n
+
+                    background(release())
+
+        async def lifecycle(transfer_id: str) -> None:
+            sent[transfer_id] = time.monotonic()
+            others.started += 1
+            target = pb.RegisterTargetRequest(
+                engine_id="good-d",
+                incarnation=d_inc,
+                targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=range(4), generation=1)],
+            )
+            claim = pb.ClaimTransferRequest(
+                engine_id="good-p", incarnation=p_inc, claims=[pb.ClaimSpec(transfer_id=transfer_id)]
+            )
+            await asyncio.gather(
+                call(others, "RegisterTarget", stub.RegisterTarget, target, "good-d"),
+                call(others, "ClaimTransfer", stub.ClaimTransfer, claim, "good-p"),
+            )
+
+        async def router() -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                began = time.monotonic()
+                if await call(others, "GetStatus", stub.GetStatus, pb.GetStatusRequest(), "router") is not None:
+                    others.router_ms.append((time.monotonic() - began) * 1e3)
+                await asyncio.sleep(max(0.0, began + 1 / ROUTER_RATE - time.monotonic()))
+
+        readers = [asyncio.create_task(producer_events()), asyncio.create_task(consumer_events())]
+        routing = asyncio.create_task(router())
+        start = time.monotonic()
+        for i in range(int(GOOD_RATE * seconds)):
+            await asyncio.sleep(max(0.0, start + i / GOOD_RATE - time.monotonic()))
+            background(lifecycle(f"{run}-{i}"))
+        await routing
+        issuing = False
+        if not sent:
+            drained.set()
+        # Every lifecycle ends committed or aborted (a half whose call failed is aborted at its deadline).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(drained.wait(), 90)
+        await asyncio.gather(*pending)
+        others.errors["unfinished"] += len(sent)
+        for task in readers:
+            task.cancel()
+        d_watch.cancel()
+        p_watch.cancel()
+        await stub.DeregisterEngine(
+            pb.DeregisterEngineRequest(engine_id="good-d", incarnation=d_inc), metadata=credentials("good-d")
+        )
+        await stub.DeregisterEngine(
+            pb.DeregisterEngineRequest(engine_id="good-p", incarnation=p_inc), metadata=credentials("good-p")
+        )
+    return others
+
+
+# The heavy identity: maximum-size CompleteTransfer requests, back to back.
+
+
+def heavy_request(incarnation: int, max_bytes: int) -> pb.CompleteTransferRequest:
+    """Completions of 4,096 parts each for unknown ids, as many as fit in max_bytes."""
+    parts = [pb.WrittenPart(first_layer=layer, num_layers=1, first_token=0, num_tokens=16) for layer in range(4096)]
+    one = pb.CompletionSpec(transfer_id="heavy-x", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts)
+    count = max(1, (max_bytes - 64) // (one.ByteSize() + 8))
+    completions = [
+        pb.CompletionSpec(transfer_id=f"heavy-{i}", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts)
+        for i in range(count)
+    ]
+    return pb.CompleteTransferRequest(engine_id="heavy", incarnation=incarnation, completions=completions)
+
+
+async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
+    codes: Counter[str] = Counter()
+    call_s: list[float] = []
+    options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        reg = await stub.RegisterEngine(
+            engine_request("heavy", pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials("heavy")
+        )
+        request = heavy_request(reg.engine.incarnation, max_bytes)
+        while not stop.is_set():  # a multiprocessing Event: read between calls only
+            began = time.monotonic()
+            try:
+                await stub.CompleteTransfer(request, metadata=credentials("heavy"), timeout=60)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as err:
+                codes[err.code().name] += 1
+                if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    await asyncio.sleep(0.05)
+            call_s.append(time.monotonic() - began)
+        await stub.DeregisterEngine(
+            pb.DeregisterEngineRequest(engine_id="heavy", incarnation=reg.engine.incarnation),
+            metadata=credentials("heavy"),
+        )
+    return {"request_mib": request.ByteSize() / 2**20, "codes": dict(codes), "max_call_s": max(call_s, default=0.0)}
+
+
+def heavy_main(address: str, stop: Any, max_bytes: int, out: Any) -> None:
+    """The heavy identity in a process of its own, so that building its requests slows no one else here."""
+    out.put(asyncio.run(run_heavy(address, stop, max_bytes)))
+
+
+# Health and memory, from threads of their own.
+
+
+def probe_health(address: str, stop: threading.Event, out: dict[str, Any]) -> None:
+    failures, probes, worst = 0, 0, 0.0
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not stop.is_set():
+            began = time.monotonic()
+            probes += 1
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=1.0)
+                failures += answer.status != health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                failures += 1
+            worst = max(worst, time.monotonic() - began)
+            stop.wait(0.1)
+    out.update(probes=probes, failures=failures, worst_ms=worst * 1e3)
+
+
+def sample_rss(pid: int, stop: threading.Event, out: dict[str, Any]) -> None:
+    peak = 0
+    while not stop.is_set():
+        peak = max(peak, proc_usage(pid)[1])
+        stop.wait(0.1)
+    out["peak_rss_mib"] = peak / 2**20
+
+
+def phase(
+    server: Server, bodies: list[Path], seconds: float, rate: float | None, heavy_bytes: int, run: str
+) -> dict[str, Any]:
+    """One phase: the flood at `rate` calls/s in all (None: closed loop), the others, heavy, probes."""
+    before = server.rpc_counts()
+    cpu0 = proc_usage(server.proc.pid)[0]
+    stop = threading.Event()
+    health: dict[str, Any] = {}
+    serving_health: dict[str, Any] = {}
+    memory: dict[str, Any] = {}
+    threads = [
+        threading.Thread(target=probe_health, args=(server.health, stop, health)),
+        threading.Thread(target=probe_health, args=(server.address, stop, serving_health)),
+        threading.Thread(target=sample_rss, args=(server.proc.pid, stop, memory)),
+    ]
+    for t in threads:
+        t.start()
+    floods = [
+        h2load(server.address, f"flood-{i}", body, seconds, None if rate is None else rate / len(bodies))
+        for i, body in enumerate(bodies)
+    ]
+    began = time.monotonic()
+    heavy: dict[str, Any] = {"request_mib": 0.0, "codes": {}, "max_call_s": 0.0}
+    others: Others | None = None
+    if rate is not None:
+        ctx = mp.get_context("spawn")
+        heavy_stop, heavy_out = ctx.Event(), ctx.Queue()
+        heavy_process = ctx.Process(target=heavy_main, args=(server.address, heavy_stop, heavy_bytes, heavy_out))
+        if heavy_bytes:
+            heavy_process.start()
+        others = asyncio.run(run_others(server.address, seconds, run))
+        heavy_stop.set()
+        if heavy_bytes:
+            heavy = heavy_out.get(timeout=120)
+            heavy_process.join(timeout=30)
+    for flood in floods:
+        flood.communicate(timeout=seconds + 120)
+    elapsed = time.monotonic() - began
+    stop.set()
+    for t in threads:
+        t.join()
+    cpu = proc_usage(server.proc.pid)[0] - cpu0
+    after = server.rpc_counts()
+    delta = Counter({k: after[k] - before[k] for k in after if after[k] != before[k]})
+    flood_codes = {code: n for (method, code), n in delta.items() if method == "ClaimTransfer"}
+    rejected = {reason: n for (method, reason), n in delta.items() if method == "REJECTED"}
+    shed = flood_codes.get("RESOURCE_EXHAUSTED", 0) + sum(rejected.values())
+    admitted = sum(n for code, n in flood_codes.items() if code != "RESOURCE_EXHAUSTED")
+    result: dict[str, Any] = {
+        "offered_calls_per_s": rate,
+        "seconds": elapsed,
+        "flood_admitted_per_s": admitted / elapsed,
+        "flood_shed_per_s": shed / elapsed,
+        "flood_codes": flood_codes,
+        "rejected_before_service": rejected,
+        "server_cpu_util": cpu / elapsed,
+        "health_port": health,
+        "serving_port_health": serving_health,
+        **memory,
+    }
+    if others is not None:
+        result["others"] = {
+            "lifecycles_started": others.started,
+            "lifecycles_released": others.released,
+            "lifecycle_p50_ms": percentile(others.lifecycle_ms, 0.5),
+            "lifecycle_p99_ms": percentile(others.lifecycle_ms, 0.99),
+            "router_p99_ms": percentile(others.router_ms, 0.99),
+            "retried_after_resource_exhausted": others.retries,
+            "errors": dict(others.errors),
+        }
+        result["heavy"] = heavy
+    return result
+
+
+def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    auth = auth_file(folder)
+    with serving(store, auth, args.serve_flag) as server:
+        bodies = []
+        for i, body in enumerate(asyncio.run(register_flooders(server.address))):
+            path = folder / f"flood-{i}.bin"
+            path.write_bytes(body)
+            bodies.append(path)
+        capacity = phase(server, bodies, args.seconds, None, args.heavy_bytes, "capacity")
+        calls_per_s = capacity["flood_admitted_per_s"]
+        print(f"{store.split(':')[0]:>6} capacity: {calls_per_s:,.0f} ClaimTransfer calls/s of {FLOOD_BATCH} items")
+        phases = []
+        for factor in args.factors:
+            result = phase(server, bodies, args.seconds, factor * calls_per_s, args.heavy_bytes, f"x{factor:g}")
+            result["factor"] = factor
+            phases.append(result)
+            report(store, result)
+    return {"store": store.split(":")[0], "capacity_calls_per_s": calls_per_s, "capacity": capacity, "phases": phases}
+
+
+def report(store: str, r: dict[str, Any]) -> None:
+    o = r["others"]
+    print(
+        f"{store.split(':')[0]:>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s, shed "
+        f"{r['flood_shed_per_s']:,.0f}/s; others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
+        f"p50 {o['lifecycle_p50_ms']:.1f} ms p99 {o['lifecycle_p99_ms']:.1f} ms, "
+        f"router p99 {o['router_p99_ms']:.1f} ms, "
+        f"errors {o['errors'] or 'none'}; health failures {r['health_port']['failures']}/{r['health_port']['probes']} "
+        f"(serving port {r['serving_port_health']['failures']}/{r['serving_port_health']['probes']}); heavy "
+        f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']}; "
+        f"server CPU {r['server_cpu_util']:.0%}, peak RSS {r['peak_rss_mib']:.0f} MiB"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--store", default="memory", choices=["memory", "redis"])
+    parser.add_argument("--compare", action="store_true", help="memory, then Redis")
+    parser.add_argument("--seconds", type=int, default=8, help="length of each phase")
+    parser.add_argument("--factors", default="1,2,5", help="offered load as multiples of the measured capacity")
+    parser.add_argument(
+        "--heavy-bytes",
+        type=int,
+        default=4 << 20,
+        help="size of the heavy identity's requests (the server's maximum); 0: no heavy identity",
+    )
+    parser.add_argument("--serve-flag", action="append", default=[], help="a flag passed to serve (repeatable)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "overload.json", help="results file")
+    args = parser.parse_args()
+    args.factors = [float(f) for f in args.factors.split(",")]
+    if shutil.which("h2load") is None:
+        raise SystemExit("h2load not found: apt-get install nghttp2-client")
+    stores = ["memory", "redis"] if args.compare else [args.store]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        for store in stores:
+            url = stack.enter_context(local_redis()) if store == "redis" else "memory"
+            runs.append(run_store(url, args, Path(tmp)))
+    result = {
+        "benchmark": "overload",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
+        "serve_flags": args.serve_flag,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    lost = sum(p["others"]["errors"].get("unfinished", 0) for run in runs for p in run["phases"])
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
