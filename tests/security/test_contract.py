@@ -1,7 +1,8 @@
 """The contract as an independent client and an attacker read it (issue 24, Deliver 6): signed page tokens,
 an engine's agents, `Engine.live_transfers`, pre-aborts, what a non-participant learns, credits held on
-another consumer, and the ambiguous requests decided in docs/protocol.md. Real server on 127.0.0.1, memory
-and Redis stores."""
+another consumer, budgets exact across Redis replicas, and the ambiguous requests decided in docs/protocol.md
+("Edge cases decided"). Real servers on 127.0.0.1, memory and Redis stores; sections numbered as the slice's
+items."""
 
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ def reason_of(err: grpc.aio.AioRpcError) -> str:
     return str(error_info(err).reason)
 
 
-async def refused(call: Any, code: grpc.StatusCode, reason: str) -> grpc.aio.AioRpcError:
+async def refused(pending: Any, code: grpc.StatusCode, reason: str) -> grpc.aio.AioRpcError:
+    """The call failed with code and ErrorInfo reason; its error."""
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call
+        await pending
     assert (caught.value.code(), reason_of(caught.value)) == (code, reason), caught.value.details()
     return caught.value
 
