@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 
 from rendezvous.core.credits import CreditRequest, Usage
-from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
+from rendezvous.core.errors import ERROR_DOMAIN, Code, Reason, RendezvousError
 from rendezvous.core.limits import clip
 from rendezvous.core.model import Engine, EngineCapacity, Event, Mode, Outcome, Role
 from rendezvous.core.specs import (
@@ -64,6 +65,29 @@ def _role(value: int) -> Role | None:
     return Role(value) if value in (pb.ENGINE_ROLE_PRODUCER, pb.ENGINE_ROLE_CONSUMER) else None
 
 
+def role_filter(value: int) -> Role | None:
+    """ListEngines' role: unset lists every role; a value this server does not know is refused, not ignored
+    (which would list every role to a caller that asked for one)."""
+    if value == pb.ENGINE_ROLE_UNSPECIFIED:
+        return None
+    role = _role(value)
+    if role is None:
+        raise RendezvousError(
+            Reason.ROLE_UNSPECIFIED, f"role {value} is not PRODUCER, CONSUMER or unset (every role)", field="role"
+        )
+    return role
+
+
+def _seconds(d: Duration, field: str) -> float:
+    """A Duration of a request in seconds; seconds and nanos of opposite signs (not a Duration, by its
+    definition) are TIMEOUT_INVALID rather than their sum."""
+    if (d.seconds > 0 and d.nanos < 0) or (d.seconds < 0 and d.nanos > 0):
+        raise RendezvousError(
+            Reason.TIMEOUT_INVALID, f"{field}: seconds and nanos of a Duration must have the same sign", field=field
+        )
+    return seconds(d)
+
+
 def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
     """A RegisterEngineRequest as a registration."""
     return EngineSpec(
@@ -73,7 +97,7 @@ def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
         layout=convert.layout(req.layout),
         agents=tuple(convert.agent(a) for a in req.agents),
         labels=dict(req.labels),
-        lease_ttl=seconds(req.lease_ttl),
+        lease_ttl=_seconds(req.lease_ttl, "lease_ttl"),
         capacity=EngineCapacity(req.capacity.max_transfers, req.capacity.max_blocks),
     )
 
@@ -126,7 +150,7 @@ def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
             block_ids(t.block_ids),
             _generation(t.generation),
             t.num_tokens,
-            seconds(t.timeout),
+            _seconds(t.timeout, "timeout"),
             _mode(t.mode),
             binding(t.binding, t.HasField("binding")),
             t.progressive,
@@ -137,7 +161,10 @@ def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
 
 def claim_specs(req: pb.ClaimTransferRequest) -> list[ClaimSpec]:
     """The claims of a ClaimTransferRequest."""
-    return [ClaimSpec(c.transfer_id, seconds(c.timeout), binding(c.binding, c.HasField("binding"))) for c in req.claims]
+    return [
+        ClaimSpec(c.transfer_id, _seconds(c.timeout, "timeout"), binding(c.binding, c.HasField("binding")))
+        for c in req.claims
+    ]
 
 
 def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:

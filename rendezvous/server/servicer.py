@@ -23,7 +23,7 @@ from grpc_status import rpc_status
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
-from rendezvous.core.model import Engine, Event, Role, State, Transfer
+from rendezvous.core.model import Engine, Event, State, Transfer
 from rendezvous.core.specs import CompletionSpec
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
@@ -100,7 +100,8 @@ def _batch_rpc(
 ) -> Handler[ResponseT]:
     """A batched transfer RPC: the request's items through one coordinator call, one ItemResult each, in order.
 
-    takes_half: the call takes a half of its transfers, so the caller's exemption from bindings is passed on.
+    takes_half: the call takes a half of its transfers (or, AbortTransfer, ends them), so the caller's exemption from
+    bindings is passed on.
     observe: counts what the items carried, once they are answered.
     """
     method = response_type.__name__.removesuffix("Response")
@@ -299,7 +300,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
-        role = Role(request.role) if request.role in (1, 2) else None
+        role = wire.role_filter(request.role)
         messages: dict[str, pb.Engine] = {}
 
         def weigh(engine: Engine) -> int:
@@ -338,7 +339,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         pb.AcknowledgeRevocationResponse, wire.revocation_acks, Coordinator.acknowledge_revocations
     )
     ReleaseTarget = _batch_rpc(pb.ReleaseTargetResponse, wire.release_specs, Coordinator.release_targets)
-    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, wire.abort_specs, Coordinator.abort_transfers)
+    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, wire.abort_specs, Coordinator.abort_transfers, takes_half=True)
 
     # Credits
 
