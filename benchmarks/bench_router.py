@@ -46,7 +46,7 @@ from typing import Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 from clients import AsyncRendezvousClient, EngineRole, EngineSpec, KvLayout, PickPolicy
-from clients.testing import start_test_server
+from clients.testing import stand_in_agent, start_test_server
 from connector.launch import free_port
 from connector.prompts import PromptReader
 from connector.router import ANY_MODEL, PREFILL_HEADER, LocalPrefill, Route, Router
@@ -175,7 +175,15 @@ async def _run(
                 fleet.engines.append(engine)
                 labels = {"url": f"http://127.0.0.1:{engine.port}"}
                 await client.register_engine(
-                    EngineSpec(engine.name, f"{run}-{pool}", role, LAYOUT, labels=labels, lease_ttl=300)
+                    EngineSpec(
+                        engine.name,
+                        f"{run}-{pool}",
+                        role,
+                        LAYOUT,
+                        (stand_in_agent(engine.name),),
+                        labels=labels,
+                        lease_ttl=300,
+                    )
                 )
         router = Router(
             AsyncRendezvousClient(address),

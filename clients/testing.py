@@ -9,6 +9,9 @@
 arguments are passed to the server's `ServerConfig` (e.g. `timeouts=Timeouts(...)`), except
 `listen`, which the harness chooses. The server package is imported only when a server starts,
 so `clients` itself does not depend on it.
+
+An engine registers one NIXL agent per rank; `stand_in_agent` makes one with no NIXL behind it, for tests and
+examples that exercise the control plane only.
 """
 
 from __future__ import annotations
@@ -20,8 +23,19 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
+from clients._types import KvRegion, MemoryKind, NixlAgentInfo
+
 _HOST = "127.0.0.1"
 T = TypeVar("T")
+
+
+def stand_in_agent(name: str, rank: int = 0, num_blocks: int = 64) -> NixlAgentInfo:
+    """A rank's NIXL agent with one DRAM region of num_blocks 4 KiB blocks and no NIXL behind it: what a
+    control-plane-only test or example registers (the server takes it as it would a real one)."""
+    region = KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=num_blocks)
+    return NixlAgentInfo(
+        name=name, metadata=b"md-" + name.encode(), memory_kind=MemoryKind.DRAM, regions=(region,), rank=rank
+    )
 
 
 class AsyncTestServer:

@@ -21,13 +21,14 @@ from clients import (
     TargetSpec,
     mint_transfer_id,
 )
+from clients.testing import stand_in_agent  # a real engine registers its NIXL agents (one per rank)
 
 
 async def main(address: str) -> None:
     layout = KvLayout(model_fingerprint="llama-3-8b", dtype="bfloat16", block_size=16, num_layers=32)
     async with AsyncRendezvousClient(address) as client:
-        decode = ConsumerSession(client, "decode-0", "decode", layout=layout)
-        prefill = ProducerSession(client, "prefill-0", "prefill", layout=layout)
+        decode = ConsumerSession(client, "decode-0", "decode", layout=layout, agents=[stand_in_agent("decode-0")])
+        prefill = ProducerSession(client, "prefill-0", "prefill", layout=layout, agents=[stand_in_agent("prefill-0")])
         async with decode, prefill:
             transfer_id = mint_transfer_id()  # the router does this and sends both legs at once
             await decode.register_target(TargetSpec(transfer_id, block_ids=[7, 8, 9]))

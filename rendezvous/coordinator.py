@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 from rendezvous.core import budget, credits, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
-from rendezvous.core.bindings import BindingRules, check_binding
+from rendezvous.core.bindings import BindingRules, check_abort, check_binding
 from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
@@ -131,6 +131,7 @@ class Coordinator:
         self.timeouts = timeouts or Timeouts()
         self.clock = clock
         self.observer = observer
+        self._page_key: bytes | None = None
 
     async def _both(self, first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
         """Two store reads: in flight together where that saves a round trip (Store.concurrent), else in turn
@@ -138,6 +139,13 @@ class Coordinator:
         if self.store.concurrent:
             return await asyncio.gather(first, second)
         return await first, await second
+
+    async def _page_token_key(self) -> bytes:
+        """The deployment's page-token key (Store.page_token_key), read once (it never changes), when a listing
+        first needs it (one page with no token needs none)."""
+        if self._page_key is None:
+            self._page_key = await self.store.page_token_key()
+        return self._page_key
 
     def _context(self) -> Context:
         return Context(self.clock(), self.limits, self.timeouts)
@@ -207,7 +215,16 @@ class Coordinator:
         return engine, await self.store.last_event_revision(spec.engine_id) + 1
 
     async def keep_alive(self, engine_id: str, incarnation: int) -> Engine:
-        """Renew an engine's lease."""
+        """Renew an engine's lease: the incarnation that holds it must be named (0, which skips the check on other
+        calls, would let a process that lost track of its incarnation keep a successor's lease alive after the
+        successor died, and its transfers with it)."""
+        if not incarnation:
+            raise RendezvousError(
+                Reason.STALE_INCARNATION,
+                f"KeepAlive of engine {engine_id} names no incarnation; renew the one RegisterEngine returned",
+                engine_id=engine_id,
+                field="incarnation",
+            )
         now = self.clock()
         engine = await self.store.update_engine(
             engine_id,
@@ -262,7 +279,7 @@ class Coordinator:
         limits = self.limits
         size = paging.page_size(page_size, limits.default_engine_page, limits.max_engine_page)
         scope = f"engines {pool} {role.name if role else ''}"
-        after = paging.decode_token(scope, page_token)
+        after = paging.decode_token(await self._page_token_key(), scope, page_token) if page_token else ""
         now = self.clock()
 
         def wanted(e: Engine) -> bool:
@@ -271,7 +288,8 @@ class Coordinator:
         # One more than a page tells whether another follows.
         found = await self.store.page_engines(after, size + 1, wanted)
         page = await paced_cut(found, size, weigh, limits.max_response_bytes)
-        token = paging.encode_token(scope, page[-1].engine_id) if len(found) > len(page) else ""
+        more = len(found) > len(page)
+        token = paging.encode_token(await self._page_token_key(), scope, page[-1].engine_id) if more else ""
         return EnginePage(page, token)
 
     async def _lose_engine(self, lost: Engine) -> int:
@@ -394,10 +412,16 @@ class Coordinator:
         self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
         """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
-        consumer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
+        check_batch(len(specs), self.limits)
+        # The items' reservations on any consumer are read with the caller (one round trip to a networked store).
+        (consumer, view), held = await self._both(
+            self._caller(engine_id, incarnation, joins=True, blocks=True),
+            self._reservations([s.transfer_id for s in specs]),
+        )
         gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
 
         def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
+            credits.check_reserved_elsewhere(consumer, spec.transfer_id, held.get(spec.transfer_id), ctx.now)
             producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
             if gate is None:
                 return lifecycle.register_target(ctx, cur, consumer, producer, spec)
@@ -482,11 +506,17 @@ class Coordinator:
 
         return await self._batch(consumer, specs, step)
 
-    async def abort_transfers(self, engine_id: str, incarnation: int, specs: Sequence[AbortSpec]) -> list[ItemOutcome]:
-        """An engine, or with an empty engine_id a router or operator, aborts transfers."""
+    async def abort_transfers(
+        self, engine_id: str, incarnation: int, specs: Sequence[AbortSpec], exempt: bool = False
+    ) -> list[ItemOutcome]:
+        """An engine, or with an empty engine_id a router or operator, aborts transfers (under required bindings,
+        an engine only those it takes part in, unless exempt: core.bindings.check_abort)."""
         caller = (await self._caller(engine_id, incarnation))[0] if engine_id else None
+        rules = self.bindings
 
         def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: AbortSpec) -> Transition:
+            if caller is not None and rules is not None:
+                check_abort(rules, cur, spec.transfer_id, caller.engine_id, exempt)
             return lifecycle.abort(ctx, cur, caller, spec)
 
         outcomes = await self._batch(caller, specs, step)
@@ -520,6 +550,18 @@ class Coordinator:
         records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
         targets = [t for t in records[: len(live)] if t is not None]
         return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
+
+    async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
+        """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, in one store call:
+        a RegisterTarget honours the router's choice of consumer (core: credits.check_reserved_elsewhere)."""
+        ids = []
+        for transfer_id in dict.fromkeys(transfer_ids):
+            try:
+                check_id("transfer_id", transfer_id, self.limits)
+            except RendezvousError:
+                continue  # its item is refused for it
+            ids.append(transfer_id)
+        return await self.store.credits().holders(ids)
 
     async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
         ledger = await self.store.credits().ledger(consumer.engine_id)
@@ -619,11 +661,12 @@ class Coordinator:
         wanted = frozenset(states) or frozenset(LIVE_STATES)
         size = paging.page_size(page_size, self.limits.max_list_page, self.limits.max_list_page)
         scope = f"transfers {engine_id} {','.join(sorted(s.name for s in wanted))}"
-        after = paging.decode_token(scope, page_token)
+        after = paging.decode_token(await self._page_token_key(), scope, page_token) if page_token else ""
         # One more than a page tells whether another follows; the store reads about a page, not everything.
         found = await self.store.page_transfers(engine_id or None, wanted, after, size + 1)
         page = await paced_cut(found, size, weigh, self.limits.max_response_bytes)
-        token = paging.encode_token(scope, page[-1].transfer_id) if len(found) > len(page) else ""
+        more = len(found) > len(page)
+        token = paging.encode_token(await self._page_token_key(), scope, page[-1].transfer_id) if more else ""
         return TransferPage(page, token)
 
     # Events

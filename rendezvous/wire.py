@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
+from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 
 from rendezvous.core.credits import CreditRequest, Usage
-from rendezvous.core.errors import ERROR_DOMAIN, Code, RendezvousError
+from rendezvous.core.errors import ERROR_DOMAIN, Code, Reason, RendezvousError
 from rendezvous.core.limits import Limits, clip
 from rendezvous.core.model import Engine, EngineCapacity, Event, Mode, Outcome, Role
 from rendezvous.core.specs import (
@@ -68,6 +69,29 @@ def _role(value: int) -> Role | None:
     return Role(value) if value in (pb.ENGINE_ROLE_PRODUCER, pb.ENGINE_ROLE_CONSUMER) else None
 
 
+def role_filter(value: int) -> Role | None:
+    """ListEngines' role: unset lists every role; a value this server does not know is refused, not ignored
+    (which would list every role to a caller that asked for one)."""
+    if value == pb.ENGINE_ROLE_UNSPECIFIED:
+        return None
+    role = _role(value)
+    if role is None:
+        raise RendezvousError(
+            Reason.ROLE_UNSPECIFIED, f"role {value} is not PRODUCER, CONSUMER or unset (every role)", field="role"
+        )
+    return role
+
+
+def _seconds(d: Duration, field: str) -> float:
+    """A Duration of a request in seconds; seconds and nanos of opposite signs (not a Duration, by its
+    definition) are TIMEOUT_INVALID rather than their sum."""
+    if (d.seconds > 0 and d.nanos < 0) or (d.seconds < 0 and d.nanos > 0):
+        raise RendezvousError(
+            Reason.TIMEOUT_INVALID, f"{field}: seconds and nanos of a Duration must have the same sign", field=field
+        )
+    return seconds(d)
+
+
 def engine_spec(req: pb.RegisterEngineRequest, agents: Sequence[NixlAgent] | None = None) -> EngineSpec:
     """A RegisterEngineRequest as a registration; agents: its agents, converted already (convert.agent)."""
     return EngineSpec(
@@ -77,7 +101,7 @@ def engine_spec(req: pb.RegisterEngineRequest, agents: Sequence[NixlAgent] | Non
         layout=convert.layout(req.layout),
         agents=tuple(convert.agent(a) for a in req.agents) if agents is None else tuple(agents),
         labels=dict(req.labels),
-        lease_ttl=seconds(req.lease_ttl),
+        lease_ttl=_seconds(req.lease_ttl, "lease_ttl"),
         capacity=EngineCapacity(req.capacity.max_transfers, req.capacity.max_blocks),
     )
 
@@ -135,7 +159,7 @@ def target_spec(t: pb.TargetSpec, limits: Limits) -> TargetSpec:
         block_ids(_at_most(t.block_ids, limits.max_blocks_per_target)),
         _generation(t.generation),
         t.num_tokens,
-        seconds(t.timeout),
+        _seconds(t.timeout, "timeout"),
         _mode(t.mode),
         binding(t.binding, t.HasField("binding")),
         t.progressive,
@@ -144,7 +168,7 @@ def target_spec(t: pb.TargetSpec, limits: Limits) -> TargetSpec:
 
 def claim_spec(c: pb.ClaimSpec) -> ClaimSpec:
     """One claim of a ClaimTransferRequest."""
-    return ClaimSpec(c.transfer_id, seconds(c.timeout), binding(c.binding, c.HasField("binding")))
+    return ClaimSpec(c.transfer_id, _seconds(c.timeout, "timeout"), binding(c.binding, c.HasField("binding")))
 
 
 def source_spec(s: pb.SourceReadySpec, limits: Limits) -> SourceReadySpec:

@@ -131,6 +131,14 @@ async def tp_size_zero(s: Scenario) -> None:
 
 
 @check("errors")
+async def engine_without_agents(s: Scenario) -> None:
+    """RegisterEngine with no NIXL agent (tp_size x pp_size are needed): INVALID_ARGUMENT / AGENTS_INVALID."""
+    request = _registration(s)
+    del request.agents[:]
+    await expect_rpc_error(s.register_raw(request), Code.INVALID_ARGUMENT, "AGENTS_INVALID", "an engine without agents")
+
+
+@check("errors")
 async def agent_without_regions(s: Scenario) -> None:
     """RegisterEngine with an agent that has no regions: INVALID_ARGUMENT / AGENTS_INVALID."""
     request = _registration(s)
@@ -171,7 +179,8 @@ async def unknown_transfer_mode(s: Scenario) -> None:
 
 @check("errors")
 async def stale_incarnation(s: Scenario) -> None:
-    """Calls and keep-alives for a replaced incarnation: FAILED_PRECONDITION / STALE_INCARNATION."""
+    """Calls and keep-alives for a replaced incarnation, and a keep-alive naming none (0): FAILED_PRECONDITION /
+    STALE_INCARNATION."""
     consumer = await s.consumer(watch=False)
     old = consumer.incarnation
     await consumer.register()
@@ -187,6 +196,12 @@ async def stale_incarnation(s: Scenario) -> None:
         Code.FAILED_PRECONDITION,
         "STALE_INCARNATION",
         "KeepAlive with the replaced incarnation",
+    )
+    await expect_rpc_error(
+        consumer.keep_alive_once(0),
+        Code.FAILED_PRECONDITION,
+        "STALE_INCARNATION",
+        "KeepAlive naming no incarnation (0)",
     )
 
 

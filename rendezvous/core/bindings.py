@@ -9,6 +9,10 @@ re-registration after preemption goes through, and so does a re-assertion after 
 service (the record survives). A memory store forgets the transfer on restart: the engines' sessions then
 re-assert with the binding they were given, which must still be live (the router's TTL bounds that).
 
+With `required`, an engine aborts only a transfer it takes part in (check_abort): an engine's abort of an
+id not yet known would leave a tombstone that ends the router-minted id for the halves the router bound to it,
+whatever their bindings. The router (AbortTransfer without an engine id) and exempt callers pre-abort freely.
+
 A refusal names no other engine and is the same whether the transfer exists or not.
 """
 
@@ -83,3 +87,15 @@ def check_binding(
             transfer_id=transfer_id,
             field="expire_time",
         )
+
+
+def check_abort(rules: BindingRules, cur: Transfer | None, transfer_id: str, engine_id: str, exempt: bool) -> None:
+    """Refuse engine_id aborting transfer_id under required bindings unless it takes part in it (see the module)."""
+    if not rules.required or exempt or (cur is not None and engine_id in cur.participants()):
+        return
+    raise RendezvousError(
+        Reason.BINDING_REQUIRED,
+        f"transfer {transfer_id}: this server requires the router's binding; an engine aborts only the transfers it"
+        " takes part in (the router aborts the others)",
+        transfer_id=transfer_id,
+    )

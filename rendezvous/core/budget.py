@@ -10,8 +10,11 @@ RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED (ErrorInfo metadata `budget`, `scope` serv
 changes that free budget always go through. Ended engines (tombstones) keep no agent metadata
 (`rendezvous.core.engines.end_incarnation`) and charge nothing, nor do ended transfers.
 
-The tally is read before the change is applied, as the live-transfer limit is, so calls in flight together
-from different requests may pass a budget by what they add (at most their requests' size limits).
+The tally is read before the change is applied, as the live-transfer limit is. The Redis store checks every
+budget again in the script that writes the record (commit_engine.lua, commit_transfers.lua), so replicas never
+pass one together; the memory store applies check_engine in the step that writes, but reads the live-block
+tally when a batch starts, so batches of different requests in flight together may pass that budget by what
+they add (at most their requests' size limits).
 """
 
 from __future__ import annotations

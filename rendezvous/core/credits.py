@@ -243,6 +243,17 @@ def reserve(
     return renewed
 
 
+def check_reserved_elsewhere(consumer: Engine, transfer_id: str, reservation: Reservation | None, now: float) -> None:
+    """A router that reserved a transfer's credit on a consumer chose that consumer: another consumer's
+    RegisterTarget for the transfer is CREDIT_CONFLICT while the reservation lasts (it names no engine)."""
+    if reservation is not None and reservation.engine_id != consumer.engine_id and reservation.expires_at > now:
+        raise RendezvousError(
+            Reason.CREDIT_CONFLICT,
+            f"transfer {transfer_id}'s credit is reserved on another consumer: the router chose that one",
+            transfer_id=transfer_id,
+        )
+
+
 def target_admission(
     engine: Engine, spent: Usage, cur: Transfer | None, reservation: Reservation | None, blocks: int, now: float
 ) -> Usage:

@@ -1,9 +1,17 @@
-"""Paging (AIP-158): page sizes, opaque page tokens bound to the listing they continue, byte-bounded chunks."""
+"""Paging (AIP-158): page sizes, opaque page tokens bound to the listing they continue, byte-bounded chunks.
+
+A page token is the id the page ended at with an HMAC-SHA256 (truncated to 16 bytes) over the listing's scope
+and that id, under the deployment's page-token key (Store.page_token_key: random, made once, shared by every
+replica of one store namespace). A forged or edited token, one of another listing (other filters) and one of
+another deployment do not verify: PAGE_TOKEN_INVALID.
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
@@ -21,14 +29,23 @@ def page_size(requested: int, default: int, maximum: int) -> int:
     return min(requested or default, maximum)
 
 
-def encode_token(scope: str, last_id: str) -> str:
+_MAC_BYTES = 16
+
+
+def _mac(key: bytes, scope: str, last_id: bytes) -> bytes:
+    return hmac.digest(key, scope.encode() + b"\n" + last_id, hashlib.sha256)[:_MAC_BYTES]
+
+
+def encode_token(key: bytes, scope: str, last_id: str) -> str:
     """A token that continues a listing after last_id. scope names the listing and its filters, so a
-    token cannot continue another one."""
-    return base64.urlsafe_b64encode(f"{scope}\n{last_id}".encode()).decode()
+    token cannot continue another one; key signs it (see the module)."""
+    raw = last_id.encode()
+    return base64.urlsafe_b64encode(_mac(key, scope, raw) + raw).decode()
 
 
-def decode_token(scope: str, token: str) -> str:
-    """The id a token continues after ("" for no token); PAGE_TOKEN_INVALID unless this scope issued it."""
+def decode_token(key: bytes, scope: str, token: str) -> str:
+    """The id a token continues after ("" for no token); PAGE_TOKEN_INVALID unless this deployment issued it
+    for this scope."""
     if not token:
         return ""
     if len(token) > MAX_TOKEN_CHARS:  # refused unread: decoding a huge token would be work for nothing
@@ -39,18 +56,17 @@ def decode_token(scope: str, token: str) -> str:
             limit=MAX_TOKEN_CHARS,
         )
     try:
-        text = base64.b64decode(token.encode(), altchars=b"-_", validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        text = ""
-    issued, _, last_id = text.rpartition("\n")
-    # Ids are printable without whitespace (validation.check_id), so a token's last id is one.
-    if issued != scope or not last_id or not last_id.isprintable() or any(c.isspace() for c in last_id):
+        raw = base64.b64decode(token.encode(), altchars=b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    mac, last_id = raw[:_MAC_BYTES], raw[_MAC_BYTES:]
+    if not last_id or not hmac.compare_digest(mac, _mac(key, scope, last_id)):
         raise RendezvousError(
             Reason.PAGE_TOKEN_INVALID,
             "page_token is not one this server issued for this listing (same filters as the first page)",
             field="page_token",
         )
-    return last_id
+    return last_id.decode()
 
 
 def chunks(items: Iterable[T], weigh: Callable[[T], int], budget: int) -> Iterator[list[T]]:

@@ -139,7 +139,17 @@ def _require_role(engine: Engine, role: Role) -> None:
         )
 
 
-def _ended(t: Transfer) -> RendezvousError:
+def _ended(t: Transfer, engine_id: str) -> RendezvousError:
+    """TRANSFER_ENDED for engine_id; only a half of the transfer learns why it was aborted (the abort reason
+    and message a peer gave are its participants' business), or, for a pre-aborted id that no half had joined,
+    any half that arrives (the abort was meant for it)."""
+    halves = {t.consumer_engine_id, t.producer_engine_id} - {""}
+    if halves and engine_id not in halves:
+        return RendezvousError(
+            Reason.TRANSFER_ENDED,
+            f"transfer {t.transfer_id} already ended; mint a new transfer id",
+            transfer_id=t.transfer_id,
+        )
     return RendezvousError(
         Reason.TRANSFER_ENDED,
         f"transfer {t.transfer_id} already ended ({t.state.name}"
@@ -348,7 +358,7 @@ def register_target(
     if cur.state.terminal:
         if same_target:
             return Transition(cur)
-        raise _ended(cur)
+        raise _ended(cur, consumer.engine_id)
     if cur.consumer_engine_id and cur.consumer_engine_id != consumer.engine_id:
         raise RendezvousError(
             Reason.TARGET_CONFLICT,
@@ -436,7 +446,7 @@ def _claim(
     if cur.producer_engine_id == producer.engine_id:
         return _fenced(ctx, cur, consumer, producer) or Transition(cur)
     if cur.state.terminal:
-        raise _ended(cur)
+        raise _ended(cur, producer.engine_id)
     if cur.producer_engine_id:
         raise RendezvousError(
             Reason.CLAIM_CONFLICT,
@@ -461,11 +471,11 @@ def mark_source_ready(
     check_block_ids(spec.block_ids, ctx.limits, producer.num_blocks())
     _require_role(producer, Role.PRODUCER)
     blocks = tuple(spec.block_ids)
-    if cur is None or not cur.producer_engine_id:
+    if cur is None or cur.producer_engine_id != producer.engine_id:
+        # Claims the transfer as ClaimTransfer would, and is refused as it would be (TRANSFER_ENDED,
+        # CLAIM_CONFLICT): never an answer that another call on the same id would contradict.
         timeout = ctx.timeouts.default_claim_timeout
         return _claim(ctx, cur, producer, consumer, spec.transfer_id, timeout, blocks)
-    if cur.producer_engine_id != producer.engine_id:
-        raise _not_participant(cur, producer.engine_id)
     gone = _fenced(ctx, cur, consumer, producer)
     if gone:
         return gone

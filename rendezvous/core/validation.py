@@ -83,6 +83,12 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
         text = getattr(spec.layout, name)
         if len(text.encode()) > limits.max_id_length:
             raise _too_large(Reason.LAYOUT_INVALID, name, f"layout {name}", limits.max_id_length)
+    if not spec.agents:
+        raise RendezvousError(
+            Reason.AGENTS_INVALID,
+            "an engine registers one NIXL agent per rank (tp_size x pp_size); this one has none",
+            field="agents",
+        )
     if len(spec.agents) > limits.max_agents_per_engine:
         raise RendezvousError(
             Reason.AGENTS_INVALID,

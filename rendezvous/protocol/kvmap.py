@@ -246,13 +246,11 @@ def rank_shape(layout: KvLayout, agent: NixlAgent) -> RankShape:
 def rank_shapes(layout: KvLayout, agents: Sequence[NixlAgent]) -> tuple[RankShape, ...]:
     """Every rank's share of the engine's KV, in rank order; raises `ShapeError` unless it adds up.
 
-    An engine without agents (a control-plane-only registration) has no ranks. Otherwise there is one agent per
-    rank, each rank once; the TP ranks of a stage hold the same layers and the stages hold consecutive ranges
-    covering all layers; each agent's regions are a whole number per layer, the same number on every rank.
+    There is one agent per rank (tp_size x pp_size; none at all is an error too), each rank once; the TP ranks
+    of a stage hold the same layers and the stages hold consecutive ranges covering all layers; each agent's
+    regions are a whole number per layer, the same number on every rank.
     """
     _check_layout(layout)
-    if not agents:
-        return ()
     ranks = layout.tp_size * layout.pp_size
     by_rank: dict[int, NixlAgent] = {}
     for agent in agents:

@@ -3,10 +3,15 @@
 The service's rule refuses an engine that is neither half of a transfer with NOT_PARTICIPANT,
 which confirms that the id exists. With auth on, every identity but admin gets such an item
 answered exactly as an unknown id is answered by that call: NOT_FOUND / TRANSFER_NOT_FOUND with the
-same message for CompleteTransfer, AcknowledgeRevocation and ReleaseTarget; for the calls that accept
-an unknown id, what they answer for one: AbortTransfer OK with state ABORTED (an unknown id leaves an
-aborted tombstone) and MarkSourceReady OK with state CLAIMED (an unknown id is claimed). Nothing
-changes for such an item: the transfer belongs to others.
+same message for CompleteTransfer, AcknowledgeRevocation and ReleaseTarget; for AbortTransfer, which
+accepts an unknown id, what it answers for one: OK with state ABORTED (an unknown id leaves an aborted
+tombstone). Nothing changes for such an item: the transfer belongs to others.
+
+MarkSourceReady takes the producer half as ClaimTransfer does and is refused as it is (CLAIM_CONFLICT for
+another producer's transfer): an answer "claimed" for a transfer the caller did not claim would be
+contradicted by its next call on the id (ClaimTransfer, CompleteTransfer, AcknowledgeRevocation). Who holds an
+id is hidden from other engines by the router's bindings (required with a binding key unless --allow-unbound):
+then a foreign and an unknown id are answered alike by every call.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def _is_not_participant(result: pb.ItemResult) -> bool:
 
 
 # The answer to an unknown id of the calls that accept one: its state afterwards, OK.
-_UNKNOWN_ID_STATE = {"AbortTransfer": pb.TRANSFER_STATE_ABORTED, "MarkSourceReady": pb.TRANSFER_STATE_CLAIMED}
+_UNKNOWN_ID_STATE = {"AbortTransfer": pb.TRANSFER_STATE_ABORTED}
 
 
 def _as_unknown(method: str, transfer_id: str) -> pb.ItemResult:

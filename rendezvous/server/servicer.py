@@ -24,7 +24,7 @@ from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits
-from rendezvous.core.model import Engine, Event, Role, State, Transfer
+from rendezvous.core.model import Engine, Event, State, Transfer
 from rendezvous.core.parts import check_request_part_count
 from rendezvous.core.specs import CompletionSpec
 from rendezvous.core.validation import check_batch
@@ -110,8 +110,9 @@ def _batch_rpc(
 
     The request's shape is checked on the message before any item is converted or any record looked up (the
     item count, and check's limits over all items), and conversion and answers yield to the event loop
-    (rendezvous.pacing). takes_half: the call takes a half of its transfers, so the caller's exemption from
-    bindings is passed on. observe: counts what the items carried, once they are answered.
+    (rendezvous.pacing). takes_half: the call takes a half of its transfers (or, AbortTransfer, ends them), so
+    the caller's exemption from bindings is passed on. observe: counts what the items carried, once they are
+    answered.
     """
     method = response_type.__name__.removesuffix("Response")
 
@@ -331,7 +332,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     async def ListEngines(
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListEnginesResponse:
-        role = Role(request.role) if request.role in (1, 2) else None
+        role = wire.role_filter(request.role)
         messages: dict[str, pb.Engine] = {}
 
         def weigh(engine: Engine) -> int:
@@ -379,7 +380,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     ReleaseTarget = _batch_rpc(
         pb.ReleaseTargetResponse, "releases", _plain(wire.release_spec), Coordinator.release_targets
     )
-    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, "aborts", _plain(wire.abort_spec), Coordinator.abort_transfers)
+    AbortTransfer = _batch_rpc(
+        pb.AbortTransferResponse, "aborts", _plain(wire.abort_spec), Coordinator.abort_transfers, takes_half=True
+    )
 
     # Credits
 

@@ -236,6 +236,12 @@ class Store(ABC):
         """
 
     @abstractmethod
+    async def page_token_key(self) -> bytes:
+        """The key that signs page tokens (rendezvous.core.paging): random, made once per deployment and
+        shared by everything that shares the store's state, so any replica continues another's listing and
+        another deployment's tokens do not verify."""
+
+    @abstractmethod
     async def counts(self) -> StoreCounts:
         """Live engines and live transfers by state (no tombstones)."""
 

@@ -54,6 +54,12 @@ class CreditStore(ABC):
         """The ledgers of several engines (backends may do it in one round trip)."""
         return {engine_id: await self.ledger(engine_id) for engine_id in engine_ids}
 
+    async def holders(self, transfer_ids: Sequence[str]) -> dict[str, Reservation]:
+        """The reservations (expired or not) held for those of transfer_ids that have one (backends may do it in
+        one command)."""
+        found = {transfer_id: await self.get(transfer_id) for transfer_id in transfer_ids}
+        return {transfer_id: r for transfer_id, r in found.items() if r is not None}
+
 
 class MemoryCredits(CreditStore):
     """Dicts; atomic because nothing awaits between a check and its write on the one event loop."""

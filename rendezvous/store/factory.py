@@ -16,5 +16,5 @@ def create_store(url: str, limits: Limits) -> Store:
     if url.startswith(REDIS_SCHEMES):
         from rendezvous.store.redis import RedisStore
 
-        return RedisStore(url, max_events_per_engine=limits.max_events_per_engine)
+        return RedisStore(url, max_events_per_engine=limits.max_events_per_engine, limits=limits)
     raise ValueError(f"unknown store {url!r}: use 'memory' or a URL starting with one of {', '.join(REDIS_SCHEMES)}")

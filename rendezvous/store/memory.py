@@ -55,6 +55,7 @@ class MemoryStore(Store):
 
     def __init__(self, max_events_per_engine: int = 100_000, max_responses: int = 100_000) -> None:
         self._epoch = secrets.randbits(63) or 1
+        self._page_key = secrets.token_bytes(32)  # one process is the deployment
         self._revision = 0
         self._engines: dict[str, Engine] = {}
         self._engine_ids = SortedIds()  # for paging ListEngines
@@ -363,6 +364,9 @@ class MemoryStore(Store):
         self._responses.move_to_end(key)
         while len(self._responses) > self._max_responses:
             self._responses.popitem(last=False)
+
+    async def page_token_key(self) -> bytes:
+        return self._page_key
 
     async def counts(self) -> StoreCounts:
         live = sum(1 for e in self._engines.values() if not e.ended_at)

@@ -158,10 +158,11 @@ async def test_status_counts_engines_and_transfers(client: AsyncRendezvousClient
 
 
 async def test_a_retried_mutating_request_gets_the_first_answer(client: AsyncRendezvousClient) -> None:
-    call = commands.register_engine(EngineSpec("d0", "decode", EngineRole.CONSUMER))
+    spec = EngineSpec("d0", "decode", EngineRole.CONSUMER, LAYOUT, (agent("d0-0"),))
+    call = commands.register_engine(spec)
     first = await client._invoke(call, None)
     again = await client._invoke(call, None)
-    fresh = await client.register_engine(EngineSpec("d0", "decode", EngineRole.CONSUMER))
+    fresh = await client.register_engine(spec)
     assert again.engine.incarnation == first.engine.incarnation
     assert fresh.engine.incarnation > first.engine.incarnation
 

@@ -118,7 +118,9 @@ def test_a_restart_keeps_the_port_and_changes_the_epoch(sync_server: TestServer,
 
 
 def test_the_sync_client_reserves_and_releases_credits(client: RendezvousClient) -> None:
-    spec = EngineSpec("sync-credit-d", "decode", EngineRole.CONSUMER, LAYOUT, capacity=EngineCapacity(1))
+    spec = EngineSpec(
+        "sync-credit-d", "decode", EngineRole.CONSUMER, LAYOUT, (agent("sync-credit-d-0"),), capacity=EngineCapacity(1)
+    )
     client.register_engine(spec)
     [held] = client.reserve_credits([CreditSpec("sync-credit-t1", "sync-credit-d")])
     assert held.ok and held.engine_id == "sync-credit-d"

@@ -42,7 +42,7 @@ def assigned_then_aborted_by_consumer(w: World) -> None:
 def lease_lapses(w: World) -> None:
     half = TIMEOUTS.default_lease_ttl / 2 + 1
     w.clock.advance(half)
-    run(w.coord.keep_alive("d1", 0))
+    run(w.coord.keep_alive("d1", run(w.coord.get_engine("d1")).incarnation))
     w.clock.advance(half)
     w.sweep()
 

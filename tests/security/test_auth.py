@@ -35,6 +35,7 @@ from clients import (
     mint_transfer_id,
 )
 from clients._exceptions import from_rpc_error
+from clients.testing import stand_in_agent
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.server import TLSConfig as ServerTLS
@@ -289,8 +290,12 @@ async def test_a_push_transfer_completes_with_one_token_per_engine(server: Rende
         AsyncRendezvousClient(ClientConfig(server.address, token=DECODE)) as decode_client,
         AsyncRendezvousClient(ClientConfig(server.address, token=PREFILL)) as prefill_client,
     ):
-        decode = ConsumerSession(decode_client, "decode-0", "decode", layout=layout)
-        prefill = ProducerSession(prefill_client, "prefill-0", "prefill", layout=layout)
+        decode = ConsumerSession(
+            decode_client, "decode-0", "decode", layout=layout, agents=[stand_in_agent("decode-0")]
+        )
+        prefill = ProducerSession(
+            prefill_client, "prefill-0", "prefill", layout=layout, agents=[stand_in_agent("prefill-0")]
+        )
         async with decode, prefill:
             transfer_id = mint_transfer_id()
             await decode.register_target(TargetSpec(transfer_id, block_ids=[1, 2]))

@@ -209,12 +209,12 @@ async def test_a_huge_page_token_is_refused_unread(stub: Stub, monkeypatch: pyte
 
 
 def test_a_token_this_server_issues_is_far_under_the_token_cap() -> None:
-    limits = Limits()
-    longest_id = "x" * limits.max_id_length
-    scope = f"transfers {longest_id} {','.join(['TRANSFER_STATE_PLACEHOLDER'] * 8)}"
-    assert len(paging.encode_token(scope, longest_id)) < paging.MAX_TOKEN_CHARS // 2
+    longest_id = "x" * Limits().max_id_length
+    key = bytes(32)
+    scope = f"transfers {longest_id} ALL"
+    assert len(paging.encode_token(key, scope, longest_id)) < paging.MAX_TOKEN_CHARS // 2
     with pytest.raises(RendezvousError):
-        paging.decode_token(scope, "A" * (paging.MAX_TOKEN_CHARS + 1))
+        paging.decode_token(key, scope, "A" * (paging.MAX_TOKEN_CHARS + 1))
 
 
 # Long work yields to the event loop

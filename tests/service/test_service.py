@@ -156,7 +156,7 @@ async def test_keepalive_stream_renews_and_rejects_a_stale_incarnation(stub: Stu
 
 async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(stub: Stub, server: RendezvousServer) -> None:
     d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
-    await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))
+    p = await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))
     watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=d.watch_start_revision))
     await watch.read()
     await stub.RegisterTarget(
@@ -168,7 +168,7 @@ async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(stub: Stub, 
     assert aborted.type == pb.EVENT_TYPE_TRANSFER_ABORTED
     assert aborted.transfer.abort_reason == pb.ABORT_REASON_PEER_LOST
     assert lost.type == pb.EVENT_TYPE_PEER_LOST and lost.peer.engine_id == "p1"
-    await keep.write(pb.KeepAliveRequest(engine_id="p1"))
+    await keep.write(pb.KeepAliveRequest(engine_id="p1", incarnation=p.engine.incarnation))
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await keep.read()
     assert error_info(caught.value).reason == "LEASE_EXPIRED"

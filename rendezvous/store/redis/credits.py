@@ -64,6 +64,12 @@ class RedisCredits(CreditStore):
         record = await self._command("HGET", self._prefix + "crt", transfer_id)
         return decode(record) if record else None
 
+    async def holders(self, transfer_ids: Sequence[str]) -> dict[str, Reservation]:
+        if not transfer_ids:
+            return {}
+        records = await self._command("HMGET", self._prefix + "crt", *transfer_ids)
+        return {t: decode(r) for t, r in zip(transfer_ids, records, strict=True) if r}
+
     async def put(self, reservation: Reservation, version: int, holder: Reservation | None) -> bool:
         reply = await self._write(
             "put_credit",

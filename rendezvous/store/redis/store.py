@@ -42,6 +42,8 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
 from rendezvous.core import budget
+from rendezvous.core.errors import RendezvousError
+from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.pacing import Pacer
@@ -90,6 +92,12 @@ def _tally(values: Sequence[Any], owner: str) -> budget.Tally:
     return budget.Tally(budget.Usage(*n[:3]), mine)
 
 
+def _exhausted(reply: Sequence[Any]) -> RendezvousError:
+    """The refusal a commit script answered B for: a budget the write would pass (B budget scope limit have adding)."""
+    kind, scope, limit, have, adding = reply[1:6]
+    return budget.exhausted(kind.decode(), scope.decode(), int(limit), int(have), int(adding))
+
+
 def _no_peers() -> dict[str, int]:
     """The peers table of a commit_transfers call before any item: index 0 is "no peer"."""
     return {"": 0}
@@ -127,8 +135,11 @@ class RedisStore(Store):
     name = "redis"
     concurrent = True
 
-    def __init__(self, url: str, max_events_per_engine: int = 100_000) -> None:
+    def __init__(self, url: str, max_events_per_engine: int = 100_000, limits: Limits | None = None) -> None:
         self.target = parse_url(url)
+        # The engine budgets, checked again inside the script that writes an engine (commit_engine.lua), so
+        # that replicas registering at once never pass them together.
+        self._limits = limits or Limits()
         self.options = self.target.options
         self._max_events = max_events_per_engine
         self._prefix = "{" + self.options.prefix + "}:"
@@ -309,6 +320,7 @@ class RedisStore(Store):
             return await self._update_engine(engine_id, fn)
 
     async def _update_engine(self, engine_id: str, fn: EngineFn) -> Engine | None:
+        limits = self._limits
         entry = self._records.engine(engine_id)
         fresh = entry is None
         if entry is None:
@@ -322,7 +334,7 @@ class RedisStore(Store):
             charge = budget.engine_usage(new)
 
             async def commit() -> Any:  # the script's reply
-                return await self._scripts.run(
+                reply = await self._scripts.run(
                     "commit_engine",
                     guard=self._epoch.guard,
                     engine_id=engine_id,
@@ -335,7 +347,14 @@ class RedisStore(Store):
                     owner=new.owner if new is not None else "",
                     engines=charge.engines,
                     metadata_bytes=charge.metadata_bytes,
+                    max_engines=limits.max_engines,
+                    max_engines_per_identity=limits.max_engines_per_identity,
+                    max_metadata_bytes=limits.max_agent_metadata_bytes_total,
+                    max_metadata_bytes_per_identity=limits.max_agent_metadata_bytes_per_identity,
                 )
+                if reply[0] == b"B":
+                    raise _exhausted(reply)
+                return reply
 
             def written(reply: Reply) -> None:
                 remembered = EngineEntry(b"%d" % reply[1] if new is not None else ABSENT, new)
@@ -435,6 +454,8 @@ class RedisStore(Store):
             "commit_transfers",
             guard=self._epoch.guard,
             max_events=self._max_events,
+            max_blocks=self._limits.max_live_blocks,
+            max_blocks_per_identity=self._limits.max_live_blocks_per_identity,
             items=to_json([list(peers), items]),  # records inside are JSON text, passed as strings
         )
         return reply
@@ -453,7 +474,12 @@ class RedisStore(Store):
 
             async def commit() -> Reply:
                 reply = await self._commit([plan.item], peers)
-                return reply[1] if reply[0] == b"OK" else reply
+                if reply[0] != b"OK":
+                    return reply
+                answer: Reply = reply[1]
+                if answer[0] == b"B":
+                    raise _exhausted(answer)
+                return answer
 
             return Attempt(
                 plan.transition, plan.unchanged, commit, functools.partial(self._written, transfer_id, plan.transition)
@@ -509,6 +535,8 @@ class RedisStore(Store):
                         results[i] = plan.transition
                     elif answer[0] == b"N":
                         results[i] = plan.transition
+                    elif answer[0] == b"B":
+                        results[i] = _exhausted(answer)
                     else:  # a conflict: the answer holds the current records
                         self._records.snapshot(updates[i][0], answer, 1)
                         again.append(i)
@@ -686,6 +714,13 @@ class RedisStore(Store):
     @_guarded
     async def usage(self, owner: str) -> budget.Tally:
         return _tally(await self._scripts.run("usage", owner=owner), owner)
+
+    @_guarded
+    async def page_token_key(self) -> bytes:
+        # The first replica to ask makes the namespace's key (SET NX); every replica reads the one that won.
+        name = self._prefix + "page-key"
+        await self._command("SET", name, secrets.token_bytes(32), "NX")
+        return bytes(await self._command("GET", name))
 
     @_guarded
     async def counts(self) -> StoreCounts:

@@ -17,6 +17,7 @@ table of its named fields (or the value itself for a one-field group).
 Key schema (docs/operations.md has it for operators):
 
     epoch            string  the store's lifetime id (SET NX once)
+    page-key         string  the key that signs page tokens (SET NX once; rendezvous.core.paging)
     rev              string  global revision, INCR per write; also the version of what a write stores
     t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state, l unsettled (1|0),
                              bc, bs block ids charged to the budget, to owners oc (consumer's), os (producer's)
@@ -43,7 +44,7 @@ Key schema (docs/operations.md has it for operators):
 
 Replies use short status words: OK (applied, with the new version), N (no change, version
 verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
-R (Redis went back in time: its revision and the epoch follow).
+R (Redis went back in time: its revision and the epoch follow), B (a budget the write would pass: refused).
 """
 
 from __future__ import annotations
@@ -87,9 +88,13 @@ SIGNATURES: Mapping[str, Signature] = {
     # items: JSON, one array per transition (the fields are in commit_transfers.lua). Per item, version is
     # the transfer's version the transition was computed on ("0": absent), checks its engines' versions;
     # op: w write | d delete | n verify only; unsettled: 1 | 0 (the core's Transfer.unsettled).
-    "commit_transfers": Signature(("guard", "max_events", "items"), helpers=("guard", "snapshot", "append", "budget")),
+    # max_blocks, max_blocks_per_identity: the live-block budgets a write must keep to.
+    "commit_transfers": Signature(
+        ("guard", "max_events", "max_blocks", "max_blocks_per_identity", "items"),
+        helpers=("guard", "snapshot", "append", "budget"),
+    ),
     # op: w write | d delete | n verify only; ended: 1 | 0. owner, engines, metadata_bytes: what the record
-    # charges the memory budget (rendezvous.core.budget.engine_usage).
+    # charges the memory budget (rendezvous.core.budget.engine_usage); max_*: the budgets a write must keep to.
     "commit_engine": Signature(
         (
             "guard",
@@ -103,6 +108,10 @@ SIGNATURES: Mapping[str, Signature] = {
             "owner",
             "engines",
             "metadata_bytes",
+            "max_engines",
+            "max_engines_per_identity",
+            "max_metadata_bytes",
+            "max_metadata_bytes_per_identity",
         ),
         helpers=("guard", "budget"),
     ),

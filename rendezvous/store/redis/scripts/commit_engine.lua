@@ -1,6 +1,7 @@
 -- Write or delete an engine record and its lease indexes, or only verify it, if it is still at the
 -- version the caller computed the update on. op: w write | d delete | n verify only.
--- Reply: OK rev | N | C version record | E epoch | R rev epoch.
+-- Reply: OK rev | N | C version record | E epoch | R rev epoch | B budget scope limit have adding (a budget the
+-- write would pass: rendezvous.core.budget).
 local bad = guard_failed(guard)
 if bad then
   return bad
@@ -13,9 +14,17 @@ end
 if op == 'n' then
   return {'N'}
 end
-local rev = redis.call('INCR', P .. 'rev')
--- What the record charged the budget (o owner, n engines, m metadata bytes) goes; the new record's comes.
+-- What the record charged the budget (o owner, n engines, m metadata bytes) goes; the new record's comes,
+-- unless it would pass a budget (B: refused, nothing written).
 local charged = redis.call('HMGET', ek, 'o', 'n', 'm')
+if op == 'w' then
+  local limits = {max_engines, max_metadata_bytes, max_engines_per_identity, max_metadata_bytes_per_identity}
+  local refusal = budget_refusal(charged, owner, engines, metadata_bytes, limits)
+  if refusal then
+    return refusal
+  end
+end
+local rev = redis.call('INCR', P .. 'rev')
 budget_add(charged[1], 'e', -(tonumber(charged[2]) or 0))
 budget_add(charged[1], 'm', -(tonumber(charged[3]) or 0))
 if op == 'w' then

@@ -6,7 +6,8 @@
 --   [transfer_id, version, op, record, consumer, producer, state, unsettled, deadline, target_blocks,
 --    source_blocks, checks (flat: engine id, version, ...), events (flat: engine id, event, peer index, ...)]
 -- An event that carries the item's record comes as [before, after], its text around the record's.
--- op: w write | d delete | n verify only. Reply: OK, then per item OK rev | N | C snapshot...;
+-- op: w write | d delete | n verify only. Reply: OK, then per item OK rev | N | C snapshot... | B budget scope
+-- limit have adding (the write would pass the live-block budget: not written);
 -- or E epoch | R rev epoch (the guard refused the whole call).
 local function members(a, b)
   local m = {}
@@ -42,6 +43,17 @@ local function commit(item, peers)
   if op == 'n' then
     return {'N'}
   end
+  -- The owners the new record charges (those its engines were registered by); a growth past the live-block
+  -- budget is refused here (B), so replicas writing at once never pass it together.
+  local oc = consumer ~= '' and (redis.call('HGET', P .. 'e:' .. consumer, 'o') or '') or ''
+  local op_owner = producer ~= '' and (redis.call('HGET', P .. 'e:' .. producer, 'o') or '') or ''
+  if op == 'w' then
+    local was = redis.call('HMGET', tk, 'oc', 'bc', 'os', 'bs')
+    local refusal = blocks_refusal(was, oc, target_blocks, op_owner, source_blocks, max_blocks, max_blocks_per_identity)
+    if refusal then
+      return refusal
+    end
+  end
   local rev = redis.call('INCR', P .. 'rev')
 
   local existed = old[1] ~= false
@@ -71,8 +83,6 @@ local function commit(item, peers)
   end
   if write then
     -- ... and the new record's comes, to the owners its engines were registered by.
-    local oc = consumer ~= '' and (redis.call('HGET', P .. 'e:' .. consumer, 'o') or '') or ''
-    local op_owner = producer ~= '' and (redis.call('HGET', P .. 'e:' .. producer, 'o') or '') or ''
     budget_add(oc, 'b', target_blocks)
     budget_add(op_owner, 'b', source_blocks)
     redis.call(
