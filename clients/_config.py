@@ -67,7 +67,11 @@ class KeepAliveConfig:
 
 @dataclass(frozen=True, slots=True)
 class ChannelOptions:
-    """gRPC channel settings: keepalive, message size and how fast to reconnect after a failure."""
+    """gRPC channel settings: keepalive, message size and how fast to reconnect after a failure.
+
+    `max_message_bytes` bounds what this client sends and receives; the server reads requests up to its own
+    `--max-message-bytes` (4 MiB by default) and refuses larger ones with RESOURCE_EXHAUSTED.
+    """
 
     keepalive: KeepAliveConfig = KeepAliveConfig()
     max_message_bytes: int = 64 * 1024 * 1024

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rendezvous import __version__
-from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits, Timeouts
 from rendezvous.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -88,7 +88,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(p, "listen", DEFAULT_ADDRESS, "gRPC listen address host:port")
     _flag(p, "store", "memory", "store: 'memory' or redis://, rediss://, unix://, redis+sentinel:// URL")
     _flag(p, "metrics-listen", "127.0.0.1:9464", "Prometheus /metrics address host:port; 'off' disables")
-    _flag(p, "health-listen", "off", "plaintext grpc.health.v1-only address host:port, for probes; 'off' disables")
+    _flag(
+        p,
+        "health-listen",
+        "off",
+        "plaintext grpc.health.v1-only address host:port, answered off the serving loop: point probes here; "
+        "'off' disables",
+    )
     _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", float)
     _flag(p, "grace", 5.0, "seconds running calls then get to finish", float)
     _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps", float)
@@ -130,6 +136,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "router's binding is refused; unset: bindings are not checked",
     )
     _switch(g, "allow-unbound", "with --binding-key-file, admit a transfer half without a binding (rollout step)")
+    _flag(
+        g,
+        "max-message-bytes",
+        DEFAULT_MAX_MESSAGE_BYTES,
+        "largest request (and response) message; a larger request is refused unread with RESOURCE_EXHAUSTED",
+        int,
+    )
     # The defaults of CallLimits (rendezvous.server.quotas; tests/security/test_defaults.py keeps them equal).
     _flag(
         g,
@@ -145,8 +158,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "max-streams", 1_024, "open Watch and KeepAlive streams per caller; 0: unlimited", int)
     _flag(g, "refusal-rate", 5.0, "unauthenticated calls per second per peer host; 0: unlimited", float)
     _flag(g, "refusal-burst", 50, "burst of unauthenticated calls above --refusal-rate", int)
-    for group, cls in (("timeouts (seconds)", Timeouts), ("limits", Limits)):
-        g = p.add_argument_group(group)
+    limits = (
+        "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
+        "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfer's parts (--max-parts-per-request, "
+        "TOO_MANY_PARTS) are counted before anything is converted; the rest apply per item or field. Each RPC's "
+        "limits: docs/security.md, 'Limits against abuse'."
+    )
+    for group, cls, description in (("timeouts (seconds)", Timeouts, None), ("limits", Limits, limits)):
+        g = p.add_argument_group(group, description)
         for f in dataclasses.fields(cls):
             kind = float if cls is Timeouts else int
             name = f.name.replace("_", "-")
@@ -192,6 +211,7 @@ def _config_from(args: argparse.Namespace) -> Any:
         grace=args.grace,
         drain=args.drain,
         health_listen=None if args.health_listen in ("", "off") else args.health_listen,
+        max_message_bytes=args.max_message_bytes,
         tls=tls,
         auth_file=args.auth_file or None,
         min_token_bytes=args.min_token_bytes,

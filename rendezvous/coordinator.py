@@ -34,6 +34,7 @@ from rendezvous.core.specs import (
 )
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
+from rendezvous.pacing import Pacer, paced_cut
 from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ class Coordinator:
 
         # One more than a page tells whether another follows.
         found = await self.store.page_engines(after, size + 1, wanted)
-        page = paging.cut(found, size, weigh, limits.max_response_bytes)
+        page = await paced_cut(found, size, weigh, limits.max_response_bytes)
         more = len(found) > len(page)
         token = paging.encode_token(await self._page_token_key(), scope, page[-1].engine_id) if more else ""
         return EnginePage(page, token)
@@ -394,7 +395,9 @@ class Coordinator:
                 for item, r in zip(items, results, strict=True)
             ]
         outcomes: list[ItemOutcome] = []
+        pacer = Pacer()  # a store that never waits (memory) would otherwise hold the event loop for the batch
         for item in items:
+            await pacer.tick()
             outcome, change = await apply(item, limit, room)
             if limit is not None:
                 limit = limit.after(outcome.transfer)
@@ -661,7 +664,7 @@ class Coordinator:
         after = paging.decode_token(await self._page_token_key(), scope, page_token) if page_token else ""
         # One more than a page tells whether another follows; the store reads about a page, not everything.
         found = await self.store.page_transfers(engine_id or None, wanted, after, size + 1)
-        page = paging.cut(found, size, weigh, self.limits.max_response_bytes)
+        page = await paced_cut(found, size, weigh, self.limits.max_response_bytes)
         more = len(found) > len(page)
         token = paging.encode_token(await self._page_token_key(), scope, page[-1].transfer_id) if more else ""
         return TransferPage(page, token)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 
 from rendezvous.core.credits import CreditRequest, Usage
 from rendezvous.core.errors import ERROR_DOMAIN, Code, Reason, RendezvousError
-from rendezvous.core.limits import clip
+from rendezvous.core.limits import Limits, clip
 from rendezvous.core.model import Engine, EngineCapacity, Event, Mode, Outcome, Role
 from rendezvous.core.specs import (
     AbortSpec,
@@ -24,7 +25,10 @@ from rendezvous.core.specs import (
 from rendezvous.protocol import convert
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.convert import duration, fill_transfer, number, seconds, set_time, timestamp
+from rendezvous.protocol.records import NixlAgent
 from rendezvous.v1 import rendezvous_pb2 as pb
+
+T = TypeVar("T")
 
 _GRPC_CODE_NUMBERS: dict[Code, int] = {
     Code.INVALID_ARGUMENT: 3,
@@ -88,14 +92,14 @@ def _seconds(d: Duration, field: str) -> float:
     return seconds(d)
 
 
-def engine_spec(req: pb.RegisterEngineRequest) -> EngineSpec:
-    """A RegisterEngineRequest as a registration."""
+def engine_spec(req: pb.RegisterEngineRequest, agents: Sequence[NixlAgent] | None = None) -> EngineSpec:
+    """A RegisterEngineRequest as a registration; agents: its agents, converted already (convert.agent)."""
     return EngineSpec(
         engine_id=req.engine_id,
         pool=req.pool,
         role=_role(req.role),
         layout=convert.layout(req.layout),
-        agents=tuple(convert.agent(a) for a in req.agents),
+        agents=tuple(convert.agent(a) for a in req.agents) if agents is None else tuple(agents),
         labels=dict(req.labels),
         lease_ttl=_seconds(req.lease_ttl, "lease_ttl"),
         capacity=EngineCapacity(req.capacity.max_transfers, req.capacity.max_blocks),
@@ -142,67 +146,65 @@ def block_ids(values: Iterable[int]) -> tuple[int, ...]:
     return tuple(list(map(shared.setdefault, ids, ids)))  # from a list: a tuple of exactly its size
 
 
-def target_specs(req: pb.RegisterTargetRequest) -> list[TargetSpec]:
-    """The targets of a RegisterTargetRequest."""
-    return [
-        TargetSpec(
-            t.transfer_id,
-            block_ids(t.block_ids),
-            _generation(t.generation),
-            t.num_tokens,
-            _seconds(t.timeout, "timeout"),
-            _mode(t.mode),
-            binding(t.binding, t.HasField("binding")),
-            t.progressive,
-        )
-        for t in req.targets
-    ]
+def _at_most(values: Sequence[T], limit: int) -> Sequence[T]:
+    """An item's list converted no further than one past its limit: a longer one is refused (TOO_MANY_BLOCKS,
+    TOO_MANY_PARTS) for being over it, so converting the rest would be work for nothing."""
+    return values[: limit + 1] if len(values) > limit else values
 
 
-def claim_specs(req: pb.ClaimTransferRequest) -> list[ClaimSpec]:
-    """The claims of a ClaimTransferRequest."""
-    return [
-        ClaimSpec(c.transfer_id, _seconds(c.timeout, "timeout"), binding(c.binding, c.HasField("binding")))
-        for c in req.claims
-    ]
+def target_spec(t: pb.TargetSpec, limits: Limits) -> TargetSpec:
+    """One target of a RegisterTargetRequest (block ids past the limit: see `_at_most`)."""
+    return TargetSpec(
+        t.transfer_id,
+        block_ids(_at_most(t.block_ids, limits.max_blocks_per_target)),
+        _generation(t.generation),
+        t.num_tokens,
+        _seconds(t.timeout, "timeout"),
+        _mode(t.mode),
+        binding(t.binding, t.HasField("binding")),
+        t.progressive,
+    )
 
 
-def source_specs(req: pb.MarkSourceReadyRequest) -> list[SourceReadySpec]:
-    """The sources of a MarkSourceReadyRequest."""
-    return [
-        SourceReadySpec(s.transfer_id, block_ids(s.block_ids), binding(s.binding, s.HasField("binding")))
-        for s in req.sources
-    ]
+def claim_spec(c: pb.ClaimSpec) -> ClaimSpec:
+    """One claim of a ClaimTransferRequest."""
+    return ClaimSpec(c.transfer_id, _seconds(c.timeout, "timeout"), binding(c.binding, c.HasField("binding")))
 
 
-def completion_specs(req: pb.CompleteTransferRequest) -> list[CompletionSpec]:
-    """The completions of a CompleteTransferRequest."""
-    return [
-        CompletionSpec(
-            c.transfer_id,
-            _generation(c.generation),
-            Outcome(c.outcome) if c.outcome in (1, 2) else None,
-            c.message,
-            tuple(c.ranks),
-            tuple(convert.part(p) for p in c.parts),
-        )
-        for c in req.completions
-    ]
+def source_spec(s: pb.SourceReadySpec, limits: Limits) -> SourceReadySpec:
+    """One source of a MarkSourceReadyRequest (block ids past the limit: see `_at_most`)."""
+    return SourceReadySpec(
+        s.transfer_id,
+        block_ids(_at_most(s.block_ids, limits.max_blocks_per_target)),
+        binding(s.binding, s.HasField("binding")),
+    )
 
 
-def revocation_acks(req: pb.AcknowledgeRevocationRequest) -> list[RevocationAck]:
-    """The acknowledgements of an AcknowledgeRevocationRequest."""
-    return [RevocationAck(a.transfer_id, _generation(a.generation), tuple(a.ranks)) for a in req.acks]
+def completion_spec(c: pb.CompletionSpec, limits: Limits) -> CompletionSpec:
+    """One completion of a CompleteTransferRequest (parts past the limit: see `_at_most`)."""
+    return CompletionSpec(
+        c.transfer_id,
+        _generation(c.generation),
+        Outcome(c.outcome) if c.outcome in (1, 2) else None,
+        c.message,
+        tuple(c.ranks),
+        tuple(convert.part(p) for p in _at_most(c.parts, limits.max_parts_per_completion)),
+    )
 
 
-def release_specs(req: pb.ReleaseTargetRequest) -> list[ReleaseSpec]:
-    """The releases of a ReleaseTargetRequest."""
-    return [ReleaseSpec(r.transfer_id, _generation(r.generation)) for r in req.releases]
+def revocation_ack(a: pb.RevocationAck) -> RevocationAck:
+    """One acknowledgement of an AcknowledgeRevocationRequest."""
+    return RevocationAck(a.transfer_id, _generation(a.generation), tuple(a.ranks))
 
 
-def abort_specs(req: pb.AbortTransferRequest) -> list[AbortSpec]:
-    """The aborts of an AbortTransferRequest."""
-    return [AbortSpec(a.transfer_id, a.message) for a in req.aborts]
+def release_spec(r: pb.ReleaseSpec) -> ReleaseSpec:
+    """One release of a ReleaseTargetRequest."""
+    return ReleaseSpec(r.transfer_id, _generation(r.generation))
+
+
+def abort_spec(a: pb.AbortSpec) -> AbortSpec:
+    """One abort of an AbortTransferRequest."""
+    return AbortSpec(a.transfer_id, a.message)
 
 
 # Domain -> responses

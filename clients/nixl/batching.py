@@ -1,7 +1,9 @@
 """`Batcher`: items submitted during one event-loop turn go to the rendezvous service as one batched call.
 
 Agents submit one item per transfer (a claim, a completion, an acknowledgement) from many places; the
-batcher turns them into one RPC per turn, which is what the protocol's repeated items are for.
+batcher turns them into one RPC per turn, which is what the protocol's repeated items are for. A turn's
+items are cut into calls of at most `max_items` and `CALL_BUDGET` (`weight`), so no call nears the server's
+request limits (4 MiB a message, 65,536 written parts a CompleteTransfer: docs/security.md).
 """
 
 from __future__ import annotations
@@ -20,9 +22,30 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")
 SendBatch = Callable[[Sequence[S]], Awaitable[list[ItemResult]]]
 
+CALL_BUDGET = 1 << 20
+"""The most one call's items weigh (`weight`): a quarter of the server's default message size."""
+_ITEM_BYTES = 300
+"""An item's ids, numbers and binding on the wire, at most (ids are 256 characters at most)."""
+_BLOCK_ID_BYTES = 10
+"""A block id's varint, at most."""
+_PART_WEIGHT = 64
+"""A written part (about 12 bytes) weighs more than its bytes: a call then carries at most 16,384 parts."""
+
+
+def weight(item: object) -> int:
+    """What an item weighs against CALL_BUDGET: about its bytes on the wire, at most."""
+    message: str = getattr(item, "message", "")
+    return (
+        _ITEM_BYTES
+        + _BLOCK_ID_BYTES * len(getattr(item, "block_ids", ()))
+        + _PART_WEIGHT * len(getattr(item, "parts", ()))
+        + len(message.encode())
+    )
+
 
 class Batcher(Generic[S]):
-    """Coalesces `submit`ted items into calls of at most `max_items`, sent on the next loop turn."""
+    """Coalesces `submit`ted items into calls of at most `max_items` and CALL_BUDGET, sent on the next loop turn
+    (an item that alone weighs more goes in a call of its own)."""
 
     def __init__(self, name: str, send: SendBatch[S], *, max_items: int = 256) -> None:
         self._name = name
@@ -53,8 +76,7 @@ class Batcher(Generic[S]):
     async def _flush(self) -> None:
         await asyncio.sleep(0)  # let the rest of this turn's items join
         pending, self._pending = self._pending, []
-        for start in range(0, len(pending), self._max_items):
-            chunk = pending[start : start + self._max_items]
+        for chunk in self._calls(pending):
             try:
                 results = await self._send([item for item, _ in chunk])
             except Exception as e:
@@ -65,6 +87,24 @@ class Batcher(Generic[S]):
             for (_, future), result in zip(chunk, results, strict=True):
                 if not future.done():
                     future.set_result(result)
+
+    def _calls(
+        self, pending: list[tuple[S, asyncio.Future[ItemResult]]]
+    ) -> list[list[tuple[S, asyncio.Future[ItemResult]]]]:
+        """pending in order, cut into calls of at most max_items items and CALL_BUDGET of weight."""
+        calls: list[list[tuple[S, asyncio.Future[ItemResult]]]] = []
+        call: list[tuple[S, asyncio.Future[ItemResult]]] = []
+        total = 0
+        for entry in pending:
+            w = weight(entry[0])
+            if call and (len(call) == self._max_items or total + w > CALL_BUDGET):
+                calls.append(call)
+                call, total = [], 0
+            call.append(entry)
+            total += w
+        if call:
+            calls.append(call)
+        return calls
 
     def _log_outcome(self, future: asyncio.Future[ItemResult]) -> None:
         if future.cancelled():

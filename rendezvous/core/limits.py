@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+"""The largest request message a server reads (`--max-message-bytes`; larger: RESOURCE_EXHAUSTED, unread). It is
+gRPC's own default receive limit: the largest registration the default limits accept takes 2.8 MiB
+(tests/security/test_stall.py), and no response under them reaches it (tests/security/test_sizes.py)."""
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -61,6 +66,9 @@ class Limits:
     """The largest EngineCapacity.max_blocks an engine may declare."""
     max_parts_per_completion: int = 4_096
     """The most parts one CompletionSpec may report (more is TOO_MANY_PARTS); checking them is O(n log n)."""
+    max_parts_per_request: int = 65_536
+    """The most parts a CompleteTransfer request may carry over all its completions (more: the request is
+    refused with TOO_MANY_PARTS before any part is converted or any transfer looked up)."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,10 @@ from rendezvous.core.errors import Reason, RendezvousError
 T = TypeVar("T")
 
 
+MAX_TOKEN_CHARS = 4_096
+"""The longest page token decode_token reads (an issued one is far shorter: its listing's scope and one id)."""
+
+
 def page_size(requested: int, default: int, maximum: int) -> int:
     """The page size to serve: the default when none was asked for, never above the maximum."""
     return min(requested or default, maximum)
@@ -44,6 +48,13 @@ def decode_token(key: bytes, scope: str, token: str) -> str:
     for this scope."""
     if not token:
         return ""
+    if len(token) > MAX_TOKEN_CHARS:  # refused unread: decoding a huge token would be work for nothing
+        raise RendezvousError(
+            Reason.PAGE_TOKEN_INVALID,
+            f"page_token is {len(token)} characters; this server issues at most {MAX_TOKEN_CHARS}",
+            field="page_token",
+            limit=MAX_TOKEN_CHARS,
+        )
     try:
         raw = base64.b64decode(token.encode(), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):

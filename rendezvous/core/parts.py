@@ -49,9 +49,20 @@ def check_part_count(parts: Sequence[WrittenPart], limits: Limits) -> None:
     if len(parts) > limits.max_parts_per_completion:
         raise RendezvousError(
             Reason.TOO_MANY_PARTS,
-            f"{len(parts)} parts in one completion; the limit is {limits.max_parts_per_completion}",
+            f"more than {limits.max_parts_per_completion} parts in one completion",
             field="parts",
             limit=limits.max_parts_per_completion,
+        )
+
+
+def check_request_part_count(count: int, limits: Limits) -> None:
+    """A request reports at most max_parts_per_request parts over all its completions."""
+    if count > limits.max_parts_per_request:
+        raise RendezvousError(
+            Reason.TOO_MANY_PARTS,
+            f"{count} parts in one request; the limit is {limits.max_parts_per_request}",
+            field="parts",
+            limit=limits.max_parts_per_request,
         )
 
 

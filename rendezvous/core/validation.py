@@ -46,7 +46,7 @@ def check_block_ids(block_ids: Sequence[int], limits: Limits, num_blocks: int | 
     if len(block_ids) > limits.max_blocks_per_target:
         raise RendezvousError(
             Reason.TOO_MANY_BLOCKS,
-            f"{len(block_ids)} blocks; the limit is {limits.max_blocks_per_target}",
+            f"more than {limits.max_blocks_per_target} blocks",
             limit=limits.max_blocks_per_target,
         )
     if block_ids and min(block_ids) < 0:

@@ -188,7 +188,8 @@ class Reason(StrEnum):
     """A completion with parts for a transfer whose target did not accept progressive writes."""
 
     TOO_MANY_PARTS = "TOO_MANY_PARTS"
-    """More parts in one completion than max_parts_per_completion."""
+    """More parts in one completion than max_parts_per_completion, or in one CompleteTransfer
+ request than max_parts_per_request (then the whole request is refused)."""
 
     PART_OUT_OF_RANGE = "PART_OUT_OF_RANGE"
     """A part outside the target's tokens or the reporting ranks' layers, or an empty one

@@ -18,9 +18,10 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core.bindings import BindingRules
-from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits, Timeouts
 from rendezvous.protocol.bindings import load_keys
 from rendezvous.server.auth import Guard
+from rendezvous.server.health import HealthPort
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.quotas import CallLimits, CallQuotas
@@ -43,8 +44,10 @@ class ServerConfig:
 
     `tls` serves TLS (mTLS with `require_client_cert`) instead of plaintext; `auth_file` turns on
     identity-bound auth (docs/security.md); `call_limits` are per-caller rate and concurrency limits.
-    `health_listen` also serves grpc.health.v1 alone in plaintext there, for probes that cannot speak
-    TLS (Kubernetes' native gRPC probes).
+    `health_listen` also serves grpc.health.v1 alone in plaintext there, from threads of its own
+    (rendezvous.server.health): probes should target it, since it answers however busy the serving loop is
+    and needs no TLS (Kubernetes' native gRPC probes). `max_message_bytes` is the largest request (and
+    response) message, in bytes: a larger request is refused by gRPC, unread, with RESOURCE_EXHAUSTED.
     """
 
     listen: str = "127.0.0.1:50051"
@@ -56,7 +59,7 @@ class ServerConfig:
     health_interval: float = 1.0
     grace: float = 5.0
     drain: float = 0.0
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     idempotency_ttl: float = 600.0
     """Seconds the answer to a request with a request_id is kept, for its retries (AIP-155)."""
     watch_batch: int = 1024
@@ -78,6 +81,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not math.isfinite(self.idempotency_ttl) or self.idempotency_ttl <= 0:
             raise ValueError(f"idempotency_ttl must be a positive number of seconds, not {self.idempotency_ttl:g}")
+        if self.max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be a positive number of bytes, not {self.max_message_bytes}")
         if self.allow_unbound and not self.binding_key_file:
             raise ValueError("allow_unbound needs binding_key_file (without keys no binding is required)")
 
@@ -107,7 +112,7 @@ class RendezvousServer:
         self.port = 0
         self.metrics_port: int | None = None
         self.health_port: int | None = None
-        self._health_server: grpc.aio.Server | None = None
+        self._health_port: HealthPort | None = None
         self._stopping = asyncio.Event()
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -164,16 +169,12 @@ class RendezvousServer:
         await server.start()
         self._server = server
         if cfg.health_listen:
-            self._health_server = grpc.aio.server()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-            self.health_port = self._health_server.add_insecure_port(cfg.health_listen)
-            if not self.health_port:
-                raise OSError(f"cannot listen on {cfg.health_listen}")
-            await self._health_server.start()
+            self._health_port = HealthPort(cfg.health_listen)
+            self.health_port = self._health_port.start()
         await self._set_serving(await self.store.ping())
         # "liveness" answers SERVING while the process serves at all: a store outage or a drain turns the
         # server NOT_SERVING (readiness) but must not get it restarted.
-        await self._health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         if cfg.metrics_listen:
             host, port = _split_host_port(cfg.metrics_listen)
             self.metrics_port = self.metrics.serve(host, port)
@@ -194,8 +195,14 @@ class RendezvousServer:
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
-            await self._health.set(name, status)
+            await self._set_health(name, status)
         self.metrics.store_up.set(1 if serving else 0)
+
+    async def _set_health(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        """A status on both health services: the serving port's (on this loop) and the health port's."""
+        await self._health.set(service, status)
+        if self._health_port is not None:
+            self._health_port.set(service, status)
 
     async def _sweep_loop(self) -> None:
         failing = False
@@ -240,9 +247,9 @@ class RendezvousServer:
         await asyncio.sleep(self.config.drain)
         self._stopping.set()
         await self._server.stop(self.config.grace if grace is None else grace)
-        if self._health_server is not None:
-            await self._health_server.stop(0)
-            self._health_server = None
+        if self._health_port is not None:
+            await asyncio.to_thread(self._health_port.stop)
+            self._health_port = None
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -23,8 +23,12 @@ from grpc_status import rpc_status
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
 from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, Event, State, Transfer
+from rendezvous.core.parts import check_request_part_count
 from rendezvous.core.specs import CompletionSpec
+from rendezvous.core.validation import check_batch
+from rendezvous.pacing import Pacer, paced_map
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.server.metrics import Metrics
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ResponseT = TypeVar("ResponseT", bound=Message)
 SpecT = TypeVar("SpecT")
+M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
@@ -93,32 +98,52 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
 
 def _batch_rpc(
     response_type: type[ResponseT],
-    specs: Callable[[Any], Sequence[SpecT]],
+    field: str,
+    spec: Callable[[Any, Limits], SpecT],
     apply: Callable[..., Awaitable[list[ItemOutcome]]],
     takes_half: bool = False,
+    check: Callable[[Any, Limits], None] | None = None,
     observe: Callable[[Metrics, Sequence[SpecT], Sequence[ItemOutcome]], None] | None = None,
 ) -> Handler[ResponseT]:
-    """A batched transfer RPC: the request's items through one coordinator call, one ItemResult each, in order.
+    """A batched transfer RPC: the items of the request's repeated `field`, each converted by spec (under the
+    server's limits), through one coordinator call, one ItemResult each, in order.
 
-    takes_half: the call takes a half of its transfers (or, AbortTransfer, ends them), so the caller's exemption from
-    bindings is passed on.
-    observe: counts what the items carried, once they are answered.
+    The request's shape is checked on the message before any item is converted or any record looked up (the
+    item count, and check's limits over all items), and conversion and answers yield to the event loop
+    (rendezvous.pacing). takes_half: the call takes a half of its transfers (or, AbortTransfer, ends them), so
+    the caller's exemption from bindings is passed on. observe: counts what the items carried, once they are
+    answered.
     """
     method = response_type.__name__.removesuffix("Response")
 
     async def handler(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
         extra = {"exempt": BINDING_EXEMPT.get()} if takes_half else {}
-        items = specs(request)
+        raw = getattr(request, field)
+        limits = self.coordinator.limits
+        check_batch(len(raw), limits)
+        if check is not None:
+            check(request, limits)
+        items = await paced_map(lambda message: spec(message, limits), raw)
         outcomes = await apply(self.coordinator, request.engine_id, request.incarnation, items, **extra)
         _trace_items(outcomes)
         if observe is not None:
             observe(self.metrics, items, outcomes)
         response = response_type(header=await self._header(seen=True))
-        self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
+        await self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
         return response
 
     handler.__name__ = handler.__qualname__ = method
     return _rpc(response_type)(handler)
+
+
+def _plain(convert: Callable[[M], SpecT]) -> Callable[[M, Limits], SpecT]:
+    """A converter that needs no limits, as `_batch_rpc` calls one."""
+    return lambda message, _limits: convert(message)
+
+
+def _check_parts(request: pb.CompleteTransferRequest, limits: Limits) -> None:
+    """The parts of all the request's completions, counted on the message: none is converted first."""
+    check_request_part_count(sum(len(c.parts) for c in request.completions), limits)
 
 
 def _count_parts(metrics: Metrics, specs: Sequence[CompletionSpec], outcomes: Sequence[ItemOutcome]) -> None:
@@ -243,10 +268,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.metrics.rpcs.labels(method, err.code.value).inc()
         await _abort(context, err)
 
-    def _results(self, method: str, outcomes: Sequence[ItemOutcome], results: Any) -> None:
-        """One ItemResult per outcome, added to a response's results in place (no message copied in)."""
+    async def _results(self, method: str, outcomes: Sequence[ItemOutcome], results: Any) -> None:
+        """One ItemResult per outcome, added to a response's results in place (no message copied in); yields to
+        the event loop between items (rendezvous.pacing)."""
         self.metrics.batch_items(method, len(outcomes))
+        pacer = Pacer()
         for o in outcomes:
+            await pacer.tick()
             item = results.add(transfer_id=o.transfer_id)
             if o.error is not None:
                 item.status.CopyFrom(wire.error_status(o.error))
@@ -261,8 +289,12 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
     ) -> pb.RegisterEngineResponse:
         # The registering identity owns the engine for the memory budget (per-identity tallies; none without auth).
-        spec = replace(wire.engine_spec(request), owner=CALLER_IDENTITY.get())
+        # Up to 16,384 regions and 2 MiB of metadata: converted, registered and answered in separate turns.
+        pacer = Pacer()
+        agents = await paced_map(convert.agent, request.agents)
+        spec = replace(wire.engine_spec(request, agents), owner=CALLER_IDENTITY.get())
         engine, start = await self.coordinator.register_engine(spec)
+        await pacer.tick()
         return pb.RegisterEngineResponse(
             header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_revision=start
         )
@@ -326,20 +358,31 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     # Transfers
 
     RegisterTarget = _batch_rpc(
-        pb.RegisterTargetResponse, wire.target_specs, Coordinator.register_targets, takes_half=True
+        pb.RegisterTargetResponse, "targets", wire.target_spec, Coordinator.register_targets, takes_half=True
     )
-    ClaimTransfer = _batch_rpc(pb.ClaimTransferResponse, wire.claim_specs, Coordinator.claim_transfers, takes_half=True)
+    ClaimTransfer = _batch_rpc(
+        pb.ClaimTransferResponse, "claims", _plain(wire.claim_spec), Coordinator.claim_transfers, takes_half=True
+    )
     MarkSourceReady = _batch_rpc(
-        pb.MarkSourceReadyResponse, wire.source_specs, Coordinator.mark_sources_ready, takes_half=True
+        pb.MarkSourceReadyResponse, "sources", wire.source_spec, Coordinator.mark_sources_ready, takes_half=True
     )
     CompleteTransfer = _batch_rpc(
-        pb.CompleteTransferResponse, wire.completion_specs, Coordinator.complete_transfers, observe=_count_parts
+        pb.CompleteTransferResponse,
+        "completions",
+        wire.completion_spec,
+        Coordinator.complete_transfers,
+        check=_check_parts,
+        observe=_count_parts,
     )
     AcknowledgeRevocation = _batch_rpc(
-        pb.AcknowledgeRevocationResponse, wire.revocation_acks, Coordinator.acknowledge_revocations
+        pb.AcknowledgeRevocationResponse, "acks", _plain(wire.revocation_ack), Coordinator.acknowledge_revocations
     )
-    ReleaseTarget = _batch_rpc(pb.ReleaseTargetResponse, wire.release_specs, Coordinator.release_targets)
-    AbortTransfer = _batch_rpc(pb.AbortTransferResponse, wire.abort_specs, Coordinator.abort_transfers, takes_half=True)
+    ReleaseTarget = _batch_rpc(
+        pb.ReleaseTargetResponse, "releases", _plain(wire.release_spec), Coordinator.release_targets
+    )
+    AbortTransfer = _batch_rpc(
+        pb.AbortTransferResponse, "aborts", _plain(wire.abort_spec), Coordinator.abort_transfers, takes_half=True
+    )
 
     # Credits
 
@@ -361,6 +404,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     async def ReserveCredits(
         self, request: pb.ReserveCreditsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveCreditsResponse:
+        check_batch(len(request.reservations), self.coordinator.limits)  # before any item is converted
         outcomes = await self.coordinator.reserve_credits(wire.credit_requests(request), seconds(request.ttl))
         return pb.ReserveCreditsResponse(
             header=await self._header(), results=self._credit_results("ReserveCredits", outcomes)

@@ -214,12 +214,14 @@ async def test_a_peer_at_every_size_limit_cannot_make_the_other_sides_watch_unde
         pb.ClaimTransferRequest(engine_id="p", claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
     )
     assert all(r.state == pb.TRANSFER_STATE_MATCHED for r in claimed.results)
-    huge = "\u00e9" * (5 << 20)
-    await stub.AbortTransfer(
-        pb.AbortTransferRequest(engine_id="d", aborts=[pb.AbortSpec(transfer_id=t, message=huge) for t in ids[:4]])
-    )
-    failed = [pb.CompletionSpec(transfer_id=t, outcome=pb.COMPLETION_OUTCOME_FAILED, message=huge) for t in ids[4:]]
-    await stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id="p", completions=failed))
+    huge = "\u00e9" * (1 << 20)  # 2 MiB: one a request, under the server's 4 MiB message size
+    for t in ids[:4]:
+        await stub.AbortTransfer(
+            pb.AbortTransferRequest(engine_id="d", aborts=[pb.AbortSpec(transfer_id=t, message=huge)])
+        )
+    for t in ids[4:]:
+        failed = pb.CompletionSpec(transfer_id=t, outcome=pb.COMPLETION_OUTCOME_FAILED, message=huge)
+        await stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id="p", completions=[failed]))
 
     producer_events = await watch_until(stub, "p", p.watch_start_revision, 12)
     assigned = [e for e in producer_events if e.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED]

@@ -46,6 +46,7 @@ from rendezvous.core.errors import RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
+from rendezvous.pacing import Pacer
 from rendezvous.store.base import (
     CallerView,
     EngineFilter,
@@ -510,7 +511,9 @@ class RedisStore(Store):
         plans: list[tuple[int, _Plan]] = []
         again: list[int] = []
         peers = _no_peers()
+        pacer = Pacer()  # planning is CPU only: give the event loop back between items (rendezvous.pacing)
         for i, (transfer_id, fn) in enumerate(updates):
+            await pacer.tick()
             try:
                 plan = self._plan(transfer_id, fn, self._records.transfer(transfer_id), peers)
             except Exception:
