@@ -8,6 +8,7 @@ an observer (metrics). It knows nothing of gRPC; the server maps the wire onto i
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -138,7 +139,13 @@ class Coordinator:
         (never suspending on a store that answers at once)."""
         if self.store.concurrent:
             return await asyncio.gather(first, second)
-        return await first, await second
+        try:
+            value = await first
+        except BaseException:
+            if inspect.iscoroutine(second):
+                second.close()  # never started: nothing to wait for, and no "never awaited" warning
+            raise
+        return value, await second
 
     async def _page_token_key(self) -> bytes:
         """The deployment's page-token key (Store.page_token_key), read once (it never changes), when a listing
