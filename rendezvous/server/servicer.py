@@ -27,6 +27,7 @@ from rendezvous.core.model import Engine, Event, Role, State, Transfer
 from rendezvous.core.specs import CompletionSpec
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
+from rendezvous.server import idempotency
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
 from rendezvous.store.base import StoreUnavailableError
@@ -68,15 +69,16 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                 try:
                     request_id = getattr(request, "request_id", "")
                     key = f"{method}/{engine_id}/{request_id}" if request_id else ""
+                    store = self.coordinator.store
                     if key:
-                        cached = await self.coordinator.store.get_response(key)
-                        if cached is not None:
-                            return response_type.FromString(cached)
+                        kept = await store.get_response(key)
+                        if kept is not None:
+                            return idempotency.answer(request, kept, response_type)
                     response = await handler(self, request, context)
                     if key:
-                        await self.coordinator.store.put_response(
-                            key, response.SerializeToString(), self.idempotency_ttl
-                        )
+                        value = idempotency.entry(request, response, self.coordinator.limits.max_answer_bytes)
+                        if value is not None:
+                            await store.put_response(key, value, self.idempotency_ttl, CALLER_IDENTITY.get())
                     return response
                 except (RendezvousError, StoreUnavailableError) as exc:
                     err = _as_error(exc)
