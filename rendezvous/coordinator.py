@@ -130,6 +130,10 @@ class Coordinator:
         self.timeouts = timeouts or Timeouts()
         self.clock = clock
         self.observer = observer
+        # Registrations read the budget's tally and write their record one at a time on this server: on a
+        # store whose calls suspend (Redis), registrations in flight together each passed the check on the
+        # same tally (3 of 10 parallel 4,000-byte registrations admitted against a 6,000-byte budget).
+        self._registering = asyncio.Lock()
 
     async def _both(self, first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
         """Two store reads: in flight together where that saves a round trip (Store.concurrent), else in turn
@@ -177,21 +181,23 @@ class Coordinator:
     async def register_engine(self, spec: EngineSpec) -> tuple[Engine, int]:
         """Register a new incarnation; returns it and the revision its watch should start from."""
         now = self.clock()
-        # Every event of the new incarnation comes after this: the record keeps it for the engine's other ranks.
-        # The memory budget (core: budget.check_engine) is checked against the usage of the server and of the
-        # registering identity as it is now; both reads in one round trip to a networked store.
-        last, tally = await self._both(self.store.last_event_revision(spec.engine_id), self.store.usage(spec.owner))
-        first = last + 1
+        async with self._registering:
+            # Every event of the new incarnation comes after this: the record keeps it for the engine's other
+            # ranks. The memory budget (core: budget.check_engine) is checked against the usage of the server
+            # and of the registering identity as it is now (no other registration of this server between the
+            # read and the write); both reads in one round trip to a networked store.
+            last, tally = await self._both(self.store.last_event_revision(spec.engine_id), self.store.usage(spec.owner))
+            first = last + 1
 
-        def registered(cur: Engine | None) -> Engine:
-            new = engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts, first)
-            budget.check_engine(self.limits, tally, cur, new)
-            return new
+            def registered(cur: Engine | None) -> Engine:
+                new = engine_rules.register_engine(now, cur, spec, self.limits, self.timeouts, first)
+                budget.check_engine(self.limits, tally, cur, new)
+                return new
 
-        # The record names the incarnation it replaced (read inside the atomic update), so concurrent
-        # re-registrations each end their predecessor, and a loss this call cannot finish (cancelled,
-        # store down, replica killed) is applied by the next keep-alive or sweep.
-        engine = await self.store.update_engine(spec.engine_id, registered)
+            # The record names the incarnation it replaced (read inside the atomic update), so concurrent
+            # re-registrations each end their predecessor, and a loss this call cannot finish (cancelled,
+            # store down, replica killed) is applied by the next keep-alive or sweep.
+            engine = await self.store.update_engine(spec.engine_id, registered)
         assert engine is not None
         engine = await self._apply_pending_loss(engine, now)
         log.info(

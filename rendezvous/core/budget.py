@@ -11,7 +11,8 @@ changes that free budget always go through. Ended engines (tombstones) keep no a
 (`rendezvous.core.engines.end_incarnation`) and charge nothing, nor do ended transfers.
 
 The tally is read before the change is applied, as the live-transfer limit is, so calls in flight together
-from different requests may pass a budget by what they add (at most their requests' size limits).
+from different requests may pass a budget by what they add (at most their requests' size limits), except
+registrations on one server: the coordinator reads the tally and writes the record of one at a time.
 """
 
 from __future__ import annotations

@@ -6,12 +6,14 @@ over gRPC with the memory and the Redis store.
   a request_id reused for another request is refused (REQUEST_ID_REUSED).
 - An engine's event log is bounded in bytes (`max_event_bytes_per_engine`); a watcher behind it resyncs.
 - A tombstone keeps no labels.
+- Registrations in flight together on one server cannot pass the agent metadata budget between them.
 
 Sizes are asserted on what the stores count (`answer_bytes`, `event_log_bytes`, the stored records), not on RSS.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 
@@ -155,3 +157,17 @@ async def test_a_tombstone_keeps_no_labels(store_url: str, tmp_path: Path) -> No
         tombstone = await c.server.store.get_engine("d0-0")
         assert tombstone is not None and tombstone.ended_at
         assert tombstone.labels == {} and all(not a.metadata and not a.regions for a in tombstone.agents)
+
+
+async def test_parallel_registrations_stay_within_the_metadata_budget(store_url: str, tmp_path: Path) -> None:
+    limits = Limits(max_agent_metadata_bytes_per_identity=6_000, max_agent_metadata_bytes_total=9_000)
+    async with client(store_url, tmp_path, limits) as c:
+        calls = [c.call("RegisterEngine", registration(f"d0-{n}", 4_000), "d0") for n in range(10)]
+        calls += [c.call("RegisterEngine", registration(f"d1-{n}", 4_000), "d1") for n in range(10)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        refusals = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(refusals) == 18 and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refusals)
+        for who in ("d0", "d1"):
+            assert (await c.server.store.usage(who)).identity.metadata_bytes == 4_000
+        assert (await c.server.store.usage("")).total.metadata_bytes == 8_000
+        assert await c.serving()
