@@ -171,3 +171,15 @@ async def test_parallel_registrations_stay_within_the_metadata_budget(store_url:
             assert (await c.server.store.usage(who)).identity.metadata_bytes == 4_000
         assert (await c.server.store.usage("")).total.metadata_bytes == 8_000
         assert await c.serving()
+
+
+async def test_an_answer_kept_whole_by_an_earlier_version_still_answers_its_retry(
+    store_url: str, tmp_path: Path
+) -> None:
+    # Replicas sharing Redis during a rolling upgrade: the earlier version kept the serialized answer alone.
+    async with client(store_url, tmp_path, Limits()) as c:
+        request = registration("d0-0", 64)
+        request.request_id = "from-before"
+        earlier = pb.RegisterEngineResponse(engine=pb.Engine(engine_id="d0-0", incarnation=41))
+        await c.server.store.put_response("RegisterEngine/d0-0/from-before", earlier.SerializeToString(), 60, "d0")
+        assert await c.call("RegisterEngine", request, "d0") == earlier
