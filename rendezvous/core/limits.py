@@ -49,6 +49,9 @@ class Limits:
     and labels; the Redis store counts the stored text); past it the oldest events go and a watcher behind them
     resyncs. The newest event always stays, whatever its size."""
     max_watchers_per_engine: int = 16
+    max_watch_buffer_bytes: int = 128 << 20
+    """The bytes of Watch responses their readers have not taken, over the server's streams; past it the
+    streams waiting longest are dropped (RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED, rendezvous.server.watch_buffers)."""
     max_list_page: int = 10_000
     max_engine_page: int = 1_000
     default_engine_page: int = 100

@@ -26,6 +26,7 @@ from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
 from rendezvous.server.tls import CertificateReloader, TLSConfig
+from rendezvous.server.watch_buffers import HandlerTask
 from rendezvous.store.base import Store, StoreUnavailableError
 from rendezvous.store.factory import create_store
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -137,7 +138,7 @@ class RendezvousServer:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = [HandlerTask()]
         if self.auth is not None or cfg.call_limits.enabled:
             quotas = CallQuotas(cfg.call_limits)
             interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics))

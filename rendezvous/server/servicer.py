@@ -30,6 +30,7 @@ from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.server import idempotency
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
+from rendezvous.server.watch_buffers import Stream, WatchBuffers
 from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -225,6 +226,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.idempotency_ttl = idempotency_ttl
         self.watch_batch = watch_batch
         self.watchers = WatcherRegistry(coordinator.limits.max_watchers_per_engine, metrics)
+        self.watch_buffers = WatchBuffers(coordinator.limits.max_watch_buffer_bytes, metrics)
         self.started_at = time.time()
         self._stopping = stopping
 
@@ -434,6 +436,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             return
         self.metrics.rpcs.labels("Watch", "OK").inc()
         batch = min(request.max_batch or self.watch_batch, self.watch_batch)
+        stream, buffers = Stream(context), self.watch_buffers
         try:
             yield pb.WatchResponse(header=await self._header())
             while not self._stopping.is_set():
@@ -441,7 +444,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                 if page.resync_revision is not None:
                     self.metrics.resyncs.inc()
                     revision = page.resync_revision
-                    yield pb.WatchResponse(header=await self._header(), resync_required=True, resync_revision=revision)
+                    resync = pb.WatchResponse(
+                        header=await self._header(), resync_required=True, resync_revision=revision
+                    )
+                    with buffers.sending(stream, resync.ByteSize()):
+                        yield resync
                 elif page.events:
                     # Cut by bytes too, converted lazily: a peer's large agent metadata or labels, repeated in
                     # many events, must not make one response larger than a client accepts.
@@ -449,7 +456,8 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                         revision = response.events[-1].revision + 1
                         self.metrics.events_sent.inc(len(response.events))
                         response.header.CopyFrom(await self._header(seen=True))
-                        yield response
+                        with buffers.sending(stream, response.ByteSize()):
+                            yield response
                     if revision > page.last_revision:
                         # The log was read to its end: wait for more (no empty read first: one round trip less
                         # to a networked store; a forgotten engine shows on the read after the wait).

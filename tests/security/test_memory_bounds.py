@@ -7,6 +7,8 @@ over gRPC with the memory and the Redis store.
 - An engine's event log is bounded in bytes (`max_event_bytes_per_engine`); a watcher behind it resyncs.
 - A tombstone keeps no labels.
 - Registrations in flight together on one server cannot pass the agent metadata budget between them.
+- A Watch reader that stops reading is dropped once the responses readers have not taken pass
+  `max_watch_buffer_bytes` (RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED), and resumes from its revision.
 
 Sizes are asserted on what the stores count (`answer_bytes`, `event_log_bytes`, the stored records), not on RSS.
 """
@@ -15,15 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
+from clients._exceptions import from_rpc_error
 from rendezvous.core import Limits
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
-from tests.security.test_budgets import client, refused, registration
+from tests.security.test_budgets import Client, client, refused, registration
 
 __all__ = ["redis_url"]
 
@@ -183,3 +187,72 @@ async def test_an_answer_kept_whole_by_an_earlier_version_still_answers_its_retr
         earlier = pb.RegisterEngineResponse(engine=pb.Engine(engine_id="d0-0", incarnation=41))
         await c.server.store.put_response("RegisterEngine/d0-0/from-before", earlier.SerializeToString(), 60, "d0")
         assert await c.call("RegisterEngine", request, "d0") == earlier
+
+
+def _gauge(c: Client, name: str) -> float:
+    return c.server.metrics.registry.get_sample_value(name) or 0.0
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Poll a condition of the server's state (no time bound of its own: the test's timeout is the limit)."""
+    while True:
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("with_auth", [True, False], ids=["auth", "no-auth"])
+async def test_a_stalled_watch_reader_is_dropped_past_the_output_buffer_limit(
+    store_url: str, tmp_path: Path, with_auth: bool
+) -> None:
+    # Each TRANSFER_ASSIGNED a producer is sent carries its consumer, with 1 MiB of agent metadata.
+    limits = Limits(max_watch_buffer_bytes=3 * MIB // 2)
+    async with client(store_url, tmp_path if with_auth else None, limits) as c:
+        who = {"d0": "d0", "p0": "p0"} if with_auth else {"d0": None, "p0": None}
+        d0 = (await c.call("RegisterEngine", registration("d0-0", METADATA), who["d0"])).engine
+        producers = [(await c.call("RegisterEngine", _engine(f"p0-{n}", 64, False), who["p0"])).engine for n in (0, 1)]
+        metadata = _auth("p0") if with_auth else None
+        # Two readers that stop after the first response (a SIGSTOPped client): nothing more is taken.
+        streams = []
+        for p in producers:
+            stream = c.stub.Watch(pb.WatchRequest(engine_id=p.engine_id), metadata=metadata, timeout=60)
+            await stream.read()
+            streams.append(stream)
+
+        async def assign(p: pb.Engine, n: int) -> None:
+            tid = f"{p.engine_id}-t{n}"
+            await c.target(d0, tid, 4, who["d0"])
+            claim = pb.ClaimTransferRequest(engine_id=p.engine_id, incarnation=p.incarnation)
+            claim.claims.add(transfer_id=tid)
+            await c.call("ClaimTransfer", claim, who["p0"])
+
+        # The first reader's window fills: a response stays handed to gRPC and not taken.
+        for n in range(8):
+            await assign(producers[0], n)
+        await _until(lambda: _gauge(c, "rendezvous_watch_buffer_bytes") >= MIB)
+        # The second stalls too: together past the limit, the stream that waited longest is dropped.
+        for n in range(8):
+            await assign(producers[1], n)
+        await _until(lambda: _gauge(c, "rendezvous_watch_dropped_total") == 1)
+        assert _gauge(c, "rendezvous_watch_buffer_bytes") <= 3 * MIB // 2
+        # Its handler ends at once (the events it read and its response freed), without its reader.
+        await _until(lambda: _gauge(c, "rendezvous_watchers") == 1)
+        # The dropped reader gets what was on its way, then RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED; it resumes
+        # from the revision after the last event it received.
+        last = 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while True:
+                response = await streams[0].read()
+                if response.events:
+                    last = response.events[-1].revision
+        converted = from_rpc_error(err.value)
+        assert (converted.code, converted.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "BUDGET_EXHAUSTED")
+        assert converted.metadata["budget"] == "watch_buffer_bytes"
+        resumed = c.stub.Watch(pb.WatchRequest(engine_id="p0-0", start_revision=last + 1), metadata=metadata)
+        await resumed.read()
+        await assign(producers[0], 8)  # at least one event after those it received
+        rest = await resumed.read()
+        assert rest.events and rest.events[0].revision == last + 1
+        resumed.cancel()
+        streams[1].cancel()
+        assert await c.serving()
