@@ -107,11 +107,12 @@ def renew_lease(now: float, engine: Engine) -> Engine:
 def end_incarnation(now: float, engine: Engine) -> Engine:
     """The engine marked ended; it lingers as a tombstone so late calls get LEASE_EXPIRED.
 
-    A tombstone keeps no agent metadata and no regions (up to megabytes an engine, for tombstone_ttl): only
-    each agent's name and rank, which a PEER_LOST event names so that peers forget that agent.
+    A tombstone keeps no agent metadata, no regions and no labels (up to megabytes an engine, for
+    tombstone_ttl): only each agent's name and rank, which a PEER_LOST event names so that peers forget that
+    agent.
     """
     agents = tuple(replace(a, metadata=b"", regions=()) for a in engine.agents)
-    return replace(engine, ended_at=now, agents=agents)
+    return replace(engine, ended_at=now, agents=agents, labels={})
 
 
 class Lapse(Enum):

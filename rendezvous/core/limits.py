@@ -49,7 +49,14 @@ class Limits:
     max_labels_bytes: int = 16_384
     max_abort_message_bytes: int = 1_024
     max_events_per_engine: int = 100_000
+    max_event_bytes_per_engine: int = 64 << 20
+    """The bytes an engine's event log may hold (an event: its transfer's block ids and its peer's agent metadata
+    and labels; the Redis store counts the stored text); past it the oldest events go and a watcher behind them
+    resyncs. The newest event always stays, whatever its size."""
     max_watchers_per_engine: int = 16
+    max_watch_buffer_bytes: int = 128 << 20
+    """The bytes of Watch responses their readers have not taken, over the server's streams; past it the
+    streams waiting longest are dropped (RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED, rendezvous.server.watch_buffers)."""
     max_list_page: int = 10_000
     max_engine_page: int = 1_000
     default_engine_page: int = 100
@@ -64,6 +71,13 @@ class Limits:
     """The largest EngineCapacity.max_transfers an engine may declare (larger is CAPACITY_INVALID)."""
     max_capacity_blocks: int = 1 << 40
     """The largest EngineCapacity.max_blocks an engine may declare."""
+    max_answer_bytes: int = 1 << 20
+    """The largest answer kept for a request_id's retries (AIP-155; RegisterEngine's is kept without the agent
+    metadata, regions and labels its request repeats); a larger one is not kept and a retry runs again."""
+    max_answers_bytes: int = 256 << 20
+    """The bytes all kept answers may hold; past it the oldest go (a retry of theirs runs again)."""
+    max_answers_bytes_per_identity: int = 32 << 20
+    """The bytes one identity's kept answers may hold; past it that identity's oldest go first."""
     max_parts_per_completion: int = 4_096
     """The most parts one CompletionSpec may report (more is TOO_MANY_PARTS); checking them is O(n log n)."""
     max_parts_per_request: int = 65_536

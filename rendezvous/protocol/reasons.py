@@ -202,6 +202,10 @@ class Reason(StrEnum):
     """The parts of a completion leave tokens of some layer unwritten (ErrorInfo metadata
  fields: layer, token)."""
 
+    REQUEST_ID_REUSED = "REQUEST_ID_REUSED"
+    """A request_id the server keeps an answer for came with a different request (ErrorInfo
+ metadata field: request_id); a new request needs a new request_id."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -263,5 +267,6 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.PART_OUT_OF_RANGE: "OUT_OF_RANGE",
     Reason.PARTS_OVERLAP: "INVALID_ARGUMENT",
     Reason.PARTS_INCOMPLETE: "INVALID_ARGUMENT",
+    Reason.REQUEST_ID_REUSED: "INVALID_ARGUMENT",
 }
 """The google.rpc.Code name of each reason."""

@@ -27,6 +27,7 @@ from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
 from rendezvous.server.tls import CertificateReloader, TLSConfig
+from rendezvous.server.watch_buffers import HandlerTask
 from rendezvous.store.base import Store, StoreUnavailableError
 from rendezvous.store.factory import create_store
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -148,7 +149,7 @@ class RendezvousServer:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 0),
         ]
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = [HandlerTask()]
         limits = cfg.call_limits.for_server(auth=self.auth is not None)
         if self.auth is not None or limits.enabled:
             quotas = CallQuotas(limits)

@@ -46,6 +46,12 @@ class Metrics:
         self.budget_limit = Gauge("rendezvous_budget_limit", "Memory budget limit, server-wide", ["budget"], registry=r)
         self.events_sent = Counter("rendezvous_events_sent", "Events written to Watch streams", registry=r)
         self.resyncs = Counter("rendezvous_watch_resyncs", "Watchers told to resync", registry=r)
+        self.watch_buffer_bytes = Gauge(
+            "rendezvous_watch_buffer_bytes", "Bytes of Watch responses their readers have not taken", registry=r
+        )
+        self.watch_dropped = Counter(
+            "rendezvous_watch_dropped", "Watch streams dropped for a reader too slow (watch_buffer_bytes)", registry=r
+        )
         self.committed = Counter("rendezvous_transfers_committed", "Transfers whose bytes arrived", registry=r)
         self.written_parts = Counter(
             "rendezvous_written_parts", "Parts of progressive writes in accepted CompleteTransfer reports", registry=r

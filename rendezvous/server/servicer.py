@@ -31,8 +31,10 @@ from rendezvous.core.validation import check_batch
 from rendezvous.pacing import Pacer, paced_map
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
+from rendezvous.server import idempotency
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
+from rendezvous.server.watch_buffers import Stream, WatchBuffers
 from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -73,15 +75,16 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                 try:
                     request_id = getattr(request, "request_id", "")
                     key = f"{method}/{engine_id}/{request_id}" if request_id else ""
+                    store = self.coordinator.store
                     if key:
-                        cached = await self.coordinator.store.get_response(key)
-                        if cached is not None:
-                            return response_type.FromString(cached)
+                        kept = await store.get_response(key)
+                        if kept is not None:
+                            return idempotency.answer(request, kept, response_type)
                     response = await handler(self, request, context)
                     if key:
-                        await self.coordinator.store.put_response(
-                            key, response.SerializeToString(), self.idempotency_ttl
-                        )
+                        value = idempotency.entry(request, response, self.coordinator.limits.max_answer_bytes)
+                        if value is not None:
+                            await store.put_response(key, value, self.idempotency_ttl, CALLER_IDENTITY.get())
                     return response
                 except (RendezvousError, StoreUnavailableError) as exc:
                     err = _as_error(exc)
@@ -249,6 +252,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.idempotency_ttl = idempotency_ttl
         self.watch_batch = watch_batch
         self.watchers = WatcherRegistry(coordinator.limits.max_watchers_per_engine, metrics)
+        self.watch_buffers = WatchBuffers(coordinator.limits.max_watch_buffer_bytes, metrics)
         self.started_at = time.time()
         self._stopping = stopping
 
@@ -477,6 +481,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             return
         self.metrics.rpcs.labels("Watch", "OK").inc()
         batch = min(request.max_batch or self.watch_batch, self.watch_batch)
+        stream, buffers = Stream(context), self.watch_buffers
         try:
             yield pb.WatchResponse(header=await self._header())
             while not self._stopping.is_set():
@@ -484,7 +489,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                 if page.resync_revision is not None:
                     self.metrics.resyncs.inc()
                     revision = page.resync_revision
-                    yield pb.WatchResponse(header=await self._header(), resync_required=True, resync_revision=revision)
+                    resync = pb.WatchResponse(
+                        header=await self._header(), resync_required=True, resync_revision=revision
+                    )
+                    with buffers.sending(stream, resync.ByteSize()):
+                        yield resync
                 elif page.events:
                     # Cut by bytes too, converted lazily: a peer's large agent metadata or labels, repeated in
                     # many events, must not make one response larger than a client accepts.
@@ -492,7 +501,8 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                         revision = response.events[-1].revision + 1
                         self.metrics.events_sent.inc(len(response.events))
                         response.header.CopyFrom(await self._header(seen=True))
-                        yield response
+                        with buffers.sending(stream, response.ByteSize()):
+                            yield response
                     if revision > page.last_revision:
                         # The log was read to its end: wait for more (no empty read first: one round trip less
                         # to a networked store; a forgotten engine shows on the read after the wait).

@@ -224,8 +224,20 @@ class Store(ABC):
         """A stored response of an idempotent request (AIP-155), or None."""
 
     @abstractmethod
-    async def put_response(self, key: str, value: bytes, ttl: float) -> None:
-        """Remember a response for ttl seconds."""
+    async def put_response(self, key: str, value: bytes, ttl: float, owner: str = "") -> None:
+        """Remember a response for ttl seconds, charged to owner (the caller's identity; "": none).
+
+        Kept responses are bounded in bytes over the store and per owner: past a bound the owner's oldest go,
+        then the oldest of all, and a response larger than a bound is not kept (rendezvous.store._answers).
+        """
+
+    @abstractmethod
+    async def answer_bytes(self, owner: str) -> tuple[int, int]:
+        """What the kept responses are counted as (bytes): in all, and owner's (0 for "")."""
+
+    @abstractmethod
+    async def event_log_bytes(self, engine_id: str) -> int:
+        """What an engine's kept events are counted as (bytes; 0 for an unknown engine)."""
 
     @abstractmethod
     async def usage(self, owner: str) -> Tally:

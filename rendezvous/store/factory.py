@@ -11,10 +11,16 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://")
 
 def create_store(url: str, limits: Limits) -> Store:
     """A store for url; raises ValueError naming the accepted forms for anything else."""
+    bounds = {
+        "max_events_per_engine": limits.max_events_per_engine,
+        "max_event_bytes_per_engine": limits.max_event_bytes_per_engine,
+        "max_answers_bytes": limits.max_answers_bytes,
+        "max_answers_bytes_per_identity": limits.max_answers_bytes_per_identity,
+    }
     if url == "memory":
-        return MemoryStore(max_events_per_engine=limits.max_events_per_engine)
+        return MemoryStore(**bounds)
     if url.startswith(REDIS_SCHEMES):
         from rendezvous.store.redis import RedisStore
 
-        return RedisStore(url, max_events_per_engine=limits.max_events_per_engine, limits=limits)
+        return RedisStore(url, limits=limits, **bounds)
     raise ValueError(f"unknown store {url!r}: use 'memory' or a URL starting with one of {', '.join(REDIS_SCHEMES)}")

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 import secrets
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from rendezvous.core import budget
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer, evolve
 from rendezvous.core.transfers import Transition
+from rendezvous.store._answers import Answers
 from rendezvous.store._sorted import SortedIds
 from rendezvous.store.base import EngineFilter, EngineFn, EventPage, Store, StoreCounts, TransferFn
 from rendezvous.store.credits import CreditStore, MemoryCredits
@@ -23,20 +24,51 @@ from rendezvous.store.credits import CreditStore, MemoryCredits
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
 
+def event_bytes(event: Event) -> int:
+    """What an event kept in a log is counted as (an upper estimate, as if nothing it names were shared):
+    its fixed part, the block ids of its transfer and the agent metadata and labels of its peer."""
+    size = _EVENT_BYTES
+    t = event.transfer
+    if t is not None:
+        size += _BLOCK_ID_BYTES * (len(t.target_block_ids) + len(t.source_block_ids or ()))
+    peer = event.peer
+    if peer is not None:
+        size += sum(len(a.metadata) for a in peer.agents)
+        size += sum(len(k) + len(v) for k, v in peer.labels.items())
+    return size
+
+
+_EVENT_BYTES = 512
+"""An event's own objects, its transfer's and its peer's (records, ids, tuples), before block ids and metadata."""
+_BLOCK_ID_BYTES = 48
+"""A block id in a tuple (a pointer and an int object; rendezvous.core.limits measures 40-48)."""
+
+
 class _EventLog:
-    """One engine's bounded event log and the waiters for its next event.
+    """One engine's event log, bounded in events and in bytes (`event_bytes`), and the waiters for its next event.
 
     Events are kept as the core made them: an event's revision follows from its place in the log (the
-    oldest kept is last_revision - len(events) + 1), so it is set when the event is read, not stored."""
+    oldest kept is last_revision - len(events) + 1), so it is set when the event is read, not stored.
+    Past a bound the oldest go (a reader behind them resyncs); the newest event always stays."""
 
-    def __init__(self, capacity: int) -> None:
-        self.events: deque[Event] = deque(maxlen=capacity)
+    def __init__(self, capacity: int, max_bytes: int) -> None:
+        self.events: deque[Event] = deque()
+        self._sizes: deque[int] = deque()
+        self.bytes = 0
+        self._capacity = capacity
+        self._max_bytes = max_bytes
         self.last_revision = 0
         self._changed: asyncio.Event | None = None  # made by the first waiter, set by the next append
 
     def append(self, event: Event) -> None:
         self.last_revision += 1
+        size = event_bytes(event)
         self.events.append(event)
+        self._sizes.append(size)
+        self.bytes += size
+        while len(self.events) > 1 and (len(self.events) > self._capacity or self.bytes > self._max_bytes):
+            self.events.popleft()
+            self.bytes -= self._sizes.popleft()
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -53,7 +85,13 @@ class MemoryStore(Store):
 
     name = "memory"
 
-    def __init__(self, max_events_per_engine: int = 100_000, max_responses: int = 100_000) -> None:
+    def __init__(
+        self,
+        max_events_per_engine: int = 100_000,
+        max_event_bytes_per_engine: int = 64 << 20,
+        max_answers_bytes: int = 256 << 20,
+        max_answers_bytes_per_identity: int = 32 << 20,
+    ) -> None:
         self._epoch = secrets.randbits(63) or 1
         self._page_key = secrets.token_bytes(32)  # one process is the deployment
         self._revision = 0
@@ -68,8 +106,8 @@ class MemoryStore(Store):
         self._deadlines: list[tuple[float, str]] = []
         self._logs: dict[str, _EventLog] = {}
         self._max_events = max_events_per_engine
-        self._responses: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
-        self._max_responses = max_responses
+        self._max_event_bytes = max_event_bytes_per_engine
+        self._answers = Answers(max_answers_bytes, max_answers_bytes_per_identity)
         # The memory budget's tallies (rendezvous.core.budget), as plain counters: what each record charges
         # (kept, so that a change takes back exactly that, from the owner it charged), and the sums, over all
         # and by owner, as [engines, block ids, metadata bytes].
@@ -123,7 +161,7 @@ class MemoryStore(Store):
         self._engines[engine_id] = new
         self._engine_ids.add(engine_id)
         if engine_id not in self._logs:
-            self._logs[engine_id] = _EventLog(self._max_events)
+            self._logs[engine_id] = _EventLog(self._max_events, self._max_event_bytes)
         return new
 
     async def lapse_candidates(self, now: float, tombstone_ttl: float) -> list[Engine]:
@@ -349,21 +387,18 @@ class MemoryStore(Store):
         log = self._logs.get(engine_id)
         return log.last_revision if log else 0
 
-    async def get_response(self, key: str) -> bytes | None:
-        entry = self._responses.get(key)
-        if entry is None:
-            return None
-        expires, value = entry
-        if expires < asyncio.get_running_loop().time():
-            del self._responses[key]
-            return None
-        return value
+    async def event_log_bytes(self, engine_id: str) -> int:
+        log = self._logs.get(engine_id)
+        return log.bytes if log else 0
 
-    async def put_response(self, key: str, value: bytes, ttl: float) -> None:
-        self._responses[key] = (asyncio.get_running_loop().time() + ttl, value)
-        self._responses.move_to_end(key)
-        while len(self._responses) > self._max_responses:
-            self._responses.popitem(last=False)
+    async def get_response(self, key: str) -> bytes | None:
+        return self._answers.get(key, asyncio.get_running_loop().time())
+
+    async def put_response(self, key: str, value: bytes, ttl: float, owner: str = "") -> None:
+        self._answers.put(key, value, asyncio.get_running_loop().time(), ttl, owner)
+
+    async def answer_bytes(self, owner: str) -> tuple[int, int]:
+        return self._answers.bytes, self._answers.owner_bytes(owner)
 
     async def page_token_key(self) -> bytes:
         return self._page_key

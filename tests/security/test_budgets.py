@@ -85,6 +85,13 @@ class Client:
             spec.timeout.FromMilliseconds(int(timeout * 1000))
         return await self.call("RegisterTarget", request, who)
 
+    def owner(self, who: str) -> str:
+        """The key an identity's memory is charged under (policy.Identity.key)."""
+        assert self.server.auth is not None
+        identity = self.server.auth.by_token(TOKENS[who])
+        assert identity is not None
+        return identity.key
+
     async def serving(self) -> bool:
         reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -47,6 +47,7 @@ from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.pacing import Pacer
+from rendezvous.store._answers import answer_cost
 from rendezvous.store.base import (
     CallerView,
     EngineFilter,
@@ -135,13 +136,24 @@ class RedisStore(Store):
     name = "redis"
     concurrent = True
 
-    def __init__(self, url: str, max_events_per_engine: int = 100_000, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        max_events_per_engine: int = 100_000,
+        limits: Limits | None = None,
+        max_event_bytes_per_engine: int = 64 << 20,
+        max_answers_bytes: int = 256 << 20,
+        max_answers_bytes_per_identity: int = 32 << 20,
+    ) -> None:
         self.target = parse_url(url)
         # The engine budgets, checked again inside the script that writes an engine (commit_engine.lua), so
         # that replicas registering at once never pass them together.
         self._limits = limits or Limits()
         self.options = self.target.options
         self._max_events = max_events_per_engine
+        self._max_event_bytes = max_event_bytes_per_engine
+        self._max_answers_bytes = max_answers_bytes
+        self._max_answers_bytes_per_identity = max_answers_bytes_per_identity
         self._prefix = "{" + self.options.prefix + "}:"
         self._rev_key = self._prefix + "rev"
         self._records = RecordCache(self.options.cache_size)
@@ -454,6 +466,7 @@ class RedisStore(Store):
             "commit_transfers",
             guard=self._epoch.guard,
             max_events=self._max_events,
+            max_event_bytes=self._max_event_bytes,
             max_blocks=self._limits.max_live_blocks,
             max_blocks_per_identity=self._limits.max_live_blocks_per_identity,
             items=to_json([list(peers), items]),  # records inside are JSON text, passed as strings
@@ -646,6 +659,7 @@ class RedisStore(Store):
                 operation=operation,
                 remember_s=_APPEND_MEMORY_S,
                 max_events=self._max_events,
+                max_event_bytes=self._max_event_bytes,
                 events=self._events(events, None, None),
             )
             if reply[0] == b"OK":
@@ -708,8 +722,26 @@ class RedisStore(Store):
         return value
 
     @_guarded
-    async def put_response(self, key: str, value: bytes, ttl: float) -> None:
-        await self._command("SET", self._prefix + "r:" + key, value, "PX", max(1, int(ttl * 1000)))
+    async def put_response(self, key: str, value: bytes, ttl: float, owner: str = "") -> None:
+        await self._scripts.run(
+            "put_answer",
+            key=key,
+            value=value,
+            ttl_ms=max(1, int(ttl * 1000)),
+            owner=owner,
+            cost=answer_cost(key, value),
+            max_bytes=self._max_answers_bytes,
+            max_owner_bytes=self._max_answers_bytes_per_identity,
+        )
+
+    @_guarded
+    async def answer_bytes(self, owner: str) -> tuple[int, int]:
+        total, mine = await self._command("HMGET", self._prefix + "rt", "t", "o:" + owner)
+        return int(total or 0), int(mine or 0) if owner else 0
+
+    @_guarded
+    async def event_log_bytes(self, engine_id: str) -> int:
+        return int(await self._command("HGET", self._prefix + "e:" + engine_id, "b") or 0)
 
     @_guarded
     async def usage(self, owner: str) -> budget.Tally:

@@ -27,15 +27,19 @@ Key schema (docs/operations.md has it for operators):
     el:<engine>      set     unsettled transfer ids of an engine (live, or awaiting a revocation)
     et:<engine>      set     every transfer id (live or tombstone) of an engine
     e:<engine>       hash    v version, d record, r latest event revision, o owner (auth identity), n engines
-                             and m agent metadata bytes charged to the budget
+                             and m agent metadata bytes charged to the budget, b the event stream's bytes
     budget           hash    the memory budget's tallies: e engines, b live block ids, m agent metadata
                              bytes; `<kind>:<owner>` the same per owner
     engines          set     every engine id
     engine_ids       zset    every engine id, score 0 (ordered by id: ListEngines pages)
     leases           zset    live engine id by lease expiry
     ended            zset    ended engine id (tombstone) by end time
-    s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine, if any)
+    s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine, if any); the
+                             e: hash's b is the bytes it is counted as (_append.lua)
     r:<key>          string  idempotent response, with a TTL
+    ra, ra:<owner>   zset    kept responses' keys by expiry, in all and per owner (put_answer.lua)
+    rc, ro           hash    kept response key -> its cost in bytes, -> its owner
+    rt               hash    t: the kept responses' cost; o:<owner>: an owner's
     op:<id>          string  marks an applied append_events call (retries apply once), with a TTL
     cr:<engine>      hash    credit reservations on a consumer: transfer id -> reservation
     crv:<engine>     string  the version of that ledger, INCR per change (compare-and-set of put_credit)
@@ -90,7 +94,7 @@ SIGNATURES: Mapping[str, Signature] = {
     # op: w write | d delete | n verify only; unsettled: 1 | 0 (the core's Transfer.unsettled).
     # max_blocks, max_blocks_per_identity: the live-block budgets a write must keep to.
     "commit_transfers": Signature(
-        ("guard", "max_events", "max_blocks", "max_blocks_per_identity", "items"),
+        ("guard", "max_events", "max_event_bytes", "max_blocks", "max_blocks_per_identity", "items"),
         helpers=("guard", "snapshot", "append", "budget"),
     ),
     # op: w write | d delete | n verify only; ended: 1 | 0. owner, engines, metadata_bytes: what the record
@@ -116,7 +120,9 @@ SIGNATURES: Mapping[str, Signature] = {
         helpers=("guard", "budget"),
     ),
     # operation: a fresh id per call, remembered remember_s seconds.
-    "append_events": Signature(("guard", "operation", "remember_s", "max_events"), (_EVENTS,), ("guard", "append")),
+    "append_events": Signature(
+        ("guard", "operation", "remember_s", "max_events", "max_event_bytes"), (_EVENTS,), ("guard", "append")
+    ),
     "read_events": Signature(("engine_id", "start_revision", "limit")),
     "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),
     "due_transfers": Signature(("now", "limit", "hold_until")),
@@ -138,6 +144,8 @@ SIGNATURES: Mapping[str, Signature] = {
     ),
     "drop_credit": Signature(("guard", "transfer_id"), helpers=("guard",)),
     "read_credits": Signature(("engine_id",)),
+    # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).
+    "put_answer": Signature(("key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes")),
 }
 
 
