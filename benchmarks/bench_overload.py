@@ -53,7 +53,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rendezvous import LAYOUT, REGION, local_redis, percentile, proc_usage
+from bench_rendezvous import LAYOUT, REGION, local_redis, percentile, proc_usage, start_server
 
 from connector.launch import free_port
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -133,34 +133,12 @@ class Server:
 
 @contextlib.contextmanager
 def serving(store: str, auth: Path, flags: list[str]) -> Iterator[Server]:
-    address, health, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rendezvous.cli",
-            "serve",
-            "--listen",
-            address,
-            "--store",
-            store,
-            "--health-listen",
-            health,
-            "--metrics-listen",
-            metrics,
-            "--auth-file",
-            str(auth),
-            "--drain",
-            "0",
-            "--log-level",
-            "error",
-            *flags,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    """`kv-rendezvous serve` (bench_rendezvous.start_server) with auth, a health port and metrics."""
+    health, metrics = (f"127.0.0.1:{free_port()}" for _ in range(2))
+    proc, address = start_server(
+        store, "--health-listen", health, "--metrics-listen", metrics, "--auth-file", str(auth), *flags
     )
     try:
-        assert proc.stdout is not None and "serving on" in proc.stdout.readline()
         yield Server(proc, address, health, metrics)
     finally:
         proc.terminate()

@@ -158,6 +158,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "max-streams", 1_024, "open Watch and KeepAlive streams per caller; 0: unlimited", int)
     _flag(g, "refusal-rate", 5.0, "unauthenticated calls per second per peer host; 0: unlimited", float)
     _flag(g, "refusal-burst", 50, "burst of unauthenticated calls above --refusal-rate", int)
+    _flag(g, "max-calls-in-progress", 32, "unary calls served at once; the next turn goes round robin by caller", int)
+    _flag(g, "max-waiting-calls", 256, "unary calls per caller waiting for a turn; beyond: refused, retry hint", int)
     limits = (
         "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
         "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfer's parts (--max-parts-per-request, "
@@ -226,6 +228,8 @@ def _config_from(args: argparse.Namespace) -> Any:
             args.max_streams,
             args.refusal_rate,
             args.refusal_burst,
+            args.max_calls_in_progress,
+            args.max_waiting_calls,
         ),
     )
 

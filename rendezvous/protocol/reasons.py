@@ -206,6 +206,9 @@ class Reason(StrEnum):
     """A request_id the server keeps an answer for came with a different request (ErrorInfo
  metadata field: request_id); a new request needs a new request_id."""
 
+    MESSAGE_INVALID = "MESSAGE_INVALID"
+    """The request's bytes do not parse as the method's message."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -268,5 +271,6 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.PARTS_OVERLAP: "INVALID_ARGUMENT",
     Reason.PARTS_INCOMPLETE: "INVALID_ARGUMENT",
     Reason.REQUEST_ID_REUSED: "INVALID_ARGUMENT",
+    Reason.MESSAGE_INVALID: "INVALID_ARGUMENT",
 }
 """The google.rpc.Code name of each reason."""

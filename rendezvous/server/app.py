@@ -27,6 +27,7 @@ from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
 from rendezvous.server.tls import CertificateReloader, TLSConfig
+from rendezvous.server.turns import FairTurns
 from rendezvous.server.watch_buffers import HandlerTask
 from rendezvous.store.base import Store, StoreUnavailableError
 from rendezvous.store.factory import create_store
@@ -118,6 +119,8 @@ class RendezvousServer:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.turns: FairTurns | None = None
+        """The unary calls' fair turns (rendezvous.server.turns), once started with auth or call limits."""
         self.certificates = CertificateReloader(self.config.tls) if self.config.tls else None
         self.auth = (
             AuthPolicy(
@@ -153,7 +156,8 @@ class RendezvousServer:
         limits = cfg.call_limits.for_server(auth=self.auth is not None)
         if self.auth is not None or limits.enabled:
             quotas = CallQuotas(limits)
-            interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics))
+            self.turns = FairTurns(limits.turns, limits.waiting)
+            interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics, self.turns))
         server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(
             self.coordinator, self.metrics, self.server_id, cfg.idempotency_ttl, cfg.watch_batch, self._stopping

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_status import rpc_status
 
 from rendezvous import wire
@@ -30,6 +31,7 @@ from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import ADMIN, BINDING_EXEMPT, CALLER_IDENTITY, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
 from rendezvous.server.quotas import CallQuotas
+from rendezvous.server.turns import FairTurns
 from rendezvous.store.base import StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,8 @@ class _Denied(Exception):
 
 class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Authenticates and authorizes every RendezvousService call (when a policy is set) and applies
-    the per-caller quotas. `engine_of` answers a registered engine (None if unknown)."""
+    the per-caller quotas; unary calls are served in their caller's fair `turns`. `engine_of` answers a
+    registered engine (None if unknown)."""
 
     def __init__(
         self,
@@ -91,12 +94,14 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         quotas: CallQuotas,
         engine_of: EngineLookup,
         metrics: Metrics,
+        turns: FairTurns,
     ) -> None:
         self._prefix = f"/{service}/"
         self._policy = policy
         self._quotas = quotas
         self._engine_of = engine_of
         self._metrics = metrics
+        self._turns = turns
 
     async def intercept_service(
         self,
@@ -113,7 +118,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary), **kwargs)
+            # The request arrives as bytes (no deserializer) and is parsed in the caller's turn, after its
+            # size was charged: a caller's queued requests cost nothing until their turn.
+            checked = self._unary(method, handler.unary_unary, handler.request_deserializer)
+            return grpc.unary_unary_rpc_method_handler(checked, response_serializer=handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(self._unary_stream(method, handler.unary_stream), **kwargs)
         if handler.stream_stream:
@@ -182,11 +190,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise RendezvousError(Reason.ENGINE_NOT_FOUND, f"engine {engine_id} is not registered", engine_id=engine_id)
         return engine.pool in identity.pools
 
-    async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> _Caller:
-        """Identify, charge and authorize a call. Only a caller without a known token or certificate is
-        charged to its host's refused calls (and refused RATE_LIMITED once they are spent): a caller that
-        authenticated is never refused for another's failures. An identified caller's denied calls are
-        charged to its own rate."""
+    def _identify_caller(self, method: str, context: grpc.aio.ServicerContext, request_bytes: int) -> _Caller:
+        """Identify a call and charge its size to its caller, before its request is parsed. Only a caller
+        without a known token or certificate is charged to its host's refused calls (and refused RATE_LIMITED
+        once they are spent): a caller that authenticated is never refused for another's failures."""
         peer = _peer_host(context)
         identity: Identity | None = None
         try:
@@ -198,14 +205,24 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise
         generation = self._policy.generation if self._policy is not None else 0
         key = self._caller(identity, peer)
-        self._charge(key, request)
+        quotas = self._quotas
+        quotas.admit(key, request_bytes if quotas.charges_by_size else 0)
+        return _Caller(identity, key, generation)
+
+    async def _authorize_call(self, method: str, caller: _Caller, request: Any) -> None:
+        """Authorize an identified call; a denied call stays charged to its caller's own rate."""
         try:
-            await self._authorize(method, identity, request)
+            await self._authorize(method, caller.identity, request)
         except RendezvousError as err:
-            name = identity.name if identity else "-"
+            name = caller.identity.name if caller.identity else "-"
             log.info("call denied", extra={"method": method, "identity": name, "reason": err.reason.value})
             raise
-        return _Caller(identity, key, generation)
+
+    async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> _Caller:
+        """Identify, charge and authorize a call whose request is parsed (a stream's)."""
+        caller = self._identify_caller(method, context, request.ByteSize())
+        await self._authorize_call(method, caller, request)
+        return caller
 
     def _charge(self, key: str, request: Any) -> None:
         quotas = self._quotas
@@ -222,29 +239,49 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     # Wrappers per RPC shape
 
-    def _unary(self, method: str, behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    def _unary(
+        self, method: str, behavior: Callable[..., Awaitable[Any]], parse: Callable[[bytes], Any]
+    ) -> Callable[..., Awaitable[Any]]:
+        """A unary call: identified and charged by its size first, then parsed, authorized and served in its
+        caller's fair turn (rendezvous.server.turns), so a caller's backlog waits in its own queue."""
+
+        async def checked(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
-                caller = await self._admit(method, request, context)
-                self._quotas.enter(caller.key)
+                caller = self._identify_caller(method, context, len(raw))
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(method, context, _as_error(exc))
                 raise AssertionError("unreachable: abort_with_status raises") from None
-            identity = caller.identity
-            admin = identity is not None and identity.has_role(ADMIN)
-            exempt = BINDING_EXEMPT.set(admin)
-            named = CALLER_IDENTITY.set(identity.key if identity is not None else "")
             try:
-                response = await behavior(request, context)
-                if identity is not None and not admin and method in TRANSFER_CALLS:
-                    hide_non_participation(method, response)
-                return response
-            finally:
-                BINDING_EXEMPT.reset(exempt)
-                CALLER_IDENTITY.reset(named)
-                self._quotas.leave(caller.key)
+                async with self._turns.turn(caller.key):
+                    return await self._serve(method, behavior, caller, _parsed(parse, raw), context)
+            except RendezvousError as err:  # refused for its turn: before its request was parsed
+                await self._refuse(method, context, err)
+                raise AssertionError("unreachable: abort_with_status raises") from None
 
         return checked
+
+    async def _serve(
+        self, method: str, behavior: Callable[..., Awaitable[Any]], caller: _Caller, request: Any, context: Any
+    ) -> Any:
+        try:
+            await self._authorize_call(method, caller, request)
+            self._quotas.enter(caller.key)
+        except (RendezvousError, StoreUnavailableError) as exc:
+            await self._refuse(method, context, _as_error(exc))
+            raise AssertionError("unreachable: abort_with_status raises") from None
+        identity = caller.identity
+        admin = identity is not None and identity.has_role(ADMIN)
+        exempt = BINDING_EXEMPT.set(admin)
+        named = CALLER_IDENTITY.set(identity.key if identity is not None else "")
+        try:
+            response = await behavior(request, context)
+            if identity is not None and not admin and method in TRANSFER_CALLS:
+                hide_non_participation(method, response)
+            return response
+        finally:
+            BINDING_EXEMPT.reset(exempt)
+            CALLER_IDENTITY.reset(named)
+            self._quotas.leave(caller.key)
 
     def _unary_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def checked(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -321,6 +358,16 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if pending is not None and not pending.done():
                 pending.cancel()
                 await asyncio.wait({pending})
+
+
+def _parsed(parse: Callable[[bytes], Any] | None, raw: bytes) -> Any:
+    """A request from its bytes; a message that does not parse is INVALID_ARGUMENT."""
+    if parse is None:
+        return raw
+    try:
+        return parse(raw)
+    except DecodeError:
+        raise RendezvousError(Reason.MESSAGE_INVALID, "the request does not parse as the method's message") from None
 
 
 def _peer_host(context: grpc.aio.ServicerContext) -> str:

@@ -39,7 +39,9 @@ class CallLimits:
     costing one more per started `cost_bytes` of request (0: every call costs one); at most
     `concurrency` unary calls in flight (0: no limit) and `streams` open Watch and KeepAlive streams
     (0: no limit). Per peer host: `refusal_rate` unauthenticated calls per second with bursts of
-    `refusal_burst` (0: not limited)."""
+    `refusal_burst` (0: not limited). Over all callers: `turns` unary calls in progress at once, the next
+    turn going round robin among the callers with calls waiting, at most `waiting` of them per caller
+    (rendezvous.server.turns)."""
 
     rate: float | None = None
     burst: int = 0
@@ -48,11 +50,15 @@ class CallLimits:
     streams: int = 1_024
     refusal_rate: float = 5.0
     refusal_burst: int = 50
+    turns: int = 32
+    waiting: int = 256
 
     def __post_init__(self) -> None:
         numbers = (self.rate or 0, self.burst, self.concurrency, self.cost_bytes, self.streams)
-        if min(*numbers, self.refusal_rate, self.refusal_burst) < 0:
+        if min(*numbers, self.refusal_rate, self.refusal_burst, self.waiting) < 0:
             raise ValueError("call limits must not be negative")
+        if self.turns < 1:
+            raise ValueError("turns (unary calls in progress at once) must be at least 1")
 
     @property
     def enabled(self) -> bool:

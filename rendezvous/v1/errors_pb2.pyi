@@ -67,6 +67,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_PARTS_OVERLAP: _ClassVar[ErrorReason]
     ERROR_REASON_PARTS_INCOMPLETE: _ClassVar[ErrorReason]
     ERROR_REASON_REQUEST_ID_REUSED: _ClassVar[ErrorReason]
+    ERROR_REASON_MESSAGE_INVALID: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_ID_EMPTY: ErrorReason
 ERROR_REASON_ID_TOO_LONG: ErrorReason
@@ -128,3 +129,4 @@ ERROR_REASON_PART_OUT_OF_RANGE: ErrorReason
 ERROR_REASON_PARTS_OVERLAP: ErrorReason
 ERROR_REASON_PARTS_INCOMPLETE: ErrorReason
 ERROR_REASON_REQUEST_ID_REUSED: ErrorReason
+ERROR_REASON_MESSAGE_INVALID: ErrorReason
