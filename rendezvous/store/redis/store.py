@@ -181,6 +181,11 @@ class RedisStore(Store):
         self._watch = self._client(self.options.max_watch_connections, 1, _MAX_BLOCK_S + base_timeout)
         try:
             async with asyncio.timeout(self.options.op_timeout):
+                if self.options.cluster:
+                    # Each cluster client learns every node now, while its seed answers: one that first
+                    # connects after its seed died (a failover) would find no node at all.
+                    for client in (self._health, self._watch):
+                        await cast("RedisCluster", client).initialize()
                 await self._scripts.load()
                 await self._epoch.check(self._redis)
         except Exception as err:
