@@ -359,6 +359,7 @@ class LocalCluster:
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.args: dict[int, list[str]] = {}
         self.url = f"redis://127.0.0.1:{self.ports[0]}?cluster=true"
 
     def client(self, port: int) -> redis.Redis:
@@ -377,6 +378,7 @@ class LocalCluster:
                 "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--save", "", "--appendonly", "no", "--logfile", str(node / "redis.log"),
             ]  # fmt: skip
+            self.args[port] = args
             self.processes.append(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
         for port in self.ports:
             wait_until(lambda port=port: self.client(port).ping(), START_TIMEOUT_S, f"cluster node {port}")
@@ -432,6 +434,13 @@ class LocalCluster:
         else:
             process.send_signal(signal.SIGKILL)
             process.wait()
+
+    def restart(self, port: int) -> None:
+        """Start the (killed) node on port again: it rejoins from its nodes.conf, as a replica if it was failed over."""
+        index = self.ports.index(port)
+        assert self.processes[index].poll() is not None
+        self.processes[index] = subprocess.Popen(self.args[port], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        wait_until(lambda: self.client(port).ping(), START_TIMEOUT_S, f"cluster node {port} to restart")
 
     def resume(self, port: int) -> None:
         self.processes[self.ports.index(port)].send_signal(signal.SIGCONT)
