@@ -3,6 +3,14 @@
     .venv/bin/python benchmarks/chaos.py                      # 180 s, seed 1
     .venv/bin/python benchmarks/chaos.py --seed 2 --duration 60 --rate 40
     .venv/bin/python benchmarks/chaos.py --duration 25 --replica-kills 1 --redis-kills 1   # what the test runs
+    .venv/bin/python benchmarks/chaos.py --topology sentinel --master-fault kill --duration 90   # failover
+    .venv/bin/python benchmarks/chaos.py --topology cluster --master-fault stop --duration 90
+
+`--topology sentinel` (a master, a replica, three Sentinels, quorum 2) and `--topology cluster` (3 primaries with
+a replica each) replace the single Redis: each Redis fault SIGKILLs (`--master-fault kill`) or SIGSTOPs (`stop`)
+the namespace's master, waits for a replica to be promoted, and brings the old one back as a replica after its
+downtime. The JSON's `failovers` has, per fault: time to promotion, time to the first completed lifecycle,
+lifecycles in the next 10 s, revisions the promoted master lacks, and whether the epoch changed.
 
 What runs, all on 127.0.0.1 (the servers as processes, everything else in this one):
 - redis-server with AOF (`--redis-fsync`, default `always`: a SIGKILL loses no acknowledged write) on a unix
@@ -142,6 +150,8 @@ class ChaosConfig:
     """How an HA topology's master fails: kill (SIGKILL, restarted as a replica after its downtime) or stop
     (SIGSTOP: hung, partitioned; SIGCONT after the promotion and its downtime: it comes back claiming master)."""
     down_after_ms: int = 1000
+    store_options: str = ""
+    """More store URL options for the replicas, e.g. `&wait_replicas=1` (WAIT after each pipeline)."""
     """Sentinel's down-after-milliseconds, the cluster's cluster-node-timeout."""
     redis_wipe_fraction: float = 0.2
     abort_fraction: float = 0.1
@@ -1559,7 +1569,7 @@ class Chaos:
         else:
             self.ha = HaRedis(c)
             await asyncio.to_thread(self.ha.start)
-            url = self.ha.url + STORE_OPTIONS
+            url = self.ha.url + STORE_OPTIONS + c.store_options
         extra = ("--sweep-interval", str(c.sweep_interval))
         self.replicas = [Replica(url, "a", extra), Replica(url, "b", extra)]
         try:
@@ -1903,6 +1913,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = ChaosConfig()
     for name, value in asdict(defaults).items():
         if name in ("out", "keep_logs", "note", "quiet"):
+            continue
+        if name == "store_options":
+            parser.add_argument("--store-options", default="", help="appended to the store URL (HA topologies)")
             continue
         flag = "--" + name.replace("_", "-")
         kind = int if name in ("seed", "consumers", "producers", "blocks_per_consumer") else float

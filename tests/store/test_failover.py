@@ -205,3 +205,34 @@ async def test_a_cluster_shard_whose_primary_is_killed_fails_over_and_the_store_
             await store.close()
     finally:
         cluster.close()
+
+
+async def test_wait_replicas_acknowledges_a_write_once_a_replica_has_it(topology: SentinelTopology) -> None:
+    """wait_replicas=1: a write returns once the replica holds it; with the replica hung, writes are unavailable."""
+    replica = topology.nodes[1]
+    store = RedisStore(with_prefix(topology.url, "wait") + QUICK + "&wait_replicas=1&wait_timeout=0.2")
+    await store.open()
+    try:
+        for i in range(5):
+            await put_engine(store, make_engine(f"c{i}", Role.CONSUMER))
+            with replica.client() as c:
+                assert c.exists(f"{{wait}}:e:c{i}"), "acknowledged before the replica had it"
+        replica.pause()
+        try:
+            with pytest.raises(StoreUnavailableError, match="WAIT"):
+                await put_engine(store, make_engine("unreplicated", Role.CONSUMER))
+        finally:
+            replica.resume()
+        await _until_served(lambda: put_engine(store, make_engine("later", Role.CONSUMER)))
+        with replica.client() as c:
+            assert c.exists("{wait}:e:later")
+    finally:
+        await store.close()
+
+
+def test_wait_replicas_is_refused_on_cluster() -> None:
+    from rendezvous.store.redis import parse_url
+
+    assert parse_url("redis://h:1?wait_replicas=1&wait_timeout=0.2").options.wait_replicas == 1
+    with pytest.raises(ValueError, match="Cluster"):
+        parse_url("redis://h:1?cluster=true&wait_replicas=1")

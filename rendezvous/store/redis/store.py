@@ -175,7 +175,7 @@ class RedisStore(Store):
         max_connections = int(self.target.connection["max_connections"])
         # A few connections more than batches may use, for the odd direct command (loading scripts).
         self._redis = self._client(max_connections + 4, self.options.retries)
-        self._batcher = Batcher(self._redis, max_connections)
+        self._batcher = Batcher(self._redis, max_connections, self.options.wait_replicas, self.options.wait_timeout)
         self._scripts.bind(self._redis, self._batcher)
         self._health = self._client(2, 0)
         self._watch = self._client(self.options.max_watch_connections, 1, _MAX_BLOCK_S + base_timeout)
