@@ -97,6 +97,45 @@ async def test_after_the_master_is_killed_sentinel_promotes_the_replica_and_the_
         await store.close()
 
 
+async def test_a_failover_to_a_replica_that_missed_acknowledged_writes_starts_a_new_epoch(
+    topology: SentinelTopology,
+) -> None:
+    """Asynchronous replication loses what the replica had not received: the store must say so with a new epoch."""
+    master, replica = topology.nodes
+    store = RedisStore(with_prefix(topology.url, "lag") + QUICK)
+    await store.open()
+    try:
+        await put_engine(store, make_engine("replicated", Role.CONSUMER))
+        wait_until(lambda: replica.client().exists("{lag}:e:replicated"), 30, "the replica to have the write")
+        epoch = store.epoch
+        # The replica stops, and the master drops its link (else the kernel would still buffer what follows
+        # for the stopped replica): the master acknowledges alone.
+        replica.pause()
+        try:
+            with master.client() as c:
+                c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+            await put_engine(store, make_engine("acknowledged", Role.CONSUMER))
+            with master.client() as c:
+                assert c.exists("{lag}:e:acknowledged")
+            old = topology.kill_master()
+        finally:
+            replica.resume()
+        assert topology.wait_promoted(old) is replica
+        await _until_served(lambda: put_engine(store, make_engine("after", Role.CONSUMER)))
+        assert store.epoch != epoch, "an acknowledged write was lost without a new epoch"
+        assert await store.get_engine("acknowledged") is None  # lost, and said so
+        assert await store.get_engine("after") is not None
+        # A second replica (a restarted one, say) that never saw the lost write joins the new epoch.
+        other = RedisStore(with_prefix(topology.url, "lag") + QUICK)
+        await other.open()
+        try:
+            assert other.epoch == store.epoch
+        finally:
+            await other.close()
+    finally:
+        await store.close()
+
+
 async def test_a_demoted_master_that_still_answers_readonly_is_unavailable_until_the_store_finds_the_new_one(
     topology: SentinelTopology,
 ) -> None:
