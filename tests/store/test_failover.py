@@ -136,6 +136,36 @@ async def test_a_failover_to_a_replica_that_missed_acknowledged_writes_starts_a_
         await store.close()
 
 
+async def test_a_hung_master_that_resumes_after_the_failover_gets_no_writes(topology: SentinelTopology) -> None:
+    """Split brain: the master hangs (SIGSTOP), a replica is promoted, the old master resumes still claiming to be
+    master until Sentinel demotes it. Idle pooled connections to it must not carry writes there (they would be
+    acknowledged, then discarded by its resync)."""
+    store = RedisStore(with_prefix(topology.url, "split") + QUICK)
+    await store.open()
+    try:
+        # Several idle connections to the master in each pool.
+        await asyncio.gather(*(put_engine(store, make_engine(f"c{i}", Role.CONSUMER)) for i in range(16)))
+        old = topology.master()
+        old.pause()
+        try:
+            await _until_served(lambda: put_engine(store, make_engine("first", Role.CONSUMER)))
+        finally:
+            old.resume()  # before Sentinel has told it that it is a replica now
+        new = topology.master()
+        assert new is not old
+        written = [f"after{i}" for i in range(32)]
+        for i in range(0, 32, 8):
+            await asyncio.gather(*(put_engine(store, make_engine(e, Role.CONSUMER)) for e in written[i : i + 8]))
+        epoch = store.epoch
+        wait_until(lambda: topology.role(old) == "slave", 60, "the old master to be demoted")
+        with new.client() as c:
+            missing = [e for e in written if not c.exists(f"{{split}}:e:{e}")]
+        assert not missing, f"acknowledged writes landed on the old master and were lost: {missing}"
+        assert store.epoch == epoch
+    finally:
+        await store.close()
+
+
 async def test_a_demoted_master_that_still_answers_readonly_is_unavailable_until_the_store_finds_the_new_one(
     topology: SentinelTopology,
 ) -> None:

@@ -25,6 +25,7 @@ write carries the epoch guard (epoch.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -113,9 +114,13 @@ def _guarded(
         if self._redis is None:
             raise StoreUnavailableError("the Redis store is not open")
         limit = self.options.op_timeout
-        with store_errors(limit):
-            async with asyncio.timeout(limit):
-                return await method(self, *args, **kwargs)
+        try:
+            with store_errors(limit):
+                async with asyncio.timeout(limit):
+                    return await method(self, *args, **kwargs)
+        except StoreUnavailableError:
+            self._drop_idle_connections()
+            raise
 
     return cast("Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]]", guarded)
 
@@ -142,6 +147,7 @@ class RedisStore(Store):
         self._health: aioredis.Redis | None = None
         self._watch: aioredis.Redis | None = None
         self._sentinels: list[Sentinel] = []
+        self._dropping: asyncio.Task[None] | None = None
         self._watch_slots = asyncio.Semaphore(self.options.max_watch_connections)
         self._transfer_locks = KeyLocks()
         self._engine_locks = KeyLocks()
@@ -215,8 +221,25 @@ class RedisStore(Store):
             async with asyncio.timeout(self.options.ping_timeout):
                 await self._epoch.check(self._health)
         except Exception:
+            self._drop_idle_connections()
             return False
         return True
+
+    def _drop_idle_connections(self) -> None:
+        """With Sentinel, after a failure: close the idle connections of every pool, so each command afterwards
+        connects to the master the Sentinels name then. An idle connection to a master that hung (SIGSTOP, a
+        partition) would otherwise be used again when it resumes, before Sentinel demotes it: a split brain, where
+        a write lands on the node about to be resynchronised and is lost (and its events seen by watchers)."""
+        if not self.target.sentinels or (self._dropping is not None and not self._dropping.done()):
+            return
+        clients = [c for c in (self._redis, self._health, self._watch) if c is not None]
+
+        async def drop() -> None:
+            for client in clients:
+                with contextlib.suppress(Exception):
+                    await client.connection_pool.disconnect(inuse_connections=False)
+
+        self._dropping = asyncio.get_running_loop().create_task(drop())
 
     @property
     def epoch(self) -> int:
