@@ -147,10 +147,14 @@ class ChaosConfig:
     Sentinels (quorum 2), the master failed and a replica promoted; cluster: 3 primaries with a replica each,
     the namespace's primary failed and its replica promoted."""
     master_fault: str = "kill"
-    """How an HA topology's master fails: kill (SIGKILL, restarted as a replica after its downtime) or stop
-    (SIGSTOP: hung, partitioned; SIGCONT after the promotion and its downtime: it comes back claiming master)."""
+    """How an HA topology's master fails: kill (SIGKILL, restarted as a replica after its downtime), stop
+    (SIGSTOP: hung, partitioned; SIGCONT after the promotion and its downtime: it comes back claiming master) or
+    lag (the replica is cut off first, SIGSTOP and CLIENT KILL, while the master acknowledges writes alone for
+    0.5 s; then the master is SIGKILLed and the replica resumed: the promoted one lacks those writes)."""
     down_after_ms: int = 1000
     store_options: str = ""
+    redis_args: str = ""
+    """More redis-server arguments for an HA topology's data nodes, e.g. "--min-replicas-to-write 1"."""
     """More store URL options for the replicas, e.g. `&wait_replicas=1` (WAIT after each pipeline)."""
     """Sentinel's down-after-milliseconds, the cluster's cluster-node-timeout."""
     redis_wipe_fraction: float = 0.2
@@ -1122,7 +1126,7 @@ class HaRedis:
         self.config = config
         self.sentinel: SentinelTopology | None = None
         self.cluster: LocalCluster | None = None
-        persistence = ("--appendonly", "yes", "--appendfsync", config.redis_fsync)
+        persistence = ("--appendonly", "yes", "--appendfsync", config.redis_fsync, *config.redis_args.split())
         if config.topology == "sentinel":
             self.sentinel = SentinelTopology(
                 replicas=1, sentinels=3, quorum=2, down_after_ms=config.down_after_ms,
@@ -1163,6 +1167,27 @@ class HaRedis:
         with self._client_of(port) as c:
             epoch, rev = c.mget(self.KEY_PREFIX + "epoch", self.KEY_PREFIX + "rev")
         return int(epoch or 0), int(rev or 0)
+
+    def cut_replica(self, master: int) -> int:
+        """SIGSTOP a replica of master and have the master drop its link; returns the replica's port."""
+        if self.sentinel is not None:
+            node = next(n for n in self.sentinel.nodes if n.port != master)
+            node.pause()
+            replica = node.port
+        else:
+            assert self.cluster is not None
+            replica = self.cluster.replicas_of(master)[0]
+            self.cluster.kill(replica, pause=True)
+        with self._client_of(master) as c:
+            c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        return replica
+
+    def resume(self, port: int) -> None:
+        if self.sentinel is not None:
+            next(n for n in self.sentinel.nodes if n.port == port).resume()
+        else:
+            assert self.cluster is not None
+            self.cluster.resume(port)
 
     def fail(self, port: int, stop: bool) -> None:
         if self.sentinel is not None:
@@ -1458,7 +1483,9 @@ class Chaos:
         ha = self.ha
         assert ha is not None
         stop = self.config.master_fault == "stop"
+        lag = self.config.master_fault == "lag"
         old = await asyncio.to_thread(ha.master_port)
+        cut = await asyncio.to_thread(ha.cut_replica, old) if lag else 0
         epoch_before, rev_before = await asyncio.to_thread(ha.read, old)
         # Sample the master's revision until the fault: the last read is what it had acknowledged (or nearly).
         sampling = True
@@ -1475,11 +1502,13 @@ class Chaos:
         sampling = False
         await sampler
         failover = Failover(
-            at=self.ledger.now(), fault="SIGSTOP" if stop else "SIGKILL", old=old,
+            at=self.ledger.now(), fault="SIGSTOP" if stop else "SIGKILL after lag" if lag else "SIGKILL", old=old,
             last_rev_before=rev_before, epoch_before=epoch_before, completed_before=len(self.ledger.completed_at),
         )  # fmt: skip
         fault_time = time.monotonic()
         await asyncio.to_thread(ha.fail, old, stop)
+        if lag:
+            await asyncio.to_thread(ha.resume, cut)
         self.ledger.count("redis_kills")
         self.ledger.count("master_stops" if stop else "master_kills")
         self.failovers.append(failover)
@@ -1914,6 +1943,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in asdict(defaults).items():
         if name in ("out", "keep_logs", "note", "quiet"):
             continue
+        if name == "redis_args":
+            parser.add_argument("--redis-args", default="", help="more redis-server arguments (Sentinel topology data nodes)")
+            continue
         if name == "store_options":
             parser.add_argument("--store-options", default="", help="appended to the store URL (HA topologies)")
             continue
@@ -1926,7 +1958,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif name == "topology":
             parser.add_argument(flag, choices=("standalone", "sentinel", "cluster"), default=value)
         elif name == "master_fault":
-            parser.add_argument(flag, choices=("kill", "stop"), default=value)
+            parser.add_argument(flag, choices=("kill", "stop", "lag"), default=value)
         elif name == "down_after_ms":
             parser.add_argument(flag, type=int, default=value, help=f"default {value}")
         else:
