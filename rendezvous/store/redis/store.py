@@ -141,7 +141,13 @@ class RedisStore(Store):
         self._peers = PeerCache()
         self._written_events = WrittenEvents()
         self._scripts = Scripts(self._rev_key, self._prefix)
-        self._epoch = Epoch(self._prefix + "epoch", self._rev_key, self._scripts, self._records.clear)
+        self._epoch = Epoch(
+            self._prefix + "epoch",
+            self._rev_key,
+            self._scripts,
+            self._records.clear,
+            self._close_idle_connections if self.target.sentinels else None,
+        )
         self._redis: aioredis.Redis | None = None
         self._batcher: Batcher | None = None
         self._health: aioredis.Redis | None = None
@@ -232,14 +238,12 @@ class RedisStore(Store):
         a write lands on the node about to be resynchronised and is lost (and its events seen by watchers)."""
         if not self.target.sentinels or (self._dropping is not None and not self._dropping.done()):
             return
-        clients = [c for c in (self._redis, self._health, self._watch) if c is not None]
+        self._dropping = asyncio.get_running_loop().create_task(self._close_idle_connections())
 
-        async def drop() -> None:
-            for client in clients:
-                with contextlib.suppress(Exception):
-                    await client.connection_pool.disconnect(inuse_connections=False)
-
-        self._dropping = asyncio.get_running_loop().create_task(drop())
+    async def _close_idle_connections(self) -> None:
+        for client in [c for c in (self._redis, self._health, self._watch) if c is not None]:
+            with contextlib.suppress(Exception):
+                await client.connection_pool.disconnect(inuse_connections=False)
 
     @property
     def epoch(self) -> int:
