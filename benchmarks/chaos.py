@@ -1944,7 +1944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name in ("out", "keep_logs", "note", "quiet"):
             continue
         if name == "redis_args":
-            parser.add_argument("--redis-args", default="", help="more redis-server arguments (Sentinel topology data nodes)")
+            parser.add_argument("--redis-args", default="", help="more redis-server arguments (Sentinel data nodes)")
             continue
         if name == "store_options":
             parser.add_argument("--store-options", default="", help="appended to the store URL (HA topologies)")
