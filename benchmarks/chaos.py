@@ -3,6 +3,14 @@
     .venv/bin/python benchmarks/chaos.py                      # 180 s, seed 1
     .venv/bin/python benchmarks/chaos.py --seed 2 --duration 60 --rate 40
     .venv/bin/python benchmarks/chaos.py --duration 25 --replica-kills 1 --redis-kills 1   # what the test runs
+    .venv/bin/python benchmarks/chaos.py --topology sentinel --master-fault kill --duration 90   # failover
+    .venv/bin/python benchmarks/chaos.py --topology cluster --master-fault stop --duration 90
+
+`--topology sentinel` (a master, a replica, three Sentinels, quorum 2) and `--topology cluster` (3 primaries with
+a replica each) replace the single Redis: each Redis fault SIGKILLs (`--master-fault kill`) or SIGSTOPs (`stop`)
+the namespace's master, waits for a replica to be promoted, and brings the old one back as a replica after its
+downtime. The JSON's `failovers` has, per fault: time to promotion, time to the first completed lifecycle,
+lifecycles in the next 10 s, revisions the promoted master lacks, and whether the epoch changed.
 
 What runs, all on 127.0.0.1 (the servers as processes, everything else in this one):
 - redis-server with AOF (`--redis-fsync`, default `always`: a SIGKILL loses no acknowledged write) on a unix
@@ -98,7 +106,7 @@ from clients import (  # noqa: E402
     TransferInfo,
     TransferState,
 )
-from tests.redis_fixtures import REDIS_SERVER, LocalRedis, with_prefix  # noqa: E402
+from tests.redis_fixtures import REDIS_SERVER, LocalCluster, LocalRedis, SentinelTopology, wait_until, with_prefix  # noqa: E402
 from tests.replicas.harness import FAST_RETRY, FAST_SESSION, LAYOUT, Replica  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -134,6 +142,21 @@ class ChaosConfig:
     redis_kill_every: float = 30.0
     redis_kills: int | None = None
     redis_fsync: str = "always"
+    topology: str = "standalone"
+    """standalone: one Redis, SIGKILLed and restarted in place; sentinel: a master, a replica and three
+    Sentinels (quorum 2), the master failed and a replica promoted; cluster: 3 primaries with a replica each,
+    the namespace's primary failed and its replica promoted."""
+    master_fault: str = "kill"
+    """How an HA topology's master fails: kill (SIGKILL, restarted as a replica after its downtime), stop
+    (SIGSTOP: hung, partitioned; SIGCONT after the promotion and its downtime: it comes back claiming master) or
+    lag (the replica is cut off first, SIGSTOP and CLIENT KILL, while the master acknowledges writes alone for
+    0.5 s; then the master is SIGKILLed and the replica resumed: the promoted one lacks those writes)."""
+    down_after_ms: int = 1000
+    store_options: str = ""
+    redis_args: str = ""
+    """More redis-server arguments for an HA topology's data nodes, e.g. "--min-replicas-to-write 1"."""
+    """More store URL options for the replicas, e.g. `&wait_replicas=1` (WAIT after each pipeline)."""
+    """Sentinel's down-after-milliseconds, the cluster's cluster-node-timeout."""
     redis_wipe_fraction: float = 0.2
     abort_fraction: float = 0.1
     bump_fraction: float = 0.08
@@ -215,6 +238,7 @@ class Ledger:
         self.epochs: set[int] = set()
         self.task_errors: list[str] = []
         self.completed: set[str] = set()
+        self.completed_at: list[float] = []  # monotonic time of each completed lifecycle
         self.notable: dict[str, str] = {}  # transfer id -> why its trace is worth reading
         self.longest_wait: tuple[float, str] = (0.0, "")
 
@@ -728,6 +752,7 @@ class Consumer(SimEngine):
         self.ledger.trace(held.transfer_id, who, f"ReleaseTarget g{generation} -> {_outcome(result)}")
         if result.ok and result.state == TransferState.RELEASED:
             self.ledger.completed.add(held.transfer_id)
+            self.ledger.completed_at.append(time.monotonic())
             self._end(life, held, 0, "released")
         elif result.error is not None and result.error.reason == Reason.TRANSFER_NOT_FOUND:
             self.ledger.count("released_but_forgotten")
@@ -1065,6 +1090,201 @@ def _outcome(result: ItemResult) -> str:
     return result.state.name if result.ok else f"error {result.error.reason if result.error else '?'}"
 
 
+# Highly available Redis: a master that fails and a replica that takes over
+
+
+@dataclass
+class Failover:
+    """One master failure and what followed (times in seconds from the fault)."""
+
+    at: float
+    fault: str
+    old: int
+    new: int = 0
+    promoted_s: float = math.nan
+    first_lifecycle_s: float = math.nan
+    last_rev_before: int = 0
+    first_rev_after: int = -1
+    epoch_before: int = 0
+    epoch_after: int = 0
+    completed_before: int = 0
+    completed_after_10s: int = 0
+
+    @property
+    def writes_lost(self) -> int:
+        """Revisions the old master had (as last read) that the promoted one did not: a lower bound of the
+        acknowledged writes lost (reads every 20 ms see most, not all, of the last ones)."""
+        return max(0, self.last_rev_before - self.first_rev_after) if self.first_rev_after >= 0 else 0
+
+
+class HaRedis:
+    """The sentinel or cluster topology of a run: where the namespace's master is, failing it, restoring it."""
+
+    KEY_PREFIX = "{chaos}:"
+
+    def __init__(self, config: ChaosConfig) -> None:
+        self.config = config
+        self.sentinel: SentinelTopology | None = None
+        self.cluster: LocalCluster | None = None
+        persistence = ("--appendonly", "yes", "--appendfsync", config.redis_fsync, *config.redis_args.split())
+        if config.topology == "sentinel":
+            self.sentinel = SentinelTopology(
+                replicas=1, sentinels=3, quorum=2, down_after_ms=config.down_after_ms,
+                failover_timeout_ms=max(3000, 5 * config.down_after_ms), extra=persistence,
+            )  # fmt: skip
+        elif config.topology == "cluster":
+            self.cluster = LocalCluster(nodes=3, replicas=1, node_timeout_ms=config.down_after_ms)
+        else:
+            raise ValueError(f"topology {config.topology!r}")
+
+    @property
+    def url(self) -> str:
+        base = self.sentinel.url if self.sentinel is not None else self.cluster.url  # type: ignore[union-attr]
+        return with_prefix(base, "chaos")
+
+    def start(self) -> None:
+        if self.sentinel is not None:
+            self.sentinel.start()
+        else:
+            assert self.cluster is not None
+            self.cluster.start()
+
+    def _client_of(self, port: int) -> Any:
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
+
+    def master_port(self) -> int:
+        if self.sentinel is not None:
+            port = self.sentinel.sentinels[0].master_port()
+            assert port is not None
+            return port
+        assert self.cluster is not None
+        return self.cluster.master_of(self.KEY_PREFIX + "rev")
+
+    def read(self, port: int) -> tuple[int, int]:
+        """(epoch, revision) as the node on port has them."""
+        with self._client_of(port) as c:
+            epoch, rev = c.mget(self.KEY_PREFIX + "epoch", self.KEY_PREFIX + "rev")
+        return int(epoch or 0), int(rev or 0)
+
+    def cut_replica(self, master: int) -> int:
+        """SIGSTOP a replica of master and have the master drop its link; returns the replica's port."""
+        if self.sentinel is not None:
+            node = next(n for n in self.sentinel.nodes if n.port != master)
+            node.pause()
+            replica = node.port
+        else:
+            assert self.cluster is not None
+            replica = self.cluster.replicas_of(master)[0]
+            self.cluster.kill(replica, pause=True)
+        with self._client_of(master) as c:
+            c.execute_command("CLIENT", "KILL", "TYPE", "replica")
+        return replica
+
+    def resume(self, port: int) -> None:
+        if self.sentinel is not None:
+            next(n for n in self.sentinel.nodes if n.port == port).resume()
+        else:
+            assert self.cluster is not None
+            self.cluster.resume(port)
+
+    def fail(self, port: int, stop: bool) -> None:
+        if self.sentinel is not None:
+            node = next(n for n in self.sentinel.nodes if n.port == port)
+            if stop:
+                node.pause()
+            else:
+                node.kill()
+        else:
+            assert self.cluster is not None
+            self.cluster.kill(port, pause=stop)
+
+    def wait_promoted(self, old: int, timeout: float = 120.0) -> int:
+        if self.sentinel is not None:
+            node = next(n for n in self.sentinel.nodes if n.port == old)
+            return self.sentinel.wait_promoted(node, timeout).port
+        assert self.cluster is not None
+        return self.cluster.wait_promoted(self.KEY_PREFIX + "rev", old, timeout)
+
+    def restore(self, old: int, new: int, stopped: bool) -> None:
+        """Bring the failed node back: SIGCONT, or restart it as a replica of the new master."""
+        if self.sentinel is not None:
+            node = next(n for n in self.sentinel.nodes if n.port == old)
+            if stopped:
+                node.resume()
+            else:
+                base = _without_replicaof(node.extra)
+                node.extra = (*base, "--replicaof", "127.0.0.1", str(new))
+                node.start()
+        else:
+            assert self.cluster is not None
+            if stopped:
+                self.cluster.resume(old)
+            else:
+                self.cluster.restart(old)
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        """Until the master has a synced replica again (so the next failure can fail over)."""
+        if self.sentinel is not None:
+            topology = self.sentinel
+
+            def healthy() -> bool:
+                master = topology.master()
+                return (
+                    topology.role(master) == "master"
+                    and all(
+                        topology.role(n) == "slave" and topology._linked(n) for n in topology.nodes if n is not master
+                    )
+                    and topology._ready()
+                )
+
+            wait_until(healthy, timeout, "the Sentinel topology to have a synced replica again", interval=0.1)
+        else:
+            assert self.cluster is not None
+            cluster = self.cluster
+            key = self.KEY_PREFIX + "rev"
+
+            def healthy() -> bool:
+                master = cluster.master_of(key)
+                replicas = cluster.replicas_of(master)
+                return bool(replicas) and all(cluster._ok(p) for p in [master, *replicas])
+
+            wait_until(healthy, timeout, "the cluster shard to have a synced replica again", interval=0.1)
+
+    def logs(self) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        if self.sentinel is not None:
+            for node in self.sentinel.nodes:
+                found[f"redis-{node.port}"] = node.dir / "redis.log"
+            for sentinel in self.sentinel.sentinels:
+                found[f"sentinel-{sentinel.port}"] = sentinel.dir / "sentinel.log"
+        elif self.cluster is not None:
+            for port in self.cluster.ports:
+                found[f"redis-{port}"] = self.cluster.dir / str(port) / "redis.log"
+        return found
+
+    def close(self) -> None:
+        if self.sentinel is not None:
+            self.sentinel.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+def _without_replicaof(args: tuple[str, ...]) -> tuple[str, ...]:
+    out: list[str] = []
+    skip = 0
+    for arg in args:
+        if skip:
+            skip -= 1
+            continue
+        if arg == "--replicaof":
+            skip = 2
+            continue
+        out.append(arg)
+    return tuple(out)
+
+
 # The run
 
 
@@ -1074,6 +1294,8 @@ class Chaos:
         self.ledger = Ledger()
         self.plans: dict[str, Plan] = {}
         self.redis: LocalRedis | None = None
+        self.ha: HaRedis | None = None
+        self.failovers: list[Failover] = []
         self.replicas: list[Replica] = []
         self.consumers: list[Consumer] = []
         self.producers: list[Producer] = []
@@ -1229,7 +1451,6 @@ class Chaos:
     async def break_infrastructure(self) -> None:
         """Replica SIGKILLs and Redis SIGKILLs, one at a time, each restarted after its downtime."""
         start = time.monotonic()
-        assert self.redis is not None
         redis = self.redis
         for at, kind, which, downtime, wipe in self.infra_schedule():
             if await self._pause(start + at - time.monotonic()):
@@ -1242,7 +1463,10 @@ class Chaos:
                 await asyncio.sleep(downtime)
                 await self._start_replica(replica)
                 self.infra_log.append(f"{t:7.2f} SIGKILL replica {replica.name}, restarted after {downtime:.2f} s")
+            elif self.ha is not None:
+                await self._fail_master(downtime)
             else:
+                assert redis is not None
                 await asyncio.to_thread(redis.kill)
                 self.ledger.count("redis_kills")
                 if wipe:
@@ -1252,6 +1476,72 @@ class Chaos:
                 await asyncio.to_thread(redis.start)
                 what = "empty (AOF deleted)" if wipe else "from its AOF"
                 self.infra_log.append(f"{t:7.2f} SIGKILL Redis, restarted {what} after {downtime:.2f} s")
+
+    async def _fail_master(self, downtime: float) -> None:
+        """Fail the namespace's master (SIGKILL or SIGSTOP), wait for a replica to be promoted, restore the old
+        one after its downtime (as a replica) and wait until the new master has a synced replica again."""
+        ha = self.ha
+        assert ha is not None
+        stop = self.config.master_fault == "stop"
+        lag = self.config.master_fault == "lag"
+        old = await asyncio.to_thread(ha.master_port)
+        cut = await asyncio.to_thread(ha.cut_replica, old) if lag else 0
+        epoch_before, rev_before = await asyncio.to_thread(ha.read, old)
+        # Sample the master's revision until the fault: the last read is what it had acknowledged (or nearly).
+        sampling = True
+
+        async def sample() -> None:
+            nonlocal rev_before, epoch_before
+            while sampling:
+                with contextlib.suppress(Exception):
+                    epoch_before, rev_before = await asyncio.to_thread(ha.read, old)
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
+        await asyncio.sleep(0.5)
+        sampling = False
+        await sampler
+        failover = Failover(
+            at=self.ledger.now(), fault="SIGSTOP" if stop else "SIGKILL after lag" if lag else "SIGKILL", old=old,
+            last_rev_before=rev_before, epoch_before=epoch_before, completed_before=len(self.ledger.completed_at),
+        )  # fmt: skip
+        fault_time = time.monotonic()
+        await asyncio.to_thread(ha.fail, old, stop)
+        if lag:
+            await asyncio.to_thread(ha.resume, cut)
+        self.ledger.count("redis_kills")
+        self.ledger.count("master_stops" if stop else "master_kills")
+        self.failovers.append(failover)
+        failover.new = await asyncio.to_thread(ha.wait_promoted, old)
+        failover.promoted_s = time.monotonic() - fault_time
+        with contextlib.suppress(Exception):
+            _, failover.first_rev_after = await asyncio.to_thread(ha.read, failover.new)
+        await asyncio.sleep(downtime)
+        await asyncio.to_thread(ha.restore, old, failover.new, stop)
+        await asyncio.to_thread(ha.wait_healthy)
+        with contextlib.suppress(Exception):
+            failover.epoch_after, _ = await asyncio.to_thread(ha.read, await asyncio.to_thread(ha.master_port))
+        self.infra_log.append(
+            f"{failover.at:7.2f} {failover.fault} master {old}: {failover.new} promoted after "
+            f"{failover.promoted_s:.2f} s; old one back as a replica after {downtime:.2f} s more"
+        )
+
+    def _failover_report(self) -> list[dict[str, Any]]:
+        done = self.ledger.completed_at
+        t0 = time.monotonic() - (time.time() - self.ledger.t0)  # ledger.now() 0 in monotonic time
+        report = []
+        for f in self.failovers:
+            fault_time = t0 + f.at
+            after = [t for t in done if t > fault_time]
+            f.first_lifecycle_s = round(after[0] - fault_time, 3) if after else math.nan
+            f.completed_after_10s = sum(1 for t in after if t <= fault_time + 10.0)
+            row = asdict(f)
+            row["writes_lost"] = f.writes_lost
+            row["new_epoch"] = f.epoch_after != f.epoch_before
+            row["lost_without_new_epoch"] = f.writes_lost > 0 and f.epoch_after == f.epoch_before
+            row["promoted_s"] = round(f.promoted_s, 3)
+            report.append(row)
+        return report
 
     async def _start_replica(self, replica: Replica) -> None:
         for attempt in range(5):
@@ -1301,9 +1591,14 @@ class Chaos:
         c = self.config
         started = time.time()
         load_before = os.getloadavg()
-        self.redis = LocalRedis(appendonly=True, extra=("--appendfsync", c.redis_fsync))
-        await asyncio.to_thread(self.redis.start)
-        url = with_prefix(self.redis.url, "chaos") + STORE_OPTIONS
+        if c.topology == "standalone":
+            self.redis = LocalRedis(appendonly=True, extra=("--appendfsync", c.redis_fsync))
+            await asyncio.to_thread(self.redis.start)
+            url = with_prefix(self.redis.url, "chaos") + STORE_OPTIONS
+        else:
+            self.ha = HaRedis(c)
+            await asyncio.to_thread(self.ha.start)
+            url = self.ha.url + STORE_OPTIONS + c.store_options
         extra = ("--sweep-interval", str(c.sweep_interval))
         self.replicas = [Replica(url, "a", extra), Replica(url, "b", extra)]
         try:
@@ -1487,6 +1782,7 @@ class Chaos:
                 "total_s": round(time.time() - started, 1),
             },
             "infrastructure_events": self.infra_log,
+            "failovers": self._failover_report(),
             "engine_task_errors": ledger.task_errors[:50],
             "replica_log_errors": self._replica_errors(),
             "traces": traces,
@@ -1543,6 +1839,12 @@ class Chaos:
                 self.config.keep_logs.mkdir(parents=True, exist_ok=True)
                 shutil.copy(replica.log, self.config.keep_logs / f"chaos-{self.config.seed}-replica-{replica.name}.log")
             replica.close()
+        if self.ha is not None:
+            if self.config.keep_logs is not None:
+                for name, path in self.ha.logs().items():
+                    if path.exists():
+                        shutil.copy(path, self.config.keep_logs / f"chaos-{self.config.seed}-{name}.log")
+            self.ha.close()
         if self.redis is not None:
             if self.config.keep_logs is not None and (self.redis.dir / "redis.log").exists():
                 shutil.copy(self.redis.dir / "redis.log", self.config.keep_logs / f"chaos-{self.config.seed}-redis.log")
@@ -1615,6 +1917,15 @@ def summary(result: dict[str, Any]) -> str:
         ("max wait for REVOCATION_CONFIRMED", f"{counts['max_fenced_block_wait_s']} s"),
         ("blocks freed by path", _inline(counts["blocks_freed_by_path"])),
     ]
+    for f in result.get("failovers", []):
+        rows.append(
+            (
+                f"{f['fault']} master at {f['at']:.1f} s",
+                f"promoted {f['promoted_s']} s, first lifecycle {f['first_lifecycle_s']} s, "
+                f"{f['completed_after_10s']} lifecycles in 10 s, revisions lost {f['writes_lost']}, "
+                f"new epoch {f['new_epoch']}",
+            )
+        )
     for name, check in result["invariants"].items():
         size = len(check.get("live", check.get("pinned", check.get("violations", []))))
         rows.append((f"INVARIANT {name}", "ok" if check["ok"] else f"FAILED ({size})"))
@@ -1632,12 +1943,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in asdict(defaults).items():
         if name in ("out", "keep_logs", "note", "quiet"):
             continue
+        if name == "redis_args":
+            parser.add_argument("--redis-args", default="", help="more redis-server arguments (Sentinel data nodes)")
+            continue
+        if name == "store_options":
+            parser.add_argument("--store-options", default="", help="appended to the store URL (HA topologies)")
+            continue
         flag = "--" + name.replace("_", "-")
         kind = int if name in ("seed", "consumers", "producers", "blocks_per_consumer") else float
         if name in ("replica_kills", "redis_kills"):
             parser.add_argument(flag, type=int, default=None, help="exactly this many, at random times")
         elif name == "redis_fsync":
             parser.add_argument(flag, choices=("always", "everysec"), default=value)
+        elif name == "topology":
+            parser.add_argument(flag, choices=("standalone", "sentinel", "cluster"), default=value)
+        elif name == "master_fault":
+            parser.add_argument(flag, choices=("kill", "stop", "lag"), default=value)
+        elif name == "down_after_ms":
+            parser.add_argument(flag, type=int, default=value, help=f"default {value}")
         else:
             parser.add_argument(flag, type=kind, default=value, help=f"default {value}")
     parser.add_argument("--out", type=Path, help="JSON result (default benchmarks/results/chaos-<seed>.json)")

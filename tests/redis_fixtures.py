@@ -183,16 +183,36 @@ def free_port() -> int:
 
 
 class LocalSentinel:
-    """A Redis Sentinel (redis-server --sentinel) watching a LocalRedis that listens on TCP."""
+    """A Redis Sentinel (redis-server --sentinel) watching a LocalRedis that listens on TCP.
 
-    def __init__(self, master: LocalRedis, service: str = "rdvmaster") -> None:
+    quorum, down_after_ms and failover_timeout_ms are Sentinel's own settings for the monitored master
+    (Sentinel's defaults are 30 s and 3 min; a failover test wants about a second).
+    """
+
+    def __init__(
+        self,
+        master: LocalRedis,
+        service: str = "rdvmaster",
+        quorum: int = 1,
+        down_after_ms: int | None = None,
+        failover_timeout_ms: int | None = None,
+    ) -> None:
         assert REDIS_SERVER is not None and master.port
         self.port = free_port()
+        self.service = service
         self.dir = Path(tempfile.mkdtemp(prefix="rdv-sentinel-", dir="/tmp"))
         config = self.dir / "sentinel.conf"
-        config.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\nsentinel monitor {service} 127.0.0.1 {master.port} 1\n"
-        )
+        lines = [
+            f"port {self.port}",
+            "bind 127.0.0.1",
+            f"dir {self.dir}",
+            f"sentinel monitor {service} 127.0.0.1 {master.port} {quorum}",
+        ]
+        if down_after_ms is not None:
+            lines.append(f"sentinel down-after-milliseconds {service} {down_after_ms}")
+        if failover_timeout_ms is not None:
+            lines.append(f"sentinel failover-timeout {service} {failover_timeout_ms}")
+        config.write_text("\n".join(lines) + "\n")
         self.process = subprocess.Popen(
             [REDIS_SERVER, str(config), "--sentinel", "--logfile", str(self.dir / "sentinel.log")],
             stdin=subprocess.DEVNULL,
@@ -200,24 +220,146 @@ class LocalSentinel:
         )
         wait_until(lambda: self._knows(service), START_TIMEOUT_S, "the sentinel to know its master")
 
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, retry=Retry(NoBackoff(), 0))
+
     def _knows(self, service: str) -> bool:
-        with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2) as c:
+        with self.client() as c:
             return c.sentinel_get_master_addr_by_name(service) is not None
 
+    def master(self) -> dict[str, object]:
+        """SENTINEL MASTER: what this Sentinel knows of its master (port, flags, num-slaves, num-other-sentinels)."""
+        with self.client() as c:
+            return dict(c.sentinel_master(self.service))
+
+    def master_port(self) -> int | None:
+        with self.client() as c:
+            address = c.sentinel_get_master_addr_by_name(self.service)
+        return None if address is None else int(address[1])
+
     def close(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.send_signal(signal.SIGKILL)
         self.process.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class LocalCluster:
-    """A Redis Cluster of three primaries (redis-server --cluster-enabled) on loopback TCP ports."""
+class SentinelTopology:
+    """One master, `replicas` replicas (`--replicaof`) and `sentinels` Sentinels (quorum 2 by default), all local.
 
-    def __init__(self, nodes: int = 3) -> None:
+    `kill_master()` SIGKILLs the current master (or SIGSTOPs it: `pause=True`); `wait_promoted()` polls until
+    every Sentinel names another node as master and that node says it is one. The URL is a store URL
+    (redis+sentinel://...) naming every Sentinel.
+    """
+
+    def __init__(
+        self,
+        replicas: int = 1,
+        sentinels: int = 3,
+        quorum: int = 2,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 5000,
+        service: str = "rdvmaster",
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.service = service
+        self.nodes = [LocalRedis(tcp=True, extra=extra)]
+        self.replica_count = replicas
+        self.sentinel_count = sentinels
+        self.quorum = quorum
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.extra = extra
+        self.sentinels: list[LocalSentinel] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}"
+
+    def start(self) -> None:
+        master = self.nodes[0]
+        master.start()
+        for _ in range(self.replica_count):
+            node = LocalRedis(tcp=True, extra=(*self.extra, "--replicaof", "127.0.0.1", str(master.port)))
+            self.nodes.append(node)
+            node.start()
+        for node in self.nodes[1:]:
+            wait_until(lambda node=node: self.role(node) == "slave" and self._linked(node), START_TIMEOUT_S,
+                       f"replica {node.port} to sync")  # fmt: skip
+        for _ in range(self.sentinel_count):
+            self.sentinels.append(
+                LocalSentinel(master, self.service, self.quorum, self.down_after_ms, self.failover_timeout_ms)
+            )
+        # A failover needs the Sentinels to know each other (hello messages, every 2 s) and the replicas.
+        wait_until(self._ready, START_TIMEOUT_S, "the Sentinels to know each other and the replicas")
+
+    def _ready(self) -> bool:
+        for sentinel in self.sentinels:
+            known = sentinel.master()
+            if int(known["num-other-sentinels"]) < self.sentinel_count - 1:  # type: ignore[call-overload]
+                return False
+            if int(known["num-slaves"]) < self.replica_count:  # type: ignore[call-overload]
+                return False
+        return True
+
+    @staticmethod
+    def role(node: LocalRedis) -> str:
+        with node.client() as c:
+            return str(c.info("replication")["role"])
+
+    @staticmethod
+    def _linked(node: LocalRedis) -> bool:
+        with node.client() as c:
+            return bool(c.info("replication").get("master_link_status") == "up")
+
+    def master(self) -> LocalRedis:
+        """The node the Sentinels name as master now."""
+        port = self.sentinels[0].master_port()
+        return next(node for node in self.nodes if node.port == port)
+
+    def kill_master(self, pause: bool = False) -> LocalRedis:
+        """SIGKILL (or SIGSTOP) the current master; returns it."""
+        master = self.master()
+        if pause:
+            master.pause()
+        else:
+            master.kill()
+        return master
+
+    def wait_promoted(self, old: LocalRedis, timeout: float = 60.0) -> LocalRedis:
+        """Poll until every Sentinel names a node other than old as master and that node is one; returns it."""
+
+        def promoted() -> bool:
+            ports = {sentinel.master_port() for sentinel in self.sentinels}
+            if len(ports) != 1 or old.port in ports:
+                return False
+            node = next(node for node in self.nodes if node.port in ports)
+            return self.role(node) == "master"
+
+        wait_until(promoted, timeout, f"a replica to be promoted in place of {old.port}", interval=0.05)
+        return self.master()
+
+    def close(self) -> None:
+        for sentinel in self.sentinels:
+            sentinel.close()
+        for node in self.nodes:
+            node.close()
+
+
+class LocalCluster:
+    """A Redis Cluster of `nodes` primaries (redis-server --cluster-enabled) on loopback TCP ports, each with
+    `replicas` replicas; `node_timeout_ms` is cluster-node-timeout (how soon a silent primary is failed over)."""
+
+    def __init__(self, nodes: int = 3, replicas: int = 0, node_timeout_ms: int = 15000) -> None:
         assert REDIS_SERVER is not None and REDIS_CLI is not None
         self.dir = Path(tempfile.mkdtemp(prefix="rdv-cluster-", dir="/tmp"))
-        self.ports = [free_port() for _ in range(nodes)]
+        self.ports = [free_port() for _ in range(nodes * (1 + replicas))]
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.args: dict[int, list[str]] = {}
         self.url = f"redis://127.0.0.1:{self.ports[0]}?cluster=true"
 
     def client(self, port: int) -> redis.Redis:
@@ -233,22 +375,88 @@ class LocalCluster:
                 REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(node),
                 "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
                 "--cluster-config-file", str(node / "nodes.conf"),
+                "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--save", "", "--appendonly", "no", "--logfile", str(node / "redis.log"),
             ]  # fmt: skip
+            self.args[port] = args
             self.processes.append(subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
         for port in self.ports:
             wait_until(lambda port=port: self.client(port).ping(), START_TIMEOUT_S, f"cluster node {port}")
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
-             "--cluster-yes"],
+            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas",
+             str(self.replicas), "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
         for port in self.ports:
             wait_until(
-                lambda port=port: self.client(port).cluster("info")["cluster_state"] == "ok",
+                lambda port=port: self._ok(port),
                 START_TIMEOUT_S,
                 f"cluster node {port} to be ok",
             )
+
+    def _ok(self, port: int) -> bool:
+        with self.client(port) as c:
+            if c.cluster("info")["cluster_state"] != "ok":
+                return False
+            info = c.info("replication")
+            return bool(info["role"] == "master" or info.get("master_link_status") == "up")
+
+    def master_of(self, key: str) -> int:
+        """The port of the primary that serves key's slot now (as a live node sees it)."""
+        for port in self.live_ports():
+            with contextlib.suppress(redis.RedisError), self.client(port) as c:
+                slot = int(c.cluster("keyslot", key))
+                for start, end, primary, *_ in c.cluster("slots"):
+                    if start <= slot <= end:
+                        return int(primary[1])
+        raise RuntimeError(f"no live node knows who serves {key!r}")
+
+    def replicas_of(self, port: int) -> list[int]:
+        """The ports of the replicas of the primary on port."""
+        with self.client(port) as c:
+            info = c.info("replication")
+        return [int(v["port"]) for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+
+    def replica_has(self, port: int, key: str) -> bool:
+        """Whether the replica on port holds key (READONLY: a cluster replica answers reads of its slots)."""
+        with self.client(port) as c:
+            c.execute_command("READONLY")
+            return bool(c.exists(key))
+
+    def live_ports(self) -> list[int]:
+        return [port for port, process in zip(self.ports, self.processes, strict=True) if process.poll() is None]
+
+    def kill(self, port: int, pause: bool = False) -> None:
+        """SIGKILL (or SIGSTOP) the node on port."""
+        process = self.processes[self.ports.index(port)]
+        if pause:
+            process.send_signal(signal.SIGSTOP)
+        else:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+
+    def restart(self, port: int) -> None:
+        """Start the (killed) node on port again: it rejoins from its nodes.conf, as a replica if it was failed over."""
+        index = self.ports.index(port)
+        assert self.processes[index].poll() is not None
+        self.processes[index] = subprocess.Popen(self.args[port], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        wait_until(lambda: self.client(port).ping(), START_TIMEOUT_S, f"cluster node {port} to restart")
+
+    def resume(self, port: int) -> None:
+        self.processes[self.ports.index(port)].send_signal(signal.SIGCONT)
+
+    def wait_promoted(self, key: str, old: int, timeout: float = 60.0) -> int:
+        """Poll until a node other than old serves key's slot as primary and the cluster is ok; returns its port."""
+
+        def promoted() -> bool:
+            port = self.master_of(key)
+            if port == old:
+                return False
+            with self.client(port) as c:
+                return bool(c.info("replication")["role"] == "master" and c.cluster("info")["cluster_state"] == "ok")
+
+        wait_until(promoted, timeout, f"a replica to take over {key!r} from {old}", interval=0.05)
+        return self.master_of(key)
 
     def nodes_holding(self, pattern: str) -> dict[int, list[str]]:
         """Port -> keys matching pattern, for the nodes that hold any."""
@@ -262,7 +470,9 @@ class LocalCluster:
 
     def close(self) -> None:
         for process in self.processes:
-            process.send_signal(signal.SIGKILL)
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+                process.send_signal(signal.SIGKILL)
             process.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -400,6 +610,7 @@ __all__ = [
     "LocalCluster",
     "LocalRedis",
     "LocalSentinel",
+    "SentinelTopology",
     "controlled_redis",
     "docker_available",
     "free_port",

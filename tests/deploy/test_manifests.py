@@ -24,6 +24,7 @@ from connector.config import ConnectorConfig
 from rendezvous.cli import build_parser
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import AuthPolicy
+from rendezvous.store.redis import parse_url
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -112,12 +113,40 @@ def test_ha_runs_three_replicas_on_redis_with_mtls() -> None:
     deployment = one(docs, "Deployment", "kv-rendezvous")
     settings = env(deployment)
     assert deployment["spec"]["replicas"] == 3
-    assert settings["KV_RENDEZVOUS_STORE"].startswith("redis://kv-rendezvous-redis:")
+    assert settings["KV_RENDEZVOUS_STORE"].startswith("redis+sentinel://kv-rendezvous-sentinel-0.")
     assert settings["KV_RENDEZVOUS_TLS_REQUIRE_CLIENT_CERT"] == "true"
     mounts = {m["mountPath"] for m in container(deployment)["volumeMounts"]}
     assert all(Path(settings[k]).parent.as_posix() in mounts for k in settings if k.startswith("KV_RENDEZVOUS_TLS_C"))
     assert one(docs, "Service", "kv-rendezvous-redis")
     assert one(docs, "Secret", "kv-rendezvous-tls")["type"] == "kubernetes.io/tls"
+
+
+def test_ha_redis_is_a_master_a_replica_and_three_sentinels_each_on_its_own_node() -> None:
+    docs = rendered("overlays/ha")
+    redis = one(docs, "StatefulSet", "kv-rendezvous-redis")
+    sentinel = one(docs, "StatefulSet", "kv-rendezvous-sentinel")
+    assert redis["spec"]["replicas"] == 2 and sentinel["spec"]["replicas"] == 3
+    for stateful_set in (redis, sentinel):
+        pod = stateful_set["spec"]["template"]
+        (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+        service = one(docs, "Service", stateful_set["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+        assert one(docs, "PodDisruptionBudget", stateful_set["metadata"]["name"])
+    # The store URL names every Sentinel pod by its stable name, and the service the Sentinels monitor.
+    url = env(one(docs, "Deployment", "kv-rendezvous"))["KV_RENDEZVOUS_STORE"]
+    target = parse_url(url)
+    assert target.sentinels == tuple(
+        (f"kv-rendezvous-sentinel-{i}.kv-rendezvous-sentinel", 26379) for i in range(sentinel["spec"]["replicas"])
+    )
+    scripts = one(docs, "ConfigMap", "kv-rendezvous-redis-scripts")["data"]
+    assert f"sentinel monitor {target.service} $master 6379 2" in scripts["sentinel.sh"]
+    assert f"get-master-addr-by-name {target.service}" in scripts["redis.sh"]
+    for name, script in scripts.items():
+        if shutil.which("sh"):
+            checked = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True, check=False)
+            assert checked.returncode == 0, (name, checked.stderr)
 
 
 @pytest.mark.parametrize("overlay", ["overlays/single", "overlays/ha"])

@@ -8,6 +8,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 
+from rendezvous.store.base import StoreUnavailableError
+
 
 class Batcher:
     """Sends the commands that tasks issue in one loop iteration as one pipeline: one write, one round trip.
@@ -17,8 +19,12 @@ class Batcher:
     the client's own methods parse them.
     """
 
-    def __init__(self, client: aioredis.Redis, max_in_flight: int) -> None:
+    def __init__(
+        self, client: aioredis.Redis, max_in_flight: int, wait_replicas: int = 0, wait_timeout: float = 0.5
+    ) -> None:
         self._client = client
+        # WAIT after each pipeline (RedisOptions.wait_replicas): its writes are acknowledged once replicated.
+        self._wait = (wait_replicas, max(1, round(wait_timeout * 1000)))
         self._queue: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
         self._sending: set[asyncio.Task[None]] = set()
         # Batches beyond this wait here (the pool itself would refuse them).
@@ -40,7 +46,9 @@ class Batcher:
     async def _send_batch(self) -> None:
         batch, self._queue = self._queue, []
         try:
-            if len(batch) == 1:
+            if self._wait[0]:
+                results = await self._replicated(batch)
+            elif len(batch) == 1:
                 results = [await self._single(batch[0][0])]
             else:
                 pipe = self._client.pipeline(transaction=False)
@@ -62,6 +70,22 @@ class Batcher:
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+
+    async def _replicated(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]]) -> list[Any]:
+        """The batch, then WAIT on the same connection; fewer replicas than asked fail every command."""
+        replicas, timeout_ms = self._wait
+        pipe = self._client.pipeline(transaction=False)
+        for args, _ in batch:
+            pipe.execute_command(*args)
+        pipe.execute_command("WAIT", replicas, timeout_ms)
+        *results, reached = await pipe.execute(raise_on_error=False)
+        if isinstance(reached, Exception):
+            raise reached
+        if int(reached) < replicas:
+            raise StoreUnavailableError(
+                f"the writes reached {reached} of {replicas} replicas within {timeout_ms} ms (WAIT)"
+            )
+        return results
 
     async def close(self) -> None:
         """Cancel what is queued or being sent."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -23,7 +23,14 @@ log = logging.getLogger(__name__)
 class Epoch:
     """The epoch this process works in and the highest revision it has seen in it."""
 
-    def __init__(self, epoch_key: str, rev_key: str, scripts: Scripts, forget: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        epoch_key: str,
+        rev_key: str,
+        scripts: Scripts,
+        forget: Callable[[], None],
+        reconnect: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self.value = 0
         self.high_rev = 0
         self._epoch_key = epoch_key
@@ -31,6 +38,8 @@ class Epoch:
         self._scripts = scripts
         self._forget = forget
         """Drops what was seen under another epoch (versions restart with the data, so it means nothing)."""
+        self._reconnect = reconnect
+        """Closes idle connections (Sentinel), so the next command goes where the Sentinels say the master is."""
 
     @property
     def guard(self) -> str:
@@ -80,6 +89,18 @@ class Epoch:
         reuse revisions, so start a new epoch: clients re-register and re-assert what they still want."""
         if epoch != self.value:
             return  # handled already
+        if self._reconnect is not None:
+            # The answer may come from a node that is no longer (or not yet again) the master: an old master that
+            # resumed after a failover and still takes commands until Sentinel demotes it. Ask the master.
+            await self._reconnect()
+            stored_epoch, stored_rev = await self._scripts.client.mget(self._epoch_key, self._rev_key)
+            if stored_epoch is not None and int(stored_epoch) == self.value and int(stored_rev or 0) >= self.high_rev:
+                log.warning(
+                    "a Redis node behind this replica answered (revision %d, the master has %d): not a new epoch",
+                    rev,
+                    int(stored_rev or 0),
+                )
+                return
         log.warning(
             "Redis went back in time (revision %d, this replica saw %d): starting a new epoch", rev, self.high_rev
         )

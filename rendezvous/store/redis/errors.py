@@ -21,14 +21,30 @@ _UNAVAILABLE_PREFIXES = (
     "BUSY",
     "NOREPLICAS",
 )
-_UNAVAILABLE_ERRORS = (rex.ConnectionError, rex.TimeoutError, rex.ClusterError, rex.SlotNotCoveredError, OSError)
+_UNAVAILABLE_ERRORS = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.ClusterError,
+    rex.SlotNotCoveredError,
+    OSError,
+    # redis-py parses these codes into their own classes and drops the code from the message, so the
+    # prefixes above never see them: READONLY (a demoted master, or a URL naming a replica), OOM, TRYAGAIN.
+    rex.ReadOnlyError,
+    rex.OutOfMemoryError,
+    rex.TryAgainError,
+)
 
 
 def unavailable(err: Exception) -> bool:
     """Whether err says Redis cannot be reached or will not serve now."""
     if isinstance(err, _UNAVAILABLE_ERRORS):
         return True
-    return isinstance(err, rex.ResponseError) and str(err).startswith(_UNAVAILABLE_PREFIXES)
+    if type(err) is rex.RedisClusterException and "cannot be connected" in str(err):
+        return True  # the cluster client reached none of the nodes it knows (not a RedisError: caught apart)
+    if not isinstance(err, rex.ResponseError):
+        return False
+    code = getattr(err, "status_code", None) or ""
+    return code.startswith(_UNAVAILABLE_PREFIXES) or str(err).startswith(_UNAVAILABLE_PREFIXES)
 
 
 @contextlib.contextmanager
@@ -38,7 +54,7 @@ def store_errors(limit: float) -> Iterator[None]:
         yield
     except TimeoutError as err:
         raise StoreUnavailableError(f"Redis did not answer within {limit:g} s") from err
-    except (rex.RedisError, OSError) as err:
+    except (rex.RedisError, rex.RedisClusterException, OSError) as err:
         if unavailable(err):
             raise StoreUnavailableError(f"Redis is unavailable: {err}") from err
         raise

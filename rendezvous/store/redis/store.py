@@ -25,6 +25,7 @@ write carries the epoch guard (epoch.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -123,9 +124,13 @@ def _guarded(
         if self._redis is None:
             raise StoreUnavailableError("the Redis store is not open")
         limit = self.options.op_timeout
-        with store_errors(limit):
-            async with asyncio.timeout(limit):
-                return await method(self, *args, **kwargs)
+        try:
+            with store_errors(limit):
+                async with asyncio.timeout(limit):
+                    return await method(self, *args, **kwargs)
+        except StoreUnavailableError:
+            self._drop_idle_connections()
+            raise
 
     return cast("Callable[Concatenate[RedisStore, P], Coroutine[Any, Any, R]]", guarded)
 
@@ -160,12 +165,19 @@ class RedisStore(Store):
         self._peers = PeerCache()
         self._written_events = WrittenEvents()
         self._scripts = Scripts(self._rev_key, self._prefix)
-        self._epoch = Epoch(self._prefix + "epoch", self._rev_key, self._scripts, self._records.clear)
+        self._epoch = Epoch(
+            self._prefix + "epoch",
+            self._rev_key,
+            self._scripts,
+            self._records.clear,
+            self._close_idle_connections if self.target.sentinels else None,
+        )
         self._redis: aioredis.Redis | None = None
         self._batcher: Batcher | None = None
         self._health: aioredis.Redis | None = None
         self._watch: aioredis.Redis | None = None
         self._sentinels: list[Sentinel] = []
+        self._dropping: asyncio.Task[None] | None = None
         self._watch_slots = asyncio.Semaphore(self.options.max_watch_connections)
         self._transfer_locks = KeyLocks()
         self._engine_locks = KeyLocks()
@@ -199,12 +211,17 @@ class RedisStore(Store):
         max_connections = int(self.target.connection["max_connections"])
         # A few connections more than batches may use, for the odd direct command (loading scripts).
         self._redis = self._client(max_connections + 4, self.options.retries)
-        self._batcher = Batcher(self._redis, max_connections)
+        self._batcher = Batcher(self._redis, max_connections, self.options.wait_replicas, self.options.wait_timeout)
         self._scripts.bind(self._redis, self._batcher)
         self._health = self._client(2, 0)
         self._watch = self._client(self.options.max_watch_connections, 1, _MAX_BLOCK_S + base_timeout)
         try:
             async with asyncio.timeout(self.options.op_timeout):
+                if self.options.cluster:
+                    # Each cluster client learns every node now, while its seed answers: one that first
+                    # connects after its seed died (a failover) would find no node at all.
+                    for client in (self._health, self._watch):
+                        await cast("RedisCluster", client).initialize()
                 await self._scripts.load()
                 await self._epoch.check(self._redis)
         except Exception as err:
@@ -234,8 +251,23 @@ class RedisStore(Store):
             async with asyncio.timeout(self.options.ping_timeout):
                 await self._epoch.check(self._health)
         except Exception:
+            self._drop_idle_connections()
             return False
         return True
+
+    def _drop_idle_connections(self) -> None:
+        """With Sentinel, after a failure: close the idle connections of every pool, so each command afterwards
+        connects to the master the Sentinels name then. An idle connection to a master that hung (SIGSTOP, a
+        partition) would otherwise be used again when it resumes, before Sentinel demotes it: a split brain, where
+        a write lands on the node about to be resynchronised and is lost (and its events seen by watchers)."""
+        if not self.target.sentinels or (self._dropping is not None and not self._dropping.done()):
+            return
+        self._dropping = asyncio.get_running_loop().create_task(self._close_idle_connections())
+
+    async def _close_idle_connections(self) -> None:
+        for client in [c for c in (self._redis, self._health, self._watch) if c is not None]:
+            with contextlib.suppress(Exception):
+                await client.connection_pool.disconnect(inuse_connections=False)
 
     @property
     def epoch(self) -> int:

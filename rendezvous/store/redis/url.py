@@ -3,9 +3,9 @@
 URL forms: redis://[user:password@]host:port[/db], rediss://..., unix:///path/to/socket[?db=N],
 redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]. Query options of this
 store: prefix (key namespace, default "rdv"), cluster (true: the address is a Redis Cluster node),
-cache_size, max_watch_connections, retries, op_timeout, ping_timeout, sentinel_password (Sentinel
-only); anything else goes to redis-py (socket_timeout, socket_connect_timeout, max_connections,
-ssl_* ...).
+cache_size, max_watch_connections, retries, op_timeout, ping_timeout, wait_replicas and wait_timeout
+(WAIT after each pipeline: see RedisOptions), sentinel_password (Sentinel only); anything else goes
+to redis-py (socket_timeout, socket_connect_timeout, max_connections, ssl_* ...).
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ class RedisOptions:
     op_timeout: float = 5.0
     ping_timeout: float = 1.0
     cluster: bool = False
+    wait_replicas: int = 0
+    """After each pipeline, WAIT until this many replicas have its writes (0: do not wait); a pipeline that
+    reaches fewer within wait_timeout fails with StoreUnavailableError (its writes are on the master, not
+    acknowledged). Bounds what a failover loses, at a round trip to the replicas per pipeline."""
+    wait_timeout: float = 0.5
+    """Seconds; keep it below socket_timeout (default 1 s), which bounds the WAIT reply too."""
 
     def __post_init__(self) -> None:
         if not self.prefix or any(c in self.prefix for c in "{} "):
@@ -37,6 +43,10 @@ class RedisOptions:
             raise ValueError("cache_size >= 0, max_watch_connections >= 1 and retries >= 0 are required")
         if self.op_timeout <= 0 or self.ping_timeout <= 0:
             raise ValueError("op_timeout and ping_timeout must be positive")
+        if self.wait_replicas < 0 or self.wait_timeout <= 0:
+            raise ValueError("wait_replicas >= 0 and a positive wait_timeout are required")
+        if self.wait_replicas and self.cluster:
+            raise ValueError("wait_replicas is not supported on Redis Cluster")
 
 
 def _boolean(value: str) -> bool:
@@ -55,6 +65,8 @@ _OPTION_TYPES: Mapping[str, Callable[[str], Any]] = {
     "op_timeout": float,
     "ping_timeout": float,
     "cluster": _boolean,
+    "wait_replicas": int,
+    "wait_timeout": float,
 }
 
 # Connection defaults; the URL's query overrides them.
