@@ -516,20 +516,25 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             bodies.append(path)
         capacity = phase(server, bodies, args.seconds, None, args.heavy_bytes, "capacity")
         calls_per_s = capacity["flood_admitted_per_s"]
-        print(f"{store.split(':')[0]:>6} capacity: {calls_per_s:,.0f} ClaimTransfer calls/s of {FLOOD_BATCH} items")
+        print(f"{store_name(store):>6} capacity: {calls_per_s:,.0f} ClaimTransfer calls/s of {FLOOD_BATCH} items")
         phases = []
         for factor in args.factors:
             result = phase(server, bodies, args.seconds, factor * calls_per_s, args.heavy_bytes, f"x{factor:g}")
             result["factor"] = factor
             phases.append(result)
             report(store, result)
-    return {"store": store.split(":")[0], "capacity_calls_per_s": calls_per_s, "capacity": capacity, "phases": phases}
+    return {"store": store_name(store), "capacity_calls_per_s": calls_per_s, "capacity": capacity, "phases": phases}
+
+
+def store_name(store: str) -> str:
+    """memory, or redis for a Redis URL (a local unix socket included)."""
+    return "memory" if store == "memory" else "redis"
 
 
 def report(store: str, r: dict[str, Any]) -> None:
     o = r["others"]
     print(
-        f"{store.split(':')[0]:>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s, shed "
+        f"{store_name(store):>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s, shed "
         f"{r['flood_shed_per_s']:,.0f}/s; others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
         f"p50 {o['lifecycle_p50_ms']:.1f} ms p99 {o['lifecycle_p99_ms']:.1f} ms, "
         f"router p99 {o['router_p99_ms']:.1f} ms, "
