@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.redis_fixtures import fresh_prefix, redis_aof_server, redis_server, redis_url, with_prefix
-from tests.replicas.harness import Replica
+from tests.replicas.harness import Replica, two_replicas
 
 __all__ = ["redis_aof_server", "redis_server", "redis_url", "replicas"]
 
@@ -13,12 +13,5 @@ __all__ = ["redis_aof_server", "redis_server", "redis_url", "replicas"]
 @pytest.fixture
 def replicas(redis_url: str) -> Iterator[tuple[Replica, Replica]]:
     """Two replicas on one Redis namespace."""
-    url = with_prefix(redis_url, fresh_prefix())
-    a, b = Replica(url, "a"), Replica(url, "b")
-    try:
-        a.start()
-        b.start()
-        yield a, b
-    finally:
-        a.close()
-        b.close()
+    with two_replicas(with_prefix(redis_url, fresh_prefix())) as pair:
+        yield pair

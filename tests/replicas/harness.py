@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -141,6 +141,19 @@ class Replica:
         self.kill()
         with contextlib.suppress(FileNotFoundError):
             self.log.unlink()
+
+
+@contextlib.contextmanager
+def two_replicas(url: str) -> Iterator[tuple[Replica, Replica]]:
+    """Replicas "a" and "b" of `kv-rendezvous serve` on one store URL, closed afterwards."""
+    a, b = Replica(url, "a"), Replica(url, "b")
+    try:
+        a.start()
+        b.start()
+        yield a, b
+    finally:
+        a.close()
+        b.close()
 
 
 async def health(address: str) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -41,7 +41,7 @@ from tests.redis_fixtures import (
     wait_until,
     with_prefix,
 )
-from tests.replicas.harness import Replica, Workload, client, eventually
+from tests.replicas.harness import Replica, Workload, client, eventually, two_replicas
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 
@@ -146,15 +146,9 @@ class FailoverWorkload(Workload):
 
 
 @pytest.fixture
-async def replicas(topology: Topology) -> AsyncIterator[tuple[Replica, Replica]]:
-    a, b = Replica(topology.url, "a"), Replica(topology.url, "b")
-    try:
-        a.start()
-        b.start()
-        yield a, b
-    finally:
-        a.close()
-        b.close()
+def replicas(topology: Topology) -> Iterator[tuple[Replica, Replica]]:
+    with two_replicas(topology.url) as pair:
+        yield pair
 
 
 async def _send_until_accepted(work: Workload, count: int) -> None:

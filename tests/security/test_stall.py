@@ -243,12 +243,7 @@ async def test_a_long_batch_gives_the_loop_to_other_tasks_between_items(
     monkeypatch.setattr(wire, "block_ids", block_ids)
     monkeypatch.setattr(store, "update_transfer", update_transfer)
 
-    async def tick() -> None:
-        while True:
-            ticks[0] += 1
-            await asyncio.sleep(0)
-
-    ticker = asyncio.create_task(tick())
+    ticker = asyncio.create_task(_tick(ticks))
     try:
         targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i]) for i in range(8)]
         response = await stub.RegisterTarget(
@@ -296,12 +291,7 @@ async def test_a_redis_batch_gives_the_loop_to_other_tasks_between_items(
         seen.append(ticks[0])
         return Transition(cur)
 
-    async def tick() -> None:
-        while True:
-            ticks[0] += 1
-            await asyncio.sleep(0)
-
-    ticker = asyncio.create_task(tick())
+    ticker = asyncio.create_task(_tick(ticks))
     try:
         await store.update_transfers([(f"t{i}", unchanged) for i in range(8)])
     finally:
@@ -368,3 +358,10 @@ async def test_open_watches_on_the_health_port_do_not_hold_its_threads() -> None
                         w.cancel()
 
         assert await asyncio.to_thread(watch_many_then_check) == SERVING
+
+
+async def _tick(ticks: list[int]) -> None:
+    """Count the loop's turns a concurrent task gets (ticks[0]) until cancelled."""
+    while True:
+        ticks[0] += 1
+        await asyncio.sleep(0)
