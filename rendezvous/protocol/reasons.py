@@ -161,7 +161,7 @@ class Reason(StrEnum):
  metadata field: consumer_engine_id or producer_engine_id)."""
 
     BINDING_REQUIRED = "BINDING_REQUIRED"
-    """The server requires a transfer binding (require_binding) and the half has none."""
+    """The server requires a transfer binding (it has a binding key and no --allow-unbound) and the half has none."""
 
     BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"
     """The server's memory budget (engines, live block ids or agent metadata bytes, global or

@@ -60,8 +60,8 @@ DEFAULT_MIN_TOKEN_BYTES = 16
 RELOAD_CHECK = 1.0
 
 BINDING_EXEMPT: ContextVar[bool] = ContextVar("binding_exempt", default=False)
-"""Whether the call being served may take a transfer's half without the router's binding (under
-require_binding): set by the auth guard for admin identities, read where the service applies bindings."""
+"""Whether the call being served may take a transfer's half without the router's binding (when
+bindings are required): set by the auth guard for admin identities, read where the service applies bindings."""
 
 CALLER_IDENTITY: ContextVar[str] = ContextVar("caller_identity", default="")
 """The key (Identity.key) of the identity the current call was admitted as ("" without auth): set by the auth
