@@ -1,8 +1,8 @@
 // A C++ engine's control plane against a running kv-rendezvous, step by step as docs/engines.md describes it:
 // register a consumer and a producer (leases renewed over KeepAlive), run one push transfer through its
 // lifecycle while following both engines' Watch streams, read the ErrorInfo of refused calls (an item's and a
-// whole call's), and survive a lease that lapses. The agents are stand-ins: no NIXL, so the producer reports the
-// write without making it (docs/engines.md, "Testing").
+// whole call's), see a pair whose layouts differ aborted at match, and survive a lease that lapses. The agents
+// are stand-ins: no NIXL, so the producer reports the write without making it (docs/engines.md, "Testing").
 //
 //   rendezvous_client HOST:PORT      prints "ok ..." per step; exits 1 at the first step that goes wrong
 
@@ -81,8 +81,8 @@ std::string RequestId() {  // AIP-155: a retry with the same id gets the first a
 // One engine: its registration and the batched transfer calls it makes (one item each, here).
 class Engine {
  public:
-  Engine(Stub* stub, std::string id, v1::EngineRole role, int lease_seconds)
-      : stub_(stub), id_(std::move(id)), role_(role), lease_seconds_(lease_seconds) {}
+  Engine(Stub* stub, std::string id, v1::EngineRole role, int lease_seconds, std::string dtype = "bfloat16")
+      : stub_(stub), id_(std::move(id)), role_(role), lease_seconds_(lease_seconds), dtype_(std::move(dtype)) {}
 
   void Register() {
     v1::RegisterEngineRequest request;
@@ -92,7 +92,7 @@ class Engine {
     request.set_role(role_);
     v1::KvLayout* layout = request.mutable_layout();  // state every field: the service compares them at match
     layout->set_model_fingerprint("cpp-example-model");
-    layout->set_dtype("bfloat16");
+    layout->set_dtype(dtype_);
     layout->set_block_size(16);
     layout->set_num_layers(2);
     layout->set_tp_size(1);
@@ -198,6 +198,7 @@ class Engine {
   std::string id_;
   v1::EngineRole role_;
   int lease_seconds_;
+  std::string dtype_;
   uint64_t incarnation_ = 0;
   uint64_t watch_start_ = 0;
 };
@@ -302,6 +303,20 @@ void PushLifecycle(Engine& decode, Engine& prefill, Watch& decode_events, Watch&
      "), COMMITTED, TRANSFER_COMMITTED, RELEASED");
 }
 
+// Layouts that disagree are not refused: the transfer aborts at match, both sides told why, nothing written.
+void LayoutMismatch(Stub* stub, Engine& decode, Watch& decode_events, const std::string& suffix) {
+  Engine fp16(stub, "cpp-prefill-fp16-" + suffix, v1::ENGINE_ROLE_PRODUCER, 10, "float16");
+  fp16.Register();
+  std::string transfer_id = "cpp-" + suffix + "-layout";
+  decode.RegisterTarget(transfer_id, {1, 2});
+  v1::ItemResult claimed = fp16.Claim(transfer_id);
+  Expect(claimed.state() == v1::TRANSFER_STATE_ABORTED, "a claim across layouts: ABORTED");
+  v1::Event aborted = decode_events.Next(v1::EVENT_TYPE_TRANSFER_ABORTED, transfer_id);
+  Expect(aborted.transfer().abort_reason() == v1::ABORT_REASON_LAYOUT_MISMATCH, "abort reason LAYOUT_MISMATCH");
+  fp16.Deregister();
+  Ok("layout mismatch: TRANSFER_ABORTED(LAYOUT_MISMATCH): " + aborted.transfer().abort_message());
+}
+
 void Refusals(Engine& decode, const std::string& transfer_id) {
   // An item refused: the call succeeds, the item's status holds the google.rpc.Status.
   v1::ItemResult out_of_range = decode.RegisterTarget(transfer_id, {64});
@@ -375,6 +390,7 @@ int main(int argc, char** argv) {
     Watch decode_events(decode), prefill_events(prefill);
     PushLifecycle(decode, prefill, decode_events, prefill_events, "cpp-" + suffix + "-1");
     Refusals(decode, "cpp-" + suffix + "-2");
+    LayoutMismatch(stub.get(), decode, decode_events, suffix);
     LeaseExpiry(stub.get(), prefill, prefill_events, suffix);
   }
   decode.Deregister();

@@ -1,5 +1,6 @@
 """clients/cpp: a C++ client generated from proto/ (with the vendored google/rpc protos) runs the protocol against a
-real `kv-rendezvous serve`: both roles, the push lifecycle, ErrorInfo reasons, Watch, a lapsed lease.
+real `kv-rendezvous serve`: both roles, the push lifecycle, ErrorInfo reasons, Watch, a layout mismatch, a lapsed
+lease.
 
 The build is cached in clients/cpp/build (CMake rebuilds what changed). Without the toolchain (Debian: cmake g++
 protobuf-compiler protobuf-compiler-grpc libgrpc++-dev, as `.ci/run` installs) the test skips, except under CI=1,
@@ -66,6 +67,10 @@ def test_the_cpp_client_runs_the_protocol_against_a_real_server(client: Path, ad
     )
     assert "ok item refused: OUT_OF_RANGE / BLOCK_ID_OUT_OF_RANGE" in lines
     assert "ok call refused: FAILED_PRECONDITION / STALE_INCARNATION" in lines
+    assert (
+        "ok layout mismatch: TRANSFER_ABORTED(LAYOUT_MISMATCH): dtype differs: producer 'float16', consumer 'bfloat16'"
+        in lines
+    )
     assert any(
         line.startswith("ok lease expiry: producer told PEER_LOST, KeepAlive refused LEASE_EXPIRED") for line in lines
     )
