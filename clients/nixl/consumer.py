@@ -15,8 +15,13 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 - REVOKED: registering a newer generation of a transfer retires the older one; its blocks are reported
   free the same way, once no write of it can land.
 
-Committed transfers are released (ReleaseTarget) by the agent. A background `ReceiverThread` owns NIXL.
-Everything public runs on the event loop the agent was started on.
+The release contract: the agent releases every committed transfer itself (ReleaseTarget, once TRANSFER_COMMITTED
+came); the engine never calls ReleaseTarget for a transfer it registered through the agent. An ok result's blocks
+are the engine's to read and then reuse; a failed or REVOKED result's are free at once. To give a transfer up
+before its result, `abort` it (its failed result still comes, once no write can land).
+
+A background `ReceiverThread` owns NIXL. Everything public runs on the event loop the agent was started on, and
+so do `on_result` and every `results()` item: never on the receiver thread.
 
 A rank of a multi-rank engine reports its own share: ok once every producer rank writing into it notified
 (or on TRANSFER_COMMITTED). Another rank's share may still fail (the transfer then aborts), so an engine treats a
