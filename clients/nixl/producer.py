@@ -133,10 +133,13 @@ class ProducerAgent(RankAgent[ProducerSession]):
         num_layers: int = 0,
         **options: Unpack[RankOptions],
     ) -> None:
-        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, ...).
+        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
+        session_config, metrics_registry).
 
         `rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its engine;
-        the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`)."""
+        the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`). `on_report` gets a
+        `WriteReport` per finished write, and `ready`'s `on_free` the source back: both on the event loop the
+        agent was started on. `writer_config` tunes the writer thread; `serve_reads` serves pull-mode READs."""
         super().__init__(client, engine_id, pool, tensors, **options)
         self.serve_reads = serve_reads
         self._layers = (first_layer, num_layers)
