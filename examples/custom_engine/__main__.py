@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from .model import BLOCK_SIZE
+from .model import BLOCK_SIZE, blocks_needed
 from .router import Router
 
 LEASE_TTL = 2.0
@@ -34,7 +34,7 @@ def rendezvous_service() -> Iterator[str]:
 
 
 def prompts(n: int) -> list[str]:
-    """n prompts of 1 to 4 blocks of tokens."""
+    """n prompts of 2 to 5 blocks of tokens."""
     return [f"request {i}: " + "lorem ipsum " * (i % (4 * BLOCK_SIZE // 12) + 1) for i in range(n)]
 
 
@@ -82,6 +82,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=50, help="requests in the first step (default 50)")
     args = parser.parse_args()
+    if sum(blocks_needed(p) for p in prompts(args.requests)) > POOL_BLOCKS:
+        parser.error(f"{args.requests} requests at once do not fit pools of {POOL_BLOCKS} blocks")
     os.environ.setdefault("UCX_TLS", "shm,tcp")  # NIXL over UCX, on loopback only
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     with rendezvous_service() as address:
