@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -55,3 +56,31 @@ async def test_ready_after_a_refused_claim_frees_the_blocks_at_once(client: Asyn
         assert await asyncio.wait_for(freed, WAIT) == "t1"
     finally:
         await producer.close()
+
+
+async def test_every_callback_runs_on_the_agents_event_loop(client: AsyncRendezvousClient) -> None:
+    threads: list[int] = []
+    all_three = asyncio.Event()
+
+    def called(_: object) -> None:  # as on_result, on_report and on_free
+        threads.append(threading.get_ident())
+        if len(threads) == 3:
+            all_three.set()
+
+    producer = ProducerAgent(
+        client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT, on_report=called
+    )
+    consumer = ConsumerAgent(
+        client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT, on_result=called
+    )
+    await producer.start()
+    await consumer.start()
+    try:
+        await consumer.register_target("t1", [2, 3])
+        await producer.claim("t1")
+        producer.ready("t1", [0, 1], called)
+        await asyncio.wait_for(all_three.wait(), WAIT)
+    finally:
+        await producer.close()
+        await consumer.close()
+    assert threads == [threading.get_ident()] * 3  # the loop's thread, never the writer's or the receiver's
