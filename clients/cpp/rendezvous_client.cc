@@ -335,13 +335,13 @@ void Refusals(Engine& decode, const std::string& transfer_id) {
 // A consumer whose lease lapses: its producer is told (TRANSFER_ABORTED with PEER_LOST, then PEER_LOST), the
 // consumer's next KeepAlive is refused LEASE_EXPIRED, and it registers again as a new incarnation.
 void LeaseExpiry(Stub* stub, Engine& prefill, Watch& prefill_events, const std::string& suffix) {
-  Engine lapsing(stub, "cpp-decode-lapsing-" + suffix, v1::ENGINE_ROLE_CONSUMER, 1);
+  Engine lapsing(stub, "cpp-decode-lapsing-" + suffix, v1::ENGINE_ROLE_CONSUMER, 2);
   lapsing.Register();
   uint64_t first = lapsing.incarnation();
   std::string transfer_id = "cpp-" + suffix + "-lapse";
-  lapsing.RegisterTarget(transfer_id, {1});
+  Expect(lapsing.RegisterTarget(transfer_id, {1}).state() == v1::TRANSFER_STATE_TARGETED, "the lapsing target");
   Expect(prefill.Claim(transfer_id).state() == v1::TRANSFER_STATE_MATCHED, "ClaimTransfer of the lapsing target");
-  // No KeepAlive for `lapsing`: its lease lapses within a second.
+  // No KeepAlive for `lapsing`: its lease lapses within two seconds.
   v1::Event aborted = prefill_events.Next(v1::EVENT_TYPE_TRANSFER_ABORTED, transfer_id);
   Expect(aborted.transfer().abort_reason() == v1::ABORT_REASON_PEER_LOST && aborted.generation() == 0,
          "TRANSFER_ABORTED(PEER_LOST), generation 0");

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from .model import BLOCK_SIZE, blocks_needed
 from .router import Router
 
-LEASE_TTL = 2.0
-"""Prefill's lease: how soon decode hears that a killed prefill is gone."""
+LEASE_TTL = 5.0
+"""Prefill's lease: how soon decode hears that a killed prefill is gone. Renewed every third of it, so only a
+process stalled for seconds loses it by mistake; the server's default is 10 s."""
 POOL_BLOCKS = 256
 
 
