@@ -241,8 +241,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
         Push: the writer WRITEs this rank's share as soon as it holds the assignment (at once if it already
         does); raises `BlockRangeError` for ids outside the registered regions, and ValueError on the registering
-        rank for a transfer it never claimed (its blocks would wait for an assignment that cannot come). A
-        transfer that ended (aborted, or its claim refused) is freed at once. `prompt_tokens` (the tokens the
+        rank for a transfer it never claimed (its blocks would wait for an assignment that cannot come; parts
+        handed for it with `ready_part` are freed). A transfer that ended (aborted, or its claim refused) is
+        freed at once. `prompt_tokens` (the tokens the
         blocks hold, from the first) is needed when the consumer's block size differs. Pull (needs
         `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the router's `binding` in case it claims.
         """
@@ -293,7 +294,6 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """
         writer = self._writer
         assert writer is not None, "the agent is not started"
-        self._check_claimed(transfer_id)
         writer.source_part(transfer_id, block_ids, num_computed_tokens, layers, prompt_tokens=prompt_tokens)
         if on_free is not None and transfer_id not in self._sources:
             self._sources[transfer_id] = _Source(on_free, TransferMode.PUSH, time.monotonic())
@@ -305,8 +305,11 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     def _check_claimed(self, transfer_id: str) -> None:
         """Only a claim brings the assignment a pushed source waits for: refuse a registering rank's source of a
-        transfer it never claimed, rather than hold its blocks forever. (Following ranks do not claim.)"""
+        transfer it never claimed, rather than hold its blocks forever, and free the parts handed for it.
+        (Following ranks do not claim. `ready_part` is not checked: a connector may hand a part while its claim,
+        sent at admission, is still queued on the loop.)"""
         if self.leader and transfer_id not in self._claimed:
+            self._end(transfer_id)
             raise ValueError(
                 f"transfer {transfer_id} was never claimed by this engine: claim() it at admission, before ready();"
                 " its blocks would wait for an assignment that cannot come"

@@ -34,14 +34,27 @@ async def test_ready_for_a_transfer_never_claimed_is_refused(client: AsyncRendez
     try:
         with pytest.raises(ValueError, match="never claimed"):
             producer.ready("t1", [0, 1], freed.append)
-        with pytest.raises(ValueError, match="never claimed"):
-            producer.ready_part("t1", [0], 16, prompt_tokens=32)
-        assert (await producer.claim("t1")).state is TransferState.CLAIMED
-        producer.ready("t1", [0, 1], freed.append)  # claimed: accepted, waiting for its assignment
+        assert (await producer.claim("t2")).state is TransferState.CLAIMED
+        producer.ready("t2", [0, 1], freed.append)  # claimed: accepted, waiting for its assignment
         assert freed == []
     finally:
         await producer.close()
-    assert freed == ["t1"]  # closing frees what waited
+    assert freed == ["t2"]  # closing frees what waited; "t1" was never taken
+
+
+async def test_parts_of_a_transfer_never_claimed_are_freed_when_its_ready_is_refused(
+    client: AsyncRendezvousClient,
+) -> None:
+    freed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)
+    await producer.start()
+    try:
+        producer.ready_part("t1", [0], 16, prompt_tokens=32, on_free=freed.set_result)  # before any claim
+        with pytest.raises(ValueError, match="never claimed"):
+            producer.ready("t1", [0, 1])
+        assert await asyncio.wait_for(freed, WAIT) == "t1"
+    finally:
+        await producer.close()
 
 
 async def test_ready_after_a_refused_claim_frees_the_blocks_at_once(client: AsyncRendezvousClient) -> None:
