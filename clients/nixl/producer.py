@@ -243,9 +243,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         does); raises `BlockRangeError` for ids outside the registered regions, and ValueError on the registering
         rank for a transfer it never claimed (its blocks would wait for an assignment that cannot come; parts
         handed for it with `ready_part` are freed). A transfer that ended (aborted, or its claim refused) is
-        freed at once. `prompt_tokens` (the tokens the
-        blocks hold, from the first) is needed when the consumer's block size differs. Pull (needs
-        `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the router's `binding` in case it claims.
+        freed at once. `prompt_tokens` (the tokens the blocks hold, from the first) is needed when the consumer's
+        block size differs. Pull (needs `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the
+        router's `binding` in case it claims.
         """
         writer, ready = self._writer, self._ready
         assert writer is not None, "the agent is not started"
