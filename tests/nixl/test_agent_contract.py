@@ -21,8 +21,9 @@ __all__ = ["client", "server"]
     "layout",
     [None, KvLayout(), KvLayout(model_fingerprint="", num_layers=2), KvLayout(model_fingerprint="m", num_layers=0)],
 )
-def test_a_consumer_without_a_stated_layout_is_refused_at_construction(layout: KvLayout | None) -> None:
-    client = AsyncRendezvousClient("127.0.0.1:1")  # never called: the agent is refused before it starts
+async def test_a_consumer_without_a_stated_layout_is_refused_at_construction(
+    client: AsyncRendezvousClient, layout: KvLayout | None
+) -> None:
     with pytest.raises(ValueError, match="model_fingerprint and num_layers"):
         ConsumerAgent(client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=layout)
 
