@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from clients import KvLayout
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSpec:
@@ -32,6 +34,8 @@ class WorkerSpec:
 
 
 _NOISE_BYTES = 16 << 20
+LAYOUT = KvLayout(model_fingerprint="kv-rendezvous-demo", dtype="uint8", block_size=1, num_layers=1)
+"""Every demo engine's: its blocks are opaque bytes, the same on both sides."""
 
 
 @functools.cache
@@ -74,10 +78,13 @@ class _Engine:
         s = self.spec
         if s.role == "producer":
             self.agent = ProducerAgent(
-                self.client, s.engine_id, "prefill", self.tensors, serve_reads=True, on_report=self._on_report
-            )
+                self.client, s.engine_id, "prefill", self.tensors, layout=LAYOUT, serve_reads=True,
+                on_report=self._on_report,
+            )  # fmt: skip
         else:
-            self.agent = ConsumerAgent(self.client, s.engine_id, "decode", self.tensors, on_result=self._on_result)
+            self.agent = ConsumerAgent(
+                self.client, s.engine_id, "decode", self.tensors, layout=LAYOUT, on_result=self._on_result
+            )
         await self.agent.start()
         _noise()  # generate it before the clock starts
 

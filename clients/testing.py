@@ -11,7 +11,7 @@ arguments are passed to the server's `ServerConfig` (e.g. `timeouts=Timeouts(...
 so `clients` itself does not depend on it.
 
 An engine registers one NIXL agent per rank; `stand_in_agent` makes one with no NIXL behind it, for tests and
-examples that exercise the control plane only.
+examples that exercise the control plane only. `TEST_LAYOUT` is a KV layout for tests whose KV is no model's.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
-from clients._types import KvRegion, MemoryKind, NixlAgentInfo
+from clients._types import KvLayout, KvRegion, MemoryKind, NixlAgentInfo
 
 _HOST = "127.0.0.1"
 T = TypeVar("T")
+
+TEST_LAYOUT = KvLayout(model_fingerprint="test-model", dtype="uint8", block_size=16, num_layers=1)
+"""A layout stating what a consumer agent must (`ConsumerAgent` refuses to start without one): give it to both
+sides of a test pair, whatever their tensors, so that the service matches them."""
 
 
 def stand_in_agent(name: str, rank: int = 0, num_blocks: int = 64) -> NixlAgentInfo:

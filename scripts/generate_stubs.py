@@ -3,12 +3,19 @@
 
 python scripts/generate_stubs.py          # write the stubs
 python scripts/generate_stubs.py --check  # exit 1 if the committed stubs are stale
+python scripts/generate_stubs.py --package my_engine.rdv --out src/   # stubs for code outside the service
+
+The last writes the same stubs as Python package `my_engine.rdv` under src/ (src/my_engine/rdv/), for a router,
+an engine or a tool that talks to the service without the SDK: generated as `rendezvous.v1` they would collide
+with the installed service's own stub package. The protocol is unchanged (proto package `rendezvous.v1`, the same
+descriptors), so both may be imported in one process. They import `google.rpc` from googleapis-common-protos.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -94,10 +101,37 @@ def reasons_module(include: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def relocate(generated: Path, package: str, out: Path) -> Path:
+    """Copy the stubs generated under `generated` into `out` as Python package `package`; its folder."""
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", package) or package.split(".")[0] == "rendezvous":
+        raise SystemExit(f"--package {package!r}: a dotted Python name outside `rendezvous`")
+    target = out.joinpath(*package.split("."))
+    target.mkdir(parents=True, exist_ok=True)
+    old = GENERATED_DIR.as_posix().replace("/", ".")
+    for source in sorted((generated / GENERATED_DIR).glob("*_pb2*.py*")):
+        text = source.read_text()
+        text = text.replace(f"from {old} import ", f"from {package} import ")  # the modules' imports of each other
+        text = re.sub(rf"'{re.escape(old)}\.(\w+_pb2)'", rf"'{package}.\1'", text)  # the classes' module names
+        (target / source.name).write_text(text)
+    init = target / "__init__.py"
+    if not init.exists():
+        init.write_text(f'"""kv-rendezvous protocol stubs (proto package {old}), by scripts/generate_stubs.py."""\n')
+    return target
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="fail if the committed stubs are stale")
+    parser.add_argument("--package", help="write the stubs as this Python package instead (needs --out)")
+    parser.add_argument("--out", type=Path, help="with --package: the folder the package goes under")
     args = parser.parse_args()
+    if args.package or args.out:
+        if not (args.package and args.out) or args.check:
+            parser.error("--package and --out go together, without --check")
+        with tempfile.TemporaryDirectory() as tmp:
+            generate(Path(tmp))
+            print(f"wrote {relocate(Path(tmp), args.package, args.out)}")
+        return 0
     if not args.check:
         generate(ROOT)
         return 0

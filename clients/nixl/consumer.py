@@ -15,8 +15,13 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 - REVOKED: registering a newer generation of a transfer retires the older one; its blocks are reported
   free the same way, once no write of it can land.
 
-Committed transfers are released (ReleaseTarget) by the agent. A background `ReceiverThread` owns NIXL.
-Everything public runs on the event loop the agent was started on.
+The release contract: the agent releases every committed transfer itself (ReleaseTarget, once TRANSFER_COMMITTED
+came); the engine never calls ReleaseTarget for a transfer it registered through the agent. An ok result's blocks
+are the engine's to read and then reuse; a failed or REVOKED result's are free at once. To give a transfer up
+before its result, `abort` it (its failed result still comes, once no write can land).
+
+A background `ReceiverThread` owns NIXL. Everything public runs on the event loop the agent was started on, and
+so do `on_result` and every `results()` item: never on the receiver thread.
 
 A rank of a multi-rank engine reports its own share: ok once every producer rank writing into it notified
 (or on TRANSFER_COMMITTED). Another rank's share may still fail (the transfer then aborts), so an engine treats a
@@ -49,6 +54,7 @@ from clients._types import (
     Event,
     EventType,
     ItemResult,
+    KvLayout,
     NixlAgentInfo,
     ReleaseSpec,
     Reregistered,
@@ -120,6 +126,14 @@ class _Closed:
     pass
 
 
+def _require_layout(layout: KvLayout | None) -> None:
+    if layout is None or not layout.model_fingerprint or layout.num_layers < 1:
+        raise ValueError(
+            f"ConsumerAgent needs layout=KvLayout(...) stating at least model_fingerprint and num_layers, got {layout}:"
+            " the service checks each producer's layout against it before any byte is written"
+        )
+
+
 class ConsumerAgent(RankAgent[ConsumerSession]):
     """One consumer rank: NIXL endpoint + receiver thread + engine session. `start()`, then `close()`."""
 
@@ -138,7 +152,16 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         capacity: EngineCapacity | None = None,
         **options: Unpack[RankOptions],
     ) -> None:
-        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, ...)."""
+        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
+        session_config, metrics_registry). `layout` is required here and must state the model_fingerprint and
+        num_layers (ValueError otherwise): the service compares it with each producer's before a byte is written,
+        and a consumer without one would take any producer whose layout is as empty.
+
+        `on_result(result)` (else `results()`) runs on the event loop the agent was started on; `poll` sets how
+        the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
+        transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
+        """
+        _require_layout(options.get("layout"))
         super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
         """Notifications ignored: for a generation or transfer no longer expected, or for a progressive target."""

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
@@ -69,7 +70,9 @@ __all__ = ["OnFree", "OnReport", "ProducerAgent", "WriteReport"]
 logger = logging.getLogger(__name__)
 
 OnFree = Callable[[str], None]
-"""on_free(transfer_id): the engine may reuse the transfer's source blocks."""
+"""on_free(transfer_id): the engine may reuse the transfer's source blocks. Runs on the agent's event loop."""
+CLAIMS_KEPT = 65536
+"""How many of its latest claims a registering rank remembers, to refuse `ready` of a transfer it never claimed."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,10 +133,13 @@ class ProducerAgent(RankAgent[ProducerSession]):
         num_layers: int = 0,
         **options: Unpack[RankOptions],
     ) -> None:
-        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, ...).
+        """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
+        session_config, metrics_registry).
 
         `rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its engine;
-        the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`)."""
+        the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`). `on_report` gets a
+        `WriteReport` per finished write, and `ready`'s `on_free` the source back: both on the event loop the
+        agent was started on. `writer_config` tunes the writer thread; `serve_reads` serves pull-mode READs."""
         super().__init__(client, engine_id, pool, tensors, **options)
         self.serve_reads = serve_reads
         self._layers = (first_layer, num_layers)
@@ -146,6 +152,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._prompt_tokens: dict[str, int] = {}  # from `ready`: what pairs blocks of different sizes
         self._deferred: dict[str, Event] = {}  # assignments that wait for `ready` to tell the prompt's tokens
         self._writing: dict[str, tracing.Span] = {}  # push: producer.write, from `ready` to the write's end
+        self._claimed: OrderedDict[str, None] = OrderedDict()  # the latest CLAIMS_KEPT transfers claimed here
         self._claims: Batcher[ClaimSpec] | None = None
         self._ready: Batcher[SourceReadySpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
@@ -211,7 +218,14 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """
         if self._claims is None:
             raise RuntimeError("the agent is not started" if self.leader else "claims are the registering rank's")
-        return await self._claims.submit(ClaimSpec(transfer_id, timeout, binding))
+        self._claimed[transfer_id] = None
+        self._claimed.move_to_end(transfer_id)
+        if len(self._claimed) > CLAIMS_KEPT:
+            self._claimed.popitem(last=False)
+        result = await self._claims.submit(ClaimSpec(transfer_id, timeout, binding))
+        if not result.ok or result.state.terminal:  # no assignment will come: a `ready` after this frees at once
+            self._end(transfer_id)
+        return result
 
     def ready(
         self,
@@ -226,9 +240,12 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """The transfer's KV is computed in `block_ids`; `on_free(transfer_id)` is called once they may be reused.
 
         Push: the writer WRITEs this rank's share as soon as it holds the assignment (at once if it already
-        does); raises `BlockRangeError` for ids outside the registered regions. `prompt_tokens` (the tokens the
-        blocks hold, from the first) is needed when the consumer's block size differs. Pull (needs
-        `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the router's `binding` in case it claims.
+        does); raises `BlockRangeError` for ids outside the registered regions, and ValueError on the registering
+        rank for a transfer it never claimed (its blocks would wait for an assignment that cannot come; parts
+        handed for it with `ready_part` are freed). A transfer that ended (aborted, or its claim refused) is
+        freed at once. `prompt_tokens` (the tokens the blocks hold, from the first) is needed when the consumer's
+        block size differs. Pull (needs `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the
+        router's `binding` in case it claims.
         """
         writer, ready = self._writer, self._ready
         assert writer is not None, "the agent is not started"
@@ -241,6 +258,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             future = ready.submit(SourceReadySpec(transfer_id, [int(b) for b in block_ids], binding))
             future.add_done_callback(lambda f: self._pull_source_marked(transfer_id, f))
             return
+        self._check_claimed(transfer_id)
         writer.source_ready(transfer_id, block_ids)  # validates first: nothing is recorded if it raises
         earlier = self._sources.get(transfer_id)
         if on_free is None and earlier is not None:
@@ -284,6 +302,18 @@ class ProducerAgent(RankAgent[ProducerSession]):
             deferred = self._deferred.pop(transfer_id, None)
             if deferred is not None:
                 self._assign(deferred)
+
+    def _check_claimed(self, transfer_id: str) -> None:
+        """Only a claim brings the assignment a pushed source waits for: refuse a registering rank's source of a
+        transfer it never claimed, rather than hold its blocks forever, and free the parts handed for it.
+        (Following ranks do not claim. `ready_part` is not checked: a connector may hand a part while its claim,
+        sent at admission, is still queued on the loop.)"""
+        if self.leader and transfer_id not in self._claimed:
+            self._end(transfer_id)
+            raise ValueError(
+                f"transfer {transfer_id} was never claimed by this engine: claim() it at admission, before ready();"
+                " its blocks would wait for an assignment that cannot come"
+            )
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight.

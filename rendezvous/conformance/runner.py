@@ -1,6 +1,6 @@
 """Runs the checks one after another against the targets and reports PASS/FAIL per check.
 
-`kv-rendezvous conformance --target HOST:PORT` exits 0 when every selected check passed, 1 when one
+`kv-rendezvous conformance --address HOST:PORT` exits 0 when every selected check passed, 1 when one
 failed, 2 on a usage error. `--json PATH` also writes the results as JSON.
 """
 
@@ -115,16 +115,32 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
 
+class _DeprecatedAddressFlag(argparse.Action):
+    """`--target`, this command's name for `--address` before every command said `--address`: still accepted
+    (appended like `--address`), with a warning, until the release."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"kv-rendezvous conformance: {option_string} is deprecated, use --address", file=sys.stderr)
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), values])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The conformance flags."""
     parser.add_argument(
-        "--target",
+        "--address",
         action="append",
         default=[],
         metavar="HOST:PORT",
         help="server address; repeat for replicas of one deployment: consumers and producers of a transfer "
         f"then talk to different ones (default: env {ENV_PREFIX}ADDRESS, else {DEFAULT_ADDRESS})",
     )
+    parser.add_argument("--target", dest="address", action=_DeprecatedAddressFlag, help=argparse.SUPPRESS)
     parser.add_argument(
         "--only", action="append", default=[], metavar="TEXT", help="run the checks whose name contains TEXT"
     )
@@ -158,7 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from(args: argparse.Namespace) -> Options:
     """Options from parsed flags."""
-    targets = tuple(args.target) or (_env("address", DEFAULT_ADDRESS) or DEFAULT_ADDRESS,)
+    targets = tuple(args.address) or (_env("address", DEFAULT_ADDRESS) or DEFAULT_ADDRESS,)
     return Options(
         targets=targets,
         lease_ttl=args.lease_ttl,

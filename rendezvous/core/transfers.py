@@ -651,11 +651,23 @@ def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseS
         return replaced
     if cur.state.terminal:
         return Transition(cur)
+    if cur.state == State.MATCHED:
+        # Usually a consumer that released on the NIXL notification, before the producer's CompleteTransfer: the
+        # bytes may well be in, so this must not send it to AbortTransfer.
+        raise RendezvousError(
+            Reason.INVALID_STATE,
+            f"transfer {cur.transfer_id} is MATCHED, not committed yet: release it after its TRANSFER_COMMITTED "
+            "event (the data-plane notification comes before the commit); nothing changed",
+            transfer_id=cur.transfer_id,
+            state=cur.state.name,
+        )
     if cur.state != State.COMMITTED:
         raise RendezvousError(
             Reason.INVALID_STATE,
-            f"transfer {cur.transfer_id} is {cur.state.name}, not committed; abort it instead",
+            f"transfer {cur.transfer_id} is {cur.state.name}: nothing was assigned, so there is nothing to release; "
+            "abort it to give it up",
             transfer_id=cur.transfer_id,
+            state=cur.state.name,
         )
     _check_generation(cur, spec.generation)
     return _release(ctx, cur)

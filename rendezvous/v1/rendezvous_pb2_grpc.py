@@ -37,7 +37,9 @@ class RendezvousServiceStub:
 
     Conventions: every response carries a ResponseHeader; mutating RPCs take a
     batch of items and an AIP-155 request_id; errors are google.rpc.Status with
-    one google.rpc.ErrorInfo whose reason is documented in docs/protocol.md.
+    one google.rpc.ErrorInfo (proto/third_party/google/rpc/error_details.proto)
+    whose reason is an ErrorReason of errors.proto, documented in
+    docs/protocol.md; docs/engines.md is the guide for engines without the SDK.
     """
 
     def __init__(self, channel):
@@ -150,7 +152,9 @@ class RendezvousServiceServicer:
 
     Conventions: every response carries a ResponseHeader; mutating RPCs take a
     batch of items and an AIP-155 request_id; errors are google.rpc.Status with
-    one google.rpc.ErrorInfo whose reason is documented in docs/protocol.md.
+    one google.rpc.ErrorInfo (proto/third_party/google/rpc/error_details.proto)
+    whose reason is an ErrorReason of errors.proto, documented in
+    docs/protocol.md; docs/engines.md is the guide for engines without the SDK.
     """
 
     def RegisterEngine(self, request, context):
@@ -398,7 +402,9 @@ class RendezvousService:
 
     Conventions: every response carries a ResponseHeader; mutating RPCs take a
     batch of items and an AIP-155 request_id; errors are google.rpc.Status with
-    one google.rpc.ErrorInfo whose reason is documented in docs/protocol.md.
+    one google.rpc.ErrorInfo (proto/third_party/google/rpc/error_details.proto)
+    whose reason is an ErrorReason of errors.proto, documented in
+    docs/protocol.md; docs/engines.md is the guide for engines without the SDK.
     """
 
     @staticmethod

@@ -4,6 +4,7 @@ a memory store, a Redis store, and two replicas sharing one Redis with engines s
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rendezvous.conformance import CHECKS, main
+from rendezvous.conformance.runner import add_arguments, options_from
 from tests.redis_fixtures import fresh_prefix, with_prefix
 from tests.replicas.harness import Replica
 from tests.security.certs import CertificateAuthority
@@ -38,7 +40,7 @@ def conformance(*args: str, timeout: float = SUITE_TIMEOUT_S) -> subprocess.Comp
 def run_all(targets: Sequence[str], tmp_path: Path) -> None:
     """Run every check against targets; each must pass and be named in the report and the JSON."""
     report = tmp_path / "conformance.json"
-    args = [part for t in targets for part in ("--target", t)]
+    args = [part for t in targets for part in ("--address", t)]
     done = conformance(*args, "--json", str(report))
     assert done.returncode == 0, done.stdout + done.stderr
     names = [c.full_name for c in CHECKS]
@@ -103,7 +105,7 @@ def test_a_check_against_a_stopped_server_is_reported_as_failed_with_exit_code_1
     address = server.address
     server.kill()
     report = tmp_path / "conformance.json"
-    done = conformance("--target", address, "--only", "lifecycle.push_target_first", "--json", str(report))
+    done = conformance("--address", address, "--only", "lifecycle.push_target_first", "--json", str(report))
     assert done.returncode == 1, done.stdout + done.stderr
     (line,) = [line for line in done.stdout.splitlines() if "lifecycle.push_target_first" in line]
     assert line.startswith("FAIL  lifecycle.push_target_first  (") and "UNAVAILABLE" in line, line
@@ -126,12 +128,22 @@ def test_tls_and_an_admin_token_are_used_and_without_the_token_checks_fail(
     auth.write_text(json.dumps({"tokens": {token: {"name": "ops", "roles": ["admin"]}}}))
     server = start_with(replicas, "memory", "secure", "--tls-cert", cert, "--tls-key", key, "--auth-file", str(auth))
     only = ("--only", "lifecycle.push_target_first", "--only", "errors.stale_incarnation")
-    secure = ("--target", server.address, "--ca", str(ca_file), *only)
+    secure = ("--address", server.address, "--ca", str(ca_file), *only)
     done = conformance(*secure, "--token", token)
     assert done.returncode == 0, done.stdout + done.stderr
     refused = conformance(*secure)
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert refused.stdout.count("UNAUTHENTICATED/UNAUTHENTICATED_TOKEN") == 2, refused.stdout
+
+
+def test_the_old_target_flag_still_names_servers_with_a_deprecation_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--target", "rdv-0:50051", "--address", "rdv-1:50051"])
+    assert options_from(args).targets == ("rdv-0:50051", "rdv-1:50051")
+    assert "--target is deprecated, use --address" in capsys.readouterr().err
 
 
 def test_list_names_every_check_and_only_filters_by_substring() -> None:

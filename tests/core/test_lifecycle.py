@@ -109,6 +109,20 @@ def test_full_push_lifecycle_commits_then_releases_to_a_tombstone() -> None:
     assert run(w.store.get_transfer("t1")) is None
 
 
+def test_releasing_before_the_commit_points_to_transfer_committed_not_to_an_abort() -> None:
+    w = World()
+    w.target()
+    unmatched = run(w.coord.release_targets("d1", 0, [ReleaseSpec("t1", 1)]))[0]
+    assert reason(unmatched) == Reason.INVALID_STATE and "abort it" in str(unmatched.error)
+    w.claim()
+    early = run(w.coord.release_targets("d1", 0, [ReleaseSpec("t1", 1)]))[0]  # on the notification, say
+    assert reason(early) == Reason.INVALID_STATE
+    assert early.error is not None and early.error.metadata["state"] == "MATCHED"
+    assert "after its TRANSFER_COMMITTED" in str(early.error) and "abort" not in str(early.error)
+    assert ok(w.complete()) == State.COMMITTED  # the refusal changed nothing
+    assert ok(run(w.coord.release_targets("d1", 0, [ReleaseSpec("t1", 1)]))[0]) == State.RELEASED
+
+
 @pytest.mark.parametrize("size", [3, TOMBSTONE_BLOCK_IDS])
 def test_a_large_tombstone_keeps_no_block_ids_yet_answers_retries_as_before(size: int) -> None:
     w = World()

@@ -19,7 +19,7 @@ from clients import (
     NixlAgentInfo,
     TargetSpec,
 )
-from clients.testing import TestServer
+from clients.testing import TEST_LAYOUT, TestServer
 from tests.dataplane.checks import Landed, assert_pool, chunks, reset_pool, transfer_id
 from tests.dataplane.worker import WorkerProcess
 
@@ -112,6 +112,7 @@ def test_consumer_abort_frees_both_sides(producer: WorkerProcess, consumer: Work
 def test_out_of_range_assignment_is_refused_without_a_write(producer: WorkerProcess, consumer: WorkerProcess) -> None:
     tid = transfer_id("range")
     producer.call("fill", 5, [1, 2, 3])
+    producer.call("claim", tid)
     producer.call("ready", tid, [1, 2, 3])  # the source is waiting: a valid assignment would be written at once
     producer.call("inject", tid, 1, consumer.engine_id, [10, 11, consumer.spec.num_blocks])
     report = producer.report(tid)
@@ -130,7 +131,7 @@ def test_unknown_agent_fails_the_transfer_without_a_write(server: TestServer, pr
     async def consumer_side() -> Event:
         async with (
             AsyncRendezvousClient(server.address) as client,
-            ConsumerSession(client, "ghost-decode", "decode", agents=[ghost]) as session,
+            ConsumerSession(client, "ghost-decode", "decode", layout=TEST_LAYOUT, agents=[ghost]) as session,
         ):
             await session.register_target(TargetSpec(tid, [0, 1]))
             await asyncio.to_thread(producer.call, "claim", tid)

@@ -60,16 +60,17 @@ class _Worker:
     async def start(self) -> tuple[str, int, str]:
         from clients.nixl.consumer import ConsumerAgent
         from clients.nixl.producer import ProducerAgent
+        from clients.testing import TEST_LAYOUT
 
         s, put = self.spec, self.events.put
         if s.role == "producer":
             self.agent = ProducerAgent(
-                self.client, s.engine_id, "prefill", self.tensors, lease_ttl=s.lease_ttl, serve_reads=True,
-                on_report=lambda r: put(("report", r.transfer_id, r.generation, r.ok, r.error)),
+                self.client, s.engine_id, "prefill", self.tensors, layout=TEST_LAYOUT, lease_ttl=s.lease_ttl,
+                serve_reads=True, on_report=lambda r: put(("report", r.transfer_id, r.generation, r.ok, r.error)),
             )  # fmt: skip
         else:
             self.agent = ConsumerAgent(
-                self.client, s.engine_id, "decode", self.tensors, lease_ttl=s.lease_ttl,
+                self.client, s.engine_id, "decode", self.tensors, layout=TEST_LAYOUT, lease_ttl=s.lease_ttl,
                 on_result=lambda r: put(("result", r.transfer_id, r.generation, r.ok, r.block_ids, r.reason)),
             )  # fmt: skip
         await self.agent.start()

@@ -9,14 +9,15 @@ import torch
 from clients import AsyncRendezvousClient, Event, EventType
 from clients.nixl.consumer import ConsumerAgent
 from clients.nixl.producer import ProducerAgent
+from clients.testing import TEST_LAYOUT
 from tests.clients.conftest import client, server
 
 __all__ = ["client", "server"]
 
 
 async def test_a_peer_lost_after_the_agents_stopped_is_ignored(client: AsyncRendezvousClient) -> None:
-    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)])
-    consumer = ConsumerAgent(client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)])
+    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)
+    consumer = ConsumerAgent(client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)
     await producer.start()
     await consumer.start()
     consumer_info, producer_info = await client.get_engine("d0"), await client.get_engine("p0")

@@ -16,7 +16,7 @@ import redis
 
 from clients import AsyncRendezvousClient, TransferState
 from clients._exceptions import DeadlineExceeded
-from clients.testing import start_test_server
+from clients.testing import TEST_LAYOUT, start_test_server
 from tests.clients.conftest import WAIT, client_config
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 
@@ -57,8 +57,8 @@ async def test_a_registration_that_timed_out_is_sent_again_and_the_kv_arrives(
 
     arrived: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     destination = torch.zeros(8, 256, dtype=torch.uint8)
-    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)])
-    consumer = ConsumerAgent(client, "d0", "decode", [destination], on_result=arrived.set_result)
+    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)
+    consumer = ConsumerAgent(client, "d0", "decode", [destination], layout=TEST_LAYOUT, on_result=arrived.set_result)
     await producer.start()
     await consumer.start()
     try:
@@ -83,9 +83,14 @@ async def test_a_registration_that_timed_out_twice_is_aborted_before_its_blocks_
     from clients.nixl.producer import ProducerAgent
 
     arrived: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)])
+    producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)
     consumer = ConsumerAgent(
-        client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], on_result=arrived.set_result
+        client,
+        "d0",
+        "decode",
+        [torch.zeros(8, 256, dtype=torch.uint8)],
+        layout=TEST_LAYOUT,
+        on_result=arrived.set_result,
     )
     await producer.start()
     await consumer.start()

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from clients import AsyncRendezvousClient, TransferState
-from clients.testing import AsyncTestServer
+from clients.testing import TEST_LAYOUT, AsyncTestServer
 from rendezvous.protocol import tracing
 from tests.clients.conftest import WAIT
 from tests.tracing.conftest import named
@@ -36,10 +36,20 @@ async def test_each_write_is_a_span_of_its_rank_under_the_span_that_handed_over_
     arrived: asyncio.Future[Any] = loop.create_future()
     reported: asyncio.Future[Any] = loop.create_future()
     producer = ProducerAgent(
-        client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], on_report=reported.set_result
+        client,
+        "p0",
+        "prefill",
+        [torch.ones(8, 256, dtype=torch.uint8)],
+        layout=TEST_LAYOUT,
+        on_report=reported.set_result,
     )
     consumer = ConsumerAgent(
-        client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], on_result=arrived.set_result
+        client,
+        "d0",
+        "decode",
+        [torch.zeros(8, 256, dtype=torch.uint8)],
+        layout=TEST_LAYOUT,
+        on_result=arrived.set_result,
     )
     await producer.start()
     await consumer.start()
