@@ -162,6 +162,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "max-waiting-calls", 256, "unary calls per caller waiting for a turn; beyond: refused, retry hint", int)
     _flag(
         g,
+        "max-waiting-bytes",
+        16 << 20,
+        "bytes of a caller's requests waiting for a turn (its first waiting call always may); beyond: refused, "
+        "retry hint; 0: no bound",
+        int,
+    )
+    _flag(
+        g,
         "invalid-backoff-bytes",
         65_536,
         "after a caller's request of at least N bytes is refused as invalid, its requests as large are refused "
@@ -239,6 +247,7 @@ def _config_from(args: argparse.Namespace) -> Any:
             args.max_calls_in_progress,
             args.max_waiting_calls,
             args.invalid_backoff_bytes,
+            args.max_waiting_bytes,
         ),
     )
 

@@ -157,7 +157,7 @@ class RendezvousServer:
         limits = cfg.call_limits.for_server(auth=self.auth is not None)
         if self.auth is not None or limits.enabled:
             quotas = CallQuotas(limits)
-            self.turns = FairTurns(limits.turns, limits.waiting)
+            self.turns = FairTurns(limits.turns, limits.waiting, limits.waiting_bytes)
             backoff = InvalidBackoff(limits.invalid_backoff_bytes, self.clock)
             interceptors.append(
                 Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics, self.turns, backoff)

@@ -258,7 +258,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await self._refuse(method, context, _as_error(exc))
                 raise AssertionError("unreachable: abort_with_status raises") from None
             try:
-                async with self._turns.turn(caller.key):
+                async with self._turns.turn(caller.key, len(raw)):
                     began = time.perf_counter()
                     try:
                         response = await self._serve(method, behavior, caller, _parsed(parse, raw), context)
