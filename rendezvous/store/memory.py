@@ -249,12 +249,12 @@ class MemoryStore(Store):
         producer = new.producer_engine_id if source else ""
         if old is not None and old[0] == (consumer, target, producer, source):
             return  # the same charge: most writes
-        grow: Counter[str] = Counter()
-        grow[self._owner(consumer)] += target
-        grow[self._owner(producer)] += source
+        charges = [(self._owner(consumer), target), (self._owner(producer), source)]
         if old is not None:
-            grow[old[1]] -= old[0][1]
-            grow[old[2]] -= old[0][3]
+            charges += [(old[1], -old[0][1]), (old[2], -old[0][3])]
+        grow: dict[str, int] = {}
+        for owner, n in charges:
+            grow[owner] = grow.get(owner, 0) + n
         limits = self._limits
         total = sum(grow.values())
         if total > 0 and self._total[1] + total > limits.max_live_blocks:
