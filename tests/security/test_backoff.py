@@ -137,3 +137,24 @@ async def test_on_a_server_a_caller_backs_off_unread_after_a_large_invalid_reque
         answer = await stub.CompleteTransfer(small, metadata=engine, timeout=30)
         assert error_reason(answer.results[0]) == "TRANSFER_NOT_FOUND"
         assert (await stub.GetStatus(pb.GetStatusRequest(), metadata=router, timeout=30)).header.server_id
+
+
+async def test_on_a_server_a_large_request_that_does_not_parse_starts_a_back_off_too(
+    frozen: RendezvousServer,
+) -> None:
+    engine, router = bearer(ENGINE), bearer(ROUTER)
+    async with grpc.aio.insecure_channel(frozen.address) as channel:
+        raw = channel.unary_unary("/rendezvous.v1.RendezvousService/GetStatus")
+        junk = b"\xff" * 2_000
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(junk, metadata=engine, timeout=30)
+        assert from_rpc_error(err.value).reason == "MESSAGE_INVALID"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(junk, metadata=engine, timeout=30)
+        refused = from_rpc_error(err.value)
+        assert (refused.code, refused.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED")
+        assert refused.metadata["min_bytes"] == "2000" and refused.retry_after is not None
+        # The same junk from another identity is read (and refused for what it is).
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw(junk, metadata=router, timeout=30)
+        assert from_rpc_error(err.value).reason == "MESSAGE_INVALID"
