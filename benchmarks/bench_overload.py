@@ -3,14 +3,17 @@
 One `kv-rendezvous serve` with an auth file, a health port and metrics. Four *flood* identities, each an
 engine of its own, send ClaimTransfer batches (64 re-claims of the same ids: real per-item work, no state
 growth) from h2load (nghttp2-client), which offers HTTP/2 gRPC calls far faster than the server can answer at
-little CPU of its own. First a closed-loop phase measures what the server serves (capacity, calls/s); then
-each phase offers 1x, 2x and 5x that, while, side by side in the same phase:
+little CPU of its own. First a closed-loop phase measures what the server serves (capacity, calls/s), a second
+one what is left of it beside the others' paced load (below; the most the flood can be admitted); then each
+phase offers 1x, 2x and 5x the capacity, while, side by side in the same phase:
 
   others   a consumer and a producer engine (their own identities) run paced lifecycles (RegisterTarget,
            ClaimTransfer, TRANSFER_ASSIGNED, CompleteTransfer, TRANSFER_COMMITTED, ReleaseTarget) and a
            router reads GetStatus: their goodput, p99 and every error code
   heavy    one more identity sends maximum-size CompleteTransfer requests (completions with parts, for
-           unknown ids) back to back, as a buggy engine or an attacker would
+           unknown ids) back to back, as a buggy engine or an attacker would (serialized once, so that its
+           own CPU takes little from the server on a shared machine; refused RESOURCE_EXHAUSTED, it waits
+           50 ms, not the retry hint)
   health   a prober asks grpc.health.v1 on the health port (and on the serving port) every 100 ms with a
            1 s timeout
   memory   the server's RSS, sampled every 100 ms
@@ -55,6 +58,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rendezvous import LAYOUT, REGION, local_redis, percentile, proc_usage, start_server
 
+from clients._exceptions import from_rpc_error
 from connector.launch import free_port
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -374,6 +378,7 @@ def heavy_request(incarnation: int, max_bytes: int) -> pb.CompleteTransferReques
 
 async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
     codes: Counter[str] = Counter()
+    hints = 0  # RESOURCE_EXHAUSTED answers with a google.rpc.RetryInfo
     call_s: list[float] = []
     options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
@@ -382,21 +387,31 @@ async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
             engine_request("heavy", pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials("heavy")
         )
         request = heavy_request(reg.engine.incarnation, max_bytes)
+        # Serialized once: on a shared machine, serializing 4 MiB of parts per call (~20 ms) would take CPU
+        # from the server and be counted as the server's cost.
+        body = request.SerializeToString()
+        complete = channel.unary_unary("/rendezvous.v1.RendezvousService/CompleteTransfer")
         while not stop.is_set():  # a multiprocessing Event: read between calls only
             began = time.monotonic()
             try:
-                await stub.CompleteTransfer(request, metadata=credentials("heavy"), timeout=60)
+                await complete(body, metadata=credentials("heavy"), timeout=60)
                 codes["OK"] += 1
             except grpc.aio.AioRpcError as err:
                 codes[err.code().name] += 1
                 if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    await asyncio.sleep(0.05)
+                    hints += from_rpc_error(err).retry_after is not None
+                    await asyncio.sleep(0.05)  # not the hint: the worst case, a sender that ignores it
             call_s.append(time.monotonic() - began)
         await stub.DeregisterEngine(
             pb.DeregisterEngineRequest(engine_id="heavy", incarnation=reg.engine.incarnation),
             metadata=credentials("heavy"),
         )
-    return {"request_mib": request.ByteSize() / 2**20, "codes": dict(codes), "max_call_s": max(call_s, default=0.0)}
+    return {
+        "request_mib": len(body) / 2**20,
+        "codes": dict(codes),
+        "retry_hints": hints,
+        "max_call_s": max(call_s, default=0.0),
+    }
 
 
 def heavy_main(address: str, stop: Any, max_bytes: int, out: Any) -> None:
@@ -433,9 +448,10 @@ def sample_rss(pid: int, stop: threading.Event, out: dict[str, Any]) -> None:
 
 
 def phase(
-    server: Server, bodies: list[Path], seconds: float, rate: float | None, heavy_bytes: int, run: str
+    server: Server, bodies: list[Path], seconds: float, rate: float | None, heavy_bytes: int, run: str, others_too: bool
 ) -> dict[str, Any]:
-    """One phase: the flood at `rate` calls/s in all (None: closed loop), the others, heavy, probes."""
+    """One phase: the flood at `rate` calls/s in all (None: closed loop), the others (if others_too), heavy (if
+    heavy_bytes), probes."""
     before = server.rpc_counts()
     cpu0 = proc_usage(server.proc.pid)[0]
     stop = threading.Event()
@@ -454,9 +470,9 @@ def phase(
         for i, body in enumerate(bodies)
     ]
     began = time.monotonic()
-    heavy: dict[str, Any] = {"request_mib": 0.0, "codes": {}, "max_call_s": 0.0}
+    heavy: dict[str, Any] = {"request_mib": 0.0, "codes": {}, "retry_hints": 0, "max_call_s": 0.0}
     others: Others | None = None
-    if rate is not None:
+    if others_too:
         ctx = mp.get_context("spawn")
         heavy_stop, heavy_out = ctx.Event(), ctx.Queue()
         heavy_process = ctx.Process(target=heavy_main, args=(server.address, heavy_stop, heavy_bytes, heavy_out))
@@ -478,7 +494,7 @@ def phase(
     delta = Counter({k: after[k] - before[k] for k in after if after[k] != before[k]})
     flood_codes = {code: n for (method, code), n in delta.items() if method == "ClaimTransfer"}
     rejected = {reason: n for (method, reason), n in delta.items() if method == "REJECTED"}
-    shed = flood_codes.get("RESOURCE_EXHAUSTED", 0) + sum(rejected.values())
+    shed = flood_codes.get("RESOURCE_EXHAUSTED", 0)
     admitted = sum(n for code, n in flood_codes.items() if code != "RESOURCE_EXHAUSTED")
     result: dict[str, Any] = {
         "offered_calls_per_s": rate,
@@ -514,16 +530,31 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             path = folder / f"flood-{i}.bin"
             path.write_bytes(body)
             bodies.append(path)
-        capacity = phase(server, bodies, args.seconds, None, args.heavy_bytes, "capacity")
+        capacity = phase(server, bodies, args.seconds, None, 0, "capacity", others_too=False)
         calls_per_s = capacity["flood_admitted_per_s"]
         print(f"{store_name(store):>6} capacity: {calls_per_s:,.0f} ClaimTransfer calls/s of {FLOOD_BATCH} items")
+        # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
+        beside = phase(server, bodies, args.seconds, None, 0, "beside", others_too=True)
+        beside_per_s = beside["flood_admitted_per_s"]
+        print(f"{store_name(store):>6} capacity beside the others: {beside_per_s:,.0f} calls/s")
         phases = []
         for factor in args.factors:
-            result = phase(server, bodies, args.seconds, factor * calls_per_s, args.heavy_bytes, f"x{factor:g}")
+            result = phase(
+                server, bodies, args.seconds, factor * calls_per_s, args.heavy_bytes, f"x{factor:g}", others_too=True
+            )
             result["factor"] = factor
+            result["of_capacity"] = result["flood_admitted_per_s"] / calls_per_s
+            result["of_capacity_beside_others"] = result["flood_admitted_per_s"] / beside_per_s
             phases.append(result)
             report(store, result)
-    return {"store": store_name(store), "capacity_calls_per_s": calls_per_s, "capacity": capacity, "phases": phases}
+    return {
+        "store": store_name(store),
+        "capacity_calls_per_s": calls_per_s,
+        "capacity_beside_others_calls_per_s": beside_per_s,
+        "capacity": capacity,
+        "capacity_beside_others": beside,
+        "phases": phases,
+    }
 
 
 def store_name(store: str) -> str:
@@ -534,13 +565,15 @@ def store_name(store: str) -> str:
 def report(store: str, r: dict[str, Any]) -> None:
     o = r["others"]
     print(
-        f"{store_name(store):>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s, shed "
+        f"{store_name(store):>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s "
+        f"({r['of_capacity']:.0%} of capacity, {r['of_capacity_beside_others']:.0%} beside the others), shed "
         f"{r['flood_shed_per_s']:,.0f}/s; others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
         f"p50 {o['lifecycle_p50_ms']:.1f} ms p99 {o['lifecycle_p99_ms']:.1f} ms, "
         f"router p99 {o['router_p99_ms']:.1f} ms, "
         f"errors {o['errors'] or 'none'}; health failures {r['health_port']['failures']}/{r['health_port']['probes']} "
         f"(serving port {r['serving_port_health']['failures']}/{r['serving_port_health']['probes']}); heavy "
-        f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']}; "
+        f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']} "
+        f"({r['heavy']['retry_hints']} retry hints); "
         f"server CPU {r['server_cpu_util']:.0%}, peak RSS {r['peak_rss_mib']:.0f} MiB"
     )
 

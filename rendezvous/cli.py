@@ -160,6 +160,22 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _flag(g, "refusal-burst", 50, "burst of unauthenticated calls above --refusal-rate", int)
     _flag(g, "max-calls-in-progress", 32, "unary calls served at once; the next turn goes round robin by caller", int)
     _flag(g, "max-waiting-calls", 256, "unary calls per caller waiting for a turn; beyond: refused, retry hint", int)
+    _flag(
+        g,
+        "max-waiting-bytes",
+        16 << 20,
+        "bytes of a caller's requests waiting for a turn (its first waiting call always may); beyond: refused, "
+        "retry hint; 0: no bound",
+        int,
+    )
+    _flag(
+        g,
+        "invalid-backoff-bytes",
+        65_536,
+        "after a caller's request of at least N bytes is refused as invalid, its requests as large are refused "
+        "unread for 10x what that one cost (doubling while it repeats, <= 10 s); 0: off",
+        int,
+    )
     limits = (
         "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
         "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfer's parts (--max-parts-per-request, "
@@ -230,6 +246,8 @@ def _config_from(args: argparse.Namespace) -> Any:
             args.refusal_burst,
             args.max_calls_in_progress,
             args.max_waiting_calls,
+            args.invalid_backoff_bytes,
+            args.max_waiting_bytes,
         ),
     )
 

@@ -12,9 +12,9 @@ changes that free budget always go through. Ended engines (tombstones) keep no a
 
 The tally is read before the change is applied, as the live-transfer limit is. The Redis store checks every
 budget again in the script that writes the record (commit_engine.lua, commit_transfers.lua), so replicas never
-pass one together; the memory store applies check_engine in the step that writes, but reads the live-block
-tally when a batch starts, so batches of different requests in flight together may pass that budget by what
-they add (at most their requests' size limits).
+pass one together; the memory store applies check_engine in the step that writes, and checks the live-block
+budget again as each transfer write applies (MemoryStore._check_blocks), so batches of different requests in
+flight together, which interleave between their items, never pass it either.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from rendezvous.core.bindings import BindingRules
 from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits, Timeouts
 from rendezvous.protocol.bindings import load_keys
 from rendezvous.server.auth import Guard
+from rendezvous.server.backoff import InvalidBackoff
 from rendezvous.server.health import HealthPort
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
@@ -156,8 +157,11 @@ class RendezvousServer:
         limits = cfg.call_limits.for_server(auth=self.auth is not None)
         if self.auth is not None or limits.enabled:
             quotas = CallQuotas(limits)
-            self.turns = FairTurns(limits.turns, limits.waiting)
-            interceptors.append(Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics, self.turns))
+            self.turns = FairTurns(limits.turns, limits.waiting, limits.waiting_bytes)
+            backoff = InvalidBackoff(limits.invalid_backoff_bytes, self.clock)
+            interceptors.append(
+                Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics, self.turns, backoff)
+            )
         server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(
             self.coordinator, self.metrics, self.server_id, cfg.idempotency_ttl, cfg.watch_batch, self._stopping

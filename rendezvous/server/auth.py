@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,9 @@ from google.protobuf.message import DecodeError
 from grpc_status import rpc_status
 
 from rendezvous import wire
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.core.errors import Code, Reason, RendezvousError
 from rendezvous.core.model import Engine, Role
+from rendezvous.server.backoff import InvalidBackoff
 from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import ADMIN, BINDING_EXEMPT, CALLER_IDENTITY, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
@@ -84,8 +86,8 @@ class _Denied(Exception):
 
 class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Authenticates and authorizes every RendezvousService call (when a policy is set) and applies
-    the per-caller quotas; unary calls are served in their caller's fair `turns`. `engine_of` answers a
-    registered engine (None if unknown)."""
+    the per-caller quotas; unary calls are served in their caller's fair `turns`, and large ones wait out their
+    caller's `backoff` after an invalid one. `engine_of` answers a registered engine (None if unknown)."""
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         engine_of: EngineLookup,
         metrics: Metrics,
         turns: FairTurns,
+        backoff: InvalidBackoff,
     ) -> None:
         self._prefix = f"/{service}/"
         self._policy = policy
@@ -102,6 +105,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._engine_of = engine_of
         self._metrics = metrics
         self._turns = turns
+        self._backoff = backoff
 
     async def intercept_service(
         self,
@@ -242,19 +246,29 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def _unary(
         self, method: str, behavior: Callable[..., Awaitable[Any]], parse: Callable[[bytes], Any]
     ) -> Callable[..., Awaitable[Any]]:
-        """A unary call: identified and charged by its size first, then parsed, authorized and served in its
+        """A unary call: identified and charged by its size first (and refused unread while its caller backs off
+        from an invalid request as large, rendezvous.server.backoff), then parsed, authorized and served in its
         caller's fair turn (rendezvous.server.turns), so a caller's backlog waits in its own queue."""
 
         async def checked(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
                 caller = self._identify_caller(method, context, len(raw))
+                self._backoff.check(caller.key, len(raw))
             except (RendezvousError, StoreUnavailableError) as exc:
                 await self._refuse(method, context, _as_error(exc))
                 raise AssertionError("unreachable: abort_with_status raises") from None
             try:
-                async with self._turns.turn(caller.key):
-                    return await self._serve(method, behavior, caller, _parsed(parse, raw), context)
-            except RendezvousError as err:  # refused for its turn: before its request was parsed
+                async with self._turns.turn(caller.key, len(raw)):
+                    began = time.perf_counter()
+                    try:
+                        response = await self._serve(method, behavior, caller, _parsed(parse, raw), context)
+                    except BaseException as exc:
+                        if _refused_as_invalid(exc, context):
+                            self._backoff.refused(caller.key, len(raw), time.perf_counter() - began)
+                        raise
+                    self._backoff.passed(caller.key, len(raw))
+                    return response
+            except RendezvousError as err:  # refused for its turn (before its request was parsed) or unparsable
                 await self._refuse(method, context, err)
                 raise AssertionError("unreachable: abort_with_status raises") from None
 
@@ -368,6 +382,14 @@ def _parsed(parse: Callable[[bytes], Any] | None, raw: bytes) -> Any:
         return parse(raw)
     except DecodeError:
         raise RendezvousError(Reason.MESSAGE_INVALID, "the request does not parse as the method's message") from None
+
+
+def _refused_as_invalid(exc: BaseException, context: grpc.aio.ServicerContext) -> bool:
+    """Whether a call ended refused INVALID_ARGUMENT as a whole: by the guard (a request that does not parse) or
+    by the service (its shape, or a field, over a limit)."""
+    if isinstance(exc, RendezvousError):
+        return exc.code is Code.INVALID_ARGUMENT
+    return bool(context.code() == grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def _peer_host(context: grpc.aio.ServicerContext) -> str:

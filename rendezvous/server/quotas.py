@@ -40,8 +40,10 @@ class CallLimits:
     `concurrency` unary calls in flight (0: no limit) and `streams` open Watch and KeepAlive streams
     (0: no limit). Per peer host: `refusal_rate` unauthenticated calls per second with bursts of
     `refusal_burst` (0: not limited). Over all callers: `turns` unary calls in progress at once, the next
-    turn going round robin among the callers with calls waiting, at most `waiting` of them per caller
-    (rendezvous.server.turns)."""
+    turn going round robin among the callers with calls waiting, at most `waiting` of them and
+    `waiting_bytes` of their requests per caller (rendezvous.server.turns; 0 bytes: no bound). Per caller:
+    after a request of at least `invalid_backoff_bytes` is refused as invalid, its requests as large wait out
+    a back-off unread (rendezvous.server.backoff; 0: off)."""
 
     rate: float | None = None
     burst: int = 0
@@ -52,10 +54,13 @@ class CallLimits:
     refusal_burst: int = 50
     turns: int = 32
     waiting: int = 256
+    invalid_backoff_bytes: int = 65_536
+    waiting_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
-        numbers = (self.rate or 0, self.burst, self.concurrency, self.cost_bytes, self.streams)
-        if min(*numbers, self.refusal_rate, self.refusal_burst, self.waiting) < 0:
+        numbers = (self.rate or 0, self.burst, self.concurrency, self.cost_bytes, self.streams, self.waiting)
+        sizes = (self.invalid_backoff_bytes, self.waiting_bytes)
+        if min(*numbers, *sizes, self.refusal_rate, self.refusal_burst) < 0:
             raise ValueError("call limits must not be negative")
         if self.turns < 1:
             raise ValueError("turns (unary calls in progress at once) must be at least 1")

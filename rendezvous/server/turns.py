@@ -6,8 +6,10 @@ requests back to back) was ahead of everyone else's next call by all of them. Wi
 for at most `slots` calls in progress plus one call of each other caller that is waiting too, whatever
 those callers have queued: the work one identity can put ahead of another's call is one call per turn, not
 its whole backlog (kube-apiserver's priority and fairness, reduced to one priority level and one queue per
-caller). A caller's calls beyond `max_waiting` waiting are refused at once, before their request is even
-parsed, with `RESOURCE_EXHAUSTED / TOO_MANY_CONCURRENT_CALLS` and a retry hint.
+caller). A caller's calls beyond `max_waiting` waiting, or beyond `max_waiting_bytes` of requests waiting (a
+waiting request is held as its bytes: 256 of 4 MiB would be 1 GiB), are refused at once, before their request
+is even parsed, with `RESOURCE_EXHAUSTED / TOO_MANY_CONCURRENT_CALLS` and a retry hint; a caller's first
+waiting call is never refused for its size.
 """
 
 from __future__ import annotations
@@ -27,31 +29,42 @@ class FairTurns:
     """At most `slots` calls in progress; the next turn goes to the caller after the last one served (round
     robin among the callers with calls waiting), each caller's calls in their order of arrival."""
 
-    __slots__ = ("_free", "_max_waiting", "_waiting")
+    __slots__ = ("_bytes", "_free", "_max_waiting", "_max_waiting_bytes", "_waiting")
 
-    def __init__(self, slots: int, max_waiting: int) -> None:
-        if slots < 1 or max_waiting < 0:
-            raise ValueError("fair turns need at least one slot and max_waiting >= 0")
+    def __init__(self, slots: int, max_waiting: int, max_waiting_bytes: int = 0) -> None:
+        if slots < 1 or max_waiting < 0 or max_waiting_bytes < 0:
+            raise ValueError("fair turns need at least one slot, max_waiting >= 0 and max_waiting_bytes >= 0")
         self._free = slots
         self._max_waiting = max_waiting
-        # Callers with calls waiting, in the order they are next served; each with its calls in arrival order.
-        self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
+        self._max_waiting_bytes = max_waiting_bytes or float("inf")
+        # Callers with calls waiting, in the order they are next served; each with its calls (a future and
+        # the request's size) in arrival order, and the bytes of its waiting requests.
+        self._waiting: collections.OrderedDict[str, collections.deque[tuple[asyncio.Future[None], int]]] = (
+            collections.OrderedDict()
+        )
+        self._bytes: dict[str, int] = {}
 
     @property
     def waiting(self) -> int:
         """Calls waiting for a turn, over all callers."""
         return sum(len(calls) for calls in self._waiting.values())
 
+    @property
+    def waiting_bytes(self) -> int:
+        """Bytes of the requests waiting for a turn, over all callers."""
+        return sum(self._bytes.values())
+
     @asynccontextmanager
-    async def turn(self, caller: str) -> AsyncIterator[None]:
-        """Wait for this caller's turn (or be refused at once), hold it for the block."""
-        await self._acquire(caller)
+    async def turn(self, caller: str, size: int = 0) -> AsyncIterator[None]:
+        """Wait for this caller's turn (or be refused at once) for a request of `size` bytes, hold it for the
+        block."""
+        await self._acquire(caller, size)
         try:
             yield
         finally:
             self._release()
 
-    async def _acquire(self, caller: str) -> None:
+    async def _acquire(self, caller: str, size: int) -> None:
         if self._free and not self._waiting:
             self._free -= 1
             return
@@ -65,8 +78,17 @@ class FairTurns:
                 retry_after=RETRY_AFTER,
                 limit=self._max_waiting,
             )
+        elif self._bytes[caller] + size > self._max_waiting_bytes:
+            raise RendezvousError(
+                Reason.TOO_MANY_CONCURRENT_CALLS,
+                f"this caller already has {self._bytes[caller]} bytes of requests waiting for their turn on a busy "
+                "server; retry later",
+                retry_after=RETRY_AFTER,
+                limit_bytes=self._max_waiting_bytes,
+            )
         ready = asyncio.get_running_loop().create_future()
-        calls.append(ready)
+        calls.append((ready, size))
+        self._bytes[caller] = self._bytes.get(caller, 0) + size
         try:
             await ready
         except asyncio.CancelledError:
@@ -78,20 +100,29 @@ class FairTurns:
 
     def _forget(self, caller: str, ready: asyncio.Future[None]) -> None:
         calls = self._waiting.get(caller)
-        if calls is not None and ready in calls:
-            calls.remove(ready)
-            if not calls:
-                del self._waiting[caller]
+        if calls is None:
+            return
+        for call in calls:
+            if call[0] is ready:
+                calls.remove(call)
+                self._left(caller, calls, call[1])
+                return
+
+    def _left(self, caller: str, calls: collections.deque[tuple[asyncio.Future[None], int]], size: int) -> None:
+        """A call of caller's, of `size` bytes, no longer waits."""
+        if calls:
+            self._bytes[caller] -= size
+        else:
+            del self._waiting[caller], self._bytes[caller]
 
     def _release(self) -> None:
         """Hand the freed turn to the next caller in the round (it goes to the back of it), or free it."""
         while self._waiting:
             caller, calls = next(iter(self._waiting.items()))
-            ready = calls.popleft()
+            ready, size = calls.popleft()
             if calls:
                 self._waiting.move_to_end(caller)
-            else:
-                del self._waiting[caller]
+            self._left(caller, calls, size)
             if not ready.done():
                 ready.set_result(None)
                 return

@@ -18,7 +18,7 @@ def create_store(url: str, limits: Limits) -> Store:
         "max_answers_bytes_per_identity": limits.max_answers_bytes_per_identity,
     }
     if url == "memory":
-        return MemoryStore(**bounds)
+        return MemoryStore(limits=limits, **bounds)
     if url.startswith(REDIS_SCHEMES):
         from rendezvous.store.redis import RedisStore
 

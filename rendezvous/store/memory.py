@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from rendezvous.core import budget
+from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer, evolve
 from rendezvous.core.transfers import Transition
 from rendezvous.store._answers import Answers
@@ -91,7 +92,9 @@ class MemoryStore(Store):
         max_event_bytes_per_engine: int = 64 << 20,
         max_answers_bytes: int = 256 << 20,
         max_answers_bytes_per_identity: int = 32 << 20,
+        limits: Limits | None = None,
     ) -> None:
+        self._limits = limits or Limits()  # the live-block budget, checked again as a write applies
         self._epoch = secrets.randbits(63) or 1
         self._page_key = secrets.token_bytes(32)  # one process is the deployment
         self._revision = 0
@@ -184,9 +187,12 @@ class MemoryStore(Store):
         new = transition.transfer
         if new is cur and not transition.events:
             return transition
-        self._revision += 1
         target, source = budget.transfer_blocks(new)
-        if target or source or transfer_id in self._transfer_charges:
+        charged = target or source or transfer_id in self._transfer_charges
+        if charged:
+            self._check_blocks(transfer_id, new, target, source)
+        self._revision += 1
+        if charged:
             self._charge_transfer(transfer_id, new, target, source)
         self._index(cur, new)
         self._order(cur, new)
@@ -230,6 +236,33 @@ class MemoryStore(Store):
             if c is not None:
                 self._add(c[0], 0, sign * c[1])
                 self._add(c[0], 2, sign * c[2])
+
+    def _check_blocks(self, transfer_id: str, new: Transfer | None, target: int, source: int) -> None:
+        """Refuse (BUDGET_EXHAUSTED) a write that takes the live-block budget past a limit, by the tallies as
+        they are now. The coordinator checks a batch by the tallies read as it starts, and the batches of
+        requests in flight together interleave between their items (rendezvous.pacing): as the Redis script
+        does, the write that would pass the budget is refused, whichever batch it belongs to."""
+        if new is None or not (target or source):
+            return  # frees what it held
+        old = self._transfer_charges.get(transfer_id)
+        consumer = new.consumer_engine_id if target else ""
+        producer = new.producer_engine_id if source else ""
+        if old is not None and old[0] == (consumer, target, producer, source):
+            return  # the same charge: most writes
+        charges = [(self._owner(consumer), target), (self._owner(producer), source)]
+        if old is not None:
+            charges += [(old[1], -old[0][1]), (old[2], -old[0][3])]
+        grow: dict[str, int] = {}
+        for owner, n in charges:
+            grow[owner] = grow.get(owner, 0) + n
+        limits = self._limits
+        total = sum(grow.values())
+        if total > 0 and self._total[1] + total > limits.max_live_blocks:
+            raise budget.exhausted(budget.LIVE_BLOCKS, "server", limits.max_live_blocks, self._total[1], total)
+        for owner, n in grow.items():
+            have = self._by_owner.get(owner, (0, 0, 0))[1] if owner else 0
+            if owner and n > 0 and have + n > limits.max_live_blocks_per_identity:
+                raise budget.exhausted(budget.LIVE_BLOCKS, "identity", limits.max_live_blocks_per_identity, have, n)
 
     def _charge_transfer(self, transfer_id: str, new: Transfer | None, target: int, source: int) -> None:
         old = self._transfer_charges.get(transfer_id)

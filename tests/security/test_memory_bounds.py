@@ -6,7 +6,8 @@ over gRPC with the memory and the Redis store.
   a request_id reused for another request is refused (REQUEST_ID_REUSED).
 - An engine's event log is bounded in bytes (`max_event_bytes_per_engine`); a watcher behind it resyncs.
 - A tombstone keeps no labels.
-- Registrations in flight together on one server cannot pass the agent metadata budget between them.
+- Registrations in flight together on one server cannot pass the agent metadata budget between them, nor
+  target batches in flight together the live-block budget (memory store; Redis checks it in its script).
 - A Watch reader that stops reading is dropped once the responses readers have not taken pass
   `max_watch_buffer_bytes` (RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED), and resumes from its revision.
 
@@ -24,8 +25,15 @@ import grpc
 import pytest
 
 from clients._exceptions import from_rpc_error
+from rendezvous import pacing
+from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import Limits
+from rendezvous.core.errors import Reason
+from rendezvous.core.model import Role
+from rendezvous.core.specs import TargetSpec
+from rendezvous.store.memory import MemoryStore
 from rendezvous.v1 import rendezvous_pb2 as pb
+from tests.core.helpers import engine_spec
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 from tests.security.test_budgets import Client, client, refused, registration
 
@@ -256,3 +264,32 @@ async def test_a_stalled_watch_reader_is_dropped_past_the_output_buffer_limit(
         resumed.cancel()
         streams[1].cancel()
         assert await c.serving()
+
+
+@pytest.mark.parametrize(("scope", "owner"), [("server", ""), ("identity", "x")])
+async def test_memory_store_batches_in_flight_together_never_pass_the_live_block_budget(
+    monkeypatch: pytest.MonkeyPatch, scope: str, owner: str
+) -> None:
+    """Each batch alone fits the budget it reads as it starts; interleaved item by item (a pacing quantum of 0
+    yields after every item), the write that would pass the budget is refused, whichever batch it is in."""
+    monkeypatch.setattr(pacing, "QUANTUM", 0.0)
+    limits = Limits(max_live_blocks=10, max_live_blocks_per_identity=8)
+    coordinator = Coordinator(MemoryStore(limits=limits), limits)
+    await coordinator.register_engine(engine_spec("c0", Role.CONSUMER, owner=owner))
+
+    async def targets(batch: str) -> list[ItemOutcome]:
+        specs = [TargetSpec(f"{batch}-{i}", (2 * i, 2 * i + 1)) for i in range(3)]
+        return await coordinator.register_targets("c0", 0, specs)
+
+    outcomes = [o for batch in await asyncio.gather(targets("a"), targets("b")) for o in batch]
+    refused_ = [o.error for o in outcomes if o.error is not None]
+    most = limits.max_live_blocks if scope == "server" else limits.max_live_blocks_per_identity
+    assert len(outcomes) - len(refused_) == most // 2
+    for err in refused_:
+        assert (err.reason, err.metadata["budget"], err.metadata["scope"]) == (
+            Reason.BUDGET_EXHAUSTED,
+            "live_blocks",
+            scope,
+        )
+    usage = await coordinator.store.usage(owner)
+    assert usage.total.blocks == most
