@@ -191,14 +191,15 @@ class RouterClient:
         names = (pools,) if isinstance(pools, str) else tuple(pools)
         engines = [engine for pool in names for engine in await self._live(pool, role)]
         if not engines:
-            raise NotFound(f"no live {role.name.lower()} engine in pool(s) {', '.join(names)}")
+            raise NotFound("", f"no live {role.name.lower()} engine in pool(s) {', '.join(names)}")
         if layout is not None:
             compatible = [e for e in engines if _difference(e, layout, role) is None]
             if not compatible:
                 why = _difference(engines[0], layout, role)
                 raise NotFound(
+                    "",
                     f"no {role.name.lower()} engine in pool(s) {', '.join(names)} has a compatible KV layout "
-                    f"({engines[0].engine_id}: {why})"
+                    f"({engines[0].engine_id}: {why})",
                 )
             engines = compatible
         turn = self._turns[(names, role)]

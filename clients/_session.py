@@ -307,7 +307,7 @@ class EngineSession:
         if self._failure is not None:
             raise self._failure
         if self._closed:
-            raise Cancelled(f"the session of engine {self.engine_id} is closed")
+            raise Cancelled("", f"the session of engine {self.engine_id} is closed")
         return self._registered().engine.incarnation
 
     def _replaced(self, err: RendezvousError, incarnation: int) -> bool:

@@ -98,7 +98,7 @@ class KeepAliveStream:
         try:
             response = next(self._responses)
         except StopIteration:
-            raise Unavailable("the server closed the KeepAlive stream") from None
+            raise Unavailable("", "the server closed the KeepAlive stream") from None
         except grpc.RpcError as error:
             raise self._client._failed(error, self._index) from error
         self._client._epochs.observe(response.header.epoch)

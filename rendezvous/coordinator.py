@@ -20,22 +20,23 @@ from rendezvous.core import budget, credits, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.bindings import BindingRules, check_abort, check_binding
-from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
-from rendezvous.core.specs import (
+from rendezvous.core.transfers import Context, Transition
+from rendezvous.core.validation import check_batch, check_id
+from rendezvous.pacing import Pacer, paced_cut
+from rendezvous.protocol.errors import Reason, RendezvousError, transfer_not_found
+from rendezvous.protocol.requests import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    CreditSpec,
     EngineSpec,
     ReleaseSpec,
     RevocationAck,
     SourceReadySpec,
     TargetSpec,
 )
-from rendezvous.core.transfers import Context, Transition
-from rendezvous.core.validation import check_batch, check_id
-from rendezvous.pacing import Pacer, paced_cut
 from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -374,7 +375,7 @@ class Coordinator:
             if err.reason in _BINDING_REFUSALS:
                 log.info(
                     "transfer half refused",
-                    extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason.value},
+                    extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason},
                 )
             return ItemOutcome(item.transfer_id, error=err)
 
@@ -584,7 +585,7 @@ class Coordinator:
         found = await self._each([self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited])
         return {e.engine_id: u for e, u in zip(limited, found, strict=True)}
 
-    async def reserve_credits(self, specs: Sequence[credits.CreditRequest], ttl: float = 0.0) -> list[CreditOutcome]:
+    async def reserve_credits(self, specs: Sequence[CreditSpec], ttl: float = 0.0) -> list[CreditOutcome]:
         """Reserve credit on consumer engines for transfer ids, each item atomically (compare-and-set on the
         engine's ledger; core: credits.reserve decides). An item's error does not stop the others."""
         check_batch(len(specs), self.limits)
@@ -599,7 +600,7 @@ class Coordinator:
                 outcomes.append(CreditOutcome(spec.transfer_id, error=err))
         return outcomes
 
-    async def _reserve(self, spec: credits.CreditRequest, ttl: float) -> credits.Reservation:
+    async def _reserve(self, spec: CreditSpec, ttl: float) -> credits.Reservation:
         ledger_store = self.store.credits()
         for _ in range(_RESERVE_ATTEMPTS):
             now = self.clock()

@@ -228,7 +228,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         share of the bytes into `block_ids` (the same ids on every rank) and answers TARGETED.
         """
         spec = TargetSpec(
-            transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode, binding, progressive
+            transfer_id,
+            tuple(int(b) for b in block_ids),
+            generation=generation,
+            num_tokens=num_tokens,
+            timeout=timeout,
+            mode=mode,
+            binding=binding,
+            progressive=progressive,
         )
         if not self.leader:
             target = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)

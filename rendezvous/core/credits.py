@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Role, Transfer
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.records import EngineCapacity
+from rendezvous.protocol.requests import CreditSpec
 
 __all__ = [
-    "CreditRequest",
+    "CreditSpec",
     "EngineCapacity",
     "Reservation",
     "Usage",
@@ -42,15 +43,6 @@ class Reservation:
     incarnation: int
     blocks: int
     expires_at: float
-
-
-@dataclass(frozen=True)
-class CreditRequest:
-    """One item of ReserveCredits."""
-
-    transfer_id: str
-    engine_id: str
-    blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,7 +166,7 @@ def credit_ttl(requested: float, timeouts: Timeouts) -> float:
 def reserve(
     now: float,
     engine: Engine | None,
-    request: CreditRequest,
+    request: CreditSpec,
     existing: Reservation | None,
     existing_transfer: Transfer | None,
     spent: Usage,

@@ -22,15 +22,15 @@ from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, Event, State, Transfer
 from rendezvous.core.parts import check_request_part_count
-from rendezvous.core.specs import CompletionSpec
 from rendezvous.core.validation import check_batch
 from rendezvous.pacing import Pacer, paced_map
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.requests import CompletionSpec, SourceReadySpec, TargetSpec
 from rendezvous.server import idempotency
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
@@ -55,7 +55,7 @@ def _as_error(exc: RendezvousError | StoreUnavailableError) -> RendezvousError:
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RendezvousError) -> None:
-    await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+    await context.abort_with_status(rpc_status.to_status(convert.error_status(err)))
 
 
 def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handler[ResponseT]]:
@@ -88,7 +88,7 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                     return response
                 except (RendezvousError, StoreUnavailableError) as exc:
                     err = _as_error(exc)
-                    code = err.code.value
+                    code = err.code.name
                     await _abort(context, err)
                 finally:
                     self.metrics.rpc_done(method, code, time.perf_counter() - started)
@@ -144,6 +144,18 @@ def _plain(convert: Callable[[M], SpecT]) -> Callable[[M, Limits], SpecT]:
     return lambda message, _limits: convert(message)
 
 
+def _target_spec(message: pb.TargetSpec, limits: Limits) -> TargetSpec:
+    return convert.target_spec(message, limits.max_blocks_per_target)
+
+
+def _source_spec(message: pb.SourceReadySpec, limits: Limits) -> SourceReadySpec:
+    return convert.source_spec(message, limits.max_blocks_per_target)
+
+
+def _completion_spec(message: pb.CompletionSpec, limits: Limits) -> CompletionSpec:
+    return convert.completion_spec(message, limits.max_parts_per_completion)
+
+
 def _check_parts(request: pb.CompleteTransferRequest, limits: Limits) -> None:
     """The parts of all the request's completions, counted on the message: none is converted first."""
     check_request_part_count(sum(len(c.parts) for c in request.completions), limits)
@@ -167,7 +179,7 @@ def _trace_items(outcomes: Sequence[ItemOutcome]) -> None:
             attributes |= tracing.about(generation=o.transfer.generation)
             attributes["kv_rendezvous.state"] = o.transfer.state.name
         if o.error is not None:
-            attributes["kv_rendezvous.error"] = o.error.reason.name
+            attributes["kv_rendezvous.error"] = o.error.reason
         span.add_event("transfer", attributes)
 
 
@@ -269,7 +281,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     ) -> None:
         """Fail a stream call with exc, counted under its status code (unary calls: `_rpc`)."""
         err = _as_error(exc)
-        self.metrics.rpcs.labels(method, err.code.value).inc()
+        self.metrics.rpcs.labels(method, err.code.name).inc()
         await _abort(context, err)
 
     async def _results(self, method: str, outcomes: Sequence[ItemOutcome], results: Any) -> None:
@@ -281,7 +293,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             await pacer.tick()
             item = results.add(transfer_id=o.transfer_id)
             if o.error is not None:
-                item.status.CopyFrom(wire.error_status(o.error))
+                item.status.CopyFrom(convert.error_status(o.error))
             if o.transfer is not None:
                 item.state = number(o.transfer.state)
                 item.revoking_generation = o.transfer.revoking_generation
@@ -296,7 +308,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         # Up to 16,384 regions and 2 MiB of metadata: converted, registered and answered in separate turns.
         pacer = Pacer()
         agents = await paced_map(convert.agent, request.agents)
-        spec = replace(wire.engine_spec(request, agents), owner=CALLER_IDENTITY.get())
+        spec = replace(convert.engine_spec(request, agents), owner=CALLER_IDENTITY.get())
         engine, start = await self.coordinator.register_engine(spec)
         await pacer.tick()
         return pb.RegisterEngineResponse(
@@ -362,30 +374,30 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     # Transfers
 
     RegisterTarget = _batch_rpc(
-        pb.RegisterTargetResponse, "targets", wire.target_spec, Coordinator.register_targets, takes_half=True
+        pb.RegisterTargetResponse, "targets", _target_spec, Coordinator.register_targets, takes_half=True
     )
     ClaimTransfer = _batch_rpc(
-        pb.ClaimTransferResponse, "claims", _plain(wire.claim_spec), Coordinator.claim_transfers, takes_half=True
+        pb.ClaimTransferResponse, "claims", _plain(convert.claim_spec), Coordinator.claim_transfers, takes_half=True
     )
     MarkSourceReady = _batch_rpc(
-        pb.MarkSourceReadyResponse, "sources", wire.source_spec, Coordinator.mark_sources_ready, takes_half=True
+        pb.MarkSourceReadyResponse, "sources", _source_spec, Coordinator.mark_sources_ready, takes_half=True
     )
     CompleteTransfer = _batch_rpc(
         pb.CompleteTransferResponse,
         "completions",
-        wire.completion_spec,
+        _completion_spec,
         Coordinator.complete_transfers,
         check=_check_parts,
         observe=_count_parts,
     )
     AcknowledgeRevocation = _batch_rpc(
-        pb.AcknowledgeRevocationResponse, "acks", _plain(wire.revocation_ack), Coordinator.acknowledge_revocations
+        pb.AcknowledgeRevocationResponse, "acks", _plain(convert.revocation_ack), Coordinator.acknowledge_revocations
     )
     ReleaseTarget = _batch_rpc(
-        pb.ReleaseTargetResponse, "releases", _plain(wire.release_spec), Coordinator.release_targets
+        pb.ReleaseTargetResponse, "releases", _plain(convert.release_spec), Coordinator.release_targets
     )
     AbortTransfer = _batch_rpc(
-        pb.AbortTransferResponse, "aborts", _plain(wire.abort_spec), Coordinator.abort_transfers, takes_half=True
+        pb.AbortTransferResponse, "aborts", _plain(convert.abort_spec), Coordinator.abort_transfers, takes_half=True
     )
 
     # Credits
@@ -393,11 +405,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     def _credit_results(self, method: str, outcomes: Sequence[CreditOutcome]) -> list[pb.CreditResult]:
         self.metrics.items.labels(method).inc(len(outcomes))
         for o in outcomes:
-            self.metrics.credits.labels(method, o.error.reason.value if o.error else "OK").inc()
+            self.metrics.credits.labels(method, o.error.reason if o.error else "OK").inc()
         return [
             pb.CreditResult(
                 transfer_id=o.transfer_id,
-                status=wire.error_status(o.error) if o.error else None,
+                status=convert.error_status(o.error) if o.error else None,
                 engine_id=o.reservation.engine_id if o.reservation else "",
                 expire_time=timestamp(o.reservation.expires_at) if o.reservation else None,
             )
@@ -409,7 +421,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.ReserveCreditsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveCreditsResponse:
         check_batch(len(request.reservations), self.coordinator.limits)  # before any item is converted
-        outcomes = await self.coordinator.reserve_credits(wire.credit_requests(request), seconds(request.ttl))
+        outcomes = await self.coordinator.reserve_credits(
+            [convert.credit_spec(c) for c in request.reservations], seconds(request.ttl)
+        )
         return pb.ReserveCreditsResponse(
             header=await self._header(), results=self._credit_results("ReserveCredits", outcomes)
         )

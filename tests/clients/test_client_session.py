@@ -23,6 +23,7 @@ from clients import (
     LiveTransfers,
     NotFound,
     ProducerSession,
+    Reason,
     ReleaseSpec,
     Reregistered,
     Resynced,
@@ -283,8 +284,8 @@ def test_live_transfers_keep_what_was_asserted_until_it_is_over() -> None:
     results = [
         ItemResult("kept", TransferState.MATCHED),
         ItemResult("over", TransferState.ABORTED),
-        ItemResult("gone", TransferState.UNSPECIFIED, FailedPrecondition("ended", reason="TRANSFER_ENDED")),
-        ItemResult("bad", TransferState.UNSPECIFIED, InvalidArgument("dup", reason="BLOCK_ID_DUPLICATE")),
+        ItemResult("gone", TransferState.UNSPECIFIED, FailedPrecondition(Reason.TRANSFER_ENDED, "ended")),
+        ItemResult("bad", TransferState.UNSPECIFIED, InvalidArgument(Reason.BLOCK_ID_DUPLICATE, "dup")),
     ]
     live.record(live.targets, targets, results)
     assert list(live.targets) == ["kept"]

@@ -47,8 +47,8 @@ from rendezvous.core import (
     Timeouts,
 )
 from rendezvous.core.engines import end_incarnation, register_engine
-from rendezvous.core.specs import EngineSpec
 from rendezvous.protocol.records import WrittenPart
+from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store import MemoryStore
 from tests.ci import examples
 from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, every_engine, run
@@ -254,7 +254,10 @@ class Lifecycle(RuleBasedStateMachine):
         mode = Mode.PULL if pull else Mode.PUSH
         tokens = TOKENS if progressive else 0
         self._call(
-            self.coord.register_targets, c, 0, [TargetSpec(t, b, gen, tokens, mode=mode, progressive=progressive)]
+            self.coord.register_targets,
+            c,
+            0,
+            [TargetSpec(t, b, generation=gen, num_tokens=tokens, mode=mode, progressive=progressive)],
         )
         self._after()
 

@@ -43,11 +43,11 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
 from rendezvous.core import budget
-from rendezvous.core.errors import RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.pacing import Pacer
+from rendezvous.protocol.errors import RendezvousError
 from rendezvous.store._answers import answer_cost
 from rendezvous.store.base import (
     CallerView,
