@@ -263,7 +263,7 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
-    ) -> TransferPage:
+    ) -> TransferPage[TransferInfo]:
         """One page of transfers sorted by id, optionally of one engine; no states means the live ones."""
         return await self._invoke(commands.list_transfers(engine_id, states, page_size, page_token), timeout)
 

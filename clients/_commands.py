@@ -94,12 +94,12 @@ def get_engine(engine_id: str) -> Call[EngineInfo]:
 
 
 def _engine(response: pb.GetEngineResponse) -> EngineInfo:
-    return _convert.engine(response.engine)
+    return convert.engine(response.engine)
 
 
 def list_engines(
     pool: str, role: EngineRole | None, omit_agent_metadata: bool, omit_labels: bool, page_size: int, page_token: str
-) -> Call[EnginePage]:
+) -> Call[EnginePage[EngineInfo]]:
     """ListEngines: one page, optionally of one pool and role."""
     request = pb.ListEnginesRequest(
         pool=pool,
@@ -198,7 +198,7 @@ def _transfer(response: pb.GetTransferResponse) -> TransferInfo:
 
 def list_transfers(
     engine_id: str, states: Sequence[TransferState], page_size: int, page_token: str
-) -> Call[TransferPage]:
+) -> Call[TransferPage[TransferInfo]]:
     """ListTransfers: one page, by default of live transfers."""
     request = pb.ListTransfersRequest(
         engine_id=engine_id,

@@ -6,11 +6,8 @@ from collections.abc import Mapping
 
 from clients._types import (
     CreditResult,
-    EngineCapacity,
-    EngineCredits,
     EngineInfo,
     EnginePage,
-    EngineRole,
     Event,
     EventType,
     ItemResult,
@@ -23,7 +20,7 @@ from clients._types import (
     WatchBatch,
 )
 from rendezvous.protocol import convert
-from rendezvous.protocol.convert import agent, error, layout, seconds, unix_time
+from rendezvous.protocol.convert import engine, error, seconds, unix_time
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _BatchResponse = (
@@ -39,28 +36,6 @@ _BatchResponse = (
 
 
 # Messages -> records
-
-
-def engine(m: pb.Engine) -> EngineInfo:
-    """An engine message as a record."""
-    return EngineInfo(
-        engine_id=m.engine_id,
-        pool=m.pool,
-        role=EngineRole(m.role),
-        layout=layout(m.layout),
-        agents=tuple(agent(a) for a in m.agents),
-        labels=dict(m.labels),
-        incarnation=m.incarnation,
-        lease_ttl=seconds(m.lease_ttl),
-        lease_expire_time=unix_time(m.lease_expire_time),
-        live_transfers=m.live_transfers,
-        register_time=unix_time(m.register_time),
-        watch_start_revision=m.watch_start_revision,
-        capacity=EngineCapacity(m.capacity.max_transfers, m.capacity.max_blocks),
-        credits=EngineCredits(
-            m.credits.transfers_in_use, m.credits.blocks_in_use, m.credits.transfers_reserved, m.credits.blocks_reserved
-        ),
-    )
 
 
 def credit_results(m: pb.ReserveCreditsResponse | pb.ReleaseCreditsResponse) -> list[CreditResult]:
@@ -119,12 +94,12 @@ def watch_batch(m: pb.WatchResponse) -> WatchBatch:
     return WatchBatch(tuple(event(e) for e in m.events), m.resync_required, m.resync_revision, m.header.epoch)
 
 
-def engine_page(m: pb.ListEnginesResponse) -> EnginePage:
+def engine_page(m: pb.ListEnginesResponse) -> EnginePage[EngineInfo]:
     """A ListEngines answer as a record."""
     return EnginePage(tuple(engine(e) for e in m.engines), m.next_page_token)
 
 
-def transfer_page(m: pb.ListTransfersResponse) -> TransferPage:
+def transfer_page(m: pb.ListTransfersResponse) -> TransferPage[TransferInfo]:
     """A ListTransfers answer as a record."""
     return TransferPage(tuple(transfer(t) for t in m.transfers), m.next_page_token)
 

@@ -9,7 +9,7 @@ Times are seconds since the Unix epoch as floats, 0.0 meaning "not set"; duratio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.enums import (
@@ -22,8 +22,17 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.errors import RendezvousError
-from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
+from rendezvous.protocol.incarnation import EngineInfo
+from rendezvous.protocol.pages import EnginePage, TransferPage
+from rendezvous.protocol.records import (
+    EngineCapacity,
+    EngineCredits,
+    KvLayout,
+    KvRegion,
+    NixlAgent,
+    TransferTimes,
+    WrittenPart,
+)
 from rendezvous.protocol.requests import (
     AbortSpec,
     ClaimSpec,
@@ -39,52 +48,6 @@ from rendezvous.protocol.transfer import TransferRecord
 
 NixlAgentInfo = NixlAgent
 """The SDK's name for a rank's NIXL agent record (the protocol's NixlAgent)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCredits:
-    """What of a consumer's capacity is spent, as the service counts it: live targets and reservations."""
-
-    transfers_in_use: int = 0
-    blocks_in_use: int = 0
-    transfers_reserved: int = 0
-    blocks_reserved: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo(Incarnation):
-    """A registered engine incarnation as the server reports it."""
-
-    lease_expire_time: float
-    live_transfers: int
-    register_time: float
-    watch_start_revision: int = 0
-    """A Watch from here sees every event of this incarnation (how an engine's other ranks follow it)."""
-    capacity: EngineCapacity = field(default_factory=EngineCapacity)
-    """What the engine admits at once (0 fields: no limit)."""
-    credits: EngineCredits = field(default_factory=EngineCredits)
-    """What of the capacity is in use and reserved (as of the listing)."""
-
-    @property
-    def free_transfers(self) -> int | None:
-        """Transfers the engine has room for (capacity - in use - reserved, not below 0); None: no limit."""
-        if not self.capacity.max_transfers:
-            return None
-        c = self.credits
-        return max(self.capacity.max_transfers - c.transfers_in_use - c.transfers_reserved, 0)
-
-    @property
-    def free_blocks(self) -> int | None:
-        """Blocks the engine has room for; None: no limit."""
-        if not self.capacity.max_blocks:
-            return None
-        c = self.credits
-        return max(self.capacity.max_blocks - c.blocks_in_use - c.blocks_reserved, 0)
-
-    def has_credit(self, blocks: int = 0) -> bool:
-        """Whether one more transfer of `blocks` fits in what is free (always, without a capacity)."""
-        transfers, free_blocks = self.free_transfers, self.free_blocks
-        return (transfers is None or transfers > 0) and (free_blocks is None or free_blocks >= blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,22 +77,6 @@ class TransferInfo(TransferRecord):
 
     source_block_ids: tuple[int, ...] = ()
     """The producer's source blocks (pull); () while it has not said them."""
-
-
-@dataclass(frozen=True, slots=True)
-class EnginePage:
-    """One page of ListEngines; pass next_page_token back for the next ("" on the last page)."""
-
-    engines: tuple[EngineInfo, ...]
-    next_page_token: str
-
-
-@dataclass(frozen=True, slots=True)
-class TransferPage:
-    """One page of ListTransfers; pass next_page_token back for the next ("" on the last page)."""
-
-    transfers: tuple[TransferInfo, ...]
-    next_page_token: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +206,7 @@ __all__ = [
     "EngineCapacity",
     "EngineCredits",
     "EngineInfo",
+    "EnginePage",
     "EngineRole",
     "EngineSpec",
     "Event",

@@ -26,6 +26,8 @@ from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
 from rendezvous.pacing import Pacer, paced_cut
 from rendezvous.protocol.errors import Reason, RendezvousError, transfer_not_found
+from rendezvous.protocol.pages import EnginePage, TransferPage
+from rendezvous.protocol.records import EngineCredits
 from rendezvous.protocol.requests import (
     AbortSpec,
     ClaimSpec,
@@ -88,31 +90,15 @@ class _CapacityGate:
     again, on the current record), and a later rule (the budget) may still refuse it: the step only proposes
     its item's usage, which `settle` takes once the item's outcome is known."""
 
-    spent: credits.Usage
+    spent: EngineCredits
     reservations: Mapping[str, credits.Reservation]
-    proposed: credits.Usage | None = None
+    proposed: EngineCredits | None = None
 
     def settle(self, outcome: ItemOutcome) -> None:
         """The item ended: its proposed usage is spent if it was admitted."""
         if outcome.error is None and self.proposed is not None:
             self.spent = self.proposed
         self.proposed = None
-
-
-@dataclass(frozen=True)
-class EnginePage:
-    """One page of ListEngines."""
-
-    engines: list[Engine]
-    next_page_token: str
-
-
-@dataclass(frozen=True)
-class TransferPage:
-    """One page of ListTransfers."""
-
-    transfers: list[Transfer]
-    next_page_token: str
 
 
 class Coordinator:
@@ -278,7 +264,7 @@ class Coordinator:
         page_size: int = 0,
         page_token: str = "",
         weigh: Callable[[Engine], int] = paging.weightless,
-    ) -> EnginePage:
+    ) -> EnginePage[Engine]:
         """Live engines sorted by id, optionally of one pool and role, paged.
 
         A page also ends before it outgrows max_response_bytes by weigh (an engine's size in the
@@ -545,7 +531,7 @@ class Coordinator:
             return list(await asyncio.gather(*calls))
         return [await call for call in calls]
 
-    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> credits.Usage:
+    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> EngineCredits:
         """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
         as many as its capacity admits, so the reads are bounded by it; only counted, without a block limit) and
         its reservations' transfers."""
@@ -577,7 +563,7 @@ class Coordinator:
         wanted = {s.transfer_id for s in specs}
         return _CapacityGate(spent, {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted})
 
-    async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, credits.Usage]:
+    async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, EngineCredits]:
         """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
         now = self.clock()
         limited = [e for e in engines if e.capacity.limited]
@@ -611,7 +597,7 @@ class Coordinator:
             limited = engine is not None and engine.capacity.limited
             spent = await self._usage(engine, ledger.reservations, now) if engine is not None and limited else None
             reservation = credits.reserve(
-                now, engine, spec, existing, transfer, spent or credits.Usage(), ttl, self.limits
+                now, engine, spec, existing, transfer, spent or EngineCredits(), ttl, self.limits
             )
             if await ledger_store.put(reservation, ledger.version, existing):
                 log.debug(
@@ -661,7 +647,7 @@ class Coordinator:
         page_size: int = 0,
         page_token: str = "",
         weigh: Callable[[Transfer], int] = paging.weightless,
-    ) -> TransferPage:
+    ) -> TransferPage[Transfer]:
         """Transfers sorted by id, paged; by default the live ones. A page ends before it outgrows
         max_response_bytes by weigh, as in list_engines."""
         if engine_id:

@@ -1,12 +1,11 @@
-"""The wire mapping of the service's own records (engines, their credits, events); requests and errors map in
-rendezvous.protocol.convert."""
+"""The wire mapping of the service's own records (its engines, events); requests, errors, engine views and
+credits map in rendezvous.protocol.convert."""
 
 from __future__ import annotations
 
-from rendezvous.core.credits import Usage
 from rendezvous.core.model import Engine, Event, Role
 from rendezvous.protocol import convert
-from rendezvous.protocol.convert import duration, fill_transfer, number, set_time, timestamp
+from rendezvous.protocol.convert import fill_transfer, number, set_time
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -31,32 +30,15 @@ def engine_message(
     e: Engine, include_metadata: bool = True, live_transfers: int = 0, include_labels: bool = True
 ) -> pb.Engine:
     """An engine record as a message; without agent metadata bytes or labels when asked."""
-    return pb.Engine(
-        engine_id=e.engine_id,
-        pool=e.pool,
-        role=number(e.role),
-        layout=convert.layout_message(e.layout),
-        agents=[convert.agent_message(a, include_metadata) for a in e.agents],
-        labels=dict(e.labels) if include_labels else None,
-        incarnation=e.incarnation,
-        lease_ttl=duration(e.lease_ttl),
-        lease_expire_time=timestamp(e.lease_expires_at),
-        register_time=timestamp(e.registered_at),
-        live_transfers=live_transfers,
+    return convert.engine_message(
+        e,
+        lease_expire_time=e.lease_expires_at,
+        register_time=e.registered_at,
         watch_start_revision=e.watch_start_revision,
-        capacity=pb.EngineCapacity(max_transfers=e.capacity.max_transfers, max_blocks=e.capacity.max_blocks)
-        if e.capacity.limited
-        else None,
-    )
-
-
-def credits_message(u: Usage) -> pb.EngineCredits:
-    """A consumer's usage of its capacity as a message."""
-    return pb.EngineCredits(
-        transfers_in_use=u.transfers_in_use,
-        blocks_in_use=u.blocks_in_use,
-        transfers_reserved=u.transfers_reserved,
-        blocks_reserved=u.blocks_reserved,
+        capacity=e.capacity,
+        live_transfers=live_transfers,
+        include_metadata=include_metadata,
+        include_labels=include_labels,
     )
 
 

@@ -26,7 +26,16 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.errors import Reason, RendezvousError, clip, error_for
-from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
+from rendezvous.protocol.incarnation import EngineInfo, Incarnation
+from rendezvous.protocol.records import (
+    EngineCapacity,
+    EngineCredits,
+    KvLayout,
+    KvRegion,
+    NixlAgent,
+    TransferTimes,
+    WrittenPart,
+)
 from rendezvous.protocol.requests import (
     AbortSpec,
     ClaimSpec,
@@ -197,6 +206,74 @@ def times(m: pb.TransferTimes) -> TransferTimes:
         source_ready_time=unix_time(m.source_ready_time),
         commit_time=unix_time(m.commit_time),
         end_time=unix_time(m.end_time),
+    )
+
+
+# Engines (an Incarnation: the service's Engine and the SDK's EngineInfo)
+
+
+def credits_message(c: EngineCredits) -> pb.EngineCredits:
+    """A consumer's use of its capacity as a message."""
+    return pb.EngineCredits(
+        transfers_in_use=c.transfers_in_use,
+        blocks_in_use=c.blocks_in_use,
+        transfers_reserved=c.transfers_reserved,
+        blocks_reserved=c.blocks_reserved,
+    )
+
+
+def credits(m: pb.EngineCredits) -> EngineCredits:
+    """An EngineCredits message as a record."""
+    return EngineCredits(m.transfers_in_use, m.blocks_in_use, m.transfers_reserved, m.blocks_reserved)
+
+
+def engine_message(
+    e: Incarnation,
+    *,
+    lease_expire_time: float,
+    register_time: float,
+    watch_start_revision: int,
+    capacity: EngineCapacity,
+    live_transfers: int = 0,
+    include_metadata: bool = True,
+    include_labels: bool = True,
+) -> pb.Engine:
+    """An engine incarnation and what is reported with it as a message; without agent metadata bytes or labels
+    when asked. Its credits, counted apart, are set on the message by who counts them (`credits_message`)."""
+    return pb.Engine(
+        engine_id=e.engine_id,
+        pool=e.pool,
+        role=number(e.role),
+        layout=layout_message(e.layout),
+        agents=[agent_message(a, include_metadata) for a in e.agents],
+        labels=dict(e.labels) if include_labels else None,
+        incarnation=e.incarnation,
+        lease_ttl=duration(e.lease_ttl),
+        lease_expire_time=timestamp(lease_expire_time),
+        register_time=timestamp(register_time),
+        live_transfers=live_transfers,
+        watch_start_revision=watch_start_revision,
+        capacity=capacity_message(capacity),
+    )
+
+
+def engine(m: pb.Engine) -> EngineInfo:
+    """An engine message as a record."""
+    return EngineInfo(
+        engine_id=m.engine_id,
+        pool=m.pool,
+        role=EngineRole(m.role),
+        layout=layout(m.layout),
+        agents=tuple(agent(a) for a in m.agents),
+        labels=dict(m.labels),
+        incarnation=m.incarnation,
+        lease_ttl=seconds(m.lease_ttl),
+        lease_expire_time=unix_time(m.lease_expire_time),
+        live_transfers=m.live_transfers,
+        register_time=unix_time(m.register_time),
+        watch_start_revision=m.watch_start_revision,
+        capacity=EngineCapacity(m.capacity.max_transfers, m.capacity.max_blocks),
+        credits=credits(m.credits),
     )
 
 

@@ -341,7 +341,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         live = await self.coordinator.store.live_transfer_counts([engine.engine_id])
         message = wire.engine_message(engine, live_transfers=live[engine.engine_id])
         for usage in (await self.coordinator.credit_usage([engine])).values():
-            message.credits.CopyFrom(wire.credits_message(usage))
+            message.credits.CopyFrom(convert.credits_message(usage))
         return pb.GetEngineResponse(header=await self._header(), engine=message)
 
     @_rpc(pb.ListEnginesResponse)
@@ -366,7 +366,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         usage = await self.coordinator.credit_usage(page.engines)
         for message in engines:
             if message.engine_id in usage:
-                message.credits.CopyFrom(wire.credits_message(usage[message.engine_id]))
+                message.credits.CopyFrom(convert.credits_message(usage[message.engine_id]))
         return pb.ListEnginesResponse(
             header=await self._header(), engines=engines, next_page_token=page.next_page_token
         )
