@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
@@ -47,11 +48,30 @@ M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
-def _as_error(exc: RendezvousError | StoreUnavailableError) -> RendezvousError:
-    """A failure as the domain error the client sees: store outages are UNAVAILABLE (retry)."""
+def _as_error(exc: Exception, method: str, request_id: str = "") -> RendezvousError:
+    """A failure as the domain error the client sees: store outages are UNAVAILABLE (retry), and anything else
+    unexpected (a bug) is INTERNAL_ERROR, logged with its traceback under a request id the client is told (the
+    call's own request_id, else a fresh one), so an operator can find it from the client's report."""
+    if isinstance(exc, RendezvousError):
+        return exc
     if isinstance(exc, StoreUnavailableError):
         return RendezvousError(Reason.STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
-    return exc
+    request_id = request_id or uuid.uuid4().hex
+    log.error(
+        "%s failed unexpectedly (request id %s)",
+        method,
+        request_id,
+        exc_info=exc,
+        extra={"method": method, "request_id": request_id},
+    )
+    return RendezvousError(
+        Reason.INTERNAL_ERROR, f"internal error; logged with request id {request_id}", request_id=request_id
+    )
+
+
+def _shutting_down() -> RendezvousError:
+    """What an open stream is told when the server stops: UNAVAILABLE, so a client resumes elsewhere or later."""
+    return RendezvousError(Reason.SHUTTING_DOWN, "the server is shutting down; resume on another replica or later")
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RendezvousError) -> None:
@@ -71,9 +91,9 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
             engine_id = getattr(request, "engine_id", "")
             # The call's metadata is read only when tracing is on: off, a span costs nothing.
             incoming = (context.invocation_metadata() or ()) if tracing.enabled() else ()
+            request_id = getattr(request, "request_id", "")
             with tracing.rpc_span(method, engine_id, incoming=incoming):
                 try:
-                    request_id = getattr(request, "request_id", "")
                     key = f"{method}/{engine_id}/{request_id}" if request_id else ""
                     store = self.coordinator.store
                     if key:
@@ -86,8 +106,8 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                         if value is not None:
                             await store.put_response(key, value, self.idempotency_ttl, CALLER_IDENTITY.get())
                     return response
-                except (RendezvousError, StoreUnavailableError) as exc:
-                    err = _as_error(exc)
+                except Exception as exc:
+                    err = _as_error(exc, method, request_id)
                     code = err.code.name
                     await _abort(context, err)
                 finally:
@@ -276,11 +296,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         revision = await (store.answered_revision() if seen else store.revision())
         return pb.ResponseHeader(epoch=store.epoch, revision=revision, server_id=self.server_id)
 
-    async def _refuse(
-        self, context: grpc.aio.ServicerContext, method: str, exc: RendezvousError | StoreUnavailableError
-    ) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         """Fail a stream call with exc, counted under its status code (unary calls: `_rpc`)."""
-        err = _as_error(exc)
+        err = _as_error(exc, method)
         self.metrics.rpcs.labels(method, err.code.name).inc()
         await _abort(context, err)
 
@@ -320,9 +338,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     ) -> AsyncIterator[pb.KeepAliveResponse]:
         async for request in request_iterator:
             try:
+                if self._stopping.is_set():
+                    raise _shutting_down()
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
                 header = await self._header(seen=True)
-            except (RendezvousError, StoreUnavailableError) as exc:
+            except Exception as exc:
                 await self._refuse(context, "KeepAlive", exc)
                 return
             self.metrics.rpcs.labels("KeepAlive", "OK").inc()
@@ -490,7 +510,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         try:
             revision = await coordinator.check_watch(engine_id, request.start_revision)
             self.watchers.enter(engine_id)
-        except (RendezvousError, StoreUnavailableError) as exc:
+        except Exception as exc:
             await self._refuse(context, "Watch", exc)
             return
         self.metrics.rpcs.labels("Watch", "OK").inc()
@@ -529,7 +549,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     )
                 else:
                     await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
-        except (RendezvousError, StoreUnavailableError) as exc:
-            await _abort(context, _as_error(exc))
+            raise _shutting_down()
+        except grpc.aio.AbortError:
+            raise  # the status is already on its way (a slow reader's, rendezvous.server.watch_buffers)
+        except Exception as exc:
+            await _abort(context, _as_error(exc, "Watch"))
         finally:
             self.watchers.leave(engine_id)
