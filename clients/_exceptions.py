@@ -1,10 +1,9 @@
-"""The SDK's exceptions: the protocol's one error tree (rendezvous.protocol.errors), re-exported, and the
-conversion of a failed gRPC call into it.
+"""The conversion of a failed gRPC call into the protocol's one error tree (rendezvous.protocol.errors).
 
-Every failure the clients raise is a `RendezvousError`, of the subclass of its gRPC status code
-(`ResourceExhausted`, `Unavailable`, ...); `reason` is the ErrorInfo reason that says what exactly went
-wrong. The same classes describe per-item failures of batched calls (`ItemResult.error`), and are what
-the service raises.
+Every failure the clients raise is a `RendezvousError` (re-exported by `clients`), of the subclass of its gRPC
+status code (`ResourceExhausted`, `Unavailable`, ...); `reason` is the ErrorInfo reason that says what exactly
+went wrong. The same classes describe per-item failures of batched calls (`ItemResult.error`), and are what the
+service raises.
 """
 
 from __future__ import annotations
@@ -13,28 +12,7 @@ import grpc
 from grpc_status import rpc_status
 
 from rendezvous.protocol.convert import error
-from rendezvous.protocol.errors import (
-    ERROR_DOMAIN,
-    Aborted,
-    AlreadyExists,
-    Cancelled,
-    DataLoss,
-    DeadlineExceeded,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    NotFound,
-    OutOfRange,
-    PermissionDenied,
-    Reason,
-    RendezvousError,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-    Unimplemented,
-    Unknown,
-    error_for,
-)
+from rendezvous.protocol.errors import RendezvousError, error_for
 
 
 def from_rpc_error(rpc_error: grpc.RpcError) -> RendezvousError:
@@ -47,28 +25,3 @@ def from_rpc_error(rpc_error: grpc.RpcError) -> RendezvousError:
     converted = error(status) if status is not None else error_for(call.code(), call.details() or "")
     converted.__cause__ = rpc_error
     return converted
-
-
-__all__ = [
-    "ERROR_DOMAIN",
-    "Aborted",
-    "AlreadyExists",
-    "Cancelled",
-    "DataLoss",
-    "DeadlineExceeded",
-    "FailedPrecondition",
-    "Internal",
-    "InvalidArgument",
-    "NotFound",
-    "OutOfRange",
-    "PermissionDenied",
-    "Reason",
-    "RendezvousError",
-    "ResourceExhausted",
-    "Unauthenticated",
-    "Unavailable",
-    "Unimplemented",
-    "Unknown",
-    "error_for",
-    "from_rpc_error",
-]

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
-from clients._exceptions import NotFound
 from clients._prefix import PrefixIndex
 from clients._roles import mint_transfer_id
 from clients._types import (
@@ -27,6 +26,7 @@ from clients._types import (
 )
 from clients.aio import AsyncRendezvousClient
 from rendezvous.protocol import bindings, kvmap
+from rendezvous.protocol.errors import NotFound
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from typing import Any, Self
 import grpc
 
 from clients._config import SessionConfig
-from clients._exceptions import Cancelled, Reason, RendezvousError
 from clients._retry import Backoff
 from clients._types import (
     AbortSpec,
@@ -42,6 +41,7 @@ from clients._types import (
     TransferState,
 )
 from clients.aio import AsyncRendezvousClient
+from rendezvous.protocol.errors import Cancelled, Reason, RendezvousError
 
 log = logging.getLogger("clients.session")
 

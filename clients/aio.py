@@ -17,8 +17,8 @@ import grpc
 from clients import _commands as commands
 from clients import _convert
 from clients._async_calls import AsyncCalls
-from clients._exceptions import Unavailable
 from clients._types import LeaseRenewal, WatchBatch
+from rendezvous.protocol.errors import Unavailable
 
 
 class AsyncRendezvousClient(AsyncCalls):

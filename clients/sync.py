@@ -16,9 +16,9 @@ import grpc
 
 from clients import _commands as commands
 from clients import _convert
-from clients._exceptions import Unavailable
 from clients._sync_calls import SyncCalls
 from clients._types import LeaseRenewal, WatchBatch
+from rendezvous.protocol.errors import Unavailable
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 

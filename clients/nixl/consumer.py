@@ -37,7 +37,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
-from clients._exceptions import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 from clients._roles import ConsumerSession
 from clients._session import RankSession
 from clients._types import (
@@ -67,6 +66,7 @@ from clients.nixl.producer import agent_for_rank
 from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
+from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 
 if TYPE_CHECKING:
     import torch

@@ -17,10 +17,11 @@ from clients import (
     RendezvousError,
     Unavailable,
 )
-from clients._exceptions import error_for, from_rpc_error
+from clients._exceptions import from_rpc_error
 from rendezvous.protocol import errors as protocol_errors
 from rendezvous.protocol.convert import error as from_status
 from rendezvous.protocol.convert import error_status
+from rendezvous.protocol.errors import error_for
 
 
 def rich_status(code: grpc.StatusCode, message: str, reason: str, **metadata: str) -> status_pb2.Status:

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from clients import AsyncRendezvousClient, TransferState, WrittenPart
-from clients._exceptions import InvalidArgument
+from clients import AsyncRendezvousClient, InvalidArgument, TransferState, WrittenPart
 from clients._types import CompletionSpec, KvLayout
 from clients.nixl import BlockRangeError
 from clients.nixl.agent import NixlEndpoint
