@@ -106,7 +106,8 @@ class ItemResult:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One change that concerns an engine, from its Watch stream."""
+    """One change that concerns an engine, from its Watch stream. `revision` is its position in the engine's
+    event log (1, 2, 3, ...; resume a Watch from the last one + 1), not the store-wide header revision."""
 
     revision: int
     type: EventType

@@ -133,7 +133,8 @@ def blocks_digest(blocks: tuple[int, ...] | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """A change that concerns one engine; the store assigns its revision."""
+    """A change that concerns one engine; the store assigns its `revision`: its position in that engine's event
+    log (1, 2, 3, ...), not the store-wide revision of response headers."""
 
     type: EventType
     time: float
