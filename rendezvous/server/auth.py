@@ -1,4 +1,4 @@
-"""Who may call what: identities (rendezvous.server.policy) checked on every request.
+"""Who may call what: identities (rendezvous.server.authfile) checked on every request.
 
 An engine identity may register, renew, deregister, watch and act on transfers for its own engines
 only, and only with the roles and in the pools it is bound to; the `router` role may read
@@ -27,9 +27,17 @@ from grpc_status import rpc_status
 from rendezvous.core.model import Engine, Role
 from rendezvous.protocol import convert
 from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.server.authfile import (
+    ADMIN,
+    BINDING_EXEMPT,
+    CALLER_IDENTITY,
+    RELOAD_CHECK,
+    ROUTER,
+    AuthPolicy,
+    Identity,
+)
 from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import ADMIN, BINDING_EXEMPT, CALLER_IDENTITY, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.server.turns import FairTurns
 from rendezvous.store.base import StoreUnavailableError

@@ -33,8 +33,8 @@ from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.requests import CompletionSpec, SourceReadySpec, TargetSpec
 from rendezvous.server import idempotency
+from rendezvous.server.authfile import BINDING_EXEMPT, CALLER_IDENTITY
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
 from rendezvous.server.watch_buffers import Stream, WatchBuffers
 from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb

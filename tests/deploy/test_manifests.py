@@ -22,8 +22,8 @@ from clients.nixl.metrics import DataPlaneMetrics
 from connector.admission import RouterMetrics
 from connector.config import ConnectorConfig
 from rendezvous.cli import build_parser
+from rendezvous.server.authfile import AuthPolicy
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import AuthPolicy
 from rendezvous.store.redis import parse_url
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
