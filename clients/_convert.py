@@ -13,6 +13,7 @@ from clients._types import (
     ItemResult,
     LeaseRenewal,
     Registration,
+    ServerEvent,
     ServerStatus,
     TransferInfo,
     TransferPage,
@@ -56,7 +57,7 @@ def transfer(m: pb.Transfer) -> TransferInfo:
     return convert.transfer(m, TransferInfo)
 
 
-def event(m: pb.Event) -> Event:
+def event(m: pb.Event) -> ServerEvent:
     """An event message as a record."""
     return Event(
         revision=m.revision,

@@ -28,13 +28,13 @@ from clients._types import (
     EngineInfo,
     EngineRole,
     EngineSpec,
-    Event,
     EventType,
     ItemResult,
     Registration,
     Reregistered,
     Resynced,
     RevocationAck,
+    ServerEvent,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -110,7 +110,7 @@ class LiveTransfers:
             elif result.ok or (result.error is not None and result.error.reason in _TRANSFER_GONE):
                 self.end(spec.transfer_id)
 
-    def on_event(self, event: Event) -> None:
+    def on_event(self, event: ServerEvent) -> None:
         """Note an event: committed and aborted transfers are over."""
         if event.type in _ENDING_EVENTS and event.transfer is not None:
             self.end(event.transfer.transfer_id)

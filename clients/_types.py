@@ -22,6 +22,7 @@ from rendezvous.protocol.enums import (
     TransferState,
 )
 from rendezvous.protocol.errors import RendezvousError
+from rendezvous.protocol.events import Event
 from rendezvous.protocol.incarnation import EngineInfo
 from rendezvous.protocol.pages import EnginePage, TransferPage
 from rendezvous.protocol.records import (
@@ -104,24 +105,17 @@ class ItemResult:
 # Events
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One change that concerns an engine, from its Watch stream. `revision` is its position in the engine's
-    event log (1, 2, 3, ...; resume a Watch from the last one + 1), not the store-wide header revision."""
-
-    revision: int
-    type: EventType
-    transfer: TransferInfo | None
-    generation: int
-    peer: EngineInfo | None
-    time: float
+ServerEvent = Event[TransferInfo, EngineInfo]
+"""An event as the SDK reads it from a Watch: the protocol's `Event` (one type with the service's) over the SDK's
+views of transfers and engines. `revision` is its position in the engine's log (1, 2, 3, ...; resume a Watch from
+the last one + 1), not the store-wide header revision."""
 
 
 @dataclass(frozen=True, slots=True)
 class WatchBatch:
     """One message of a Watch stream: events in revision order, or a request to resync."""
 
-    events: tuple[Event, ...]
+    events: tuple[ServerEvent, ...]
     resync_required: bool
     resync_revision: int
     epoch: int
@@ -155,7 +149,7 @@ class Reregistered:
     results: tuple[ItemResult, ...]
 
 
-SessionEvent = Event | Resynced | Reregistered
+SessionEvent = ServerEvent | Resynced | Reregistered
 """What an engine session delivers: server events and the two synthetic notifications."""
 
 

@@ -306,7 +306,7 @@ class Coordinator:
                     aborted += 1
                 peers.update(a.engine_id for a in result.events)
         if peers:
-            note = Event(EventType.PEER_LOST, ctx.now, peer=lost)
+            note: Event[Transfer, Engine] = Event(EventType.PEER_LOST, ctx.now, peer=lost)
             await self.store.append_events([Addressed(p, note) for p in sorted(peers)])
         if aborted:
             log.warning("engine lost", extra={"engine_id": lost.engine_id, "aborted_transfers": aborted})

@@ -3,7 +3,7 @@ credits map in rendezvous.protocol.convert."""
 
 from __future__ import annotations
 
-from rendezvous.core.model import Engine, Event, Role
+from rendezvous.core.model import Engine, Event, Role, Transfer
 from rendezvous.protocol import convert
 from rendezvous.protocol.convert import fill_transfer, number, set_time
 from rendezvous.protocol.errors import Reason, RendezvousError
@@ -63,14 +63,14 @@ def _peer_message(e: Engine) -> pb.Engine:
     return message
 
 
-def event_message(e: Event) -> pb.Event:
+def event_message(e: Event[Transfer, Engine]) -> pb.Event:
     """An event as a message."""
     m = pb.Event()
     fill_event(m, e)
     return m
 
 
-def fill_event(m: pb.Event, e: Event) -> None:
+def fill_event(m: pb.Event, e: Event[Transfer, Engine]) -> None:
     """Set an empty Event message (a new one, or an item of a response: no copy) to an event."""
     m.revision = e.revision
     m.type = number(e.type)

@@ -45,13 +45,13 @@ from clients._types import (
     CompletionOutcome,
     CompletionSpec,
     EngineCapacity,
-    Event,
     EventType,
     ItemResult,
     NixlAgentInfo,
     ReleaseSpec,
     Reregistered,
     Resynced,
+    ServerEvent,
     SessionEvent,
     TargetSpec,
     TransferMode,
@@ -379,7 +379,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         else:
             self._on_server_event(item)
 
-    def _on_server_event(self, event: Event) -> None:
+    def _on_server_event(self, event: ServerEvent) -> None:
         info = event.transfer
         if event.type is EventType.PEER_LOST and event.peer is not None:
             assert self._thread is not None
@@ -433,7 +433,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         else:
             self._deliver(result)
 
-    def _source_ready(self, event: Event) -> None:
+    def _source_ready(self, event: ServerEvent) -> None:
         info, peer = event.transfer, event.peer
         assert info is not None and self._thread is not None
         target = self._targets.get(info.transfer_id)

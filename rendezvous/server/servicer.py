@@ -211,7 +211,7 @@ def _weigh(message: Message) -> int:
     return message.ByteSize() + _FRAMING_BYTES
 
 
-def _event_responses(events: Sequence[Event], budget: int) -> Iterator[pb.WatchResponse]:
+def _event_responses(events: Sequence[Event[Transfer, Engine]], budget: int) -> Iterator[pb.WatchResponse]:
     """The events in order, in consecutive responses whose events weigh at most budget in all (`_weigh`), or of
     one event that alone weighs more (as `paging.chunks` cuts them). Each event is built in its response
     (no copy); one that does not fit moves to the next response. Lazy, like `paging.chunks`."""

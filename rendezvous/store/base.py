@@ -41,7 +41,7 @@ class EventPage:
     no record (never registered, or its tombstone was dropped), so it has no log either.
     """
 
-    events: Sequence[Event]
+    events: Sequence[Event[Transfer, Engine]]
     last_revision: int
     resync_revision: int | None = None
     forgotten: bool = False

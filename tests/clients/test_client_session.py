@@ -27,6 +27,7 @@ from clients import (
     ReleaseSpec,
     Reregistered,
     Resynced,
+    ServerEvent,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -51,9 +52,9 @@ def is_reregistered(event: SessionEvent) -> bool:
     return isinstance(event, Reregistered)
 
 
-async def collect_assignments(events: AsyncIterator[SessionEvent], transfer_ids: set[str]) -> list[Event]:
+async def collect_assignments(events: AsyncIterator[SessionEvent], transfer_ids: set[str]) -> list[ServerEvent]:
     """Events up to the assignment of every one of transfer_ids."""
-    seen: list[Event] = []
+    seen: list[ServerEvent] = []
 
     async def run() -> None:
         async for event in events:
@@ -299,7 +300,9 @@ def test_live_transfers_end_on_commit_or_abort_events_and_follow_a_resync() -> N
     live = LiveTransfers()
     live.claims.update({t: ClaimSpec(t) for t in ("a", "b", "c")})
     live.sources["a"] = SourceReadySpec("a", [1])
-    committed = Event(1, EventType.TRANSFER_COMMITTED, TransferInfo("a", TransferState.COMMITTED), 1, None, 0.0)
+    committed: ServerEvent = Event(
+        EventType.TRANSFER_COMMITTED, 0.0, TransferInfo("a", TransferState.COMMITTED), 1, revision=1
+    )
     live.on_event(committed)
     assert "a" not in live and len(live) == 2
     live.retain(["c"])

@@ -12,6 +12,7 @@ from rendezvous.core import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    Engine,
     Event,
     EventType,
     Limits,
@@ -26,6 +27,7 @@ from rendezvous.core import (
     State,
     TargetSpec,
     Timeouts,
+    Transfer,
 )
 from rendezvous.core.transfers import TOMBSTONE_BLOCK_IDS
 from rendezvous.store import MemoryStore
@@ -47,7 +49,7 @@ class World:
         self.p1 = run(self.coord.register_engine(engine_spec("p1", Role.PRODUCER)))[0]
         self.seen = {"d1": 0, "p1": 0}
 
-    def events(self, engine_id: str) -> list[Event]:
+    def events(self, engine_id: str) -> list[Event[Transfer, Engine]]:
         """Events of an engine since the last call."""
         page = run(self.store.read_events(engine_id, self.seen.get(engine_id, 0) + 1, 10_000))
         if page.events:
@@ -78,7 +80,7 @@ def reason(outcome: ItemOutcome) -> str:
     return outcome.error.reason
 
 
-def types(events: list[Event]) -> list[EventType]:
+def types(events: list[Event[Transfer, Engine]]) -> list[EventType]:
     return [e.type for e in events]
 
 

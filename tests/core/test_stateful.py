@@ -45,6 +45,7 @@ from rendezvous.core import (
     State,
     TargetSpec,
     Timeouts,
+    Transfer,
 )
 from rendezvous.core.engines import end_incarnation, register_engine
 from rendezvous.protocol.records import WrittenPart
@@ -153,7 +154,7 @@ class Lifecycle(RuleBasedStateMachine):
                 self.seen[engine_id] = event.revision
                 self._check_event(engine_id, event)
 
-    def _check_event(self, engine_id: str, event: Event) -> None:
+    def _check_event(self, engine_id: str, event: Event[Transfer, Engine]) -> None:
         t = event.transfer
         if t is not None:
             assert engine_id in t.participants(), f"{event.type.name} for {t.transfer_id} sent to outsider {engine_id}"

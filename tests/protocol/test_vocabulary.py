@@ -21,6 +21,8 @@ def test_service_and_sdk_share_the_same_objects() -> None:
     assert clients.EngineRole is core.Role
     assert clients.KvLayout is core.KvLayout
     assert clients.NixlAgentInfo is core.NixlAgent
+    assert clients.Event is core.Event and clients.RendezvousError is core.RendezvousError
+    assert clients.TargetSpec is core.TargetSpec and clients.EngineSpec is core.EngineSpec
 
 
 def test_enum_numbers_equal_the_protos() -> None:
