@@ -39,8 +39,18 @@ async def lifecycles(count: int, batch: int) -> float:
     from rendezvous import wire
     from rendezvous.coordinator import Coordinator
     from rendezvous.core.model import KvLayout, KvRegion, NixlAgent, Outcome, Role
-    from rendezvous.core.specs import ClaimSpec, CompletionSpec, EngineSpec, ReleaseSpec, TargetSpec
     from rendezvous.store.memory import MemoryStore
+
+    try:
+        from rendezvous.protocol.requests import ClaimSpec, CompletionSpec, EngineSpec, ReleaseSpec, TargetSpec
+    except ImportError:  # a checkout before issue 26 keeps them in rendezvous.core.specs
+        from rendezvous.core.specs import (  # type: ignore[import-not-found,no-redef]
+            ClaimSpec,
+            CompletionSpec,
+            EngineSpec,
+            ReleaseSpec,
+            TargetSpec,
+        )
 
     layout = KvLayout(model_fingerprint="bench", dtype="float32", block_size=16, num_layers=2)
     regions = (KvRegion(1 << 20, 4096, 4096, 100_000),)
@@ -60,7 +70,7 @@ async def lifecycles(count: int, batch: int) -> float:
     for first in range(0, count, batch):
         ids = [f"t-{i}" for i in range(first, first + batch)]
         blocks = [tuple((i * 16 + b) % 100_000 for b in range(16)) for i in range(first, first + batch)]
-        targets = [TargetSpec(t, b, 1, 256) for t, b in zip(ids, blocks, strict=True)]
+        targets = [TargetSpec(t, b, generation=1, num_tokens=256) for t, b in zip(ids, blocks, strict=True)]
         await coordinator.register_targets("c", 0, targets)
         await coordinator.claim_transfers("p", 0, [ClaimSpec(t) for t in ids])
         await deliver("p")

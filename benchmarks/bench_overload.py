@@ -124,12 +124,12 @@ class Server:
         text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=30).read().decode()
         counts: Counter[tuple[str, str]] = Counter()
         for line in text.splitlines():
-            if line.startswith("rendezvous_rpcs_total{"):
-                labels, value = line[len("rendezvous_rpcs_total{") :].rsplit("} ", 1)
+            if line.startswith("kv_rendezvous_rpcs_total{"):
+                labels, value = line[len("kv_rendezvous_rpcs_total{") :].rsplit("} ", 1)
                 parsed = dict(part.split("=", 1) for part in labels.split(","))
                 counts[(parsed["method"].strip('"'), parsed["code"].strip('"'))] += int(float(value))
-            elif line.startswith("rendezvous_rejected_calls_total{"):
-                labels, value = line[len("rendezvous_rejected_calls_total{") :].rsplit("} ", 1)
+            elif line.startswith("kv_rendezvous_rejected_calls_total{"):
+                labels, value = line[len("kv_rendezvous_rejected_calls_total{") :].rsplit("} ", 1)
                 reason = labels.split("=", 1)[1].strip('"')
                 counts[("REJECTED", reason)] += int(float(value))
         return counts

@@ -88,7 +88,6 @@ from clients import (  # noqa: E402
     ConsumerSession,
     EngineSession,
     EngineSpec,
-    Event,
     EventType,
     ItemResult,
     KvRegion,
@@ -101,6 +100,7 @@ from clients import (  # noqa: E402
     Reregistered,
     Resynced,
     RevocationAck,
+    ServerEvent,
     SessionEvent,
     TargetSpec,
     TransferInfo,
@@ -517,7 +517,7 @@ class SimEngine:
     async def drain(self) -> None:
         """End what the process still holds, once the chaos stopped and the grace period passed."""
 
-    def _seen(self, life: Life, item: SessionEvent) -> Event | None:
+    def _seen(self, life: Life, item: SessionEvent) -> ServerEvent | None:
         """Count a session item; the server event it is, if one."""
         if isinstance(item, Reregistered):
             self.ledger.reregistrations[item.cause] += 1

@@ -18,27 +18,6 @@ from clients._config import (
     SessionConfig,
     TLSConfig,
 )
-from clients._exceptions import (
-    ERROR_DOMAIN,
-    Aborted,
-    AlreadyExists,
-    Cancelled,
-    DataLoss,
-    DeadlineExceeded,
-    FailedPrecondition,
-    Internal,
-    InvalidArgument,
-    NotFound,
-    OutOfRange,
-    PermissionDenied,
-    Reason,
-    RendezvousError,
-    ResourceExhausted,
-    Unauthenticated,
-    Unavailable,
-    Unimplemented,
-    Unknown,
-)
 from clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
 from clients._router import PickPolicy, RouterClient, layout_difference
 from clients._session import EPOCH_CHANGED, EngineSession, EventHandler, LiveTransfers, RankSession
@@ -69,6 +48,7 @@ from clients._types import (
     Reregistered,
     Resynced,
     RevocationAck,
+    ServerEvent,
     ServerStatus,
     SessionEvent,
     SourceReadySpec,
@@ -83,6 +63,27 @@ from clients._types import (
 )
 from clients.aio import AsyncKeepAliveStream, AsyncRendezvousClient, AsyncWatchStream
 from clients.sync import KeepAliveStream, RendezvousClient, WatchStream
+from rendezvous.protocol.errors import (
+    ERROR_DOMAIN,
+    Aborted,
+    AlreadyExists,
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    PermissionDenied,
+    Reason,
+    RendezvousError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+    Unknown,
+)
 
 __all__ = [
     "EPOCH_CHANGED",
@@ -146,6 +147,7 @@ __all__ = [
     "RetryPolicy",
     "RevocationAck",
     "RouterClient",
+    "ServerEvent",
     "ServerStatus",
     "SessionConfig",
     "SessionEvent",

@@ -18,7 +18,6 @@ import grpc
 from clients import _commands as commands
 from clients._commands import Call
 from clients._config import ClientConfig
-from clients._exceptions import RendezvousError
 from clients._retry import Attempts
 from clients._transport import ClientBase
 from clients._types import (
@@ -41,6 +40,7 @@ from clients._types import (
     TransferPage,
     TransferState,
 )
+from rendezvous.protocol.errors import RendezvousError
 
 ResultT = TypeVar("ResultT")
 
@@ -263,7 +263,7 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         page_size: int = 0,
         page_token: str = "",
         timeout: float | None = None,
-    ) -> TransferPage:
+    ) -> TransferPage[TransferInfo]:
         """One page of transfers sorted by id, optionally of one engine; no states means the live ones."""
         return await self._invoke(commands.list_transfers(engine_id, states, page_size, page_token), timeout)
 

@@ -37,6 +37,7 @@ from clients._types import (
     TransferPage,
     TransferState,
 )
+from rendezvous.protocol import convert
 from rendezvous.protocol.convert import duration, number
 from rendezvous.v1 import rendezvous_pb2 as pb
 
@@ -74,7 +75,7 @@ def _only_item(response: _convert._BatchResponse) -> ItemResult:
 
 def register_engine(spec: EngineSpec) -> Call[Registration]:
     """RegisterEngine: a new incarnation of spec."""
-    return Call("RegisterEngine", _convert.register_engine_request(spec, new_request_id()), _convert.registration)
+    return Call("RegisterEngine", convert.register_engine_request(spec, new_request_id()), _convert.registration)
 
 
 def deregister_engine(engine_id: str, incarnation: int) -> Call[int]:
@@ -93,12 +94,12 @@ def get_engine(engine_id: str) -> Call[EngineInfo]:
 
 
 def _engine(response: pb.GetEngineResponse) -> EngineInfo:
-    return _convert.engine(response.engine)
+    return convert.engine(response.engine)
 
 
 def list_engines(
     pool: str, role: EngineRole | None, omit_agent_metadata: bool, omit_labels: bool, page_size: int, page_token: str
-) -> Call[EnginePage]:
+) -> Call[EnginePage[EngineInfo]]:
     """ListEngines: one page, optionally of one pool and role."""
     request = pb.ListEnginesRequest(
         pool=pool,
@@ -122,17 +123,21 @@ def _batched(request_type: type[Message], engine_id: str, incarnation: int, **it
 
 def register_targets(engine_id: str, incarnation: int, targets: Iterable[TargetSpec]) -> Call[list[ItemResult]]:
     """RegisterTarget."""
-    return _batched(pb.RegisterTargetRequest, engine_id, incarnation, targets=_convert.target_messages(targets))
+    return _batched(
+        pb.RegisterTargetRequest, engine_id, incarnation, targets=[convert.target_message(t) for t in targets]
+    )
 
 
 def claim_transfers(engine_id: str, incarnation: int, claims: Iterable[ClaimSpec]) -> Call[list[ItemResult]]:
     """ClaimTransfer."""
-    return _batched(pb.ClaimTransferRequest, engine_id, incarnation, claims=_convert.claim_messages(claims))
+    return _batched(pb.ClaimTransferRequest, engine_id, incarnation, claims=[convert.claim_message(c) for c in claims])
 
 
 def mark_sources_ready(engine_id: str, incarnation: int, sources: Iterable[SourceReadySpec]) -> Call[list[ItemResult]]:
     """MarkSourceReady."""
-    return _batched(pb.MarkSourceReadyRequest, engine_id, incarnation, sources=_convert.source_messages(sources))
+    return _batched(
+        pb.MarkSourceReadyRequest, engine_id, incarnation, sources=[convert.source_message(s) for s in sources]
+    )
 
 
 def complete_transfers(
@@ -140,32 +145,37 @@ def complete_transfers(
 ) -> Call[list[ItemResult]]:
     """CompleteTransfer."""
     return _batched(
-        pb.CompleteTransferRequest, engine_id, incarnation, completions=_convert.completion_messages(completions)
+        pb.CompleteTransferRequest,
+        engine_id,
+        incarnation,
+        completions=[convert.completion_message(c) for c in completions],
     )
 
 
 def acknowledge_revocations(engine_id: str, incarnation: int, acks: Iterable[RevocationAck]) -> Call[list[ItemResult]]:
     """AcknowledgeRevocation."""
-    return _batched(pb.AcknowledgeRevocationRequest, engine_id, incarnation, acks=_convert.ack_messages(acks))
+    return _batched(
+        pb.AcknowledgeRevocationRequest, engine_id, incarnation, acks=[convert.ack_message(a) for a in acks]
+    )
 
 
 def release_targets(engine_id: str, incarnation: int, releases: Iterable[ReleaseSpec]) -> Call[list[ItemResult]]:
     """ReleaseTarget."""
-    return _batched(pb.ReleaseTargetRequest, engine_id, incarnation, releases=_convert.release_messages(releases))
+    return _batched(
+        pb.ReleaseTargetRequest, engine_id, incarnation, releases=[convert.release_message(r) for r in releases]
+    )
 
 
 def abort_transfers(engine_id: str, incarnation: int, aborts: Iterable[AbortSpec]) -> Call[list[ItemResult]]:
     """AbortTransfer; engine_id "" aborts as a router or operator."""
-    return _batched(pb.AbortTransferRequest, engine_id, incarnation, aborts=_convert.abort_messages(aborts))
+    return _batched(pb.AbortTransferRequest, engine_id, incarnation, aborts=[convert.abort_message(a) for a in aborts])
 
 
 def reserve_credits(reservations: Iterable[CreditSpec], ttl: float) -> Call[list[CreditResult]]:
     """ReserveCredits (a router's): credit on consumer engines for transfer ids, for ttl seconds (0: default)."""
     request = pb.ReserveCreditsRequest(
         request_id=new_request_id(),
-        reservations=[
-            pb.CreditSpec(transfer_id=r.transfer_id, engine_id=r.engine_id, blocks=r.blocks) for r in reservations
-        ],
+        reservations=[convert.credit_message(r) for r in reservations],
         ttl=duration(ttl),
     )
     return Call("ReserveCredits", request, _convert.credit_results)
@@ -188,7 +198,7 @@ def _transfer(response: pb.GetTransferResponse) -> TransferInfo:
 
 def list_transfers(
     engine_id: str, states: Sequence[TransferState], page_size: int, page_token: str
-) -> Call[TransferPage]:
+) -> Call[TransferPage[TransferInfo]]:
     """ListTransfers: one page, by default of live transfers."""
     request = pb.ListTransfersRequest(
         engine_id=engine_id,

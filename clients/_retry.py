@@ -8,7 +8,7 @@ from collections.abc import Callable
 import grpc
 
 from clients._config import RetryPolicy
-from clients._exceptions import RendezvousError
+from rendezvous.protocol.errors import RendezvousError
 
 
 class Attempts:

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
-from clients._exceptions import NotFound
 from clients._prefix import PrefixIndex
 from clients._roles import mint_transfer_id
 from clients._types import (
@@ -27,6 +26,7 @@ from clients._types import (
 )
 from clients.aio import AsyncRendezvousClient
 from rendezvous.protocol import bindings, kvmap
+from rendezvous.protocol.errors import NotFound
 
 log = logging.getLogger(__name__)
 
@@ -191,14 +191,15 @@ class RouterClient:
         names = (pools,) if isinstance(pools, str) else tuple(pools)
         engines = [engine for pool in names for engine in await self._live(pool, role)]
         if not engines:
-            raise NotFound(f"no live {role.name.lower()} engine in pool(s) {', '.join(names)}")
+            raise NotFound("", f"no live {role.name.lower()} engine in pool(s) {', '.join(names)}")
         if layout is not None:
             compatible = [e for e in engines if _difference(e, layout, role) is None]
             if not compatible:
                 why = _difference(engines[0], layout, role)
                 raise NotFound(
+                    "",
                     f"no {role.name.lower()} engine in pool(s) {', '.join(names)} has a compatible KV layout "
-                    f"({engines[0].engine_id}: {why})"
+                    f"({engines[0].engine_id}: {why})",
                 )
             engines = compatible
         turn = self._turns[(names, role)]

@@ -20,7 +20,6 @@ from typing import Any, Self
 import grpc
 
 from clients._config import SessionConfig
-from clients._exceptions import Cancelled, Reason, RendezvousError
 from clients._retry import Backoff
 from clients._types import (
     AbortSpec,
@@ -29,19 +28,20 @@ from clients._types import (
     EngineInfo,
     EngineRole,
     EngineSpec,
-    Event,
     EventType,
     ItemResult,
     Registration,
     Reregistered,
     Resynced,
     RevocationAck,
+    ServerEvent,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
     TransferState,
 )
 from clients.aio import AsyncRendezvousClient
+from rendezvous.protocol.errors import Cancelled, Reason, RendezvousError
 
 log = logging.getLogger("clients.session")
 
@@ -110,7 +110,7 @@ class LiveTransfers:
             elif result.ok or (result.error is not None and result.error.reason in _TRANSFER_GONE):
                 self.end(spec.transfer_id)
 
-    def on_event(self, event: Event) -> None:
+    def on_event(self, event: ServerEvent) -> None:
         """Note an event: committed and aborted transfers are over."""
         if event.type in _ENDING_EVENTS and event.transfer is not None:
             self.end(event.transfer.transfer_id)
@@ -307,7 +307,7 @@ class EngineSession:
         if self._failure is not None:
             raise self._failure
         if self._closed:
-            raise Cancelled(f"the session of engine {self.engine_id} is closed")
+            raise Cancelled("", f"the session of engine {self.engine_id} is closed")
         return self._registered().engine.incarnation
 
     def _replaced(self, err: RendezvousError, incarnation: int) -> bool:

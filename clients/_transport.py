@@ -11,8 +11,9 @@ import grpc
 
 from clients._commands import Call
 from clients._config import ClientConfig
-from clients._exceptions import RendezvousError, from_rpc_error
+from clients._exceptions import from_rpc_error
 from rendezvous.protocol import tracing
+from rendezvous.protocol.errors import RendezvousError
 from rendezvous.protocol.tracing import Span
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 

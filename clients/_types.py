@@ -1,16 +1,16 @@
 """What SDK users see: enums and frozen records of engines, transfers and events.
 
-No protobuf here; `clients._convert` maps these to and from the wire. Enum values equal the
+No protobuf here; `clients._convert` maps these from the wire. The requests (`TargetSpec`, ...) are the
+protocol's (rendezvous.protocol.requests), re-exported. Enum values equal the
 protocol's numbers; a value this client does not know (a newer server) reads as UNSPECIFIED.
 Times are seconds since the Unix epoch as floats, 0.0 meaning "not set"; durations are seconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from clients._exceptions import RendezvousError
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.enums import (
     AbortReason,
@@ -21,78 +21,34 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
-from rendezvous.protocol.incarnation import Incarnation
-from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
+from rendezvous.protocol.errors import RendezvousError
+from rendezvous.protocol.events import Event
+from rendezvous.protocol.incarnation import EngineInfo
+from rendezvous.protocol.pages import EnginePage, TransferPage
+from rendezvous.protocol.records import (
+    EngineCapacity,
+    EngineCredits,
+    KvLayout,
+    KvRegion,
+    NixlAgent,
+    TransferTimes,
+    WrittenPart,
+)
+from rendezvous.protocol.requests import (
+    AbortSpec,
+    ClaimSpec,
+    CompletionSpec,
+    CreditSpec,
+    EngineSpec,
+    ReleaseSpec,
+    RevocationAck,
+    SourceReadySpec,
+    TargetSpec,
+)
 from rendezvous.protocol.transfer import TransferRecord
 
 NixlAgentInfo = NixlAgent
 """The SDK's name for a rank's NIXL agent record (the protocol's NixlAgent)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    """What an engine registers: identity, role, layout and agents. lease_ttl 0 = server default."""
-
-    engine_id: str
-    pool: str
-    role: EngineRole
-    layout: KvLayout = field(default_factory=KvLayout)
-    agents: tuple[NixlAgentInfo, ...] = ()
-    labels: Mapping[str, str] = field(default_factory=dict)
-    lease_ttl: float = 0.0
-    capacity: EngineCapacity = field(default_factory=EngineCapacity)
-    """Consumers: what the engine admits at once (live targets, their blocks); 0 fields: no limit. The
-    service refuses RegisterTarget and ReserveCredits beyond it (ENGINE_CAPACITY_EXCEEDED)."""
-
-    def __post_init__(self) -> None:
-        if self.capacity.max_transfers < 0 or self.capacity.max_blocks < 0:
-            raise ValueError(f"a capacity must not be negative: {self.capacity}")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCredits:
-    """What of a consumer's capacity is spent, as the service counts it: live targets and reservations."""
-
-    transfers_in_use: int = 0
-    blocks_in_use: int = 0
-    transfers_reserved: int = 0
-    blocks_reserved: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo(Incarnation):
-    """A registered engine incarnation as the server reports it."""
-
-    lease_expire_time: float
-    live_transfers: int
-    register_time: float
-    watch_start_revision: int = 0
-    """A Watch from here sees every event of this incarnation (how an engine's other ranks follow it)."""
-    capacity: EngineCapacity = field(default_factory=EngineCapacity)
-    """What the engine admits at once (0 fields: no limit)."""
-    credits: EngineCredits = field(default_factory=EngineCredits)
-    """What of the capacity is in use and reserved (as of the listing)."""
-
-    @property
-    def free_transfers(self) -> int | None:
-        """Transfers the engine has room for (capacity - in use - reserved, not below 0); None: no limit."""
-        if not self.capacity.max_transfers:
-            return None
-        c = self.credits
-        return max(self.capacity.max_transfers - c.transfers_in_use - c.transfers_reserved, 0)
-
-    @property
-    def free_blocks(self) -> int | None:
-        """Blocks the engine has room for; None: no limit."""
-        if not self.capacity.max_blocks:
-            return None
-        c = self.credits
-        return max(self.capacity.max_blocks - c.blocks_in_use - c.blocks_reserved, 0)
-
-    def has_credit(self, blocks: int = 0) -> bool:
-        """Whether one more transfer of `blocks` fits in what is free (always, without a capacity)."""
-        transfers, free_blocks = self.free_transfers, self.free_blocks
-        return (transfers is None or transfers > 0) and (free_blocks is None or free_blocks >= blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,22 +81,6 @@ class TransferInfo(TransferRecord):
 
 
 @dataclass(frozen=True, slots=True)
-class EnginePage:
-    """One page of ListEngines; pass next_page_token back for the next ("" on the last page)."""
-
-    engines: tuple[EngineInfo, ...]
-    next_page_token: str
-
-
-@dataclass(frozen=True, slots=True)
-class TransferPage:
-    """One page of ListTransfers; pass next_page_token back for the next ("" on the last page)."""
-
-    transfers: tuple[TransferInfo, ...]
-    next_page_token: str
-
-
-@dataclass(frozen=True, slots=True)
 class ItemResult:
     """The outcome of one item of a batched call: the transfer's state after it, or an error."""
 
@@ -162,108 +102,20 @@ class ItemResult:
         return self
 
 
-# Operations (inputs of the batched calls)
-
-
-@dataclass(frozen=True, slots=True)
-class TargetSpec:
-    """A consumer's destination blocks for one generation of a transfer. timeout 0 = server default."""
-
-    transfer_id: str
-    block_ids: Sequence[int]
-    num_tokens: int = 0
-    generation: int = 1
-    timeout: float = 0.0
-    mode: TransferMode = TransferMode.PUSH
-    binding: Binding | None = None
-    """The router's binding of the transfer to this consumer (from the request's `kv_transfer_params`)."""
-    progressive: bool = False
-    """Accept progressive writes: the producer may write parts as their KV is computed (push only, and
-    num_tokens must be stated). The consumer still learns of the bytes only from the commit."""
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimSpec:
-    """A producer's claim on a transfer. timeout 0 = server default."""
-
-    transfer_id: str
-    timeout: float = 0.0
-    binding: Binding | None = None
-    """The router's binding of the transfer to this producer (from the request's `kv_transfer_params`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SourceReadySpec:
-    """A producer's computed source blocks for a transfer."""
-
-    transfer_id: str
-    block_ids: Sequence[int]
-    binding: Binding | None = None
-    """The router's binding, checked by the service when this claims the transfer."""
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionSpec:
-    """The outcome of moving a generation's bytes (the producer in push mode, the consumer in pull)."""
-
-    transfer_id: str
-    generation: int
-    outcome: CompletionOutcome = CompletionOutcome.SUCCEEDED
-    message: str = ""
-    ranks: tuple[int, ...] = ()
-    """Ranks of a multi-rank engine whose share this reports; () = all. The generation commits once every
-    rank reported success; a failure of any rank aborts the transfer."""
-    parts: tuple[WrittenPart, ...] = ()
-    """With SUCCEEDED, for a progressive transfer: the parts these ranks wrote, which must tile their share
-    (every target token x every layer they hold) without overlap; () = the whole share in one write."""
-
-
-@dataclass(frozen=True, slots=True)
-class RevocationAck:
-    """A producer's promise not to write a revoked generation."""
-
-    transfer_id: str
-    generation: int
-    ranks: tuple[int, ...] = ()
-    """Producer ranks that make the promise; () = all."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseSpec:
-    """A consumer is done with a committed generation of a transfer."""
-
-    transfer_id: str
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class AbortSpec:
-    """Abort a transfer, with a message for logs and the peer."""
-
-    transfer_id: str
-    message: str = ""
-
-
 # Events
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One change that concerns an engine, from its Watch stream."""
-
-    revision: int
-    type: EventType
-    transfer: TransferInfo | None
-    generation: int
-    peer: EngineInfo | None
-    time: float
+ServerEvent = Event[TransferInfo, EngineInfo]
+"""An event as the SDK reads it from a Watch: the protocol's `Event` (one type with the service's) over the SDK's
+views of transfers and engines. `revision` is its position in the engine's log (1, 2, 3, ...; resume a Watch from
+the last one + 1), not the store-wide header revision."""
 
 
 @dataclass(frozen=True, slots=True)
 class WatchBatch:
     """One message of a Watch stream: events in revision order, or a request to resync."""
 
-    events: tuple[Event, ...]
+    events: tuple[ServerEvent, ...]
     resync_required: bool
     resync_revision: int
     epoch: int
@@ -297,7 +149,7 @@ class Reregistered:
     results: tuple[ItemResult, ...]
 
 
-SessionEvent = Event | Resynced | Reregistered
+SessionEvent = ServerEvent | Resynced | Reregistered
 """What an engine session delivers: server events and the two synthetic notifications."""
 
 
@@ -315,15 +167,6 @@ class ServerStatus:
 
 
 # Credits
-
-
-@dataclass(frozen=True, slots=True)
-class CreditSpec:
-    """Reserve credit for one transfer on one consumer engine (`blocks`: the target it will register)."""
-
-    transfer_id: str
-    engine_id: str
-    blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +201,7 @@ __all__ = [
     "EngineCapacity",
     "EngineCredits",
     "EngineInfo",
+    "EnginePage",
     "EngineRole",
     "EngineSpec",
     "Event",

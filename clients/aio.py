@@ -17,8 +17,8 @@ import grpc
 from clients import _commands as commands
 from clients import _convert
 from clients._async_calls import AsyncCalls
-from clients._exceptions import Unavailable
 from clients._types import LeaseRenewal, WatchBatch
+from rendezvous.protocol.errors import Unavailable
 
 
 class AsyncRendezvousClient(AsyncCalls):
@@ -114,7 +114,7 @@ class AsyncKeepAliveStream:
         except asyncio.InvalidStateError:
             response = grpc.aio.EOF  # the server already ended the stream without an error
         if response is grpc.aio.EOF:
-            raise Unavailable("the server closed the KeepAlive stream")
+            raise Unavailable("", "the server closed the KeepAlive stream")
         self._client._epochs.observe(response.header.epoch)
         return _convert.lease_renewal(response)
 

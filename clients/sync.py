@@ -16,9 +16,9 @@ import grpc
 
 from clients import _commands as commands
 from clients import _convert
-from clients._exceptions import Unavailable
 from clients._sync_calls import SyncCalls
 from clients._types import LeaseRenewal, WatchBatch
+from rendezvous.protocol.errors import Unavailable
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 
@@ -98,7 +98,7 @@ class KeepAliveStream:
         try:
             response = next(self._responses)
         except StopIteration:
-            raise Unavailable("the server closed the KeepAlive stream") from None
+            raise Unavailable("", "the server closed the KeepAlive stream") from None
         except grpc.RpcError as error:
             raise self._client._failed(error, self._index) from error
         self._client._epochs.observe(response.header.epoch)

@@ -116,7 +116,7 @@ def parse_route(text: str) -> tuple[str, Route]:
 def _engine_url(engine: EngineInfo) -> str:
     url = engine.labels.get("url", "")
     if not url:
-        raise NotFound(f"engine {engine.engine_id} has no 'url' label")
+        raise NotFound("", f"engine {engine.engine_id} has no 'url' label")
     return url.rstrip("/")
 
 

@@ -20,22 +20,25 @@ from rendezvous.core import budget, credits, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.bindings import BindingRules, check_abort, check_binding
-from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
-from rendezvous.core.specs import (
+from rendezvous.core.transfers import Context, Transition
+from rendezvous.core.validation import check_batch, check_id
+from rendezvous.pacing import Pacer, paced_cut
+from rendezvous.protocol.errors import Reason, RendezvousError, transfer_not_found
+from rendezvous.protocol.pages import EnginePage, TransferPage
+from rendezvous.protocol.records import EngineCredits
+from rendezvous.protocol.requests import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    CreditSpec,
     EngineSpec,
     ReleaseSpec,
     RevocationAck,
     SourceReadySpec,
     TargetSpec,
 )
-from rendezvous.core.transfers import Context, Transition
-from rendezvous.core.validation import check_batch, check_id
-from rendezvous.pacing import Pacer, paced_cut
 from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
 
 log = logging.getLogger(__name__)
@@ -87,31 +90,15 @@ class _CapacityGate:
     again, on the current record), and a later rule (the budget) may still refuse it: the step only proposes
     its item's usage, which `settle` takes once the item's outcome is known."""
 
-    spent: credits.Usage
+    spent: EngineCredits
     reservations: Mapping[str, credits.Reservation]
-    proposed: credits.Usage | None = None
+    proposed: EngineCredits | None = None
 
     def settle(self, outcome: ItemOutcome) -> None:
         """The item ended: its proposed usage is spent if it was admitted."""
         if outcome.error is None and self.proposed is not None:
             self.spent = self.proposed
         self.proposed = None
-
-
-@dataclass(frozen=True)
-class EnginePage:
-    """One page of ListEngines."""
-
-    engines: list[Engine]
-    next_page_token: str
-
-
-@dataclass(frozen=True)
-class TransferPage:
-    """One page of ListTransfers."""
-
-    transfers: list[Transfer]
-    next_page_token: str
 
 
 class Coordinator:
@@ -277,7 +264,7 @@ class Coordinator:
         page_size: int = 0,
         page_token: str = "",
         weigh: Callable[[Engine], int] = paging.weightless,
-    ) -> EnginePage:
+    ) -> EnginePage[Engine]:
         """Live engines sorted by id, optionally of one pool and role, paged.
 
         A page also ends before it outgrows max_response_bytes by weigh (an engine's size in the
@@ -319,7 +306,7 @@ class Coordinator:
                     aborted += 1
                 peers.update(a.engine_id for a in result.events)
         if peers:
-            note = Event(EventType.PEER_LOST, ctx.now, peer=lost)
+            note: Event[Transfer, Engine] = Event(EventType.PEER_LOST, ctx.now, peer=lost)
             await self.store.append_events([Addressed(p, note) for p in sorted(peers)])
         if aborted:
             log.warning("engine lost", extra={"engine_id": lost.engine_id, "aborted_transfers": aborted})
@@ -374,7 +361,7 @@ class Coordinator:
             if err.reason in _BINDING_REFUSALS:
                 log.info(
                     "transfer half refused",
-                    extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason.value},
+                    extra={"transfer_id": item.transfer_id, "engine_id": caller_id, "reason": err.reason},
                 )
             return ItemOutcome(item.transfer_id, error=err)
 
@@ -544,7 +531,7 @@ class Coordinator:
             return list(await asyncio.gather(*calls))
         return [await call for call in calls]
 
-    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> credits.Usage:
+    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> EngineCredits:
         """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
         as many as its capacity admits, so the reads are bounded by it; only counted, without a block limit) and
         its reservations' transfers."""
@@ -576,7 +563,7 @@ class Coordinator:
         wanted = {s.transfer_id for s in specs}
         return _CapacityGate(spent, {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted})
 
-    async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, credits.Usage]:
+    async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, EngineCredits]:
         """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
         now = self.clock()
         limited = [e for e in engines if e.capacity.limited]
@@ -584,7 +571,7 @@ class Coordinator:
         found = await self._each([self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited])
         return {e.engine_id: u for e, u in zip(limited, found, strict=True)}
 
-    async def reserve_credits(self, specs: Sequence[credits.CreditRequest], ttl: float = 0.0) -> list[CreditOutcome]:
+    async def reserve_credits(self, specs: Sequence[CreditSpec], ttl: float = 0.0) -> list[CreditOutcome]:
         """Reserve credit on consumer engines for transfer ids, each item atomically (compare-and-set on the
         engine's ledger; core: credits.reserve decides). An item's error does not stop the others."""
         check_batch(len(specs), self.limits)
@@ -599,7 +586,7 @@ class Coordinator:
                 outcomes.append(CreditOutcome(spec.transfer_id, error=err))
         return outcomes
 
-    async def _reserve(self, spec: credits.CreditRequest, ttl: float) -> credits.Reservation:
+    async def _reserve(self, spec: CreditSpec, ttl: float) -> credits.Reservation:
         ledger_store = self.store.credits()
         for _ in range(_RESERVE_ATTEMPTS):
             now = self.clock()
@@ -610,7 +597,7 @@ class Coordinator:
             limited = engine is not None and engine.capacity.limited
             spent = await self._usage(engine, ledger.reservations, now) if engine is not None and limited else None
             reservation = credits.reserve(
-                now, engine, spec, existing, transfer, spent or credits.Usage(), ttl, self.limits
+                now, engine, spec, existing, transfer, spent or EngineCredits(), ttl, self.limits
             )
             if await ledger_store.put(reservation, ledger.version, existing):
                 log.debug(
@@ -660,7 +647,7 @@ class Coordinator:
         page_size: int = 0,
         page_token: str = "",
         weigh: Callable[[Transfer], int] = paging.weightless,
-    ) -> TransferPage:
+    ) -> TransferPage[Transfer]:
         """Transfers sorted by id, paged; by default the live ones. A page ends before it outgrows
         max_response_bytes by weigh, as in list_engines."""
         if engine_id:

@@ -42,7 +42,6 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
-from clients._exceptions import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 from clients._roles import ConsumerSession
 from clients._session import RankSession
 from clients._types import (
@@ -51,7 +50,6 @@ from clients._types import (
     CompletionOutcome,
     CompletionSpec,
     EngineCapacity,
-    Event,
     EventType,
     ItemResult,
     KvLayout,
@@ -59,6 +57,7 @@ from clients._types import (
     ReleaseSpec,
     Reregistered,
     Resynced,
+    ServerEvent,
     SessionEvent,
     TargetSpec,
     TransferMode,
@@ -73,6 +72,7 @@ from clients.nixl.producer import agent_for_rank
 from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
+from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 
 if TYPE_CHECKING:
     import torch
@@ -251,7 +251,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         share of the bytes into `block_ids` (the same ids on every rank) and answers TARGETED.
         """
         spec = TargetSpec(
-            transfer_id, tuple(int(b) for b in block_ids), num_tokens, generation, timeout, mode, binding, progressive
+            transfer_id,
+            tuple(int(b) for b in block_ids),
+            generation=generation,
+            num_tokens=num_tokens,
+            timeout=timeout,
+            mode=mode,
+            binding=binding,
+            progressive=progressive,
         )
         if not self.leader:
             target = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)
@@ -395,7 +402,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         else:
             self._on_server_event(item)
 
-    def _on_server_event(self, event: Event) -> None:
+    def _on_server_event(self, event: ServerEvent) -> None:
         info = event.transfer
         if event.type is EventType.PEER_LOST and event.peer is not None:
             assert self._thread is not None
@@ -449,7 +456,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         else:
             self._deliver(result)
 
-    def _source_ready(self, event: Event) -> None:
+    def _source_ready(self, event: ServerEvent) -> None:
         info, peer = event.transfer, event.peer
         assert info is not None and self._thread is not None
         target = self._targets.get(info.transfer_id)

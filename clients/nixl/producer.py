@@ -40,13 +40,13 @@ from clients._types import (
     ClaimSpec,
     CompletionOutcome,
     CompletionSpec,
-    Event,
     EventType,
     ItemResult,
     NixlAgentInfo,
     Reregistered,
     Resynced,
     RevocationAck,
+    ServerEvent,
     SessionEvent,
     SourceReadySpec,
     TransferMode,
@@ -150,7 +150,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._sources: dict[str, _Source] = {}
         self._assigned: dict[str, tuple[float, int]] = {}  # when the current assignment arrived, its generation
         self._prompt_tokens: dict[str, int] = {}  # from `ready`: what pairs blocks of different sizes
-        self._deferred: dict[str, Event] = {}  # assignments that wait for `ready` to tell the prompt's tokens
+        self._deferred: dict[str, ServerEvent] = {}  # assignments that wait for `ready` to tell the prompt's tokens
         self._writing: dict[str, tracing.Span] = {}  # push: producer.write, from `ready` to the write's end
         self._claimed: OrderedDict[str, None] = OrderedDict()  # the latest CLAIMS_KEPT transfers claimed here
         self._claims: Batcher[ClaimSpec] | None = None
@@ -341,7 +341,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             return
         self._on_server_event(item)
 
-    def _on_server_event(self, event: Event) -> None:
+    def _on_server_event(self, event: ServerEvent) -> None:
         writer, info = self._writer, event.transfer
         assert writer is not None
         if writer.stopped:  # closing: the session still delivers events until it ends; nothing is left to do
@@ -365,7 +365,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             case EventType.TRANSFER_COMMITTED:  # pull: the consumer read the blocks
                 self._end(transfer_id)
 
-    def _assign(self, event: Event) -> None:
+    def _assign(self, event: ServerEvent) -> None:
         writer, info, peer = self._writer, event.transfer, event.peer
         assert writer is not None and info is not None
         self._assigned.setdefault(info.transfer_id, (time.monotonic(), event.generation))

@@ -1,6 +1,5 @@
 """The transfer state machine and leases: pure logic, no I/O, no gRPC."""
 
-from rendezvous.core.errors import Code, Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import (
     AbortReason,
@@ -19,7 +18,9 @@ from rendezvous.core.model import (
     Transfer,
     TransferTimes,
 )
-from rendezvous.core.specs import (
+from rendezvous.core.transfers import Context, Transition
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.requests import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
@@ -29,14 +30,12 @@ from rendezvous.core.specs import (
     SourceReadySpec,
     TargetSpec,
 )
-from rendezvous.core.transfers import Context, Transition
 
 __all__ = [
     "AbortReason",
     "AbortSpec",
     "Addressed",
     "ClaimSpec",
-    "Code",
     "CompletionSpec",
     "Context",
     "Engine",

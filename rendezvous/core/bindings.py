@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Role, Transfer
 from rendezvous.protocol.bindings import Binding, verifies
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, State, Transfer
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 ENGINES = "engines"
 LIVE_BLOCKS = "live_blocks"

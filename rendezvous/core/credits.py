@@ -13,16 +13,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Role, Transfer
-from rendezvous.protocol.records import EngineCapacity
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.records import EngineCapacity, EngineCredits
+from rendezvous.protocol.requests import CreditSpec
 
 __all__ = [
-    "CreditRequest",
+    "CreditSpec",
     "EngineCapacity",
     "Reservation",
-    "Usage",
     "check_capacity",
     "counts",
     "credit_ttl",
@@ -42,42 +42,6 @@ class Reservation:
     incarnation: int
     blocks: int
     expires_at: float
-
-
-@dataclass(frozen=True)
-class CreditRequest:
-    """One item of ReserveCredits."""
-
-    transfer_id: str
-    engine_id: str
-    blocks: int = 0
-
-
-@dataclass(frozen=True)
-class Usage:
-    """What of an engine's capacity is spent: live targets and unspent reservations."""
-
-    transfers_in_use: int = 0
-    blocks_in_use: int = 0
-    transfers_reserved: int = 0
-    blocks_reserved: int = 0
-
-    @property
-    def transfers(self) -> int:
-        return self.transfers_in_use + self.transfers_reserved
-
-    @property
-    def blocks(self) -> int:
-        return self.blocks_in_use + self.blocks_reserved
-
-    def plus(self, reservation: Reservation) -> Usage:
-        """This usage with one more reservation."""
-        return Usage(
-            self.transfers_in_use,
-            self.blocks_in_use,
-            self.transfers_reserved + 1,
-            self.blocks_reserved + reservation.blocks,
-        )
 
 
 def check_capacity(role: Role, capacity: EngineCapacity, limits: Limits) -> None:
@@ -112,7 +76,7 @@ def usage(
     reservations: Iterable[Reservation],
     transfers: Mapping[str, Transfer | None],
     now: float,
-) -> Usage:
+) -> EngineCredits:
     """What engine has in use: its unsettled targets (`targets` may hold other transfers: they are skipped),
     and the reservations that still count (`transfers`: the records of the reserved transfer ids)."""
     live = [
@@ -121,7 +85,7 @@ def usage(
         if t.consumer_engine_id == engine.engine_id and t.consumer_incarnation == engine.incarnation and t.unsettled
     ]
     held = [r for r in reservations if counts(r, engine, transfers.get(r.transfer_id), now)]
-    return Usage(len(live), sum(len(t.target_block_ids) for t in live), len(held), sum(r.blocks for r in held))
+    return EngineCredits(len(live), sum(len(t.target_block_ids) for t in live), len(held), sum(r.blocks for r in held))
 
 
 def usage_by_count(
@@ -130,15 +94,15 @@ def usage_by_count(
     reservations: Iterable[Reservation],
     transfers: Mapping[str, Transfer | None],
     now: float,
-) -> Usage:
+) -> EngineCredits:
     """`usage` for an engine without a block limit, from the size of its live index alone (no target records
     read): every unsettled transfer of the engine id counts, an older incarnation's still pinned ones included,
     which errs on the side of refusing. Blocks in use are not counted (nothing limits them)."""
     held = [r for r in reservations if counts(r, engine, transfers.get(r.transfer_id), now)]
-    return Usage(live_transfers, 0, len(held), sum(r.blocks for r in held))
+    return EngineCredits(live_transfers, 0, len(held), sum(r.blocks for r in held))
 
 
-def _refuse(engine: Engine, limit: str, most: int, spent: Usage, requested: int) -> RendezvousError:
+def _refuse(engine: Engine, limit: str, most: int, spent: EngineCredits, requested: int) -> RendezvousError:
     in_use = spent.transfers_in_use if limit == "transfers" else spent.blocks_in_use
     reserved = spent.transfers_reserved if limit == "transfers" else spent.blocks_reserved
     return RendezvousError(
@@ -154,7 +118,7 @@ def _refuse(engine: Engine, limit: str, most: int, spent: Usage, requested: int)
     )
 
 
-def _fit(engine: Engine, spent: Usage, transfers: int, blocks: int) -> None:
+def _fit(engine: Engine, spent: EngineCredits, transfers: int, blocks: int) -> None:
     capacity = engine.capacity
     if capacity.max_transfers and spent.transfers + transfers > capacity.max_transfers:
         raise _refuse(engine, "transfers", capacity.max_transfers, spent, transfers)
@@ -174,10 +138,10 @@ def credit_ttl(requested: float, timeouts: Timeouts) -> float:
 def reserve(
     now: float,
     engine: Engine | None,
-    request: CreditRequest,
+    request: CreditSpec,
     existing: Reservation | None,
     existing_transfer: Transfer | None,
-    spent: Usage,
+    spent: EngineCredits,
     ttl: float,
     limits: Limits,
 ) -> Reservation:
@@ -255,8 +219,8 @@ def check_reserved_elsewhere(consumer: Engine, transfer_id: str, reservation: Re
 
 
 def target_admission(
-    engine: Engine, spent: Usage, cur: Transfer | None, reservation: Reservation | None, blocks: int, now: float
-) -> Usage:
+    engine: Engine, spent: EngineCredits, cur: Transfer | None, reservation: Reservation | None, blocks: int, now: float
+) -> EngineCredits:
     """The engine's usage once a RegisterTarget of `blocks` on cur applies, or ENGINE_CAPACITY_EXCEEDED when
     its capacity has no room for it.
 
@@ -269,7 +233,7 @@ def target_admission(
         after = replace(spent, blocks_in_use=spent.blocks_in_use + blocks - old)
         add_transfers, add_blocks = 0, blocks - old
     elif reservation is not None and counts(reservation, engine, cur, now):
-        after = Usage(
+        after = EngineCredits(
             spent.transfers_in_use + 1,
             spent.blocks_in_use + blocks,
             spent.transfers_reserved - 1,

@@ -6,12 +6,12 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from rendezvous.core import credits
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Transfer
-from rendezvous.core.specs import EngineSpec
 from rendezvous.core.validation import check_engine_spec
 from rendezvous.protocol import kvmap
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.requests import EngineSpec
 
 
 def grant_lease_ttl(requested: float, timeouts: Timeouts) -> float:
@@ -36,7 +36,6 @@ def register_engine(
     they start from the clock, so peers never confuse a restarted engine with its predecessor.
     """
     check_engine_spec(spec, limits)
-    assert spec.role is not None
     credits.check_capacity(spec.role, spec.capacity, limits)
     if previous is not None and previous.alive(now) and (previous.role, previous.pool) != (spec.role, spec.pool):
         raise RendezvousError(

@@ -99,11 +99,3 @@ class Timeouts:
     tombstone_ttl: float = 300.0
     default_credit_ttl: float = 30.0
     """How long an unspent credit reservation lasts when ReserveCredits names no ttl (max: max_timeout)."""
-
-
-def clip(text: str, max_bytes: int) -> str:
-    """text cut to at most max_bytes of UTF-8, on a character boundary, ending in "..." when cut."""
-    data = text.encode()
-    if len(data) <= max_bytes:
-        return text
-    return data[: max(max_bytes - 3, 0)].decode(errors="ignore") + "..."[:max_bytes]

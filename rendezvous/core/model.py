@@ -8,6 +8,7 @@ protocol's so the wire mapping is a cast. Times are seconds since the Unix epoch
 from __future__ import annotations
 
 import hashlib
+import types
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -23,6 +24,7 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
+from rendezvous.protocol.events import Event
 from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes
 from rendezvous.protocol.transfer import TransferRecord
@@ -132,26 +134,14 @@ def blocks_digest(blocks: tuple[int, ...] | None) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
-    """A change that concerns one engine; the store assigns its revision."""
-
-    type: EventType
-    time: float
-    transfer: Transfer | None = None
-    generation: int = 0
-    peer: Engine | None = None
-    revision: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Addressed:
     """An event and the engine whose log it goes to."""
 
     engine_id: str
-    event: Event
+    event: Event[Transfer, Engine]
 
 
-R = TypeVar("R", Transfer, TransferTimes, Event)
+R = TypeVar("R", Transfer, TransferTimes, Event[Transfer, Engine])
 
 
 def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
@@ -165,14 +155,16 @@ def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
     allows.
     """
     names = tuple(f.name for f in fields(cls))
-    base = cls.__mro__[1]  # object, or the one record cls extends
+    base = cls.__mro__[1]  # object, Generic (Event), or the one record cls extends
     inherited = tuple(getattr(base, "__slots__", ()))
     assert len(cls.__mro__) <= 3 and inherited + cls.__slots__ == names, f"{cls.__name__}: one layer of slots"
     assert not hasattr(cls, "__post_init__"), f"{cls.__name__}: no __post_init__"
     # Both of object's own: CPython fills a type's one setattr slot from __setattr__ and __delattr__ together,
     # and a frozen base's Python __delattr__ alone would make every store a Python-level call (~2.7x evolve).
     own = {"__slots__": cls.__slots__, "__setattr__": object.__setattr__, "__delattr__": object.__delattr__}
-    settable = type(f"_Settable{cls.__name__}", (base,), own)
+    # A generic record's own bases (Generic[...]): plain Generic cannot be subclassed, and the layouts must match.
+    bases = cls.__dict__.get("__orig_bases__", (base,))
+    settable = types.new_class(f"_Settable{cls.__name__}", bases, exec_body=lambda namespace: namespace.update(own))
     lines = [f"def build({parameters.format(names=', '.join(names))}):", "    new = _new(_settable)"]
     lines += [f"    new.{n} = {value.format(n=n)}" for n in names]
     lines += ["    new.__class__ = _cls", "    return new"]

@@ -15,7 +15,7 @@ import hmac
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TypeVar
 
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 T = TypeVar("T")
 

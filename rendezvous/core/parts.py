@@ -21,11 +21,11 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, Mode
-from rendezvous.core.specs import TargetSpec
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.records import WrittenPart
+from rendezvous.protocol.requests import TargetSpec
 
 
 def check_progressive_target(spec: TargetSpec) -> None:

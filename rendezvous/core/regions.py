@@ -10,8 +10,8 @@ import bisect
 import heapq
 from collections.abc import Sequence
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import KvRegion, NixlAgent
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 
 def check_regions(agent: NixlAgent) -> None:

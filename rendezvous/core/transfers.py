@@ -34,8 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rendezvous.core.engines import layout_mismatch
-from rendezvous.core.errors import Reason, RendezvousError, transfer_not_found
-from rendezvous.core.limits import Limits, Timeouts, clip
+from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import (
     AbortReason,
     Addressed,
@@ -52,7 +51,9 @@ from rendezvous.core.model import (
     evolve,
 )
 from rendezvous.core.parts import check_part_count, check_parts, check_progressive_target, held_layers
-from rendezvous.core.specs import (
+from rendezvous.core.validation import check_block_ids, check_id, resolve_timeout
+from rendezvous.protocol.errors import Reason, RendezvousError, clip, transfer_not_found
+from rendezvous.protocol.requests import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
@@ -61,7 +62,6 @@ from rendezvous.core.specs import (
     SourceReadySpec,
     TargetSpec,
 )
-from rendezvous.core.validation import check_block_ids, check_id, resolve_timeout
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ def register_target(
     check_block_ids(spec.block_ids, ctx.limits, consumer.num_blocks())
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
-    if spec.mode is None:
+    if spec.mode is Mode.UNSPECIFIED:
         raise RendezvousError(Reason.MODE_INVALID, "mode must be PUSH or PULL", field="mode")
     check_progressive_target(spec)
     timeout = resolve_timeout(spec.timeout, ctx.timeouts.default_target_timeout, ctx.timeouts)
@@ -545,7 +545,7 @@ def complete(
 ) -> Transition:
     """The side moving the bytes (producer in push, consumer in pull) reports a generation's outcome."""
     check_id("transfer_id", spec.transfer_id, ctx.limits)
-    if spec.outcome is None:
+    if spec.outcome is Outcome.UNSPECIFIED:
         raise RendezvousError(Reason.OUTCOME_UNSPECIFIED, "outcome must be SUCCEEDED or FAILED")
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import MemoryKind
+from rendezvous.core.model import MemoryKind, Role
 from rendezvous.core.regions import check_regions
-from rendezvous.core.specs import EngineSpec
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.kvmap import ShapeError, rank_shapes
+from rendezvous.protocol.requests import EngineSpec
 
 
 def check_id(kind: str, value: str, limits: Limits) -> None:
@@ -76,7 +76,7 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
     """A registration names itself, its role and a sane set of agents and regions."""
     check_id("engine_id", spec.engine_id, limits)
     check_id("pool", spec.pool, limits)
-    if spec.role is None:
+    if spec.role is Role.UNSPECIFIED:
         raise RendezvousError(Reason.ROLE_UNSPECIFIED, "role must be PRODUCER or CONSUMER")
     _check_labels(spec.labels, limits)
     for name in ("model_fingerprint", "dtype", "kv_layout"):

@@ -1,9 +1,10 @@
 """The protocol's vocabulary, shared by the service (rendezvous) and the SDK (clients).
 
 The generated stubs live in rendezvous.v1; here are the error reasons (generated from
-proto/rendezvous/v1/errors.proto), the enums and the records both sides use as they are, and the one
-mapping between those and the wire (rendezvous.protocol.convert, the only module here that imports
-protobuf). Imports flow one way: connector -> clients -> protocol <- rendezvous.
+proto/rendezvous/v1/errors.proto) and the one error tree (errors), the enums, the records and the requests
+(requests) both sides use as they are, and the one mapping between those and the wire
+(rendezvous.protocol.convert, the only module here that imports protobuf). Imports flow one way:
+connector -> clients -> protocol <- rendezvous.
 """
 
 from rendezvous.protocol.enums import (
@@ -16,11 +17,9 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
+from rendezvous.protocol.errors import ERROR_DOMAIN, RendezvousError
 from rendezvous.protocol.reasons import REASON_CODES, Reason
 from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
-
-ERROR_DOMAIN = "kv-rendezvous"
-"""The google.rpc.ErrorInfo domain of the service's errors."""
 
 __all__ = [
     "ERROR_DOMAIN",
@@ -35,6 +34,7 @@ __all__ = [
     "MemoryKind",
     "NixlAgent",
     "Reason",
+    "RendezvousError",
     "TransferMode",
     "TransferState",
     "TransferTimes",

@@ -1,5 +1,5 @@
 """The protocol's records that service and SDK share as they are: an engine's KV layout, its memory
-regions and its NIXL agents, a consumer's capacity, a transfer's moments and a progressive write's parts.
+regions and its NIXL agents, a consumer's capacity and its use, a transfer's moments and a progressive write's parts.
 Frozen and plain Python (no protobuf); rendezvous.protocol.convert maps them to and from the wire.
 """
 
@@ -63,6 +63,26 @@ class EngineCapacity:
     def limited(self) -> bool:
         """Whether either limit is set."""
         return bool(self.max_transfers or self.max_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCredits:
+    """What of a consumer's capacity is spent, as the service counts it: live targets and reservations."""
+
+    transfers_in_use: int = 0
+    blocks_in_use: int = 0
+    transfers_reserved: int = 0
+    blocks_reserved: int = 0
+
+    @property
+    def transfers(self) -> int:
+        """Transfers spent: live targets and reservations."""
+        return self.transfers_in_use + self.transfers_reserved
+
+    @property
+    def blocks(self) -> int:
+        """Blocks spent: of live targets and of reservations."""
+        return self.blocks_in_use + self.blocks_reserved
 
 
 @dataclass(frozen=True, slots=True)

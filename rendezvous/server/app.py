@@ -21,10 +21,10 @@ from rendezvous.core.bindings import BindingRules
 from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits, Timeouts
 from rendezvous.protocol.bindings import load_keys
 from rendezvous.server.auth import Guard
+from rendezvous.server.authfile import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.backoff import InvalidBackoff
 from rendezvous.server.health import HealthPort
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
 from rendezvous.server.tls import CertificateReloader, TLSConfig

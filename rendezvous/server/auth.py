@@ -1,4 +1,4 @@
-"""Who may call what: identities (rendezvous.server.policy) checked on every request.
+"""Who may call what: identities (rendezvous.server.authfile) checked on every request.
 
 An engine identity may register, renew, deregister, watch and act on transfers for its own engines
 only, and only with the roles and in the pools it is bound to; the `router` role may read
@@ -25,13 +25,21 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_status import rpc_status
 
-from rendezvous import wire
-from rendezvous.core.errors import Code, Reason, RendezvousError
 from rendezvous.core.model import Engine, Role
+from rendezvous.protocol import convert
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.server.authfile import (
+    ADMIN,
+    BINDING_EXEMPT,
+    CALLER_IDENTITY,
+    RELOAD_CHECK,
+    ROUTER,
+    AuthPolicy,
+    Identity,
+)
 from rendezvous.server.backoff import InvalidBackoff
 from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import ADMIN, BINDING_EXEMPT, CALLER_IDENTITY, RELOAD_CHECK, ROUTER, AuthPolicy, Identity
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.server.turns import FairTurns
 from rendezvous.store.base import StoreUnavailableError
@@ -135,9 +143,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     # Checks
 
     async def _refuse(self, method: str, context: grpc.aio.ServicerContext, err: RendezvousError) -> None:
-        self._metrics.rpcs.labels(method, err.code.value).inc()
-        self._metrics.rejected.labels(err.reason.value).inc()
-        await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+        self._metrics.rpcs.labels(method, err.code.name).inc()
+        self._metrics.rejected.labels(err.reason).inc()
+        await context.abort_with_status(rpc_status.to_status(convert.error_status(err)))
 
     def _identify(self, context: grpc.aio.ServicerContext) -> Identity | None:
         if self._policy is None:
@@ -205,7 +213,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         except RendezvousError as err:
             self._quotas.check_refusals(peer)
             self._quotas.refused(peer)
-            log.info("call denied", extra={"method": method, "identity": "-", "reason": err.reason.value})
+            log.info("call denied", extra={"method": method, "identity": "-", "reason": err.reason})
             raise
         generation = self._policy.generation if self._policy is not None else 0
         key = self._caller(identity, peer)
@@ -219,7 +227,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await self._authorize(method, caller.identity, request)
         except RendezvousError as err:
             name = caller.identity.name if caller.identity else "-"
-            log.info("call denied", extra={"method": method, "identity": name, "reason": err.reason.value})
+            log.info("call denied", extra={"method": method, "identity": name, "reason": err.reason})
             raise
 
     async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> _Caller:
@@ -388,7 +396,7 @@ def _refused_as_invalid(exc: BaseException, context: grpc.aio.ServicerContext) -
     """Whether a call ended refused INVALID_ARGUMENT as a whole: by the guard (a request that does not parse) or
     by the service (its shape, or a field, over a limit)."""
     if isinstance(exc, RendezvousError):
-        return exc.code is Code.INVALID_ARGUMENT
+        return exc.code is grpc.StatusCode.INVALID_ARGUMENT
     return bool(context.code() == grpc.StatusCode.INVALID_ARGUMENT)
 
 

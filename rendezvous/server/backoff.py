@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 FACTOR = 10.0
 """A caller waits this many times what its refused request cost (so such requests take at most ~1/11 of the

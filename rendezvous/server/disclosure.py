@@ -19,8 +19,8 @@ from __future__ import annotations
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 
-from rendezvous import wire
-from rendezvous.core.errors import Reason, transfer_not_found
+from rendezvous.protocol import convert
+from rendezvous.protocol.errors import Reason, transfer_not_found
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 # The batched transfer calls: those whose answers are ItemResults, which may carry NOT_PARTICIPANT.
@@ -47,7 +47,7 @@ def _as_unknown(method: str, transfer_id: str) -> pb.ItemResult:
     state = _UNKNOWN_ID_STATE.get(method)
     if state is not None:
         return pb.ItemResult(transfer_id=transfer_id, state=state)
-    return pb.ItemResult(transfer_id=transfer_id, status=wire.error_status(transfer_not_found(transfer_id)))
+    return pb.ItemResult(transfer_id=transfer_id, status=convert.error_status(transfer_not_found(transfer_id)))
 
 
 def hide_non_participation(method: str, response: Message) -> None:

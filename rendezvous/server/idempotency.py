@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import Message
 
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 DIGEST_BYTES = 16

@@ -28,43 +28,49 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.rpcs = Counter(
-            "rendezvous_rpcs", "RPCs handled, by method and status code", ["method", "code"], registry=r
+            "kv_rendezvous_rpcs", "RPCs handled, by method and status code", ["method", "code"], registry=r
         )
         self.rpc_seconds = Histogram(
-            "rendezvous_rpc_duration_seconds", "RPC handling time", ["method"], buckets=_LATENCY_BUCKETS, registry=r
+            "kv_rendezvous_rpc_duration_seconds", "RPC handling time", ["method"], buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.items = Counter("rendezvous_batch_items", "Items in batched mutating RPCs", ["method"], registry=r)
-        self.live_engines = Gauge("rendezvous_live_engines", "Engines holding a lease", registry=r)
-        self.live_transfers = Gauge("rendezvous_live_transfers", "Live transfers by state", ["state"], registry=r)
-        self.watchers = Gauge("rendezvous_watchers", "Open Watch streams on this replica", registry=r)
+        self.items = Counter("kv_rendezvous_batch_items", "Items in batched mutating RPCs", ["method"], registry=r)
+        self.live_engines = Gauge("kv_rendezvous_live_engines", "Engines holding a lease", registry=r)
+        self.live_transfers = Gauge("kv_rendezvous_live_transfers", "Live transfers by state", ["state"], registry=r)
+        self.watchers = Gauge("kv_rendezvous_watchers", "Open Watch streams on this replica", registry=r)
         self.budget_used = Gauge(
-            "rendezvous_budget_used",
+            "kv_rendezvous_budget_used",
             "Memory budget in use, server-wide",
             ["budget"],
             registry=r,
         )
-        self.budget_limit = Gauge("rendezvous_budget_limit", "Memory budget limit, server-wide", ["budget"], registry=r)
-        self.events_sent = Counter("rendezvous_events_sent", "Events written to Watch streams", registry=r)
-        self.resyncs = Counter("rendezvous_watch_resyncs", "Watchers told to resync", registry=r)
+        self.budget_limit = Gauge(
+            "kv_rendezvous_budget_limit", "Memory budget limit, server-wide", ["budget"], registry=r
+        )
+        self.events_sent = Counter("kv_rendezvous_events_sent", "Events written to Watch streams", registry=r)
+        self.resyncs = Counter("kv_rendezvous_watch_resyncs", "Watchers told to resync", registry=r)
         self.watch_buffer_bytes = Gauge(
-            "rendezvous_watch_buffer_bytes", "Bytes of Watch responses their readers have not taken", registry=r
+            "kv_rendezvous_watch_buffer_bytes", "Bytes of Watch responses their readers have not taken", registry=r
         )
         self.watch_dropped = Counter(
-            "rendezvous_watch_dropped", "Watch streams dropped for a reader too slow (watch_buffer_bytes)", registry=r
+            "kv_rendezvous_watch_dropped",
+            "Watch streams dropped for a reader too slow (watch_buffer_bytes)",
+            registry=r,
         )
-        self.committed = Counter("rendezvous_transfers_committed", "Transfers whose bytes arrived", registry=r)
+        self.committed = Counter("kv_rendezvous_transfers_committed", "Transfers whose bytes arrived", registry=r)
         self.written_parts = Counter(
-            "rendezvous_written_parts", "Parts of progressive writes in accepted CompleteTransfer reports", registry=r
+            "kv_rendezvous_written_parts",
+            "Parts of progressive writes in accepted CompleteTransfer reports",
+            registry=r,
         )
-        self.aborts = Counter("rendezvous_transfer_aborts", "Aborted transfers by reason", ["reason"], registry=r)
+        self.aborts = Counter("kv_rendezvous_transfer_aborts", "Aborted transfers by reason", ["reason"], registry=r)
         self.match_wait = Histogram(
-            "rendezvous_match_wait_seconds",
+            "kv_rendezvous_match_wait_seconds",
             "Time the first half of a transfer waited for the second",
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
         self.phase = Histogram(
-            "rendezvous_transfer_phase_seconds",
+            "kv_rendezvous_transfer_phase_seconds",
             "Duration of each transfer phase, observed once when it ends: " + ", ".join(phases.PHASES),
             ["phase"],
             buckets=_PHASE_BUCKETS,
@@ -72,14 +78,14 @@ class Metrics:
         )
         self._phases = {name: self.phase.labels(name) for name in phases.PHASES}  # bound once: on every transition
         self.rejected = Counter(
-            "rendezvous_rejected_calls",
+            "kv_rendezvous_rejected_calls",
             "Calls refused before reaching the service (auth, quotas), by reason",
             ["reason"],
             registry=r,
         )
-        self.store_up = Gauge("rendezvous_store_up", "1 when the store answers", registry=r)
+        self.store_up = Gauge("kv_rendezvous_store_up", "1 when the store answers", registry=r)
         self.credits = Counter(
-            "rendezvous_credit_items",
+            "kv_rendezvous_credit_items",
             "ReserveCredits and ReleaseCredits items by method and outcome (OK or the error reason)",
             ["method", "outcome"],
             registry=r,

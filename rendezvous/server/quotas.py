@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 # Beyond this many remembered callers, idle (full) buckets are forgotten.
 _MAX_BUCKETS = 10_000

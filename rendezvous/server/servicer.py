@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
@@ -22,18 +23,18 @@ from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
 from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, Event, State, Transfer
 from rendezvous.core.parts import check_request_part_count
-from rendezvous.core.specs import CompletionSpec
 from rendezvous.core.validation import check_batch
 from rendezvous.pacing import Pacer, paced_map
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.requests import CompletionSpec, SourceReadySpec, TargetSpec
 from rendezvous.server import idempotency
+from rendezvous.server.authfile import BINDING_EXEMPT, CALLER_IDENTITY
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import BINDING_EXEMPT, CALLER_IDENTITY
 from rendezvous.server.watch_buffers import Stream, WatchBuffers
 from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -47,15 +48,34 @@ M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
-def _as_error(exc: RendezvousError | StoreUnavailableError) -> RendezvousError:
-    """A failure as the domain error the client sees: store outages are UNAVAILABLE (retry)."""
+def _as_error(exc: Exception, method: str, request_id: str = "") -> RendezvousError:
+    """A failure as the domain error the client sees: store outages are UNAVAILABLE (retry), and anything else
+    unexpected (a bug) is INTERNAL_ERROR, logged with its traceback under a request id the client is told (the
+    call's own request_id, else a fresh one), so an operator can find it from the client's report."""
+    if isinstance(exc, RendezvousError):
+        return exc
     if isinstance(exc, StoreUnavailableError):
         return RendezvousError(Reason.STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
-    return exc
+    request_id = request_id or uuid.uuid4().hex
+    log.error(
+        "%s failed unexpectedly (request id %s)",
+        method,
+        request_id,
+        exc_info=exc,
+        extra={"method": method, "request_id": request_id},
+    )
+    return RendezvousError(
+        Reason.INTERNAL_ERROR, f"internal error; logged with request id {request_id}", request_id=request_id
+    )
+
+
+def _shutting_down() -> RendezvousError:
+    """What an open stream is told when the server stops: UNAVAILABLE, so a client resumes elsewhere or later."""
+    return RendezvousError(Reason.SHUTTING_DOWN, "the server is shutting down; resume on another replica or later")
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: RendezvousError) -> None:
-    await context.abort_with_status(rpc_status.to_status(wire.error_status(err)))
+    await context.abort_with_status(rpc_status.to_status(convert.error_status(err)))
 
 
 def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handler[ResponseT]]:
@@ -71,9 +91,9 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
             engine_id = getattr(request, "engine_id", "")
             # The call's metadata is read only when tracing is on: off, a span costs nothing.
             incoming = (context.invocation_metadata() or ()) if tracing.enabled() else ()
+            request_id = getattr(request, "request_id", "")
             with tracing.rpc_span(method, engine_id, incoming=incoming):
                 try:
-                    request_id = getattr(request, "request_id", "")
                     key = f"{method}/{engine_id}/{request_id}" if request_id else ""
                     store = self.coordinator.store
                     if key:
@@ -86,9 +106,9 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                         if value is not None:
                             await store.put_response(key, value, self.idempotency_ttl, CALLER_IDENTITY.get())
                     return response
-                except (RendezvousError, StoreUnavailableError) as exc:
-                    err = _as_error(exc)
-                    code = err.code.value
+                except Exception as exc:
+                    err = _as_error(exc, method, request_id)
+                    code = err.code.name
                     await _abort(context, err)
                 finally:
                     self.metrics.rpc_done(method, code, time.perf_counter() - started)
@@ -144,6 +164,18 @@ def _plain(convert: Callable[[M], SpecT]) -> Callable[[M, Limits], SpecT]:
     return lambda message, _limits: convert(message)
 
 
+def _target_spec(message: pb.TargetSpec, limits: Limits) -> TargetSpec:
+    return convert.target_spec(message, limits.max_blocks_per_target)
+
+
+def _source_spec(message: pb.SourceReadySpec, limits: Limits) -> SourceReadySpec:
+    return convert.source_spec(message, limits.max_blocks_per_target)
+
+
+def _completion_spec(message: pb.CompletionSpec, limits: Limits) -> CompletionSpec:
+    return convert.completion_spec(message, limits.max_parts_per_completion)
+
+
 def _check_parts(request: pb.CompleteTransferRequest, limits: Limits) -> None:
     """The parts of all the request's completions, counted on the message: none is converted first."""
     check_request_part_count(sum(len(c.parts) for c in request.completions), limits)
@@ -167,7 +199,7 @@ def _trace_items(outcomes: Sequence[ItemOutcome]) -> None:
             attributes |= tracing.about(generation=o.transfer.generation)
             attributes["kv_rendezvous.state"] = o.transfer.state.name
         if o.error is not None:
-            attributes["kv_rendezvous.error"] = o.error.reason.name
+            attributes["kv_rendezvous.error"] = o.error.reason
         span.add_event("transfer", attributes)
 
 
@@ -179,7 +211,7 @@ def _weigh(message: Message) -> int:
     return message.ByteSize() + _FRAMING_BYTES
 
 
-def _event_responses(events: Sequence[Event], budget: int) -> Iterator[pb.WatchResponse]:
+def _event_responses(events: Sequence[Event[Transfer, Engine]], budget: int) -> Iterator[pb.WatchResponse]:
     """The events in order, in consecutive responses whose events weigh at most budget in all (`_weigh`), or of
     one event that alone weighs more (as `paging.chunks` cuts them). Each event is built in its response
     (no copy); one that does not fit moves to the next response. Lazy, like `paging.chunks`."""
@@ -264,12 +296,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         revision = await (store.answered_revision() if seen else store.revision())
         return pb.ResponseHeader(epoch=store.epoch, revision=revision, server_id=self.server_id)
 
-    async def _refuse(
-        self, context: grpc.aio.ServicerContext, method: str, exc: RendezvousError | StoreUnavailableError
-    ) -> None:
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         """Fail a stream call with exc, counted under its status code (unary calls: `_rpc`)."""
-        err = _as_error(exc)
-        self.metrics.rpcs.labels(method, err.code.value).inc()
+        err = _as_error(exc, method)
+        self.metrics.rpcs.labels(method, err.code.name).inc()
         await _abort(context, err)
 
     async def _results(self, method: str, outcomes: Sequence[ItemOutcome], results: Any) -> None:
@@ -281,7 +311,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             await pacer.tick()
             item = results.add(transfer_id=o.transfer_id)
             if o.error is not None:
-                item.status.CopyFrom(wire.error_status(o.error))
+                item.status.CopyFrom(convert.error_status(o.error))
             if o.transfer is not None:
                 item.state = number(o.transfer.state)
                 item.revoking_generation = o.transfer.revoking_generation
@@ -296,7 +326,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         # Up to 16,384 regions and 2 MiB of metadata: converted, registered and answered in separate turns.
         pacer = Pacer()
         agents = await paced_map(convert.agent, request.agents)
-        spec = replace(wire.engine_spec(request, agents), owner=CALLER_IDENTITY.get())
+        spec = replace(convert.engine_spec(request, agents), owner=CALLER_IDENTITY.get())
         engine, start = await self.coordinator.register_engine(spec)
         await pacer.tick()
         return pb.RegisterEngineResponse(
@@ -308,9 +338,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     ) -> AsyncIterator[pb.KeepAliveResponse]:
         async for request in request_iterator:
             try:
+                if self._stopping.is_set():
+                    raise _shutting_down()
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
                 header = await self._header(seen=True)
-            except (RendezvousError, StoreUnavailableError) as exc:
+            except Exception as exc:
                 await self._refuse(context, "KeepAlive", exc)
                 return
             self.metrics.rpcs.labels("KeepAlive", "OK").inc()
@@ -329,7 +361,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         live = await self.coordinator.store.live_transfer_counts([engine.engine_id])
         message = wire.engine_message(engine, live_transfers=live[engine.engine_id])
         for usage in (await self.coordinator.credit_usage([engine])).values():
-            message.credits.CopyFrom(wire.credits_message(usage))
+            message.credits.CopyFrom(convert.credits_message(usage))
         return pb.GetEngineResponse(header=await self._header(), engine=message)
 
     @_rpc(pb.ListEnginesResponse)
@@ -354,7 +386,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         usage = await self.coordinator.credit_usage(page.engines)
         for message in engines:
             if message.engine_id in usage:
-                message.credits.CopyFrom(wire.credits_message(usage[message.engine_id]))
+                message.credits.CopyFrom(convert.credits_message(usage[message.engine_id]))
         return pb.ListEnginesResponse(
             header=await self._header(), engines=engines, next_page_token=page.next_page_token
         )
@@ -362,30 +394,30 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     # Transfers
 
     RegisterTarget = _batch_rpc(
-        pb.RegisterTargetResponse, "targets", wire.target_spec, Coordinator.register_targets, takes_half=True
+        pb.RegisterTargetResponse, "targets", _target_spec, Coordinator.register_targets, takes_half=True
     )
     ClaimTransfer = _batch_rpc(
-        pb.ClaimTransferResponse, "claims", _plain(wire.claim_spec), Coordinator.claim_transfers, takes_half=True
+        pb.ClaimTransferResponse, "claims", _plain(convert.claim_spec), Coordinator.claim_transfers, takes_half=True
     )
     MarkSourceReady = _batch_rpc(
-        pb.MarkSourceReadyResponse, "sources", wire.source_spec, Coordinator.mark_sources_ready, takes_half=True
+        pb.MarkSourceReadyResponse, "sources", _source_spec, Coordinator.mark_sources_ready, takes_half=True
     )
     CompleteTransfer = _batch_rpc(
         pb.CompleteTransferResponse,
         "completions",
-        wire.completion_spec,
+        _completion_spec,
         Coordinator.complete_transfers,
         check=_check_parts,
         observe=_count_parts,
     )
     AcknowledgeRevocation = _batch_rpc(
-        pb.AcknowledgeRevocationResponse, "acks", _plain(wire.revocation_ack), Coordinator.acknowledge_revocations
+        pb.AcknowledgeRevocationResponse, "acks", _plain(convert.revocation_ack), Coordinator.acknowledge_revocations
     )
     ReleaseTarget = _batch_rpc(
-        pb.ReleaseTargetResponse, "releases", _plain(wire.release_spec), Coordinator.release_targets
+        pb.ReleaseTargetResponse, "releases", _plain(convert.release_spec), Coordinator.release_targets
     )
     AbortTransfer = _batch_rpc(
-        pb.AbortTransferResponse, "aborts", _plain(wire.abort_spec), Coordinator.abort_transfers, takes_half=True
+        pb.AbortTransferResponse, "aborts", _plain(convert.abort_spec), Coordinator.abort_transfers, takes_half=True
     )
 
     # Credits
@@ -393,11 +425,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     def _credit_results(self, method: str, outcomes: Sequence[CreditOutcome]) -> list[pb.CreditResult]:
         self.metrics.items.labels(method).inc(len(outcomes))
         for o in outcomes:
-            self.metrics.credits.labels(method, o.error.reason.value if o.error else "OK").inc()
+            self.metrics.credits.labels(method, o.error.reason if o.error else "OK").inc()
         return [
             pb.CreditResult(
                 transfer_id=o.transfer_id,
-                status=wire.error_status(o.error) if o.error else None,
+                status=convert.error_status(o.error) if o.error else None,
                 engine_id=o.reservation.engine_id if o.reservation else "",
                 expire_time=timestamp(o.reservation.expires_at) if o.reservation else None,
             )
@@ -409,7 +441,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.ReserveCreditsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveCreditsResponse:
         check_batch(len(request.reservations), self.coordinator.limits)  # before any item is converted
-        outcomes = await self.coordinator.reserve_credits(wire.credit_requests(request), seconds(request.ttl))
+        outcomes = await self.coordinator.reserve_credits(
+            [convert.credit_spec(c) for c in request.reservations], seconds(request.ttl)
+        )
         return pb.ReserveCreditsResponse(
             header=await self._header(), results=self._credit_results("ReserveCredits", outcomes)
         )
@@ -476,7 +510,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         try:
             revision = await coordinator.check_watch(engine_id, request.start_revision)
             self.watchers.enter(engine_id)
-        except (RendezvousError, StoreUnavailableError) as exc:
+        except Exception as exc:
             await self._refuse(context, "Watch", exc)
             return
         self.metrics.rpcs.labels("Watch", "OK").inc()
@@ -515,7 +549,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     )
                 else:
                     await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
-        except (RendezvousError, StoreUnavailableError) as exc:
-            await _abort(context, _as_error(exc))
+            raise _shutting_down()
+        except grpc.aio.AbortError:
+            raise  # the status is already on its way (a slow reader's, rendezvous.server.watch_buffers)
+        except Exception as exc:
+            await _abort(context, _as_error(exc, "Watch"))
         finally:
             self.watchers.leave(engine_id)

@@ -19,7 +19,7 @@ import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 RETRY_AFTER = 0.05
 """Seconds a caller refused for its waiting calls is told to wait before it retries."""

@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 from grpc_status import rpc_status
 
-from rendezvous import wire
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol import convert
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server.metrics import Metrics
 
 WATCH_BUFFER_BYTES = "watch_buffer_bytes"
@@ -57,7 +57,7 @@ class Stream:
 
     def drop(self, err: RendezvousError) -> None:
         """End the stream with err (sent after what the transport holds) and free its handler now."""
-        ending = asyncio.ensure_future(self.context.abort_with_status(rpc_status.to_status(wire.error_status(err))))
+        ending = asyncio.ensure_future(self.context.abort_with_status(rpc_status.to_status(convert.error_status(err))))
         ending.add_done_callback(_ended)
         if self.task is not None:
             self.task.cancel()

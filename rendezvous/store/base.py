@@ -3,8 +3,10 @@
 A store applies transitions atomically: `update_transfer` reads a record, calls a pure function
 (from rendezvous.core) and writes its result together with the events it emits, or nothing at all.
 The function may be called more than once (optimistic concurrency in shared stores), so it must be
-pure. Each engine has an event log whose revisions start at 1 and grow by one per event; the log is
-bounded, and a reader asking for a trimmed revision is told to resync.
+pure. Each engine has an event log whose positions start at 1 and grow by one per event (the wire and
+the code call an event's position its `revision`, as v1 does; it is not `revision()`, the store-wide
+counter of the response headers); the log is bounded, and a reader asking for a trimmed position is told
+to resync.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class EventPage:
     no record (never registered, or its tombstone was dropped), so it has no log either.
     """
 
-    events: Sequence[Event]
+    events: Sequence[Event[Transfer, Engine]]
     last_revision: int
     resync_revision: int | None = None
     forgotten: bool = False

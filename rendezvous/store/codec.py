@@ -262,7 +262,7 @@ def decode_engine(data: bytes | str) -> Engine:
 # Events
 
 
-def encode_event(event: Event, transfer_json: str | None = None) -> str:
+def encode_event(event: Event[Transfer, Engine], transfer_json: str | None = None) -> str:
     """An event as JSON text, without its revision (the log assigns it) and its peer (stored apart).
 
     transfer_json is the already encoded event.transfer, when the caller has it (a transition's
@@ -274,12 +274,12 @@ def encode_event(event: Event, transfer_json: str | None = None) -> str:
     return head + transfer_json + tail
 
 
-def event_around(event: Event) -> tuple[str, str]:
+def event_around(event: Event[Transfer, Engine]) -> tuple[str, str]:
     """encode_event's text before and after its transfer's (which the Redis store sends once per write)."""
     return f"[{FORMAT},{int(event.type)},{to_json(event.time)},", f",{int(event.generation)}]"
 
 
-def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -> Event:
+def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -> Event[Transfer, Engine]:
     """The event of encode_event's text, at a revision, with its peer engine."""
     try:
         f = _check(_loads(data), "event")

@@ -25,7 +25,7 @@ from rendezvous.store.credits import CreditStore, MemoryCredits
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
 
-def event_bytes(event: Event) -> int:
+def event_bytes(event: Event[Transfer, Engine]) -> int:
     """What an event kept in a log is counted as (an upper estimate, as if nothing it names were shared):
     its fixed part, the block ids of its transfer and the agent metadata and labels of its peer."""
     size = _EVENT_BYTES
@@ -53,7 +53,7 @@ class _EventLog:
     Past a bound the oldest go (a reader behind them resyncs); the newest event always stays."""
 
     def __init__(self, capacity: int, max_bytes: int) -> None:
-        self.events: deque[Event] = deque()
+        self.events: deque[Event[Transfer, Engine]] = deque()
         self._sizes: deque[int] = deque()
         self.bytes = 0
         self._capacity = capacity
@@ -61,7 +61,7 @@ class _EventLog:
         self.last_revision = 0
         self._changed: asyncio.Event | None = None  # made by the first waiter, set by the next append
 
-    def append(self, event: Event) -> None:
+    def append(self, event: Event[Transfer, Engine]) -> None:
         self.last_revision += 1
         size = event_bytes(event)
         self.events.append(event)

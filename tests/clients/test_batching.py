@@ -31,7 +31,7 @@ async def test_one_call_per_turn_in_chunks() -> None:
 
 async def test_a_failed_call_fails_its_items() -> None:
     async def send(items: Sequence[str]) -> list[ItemResult]:
-        raise Unavailable("down")
+        raise Unavailable("", "down")
 
     batcher = Batcher("test", send)
     future = batcher.submit("t")

@@ -51,7 +51,7 @@ def test_enum_numbers_unknown_to_this_client_read_as_unspecified() -> None:
 
 def test_registration_request_carries_the_whole_engine_spec() -> None:
     spec = EngineSpec("d0", "decode", EngineRole.CONSUMER, LAYOUT, (agent("d0-0"),), {"zone": "a"}, lease_ttl=2.5)
-    request = _convert.register_engine_request(spec, "rid")
+    request = convert.register_engine_request(spec, "rid")
     assert request.request_id == "rid"
     assert (request.engine_id, request.pool, request.role) == ("d0", "decode", pb.ENGINE_ROLE_CONSUMER)
     assert convert.layout(request.layout) == LAYOUT
@@ -61,9 +61,9 @@ def test_registration_request_carries_the_whole_engine_spec() -> None:
 
 
 def test_zero_durations_are_left_unset_so_the_server_default_applies() -> None:
-    (target,) = _convert.target_messages([TargetSpec("t", [1], timeout=0.0)])
+    target = convert.target_message(TargetSpec("t", [1], timeout=0.0))
     assert not target.HasField("timeout")
-    (claim,) = _convert.claim_messages([ClaimSpec("t", timeout=1.25)])
+    claim = convert.claim_message(ClaimSpec("t", timeout=1.25))
     assert claim.timeout == Duration(seconds=1, nanos=250_000_000)
 
 
@@ -81,10 +81,11 @@ def test_durations_round_trip_to_the_nanosecond(seconds: float) -> None:
     st.integers(min_value=1, max_value=2**40),
     st.sampled_from([TransferMode.PUSH, TransferMode.PULL]),
 )
-def test_targets_reach_the_wire_unchanged(
+def test_targets_reach_the_wire_unchanged_and_read_back_as_sent(
     transfer_id: str, block_ids: list[int], num_tokens: int, generation: int, mode: TransferMode
 ) -> None:
-    (m,) = _convert.target_messages([TargetSpec(transfer_id, block_ids, num_tokens, generation, mode=mode)])
+    spec = TargetSpec(transfer_id, tuple(block_ids), generation=generation, num_tokens=num_tokens, mode=mode)
+    m = convert.target_message(spec)
     assert (m.transfer_id, list(m.block_ids), m.num_tokens, m.generation, m.mode) == (
         transfer_id,
         block_ids,
@@ -92,6 +93,7 @@ def test_targets_reach_the_wire_unchanged(
         generation,
         int(mode),
     )
+    assert convert.target_spec(m, max_blocks=64) == spec
 
 
 def test_a_transfer_message_becomes_a_record_with_its_times() -> None:
@@ -119,10 +121,11 @@ def test_a_transfer_message_becomes_a_record_with_its_times() -> None:
 
 
 def test_progressive_targets_and_their_parts_cross_the_wire_both_ways() -> None:
-    (target,) = _convert.target_messages([TargetSpec("t", [1], num_tokens=32, progressive=True)])
-    assert target.progressive and not _convert.target_messages([TargetSpec("u", [1])])[0].progressive
+    target = convert.target_message(TargetSpec("t", [1], num_tokens=32, progressive=True))
+    assert target.progressive and not convert.target_message(TargetSpec("u", [1])).progressive
     parts = (WrittenPart(0, 16), WrittenPart(16, 16, first_layer=3, num_layers=2))
-    (completion,) = _convert.completion_messages([CompletionSpec("t", 1, parts=parts)])
+    completion = convert.completion_message(CompletionSpec("t", 1, parts=parts))
+    assert convert.completion_spec(completion, max_parts=8) == CompletionSpec("t", 1, parts=parts)
     assert tuple(convert.part(p) for p in completion.parts) == parts
     assert [(p.first_token, p.num_tokens, p.first_layer, p.num_layers) for p in completion.parts] == [
         (0, 16, 0, 0),

@@ -17,8 +17,11 @@ from clients import (
     RendezvousError,
     Unavailable,
 )
-from clients._exceptions import error_for, from_rpc_error, from_status
-from rendezvous.core import errors as server_errors
+from clients._exceptions import from_rpc_error
+from rendezvous.protocol import errors as protocol_errors
+from rendezvous.protocol.convert import error as from_status
+from rendezvous.protocol.convert import error_status
+from rendezvous.protocol.errors import error_for
 
 
 def rich_status(code: grpc.StatusCode, message: str, reason: str, **metadata: str) -> status_pb2.Status:
@@ -93,16 +96,35 @@ def test_the_message_names_code_and_reason() -> None:
     assert str(err) == "FAILED_PRECONDITION [LEASE_EXPIRED]: lease gone"
 
 
-def test_the_documented_reasons_are_the_servers() -> None:
-    assert {r.value for r in Reason} == {r.value for r in server_errors.Reason}
+def test_the_sdk_raises_the_services_own_error_classes() -> None:
+    assert RendezvousError is protocol_errors.RendezvousError and Reason is protocol_errors.Reason
+    assert FailedPrecondition is protocol_errors.FailedPrecondition
+
+
+def test_an_error_raised_with_a_reason_is_of_the_subclass_of_the_reasons_code() -> None:
+    err = RendezvousError(Reason.LEASE_EXPIRED, "lease gone", engine_id="e1")
+    assert type(err) is FailedPrecondition and err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert (err.domain, err.metadata) == (ERROR_DOMAIN, {"engine_id": "e1"})
+
+
+def test_an_error_crosses_the_wire_as_it_was_raised() -> None:
+    sent = RendezvousError(Reason.TARGET_CONFLICT, "taken", transfer_id="t")
+    got = from_status(error_status(sent))
+    assert (type(got), got.code, got.reason, got.domain, got.metadata, got.message) == (
+        type(sent),
+        sent.code,
+        sent.reason,
+        sent.domain,
+        sent.metadata,
+        sent.message,
+    )
+    assert got.reason is Reason.TARGET_CONFLICT
 
 
 def test_a_retry_hint_of_the_server_reaches_the_error_and_survives_pickling() -> None:
-    from rendezvous import wire
-
-    refused = server_errors.RendezvousError(server_errors.Reason.RATE_LIMITED, "slow down", retry_after=0.25)
-    err = from_status(wire.error_status(refused))
+    refused = RendezvousError(Reason.RATE_LIMITED, "slow down", retry_after=0.25)
+    err = from_status(error_status(refused))
     assert (err.code, err.reason, err.retry_after) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED", 0.25)
     assert pickle.loads(pickle.dumps(err)).retry_after == 0.25
-    unhinted = from_status(wire.error_status(server_errors.RendezvousError(server_errors.Reason.RATE_LIMITED, "no")))
+    unhinted = from_status(error_status(RendezvousError(Reason.RATE_LIMITED, "no")))
     assert unhinted.retry_after is None

@@ -16,6 +16,7 @@ from clients import (
     DeadlineExceeded,
     FailedPrecondition,
     KeepAliveConfig,
+    Reason,
     RendezvousClient,
     ResourceExhausted,
     RetryPolicy,
@@ -27,7 +28,7 @@ from clients._transport import CallMetadata, EpochTracker
 from clients.testing import AsyncTestServer, TestServer
 from rendezvous.store.base import StoreUnavailableError
 
-UNAVAILABLE = Unavailable("down")
+UNAVAILABLE = Unavailable("", "down")
 
 
 def test_backoff_grows_by_the_multiplier_up_to_the_cap() -> None:
@@ -58,10 +59,10 @@ def test_an_unavailable_endpoint_is_left_at_once_and_a_failed_round_backs_off() 
 
 def test_a_refusal_with_a_retry_hint_is_retried_after_the_hint_and_one_without_is_not() -> None:
     policy = RetryPolicy(initial_backoff=0.01, max_backoff=0.01, jitter=0.0, deadline=None)
-    hinted = ResourceExhausted("slow down", reason="RATE_LIMITED", retry_after=0.5)
+    hinted = ResourceExhausted(Reason.RATE_LIMITED, "slow down", retry_after=0.5)
     # Refused before any work: retried even for a call that is not idempotent, after the hint.
     assert Attempts(policy, endpoints=1).next_delay(hinted, idempotent=False) == pytest.approx(0.5)
-    assert Attempts(policy, endpoints=1).next_delay(ResourceExhausted("full"), idempotent=True) is None
+    assert Attempts(policy, endpoints=1).next_delay(ResourceExhausted("", "full"), idempotent=True) is None
     # The policy's deadline still bounds the wait.
     bounded = Attempts(RetryPolicy(deadline=0.2), endpoints=1, started=0.0, clock=lambda: 0.0)
     assert bounded.next_delay(hinted, idempotent=False) is None
@@ -69,7 +70,7 @@ def test_a_refusal_with_a_retry_hint_is_retried_after_the_hint_and_one_without_i
 
 def test_a_timed_out_read_backs_off_on_the_same_endpoint() -> None:
     attempts = Attempts(RetryPolicy(initial_backoff=0.1, jitter=0.0), endpoints=3)
-    assert attempts.next_delay(DeadlineExceeded("slow"), idempotent=True) == pytest.approx(0.1)
+    assert attempts.next_delay(DeadlineExceeded("", "slow"), idempotent=True) == pytest.approx(0.1)
 
 
 def test_max_attempts_counts_the_first_attempt() -> None:
@@ -84,7 +85,7 @@ def test_no_retry_waits_past_the_deadline() -> None:
 
 def test_errors_a_retry_cannot_fix_are_raised_at_once() -> None:
     attempts = Attempts(RetryPolicy(), endpoints=2)
-    assert attempts.next_delay(FailedPrecondition("no", reason="LEASE_EXPIRED"), idempotent=True) is None
+    assert attempts.next_delay(FailedPrecondition(Reason.LEASE_EXPIRED, "no"), idempotent=True) is None
 
 
 def test_stream_backoff_starts_over_after_a_reset() -> None:

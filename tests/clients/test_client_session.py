@@ -23,9 +23,11 @@ from clients import (
     LiveTransfers,
     NotFound,
     ProducerSession,
+    Reason,
     ReleaseSpec,
     Reregistered,
     Resynced,
+    ServerEvent,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -50,9 +52,9 @@ def is_reregistered(event: SessionEvent) -> bool:
     return isinstance(event, Reregistered)
 
 
-async def collect_assignments(events: AsyncIterator[SessionEvent], transfer_ids: set[str]) -> list[Event]:
+async def collect_assignments(events: AsyncIterator[SessionEvent], transfer_ids: set[str]) -> list[ServerEvent]:
     """Events up to the assignment of every one of transfer_ids."""
-    seen: list[Event] = []
+    seen: list[ServerEvent] = []
 
     async def run() -> None:
         async for event in events:
@@ -283,8 +285,8 @@ def test_live_transfers_keep_what_was_asserted_until_it_is_over() -> None:
     results = [
         ItemResult("kept", TransferState.MATCHED),
         ItemResult("over", TransferState.ABORTED),
-        ItemResult("gone", TransferState.UNSPECIFIED, FailedPrecondition("ended", reason="TRANSFER_ENDED")),
-        ItemResult("bad", TransferState.UNSPECIFIED, InvalidArgument("dup", reason="BLOCK_ID_DUPLICATE")),
+        ItemResult("gone", TransferState.UNSPECIFIED, FailedPrecondition(Reason.TRANSFER_ENDED, "ended")),
+        ItemResult("bad", TransferState.UNSPECIFIED, InvalidArgument(Reason.BLOCK_ID_DUPLICATE, "dup")),
     ]
     live.record(live.targets, targets, results)
     assert list(live.targets) == ["kept"]
@@ -298,7 +300,9 @@ def test_live_transfers_end_on_commit_or_abort_events_and_follow_a_resync() -> N
     live = LiveTransfers()
     live.claims.update({t: ClaimSpec(t) for t in ("a", "b", "c")})
     live.sources["a"] = SourceReadySpec("a", [1])
-    committed = Event(1, EventType.TRANSFER_COMMITTED, TransferInfo("a", TransferState.COMMITTED), 1, None, 0.0)
+    committed: ServerEvent = Event(
+        EventType.TRANSFER_COMMITTED, 0.0, TransferInfo("a", TransferState.COMMITTED), 1, revision=1
+    )
     live.on_event(committed)
     assert "a" not in live and len(live) == 2
     live.retain(["c"])

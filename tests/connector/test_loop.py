@@ -120,7 +120,7 @@ def _prefill_worker(monkeypatch: pytest.MonkeyPatch, claims: list[Exception | No
 def test_a_claim_that_failed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
     from clients import DeadlineExceeded
 
-    claims: list[Exception | None] = [DeadlineExceeded("Deadline Exceeded"), None]
+    claims: list[Exception | None] = [DeadlineExceeded("", "Deadline Exceeded"), None]
     aborted: list[str] = []
     worker = _prefill_worker(monkeypatch, claims, aborted)
     assert asyncio.run(worker._claimed("t1")) is True
@@ -131,7 +131,7 @@ def test_a_claim_that_failed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_claim_that_fails_twice_aborts_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     from clients import DeadlineExceeded
 
-    claims: list[Exception | None] = [DeadlineExceeded("Deadline Exceeded"), DeadlineExceeded("again")]
+    claims: list[Exception | None] = [DeadlineExceeded("", "Deadline Exceeded"), DeadlineExceeded("", "again")]
     aborted: list[str] = []
     worker = _prefill_worker(monkeypatch, claims, aborted)
     assert asyncio.run(worker._claimed("t1")) is False

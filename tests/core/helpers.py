@@ -6,7 +6,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from rendezvous.core import Engine, KvLayout, KvRegion, NixlAgent, Role
-from rendezvous.core.specs import EngineSpec
+from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store.base import Store
 
 T = TypeVar("T")

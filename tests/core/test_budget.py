@@ -8,9 +8,9 @@ import pytest
 
 from rendezvous.core import budget
 from rendezvous.core import engines as rules
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Role, State, Transfer
+from rendezvous.protocol.errors import Reason, RendezvousError
 from tests.core.helpers import engine_spec
 
 NOW = 1_000_000.0

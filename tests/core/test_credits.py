@@ -6,12 +6,13 @@ import pytest
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import credits
-from rendezvous.core.credits import CreditRequest, EngineCapacity, Reservation, Usage
+from rendezvous.core.credits import EngineCapacity, Reservation
 from rendezvous.core.engines import register_engine
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Engine, Role, State, Transfer
-from rendezvous.core.specs import AbortSpec, TargetSpec
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.records import EngineCredits
+from rendezvous.protocol.requests import AbortSpec, CreditSpec, TargetSpec
 from rendezvous.store.memory import MemoryStore
 from tests.core.helpers import Clock, engine_spec, run
 
@@ -52,21 +53,21 @@ def test_usage_counts_live_targets_and_reservations_that_still_hold_credit() -> 
     ]
     aborted = Transfer("r4", State.ABORTED, NOW)
     u = credits.usage(d, targets, reservations, {"a": targets[0], "r4": aborted}, NOW)
-    assert u == Usage(transfers_in_use=1, blocks_in_use=3, transfers_reserved=1, blocks_reserved=5)
+    assert u == EngineCredits(transfers_in_use=1, blocks_in_use=3, transfers_reserved=1, blocks_reserved=5)
 
 
 def test_usage_by_count_reads_no_targets() -> None:
     d = consumer(4)
     u = credits.usage_by_count(d, 3, [held(d, "r1", 5), held(d, "r2", expires=NOW)], {}, NOW)
-    assert u == Usage(transfers_in_use=3, blocks_in_use=0, transfers_reserved=1, blocks_reserved=5)
+    assert u == EngineCredits(transfers_in_use=3, blocks_in_use=0, transfers_reserved=1, blocks_reserved=5)
 
 
 def test_reserve_refuses_beyond_capacity_naming_the_limit() -> None:
     d = consumer(max_transfers=2, max_blocks=10)
-    r = credits.reserve(NOW, d, CreditRequest("t", "d0", 4), None, None, Usage(1, 6), 30, LIMITS)
+    r = credits.reserve(NOW, d, CreditSpec("t", "d0", 4), None, None, EngineCredits(1, 6), 30, LIMITS)
     assert (r.engine_id, r.blocks, r.expires_at) == ("d0", 4, NOW + 30)
     with pytest.raises(RendezvousError) as full:
-        credits.reserve(NOW, d, CreditRequest("t", "d0", 1), None, None, Usage(1, 1, 1, 1), 30, LIMITS)
+        credits.reserve(NOW, d, CreditSpec("t", "d0", 1), None, None, EngineCredits(1, 1, 1, 1), 30, LIMITS)
     assert full.value.reason == Reason.ENGINE_CAPACITY_EXCEEDED
     assert full.value.metadata == {
         "engine_id": "d0",
@@ -77,44 +78,44 @@ def test_reserve_refuses_beyond_capacity_naming_the_limit() -> None:
         "requested": "1",
     }
     with pytest.raises(RendezvousError) as blocks:
-        credits.reserve(NOW, d, CreditRequest("t", "d0", 5), None, None, Usage(1, 6), 30, LIMITS)
+        credits.reserve(NOW, d, CreditSpec("t", "d0", 5), None, None, EngineCredits(1, 6), 30, LIMITS)
     assert blocks.value.metadata["limit"] == "blocks"
 
 
 def test_reserve_is_idempotent_and_conflicts_are_named() -> None:
     d = consumer(max_transfers=1)
     mine = held(d, "t", 2)
-    spent = Usage(0, 0, 1, 2)  # the existing reservation itself
-    again = credits.reserve(NOW + 5, d, CreditRequest("t", "d0", 2), mine, None, spent, 30, LIMITS)
+    spent = EngineCredits(0, 0, 1, 2)  # the existing reservation itself
+    again = credits.reserve(NOW + 5, d, CreditSpec("t", "d0", 2), mine, None, spent, 30, LIMITS)
     assert again.expires_at == NOW + 35  # renewed, without needing room
-    for request in (CreditRequest("t", "d0", 3), CreditRequest("t", "d1", 2)):
+    for request in (CreditSpec("t", "d0", 3), CreditSpec("t", "d1", 2)):
         engine = d if request.engine_id == "d0" else consumer(engine_id="d1")
         with pytest.raises(RendezvousError) as conflict:
             credits.reserve(NOW, engine, request, mine, None, spent, 30, LIMITS)
         assert conflict.value.reason == Reason.CREDIT_CONFLICT
     expired = held(d, "t", 9, expires=NOW)
-    assert credits.reserve(NOW, d, CreditRequest("t", "d0", 2), expired, None, Usage(), 30, LIMITS).blocks == 2
+    assert credits.reserve(NOW, d, CreditSpec("t", "d0", 2), expired, None, EngineCredits(), 30, LIMITS).blocks == 2
 
 
 @pytest.mark.parametrize(
     ("engine", "request_", "transfer", "reason"),
     [
-        (None, CreditRequest("t", "nobody"), None, Reason.ENGINE_NOT_FOUND),
+        (None, CreditSpec("t", "nobody"), None, Reason.ENGINE_NOT_FOUND),
         (
             register_engine(NOW, None, engine_spec("p0", Role.PRODUCER), LIMITS, Timeouts()),
-            CreditRequest("t", "p0"),
+            CreditSpec("t", "p0"),
             None,
             Reason.WRONG_ROLE,
         ),
-        (consumer(), CreditRequest("t", "d0", LIMITS.max_blocks_per_target + 1), None, Reason.TOO_MANY_BLOCKS),
-        (consumer(), CreditRequest("t", "d0"), Transfer("t", State.ABORTED, NOW), Reason.TRANSFER_ENDED),
+        (consumer(), CreditSpec("t", "d0", LIMITS.max_blocks_per_target + 1), None, Reason.TOO_MANY_BLOCKS),
+        (consumer(), CreditSpec("t", "d0"), Transfer("t", State.ABORTED, NOW), Reason.TRANSFER_ENDED),
     ],
 )
 def test_reserve_refuses_bad_input(
-    engine: Engine | None, request_: CreditRequest, transfer: Transfer | None, reason: Reason
+    engine: Engine | None, request_: CreditSpec, transfer: Transfer | None, reason: Reason
 ) -> None:
     with pytest.raises(RendezvousError) as err:
-        credits.reserve(NOW, engine, request_, None, transfer, Usage(), 30, LIMITS)
+        credits.reserve(NOW, engine, request_, None, transfer, EngineCredits(), 30, LIMITS)
     assert err.value.reason == reason
 
 
@@ -137,39 +138,39 @@ def test_capacity_bounds_and_roles() -> None:
 def test_a_target_takes_its_reservations_place() -> None:
     d = consumer(max_transfers=1, max_blocks=4)
     r = held(d, "t", 3)
-    spent = Usage(0, 0, 1, 3)
+    spent = EngineCredits(0, 0, 1, 3)
     after = credits.target_admission(d, spent, None, r, 3, NOW)
-    assert after == Usage(1, 3, 0, 0)
+    assert after == EngineCredits(1, 3, 0, 0)
     # Without a reservation there is no room; with one that asked for fewer blocks, only the excess counts.
     with pytest.raises(RendezvousError):
         credits.target_admission(d, spent, None, None, 1, NOW)
     with pytest.raises(RendezvousError):
         credits.target_admission(d, spent, None, r, 5, NOW)
-    assert credits.target_admission(d, spent, None, r, 4, NOW) == Usage(1, 4, 0, 0)
+    assert credits.target_admission(d, spent, None, r, 4, NOW) == EngineCredits(1, 4, 0, 0)
     # A re-registration (a later generation) gives back the blocks of the one it replaces.
     cur = target("t", d, 4)
-    assert credits.target_admission(d, Usage(1, 4), cur, None, 2, NOW) == Usage(1, 2)
+    assert credits.target_admission(d, EngineCredits(1, 4), cur, None, 2, NOW) == EngineCredits(1, 2)
 
 
 def test_the_coordinator_spends_reservations_and_reclaims_them() -> None:
     clock = Clock(NOW)
     coordinator = Coordinator(MemoryStore(), clock=clock)
     d, _ = run(coordinator.register_engine(engine_spec("d0", Role.CONSUMER, capacity=EngineCapacity(2), lease_ttl=300)))
-    [r1, r2, r3] = run(coordinator.reserve_credits([CreditRequest(f"t{i}", "d0", 1) for i in (1, 2, 3)], ttl=10))
+    [r1, r2, r3] = run(coordinator.reserve_credits([CreditSpec(f"t{i}", "d0", 1) for i in (1, 2, 3)], ttl=10))
     assert r1.reservation and r2.reservation and r3.error and r3.error.reason == Reason.ENGINE_CAPACITY_EXCEEDED
     [target_1] = run(coordinator.register_targets("d0", d.incarnation, [TargetSpec("t1", (0,))]))
     assert target_1.error is None
     assert run(coordinator.store.credits().get("t1")) is None  # spent: the target holds the credit now
     # Without a block limit the target's blocks are not counted (nothing limits them).
-    assert run(coordinator.credit_usage([d]))["d0"] == Usage(1, 0, 1, 1)
+    assert run(coordinator.credit_usage([d]))["d0"] == EngineCredits(1, 0, 1, 1)
     run(coordinator.abort_transfers("", 0, [AbortSpec("t2")]))  # only a reservation: it goes
-    assert run(coordinator.credit_usage([d]))["d0"] == Usage(1, 0, 0, 0)
-    [r4] = run(coordinator.reserve_credits([CreditRequest("t4", "d0")], ttl=10))
+    assert run(coordinator.credit_usage([d]))["d0"] == EngineCredits(1, 0, 0, 0)
+    [r4] = run(coordinator.reserve_credits([CreditSpec("t4", "d0")], ttl=10))
     assert r4.reservation is not None
     clock.advance(11)
     run(coordinator.sweep())
     assert run(coordinator.store.credits().get("t4")) is None  # past its TTL
-    [r5] = run(coordinator.reserve_credits([CreditRequest("t5", "d0")], ttl=100))
+    [r5] = run(coordinator.reserve_credits([CreditSpec("t5", "d0")], ttl=100))
     assert r5.reservation is not None
     run(coordinator.deregister_engine("d0", d.incarnation))
     assert run(coordinator.store.credits().get("t5")) is None  # the incarnation ended: credit reclaimed

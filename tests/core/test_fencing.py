@@ -14,6 +14,7 @@ from rendezvous.core import (
     CompletionSpec,
     Engine,
     EventType,
+    Mode,
     Outcome,
     Reason,
     ReleaseSpec,
@@ -256,5 +257,5 @@ class TestOneAnswerPerMistake:
 
     def test_an_unknown_mode_is_refused(self) -> None:
         w = World()
-        (item,) = run(w.coord.register_targets("d1", 0, [TargetSpec("t1", (1,), mode=None)]))
+        (item,) = run(w.coord.register_targets("d1", 0, [TargetSpec("t1", (1,), mode=Mode.UNSPECIFIED)]))
         assert reason(item) == Reason.MODE_INVALID

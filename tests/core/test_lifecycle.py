@@ -12,6 +12,7 @@ from rendezvous.core import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
+    Engine,
     Event,
     EventType,
     Limits,
@@ -26,6 +27,7 @@ from rendezvous.core import (
     State,
     TargetSpec,
     Timeouts,
+    Transfer,
 )
 from rendezvous.core.transfers import TOMBSTONE_BLOCK_IDS
 from rendezvous.store import MemoryStore
@@ -47,7 +49,7 @@ class World:
         self.p1 = run(self.coord.register_engine(engine_spec("p1", Role.PRODUCER)))[0]
         self.seen = {"d1": 0, "p1": 0}
 
-    def events(self, engine_id: str) -> list[Event]:
+    def events(self, engine_id: str) -> list[Event[Transfer, Engine]]:
         """Events of an engine since the last call."""
         page = run(self.store.read_events(engine_id, self.seen.get(engine_id, 0) + 1, 10_000))
         if page.events:
@@ -55,7 +57,7 @@ class World:
         return list(page.events)
 
     def target(self, tid: str = "t1", blocks: tuple[int, ...] = (1, 2, 3), gen: int = 1, **kw: object) -> ItemOutcome:
-        return run(self.coord.register_targets("d1", 0, [TargetSpec(tid, blocks, gen, **kw)]))[0]  # type: ignore[arg-type]
+        return run(self.coord.register_targets("d1", 0, [TargetSpec(tid, blocks, generation=gen, **kw)]))[0]  # type: ignore[arg-type]
 
     def claim(self, tid: str = "t1", engine: str = "p1") -> ItemOutcome:
         return run(self.coord.claim_transfers(engine, 0, [ClaimSpec(tid)]))[0]
@@ -73,12 +75,12 @@ def ok(outcome: ItemOutcome) -> State:
     return outcome.transfer.state
 
 
-def reason(outcome: ItemOutcome) -> Reason:
+def reason(outcome: ItemOutcome) -> str:
     assert outcome.error is not None, f"expected an error, got {outcome.transfer}"
     return outcome.error.reason
 
 
-def types(events: list[Event]) -> list[EventType]:
+def types(events: list[Event[Transfer, Engine]]) -> list[EventType]:
     return [e.type for e in events]
 
 
@@ -352,7 +354,7 @@ def test_engine_registration_conflicts_and_validation() -> None:
         run(w.coord.register_engine(engine_spec("p1", Role.CONSUMER)))
     assert err.value.reason == Reason.ENGINE_CONFLICT
     with pytest.raises(RendezvousError) as err:
-        run(w.coord.register_engine(replace(engine_spec("x", Role.PRODUCER), role=None)))
+        run(w.coord.register_engine(replace(engine_spec("x", Role.PRODUCER), role=Role.UNSPECIFIED)))
     assert err.value.reason == Reason.ROLE_UNSPECIFIED
     with pytest.raises(RendezvousError) as err:
         run(w.coord.register_targets("nobody", 0, [TargetSpec("t1", (1,))]))

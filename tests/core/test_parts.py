@@ -27,8 +27,8 @@ from rendezvous.core import (
     TargetSpec,
 )
 from rendezvous.core.parts import check_parts, held_layers
-from rendezvous.core.specs import EngineSpec
 from rendezvous.protocol.records import WrittenPart
+from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store import MemoryStore
 from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, run
 from tests.core.test_lifecycle import TIMEOUTS, ok, reason, types
@@ -42,7 +42,7 @@ def fault(parts: list[WrittenPart], num_tokens: int = 64, held: tuple[range, ...
     try:
         check_parts(parts, num_tokens, held)
     except RendezvousError as err:
-        return err.reason.value
+        return err.reason
     return None
 
 
@@ -206,7 +206,7 @@ class World:
         return types(list(page.events))
 
     def matched(self, progressive: bool = True, pair: str = "1", gen: int = 1) -> None:
-        spec = TargetSpec("t1", (1, 2), gen, num_tokens=32, progressive=progressive)
+        spec = TargetSpec("t1", (1, 2), generation=gen, num_tokens=32, progressive=progressive)
         ok(run(self.coord.register_targets(f"d{pair}", 0, [spec]))[0])
         run(self.coord.claim_transfers(f"p{pair}", 0, [ClaimSpec("t1")]))
         assert self.events(f"p{pair}") == [EventType.TRANSFER_ASSIGNED]
@@ -302,7 +302,11 @@ def test_a_stale_or_revoked_generation_keeps_its_answers_whatever_its_parts() ->
     w = World()
     w.matched()
     # The consumer re-registers with generation 2: the producer's generation 1 is revoked.
-    ok(run(w.coord.register_targets("d1", 0, [TargetSpec("t1", (3, 4), 2, num_tokens=32, progressive=True)]))[0])
+    ok(
+        run(
+            w.coord.register_targets("d1", 0, [TargetSpec("t1", (3, 4), generation=2, num_tokens=32, progressive=True)])
+        )[0]
+    )
     assert w.events("p1") == [EventType.TRANSFER_REVOKED]
     # Completing the revoked generation lets go of it (its parts are not checked: nothing commits from it).
     assert w.complete(W(0, 1), gen=1) == State.MATCHED

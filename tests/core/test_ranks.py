@@ -26,7 +26,7 @@ from rendezvous.core import (
     TargetSpec,
 )
 from rendezvous.core.limits import Limits
-from rendezvous.core.specs import EngineSpec
+from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store import MemoryStore
 from tests.core.helpers import LAYOUT, Clock, agent, run
 from tests.core.test_lifecycle import TIMEOUTS, ok, reason, types
@@ -59,7 +59,7 @@ class RankedWorld:
         return types(list(page.events))
 
     def matched(self) -> None:
-        ok(run(self.coord.register_targets("d1", 0, [TargetSpec("t1", (1, 2), 1)]))[0])
+        ok(run(self.coord.register_targets("d1", 0, [TargetSpec("t1", (1, 2), generation=1)]))[0])
         (claimed,) = run(self.coord.claim_transfers("p1", 0, [ClaimSpec("t1")]))
         assert claimed.transfer is not None and claimed.transfer.state == State.MATCHED, claimed.transfer
         assert self.events("p1") == [EventType.TRANSFER_ASSIGNED]
@@ -126,7 +126,7 @@ def test_a_revocation_is_confirmed_once_every_rank_acknowledged() -> None:
     w = RankedWorld()
     w.matched()
     w.complete(0)  # rank 0 wrote generation 1 before the consumer moved on: it has drained
-    assert ok(run(w.coord.register_targets("d1", 0, [TargetSpec("t1", (3, 4), 2)]))[0]) == State.MATCHED
+    assert ok(run(w.coord.register_targets("d1", 0, [TargetSpec("t1", (3, 4), generation=2)]))[0]) == State.MATCHED
     assert w.events("p1") == [EventType.TRANSFER_REVOKED]
     w.ack(1, 2)
     assert w.events("d1") == []
@@ -183,5 +183,5 @@ def test_a_pipeline_parallel_producer_registers_its_stages_and_matches_a_single_
     run(coord.register_engine(EngineSpec("p", "prefill", Role.PRODUCER, layout, stage)))
     whole = (NixlAgent("d-0", b"m", regions=regions(4)),)
     run(coord.register_engine(EngineSpec("d", "decode", Role.CONSUMER, replace(layout, pp_size=1), whole)))
-    ok(run(coord.register_targets("d", 0, [TargetSpec("t", (1,), 1)]))[0])
+    ok(run(coord.register_targets("d", 0, [TargetSpec("t", (1,), generation=1)]))[0])
     assert ok(run(coord.claim_transfers("p", 0, [ClaimSpec("t")]))[0]) == State.MATCHED

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from rendezvous.core.errors import RendezvousError
 from rendezvous.core.model import KvRegion, NixlAgent
 from rendezvous.core.regions import check_regions, overlapping_pair, regions_overlap
+from rendezvous.protocol.errors import RendezvousError
 
 
 @st.composite

@@ -45,10 +45,11 @@ from rendezvous.core import (
     State,
     TargetSpec,
     Timeouts,
+    Transfer,
 )
 from rendezvous.core.engines import end_incarnation, register_engine
-from rendezvous.core.specs import EngineSpec
 from rendezvous.protocol.records import WrittenPart
+from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store import MemoryStore
 from tests.ci import examples
 from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, every_engine, run
@@ -153,7 +154,7 @@ class Lifecycle(RuleBasedStateMachine):
                 self.seen[engine_id] = event.revision
                 self._check_event(engine_id, event)
 
-    def _check_event(self, engine_id: str, event: Event) -> None:
+    def _check_event(self, engine_id: str, event: Event[Transfer, Engine]) -> None:
         t = event.transfer
         if t is not None:
             assert engine_id in t.participants(), f"{event.type.name} for {t.transfer_id} sent to outsider {engine_id}"
@@ -254,7 +255,10 @@ class Lifecycle(RuleBasedStateMachine):
         mode = Mode.PULL if pull else Mode.PUSH
         tokens = TOKENS if progressive else 0
         self._call(
-            self.coord.register_targets, c, 0, [TargetSpec(t, b, gen, tokens, mode=mode, progressive=progressive)]
+            self.coord.register_targets,
+            c,
+            0,
+            [TargetSpec(t, b, generation=gen, num_tokens=tokens, mode=mode, progressive=progressive)],
         )
         self._after()
 

@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.validation import check_id
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 LIMITS = Limits()
 
 
-def refused(value: str) -> Reason | None:
+def refused(value: str) -> str | None:
     try:
         check_id("transfer_id", value, LIMITS)
     except RendezvousError as err:

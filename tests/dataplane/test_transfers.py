@@ -17,6 +17,7 @@ from clients import (
     KvRegion,
     MemoryKind,
     NixlAgentInfo,
+    ServerEvent,
     TargetSpec,
 )
 from clients.testing import TEST_LAYOUT, TestServer
@@ -128,7 +129,7 @@ def test_unknown_agent_fails_the_transfer_without_a_write(server: TestServer, pr
     regions = tuple(KvRegion(0x100000 * (i + 1), n, n, 64) for i, n in enumerate(producer.spec.block_lengths))
     ghost = NixlAgentInfo("ghost-agent", b"not nixl metadata", 0, MemoryKind.DRAM, regions)
 
-    async def consumer_side() -> Event:
+    async def consumer_side() -> ServerEvent:
         async with (
             AsyncRendezvousClient(server.address) as client,
             ConsumerSession(client, "ghost-decode", "decode", layout=TEST_LAYOUT, agents=[ghost]) as session,

@@ -102,7 +102,7 @@ class _Worker:
 
         peer = await self.client.get_engine(consumer_id)
         info = TransferInfo(transfer_id, TransferState.MATCHED, target_block_ids=tuple(dst))
-        await self.agent.handle_event(Event(0, EventType.TRANSFER_ASSIGNED, info, generation, peer, time.time()))
+        await self.agent.handle_event(Event(EventType.TRANSFER_ASSIGNED, time.time(), info, generation, peer))
 
     # Consumer commands
 

@@ -22,8 +22,8 @@ from clients.nixl.metrics import DataPlaneMetrics
 from connector.admission import RouterMetrics
 from connector.config import ConnectorConfig
 from rendezvous.cli import build_parser
+from rendezvous.server.authfile import AuthPolicy
 from rendezvous.server.metrics import Metrics
-from rendezvous.server.policy import AuthPolicy
 from rendezvous.store.redis import parse_url
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -212,6 +212,6 @@ def test_the_dashboard_charts_only_exported_metrics() -> None:
     exported |= {f"{name}_{suffix}" for name in list(exported) for suffix in ("total", "bucket", "sum", "count")}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     charted = {metric for expr in exprs for metric in re.findall(r"\b((?:kv_)?rendezvous_\w+)", expr)}
-    assert {"rendezvous_transfer_phase_seconds_bucket", "kv_rendezvous_write_seconds_bucket"} <= charted
+    assert {"kv_rendezvous_transfer_phase_seconds_bucket", "kv_rendezvous_write_seconds_bucket"} <= charted
     assert {"kv_rendezvous_router_queued_requests", "kv_rendezvous_router_pool_free_transfers"} <= charted
     assert charted <= exported, charted - exported

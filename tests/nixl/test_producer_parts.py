@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from clients import AsyncRendezvousClient, TransferState, WrittenPart
-from clients._exceptions import InvalidArgument
+from clients import AsyncRendezvousClient, InvalidArgument, TransferState, WrittenPart
 from clients._types import CompletionSpec, KvLayout
 from clients.nixl import BlockRangeError
 from clients.nixl.agent import NixlEndpoint
@@ -114,7 +113,7 @@ async def test_parts_into_a_progressive_target_are_reported_and_commit(
         ]
         assert (await client.get_transfer("t1")).state in (TransferState.COMMITTED, TransferState.RELEASED)
         registry = server.server.metrics.registry
-        assert registry.get_sample_value("rendezvous_written_parts_total") == 2
+        assert registry.get_sample_value("kv_rendezvous_written_parts_total") == 2
         assert_blocks_5_6_hold_source_1_2(pair)
 
 

@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from clients import AsyncRendezvousClient, TransferState
-from clients._exceptions import DeadlineExceeded
+from clients import AsyncRendezvousClient, DeadlineExceeded, TransferState
 from clients.testing import TEST_LAYOUT, start_test_server
 from tests.clients.conftest import WAIT, client_config
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix

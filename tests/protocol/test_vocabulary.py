@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import clients
 from rendezvous import core
-from rendezvous.core import errors
-from rendezvous.protocol import REASON_CODES, Reason
+from rendezvous.protocol import REASON_CODES, Reason, errors
 from rendezvous.v1 import errors_pb2, rendezvous_pb2
 
 
@@ -13,7 +12,7 @@ def test_every_reason_of_the_proto_is_a_python_reason_with_a_code() -> None:
     names = {v.name.removeprefix("ERROR_REASON_") for v in errors_pb2.ErrorReason.DESCRIPTOR.values if v.number}
     assert names == {r.value for r in Reason}
     assert set(REASON_CODES) == set(Reason)
-    assert {errors.REASON_CODES[r].value for r in Reason} == set(REASON_CODES.values())
+    assert {errors.REASON_CODES[r].name for r in Reason} == set(REASON_CODES.values())
 
 
 def test_service_and_sdk_share_the_same_objects() -> None:
@@ -22,6 +21,8 @@ def test_service_and_sdk_share_the_same_objects() -> None:
     assert clients.EngineRole is core.Role
     assert clients.KvLayout is core.KvLayout
     assert clients.NixlAgentInfo is core.NixlAgent
+    assert clients.Event is core.Event and clients.RendezvousError is core.RendezvousError
+    assert clients.TargetSpec is core.TargetSpec and clients.EngineSpec is core.EngineSpec
 
 
 def test_enum_numbers_equal_the_protos() -> None:

@@ -39,7 +39,7 @@ from clients.testing import stand_in_agent
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.server import TLSConfig as ServerTLS
-from rendezvous.server.policy import AuthPolicy
+from rendezvous.server.authfile import AuthPolicy
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.security.certs import CertificateAuthority

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from clients._exceptions import from_rpc_error
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server import CallLimits, RendezvousServer, ServerConfig
 from rendezvous.server.backoff import FACTOR, MAX_WAIT, InvalidBackoff
 from rendezvous.v1 import rendezvous_pb2 as pb

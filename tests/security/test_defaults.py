@@ -24,7 +24,7 @@ import pytest
 
 from rendezvous.cli import _config_from, build_parser, main
 from rendezvous.server import CallLimits, RendezvousServer, ServerConfig, quotas
-from rendezvous.server.policy import AuthPolicy
+from rendezvous.server.authfile import AuthPolicy
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.security.conftest import serving
@@ -87,7 +87,7 @@ async def test_allow_unbound_admits_a_half_without_a_binding(tmp_path: Path) -> 
 def test_unbound_engine_identities_are_named_in_a_warning_at_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="rendezvous.server.policy"):
+    with caplog.at_level(logging.WARNING, logger="rendezvous.server.authfile"):
         AuthPolicy(auth_file(tmp_path, doc(BOUND, POOL, ROUTER, ADMIN, NO_ROLE, NO_POOL, POOL_NO_ROLE)))
     warned = {str(r.args[0]): r.getMessage() for r in caplog.records if isinstance(r.args, tuple) and r.args}
     assert sorted(warned) == ["any-role-pool", "loose", "roaming"]

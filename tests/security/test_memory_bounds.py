@@ -28,9 +28,9 @@ from clients._exceptions import from_rpc_error
 from rendezvous import pacing
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import Limits
-from rendezvous.core.errors import Reason
 from rendezvous.core.model import Role
-from rendezvous.core.specs import TargetSpec
+from rendezvous.protocol.errors import Reason
+from rendezvous.protocol.requests import TargetSpec
 from rendezvous.store.memory import MemoryStore
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.core.helpers import engine_spec
@@ -237,14 +237,14 @@ async def test_a_stalled_watch_reader_is_dropped_past_the_output_buffer_limit(
         # The first reader's window fills: a response stays handed to gRPC and not taken.
         for n in range(8):
             await assign(producers[0], n)
-        await _until(lambda: _gauge(c, "rendezvous_watch_buffer_bytes") >= MIB)
+        await _until(lambda: _gauge(c, "kv_rendezvous_watch_buffer_bytes") >= MIB)
         # The second stalls too: together past the limit, the stream that waited longest is dropped.
         for n in range(8):
             await assign(producers[1], n)
-        await _until(lambda: _gauge(c, "rendezvous_watch_dropped_total") == 1)
-        assert _gauge(c, "rendezvous_watch_buffer_bytes") <= 3 * MIB // 2
+        await _until(lambda: _gauge(c, "kv_rendezvous_watch_dropped_total") == 1)
+        assert _gauge(c, "kv_rendezvous_watch_buffer_bytes") <= 3 * MIB // 2
         # Its handler ends at once (the events it read and its response freed), without its reader.
-        await _until(lambda: _gauge(c, "rendezvous_watchers") == 1)
+        await _until(lambda: _gauge(c, "kv_rendezvous_watchers") == 1)
         # The dropped reader gets what was on its way, then RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED; it resumes
         # from the revision after the last event it received.
         last = 0

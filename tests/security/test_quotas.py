@@ -13,7 +13,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients._exceptions import from_rpc_error
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server import CallLimits, RendezvousServer, ServerConfig
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.v1 import rendezvous_pb2 as pb

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from clients._exceptions import from_rpc_error
-from rendezvous.core.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server import CallLimits, RendezvousServer
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.v1 import rendezvous_pb2 as pb

@@ -12,9 +12,11 @@ import pytest
 
 from rendezvous import wire
 from rendezvous.core import engines as engine_rules
-from rendezvous.core.limits import Limits, Timeouts, clip
+from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Event, EventType, State, Transfer
 from rendezvous.core.validation import check_engine_spec
+from rendezvous.protocol import convert
+from rendezvous.protocol.errors import clip
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -88,7 +90,7 @@ def test_clip_cuts_utf8_bytes_on_a_character_boundary() -> None:
 
 def test_under_the_default_limits_the_largest_event_fits_a_default_client() -> None:
     request = largest_engine_request("d", CONSUMER)
-    spec = wire.engine_spec(request)
+    spec = convert.engine_spec(request)
     check_engine_spec(spec, LIMITS)  # accepted: this is within the limits, not beyond them
     peer = engine_rules.register_engine(1e9, None, spec, LIMITS, Timeouts())
     blocks = tuple(range((1 << 32) - 1 - LIMITS.max_blocks_per_target, (1 << 32) - 1))

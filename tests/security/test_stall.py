@@ -18,14 +18,14 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rendezvous import pacing, wire
+from rendezvous import pacing
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.core import paging
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits
 from rendezvous.core.model import Engine, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.protocol import convert
+from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.server.app import LIVENESS
 from rendezvous.store.redis import RedisStore
@@ -112,7 +112,7 @@ def test_the_message_size_must_be_positive() -> None:
 async def test_a_request_over_the_message_size_is_refused_unread(monkeypatch: pytest.MonkeyPatch) -> None:
     async with serving() as server, grpc.aio.insecure_channel(server.address) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
-        converted = counting(monkeypatch, wire, "block_ids")
+        converted = counting(monkeypatch, convert, "block_ids")
         blocks = range(1 << 40, (1 << 40) + 65_536)  # 6 bytes a block id: 384 KiB a target
         targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=blocks) for i in range(12)]
         request = pb.RegisterTargetRequest(engine_id="d0", incarnation=1, targets=targets)
@@ -129,7 +129,7 @@ async def test_a_request_over_the_message_size_is_refused_unread(monkeypatch: py
 async def test_a_batch_over_the_item_cap_is_refused_before_any_item_is_converted(
     stub: Stub, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    converted = counting(monkeypatch, wire, "block_ids")
+    converted = counting(monkeypatch, convert, "block_ids")
     targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i]) for i in range(9)]
     metadata = await refused(
         stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d0", incarnation=1, targets=targets)),
@@ -164,14 +164,14 @@ async def test_an_item_over_its_own_limit_is_refused_alone_converting_one_past_t
     producer = (await stub.RegisterEngine(engine_request("p0", pb.ENGINE_ROLE_PRODUCER))).engine
     converted_parts = counting(monkeypatch, convert, "part")
     converted_blocks: list[int] = []
-    original_ids = wire.block_ids
+    original_ids = convert.block_ids
 
     def block_ids(values: Any) -> tuple[int, ...]:
         ids = original_ids(values)
         converted_blocks.append(len(ids))
         return ids
 
-    monkeypatch.setattr(wire, "block_ids", block_ids)
+    monkeypatch.setattr(convert, "block_ids", block_ids)
     targets = [pb.TargetSpec(transfer_id="long", block_ids=range(50)), pb.TargetSpec(transfer_id="t", block_ids=[1])]
     registered = await stub.RegisterTarget(
         pb.RegisterTargetRequest(engine_id="d0", incarnation=consumer.incarnation, targets=targets)
@@ -228,7 +228,7 @@ async def test_a_long_batch_gives_the_loop_to_other_tasks_between_items(
     ticks = [0]
     seen_at_conversion: list[int] = []
     seen_at_apply: list[int] = []
-    original_ids = wire.block_ids
+    original_ids = convert.block_ids
     store = server.coordinator.store
     original_update = store.update_transfer
 
@@ -240,7 +240,7 @@ async def test_a_long_batch_gives_the_loop_to_other_tasks_between_items(
         seen_at_apply.append(ticks[0])
         return await original_update(transfer_id, fn)
 
-    monkeypatch.setattr(wire, "block_ids", block_ids)
+    monkeypatch.setattr(convert, "block_ids", block_ids)
     monkeypatch.setattr(store, "update_transfer", update_transfer)
 
     ticker = asyncio.create_task(_tick(ticks))

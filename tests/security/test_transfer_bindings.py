@@ -26,10 +26,10 @@ from clients import (
     TargetSpec,
     TransferState,
 )
-from clients._convert import binding_message as message
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.protocol import bindings
 from rendezvous.protocol.bindings import Binding
+from rendezvous.protocol.convert import binding_message as message
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.clients.conftest import LAYOUT, agent

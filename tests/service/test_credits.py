@@ -290,6 +290,6 @@ async def test_the_service_counts_credit_items_by_outcome(
     registry = server.server.metrics.registry
     sample = registry.get_sample_value
     labels = {"method": "ReserveCredits", "outcome": "ENGINE_CAPACITY_EXCEEDED"}
-    assert sample("rendezvous_credit_items_total", labels) == 1
-    assert sample("rendezvous_credit_items_total", {"method": "ReserveCredits", "outcome": "OK"}) == 1
-    assert sample("rendezvous_credit_items_total", {"method": "ReleaseCredits", "outcome": "OK"}) == 1
+    assert sample("kv_rendezvous_credit_items_total", labels) == 1
+    assert sample("kv_rendezvous_credit_items_total", {"method": "ReserveCredits", "outcome": "OK"}) == 1
+    assert sample("kv_rendezvous_credit_items_total", {"method": "ReleaseCredits", "outcome": "OK"}) == 1

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from dataclasses import replace
+from typing import NoReturn
 
 import grpc
 import pytest
 
+from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.service.conftest import LAYOUT, engine_request
-from tests.service.test_service import CONSUMER, PRODUCER, expect_error, item_reason, register_pair
+from tests.service.test_service import CONSUMER, PRODUCER, error_info, expect_error, item_reason, register_pair
 
 Stub = pb_grpc.RendezvousServiceStub
 Code = grpc.StatusCode
@@ -249,3 +253,38 @@ async def test_generation_zero_means_one_in_every_call(stub: Stub) -> None:
         pb.ReleaseTargetRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t")])
     )
     assert released.results[0].state == pb.TRANSFER_STATE_RELEASED
+
+
+async def test_a_bug_in_a_handler_is_internal_with_a_reason_and_a_request_id_in_the_log(
+    server: RendezvousServer, stub: Stub, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def broken(*args: object, **kwargs: object) -> NoReturn:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server.coordinator, "get_transfer", broken)
+    monkeypatch.setattr(server.coordinator, "deregister_engine", broken)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))
+    assert caught.value.code() == Code.INTERNAL
+    info = error_info(caught.value)
+    assert info.reason == "INTERNAL_ERROR" and info.metadata["request_id"]
+    assert "a bug" not in (caught.value.details() or "")  # the bug stays in the server's log
+    (record,) = [r for r in caplog.records if getattr(r, "request_id", "") == info.metadata["request_id"]]
+    assert record.exc_info is not None and "a bug" in str(record.exc_info[1])
+    # A call with a request_id is logged under that one.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.DeregisterEngine(pb.DeregisterEngineRequest(engine_id="d1", request_id="rid-1"))
+    assert (caught.value.code(), error_info(caught.value).metadata["request_id"]) == (Code.INTERNAL, "rid-1")
+
+
+async def test_an_open_watch_is_told_the_server_is_shutting_down(server_config: ServerConfig) -> None:
+    server = RendezvousServer(replace(server_config, grace=30.0))  # a grace the watch ends well within
+    await server.start()
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        stub = Stub(channel)
+        await stub.RegisterEngine(engine_request("d1", CONSUMER))
+        watch = stub.Watch(pb.WatchRequest(engine_id="d1"))
+        assert (await watch.read()).header.epoch  # established
+        stopping = asyncio.create_task(server.stop())
+        await expect_error(watch.read(), Code.UNAVAILABLE, "SHUTTING_DOWN")
+        await stopping

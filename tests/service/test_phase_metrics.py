@@ -41,7 +41,7 @@ async def client(server: AsyncTestServer) -> AsyncIterator[AsyncRendezvousClient
         yield c
 
 
-PHASE = "rendezvous_transfer_phase_seconds"
+PHASE = "kv_rendezvous_transfer_phase_seconds"
 
 
 def assert_observed(
@@ -82,7 +82,7 @@ async def test_a_push_lifecycle_observes_each_of_its_phases_once_for_as_long_as_
     for phase in PULL_ONLY_PHASES:
         assert_observed(server, 0, 0, phase)
     waits = [max(a, b) for a, b in zip(expected["target_to_match"], expected["claim_to_match"], strict=True)]
-    assert_observed(server, 4, sum(waits), histogram="rendezvous_match_wait_seconds")
+    assert_observed(server, 4, sum(waits), histogram="kv_rendezvous_match_wait_seconds")
 
 
 async def test_a_pull_source_ready_after_the_match_is_observed_when_it_comes_without_a_state_change(

@@ -62,8 +62,8 @@ async def complete(
 
 
 def written_parts(server: RendezvousServer) -> float:
-    """The service's count of parts in accepted completions (rendezvous_written_parts)."""
-    return server.metrics.registry.get_sample_value("rendezvous_written_parts_total") or 0.0
+    """The service's count of parts in accepted completions (kv_rendezvous_written_parts)."""
+    return server.metrics.registry.get_sample_value("kv_rendezvous_written_parts_total") or 0.0
 
 
 async def refusal(stub: Stub, result: pb.ItemResult) -> tuple[int, str, int]:

@@ -75,18 +75,18 @@ async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: Server
             await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t")]))
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-        assert 'rendezvous_rpcs_total{code="OK",method="RegisterTarget"} 1.0' in body
-        assert 'rendezvous_transfer_aborts_total{reason="REQUESTED"} 1.0' in body
-        assert "rendezvous_match_wait_seconds_bucket" in body
+        assert 'kv_rendezvous_rpcs_total{code="OK",method="RegisterTarget"} 1.0' in body
+        assert 'kv_rendezvous_transfer_aborts_total{reason="REQUESTED"} 1.0' in body
+        assert "kv_rendezvous_match_wait_seconds_bucket" in body
         # The memory budget's gauges follow the store (refreshed every health_interval).
-        used = 'rendezvous_budget_used{budget="engines"} 1.0'
+        used = 'kv_rendezvous_budget_used{budget="engines"} 1.0'
         for _ in range(100):
             if used in body:
                 break
             await asyncio.sleep(0.05)
             body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-        assert used in body and 'rendezvous_budget_used{budget="live_blocks"} 0.0' in body
-        assert f'rendezvous_budget_limit{{budget="engines"}} {float(server_config.limits.max_engines)}' in body
+        assert used in body and 'kv_rendezvous_budget_used{budget="live_blocks"} 0.0' in body
+        assert f'kv_rendezvous_budget_limit{{budget="engines"}} {float(server_config.limits.max_engines)}' in body
     finally:
         await server.stop(0)
 

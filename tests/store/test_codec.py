@@ -115,7 +115,7 @@ def test_an_event_round_trips_with_its_revision_and_peer() -> None:
         registered_at=1.0,
     )
     assert decode_engine(encode_engine(peer)) == peer
-    event = Event(EventType.TRANSFER_ASSIGNED, 4.25, TRANSFER, 2)
+    event: Event[Transfer, Engine] = Event(EventType.TRANSFER_ASSIGNED, 4.25, TRANSFER, 2)
     data = encode_event(event, encode_transfer(TRANSFER)).encode()
     assert data == encode_event(event).encode() == b"[1,%d,4.25,%s,2]" % (EventType.TRANSFER_ASSIGNED, TRANSFER_BYTES)
     decoded = decode_event(data, 17, peer)

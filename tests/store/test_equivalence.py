@@ -34,7 +34,7 @@ from rendezvous.core import (
     Timeouts,
     budget,
 )
-from rendezvous.core.credits import CreditRequest, EngineCapacity
+from rendezvous.core.credits import CreditSpec, EngineCapacity
 from rendezvous.protocol.records import WrittenPart
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
@@ -109,7 +109,7 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
             return engine, start
         if kind in ("reserve", "unreserve"):
             credited = await (
-                coord.reserve_credits([CreditRequest(args[1], args[0], args[2])], ttl=20)
+                coord.reserve_credits([CreditSpec(args[1], args[0], args[2])], ttl=20)
                 if kind == "reserve"
                 else coord.release_credits([args[0]])
             )
@@ -124,7 +124,16 @@ async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
             "target": lambda c, t, g, b, pull, shape: coord.register_targets(
                 c,
                 0,
-                [TargetSpec(t, b, g, shape[0], mode=Mode.PULL if pull else Mode.PUSH, progressive=shape[1])],
+                [
+                    TargetSpec(
+                        t,
+                        b,
+                        generation=g,
+                        num_tokens=shape[0],
+                        mode=Mode.PULL if pull else Mode.PUSH,
+                        progressive=shape[1],
+                    )
+                ],
             ),
             "claim": lambda p, t: coord.claim_transfers(p, 0, [ClaimSpec(t)]),
             "claims": lambda p, ts: coord.claim_transfers(p, 0, [ClaimSpec(t) for t in ts]),

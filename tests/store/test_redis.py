@@ -15,11 +15,11 @@ from redis.asyncio.connection import AbstractConnection
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Addressed, Engine, Event, EventType, Role, State, Transfer
-from rendezvous.core.specs import ClaimSpec, TargetSpec
 from rendezvous.core.transfers import Transition
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.requests import ClaimSpec, TargetSpec
 from rendezvous.store import StoreUnavailableError
 from rendezvous.store.base import TransferFn
 from rendezvous.store.codec import encode_event

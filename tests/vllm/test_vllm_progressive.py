@@ -64,7 +64,7 @@ def layer_prefill(
 
 def written_parts(rendezvous: TestServer) -> float:
     registry = rendezvous.server.metrics.registry
-    return float(registry.get_sample_value("rendezvous_written_parts_total") or 0.0)
+    return float(registry.get_sample_value("kv_rendezvous_written_parts_total") or 0.0)
 
 
 def decode_first(prefill: Engine, decode: Engine, prompt: list[int], rendezvous: TestServer) -> tuple[str, str]:

@@ -7,7 +7,7 @@ One module per concern, as redis-py splits client, connection and retry:
     store.py     RedisStore, the Store interface over Redis
     cache.py     engine and transfer records as last seen (optimistic updates), event peers
     epoch.py     the store's lifetime and the guard every write carries
-    batcher.py   pipelining: one round trip for the commands of one event-loop iteration
+    pipeliner.py pipelining: one round trip for the commands of one event-loop iteration
     locks.py     per-key queues of this process's updates
     errors.py    which Redis failures mean "unavailable"
 """

@@ -158,19 +158,19 @@ class WrittenEvents:
 
     def __init__(self, size: int = _WRITTEN_EVENTS) -> None:
         self._size = size
-        self._events: dict[bytes, Event] = {}
+        self._events: dict[bytes, Event[Transfer, Engine]] = {}
 
     def __len__(self) -> int:
         return len(self._events)
 
-    def wrote(self, encoded: str, event: Event) -> None:
+    def wrote(self, encoded: str, event: Event[Transfer, Engine]) -> None:
         """event went out as encoded (codec.encode_event)."""
         events = self._events
         events[encoded.encode()] = event
         if len(events) > self._size:
             del events[next(iter(events))]
 
-    def read(self, data: bytes, revision: int, peer: Engine | None) -> Event:
+    def read(self, data: bytes, revision: int, peer: Engine | None) -> Event[Transfer, Engine]:
         """The event stored as data, at revision, with its peer (codec.decode_event's answer)."""
         written = self._events.pop(data, None)
         if written is None:

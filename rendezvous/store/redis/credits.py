@@ -56,7 +56,7 @@ class RedisCredits(CreditStore):
         return Ledger(engine_id, int(version), tuple(decode(r) for r in records))
 
     async def ledgers(self, engine_ids: Sequence[str]) -> dict[str, Ledger]:
-        # In flight together: the store's batcher sends them in one pipeline.
+        # In flight together: the store's pipeliner sends them in one pipeline.
         found = await asyncio.gather(*(self.ledger(engine_id) for engine_id in engine_ids))
         return dict(zip(engine_ids, found, strict=True))
 

@@ -18,7 +18,7 @@ refuses (a conflict) or could not compute on what was seen take update_transfer'
 its caller first (caller: the record, its live count and its owner's tallies, in one script), and its
 response header takes the highest revision seen (answered_revision), which the commit's reply raised: two
 round trips in all when the records are known. Other commands
-that concurrent requests issue in one event-loop iteration go out as one pipeline (batcher.py). Every
+that concurrent requests issue in one event-loop iteration go out as one pipeline (pipeliner.py). Every
 write carries the epoch guard (epoch.py).
 """
 
@@ -43,11 +43,11 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialBackoff
 
 from rendezvous.core import budget
-from rendezvous.core.errors import RendezvousError
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Addressed, Engine, State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.pacing import Pacer
+from rendezvous.protocol.errors import RendezvousError
 from rendezvous.store._answers import answer_cost
 from rendezvous.store.base import (
     CallerView,
@@ -62,13 +62,13 @@ from rendezvous.store.base import (
 from rendezvous.store.codec import encode_engine, encode_event, encode_transfer, event_around, to_json
 from rendezvous.store.credits import CreditStore
 from rendezvous.store.redis import optimistic
-from rendezvous.store.redis.batcher import Batcher
 from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot, WrittenEvents
 from rendezvous.store.redis.credits import RedisCredits
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.errors import store_errors, unavailable
 from rendezvous.store.redis.locks import KeyLocks
 from rendezvous.store.redis.optimistic import Attempt, Reply
+from rendezvous.store.redis.pipeliner import Pipeliner
 from rendezvous.store.redis.scripts import Scripts
 from rendezvous.store.redis.url import parse_url
 
@@ -173,7 +173,7 @@ class RedisStore(Store):
             self._close_idle_connections if self.target.sentinels else None,
         )
         self._redis: aioredis.Redis | None = None
-        self._batcher: Batcher | None = None
+        self._pipeliner: Pipeliner | None = None
         self._health: aioredis.Redis | None = None
         self._watch: aioredis.Redis | None = None
         self._sentinels: list[Sentinel] = []
@@ -211,8 +211,8 @@ class RedisStore(Store):
         max_connections = int(self.target.connection["max_connections"])
         # A few connections more than batches may use, for the odd direct command (loading scripts).
         self._redis = self._client(max_connections + 4, self.options.retries)
-        self._batcher = Batcher(self._redis, max_connections, self.options.wait_replicas, self.options.wait_timeout)
-        self._scripts.bind(self._redis, self._batcher)
+        self._pipeliner = Pipeliner(self._redis, max_connections, self.options.wait_replicas, self.options.wait_timeout)
+        self._scripts.bind(self._redis, self._pipeliner)
         self._health = self._client(2, 0)
         self._watch = self._client(self.options.max_watch_connections, 1, _MAX_BLOCK_S + base_timeout)
         try:
@@ -231,9 +231,9 @@ class RedisStore(Store):
             raise
 
     async def close(self) -> None:
-        if self._batcher is not None:
-            await self._batcher.close()
-            self._batcher = None
+        if self._pipeliner is not None:
+            await self._pipeliner.close()
+            self._pipeliner = None
         clients = [c for c in (self._redis, self._health, self._watch) if c is not None]
         self._redis = self._health = self._watch = None
         self._scripts.unbind()
@@ -276,8 +276,8 @@ class RedisStore(Store):
     # Calls
 
     async def _command(self, *args: Any) -> Any:
-        assert self._batcher is not None
-        return await self._batcher.call(*args)
+        assert self._pipeliner is not None
+        return await self._pipeliner.call(*args)
 
     def _events(self, events: Sequence[Addressed], record: Transfer | None, record_json: str | None) -> list[Any]:
         """The events group of a script call: (engine id, event, peer engine or "") per event."""

@@ -64,7 +64,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as rex
 
 from rendezvous.store.base import StoreUnavailableError
-from rendezvous.store.redis.batcher import Batcher
+from rendezvous.store.redis.pipeliner import Pipeliner
 
 
 @dataclass(frozen=True)
@@ -232,21 +232,21 @@ SCRIPTS: Mapping[str, Script] = {name: Script.load(name, sig) for name, sig in S
 
 
 class Scripts:
-    """Runs the scripts of one namespace: one EVALSHA each, through the batcher (pipelined), once bound."""
+    """Runs the scripts of one namespace: one EVALSHA each, through the pipeliner, once bound."""
 
     def __init__(self, rev_key: str, prefix: str) -> None:
         self._rev_key = rev_key
         self._prefix = prefix
         self._client: aioredis.Redis | None = None
-        self._batcher: Batcher | None = None
+        self._pipeliner: Pipeliner | None = None
 
-    def bind(self, client: aioredis.Redis, batcher: Batcher) -> None:
+    def bind(self, client: aioredis.Redis, pipeliner: Pipeliner) -> None:
         """Run scripts on this connection (the store opened)."""
-        self._client, self._batcher = client, batcher
+        self._client, self._pipeliner = client, pipeliner
 
     def unbind(self) -> None:
         """Stop running scripts (the store closed)."""
-        self._client = self._batcher = None
+        self._client = self._pipeliner = None
 
     @property
     def client(self) -> aioredis.Redis:
@@ -263,10 +263,10 @@ class Scripts:
         """Call a script by name with its named arguments (SIGNATURES); returns its reply."""
         script = SCRIPTS[name]
         argv = script.argv(self._prefix, **args)
-        if self._batcher is None:
+        if self._pipeliner is None:
             raise StoreUnavailableError("the Redis store is not open")
         try:
-            return await self._batcher.call("EVALSHA", script.sha, 1, self._rev_key, *argv)
+            return await self._pipeliner.call("EVALSHA", script.sha, 1, self._rev_key, *argv)
         except rex.NoScriptError:
             # Redis restarted (or SCRIPT FLUSH): load it again.
             await self.client.script_load(script.source)

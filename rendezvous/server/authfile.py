@@ -42,8 +42,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from rendezvous.core.errors import Reason, RendezvousError
 from rendezvous.core.model import Role
+from rendezvous.protocol.errors import Reason, RendezvousError
 
 log = logging.getLogger(__name__)
 

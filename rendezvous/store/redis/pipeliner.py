@@ -11,7 +11,7 @@ from redis import exceptions as rex
 from rendezvous.store.base import StoreUnavailableError
 
 
-class Batcher:
+class Pipeliner:
     """Sends the commands that tasks issue in one loop iteration as one pipeline: one write, one round trip.
 
     With many requests in flight this saves most of the client's per-command cost (syscalls, pool
