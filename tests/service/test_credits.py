@@ -1,6 +1,6 @@
 """Decode admission credits over gRPC: declared capacity, RegisterTarget refusals, ReserveCredits /
 ReleaseCredits, conversion of a reservation into the live target, TTL and lease-end reclamation, bad input.
-Real server on 127.0.0.1, memory and Redis stores."""
+Real server on 127.0.0.1, memory and Redis stores; the server's time is a fake clock the tests move."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from clients import (
     KvLayout,
     TargetSpec,
 )
-from clients.testing import AsyncTestServer, stand_in_agent, start_test_server
+from clients.testing import AsyncTestServer, FakeClock, stand_in_agent, start_test_server
 from rendezvous import cli
 from rendezvous.core import Limits, Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -43,10 +43,15 @@ def store(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def server(store: str) -> AsyncIterator[AsyncTestServer]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def server(store: str, clock: FakeClock) -> AsyncIterator[AsyncTestServer]:
     timeouts = Timeouts(default_lease_ttl=2, min_lease_ttl=0.5, default_credit_ttl=30)
     limits = Limits(max_capacity_transfers=1000, max_capacity_blocks=1 << 20)
-    async with start_test_server(store=store, timeouts=timeouts, limits=limits, sweep_interval=0.05) as srv:
+    async with start_test_server(clock, store=store, timeouts=timeouts, limits=limits) as srv:
         yield srv
 
 
@@ -127,7 +132,9 @@ async def test_reservation_converts_into_the_target(client: AsyncRendezvousClien
     assert reserved.ok
 
 
-async def test_release_abort_and_ttl_drop_reservations(client: AsyncRendezvousClient) -> None:
+async def test_release_abort_and_ttl_drop_reservations(
+    client: AsyncRendezvousClient, server: AsyncTestServer, clock: FakeClock
+) -> None:
     await register(client, decode("d0", transfers=1))
     assert (await client.reserve_credits([CreditSpec("t1", "d0")]))[0].ok
     [released] = await client.release_credits(["t1"])
@@ -141,15 +148,19 @@ async def test_release_abort_and_ttl_drop_reservations(client: AsyncRendezvousCl
     [short] = await client.reserve_credits([CreditSpec("t3", "d0")], ttl=0.2)
     assert short.ok
     assert (await client.reserve_credits([CreditSpec("t4", "d0")]))[0].error is not None
-    await asyncio.sleep(0.5)
+    clock.advance(0.5)
+    await server.sweep()
     assert (await client.get_engine("d0")).free_transfers == 1
     assert (await client.reserve_credits([CreditSpec("t4", "d0")]))[0].ok
 
 
-async def test_lease_end_reclaims_credits(client: AsyncRendezvousClient) -> None:
+async def test_lease_end_reclaims_credits(
+    client: AsyncRendezvousClient, server: AsyncTestServer, clock: FakeClock
+) -> None:
     await register(client, decode("d0", transfers=1, lease=0.5))
     assert (await client.reserve_credits([CreditSpec("t1", "d0")]))[0].ok
-    await asyncio.sleep(1.2)  # no keep-alive: the engine "crashed"
+    clock.advance(1.2)  # no keep-alive: the engine "crashed"
+    await server.sweep()
     [gone] = await client.reserve_credits([CreditSpec("t2", "d0")])
     assert gone.error is not None and gone.error.reason == "ENGINE_NOT_FOUND"
     await register(client, decode("d0", transfers=1))
