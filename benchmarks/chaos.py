@@ -106,8 +106,9 @@ from clients import (  # noqa: E402
     TransferInfo,
     TransferState,
 )
+from tests.factories import SDK_LAYOUT as LAYOUT  # noqa: E402
 from tests.redis_fixtures import REDIS_SERVER, LocalCluster, LocalRedis, SentinelTopology, wait_until, with_prefix  # noqa: E402
-from tests.replicas.harness import FAST_RETRY, FAST_SESSION, LAYOUT, Replica  # noqa: E402
+from tests.replicas.harness import FAST_RETRY, FAST_SESSION, Replica  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LIVE_STATES = (TransferState.TARGETED, TransferState.CLAIMED, TransferState.MATCHED, TransferState.COMMITTED)

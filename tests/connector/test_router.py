@@ -22,11 +22,7 @@ from clients import (
     ClientConfig,
     EngineCapacity,
     EngineRole,
-    EngineSpec,
     KvLayout,
-    KvRegion,
-    MemoryKind,
-    NixlAgentInfo,
     NotFound,
     PickPolicy,
     TransferInfo,
@@ -38,8 +34,9 @@ from connector.prompts import PromptReader
 from connector.router import ANY_MODEL, PREFILL_HEADER, TRANSFER_ID_HEADER, LocalPrefill, Route, Router, parse_route
 from rendezvous.protocol import bindings
 from rendezvous.protocol.bindings import Binding
+from tests.factories import SDK_LAYOUT, sdk_engine
 
-LAYOUT = KvLayout(model_fingerprint="tiny", dtype="float32", block_size=32, num_layers=2)
+LAYOUT = dataclasses.replace(SDK_LAYOUT, block_size=32)
 WAIT = 10.0
 
 
@@ -124,10 +121,10 @@ class Cluster:
         engine = FakeEngine(name)
         await engine.start()
         self.engines[name] = engine
-        region = KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=64)
-        agent = NixlAgentInfo(name=name, metadata=b"md", memory_kind=MemoryKind.DRAM, regions=(region,))
         labels = {"url": f"http://127.0.0.1:{engine.port}"}
-        spec = EngineSpec(name, pool, role, layout, (agent,), labels, lease_ttl=60, capacity=EngineCapacity(capacity))
+        spec = sdk_engine(
+            name, role, pool=pool, layout=layout, labels=labels, lease_ttl=60, capacity=EngineCapacity(capacity)
+        )
         await self.rendezvous.register_engine(spec)
         return engine
 

@@ -25,10 +25,10 @@ from rendezvous.core import Limits, Timeouts
 from rendezvous.server import RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.factories import proto_agent, proto_engine
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 from tests.security.conftest import serving
 from tests.security.test_auth import auth_file, bearer
-from tests.service.conftest import LAYOUT
 
 __all__ = ["redis_url"]
 
@@ -98,17 +98,9 @@ class Client:
 
 
 def registration(engine_id: str, metadata: int, consumer: bool = True) -> pb.RegisterEngineRequest:
-    region = pb.KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=1024)
-    agent = pb.NixlAgent(
-        name=engine_id + "-0", metadata=b"m" * metadata, memory_kind=pb.MEMORY_KIND_DRAM, regions=[region]
-    )
-    return pb.RegisterEngineRequest(
-        engine_id=engine_id,
-        pool="decode" if consumer else "prefill",
-        role=pb.ENGINE_ROLE_CONSUMER if consumer else pb.ENGINE_ROLE_PRODUCER,
-        layout=LAYOUT,
-        agents=[agent],
-    )
+    """The test engine with 1024 blocks and `metadata` bytes of agent metadata."""
+    role = pb.ENGINE_ROLE_CONSUMER if consumer else pb.ENGINE_ROLE_PRODUCER
+    return proto_engine(engine_id, role, agents=[proto_agent(engine_id + "-0", 1024, b"m" * metadata)])
 
 
 @contextlib.asynccontextmanager
