@@ -52,10 +52,11 @@ test: setup-vllm system-deps
 	$(VENV)/bin/pytest $(ARGS) $(TP_TESTS)
 
 # The fast tier, what a developer (and the pre-commit hooks) run all day: the core, the stores' contracts against
-# the memory store, the protocol, the SDK against an in-process server, the connector's units, the layering and CI
-# checks. No vLLM, NIXL or redis-server: tests that need them carry the `vllm`, `nixl` or `redis` mark and are left
-# out by it (deselected, not skipped). `make test` stays the whole suite.
-FAST_TESTS := tests/core tests/store tests/protocol tests/clients tests/connector tests/test_layering.py tests/test_ci.py
+# the memory store, the protocol, the SDK against an in-process server, the connector's units, the chaos oracle, the
+# layering and CI checks. No vLLM, NIXL or redis-server: tests that need them carry the `vllm`, `nixl` or `redis`
+# mark and are left out by it (deselected, not skipped). `make test` stays the whole suite.
+FAST_TESTS := tests/core tests/store tests/protocol tests/clients tests/connector tests/test_oracle.py tests/test_layering.py \
+	tests/test_ci.py
 
 test-fast: setup-tools
 	$(VENV)/bin/pytest -m "not redis and not nixl and not vllm" $(ARGS) $(FAST_TESTS)
