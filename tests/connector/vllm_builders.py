@@ -54,9 +54,9 @@ def vllm_config(model: Path, kv_role: Literal["kv_producer", "kv_consumer"], **e
     )
 
 
-def scheduler(config: VllmConfig) -> Scheduler:
-    """vLLM's scheduler over NUM_BLOCKS blocks; it builds the connector's scheduler half itself."""
-    kv_cache = KVCacheConfig(
+def kv_cache_config() -> KVCacheConfig:
+    """NUM_BLOCKS blocks of a stand-in layer (the scheduler counts blocks; the worker half reads num_blocks)."""
+    return KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[],
         kv_cache_groups=[
@@ -65,10 +65,14 @@ def scheduler(config: VllmConfig) -> Scheduler:
             )
         ],
     )
+
+
+def scheduler(config: VllmConfig) -> Scheduler:
+    """vLLM's scheduler over NUM_BLOCKS blocks; it builds the connector's scheduler half itself."""
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     return Scheduler(
         vllm_config=config,
-        kv_cache_config=kv_cache,
+        kv_cache_config=kv_cache_config(),
         log_stats=True,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
