@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
 
-.PHONY: setup setup-dev setup-vllm system-deps serve test check lint breaking stubs bench
+.PHONY: setup setup-tools setup-dev setup-vllm system-deps serve test test-fast check lint breaking stubs bench
 
 # Runtime dependencies only: enough to serve.
 $(VENV)/.base: pyproject.toml
@@ -12,8 +12,13 @@ $(VENV)/.base: pyproject.toml
 	$(PIP) -e .
 	touch $@
 
+# The test and lint tools alone (no torch, NIXL or vLLM): enough for `make test-fast`.
+$(VENV)/.tools: $(VENV)/.base
+	$(PIP) -e '.[dev]'
+	touch $@
+
 # Tests, NIXL and tools. torch's CPU build goes first: without it pip would fetch a multi-GB CUDA torch.
-$(VENV)/.dev: $(VENV)/.base
+$(VENV)/.dev: $(VENV)/.tools
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,nixl]'
 	touch $@
@@ -26,6 +31,7 @@ $(VENV)/.vllm: $(VENV)/.dev
 	touch $@
 
 setup: $(VENV)/.base
+setup-tools: $(VENV)/.tools
 setup-dev: $(VENV)/.dev
 setup-vllm: $(VENV)/.vllm
 
@@ -44,6 +50,16 @@ TP_TESTS := tests/vllm/tp
 test: setup-vllm system-deps
 	$(VENV)/bin/pytest $(ARGS) --ignore=$(TP_TESTS)
 	$(VENV)/bin/pytest $(ARGS) $(TP_TESTS)
+
+# The fast tier, what a developer (and the pre-commit hooks) run all day: the core, the stores' contracts against
+# the memory store, the protocol, the SDK against an in-process server, the connector's units, the chaos oracle, the
+# layering and CI checks. No vLLM, NIXL or redis-server: tests that need them carry the `vllm`, `nixl` or `redis`
+# mark and are left out by it (deselected, not skipped). `make test` stays the whole suite.
+FAST_TESTS := tests/core tests/store tests/protocol tests/clients tests/connector tests/test_oracle.py tests/test_layering.py \
+	tests/test_ci.py
+
+test-fast: setup-tools
+	$(VENV)/bin/pytest -m "not redis and not nixl and not vllm" $(ARGS) $(FAST_TESTS)
 
 stubs: setup-dev
 	$(PY) scripts/generate_stubs.py

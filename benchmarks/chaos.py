@@ -46,6 +46,7 @@ what they still hold, and the checks wait at most lease TTL + sweep interval + `
    plus the lease TTL (+1 s). A lease that lapsed while the process lived is not seen (the SDK does not say
    when), so that check only errs on the lenient side.
 
+Check 3 is the oracle in tests/oracle.py (the engines' clients record into its `Ledger`), where tests own it.
 It prints a table, writes `benchmarks/results/chaos-<seed>.json` (`--out`), and exits 1 when an invariant fails.
 Each violation comes with the transfer's event sequence as the engines saw it.
 """
@@ -67,7 +68,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -106,15 +107,15 @@ from clients import (  # noqa: E402
     TransferInfo,
     TransferState,
 )
+from tests.factories import SDK_LAYOUT as LAYOUT  # noqa: E402
+from tests.oracle import Assignment, Ledger  # noqa: E402
 from tests.redis_fixtures import REDIS_SERVER, LocalCluster, LocalRedis, SentinelTopology, wait_until, with_prefix  # noqa: E402
-from tests.replicas.harness import FAST_RETRY, FAST_SESSION, LAYOUT, Replica  # noqa: E402
+from tests.replicas.harness import FAST_RETRY, FAST_SESSION, Replica  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LIVE_STATES = (TransferState.TARGETED, TransferState.CLAIMED, TransferState.MATCHED, TransferState.COMMITTED)
 # Quick store limits, so a dead Redis is reported in a second or two rather than five.
 STORE_OPTIONS = "&op_timeout=2&ping_timeout=0.5"
-CRASH_SLACK_S = 1.0
-"""A renewal in flight when an engine crashed may extend its lease by about this much beyond crash + TTL."""
 CLOSE_TIMEOUT_S = 30.0
 """How long an engine crash waits for EngineSession.close() (it has been seen to hang)."""
 TRACE_LIMIT = 25
@@ -187,146 +188,6 @@ class Plan:
     drain_time: float
     outcome: str  # ok | fail (CompleteTransfer FAILED) | abort (producer aborts instead of completing)
     misbehave_delay: float
-
-
-# Bookkeeping shared by every engine
-
-
-@dataclass
-class Incarnation:
-    engine_id: str
-    incarnation: int
-    register_time: float
-    epoch: int
-    ended_by: float = math.inf  # an upper bound of when it ended (wall clock)
-    how: str = ""
-
-
-@dataclass(frozen=True)
-class Assignment:
-    transfer_id: str
-    generation: int
-    producer: str
-    producer_incarnation: int
-    consumer: str
-    peer_incarnation: int
-    record_incarnation: int
-    made_at: float
-    received_at: float
-    revision: int
-
-
-class Ledger:
-    """What every engine saw and did: counts, per-transfer traces, registrations, incarnations, assignments."""
-
-    def __init__(self) -> None:
-        self.t0 = time.time()
-        self.counts: Counter[str] = Counter()
-        self.events: Counter[str] = Counter()
-        self.abort_reasons: dict[str, str] = {}
-        self.reregistrations: Counter[str] = Counter()
-        # (transfer, generation) -> consumer incarnations that sent RegisterTarget for it; and those answered OK
-        self.registrations: defaultdict[tuple[str, int], set[int]] = defaultdict(set)
-        self.registrations_ok: defaultdict[tuple[str, int], set[int]] = defaultdict(set)
-        self.incarnations: defaultdict[str, dict[int, Incarnation]] = defaultdict(dict)
-        self.assignments: list[Assignment] = []
-        self.assigned: dict[str, asyncio.Event] = {}
-        self.traces: defaultdict[str, list[str]] = defaultdict(list)
-        self.waits: list[float] = []
-        self.fenced_waits: list[float] = []
-        self.freed: Counter[str] = Counter()
-        self.epochs: set[int] = set()
-        self.task_errors: list[str] = []
-        self.completed: set[str] = set()
-        self.completed_at: list[float] = []  # monotonic time of each completed lifecycle
-        self.notable: dict[str, str] = {}  # transfer id -> why its trace is worth reading
-        self.longest_wait: tuple[float, str] = (0.0, "")
-
-    def note(self, transfer_id: str, why: str) -> None:
-        self.notable.setdefault(transfer_id, why)
-
-    def now(self) -> float:
-        return time.time() - self.t0
-
-    def trace(self, transfer_id: str, who: str, what: str) -> None:
-        self.traces[transfer_id].append(f"{self.now():8.3f} {who}: {what}")
-
-    def count(self, name: str, n: int = 1) -> None:
-        self.counts[name] += n
-
-    def aborted(self, transfer_id: str, reason: str) -> None:
-        self.abort_reasons.setdefault(transfer_id, reason)
-
-    def assigned_signal(self, transfer_id: str) -> asyncio.Event:
-        return self.assigned.setdefault(transfer_id, asyncio.Event())
-
-    # Recorded by the engines' clients
-
-    def registered_engine(self, registration: Registration, answered_at: float) -> None:
-        """A new incarnation; the older ones ended by the time its answer arrived.
-
-        Not by its register_time: that is when the server began the registration, and the record it replaces
-        is written later (a claim in between legitimately sees the old incarnation alive).
-        """
-        engine = registration.engine
-        self.epochs.add(registration.epoch)
-        known = self.incarnations[engine.engine_id]
-        for older in known.values():
-            if older.incarnation < engine.incarnation and answered_at < older.ended_by:
-                older.ended_by, older.how = answered_at, f"replaced by {engine.incarnation} (its answer arrived)"
-        known[engine.incarnation] = Incarnation(
-            engine.engine_id, engine.incarnation, engine.register_time, registration.epoch
-        )
-
-    def registering_targets(self, incarnation: int, targets: Sequence[TargetSpec]) -> None:
-        """Sent: the answer may never arrive (a crash) while the server applied it."""
-        for spec in targets:
-            self.registrations[(spec.transfer_id, spec.generation)].add(incarnation)
-
-    def registered_targets(
-        self, engine_id: str, incarnation: int, targets: Sequence[TargetSpec], results: Sequence[ItemResult]
-    ) -> None:
-        for spec, result in zip(targets, results, strict=False):
-            outcome = result.state.name if result.ok else f"error {result.error.reason if result.error else '?'}"
-            self.trace(
-                spec.transfer_id, f"{engine_id}#{incarnation}", f"RegisterTarget g{spec.generation} -> {outcome}"
-            )
-            if result.ok:
-                self.registrations_ok[(spec.transfer_id, spec.generation)].add(incarnation)
-
-    def crashed(self, engine_id: str, incarnation: int, graceful: bool, lease_ttl: float) -> None:
-        inc = self.incarnations[engine_id].get(incarnation)
-        if inc is None:
-            return
-        bound = time.time() if graceful else time.time() + lease_ttl + CRASH_SLACK_S
-        if bound < inc.ended_by:
-            inc.ended_by, inc.how = bound, "deregistered" if graceful else "crashed (bound: crash + lease TTL)"
-
-    # The checks
-
-    def assignment_violations(self) -> list[dict[str, Any]]:
-        found = []
-        for a in self.assignments:
-            problems = []
-            registered = sorted(self.registrations.get((a.transfer_id, a.generation), ()))
-            if a.peer_incarnation not in registered:
-                problems.append(
-                    f"peer incarnation {a.peer_incarnation} never sent RegisterTarget g{a.generation}"
-                    f" (sent by {registered})"
-                )
-            if a.record_incarnation != a.peer_incarnation:
-                problems.append(
-                    f"the transfer names consumer incarnation {a.record_incarnation}, the peer is {a.peer_incarnation}"
-                )
-            inc = self.incarnations[a.consumer].get(a.peer_incarnation)
-            if inc is not None and a.made_at > inc.ended_by:
-                problems.append(
-                    f"assigned {a.made_at - inc.ended_by:.3f} s after incarnation {a.peer_incarnation} ended"
-                    f" ({inc.how})"
-                )
-            if problems:
-                found.append({**asdict(a), "problems": problems})
-        return found
 
 
 class ChaosClient(AsyncRendezvousClient):

@@ -12,13 +12,26 @@ so `clients` itself does not depend on it.
 
 An engine registers one NIXL agent per rank; `stand_in_agent` makes one with no NIXL behind it, for tests and
 examples that exercise the control plane only. `TEST_LAYOUT` is a KV layout for tests whose KV is no model's.
+
+Time skipping: a test of lease, credit or binding expiry need not sleep for it. Give the server a `FakeClock`,
+move the clock past the TTL and call `sweep()`, which applies at once what the background sweeper would:
+
+    clock = FakeClock()
+    async with start_test_server(clock=clock) as server:
+        ...                       # register an engine with a 2 s lease, and stop renewing it
+        clock.advance(3)
+        await server.sweep()      # the lease has lapsed: the engine is gone, its transfers aborted
+
+The server judges leases, deadlines, credits and bindings by the clock, and the memory store expires the answers
+it keeps for retries by it. A client's own timers (its keep-alive, call deadlines) stay on real time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
@@ -42,14 +55,32 @@ def stand_in_agent(name: str, rank: int = 0, num_blocks: int = 64) -> NixlAgentI
     )
 
 
+class FakeClock:
+    """A clock that stands still until the test moves it: a test server's `clock` for time skipping."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+        """The time it says, in seconds; wall time when made (bindings and tokens carry wall-clock expiries)."""
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock forward."""
+        if not seconds >= 0:
+            raise ValueError(f"a clock moves forward, not by {seconds}")
+        self.now += seconds
+
+
 class AsyncTestServer:
-    """A rendezvous server on the running event loop; `start`, `restart`, `stop`."""
+    """A rendezvous server on the running event loop; `start`, `restart`, `stop`, and `sweep` with a fake clock."""
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None, **config: Any) -> None:
         if "listen" in config:
             raise ValueError("the test server chooses its own address")
+        self._clock = clock
         self._config = config
         self._server: Any = None
         self.port = 0
@@ -75,7 +106,7 @@ class AsyncTestServer:
         """Start serving: on a free port the first time, on the same port after a restart."""
         from rendezvous.server import RendezvousServer, ServerConfig
 
-        server = RendezvousServer(ServerConfig(listen=f"{_HOST}:{self.port}", **self._config))
+        server = RendezvousServer(ServerConfig(listen=f"{_HOST}:{self.port}", **self._config), self._clock)
         await server.start()
         self._server = server
         self.port = server.port
@@ -91,11 +122,15 @@ class AsyncTestServer:
         await self.stop()
         await self.start()
 
+    async def sweep(self) -> None:
+        """Apply now what has lapsed by the server's clock (leases, deadlines), as its background sweeper would."""
+        await self.server.coordinator.sweep()
+
 
 @asynccontextmanager
-async def start_test_server(**config: Any) -> AsyncIterator[AsyncTestServer]:
+async def start_test_server(clock: Callable[[], float] | None = None, **config: Any) -> AsyncIterator[AsyncTestServer]:
     """A started `AsyncTestServer`, stopped on exit."""
-    server = AsyncTestServer(**config)
+    server = AsyncTestServer(clock, **config)
     await server.start()
     try:
         yield server
@@ -111,8 +146,8 @@ class TestServer:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, **config: Any) -> None:
-        self._server = AsyncTestServer(**config)
+    def __init__(self, clock: Callable[[], float] | None = None, **config: Any) -> None:
+        self._server = AsyncTestServer(clock, **config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -159,6 +194,10 @@ class TestServer:
     def restart(self) -> None:
         """Stop and start again on the same port with a fresh store (a new epoch)."""
         self._run(self._server.restart())
+
+    def sweep(self) -> None:
+        """Apply now what has lapsed by the server's clock (see `AsyncTestServer.sweep`)."""
+        self._run(self._server.sweep())
 
     def stop(self) -> None:
         """Stop the server and its loop thread."""

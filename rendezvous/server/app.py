@@ -96,20 +96,25 @@ def _split_host_port(address: str) -> tuple[str, int]:
 
 
 class RendezvousServer:
-    """One server replica. `start()`, then `stop()`; `address` is known once started."""
+    """One server replica. `start()`, then `stop()`; `address` is known once started.
 
-    def __init__(self, config: ServerConfig | None = None, clock: Callable[[], float] = time.time) -> None:
+    clock: the time leases, deadlines, credits and bindings are judged by, wall time by default. A test passes a
+    fake one (clients.testing.FakeClock), moves it and calls `coordinator.sweep()` instead of sleeping; the memory
+    store's kept answers then expire by it too (by default they run on a monotonic clock).
+    """
+
+    def __init__(self, config: ServerConfig | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config or ServerConfig()
-        self.clock = clock
+        self.clock = clock or time.time
         self.metrics = Metrics()
-        self.store: Store = create_store(self.config.store, self.config.limits)
+        self.store: Store = create_store(self.config.store, self.config.limits, clock)
         bindings = (
             BindingRules(load_keys(self.config.binding_key_file), not self.config.allow_unbound)
             if self.config.binding_key_file
             else None
         )
         self.coordinator = Coordinator(
-            self.store, self.config.limits, self.config.timeouts, clock, self.metrics, bindings=bindings
+            self.store, self.config.limits, self.config.timeouts, self.clock, self.metrics, bindings=bindings
         )
         self.server_id = self.config.server_id or f"{socket.gethostname()}-{os.getpid()}"
         self.port = 0

@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import secrets
+import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from rendezvous.core import budget
@@ -93,8 +94,12 @@ class MemoryStore(Store):
         max_answers_bytes: int = 256 << 20,
         max_answers_bytes_per_identity: int = 32 << 20,
         limits: Limits | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """clock: the seconds kept answers' TTLs run on, a monotonic clock by default (a test's fake clock moves
+        them without sleeping)."""
         self._limits = limits or Limits()  # the live-block budget, checked again as a write applies
+        self._clock = clock or time.monotonic
         self._epoch = secrets.randbits(63) or 1
         self._page_key = secrets.token_bytes(32)  # one process is the deployment
         self._revision = 0
@@ -425,10 +430,10 @@ class MemoryStore(Store):
         return log.bytes if log else 0
 
     async def get_response(self, key: str) -> bytes | None:
-        return self._answers.get(key, asyncio.get_running_loop().time())
+        return self._answers.get(key, self._clock())
 
     async def put_response(self, key: str, value: bytes, ttl: float, owner: str = "") -> None:
-        self._answers.put(key, value, asyncio.get_running_loop().time(), ttl, owner)
+        self._answers.put(key, value, self._clock(), ttl, owner)
 
     async def answer_bytes(self, owner: str) -> tuple[int, int]:
         return self._answers.bytes, self._answers.owner_bytes(owner)

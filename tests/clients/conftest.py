@@ -17,9 +17,6 @@ from clients import (
     EventHandler,
     EventType,
     KvLayout,
-    KvRegion,
-    MemoryKind,
-    NixlAgentInfo,
     ProducerSession,
     RetryPolicy,
     SessionConfig,
@@ -27,18 +24,15 @@ from clients import (
 )
 from clients.testing import AsyncTestServer, start_test_server
 from rendezvous.core.limits import Limits, Timeouts
+from tests.factories import SDK_LAYOUT as LAYOUT
+from tests.factories import sdk_agent as agent
 
-LAYOUT = KvLayout(model_fingerprint="tiny", dtype="float32", block_size=16, num_layers=2)
+__all__ = ["LAYOUT", "agent"]  # the SDK suites' names for tests/factories.py's builders
+
 FAST_RETRY = RetryPolicy(initial_backoff=0.01, max_backoff=0.1, deadline=10.0)
 FAST_SESSION = SessionConfig(reconnect=RetryPolicy(initial_backoff=0.01, max_backoff=0.1))
 WAIT = 10.0
 """Seconds any test waits for something that should happen at once; only a failing test waits that long."""
-
-
-def agent(name: str, num_blocks: int = 64) -> NixlAgentInfo:
-    """One rank's NIXL agent with one DRAM region."""
-    region = KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=num_blocks)
-    return NixlAgentInfo(name=name, metadata=b"md-" + name.encode(), memory_kind=MemoryKind.DRAM, regions=(region,))
 
 
 def free_port() -> int:

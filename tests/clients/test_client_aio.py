@@ -30,11 +30,11 @@ from clients import (
 from clients import _commands as commands
 from clients.testing import AsyncTestServer
 from tests.clients.conftest import FAST_RETRY, LAYOUT, WAIT, agent, client_config, free_port
+from tests.factories import sdk_engine
 
 
 async def register(client: AsyncRendezvousClient, engine_id: str, role: EngineRole, pool: str = "") -> Registration:
-    pool = pool or ("prefill" if role == EngineRole.PRODUCER else "decode")
-    return await client.register_engine(EngineSpec(engine_id, pool, role, LAYOUT, (agent(f"{engine_id}-0"),)))
+    return await client.register_engine(sdk_engine(engine_id, role, **({"pool": pool} if pool else {})))
 
 
 async def next_batch_with_events(stream: AsyncWatchStream) -> WatchBatch:
@@ -158,7 +158,7 @@ async def test_status_counts_engines_and_transfers(client: AsyncRendezvousClient
 
 
 async def test_a_retried_mutating_request_gets_the_first_answer(client: AsyncRendezvousClient) -> None:
-    spec = EngineSpec("d0", "decode", EngineRole.CONSUMER, LAYOUT, (agent("d0-0"),))
+    spec = sdk_engine("d0", EngineRole.CONSUMER)
     call = commands.register_engine(spec)
     first = await client._invoke(call, None)
     again = await client._invoke(call, None)

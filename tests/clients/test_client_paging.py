@@ -10,14 +10,15 @@ import pytest
 from clients import AsyncRendezvousClient, EngineRole, EngineSpec, RendezvousClient, RouterClient
 from clients.testing import TestServer, start_test_server
 from rendezvous.core.limits import Limits
-from tests.clients.conftest import LAYOUT, agent, client_config
+from tests.clients.conftest import client_config
+from tests.factories import sdk_engine
 
 LIMITS = Limits(default_engine_page=2, max_engine_page=3)
 IDS = [f"d{i}" for i in range(7)]
 
 
 def spec(engine_id: str) -> EngineSpec:
-    return EngineSpec(engine_id, "decode", EngineRole.CONSUMER, LAYOUT, (agent(f"{engine_id}-0"),), {"zone": "a"})
+    return sdk_engine(engine_id, EngineRole.CONSUMER, labels={"zone": "a"})
 
 
 @pytest.fixture

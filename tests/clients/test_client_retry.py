@@ -25,7 +25,7 @@ from clients import (
 )
 from clients._retry import Attempts, Backoff
 from clients._transport import CallMetadata, EpochTracker
-from clients.testing import AsyncTestServer, TestServer
+from clients.testing import AsyncTestServer, FakeClock, TestServer
 from rendezvous.store.base import StoreUnavailableError
 
 UNAVAILABLE = Unavailable("", "down")
@@ -154,21 +154,11 @@ def test_epoch_listeners_hear_changes_but_not_the_first_epoch() -> None:
     assert tracker.epoch == 9
 
 
-class _Clock:
-    """A clock a test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_deadline_counts_from_the_first_attempt_not_the_first_failure() -> None:
-    clock = _Clock()
+    clock = FakeClock(100.0)
     policy = RetryPolicy(initial_backoff=0.1, max_backoff=0.1, jitter=0.0, deadline=1.0)
     started = clock()
-    clock.now += 0.95  # the first attempt took 0.95 s before failing
+    clock.advance(0.95)  # the first attempt took 0.95 s before failing
     assert Attempts(policy, endpoints=1, started=started, clock=clock).next_delay(UNAVAILABLE, False) is None
     # Had it failed at once, a retry 0.1 s later would still be within the deadline.
     assert Attempts(policy, endpoints=1, clock=clock).next_delay(UNAVAILABLE, False) == pytest.approx(0.1)

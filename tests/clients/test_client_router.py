@@ -11,7 +11,6 @@ from clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     EngineRole,
-    EngineSpec,
     Event,
     EventType,
     NotFound,
@@ -21,12 +20,12 @@ from clients import (
     mint_transfer_id,
 )
 from clients._router import WAIT_AFTER_INTERVALS
-from tests.clients.conftest import LAYOUT, agent, consumer_session, next_event, of_type, producer_session
+from tests.clients.conftest import consumer_session, next_event, of_type, producer_session
+from tests.factories import sdk_engine
 
 
 async def register(client: AsyncRendezvousClient, engine_id: str, role: EngineRole) -> None:
-    pool = "prefill" if role == EngineRole.PRODUCER else "decode"
-    await client.register_engine(EngineSpec(engine_id, pool, role, LAYOUT, (agent(f"{engine_id}-0"),)))
+    await client.register_engine(sdk_engine(engine_id, role))
 
 
 def test_minted_transfer_ids_are_fresh_uuid_hex() -> None:

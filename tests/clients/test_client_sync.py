@@ -24,7 +24,8 @@ from clients import (
     WatchStream,
 )
 from clients.testing import TestServer
-from tests.clients.conftest import LAYOUT, WAIT, agent, client_config, free_port
+from tests.clients.conftest import WAIT, client_config, free_port
+from tests.factories import sdk_engine
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,7 @@ def client(sync_server: TestServer) -> Iterator[RendezvousClient]:
 
 
 def spec(engine_id: str, role: EngineRole) -> EngineSpec:
-    pool = "prefill" if role == EngineRole.PRODUCER else "decode"
-    return EngineSpec(engine_id, pool, role, LAYOUT, (agent(f"{engine_id}-0"),))
+    return sdk_engine(engine_id, role)
 
 
 def next_with_events(stream: WatchStream) -> WatchBatch:
@@ -118,9 +118,7 @@ def test_a_restart_keeps_the_port_and_changes_the_epoch(sync_server: TestServer,
 
 
 def test_the_sync_client_reserves_and_releases_credits(client: RendezvousClient) -> None:
-    spec = EngineSpec(
-        "sync-credit-d", "decode", EngineRole.CONSUMER, LAYOUT, (agent("sync-credit-d-0"),), capacity=EngineCapacity(1)
-    )
+    spec = sdk_engine("sync-credit-d", EngineRole.CONSUMER, capacity=EngineCapacity(1))
     client.register_engine(spec)
     [held] = client.reserve_credits([CreditSpec("sync-credit-t1", "sync-credit-d")])
     assert held.ok and held.engine_id == "sync-credit-d"

@@ -61,6 +61,7 @@ def test_tasks_still_running_when_the_thread_stops_are_cancelled_and_unwind() ->
     assert sorted(unwound) == ["generator", "task"]
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_the_workers_shutdown_path_closes_its_loop() -> None:
     from connector.rendezvous_connector import _WorkerSide
@@ -73,6 +74,7 @@ def test_the_workers_shutdown_path_closes_its_loop() -> None:
     assert not thread.alive and thread.loop.is_closed()
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_a_worker_that_fails_to_start_closes_its_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     import connector.rendezvous_connector as module
@@ -116,6 +118,7 @@ def _prefill_worker(monkeypatch: pytest.MonkeyPatch, claims: list[Exception | No
     return worker
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_a_claim_that_failed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
     from clients import DeadlineExceeded
@@ -127,6 +130,7 @@ def test_a_claim_that_failed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> N
     assert (claims, aborted) == ([], [])
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_a_claim_that_fails_twice_aborts_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     from clients import DeadlineExceeded
@@ -138,6 +142,7 @@ def test_a_claim_that_fails_twice_aborts_the_transfer(monkeypatch: pytest.Monkey
     assert claims == [] and aborted == ["t1: prefill could not claim the transfer: DEADLINE_EXCEEDED: again"]
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_a_step_that_computes_nothing_is_marked_idle() -> None:
     from connector.rendezvous_connector import _SchedulerSide
@@ -149,6 +154,7 @@ def test_a_step_that_computes_nothing_is_marked_idle() -> None:
     assert not side.build_meta(step).idle
 
 
+@pytest.mark.vllm
 @needs_vllm
 def test_an_idle_step_waits_for_a_transfer_to_end_and_wakes_when_one_does() -> None:
     """What an idle step asks of the worker (`take_results` with a wait): nothing ended waits the whole wait; a

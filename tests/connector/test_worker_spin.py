@@ -13,7 +13,10 @@ import pytest
 
 from connector.launch import REPO, WORKER_SPIN_ENV, WORKER_SPIN_HOOK
 
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
 
 _READER_SPIN = """
 import time
@@ -42,7 +45,6 @@ def _reader_spin(spin_ms: str | None) -> tuple[float, float]:
     return float(spin), float(slept)
 
 
-@needs_vllm
 def test_the_readers_spin_and_sleep_are_what_the_variable_says() -> None:
     spin, slept = _reader_spin("2")
     assert spin == pytest.approx(0.002) and slept < 1.5  # a 2 ms slice, not the 3 s asked

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import credits
 from rendezvous.core.credits import EngineCapacity, Reservation
@@ -14,7 +15,7 @@ from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.records import EngineCredits
 from rendezvous.protocol.requests import AbortSpec, CreditSpec, TargetSpec
 from rendezvous.store.memory import MemoryStore
-from tests.core.helpers import Clock, engine_spec, run
+from tests.core.helpers import engine_spec, run
 
 NOW = 1_000_000.0
 LIMITS = Limits()
@@ -153,7 +154,7 @@ def test_a_target_takes_its_reservations_place() -> None:
 
 
 def test_the_coordinator_spends_reservations_and_reclaims_them() -> None:
-    clock = Clock(NOW)
+    clock = FakeClock(NOW)
     coordinator = Coordinator(MemoryStore(), clock=clock)
     d, _ = run(coordinator.register_engine(engine_spec("d0", Role.CONSUMER, capacity=EngineCapacity(2), lease_ttl=300)))
     [r1, r2, r3] = run(coordinator.reserve_credits([CreditSpec(f"t{i}", "d0", 1) for i in (1, 2, 3)], ttl=10))

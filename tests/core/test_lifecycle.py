@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import (
     AbortReason,
@@ -31,7 +32,7 @@ from rendezvous.core import (
 )
 from rendezvous.core.transfers import TOMBSTONE_BLOCK_IDS
 from rendezvous.store import MemoryStore
-from tests.core.helpers import LAYOUT, Clock, engine_spec, run
+from tests.core.helpers import LAYOUT, START, engine_spec, run
 
 TIMEOUTS = Timeouts(
     default_lease_ttl=10, default_target_timeout=30, default_claim_timeout=30, release_timeout=5, tombstone_ttl=60
@@ -42,7 +43,7 @@ class World:
     """A coordinator with one consumer (d1) and one producer (p1) registered."""
 
     def __init__(self, limits: Limits | None = None) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock(START)
         self.store = MemoryStore()
         self.coord = Coordinator(self.store, limits or Limits(), TIMEOUTS, self.clock)
         self.d1 = run(self.coord.register_engine(engine_spec("d1", Role.CONSUMER)))[0]

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import (
     ClaimSpec,
@@ -30,7 +31,7 @@ from rendezvous.core.parts import check_parts, held_layers
 from rendezvous.protocol.records import WrittenPart
 from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store import MemoryStore
-from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, run
+from tests.core.helpers import LAYOUT, START, agent, engine_spec, run
 from tests.core.test_lifecycle import TIMEOUTS, ok, reason, types
 
 W = WrittenPart
@@ -189,7 +190,7 @@ class World:
     pair d2 / p2."""
 
     def __init__(self, limits: Limits = LIMITS) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock(START)
         self.store = MemoryStore()
         self.coord = Coordinator(self.store, limits, TIMEOUTS, self.clock)
         run(self.coord.register_engine(engine_spec("d1", Role.CONSUMER)))

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import (
     AbortReason,
@@ -28,7 +29,7 @@ from rendezvous.core import (
 from rendezvous.core.limits import Limits
 from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store import MemoryStore
-from tests.core.helpers import LAYOUT, Clock, agent, run
+from tests.core.helpers import LAYOUT, START, agent, run
 from tests.core.test_lifecycle import TIMEOUTS, ok, reason, types
 
 TP4 = replace(LAYOUT, tp_size=4, num_kv_heads=8, kv_layout="HND")
@@ -45,7 +46,7 @@ class RankedWorld:
     token of a head."""
 
     def __init__(self) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock(START)
         self.store = MemoryStore()
         self.coord = Coordinator(self.store, Limits(), TIMEOUTS, self.clock)
         run(self.coord.register_engine(EngineSpec("d1", "decode", Role.CONSUMER, TP2, ranks("d1", 2, 4096))))
@@ -162,7 +163,7 @@ def test_a_rank_the_engine_does_not_have_is_refused() -> None:
 def test_a_registration_whose_ranks_do_not_add_up_is_refused(
     layout: KvLayout, agents: tuple[NixlAgent, ...], reason_: Reason, field: str
 ) -> None:
-    coord = Coordinator(MemoryStore(), Limits(), TIMEOUTS, Clock())
+    coord = Coordinator(MemoryStore(), Limits(), TIMEOUTS, FakeClock(START))
     with pytest.raises(RendezvousError) as error:
         run(coord.register_engine(EngineSpec("e", "prefill", Role.PRODUCER, layout, agents)))
     assert error.value.reason == reason_
@@ -170,7 +171,7 @@ def test_a_registration_whose_ranks_do_not_add_up_is_refused(
 
 
 def test_a_pipeline_parallel_producer_registers_its_stages_and_matches_a_single_rank_consumer() -> None:
-    coord = Coordinator(MemoryStore(), Limits(), TIMEOUTS, Clock())
+    coord = Coordinator(MemoryStore(), Limits(), TIMEOUTS, FakeClock(START))
     layout = replace(LAYOUT, num_layers=4, pp_size=2)
 
     def regions(n: int) -> tuple[KvRegion, ...]:

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
+from clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import (
     AbortSpec,
@@ -52,7 +53,7 @@ from rendezvous.protocol.records import WrittenPart
 from rendezvous.protocol.requests import EngineSpec
 from rendezvous.store import MemoryStore
 from tests.ci import examples
-from tests.core.helpers import LAYOUT, Clock, agent, engine_spec, every_engine, run
+from tests.core.helpers import LAYOUT, START, agent, engine_spec, every_engine, run
 
 CONSUMERS = ("c0", "c1")
 PRODUCERS = ("p0", "p1")
@@ -89,7 +90,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = Clock()
+        self.clock = FakeClock(START)
         self.store = MemoryStore(max_events_per_engine=1_000_000)
         self.coord = Coordinator(self.store, timeouts=TIMEOUTS, clock=self.clock)
         self.seen: dict[str, int] = defaultdict(int)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
 
-from clients.testing import TestServer
+from clients.testing import FakeClock, TestServer
 from rendezvous.core.limits import Timeouts
 from tests.dataplane.worker import Spec, WorkerProcess
 
@@ -20,8 +20,16 @@ LEASE_TTL = 2.0
 
 
 @pytest.fixture(scope="package")
-def server() -> Iterator[TestServer]:
-    with TestServer(timeouts=Timeouts(min_lease_ttl=0.5)) as s:
+def clock() -> FakeClock:
+    """The server's time: a killed engine's lease lapses when a test moves it (and sweeps), not after real seconds
+    that a loaded machine stretches. The workers renew on real time and hold the default 10 s lease, which the
+    kills' advances (LEASE_TTL each, tests/dataplane/test_failures.py) never add up to."""
+    return FakeClock()
+
+
+@pytest.fixture(scope="package")
+def server(clock: FakeClock) -> Iterator[TestServer]:
+    with TestServer(clock, timeouts=Timeouts(min_lease_ttl=0.5)) as s:
         yield s
 
 

@@ -163,13 +163,13 @@ def test_one_rank_failing_aborts_the_transfer_and_frees_the_blocks_once_no_write
         info = client.get_transfer(tid)
         assert info.state is TransferState.ABORTED and info.abort_reason.name == "TRANSFER_FAILED"
         assert info.revoking_generation == 1  # rank 0 may still write: the consumer's blocks stay fenced
-        time.sleep(0.5)
         assert not [e for e in consumer.pending() if e[0] == "result"]
         producer.call("release", 0)
         results = consumer.all_results(tid)
         freed = producer.all_freed(tid)
         assert [r[1:4] for r in results] == [(False, tuple(dst), "TRANSFER_FAILED")] * case.consumer.ranks
-        assert min(r[4] for r in results) >= freed[0]  # after rank 0 stopped (its source is free)
+        # No result before rank 0 stopped (its source is free), however long it held: the results' times say so.
+        assert min(r[4] for r in results) >= freed[0]
         assert client.get_transfer(tid).revoking_generation == 0
 
     memory = consumer.call("memory")
@@ -179,11 +179,10 @@ def test_one_rank_failing_aborts_the_transfer_and_frees_the_blocks_once_no_write
         assert np.array_equal(got, w) or np.array_equal(got, blank)
     for got, blank in zip(memory[1], untouched[1], strict=True):  # nothing from the rank that failed
         np.testing.assert_array_equal(got, blank)
-    time.sleep(0.3)
-    for before, after in zip(memory, consumer.call("memory"), strict=True):  # and nothing lands later
+    assert_no_live_transfer(server, case.producer.engine_id, case.consumer.engine_id)
+    for before, after in zip(memory, consumer.call("memory"), strict=True):  # and nothing landed since
         for a, b in zip(before, after, strict=True):
             np.testing.assert_array_equal(a, b)
-    assert_no_live_transfer(server, case.producer.engine_id, case.consumer.engine_id)
 
 
 @pytest.mark.parametrize("engines", ["late_follower"], indirect=True)

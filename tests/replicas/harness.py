@@ -29,9 +29,6 @@ from clients import (
     ConsumerSession,
     Event,
     EventType,
-    KvLayout,
-    KvRegion,
-    NixlAgentInfo,
     ProducerSession,
     ReleaseSpec,
     Reregistered,
@@ -41,6 +38,7 @@ from clients import (
     TargetSpec,
     mint_transfer_id,
 )
+from tests.factories import SDK_LAYOUT, sdk_agent
 
 START_TIMEOUT_S = 20.0
 WAIT_S = 15.0
@@ -48,7 +46,6 @@ WAIT_S = 15.0
 
 FAST_RETRY = RetryPolicy(initial_backoff=0.02, max_backoff=0.2, deadline=20.0)
 FAST_SESSION = SessionConfig(reconnect=RetryPolicy(initial_backoff=0.02, max_backoff=0.2))
-LAYOUT = KvLayout(model_fingerprint="tiny", dtype="float32", block_size=16, num_layers=2)
 _SERVING = re.compile(r"serving on (\S+)")
 
 
@@ -195,14 +192,13 @@ class Workload:
     """
 
     def __init__(self, consumer_client: AsyncRendezvousClient, producer_client: AsyncRendezvousClient) -> None:
-        agent = NixlAgentInfo(name="agent", metadata=b"md", regions=(KvRegion(1 << 20, 4096, 4096, 64),))
         self.consumer = ConsumerSession(
-            consumer_client, "decode-0", "decode", layout=LAYOUT, agents=(agent,), config=FAST_SESSION,
-            handler=self._on_consumer_event,
+            consumer_client, "decode-0", "decode", layout=SDK_LAYOUT, agents=(sdk_agent("decode-0-0"),),
+            config=FAST_SESSION, handler=self._on_consumer_event,
         )  # fmt: skip
         self.producer = ProducerSession(
-            producer_client, "prefill-0", "prefill", layout=LAYOUT, agents=(agent,), config=FAST_SESSION,
-            handler=self._on_producer_event,
+            producer_client, "prefill-0", "prefill", layout=SDK_LAYOUT, agents=(sdk_agent("prefill-0-0"),),
+            config=FAST_SESSION, handler=self._on_producer_event,
         )  # fmt: skip
         self.minted: list[str] = []
         self.assigned: Counter[str] = Counter()

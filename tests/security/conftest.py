@@ -15,8 +15,9 @@ from tests.security.certs import CertificateAuthority, Pair
 
 @contextlib.asynccontextmanager
 async def serving(**config: Any) -> AsyncIterator[RendezvousServer]:
-    """A server on a free port, configured by ServerConfig fields (tls=..., auth_file=...)."""
-    server = RendezvousServer(ServerConfig(listen="127.0.0.1:0", grace=0.1, **config))
+    """A server on a free port, configured by ServerConfig fields (tls=..., auth_file=...) and its clock=..."""
+    clock = config.pop("clock", None)
+    server = RendezvousServer(ServerConfig(listen="127.0.0.1:0", grace=0.1, **config), clock)
     await server.start()
     try:
         yield server

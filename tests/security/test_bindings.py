@@ -52,15 +52,8 @@ async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
         yield ch
 
 
-def registration(engine_id: str, role: pb.EngineRole, pool: str) -> pb.RegisterEngineRequest:
-    request = engine_request(engine_id, role)
-    request.pool = pool
-    return request
-
-
 async def register(channel: grpc.aio.Channel, engine_id: str, role: pb.EngineRole, token: str) -> int:
-    pool = "decode" if role == pb.ENGINE_ROLE_CONSUMER else "prefill"
-    response = await call(channel, "RegisterEngine", registration(engine_id, role, pool), token)
+    response = await call(channel, "RegisterEngine", engine_request(engine_id, role), token)
     incarnation: int = response.engine.incarnation
     return incarnation
 
@@ -101,7 +94,7 @@ async def test_a_bound_identity_cannot_register_another_role_or_pool_so_cannot_c
 ) -> None:
     await targeted_transfer(channel, "t-d0")
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await call(channel, "RegisterEngine", registration("d0-evil", role, pool), BOUND)
+        await call(channel, "RegisterEngine", engine_request("d0-evil", role, pool=pool), BOUND)
     refused = from_rpc_error(err.value)
     assert (refused.code, refused.reason, refused.metadata["field"]) == (*DENIED, field)
     claim = pb.ClaimTransferRequest(engine_id="d0-evil", claims=[pb.ClaimSpec(transfer_id="t-d0")])

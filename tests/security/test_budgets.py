@@ -8,7 +8,6 @@ and expiring give the budget back; an ended engine (tombstone) keeps no agent me
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -21,14 +20,15 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from clients._exceptions import from_rpc_error
+from clients.testing import FakeClock
 from rendezvous.core import Limits, Timeouts
 from rendezvous.server import RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.factories import proto_agent, proto_engine
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 from tests.security.conftest import serving
 from tests.security.test_auth import auth_file, bearer
-from tests.service.conftest import LAYOUT
 
 __all__ = ["redis_url"]
 
@@ -98,17 +98,9 @@ class Client:
 
 
 def registration(engine_id: str, metadata: int, consumer: bool = True) -> pb.RegisterEngineRequest:
-    region = pb.KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=1024)
-    agent = pb.NixlAgent(
-        name=engine_id + "-0", metadata=b"m" * metadata, memory_kind=pb.MEMORY_KIND_DRAM, regions=[region]
-    )
-    return pb.RegisterEngineRequest(
-        engine_id=engine_id,
-        pool="decode" if consumer else "prefill",
-        role=pb.ENGINE_ROLE_CONSUMER if consumer else pb.ENGINE_ROLE_PRODUCER,
-        layout=LAYOUT,
-        agents=[agent],
-    )
+    """The test engine with 1024 blocks and `metadata` bytes of agent metadata."""
+    role = pb.ENGINE_ROLE_CONSUMER if consumer else pb.ENGINE_ROLE_PRODUCER
+    return proto_engine(engine_id, role, agents=[proto_agent(engine_id + "-0", 1024, b"m" * metadata)])
 
 
 @contextlib.asynccontextmanager
@@ -238,7 +230,8 @@ async def test_a_batch_stops_at_the_budget(store_url: str, tmp_path: Path) -> No
 
 async def test_expiry_frees_the_budget(store_url: str, tmp_path: Path) -> None:
     limits = Limits(max_engines=2, max_live_blocks=100)
-    async with client(store_url, None, limits=limits, timeouts=Timeouts(min_lease_ttl=0.2)) as c:
+    clock = FakeClock()
+    async with client(store_url, None, limits=limits, timeouts=Timeouts(min_lease_ttl=0.2), clock=clock) as c:
         short = registration("e0", 8)
         short.lease_ttl.FromMilliseconds(300)
         await c.call("RegisterEngine", short, None)
@@ -248,11 +241,9 @@ async def test_expiry_frees_the_budget(store_url: str, tmp_path: Path) -> None:
         assert item_error(await c.target(e1, "t0", 100, None, timeout=0.3)) is None
         assert item_error(await c.target(e1, "t1", 1, None)) is not None
         # e0's lease and t0's deadline pass: the sweeper gives both back.
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            usage = await c.server.coordinator.store.usage("")
-            if usage.total.engines == 1 and usage.total.blocks == 0:
-                break
+        clock.advance(0.31)
+        await c.server.coordinator.sweep()
+        usage = await c.server.coordinator.store.usage("")
         assert (usage.total.engines, usage.total.blocks, usage.total.metadata_bytes) == (1, 0, 8)
         # The engine whose lease ended lingers as a tombstone without its agent metadata.
         tomb = await c.server.coordinator.store.get_engine("e0")

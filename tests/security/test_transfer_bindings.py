@@ -4,7 +4,6 @@ and Redis stores."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from clients import (
     TargetSpec,
     TransferState,
 )
+from clients.testing import FakeClock
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.protocol import bindings
 from rendezvous.protocol.bindings import Binding
@@ -67,7 +67,7 @@ def key_file(tmp_path: Path, *keys: bytes) -> str:
     return str(path)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def store(request: pytest.FixtureRequest) -> str:
     if request.param == "memory":
         return "memory"
@@ -76,9 +76,14 @@ def store(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def server(tmp_path: Path, store: str) -> AsyncIterator[RendezvousServer]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def server(tmp_path: Path, store: str, clock: FakeClock) -> AsyncIterator[RendezvousServer]:
     config = {"auth_file": auth_file(tmp_path, AUTH), "binding_key_file": key_file(tmp_path), "store": store}
-    async with serving(**config) as srv:  # a key requires bindings by default
+    async with serving(clock=clock, **config) as srv:  # a key requires bindings by default
         yield srv
 
 
@@ -222,12 +227,15 @@ async def test_batched_items_each_carry_their_own_binding(
     ]
 
 
-async def test_an_engine_holding_its_half_needs_no_live_binding_to_re_register(channel: grpc.aio.Channel) -> None:
+async def test_an_engine_holding_its_half_needs_no_live_binding_to_re_register(
+    channel: grpc.aio.Channel, clock: FakeClock
+) -> None:
     await engines(channel, "d0", "p0")
     soon = signed("t-1", ttl=1.5)
     assert info(await target(channel, "d0", "t-1", soon)) == ("", "")
     assert info(await claim(channel, "p0", "t-1", soon)) == ("", "")
-    await asyncio.sleep(2.1)  # the binding expires (whole seconds)
+    clock.advance(2.1)  # the binding expires (whole seconds): a new half with it is refused
+    assert info(await target(channel, "d0", "t-2", signed("t-2", ttl=1.5))) == ("BINDING_INVALID", "expire_time")
     spec = pb.TargetSpec(transfer_id="t-1", block_ids=[3, 4], generation=2, binding=message(soon))
     result = await call(channel, "RegisterTarget", pb.RegisterTargetRequest(engine_id="d0", targets=[spec]), D0)
     assert info(result.results[0]) == ("", "")

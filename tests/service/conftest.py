@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 import pytest
 
 from rendezvous.core import Limits, Timeouts
 from rendezvous.server import RendezvousServer, ServerConfig
-from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.factories import PROTO_LAYOUT as LAYOUT
+from tests.factories import proto_agent as agent
+from tests.factories import proto_engine as engine_request
 
-LAYOUT = pb.KvLayout(model_fingerprint="tiny", dtype="float32", block_size=16, num_layers=2, tp_size=1, pp_size=1)
-
-
-def agent(name: str, num_blocks: int = 64) -> pb.NixlAgent:
-    region = pb.KvRegion(base_address=1 << 20, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=num_blocks)
-    return pb.NixlAgent(name=name, metadata=b"md-" + name.encode(), memory_kind=pb.MEMORY_KIND_DRAM, regions=[region])
-
-
-def engine_request(engine_id: str, role: pb.EngineRole, **kw: Any) -> pb.RegisterEngineRequest:
-    pool = "decode" if role == pb.ENGINE_ROLE_CONSUMER else "prefill"
-    return pb.RegisterEngineRequest(
-        engine_id=engine_id, pool=pool, role=role, layout=LAYOUT, agents=[agent(engine_id + "-0")], **kw
-    )
+__all__ = ["LAYOUT", "agent", "engine_request"]  # the raw-proto suites' names for tests/factories.py's builders
 
 
 @pytest.fixture

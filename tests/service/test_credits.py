@@ -1,6 +1,6 @@
 """Decode admission credits over gRPC: declared capacity, RegisterTarget refusals, ReserveCredits /
 ReleaseCredits, conversion of a reservation into the live target, TTL and lease-end reclamation, bad input.
-Real server on 127.0.0.1, memory and Redis stores."""
+Real server on 127.0.0.1, memory and Redis stores; the server's time is a fake clock the tests move."""
 
 from __future__ import annotations
 
@@ -19,19 +19,17 @@ from clients import (
     EngineCapacity,
     EngineRole,
     EngineSpec,
-    KvLayout,
     TargetSpec,
 )
-from clients.testing import AsyncTestServer, stand_in_agent, start_test_server
+from clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous import cli
 from rendezvous.core import Limits, Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
+from tests.factories import SDK_LAYOUT, sdk_agent, sdk_engine
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 
 __all__ = ["redis_url"]  # the fixture
-
-LAYOUT = KvLayout("tiny", "float32", 16, 2)
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
@@ -43,10 +41,15 @@ def store(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-async def server(store: str) -> AsyncIterator[AsyncTestServer]:
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def server(store: str, clock: FakeClock) -> AsyncIterator[AsyncTestServer]:
     timeouts = Timeouts(default_lease_ttl=2, min_lease_ttl=0.5, default_credit_ttl=30)
     limits = Limits(max_capacity_transfers=1000, max_capacity_blocks=1 << 20)
-    async with start_test_server(store=store, timeouts=timeouts, limits=limits, sweep_interval=0.05) as srv:
+    async with start_test_server(clock, store=store, timeouts=timeouts, limits=limits) as srv:
         yield srv
 
 
@@ -57,15 +60,7 @@ async def client(server: AsyncTestServer) -> AsyncIterator[AsyncRendezvousClient
 
 
 def decode(engine_id: str, transfers: int = 0, blocks: int = 0, lease: float = 0.0) -> EngineSpec:
-    return EngineSpec(
-        engine_id,
-        "decode",
-        EngineRole.CONSUMER,
-        LAYOUT,
-        (stand_in_agent(engine_id),),
-        capacity=EngineCapacity(transfers, blocks),
-        lease_ttl=lease,
-    )
+    return sdk_engine(engine_id, EngineRole.CONSUMER, capacity=EngineCapacity(transfers, blocks), lease_ttl=lease)
 
 
 async def register(client: AsyncRendezvousClient, spec: EngineSpec) -> int:
@@ -127,7 +122,9 @@ async def test_reservation_converts_into_the_target(client: AsyncRendezvousClien
     assert reserved.ok
 
 
-async def test_release_abort_and_ttl_drop_reservations(client: AsyncRendezvousClient) -> None:
+async def test_release_abort_and_ttl_drop_reservations(
+    client: AsyncRendezvousClient, server: AsyncTestServer, clock: FakeClock
+) -> None:
     await register(client, decode("d0", transfers=1))
     assert (await client.reserve_credits([CreditSpec("t1", "d0")]))[0].ok
     [released] = await client.release_credits(["t1"])
@@ -141,15 +138,19 @@ async def test_release_abort_and_ttl_drop_reservations(client: AsyncRendezvousCl
     [short] = await client.reserve_credits([CreditSpec("t3", "d0")], ttl=0.2)
     assert short.ok
     assert (await client.reserve_credits([CreditSpec("t4", "d0")]))[0].error is not None
-    await asyncio.sleep(0.5)
+    clock.advance(0.5)
+    await server.sweep()
     assert (await client.get_engine("d0")).free_transfers == 1
     assert (await client.reserve_credits([CreditSpec("t4", "d0")]))[0].ok
 
 
-async def test_lease_end_reclaims_credits(client: AsyncRendezvousClient) -> None:
+async def test_lease_end_reclaims_credits(
+    client: AsyncRendezvousClient, server: AsyncTestServer, clock: FakeClock
+) -> None:
     await register(client, decode("d0", transfers=1, lease=0.5))
     assert (await client.reserve_credits([CreditSpec("t1", "d0")]))[0].ok
-    await asyncio.sleep(1.2)  # no keep-alive: the engine "crashed"
+    clock.advance(1.2)  # no keep-alive: the engine "crashed"
+    await server.sweep()
     [gone] = await client.reserve_credits([CreditSpec("t2", "d0")])
     assert gone.error is not None and gone.error.reason == "ENGINE_NOT_FOUND"
     await register(client, decode("d0", transfers=1))
@@ -164,18 +165,9 @@ async def test_bad_input(client: AsyncRendezvousClient, server: AsyncTestServer)
     with pytest.raises(ValueError):
         decode("d0", transfers=-1)
     with pytest.raises(Exception) as producer_capacity:
-        await client.register_engine(
-            EngineSpec(
-                "p0",
-                "prefill",
-                EngineRole.PRODUCER,
-                LAYOUT,
-                (stand_in_agent("p0"),),
-                capacity=EngineCapacity(max_transfers=1),
-            )
-        )
+        await client.register_engine(sdk_engine("p0", EngineRole.PRODUCER, capacity=EngineCapacity(max_transfers=1)))
     assert getattr(producer_capacity.value, "reason", "") == "CAPACITY_INVALID"
-    await client.register_engine(EngineSpec("p0", "prefill", EngineRole.PRODUCER, LAYOUT, (stand_in_agent("p0"),)))
+    await client.register_engine(sdk_engine("p0", EngineRole.PRODUCER))
     await register(client, decode("d0", transfers=1))
     results = await client.reserve_credits(
         [
@@ -217,9 +209,7 @@ async def test_concurrent_reservations_never_overcommit(server: AsyncTestServer)
         assert sum(won) == 5
         assert (await clients[0].get_engine("d0")).credits.transfers_reserved == 5
         # Claims by producers do not spend a reservation: only the consumer's target does.
-        await clients[0].register_engine(
-            EngineSpec("p0", "prefill", EngineRole.PRODUCER, LAYOUT, (stand_in_agent("p0"),))
-        )
+        await clients[0].register_engine(sdk_engine("p0", EngineRole.PRODUCER))
         winner = next(i for i, ok in enumerate(won) if ok)
         await clients[0].claim_transfers("p0", [ClaimSpec(f"t{winner}")])
         assert (await clients[0].get_engine("d0")).credits.transfers_reserved == 5
@@ -231,7 +221,7 @@ async def test_concurrent_reservations_never_overcommit(server: AsyncTestServer)
 async def test_a_consumer_session_declares_its_capacity(client: AsyncRendezvousClient) -> None:
     """How the vLLM connector's decode side registers (kv_connector_extra_config max_transfers, max_blocks)."""
     session = ConsumerSession(
-        client, "d9", "decode", layout=LAYOUT, agents=[stand_in_agent("d9")], capacity=EngineCapacity(3, 300)
+        client, "d9", "decode", layout=SDK_LAYOUT, agents=[sdk_agent("d9-0")], capacity=EngineCapacity(3, 300)
     )
     await session.start()
     try:
@@ -244,7 +234,7 @@ async def test_the_engines_command_shows_capacity_and_free_credits(
     client: AsyncRendezvousClient, server: AsyncTestServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     inc = await register(client, decode("d0", transfers=4, blocks=100))
-    await client.register_engine(EngineSpec("p0", "prefill", EngineRole.PRODUCER, LAYOUT, (stand_in_agent("p0"),)))
+    await client.register_engine(sdk_engine("p0", EngineRole.PRODUCER))
     await client.register_targets("d0", [TargetSpec("t1", list(range(10)))], incarnation=inc)
     await client.reserve_credits([CreditSpec("t2", "d0", 5)])
     assert await asyncio.to_thread(cli.main, ["engines", "--address", server.address]) == 0

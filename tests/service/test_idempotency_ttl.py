@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from dataclasses import replace
@@ -10,6 +9,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from clients.testing import FakeClock
 from rendezvous.cli import _config_from, build_parser
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -45,7 +45,8 @@ def test_the_cli_reports_a_bad_idempotency_ttl_and_exits_2() -> None:
 
 
 async def test_a_retry_after_the_idempotency_ttl_is_answered_afresh(server_config: ServerConfig) -> None:
-    server = RendezvousServer(replace(server_config, idempotency_ttl=0.3))
+    clock = FakeClock()
+    server = RendezvousServer(replace(server_config, idempotency_ttl=0.3), clock)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
@@ -57,7 +58,9 @@ async def test_a_retry_after_the_idempotency_ttl_is_answered_afresh(server_confi
             assert first.results[0].state == pb.TRANSFER_STATE_CLAIMED
             await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t1")]))
             assert await stub.ClaimTransfer(claim) == first  # within the TTL: the first answer
-            await asyncio.sleep(0.4)
+            clock.advance(0.29)
+            assert await stub.ClaimTransfer(claim) == first  # still within it
+            clock.advance(0.02)
             again = await stub.ClaimTransfer(claim)  # past it: the request runs again
             assert again.results[0].state == pb.TRANSFER_STATE_ABORTED
     finally:

