@@ -62,6 +62,7 @@ from rendezvous.core.specs import (
     TargetSpec,
 )
 from rendezvous.core.validation import check_block_ids, check_id, resolve_timeout
+from rendezvous.protocol.dataplane import data_plane_mismatch
 
 
 @dataclass(frozen=True)
@@ -316,6 +317,9 @@ def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine 
     if gone:
         return gone
     assert consumer is not None and producer is not None
+    mismatch = data_plane_mismatch(producer.layout.data_plane_version, consumer.layout.data_plane_version)
+    if mismatch:
+        return _abort(ctx, t, AbortReason.DATA_PLANE_MISMATCH, mismatch, t.participants(), True)
     mismatch = layout_mismatch(producer, consumer)
     if mismatch:
         return _abort(ctx, t, AbortReason.LAYOUT_MISMATCH, mismatch, t.participants(), True)

@@ -9,6 +9,7 @@ from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import MemoryKind
 from rendezvous.core.regions import check_regions
 from rendezvous.core.specs import EngineSpec
+from rendezvous.protocol import dataplane
 from rendezvous.protocol.kvmap import ShapeError, rank_shapes
 
 
@@ -83,6 +84,15 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
         text = getattr(spec.layout, name)
         if len(text.encode()) > limits.max_id_length:
             raise _too_large(Reason.LAYOUT_INVALID, name, f"layout {name}", limits.max_id_length)
+    version = spec.layout.data_plane_version
+    if not dataplane.known(version):
+        raise RendezvousError(
+            Reason.DATA_PLANE_VERSION_UNSUPPORTED,
+            f"data_plane_version {version} is newer than this server knows ({dataplane.DATA_PLANE_VERSION}); "
+            "upgrade the servers before the engines",
+            data_plane_version=version,
+            supported=dataplane.DATA_PLANE_VERSION,
+        )
     if not spec.agents:
         raise RendezvousError(
             Reason.AGENTS_INVALID,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -209,6 +210,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.watch_start_revision,
         e.owner,
         [e.capacity.max_transfers, e.capacity.max_blocks],
+        lay.data_plane_version,  # a field of the layout, kept past the end: older readers stop at the layout's 8
     ]
 
 
@@ -216,11 +218,14 @@ def engine_from_fields(obj: Any) -> Engine:
     """The engine of an array made by engine_fields."""
     f = _check(obj, "engine")
     lay = f[4]
+    layout = KvLayout(*lay)
+    if len(f) > 16 and f[16]:
+        layout = replace(layout, data_plane_version=f[16])
     return Engine(
         engine_id=f[1],
         pool=f[2],
         role=Role(f[3]),
-        layout=KvLayout(*lay),
+        layout=layout,
         agents=tuple(
             NixlAgent(
                 name=a[0],
