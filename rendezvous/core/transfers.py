@@ -317,7 +317,8 @@ def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine 
     if gone:
         return gone
     assert consumer is not None and producer is not None
-    mismatch = data_plane_mismatch(producer.layout.data_plane_version, consumer.layout.data_plane_version)
+    versions = producer.layout.data_plane_version, consumer.layout.data_plane_version
+    mismatch = None if versions[0] == versions[1] else data_plane_mismatch(*versions)  # a version reads itself
     if mismatch:
         return _abort(ctx, t, AbortReason.DATA_PLANE_MISMATCH, mismatch, t.participants(), True)
     mismatch = layout_mismatch(producer, consumer)

@@ -18,7 +18,8 @@ DATA_PLANE_VERSION = 2
 """The version this release's data plane speaks, and the newest the service knows."""
 
 READS: dict[int, frozenset[int]] = {1: frozenset({1}), 2: frozenset({1, 2})}
-"""The producer versions a consumer of each version reads. A new version adds its row and keeps the others."""
+"""The producer versions a consumer of each version reads (its own among them). A new version adds its row and
+keeps the others."""
 
 
 def effective(version: int) -> int:
