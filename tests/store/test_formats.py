@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 import redis.asyncio as redis
 
@@ -29,6 +30,7 @@ from rendezvous.core.model import (
     Transfer,
     TransferTimes,
 )
+from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.store import StoreUnavailableError
 from rendezvous.store.codec import (
     FORMAT,
@@ -43,7 +45,10 @@ from rendezvous.store.codec import (
 from rendezvous.store.redis import RedisStore
 from rendezvous.store.redis.credits import decode as decode_reservation
 from rendezvous.store.redis.credits import encode as encode_reservation
+from rendezvous.v1 import rendezvous_pb2 as pb
+from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.redis_fixtures import fresh_prefix, with_prefix
+from tests.service.test_service import error_info
 from tests.store.test_contract import make_engine, make_transfer, put_engine, put_transfer
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "format1.json").read_text())
@@ -204,3 +209,32 @@ async def test_a_redis_store_reads_the_previous_releases_records_and_refuses_new
             await reader.close()
     finally:
         await client.aclose()
+
+
+@pytest.mark.redis
+async def test_a_server_answers_store_unavailable_for_a_record_of_a_newer_format(redis_url: str) -> None:
+    namespace = fresh_prefix()
+    url = with_prefix(redis_url, namespace)
+    writer = RedisStore(url)
+    await writer.open()
+    try:
+        await put_transfer(writer, make_transfer("t-1"))
+    finally:
+        await writer.close()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        await client.hset(f"{{{namespace}}}:t:t-1", "d", _future(GOLDEN["transfer"]))  # as a newer replica would
+    finally:
+        await client.aclose()
+    server = RendezvousServer(ServerConfig(listen="127.0.0.1:0", store=url, grace=0.2))
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.RendezvousServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t-1"))
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error_info(caught.value).reason == "STORE_UNAVAILABLE"
+        assert f"transfer record has format {FORMAT + 1}" in (caught.value.details() or "")
+    finally:
+        await server.stop(0)
