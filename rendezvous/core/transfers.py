@@ -52,6 +52,7 @@ from rendezvous.core.model import (
 )
 from rendezvous.core.parts import check_part_count, check_parts, check_progressive_target, held_layers
 from rendezvous.core.validation import check_block_ids, check_id, resolve_timeout
+from rendezvous.protocol.dataplane import data_plane_mismatch
 from rendezvous.protocol.errors import Reason, RendezvousError, clip, transfer_not_found
 from rendezvous.protocol.requests import (
     AbortSpec,
@@ -316,6 +317,10 @@ def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine 
     if gone:
         return gone
     assert consumer is not None and producer is not None
+    versions = producer.layout.data_plane_version, consumer.layout.data_plane_version
+    mismatch = None if versions[0] == versions[1] else data_plane_mismatch(*versions)  # a version reads itself
+    if mismatch:
+        return _abort(ctx, t, AbortReason.DATA_PLANE_MISMATCH, mismatch, t.participants(), True)
     mismatch = layout_mismatch(producer, consumer)
     if mismatch:
         return _abort(ctx, t, AbortReason.LAYOUT_MISMATCH, mismatch, t.participants(), True)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import MemoryKind, Role
 from rendezvous.core.regions import check_regions
+from rendezvous.protocol import dataplane
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.kvmap import ShapeError, rank_shapes
 from rendezvous.protocol.requests import EngineSpec
@@ -83,6 +84,15 @@ def check_engine_spec(spec: EngineSpec, limits: Limits) -> None:
         text = getattr(spec.layout, name)
         if len(text.encode()) > limits.max_id_length:
             raise _too_large(Reason.LAYOUT_INVALID, name, f"layout {name}", limits.max_id_length)
+    version = spec.layout.data_plane_version
+    if not dataplane.known(version):
+        raise RendezvousError(
+            Reason.DATA_PLANE_VERSION_UNSUPPORTED,
+            f"data_plane_version {version} is newer than this server knows ({dataplane.DATA_PLANE_VERSION}); "
+            "upgrade the servers before the engines",
+            data_plane_version=version,
+            supported=dataplane.DATA_PLANE_VERSION,
+        )
     if not spec.agents:
         raise RendezvousError(
             Reason.AGENTS_INVALID,

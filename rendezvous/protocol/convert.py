@@ -109,6 +109,7 @@ def layout_message(layout: KvLayout) -> pb.KvLayout:
         pp_size=layout.pp_size,
         kv_layout=layout.kv_layout,
         num_kv_heads=layout.num_kv_heads,
+        data_plane_version=layout.data_plane_version,
     )
 
 
@@ -123,6 +124,7 @@ def layout(m: pb.KvLayout) -> KvLayout:
         pp_size=m.pp_size,
         kv_layout=m.kv_layout,
         num_kv_heads=m.num_kv_heads,
+        data_plane_version=m.data_plane_version,
     )
 
 

@@ -72,6 +72,7 @@ class AbortReason(_WireEnum):
     LAYOUT_MISMATCH = 4
     TRANSFER_FAILED = 5
     BLOCK_MISMATCH = 6
+    DATA_PLANE_MISMATCH = 7
 
 
 class EventType(_WireEnum):

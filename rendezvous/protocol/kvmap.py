@@ -335,7 +335,9 @@ def layout_mismatch(
     head) has the same size, region by region. Both engines' shapes must be valid (`rank_shapes`); agents are
     compared only when both engines published some.
     """
-    for name in ("model_fingerprint", "dtype", "num_layers", "kv_layout", "num_kv_heads"):
+    # The fingerprint last: an opaque hash (vLLM's compatibility hash, connector/compat.py) also changes with the
+    # dtype or the layers, and the field that names the difference says more.
+    for name in ("dtype", "num_layers", "kv_layout", "num_kv_heads", "model_fingerprint"):
         p, c = getattr(producer, name), getattr(consumer, name)
         if p != c:
             return Mismatch(name, p, c)

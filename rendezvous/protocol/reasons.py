@@ -209,6 +209,11 @@ class Reason(StrEnum):
     MESSAGE_INVALID = "MESSAGE_INVALID"
     """The request's bytes do not parse as the method's message."""
 
+    DATA_PLANE_VERSION_UNSUPPORTED = "DATA_PLANE_VERSION_UNSUPPORTED"
+    """The engine's layout states a data_plane_version this server does not know (a newer
+ connector: upgrade the servers first) (ErrorInfo metadata fields: data_plane_version, the engine's;
+ supported, the newest this server knows)."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -272,5 +277,6 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.PARTS_INCOMPLETE: "INVALID_ARGUMENT",
     Reason.REQUEST_ID_REUSED: "INVALID_ARGUMENT",
     Reason.MESSAGE_INVALID: "INVALID_ARGUMENT",
+    Reason.DATA_PLANE_VERSION_UNSUPPORTED: "FAILED_PRECONDITION",
 }
 """The google.rpc.Code name of each reason."""

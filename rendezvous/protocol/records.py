@@ -23,6 +23,8 @@ class KvLayout:
     kv_layout: str = ""
     num_kv_heads: int = 0
     """KV heads of the whole model; TP rank r holds the r-th of tp_size equal slices. 0 = not stated."""
+    data_plane_version: int = 0
+    """The data-plane format the engine's connector speaks (rendezvous.protocol.dataplane). 0 = not stated (1)."""
 
 
 @dataclass(frozen=True, slots=True)

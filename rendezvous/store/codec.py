@@ -3,8 +3,14 @@
 Why not the protocol messages: a stored record must round-trip exactly, and the wire form does
 not (Transfer has no assigned_generation; Timestamps round float seconds through nanoseconds,
 which can move a deadline by one ulp). Positional arrays keep records small and decoding fast.
-Every top-level record starts with a format number so a later layout can be read side by side.
 Agent metadata (NIXL bytes) is base64 text. Decoding trusts nothing but JSON: no pickle.
+
+Formats (docs/operations.md, "Stored record formats"): every top-level record starts with its format number,
+`FORMAT`. A field is added by appending it to its array (top-level or nested): readers ignore elements past
+those they know and give elements a record lacks their defaults, so records of this format written by older and
+newer versions read both ways. Anything else (removing, moving or retyping a field) is a new format number,
+decoded side by side with the old one for at least a release. A record of a format this version does not know
+was written by a newer one: it is refused (`FutureFormatError`), never misread.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from enum import IntEnum
 from typing import Any, TypeVar
 
+from rendezvous import __version__
 from rendezvous.core.model import (
     AbortReason,
     Engine,
@@ -32,8 +40,10 @@ from rendezvous.core.model import (
     TransferTimes,
     positional,
 )
+from rendezvous.store.base import StoreUnavailableError
 
 FORMAT = 1
+"""The format this version writes, and the newest it reads."""
 
 _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 # Its C encoder, made once: JSONEncoder.encode makes one (and a dict for circular checks) on every call,
@@ -77,10 +87,30 @@ class CodecError(ValueError):
     """A stored record this version cannot read."""
 
 
+class FutureFormatError(CodecError, StoreUnavailableError):
+    """A record of a format newer than `FORMAT`, written by a newer version of the service sharing the store.
+
+    A store error, so callers see STORE_UNAVAILABLE and retry (on an upgraded replica, during a rolling upgrade)
+    rather than get an answer computed on a misread record.
+    """
+
+
+def future_format(kind: str, found: int) -> FutureFormatError:
+    """The refusal of a kind of record written in format found (newer than this version reads)."""
+    return FutureFormatError(
+        f"a stored {kind} record has format {found}; kv-rendezvous {__version__} reads formats up to {FORMAT}: "
+        "upgrade this replica (docs/operations.md, Upgrading)"
+    )
+
+
 def _check(obj: Any, kind: str) -> list[Any]:
-    if not isinstance(obj, list) or not obj or obj[0] != FORMAT:
-        raise CodecError(f"unreadable {kind} record (format {obj[0] if isinstance(obj, list) and obj else '?'})")
-    return obj
+    if isinstance(obj, list) and obj:
+        found = obj[0]
+        if found == FORMAT:
+            return obj
+        if type(found) is int and found > FORMAT:
+            raise future_format(kind, found)
+    raise CodecError(f"unreadable {kind} record (format {obj[0] if isinstance(obj, list) and obj else '?'})")
 
 
 # Transfers
@@ -159,6 +189,8 @@ def decode_transfer(data: bytes | str) -> Transfer:
     """The transfer of encode_transfer's text."""
     try:
         return transfer_from_fields(_loads(data))
+    except CodecError:
+        raise
     except (IndexError, KeyError, TypeError, ValueError) as err:
         raise CodecError(f"unreadable transfer record: {err}") from err
 
@@ -209,6 +241,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.watch_start_revision,
         e.owner,
         [e.capacity.max_transfers, e.capacity.max_blocks],
+        lay.data_plane_version,  # a field of the layout, kept past the end: older readers stop at the layout's 8
     ]
 
 
@@ -216,11 +249,14 @@ def engine_from_fields(obj: Any) -> Engine:
     """The engine of an array made by engine_fields."""
     f = _check(obj, "engine")
     lay = f[4]
+    layout = KvLayout(*lay[:8])  # readers stop at the fields they know (appended ones are a later version's)
+    if len(f) > 16 and f[16]:
+        layout = replace(layout, data_plane_version=f[16])
     return Engine(
         engine_id=f[1],
         pool=f[2],
         role=Role(f[3]),
-        layout=KvLayout(*lay),
+        layout=layout,
         agents=tuple(
             NixlAgent(
                 name=a[0],
@@ -255,6 +291,8 @@ def decode_engine(data: bytes | str) -> Engine:
     """The engine of encode_engine's text."""
     try:
         return engine_from_fields(_loads(data))
+    except CodecError:
+        raise
     except (IndexError, KeyError, TypeError, ValueError) as err:
         raise CodecError(f"unreadable engine record: {err}") from err
 
@@ -287,6 +325,8 @@ def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -
         return _new_event(
             _event_type(f[1]), f[2], None if f[3] is None else transfer_from_fields(f[3]), f[4], peer, revision
         )
+    except CodecError:
+        raise
     except (IndexError, KeyError, TypeError, ValueError) as err:
         raise CodecError(f"unreadable event record: {err}") from err
 
@@ -294,6 +334,7 @@ def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -
 __all__ = [
     "FORMAT",
     "CodecError",
+    "FutureFormatError",
     "decode_engine",
     "decode_event",
     "decode_transfer",

@@ -49,6 +49,7 @@ class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ABORT_REASON_LAYOUT_MISMATCH: _ClassVar[AbortReason]
     ABORT_REASON_TRANSFER_FAILED: _ClassVar[AbortReason]
     ABORT_REASON_BLOCK_MISMATCH: _ClassVar[AbortReason]
+    ABORT_REASON_DATA_PLANE_MISMATCH: _ClassVar[AbortReason]
 
 class CompletionOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -89,6 +90,7 @@ ABORT_REASON_PEER_LOST: AbortReason
 ABORT_REASON_LAYOUT_MISMATCH: AbortReason
 ABORT_REASON_TRANSFER_FAILED: AbortReason
 ABORT_REASON_BLOCK_MISMATCH: AbortReason
+ABORT_REASON_DATA_PLANE_MISMATCH: AbortReason
 COMPLETION_OUTCOME_UNSPECIFIED: CompletionOutcome
 COMPLETION_OUTCOME_SUCCEEDED: CompletionOutcome
 COMPLETION_OUTCOME_FAILED: CompletionOutcome
@@ -188,7 +190,7 @@ class ResponseHeader(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., revision: _Optional[int] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "tp_size", "pp_size", "kv_layout", "num_kv_heads")
+    __slots__ = ("model_fingerprint", "dtype", "block_size", "num_layers", "tp_size", "pp_size", "kv_layout", "num_kv_heads", "data_plane_version")
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +199,7 @@ class KvLayout(_message.Message):
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_VERSION_FIELD_NUMBER: _ClassVar[int]
     model_fingerprint: str
     dtype: str
     block_size: int
@@ -205,7 +208,8 @@ class KvLayout(_message.Message):
     pp_size: int
     kv_layout: str
     num_kv_heads: int
-    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
+    data_plane_version: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., kv_layout: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., data_plane_version: _Optional[int] = ...) -> None: ...
 
 class KvRegion(_message.Message):
     __slots__ = ("base_address", "block_stride_bytes", "block_length_bytes", "num_blocks", "device_id")

@@ -31,6 +31,7 @@ from rendezvous.core import (
     Transfer,
 )
 from rendezvous.core.transfers import TOMBSTONE_BLOCK_IDS
+from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 from rendezvous.store import MemoryStore
 from tests.core.helpers import LAYOUT, START, engine_spec, run
 
@@ -281,6 +282,34 @@ def test_layout_mismatch_aborts_at_match_with_a_clear_reason() -> None:
     assert claimed.transfer.abort_reason == AbortReason.LAYOUT_MISMATCH
     assert "dtype" in claimed.transfer.abort_message
     assert types(w.events("d1")) == [EventType.TRANSFER_ABORTED]
+
+
+def test_a_consumer_that_cannot_read_the_producers_data_plane_version_aborts_naming_both() -> None:
+    w = World()  # d1 states no version: it speaks 1, the format before versions
+    run(w.coord.register_engine(engine_spec("p2", Role.PRODUCER, replace(LAYOUT, data_plane_version=2))))
+    w.target()
+    claimed = w.claim(engine="p2")
+    assert ok(claimed) == State.ABORTED and claimed.transfer is not None
+    assert claimed.transfer.abort_reason == AbortReason.DATA_PLANE_MISMATCH
+    assert claimed.transfer.abort_message == "producer data-plane version 2; consumer data-plane version 1 reads 1"
+    assert types(w.events("d1")) == [EventType.TRANSFER_ABORTED]
+
+
+def test_a_newer_consumer_reads_an_older_producers_data_plane() -> None:
+    w = World()
+    run(w.coord.register_engine(engine_spec("d2", Role.CONSUMER, replace(LAYOUT, data_plane_version=2))))
+    run(w.coord.register_targets("d2", 0, [TargetSpec("t1", (1, 2), generation=1)]))
+    assert ok(w.claim()) == State.MATCHED  # p1 states no version (1); version 2 reads 1
+
+
+def test_an_engine_of_a_data_plane_version_the_server_does_not_know_is_refused_at_registration() -> None:
+    w = World()
+    newer = replace(LAYOUT, data_plane_version=DATA_PLANE_VERSION + 1)
+    with pytest.raises(RendezvousError) as err:
+        run(w.coord.register_engine(engine_spec("p2", Role.PRODUCER, newer)))
+    assert err.value.reason == Reason.DATA_PLANE_VERSION_UNSUPPORTED
+    assert err.value.metadata == {"data_plane_version": "3", "supported": "2"}
+    assert "data_plane_version 3 is newer than this server knows (2)" in err.value.message
 
 
 def test_fewer_source_than_target_blocks_aborts_with_block_mismatch() -> None:

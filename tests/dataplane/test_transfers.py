@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from clients import (
     TargetSpec,
 )
 from clients.testing import TEST_LAYOUT, TestServer
+from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 from tests.dataplane.checks import Landed, assert_pool, chunks, reset_pool, transfer_id
 from tests.dataplane.worker import WorkerProcess
 
@@ -128,11 +130,13 @@ def test_unknown_agent_fails_the_transfer_without_a_write(server: TestServer, pr
     tid = transfer_id("ghost")
     regions = tuple(KvRegion(0x100000 * (i + 1), n, n, 64) for i, n in enumerate(producer.spec.block_lengths))
     ghost = NixlAgentInfo("ghost-agent", b"not nixl metadata", 0, MemoryKind.DRAM, regions)
+    # It states the producer's data-plane version (clients.nixl's), or the service would not pair them.
+    layout = replace(TEST_LAYOUT, data_plane_version=DATA_PLANE_VERSION)
 
     async def consumer_side() -> ServerEvent:
         async with (
             AsyncRendezvousClient(server.address) as client,
-            ConsumerSession(client, "ghost-decode", "decode", layout=TEST_LAYOUT, agents=[ghost]) as session,
+            ConsumerSession(client, "ghost-decode", "decode", layout=layout, agents=[ghost]) as session,
         ):
             await session.register_target(TargetSpec(tid, [0, 1]))
             await asyncio.to_thread(producer.call, "claim", tid)

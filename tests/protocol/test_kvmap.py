@@ -69,6 +69,13 @@ def test_block_sizes_where_one_divides_the_other_match(p_bs: int, c_bs: int) -> 
         ({"tp_size": 3, "num_kv_heads": 6}, {"tp_size": 2, "num_kv_heads": 6}, "tp_size ratio unsupported"),
         ({"block_size": 16}, {"block_size": 24}, "block_size ratio unsupported (one must divide the other): "),
         ({"dtype": "float16"}, {"dtype": "bfloat16"}, "dtype differs: producer 'float16', consumer 'bfloat16'"),
+        # A fingerprint that hashes the dtype (connector/compat.py) differs too: the dtype is what the message names.
+        (
+            {"dtype": "float16", "model_fingerprint": "m#1"},
+            {"dtype": "bfloat16", "model_fingerprint": "m#2"},
+            "dtype differs: producer 'float16', consumer 'bfloat16'",
+        ),
+        ({"model_fingerprint": "m#1"}, {"model_fingerprint": "m#2"}, "model_fingerprint differs: producer 'm#1'"),
         ({"num_layers": 4}, {"num_layers": 2}, "num_layers differs: producer 4, consumer 2"),
         ({"num_kv_heads": 8}, {"num_kv_heads": 4}, "num_kv_heads differs"),
         ({"tp_size": 1, "num_kv_heads": 0}, {"tp_size": 2, "num_kv_heads": 0}, "num_kv_heads must be stated"),

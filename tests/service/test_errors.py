@@ -107,6 +107,22 @@ async def test_layout_mismatch_is_reported_to_both(stub: Stub) -> None:
     assert t.abort_reason == pb.ABORT_REASON_LAYOUT_MISMATCH and "model_fingerprint" in t.abort_message
 
 
+async def test_data_plane_versions_are_checked_at_registration_and_match(stub: Stub) -> None:
+    newer = engine_request("p9", PRODUCER)
+    newer.layout.data_plane_version = 99
+    await expect_error(stub.RegisterEngine(newer), Code.FAILED_PRECONDITION, "DATA_PLANE_VERSION_UNSUPPORTED")
+    await stub.RegisterEngine(engine_request("d1", CONSUMER))  # states no version: 1
+    producer = engine_request("p1", PRODUCER)
+    producer.layout.data_plane_version = 2
+    await stub.RegisterEngine(producer)
+    await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]))
+    claimed = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    assert claimed.results[0].state == pb.TRANSFER_STATE_ABORTED
+    t = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))).transfer
+    assert t.abort_reason == pb.ABORT_REASON_DATA_PLANE_MISMATCH
+    assert t.abort_message == "producer data-plane version 2; consumer data-plane version 1 reads 1"
+
+
 async def test_conflicting_target_and_stale_generation(stub: Stub) -> None:
     await register_pair(stub)
     await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1], generation=2))

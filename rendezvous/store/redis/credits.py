@@ -15,6 +15,7 @@ from typing import Any
 
 from rendezvous.core.credits import Reservation
 from rendezvous.store.base import StoreUnavailableError
+from rendezvous.store.codec import future_format
 from rendezvous.store.credits import CreditStore, Ledger
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.scripts import Scripts
@@ -29,7 +30,11 @@ def encode(r: Reservation) -> str:
 
 
 def decode(data: bytes | str) -> Reservation:
+    """The reservation of encode's text. Its format (1) is its shape: a later one starts with its number and is
+    refused (FutureFormatError), never misread."""
     f = json.loads(data)
+    if type(f[0]) is int:
+        raise future_format("credit reservation", f[0])
     return Reservation(str(f[0]), str(f[1]), int(f[2]), int(f[3]), float(f[4]))
 
 
