@@ -1,6 +1,6 @@
 """`kv-rendezvous router`: a reference OpenAI-compatible proxy for disaggregated vLLM engines.
 
-    python -m connector.router --listen 127.0.0.1:8000 --rendezvous 127.0.0.1:50051 \
+    python -m connector.router --listen 127.0.0.1:8000 --address 127.0.0.1:50051 \
         --route 'llama:prefill-a,prefill-b:decode-a' --route '*:prefill:decode' --policy least-loaded
 
 Per request (`POST /v1/completions`, `POST /v1/chat/completions`) it looks up the request's model in its routes
@@ -57,6 +57,7 @@ from connector.config import TRANSFER_ID_KEY
 from connector.prompts import PromptReader, Tokenizer
 from rendezvous.protocol import bindings, tracing
 from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
+from rendezvous.protocol.flags import add_deprecated_name
 
 __all__ = ["ANY_MODEL", "LocalPrefill", "Route", "Router", "main", "parse_route"]
 
@@ -466,7 +467,10 @@ def _route_arg(text: str) -> tuple[str, Route]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-rendezvous router", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port to serve on")
-    parser.add_argument("--rendezvous", required=True, help="rendezvous endpoint(s), comma-separated host:port")
+    address = parser.add_argument(
+        "--address", metavar="HOST:PORT[,HOST:PORT]", help="rendezvous server address(es), comma-separated (required)"
+    )
+    add_deprecated_name(parser, "--rendezvous", address)  # the router's name for it before every command said --address
     parser.add_argument("--token", default=None, help="bearer token for the rendezvous")
     parser.add_argument(
         "--route",
@@ -558,13 +562,15 @@ def _tokenizer(name: str) -> Tokenizer:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.address:
+        parser.error("the following arguments are required: --address")
     routes = dict(args.route) or {ANY_MODEL: Route((args.prefill_pool,), (args.decode_pool,))}
     if len(routes) != len(args.route) and args.route:
         parser.error("a model is routed twice")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracing.configure_from_env("kv-rendezvous-router")
     host, _, port = args.listen.rpartition(":")
-    targets = [t.strip() for t in args.rendezvous.split(",") if t.strip()]
+    targets = [t.strip() for t in args.address.split(",") if t.strip()]
     binding_key = bindings.load_keys(args.binding_key_file)[0] if args.binding_key_file else None
 
     async def app() -> web.Application:
