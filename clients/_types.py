@@ -160,7 +160,7 @@ class ServerStatus:
     version: str
     store: str
     live_engines: int
-    transfers_by_state: Mapping[str, int]
+    transfers_by_state: Mapping[TransferState, int]
     watchers: int
     start_time: float
     epoch: int
