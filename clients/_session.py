@@ -260,7 +260,10 @@ class EngineSession:
     # Transfer calls shared by both roles
 
     async def complete_transfers(self, completions: Sequence[CompletionSpec]) -> list[ItemResult]:
-        """Report the outcomes of moving bytes (the producer in push mode, the consumer in pull)."""
+        """Report the outcomes of moving bytes (the producer in push mode, the consumer in pull).
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.complete_transfers, completions)
 
     async def complete_transfer(self, completion: CompletionSpec) -> ItemResult:
@@ -268,7 +271,7 @@ class EngineSession:
         return (await self.complete_transfers((completion,)))[0].raise_for_error()
 
     async def abort_transfers(self, aborts: Sequence[AbortSpec]) -> list[ItemResult]:
-        """Abort transfers this engine takes part in; the peers are told."""
+        """Abort transfers this engine takes part in; the peers are told. A refused item is returned, not raised."""
         return await self._call(self._client.abort_transfers, aborts)
 
     async def abort_transfer(self, abort: AbortSpec) -> ItemResult:
@@ -537,7 +540,10 @@ class RankSession(EngineSession):
             await asyncio.sleep(backoff.next())
 
     async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:
-        """A producer rank's promise not to write revoked generations (name the rank in each)."""
+        """A producer rank's promise not to write revoked generations (name the rank in each).
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.acknowledge_revocations, acks)
 
     def _replaced(self, err: RendezvousError, incarnation: int) -> bool:

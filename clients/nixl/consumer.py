@@ -323,15 +323,17 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         delay = 0.05
         while transfer_id in self._targets and time.monotonic() < deadline:
             try:
-                await self.abort(transfer_id, message)
-                return
+                refused = (await self.abort(transfer_id, message)).error
             except _IN_DOUBT as e:
                 logger.warning("AbortTransfer %s: %s; trying again", transfer_id, e)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 1.0)
-            except RendezvousError as e:  # answered: the registration did not stand, or the transfer ended
-                await self._give_back(transfer_id, f"{message}; {e}")
-                return
+                continue
+            except RendezvousError as e:
+                refused = e
+            if refused is not None:  # answered: the registration did not stand, or the transfer ended
+                await self._give_back(transfer_id, f"{message}; {refused}")
+            return
 
     def awaiting_result(self, transfer_id: str) -> bool:
         """Whether a `TransferResult` of this transfer is still to come: its blocks are expected, or its failure
@@ -368,12 +370,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (rank 0 tells the service; another rank just stops expecting it); its failed result
-        comes once no write can land in its blocks."""
+        comes once no write can land in its blocks. A refused item is returned, not raised (and changes
+        nothing: the transfer is still expected); a refused call raises."""
         if self.leader:
-            result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
+            (result,) = await self.session.abort_transfers((AbortSpec(transfer_id, message),))
         else:
             result = ItemResult(transfer_id, TransferState.ABORTED)
-        await self._give_back(transfer_id, message)
+        if result.ok:
+            await self._give_back(transfer_id, message)
         return result
 
     async def _give_back(self, transfer_id: str, message: str) -> None:

@@ -214,7 +214,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """Claim a transfer at admission (batched with other claims of this loop turn); rank 0's call.
 
         `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
-        request's `kv_transfer_params`), which a service with binding keys checks.
+        request's `kv_transfer_params`), which a service with binding keys checks. A refused item is returned,
+        not raised (a `ready` for it then frees the blocks at once); a refused call raises.
         """
         if self._claims is None:
             raise RuntimeError("the agent is not started" if self.leader else "claims are the registering rank's")
@@ -317,12 +318,14 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight.
-        Rank 0 tells the service (and so every rank); another rank only drops it here."""
+        Rank 0 tells the service (and so every rank); another rank only drops it here. A refused item is
+        returned, not raised (and changes nothing); a refused call raises."""
         if not self.leader:
             self._end(transfer_id)
             return ItemResult(transfer_id, TransferState.ABORTED)
-        result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
-        self._end(transfer_id)
+        (result,) = await self.session.abort_transfers((AbortSpec(transfer_id, message),))
+        if result.ok:
+            self._end(transfer_id)
         return result
 
     # Events (on the loop)

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from clients import AbortSpec, AsyncRendezvousClient, KvLayout, TransferState
+from clients import AbortSpec, AsyncRendezvousClient, KvLayout, Reason, TransferState
 from clients.nixl.consumer import ConsumerAgent
 from clients.nixl.producer import ProducerAgent
 from clients.testing import TEST_LAYOUT
@@ -98,3 +98,20 @@ async def test_every_callback_runs_on_the_agents_event_loop(client: AsyncRendezv
         await producer.close()
         await consumer.close()
     assert threads == [threading.get_ident()] * 3  # the loop's thread, never the writer's or the receiver's
+
+
+async def test_the_agents_abort_returns_a_refused_item_rather_than_raising(client: AsyncRendezvousClient) -> None:
+    """Item calls return their errors, session calls raise (docs/architecture.md): `abort` is an item call."""
+    tensors = [torch.ones(8, 256, dtype=torch.uint8)]
+    producer = ProducerAgent(client, "p0", "prefill", tensors, layout=TEST_LAYOUT)
+    consumer = ConsumerAgent(client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)
+    await producer.start()
+    await consumer.start()
+    try:
+        for agent in (producer, consumer):
+            refused = await agent.abort("not an id", "whitespace is refused")
+            assert not refused.ok and refused.error is not None and refused.error.reason == Reason.ID_INVALID
+        assert (await producer.abort("t1")).ok  # an unknown id: aborted (a tombstone tells a late half)
+    finally:
+        await consumer.close()
+        await producer.close()
