@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 from clients import AbortSpec, AsyncRendezvousClient, KvLayout, Reason, TransferState
 from clients.nixl.consumer import ConsumerAgent
 from clients.nixl.producer import ProducerAgent
+from clients.nixl.rank import RankOptions
 from clients.testing import TEST_LAYOUT
 from tests.clients.conftest import WAIT, client, server
 
@@ -115,3 +119,15 @@ async def test_the_agents_abort_returns_a_refused_item_rather_than_raising(clien
     finally:
         await consumer.close()
         await producer.close()
+
+
+def test_every_agent_option_is_in_the_architecture_options_table() -> None:
+    """Options found only by introspection were a footgun (issue 29): each keyword an agent takes has a row."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    first_cells = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    documented = {name for cell in first_cells for name in re.findall(r"`(\w+)`", cell)}
+    keywords = set(RankOptions.__annotations__)
+    for agent in (ProducerAgent, ConsumerAgent):
+        parameters = inspect.signature(agent.__init__).parameters.values()
+        keywords |= {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords - documented == set()
