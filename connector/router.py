@@ -57,7 +57,6 @@ from connector.config import TRANSFER_ID_KEY
 from connector.prompts import PromptReader, Tokenizer
 from rendezvous.protocol import bindings, tracing
 from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
-from rendezvous.protocol.flags import add_deprecated_name
 
 __all__ = ["ANY_MODEL", "LocalPrefill", "Route", "Router", "main", "parse_route"]
 
@@ -457,6 +456,21 @@ def _error(status: int, message: str, headers: Mapping[str, str] | None = None) 
     )
 
 
+class _DeprecatedAddressFlag(argparse.Action):
+    """`--rendezvous`, the router's name for `--address` before every command said `--address`: still accepted,
+    with a warning, until the release. (Conformance keeps its own for `--target`: it speaks only the wire.)"""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"kv-rendezvous router: {option_string} is deprecated, use --address", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _route_arg(text: str) -> tuple[str, Route]:
     try:
         return parse_route(text)
@@ -467,10 +481,10 @@ def _route_arg(text: str) -> tuple[str, Route]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-rendezvous router", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port to serve on")
-    address = parser.add_argument(
+    parser.add_argument(
         "--address", metavar="HOST:PORT[,HOST:PORT]", help="rendezvous server address(es), comma-separated (required)"
     )
-    add_deprecated_name(parser, "--rendezvous", address)  # the router's name for it before every command said --address
+    parser.add_argument("--rendezvous", dest="address", action=_DeprecatedAddressFlag, help=argparse.SUPPRESS)
     parser.add_argument("--token", default=None, help="bearer token for the rendezvous")
     parser.add_argument(
         "--route",

@@ -20,7 +20,6 @@ from typing import TextIO
 from rendezvous.conformance import errors, failures, lifecycle
 from rendezvous.conformance.driver import Driver, Failed, Options, Scenario
 from rendezvous.conformance.registry import CHECKS, Check
-from rendezvous.protocol.flags import add_deprecated_name
 
 CHECK_MODULES = (lifecycle, failures, errors)
 """Importing them registers the checks."""
@@ -116,9 +115,24 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
 
+class _DeprecatedAddressFlag(argparse.Action):
+    """`--target`, this command's name for `--address` before every command said `--address`: still accepted
+    (appended like `--address`), with a warning, until the release."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"kv-rendezvous conformance: {option_string} is deprecated, use --address", file=sys.stderr)
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest, []), values])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The conformance flags."""
-    address = parser.add_argument(
+    parser.add_argument(
         "--address",
         action="append",
         default=[],
@@ -126,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="server address; repeat for replicas of one deployment: consumers and producers of a transfer "
         f"then talk to different ones (default: env {ENV_PREFIX}ADDRESS, else {DEFAULT_ADDRESS})",
     )
-    add_deprecated_name(parser, "--target", address)  # this command's name for it before every command said --address
+    parser.add_argument("--target", dest="address", action=_DeprecatedAddressFlag, help=argparse.SUPPRESS)
     parser.add_argument(
         "--only", action="append", default=[], metavar="TEXT", help="run the checks whose name contains TEXT"
     )
