@@ -55,7 +55,6 @@ from clients._types import (
     EngineCapacity,
     EventType,
     ItemResult,
-    KvLayout,
     NixlAgentInfo,
     ReleaseSpec,
     Reregistered,
@@ -136,14 +135,6 @@ class _Closed:
     pass
 
 
-def _require_layout(layout: KvLayout | None) -> None:
-    if layout is None or not layout.model_fingerprint or layout.num_layers < 1:
-        raise ValueError(
-            f"ConsumerAgent needs layout=KvLayout(...) stating at least model_fingerprint and num_layers, got {layout}:"
-            " the service checks each producer's layout against it before any byte is written"
-        )
-
-
 class ConsumerAgent(RankAgent[ConsumerSession]):
     """One consumer rank: NIXL endpoint + receiver thread + engine session. `start()`, then `close()`."""
 
@@ -163,7 +154,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
-        session_config, metrics_registry). `layout` is required here and must state the model_fingerprint and
+        session_config, metrics_registry). `layout` is required and must state the model_fingerprint and
         num_layers (ValueError otherwise): the service compares it with each producer's before a byte is written,
         and a consumer without one would take any producer whose layout is as empty.
 
@@ -171,7 +162,6 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
         transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
         """
-        _require_layout(options.get("layout"))
         super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
         """Notifications ignored: for a generation or transfer no longer expected, or for a progressive target."""

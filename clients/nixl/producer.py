@@ -134,7 +134,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
-        session_config, metrics_registry).
+        session_config, metrics_registry). `layout` is required and must state the model_fingerprint and
+        num_layers (ValueError otherwise): the service compares it with the consumer's before a byte is written.
 
         `rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its engine;
         the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`). `on_report` gets a

@@ -21,15 +21,16 @@ from tests.clients.conftest import WAIT, client, server
 __all__ = ["client", "server"]
 
 
+@pytest.mark.parametrize("agent", [ConsumerAgent, ProducerAgent])
 @pytest.mark.parametrize(
     "layout",
     [None, KvLayout(), KvLayout(model_fingerprint="", num_layers=2), KvLayout(model_fingerprint="m", num_layers=0)],
 )
-async def test_a_consumer_without_a_stated_layout_is_refused_at_construction(
-    client: AsyncRendezvousClient, layout: KvLayout | None
+async def test_an_agent_without_a_stated_layout_is_refused_at_construction(
+    client: AsyncRendezvousClient, agent: type[ConsumerAgent | ProducerAgent], layout: KvLayout | None
 ) -> None:
-    with pytest.raises(ValueError, match="model_fingerprint and num_layers"):
-        ConsumerAgent(client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=layout)
+    with pytest.raises(ValueError, match=f"{agent.__name__} needs .* model_fingerprint and num_layers"):
+        agent(client, "e0", "pool", [torch.zeros(8, 256, dtype=torch.uint8)], layout=layout)
 
 
 async def test_ready_for_a_transfer_never_claimed_is_refused(client: AsyncRendezvousClient) -> None:
