@@ -10,9 +10,9 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   tile the target, so a producer that notifies too early cannot start decode on missing bytes. Pull: on
   SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfer.
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
-  failed, or the service lost the transfer). When the service still
-  fences a generation the producer may be writing (`revoking_generation`), the result waits for
-  REVOCATION_CONFIRMED: once it is reported, no byte of that generation can land in its blocks.
+  failed, or the service lost the transfer). When the service still fences a generation the producer may be
+  writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
+  that generation can land in its blocks.
 - REVOKED (`AgentReason.REVOKED`): registering a newer generation of a transfer retires the older one; its blocks
   are reported free the same way, once no write of it can land.
 
