@@ -247,7 +247,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         handed for it with `ready_part` are freed). A transfer that ended (aborted, or its claim refused) is
         freed at once. `prompt_tokens` (the tokens the blocks hold, from the first) is needed when the consumer's
         block size differs. Pull (needs `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the
-        router's `binding` in case it claims.
+        router's `binding` in case it claims; a refused item is not raised but logged, and the blocks freed.
         """
         writer, ready = self._writer, self._ready
         assert writer is not None, "the agent is not started"
