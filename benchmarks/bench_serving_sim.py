@@ -426,7 +426,7 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
                         active[result.transfer_id], blocks[result.transfer_id] = [kv_time], result.block_ids
                     else:
                         free.extend(result.block_ids)
-                        reports.put(("failed", result.transfer_id, result.reason))
+                        reports.put(("failed", result.transfer_id, str(result.reason)))
                 await asyncio.sleep(sim.decode_step_s + stall)
                 pending.difference_update([t for t in pending if t.done()])
                 now = time.monotonic()

@@ -375,7 +375,7 @@ def start_ours(model: Path, log_dir: Path, setup: Setup, mode: str = "ours") -> 
         engine = start_engine(f"{mode}-{role}", model, log_dir, port, config, extra_args=extra)
         deployment.processes.append(engine)
     port = free_port()
-    router_args = ["--rendezvous", address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
+    router_args = ["--address", address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
     deployment.processes.append(start_router(log_dir, port, router_args, name=f"{mode}-router"))
     deployment.url = f"http://127.0.0.1:{port}"
     return deployment

@@ -20,7 +20,7 @@ from clients._config import (
 )
 from clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
 from clients._router import PickPolicy, RouterClient, layout_difference
-from clients._session import EPOCH_CHANGED, EngineSession, EventHandler, LiveTransfers, RankSession
+from clients._session import EngineSession, EventHandler, LiveTransfers, RankSession
 from clients._types import (
     AbortReason,
     AbortSpec,
@@ -50,6 +50,7 @@ from clients._types import (
     RevocationAck,
     ServerEvent,
     ServerStatus,
+    SessionCause,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -86,7 +87,6 @@ from rendezvous.protocol.errors import (
 )
 
 __all__ = [
-    "EPOCH_CHANGED",
     "ERROR_DOMAIN",
     "NO_RETRY",
     "AbortReason",
@@ -149,6 +149,7 @@ __all__ = [
     "RouterClient",
     "ServerEvent",
     "ServerStatus",
+    "SessionCause",
     "SessionConfig",
     "SessionEvent",
     "SourceReadySpec",

@@ -149,7 +149,7 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
     async def register_targets(
         self, engine_id: str, targets: Sequence[TargetSpec], *, incarnation: int = 0, timeout: float | None = None
     ) -> list[ItemResult]:
-        """A consumer registers destination blocks (one result per target)."""
+        """A consumer registers destination blocks (one result per target). A refused item is returned, not raised."""
         return await self._invoke(commands.register_targets(engine_id, incarnation, targets), timeout)
 
     async def register_target(
@@ -161,7 +161,7 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
     async def claim_transfers(
         self, engine_id: str, claims: Sequence[ClaimSpec], *, incarnation: int = 0, timeout: float | None = None
     ) -> list[ItemResult]:
-        """A producer claims transfers (one result per claim)."""
+        """A producer claims transfers (one result per claim). A refused item is returned, not raised."""
         return await self._invoke(commands.claim_transfers(engine_id, incarnation, claims), timeout)
 
     async def claim_transfer(
@@ -178,7 +178,7 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         incarnation: int = 0,
         timeout: float | None = None,
     ) -> list[ItemResult]:
-        """A producer's source blocks are computed (one result per source)."""
+        """A producer's source blocks are computed (one result per source). A refused item is returned, not raised."""
         return await self._invoke(commands.mark_sources_ready(engine_id, incarnation, sources), timeout)
 
     async def mark_source_ready(
@@ -195,7 +195,10 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         incarnation: int = 0,
         timeout: float | None = None,
     ) -> list[ItemResult]:
-        """The side that moved the bytes reports outcomes (one result per completion)."""
+        """The side that moved the bytes reports outcomes (one result per completion).
+
+        A refused item is returned, not raised.
+        """
         return await self._invoke(commands.complete_transfers(engine_id, incarnation, completions), timeout)
 
     async def complete_transfer(
@@ -207,7 +210,10 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
     async def acknowledge_revocations(
         self, engine_id: str, acks: Sequence[RevocationAck], *, incarnation: int = 0, timeout: float | None = None
     ) -> list[ItemResult]:
-        """A producer confirms it will not write revoked generations (one result per ack)."""
+        """A producer confirms it will not write revoked generations (one result per ack).
+
+        A refused item is returned, not raised.
+        """
         return await self._invoke(commands.acknowledge_revocations(engine_id, incarnation, acks), timeout)
 
     async def acknowledge_revocation(
@@ -219,7 +225,10 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
     async def release_targets(
         self, engine_id: str, releases: Sequence[ReleaseSpec], *, incarnation: int = 0, timeout: float | None = None
     ) -> list[ItemResult]:
-        """A consumer is done with committed transfers (one result per release)."""
+        """A consumer is done with committed transfers (one result per release).
+
+        A refused item is returned, not raised.
+        """
         return await self._invoke(commands.release_targets(engine_id, incarnation, releases), timeout)
 
     async def release_target(
@@ -231,7 +240,10 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
     async def abort_transfers(
         self, engine_id: str, aborts: Sequence[AbortSpec], *, incarnation: int = 0, timeout: float | None = None
     ) -> list[ItemResult]:
-        """Abort transfers; engine_id "" acts as a router or operator (one result per abort)."""
+        """Abort transfers; engine_id "" acts as a router or operator (one result per abort).
+
+        A refused item is returned, not raised.
+        """
         return await self._invoke(commands.abort_transfers(engine_id, incarnation, aborts), timeout)
 
     async def abort_transfer(
@@ -244,11 +256,15 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         self, reservations: Sequence[CreditSpec], *, ttl: float = 0.0, timeout: float | None = None
     ) -> list[CreditResult]:
         """Reserve credit on consumer engines for transfer ids (router role), each item atomically; ttl 0: the
-        server's default. One result per item: its error, or the engine and expiry of the reservation."""
+        server's default. One result per item: its error, or the engine and expiry of the reservation.
+        A refused item is returned, not raised."""
         return await self._invoke(commands.reserve_credits(reservations, ttl), timeout)
 
     async def release_credits(self, transfer_ids: Sequence[str], *, timeout: float | None = None) -> list[CreditResult]:
-        """Drop the reservations of transfer ids (router role); an id without one is OK."""
+        """Drop the reservations of transfer ids (router role); an id without one is OK.
+
+        A refused item is returned, not raised.
+        """
         return await self._invoke(commands.release_credits(transfer_ids), timeout)
 
     async def get_transfer(self, transfer_id: str, *, timeout: float | None = None) -> TransferInfo:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from clients._types import (
     CreditResult,
     EngineInfo,
@@ -107,7 +105,10 @@ def transfer_page(m: pb.ListTransfersResponse) -> TransferPage[TransferInfo]:
 
 def server_status(m: pb.GetStatusResponse) -> ServerStatus:
     """A GetStatus answer as a record."""
-    counts: Mapping[str, int] = dict(m.transfers_by_state)
+    counts: dict[TransferState, int] = {}
+    for name, n in m.transfers_by_state.items():  # a state this SDK does not know counts as UNSPECIFIED
+        state = TransferState.__members__.get(name, TransferState.UNSPECIFIED)
+        counts[state] = counts.get(state, 0) + n
     return ServerStatus(
         version=m.version,
         store=m.store,

@@ -162,7 +162,7 @@ class _Engine:
 
     async def _verify(self, result: Any, elapsed: float) -> None:
         blocks, seed, _ = self.held[result.transfer_id]
-        verified, error = 0, result.reason
+        verified, error = 0, "" if result.ok else str(result.reason)
         if result.ok:
             verified, error = await asyncio.to_thread(self._check, blocks, seed)
         self._release(result.transfer_id)  # only now may the blocks be registered again

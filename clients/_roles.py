@@ -70,7 +70,10 @@ class ConsumerSession(RoleSession):
     role = EngineRole.CONSUMER
 
     async def register_targets(self, targets: Sequence[TargetSpec]) -> list[ItemResult]:
-        """Register destination blocks; they are re-asserted until committed, released or aborted."""
+        """Register destination blocks; they are re-asserted until committed, released or aborted.
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.register_targets, targets, self._live.targets)
 
     async def register_target(self, target: TargetSpec) -> ItemResult:
@@ -87,6 +90,7 @@ class ConsumerSession(RoleSession):
         transfer registered through it.
         A transfer that committed before a server restart is unknown afterwards: its release
         answers TRANSFER_NOT_FOUND, which only means there is nothing left to release.
+        A refused item is returned, not raised.
         """
         return await self._call(self._client.release_targets, releases)
 
@@ -101,7 +105,10 @@ class ProducerSession(RoleSession):
     role = EngineRole.PRODUCER
 
     async def claim_transfers(self, claims: Sequence[ClaimSpec]) -> list[ItemResult]:
-        """Claim transfers; claims are re-asserted until the transfer commits or aborts."""
+        """Claim transfers; claims are re-asserted until the transfer commits or aborts.
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.claim_transfers, claims, self._live.claims)
 
     async def claim_transfer(self, claim: ClaimSpec) -> ItemResult:
@@ -109,7 +116,10 @@ class ProducerSession(RoleSession):
         return (await self.claim_transfers((claim,)))[0].raise_for_error()
 
     async def mark_sources_ready(self, sources: Sequence[SourceReadySpec]) -> list[ItemResult]:
-        """Report computed source blocks (claiming if needed); re-asserted until the transfer ends."""
+        """Report computed source blocks (claiming if needed); re-asserted until the transfer ends.
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.mark_sources_ready, sources, self._live.sources)
 
     async def mark_source_ready(self, source: SourceReadySpec) -> ItemResult:
@@ -117,7 +127,10 @@ class ProducerSession(RoleSession):
         return (await self.mark_sources_ready((source,)))[0].raise_for_error()
 
     async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:
-        """Confirm revoked generations will not be written (never started, or drained)."""
+        """Confirm revoked generations will not be written (never started, or drained).
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.acknowledge_revocations, acks)
 
     async def acknowledge_revocation(self, ack: RevocationAck) -> ItemResult:

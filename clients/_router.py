@@ -264,7 +264,7 @@ class RouterClient:
         self._cache.clear()
 
     async def abort_transfers(self, aborts: Sequence[AbortSpec]) -> list[ItemResult]:
-        """Abort transfers as the router; both sides are told."""
+        """Abort transfers as the router; both sides are told. A refused item is returned, not raised."""
         return await self._client.abort_transfers("", aborts)
 
     async def abort_transfer(self, transfer_id: str, message: str = "") -> ItemResult:
@@ -281,7 +281,10 @@ class RouterClient:
         return result.raise_for_error()
 
     async def release_credits(self, transfer_ids: Sequence[str]) -> list[CreditResult]:
-        """Drop the reservations of transfer ids (ReleaseCredits); ids without one are OK."""
+        """Drop the reservations of transfer ids (ReleaseCredits); ids without one are OK.
+
+        A refused item is returned, not raised.
+        """
         return await self._client.release_credits(transfer_ids)
 
     async def get_transfer(self, transfer_id: str) -> TransferInfo:

@@ -35,6 +35,7 @@ from clients._types import (
     Resynced,
     RevocationAck,
     ServerEvent,
+    SessionCause,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -44,9 +45,6 @@ from clients.aio import AsyncRendezvousClient
 from rendezvous.protocol.errors import Cancelled, Reason, RendezvousError
 
 log = logging.getLogger("clients.session")
-
-EPOCH_CHANGED = "EPOCH_CHANGED"
-"""The `Reregistered.cause` of a server restart."""
 
 EventHandler = Callable[[SessionEvent], Awaitable[None]]
 """A coroutine function a session calls with each event, one at a time, in order."""
@@ -262,7 +260,10 @@ class EngineSession:
     # Transfer calls shared by both roles
 
     async def complete_transfers(self, completions: Sequence[CompletionSpec]) -> list[ItemResult]:
-        """Report the outcomes of moving bytes (the producer in push mode, the consumer in pull)."""
+        """Report the outcomes of moving bytes (the producer in push mode, the consumer in pull).
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.complete_transfers, completions)
 
     async def complete_transfer(self, completion: CompletionSpec) -> ItemResult:
@@ -270,7 +271,7 @@ class EngineSession:
         return (await self.complete_transfers((completion,)))[0].raise_for_error()
 
     async def abort_transfers(self, aborts: Sequence[AbortSpec]) -> list[ItemResult]:
-        """Abort transfers this engine takes part in; the peers are told."""
+        """Abort transfers this engine takes part in; the peers are told. A refused item is returned, not raised."""
         return await self._call(self._client.abort_transfers, aborts)
 
     async def abort_transfer(self, abort: AbortSpec) -> ItemResult:
@@ -313,7 +314,7 @@ class EngineSession:
     def _replaced(self, err: RendezvousError, incarnation: int) -> bool:
         """Whether err says the incarnation is (or is being) replaced, so the call may be resent."""
         if err.reason in _ENGINE_GONE:
-            self._recover(err.reason, incarnation)
+            self._recover(Reason(err.reason), incarnation)
             return True
         if err.reason != Reason.STALE_INCARNATION:
             return False
@@ -326,9 +327,9 @@ class EngineSession:
     def _on_epoch(self, old: int, new: int) -> None:
         registration = self._registration
         if registration is not None and new != registration.epoch:
-            self._recover(EPOCH_CHANGED, registration.engine.incarnation)
+            self._recover(SessionCause.EPOCH_CHANGED, registration.engine.incarnation)
 
-    def _recover(self, cause: str, incarnation: int) -> None:
+    def _recover(self, cause: Reason | SessionCause, incarnation: int) -> None:
         """Start re-registering, unless it is under way or incarnation was already replaced."""
         if self._recovery is not None and not self._recovery.done():
             return
@@ -337,7 +338,7 @@ class EngineSession:
         log.warning("engine %s re-registering: %s", self.engine_id, cause)
         self._recovery = asyncio.create_task(self._reregister(cause), name=f"reregister {self.engine_id}")
 
-    async def _reregister(self, cause: str) -> None:
+    async def _reregister(self, cause: Reason | SessionCause) -> None:
         previous = self.incarnation
         watch = self._watch_task
         if watch is not None and watch is not asyncio.current_task():
@@ -447,7 +448,7 @@ class EngineSession:
                     async for batch in stream:
                         backoff.reset()
                         if batch.epoch != epoch:
-                            self._recover(EPOCH_CHANGED, incarnation)
+                            self._recover(SessionCause.EPOCH_CHANGED, incarnation)
                             return
                         if batch.resync_required:
                             await self._resync(batch.resync_revision)
@@ -459,7 +460,7 @@ class EngineSession:
                 log.info("engine %s watch ended by the server; resuming at %d", self.engine_id, revision)
             except RendezvousError as err:
                 if err.reason in _ENGINE_GONE:
-                    self._recover(err.reason, incarnation)
+                    self._recover(Reason(err.reason), incarnation)
                     return
                 if err.reason == Reason.REVISION_INVALID:
                     # The engine's log restarted below our position: rebuild the view, follow the new log.
@@ -539,16 +540,19 @@ class RankSession(EngineSession):
             await asyncio.sleep(backoff.next())
 
     async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:
-        """A producer rank's promise not to write revoked generations (name the rank in each)."""
+        """A producer rank's promise not to write revoked generations (name the rank in each).
+
+        A refused item is returned, not raised.
+        """
         return await self._call(self._client.acknowledge_revocations, acks)
 
     def _replaced(self, err: RendezvousError, incarnation: int) -> bool:
         if err.reason in _ENGINE_GONE or err.reason == Reason.STALE_INCARNATION:
-            self._recover(err.reason, incarnation)
+            self._recover(Reason(err.reason), incarnation)
             return True
         return False
 
-    async def _reregister(self, cause: str) -> None:
+    async def _reregister(self, cause: Reason | SessionCause) -> None:
         previous = self.incarnation
         watch = self._watch_task
         if watch is not None and watch is not asyncio.current_task():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.enums import (
@@ -25,6 +26,7 @@ from rendezvous.protocol.errors import RendezvousError
 from rendezvous.protocol.events import Event
 from rendezvous.protocol.incarnation import EngineInfo
 from rendezvous.protocol.pages import EnginePage, TransferPage
+from rendezvous.protocol.reasons import Reason
 from rendezvous.protocol.records import (
     EngineCapacity,
     EngineCredits,
@@ -133,16 +135,23 @@ class Resynced:
     transfers: tuple[TransferInfo, ...]
 
 
+class SessionCause(StrEnum):
+    """A `Reregistered.cause` that is no error's reason."""
+
+    EPOCH_CHANGED = "EPOCH_CHANGED"
+    """The server restarted (its epoch changed): the engine registers again."""
+
+
 @dataclass(frozen=True, slots=True)
 class Reregistered:
     """Synthetic session notification: the engine registered a new incarnation.
 
-    `cause` is the ErrorInfo reason that forced it (ENGINE_NOT_FOUND, LEASE_EXPIRED,
-    STALE_INCARNATION) or "EPOCH_CHANGED" after a server restart. `results` are the outcomes of
+    `cause` is the ErrorInfo `Reason` that forced it (ENGINE_NOT_FOUND, LEASE_EXPIRED,
+    STALE_INCARNATION) or `SessionCause.EPOCH_CHANGED` after a server restart. `results` are the outcomes of
     re-asserting the session's live transfers; a failed item means that transfer is gone.
     """
 
-    cause: str
+    cause: Reason | SessionCause
     previous_incarnation: int
     incarnation: int
     epoch: int
@@ -160,7 +169,7 @@ class ServerStatus:
     version: str
     store: str
     live_engines: int
-    transfers_by_state: Mapping[str, int]
+    transfers_by_state: Mapping[TransferState, int]
     watchers: int
     start_time: float
     epoch: int

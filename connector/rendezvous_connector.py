@@ -770,7 +770,10 @@ class _WorkerSide:
 
     async def _abort_transfer(self, transfer_id: str, message: str) -> None:
         assert self._agent is not None
+        refused: Exception | None
         try:
-            await self._agent.abort(transfer_id, message)
-        except Exception as e:  # e.g. it ended already; the agent hears of the end through its events
-            logger.info("AbortTransfer %s: %s", transfer_id, e)
+            refused = (await self._agent.abort(transfer_id, message)).error
+        except Exception as e:  # e.g. the service is away; the agent hears of the end through its events
+            refused = e
+        if refused is not None:
+            logger.info("AbortTransfer %s: %s", transfer_id, refused)

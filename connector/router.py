@@ -1,6 +1,6 @@
 """`kv-rendezvous router`: a reference OpenAI-compatible proxy for disaggregated vLLM engines.
 
-    python -m connector.router --listen 127.0.0.1:8000 --rendezvous 127.0.0.1:50051 \
+    python -m connector.router --listen 127.0.0.1:8000 --address 127.0.0.1:50051 \
         --route 'llama:prefill-a,prefill-b:decode-a' --route '*:prefill:decode' --policy least-loaded
 
 Per request (`POST /v1/completions`, `POST /v1/chat/completions`) it looks up the request's model in its routes
@@ -456,6 +456,21 @@ def _error(status: int, message: str, headers: Mapping[str, str] | None = None) 
     )
 
 
+class _DeprecatedAddressFlag(argparse.Action):
+    """`--rendezvous`, the router's name for `--address` before every command said `--address`: still accepted,
+    with a warning, until the release. (Conformance keeps its own for `--target`: it speaks only the wire.)"""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"kv-rendezvous router: {option_string} is deprecated, use --address", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _route_arg(text: str) -> tuple[str, Route]:
     try:
         return parse_route(text)
@@ -466,7 +481,10 @@ def _route_arg(text: str) -> tuple[str, Route]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-rendezvous router", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port to serve on")
-    parser.add_argument("--rendezvous", required=True, help="rendezvous endpoint(s), comma-separated host:port")
+    parser.add_argument(
+        "--address", metavar="HOST:PORT[,HOST:PORT]", help="rendezvous server address(es), comma-separated (required)"
+    )
+    parser.add_argument("--rendezvous", dest="address", action=_DeprecatedAddressFlag, help=argparse.SUPPRESS)
     parser.add_argument("--token", default=None, help="bearer token for the rendezvous")
     parser.add_argument(
         "--route",
@@ -558,13 +576,15 @@ def _tokenizer(name: str) -> Tokenizer:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.address:
+        parser.error("the following arguments are required: --address")
     routes = dict(args.route) or {ANY_MODEL: Route((args.prefill_pool,), (args.decode_pool,))}
     if len(routes) != len(args.route) and args.route:
         parser.error("a model is routed twice")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracing.configure_from_env("kv-rendezvous-router")
     host, _, port = args.listen.rpartition(":")
-    targets = [t.strip() for t in args.rendezvous.split(",") if t.strip()]
+    targets = [t.strip() for t in args.address.split(",") if t.strip()]
     binding_key = bindings.load_keys(args.binding_key_file)[0] if args.binding_key_file else None
 
     async def app() -> web.Application:

@@ -27,7 +27,7 @@ engine 8200 kv_consumer decode > /tmp/kv-rendezvous-decode.log 2>&1 &
 for port in 8100 8200; do
   until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
 done
-.venv/bin/kv-rendezvous router --listen 127.0.0.1:8000 --rendezvous 127.0.0.1:50051 &
+.venv/bin/kv-rendezvous router --listen 127.0.0.1:8000 --address 127.0.0.1:50051 &
 until curl -sf http://127.0.0.1:8000/health > /dev/null; do sleep 0.2; done
 echo "ready: curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\"
 echo "  -d '{\"model\": \"$MODEL\", \"prompt\": \"Hello\", \"max_tokens\": 16, \"temperature\": 0}'"

@@ -152,7 +152,7 @@ def test_entry_point_commands_parse_their_own_flags() -> None:
     )
     out = _run(code)
     assert "usage: kv-rendezvous demo" in out and "--transfers" in out
-    assert "usage: kv-rendezvous router" in out and "--rendezvous" in out
+    assert "usage: kv-rendezvous router" in out and "--address" in out
 
 
 def test_a_builtin_command_loads_no_client_code() -> None:

@@ -13,7 +13,7 @@ NIXL itself is imported when the first endpoint is created; this package imports
 
 from clients._types import KvRegion, MemoryKind, NixlAgentInfo
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
-from clients.nixl.consumer import READ_FAILED, REVOKED, ConsumerAgent, TransferResult
+from clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, PeerError, TransferFailedError
 from clients.nixl.metrics import DataPlaneMetrics
 from clients.nixl.notifications import TransferNotification, encode_notification, parse_notification
@@ -33,8 +33,7 @@ from clients.nixl.writer import (
 )
 
 __all__ = [
-    "READ_FAILED",
-    "REVOKED",
+    "AgentReason",
     "BlockRangeError",
     "ConsumerAgent",
     "DataPlaneError",

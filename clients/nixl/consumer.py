@@ -9,11 +9,12 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   target (written in parts) arrives on TRANSFER_COMMITTED only: the service commits once the producer's parts
   tile the target, so a producer that notifies too early cannot start decode on missing bytes. Pull: on
   SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfer.
-- failed: the transfer aborted (`reason` is the abort reason) or a READ failed. When the service still
-  fences a generation the producer may be writing (`revoking_generation`), the result waits for
-  REVOCATION_CONFIRMED: once it is reported, no byte of that generation can land in its blocks.
-- REVOKED: registering a newer generation of a transfer retires the older one; its blocks are reported
-  free the same way, once no write of it can land.
+- failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
+  failed, or the service lost the transfer). When the service still fences a generation the producer may be
+  writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
+  that generation can land in its blocks.
+- REVOKED (`AgentReason.REVOKED`): registering a newer generation of a transfer retires the older one; its blocks
+  are reported free the same way, once no write of it can land.
 
 The release contract: the agent releases every committed transfer itself (ReleaseTarget, once TRANSFER_COMMITTED
 came); the engine never calls ReleaseTarget for a transfer it registered through the agent. An ok result's blocks
@@ -40,11 +41,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
+from enum import StrEnum
 from typing import TYPE_CHECKING, Unpack
 
 from clients._roles import ConsumerSession
 from clients._session import RankSession
 from clients._types import (
+    AbortReason,
     AbortSpec,
     Binding,
     CompletionOutcome,
@@ -52,7 +55,6 @@ from clients._types import (
     EngineCapacity,
     EventType,
     ItemResult,
-    KvLayout,
     NixlAgentInfo,
     ReleaseSpec,
     Reregistered,
@@ -77,14 +79,10 @@ from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, Re
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["READ_FAILED", "REVOKED", "ConsumerAgent", "OnResult", "TransferResult"]
+__all__ = ["AgentReason", "ConsumerAgent", "OnResult", "TransferResult"]
 
 logger = logging.getLogger(__name__)
 
-REVOKED = "REVOKED"
-"""`TransferResult.reason` of a generation retired by a newer one."""
-READ_FAILED = "READ_FAILED"
-"""`TransferResult.reason` of a pull-mode READ that failed."""
 _IN_DOUBT = (DeadlineExceeded, Unavailable, Cancelled, Unknown)
 """Failures of a call that say nothing of whether the service applied it."""
 ABORT_IN_DOUBT_S = 60.0
@@ -96,6 +94,17 @@ EARLY_COMMITS = 4096
 """How many commits of transfers it did not expect (yet) a following rank remembers."""
 
 
+class AgentReason(StrEnum):
+    """Why a `TransferResult` failed when the service did not abort the transfer: what the agent saw itself."""
+
+    REVOKED = "REVOKED"
+    """A newer generation of the transfer retired this one."""
+    READ_FAILED = "READ_FAILED"
+    """A pull-mode READ of the producer's blocks failed."""
+    LOST = "LOST"
+    """The service no longer has the transfer (or the engine's registration of it failed)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TransferResult:
     """How one generation of a transfer ended for the consumer; its `block_ids` are the engine's again."""
@@ -104,8 +113,8 @@ class TransferResult:
     generation: int
     ok: bool
     block_ids: tuple[int, ...]
-    reason: str = ""
-    """"" when ok; else an `AbortReason` name, `REVOKED` or `READ_FAILED`."""
+    reason: AbortReason | AgentReason = AbortReason.UNSPECIFIED
+    """`AbortReason.UNSPECIFIED` (falsy) when ok; else the transfer's `AbortReason`, or an `AgentReason`."""
     message: str = ""
 
 
@@ -124,14 +133,6 @@ class _Target:
 
 class _Closed:
     pass
-
-
-def _require_layout(layout: KvLayout | None) -> None:
-    if layout is None or not layout.model_fingerprint or layout.num_layers < 1:
-        raise ValueError(
-            f"ConsumerAgent needs layout=KvLayout(...) stating at least model_fingerprint and num_layers, got {layout}:"
-            " the service checks each producer's layout against it before any byte is written"
-        )
 
 
 class ConsumerAgent(RankAgent[ConsumerSession]):
@@ -153,7 +154,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
-        session_config, metrics_registry). `layout` is required here and must state the model_fingerprint and
+        session_config, metrics_registry). `layout` is required and must state the model_fingerprint and
         num_layers (ValueError otherwise): the service compares it with each producer's before a byte is written,
         and a consumer without one would take any producer whose layout is as empty.
 
@@ -161,7 +162,6 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
         transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
         """
-        _require_layout(options.get("layout"))
         super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
         """Notifications ignored: for a generation or transfer no longer expected, or for a progressive target."""
@@ -242,7 +242,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         may write the KV in parts while it computes (it needs `num_tokens`); the target then arrives on
         TRANSFER_COMMITTED only, once the service checked that the producer's parts tile it.
 
-        A newer generation of a transfer retires the older one: its blocks are reported (reason `REVOKED`)
+        A newer generation of a transfer retires the older one: its blocks are reported (reason `AgentReason.REVOKED`)
         once no write of it can land. A failed item is returned, not raised, and leaves nothing registered. A
         call that fails in transit may have been applied: it is sent once more, and should that fail too the
         agent aborts the transfer, whose failed `TransferResult` then comes as well, once no write can land
@@ -285,7 +285,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         if not result.ok or result.state is TransferState.ABORTED:
             self._undo_register(transfer_id, new, old)
         elif old is not None:
-            retired = TransferResult(transfer_id, old.generation, False, old.block_ids, REVOKED)
+            retired = TransferResult(transfer_id, old.generation, False, old.block_ids, AgentReason.REVOKED)
             await self._when_unfenced(retired, maybe_fenced=result.state is not TransferState.TARGETED)
         return result
 
@@ -313,15 +313,17 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         delay = 0.05
         while transfer_id in self._targets and time.monotonic() < deadline:
             try:
-                await self.abort(transfer_id, message)
-                return
+                refused = (await self.abort(transfer_id, message)).error
             except _IN_DOUBT as e:
                 logger.warning("AbortTransfer %s: %s; trying again", transfer_id, e)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 1.0)
-            except RendezvousError as e:  # answered: the registration did not stand, or the transfer ended
-                await self._give_back(transfer_id, f"{message}; {e}")
-                return
+                continue
+            except RendezvousError as e:
+                refused = e
+            if refused is not None:  # answered: the registration did not stand, or the transfer ended
+                await self._give_back(transfer_id, f"{message}; {refused}")
+            return
 
     def awaiting_result(self, transfer_id: str) -> bool:
         """Whether a `TransferResult` of this transfer is still to come: its blocks are expected, or its failure
@@ -339,31 +341,33 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 try:
                     info = await self.engine_session.client.get_transfer(transfer_id)
                 except NotFound as e:
-                    self._fail(transfer_id, "LOST", f"the service does not have this transfer: {e}")
+                    self._fail(transfer_id, AgentReason.LOST, f"the service does not have this transfer: {e}")
                     return
                 except RendezvousError as e:  # the service is slow or away: that says nothing of the transfer
                     logger.warning("transfer %s: checking on it failed, looking again later: %s", transfer_id, e)
                     continue
                 if info.consumer_engine_id != self.engine_session.engine_id:
-                    self._fail(transfer_id, "LOST", "the engine's registration of this transfer failed")
+                    self._fail(transfer_id, AgentReason.LOST, "the engine's registration of this transfer failed")
                 elif info.state in _ARRIVED and info.generation == target.generation:
                     # Its TRANSFER_COMMITTED came before this rank expected the transfer (rank 0 may have
                     # released it since): the bytes are in.
                     self._committed(transfer_id, target.generation)
-                elif info.state.terminal:
-                    reason = info.abort_reason.name if info.state is TransferState.ABORTED else info.state.name
+                elif info.state.terminal:  # aborted, or a newer generation came and was released
+                    reason = info.abort_reason if info.state is TransferState.ABORTED else AgentReason.REVOKED
                     self._fail(transfer_id, reason, info.abort_message, info.revoking_generation)
         finally:
             self._checks.discard(asyncio.current_task())
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (rank 0 tells the service; another rank just stops expecting it); its failed result
-        comes once no write can land in its blocks."""
+        comes once no write can land in its blocks. A refused item is returned, not raised (and changes
+        nothing: the transfer is still expected); a refused call raises."""
         if self.leader:
-            result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
+            (result,) = await self.session.abort_transfers((AbortSpec(transfer_id, message),))
         else:
             result = ItemResult(transfer_id, TransferState.ABORTED)
-        await self._give_back(transfer_id, message)
+        if result.ok:
+            await self._give_back(transfer_id, message)
         return result
 
     async def _give_back(self, transfer_id: str, message: str) -> None:
@@ -371,7 +375,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         target = self._targets.pop(transfer_id, None)
         if target is not None and not target.arrived:
             self._update_expecting()
-            failed = TransferResult(transfer_id, target.generation, False, target.block_ids, "REQUESTED", message)
+            reason = AbortReason.REQUESTED
+            failed = TransferResult(transfer_id, target.generation, False, target.block_ids, reason, message)
             await self._when_unfenced(failed, maybe_fenced=True)
 
     async def results(self) -> AsyncIterator[TransferResult]:
@@ -392,13 +397,13 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             for transfer_id in list(self._targets):
                 info = live.get(transfer_id)
                 if info is None or info.state is TransferState.ABORTED:
-                    self._fail(transfer_id, "LOST", "the service no longer has this transfer")
+                    self._fail(transfer_id, AgentReason.LOST, "the service no longer has this transfer")
                 elif info.state is TransferState.COMMITTED:
                     self._committed(transfer_id, info.generation)
         elif isinstance(item, Reregistered):
             for result in item.results:
                 if not result.ok or result.state is TransferState.ABORTED:
-                    self._fail(result.transfer_id, "LOST", "the transfer did not survive re-registration")
+                    self._fail(result.transfer_id, AgentReason.LOST, "the transfer did not survive re-registration")
         else:
             self._on_server_event(item)
 
@@ -417,8 +422,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                     self._remember_commit(info.transfer_id, event.generation)
                 self._committed(info.transfer_id, event.generation)
             case EventType.TRANSFER_ABORTED:
-                reason = info.abort_reason.name
-                self._fail(info.transfer_id, reason, info.abort_message, info.revoking_generation)
+                self._fail(info.transfer_id, info.abort_reason, info.abort_message, info.revoking_generation)
             case EventType.REVOCATION_CONFIRMED:
                 fenced = self._fenced.pop((info.transfer_id, event.generation), None)
                 if fenced is not None:
@@ -443,7 +447,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         if len(self._early_commits) > EARLY_COMMITS:
             self._early_commits.popitem(last=False)
 
-    def _fail(self, transfer_id: str, reason: str, message: str, revoking_generation: int = 0) -> None:
+    def _fail(
+        self, transfer_id: str, reason: AbortReason | AgentReason, message: str, revoking_generation: int = 0
+    ) -> None:
         target = self._targets.pop(transfer_id, None)
         if target is None:
             return
@@ -516,7 +522,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             result = TransferResult(transfer_id, generation, True, target.block_ids)
             self._deliver(result, time.monotonic() if arrived is None else arrived, "read")
         else:
-            self._fail(transfer_id, READ_FAILED, error or "")
+            self._fail(transfer_id, AgentReason.READ_FAILED, error or "")
 
     def _read_completed(self, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
         result = None if future.cancelled() or future.exception() else future.result()

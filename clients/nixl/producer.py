@@ -134,7 +134,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
-        session_config, metrics_registry).
+        session_config, metrics_registry). `layout` is required and must state the model_fingerprint and
+        num_layers (ValueError otherwise): the service compares it with the consumer's before a byte is written.
 
         `rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its engine;
         the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`). `on_report` gets a
@@ -214,7 +215,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """Claim a transfer at admission (batched with other claims of this loop turn); rank 0's call.
 
         `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
-        request's `kv_transfer_params`), which a service with binding keys checks.
+        request's `kv_transfer_params`), which a service with binding keys checks. A refused item is returned,
+        not raised (a `ready` for it then frees the blocks at once); a refused call raises.
         """
         if self._claims is None:
             raise RuntimeError("the agent is not started" if self.leader else "claims are the registering rank's")
@@ -245,7 +247,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         handed for it with `ready_part` are freed). A transfer that ended (aborted, or its claim refused) is
         freed at once. `prompt_tokens` (the tokens the blocks hold, from the first) is needed when the consumer's
         block size differs. Pull (needs `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the
-        router's `binding` in case it claims.
+        router's `binding` in case it claims; a refused item is not raised but logged, and the blocks freed.
         """
         writer, ready = self._writer, self._ready
         assert writer is not None, "the agent is not started"
@@ -317,12 +319,14 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (e.g. the request was cancelled); its source is freed once no write is in flight.
-        Rank 0 tells the service (and so every rank); another rank only drops it here."""
+        Rank 0 tells the service (and so every rank); another rank only drops it here. A refused item is
+        returned, not raised (and changes nothing); a refused call raises."""
         if not self.leader:
             self._end(transfer_id)
             return ItemResult(transfer_id, TransferState.ABORTED)
-        result = await self.session.abort_transfer(AbortSpec(transfer_id, message))
-        self._end(transfer_id)
+        (result,) = await self.session.abort_transfers((AbortSpec(transfer_id, message),))
+        if result.ok:
+            self._end(transfer_id)
         return result
 
     # Events (on the loop)

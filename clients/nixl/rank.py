@@ -48,8 +48,8 @@ class RankOptions(TypedDict, total=False):
     rank: int
     """This rank's place in its engine (tensor-parallel rank, then pipeline stages); default 0."""
     layout: KvLayout | None
-    """The engine's KV layout, registered with it (with this data plane's `data_plane_version`); default
-    `KvLayout()`."""
+    """The engine's KV layout, registered with it (with this data plane's `data_plane_version`); required,
+    stating at least model_fingerprint and num_layers."""
     labels: Mapping[str, str] | None
     """Engine labels (the router reads `url`)."""
     lease_ttl: float
@@ -79,8 +79,15 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         self.rank = rank = options.get("rank", 0)
         self.metrics = DataPlaneMetrics.of(options.get("metrics_registry"))
         """This rank's data-plane histograms (`clients.nixl.metrics`), in the registry the agent was given."""
+        layout = options.get("layout")
+        if layout is None or not layout.model_fingerprint or layout.num_layers < 1:
+            raise ValueError(
+                f"{type(self).__name__} needs layout=KvLayout(...) stating at least model_fingerprint and num_layers,"
+                f" got {layout}: the service checks the producer's layout against the consumer's before any byte is"
+                " written, and an empty one matches only another empty one"
+            )
         # This data plane states the version it speaks, whatever layout it was given: the service pairs by it.
-        self.layout = replace(options.get("layout") or KvLayout(), data_plane_version=DATA_PLANE_VERSION)
+        self.layout = replace(layout, data_plane_version=DATA_PLANE_VERSION)
         self._tensors = tuple(tensors)
         self._agent_name = options.get("agent_name") or f"{engine_id}-rank{rank}"
         self._session_args = (

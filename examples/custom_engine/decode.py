@@ -69,7 +69,7 @@ class DecodeEngine:
         ok = result.ok and self.holds(prompt, result.block_ids)
         # A real engine decodes here when ok, then frees the blocks; a failed request is retried or refused.
         self.free.extend(result.block_ids)
-        self.reply(("done", result.transfer_id, ok, result.reason or ("" if ok else "BYTES_DIFFER")))
+        self.reply(("done", result.transfer_id, ok, "" if ok else str(result.reason or "BYTES_DIFFER")))
 
     def holds(self, prompt: str, block_ids: tuple[int, ...]) -> bool:
         """Whether the blocks hold exactly the prompt's KV, in every region."""

@@ -1,20 +1,33 @@
 """The protocol's enums, shared by the service and the SDK.
 
 Values equal the proto's numbers (rendezvous.v1), so mapping to the wire is a cast. A number this
-code does not know (sent by a newer peer) reads as UNSPECIFIED (0). Plain Python: no protobuf import.
+code does not know (sent by a newer peer) reads as UNSPECIFIED (0). They compare equal to their numbers but print
+by name (`str(TransferState.COMMITTED)` is "COMMITTED"): logs and messages read in the protocol's words. Plain
+Python: no protobuf import.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
 
+_NUMBER_FORMATS = frozenset("bcdoxXn")
+"""Format types that ask for the number (`f"{state:d}"`); any other spec formats the name."""
+
 
 class _WireEnum(IntEnum):
-    """An enum of the protocol: unknown numbers (added by a newer server) read as UNSPECIFIED (0)."""
+    """An enum of the protocol: unknown numbers (added by a newer server) read as UNSPECIFIED (0); prints by name."""
 
     @classmethod
     def _missing_(cls, value: object) -> _WireEnum:
         return cls(0)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, spec: str) -> str:
+        if spec[-1:] in _NUMBER_FORMATS:
+            return int.__format__(self, spec)
+        return format(self.name, spec)
 
 
 class EngineRole(_WireEnum):

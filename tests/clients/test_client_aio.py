@@ -153,7 +153,11 @@ async def test_status_counts_engines_and_transfers(client: AsyncRendezvousClient
     await register(client, "d0", EngineRole.CONSUMER)
     await client.register_target("d0", TargetSpec("t", [1]))
     status = await client.get_status()
-    assert (status.store, status.live_engines, dict(status.transfers_by_state)) == ("memory", 1, {"TARGETED": 1})
+    assert (status.store, status.live_engines, dict(status.transfers_by_state)) == (
+        "memory",
+        1,
+        {TransferState.TARGETED: 1},
+    )
     assert status.epoch == client.epoch
 
 

@@ -173,3 +173,10 @@ def test_single_item_calls_keep_the_request_and_raise_the_item_error() -> None:
     response = pb.RegisterTargetResponse(results=[pb.ItemResult(transfer_id="t", status=status)])
     with pytest.raises(InvalidArgument, match="bad"):
         single.parse(response)
+
+
+def test_status_counts_transfers_by_state_enum_and_an_unknown_state_as_unspecified() -> None:
+    message = pb.GetStatusResponse(transfers_by_state={"TARGETED": 2, "MATCHED": 1, "PAUSED": 3, "PARKED": 1})
+    counts = _convert.server_status(message).transfers_by_state
+    assert counts == {TransferState.TARGETED: 2, TransferState.MATCHED: 1, TransferState.UNSPECIFIED: 4}
+    assert all(isinstance(state, TransferState) for state in counts)

@@ -28,6 +28,7 @@ from clients import (
     Reregistered,
     Resynced,
     ServerEvent,
+    SessionCause,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -248,7 +249,8 @@ async def test_after_a_server_restart_sessions_reregister_and_their_transfers_st
     for session_events in (producer_events, consumer_events):
         event = await next_event(session_events, is_reregistered)
         assert isinstance(event, Reregistered)
-        assert event.cause in ("EPOCH_CHANGED", "ENGINE_NOT_FOUND")
+        assert event.cause in (SessionCause.EPOCH_CHANGED, Reason.ENGINE_NOT_FOUND)
+        assert isinstance(event.cause, SessionCause | Reason)  # an enum, not a bare string
         assert event.epoch == server.epoch and all(r.ok for r in event.results)
     assert consumer.incarnation != old[0] and producer.incarnation != old[1]
 
@@ -282,7 +284,7 @@ async def test_a_lost_lease_is_reregistered_and_the_aborted_transfers_are_droppe
         await client.deregister_engine("d0", consumer.incarnation)
 
         event = await next_event(events, is_reregistered)
-        assert isinstance(event, Reregistered) and event.cause == "LEASE_EXPIRED"
+        assert isinstance(event, Reregistered) and event.cause is Reason.LEASE_EXPIRED
         (result,) = event.results
         assert (result.transfer_id, result.state) == ("t1", TransferState.ABORTED)
         assert len(consumer.live_transfers) == 0

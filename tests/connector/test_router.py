@@ -644,8 +644,25 @@ def test_the_queue_flags_parse() -> None:
     from connector.router import build_parser
 
     args = build_parser().parse_args(
-        ["--rendezvous", "r:1", "--max-queued", "7", "--queue-timeout", "2.5", "--credit-ttl", "9"]
+        ["--address", "r:1", "--max-queued", "7", "--queue-timeout", "2.5", "--credit-ttl", "9"]
     )
     assert (args.max_queued, args.queue_timeout, args.credit_ttl) == (7, 2.5, 9.0)
-    defaults = build_parser().parse_args(["--rendezvous", "r:1"])
+    defaults = build_parser().parse_args(["--address", "r:1"])
     assert (defaults.max_queued, defaults.queue_timeout, defaults.credit_ttl) == (100, 30.0, 60.0)
+
+
+def test_the_server_flag_is_address_and_the_old_rendezvous_name_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    from connector.router import build_parser
+
+    assert build_parser().parse_args(["--address", "r:1,r:2"]).address == "r:1,r:2"
+    assert "deprecated" not in capsys.readouterr().err
+    assert build_parser().parse_args(["--rendezvous", "r:1"]).address == "r:1"
+    assert "--rendezvous is deprecated, use --address" in capsys.readouterr().err
+
+
+def test_the_router_refuses_to_start_without_an_address(capsys: pytest.CaptureFixture[str]) -> None:
+    from connector.router import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--listen", "127.0.0.1:0"])
+    assert exited.value.code == 2 and "required: --address" in capsys.readouterr().err

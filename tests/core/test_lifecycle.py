@@ -183,6 +183,20 @@ def test_reregistering_a_new_generation_revokes_the_old_assignment_until_acknowl
     assert ok(w.complete(gen=2)) == State.COMMITTED
 
 
+def test_a_new_generation_of_a_target_never_assigned_frees_the_old_blocks_at_once() -> None:
+    """docs/engines.md: with `revoking_generation = 0` in the answer nothing was assigned, no confirmation comes."""
+    w = World()
+    w.target(blocks=(1, 2))
+    again = w.target(blocks=(5, 6), gen=2)
+    assert ok(again) == State.TARGETED
+    assert again.transfer is not None and again.transfer.revoking_generation == 0
+    assert w.events("d1") == [] and w.events("p1") == []
+    w.claim()
+    (assigned,) = w.events("p1")
+    assert (assigned.type, assigned.generation) == (EventType.TRANSFER_ASSIGNED, 2)
+    assert assigned.transfer is not None and assigned.transfer.target_block_ids == (5, 6)
+
+
 def test_completing_a_revoked_generation_counts_as_the_acknowledgement() -> None:
     w = World()
     w.target()

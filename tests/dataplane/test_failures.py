@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from clients import AbortReason
 from clients.testing import FakeClock, TestServer
 from tests.dataplane.checks import Landed, assert_pool, reset_pool, transfer_id
 from tests.dataplane.conftest import LEASE_TTL
@@ -31,7 +32,7 @@ def test_producer_killed_mid_transfer(clock: FakeClock, server: TestServer, cons
         doomed.kill()
         assert not [e for e in consumer.pending() if e[0] == "result"]  # its lease has not lapsed
         lapse(clock, server)
-        assert consumer.result(tid, timeout=WAIT) == ("result", tid, 1, False, (1, 2, 3), "PEER_LOST")
+        assert consumer.result(tid, timeout=WAIT) == ("result", tid, 1, False, (1, 2, 3), AbortReason.PEER_LOST)
         assert_pool(consumer, [])
     finally:
         doomed.close()

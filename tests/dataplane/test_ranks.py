@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from clients import RendezvousClient, TransferState
+from clients import AbortReason, RendezvousClient, TransferState
+from clients.nixl import AgentReason
 from clients.testing import TestServer
 from tests.dataplane.checks import transfer_id
 from tests.dataplane.engines import EngineProcess, EngineSpec, expected
@@ -132,7 +133,9 @@ def test_every_rank_writes_its_share_byte_exact(
     assert consumer.call("register", tid, case.dst, case.target) == "TARGETED"
     assert producer.call("claim", tid) == "MATCHED"
     producer.call("ready", tid, case.src, prompt)
-    assert [r[1:4] for r in consumer.all_results(tid)] == [(True, tuple(case.dst), "")] * case.consumer.ranks
+    assert [r[1:4] for r in consumer.all_results(tid)] == [
+        (True, tuple(case.dst), AbortReason.UNSPECIFIED)
+    ] * case.consumer.ranks
     producer.all_freed(tid)
     assert [r[1:3] for r in producer.all_reports(tid)] == [(True, None)] * case.producer.ranks
     memory = consumer.call("memory")
@@ -167,7 +170,7 @@ def test_one_rank_failing_aborts_the_transfer_and_frees_the_blocks_once_no_write
         producer.call("release", 0)
         results = consumer.all_results(tid)
         freed = producer.all_freed(tid)
-        assert [r[1:4] for r in results] == [(False, tuple(dst), "TRANSFER_FAILED")] * case.consumer.ranks
+        assert [r[1:4] for r in results] == [(False, tuple(dst), AbortReason.TRANSFER_FAILED)] * case.consumer.ranks
         # No result before rank 0 stopped (its source is free), however long it held: the results' times say so.
         assert min(r[4] for r in results) >= freed[0]
         assert client.get_transfer(tid).revoking_generation == 0
@@ -224,4 +227,4 @@ def test_a_following_rank_gives_up_a_transfer_the_service_does_not_have(
     tid = transfer_id("never-registered")
     consumer.call("follow", tid, case.dst)
     result = consumer.expect(lambda e: e[:3] == ("result", 1, tid), 15)
-    assert (result[4], result[5], result[6]) == (False, tuple(case.dst), "LOST")
+    assert (result[4], result[5]) == (False, tuple(case.dst)) and result[6] is AgentReason.LOST

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from clients import (
+    AbortReason,
     AsyncRendezvousClient,
     ConsumerSession,
     Event,
@@ -21,6 +22,7 @@ from clients import (
     ServerEvent,
     TargetSpec,
 )
+from clients.nixl import AgentReason
 from clients.testing import TEST_LAYOUT, TestServer
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 from tests.dataplane.checks import Landed, assert_pool, chunks, reset_pool, transfer_id
@@ -57,7 +59,7 @@ def test_push_is_byte_exact_over_random_blocks(order: str, producer: WorkerProce
     first()
     second()
     for tid, dst in zip(ids, targets, strict=True):
-        assert consumer.result(tid) == ("result", tid, 1, True, tuple(dst), "")
+        assert consumer.result(tid) == ("result", tid, 1, True, tuple(dst), AbortReason.UNSPECIFIED)
         producer.freed(tid)
         assert producer.report(tid)[3] is True
     assert_pool(consumer, [Landed(s, len(d), d) for s, d in zip(seeds, targets, strict=True)])
@@ -81,7 +83,7 @@ def test_pull_is_byte_exact(producer: WorkerProcess, consumer: WorkerProcess) ->
     producer.call("fill", 123, src)
     assert consumer.call("register", tid, dst, 1, True) == "TARGETED"
     producer.call("ready", tid, src, True)
-    assert consumer.result(tid) == ("result", tid, 1, True, tuple(dst), "")
+    assert consumer.result(tid) == ("result", tid, 1, True, tuple(dst), AbortReason.UNSPECIFIED)
     producer.freed(tid)  # once the consumer committed
     assert_pool(consumer, [Landed(123, len(src), dst)])
 
@@ -92,10 +94,10 @@ def test_reregistered_target_fences_the_old_blocks(producer: WorkerProcess, cons
     assert producer.call("claim", tid) == "MATCHED"  # generation 1 is assigned; its source is not ready
     consumer.call("register", tid, new, 2)
     # The producer acknowledged the revocation: only now are the old blocks reported free.
-    assert consumer.result(tid) == ("result", tid, 1, False, tuple(old), "REVOKED")
+    assert consumer.result(tid) == ("result", tid, 1, False, tuple(old), AgentReason.REVOKED)
     producer.call("fill", 9, src)
     producer.call("ready", tid, src)
-    assert consumer.result(tid) == ("result", tid, 2, True, tuple(new), "")
+    assert consumer.result(tid) == ("result", tid, 2, True, tuple(new), AbortReason.UNSPECIFIED)
     producer.freed(tid)
     assert_pool(consumer, [Landed(9, len(src), new)])  # not a byte in the old blocks
 
@@ -105,7 +107,7 @@ def test_consumer_abort_frees_both_sides(producer: WorkerProcess, consumer: Work
     consumer.call("register", tid, [8, 9])
     producer.call("claim", tid)
     consumer.call("abort", tid)
-    assert consumer.result(tid) == ("result", tid, 1, False, (8, 9), "REQUESTED")
+    assert consumer.result(tid) == ("result", tid, 1, False, (8, 9), AbortReason.REQUESTED)
     producer.call("fill", 3, [20, 21])
     producer.call("ready", tid, [20, 21])
     producer.freed(tid)

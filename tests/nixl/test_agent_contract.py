@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from clients import AbortSpec, AsyncRendezvousClient, KvLayout, TransferState
+from clients import AbortSpec, AsyncRendezvousClient, KvLayout, Reason, TransferState
 from clients.nixl.consumer import ConsumerAgent
 from clients.nixl.producer import ProducerAgent
+from clients.nixl.rank import RankOptions
 from clients.testing import TEST_LAYOUT
 from tests.clients.conftest import WAIT, client, server
 
 __all__ = ["client", "server"]
 
 
+@pytest.mark.parametrize("agent", [ConsumerAgent, ProducerAgent])
 @pytest.mark.parametrize(
     "layout",
     [None, KvLayout(), KvLayout(model_fingerprint="", num_layers=2), KvLayout(model_fingerprint="m", num_layers=0)],
 )
-async def test_a_consumer_without_a_stated_layout_is_refused_at_construction(
-    client: AsyncRendezvousClient, layout: KvLayout | None
+async def test_an_agent_without_a_stated_layout_is_refused_at_construction(
+    client: AsyncRendezvousClient, agent: type[ConsumerAgent | ProducerAgent], layout: KvLayout | None
 ) -> None:
-    with pytest.raises(ValueError, match="model_fingerprint and num_layers"):
-        ConsumerAgent(client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=layout)
+    with pytest.raises(ValueError, match=f"{agent.__name__} needs .* model_fingerprint and num_layers"):
+        agent(client, "e0", "pool", [torch.zeros(8, 256, dtype=torch.uint8)], layout=layout)
 
 
 async def test_ready_for_a_transfer_never_claimed_is_refused(client: AsyncRendezvousClient) -> None:
@@ -98,3 +103,32 @@ async def test_every_callback_runs_on_the_agents_event_loop(client: AsyncRendezv
         await producer.close()
         await consumer.close()
     assert threads == [threading.get_ident()] * 3  # the loop's thread, never the writer's or the receiver's
+
+
+async def test_the_agents_abort_returns_a_refused_item_rather_than_raising(client: AsyncRendezvousClient) -> None:
+    """Item calls return their errors, session calls raise (docs/architecture.md): `abort` is an item call."""
+    tensors = [torch.ones(8, 256, dtype=torch.uint8)]
+    producer = ProducerAgent(client, "p0", "prefill", tensors, layout=TEST_LAYOUT)
+    consumer = ConsumerAgent(client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)
+    await producer.start()
+    await consumer.start()
+    try:
+        for agent in (producer, consumer):
+            refused = await agent.abort("not an id", "whitespace is refused")
+            assert not refused.ok and refused.error is not None and refused.error.reason == Reason.ID_INVALID
+        assert (await producer.abort("t1")).ok  # an unknown id: aborted (a tombstone tells a late half)
+    finally:
+        await consumer.close()
+        await producer.close()
+
+
+def test_every_agent_option_is_in_the_architecture_options_table() -> None:
+    """Options found only by introspection were a footgun (issue 29): each keyword an agent takes has a row."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    first_cells = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    documented = {name for cell in first_cells for name in re.findall(r"`(\w+)`", cell)}
+    keywords = set(RankOptions.__annotations__)
+    for agent in (ProducerAgent, ConsumerAgent):
+        parameters = inspect.signature(agent.__init__).parameters.values()
+        keywords |= {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords - documented == set()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from clients import AsyncRendezvousClient, DeadlineExceeded, TransferState
+from clients import AbortReason, AsyncRendezvousClient, DeadlineExceeded, TransferState
 from clients.testing import TEST_LAYOUT, start_test_server
 from tests.clients.conftest import WAIT, client_config
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
@@ -99,7 +99,7 @@ async def test_a_registration_that_timed_out_twice_is_aborted_before_its_blocks_
         result = await consumer.register_target("t1", [2, 3])
         assert result.state is TransferState.ABORTED and isinstance(result.error, DeadlineExceeded)
         failed = await asyncio.wait_for(arrived, WAIT)
-        assert not failed.ok and failed.reason == "REQUESTED" and failed.block_ids == (2, 3)
+        assert not failed.ok and failed.reason is AbortReason.REQUESTED and failed.block_ids == (2, 3)
         assert not consumer.awaiting_result("t1")
         info = await client.get_transfer("t1")  # the abort ended it, or the registration never stood
         assert info.state is TransferState.ABORTED or info.consumer_engine_id == ""  # either way no write can land

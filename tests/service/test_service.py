@@ -154,6 +154,15 @@ async def test_keepalive_stream_renews_and_rejects_a_stale_incarnation(stub: Stu
     assert error_info(caught.value).reason == "STALE_INCARNATION"
 
 
+async def test_keepalive_of_an_engine_the_server_does_not_know_ends_with_engine_not_found(stub: Stub) -> None:
+    stream = stub.KeepAlive()
+    await stream.write(pb.KeepAliveRequest(engine_id="never-registered", incarnation=1))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_info(caught.value).reason == "ENGINE_NOT_FOUND"
+
+
 async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(stub: Stub, server: RendezvousServer) -> None:
     d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
     p = await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))

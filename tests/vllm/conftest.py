@@ -212,7 +212,7 @@ def router(
     engines: tuple[Engine, Engine, Engine], rendezvous: TestServer, engine_logs: Path
 ) -> Iterator[RouterProcess]:
     """The reference router in front of the 1P1D pair."""
-    args = ["--rendezvous", rendezvous.address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
+    args = ["--address", rendezvous.address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
     with running_router(engine_logs, args) as process:
         yield process
 

@@ -45,7 +45,7 @@ def router_2p2d(
     rendezvous: TestServer,
     engine_logs: Path,
 ) -> Iterator[RouterProcess]:
-    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill,prefill-b:decode,decode-b"]
+    args = ["--address", rendezvous.address, "--route", "tiny:prefill,prefill-b:decode,decode-b"]
     args += ["--policy", "least-loaded", "--refresh-interval", "0.2"]
     with running_router(engine_logs, args, "router-2p2d") as router:
         yield router
@@ -81,7 +81,7 @@ def test_2p2d_routes_a_pool_pinned_model(
     """A router whose route names only the second pair sends nothing to the first."""
     prefill, decode, reference = engines
     before = [e.finished_requests() for e in (prefill, decode)]
-    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill-b:decode-b"]
+    args = ["--address", rendezvous.address, "--route", "tiny:prefill-b:decode-b"]
     prompt = token_prompt(3 * BLOCK_SIZE + 1, seed=12200)
     with running_router(engine_logs, args, "router-pinned") as router:
         texts = [router.complete(prompt, MAX_TOKENS)["choices"][0]["text"] for _ in range(3)]

@@ -114,7 +114,7 @@ def test_legs_without_this_pairs_binding_are_refused(
 def signing_router(
     bound_pair: tuple[Engine, Engine], bound_rendezvous: TestServer, key_file: Path, engine_logs: Path
 ) -> Iterator[RouterProcess]:
-    args = ["--rendezvous", bound_rendezvous.address, "--prefill-pool", PREFILL, "--decode-pool", DECODE]
+    args = ["--address", bound_rendezvous.address, "--prefill-pool", PREFILL, "--decode-pool", DECODE]
     with running_router(engine_logs, [*args, "--binding-key-file", str(key_file)], name="router-bound") as router:
         yield router
 

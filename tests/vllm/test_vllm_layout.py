@@ -65,7 +65,7 @@ def test_through_the_router_bigger_decode_blocks_answer_as_a_plain_engine(
     engines: tuple[Engine, Engine, Engine], big_block_decode: Engine, rendezvous: TestServer, engine_logs: Path
 ) -> None:
     prefill, _, reference = engines
-    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-big-blocks"]
+    args = ["--address", rendezvous.address, "--route", "tiny:prefill:decode-big-blocks"]
     with running_router(engine_logs, args, "router-big-blocks") as router:
         for length in (9, 3 * OTHER_BLOCK_SIZE + 2):
             prompt = token_prompt(length, seed=13300 + length)
@@ -77,7 +77,7 @@ def test_through_the_router_bigger_decode_blocks_answer_as_a_plain_engine(
 def test_the_router_refuses_a_pair_with_different_layouts(
     engines: tuple[Engine, Engine, Engine], bf16_decode: Engine, rendezvous: TestServer, engine_logs: Path
 ) -> None:
-    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill:decode-bf16"]
+    args = ["--address", rendezvous.address, "--route", "tiny:prefill:decode-bf16"]
     with running_router(engine_logs, args, "router-layout") as router, pytest.raises(urllib.error.HTTPError) as error:
         router.complete(token_prompt(40, seed=13000), 8)
     assert error.value.code == 503

@@ -134,7 +134,7 @@ def test_through_the_router_chunked_prompts_answer_as_a_plain_engine(
 ) -> None:
     _, _, reference = engines
     prefill, decode = progressive_pair
-    args = ["--rendezvous", rendezvous.address, "--route", "tiny:prefill-chunked:decode-parts"]
+    args = ["--address", rendezvous.address, "--route", "tiny:prefill-chunked:decode-parts"]
     with running_router(engine_logs, args, "router-progressive") as router:
         for length in (3 * CHUNK + 9, 7 * CHUNK):
             prompt = token_prompt(length, seed=16300 + length)

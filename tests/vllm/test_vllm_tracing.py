@@ -62,7 +62,7 @@ def traced_router(
             port = free_port()
             config = connector_config(role, rendezvous.address, name, port)
             engines.append(start_engine(name, tiny_model, engine_logs, port, config, env=env))
-        args = ["--rendezvous", rendezvous.address, "--prefill-pool", pools[0], "--decode-pool", pools[1]]
+        args = ["--address", rendezvous.address, "--prefill-pool", pools[0], "--decode-pool", pools[1]]
         router = start_router(engine_logs, free_port(), args, "traced-router", env)
         wait_healthy([*engines, router])
         warm_up(rendezvous, engines)

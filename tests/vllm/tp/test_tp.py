@@ -75,7 +75,7 @@ def test_through_the_router_greedy_output_matches_a_plain_engine(
     pair: str,
 ) -> None:
     reference = engines[2]
-    args = ["--rendezvous", rendezvous.address, "--route", ROUTES[pair]]
+    args = ["--address", rendezvous.address, "--route", ROUTES[pair]]
     with running_router(engine_logs, args, f"router-tp-{pair.replace('->', '-')}") as router:
         for prompt in PROMPTS:
             text = router.complete(prompt, 16)["choices"][0]["text"]
