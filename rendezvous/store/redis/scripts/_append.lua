@@ -82,7 +82,9 @@ local function append(eid, payload, peer, maxlen, maxbytes, max_owner_bytes, max
   local bytes = redis.call('HINCRBY', ek, 'b', size)
   count_event_bytes(owner, size)
   local count = redis.call('XLEN', sk)
-  if count == 1 then
+  if not redis.call('ZSCORE', P .. 'eo', eid) then
+    -- A new (or emptied) stream, or one written before these bounds: count what it held before this event.
+    count_event_bytes(owner, bytes - size)
     list_oldest(eid, owner)
   end
   local most, limit = tonumber(maxlen), tonumber(maxbytes)
