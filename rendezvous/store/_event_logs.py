@@ -83,10 +83,6 @@ class EventLogs:
     def get(self, engine_id: str) -> EventLog | None:
         return self._logs.get(engine_id)
 
-    def owner_bytes(self, owner: str) -> int:
-        """The bytes of the logs of an owner's engines."""
-        return self._owner_bytes.get(owner, 0)
-
     def open(self, engine_id: str, owner: str) -> None:
         """Make an engine's log if it has none; charge its bytes to `owner` (an engine re-registered by another)."""
         log = self._logs.get(engine_id)
