@@ -5,7 +5,8 @@ engine of its own, send ClaimTransfer batches (64 re-claims of the same ids: rea
 growth) from h2load (nghttp2-client), which offers HTTP/2 gRPC calls far faster than the server can answer at
 little CPU of its own. First a closed-loop phase measures what the server serves (capacity, calls/s), a second
 one what is left of it beside the others' paced load (below; the most the flood can be admitted); then each
-phase offers 1x, 2x and 5x the capacity, while, side by side in the same phase:
+phase offers 1x, 2x and 5x the capacity (h2load's streams scaled with the multiple, so that the excess reaches
+the server instead of waiting in the client for a free stream), while, side by side in the same phase:
 
   others   a consumer and a producer engine (their own identities) run paced lifecycles (RegisterTarget,
            ClaimTransfer, TRANSFER_ASSIGNED, CompleteTransfer, TRANSFER_COMMITTED, ReleaseTarget) and a
@@ -17,9 +18,12 @@ phase offers 1x, 2x and 5x the capacity, while, side by side in the same phase:
   health   a prober asks grpc.health.v1 on the health port (and on the serving port) every 100 ms with a
            1 s timeout
   memory   the server's RSS, sampled every 100 ms
+  sampler  one more call of a flood identity every 50 ms, from a client that reads the answer: whether a
+           refusal carries a retry hint (h2load does not say)
 
 The flood's calls are counted by the server (its /metrics, by status code): `admitted` is every call that
-was answered by the service, `shed` every RESOURCE_EXHAUSTED. No transfer of the others may be lost: each
+was answered by the service (not refused, nor cancelled by h2load as it ends), `shed` every RESOURCE_EXHAUSTED,
+both per second of the flood's own phase. No transfer of the others may be lost: each
 lifecycle ends released, or its error is counted.
 
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
@@ -35,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -68,6 +73,10 @@ FLOODERS = 4
 FLOOD_BATCH = 64
 GOOD_RATE = 100.0  # the others' lifecycles per second
 ROUTER_RATE = 20.0  # the router's GetStatus per second
+STREAMS = 16
+"""Streams per h2load connection at 1x (4 connections per flood identity): at 5x, 80, so an identity's 320 calls
+in flight pass what the server lets it have in progress and waiting (32 + --max-waiting-calls, 256)."""
+SAMPLE_INTERVAL_S = 0.05
 
 
 def token(name: str) -> str:
@@ -168,9 +177,14 @@ async def register_flooders(address: str) -> list[bytes]:
     return bodies
 
 
-def h2load(address: str, name: str, body: Path, seconds: float, rate: float | None) -> subprocess.Popen[str]:
-    """One flood identity: 4 connections of 16 streams each, closed loop, or `rate` calls/s in all."""
+def h2load(
+    address: str, name: str, body: Path, seconds: float, rate: float | None, factor: float = 1.0
+) -> subprocess.Popen[str]:
+    """One flood identity: 4 connections of 16 streams each, closed loop, or `rate` calls/s in all with the
+    streams scaled with the offered multiple (`factor`): h2load waits for a free stream, so with the same
+    streams at every multiple the excess would wait in the client; scaled, it reaches the server."""
     clients = 4
+    streams = math.ceil(STREAMS * max(factor, 1.0))
     command = [
         "h2load",
         f"http://{address}/rendezvous.v1.RendezvousService/ClaimTransfer",
@@ -185,7 +199,7 @@ def h2load(address: str, name: str, body: Path, seconds: float, rate: float | No
         "-c",
         str(clients),
         "-m",
-        "16",
+        str(streams),
         "-D",
         str(round(seconds)),
     ]
@@ -419,6 +433,24 @@ def heavy_main(address: str, stop: Any, max_bytes: int, out: Any) -> None:
     out.put(asyncio.run(run_heavy(address, stop, max_bytes)))
 
 
+def sample_flood(address: str, body: bytes, until: float, out: dict[str, Any]) -> None:
+    """A flood identity's call every SAMPLE_INTERVAL_S, read by a client that sees its answer (h2load does not):
+    whether a refusal carries a retry hint (google.rpc.RetryInfo). Its calls queue with that identity's flood."""
+    codes: Counter[str] = Counter()
+    with grpc.insecure_channel(address) as channel:
+        claim = channel.unary_unary("/rendezvous.v1.RendezvousService/ClaimTransfer")
+        while time.monotonic() < until:
+            try:
+                claim(body, metadata=credentials("flood-0"), timeout=10)
+                codes["OK"] += 1
+            except grpc.RpcError as err:
+                error = from_rpc_error(err)
+                hint = " with retry hint" if error.retry_after is not None else " without retry hint"
+                codes[error.code.name + (hint if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "")] += 1
+            time.sleep(SAMPLE_INTERVAL_S)
+    out.update(codes)
+
+
 # Health and memory, from threads of their own.
 
 
@@ -448,7 +480,14 @@ def sample_rss(pid: int, stop: threading.Event, out: dict[str, Any]) -> None:
 
 
 def phase(
-    server: Server, bodies: list[Path], seconds: float, rate: float | None, heavy_bytes: int, run: str, others_too: bool
+    server: Server,
+    bodies: list[Path],
+    seconds: float,
+    rate: float | None,
+    heavy_bytes: int,
+    run: str,
+    others_too: bool,
+    factor: float = 1.0,
 ) -> dict[str, Any]:
     """One phase: the flood at `rate` calls/s in all (None: closed loop), the others (if others_too), heavy (if
     heavy_bytes), probes."""
@@ -458,15 +497,21 @@ def phase(
     health: dict[str, Any] = {}
     serving_health: dict[str, Any] = {}
     memory: dict[str, Any] = {}
+    sampled: dict[str, Any] = {}
     threads = [
         threading.Thread(target=probe_health, args=(server.health, stop, health)),
         threading.Thread(target=probe_health, args=(server.address, stop, serving_health)),
         threading.Thread(target=sample_rss, args=(server.proc.pid, stop, memory)),
     ]
+    if rate is not None:
+        body = bodies[0].read_bytes()[5:]  # the message, without its gRPC frame header
+        threads.append(
+            threading.Thread(target=sample_flood, args=(server.address, body, time.monotonic() + seconds, sampled))
+        )
     for t in threads:
         t.start()
     floods = [
-        h2load(server.address, f"flood-{i}", body, seconds, None if rate is None else rate / len(bodies))
+        h2load(server.address, f"flood-{i}", body, seconds, None if rate is None else rate / len(bodies), factor)
         for i, body in enumerate(bodies)
     ]
     began = time.monotonic()
@@ -483,8 +528,7 @@ def phase(
         if heavy_bytes:
             heavy = heavy_out.get(timeout=120)
             heavy_process.join(timeout=30)
-    for flood in floods:
-        flood.communicate(timeout=seconds + 120)
+    clients_saw = [flood.communicate(timeout=seconds + 120)[0] for flood in floods]
     elapsed = time.monotonic() - began
     stop.set()
     for t in threads:
@@ -495,14 +539,20 @@ def phase(
     flood_codes = {code: n for (method, code), n in delta.items() if method == "ClaimTransfer"}
     rejected = {reason: n for (method, reason), n in delta.items() if method == "REJECTED"}
     shed = flood_codes.get("RESOURCE_EXHAUSTED", 0)
-    admitted = sum(n for code, n in flood_codes.items() if code != "RESOURCE_EXHAUSTED")
+    # Answered by the service: not refused, nor given up by the client (h2load cancels what is in flight as it ends).
+    admitted = sum(n for code, n in flood_codes.items() if code not in ("RESOURCE_EXHAUSTED", "CANCELLED"))
     result: dict[str, Any] = {
         "offered_calls_per_s": rate,
         "seconds": elapsed,
-        "flood_admitted_per_s": admitted / elapsed,
-        "flood_shed_per_s": shed / elapsed,
+        # Over the flood's own seconds: the phase lasts longer while the others' last lifecycles end.
+        "flood_admitted_per_s": admitted / seconds,
+        "flood_shed_per_s": shed / seconds,
         "flood_codes": flood_codes,
         "rejected_before_service": rejected,
+        "flood_sampled": sampled,
+        "h2load_requests": [
+            next((ln.strip() for ln in out.splitlines() if ln.startswith("requests:")), "") for out in clients_saw
+        ],
         "server_cpu_util": cpu / elapsed,
         "health_port": health,
         "serving_port_health": serving_health,
@@ -540,7 +590,14 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         phases = []
         for factor in args.factors:
             result = phase(
-                server, bodies, args.seconds, factor * calls_per_s, args.heavy_bytes, f"x{factor:g}", others_too=True
+                server,
+                bodies,
+                args.seconds,
+                factor * calls_per_s,
+                args.heavy_bytes,
+                f"x{factor:g}",
+                others_too=True,
+                factor=factor,
             )
             result["factor"] = factor
             result["of_capacity"] = result["flood_admitted_per_s"] / calls_per_s
@@ -567,7 +624,8 @@ def report(store: str, r: dict[str, Any]) -> None:
     print(
         f"{store_name(store):>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s "
         f"({r['of_capacity']:.0%} of capacity, {r['of_capacity_beside_others']:.0%} beside the others), shed "
-        f"{r['flood_shed_per_s']:,.0f}/s; others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
+        f"{r['flood_shed_per_s']:,.0f}/s {r['rejected_before_service']}, sampled {r['flood_sampled']}; "
+        f"others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
         f"p50 {o['lifecycle_p50_ms']:.1f} ms p99 {o['lifecycle_p99_ms']:.1f} ms, "
         f"router p99 {o['router_p99_ms']:.1f} ms, "
         f"errors {o['errors'] or 'none'}; health failures {r['health_port']['failures']}/{r['health_port']['probes']} "

@@ -53,6 +53,12 @@ class Limits:
     """The bytes an engine's event log may hold (an event: its transfer's block ids and its peer's agent metadata
     and labels; the Redis store counts the stored text); past it the oldest events go and a watcher behind them
     resyncs. The newest event always stays, whatever its size."""
+    max_event_bytes_per_identity: int = 256 << 20
+    """The bytes the event logs of one identity's engines may hold together (4 engines at the per-engine bound:
+    without it an identity's 1,000 engines could hold 64 GiB); past it that identity's oldest events go first."""
+    max_event_bytes_total: int = 1 << 30
+    """The bytes all event logs may hold (the agent metadata budget's size, docs/security.md, "Threat model:
+    memory"); past it the oldest events of the server go first."""
     max_watchers_per_engine: int = 16
     max_watch_buffer_bytes: int = 128 << 20
     """The bytes of Watch responses their readers have not taken, over the server's streams; past it the

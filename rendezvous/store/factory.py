@@ -17,6 +17,8 @@ def create_store(url: str, limits: Limits, clock: Callable[[], float] | None = N
     bounds = {
         "max_events_per_engine": limits.max_events_per_engine,
         "max_event_bytes_per_engine": limits.max_event_bytes_per_engine,
+        "max_event_bytes_per_identity": limits.max_event_bytes_per_identity,
+        "max_event_bytes_total": limits.max_event_bytes_total,
         "max_answers_bytes": limits.max_answers_bytes,
         "max_answers_bytes_per_identity": limits.max_answers_bytes_per_identity,
     }

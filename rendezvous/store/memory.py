@@ -10,15 +10,16 @@ import asyncio
 import heapq
 import secrets
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from rendezvous.core import budget
 from rendezvous.core.limits import Limits
-from rendezvous.core.model import Addressed, Engine, Event, State, Transfer, evolve
+from rendezvous.core.model import Addressed, Engine, State, Transfer, evolve
 from rendezvous.core.transfers import Transition
 from rendezvous.store._answers import Answers
+from rendezvous.store._event_logs import EventLogs
 from rendezvous.store._sorted import SortedIds
 from rendezvous.store.base import EngineFilter, EngineFn, EventPage, Store, StoreCounts, TransferFn
 from rendezvous.store.credits import CreditStore, MemoryCredits
@@ -26,64 +27,8 @@ from rendezvous.store.credits import CreditStore, MemoryCredits
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
 
-def event_bytes(event: Event[Transfer, Engine]) -> int:
-    """What an event kept in a log is counted as (an upper estimate, as if nothing it names were shared):
-    its fixed part, the block ids of its transfer and the agent metadata and labels of its peer."""
-    size = _EVENT_BYTES
-    t = event.transfer
-    if t is not None:
-        size += _BLOCK_ID_BYTES * (len(t.target_block_ids) + len(t.source_block_ids or ()))
-    peer = event.peer
-    if peer is not None:
-        size += sum(len(a.metadata) for a in peer.agents)
-        size += sum(len(k) + len(v) for k, v in peer.labels.items())
-    return size
-
-
-_EVENT_BYTES = 512
-"""An event's own objects, its transfer's and its peer's (records, ids, tuples), before block ids and metadata."""
-_BLOCK_ID_BYTES = 48
-"""A block id in a tuple (a pointer and an int object; rendezvous.core.limits measures 40-48)."""
-
-
-class _EventLog:
-    """One engine's event log, bounded in events and in bytes (`event_bytes`), and the waiters for its next event.
-
-    Events are kept as the core made them: an event's revision follows from its place in the log (the
-    oldest kept is last_revision - len(events) + 1), so it is set when the event is read, not stored.
-    Past a bound the oldest go (a reader behind them resyncs); the newest event always stays."""
-
-    def __init__(self, capacity: int, max_bytes: int) -> None:
-        self.events: deque[Event[Transfer, Engine]] = deque()
-        self._sizes: deque[int] = deque()
-        self.bytes = 0
-        self._capacity = capacity
-        self._max_bytes = max_bytes
-        self.last_revision = 0
-        self._changed: asyncio.Event | None = None  # made by the first waiter, set by the next append
-
-    def append(self, event: Event[Transfer, Engine]) -> None:
-        self.last_revision += 1
-        size = event_bytes(event)
-        self.events.append(event)
-        self._sizes.append(size)
-        self.bytes += size
-        while len(self.events) > 1 and (len(self.events) > self._capacity or self.bytes > self._max_bytes):
-            self.events.popleft()
-            self.bytes -= self._sizes.popleft()
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    def changed(self) -> asyncio.Event:
-        """Set once the next event is appended."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
-
 class MemoryStore(Store):
-    """Dicts, id-ordered indexes, a deadline heap and bounded per-engine deques."""
+    """Dicts, id-ordered indexes, a deadline heap and bounded event logs (rendezvous.store._event_logs)."""
 
     name = "memory"
 
@@ -91,6 +36,8 @@ class MemoryStore(Store):
         self,
         max_events_per_engine: int = 100_000,
         max_event_bytes_per_engine: int = 64 << 20,
+        max_event_bytes_per_identity: int = 256 << 20,
+        max_event_bytes_total: int = 1 << 30,
         max_answers_bytes: int = 256 << 20,
         max_answers_bytes_per_identity: int = 32 << 20,
         limits: Limits | None = None,
@@ -112,9 +59,9 @@ class MemoryStore(Store):
         self._live_ids = SortedIds()
         self._ids_by_engine: dict[str, SortedIds] = {}
         self._deadlines: list[tuple[float, str]] = []
-        self._logs: dict[str, _EventLog] = {}
-        self._max_events = max_events_per_engine
-        self._max_event_bytes = max_event_bytes_per_engine
+        self._logs = EventLogs(
+            max_events_per_engine, max_event_bytes_per_engine, max_event_bytes_per_identity, max_event_bytes_total
+        )
         self._answers = Answers(max_answers_bytes, max_answers_bytes_per_identity)
         # The memory budget's tallies (rendezvous.core.budget), as plain counters: what each record charges
         # (kept, so that a change takes back exactly that, from the owner it charged), and the sums, over all
@@ -164,12 +111,11 @@ class MemoryStore(Store):
         if new is None:
             self._engines.pop(engine_id, None)
             self._engine_ids.discard(engine_id)
-            self._logs.pop(engine_id, None)
+            self._logs.drop(engine_id)
             return None
         self._engines[engine_id] = new
         self._engine_ids.add(engine_id)
-        if engine_id not in self._logs:
-            self._logs[engine_id] = _EventLog(self._max_events, self._max_event_bytes)
+        self._logs.open(engine_id, new.owner)
         return new
 
     async def lapse_candidates(self, now: float, tombstone_ttl: float) -> list[Engine]:
@@ -388,9 +334,7 @@ class MemoryStore(Store):
 
     def _append(self, events: Sequence[Addressed]) -> None:
         for addressed in events:
-            log = self._logs.get(addressed.engine_id)
-            if log is not None:
-                log.append(addressed.event)
+            self._logs.append(addressed.engine_id, addressed.event)
 
     async def append_events(self, events: Sequence[Addressed]) -> None:
         self._revision += 1

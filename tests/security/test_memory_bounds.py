@@ -4,7 +4,9 @@ over gRPC with the memory and the Redis store.
 - The idempotency cache keeps a digest of the request and a slim answer (a RegisterEngine answer without the
   agent metadata, regions and labels its request repeats), bounded in bytes over the server and per identity;
   a request_id reused for another request is refused (REQUEST_ID_REUSED).
-- An engine's event log is bounded in bytes (`max_event_bytes_per_engine`); a watcher behind it resyncs.
+- An engine's event log is bounded in bytes (`max_event_bytes_per_engine`); a watcher behind it resyncs. So are
+  the logs of an identity's engines together (`max_event_bytes_per_identity`) and all of them
+  (`max_event_bytes_total`), each trimming its oldest events first.
 - A tombstone keeps no labels.
 - Registrations in flight together on one server cannot pass the agent metadata budget between them, nor
   target batches in flight together the live-block budget (memory store; Redis checks it in its script).
@@ -142,6 +144,65 @@ async def test_an_event_log_is_bounded_in_bytes_and_its_watcher_resyncs(store_ur
         responses = [await stream.read() for _ in range(2)]
         stream.cancel()
         assert responses[1].resync_required
+
+
+async def _assign_rounds(c: Client, consumer: str, producers: list[str], blocks: int, rounds: int) -> None:
+    """Rounds of: the consumer registers a target of `blocks` block ids, the next producer claims it (a
+    TRANSFER_ASSIGNED to the producer with the block ids and the consumer's record), the consumer aborts it."""
+    who = consumer.split("-")[0]
+    d = (await c.call("RegisterEngine", _engine(consumer, blocks, consumer=True), who)).engine
+    engines = [(await c.call("RegisterEngine", _engine(p, blocks, consumer=False), "p0")).engine for p in producers]
+    for n in range(rounds):
+        tid = f"{consumer}-t{n}"
+        producer = engines[n % len(engines)]
+        await c.target(d, tid, blocks, who)
+        claim = pb.ClaimTransferRequest(engine_id=producer.engine_id, incarnation=producer.incarnation)
+        claim.claims.add(transfer_id=tid)
+        await c.call("ClaimTransfer", claim, "p0")
+        abort = pb.AbortTransferRequest(engine_id=d.engine_id, incarnation=d.incarnation)
+        abort.aborts.add(transfer_id=tid, message="again")
+        await c.call("AbortTransfer", abort, who)
+
+
+async def _watch_first(c: Client, engine_id: str, who: str) -> pb.WatchResponse:
+    """What a watcher from revision 1 hears after the snapshot: events from 1, or resync_required."""
+    stream = c.stub.Watch(pb.WatchRequest(engine_id=engine_id, start_revision=1), metadata=_auth(who), timeout=10)
+    responses: list[pb.WatchResponse] = [await stream.read() for _ in range(2)]
+    stream.cancel()
+    return responses[1]
+
+
+async def test_an_identitys_event_logs_are_bounded_together_oldest_first(store_url: str, tmp_path: Path) -> None:
+    # Each of p0's 4 engines stays under its own bound (64 MiB); together they would pass p0's (Redis: 48 events
+    # of about 6 KiB, memory: of about 50 KiB).
+    limits = Limits(max_event_bytes_per_identity=128 << 10, max_blocks_per_target=4_096)
+    async with client(store_url, tmp_path, limits) as c:
+        store = c.server.store
+        producers = [f"p0-{i}" for i in range(4)]
+        await _assign_rounds(c, "d0-0", producers, 1_024, 48)
+        sizes = [await store.event_log_bytes(p) for p in producers]
+        assert sum(sizes) <= 128 << 10 and sizes[3] > 0
+        # The oldest of p0's events went first (p0-0's first TRANSFER_ASSIGNED): its watcher resyncs; the newest
+        # stays: p0-3's last event is the newest of the identity.
+        assert (await _watch_first(c, "p0-0", "p0")).resync_required
+        # Another identity's log is not p0's to trim: d0's consumer still has every event from revision 1.
+        first = await _watch_first(c, "d0-0", "d0")
+        assert not first.resync_required and first.events[0].revision == 1
+        assert await c.serving()
+
+
+async def test_all_event_logs_are_bounded_over_the_server_oldest_first(store_url: str, tmp_path: Path) -> None:
+    limits = Limits(max_event_bytes_total=320 << 10, max_blocks_per_target=4_096)
+    async with client(store_url, tmp_path, limits) as c:
+        store = c.server.store
+        await _assign_rounds(c, "d0-0", ["p0-0"], 4_096, 16)  # the oldest events of the server
+        await _assign_rounds(c, "d1-0", ["p0-1"], 4_096, 16)
+        engines = ["d0-0", "p0-0", "d1-0", "p0-1"]
+        sizes = [await store.event_log_bytes(e) for e in engines]
+        assert sum(sizes) <= 320 << 10 and sizes[3] > 0
+        # The server's oldest events (d0's rounds, on p0-0) went first; the newest log keeps its latest event.
+        assert (await _watch_first(c, "p0-0", "p0")).resync_required
+        assert await c.serving()
 
 
 def _engine(engine_id: str, blocks: int, consumer: bool) -> pb.RegisterEngineRequest:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from rendezvous.core.limits import Limits
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store.redis import RedisStore
 from tests.redis_fixtures import (
@@ -41,12 +42,25 @@ async def make_store(backend: str, request: pytest.FixtureRequest) -> AsyncItera
     elif backend == "cluster":
         url = with_prefix(request.getfixturevalue("redis_cluster").url, fresh_prefix())
 
-    async def make(max_events_per_engine: int = 100_000) -> Store:
+    async def make(
+        max_events_per_engine: int = 100_000,
+        max_event_bytes_per_identity: int = Limits.max_event_bytes_per_identity,
+        max_event_bytes_total: int = Limits.max_event_bytes_total,
+    ) -> Store:
         store: Store
         if backend == "memory":
-            store = MemoryStore(max_events_per_engine=max_events_per_engine)
+            store = MemoryStore(
+                max_events_per_engine=max_events_per_engine,
+                max_event_bytes_per_identity=max_event_bytes_per_identity,
+                max_event_bytes_total=max_event_bytes_total,
+            )
         else:
-            store = RedisStore(url, max_events_per_engine=max_events_per_engine)
+            store = RedisStore(
+                url,
+                max_events_per_engine=max_events_per_engine,
+                max_event_bytes_per_identity=max_event_bytes_per_identity,
+                max_event_bytes_total=max_event_bytes_total,
+            )
         await store.open()
         opened.append(store)
         return store

@@ -665,6 +665,26 @@ async def test_deleting_an_engine_drops_its_log(store: Store) -> None:
     assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1]
 
 
+async def test_a_deleted_or_reowned_engines_log_leaves_the_bounds_it_counted_in(make_store: StoreFactory) -> None:
+    probe = await make_store()
+    await put_engine(probe, make_engine("u"))
+    await probe.append_events([note("u")])
+    size = await probe.event_log_bytes("u")  # one such event, as this store counts it
+    store = await make_store(max_event_bytes_per_identity=3 * size, max_event_bytes_total=4 * size)
+    for engine_id in ("a", "b", "c"):
+        await put_engine(store, replace(make_engine(engine_id), owner="A"))
+    await store.append_events([note("a"), note("a"), note("b")])  # A's 3: at its bound
+    await store.update_engine("a", lambda _cur: None)  # deleted: its 2 leave A's count and the server's
+    await put_engine(store, replace(make_engine("b", now=NOW + 1), owner="B"))  # b's 1 moves from A to B
+    await store.append_events([note("c"), note("c"), note("c")])  # A's 3 again, 4 in all: nothing trimmed
+    assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3]
+    assert [e.revision for e in (await store.read_events("b", 1, 10)).events] == [1]
+    await store.append_events([note("b")])  # 5 over the server's 4: only the oldest of all (b's first) goes
+    assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3]
+    assert (await store.read_events("b", 1, 10)).resync_revision is not None
+    assert [e.revision for e in (await store.read_events("b", 2, 10)).events] == [2]
+
+
 async def test_wait_events_returns_once_the_log_passes_the_revision(store: Store) -> None:
     await put_engine(store, make_engine("c"))
     await store.append_events([note("c")])

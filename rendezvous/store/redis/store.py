@@ -147,6 +147,8 @@ class RedisStore(Store):
         max_events_per_engine: int = 100_000,
         limits: Limits | None = None,
         max_event_bytes_per_engine: int = 64 << 20,
+        max_event_bytes_per_identity: int = 256 << 20,
+        max_event_bytes_total: int = 1 << 30,
         max_answers_bytes: int = 256 << 20,
         max_answers_bytes_per_identity: int = 32 << 20,
     ) -> None:
@@ -157,6 +159,8 @@ class RedisStore(Store):
         self.options = self.target.options
         self._max_events = max_events_per_engine
         self._max_event_bytes = max_event_bytes_per_engine
+        self._max_owner_event_bytes = max_event_bytes_per_identity
+        self._max_total_event_bytes = max_event_bytes_total
         self._max_answers_bytes = max_answers_bytes
         self._max_answers_bytes_per_identity = max_answers_bytes_per_identity
         self._prefix = "{" + self.options.prefix + "}:"
@@ -499,6 +503,8 @@ class RedisStore(Store):
             guard=self._epoch.guard,
             max_events=self._max_events,
             max_event_bytes=self._max_event_bytes,
+            max_owner_event_bytes=self._max_owner_event_bytes,
+            max_total_event_bytes=self._max_total_event_bytes,
             max_blocks=self._limits.max_live_blocks,
             max_blocks_per_identity=self._limits.max_live_blocks_per_identity,
             items=to_json([list(peers), items]),  # records inside are JSON text, passed as strings
@@ -692,6 +698,8 @@ class RedisStore(Store):
                 remember_s=_APPEND_MEMORY_S,
                 max_events=self._max_events,
                 max_event_bytes=self._max_event_bytes,
+                max_owner_event_bytes=self._max_owner_event_bytes,
+                max_total_event_bytes=self._max_total_event_bytes,
                 events=self._events(events, None, None),
             )
             if reply[0] == b"OK":

@@ -34,8 +34,13 @@ Key schema (docs/operations.md has it for operators):
     engine_ids       zset    every engine id, score 0 (ordered by id: ListEngines pages)
     leases           zset    live engine id by lease expiry
     ended            zset    ended engine id (tombstone) by end time
-    s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine, if any); the
-                             e: hash's b is the bytes it is counted as (_append.lua)
+    s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine or ""), g (the
+                             event's number from es: its age); the e: hash's b is the bytes it is counted as
+                             (_append.lua)
+    es               string  the last event number given (INCR per event appended)
+    eb               hash    t: the bytes counted of all streams, o:<owner>: of an owner's engines' streams
+    eo, eo:<owner>   zset    engine id by the number of its stream's oldest event (non-empty streams), in all and
+                             per owner: which event the identity's and the server's event bounds trim first
     r:<key>          string  idempotent response, with a TTL
     ra, ra:<owner>   zset    kept responses' keys by expiry, in all and per owner (put_answer.lua)
     rc, ro           hash    kept response key -> its cost in bytes, -> its owner
@@ -94,7 +99,16 @@ SIGNATURES: Mapping[str, Signature] = {
     # op: w write | d delete | n verify only; unsettled: 1 | 0 (the core's Transfer.unsettled).
     # max_blocks, max_blocks_per_identity: the live-block budgets a write must keep to.
     "commit_transfers": Signature(
-        ("guard", "max_events", "max_event_bytes", "max_blocks", "max_blocks_per_identity", "items"),
+        (
+            "guard",
+            "max_events",
+            "max_event_bytes",
+            "max_owner_event_bytes",
+            "max_total_event_bytes",
+            "max_blocks",
+            "max_blocks_per_identity",
+            "items",
+        ),
         helpers=("guard", "snapshot", "append", "budget"),
     ),
     # op: w write | d delete | n verify only; ended: 1 | 0. owner, engines, metadata_bytes: what the record
@@ -117,11 +131,21 @@ SIGNATURES: Mapping[str, Signature] = {
             "max_metadata_bytes",
             "max_metadata_bytes_per_identity",
         ),
-        helpers=("guard", "budget"),
+        helpers=("guard", "budget", "append"),
     ),
     # operation: a fresh id per call, remembered remember_s seconds.
     "append_events": Signature(
-        ("guard", "operation", "remember_s", "max_events", "max_event_bytes"), (_EVENTS,), ("guard", "append")
+        (
+            "guard",
+            "operation",
+            "remember_s",
+            "max_events",
+            "max_event_bytes",
+            "max_owner_event_bytes",
+            "max_total_event_bytes",
+        ),
+        (_EVENTS,),
+        ("guard", "append"),
     ),
     "read_events": Signature(("engine_id", "start_revision", "limit")),
     "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),

@@ -9,6 +9,6 @@ if not redis.call('SET', P .. 'op:' .. operation, '1', 'NX', 'EX', remember_s) t
 end
 local rev = redis.call('INCR', P .. 'rev')
 for _, ev in ipairs(events) do
-  append(ev.engine_id, ev.event, ev.peer, max_events, max_event_bytes)
+  append(ev.engine_id, ev.event, ev.peer, max_events, max_event_bytes, max_owner_event_bytes, max_total_event_bytes)
 end
 return {'OK', rev}

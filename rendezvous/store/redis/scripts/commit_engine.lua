@@ -30,7 +30,15 @@ budget_add(charged[1], 'm', -(tonumber(charged[3]) or 0))
 if op == 'w' then
   budget_add(owner, 'e', engines)
   budget_add(owner, 'm', metadata_bytes)
+  -- An engine rewritten for another owner: its event stream's bytes move to the new owner's tally.
+  local moved = (charged[1] or '') ~= owner
+  if moved then
+    unlist_events(engine_id, charged[1] or '')
+  end
   redis.call('HSET', ek, 'v', rev, 'd', record, 'o', owner, 'n', engines, 'm', metadata_bytes)
+  if moved then
+    list_events(engine_id, owner)
+  end
   redis.call('SADD', P .. 'engines', engine_id)
   redis.call('ZADD', P .. 'engine_ids', 0, engine_id)
   if ended == '1' then
@@ -41,6 +49,7 @@ if op == 'w' then
     redis.call('ZREM', P .. 'ended', engine_id)
   end
 else
+  unlist_events(engine_id, charged[1] or '')
   redis.call('DEL', ek, P .. 's:' .. engine_id)
   redis.call('SREM', P .. 'engines', engine_id)
   redis.call('ZREM', P .. 'engine_ids', engine_id)

@@ -102,7 +102,10 @@ local function commit(item, peers)
     if type(event) == 'table' then
       event = event[1] .. record .. event[2]
     end
-    append(events[i], event, peers[events[i + 2] + 1], max_events, max_event_bytes)
+    append(
+      events[i], event, peers[events[i + 2] + 1], max_events, max_event_bytes, max_owner_event_bytes,
+      max_total_event_bytes
+    )
   end
   return {'OK', rev}
 end
