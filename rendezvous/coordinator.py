@@ -12,16 +12,17 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol, TypeVar
 
 from rendezvous.core import budget, credits, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
-from rendezvous.core.bindings import BindingRules, check_abort, check_binding
+from rendezvous.core.bindings import BindingRules
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
+from rendezvous.core.rules import Binding, CallerT, Capacity, Chain, Decision, SpecT
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
 from rendezvous.pacing import Pacer, paced_cut
@@ -48,7 +49,6 @@ _BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, 
 A = TypeVar("A")
 B = TypeVar("B")
 T = TypeVar("T")
-SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
 
 
 class TransitionObserver(Protocol):
@@ -80,25 +80,6 @@ _STORE_BATCH = 256
 
 _RESERVE_ATTEMPTS = 32
 """Compare-and-set rounds of one reservation before it gives up (every round lost is another's success)."""
-
-
-@dataclass
-class _CapacityGate:
-    """A consumer's usage while its RegisterTarget batch applies (items apply in order).
-
-    A step may run more than once for one item (a networked store redoes a transition, or checks a refusal
-    again, on the current record), and a later rule (the budget) may still refuse it: the step only proposes
-    its item's usage, which `settle` takes once the item's outcome is known."""
-
-    spent: EngineCredits
-    reservations: Mapping[str, credits.Reservation]
-    proposed: EngineCredits | None = None
-
-    def settle(self, outcome: ItemOutcome) -> None:
-        """The item ended: its proposed usage is spent if it was admitted."""
-        if outcome.error is None and self.proposed is not None:
-            self.spent = self.proposed
-        self.proposed = None
 
 
 class Coordinator:
@@ -145,35 +126,35 @@ class Coordinator:
         return Context(self.clock(), self.limits, self.timeouts)
 
     async def _apply(
-        self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition]
-    ) -> Transition:
-        seen: list[Transfer | None] = []  # every record fn was applied to (a shared store may retry): the last counts
-        transition = await self.store.update_transfer(transfer_id, partial(_recording, fn, seen))
-        self._observe(transfer_id, seen, transition)
-        return transition
+        self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Decision]
+    ) -> Decision:
+        decision = _decided(await self.store.update_transfer(transfer_id, fn))
+        self._observe(transfer_id, decision)
+        return decision
 
     async def _apply_all(
-        self, updates: Sequence[tuple[str, Callable[[Transfer | None, Mapping[str, Engine]], Transition]]]
-    ) -> list[Transition | Exception]:
-        """_apply for several transfers in one store call (Store.update_transfers): a transition or an error each."""
-        seen: list[list[Transfer | None]] = [[] for _ in updates]
-        results = await self.store.update_transfers(
-            [(transfer_id, partial(_recording, fn, s)) for (transfer_id, fn), s in zip(updates, seen, strict=True)]
-        )
-        for (transfer_id, _), s, result in zip(updates, seen, results, strict=True):
-            if not isinstance(result, Exception):
-                self._observe(transfer_id, s, result)
-        return results
+        self, updates: Sequence[tuple[str, Callable[[Transfer | None, Mapping[str, Engine]], Decision]]]
+    ) -> list[Decision | Exception]:
+        """_apply for several transfers in one store call (Store.update_transfers): a decision or an error each."""
+        results = await self.store.update_transfers(updates)
+        decisions: list[Decision | Exception] = []
+        for (transfer_id, _), result in zip(updates, results, strict=True):
+            if isinstance(result, Exception):
+                decisions.append(result)
+            else:
+                decision = _decided(result)
+                self._observe(transfer_id, decision)
+                decisions.append(decision)
+        return decisions
 
-    def _observe(self, transfer_id: str, seen: Sequence[Transfer | None], transition: Transition) -> None:
-        """Tell the observer and the log about an applied transition (seen: the records its fn was applied to)."""
-        if seen:
-            before = seen[-1]
-            after = transition.transfer
-            if before is not after:
-                if self.observer is not None:
-                    self.observer.on_transition(before, after, self.clock())
-                _log_transition(transfer_id, before, after)
+    def _observe(self, transfer_id: str, decision: Decision) -> None:
+        """Tell the observer and the log about an applied transition."""
+        before = decision.before
+        after = decision.transfer
+        if before is not after:
+            if self.observer is not None:
+                self.observer.on_transition(before, after, self.clock())
+            _log_transition(transfer_id, before, after)
 
     # Engines
 
@@ -295,7 +276,9 @@ class Coordinator:
         ids = await self.store.live_transfer_ids(lost.engine_id)
         for first in range(0, len(ids), _STORE_BATCH):
             chunk = ids[first : first + _STORE_BATCH]
-            results = await self._apply_all([(t, lambda cur, _e: lifecycle.engine_lost(ctx, cur, lost)) for t in chunk])
+            results = await self._apply_all(
+                [(t, lambda cur, _e: Decision.of(lifecycle.engine_lost(ctx, cur, lost), cur)) for t in chunk]
+            )
             for transfer_id, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):
                     # One bad record must not keep the engine's other transfers alive (its deadline still applies).
@@ -325,35 +308,28 @@ class Coordinator:
 
     async def _batch(
         self,
-        caller: Engine | None,
+        chain: Chain[CallerT, SpecT],
         items: Sequence[SpecT],
-        step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
         view: CallerView | None = None,
-        half: Role | None = None,
-        exempt: bool = False,
-        settle: Callable[[ItemOutcome], None] | None = None,
-    ) -> list[ItemOutcome]:
-        """Apply step to every item; an item's error does not stop the others.
+    ) -> tuple[list[ItemOutcome], list[Decision | None]]:
+        """Every item through the chain (core: rules); an item's error does not stop the others. Returns the
+        outcomes and, by item, the decision it was applied with (None: refused).
 
         With the caller's live-transfer count in view (_caller with joins), its live-transfer limit applies
         (core: engines.LiveTransferLimit); with the budget's tallies (with blocks: items that name block
-        ids), the live-block budget (core: budget.BlockBudget). With half,
-        each item takes that half of its transfer: its binding is checked first (core: bindings), unless
-        the server has no binding keys; exempt callers (admin) need none. With settle, items apply one after
-        another and settle hears each outcome before the next item applies.
+        ids), the live-block budget (core: budget.BlockBudget). Items apply one after another, each with the
+        chain its predecessors left (Chain.after), unless none can reach a limit.
         """
         check_batch(len(items), self.limits)
-        caller_id = caller.engine_id if caller is not None else ""
-        rules = self.bindings
-        if half is not None and rules is not None and caller is not None:
-            step = partial(_bound, step, rules, caller.engine_id, half, exempt)
-        limit: engine_rules.LiveTransferLimit | None = None
-        room: budget.BlockBudget | None = None
+        caller = chain.caller
         if caller is not None and view is not None:
             if view.live_transfers is not None:
-                limit = engine_rules.LiveTransferLimit.of(self.limits, caller, view.live_transfers)
+                chain = replace(
+                    chain, limit=engine_rules.LiveTransferLimit.of(self.limits, caller, view.live_transfers)
+                )
             if view.tally is not None:
-                room = budget.BlockBudget.of(self.limits, caller, view.tally)
+                chain = replace(chain, budget=budget.BlockBudget.of(self.limits, caller, view.tally))
+        caller_id = caller.engine_id if caller is not None else ""
 
         def refused(item: SpecT, err: Exception) -> ItemOutcome:
             if not isinstance(err, RendezvousError):
@@ -365,140 +341,97 @@ class Coordinator:
                 )
             return ItemOutcome(item.transfer_id, error=err)
 
-        async def apply(
-            item: SpecT, limit: engine_rules.LiveTransferLimit | None, room: budget.BlockBudget | None
-        ) -> tuple[ItemOutcome, tuple[int, int]]:
-            change = [(0, 0)]
-            fn = partial(_limited, step, self._context(), item, limit, room, change)
-            try:
-                transition = await self._apply(item.transfer_id, fn)
-            except RendezvousError as err:
-                return refused(item, err), (0, 0)
-            return ItemOutcome(item.transfer_id, transfer=transition.transfer), change[0]
-
-        most = sum(len(getattr(item, "block_ids", ())) for item in items) if room is not None else 0
-        roomy = (limit is None or limit.allows(len(items))) and (room is None or room.allows(most))
-        if self.store.concurrent and settle is None and roomy:
+        most = sum(len(getattr(item, "block_ids", ())) for item in items) if chain.budget is not None else 0
+        if self.store.concurrent and chain.within(len(items), most):
             # No item can reach a limit, so they may be applied together (one store call, one round trip
             # to a networked store); items of one transfer still apply in order.
-            results = await self._apply_all(
-                [(i.transfer_id, partial(_limited, step, self._context(), i, None, None, [(0, 0)])) for i in items]
-            )
+            free = chain.unlimited()
+            results = await self._apply_all([(i.transfer_id, partial(free.decide, self._context(), i)) for i in items])
             return [
                 refused(item, r) if isinstance(r, Exception) else ItemOutcome(item.transfer_id, transfer=r.transfer)
                 for item, r in zip(items, results, strict=True)
-            ]
+            ], [None if isinstance(r, Exception) else r for r in results]
         outcomes: list[ItemOutcome] = []
+        decisions: list[Decision | None] = []
         pacer = Pacer()  # a store that never waits (memory) would otherwise hold the event loop for the batch
         for item in items:
             await pacer.tick()
-            outcome, change = await apply(item, limit, room)
-            if limit is not None:
-                limit = limit.after(outcome.transfer)
-            if room is not None:
-                room = room.spent(change)
-            if settle is not None:
-                settle(outcome)
-            outcomes.append(outcome)
-        return outcomes
+            decision: Decision | None = None
+            try:
+                decision = await self._apply(item.transfer_id, partial(chain.decide, self._context(), item))
+            except RendezvousError as err:
+                outcomes.append(refused(item, err))
+            else:
+                outcomes.append(ItemOutcome(item.transfer_id, transfer=decision.transfer))
+            chain = chain.after(decision)
+            decisions.append(decision)
+        return outcomes, decisions
+
+    def _binding(self, caller: Engine, half: Role | None, exempt: bool) -> Binding | None:
+        """The binding step for caller taking half of its transfers (None: an abort), unless the server has no
+        binding keys; exempt callers (admin) need none."""
+        return Binding(self.bindings, caller.engine_id, half, exempt) if self.bindings is not None else None
 
     async def register_targets(
         self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
-        """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
+        """A consumer registers destination blocks (exempt: needs no binding, see `_binding`)."""
         check_batch(len(specs), self.limits)
         # The items' reservations on any consumer are read with the caller (one round trip to a networked store).
         (consumer, view), held = await self._both(
             self._caller(engine_id, incarnation, joins=True, blocks=True),
             self._reservations([s.transfer_id for s in specs]),
         )
-        gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
-            credits.check_reserved_elsewhere(consumer, spec.transfer_id, held.get(spec.transfer_id), ctx.now)
-            producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
-            if gate is None:
-                return lifecycle.register_target(ctx, cur, consumer, producer, spec)
-            reservation = gate.reservations.get(spec.transfer_id)
-            spent = credits.target_admission(consumer, gate.spent, cur, reservation, len(spec.block_ids), ctx.now)
-            transition = lifecycle.register_target(ctx, cur, consumer, producer, spec)
-            gate.proposed = spent
-            return transition
-
-        outcomes = await self._batch(
-            consumer,
-            specs,
-            step,
-            view,
-            half=Role.CONSUMER,
-            exempt=exempt,
-            settle=gate.settle if gate is not None else None,
-        )
+        capacity = Capacity(consumer, held, {}, None)
+        if consumer.capacity.limited:
+            capacity = await self._capacity(capacity, specs)
+        binding = self._binding(consumer, Role.CONSUMER, exempt)
+        chain = Chain(lifecycle.register_target, consumer, binding=binding, capacity=capacity)
+        outcomes, decisions = await self._batch(chain, specs, view)
         # A reservation the target took the place of is spent: drop it (the core no longer counts it anyway).
         # Consumers without a capacity pay nothing here (routers reserve only on those with one).
-        if gate is not None:
-            for o in outcomes:
-                if o.error is None and o.transfer_id in gate.reservations:
-                    await self.store.credits().drop(o.transfer_id)
+        for o, decision in zip(outcomes, decisions, strict=True):
+            if decision is not None and o.transfer_id in capacity.reservations:
+                await self.store.credits().drop(o.transfer_id)
         return outcomes
 
     async def claim_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
-        """A producer claims transfers (exempt: needs no binding, see `_batch`)."""
+        """A producer claims transfers (exempt: needs no binding, see `_binding`)."""
         producer, view = await self._caller(engine_id, incarnation, joins=True)
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: ClaimSpec) -> Transition:
-            return lifecycle.claim(ctx, cur, producer, _consumer_of(cur, engines), spec)
-
-        return await self._batch(producer, specs, step, view, half=Role.PRODUCER, exempt=exempt)
+        chain = Chain(lifecycle.claim, producer, binding=self._binding(producer, Role.PRODUCER, exempt))
+        return (await self._batch(chain, specs, view))[0]
 
     async def mark_sources_ready(
         self, engine_id: str, incarnation: int, specs: Sequence[SourceReadySpec], exempt: bool = False
     ) -> list[ItemOutcome]:
         """A producer's source blocks are computed; claims the transfer if it had not (exempt: needs no
-        binding, see `_batch`)."""
+        binding, see `_binding`)."""
         producer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
-
-        def step(
-            ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: SourceReadySpec
-        ) -> Transition:
-            return lifecycle.mark_source_ready(ctx, cur, producer, _consumer_of(cur, engines), spec)
-
-        return await self._batch(producer, specs, step, view, half=Role.PRODUCER, exempt=exempt)
+        chain = Chain(lifecycle.mark_source_ready, producer, binding=self._binding(producer, Role.PRODUCER, exempt))
+        return (await self._batch(chain, specs, view))[0]
 
     async def complete_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[CompletionSpec]
     ) -> list[ItemOutcome]:
         """The side that moved the bytes reports outcomes."""
         mover, _ = await self._caller(engine_id, incarnation)
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: CompletionSpec) -> Transition:
-            return lifecycle.complete(ctx, cur, mover, _consumer_of(cur, engines), spec)
-
-        return await self._batch(mover, specs, step)
+        return (await self._batch(Chain(lifecycle.complete, mover), specs))[0]
 
     async def acknowledge_revocations(
         self, engine_id: str, incarnation: int, specs: Sequence[RevocationAck]
     ) -> list[ItemOutcome]:
         """A producer confirms it will not write revoked generations."""
         producer, _ = await self._caller(engine_id, incarnation)
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: RevocationAck) -> Transition:
-            return lifecycle.acknowledge_revocation(ctx, cur, producer, _consumer_of(cur, engines), spec)
-
-        return await self._batch(producer, specs, step)
+        return (await self._batch(Chain(lifecycle.acknowledge_revocation, producer), specs))[0]
 
     async def release_targets(
         self, engine_id: str, incarnation: int, specs: Sequence[ReleaseSpec]
     ) -> list[ItemOutcome]:
         """A consumer is done with committed transfers."""
         consumer, _ = await self._caller(engine_id, incarnation)
-
-        def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: ReleaseSpec) -> Transition:
-            return lifecycle.release(ctx, cur, consumer, spec)
-
-        return await self._batch(consumer, specs, step)
+        return (await self._batch(Chain(lifecycle.release, consumer), specs))[0]
 
     async def abort_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[AbortSpec], exempt: bool = False
@@ -506,14 +439,8 @@ class Coordinator:
         """An engine, or with an empty engine_id a router or operator, aborts transfers (under required bindings,
         an engine only those it takes part in, unless exempt: core.bindings.check_abort)."""
         caller = (await self._caller(engine_id, incarnation))[0] if engine_id else None
-        rules = self.bindings
-
-        def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: AbortSpec) -> Transition:
-            if caller is not None and rules is not None:
-                check_abort(rules, cur, spec.transfer_id, caller.engine_id, exempt)
-            return lifecycle.abort(ctx, cur, caller, spec)
-
-        outcomes = await self._batch(caller, specs, step)
+        binding = self._binding(caller, None, exempt) if caller is not None else None
+        outcomes, _ = await self._batch(Chain(lifecycle.abort, caller, binding=binding), specs)
         # An ended transfer's reservation holds no credit (core: credits.counts), whoever aborted it; a router's
         # abort, which may name an id that only holds a reservation, also drops the record (engines' aborts, on
         # the hot path, leave it to the router's release or the sweeper).
@@ -557,11 +484,14 @@ class Coordinator:
             ids.append(transfer_id)
         return await self.store.credits().holders(ids)
 
-    async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
+    async def _capacity(self, capacity: Capacity, specs: Sequence[TargetSpec]) -> Capacity:
+        """The capacity step of a consumer with a capacity: its usage now and its reservations of the batch's ids."""
+        consumer = capacity.consumer
         ledger = await self.store.credits().ledger(consumer.engine_id)
         spent = await self._usage(consumer, ledger.reservations, self.clock())
         wanted = {s.transfer_id for s in specs}
-        return _CapacityGate(spent, {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted})
+        reservations = {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted}
+        return replace(capacity, reservations=reservations, spent=spent)
 
     async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, EngineCredits]:
         """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
@@ -727,7 +657,9 @@ class Coordinator:
         due = await self.store.due_transfers(ctx.now, max_transfers)
         for first in range(0, len(due), _STORE_BATCH):
             chunk = due[first : first + _STORE_BATCH]
-            results = await self._apply_all([(t, lambda cur, _e: lifecycle.expire(ctx, cur)) for t in chunk])
+            results = await self._apply_all(
+                [(t, lambda cur, _e: Decision.of(lifecycle.expire(ctx, cur), cur)) for t in chunk]
+            )
             for transfer_id, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):
                     # One bad record must not stop every other transfer from expiring.
@@ -776,54 +708,7 @@ def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer |
         )
 
 
-def _bound(
-    step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
-    rules: BindingRules,
-    engine_id: str,
-    half: Role,
-    exempt: bool,
-    ctx: Context,
-    cur: Transfer | None,
-    engines: Mapping[str, Engine],
-    item: SpecT,
-) -> Transition:
-    """Apply step once the item's binding admits engine_id to its half (before any other rule, so the
-    refusal is the same whether the transfer exists or not)."""
-    check_binding(rules, ctx.now, cur, item.transfer_id, getattr(item, "binding", None), engine_id, half, exempt)
-    return step(ctx, cur, engines, item)
-
-
-def _recording(
-    fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition],
-    seen: list[Transfer | None],
-    cur: Transfer | None,
-    engines: Mapping[str, Engine],
-) -> Transition:
-    """fn, noting each record it is applied to (a shared store may apply it more than once: the last counts)."""
-    seen.append(cur)
-    return fn(cur, engines)
-
-
-def _limited(
-    step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
-    ctx: Context,
-    item: SpecT,
-    limit: engine_rules.LiveTransferLimit | None,
-    room: budget.BlockBudget | None,
-    change: list[tuple[int, int]],
-    cur: Transfer | None,
-    engines: Mapping[str, Engine],
-) -> Transition:
-    """Apply step within the caller's live-transfer limit and live-block budget, if they apply; the
-    block ids the step adds (budget.BlockBudget.change) are left in change[0]."""
-    if limit is not None:
-        limit.check(cur)
-    transition = step(ctx, cur, engines, item)
-    if room is not None:
-        change[0] = room.change(cur, transition.transfer)
-        room.refuse(change[0])
+def _decided(transition: Transition) -> Decision:
+    """The decision a store applied: it answers with what the applied function returned."""
+    assert isinstance(transition, Decision), transition
     return transition
-
-
-def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:
-    return engines.get(cur.consumer_engine_id) if cur and cur.consumer_engine_id else None
