@@ -51,10 +51,25 @@ class Decision(Transition):
     spent: EngineCredits | None = None
     """The consumer's credit usage once it applies, where a capacity was checked."""
 
-    @classmethod
-    def of(cls, transition: Transition, before: Transfer | None) -> Decision:
-        """A transition no step but itself decided (the sweeper's)."""
-        return cls(transition.transfer, transition.events, before)
+    @staticmethod
+    def of(
+        transition: Transition,
+        before: Transfer | None,
+        blocks: tuple[int, int] = (0, 0),
+        spent: EngineCredits | None = None,
+    ) -> Decision:
+        """The decision that took transition on before (the sweeper's: no step but the transition decided).
+
+        One is made per batch item, on the hot path: built without the frozen dataclass's per-field
+        `object.__setattr__` (half its cost), which is what it would do."""
+        decision = _new(Decision)
+        decision.__dict__.update(
+            transfer=transition.transfer, events=transition.events, before=before, blocks=blocks, spent=spent
+        )
+        return decision
+
+
+_new = object.__new__
 
 
 @dataclass(frozen=True)
@@ -122,7 +137,7 @@ class Chain(Generic[CallerT, SpecT]):
         if self.budget is not None:
             blocks = self.budget.change(cur, transition.transfer)
             self.budget.refuse(blocks)
-        return Decision(transition.transfer, transition.events, cur, blocks, spent)
+        return Decision.of(transition, cur, blocks, spent)
 
     def within(self, items: int, blocks: int) -> bool:
         """Whether that many items naming that many block ids stay within the limit and the budget whatever
@@ -141,13 +156,14 @@ class Chain(Generic[CallerT, SpecT]):
         """The chain of the next item, once this one ended with decision (None: refused)."""
         if decision is None:
             return self
-        return replace(
-            self,
-            limit=self.limit.after(decision.transfer) if self.limit is not None else None,
-            budget=self.budget.spent(decision.blocks) if self.budget is not None else None,
-            capacity=(
-                replace(self.capacity, spent=decision.spent)
-                if self.capacity is not None and decision.spent is not None
-                else self.capacity
-            ),
-        )
+        limit, budget, capacity = self.limit, self.budget, self.capacity
+        next_limit = limit.after(decision.transfer) if limit is not None else None
+        next_budget = budget.spent(decision.blocks) if budget is not None else None
+        if capacity is not None and decision.spent is not None:
+            capacity = replace(capacity, spent=decision.spent)
+        if next_limit is limit and next_budget is budget and capacity is self.capacity:
+            return self  # the common case (no step keeps count): nothing to build
+        # As replace() would, without its per-field cost: a batch's items each make one when a step keeps count.
+        chain: Chain[CallerT, SpecT] = _new(Chain)
+        chain.__dict__.update(self.__dict__, limit=next_limit, budget=next_budget, capacity=capacity)
+        return chain
