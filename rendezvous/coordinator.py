@@ -16,15 +16,17 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol, TypeVar
 
-from rendezvous.core import budget, credits, paging
+from rendezvous import sweeper
+from rendezvous.core import budget, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.bindings import BindingRules
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
-from rendezvous.core.rules import Binding, CallerT, Capacity, Chain, Decision, SpecT
+from rendezvous.core.rules import Binding, CallerT, Chain, Decision, SpecT
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
+from rendezvous.credit_ledger import CreditLedger, CreditOutcome
 from rendezvous.pacing import Pacer, paced_cut
 from rendezvous.protocol.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.protocol.pages import EnginePage, TransferPage
@@ -40,7 +42,7 @@ from rendezvous.protocol.requests import (
     SourceReadySpec,
     TargetSpec,
 )
-from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
+from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,6 @@ _BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, 
 
 A = TypeVar("A")
 B = TypeVar("B")
-T = TypeVar("T")
 
 
 class TransitionObserver(Protocol):
@@ -66,20 +67,8 @@ class ItemOutcome:
     error: RendezvousError | None = None
 
 
-@dataclass(frozen=True)
-class CreditOutcome:
-    """The result of one ReserveCredits or ReleaseCredits item: the reservation, or the error."""
-
-    transfer_id: str
-    reservation: credits.Reservation | None = None
-    error: RendezvousError | None = None
-
-
 _STORE_BATCH = 256
 """Transfers a sweep or an engine loss applies per store call (Store.update_transfers)."""
-
-_RESERVE_ATTEMPTS = 32
-"""Compare-and-set rounds of one reservation before it gives up (every round lost is another's success)."""
 
 
 class Coordinator:
@@ -100,6 +89,7 @@ class Coordinator:
         self.timeouts = timeouts or Timeouts()
         self.clock = clock
         self.observer = observer
+        self.credits = CreditLedger(store, self.limits, self.timeouts, clock)
         self._page_key: bytes | None = None
 
     async def _both(self, first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
@@ -122,7 +112,8 @@ class Coordinator:
             self._page_key = await self.store.page_token_key()
         return self._page_key
 
-    def _context(self) -> Context:
+    def context(self) -> Context:
+        """The context a transition of now runs in (the clock read once, the policy)."""
         return Context(self.clock(), self.limits, self.timeouts)
 
     async def _apply(
@@ -213,7 +204,7 @@ class Coordinator:
         if not engine.unlost_incarnation:
             return engine
         pending = engine.unlost_incarnation
-        await self._lose_engine(engine_rules.predecessor(engine, now))
+        await self.lose_engine(engine_rules.predecessor(engine, now))
         cleared = await self.store.update_engine(engine.engine_id, lambda cur: engine_rules.loss_applied(cur, pending))
         return cleared if cleared is not None and cleared.incarnation == engine.incarnation else engine
 
@@ -228,7 +219,7 @@ class Coordinator:
         )
         assert ended is not None
         log.info("engine deregistered", extra={"engine_id": engine_id, "incarnation": ended.incarnation})
-        return await self._lose_engine(ended)
+        return await self.lose_engine(ended)
 
     async def get_engine(self, engine_id: str) -> Engine:
         """A live engine."""
@@ -267,27 +258,36 @@ class Coordinator:
         token = paging.encode_token(await self._page_token_key(), scope, page[-1].engine_id) if more else ""
         return EnginePage(page, token)
 
-    async def _lose_engine(self, lost: Engine) -> int:
+    async def apply_each(
+        self, transfer_ids: Sequence[str], transition: Callable[[Transfer | None], Transition], failure: str
+    ) -> list[Transition]:
+        """A transition no caller asked for (an engine loss, an expiry) on each transfer, _STORE_BATCH per store
+        call; a transfer it fails on is logged under failure and left out (one bad record must not keep the
+        others from the rule: its deadline still applies)."""
+        applied: list[Transition] = []
+        for first in range(0, len(transfer_ids), _STORE_BATCH):
+            chunk = transfer_ids[first : first + _STORE_BATCH]
+            results = await self._apply_all([(t, lambda cur, _e: Decision.of(transition(cur), cur)) for t in chunk])
+            for transfer_id, result in zip(chunk, results, strict=True):
+                if isinstance(result, Exception):
+                    log.error(failure, exc_info=result, extra={"transfer_id": transfer_id})
+                else:
+                    applied.append(result)
+        return applied
+
+    async def lose_engine(self, lost: Engine) -> int:
         """Abort the live transfers of an ended incarnation and tell its peers; its credits come back."""
-        ctx = self._context()
-        await self._reclaim_credits(lost)
+        ctx = self.context()
+        await self.credits.reclaim(lost)
         aborted = 0
         peers: set[str] = set()
         ids = await self.store.live_transfer_ids(lost.engine_id)
-        for first in range(0, len(ids), _STORE_BATCH):
-            chunk = ids[first : first + _STORE_BATCH]
-            results = await self._apply_all(
-                [(t, lambda cur, _e: Decision.of(lifecycle.engine_lost(ctx, cur, lost), cur)) for t in chunk]
-            )
-            for transfer_id, result in zip(chunk, results, strict=True):
-                if isinstance(result, Exception):
-                    # One bad record must not keep the engine's other transfers alive (its deadline still applies).
-                    log.error("cannot apply engine loss", exc_info=result, extra={"transfer_id": transfer_id})
-                    continue
-                t = result.transfer
-                if t is not None and t.state == State.ABORTED and t.times.end_time == ctx.now:
-                    aborted += 1
-                peers.update(a.engine_id for a in result.events)
+        lost_by = partial(lifecycle.engine_lost, ctx, lost=lost)
+        for result in await self.apply_each(ids, lost_by, "cannot apply engine loss"):
+            t = result.transfer
+            if t is not None and t.state == State.ABORTED and t.times.end_time == ctx.now:
+                aborted += 1
+            peers.update(a.engine_id for a in result.events)
         if peers:
             note: Event[Transfer, Engine] = Event(EventType.PEER_LOST, ctx.now, peer=lost)
             await self.store.append_events([Addressed(p, note) for p in sorted(peers)])
@@ -346,7 +346,7 @@ class Coordinator:
             # No item can reach a limit, so they may be applied together (one store call, one round trip
             # to a networked store); items of one transfer still apply in order.
             free = chain.unlimited()
-            results = await self._apply_all([(i.transfer_id, partial(free.decide, self._context(), i)) for i in items])
+            results = await self._apply_all([(i.transfer_id, partial(free.decide, self.context(), i)) for i in items])
             return [
                 refused(item, r) if isinstance(r, Exception) else ItemOutcome(item.transfer_id, transfer=r.transfer)
                 for item, r in zip(items, results, strict=True)
@@ -358,7 +358,7 @@ class Coordinator:
             await pacer.tick()
             decision: Decision | None = None
             try:
-                decision = await self._apply(item.transfer_id, partial(chain.decide, self._context(), item))
+                decision = await self._apply(item.transfer_id, partial(chain.decide, self.context(), item))
             except RendezvousError as err:
                 outcomes.append(refused(item, err))
             else:
@@ -380,11 +380,9 @@ class Coordinator:
         # The items' reservations on any consumer are read with the caller (one round trip to a networked store).
         (consumer, view), held = await self._both(
             self._caller(engine_id, incarnation, joins=True, blocks=True),
-            self._reservations([s.transfer_id for s in specs]),
+            self.credits.holders([s.transfer_id for s in specs]),
         )
-        capacity = Capacity(consumer, held, {}, None)
-        if consumer.capacity.limited:
-            capacity = await self._capacity(capacity, specs)
+        capacity = await self.credits.capacity(consumer, held, specs)
         binding = self._binding(consumer, Role.CONSUMER, exempt)
         chain = Chain(lifecycle.register_target, consumer, binding=binding, capacity=capacity)
         outcomes, decisions = await self._batch(chain, specs, view)
@@ -450,117 +448,19 @@ class Coordinator:
                     await self.store.credits().drop(o.transfer_id)
         return outcomes
 
-    # Credits
-
-    async def _each(self, calls: Sequence[Awaitable[T]]) -> list[T]:
-        """Store calls in flight together where that gains (Store.concurrent), else one by one."""
-        if self.store.concurrent:
-            return list(await asyncio.gather(*calls))
-        return [await call for call in calls]
-
-    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> EngineCredits:
-        """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
-        as many as its capacity admits, so the reads are bounded by it; only counted, without a block limit) and
-        its reservations' transfers."""
-        ids = [r.transfer_id for r in reservations]
-        if not engine.capacity.max_blocks:
-            count = (await self.store.live_transfer_counts([engine.engine_id]))[engine.engine_id]
-            found = await self._each([self.store.get_transfer(tid) for tid in ids])
-            return credits.usage_by_count(engine, count, reservations, dict(zip(ids, found, strict=True)), now)
-        live = await self.store.live_transfer_ids(engine.engine_id)
-        records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
-        targets = [t for t in records[: len(live)] if t is not None]
-        return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
-
-    async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
-        """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, in one store call:
-        a RegisterTarget honours the router's choice of consumer (core: credits.check_reserved_elsewhere)."""
-        ids = []
-        for transfer_id in dict.fromkeys(transfer_ids):
-            try:
-                check_id("transfer_id", transfer_id, self.limits)
-            except RendezvousError:
-                continue  # its item is refused for it
-            ids.append(transfer_id)
-        return await self.store.credits().holders(ids)
-
-    async def _capacity(self, capacity: Capacity, specs: Sequence[TargetSpec]) -> Capacity:
-        """The capacity step of a consumer with a capacity: its usage now and its reservations of the batch's ids."""
-        consumer = capacity.consumer
-        ledger = await self.store.credits().ledger(consumer.engine_id)
-        spent = await self._usage(consumer, ledger.reservations, self.clock())
-        wanted = {s.transfer_id for s in specs}
-        reservations = {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted}
-        return replace(capacity, reservations=reservations, spent=spent)
+    # Credits (rendezvous.credit_ledger)
 
     async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, EngineCredits]:
         """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
-        now = self.clock()
-        limited = [e for e in engines if e.capacity.limited]
-        ledgers = await self.store.credits().ledgers([e.engine_id for e in limited])
-        found = await self._each([self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited])
-        return {e.engine_id: u for e, u in zip(limited, found, strict=True)}
+        return await self.credits.usage_of(engines)
 
     async def reserve_credits(self, specs: Sequence[CreditSpec], ttl: float = 0.0) -> list[CreditOutcome]:
-        """Reserve credit on consumer engines for transfer ids, each item atomically (compare-and-set on the
-        engine's ledger; core: credits.reserve decides). An item's error does not stop the others."""
-        check_batch(len(specs), self.limits)
-        lifetime = credits.credit_ttl(ttl, self.timeouts)
-        outcomes: list[CreditOutcome] = []
-        for spec in specs:
-            try:
-                check_id("transfer_id", spec.transfer_id, self.limits)
-                check_id("engine_id", spec.engine_id, self.limits)
-                outcomes.append(CreditOutcome(spec.transfer_id, reservation=await self._reserve(spec, lifetime)))
-            except RendezvousError as err:
-                outcomes.append(CreditOutcome(spec.transfer_id, error=err))
-        return outcomes
-
-    async def _reserve(self, spec: CreditSpec, ttl: float) -> credits.Reservation:
-        ledger_store = self.store.credits()
-        for _ in range(_RESERVE_ATTEMPTS):
-            now = self.clock()
-            engine = await self.store.get_engine(spec.engine_id)
-            ledger = await ledger_store.ledger(spec.engine_id)
-            existing = await ledger_store.get(spec.transfer_id)
-            transfer = await self.store.get_transfer(spec.transfer_id)
-            limited = engine is not None and engine.capacity.limited
-            spent = await self._usage(engine, ledger.reservations, now) if engine is not None and limited else None
-            reservation = credits.reserve(
-                now, engine, spec, existing, transfer, spent or EngineCredits(), ttl, self.limits
-            )
-            if await ledger_store.put(reservation, ledger.version, existing):
-                log.debug(
-                    "credit reserved",
-                    extra={"transfer_id": spec.transfer_id, "engine_id": spec.engine_id, "blocks": spec.blocks},
-                )
-                return reservation
-        raise RendezvousError(
-            Reason.STORE_UNAVAILABLE,
-            f"engine {spec.engine_id}'s credit ledger kept changing under {_RESERVE_ATTEMPTS} attempts; retry",
-            engine_id=spec.engine_id,
-        )
+        """Reserve credit on consumer engines for transfer ids (CreditLedger.reserve)."""
+        return await self.credits.reserve(specs, ttl)
 
     async def release_credits(self, transfer_ids: Sequence[str]) -> list[CreditOutcome]:
-        """Drop the reservations of transfer ids; an id without one is OK (nothing to release)."""
-        check_batch(len(transfer_ids), self.limits)
-        outcomes: list[CreditOutcome] = []
-        for transfer_id in transfer_ids:
-            try:
-                check_id("transfer_id", transfer_id, self.limits)
-                dropped = await self.store.credits().drop(transfer_id)
-                outcomes.append(CreditOutcome(transfer_id, reservation=dropped))
-            except RendezvousError as err:
-                outcomes.append(CreditOutcome(transfer_id, error=err))
-        return outcomes
-
-    async def _reclaim_credits(self, lost: Engine) -> None:
-        """Drop the reservations on an ended incarnation (and older ones): its credit is back."""
-        ledger_store = self.store.credits()
-        ledger = await ledger_store.ledger(lost.engine_id)
-        for r in ledger.reservations:
-            if r.incarnation <= lost.incarnation:
-                await ledger_store.drop(r.transfer_id)
+        """Drop the reservations of transfer ids (CreditLedger.release)."""
+        return await self.credits.release(transfer_ids)
 
     async def get_transfer(self, transfer_id: str) -> Transfer:
         """A transfer, live or tombstone."""
@@ -621,58 +521,11 @@ class Coordinator:
         """Live engines and transfers by state."""
         return await self.store.counts()
 
-    # Time
-
-    async def _sweep_engine(self, engine: Engine, now: float) -> None:
-        """End a lapsed lease, or forget an aged tombstone; the core decides which (engines.lapse)."""
-        ttl = self.timeouts.tombstone_ttl
-        verdict = engine_rules.lapse(engine, now, ttl)
-        if verdict is None:
-            return
-        if verdict is engine_rules.Lapse.TOMBSTONE_AGED:
-            # Apply the loss again before forgetting: the replica that ended it may have died before it could.
-            await self._lose_engine(engine)
-        swept = await self.store.update_engine(engine.engine_id, partial(engine_rules.sweep_engine, now, ttl, engine))
-        if (
-            verdict is engine_rules.Lapse.LEASE_PASSED
-            and swept is not None
-            and swept.incarnation == engine.incarnation
-            and swept.ended_at == now
-        ):
-            log.warning("engine lease expired", extra={"engine_id": engine.engine_id})
-            await self._lose_engine(swept)
+    # Time (rendezvous.sweeper)
 
     async def sweep(self, max_transfers: int = 10_000) -> None:
-        """End lapsed leases, expire due transfers and drop old engine tombstones."""
-        now = self.clock()
-        for engine in await self.store.lapse_candidates(now, self.timeouts.tombstone_ttl):
-            try:
-                await self._sweep_engine(engine, now)
-            except StoreUnavailableError:
-                raise
-            except Exception:
-                # One bad record must not stop the leases of every other engine from being enforced.
-                log.exception("cannot sweep engine", extra={"engine_id": engine.engine_id})
-        ctx = self._context()
-        due = await self.store.due_transfers(ctx.now, max_transfers)
-        for first in range(0, len(due), _STORE_BATCH):
-            chunk = due[first : first + _STORE_BATCH]
-            results = await self._apply_all(
-                [(t, lambda cur, _e: Decision.of(lifecycle.expire(ctx, cur), cur)) for t in chunk]
-            )
-            for transfer_id, result in zip(chunk, results, strict=True):
-                if isinstance(result, Exception):
-                    # One bad record must not stop every other transfer from expiring.
-                    log.error("cannot expire transfer", exc_info=result, extra={"transfer_id": transfer_id})
-        await self._expire_credits(ctx.now, max_transfers)
-
-    async def _expire_credits(self, now: float, limit: int) -> None:
-        """Drop reservations past their ttl (the core no longer counts them; this frees their records)."""
-        ledger_store = self.store.credits()
-        for transfer_id in await ledger_store.due(now, limit):
-            reservation = await ledger_store.get(transfer_id)
-            if reservation is not None and reservation.expires_at <= now:
-                await ledger_store.drop(transfer_id)
+        """End lapsed leases, expire due transfers and drop old engine tombstones and reservations."""
+        await sweeper.sweep(self, max_transfers)
 
 
 def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer | None) -> None:

@@ -22,11 +22,12 @@ from google.protobuf.message import Message
 from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
-from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
+from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, Event, State, Transfer
 from rendezvous.core.parts import check_request_part_count
 from rendezvous.core.validation import check_batch
+from rendezvous.credit_ledger import CreditOutcome
 from rendezvous.pacing import Pacer, paced_map
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
