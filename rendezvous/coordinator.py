@@ -311,9 +311,8 @@ class Coordinator:
         chain: Chain[CallerT, SpecT],
         items: Sequence[SpecT],
         view: CallerView | None = None,
-    ) -> tuple[list[ItemOutcome], list[Decision | None]]:
-        """Every item through the chain (core: rules); an item's error does not stop the others. Returns the
-        outcomes and, by item, the decision it was applied with (None: refused).
+    ) -> list[ItemOutcome]:
+        """Every item through the chain (core: rules); an item's error does not stop the others.
 
         With the caller's live-transfer count in view (_caller with joins), its live-transfer limit applies
         (core: engines.LiveTransferLimit); with the budget's tallies (with blocks: items that name block
@@ -350,9 +349,8 @@ class Coordinator:
             return [
                 refused(item, r) if isinstance(r, Exception) else ItemOutcome(item.transfer_id, transfer=r.transfer)
                 for item, r in zip(items, results, strict=True)
-            ], [None if isinstance(r, Exception) else r for r in results]
+            ]
         outcomes: list[ItemOutcome] = []
-        decisions: list[Decision | None] = []
         pacer = Pacer()  # a store that never waits (memory) would otherwise hold the event loop for the batch
         for item in items:
             await pacer.tick()
@@ -364,8 +362,7 @@ class Coordinator:
             else:
                 outcomes.append(ItemOutcome(item.transfer_id, transfer=decision.transfer))
             chain = chain.after(decision)
-            decisions.append(decision)
-        return outcomes, decisions
+        return outcomes
 
     def _binding(self, caller: Engine, half: Role | None, exempt: bool) -> Binding | None:
         """The binding step for caller taking half of its transfers (None: an abort), unless the server has no
@@ -385,11 +382,11 @@ class Coordinator:
         capacity = await self.credits.capacity(consumer, held, specs)
         binding = self._binding(consumer, Role.CONSUMER, exempt)
         chain = Chain(lifecycle.register_target, consumer, binding=binding, capacity=capacity)
-        outcomes, decisions = await self._batch(chain, specs, view)
+        outcomes = await self._batch(chain, specs, view)
         # A reservation the target took the place of is spent: drop it (the core no longer counts it anyway).
         # Consumers without a capacity pay nothing here (routers reserve only on those with one).
-        for o, decision in zip(outcomes, decisions, strict=True):
-            if decision is not None and o.transfer_id in capacity.reservations:
+        for o in outcomes:
+            if o.error is None and o.transfer_id in capacity.reservations:
                 await self.store.credits().drop(o.transfer_id)
         return outcomes
 
@@ -399,7 +396,7 @@ class Coordinator:
         """A producer claims transfers (exempt: needs no binding, see `_binding`)."""
         producer, view = await self._caller(engine_id, incarnation, joins=True)
         chain = Chain(lifecycle.claim, producer, binding=self._binding(producer, Role.PRODUCER, exempt))
-        return (await self._batch(chain, specs, view))[0]
+        return await self._batch(chain, specs, view)
 
     async def mark_sources_ready(
         self, engine_id: str, incarnation: int, specs: Sequence[SourceReadySpec], exempt: bool = False
@@ -408,28 +405,28 @@ class Coordinator:
         binding, see `_binding`)."""
         producer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
         chain = Chain(lifecycle.mark_source_ready, producer, binding=self._binding(producer, Role.PRODUCER, exempt))
-        return (await self._batch(chain, specs, view))[0]
+        return await self._batch(chain, specs, view)
 
     async def complete_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[CompletionSpec]
     ) -> list[ItemOutcome]:
         """The side that moved the bytes reports outcomes."""
         mover, _ = await self._caller(engine_id, incarnation)
-        return (await self._batch(Chain(lifecycle.complete, mover), specs))[0]
+        return await self._batch(Chain(lifecycle.complete, mover), specs)
 
     async def acknowledge_revocations(
         self, engine_id: str, incarnation: int, specs: Sequence[RevocationAck]
     ) -> list[ItemOutcome]:
         """A producer confirms it will not write revoked generations."""
         producer, _ = await self._caller(engine_id, incarnation)
-        return (await self._batch(Chain(lifecycle.acknowledge_revocation, producer), specs))[0]
+        return await self._batch(Chain(lifecycle.acknowledge_revocation, producer), specs)
 
     async def release_targets(
         self, engine_id: str, incarnation: int, specs: Sequence[ReleaseSpec]
     ) -> list[ItemOutcome]:
         """A consumer is done with committed transfers."""
         consumer, _ = await self._caller(engine_id, incarnation)
-        return (await self._batch(Chain(lifecycle.release, consumer), specs))[0]
+        return await self._batch(Chain(lifecycle.release, consumer), specs)
 
     async def abort_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[AbortSpec], exempt: bool = False
@@ -438,7 +435,7 @@ class Coordinator:
         an engine only those it takes part in, unless exempt: core.bindings.check_abort)."""
         caller = (await self._caller(engine_id, incarnation))[0] if engine_id else None
         binding = self._binding(caller, None, exempt) if caller is not None else None
-        outcomes, _ = await self._batch(Chain(lifecycle.abort, caller, binding=binding), specs)
+        outcomes = await self._batch(Chain(lifecycle.abort, caller, binding=binding), specs)
         # An ended transfer's reservation holds no credit (core: credits.counts), whoever aborted it; a router's
         # abort, which may name an id that only holds a reservation, also drops the record (engines' aborts, on
         # the hot path, leave it to the router's release or the sweeper).
