@@ -12,18 +12,21 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol, TypeVar
 
-from rendezvous.core import budget, credits, paging
+from rendezvous import sweeper
+from rendezvous.core import budget, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
-from rendezvous.core.bindings import BindingRules, check_abort, check_binding
+from rendezvous.core.bindings import BindingRules
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
+from rendezvous.core.rules import Binding, CallerT, Chain, Decision, SpecT
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
+from rendezvous.credit_ledger import CreditLedger, CreditOutcome
 from rendezvous.pacing import Pacer, paced_cut
 from rendezvous.protocol.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.protocol.pages import EnginePage, TransferPage
@@ -39,7 +42,7 @@ from rendezvous.protocol.requests import (
     SourceReadySpec,
     TargetSpec,
 )
-from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts, StoreUnavailableError
+from rendezvous.store.base import CallerView, EventPage, Store, StoreCounts
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +50,6 @@ _BINDING_REFUSALS = frozenset({Reason.BINDING_INVALID, Reason.BINDING_MISMATCH, 
 
 A = TypeVar("A")
 B = TypeVar("B")
-T = TypeVar("T")
-SpecT = TypeVar("SpecT", TargetSpec, ClaimSpec, SourceReadySpec, CompletionSpec, RevocationAck, ReleaseSpec, AbortSpec)
 
 
 class TransitionObserver(Protocol):
@@ -66,39 +67,8 @@ class ItemOutcome:
     error: RendezvousError | None = None
 
 
-@dataclass(frozen=True)
-class CreditOutcome:
-    """The result of one ReserveCredits or ReleaseCredits item: the reservation, or the error."""
-
-    transfer_id: str
-    reservation: credits.Reservation | None = None
-    error: RendezvousError | None = None
-
-
 _STORE_BATCH = 256
 """Transfers a sweep or an engine loss applies per store call (Store.update_transfers)."""
-
-_RESERVE_ATTEMPTS = 32
-"""Compare-and-set rounds of one reservation before it gives up (every round lost is another's success)."""
-
-
-@dataclass
-class _CapacityGate:
-    """A consumer's usage while its RegisterTarget batch applies (items apply in order).
-
-    A step may run more than once for one item (a networked store redoes a transition, or checks a refusal
-    again, on the current record), and a later rule (the budget) may still refuse it: the step only proposes
-    its item's usage, which `settle` takes once the item's outcome is known."""
-
-    spent: EngineCredits
-    reservations: Mapping[str, credits.Reservation]
-    proposed: EngineCredits | None = None
-
-    def settle(self, outcome: ItemOutcome) -> None:
-        """The item ended: its proposed usage is spent if it was admitted."""
-        if outcome.error is None and self.proposed is not None:
-            self.spent = self.proposed
-        self.proposed = None
 
 
 class Coordinator:
@@ -119,6 +89,7 @@ class Coordinator:
         self.timeouts = timeouts or Timeouts()
         self.clock = clock
         self.observer = observer
+        self.credits = CreditLedger(store, self.limits, self.timeouts, clock)
         self._page_key: bytes | None = None
 
     async def _both(self, first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
@@ -141,39 +112,40 @@ class Coordinator:
             self._page_key = await self.store.page_token_key()
         return self._page_key
 
-    def _context(self) -> Context:
+    def context(self) -> Context:
+        """The context a transition of now runs in (the clock read once, the policy)."""
         return Context(self.clock(), self.limits, self.timeouts)
 
     async def _apply(
-        self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition]
-    ) -> Transition:
-        seen: list[Transfer | None] = []  # every record fn was applied to (a shared store may retry): the last counts
-        transition = await self.store.update_transfer(transfer_id, partial(_recording, fn, seen))
-        self._observe(transfer_id, seen, transition)
-        return transition
+        self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Decision]
+    ) -> Decision:
+        decision = _decided(await self.store.update_transfer(transfer_id, fn))
+        self._observe(transfer_id, decision)
+        return decision
 
     async def _apply_all(
-        self, updates: Sequence[tuple[str, Callable[[Transfer | None, Mapping[str, Engine]], Transition]]]
-    ) -> list[Transition | Exception]:
-        """_apply for several transfers in one store call (Store.update_transfers): a transition or an error each."""
-        seen: list[list[Transfer | None]] = [[] for _ in updates]
-        results = await self.store.update_transfers(
-            [(transfer_id, partial(_recording, fn, s)) for (transfer_id, fn), s in zip(updates, seen, strict=True)]
-        )
-        for (transfer_id, _), s, result in zip(updates, seen, results, strict=True):
-            if not isinstance(result, Exception):
-                self._observe(transfer_id, s, result)
-        return results
+        self, updates: Sequence[tuple[str, Callable[[Transfer | None, Mapping[str, Engine]], Decision]]]
+    ) -> list[Decision | Exception]:
+        """_apply for several transfers in one store call (Store.update_transfers): a decision or an error each."""
+        results = await self.store.update_transfers(updates)
+        decisions: list[Decision | Exception] = []
+        for (transfer_id, _), result in zip(updates, results, strict=True):
+            if isinstance(result, Exception):
+                decisions.append(result)
+            else:
+                decision = _decided(result)
+                self._observe(transfer_id, decision)
+                decisions.append(decision)
+        return decisions
 
-    def _observe(self, transfer_id: str, seen: Sequence[Transfer | None], transition: Transition) -> None:
-        """Tell the observer and the log about an applied transition (seen: the records its fn was applied to)."""
-        if seen:
-            before = seen[-1]
-            after = transition.transfer
-            if before is not after:
-                if self.observer is not None:
-                    self.observer.on_transition(before, after, self.clock())
-                _log_transition(transfer_id, before, after)
+    def _observe(self, transfer_id: str, decision: Decision) -> None:
+        """Tell the observer and the log about an applied transition."""
+        before = decision.before
+        after = decision.transfer
+        if before is not after:
+            if self.observer is not None:
+                self.observer.on_transition(before, after, self.clock())
+            _log_transition(transfer_id, before, after)
 
     # Engines
 
@@ -232,7 +204,7 @@ class Coordinator:
         if not engine.unlost_incarnation:
             return engine
         pending = engine.unlost_incarnation
-        await self._lose_engine(engine_rules.predecessor(engine, now))
+        await self.lose_engine(engine_rules.predecessor(engine, now))
         cleared = await self.store.update_engine(engine.engine_id, lambda cur: engine_rules.loss_applied(cur, pending))
         return cleared if cleared is not None and cleared.incarnation == engine.incarnation else engine
 
@@ -247,7 +219,7 @@ class Coordinator:
         )
         assert ended is not None
         log.info("engine deregistered", extra={"engine_id": engine_id, "incarnation": ended.incarnation})
-        return await self._lose_engine(ended)
+        return await self.lose_engine(ended)
 
     async def get_engine(self, engine_id: str) -> Engine:
         """A live engine."""
@@ -286,25 +258,36 @@ class Coordinator:
         token = paging.encode_token(await self._page_token_key(), scope, page[-1].engine_id) if more else ""
         return EnginePage(page, token)
 
-    async def _lose_engine(self, lost: Engine) -> int:
+    async def apply_each(
+        self, transfer_ids: Sequence[str], transition: Callable[[Transfer | None], Transition], failure: str
+    ) -> list[Transition]:
+        """A transition no caller asked for (an engine loss, an expiry) on each transfer, _STORE_BATCH per store
+        call; a transfer it fails on is logged under failure and left out (one bad record must not keep the
+        others from the rule: its deadline still applies)."""
+        applied: list[Transition] = []
+        for first in range(0, len(transfer_ids), _STORE_BATCH):
+            chunk = transfer_ids[first : first + _STORE_BATCH]
+            results = await self._apply_all([(t, lambda cur, _e: Decision.of(transition(cur), cur)) for t in chunk])
+            for transfer_id, result in zip(chunk, results, strict=True):
+                if isinstance(result, Exception):
+                    log.error(failure, exc_info=result, extra={"transfer_id": transfer_id})
+                else:
+                    applied.append(result)
+        return applied
+
+    async def lose_engine(self, lost: Engine) -> int:
         """Abort the live transfers of an ended incarnation and tell its peers; its credits come back."""
-        ctx = self._context()
-        await self._reclaim_credits(lost)
+        ctx = self.context()
+        await self.credits.reclaim(lost)
         aborted = 0
         peers: set[str] = set()
         ids = await self.store.live_transfer_ids(lost.engine_id)
-        for first in range(0, len(ids), _STORE_BATCH):
-            chunk = ids[first : first + _STORE_BATCH]
-            results = await self._apply_all([(t, lambda cur, _e: lifecycle.engine_lost(ctx, cur, lost)) for t in chunk])
-            for transfer_id, result in zip(chunk, results, strict=True):
-                if isinstance(result, Exception):
-                    # One bad record must not keep the engine's other transfers alive (its deadline still applies).
-                    log.error("cannot apply engine loss", exc_info=result, extra={"transfer_id": transfer_id})
-                    continue
-                t = result.transfer
-                if t is not None and t.state == State.ABORTED and t.times.end_time == ctx.now:
-                    aborted += 1
-                peers.update(a.engine_id for a in result.events)
+        lost_by = partial(lifecycle.engine_lost, ctx, lost=lost)
+        for result in await self.apply_each(ids, lost_by, "cannot apply engine loss"):
+            t = result.transfer
+            if t is not None and t.state == State.ABORTED and t.times.end_time == ctx.now:
+                aborted += 1
+            peers.update(a.engine_id for a in result.events)
         if peers:
             note: Event[Transfer, Engine] = Event(EventType.PEER_LOST, ctx.now, peer=lost)
             await self.store.append_events([Addressed(p, note) for p in sorted(peers)])
@@ -325,35 +308,27 @@ class Coordinator:
 
     async def _batch(
         self,
-        caller: Engine | None,
+        chain: Chain[CallerT, SpecT],
         items: Sequence[SpecT],
-        step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
         view: CallerView | None = None,
-        half: Role | None = None,
-        exempt: bool = False,
-        settle: Callable[[ItemOutcome], None] | None = None,
     ) -> list[ItemOutcome]:
-        """Apply step to every item; an item's error does not stop the others.
+        """Every item through the chain (core: rules); an item's error does not stop the others.
 
         With the caller's live-transfer count in view (_caller with joins), its live-transfer limit applies
         (core: engines.LiveTransferLimit); with the budget's tallies (with blocks: items that name block
-        ids), the live-block budget (core: budget.BlockBudget). With half,
-        each item takes that half of its transfer: its binding is checked first (core: bindings), unless
-        the server has no binding keys; exempt callers (admin) need none. With settle, items apply one after
-        another and settle hears each outcome before the next item applies.
+        ids), the live-block budget (core: budget.BlockBudget). Items apply one after another, each with the
+        chain its predecessors left (Chain.after), unless none can reach a limit.
         """
         check_batch(len(items), self.limits)
-        caller_id = caller.engine_id if caller is not None else ""
-        rules = self.bindings
-        if half is not None and rules is not None and caller is not None:
-            step = partial(_bound, step, rules, caller.engine_id, half, exempt)
-        limit: engine_rules.LiveTransferLimit | None = None
-        room: budget.BlockBudget | None = None
+        caller = chain.caller
         if caller is not None and view is not None:
             if view.live_transfers is not None:
-                limit = engine_rules.LiveTransferLimit.of(self.limits, caller, view.live_transfers)
+                chain = replace(
+                    chain, limit=engine_rules.LiveTransferLimit.of(self.limits, caller, view.live_transfers)
+                )
             if view.tally is not None:
-                room = budget.BlockBudget.of(self.limits, caller, view.tally)
+                chain = replace(chain, budget=budget.BlockBudget.of(self.limits, caller, view.tally))
+        caller_id = caller.engine_id if caller is not None else ""
 
         def refused(item: SpecT, err: Exception) -> ItemOutcome:
             if not isinstance(err, RendezvousError):
@@ -365,25 +340,12 @@ class Coordinator:
                 )
             return ItemOutcome(item.transfer_id, error=err)
 
-        async def apply(
-            item: SpecT, limit: engine_rules.LiveTransferLimit | None, room: budget.BlockBudget | None
-        ) -> tuple[ItemOutcome, tuple[int, int]]:
-            change = [(0, 0)]
-            fn = partial(_limited, step, self._context(), item, limit, room, change)
-            try:
-                transition = await self._apply(item.transfer_id, fn)
-            except RendezvousError as err:
-                return refused(item, err), (0, 0)
-            return ItemOutcome(item.transfer_id, transfer=transition.transfer), change[0]
-
-        most = sum(len(getattr(item, "block_ids", ())) for item in items) if room is not None else 0
-        roomy = (limit is None or limit.allows(len(items))) and (room is None or room.allows(most))
-        if self.store.concurrent and settle is None and roomy:
+        most = sum(len(getattr(item, "block_ids", ())) for item in items) if chain.budget is not None else 0
+        if self.store.concurrent and chain.within(len(items), most):
             # No item can reach a limit, so they may be applied together (one store call, one round trip
             # to a networked store); items of one transfer still apply in order.
-            results = await self._apply_all(
-                [(i.transfer_id, partial(_limited, step, self._context(), i, None, None, [(0, 0)])) for i in items]
-            )
+            free = chain.unlimited()
+            results = await self._apply_all([(i.transfer_id, partial(free.decide, self.context(), i)) for i in items])
             return [
                 refused(item, r) if isinstance(r, Exception) else ItemOutcome(item.transfer_id, transfer=r.transfer)
                 for item, r in zip(items, results, strict=True)
@@ -392,113 +354,79 @@ class Coordinator:
         pacer = Pacer()  # a store that never waits (memory) would otherwise hold the event loop for the batch
         for item in items:
             await pacer.tick()
-            outcome, change = await apply(item, limit, room)
-            if limit is not None:
-                limit = limit.after(outcome.transfer)
-            if room is not None:
-                room = room.spent(change)
-            if settle is not None:
-                settle(outcome)
-            outcomes.append(outcome)
+            decision: Decision | None = None
+            try:
+                decision = await self._apply(item.transfer_id, partial(chain.decide, self.context(), item))
+            except RendezvousError as err:
+                outcomes.append(refused(item, err))
+            else:
+                outcomes.append(ItemOutcome(item.transfer_id, transfer=decision.transfer))
+            chain = chain.after(decision)
         return outcomes
+
+    def _binding(self, caller: Engine, half: Role | None, exempt: bool) -> Binding | None:
+        """The binding step for caller taking half of its transfers (None: an abort), unless the server has no
+        binding keys; exempt callers (admin) need none."""
+        return Binding(self.bindings, caller.engine_id, half, exempt) if self.bindings is not None else None
 
     async def register_targets(
         self, engine_id: str, incarnation: int, specs: Sequence[TargetSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
-        """A consumer registers destination blocks (exempt: needs no binding, see `_batch`)."""
+        """A consumer registers destination blocks (exempt: needs no binding, see `_binding`)."""
         check_batch(len(specs), self.limits)
         # The items' reservations on any consumer are read with the caller (one round trip to a networked store).
         (consumer, view), held = await self._both(
             self._caller(engine_id, incarnation, joins=True, blocks=True),
-            self._reservations([s.transfer_id for s in specs]),
+            self.credits.holders([s.transfer_id for s in specs]),
         )
-        gate = await self._capacity_gate(consumer, specs) if consumer.capacity.limited else None
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: TargetSpec) -> Transition:
-            credits.check_reserved_elsewhere(consumer, spec.transfer_id, held.get(spec.transfer_id), ctx.now)
-            producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
-            if gate is None:
-                return lifecycle.register_target(ctx, cur, consumer, producer, spec)
-            reservation = gate.reservations.get(spec.transfer_id)
-            spent = credits.target_admission(consumer, gate.spent, cur, reservation, len(spec.block_ids), ctx.now)
-            transition = lifecycle.register_target(ctx, cur, consumer, producer, spec)
-            gate.proposed = spent
-            return transition
-
-        outcomes = await self._batch(
-            consumer,
-            specs,
-            step,
-            view,
-            half=Role.CONSUMER,
-            exempt=exempt,
-            settle=gate.settle if gate is not None else None,
-        )
+        capacity = await self.credits.capacity(consumer, held, specs)
+        binding = self._binding(consumer, Role.CONSUMER, exempt)
+        chain = Chain(lifecycle.register_target, consumer, binding=binding, capacity=capacity)
+        outcomes = await self._batch(chain, specs, view)
         # A reservation the target took the place of is spent: drop it (the core no longer counts it anyway).
         # Consumers without a capacity pay nothing here (routers reserve only on those with one).
-        if gate is not None:
-            for o in outcomes:
-                if o.error is None and o.transfer_id in gate.reservations:
-                    await self.store.credits().drop(o.transfer_id)
+        for o in outcomes:
+            if o.error is None and o.transfer_id in capacity.reservations:
+                await self.store.credits().drop(o.transfer_id)
         return outcomes
 
     async def claim_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[ClaimSpec], exempt: bool = False
     ) -> list[ItemOutcome]:
-        """A producer claims transfers (exempt: needs no binding, see `_batch`)."""
+        """A producer claims transfers (exempt: needs no binding, see `_binding`)."""
         producer, view = await self._caller(engine_id, incarnation, joins=True)
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: ClaimSpec) -> Transition:
-            return lifecycle.claim(ctx, cur, producer, _consumer_of(cur, engines), spec)
-
-        return await self._batch(producer, specs, step, view, half=Role.PRODUCER, exempt=exempt)
+        chain = Chain(lifecycle.claim, producer, binding=self._binding(producer, Role.PRODUCER, exempt))
+        return await self._batch(chain, specs, view)
 
     async def mark_sources_ready(
         self, engine_id: str, incarnation: int, specs: Sequence[SourceReadySpec], exempt: bool = False
     ) -> list[ItemOutcome]:
         """A producer's source blocks are computed; claims the transfer if it had not (exempt: needs no
-        binding, see `_batch`)."""
+        binding, see `_binding`)."""
         producer, view = await self._caller(engine_id, incarnation, joins=True, blocks=True)
-
-        def step(
-            ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: SourceReadySpec
-        ) -> Transition:
-            return lifecycle.mark_source_ready(ctx, cur, producer, _consumer_of(cur, engines), spec)
-
-        return await self._batch(producer, specs, step, view, half=Role.PRODUCER, exempt=exempt)
+        chain = Chain(lifecycle.mark_source_ready, producer, binding=self._binding(producer, Role.PRODUCER, exempt))
+        return await self._batch(chain, specs, view)
 
     async def complete_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[CompletionSpec]
     ) -> list[ItemOutcome]:
         """The side that moved the bytes reports outcomes."""
         mover, _ = await self._caller(engine_id, incarnation)
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: CompletionSpec) -> Transition:
-            return lifecycle.complete(ctx, cur, mover, _consumer_of(cur, engines), spec)
-
-        return await self._batch(mover, specs, step)
+        return await self._batch(Chain(lifecycle.complete, mover), specs)
 
     async def acknowledge_revocations(
         self, engine_id: str, incarnation: int, specs: Sequence[RevocationAck]
     ) -> list[ItemOutcome]:
         """A producer confirms it will not write revoked generations."""
         producer, _ = await self._caller(engine_id, incarnation)
-
-        def step(ctx: Context, cur: Transfer | None, engines: Mapping[str, Engine], spec: RevocationAck) -> Transition:
-            return lifecycle.acknowledge_revocation(ctx, cur, producer, _consumer_of(cur, engines), spec)
-
-        return await self._batch(producer, specs, step)
+        return await self._batch(Chain(lifecycle.acknowledge_revocation, producer), specs)
 
     async def release_targets(
         self, engine_id: str, incarnation: int, specs: Sequence[ReleaseSpec]
     ) -> list[ItemOutcome]:
         """A consumer is done with committed transfers."""
         consumer, _ = await self._caller(engine_id, incarnation)
-
-        def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: ReleaseSpec) -> Transition:
-            return lifecycle.release(ctx, cur, consumer, spec)
-
-        return await self._batch(consumer, specs, step)
+        return await self._batch(Chain(lifecycle.release, consumer), specs)
 
     async def abort_transfers(
         self, engine_id: str, incarnation: int, specs: Sequence[AbortSpec], exempt: bool = False
@@ -506,14 +434,8 @@ class Coordinator:
         """An engine, or with an empty engine_id a router or operator, aborts transfers (under required bindings,
         an engine only those it takes part in, unless exempt: core.bindings.check_abort)."""
         caller = (await self._caller(engine_id, incarnation))[0] if engine_id else None
-        rules = self.bindings
-
-        def step(ctx: Context, cur: Transfer | None, _engines: Mapping[str, Engine], spec: AbortSpec) -> Transition:
-            if caller is not None and rules is not None:
-                check_abort(rules, cur, spec.transfer_id, caller.engine_id, exempt)
-            return lifecycle.abort(ctx, cur, caller, spec)
-
-        outcomes = await self._batch(caller, specs, step)
+        binding = self._binding(caller, None, exempt) if caller is not None else None
+        outcomes = await self._batch(Chain(lifecycle.abort, caller, binding=binding), specs)
         # An ended transfer's reservation holds no credit (core: credits.counts), whoever aborted it; a router's
         # abort, which may name an id that only holds a reservation, also drops the record (engines' aborts, on
         # the hot path, leave it to the router's release or the sweeper).
@@ -523,114 +445,19 @@ class Coordinator:
                     await self.store.credits().drop(o.transfer_id)
         return outcomes
 
-    # Credits
-
-    async def _each(self, calls: Sequence[Awaitable[T]]) -> list[T]:
-        """Store calls in flight together where that gains (Store.concurrent), else one by one."""
-        if self.store.concurrent:
-            return list(await asyncio.gather(*calls))
-        return [await call for call in calls]
-
-    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> EngineCredits:
-        """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
-        as many as its capacity admits, so the reads are bounded by it; only counted, without a block limit) and
-        its reservations' transfers."""
-        ids = [r.transfer_id for r in reservations]
-        if not engine.capacity.max_blocks:
-            count = (await self.store.live_transfer_counts([engine.engine_id]))[engine.engine_id]
-            found = await self._each([self.store.get_transfer(tid) for tid in ids])
-            return credits.usage_by_count(engine, count, reservations, dict(zip(ids, found, strict=True)), now)
-        live = await self.store.live_transfer_ids(engine.engine_id)
-        records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
-        targets = [t for t in records[: len(live)] if t is not None]
-        return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
-
-    async def _reservations(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
-        """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, in one store call:
-        a RegisterTarget honours the router's choice of consumer (core: credits.check_reserved_elsewhere)."""
-        ids = []
-        for transfer_id in dict.fromkeys(transfer_ids):
-            try:
-                check_id("transfer_id", transfer_id, self.limits)
-            except RendezvousError:
-                continue  # its item is refused for it
-            ids.append(transfer_id)
-        return await self.store.credits().holders(ids)
-
-    async def _capacity_gate(self, consumer: Engine, specs: Sequence[TargetSpec]) -> _CapacityGate:
-        ledger = await self.store.credits().ledger(consumer.engine_id)
-        spent = await self._usage(consumer, ledger.reservations, self.clock())
-        wanted = {s.transfer_id for s in specs}
-        return _CapacityGate(spent, {r.transfer_id: r for r in ledger.reservations if r.transfer_id in wanted})
+    # Credits (rendezvous.credit_ledger)
 
     async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, EngineCredits]:
         """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
-        now = self.clock()
-        limited = [e for e in engines if e.capacity.limited]
-        ledgers = await self.store.credits().ledgers([e.engine_id for e in limited])
-        found = await self._each([self._usage(e, ledgers[e.engine_id].reservations, now) for e in limited])
-        return {e.engine_id: u for e, u in zip(limited, found, strict=True)}
+        return await self.credits.usage_of(engines)
 
     async def reserve_credits(self, specs: Sequence[CreditSpec], ttl: float = 0.0) -> list[CreditOutcome]:
-        """Reserve credit on consumer engines for transfer ids, each item atomically (compare-and-set on the
-        engine's ledger; core: credits.reserve decides). An item's error does not stop the others."""
-        check_batch(len(specs), self.limits)
-        lifetime = credits.credit_ttl(ttl, self.timeouts)
-        outcomes: list[CreditOutcome] = []
-        for spec in specs:
-            try:
-                check_id("transfer_id", spec.transfer_id, self.limits)
-                check_id("engine_id", spec.engine_id, self.limits)
-                outcomes.append(CreditOutcome(spec.transfer_id, reservation=await self._reserve(spec, lifetime)))
-            except RendezvousError as err:
-                outcomes.append(CreditOutcome(spec.transfer_id, error=err))
-        return outcomes
-
-    async def _reserve(self, spec: CreditSpec, ttl: float) -> credits.Reservation:
-        ledger_store = self.store.credits()
-        for _ in range(_RESERVE_ATTEMPTS):
-            now = self.clock()
-            engine = await self.store.get_engine(spec.engine_id)
-            ledger = await ledger_store.ledger(spec.engine_id)
-            existing = await ledger_store.get(spec.transfer_id)
-            transfer = await self.store.get_transfer(spec.transfer_id)
-            limited = engine is not None and engine.capacity.limited
-            spent = await self._usage(engine, ledger.reservations, now) if engine is not None and limited else None
-            reservation = credits.reserve(
-                now, engine, spec, existing, transfer, spent or EngineCredits(), ttl, self.limits
-            )
-            if await ledger_store.put(reservation, ledger.version, existing):
-                log.debug(
-                    "credit reserved",
-                    extra={"transfer_id": spec.transfer_id, "engine_id": spec.engine_id, "blocks": spec.blocks},
-                )
-                return reservation
-        raise RendezvousError(
-            Reason.STORE_UNAVAILABLE,
-            f"engine {spec.engine_id}'s credit ledger kept changing under {_RESERVE_ATTEMPTS} attempts; retry",
-            engine_id=spec.engine_id,
-        )
+        """Reserve credit on consumer engines for transfer ids (CreditLedger.reserve)."""
+        return await self.credits.reserve(specs, ttl)
 
     async def release_credits(self, transfer_ids: Sequence[str]) -> list[CreditOutcome]:
-        """Drop the reservations of transfer ids; an id without one is OK (nothing to release)."""
-        check_batch(len(transfer_ids), self.limits)
-        outcomes: list[CreditOutcome] = []
-        for transfer_id in transfer_ids:
-            try:
-                check_id("transfer_id", transfer_id, self.limits)
-                dropped = await self.store.credits().drop(transfer_id)
-                outcomes.append(CreditOutcome(transfer_id, reservation=dropped))
-            except RendezvousError as err:
-                outcomes.append(CreditOutcome(transfer_id, error=err))
-        return outcomes
-
-    async def _reclaim_credits(self, lost: Engine) -> None:
-        """Drop the reservations on an ended incarnation (and older ones): its credit is back."""
-        ledger_store = self.store.credits()
-        ledger = await ledger_store.ledger(lost.engine_id)
-        for r in ledger.reservations:
-            if r.incarnation <= lost.incarnation:
-                await ledger_store.drop(r.transfer_id)
+        """Drop the reservations of transfer ids (CreditLedger.release)."""
+        return await self.credits.release(transfer_ids)
 
     async def get_transfer(self, transfer_id: str) -> Transfer:
         """A transfer, live or tombstone."""
@@ -691,56 +518,11 @@ class Coordinator:
         """Live engines and transfers by state."""
         return await self.store.counts()
 
-    # Time
-
-    async def _sweep_engine(self, engine: Engine, now: float) -> None:
-        """End a lapsed lease, or forget an aged tombstone; the core decides which (engines.lapse)."""
-        ttl = self.timeouts.tombstone_ttl
-        verdict = engine_rules.lapse(engine, now, ttl)
-        if verdict is None:
-            return
-        if verdict is engine_rules.Lapse.TOMBSTONE_AGED:
-            # Apply the loss again before forgetting: the replica that ended it may have died before it could.
-            await self._lose_engine(engine)
-        swept = await self.store.update_engine(engine.engine_id, partial(engine_rules.sweep_engine, now, ttl, engine))
-        if (
-            verdict is engine_rules.Lapse.LEASE_PASSED
-            and swept is not None
-            and swept.incarnation == engine.incarnation
-            and swept.ended_at == now
-        ):
-            log.warning("engine lease expired", extra={"engine_id": engine.engine_id})
-            await self._lose_engine(swept)
+    # Time (rendezvous.sweeper)
 
     async def sweep(self, max_transfers: int = 10_000) -> None:
-        """End lapsed leases, expire due transfers and drop old engine tombstones."""
-        now = self.clock()
-        for engine in await self.store.lapse_candidates(now, self.timeouts.tombstone_ttl):
-            try:
-                await self._sweep_engine(engine, now)
-            except StoreUnavailableError:
-                raise
-            except Exception:
-                # One bad record must not stop the leases of every other engine from being enforced.
-                log.exception("cannot sweep engine", extra={"engine_id": engine.engine_id})
-        ctx = self._context()
-        due = await self.store.due_transfers(ctx.now, max_transfers)
-        for first in range(0, len(due), _STORE_BATCH):
-            chunk = due[first : first + _STORE_BATCH]
-            results = await self._apply_all([(t, lambda cur, _e: lifecycle.expire(ctx, cur)) for t in chunk])
-            for transfer_id, result in zip(chunk, results, strict=True):
-                if isinstance(result, Exception):
-                    # One bad record must not stop every other transfer from expiring.
-                    log.error("cannot expire transfer", exc_info=result, extra={"transfer_id": transfer_id})
-        await self._expire_credits(ctx.now, max_transfers)
-
-    async def _expire_credits(self, now: float, limit: int) -> None:
-        """Drop reservations past their ttl (the core no longer counts them; this frees their records)."""
-        ledger_store = self.store.credits()
-        for transfer_id in await ledger_store.due(now, limit):
-            reservation = await ledger_store.get(transfer_id)
-            if reservation is not None and reservation.expires_at <= now:
-                await ledger_store.drop(transfer_id)
+        """End lapsed leases, expire due transfers and drop old engine tombstones and reservations."""
+        await sweeper.sweep(self, max_transfers)
 
 
 def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer | None) -> None:
@@ -776,54 +558,7 @@ def _log_transition(transfer_id: str, before: Transfer | None, after: Transfer |
         )
 
 
-def _bound(
-    step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
-    rules: BindingRules,
-    engine_id: str,
-    half: Role,
-    exempt: bool,
-    ctx: Context,
-    cur: Transfer | None,
-    engines: Mapping[str, Engine],
-    item: SpecT,
-) -> Transition:
-    """Apply step once the item's binding admits engine_id to its half (before any other rule, so the
-    refusal is the same whether the transfer exists or not)."""
-    check_binding(rules, ctx.now, cur, item.transfer_id, getattr(item, "binding", None), engine_id, half, exempt)
-    return step(ctx, cur, engines, item)
-
-
-def _recording(
-    fn: Callable[[Transfer | None, Mapping[str, Engine]], Transition],
-    seen: list[Transfer | None],
-    cur: Transfer | None,
-    engines: Mapping[str, Engine],
-) -> Transition:
-    """fn, noting each record it is applied to (a shared store may apply it more than once: the last counts)."""
-    seen.append(cur)
-    return fn(cur, engines)
-
-
-def _limited(
-    step: Callable[[Context, Transfer | None, Mapping[str, Engine], SpecT], Transition],
-    ctx: Context,
-    item: SpecT,
-    limit: engine_rules.LiveTransferLimit | None,
-    room: budget.BlockBudget | None,
-    change: list[tuple[int, int]],
-    cur: Transfer | None,
-    engines: Mapping[str, Engine],
-) -> Transition:
-    """Apply step within the caller's live-transfer limit and live-block budget, if they apply; the
-    block ids the step adds (budget.BlockBudget.change) are left in change[0]."""
-    if limit is not None:
-        limit.check(cur)
-    transition = step(ctx, cur, engines, item)
-    if room is not None:
-        change[0] = room.change(cur, transition.transfer)
-        room.refuse(change[0])
+def _decided(transition: Transition) -> Decision:
+    """The decision a store applied: it answers with what the applied function returned."""
+    assert isinstance(transition, Decision), transition
     return transition
-
-
-def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:
-    return engines.get(cur.consumer_engine_id) if cur and cur.consumer_engine_id else None

@@ -5,9 +5,11 @@
     CLAIMED  ─┘                      └─> (auto-released after release_timeout)
     any live state ─> ABORTED (requested, deadline, peer lost, layout/block mismatch, failure)
 
-Each function takes the current record (None if unknown), the engines concerned and a
-request, and returns a `Transition`: the new record and the events to append, or raises
-`RendezvousError` leaving the record untouched. Stores apply a transition atomically.
+Every request's transition has one signature, `Rule` (rendezvous.core.rules): the context, the current
+record (None if unknown), the calling engine, the engines the record names (as the store read them, by id)
+and the request. It returns a `Transition`: the new record and the events to append, or raises
+`RendezvousError` leaving the record untouched. Stores apply a transition atomically. The sweeper's two
+(`expire`, `engine_lost`) answer no caller and take only what they need.
 
 Fencing: a producer holds at most one generation of a transfer (`assigned_generation`).
 When the consumer re-registers with a newer generation, or the transfer is aborted while
@@ -30,7 +32,7 @@ Parts change nothing else: the generation commits, is revoked or aborts as a who
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from rendezvous.core.engines import layout_mismatch
@@ -220,6 +222,11 @@ def _source_ready(ctx: Context, t: Transfer, producer: Engine) -> Transition:
     return Transition(t, (_event(ctx, t.consumer_engine_id, EventType.SOURCE_READY, t, t.generation, producer),))
 
 
+def _consumer_of(cur: Transfer | None, engines: Mapping[str, Engine]) -> Engine | None:
+    """The transfer's consumer as the store read it, if it has one."""
+    return engines.get(cur.consumer_engine_id) if cur and cur.consumer_engine_id else None
+
+
 def _current(engine: Engine | None, incarnation: int, now: float) -> bool:
     """Whether engine is the live incarnation a transfer recorded for one of its sides."""
     return engine is not None and engine.incarnation == incarnation and engine.alive(now)
@@ -328,9 +335,10 @@ def _match(ctx: Context, t: Transfer, consumer: Engine | None, producer: Engine 
 
 
 def register_target(
-    ctx: Context, cur: Transfer | None, consumer: Engine, producer: Engine | None, spec: TargetSpec
+    ctx: Context, cur: Transfer | None, consumer: Engine, engines: Mapping[str, Engine], spec: TargetSpec
 ) -> Transition:
     """A consumer registers destination blocks for a generation of a transfer."""
+    producer = engines.get(cur.producer_engine_id) if cur and cur.producer_engine_id else None
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     check_block_ids(spec.block_ids, ctx.limits, consumer.num_blocks())
     if spec.generation < 1:
@@ -413,8 +421,11 @@ def register_target(
     return _deliver(ctx, retarget, consumer, producer)
 
 
-def claim(ctx: Context, cur: Transfer | None, producer: Engine, consumer: Engine | None, spec: ClaimSpec) -> Transition:
+def claim(
+    ctx: Context, cur: Transfer | None, producer: Engine, engines: Mapping[str, Engine], spec: ClaimSpec
+) -> Transition:
     """A producer claims a transfer: it will provide the KV."""
+    consumer = _consumer_of(cur, engines)
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     timeout = resolve_timeout(spec.timeout, ctx.timeouts.default_claim_timeout, ctx.timeouts)
     _require_role(producer, Role.PRODUCER)
@@ -469,9 +480,10 @@ def _claim(
 
 
 def mark_source_ready(
-    ctx: Context, cur: Transfer | None, producer: Engine, consumer: Engine | None, spec: SourceReadySpec
+    ctx: Context, cur: Transfer | None, producer: Engine, engines: Mapping[str, Engine], spec: SourceReadySpec
 ) -> Transition:
     """A producer's blocks are computed. Claims the transfer if the producer had not."""
+    consumer = _consumer_of(cur, engines)
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     check_block_ids(spec.block_ids, ctx.limits, producer.num_blocks())
     _require_role(producer, Role.PRODUCER)
@@ -546,9 +558,10 @@ def _revocation_reported(
 
 
 def complete(
-    ctx: Context, cur: Transfer | None, engine: Engine, consumer: Engine | None, spec: CompletionSpec
+    ctx: Context, cur: Transfer | None, engine: Engine, engines: Mapping[str, Engine], spec: CompletionSpec
 ) -> Transition:
     """The side moving the bytes (producer in push, consumer in pull) reports a generation's outcome."""
+    consumer = _consumer_of(cur, engines)
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     if spec.outcome is Outcome.UNSPECIFIED:
         raise RendezvousError(Reason.OUTCOME_UNSPECIFIED, "outcome must be SUCCEEDED or FAILED")
@@ -613,9 +626,10 @@ def _check_written_parts(t: Transfer, engine: Engine, ranks: frozenset[int], spe
 
 
 def acknowledge_revocation(
-    ctx: Context, cur: Transfer | None, producer: Engine, consumer: Engine | None, spec: RevocationAck
+    ctx: Context, cur: Transfer | None, producer: Engine, engines: Mapping[str, Engine], spec: RevocationAck
 ) -> Transition:
     """The producer will not write the revoked generation (never started, or drained)."""
+    consumer = _consumer_of(cur, engines)
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     if spec.generation < 1:
         raise RendezvousError(Reason.GENERATION_INVALID, "generation starts at 1")
@@ -640,7 +654,9 @@ def acknowledge_revocation(
     )
 
 
-def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseSpec) -> Transition:
+def release(
+    ctx: Context, cur: Transfer | None, consumer: Engine, _engines: Mapping[str, Engine], spec: ReleaseSpec
+) -> Transition:
     """The consumer is done with a committed transfer (or acknowledges an abort)."""
     check_id("transfer_id", spec.transfer_id, ctx.limits)
     if spec.generation < 1:
@@ -678,7 +694,9 @@ def release(ctx: Context, cur: Transfer | None, consumer: Engine, spec: ReleaseS
     return _release(ctx, cur)
 
 
-def abort(ctx: Context, cur: Transfer | None, caller: Engine | None, spec: AbortSpec) -> Transition:
+def abort(
+    ctx: Context, cur: Transfer | None, caller: Engine | None, _engines: Mapping[str, Engine], spec: AbortSpec
+) -> Transition:
     """An engine (or, with caller None, a router or operator) aborts a transfer.
 
     Aborting an unknown id leaves a tombstone, so halves that arrive later learn of the abort.

@@ -30,15 +30,14 @@ from rendezvous.protocol import convert
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server.authfile import (
     ADMIN,
-    BINDING_EXEMPT,
-    CALLER_IDENTITY,
+    ANONYMOUS,
     RELOAD_CHECK,
     ROUTER,
     AuthPolicy,
+    Caller,
     Identity,
 )
 from rendezvous.server.backoff import InvalidBackoff
-from rendezvous.server.disclosure import TRANSFER_CALLS, hide_non_participation
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.server.turns import FairTurns
@@ -46,9 +45,21 @@ from rendezvous.store.base import StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
+# The batched transfer calls (one ItemResult per item).
+_TRANSFER_CALLS = frozenset(
+    {
+        "RegisterTarget",
+        "ClaimTransfer",
+        "MarkSourceReady",
+        "CompleteTransfer",
+        "AcknowledgeRevocation",
+        "ReleaseTarget",
+        "AbortTransfer",
+    }
+)
 # RPCs an engine makes for itself: request.engine_id names the engine acted for.
 _ENGINE_SCOPED = (
-    frozenset({"RegisterEngine", "KeepAlive", "DeregisterEngine", "Watch", "ListTransfers"}) | TRANSFER_CALLS
+    frozenset({"RegisterEngine", "KeepAlive", "DeregisterEngine", "Watch", "ListTransfers"}) | _TRANSFER_CALLS
 )
 # RPCs the router role may make for any engine (AbortTransfer only as the router: empty engine_id).
 _ROUTER_CALLS = frozenset(
@@ -76,13 +87,21 @@ EngineLookup = Callable[[str], Awaitable[Engine | None]]
 
 
 @dataclass
-class _Caller:
+class _Admitted:
     """An admitted caller: its identity (None without auth), its key for the quotas, and the auth file's
     generation it was last found unchanged in."""
 
     identity: Identity | None
     key: str
     generation: int
+
+
+def _rights(identity: Identity | None) -> Caller:
+    """What the servicer is told of a unary call's identity (rendezvous.server.authfile.Caller)."""
+    if identity is None:
+        return ANONYMOUS
+    admin = identity.has_role(ADMIN)
+    return Caller(identity.key, exempt=admin, hides_non_participation=not admin)
 
 
 class _Denied(Exception):
@@ -202,7 +221,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             raise RendezvousError(Reason.ENGINE_NOT_FOUND, f"engine {engine_id} is not registered", engine_id=engine_id)
         return engine.pool in identity.pools
 
-    def _identify_caller(self, method: str, context: grpc.aio.ServicerContext, request_bytes: int) -> _Caller:
+    def _identify_caller(self, method: str, context: grpc.aio.ServicerContext, request_bytes: int) -> _Admitted:
         """Identify a call and charge its size to its caller, before its request is parsed. Only a caller
         without a known token or certificate is charged to its host's refused calls (and refused RATE_LIMITED
         once they are spent): a caller that authenticated is never refused for another's failures."""
@@ -219,9 +238,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         key = self._caller(identity, peer)
         quotas = self._quotas
         quotas.admit(key, request_bytes if quotas.charges_by_size else 0)
-        return _Caller(identity, key, generation)
+        return _Admitted(identity, key, generation)
 
-    async def _authorize_call(self, method: str, caller: _Caller, request: Any) -> None:
+    async def _authorize_call(self, method: str, caller: _Admitted, request: Any) -> None:
         """Authorize an identified call; a denied call stays charged to its caller's own rate."""
         try:
             await self._authorize(method, caller.identity, request)
@@ -230,7 +249,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             log.info("call denied", extra={"method": method, "identity": name, "reason": err.reason})
             raise
 
-    async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> _Caller:
+    async def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> _Admitted:
         """Identify, charge and authorize a call whose request is parsed (a stream's)."""
         caller = self._identify_caller(method, context, request.ByteSize())
         await self._authorize_call(method, caller, request)
@@ -240,7 +259,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         quotas = self._quotas
         quotas.admit(key, request.ByteSize() if quotas.charges_by_size else 0)
 
-    def _recheck(self, caller: _Caller) -> None:
+    def _recheck(self, caller: _Admitted) -> None:
         """Raise _Denied once the stream's identity left the auth file or changed (checked on every message)."""
         policy = self._policy
         if policy is not None and caller.identity is not None:
@@ -283,7 +302,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return checked
 
     async def _serve(
-        self, method: str, behavior: Callable[..., Awaitable[Any]], caller: _Caller, request: Any, context: Any
+        self, method: str, behavior: Callable[..., Awaitable[Any]], caller: _Admitted, request: Any, context: Any
     ) -> Any:
         try:
             await self._authorize_call(method, caller, request)
@@ -291,18 +310,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         except (RendezvousError, StoreUnavailableError) as exc:
             await self._refuse(method, context, _as_error(exc))
             raise AssertionError("unreachable: abort_with_status raises") from None
-        identity = caller.identity
-        admin = identity is not None and identity.has_role(ADMIN)
-        exempt = BINDING_EXEMPT.set(admin)
-        named = CALLER_IDENTITY.set(identity.key if identity is not None else "")
         try:
-            response = await behavior(request, context)
-            if identity is not None and not admin and method in TRANSFER_CALLS:
-                hide_non_participation(method, response)
-            return response
+            return await behavior(request, context, _rights(caller.identity))
         finally:
-            BINDING_EXEMPT.reset(exempt)
-            CALLER_IDENTITY.reset(named)
             self._quotas.leave(caller.key)
 
     def _unary_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
@@ -325,7 +335,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _stream_stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
         async def checked(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            admitted: list[_Caller] = []  # once the first message is admitted
+            admitted: list[_Admitted] = []  # once the first message is admitted
 
             async def each_checked() -> AsyncIterator[Any]:
                 async for request in requests:
@@ -356,7 +366,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return checked
 
     async def _while_known(
-        self, responses: AsyncIterator[Any], caller: Callable[[], _Caller | None]
+        self, responses: AsyncIterator[Any], caller: Callable[[], _Admitted | None]
     ) -> AsyncIterator[Any]:
         """A stream's responses, ended with _Denied once its caller's identity leaves the auth file (or
         changes): checked before every response is sent, and every RELOAD_CHECK while the stream waits, so

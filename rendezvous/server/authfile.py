@@ -38,7 +38,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,13 +58,23 @@ DEFAULT_MIN_TOKEN_BYTES = 16
 # Re-check the auth file's modification time at most this often (seconds).
 RELOAD_CHECK = 1.0
 
-BINDING_EXEMPT: ContextVar[bool] = ContextVar("binding_exempt", default=False)
-"""Whether the call being served may take a transfer's half without the router's binding (when
-bindings are required): set by the auth guard for admin identities, read where the service applies bindings."""
 
-CALLER_IDENTITY: ContextVar[str] = ContextVar("caller_identity", default="")
-"""The key (Identity.key) of the identity the current call was admitted as ("" without auth): set by the auth
-guard around a unary call, read by the servicer to name who registers an engine (the memory budget's owner)."""
+@dataclass(frozen=True)
+class Caller:
+    """Who a unary call was admitted as: what the auth guard hands the servicer with the request (a servicer
+    served without the guard, or a call without auth, gets `ANONYMOUS`)."""
+
+    key: str = ""
+    """The identity's key (Identity.key; "" without auth): owner of the engines it registers (the memory
+    budget) and of the answers kept for its request ids."""
+    exempt: bool = False
+    """It may take a transfer's half without the router's binding when bindings are required (admin)."""
+    hides_non_participation: bool = False
+    """Its NOT_PARTICIPANT items are answered as the call answers an unknown id (rendezvous.server.disclosure):
+    every identity but admin."""
+
+
+ANONYMOUS = Caller()
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,19 @@ from google.protobuf.message import Message
 from grpc_status import rpc_status
 
 from rendezvous import __version__, wire
-from rendezvous.coordinator import Coordinator, CreditOutcome, ItemOutcome
+from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, Event, State, Transfer
 from rendezvous.core.parts import check_request_part_count
 from rendezvous.core.validation import check_batch
+from rendezvous.credit_ledger import CreditOutcome
 from rendezvous.pacing import Pacer, paced_map
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.requests import CompletionSpec, SourceReadySpec, TargetSpec
-from rendezvous.server import idempotency
-from rendezvous.server.authfile import BINDING_EXEMPT, CALLER_IDENTITY
+from rendezvous.server import disclosure, idempotency
+from rendezvous.server.authfile import ANONYMOUS, Caller
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.watch_buffers import Stream, WatchBuffers
 from rendezvous.store.base import StoreUnavailableError
@@ -45,7 +46,9 @@ log = logging.getLogger(__name__)
 ResponseT = TypeVar("ResponseT", bound=Message)
 SpecT = TypeVar("SpecT")
 M = TypeVar("M", bound=Message)
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[ResponseT]]
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext, Caller], Awaitable[ResponseT]]
+Served = Callable[..., Awaitable[ResponseT]]
+"""A unary RPC as served: (servicer, request, context), and the Caller where the auth guard hands one."""
 
 
 def _as_error(exc: Exception, method: str, request_id: str = "") -> RendezvousError:
@@ -78,14 +81,16 @@ async def _abort(context: grpc.aio.ServicerContext, err: RendezvousError) -> Non
     await context.abort_with_status(rpc_status.to_status(convert.error_status(err)))
 
 
-def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handler[ResponseT]]:
+def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Served[ResponseT]]:
     """Error mapping, metrics and, for requests with a request_id, idempotency (AIP-155) of a unary handler."""
 
-    def decorate(handler: Handler[ResponseT]) -> Handler[ResponseT]:
+    def decorate(handler: Handler[ResponseT]) -> Served[ResponseT]:
         method = handler.__name__
 
         @functools.wraps(handler)
-        async def wrapped(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
+        async def wrapped(
+            self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext, caller: Caller = ANONYMOUS
+        ) -> ResponseT:
             started = time.perf_counter()
             code = "OK"
             engine_id = getattr(request, "engine_id", "")
@@ -100,11 +105,11 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Handl
                         kept = await store.get_response(key)
                         if kept is not None:
                             return idempotency.answer(request, kept, response_type)
-                    response = await handler(self, request, context)
+                    response = await handler(self, request, context, caller)
                     if key:
                         value = idempotency.entry(request, response, self.coordinator.limits.max_answer_bytes)
                         if value is not None:
-                            await store.put_response(key, value, self.idempotency_ttl, CALLER_IDENTITY.get())
+                            await store.put_response(key, value, self.idempotency_ttl, caller.key)
                     return response
                 except Exception as exc:
                     err = _as_error(exc, method, request_id)
@@ -127,7 +132,7 @@ def _batch_rpc(
     takes_half: bool = False,
     check: Callable[[Any, Limits], None] | None = None,
     observe: Callable[[Metrics, Sequence[SpecT], Sequence[ItemOutcome]], None] | None = None,
-) -> Handler[ResponseT]:
+) -> Served[ResponseT]:
     """A batched transfer RPC: the items of the request's repeated `field`, each converted by spec (under the
     server's limits), through one coordinator call, one ItemResult each, in order.
 
@@ -139,8 +144,10 @@ def _batch_rpc(
     """
     method = response_type.__name__.removesuffix("Response")
 
-    async def handler(self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext) -> ResponseT:
-        extra = {"exempt": BINDING_EXEMPT.get()} if takes_half else {}
+    async def handler(
+        self: RendezvousServicer, request: Any, context: grpc.aio.ServicerContext, caller: Caller
+    ) -> ResponseT:
+        extra = {"exempt": caller.exempt} if takes_half else {}
         raw = getattr(request, field)
         limits = self.coordinator.limits
         check_batch(len(raw), limits)
@@ -152,7 +159,8 @@ def _batch_rpc(
         if observe is not None:
             observe(self.metrics, items, outcomes)
         response = response_type(header=await self._header(seen=True))
-        await self._results(method, outcomes, response.results)  # type: ignore[attr-defined]
+        results = response.results  # type: ignore[attr-defined]
+        await self._results(method, outcomes, results, caller.hides_non_participation)
         return response
 
     handler.__name__ = handler.__qualname__ = method
@@ -302,16 +310,20 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self.metrics.rpcs.labels(method, err.code.name).inc()
         await _abort(context, err)
 
-    async def _results(self, method: str, outcomes: Sequence[ItemOutcome], results: Any) -> None:
+    async def _results(self, method: str, outcomes: Sequence[ItemOutcome], results: Any, hides: bool) -> None:
         """One ItemResult per outcome, added to a response's results in place (no message copied in); yields to
-        the event loop between items (rendezvous.pacing)."""
+        the event loop between items (rendezvous.pacing). hides: a NOT_PARTICIPANT item is answered as an
+        unknown id (rendezvous.server.disclosure)."""
         self.metrics.batch_items(method, len(outcomes))
         pacer = Pacer()
         for o in outcomes:
             await pacer.tick()
             item = results.add(transfer_id=o.transfer_id)
             if o.error is not None:
-                item.status.CopyFrom(convert.error_status(o.error))
+                if hides and o.error.reason == Reason.NOT_PARTICIPANT:
+                    disclosure.answer_as_unknown(method, item)
+                else:
+                    item.status.CopyFrom(convert.error_status(o.error))
             if o.transfer is not None:
                 item.state = number(o.transfer.state)
                 item.revoking_generation = o.transfer.revoking_generation
@@ -320,13 +332,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     @_rpc(pb.RegisterEngineResponse)
     async def RegisterEngine(
-        self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext
+        self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.RegisterEngineResponse:
         # The registering identity owns the engine for the memory budget (per-identity tallies; none without auth).
         # Up to 16,384 regions and 2 MiB of metadata: converted, registered and answered in separate turns.
         pacer = Pacer()
         agents = await paced_map(convert.agent, request.agents)
-        spec = replace(convert.engine_spec(request, agents), owner=CALLER_IDENTITY.get())
+        spec = replace(convert.engine_spec(request, agents), owner=caller.key)
         engine, start = await self.coordinator.register_engine(spec)
         await pacer.tick()
         return pb.RegisterEngineResponse(
@@ -350,13 +362,15 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     @_rpc(pb.DeregisterEngineResponse)
     async def DeregisterEngine(
-        self, request: pb.DeregisterEngineRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DeregisterEngineRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.DeregisterEngineResponse:
         aborted = await self.coordinator.deregister_engine(request.engine_id, request.incarnation)
         return pb.DeregisterEngineResponse(header=await self._header(seen=True), aborted_transfers=aborted)
 
     @_rpc(pb.GetEngineResponse)
-    async def GetEngine(self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> pb.GetEngineResponse:
+    async def GetEngine(
+        self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext, caller: Caller
+    ) -> pb.GetEngineResponse:
         engine = await self.coordinator.get_engine(request.engine_id)
         live = await self.coordinator.store.live_transfer_counts([engine.engine_id])
         message = wire.engine_message(engine, live_transfers=live[engine.engine_id])
@@ -366,7 +380,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     @_rpc(pb.ListEnginesResponse)
     async def ListEngines(
-        self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.ListEnginesResponse:
         role = wire.role_filter(request.role)
         messages: dict[str, pb.Engine] = {}
@@ -438,7 +452,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     @_rpc(pb.ReserveCreditsResponse)
     async def ReserveCredits(
-        self, request: pb.ReserveCreditsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ReserveCreditsRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.ReserveCreditsResponse:
         check_batch(len(request.reservations), self.coordinator.limits)  # before any item is converted
         outcomes = await self.coordinator.reserve_credits(
@@ -450,7 +464,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     @_rpc(pb.ReleaseCreditsResponse)
     async def ReleaseCredits(
-        self, request: pb.ReleaseCreditsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ReleaseCreditsRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.ReleaseCreditsResponse:
         outcomes = await self.coordinator.release_credits(list(request.transfer_ids))
         return pb.ReleaseCreditsResponse(
@@ -459,14 +473,14 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     @_rpc(pb.GetTransferResponse)
     async def GetTransfer(
-        self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.GetTransferResponse:
         transfer = await self.coordinator.get_transfer(request.transfer_id)
         return pb.GetTransferResponse(header=await self._header(), transfer=convert.transfer_message(transfer))
 
     @_rpc(pb.ListTransfersResponse)
     async def ListTransfers(
-        self, request: pb.ListTransfersRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListTransfersRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.ListTransfersResponse:
         states = [State(s) for s in request.states if s in State._value2member_map_]
         if len(states) != len(request.states):
@@ -487,7 +501,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         )
 
     @_rpc(pb.GetStatusResponse)
-    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.GetStatusResponse:
+    async def GetStatus(
+        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext, caller: Caller
+    ) -> pb.GetStatusResponse:
         counts = await self.coordinator.counts()
         return pb.GetStatusResponse(
             header=await self._header(),

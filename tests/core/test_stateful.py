@@ -400,7 +400,7 @@ class Lifecycle(RuleBasedStateMachine):
     @rule()
     def apply_pending_losses(self) -> None:
         while self.pending_loss:
-            run(self.coord._lose_engine(self.pending_loss.pop(0)))
+            run(self.coord.lose_engine(self.pending_loss.pop(0)))
         self._after()
 
     @rule(e=st.sampled_from(ENGINES), restart=st.booleans())
