@@ -243,13 +243,21 @@ class _Write:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _Blocks:
+    """Whole blocks `src` -> `dst` in `regions` (None: all), addressed in the prepared lists."""
+
+    src: npt.NDArray[np.int64]
+    dst: npt.NDArray[np.int64]
+    regions: range | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Piece:
-    """What one WRITE moves into one target: block ids (its prepared whole blocks) or a plan."""
+    """What one WRITE moves into one target: whole blocks of its prepared lists, or a plan."""
 
     target: _Target
     plan: WritePlan | None
-    src: npt.NDArray[np.int64] | None = None
-    dst: npt.NDArray[np.int64] | None = None
+    blocks: tuple[_Blocks, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -707,7 +715,7 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         source = t.source[len(t.source) - len(a.dst) :]
-        pieces = [_Piece(target, plan, source, a.dst) for target, plan in plans]
+        pieces = [_Piece(target, plan, (_Blocks(source, a.dst),)) for target, plan in plans]
         self._post(transfer_id, t, w, [(p, self._notification(w, p.target)) for p in pieces])
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
@@ -787,22 +795,25 @@ class TransferWriter:
             progress.written.append(self._columns.part(r, grid))
 
     def _pieces(self, a: _Assign, grid: Grid, rects: list[Rectangle], src: npt.NDArray[np.int64]) -> list[_Piece]:
-        """Per target, one WRITE of the rectangles' cells: its prepared whole blocks when one rectangle holds
-        all columns, else their descriptors, merged; targets without a share in them get none."""
+        """Per target, one WRITE of the rectangles' cells: whole blocks of its prepared lists, by index (the
+        rectangles' columns as region ranges), when the target takes whole blocks of equal size; else their
+        descriptors, planned and merged; targets without a share in them get none."""
         assert a.producer is not None
         first_src = grid.start // grid.producer_block_size
         pieces: list[_Piece] = []
         for target in a.targets:
             share = target.share
-            if (
-                target.whole_blocks
-                and grid.runs is None
-                and len(rects) == 1
-                and (rects[0].first_column, rects[0].end_column) == (0, self._columns.count)
-            ):
-                r = rects[0]
-                blocks = slice(first_src + r.first_block, first_src + r.end_block)
-                pieces.append(_Piece(target, None, src[blocks], a.dst[r.first_block : r.end_block]))
+            if target.whole_blocks and grid.runs is None:
+                cells = tuple(
+                    _Blocks(
+                        src[first_src + r.first_block : first_src + r.end_block],
+                        a.dst[r.first_block : r.end_block],
+                        self._columns.regions(r.first_column, r.end_column),
+                    )
+                    for r in rects
+                )
+                if cells:
+                    pieces.append(_Piece(target, None, cells))
                 continue
             plans: list[WritePlan] = []
             for r in rects:
@@ -834,6 +845,14 @@ class TransferWriter:
                 pieces.append(_Piece(target, WritePlan(local, remote)))
         return pieces
 
+    def _indices(self, peer: str, blocks: tuple[_Blocks, ...]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """The prepared descriptors of `blocks`, here and at `peer`; raises `BlockRangeError` when empty."""
+        pairs = [self._endpoint.indices(peer, b.src, b.dst, b.regions) for b in blocks]
+        local, remote = pairs[0] if len(pairs) == 1 else (np.concatenate(x) for x in zip(*pairs, strict=True))
+        if len(local) == 0:
+            raise BlockRangeError("a transfer needs at least one block")
+        return local, remote
+
     @staticmethod
     def _notification(w: _Write, target: _Target) -> bytes:
         return encode_notification(w.assignment.transfer_id, w.generation, target.writers)
@@ -851,8 +870,8 @@ class TransferWriter:
                     plan = piece.plan
                     posted = self._endpoint.post_descriptors("WRITE", name, plan.local, plan.remote, notification)
                 else:
-                    assert piece.src is not None and piece.dst is not None
-                    posted = self._endpoint.post("WRITE", name, piece.src, piece.dst, notification)
+                    local, remote = self._indices(name, piece.blocks)
+                    posted = self._endpoint.post_indices("WRITE", name, local, remote, notification)
             except DataPlaneError as e:
                 w.error = str(e)
                 break
@@ -862,7 +881,10 @@ class TransferWriter:
                 self._parts_in_flight += 1
         if w.posts:
             self._in_flight[transfer_id] = w
-        self._advance(transfer_id, t, w)
+        if parts:  # polled with the others once this turn's commands are handled: a part costs one post
+            self._settle(transfer_id, t)
+        else:
+            self._advance(transfer_id, t, w)
 
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
         """Poll the write's WRITEs; release those done, then finish the generation or post more parts.
