@@ -363,6 +363,7 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
             handed = time.perf_counter()
             writer.barrier()
             per_part = (time.perf_counter() - start) / PART_LAYERS
+            caller = (handed - start) / PART_LAYERS
             finish([name])
             names = [f"layer-{rep}-{i}" for i in range(PART_REQUESTS)]
             for i, n in enumerate(names):
@@ -376,7 +377,7 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
             finish(names)
             if rep:  # the first is a warm-up: connections, caches
                 samples["part_us"].append(per_part * 1e6)
-                samples["caller_us"].append((handed - start) / PART_LAYERS * 1e6)
+                samples["caller_us"].append(caller * 1e6)
                 samples["layer_of_n_us"].append(layer_of_n * 1e6)
     if failed:
         raise RuntimeError(f"a benchmark write failed: {failed[0]}")
