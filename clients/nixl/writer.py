@@ -66,6 +66,7 @@ import numpy as np
 import numpy.typing as npt
 
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
+from clients.nixl.device import COMPLETE, KvReady
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
 from clients.nixl.notifications import encode_notification
 from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
@@ -116,6 +117,8 @@ class WriterConfig:
     """Ids of finished and aborted transfers remembered, so late commands for them are answered."""
     max_parts_in_flight: int = 8
     """WRITEs of parts (`source_part`) of one transfer in flight at most; newer parts wait and go together."""
+    kv_ready_timeout_s: float = 60.0
+    """How long a part or source may wait for its `KvReady` (the device computing it) before its transfer fails."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,6 +165,7 @@ class _Assign:
 class _SourceReady:
     transfer_id: str
     src: npt.NDArray[np.int64]
+    kv_ready: KvReady = COMPLETE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,6 +175,7 @@ class _SourcePart:
     num_tokens: int
     layers: tuple[int, int] | None
     prompt_tokens: int
+    kv_ready: KvReady = COMPLETE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,6 +206,14 @@ class _Stop:
 
 
 _Command = _Assign | _SourceReady | _SourcePart | _Revoke | _Abort | _ForgetPeer | _Barrier | _Stop
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Waiting:
+    """A source or part handed over before the device computed it: handled once its `kv_ready` is done."""
+
+    command: _SourceReady | _SourcePart
+    since: float  # time.monotonic() when it arrived
 
 
 @dataclasses.dataclass(eq=False)
@@ -321,6 +334,7 @@ class TransferWriter:
         self._forget: set[str] = set()
         self._columns = Columns.of(layout, self.agent_info())
         self._parts_in_flight = 0
+        self._waiting: list[_Waiting] = []  # in arrival order
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
@@ -388,11 +402,12 @@ class TransferWriter:
         assign = _Assign(transfer_id, generation, peer, incarnation, dst, prompt_tokens, target_tokens)
         self._put(dataclasses.replace(assign, progressive=progressive))
 
-    def source_ready(self, transfer_id: str, src_block_ids: BlockIds) -> None:
-        """The transfer's KV is computed in `src_block_ids`. Raises `BlockRangeError` for ids outside the
-        endpoint's regions (checked here, in the caller's thread)."""
+    def source_ready(self, transfer_id: str, src_block_ids: BlockIds, *, kv_ready: KvReady = COMPLETE) -> None:
+        """The transfer's KV is computed in `src_block_ids`, or will be once `kv_ready` is done (nothing of it is
+        written before: `clients.nixl.device`). Raises `BlockRangeError` for ids outside the endpoint's regions
+        (checked here, in the caller's thread)."""
         src = self._endpoint.table.check_block_ids(src_block_ids).copy()
-        self._put(_SourceReady(transfer_id, src))
+        self._put(_SourceReady(transfer_id, src, kv_ready))
 
     def source_part(
         self,
@@ -402,13 +417,15 @@ class TransferWriter:
         layers: tuple[int, int] | None = None,
         *,
         prompt_tokens: int = 0,
+        kv_ready: KvReady = COMPLETE,
     ) -> None:
         """The prompt's first `num_computed_tokens` tokens are computed in model layers `[first, end)` (None =
-        all), in `src_block_ids` (the prompt's blocks so far, in order): layer-wise prefill calls this once
-        per layer, chunked prefill once per chunk. Target blocks all of whose tokens are computed are written
-        ahead of `source_ready` (see the module docstring); that needs the prompt's length, `prompt_tokens`
-        here or in the assignment, and the writer's `layout`. Raises `BlockRangeError` for ids outside the
-        regions or too few of them for the tokens, ValueError for negative tokens or empty layers."""
+        all), in `src_block_ids` (the prompt's blocks so far, in order), or will be once `kv_ready` is done:
+        layer-wise prefill calls this once per layer, chunked prefill once per chunk. Target blocks all of whose
+        tokens are computed are written ahead of `source_ready` (see the module docstring); that needs the
+        prompt's length, `prompt_tokens` here or in the assignment, and the writer's `layout`. Raises
+        `BlockRangeError` for ids outside the regions or too few of them for the tokens, ValueError for
+        negative tokens or empty layers."""
         src = self._endpoint.table.check_block_ids(src_block_ids).copy()
         if num_computed_tokens < 0 or prompt_tokens < 0:
             raise ValueError(f"token counts must not be negative: {num_computed_tokens}, {prompt_tokens}")
@@ -417,7 +434,7 @@ class TransferWriter:
         block_size = self._layout.block_size if self._layout is not None else 0
         if len(src) * block_size < num_computed_tokens and block_size:
             raise BlockRangeError(f"{num_computed_tokens} tokens do not fit {len(src)} blocks of {block_size}")
-        self._put(_SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens))
+        self._put(_SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready))
 
     def revoke(self, transfer_id: str, generation: int) -> None:
         """Do not write `generation` (or older); `on_revoked` acknowledges once no write of it can land."""
@@ -448,7 +465,7 @@ class TransferWriter:
     def _run(self) -> None:
         backoff = Backoff(self._config.poll)
         while True:
-            command = self._next_command(backoff.wait if self._in_flight else None)
+            command = self._next_command(backoff.wait if self._in_flight or self._waiting else None)
             progressed = False
             while command is not None:
                 if isinstance(command, _Stop):
@@ -457,6 +474,7 @@ class TransferWriter:
                 self._handle(command)
                 progressed = True
                 command = self._next_command(0.0)
+            progressed = self._handle_computed() or progressed
             try:
                 progressed = self._poll_writes() or progressed
             except Exception:
@@ -479,10 +497,9 @@ class TransferWriter:
             match command:
                 case _Assign():
                     self._assign(command)
-                case _SourceReady():
-                    self._source_ready(command)
-                case _SourcePart():
-                    self._source_part(command)
+                case _SourceReady() | _SourcePart():
+                    self._waiting.append(_Waiting(command, time.monotonic()))
+                    self._handle_computed(command.transfer_id)
                 case _Revoke():
                     self._revoke(command.transfer_id, command.generation)
                 case _Abort():
@@ -493,6 +510,60 @@ class TransferWriter:
                     command.done.set()
         except Exception:
             logger.exception("writer %s: failed to handle %r", self._endpoint.name, command)
+
+    def _handle_computed(self, transfer_id: str | None = None) -> bool:
+        """Handle the sources and parts waiting (of `transfer_id`, or all) whose KV the device computed, each
+        transfer's in order; fail the transfer of one whose device failed or took too long. True if any was."""
+        handled, blocked = False, set()
+        for entry in list(self._waiting):
+            command = entry.command
+            tid = command.transfer_id
+            if tid in blocked or (transfer_id is not None and tid != transfer_id):
+                continue
+            try:
+                error = None if command.kv_ready.done() else ""
+            except Exception as e:  # a device error: its text is the reason
+                error = f"the device failed computing the KV: {e}"
+            if error == "" and time.monotonic() - entry.since > self._config.kv_ready_timeout_s:
+                error = f"the device did not compute the KV within {self._config.kv_ready_timeout_s:g} s"
+            handled = handled or error != ""
+            if error is not None:
+                blocked.add(tid)
+                if error:
+                    self._kv_failed(tid, error)
+                continue
+            self._waiting.remove(entry)
+            if isinstance(command, _SourceReady):
+                self._source_ready(command)
+            else:
+                self._source_part(command)
+        return handled
+
+    def _kv_failed(self, transfer_id: str, error: str) -> None:
+        """The transfer's KV will not be computed: fail its write (or assignment), nothing of what waits is
+        written, and the source handed over is freed once no WRITE of it is in flight."""
+        logger.error("writer %s: transfer %s: %s", self._endpoint.name, transfer_id, error)
+        dropped = [x.command for x in self._waiting if x.command.transfer_id == transfer_id]
+        self._waiting = [x for x in self._waiting if x.command.transfer_id != transfer_id]
+        if transfer_id in self._ended:
+            if any(isinstance(c, _SourceReady) for c in dropped):
+                self._emit(self._on_source_free, transfer_id)
+            return
+        t = self._transfers.setdefault(transfer_id, _Transfer())
+        for command in dropped:  # held now, so freed with the transfer
+            if isinstance(command, _SourceReady):
+                t.source = command.src
+            elif t.computed is None:
+                t.computed = Computed.empty(self._columns)
+        w, a = t.write, t.assignment
+        if w is not None and not w.stopped:
+            w.error = error  # on_complete(ok=False) once its WRITEs posted drained
+            self._settle(transfer_id, t)
+        elif a is not None:
+            t.assignment = None
+            self._complete(transfer_id, a.generation, False, error)
+        if t.write is None:
+            self._end(transfer_id, t)
 
     def _assign(self, a: _Assign) -> None:
         if a.transfer_id in self._ended:
@@ -980,6 +1051,10 @@ class TransferWriter:
             del self._transfers[transfer_id]
 
     def _shutdown(self) -> None:
+        for entry in self._waiting:  # never written; a source handed over is freed below with the others
+            if isinstance(entry.command, _SourceReady) and entry.command.transfer_id not in self._ended:
+                self._transfers.setdefault(entry.command.transfer_id, _Transfer()).source = entry.command.src
+        self._waiting.clear()
         for transfer_id, t in list(self._transfers.items()):
             if t.assignment is not None:
                 self._complete(transfer_id, t.assignment.generation, False, "writer stopped")

@@ -15,6 +15,7 @@ import torch
 
 from clients._types import KvLayout
 from clients.nixl import NixlAgentInfo, NixlEndpoint, TransferWriter, WriterConfig, WrittenPart
+from clients.nixl.device import KvReady
 from clients.nixl.writer import ConsumerEngine
 from tests.nixl.helpers import Event, Recorder, region_views, unique
 from tests.nixl.peer import SENTINEL, Layout, PeerProcess
@@ -73,7 +74,7 @@ MakePair = Callable[..., Pair]
 def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
     pairs: list[Pair] = []
 
-    def make(layers: int = LAYERS, max_parts_in_flight: int = 8) -> Pair:
+    def make(layers: int = LAYERS, max_parts_in_flight: int = 8, kv_ready_timeout_s: float = 60.0) -> Pair:
         layout = Layout((REGION,) * (2 * layers), 16)
         dest = unique("dst")
         agent = peer.call("create", dest, layout)
@@ -84,7 +85,7 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
             on_complete_parts=recorder.on_complete_parts,
             on_revoked=recorder.on_revoked,
             on_source_free=recorder.on_source_free,
-            config=WriterConfig(max_parts_in_flight=max_parts_in_flight),
+            config=WriterConfig(max_parts_in_flight=max_parts_in_flight, kv_ready_timeout_s=kv_ready_timeout_s),
             layout=KvLayout("m", "uint8", BLOCK, layers, kv_layout="HND"),
         )
         writer.start()
@@ -103,6 +104,37 @@ def layers(regions: range, src: Sequence[int], dst: Sequence[int]) -> dict[int, 
 
 def complete(generation: int, *parts: WrittenPart) -> Event:
     return Event("complete", ("t", generation, True, None, parts))
+
+
+class LateStream:
+    """A FAKE compute stream (a GPU's cannot run here): the points it records complete only when the test says
+    so, as a kernel still queued when the engine hands its layer over would."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+        self.completed = 0
+        self.error: str | None = None
+
+    def record(self) -> KvReady:
+        self.recorded += 1
+        return _Point(self, self.recorded)
+
+
+@dataclass(frozen=True)
+class _Point:
+    stream: LateStream
+    index: int
+
+    def done(self) -> bool:
+        if self.stream.error is not None:
+            raise RuntimeError(self.stream.error)
+        return self.stream.completed >= self.index
+
+
+def untouched(peer: PeerProcess, p: Pair) -> bool:
+    """Whether the consumer's regions still hold only the sentinel."""
+    blocks = peer.call("blocks", p.dest)
+    return all(np.array_equal(got, want) for got, want in zip(blocks, p.expected({}), strict=True))
 
 
 def test_layer_parts_land_before_the_final_which_only_notifies(peer: PeerProcess, make_pair: MakePair) -> None:
@@ -335,3 +367,62 @@ def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerP
         assert writer.stop(10)
         for n in names:
             peer.call("close", n)
+
+
+def test_a_part_is_posted_only_once_the_device_computed_it(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+
+    assert p.settled() == [] and p.writer.parts_in_flight == 0  # still being computed: nothing posted
+    assert untouched(peer, p)
+    stream.completed = 1
+    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+    p.writer.source_ready("t", SRC)
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert len(received) == 1 and p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+
+
+def test_the_final_waits_behind_its_parts_still_computing(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+
+    p.writer.source_ready("t", SRC)  # computed already, but handed over after the part
+
+    assert p.settled() == [] and p.writer.parts_in_flight == 0
+    assert untouched(peer, p)
+    stream.completed = 1
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    assert p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+    assert p.recorder.next() == Event("source_free", ("t",))
+    p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]))
+
+
+def test_a_device_error_fails_the_transfer_and_writes_nothing(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+    p.writer.source_ready("t", SRC, kv_ready=stream.record())
+
+    stream.error = "an illegal memory access was encountered"
+
+    failed = p.recorder.next()
+    assert failed.kind == "complete" and failed.args[2] is False
+    assert "the device failed computing the KV: an illegal memory access" in failed.args[3]
+    assert p.recorder.next() == Event("source_free", ("t",))
+    assert p.writer.parts_in_flight == 0 and untouched(peer, p)
+
+
+def test_a_part_the_device_never_computes_fails_its_transfer(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(kv_ready_timeout_s=0.05), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+
+    failed = p.recorder.next()
+    assert failed.args[:3] == ("t", 1, False) and "did not compute the KV within 0.05 s" in failed.args[3]
+    assert p.recorder.next() == Event("source_free", ("t",))
+    assert untouched(peer, p)
