@@ -308,7 +308,8 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
       caller: of that, the time in the calls themselves (what the thread running the forward pays), per part;
     - layer of N requests: one layer of `PART_REQUESTS` prompts handed over together, the same time for all;
     - floor: `NixlEndpoint.post_indices` of one layer's prepared descriptors, indices computed beforehand
-      (NIXL's make_prepped_xfer + transfer and nothing of ours but a call), per post.
+      (NIXL's make_prepped_xfer + transfer and nothing of ours but a call), per post; and of the same layer of
+      `PART_REQUESTS` prompts in one post.
     """
     blocks = PART_TOKENS // POST_TOKENS
     num_blocks = min(total // (POST_REGIONS * PART_BLOCK), 1024)
@@ -336,7 +337,13 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         layout=layout,
     )
     src = np.arange(blocks)
-    samples: dict[str, list[float]] = {"part_us": [], "caller_us": [], "layer_of_n_us": [], "floor_us": []}
+    samples: dict[str, list[float]] = {
+        "part_us": [],
+        "caller_us": [],
+        "layer_of_n_us": [],
+        "floor_us": [],
+        "floor_layer_of_n_us": [],
+    }
 
     scattered = np.random.default_rng(4).permutation(num_blocks)  # a consumer's free blocks are anywhere
 
@@ -384,13 +391,19 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     endpoint = NixlEndpoint("bench-parts-floor", regions)
     endpoint.add_peer(agent, 1)
     local, remote = endpoint.indices(agent.name, src, scattered[:blocks], range(0, 2))  # one layer: K and V
-    for i in range(reps * PART_LAYERS + 5):
-        start = time.perf_counter()
-        posted = endpoint.post_indices("WRITE", agent.name, local, remote)
-        elapsed = time.perf_counter() - start
-        wait(endpoint, posted)
-        if i >= 5:
-            samples["floor_us"].append(elapsed * 1e6)
+    n_src = np.tile(src, PART_REQUESTS)
+    n_local, n_remote = endpoint.indices(agent.name, n_src, scattered[: PART_REQUESTS * blocks], range(0, 2))
+    for key, count, indices in (
+        ("floor_us", reps * PART_LAYERS, (local, remote)),
+        ("floor_layer_of_n_us", reps, (n_local, n_remote)),
+    ):
+        for i in range(count + 5):
+            start = time.perf_counter()
+            posted = endpoint.post_indices("WRITE", agent.name, *indices)
+            elapsed = time.perf_counter() - start
+            wait(endpoint, posted)
+            if i >= 5:
+                samples[key].append(elapsed * 1e6)
     endpoint.close()
     peer.call("close", agent.name)
     result: dict[str, Any] = {
@@ -403,6 +416,7 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     for key, values in samples.items():
         result[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
     result["part_over_floor"] = result["part_us"]["median"] / result["floor_us"]["median"]
+    result["layer_of_n_over_floor"] = result["layer_of_n_us"]["median"] / result["floor_layer_of_n_us"]["median"]
     return result
 
 
@@ -480,11 +494,13 @@ def main() -> None:
         ("part_us", "one part (plan + post), us"),
         ("caller_us", "of which the caller's thread, us"),
         ("layer_of_n_us", f"one layer of {PART_REQUESTS} requests, us"),
-        ("floor_us", "NIXL prepared post (floor), us"),
+        ("floor_us", "NIXL prepared post of a part, us"),
+        ("floor_layer_of_n_us", f"NIXL prepared post of {PART_REQUESTS} parts, us"),
     ):
         row = progressive[key]
         print(f"{label:>36}: {row['median']:8.1f} ({row['min']:.1f}-{row['max']:.1f})")
     print(f"{'part / floor':>36}: {progressive['part_over_floor']:8.2f}")
+    print(f"{'layer of N / floor':>36}: {progressive['layer_of_n_over_floor']:8.2f}")
 
     RESULTS.mkdir(exist_ok=True)
     result = {

@@ -20,9 +20,13 @@ in all layers), and the writer posts what is new as soon as it holds the assignm
 blocks all of whose tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed
 block waits for the next part or the final write. That needs the writer's `layout` (block sizes, layers) and
 the prompt's length (from `source_part` or `assign`); until both are known parts are only remembered. A part
-goes in one WRITE per consumer rank with a share in it, no notification, its cells merged into as few
-descriptors as they allow (its prepared whole blocks when a part holds all layers of a whole-block share);
-every share works, with different block sizes and TP sizes too. At most `WriterConfig.max_parts_in_flight`
+goes in one WRITE per consumer rank with a share in it, no notification; for a whole-block share its cells are
+addressed by index in the prepared lists (its layers as ranges of regions), and the parts of every transfer
+handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per consumer rank, held by
+each of those transfers; other shares' cells are merged into as few descriptors as they allow. Every share
+works, with different block sizes and TP sizes too. A source or part handed over with a `KvReady` (the device
+still computing it: `clients.nixl.device`) waits, in order per transfer, until it is done; one whose device fails
+or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most `WriterConfig.max_parts_in_flight`
 WRITEs of parts per transfer are in flight; what is computed meanwhile goes together once one drains.
 `source_ready` is the final: what is left is posted at once, each consumer rank notified with its last WRITE
 when none of its parts is in flight, else by a notification alone once every WRITE of the generation is done.
@@ -234,6 +238,7 @@ class _Write:
     assignment: _Assign
     posts: list[PostedTransfer] = dataclasses.field(default_factory=list)
     part_posts: set[PostedTransfer] = dataclasses.field(default_factory=set)  # of `posts`: parts (the cap)
+    deferred: int = 0  # parts waiting to be posted with this turn's others (`_flush_parts`)
     posted_at: float = 0.0  # time.monotonic() before the first post; 0.0 = none yet
     progress: _Progress | None = None  # written in parts
     complete: bool = False
@@ -335,6 +340,8 @@ class TransferWriter:
         self._columns = Columns.of(layout, self.agent_info())
         self._parts_in_flight = 0
         self._waiting: list[_Waiting] = []  # in arrival order
+        self._batch: list[tuple[str, _Write, _Piece]] = []  # this turn's parts by index, posted together per peer
+        self._holders: dict[PostedTransfer, int] = {}  # a WRITE posted for several transfers: how many hold it
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
@@ -476,7 +483,9 @@ class TransferWriter:
                 command = self._next_command(0.0)
             progressed = self._handle_computed() or progressed
             try:
+                self._flush_parts()
                 progressed = self._poll_writes() or progressed
+                self._flush_parts()  # parts that waited for one that drained
             except Exception:
                 logger.exception("writer %s: failed to finish a write", self._endpoint.name)
             if progressed:
@@ -507,6 +516,7 @@ class TransferWriter:
                 case _ForgetPeer():
                     self._forget_peer(command.name, command.incarnation)
                 case _Barrier():
+                    self._flush_parts()
                     command.done.set()
         except Exception:
             logger.exception("writer %s: failed to handle %r", self._endpoint.name, command)
@@ -806,7 +816,8 @@ class TransferWriter:
             w.error = str(e)
             self._settle(transfer_id, t)
             return
-        if w.part_posts and len(w.part_posts) + len(pieces) > self._config.max_parts_in_flight:
+        queued = len(w.part_posts) + (w.deferred > 0)  # this turn's parts go in one WRITE
+        if queued and queued + len(pieces) > self._config.max_parts_in_flight:
             return  # posted, with what else is computed by then, once parts drain
         self._record(progress, grid, rects)
         self._post(transfer_id, t, w, [(p, b"") for p in pieces], parts=True)
@@ -931,11 +942,19 @@ class TransferWriter:
     def _post(
         self, transfer_id: str, t: _Transfer, w: _Write, posts: list[tuple[_Piece, bytes]], *, parts: bool = False
     ) -> None:
-        """Post each piece with its notification (b"": none); the first failure stops the generation."""
+        """Post each piece with its notification (b"": none); the first failure stops the generation. Parts by
+        index wait for the end of the turn, to be posted with the other transfers' (`_flush_parts`); anything
+        else posts those first, so a notification never overtakes a part."""
         if not w.posted_at:
             w.posted_at = time.monotonic()
+        if not parts:
+            self._flush_parts()
         for piece, notification in posts:
             name = piece.target.agent.name
+            if parts and piece.plan is None:
+                self._batch.append((transfer_id, w, piece))
+                w.deferred += 1
+                continue
             try:
                 if piece.plan is not None:
                     plan = piece.plan
@@ -957,6 +976,52 @@ class TransferWriter:
         else:
             self._advance(transfer_id, t, w)
 
+    def _flush_parts(self) -> None:
+        """Post the turn's parts by index: one WRITE per peer for all transfers' (a layer of every prompt of a
+        step goes in one post), held by each of those transfers; one that cannot be posted fails them all."""
+        batch, self._batch = self._batch, []
+        by_peer: dict[str, dict[str, tuple[_Write, list[npt.NDArray[np.int32]], list[npt.NDArray[np.int32]]]]] = {}
+        for transfer_id, w, piece in batch:
+            w.deferred -= 1
+            t = self._transfers.get(transfer_id)
+            if t is None or t.write is not w or w.error is not None or w.revoked or w.aborted:
+                continue  # stopped meanwhile: its cells are not written, and need not be
+            name = piece.target.agent.name
+            try:
+                local, remote = self._indices(name, piece.blocks)
+            except DataPlaneError as e:
+                w.error = str(e)
+                self._settle(transfer_id, t)
+                continue
+            held = by_peer.setdefault(name, {}).setdefault(transfer_id, (w, [], []))
+            held[1].append(local)
+            held[2].append(remote)
+        for name, writes in by_peer.items():
+            live = {tid: x for tid, x in writes.items() if x[0].error is None}
+            if not live:
+                continue
+            try:
+                posted = self._endpoint.post_indices(
+                    "WRITE",
+                    name,
+                    np.concatenate([i for _, local, _ in live.values() for i in local]),
+                    np.concatenate([i for _, _, remote in live.values() for i in remote]),
+                )
+            except DataPlaneError as e:
+                for transfer_id, (w, _, _) in live.items():
+                    w.error = str(e)
+                    t = self._transfers.get(transfer_id)
+                    if t is not None:
+                        self._settle(transfer_id, t)
+                continue
+            if len(live) > 1:
+                self._holders[posted] = len(live)
+            for transfer_id, (w, _, _) in live.items():
+                w.posts.append(posted)
+                w.part_posts.add(posted)
+                self._parts_in_flight += 1
+                self._in_flight[transfer_id] = w
+
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
         """Poll the write's WRITEs; release those done, then finish the generation or post more parts.
         True if one was done."""
@@ -967,10 +1032,14 @@ class TransferWriter:
             if posted in w.part_posts:
                 w.part_posts.discard(posted)
                 self._parts_in_flight -= 1
-            try:
-                self._endpoint.release(posted)
-            except TransferFailedError:
-                logger.exception("writer %s: releasing a write of %s failed", self._endpoint.name, transfer_id)
+            holders = self._holders.pop(posted, 1) - 1
+            if holders:  # posted for several transfers: released by the last
+                self._holders[posted] = holders
+            else:
+                try:
+                    self._endpoint.release(posted)
+                except TransferFailedError:
+                    logger.exception("writer %s: releasing a write of %s failed", self._endpoint.name, transfer_id)
             if posted.status is not XferStatus.DONE and w.error is None:
                 w.error = posted.error or "the write failed"
         if not w.posts:
@@ -1051,6 +1120,7 @@ class TransferWriter:
             del self._transfers[transfer_id]
 
     def _shutdown(self) -> None:
+        self._batch.clear()  # parts not posted yet: their writes fail below
         for entry in self._waiting:  # never written; a source handed over is freed below with the others
             if isinstance(entry.command, _SourceReady) and entry.command.transfer_id not in self._ended:
                 self._transfers.setdefault(entry.command.transfer_id, _Transfer()).source = entry.command.src

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -74,7 +75,9 @@ MakePair = Callable[..., Pair]
 def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
     pairs: list[Pair] = []
 
-    def make(layers: int = LAYERS, max_parts_in_flight: int = 8, kv_ready_timeout_s: float = 60.0) -> Pair:
+    def make(
+        layers: int = LAYERS, max_parts_in_flight: int = 8, kv_ready_timeout_s: float = 60.0, start: bool = True
+    ) -> Pair:
         layout = Layout((REGION,) * (2 * layers), 16)
         dest = unique("dst")
         agent = peer.call("create", dest, layout)
@@ -88,7 +91,8 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
             config=WriterConfig(max_parts_in_flight=max_parts_in_flight, kv_ready_timeout_s=kv_ready_timeout_s),
             layout=KvLayout("m", "uint8", BLOCK, layers, kv_layout="HND"),
         )
-        writer.start()
+        if start:
+            writer.start()
         pairs.append(Pair(writer, recorder, agent, dest, views))
         return pairs[-1]
 
@@ -183,6 +187,7 @@ def test_parts_in_flight_stay_under_the_cap_and_the_rest_goes_together(peer: Pee
     p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
     for layer in range(4):
         p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
+        assert p.writer.barrier(5)  # a turn of its own: parts handed over in one turn go in one WRITE
 
     assert p.settled() == [] and p.writer.parts_in_flight == 2  # the consumer does not poll yet
 
@@ -201,6 +206,7 @@ def test_abort_mid_way_posts_no_more_and_frees_the_source_once_parts_drained(
     p = make_pair()
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
     p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    assert p.writer.barrier(5)  # posted
     p.writer.abort("t")
     p.writer.source_part("t", SRC, PROMPT, (1, 2))  # ended: ignored
     assert p.settled() == []  # layer 0 is still in flight
@@ -220,6 +226,7 @@ def test_revoke_mid_way_is_acknowledged_after_parts_drained_and_the_next_generat
     p = make_pair()
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
     p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    assert p.writer.barrier(5)  # posted
     p.writer.revoke("t", 1)
     p.writer.source_part("t", SRC, PROMPT, (1, 2))  # for a revoked generation: not written
     assert p.settled() == []
@@ -426,3 +433,38 @@ def test_a_part_the_device_never_computes_fails_its_transfer(peer: PeerProcess, 
     assert failed.args[:3] == ("t", 1, False) and "did not compute the KV within 0.05 s" in failed.args[3]
     assert p.recorder.next() == Event("source_free", ("t",))
     assert untouched(peer, p)
+
+
+def test_one_layer_of_several_transfers_handed_over_together_goes_in_one_write(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    p = make_pair(start=False)  # what is queued before the start is handled in one turn
+    endpoint = p.writer._endpoint
+    posts: list[int] = []  # a spy on the real endpoint: the descriptors of each WRITE posted by index
+    post_indices = endpoint.post_indices
+
+    def spy(op: Any, name: str, local: npt.NDArray[np.int32], remote: npt.NDArray[np.int32], note: bytes = b"") -> Any:
+        posts.append(len(local))
+        return post_indices(op, name, local, remote, note)
+
+    endpoint.post_indices = spy  # type: ignore[method-assign,assignment]
+    p.writer.assign("a", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.assign("b", 1, p.agent, 1, [12, 13, 14], progressive=True)
+    p.writer.source_part("a", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.source_part("b", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+
+    p.writer.start()
+
+    assert p.writer.barrier(5) and posts == [2 * 3 * 2]  # layer 0's K and V, 3 blocks each, of both
+    assert p.writer.parts_in_flight == 2  # one WRITE, held by both transfers
+    assert p.landed(peer, layers(range(2), SRC[2:] * 2, [9, 2, 5, 12, 13, 14])) == []
+    for transfer_id in ("a", "b"):
+        p.writer.source_ready(transfer_id, SRC)
+    received, _ = peer.call("wait_notifications", p.dest, 2, 5.0)
+    assert sorted(n.transfer_id for n in received) == ["a", "b"]
+    outcomes = [p.recorder.next() for _ in range(4)]
+    for transfer_id in ("a", "b"):
+        parts = (WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+        assert Event("complete", (transfer_id, 1, True, None, parts)) in outcomes
+        assert Event("source_free", (transfer_id,)) in outcomes
+    assert p.writer.parts_in_flight == 0
