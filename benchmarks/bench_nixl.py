@@ -333,7 +333,7 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         on_complete=on_complete,
         on_revoked=lambda *_: None,
         on_source_free=lambda *_: None,
-        config=WriterConfig(max_parts_in_flight=PART_LAYERS),
+        config=WriterConfig(max_parts_in_flight=PART_LAYERS, part_compute_ratio=0.0),  # every part posted
         layout=layout,
     )
     src = np.arange(blocks)

@@ -123,6 +123,11 @@ class WriterConfig:
     """WRITEs of parts (`source_part`) of one transfer in flight at most; newer parts wait and go together."""
     kv_ready_timeout_s: float = 60.0
     """How long a part or source may wait for its `KvReady` (the device computing it) before its transfer fails."""
+    part_compute_ratio: float = 4.0
+    """Adaptive granularity: a transfer's new cells are posted as a part only once the engine computed for at
+    least this many times the writer's measured cost of a part since its last part (else they wait for the next
+    part or the final, and go together): layers or chunks that compute faster than a part costs are grouped.
+    0: every part at once."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -180,6 +185,7 @@ class _SourcePart:
     layers: tuple[int, int] | None
     prompt_tokens: int
     kv_ready: KvReady = COMPLETE
+    at: float = 0.0  # time.monotonic() when the engine handed it over
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -228,6 +234,7 @@ class _Progress:
     grid: Grid | None = None  # once the prompt's length is known
     written: list[WrittenPart] = dataclasses.field(default_factory=list)
     notify: list[str] = dataclasses.field(default_factory=list)  # targets notified alone once all drained
+    part_at: float = 0.0  # when the engine handed over the part last posted (`_SourcePart.at`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -283,6 +290,7 @@ class _Transfer:
     assignment: _Assign | None = None
     source: npt.NDArray[np.int64] | None = None
     computed: Computed | None = None  # what parts reported computed
+    part_at: float = 0.0  # when the engine handed over the latest part
     write: _Write | None = None
     fence: int = -1  # highest revoked generation: never write it or an older one
 
@@ -342,6 +350,8 @@ class TransferWriter:
         self._waiting: list[_Waiting] = []  # in arrival order
         self._batch: list[tuple[str, _Write, _Piece]] = []  # this turn's parts by index, posted together per peer
         self._holders: dict[PostedTransfer, int] = {}  # a WRITE posted for several transfers: how many hold it
+        self._part_cost = 0.0  # seconds the writer spends on a part (moving average; 0.0 = none measured yet)
+        self._turn = [0.0, 0]  # this turn's seconds spent placing and posting parts, and the parts
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
@@ -441,7 +451,8 @@ class TransferWriter:
         block_size = self._layout.block_size if self._layout is not None else 0
         if len(src) * block_size < num_computed_tokens and block_size:
             raise BlockRangeError(f"{num_computed_tokens} tokens do not fit {len(src)} blocks of {block_size}")
-        self._put(_SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready))
+        part = _SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready, time.monotonic())
+        self._put(part)
 
     def revoke(self, transfer_id: str, generation: int) -> None:
         """Do not write `generation` (or older); `on_revoked` acknowledges once no write of it can land."""
@@ -679,6 +690,7 @@ class TransferWriter:
         if t.computed is None:
             t.computed = Computed.empty(self._columns)
         t.computed.add(p.src, p.num_tokens, self._columns.select(p.layers), p.prompt_tokens)
+        t.part_at = max(t.part_at, p.at)
         if t.source is not None:
             return  # the final write covers it
         if t.write is None:
@@ -804,6 +816,9 @@ class TransferWriter:
         progress, computed = w.progress, t.computed
         if progress is None or computed is None or w.stopped:
             return
+        if t.part_at - progress.part_at < self._config.part_compute_ratio * self._part_cost:
+            return  # too little computed since the last part to pay for one: it goes with the next
+        start = time.perf_counter()
         grid = self._grid(w, computed.prompt_tokens)
         if grid is None:
             return
@@ -820,7 +835,10 @@ class TransferWriter:
         if queued and queued + len(pieces) > self._config.max_parts_in_flight:
             return  # posted, with what else is computed by then, once parts drain
         self._record(progress, grid, rects)
+        progress.part_at = t.part_at
         self._post(transfer_id, t, w, [(p, b"") for p in pieces], parts=True)
+        self._turn[0] += time.perf_counter() - start
+        self._turn[1] += 1
 
     def _post_final(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Everything is computed: post what is left, notifying each target with its last WRITE when none of
@@ -979,6 +997,7 @@ class TransferWriter:
     def _flush_parts(self) -> None:
         """Post the turn's parts by index: one WRITE per peer for all transfers' (a layer of every prompt of a
         step goes in one post), held by each of those transfers; one that cannot be posted fails them all."""
+        start = time.perf_counter()
         batch, self._batch = self._batch, []
         by_peer: dict[str, dict[str, tuple[_Write, list[npt.NDArray[np.int32]], list[npt.NDArray[np.int32]]]]] = {}
         for transfer_id, w, piece in batch:
@@ -1021,6 +1040,11 @@ class TransferWriter:
                 w.part_posts.add(posted)
                 self._parts_in_flight += 1
                 self._in_flight[transfer_id] = w
+        seconds, parts = self._turn
+        if parts:  # what a part cost this turn: placing it and its share of the posts
+            cost = (seconds + time.perf_counter() - start) / parts
+            self._part_cost = cost if not self._part_cost else 0.8 * self._part_cost + 0.2 * cost
+        self._turn = [0.0, 0]
 
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
         """Poll the write's WRITEs; release those done, then finish the generation or post more parts.

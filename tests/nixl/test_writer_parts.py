@@ -76,7 +76,11 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
     pairs: list[Pair] = []
 
     def make(
-        layers: int = LAYERS, max_parts_in_flight: int = 8, kv_ready_timeout_s: float = 60.0, start: bool = True
+        layers: int = LAYERS,
+        max_parts_in_flight: int = 8,
+        kv_ready_timeout_s: float = 60.0,
+        start: bool = True,
+        part_compute_ratio: float = 0.0,  # every part at once, unless a test is about grouping them
     ) -> Pair:
         layout = Layout((REGION,) * (2 * layers), 16)
         dest = unique("dst")
@@ -88,7 +92,11 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
             on_complete_parts=recorder.on_complete_parts,
             on_revoked=recorder.on_revoked,
             on_source_free=recorder.on_source_free,
-            config=WriterConfig(max_parts_in_flight=max_parts_in_flight, kv_ready_timeout_s=kv_ready_timeout_s),
+            config=WriterConfig(
+                max_parts_in_flight=max_parts_in_flight,
+                kv_ready_timeout_s=kv_ready_timeout_s,
+                part_compute_ratio=part_compute_ratio,
+            ),
             layout=KvLayout("m", "uint8", BLOCK, layers, kv_layout="HND"),
         )
         if start:
@@ -133,6 +141,20 @@ class _Point:
         if self.stream.error is not None:
             raise RuntimeError(self.stream.error)
         return self.stream.completed >= self.index
+
+
+def spy_posts(writer: TransferWriter) -> list[int]:
+    """A spy on the writer's real endpoint: the descriptors of each WRITE it posts by index, as it posts them."""
+    endpoint = writer._endpoint
+    posts: list[int] = []
+    post_indices = endpoint.post_indices
+
+    def spy(op: Any, name: str, local: npt.NDArray[np.int32], remote: npt.NDArray[np.int32], note: bytes = b"") -> Any:
+        posts.append(len(local))
+        return post_indices(op, name, local, remote, note)
+
+    endpoint.post_indices = spy  # type: ignore[method-assign,assignment]
+    return posts
 
 
 def untouched(peer: PeerProcess, p: Pair) -> bool:
@@ -439,15 +461,7 @@ def test_one_layer_of_several_transfers_handed_over_together_goes_in_one_write(
     peer: PeerProcess, make_pair: MakePair
 ) -> None:
     p = make_pair(start=False)  # what is queued before the start is handled in one turn
-    endpoint = p.writer._endpoint
-    posts: list[int] = []  # a spy on the real endpoint: the descriptors of each WRITE posted by index
-    post_indices = endpoint.post_indices
-
-    def spy(op: Any, name: str, local: npt.NDArray[np.int32], remote: npt.NDArray[np.int32], note: bytes = b"") -> Any:
-        posts.append(len(local))
-        return post_indices(op, name, local, remote, note)
-
-    endpoint.post_indices = spy  # type: ignore[method-assign,assignment]
+    posts = spy_posts(p.writer)
     p.writer.assign("a", 1, p.agent, 1, [9, 2, 5], progressive=True)
     p.writer.assign("b", 1, p.agent, 1, [12, 13, 14], progressive=True)
     p.writer.source_part("a", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
@@ -468,3 +482,24 @@ def test_one_layer_of_several_transfers_handed_over_together_goes_in_one_write(
         assert Event("complete", (transfer_id, 1, True, None, parts)) in outcomes
         assert Event("source_free", (transfer_id,)) in outcomes
     assert p.writer.parts_in_flight == 0
+
+
+def test_parts_that_compute_faster_than_a_part_costs_wait_and_go_together(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    p = make_pair(layers=4, part_compute_ratio=1e9)  # no layer computes for 1e9 times a part's cost
+    posts = spy_posts(p.writer)
+    p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
+    p.writer.source_part("t", SRC[:2], 8, (0, 1), prompt_tokens=8)  # the first part: nothing measured yet
+    assert p.landed(peer, layers(range(2), SRC[:2], [3, 4])) == []
+    for layer in range(1, 4):
+        p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
+
+    assert p.settled() == [] and posts == [2 * 2]  # layers 1-3 held: each computed too fast to pay for a part
+
+    p.writer.source_ready("t", SRC[:2])
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert len(received) == 1
+    assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 3))
+    assert posts == [2 * 2, 6 * 2]  # the final: the 6 regions of layers 1-3 at once
+    p.landed(peer, layers(range(8), SRC[:2], [3, 4]))
