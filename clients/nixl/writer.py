@@ -123,11 +123,12 @@ class WriterConfig:
     """WRITEs of parts (`source_part`) of one transfer in flight at most; newer parts wait and go together."""
     kv_ready_timeout_s: float = 60.0
     """How long a part or source may wait for its `KvReady` (the device computing it) before its transfer fails."""
-    part_compute_ratio: float = 4.0
-    """Adaptive granularity: a transfer's new cells are posted as a part only once the engine computed for at
-    least this many times the writer's measured cost of a part since its last part (else they wait for the next
-    part or the final, and go together): layers or chunks that compute faster than a part costs are grouped.
-    0: every part at once."""
+    part_compute_ratio: float = 0.0
+    """Adaptive granularity (off by default): a transfer's new cells are posted as a part only once the engine
+    computed for at least this many times the writer's measured cost of a part since its last part (else they
+    wait for the next part or the final, and go together). The cost measured includes the post, which on shm
+    copies the bytes, so large parts look costly: in the serving simulation 4 paid at 512 tokens but held back
+    nearly every part at 8k (benchmarks/RESULTS.md). 0: every part at once."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
