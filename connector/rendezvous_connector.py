@@ -421,7 +421,6 @@ class _WorkerSide:
         from clients.nixl.device import device_of
 
         tensors = self._block_tensors(kv_caches)
-        self._device = device_of(tensors)
         self._thread = LoopThread(f"rendezvous-{self.engine_id}")
         try:
             if self.tp_size > 1:
@@ -434,6 +433,7 @@ class _WorkerSide:
             self._thread.stop()
             self._thread = None
             raise
+        self._device = device_of(tensors)
         logger.info(
             "rendezvous connector: engine %s rank %d/%d %s (%d KV regions)",
             self.engine_id,
