@@ -11,11 +11,15 @@
               (making the transfer handle + the transfer call) and time to DONE, for whole blocks (TP 1 -> 1:
               prepared lists with indices, or per-transfer lists from clients.nixl.plan, unmerged or merged) and
               for one rank's head slice (TP 2 -> 1, HND)
+  parts       progressive push on a TransferWriter: one layer of a 512-token prompt (64 scattered block
+              descriptors of 1 KiB) handed over and posted, per part, and one layer of 8 requests, against NIXL's
+              own prepared post of the same descriptors measured in the same run (see `parts`)
 
 Both sides must poll for a WRITE to complete (see clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
 
     python -m benchmarks.bench_nixl [--total-mib 64] [--reps 5] [--round-trips 1000] [--output nixl.json]
+                                    [--only-parts]
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from clients.nixl import (
     NixlEndpoint,
     TransferReceiver,
     TransferWriter,
+    WriterConfig,
     XferStatus,
 )
 from clients.nixl.plan import RankGeometry, plan_write
 from clients.nixl.polling import Backoff, PollConfig
 from rendezvous.protocol.kvmap import RankShare
+from rendezvous.protocol.records import KvLayout
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
@@ -288,56 +294,213 @@ def _posting(peer: Consumer, total: int, reps: int, unit: int) -> list[dict[str,
     return rows
 
 
+PART_LAYERS = 32  # 64 regions: K and V of each layer
+PART_TOKENS = 512  # the prompt: 32 blocks of POST_TOKENS
+PART_BLOCK = POST_HEADS * POST_TOKENS * 16  # bytes of a block of one region: 1 KiB
+PART_REQUESTS = 8  # requests whose same layer is handed over together
+
+
+def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
+    """Progressive push's cost on the writer thread, against NIXL's own prepared post, per rep (fresh transfers):
+
+    - part: a 512-token prompt handed over layer by layer (`source_part`), 32 parts, each posted at once:
+      the time from the first `source_part` to the writer having handled the last (`barrier`), per part;
+      caller: of that, the time in the calls themselves (what the thread running the forward pays), per part;
+    - layer of N requests: one layer of `PART_REQUESTS` prompts handed over together, the same time for all;
+    - floor: `NixlEndpoint.post_indices` of one layer's prepared descriptors, indices computed beforehand
+      (NIXL's make_prepped_xfer + transfer and nothing of ours but a call), per post; and of the same layer of
+      `PART_REQUESTS` prompts in one post.
+    """
+    blocks = PART_TOKENS // POST_TOKENS
+    num_blocks = min(total // (POST_REGIONS * PART_BLOCK), 1024)
+    assert num_blocks >= PART_REQUESTS * blocks, "--total-mib is too small for the parts benchmark"
+    agent: NixlAgentInfo = peer.call("create", "bench-parts-dst", PART_BLOCK)
+    remote_regions = layer_regions(agent.regions[0].base_address, PART_BLOCK, num_blocks)
+    agent = dataclasses.replace(agent, regions=tuple(remote_regions))
+    buffer = np.random.default_rng(3).integers(0, 256, POST_REGIONS * PART_BLOCK * num_blocks, dtype=np.uint8)
+    regions = layer_regions(buffer.ctypes.data, PART_BLOCK, num_blocks)
+    done: dict[str, threading.Event] = {}
+    failed: list[str] = []
+
+    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        if not ok:
+            failed.append(f"{transfer_id}: {error}")
+        done[transfer_id].set()
+
+    layout = KvLayout("bench", "uint8", POST_TOKENS, PART_LAYERS, kv_layout="HND")
+    writer = TransferWriter(
+        NixlEndpoint("bench-parts-src", regions),
+        on_complete=on_complete,
+        on_revoked=lambda *_: None,
+        on_source_free=lambda *_: None,
+        config=WriterConfig(max_parts_in_flight=PART_LAYERS, part_compute_ratio=0.0),  # every part posted
+        layout=layout,
+    )
+    src = np.arange(blocks)
+    samples: dict[str, list[float]] = {
+        "part_us": [],
+        "caller_us": [],
+        "layer_of_n_us": [],
+        "floor_us": [],
+        "floor_layer_of_n_us": [],
+    }
+
+    scattered = np.random.default_rng(4).permutation(num_blocks)  # a consumer's free blocks are anywhere
+
+    def transfer(name: str, slot: int) -> None:
+        done[name] = threading.Event()
+        dst = scattered[slot * blocks : (slot + 1) * blocks]
+        writer.assign(name, 1, agent, 1, dst, prompt_tokens=PART_TOKENS, progressive=True)
+
+    def finish(names: list[str]) -> None:
+        for name in names:
+            writer.source_ready(name, src)
+        for name in names:
+            if not done[name].wait(30):
+                raise TimeoutError(f"{name} did not complete")
+
+    with writer:
+        for rep in range(reps + 1):
+            name = f"part-{rep}"
+            transfer(name, 0)
+            writer.barrier()
+            start = time.perf_counter()
+            for layer in range(PART_LAYERS):
+                writer.source_part(name, src, PART_TOKENS, (layer, layer + 1), prompt_tokens=PART_TOKENS)
+            handed = time.perf_counter()
+            writer.barrier()
+            per_part = (time.perf_counter() - start) / PART_LAYERS
+            caller = (handed - start) / PART_LAYERS
+            finish([name])
+            names = [f"layer-{rep}-{i}" for i in range(PART_REQUESTS)]
+            for i, n in enumerate(names):
+                transfer(n, i)
+            writer.barrier()
+            start = time.perf_counter()
+            for n in names:
+                writer.source_part(n, src, PART_TOKENS, (0, 1), prompt_tokens=PART_TOKENS)
+            writer.barrier()
+            layer_of_n = time.perf_counter() - start
+            finish(names)
+            if rep:  # the first is a warm-up: connections, caches
+                samples["part_us"].append(per_part * 1e6)
+                samples["caller_us"].append(caller * 1e6)
+                samples["layer_of_n_us"].append(layer_of_n * 1e6)
+    if failed:
+        raise RuntimeError(f"a benchmark write failed: {failed[0]}")
+    endpoint = NixlEndpoint("bench-parts-floor", regions)
+    endpoint.add_peer(agent, 1)
+    local, remote = endpoint.indices(agent.name, src, scattered[:blocks], range(0, 2))  # one layer: K and V
+    n_src = np.tile(src, PART_REQUESTS)
+    n_local, n_remote = endpoint.indices(agent.name, n_src, scattered[: PART_REQUESTS * blocks], range(0, 2))
+    for key, count, indices in (
+        ("floor_us", reps * PART_LAYERS, (local, remote)),
+        ("floor_layer_of_n_us", reps, (n_local, n_remote)),
+    ):
+        for i in range(count + 5):
+            start = time.perf_counter()
+            posted = endpoint.post_indices("WRITE", agent.name, *indices)
+            elapsed = time.perf_counter() - start
+            wait(endpoint, posted)
+            if i >= 5:
+                samples[key].append(elapsed * 1e6)
+    endpoint.close()
+    peer.call("close", agent.name)
+    result: dict[str, Any] = {
+        "regions": POST_REGIONS,
+        "prompt_tokens": PART_TOKENS,
+        "block_bytes": PART_BLOCK,
+        "descriptors_per_part": 2 * blocks,
+        "requests": PART_REQUESTS,
+    }
+    for key, values in samples.items():
+        result[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    result["part_over_floor"] = result["part_us"]["median"] / result["floor_us"]["median"]
+    result["layer_of_n_over_floor"] = result["layer_of_n_us"]["median"] / result["floor_layer_of_n_us"]["median"]
+    return result
+
+
+def measure(peer: Consumer, total: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Throughput, round trips, the writer's latency and the cost of posting one transfer."""
+    buffer = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    rows: list[dict[str, Any]] = [
+        {"block_bytes": b, "order": "scattered", "gib_per_s": throughput(peer, buffer, b, True, args.reps)}
+        for b in BLOCK_SIZES
+    ]
+    rows.append(
+        {
+            "block_bytes": BLOCK_SIZES[0],
+            "order": "in order",
+            "gib_per_s": throughput(peer, buffer, BLOCK_SIZES[0], False, args.reps),
+        }
+    )
+    rtt_spin = round_trips(peer, args.round_trips, backoff=False)
+    rtt_backoff = round_trips(peer, args.round_trips, backoff=True)
+    peer.call("backoff", True)
+    writer = writer_latencies(peer, args.round_trips)
+    posts = posting(peer, total, max(args.reps, 20))
+    latency: dict[str, Any] = {}
+    samples = {"round_trip_spin": rtt_spin, "round_trip_backoff": rtt_backoff, "writer_ready_to_complete": writer}
+    for label, values in samples.items():
+        latency[label] = {f"p{q}_us": percentile(values, q / 100) * 1e6 for q in (50, 90, 99)}
+        latency[label]["samples"] = len(values)
+    latency |= {"round_trip_block_bytes": TINY_BLOCK, "writer_block_bytes": WRITER_BLOCK}
+    return {"throughput": rows, "latency": latency, "posting": posts}
+
+
+def report(measured: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"WRITE of {args.total_mib} MiB, median of {args.reps}   UCX_TLS={os.environ['UCX_TLS']}")
+    print(f"{'block':>10} {'order':>10} {'GiB/s':>8}")
+    for row in measured["throughput"]:
+        print(f"{row['block_bytes'] >> 10:>7} KiB {row['order']:>10} {row['gib_per_s']:>8.2f}")
+    for label, row in measured["latency"].items():
+        if isinstance(row, dict):
+            print(f"{label:>26}: " + "  ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "samples"))
+    print(f"one transfer of {POST_BLOCKS} blocks x {POST_REGIONS} regions (post = handle + transfer call)")
+    print(f"{'case':>28} {'mode':>30} {'unit':>4} {'descriptors':>11} {'plan us':>8} {'post us':>8} {'done us':>8}")
+    for row in measured["posting"]:
+        print(
+            f"{row['case']:>28} {row['mode']:>30} {row['unit_bytes']:>4} {row['descriptors']:>11} "
+            f"{row['plan_us']:>8.0f} {row['post_us']:>8.0f} {row['done_us']:>8.0f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--round-trips", type=int, default=1000)
     parser.add_argument("--output", default="nixl.json", help="file name under benchmarks/results/")
+    parser.add_argument("--only-parts", action="store_true", help="run the progressive parts section alone")
     args = parser.parse_args()
     os.environ.setdefault("UCX_TLS", "shm,tcp")  # loopback only, inherited by the consumer process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     total = args.total_mib << 20
-    buffer = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
     peer = Consumer(total)
     try:
-        rows: list[dict[str, Any]] = [
-            {"block_bytes": b, "order": "scattered", "gib_per_s": throughput(peer, buffer, b, True, args.reps)}
-            for b in BLOCK_SIZES
-        ]
-        rows.append(
-            {
-                "block_bytes": BLOCK_SIZES[0],
-                "order": "in order",
-                "gib_per_s": throughput(peer, buffer, BLOCK_SIZES[0], False, args.reps),
-            }
-        )
-        rtt_spin = round_trips(peer, args.round_trips, backoff=False)
-        rtt_backoff = round_trips(peer, args.round_trips, backoff=True)
         peer.call("backoff", True)
-        writer = writer_latencies(peer, args.round_trips)
-        posts = posting(peer, total, max(args.reps, 20))
+        progressive = parts(peer, total, max(args.reps, 20))
+        measured = {} if args.only_parts else measure(peer, total, args)
     finally:
         peer.stop()
-
-    print(f"WRITE of {args.total_mib} MiB, median of {args.reps}   UCX_TLS={os.environ['UCX_TLS']}")
-    print(f"{'block':>10} {'order':>10} {'GiB/s':>8}")
-    for row in rows:
-        print(f"{row['block_bytes'] >> 10:>7} KiB {row['order']:>10} {row['gib_per_s']:>8.2f}")
-    latency = {}
-    measured = {"round_trip_spin": rtt_spin, "round_trip_backoff": rtt_backoff, "writer_ready_to_complete": writer}
-    for label, samples in measured.items():
-        latency[label] = {f"p{q}_us": percentile(samples, q / 100) * 1e6 for q in (50, 90, 99)}
-        latency[label]["samples"] = len(samples)
-        print(f"{label:>26}: " + "  ".join(f"{k} {v:.1f}" for k, v in latency[label].items() if k != "samples"))
-
-    print(f"one transfer of {POST_BLOCKS} blocks x {POST_REGIONS} regions (post = handle + transfer call)")
-    print(f"{'case':>28} {'mode':>30} {'unit':>4} {'descriptors':>11} {'plan us':>8} {'post us':>8} {'done us':>8}")
-    for row in posts:
-        print(
-            f"{row['case']:>28} {row['mode']:>30} {row['unit_bytes']:>4} {row['descriptors']:>11} "
-            f"{row['plan_us']:>8.0f} {row['post_us']:>8.0f} {row['done_us']:>8.0f}"
-        )
+    if measured:
+        report(measured, args)
+    print(
+        f"progressive parts, {PART_LAYERS} layers x K and V ({POST_REGIONS} regions), {PART_TOKENS}-token prompt, "
+        f"{progressive['descriptors_per_part']} descriptors of {PART_BLOCK} B a part; median (min-max) of "
+        f"{progressive['part_us']['n']} reps"
+    )
+    for key, label in (
+        ("part_us", "one part (plan + post), us"),
+        ("caller_us", "of which the caller's thread, us"),
+        ("layer_of_n_us", f"one layer of {PART_REQUESTS} requests, us"),
+        ("floor_us", "NIXL prepared post of a part, us"),
+        ("floor_layer_of_n_us", f"NIXL prepared post of {PART_REQUESTS} parts, us"),
+    ):
+        row = progressive[key]
+        print(f"{label:>36}: {row['median']:8.1f} ({row['min']:.1f}-{row['max']:.1f})")
+    print(f"{'part / floor':>36}: {progressive['part_over_floor']:8.2f}")
+    print(f"{'layer of N / floor':>36}: {progressive['layer_of_n_over_floor']:8.2f}")
 
     RESULTS.mkdir(exist_ok=True)
     result = {
@@ -353,9 +516,8 @@ def main() -> None:
         "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "total_bytes": total,
         "reps": args.reps,
-        "throughput": rows,
-        "latency": latency | {"round_trip_block_bytes": TINY_BLOCK, "writer_block_bytes": WRITER_BLOCK},
-        "posting": posts,
+        **measured,
+        "progressive_parts": progressive,
     }
     (RESULTS / args.output).write_text(json.dumps(result, indent=2) + "\n")
 

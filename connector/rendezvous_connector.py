@@ -21,7 +21,9 @@ thread-safe sets, never waiting on the network.
   the transfer ended otherwise (aborted, timed out): only then does vLLM free the blocks. With `progressive`
   (chunked prefill), each step that leaves a claimed prompt unfinished hands the writer what it computed once
   the step's forward is done (`wait_for_save` -> `ProducerAgent.ready_part`), so the chunk's full blocks are
-  written while the next chunk is computed.
+  written while the next chunk is computed. Each part carries an event recorded on the forward's stream where
+  it is handed over (`clients.nixl.device`): on a GPU the writer posts it only once the kernels that compute
+  it have run, without blocking the forward.
 - Consumer (decode): `get_num_new_matched_tokens` asks for the prompt tokens not computed locally (async);
   `update_state_after_alloc` turns the allocated blocks into a target registered by the worker's
   `ConsumerAgent` (one batch per step). Arrival is reported in `finished_recving`; a failed transfer is
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
 
     from clients import ItemResult, NixlAgentInfo
     from clients.nixl.consumer import ConsumerAgent, TransferResult
+    from clients.nixl.device import Device, KvReady
     from clients.nixl.producer import ProducerAgent
 
 __all__ = ["RendezvousConnector", "RendezvousConnectorMetadata"]
@@ -409,11 +412,14 @@ class _WorkerSide:
         self._bindings: dict[str, Binding] = {}  # transfer id -> the router's binding, until the half is taken
         self._receiving: dict[str, tracing.Span] = {}  # consumer: transfer id -> connector.receive
         self._layer_of: dict[str, int] = {}  # layer name -> index of its KV tensor (its layer column), at start
+        self._device: Device | None = None  # where the forward computes the KV, known at start
 
     # Start and stop (called by the model runner's thread)
 
     def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tracing.configure_from_env("kv-rendezvous-prefill" if self.producer else "kv-rendezvous-decode")
+        from clients.nixl.device import device_of
+
         tensors = self._block_tensors(kv_caches)
         self._thread = LoopThread(f"rendezvous-{self.engine_id}")
         try:
@@ -427,6 +433,7 @@ class _WorkerSide:
             self._thread.stop()
             self._thread = None
             raise
+        self._device = device_of(tensors)
         logger.info(
             "rendezvous connector: engine %s rank %d/%d %s (%d KV regions)",
             self.engine_id,
@@ -575,17 +582,19 @@ class _WorkerSide:
         self._thread.call(self._handle, meta)
 
     def submit_layer(self, layer_name: str, parts: list[tuple[str, list[int], int, int]]) -> None:
-        """Hand one layer's KV, just computed, of the step's prompts to the writer."""
+        """Hand one layer's KV of the step's prompts to the writer, posted once the device computed it (an event
+        recorded here, on the forward's stream: on a GPU the layer's kernels may still be queued)."""
         layer = self._layer_of.get(layer_name)
-        if self._thread is None or layer is None:
+        if self._thread is None or self._device is None or layer is None:
             raise RuntimeError(f"the rendezvous connector's worker does not know layer {layer_name!r}")
-        self._thread.call(self._hand_parts, parts, (layer, layer + 1))
+        self._thread.call(self._hand_parts, parts, self._device.record(), (layer, layer + 1))
 
     def submit_parts(self, parts: list[tuple[str, list[int], int, int]]) -> None:
-        """Hand the chunks computed by the step's forward to the writer (after the forward, never before)."""
-        if self._thread is None:
+        """Hand the chunks of the step's forward to the writer, posted once the device computed them (after the
+        forward, never before)."""
+        if self._thread is None or self._device is None:
             raise RuntimeError("the rendezvous connector's worker is not started (register_kv_caches)")
-        self._thread.call(self._hand_parts, parts)
+        self._thread.call(self._hand_parts, parts, self._device.record())
 
     def take_results(self, wait_s: float = 0.0) -> KVConnectorTransferResults:
         """The transfers that ended since the last call; waits up to wait_s for one when none has."""
@@ -750,10 +759,14 @@ class _WorkerSide:
             await self._abort_transfer(transfer_id, f"prefill failed to hand over its KV: {e}")
             self._report_sent(request_id)
 
-    def _hand_parts(self, parts: list[tuple[str, list[int], int, int]], layers: tuple[int, int] | None = None) -> None:
+    def _hand_parts(
+        self, parts: list[tuple[str, list[int], int, int]], kv_ready: KvReady, layers: tuple[int, int] | None = None
+    ) -> None:
         for transfer_id, block_ids, computed, prompt_tokens in parts:
             try:  # the writer posts it once the consumer's blocks are assigned, if the consumer accepts parts
-                self._producer_agent().ready_part(transfer_id, block_ids, computed, layers, prompt_tokens=prompt_tokens)
+                self._producer_agent().ready_part(
+                    transfer_id, block_ids, computed, layers, prompt_tokens=prompt_tokens, kv_ready=kv_ready
+                )
             except Exception as e:  # the final `ready` still writes everything
                 logger.warning("transfer %s: chunk not handed over: %s", transfer_id, e)
 

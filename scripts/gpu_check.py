@@ -7,6 +7,11 @@ byte for byte on the GPU and timed next to a device-to-device torch copy of as m
   tp2->tp2  producer TP 2 into consumer TP 2: whole blocks, rank to rank (prepared descriptor lists)
   pp2->tp2  producer PP 2 (each stage half the layers, all heads) into consumer TP 2: every producer rank writes
             its layers' head slices into both consumer ranks (per-transfer descriptor lists)
+  tp2->tp2 layer-wise
+            progressive push racing the kernels: each layer's KV is written on the GPU by a copy queued behind a
+            long kernel and handed to the writer at once, with the event that marks it computed
+            (`clients.nixl.device.CudaDevice`); the consumer must hold the computed bytes, never the stale ones
+            the producer's memory held before (a write posted before its event would copy those)
 
 Only the data plane is loaded (clients/nixl and rendezvous/protocol, not the SDK's package, which needs gRPC
 extras), and NIXL either as `nixl` or as the bare `nixl_cu13` wheel. Without a GPU it prints "no GPU: skipping"
@@ -30,6 +35,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, TOKENS, UNIT = 16, 8, 16, 256  # UNIT: bytes of one token of one head (128 x fp16)
+LAYERWISE = "tp2->tp2 layer-wise"
+SPIN_CYCLES = 20_000_000  # the long kernel ahead of each layer's copy: ~10 ms at 2 GHz
+STALE = 0xEE  # the producer's KV before the kernels computed it
 
 
 def load_data_plane() -> None:
@@ -85,7 +93,7 @@ class Engine:
 
 
 CONSUMER = Engine(2, 1)
-CASES = {"tp2->tp2": Engine(2, 1), "pp2->tp2": Engine(1, 2)}
+CASES = {"tp2->tp2": Engine(2, 1), "pp2->tp2": Engine(1, 2), LAYERWISE: Engine(2, 1)}
 
 
 def consumer(conn: Connection, device: str, num_blocks: int) -> None:
@@ -172,7 +180,10 @@ def main() -> int:
     failures = 0
     try:
         for case, producer in CASES.items():
-            failures += not run_case(case, producer, engine, conn, args.device, args.reps, num_blocks, src, dst)
+            if case == LAYERWISE:
+                failures += not run_layerwise(producer, engine, conn, args.device, num_blocks, src, dst)
+            else:
+                failures += not run_case(case, producer, engine, conn, args.device, args.reps, num_blocks, src, dst)
     finally:
         conn.send(("stop",))
         process.join(30)
@@ -246,6 +257,74 @@ def run_case(
         f"{case}: {'OK' if ok else 'FAIL'}  {moved / 2**20:.0f} MiB per transfer, {ranks} producer ranks -> 2 "
         f"consumer ranks; NIXL WRITE {nixl_gbs:.1f} GB/s (median of {reps}), torch device copy "
         f"{torch_gbs:.1f} GB/s" + ("" if ok else f"; {verdict}; {errors[:3]}"),
+        flush=True,
+    )
+    return ok
+
+
+def run_layerwise(
+    producer: Engine, engine: Any, conn: Connection, device: str, num_blocks: int, src: list[int], dst: list[int]
+) -> bool:
+    """One transfer pushed layer by layer while the device computes each layer behind a long kernel; checked."""
+    import torch
+
+    from clients.nixl.agent import NixlEndpoint
+    from clients.nixl.device import CpuDevice, CudaDevice, Device
+    from clients.nixl.writer import TransferWriter
+
+    seed, ranks, prompt = 5, producer.tp * producer.pp, len(src) * TOKENS
+    computed = [producer.tensors(r, num_blocks, device, seed) for r in range(ranks)]  # what the kernels write
+    tensors = [[torch.full_like(t, STALE) for t in rank] for rank in computed]
+    compute: Device = CudaDevice(torch.device(device)) if device == "cuda" else CpuDevice()
+    done = threading.Semaphore(0)
+    errors: list[str] = []
+
+    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        if not ok:
+            errors.append(f"{transfer_id}: {error}")
+        done.release()
+
+    writers = [
+        TransferWriter(
+            NixlEndpoint.from_tensors(f"gpu-check-layerwise-p{r}", tensors[r]),
+            on_complete=on_complete,
+            on_revoked=lambda *_: None,
+            on_source_free=lambda *_: None,
+            layout=producer.layout(),
+            rank=r,
+        )
+        for r in range(ranks)
+    ]
+    for w in writers:
+        w.start()
+        w.assign(LAYERWISE, 1, engine, 1, dst, prompt_tokens=prompt, progressive=True)
+    assert all(w.barrier(30) for w in writers)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for layer in range(LAYERS):
+        for r, w in enumerate(writers):
+            if device == "cuda":  # the layer's attention: still queued when its KV is handed over
+                torch.cuda._sleep(SPIN_CYCLES)  # type: ignore[no-untyped-call]
+            for region in (2 * layer, 2 * layer + 1):
+                tensors[r][region].copy_(computed[r][region], non_blocking=True)
+            w.source_part(LAYERWISE, src, prompt, (layer, layer + 1), prompt_tokens=prompt, kv_ready=compute.record())
+    handed = time.perf_counter() - start  # the forward's thread was not held up by the writes
+    for w in writers:
+        w.source_ready(LAYERWISE, src, kv_ready=compute.record())
+    for _ in writers:
+        if not done.acquire(timeout=120):
+            errors.append("no completion within 120 s")
+            break
+    seconds = time.perf_counter() - start
+    for w in writers:
+        w.stop(30)
+    conn.send(("check", LAYERWISE, seed, src, dst))
+    verdict = conn.recv() if conn.poll(120) else "no answer from the consumer"
+    ok = verdict == "ok" and not errors
+    print(
+        f"{LAYERWISE}: {'OK' if ok else 'FAIL'}  {LAYERS} layers x {ranks} ranks handed over in {handed * 1e3:.1f} ms"
+        f", all written {seconds * 1e3:.1f} ms after the first" + ("" if ok else f"; {verdict}; {errors[:3]}"),
         flush=True,
     )
     return ok

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# NIXL VRAM -> VRAM through the project's writer and receiver on one GPU (see scripts/gpu_check.py).
+# NIXL VRAM -> VRAM through the project's writer and receiver on one GPU (see scripts/gpu_check.py), including a
+# layer-wise progressive write racing the kernels that compute each layer (posted only after their events).
 #
 #   scripts/gpu_check.sh                 on a machine with an NVIDIA GPU; no internet needed
 #

@@ -55,5 +55,5 @@ def test_the_helper_moves_and_checks_every_byte_on_dram() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if "->" in line and ":" in line]
-    assert [line.split(":")[0] for line in lines] == ["tp2->tp2", "pp2->tp2"]
+    assert [line.split(":")[0] for line in lines] == ["tp2->tp2", "pp2->tp2", "tp2->tp2 layer-wise"]
     assert all(": OK" in line for line in lines)

@@ -207,34 +207,65 @@ class NixlEndpoint:
         local_block_ids: BlockIds,
         remote_block_ids: BlockIds,
         notification: bytes = b"",
+        *,
+        regions: range | None = None,
     ) -> PostedTransfer:
-        """Post a WRITE (local -> peer) or READ (peer -> local) of whole blocks in every region.
+        """Post a WRITE (local -> peer) or READ (peer -> local) of whole blocks in every region (or in `regions`).
 
         Block i of `local_block_ids` pairs with block i of `remote_block_ids`. `notification` reaches the
         peer once the bytes are there. Block ids are checked first: `BlockRangeError` (a ValueError) means
         nothing was posted. Raises `PeerError` for an unknown peer and `TransferFailedError` when NIXL
         refuses the transfer.
         """
+        local_idx, remote_idx = self.indices(peer, local_block_ids, remote_block_ids, regions)
+        if len(local_idx) == 0:
+            raise BlockRangeError("a transfer needs at least one block")
+        return self.post_indices(operation, peer, local_idx, remote_idx, notification)
+
+    def indices(
+        self, peer: str, local_block_ids: BlockIds, remote_block_ids: BlockIds, regions: range | None = None
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """The prepared descriptors (`post_indices`) of whole blocks in every region (or in `regions`), here and
+        at `peer`. Raises `BlockRangeError` for ids outside the regions or lists of different lengths and
+        `PeerError` for a peer without prepared blocks."""
+        remote = self._prepared(peer)
+        assert remote.table is not None
+        local_idx = self.table.indices(local_block_ids, regions)
+        remote_idx = remote.table.indices(remote_block_ids, regions)
+        if len(local_idx) != len(remote_idx):
+            raise BlockRangeError(f"{len(local_block_ids)} local blocks but {len(remote_block_ids)} remote")
+        return local_idx, remote_idx
+
+    def post_indices(
+        self,
+        operation: Operation,
+        peer: str,
+        local_indices: npt.NDArray[np.int32],
+        remote_indices: npt.NDArray[np.int32],
+        notification: bytes = b"",
+    ) -> PostedTransfer:
+        """Post a WRITE or READ of descriptors of the prepared lists by index: `local_indices[i]` of this
+        endpoint's `table` pairs with `remote_indices[i]` of the peer's (`DescriptorTable.indices`, which
+        checks the block ids; these are not checked again). One NIXL call makes the transfer, one posts it:
+        the cheapest way to post. Raises `PeerError` for a peer without prepared blocks and
+        `TransferFailedError` when NIXL refuses the transfer."""
+        remote = self._prepared(peer)
         agent = self._nixl()
+        return self._post(
+            operation,
+            peer,
+            lambda: agent.make_prepped_xfer(
+                operation, self._local_dlist, local_indices, remote.dlist, remote_indices, notification
+            ),
+        )
+
+    def _prepared(self, peer: str) -> _Peer:
         remote = self._peers.get(peer)
         if remote is None or remote.table is None:
             raise PeerError(
                 f"unknown peer agent {peer!r}" if remote is None else f"peer {peer!r} has no blocks prepared"
             )
-        local_idx = self.table.indices(local_block_ids)
-        remote_idx = remote.table.indices(remote_block_ids)
-        num_blocks = len(local_idx) // len(self.table.regions)
-        if num_blocks == 0:
-            raise BlockRangeError("a transfer needs at least one block")
-        if len(local_idx) != len(remote_idx):
-            raise BlockRangeError(f"{num_blocks} local blocks but {len(remote_idx) // len(self.table.regions)} remote")
-        return self._post(
-            operation,
-            peer,
-            lambda: agent.make_prepped_xfer(
-                operation, self._local_dlist, local_idx, remote.dlist, remote_idx, notification
-            ),
-        )
+        return remote
 
     def post_descriptors(
         self,

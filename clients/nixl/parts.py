@@ -163,14 +163,15 @@ class Grid:
 
 def rectangles(posted: _Ints, ready: _Ints) -> list[Rectangle]:
     """The cells ready but not posted, per column blocks `[posted, ready)`, as rectangles of columns alike."""
-    out: list[Rectangle] = []
-    column, count = 0, len(posted)
-    while column < count:
-        lo, hi = int(posted[column]), int(ready[column])
-        end = column + 1
-        while end < count and int(posted[end]) == lo and int(ready[end]) == hi:
-            end += 1
-        if lo < hi:
-            out.append(Rectangle(lo, hi, column, end))
-        column = end
-    return out
+    count = len(posted)
+    if not count:
+        return []
+    cut = np.flatnonzero((posted[1:] != posted[:-1]) | (ready[1:] != ready[:-1])) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [count]))
+    lo, hi = posted[starts], ready[starts]
+    new = lo < hi
+    return [
+        Rectangle(*cell)
+        for cell in zip(lo[new].tolist(), hi[new].tolist(), starts[new].tolist(), ends[new].tolist(), strict=True)
+    ]

@@ -55,6 +55,7 @@ from clients._types import (
 from clients.aio import AsyncRendezvousClient
 from clients.nixl.agent import NixlEndpoint
 from clients.nixl.batching import Batcher
+from clients.nixl.device import COMPLETE, KvReady
 from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
@@ -285,9 +286,12 @@ class ProducerAgent(RankAgent[ProducerSession]):
         *,
         prompt_tokens: int = 0,
         on_free: OnFree | None = None,
+        kv_ready: KvReady = COMPLETE,
     ) -> None:
         """Push only: the prompt's first `num_computed_tokens` tokens are computed in model layers `[first, end)`
-        (None = all) in `block_ids`, the prompt's blocks so far; `ready` still follows once all is computed.
+        (None = all) in `block_ids`, the prompt's blocks so far, or will be once `kv_ready` is done (recorded on
+        the compute stream where the engine calls this: `clients.nixl.device`); `ready` still follows once all
+        is computed.
 
         Layer-wise prefill calls this once per layer, chunked prefill once per chunk. When the consumer accepts
         parts, this rank's writer posts what is new at once (`TransferWriter.source_part`, which needs the
@@ -296,7 +300,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """
         writer = self._writer
         assert writer is not None, "the agent is not started"
-        writer.source_part(transfer_id, block_ids, num_computed_tokens, layers, prompt_tokens=prompt_tokens)
+        writer.source_part(
+            transfer_id, block_ids, num_computed_tokens, layers, prompt_tokens=prompt_tokens, kv_ready=kv_ready
+        )
         if on_free is not None and transfer_id not in self._sources:
             self._sources[transfer_id] = _Source(on_free, TransferMode.PUSH, time.monotonic())
         if prompt_tokens and not self._prompt_tokens.get(transfer_id):

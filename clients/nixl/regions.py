@@ -157,10 +157,14 @@ class DescriptorTable:
             raise BlockRangeError(f"block ids must be in [0, {self.num_blocks}), got ids in [{low}, {high}]")
         return ids.astype(np.int64, copy=False)
 
-    def indices(self, block_ids: BlockIds) -> npt.NDArray[np.int32]:
-        """Descriptor indices of `block_ids` in every region: region-major, len(regions) * len(block_ids)."""
+    def indices(self, block_ids: BlockIds, regions: range | None = None) -> npt.NDArray[np.int32]:
+        """Descriptor indices of `block_ids` in every region (or in `regions`): region-major,
+        len(regions) * len(block_ids)."""
         ids = self.check_block_ids(block_ids)
-        return (self._offsets + ids[None, :]).ravel().astype(np.int32)
+        offsets = self._offsets if regions is None else self._offsets[regions.start : regions.stop]
+        if regions is not None and (regions.step != 1 or regions.start < 0 or regions.stop > len(self.regions)):
+            raise BlockRangeError(f"regions {regions} are not a range of the {len(self.regions)} regions")
+        return (offsets + ids[None, :]).ravel().astype(np.int32)
 
     def check_pairs_with(self, other: DescriptorTable) -> None:
         """Raise `LayoutMismatchError` unless both tables have as many regions, with equal block lengths."""

@@ -20,9 +20,13 @@ in all layers), and the writer posts what is new as soon as it holds the assignm
 blocks all of whose tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed
 block waits for the next part or the final write. That needs the writer's `layout` (block sizes, layers) and
 the prompt's length (from `source_part` or `assign`); until both are known parts are only remembered. A part
-goes in one WRITE per consumer rank with a share in it, no notification, its cells merged into as few
-descriptors as they allow (its prepared whole blocks when a part holds all layers of a whole-block share);
-every share works, with different block sizes and TP sizes too. At most `WriterConfig.max_parts_in_flight`
+goes in one WRITE per consumer rank with a share in it, no notification; for a whole-block share its cells are
+addressed by index in the prepared lists (its layers as ranges of regions), and the parts of every transfer
+handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per consumer rank, held by
+each of those transfers; other shares' cells are merged into as few descriptors as they allow. Every share
+works, with different block sizes and TP sizes too. A source or part handed over with a `KvReady` (the device
+still computing it: `clients.nixl.device`) waits, in order per transfer, until it is done; one whose device fails
+or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most `WriterConfig.max_parts_in_flight`
 WRITEs of parts per transfer are in flight; what is computed meanwhile goes together once one drains.
 `source_ready` is the final: what is left is posted at once, each consumer rank notified with its last WRITE
 when none of its parts is in flight, else by a notification alone once every WRITE of the generation is done.
@@ -66,6 +70,7 @@ import numpy as np
 import numpy.typing as npt
 
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
+from clients.nixl.device import COMPLETE, KvReady
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
 from clients.nixl.notifications import encode_notification
 from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
@@ -116,6 +121,14 @@ class WriterConfig:
     """Ids of finished and aborted transfers remembered, so late commands for them are answered."""
     max_parts_in_flight: int = 8
     """WRITEs of parts (`source_part`) of one transfer in flight at most; newer parts wait and go together."""
+    kv_ready_timeout_s: float = 60.0
+    """How long a part or source may wait for its `KvReady` (the device computing it) before its transfer fails."""
+    part_compute_ratio: float = 0.0
+    """Adaptive granularity (off by default): a transfer's new cells are posted as a part only once the engine
+    computed for at least this many times the writer's measured cost of a part since its last part (else they
+    wait for the next part or the final, and go together). The cost measured includes the post, which on shm
+    copies the bytes, so large parts look costly: in the serving simulation 4 paid at 512 tokens but held back
+    nearly every part at 8k (benchmarks/RESULTS.md). 0: every part at once."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,6 +175,7 @@ class _Assign:
 class _SourceReady:
     transfer_id: str
     src: npt.NDArray[np.int64]
+    kv_ready: KvReady = COMPLETE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,6 +185,8 @@ class _SourcePart:
     num_tokens: int
     layers: tuple[int, int] | None
     prompt_tokens: int
+    kv_ready: KvReady = COMPLETE
+    at: float = 0.0  # time.monotonic() when the engine handed it over
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -203,6 +219,14 @@ class _Stop:
 _Command = _Assign | _SourceReady | _SourcePart | _Revoke | _Abort | _ForgetPeer | _Barrier | _Stop
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Waiting:
+    """A source or part handed over before the device computed it: handled once its `kv_ready` is done."""
+
+    command: _SourceReady | _SourcePart
+    since: float  # time.monotonic() when it arrived
+
+
 @dataclasses.dataclass(eq=False)
 class _Progress:
     """A generation written in parts: the cells posted so far, per column a prefix of the target's blocks."""
@@ -211,6 +235,7 @@ class _Progress:
     grid: Grid | None = None  # once the prompt's length is known
     written: list[WrittenPart] = dataclasses.field(default_factory=list)
     notify: list[str] = dataclasses.field(default_factory=list)  # targets notified alone once all drained
+    part_at: float = 0.0  # when the engine handed over the part last posted (`_SourcePart.at`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -221,6 +246,7 @@ class _Write:
     assignment: _Assign
     posts: list[PostedTransfer] = dataclasses.field(default_factory=list)
     part_posts: set[PostedTransfer] = dataclasses.field(default_factory=set)  # of `posts`: parts (the cap)
+    deferred: int = 0  # parts waiting to be posted with this turn's others (`_flush_parts`)
     posted_at: float = 0.0  # time.monotonic() before the first post; 0.0 = none yet
     progress: _Progress | None = None  # written in parts
     complete: bool = False
@@ -243,13 +269,21 @@ class _Write:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _Blocks:
+    """Whole blocks `src` -> `dst` in `regions` (None: all), addressed in the prepared lists."""
+
+    src: npt.NDArray[np.int64]
+    dst: npt.NDArray[np.int64]
+    regions: range | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Piece:
-    """What one WRITE moves into one target: block ids (its prepared whole blocks) or a plan."""
+    """What one WRITE moves into one target: whole blocks of its prepared lists, or a plan."""
 
     target: _Target
     plan: WritePlan | None
-    src: npt.NDArray[np.int64] | None = None
-    dst: npt.NDArray[np.int64] | None = None
+    blocks: tuple[_Blocks, ...] = ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -257,6 +291,7 @@ class _Transfer:
     assignment: _Assign | None = None
     source: npt.NDArray[np.int64] | None = None
     computed: Computed | None = None  # what parts reported computed
+    part_at: float = 0.0  # when the engine handed over the latest part
     write: _Write | None = None
     fence: int = -1  # highest revoked generation: never write it or an older one
 
@@ -313,6 +348,11 @@ class TransferWriter:
         self._forget: set[str] = set()
         self._columns = Columns.of(layout, self.agent_info())
         self._parts_in_flight = 0
+        self._waiting: list[_Waiting] = []  # in arrival order
+        self._batch: list[tuple[str, _Write, _Piece]] = []  # this turn's parts by index, posted together per peer
+        self._holders: dict[PostedTransfer, int] = {}  # a WRITE posted for several transfers: how many hold it
+        self._part_cost = 0.0  # seconds the writer spends on a part (moving average; 0.0 = none measured yet)
+        self._turn = [0.0, 0]  # this turn's seconds spent placing and posting parts, and the parts
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
@@ -380,11 +420,12 @@ class TransferWriter:
         assign = _Assign(transfer_id, generation, peer, incarnation, dst, prompt_tokens, target_tokens)
         self._put(dataclasses.replace(assign, progressive=progressive))
 
-    def source_ready(self, transfer_id: str, src_block_ids: BlockIds) -> None:
-        """The transfer's KV is computed in `src_block_ids`. Raises `BlockRangeError` for ids outside the
-        endpoint's regions (checked here, in the caller's thread)."""
+    def source_ready(self, transfer_id: str, src_block_ids: BlockIds, *, kv_ready: KvReady = COMPLETE) -> None:
+        """The transfer's KV is computed in `src_block_ids`, or will be once `kv_ready` is done (nothing of it is
+        written before: `clients.nixl.device`). Raises `BlockRangeError` for ids outside the endpoint's regions
+        (checked here, in the caller's thread)."""
         src = self._endpoint.table.check_block_ids(src_block_ids).copy()
-        self._put(_SourceReady(transfer_id, src))
+        self._put(_SourceReady(transfer_id, src, kv_ready))
 
     def source_part(
         self,
@@ -394,13 +435,15 @@ class TransferWriter:
         layers: tuple[int, int] | None = None,
         *,
         prompt_tokens: int = 0,
+        kv_ready: KvReady = COMPLETE,
     ) -> None:
         """The prompt's first `num_computed_tokens` tokens are computed in model layers `[first, end)` (None =
-        all), in `src_block_ids` (the prompt's blocks so far, in order): layer-wise prefill calls this once
-        per layer, chunked prefill once per chunk. Target blocks all of whose tokens are computed are written
-        ahead of `source_ready` (see the module docstring); that needs the prompt's length, `prompt_tokens`
-        here or in the assignment, and the writer's `layout`. Raises `BlockRangeError` for ids outside the
-        regions or too few of them for the tokens, ValueError for negative tokens or empty layers."""
+        all), in `src_block_ids` (the prompt's blocks so far, in order), or will be once `kv_ready` is done:
+        layer-wise prefill calls this once per layer, chunked prefill once per chunk. Target blocks all of whose
+        tokens are computed are written ahead of `source_ready` (see the module docstring); that needs the
+        prompt's length, `prompt_tokens` here or in the assignment, and the writer's `layout`. Raises
+        `BlockRangeError` for ids outside the regions or too few of them for the tokens, ValueError for
+        negative tokens or empty layers."""
         src = self._endpoint.table.check_block_ids(src_block_ids).copy()
         if num_computed_tokens < 0 or prompt_tokens < 0:
             raise ValueError(f"token counts must not be negative: {num_computed_tokens}, {prompt_tokens}")
@@ -409,7 +452,8 @@ class TransferWriter:
         block_size = self._layout.block_size if self._layout is not None else 0
         if len(src) * block_size < num_computed_tokens and block_size:
             raise BlockRangeError(f"{num_computed_tokens} tokens do not fit {len(src)} blocks of {block_size}")
-        self._put(_SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens))
+        part = _SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready, time.monotonic())
+        self._put(part)
 
     def revoke(self, transfer_id: str, generation: int) -> None:
         """Do not write `generation` (or older); `on_revoked` acknowledges once no write of it can land."""
@@ -440,7 +484,7 @@ class TransferWriter:
     def _run(self) -> None:
         backoff = Backoff(self._config.poll)
         while True:
-            command = self._next_command(backoff.wait if self._in_flight else None)
+            command = self._next_command(backoff.wait if self._in_flight or self._waiting else None)
             progressed = False
             while command is not None:
                 if isinstance(command, _Stop):
@@ -449,8 +493,11 @@ class TransferWriter:
                 self._handle(command)
                 progressed = True
                 command = self._next_command(0.0)
+            progressed = self._handle_computed() or progressed
             try:
+                self._flush_parts()
                 progressed = self._poll_writes() or progressed
+                self._flush_parts()  # parts that waited for one that drained
             except Exception:
                 logger.exception("writer %s: failed to finish a write", self._endpoint.name)
             if progressed:
@@ -471,10 +518,9 @@ class TransferWriter:
             match command:
                 case _Assign():
                     self._assign(command)
-                case _SourceReady():
-                    self._source_ready(command)
-                case _SourcePart():
-                    self._source_part(command)
+                case _SourceReady() | _SourcePart():
+                    self._waiting.append(_Waiting(command, time.monotonic()))
+                    self._handle_computed(command.transfer_id)
                 case _Revoke():
                     self._revoke(command.transfer_id, command.generation)
                 case _Abort():
@@ -482,9 +528,64 @@ class TransferWriter:
                 case _ForgetPeer():
                     self._forget_peer(command.name, command.incarnation)
                 case _Barrier():
+                    self._flush_parts()
                     command.done.set()
         except Exception:
             logger.exception("writer %s: failed to handle %r", self._endpoint.name, command)
+
+    def _handle_computed(self, transfer_id: str | None = None) -> bool:
+        """Handle the sources and parts waiting (of `transfer_id`, or all) whose KV the device computed, each
+        transfer's in order; fail the transfer of one whose device failed or took too long. True if any was."""
+        handled, blocked = False, set()
+        for entry in list(self._waiting):
+            command = entry.command
+            tid = command.transfer_id
+            if tid in blocked or (transfer_id is not None and tid != transfer_id):
+                continue
+            try:
+                error = None if command.kv_ready.done() else ""
+            except Exception as e:  # a device error: its text is the reason
+                error = f"the device failed computing the KV: {e}"
+            if error == "" and time.monotonic() - entry.since > self._config.kv_ready_timeout_s:
+                error = f"the device did not compute the KV within {self._config.kv_ready_timeout_s:g} s"
+            handled = handled or error != ""
+            if error is not None:
+                blocked.add(tid)
+                if error:
+                    self._kv_failed(tid, error)
+                continue
+            self._waiting.remove(entry)
+            if isinstance(command, _SourceReady):
+                self._source_ready(command)
+            else:
+                self._source_part(command)
+        return handled
+
+    def _kv_failed(self, transfer_id: str, error: str) -> None:
+        """The transfer's KV will not be computed: fail its write (or assignment), nothing of what waits is
+        written, and the source handed over is freed once no WRITE of it is in flight."""
+        logger.error("writer %s: transfer %s: %s", self._endpoint.name, transfer_id, error)
+        dropped = [x.command for x in self._waiting if x.command.transfer_id == transfer_id]
+        self._waiting = [x for x in self._waiting if x.command.transfer_id != transfer_id]
+        if transfer_id in self._ended:
+            if any(isinstance(c, _SourceReady) for c in dropped):
+                self._emit(self._on_source_free, transfer_id)
+            return
+        t = self._transfers.setdefault(transfer_id, _Transfer())
+        for command in dropped:  # held now, so freed with the transfer
+            if isinstance(command, _SourceReady):
+                t.source = command.src
+            elif t.computed is None:
+                t.computed = Computed.empty(self._columns)
+        w, a = t.write, t.assignment
+        if w is not None and not w.stopped:
+            w.error = error  # on_complete(ok=False) once its WRITEs posted drained
+            self._settle(transfer_id, t)
+        elif a is not None:
+            t.assignment = None
+            self._complete(transfer_id, a.generation, False, error)
+        if t.write is None:
+            self._end(transfer_id, t)
 
     def _assign(self, a: _Assign) -> None:
         if a.transfer_id in self._ended:
@@ -590,6 +691,7 @@ class TransferWriter:
         if t.computed is None:
             t.computed = Computed.empty(self._columns)
         t.computed.add(p.src, p.num_tokens, self._columns.select(p.layers), p.prompt_tokens)
+        t.part_at = max(t.part_at, p.at)
         if t.source is not None:
             return  # the final write covers it
         if t.write is None:
@@ -707,7 +809,7 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         source = t.source[len(t.source) - len(a.dst) :]
-        pieces = [_Piece(target, plan, source, a.dst) for target, plan in plans]
+        pieces = [_Piece(target, plan, (_Blocks(source, a.dst),)) for target, plan in plans]
         self._post(transfer_id, t, w, [(p, self._notification(w, p.target)) for p in pieces])
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
@@ -715,6 +817,9 @@ class TransferWriter:
         progress, computed = w.progress, t.computed
         if progress is None or computed is None or w.stopped:
             return
+        if t.part_at - progress.part_at < self._config.part_compute_ratio * self._part_cost:
+            return  # too little computed since the last part to pay for one: it goes with the next
+        start = time.perf_counter()
         grid = self._grid(w, computed.prompt_tokens)
         if grid is None:
             return
@@ -727,10 +832,14 @@ class TransferWriter:
             w.error = str(e)
             self._settle(transfer_id, t)
             return
-        if w.part_posts and len(w.part_posts) + len(pieces) > self._config.max_parts_in_flight:
+        queued = len(w.part_posts) + (w.deferred > 0)  # this turn's parts go in one WRITE
+        if queued and queued + len(pieces) > self._config.max_parts_in_flight:
             return  # posted, with what else is computed by then, once parts drain
         self._record(progress, grid, rects)
+        progress.part_at = t.part_at
         self._post(transfer_id, t, w, [(p, b"") for p in pieces], parts=True)
+        self._turn[0] += time.perf_counter() - start
+        self._turn[1] += 1
 
     def _post_final(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Everything is computed: post what is left, notifying each target with its last WRITE when none of
@@ -787,22 +896,25 @@ class TransferWriter:
             progress.written.append(self._columns.part(r, grid))
 
     def _pieces(self, a: _Assign, grid: Grid, rects: list[Rectangle], src: npt.NDArray[np.int64]) -> list[_Piece]:
-        """Per target, one WRITE of the rectangles' cells: its prepared whole blocks when one rectangle holds
-        all columns, else their descriptors, merged; targets without a share in them get none."""
+        """Per target, one WRITE of the rectangles' cells: whole blocks of its prepared lists, by index (the
+        rectangles' columns as region ranges), when the target takes whole blocks of equal size; else their
+        descriptors, planned and merged; targets without a share in them get none."""
         assert a.producer is not None
         first_src = grid.start // grid.producer_block_size
         pieces: list[_Piece] = []
         for target in a.targets:
             share = target.share
-            if (
-                target.whole_blocks
-                and grid.runs is None
-                and len(rects) == 1
-                and (rects[0].first_column, rects[0].end_column) == (0, self._columns.count)
-            ):
-                r = rects[0]
-                blocks = slice(first_src + r.first_block, first_src + r.end_block)
-                pieces.append(_Piece(target, None, src[blocks], a.dst[r.first_block : r.end_block]))
+            if target.whole_blocks and grid.runs is None:
+                cells = tuple(
+                    _Blocks(
+                        src[first_src + r.first_block : first_src + r.end_block],
+                        a.dst[r.first_block : r.end_block],
+                        self._columns.regions(r.first_column, r.end_column),
+                    )
+                    for r in rects
+                )
+                if cells:
+                    pieces.append(_Piece(target, None, cells))
                 continue
             plans: list[WritePlan] = []
             for r in rects:
@@ -834,6 +946,14 @@ class TransferWriter:
                 pieces.append(_Piece(target, WritePlan(local, remote)))
         return pieces
 
+    def _indices(self, peer: str, blocks: tuple[_Blocks, ...]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """The prepared descriptors of `blocks`, here and at `peer`; raises `BlockRangeError` when empty."""
+        pairs = [self._endpoint.indices(peer, b.src, b.dst, b.regions) for b in blocks]
+        local, remote = pairs[0] if len(pairs) == 1 else (np.concatenate(x) for x in zip(*pairs, strict=True))
+        if len(local) == 0:
+            raise BlockRangeError("a transfer needs at least one block")
+        return local, remote
+
     @staticmethod
     def _notification(w: _Write, target: _Target) -> bytes:
         return encode_notification(w.assignment.transfer_id, w.generation, target.writers)
@@ -841,18 +961,26 @@ class TransferWriter:
     def _post(
         self, transfer_id: str, t: _Transfer, w: _Write, posts: list[tuple[_Piece, bytes]], *, parts: bool = False
     ) -> None:
-        """Post each piece with its notification (b"": none); the first failure stops the generation."""
+        """Post each piece with its notification (b"": none); the first failure stops the generation. Parts by
+        index wait for the end of the turn, to be posted with the other transfers' (`_flush_parts`); anything
+        else posts those first, so a notification never overtakes a part."""
         if not w.posted_at:
             w.posted_at = time.monotonic()
+        if not parts:
+            self._flush_parts()
         for piece, notification in posts:
             name = piece.target.agent.name
+            if parts and piece.plan is None:
+                self._batch.append((transfer_id, w, piece))
+                w.deferred += 1
+                continue
             try:
                 if piece.plan is not None:
                     plan = piece.plan
                     posted = self._endpoint.post_descriptors("WRITE", name, plan.local, plan.remote, notification)
                 else:
-                    assert piece.src is not None and piece.dst is not None
-                    posted = self._endpoint.post("WRITE", name, piece.src, piece.dst, notification)
+                    local, remote = self._indices(name, piece.blocks)
+                    posted = self._endpoint.post_indices("WRITE", name, local, remote, notification)
             except DataPlaneError as e:
                 w.error = str(e)
                 break
@@ -862,7 +990,62 @@ class TransferWriter:
                 self._parts_in_flight += 1
         if w.posts:
             self._in_flight[transfer_id] = w
-        self._advance(transfer_id, t, w)
+        if parts:  # polled with the others once this turn's commands are handled: a part costs one post
+            self._settle(transfer_id, t)
+        else:
+            self._advance(transfer_id, t, w)
+
+    def _flush_parts(self) -> None:
+        """Post the turn's parts by index: one WRITE per peer for all transfers' (a layer of every prompt of a
+        step goes in one post), held by each of those transfers; one that cannot be posted fails them all."""
+        start = time.perf_counter()
+        batch, self._batch = self._batch, []
+        by_peer: dict[str, dict[str, tuple[_Write, list[npt.NDArray[np.int32]], list[npt.NDArray[np.int32]]]]] = {}
+        for transfer_id, w, piece in batch:
+            w.deferred -= 1
+            t = self._transfers.get(transfer_id)
+            if t is None or t.write is not w or w.error is not None or w.revoked or w.aborted:
+                continue  # stopped meanwhile: its cells are not written, and need not be
+            name = piece.target.agent.name
+            try:
+                local, remote = self._indices(name, piece.blocks)
+            except DataPlaneError as e:
+                w.error = str(e)
+                self._settle(transfer_id, t)
+                continue
+            held = by_peer.setdefault(name, {}).setdefault(transfer_id, (w, [], []))
+            held[1].append(local)
+            held[2].append(remote)
+        for name, writes in by_peer.items():
+            live = {tid: x for tid, x in writes.items() if x[0].error is None}
+            if not live:
+                continue
+            try:
+                posted = self._endpoint.post_indices(
+                    "WRITE",
+                    name,
+                    np.concatenate([i for _, local, _ in live.values() for i in local]),
+                    np.concatenate([i for _, _, remote in live.values() for i in remote]),
+                )
+            except DataPlaneError as e:
+                for transfer_id, (w, _, _) in live.items():
+                    w.error = str(e)
+                    t = self._transfers.get(transfer_id)
+                    if t is not None:
+                        self._settle(transfer_id, t)
+                continue
+            if len(live) > 1:
+                self._holders[posted] = len(live)
+            for transfer_id, (w, _, _) in live.items():
+                w.posts.append(posted)
+                w.part_posts.add(posted)
+                self._parts_in_flight += 1
+                self._in_flight[transfer_id] = w
+        seconds, parts = self._turn
+        if parts:  # what a part cost this turn: placing it and its share of the posts
+            cost = (seconds + time.perf_counter() - start) / parts
+            self._part_cost = cost if not self._part_cost else 0.8 * self._part_cost + 0.2 * cost
+        self._turn = [0.0, 0]
 
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
         """Poll the write's WRITEs; release those done, then finish the generation or post more parts.
@@ -874,10 +1057,14 @@ class TransferWriter:
             if posted in w.part_posts:
                 w.part_posts.discard(posted)
                 self._parts_in_flight -= 1
-            try:
-                self._endpoint.release(posted)
-            except TransferFailedError:
-                logger.exception("writer %s: releasing a write of %s failed", self._endpoint.name, transfer_id)
+            holders = self._holders.pop(posted, 1) - 1
+            if holders:  # posted for several transfers: released by the last
+                self._holders[posted] = holders
+            else:
+                try:
+                    self._endpoint.release(posted)
+                except TransferFailedError:
+                    logger.exception("writer %s: releasing a write of %s failed", self._endpoint.name, transfer_id)
             if posted.status is not XferStatus.DONE and w.error is None:
                 w.error = posted.error or "the write failed"
         if not w.posts:
@@ -958,6 +1145,11 @@ class TransferWriter:
             del self._transfers[transfer_id]
 
     def _shutdown(self) -> None:
+        self._batch.clear()  # parts not posted yet: their writes fail below
+        for entry in self._waiting:  # never written; a source handed over is freed below with the others
+            if isinstance(entry.command, _SourceReady) and entry.command.transfer_id not in self._ended:
+                self._transfers.setdefault(entry.command.transfer_id, _Transfer()).source = entry.command.src
+        self._waiting.clear()
         for transfer_id, t in list(self._transfers.items()):
             if t.assignment is not None:
                 self._complete(transfer_id, t.assignment.generation, False, "writer stopped")

@@ -71,6 +71,31 @@ def test_write_moves_exactly_the_paired_blocks(peer: PeerProcess, src_layout: La
         peer.call("close", dest)
 
 
+def test_a_write_of_some_regions_moves_their_blocks_only(peer: PeerProcess) -> None:
+    layout = Layout((512,) * 4, 8)
+    dest = unique("dst")
+    agent = peer.call("create", dest, layout)
+    views = region_views(layout, seed=11)
+    endpoint = NixlEndpoint.from_tensors(unique("src"), views)
+    try:
+        endpoint.add_peer(agent, incarnation=1)
+        peer.send("wait_notifications", dest, 1, 5.0)
+        posted = endpoint.post("WRITE", dest, [5, 1], [2, 6], b"t-2:1", regions=range(1, 3))
+        deadline = time.monotonic() + 5.0
+        while endpoint.poll(posted) is XferStatus.IN_PROGRESS:
+            assert time.monotonic() < deadline, "WRITE did not complete"
+        endpoint.release(posted)
+        assert peer.result()[0] == [TransferNotification(endpoint.name, "t-2", 1)]
+
+        blocks = peer.call("blocks", dest)
+        source = as_numpy(views)
+        assert_moved(blocks[1:3], source[1:3], [5, 1], [2, 6])
+        assert_moved([blocks[0], blocks[3]], [source[0], source[3]], [], [])
+    finally:
+        endpoint.close()
+        peer.call("close", dest)
+
+
 def test_block_ids_out_of_range_are_rejected_before_anything_is_posted(peer: PeerProcess) -> None:
     layout = Layout((256, 256), 8)
     dest = unique("dst")

@@ -49,6 +49,19 @@ def test_indices_address_each_block_in_every_region() -> None:
     assert rows[idx, 0].tolist() == expected
 
 
+def test_indices_of_a_range_of_regions_address_those_regions_only() -> None:
+    table = DescriptorTable(REGIONS)
+    rows = table.descriptors()
+
+    idx = table.indices([2, 0], range(1, 3))
+
+    expected = [(r.base_address + b * r.block_stride_bytes) for r in REGIONS[1:] for b in (2, 0)]
+    assert rows[idx, 0].tolist() == expected
+    for regions in (range(2, 4), range(0, 3, 2)):
+        with pytest.raises(BlockRangeError, match="regions"):
+            table.indices([0], regions)
+
+
 def test_valid_block_ids_are_those_of_the_smallest_region() -> None:
     table = DescriptorTable(REGIONS)
     assert table.num_blocks == 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +16,7 @@ import torch
 
 from clients._types import KvLayout
 from clients.nixl import NixlAgentInfo, NixlEndpoint, TransferWriter, WriterConfig, WrittenPart
+from clients.nixl.device import KvReady
 from clients.nixl.writer import ConsumerEngine
 from tests.nixl.helpers import Event, Recorder, region_views, unique
 from tests.nixl.peer import SENTINEL, Layout, PeerProcess
@@ -73,7 +75,13 @@ MakePair = Callable[..., Pair]
 def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
     pairs: list[Pair] = []
 
-    def make(layers: int = LAYERS, max_parts_in_flight: int = 8) -> Pair:
+    def make(
+        layers: int = LAYERS,
+        max_parts_in_flight: int = 8,
+        kv_ready_timeout_s: float = 60.0,
+        start: bool = True,
+        part_compute_ratio: float = 0.0,  # every part at once, unless a test is about grouping them
+    ) -> Pair:
         layout = Layout((REGION,) * (2 * layers), 16)
         dest = unique("dst")
         agent = peer.call("create", dest, layout)
@@ -84,10 +92,15 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
             on_complete_parts=recorder.on_complete_parts,
             on_revoked=recorder.on_revoked,
             on_source_free=recorder.on_source_free,
-            config=WriterConfig(max_parts_in_flight=max_parts_in_flight),
+            config=WriterConfig(
+                max_parts_in_flight=max_parts_in_flight,
+                kv_ready_timeout_s=kv_ready_timeout_s,
+                part_compute_ratio=part_compute_ratio,
+            ),
             layout=KvLayout("m", "uint8", BLOCK, layers, kv_layout="HND"),
         )
-        writer.start()
+        if start:
+            writer.start()
         pairs.append(Pair(writer, recorder, agent, dest, views))
         return pairs[-1]
 
@@ -103,6 +116,51 @@ def layers(regions: range, src: Sequence[int], dst: Sequence[int]) -> dict[int, 
 
 def complete(generation: int, *parts: WrittenPart) -> Event:
     return Event("complete", ("t", generation, True, None, parts))
+
+
+class LateStream:
+    """A FAKE compute stream (a GPU's cannot run here): the points it records complete only when the test says
+    so, as a kernel still queued when the engine hands its layer over would."""
+
+    def __init__(self) -> None:
+        self.recorded = 0
+        self.completed = 0
+        self.error: str | None = None
+
+    def record(self) -> KvReady:
+        self.recorded += 1
+        return _Point(self, self.recorded)
+
+
+@dataclass(frozen=True)
+class _Point:
+    stream: LateStream
+    index: int
+
+    def done(self) -> bool:
+        if self.stream.error is not None:
+            raise RuntimeError(self.stream.error)
+        return self.stream.completed >= self.index
+
+
+def spy_posts(writer: TransferWriter) -> list[int]:
+    """A spy on the writer's real endpoint: the descriptors of each WRITE it posts by index, as it posts them."""
+    endpoint = writer._endpoint
+    posts: list[int] = []
+    post_indices = endpoint.post_indices
+
+    def spy(op: Any, name: str, local: npt.NDArray[np.int32], remote: npt.NDArray[np.int32], note: bytes = b"") -> Any:
+        posts.append(len(local))
+        return post_indices(op, name, local, remote, note)
+
+    endpoint.post_indices = spy  # type: ignore[method-assign,assignment]
+    return posts
+
+
+def untouched(peer: PeerProcess, p: Pair) -> bool:
+    """Whether the consumer's regions still hold only the sentinel."""
+    blocks = peer.call("blocks", p.dest)
+    return all(np.array_equal(got, want) for got, want in zip(blocks, p.expected({}), strict=True))
 
 
 def test_layer_parts_land_before_the_final_which_only_notifies(peer: PeerProcess, make_pair: MakePair) -> None:
@@ -151,6 +209,7 @@ def test_parts_in_flight_stay_under_the_cap_and_the_rest_goes_together(peer: Pee
     p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
     for layer in range(4):
         p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
+        assert p.writer.barrier(5)  # a turn of its own: parts handed over in one turn go in one WRITE
 
     assert p.settled() == [] and p.writer.parts_in_flight == 2  # the consumer does not poll yet
 
@@ -169,6 +228,7 @@ def test_abort_mid_way_posts_no_more_and_frees_the_source_once_parts_drained(
     p = make_pair()
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
     p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    assert p.writer.barrier(5)  # posted
     p.writer.abort("t")
     p.writer.source_part("t", SRC, PROMPT, (1, 2))  # ended: ignored
     assert p.settled() == []  # layer 0 is still in flight
@@ -188,6 +248,7 @@ def test_revoke_mid_way_is_acknowledged_after_parts_drained_and_the_next_generat
     p = make_pair()
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
     p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    assert p.writer.barrier(5)  # posted
     p.writer.revoke("t", 1)
     p.writer.source_part("t", SRC, PROMPT, (1, 2))  # for a revoked generation: not written
     assert p.settled() == []
@@ -335,3 +396,110 @@ def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerP
         assert writer.stop(10)
         for n in names:
             peer.call("close", n)
+
+
+def test_a_part_is_posted_only_once_the_device_computed_it(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+
+    assert p.settled() == [] and p.writer.parts_in_flight == 0  # still being computed: nothing posted
+    assert untouched(peer, p)
+    stream.completed = 1
+    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+    p.writer.source_ready("t", SRC)
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert len(received) == 1 and p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+
+
+def test_the_final_waits_behind_its_parts_still_computing(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+
+    p.writer.source_ready("t", SRC)  # computed already, but handed over after the part
+
+    assert p.settled() == [] and p.writer.parts_in_flight == 0
+    assert untouched(peer, p)
+    stream.completed = 1
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    assert p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+    assert p.recorder.next() == Event("source_free", ("t",))
+    p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]))
+
+
+def test_a_device_error_fails_the_transfer_and_writes_nothing(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+    p.writer.source_ready("t", SRC, kv_ready=stream.record())
+
+    stream.error = "an illegal memory access was encountered"
+
+    failed = p.recorder.next()
+    assert failed.kind == "complete" and failed.args[2] is False
+    assert "the device failed computing the KV: an illegal memory access" in failed.args[3]
+    assert p.recorder.next() == Event("source_free", ("t",))
+    assert p.writer.parts_in_flight == 0 and untouched(peer, p)
+
+
+def test_a_part_the_device_never_computes_fails_its_transfer(peer: PeerProcess, make_pair: MakePair) -> None:
+    p, stream = make_pair(kv_ready_timeout_s=0.05), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+
+    failed = p.recorder.next()
+    assert failed.args[:3] == ("t", 1, False) and "did not compute the KV within 0.05 s" in failed.args[3]
+    assert p.recorder.next() == Event("source_free", ("t",))
+    assert untouched(peer, p)
+
+
+def test_one_layer_of_several_transfers_handed_over_together_goes_in_one_write(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    p = make_pair(start=False)  # what is queued before the start is handled in one turn
+    posts = spy_posts(p.writer)
+    p.writer.assign("a", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.assign("b", 1, p.agent, 1, [12, 13, 14], progressive=True)
+    p.writer.source_part("a", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.source_part("b", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+
+    p.writer.start()
+
+    assert p.writer.barrier(5) and posts == [2 * 3 * 2]  # layer 0's K and V, 3 blocks each, of both
+    assert p.writer.parts_in_flight == 2  # one WRITE, held by both transfers
+    assert p.landed(peer, layers(range(2), SRC[2:] * 2, [9, 2, 5, 12, 13, 14])) == []
+    for transfer_id in ("a", "b"):
+        p.writer.source_ready(transfer_id, SRC)
+    received, _ = peer.call("wait_notifications", p.dest, 2, 5.0)
+    assert sorted(n.transfer_id for n in received) == ["a", "b"]
+    outcomes = [p.recorder.next() for _ in range(4)]
+    for transfer_id in ("a", "b"):
+        parts = (WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+        assert Event("complete", (transfer_id, 1, True, None, parts)) in outcomes
+        assert Event("source_free", (transfer_id,)) in outcomes
+    assert p.writer.parts_in_flight == 0
+
+
+def test_parts_that_compute_faster_than_a_part_costs_wait_and_go_together(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    p = make_pair(layers=4, part_compute_ratio=1e9)  # no layer computes for 1e9 times a part's cost
+    posts = spy_posts(p.writer)
+    p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
+    p.writer.source_part("t", SRC[:2], 8, (0, 1), prompt_tokens=8)  # the first part: nothing measured yet
+    assert p.landed(peer, layers(range(2), SRC[:2], [3, 4])) == []
+    for layer in range(1, 4):
+        p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
+
+    assert p.settled() == [] and posts == [2 * 2]  # layers 1-3 held: each computed too fast to pay for a part
+
+    p.writer.source_ready("t", SRC[:2])
+    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
+    assert len(received) == 1
+    assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 3))
+    assert posts == [2 * 2, 6 * 2]  # the final: the 6 regions of layers 1-3 at once
+    p.landed(peer, layers(range(8), SRC[:2], [3, 4]))
