@@ -3,7 +3,9 @@
 The generated stubs live in rendezvous.v1; here are the error reasons (generated from
 proto/rendezvous/v1/errors.proto) and the one error tree (errors), the enums, the records and the requests
 (requests) both sides use as they are, and the one mapping between those and the wire
-(rendezvous.protocol.convert, the only module here that imports protobuf). Imports flow one way:
+(rendezvous.protocol.convert, the only module here that imports protobuf). The error tree
+(rendezvous.protocol.errors) names grpc's status codes, so it is not imported here: the data plane (a writer
+loaded without the SDK, scripts/gpu_check.py) loads this package without grpc. Imports flow one way:
 connector -> clients -> protocol <- rendezvous.
 """
 
@@ -17,12 +19,10 @@ from rendezvous.protocol.enums import (
     TransferMode,
     TransferState,
 )
-from rendezvous.protocol.errors import ERROR_DOMAIN, RendezvousError
 from rendezvous.protocol.reasons import REASON_CODES, Reason
 from rendezvous.protocol.records import KvLayout, KvRegion, NixlAgent, TransferTimes, WrittenPart
 
 __all__ = [
-    "ERROR_DOMAIN",
     "LIVE_STATES",
     "REASON_CODES",
     "AbortReason",
@@ -34,7 +34,6 @@ __all__ = [
     "MemoryKind",
     "NixlAgent",
     "Reason",
-    "RendezvousError",
     "TransferMode",
     "TransferState",
     "TransferTimes",
