@@ -219,16 +219,23 @@ class Others:
     started: int = 0
     released: int = 0
     retries: int = 0
+    dropped: int = 0  # CANCELLED by the server (gRPC core's backlog drop), retried
 
 
 async def call(others: Others, what: str, method: Any, request: Any, name: str) -> Any:
-    """A unary call; RESOURCE_EXHAUSTED is retried after its hint (as the SDK does), anything else counted."""
+    """A unary call; RESOURCE_EXHAUSTED is retried after its hint and a CANCELLED sent by the server (gRPC
+    core dropping a call past `grpc.server.max_pending_requests` of its method) after a back-off, as the SDK
+    does; anything else counted."""
     while True:
         try:
             return await method(request, metadata=credentials(name), timeout=30)
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 others.retries += 1
+                await asyncio.sleep(0.05)
+                continue
+            if err.code() == grpc.StatusCode.CANCELLED:
+                others.dropped += 1
                 await asyncio.sleep(0.05)
                 continue
             others.errors[f"{what}:{err.code().name}"] += 1
@@ -566,6 +573,7 @@ def phase(
             "lifecycle_p99_ms": percentile(others.lifecycle_ms, 0.99),
             "router_p99_ms": percentile(others.router_ms, 0.99),
             "retried_after_resource_exhausted": others.retries,
+            "retried_after_cancelled": others.dropped,
             "errors": dict(others.errors),
         }
         result["heavy"] = heavy
@@ -628,6 +636,7 @@ def report(store: str, r: dict[str, Any]) -> None:
         f"others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
         f"p50 {o['lifecycle_p50_ms']:.1f} ms p99 {o['lifecycle_p99_ms']:.1f} ms, "
         f"router p99 {o['router_p99_ms']:.1f} ms, "
+        f"dropped by gRPC (CANCELLED) and retried {o['retried_after_cancelled']}, "
         f"errors {o['errors'] or 'none'}; health failures {r['health_port']['failures']}/{r['health_port']['probes']} "
         f"(serving port {r['serving_port_health']['failures']}/{r['serving_port_health']['probes']}); heavy "
         f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']} "

@@ -8,17 +8,22 @@ from dataclasses import dataclass, field
 
 import grpc
 
-_RETRY_ALWAYS = frozenset({grpc.StatusCode.UNAVAILABLE})
-_RETRY_READS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# A CANCELLED status reaching the client was sent by the server's side: the client's own cancellation
+# raises asyncio.CancelledError instead. gRPC core sends it for a call it dropped unanswered, e.g. past
+# `grpc.server.max_pending_requests` calls of one method waiting for the server to take them
+# (docs/operations.md, "Calls gRPC drops before the service").
+_RETRY_ALWAYS = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+_RETRY_READS = _RETRY_ALWAYS | {grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
     """Exponential backoff with jitter for calls that failed in a way a retry can fix.
 
-    UNAVAILABLE is retried for every call (mutating calls reuse their request id, so a retry
-    cannot apply twice); DEADLINE_EXCEEDED only for reads. With several endpoints a failed call
-    first moves on to the next endpoint at once and backs off once per round of endpoints.
+    UNAVAILABLE and a CANCELLED sent by the server are retried for every call (mutating calls reuse
+    their request id, so a retry cannot apply twice); DEADLINE_EXCEEDED only for reads. With several
+    endpoints a failed call first moves on to the next endpoint at once and backs off once per round of
+    endpoints.
     A call gives up after `max_attempts` attempts (None: no limit) or once `deadline` seconds have
     passed since its first attempt (None: no limit), whichever comes first.
     """

@@ -12,8 +12,10 @@ import pytest
 from clients import (
     AsyncRendezvousClient,
     ChannelOptions,
+    ClaimSpec,
     ClientConfig,
     DeadlineExceeded,
+    EngineRole,
     FailedPrecondition,
     KeepAliveConfig,
     Reason,
@@ -21,12 +23,16 @@ from clients import (
     ResourceExhausted,
     RetryPolicy,
     SessionConfig,
+    TargetSpec,
+    TransferState,
     Unavailable,
 )
 from clients._retry import Attempts, Backoff
 from clients._transport import CallMetadata, EpochTracker
 from clients.testing import AsyncTestServer, FakeClock, TestServer
+from rendezvous.protocol.errors import Cancelled
 from rendezvous.store.base import StoreUnavailableError
+from tests.factories import sdk_engine
 
 UNAVAILABLE = Unavailable("", "down")
 
@@ -205,3 +211,35 @@ def test_a_slow_first_attempt_uses_up_the_sync_clients_retry_deadline() -> None:
                 client.get_status()
             assert len(calls) == 1, "retried although the first attempt used up the deadline"
             client.get_status()
+
+
+def test_a_cancelled_sent_by_the_server_is_retried_for_every_call() -> None:
+    policy = RetryPolicy()
+    assert policy.retryable(grpc.StatusCode.CANCELLED, idempotent=False)
+    assert policy.retryable(grpc.StatusCode.CANCELLED, idempotent=True)
+
+
+async def test_a_claim_the_server_drops_with_cancelled_is_retried_not_lost(server: AsyncTestServer) -> None:
+    """gRPC core answers a call it drops before the service (past `grpc.server.max_pending_requests`
+    calls of that method waiting) with CANCELLED. Stand-in for that drop (the real one needs a loaded
+    server's timing): the real server answers the first ClaimTransfer CANCELLED before any work."""
+    coordinator = server.server.coordinator
+    caller = coordinator._caller
+    calls: list[str] = []
+
+    async def producer_dropped_once(engine_id: str, *args: Any, **kwargs: Any) -> Any:
+        if engine_id == "p0":
+            calls.append(engine_id)
+            if len(calls) == 1:
+                raise Cancelled("", "dropped before the service")
+        return await caller(engine_id, *args, **kwargs)
+
+    coordinator._caller = producer_dropped_once
+    config = ClientConfig(targets=server.address, retry=RetryPolicy(initial_backoff=0.01, deadline=10.0))
+    async with AsyncRendezvousClient(config) as client:
+        d = await client.register_engine(sdk_engine("d0", EngineRole.CONSUMER))
+        p = await client.register_engine(sdk_engine("p0", EngineRole.PRODUCER))
+        await client.register_target("d0", TargetSpec("t", [1]), incarnation=d.engine.incarnation)
+        claimed = await client.claim_transfer("p0", ClaimSpec("t"), incarnation=p.engine.incarnation)
+    assert len(calls) == 2, "the dropped claim was not retried"
+    assert claimed.state == TransferState.MATCHED
