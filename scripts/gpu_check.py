@@ -190,6 +190,40 @@ def main() -> int:
     return 1 if failures else 0
 
 
+def start_writers(
+    name: str, producer: Engine, tensors: list[list[Any]]
+) -> tuple[list[Any], threading.Semaphore, list[str]]:
+    """One started `TransferWriter` per producer rank over its tensors (with PP, each its stage's layers), the
+    semaphore each completion releases, and the list failed completions are reported to."""
+    from clients.nixl.agent import NixlEndpoint
+    from clients.nixl.writer import TransferWriter
+
+    done = threading.Semaphore(0)
+    errors: list[str] = []
+
+    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        if not ok:
+            errors.append(f"{transfer_id}: {error}")
+        done.release()
+
+    writers = [
+        TransferWriter(
+            NixlEndpoint.from_tensors(f"gpu-check-{name}-p{r}", tensors[r]),
+            on_complete=on_complete,
+            on_revoked=lambda *_: None,
+            on_source_free=lambda *_: None,
+            layout=producer.layout(),
+            rank=r,
+            first_layer=producer.layers(r).start if producer.pp > 1 else 0,
+            num_layers=len(producer.layers(r)) if producer.pp > 1 else 0,
+        )
+        for r in range(producer.tp * producer.pp)
+    ]
+    for w in writers:
+        w.start()
+    return writers, done, errors
+
+
 def run_case(
     case: str,
     producer: Engine,
@@ -202,36 +236,11 @@ def run_case(
     dst: list[int],
 ) -> bool:
     """One producer engine's ranks write `reps` + 1 transfers into the consumer; the last is checked."""
-    from clients.nixl.agent import NixlEndpoint
-    from clients.nixl.writer import TransferWriter
-
     seed = len(case) + (1 if case.startswith("pp") else 0)
     ranks = producer.tp * producer.pp
     tensors = [producer.tensors(r, num_blocks, device, seed) for r in range(ranks)]
-    done = threading.Semaphore(0)
-    errors: list[str] = []
-
-    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
-        if not ok:
-            errors.append(f"{transfer_id}: {error}")
-        done.release()
-
-    writers = [
-        TransferWriter(
-            NixlEndpoint.from_tensors(f"gpu-check-{case}-p{r}", tensors[r]),
-            on_complete=on_complete,
-            on_revoked=lambda *_: None,
-            on_source_free=lambda *_: None,
-            layout=producer.layout(),
-            rank=r,
-            first_layer=producer.layers(r).start if producer.pp > 1 else 0,
-            num_layers=len(producer.layers(r)) if producer.pp > 1 else 0,
-        )
-        for r in range(ranks)
-    ]
+    writers, done, errors = start_writers(case, producer, tensors)
     seconds = []
-    for w in writers:
-        w.start()
     for rep in range(reps + 1):  # the first one connects the agents: not timed
         transfer_id = f"{case}-{rep}"
         for w in writers:
@@ -268,35 +277,14 @@ def run_layerwise(
     """One transfer pushed layer by layer while the device computes each layer behind a long kernel; checked."""
     import torch
 
-    from clients.nixl.agent import NixlEndpoint
     from clients.nixl.device import CpuDevice, CudaDevice, Device
-    from clients.nixl.writer import TransferWriter
 
     seed, ranks, prompt = 5, producer.tp * producer.pp, len(src) * TOKENS
     computed = [producer.tensors(r, num_blocks, device, seed) for r in range(ranks)]  # what the kernels write
     tensors = [[torch.full_like(t, STALE) for t in rank] for rank in computed]
     compute: Device = CudaDevice(torch.device(device)) if device == "cuda" else CpuDevice()
-    done = threading.Semaphore(0)
-    errors: list[str] = []
-
-    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
-        if not ok:
-            errors.append(f"{transfer_id}: {error}")
-        done.release()
-
-    writers = [
-        TransferWriter(
-            NixlEndpoint.from_tensors(f"gpu-check-layerwise-p{r}", tensors[r]),
-            on_complete=on_complete,
-            on_revoked=lambda *_: None,
-            on_source_free=lambda *_: None,
-            layout=producer.layout(),
-            rank=r,
-        )
-        for r in range(ranks)
-    ]
+    writers, done, errors = start_writers("layerwise", producer, tensors)
     for w in writers:
-        w.start()
         w.assign(LAYERWISE, 1, engine, 1, dst, prompt_tokens=prompt, progressive=True)
     assert all(w.barrier(30) for w in writers)
     if device == "cuda":
