@@ -10,10 +10,14 @@
 #
 # What a lab is (ID: 6 hex digits, random unless given, so parallel labs never collide):
 #   namespaces kvl-ID-p (prefill) and kvl-ID-d (decode), each with `lo` up and one end of the veth pair
-#   kvlIDp <-> kvlIDd (no IPv6 on it) holding 169.254.77.1/30 (prefill) and 169.254.77.2/30 (decode): link-local only,
-#   no default route, no NAT, so nothing inside reaches any other network (connecting elsewhere fails at once:
-#   "Network is unreachable"). Both ends' egress go through `tbf rate RATE` (RATE as tc writes it: 1gbit, 5gbit,
-#   25gbit; burst max(256 KiB, 1 ms of RATE), latency 10 ms). netem does not exist on this kernel: no added delay.
+#   kvlIDp <-> kvlIDd (no IPv6 on it) holding 169.254.77.1/30 (prefill) and 169.254.77.2/30 (decode), the lab's
+#   addresses for everything but UCX. No default route, no NAT, no other interface: nothing inside reaches any other
+#   network (connecting elsewhere fails at once: "Network is unreachable"). Both ends' egress go through
+#   `tbf rate RATE` (RATE as tc writes it: 1gbit, 5gbit, 25gbit; burst max(256 KiB, 1 ms of RATE), latency 10 ms).
+#   netem does not exist on this kernel: no added delay.
+#   UCX ignores link-local addresses (its TCP transport skips 169.254/16 when it lists devices; no setting changes
+#   that), so each veth end also holds 198.18.77.1/30 or 198.18.77.2/30, from RFC 2544's range for benchmarking
+#   networks (never routed on the internet): UCX's TCP connections use those, on the same veth, through the same tbf.
 # Where the services live is the caller's choice; the benchmark (benchmarks/bench_link.py) runs the rendezvous
 # service, the router and its load in the decode namespace, bound to 169.254.77.2, so both engines reach them.
 #
@@ -29,6 +33,8 @@ set -euo pipefail
 PREFIX=kvl
 PREFILL_ADDR=169.254.77.1
 DECODE_ADDR=169.254.77.2
+PREFILL_UCX_ADDR=198.18.77.1
+DECODE_UCX_ADDR=198.18.77.2
 PREFIX_LEN=30
 TBF_LATENCY=10ms
 MIN_BURST=262144
@@ -182,6 +188,8 @@ make_lab() {  # after parse_up_args; undo_up must be armed by the caller
   step moved
   ip -n "$NS_PREFILL" addr add "$PREFILL_ADDR/$PREFIX_LEN" dev "$DEV_PREFILL"
   ip -n "$NS_DECODE" addr add "$DECODE_ADDR/$PREFIX_LEN" dev "$DEV_DECODE"
+  ip -n "$NS_PREFILL" addr add "$PREFILL_UCX_ADDR/$PREFIX_LEN" dev "$DEV_PREFILL"
+  ip -n "$NS_DECODE" addr add "$DECODE_UCX_ADDR/$PREFIX_LEN" dev "$DEV_DECODE"
   step addresses
   in_ns "$NS_PREFILL" tc qdisc add dev "$DEV_PREFILL" root tbf rate "$RATE" burst "$BURST" latency "$TBF_LATENCY"
   step qdisc-prefill

@@ -93,9 +93,10 @@ def test_up_makes_two_namespaces_joined_by_a_shaped_veth_pair() -> None:
             assert names(sh("ip", "-n", ns, "-o", "link", "show"), r"^\d+: ([^:@]+)") == {"lo", dev}
             assert re.search(r"<\S*\bUP\b", sh("ip", "-n", ns, "link", "show", "lo"))
             addresses = names(sh("ip", "-n", ns, "-o", "addr", "show"), r"^\d+: \S+\s+inet6? (\S+)")
-            assert addresses == {"127.0.0.1/8", "::1/128", f"{made.address(role)}/30"}
-            routes = sh("ip", "-n", ns, "route", "show").strip().splitlines()
-            assert len(routes) == 1 and routes[0].startswith(f"169.254.77.0/30 dev {dev} ")  # no default route
+            ucx_address = {"prefill": "198.18.77.1/30", "decode": "198.18.77.2/30"}[role]
+            assert addresses == {"127.0.0.1/8", "::1/128", f"{made.address(role)}/30", ucx_address}
+            routes = sorted(sh("ip", "-n", ns, "route", "show").strip().splitlines())
+            assert [r.split(" proto")[0] for r in routes] == [f"169.254.77.0/30 dev {dev}", f"198.18.77.0/30 dev {dev}"]
             qdisc = sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev)
             assert re.search(r"qdisc tbf \S+ root .* rate 1Gbit ", qdisc), qdisc
     finally:
@@ -154,10 +155,11 @@ for address in sys.argv[1:]:
 
 
 def test_nothing_routes_out_of_the_lab(lab: Lab) -> None:
-    # TEST-NET-1 (never routed anywhere) and this machine's own addresses outside the lab: from inside, each must
+    # This machine's own addresses outside the lab, its default gateways and TEST-NET-2: from inside, each must
     # fail at once with "network unreachable" (no route), not time out or connect.
     outside = names(sh("ip", "-4", "-o", "addr", "show"), r"^\d+: (?!lo\b)\S+\s+inet ([\d.]+)/")
-    targets = ["192.0.2.1", *sorted(outside)]
+    gateways = names(sh("ip", "-4", "route", "show", "default"), r"^default via ([\d.]+) ")
+    targets = ["198.51.100.1", *sorted(outside | gateways)]
     for role in ("prefill", "decode"):
         lines = in_lab(lab, role, sys.executable, "-c", UNREACHABLE, *targets).stdout.splitlines()
         assert lines == [f"{address} ENETUNREACH" for address in targets]
