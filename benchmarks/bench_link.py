@@ -24,8 +24,9 @@ The model: scripts/make_tiny_model.py with random weights, made big enough that 
 the compute (default: 8 layers, 8 KV heads of 64, float32: 32 KiB of KV per token, so 448 tokens are 14 MiB, about
 117 ms at 1 Gbit/s, 23 ms at 5, 5 ms at 25). Every mode gets the same prompts per length (random token ids) and
 greedy outputs are compared across modes. Reported per link and length: TTFT, TPOT and E2E (TTFT + TPOT x (tokens
-- 1)) p50 and mean, as milliseconds and as ratios to `ours` and to `plain`; the machine's load average before and
-after. Results go to `--out` (JSON) and a table on stdout.
+- 1)) p50 and mean, as milliseconds and as ratios to `ours` and to `plain`; the bytes each end of the link sent
+while each mode ran (tbf's counters: the KV that crossed, warm-up included); the machine's load average before
+and after. Results go to `--out` (JSON) and a table on stdout.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from bench_vllm import (  # noqa: E402
     summarize,
     vocab_size,
 )
-from netlab import EXIT_REFUSED, SCRIPT, Lab, down, why_not  # noqa: E402
+from netlab import EXIT_REFUSED, SCRIPT, Lab, Role, down, why_not  # noqa: E402
 
 from connector.launch import MAX_MODEL_LEN, build_tiny_model  # noqa: E402
 
@@ -71,6 +72,8 @@ MODEL_SHAPE = {"layers": 8, "heads": 8, "kv_heads": 8, "hidden": 256, "intermedi
 CONFIG_SHAPE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size")
 HEAD_BYTES = 64 * 4  # head_dim 64, float32
 METRICS = ("ttft", "tpot", "e2e")
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+MIB = 1024**2
 
 
 def kv_bytes_per_token(config: dict[str, int]) -> int:
@@ -110,7 +113,9 @@ def inside(args: argparse.Namespace) -> int:
     vocab = vocab_size(args.model)
     by_length: dict[int, list[RequestResult]] = {length: [] for length in args.prompt_lens}
     failures: dict[str, str] = {}
+    crossed: dict[str, dict[str, int]] = {}
     for mode in args.modes:
+        sent = {role: lab.sent_bytes(role) for role in ROLES}
         with deployed([mode], args.model, args.log_dir, setup) as deployments:
             for length in args.prompt_lens:
                 load = argparse.Namespace(
@@ -124,8 +129,10 @@ def inside(args: argparse.Namespace) -> int:
                 )
                 by_length[length] += asyncio.run(measure(deployments, load, vocab))
             failures.update({d.mode: d.error for d in deployments if d.error is not None})
+        crossed[mode] = {f"{role}_sent_bytes": lab.sent_bytes(role) - sent[role] for role in ROLES}
     part = {
         "failed_modes": failures,
+        "link_bytes": crossed,
         "lengths": {
             str(length): {
                 "summary": {m: with_e2e([r for r in results if r.mode == m]) for m in args.modes if m not in failures},
@@ -209,6 +216,9 @@ def format_table(links: dict[str, dict[str, Any]]) -> str:
                 lines.append(f"{link:>7} {length:>4} output mismatches across modes: {len(at['output_mismatches'])}")
         for mode, error in found["failed_modes"].items():
             lines.append(f"{link:>7} {mode} FAILED: {error[:300]}")
+        for mode, crossed in found["link_bytes"].items():
+            p_mib, d_mib = crossed["prefill_sent_bytes"] / MIB, crossed["decode_sent_bytes"] / MIB
+            lines.append(f"{link:>7} {mode}: {p_mib:.1f} MiB prefill -> decode, {d_mib:.1f} MiB back, over the link")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ The script does the work (namespaces, veth pair, tbf, clean-up); this module onl
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,6 +51,15 @@ class Lab:
     def exec_argv(self, role: Role) -> list[str]:
         """The command prefix that runs a command in `role`'s namespace, UCX on its veth over TCP."""
         return [str(SCRIPT), "exec", self.id, role]
+
+    def sent_bytes(self, role: Role) -> int:
+        """What `role`'s end of the link has sent so far (its tbf qdisc's counter): what crossed towards the other."""
+        argv = ["ip", "netns", "exec", self.namespace(role), "tc", "-s", "qdisc", "show", "dev", self.device(role)]
+        shown = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=True).stdout
+        match = re.search(r"qdisc tbf .*?Sent (\d+) bytes", shown, re.DOTALL)
+        if match is None:
+            raise RuntimeError(f"no tbf counter on {self.device(role)}: {shown!r}")
+        return int(match.group(1))
 
 
 def parse_variables(text: str) -> dict[str, str]:

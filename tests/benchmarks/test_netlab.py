@@ -113,31 +113,35 @@ def test_a_command_runs_with_ucx_on_its_side_of_the_link(lab: Lab) -> None:
     assert namespace == lab.decode_ns
 
 
-SERVE_ONCE = """
+SERVE_ONCE = r"""
 import socket, sys
 with socket.create_server((sys.argv[1], 0)) as server:
     print(server.getsockname()[1], flush=True)
     server.settimeout(60)
     conn, peer = server.accept()
     with conn:
-        conn.sendall(f"hello {peer[0]}".encode())
+        conn.sendall(f"hello {peer[0]}\n".encode() + bytes(2**20))
 """
 
-CONNECT = """
+CONNECT = r"""
 import socket, sys
 with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as conn:
-    print(conn.recv(100).decode())
+    received = b"".join(iter(lambda: conn.recv(65536), b""))
+greeting, _, rest = received.partition(b"\n")
+print(greeting.decode(), len(rest))
 """
 
 
-def test_the_link_local_addresses_reach_each_other(lab: Lab) -> None:
+def test_the_link_local_addresses_reach_each_other_through_the_shaped_ends(lab: Lab) -> None:
     argv = [str(SCRIPT), "exec", lab.id, "prefill", sys.executable, "-c", SERVE_ONCE, lab.prefill_addr]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as server:
         try:
             assert server.stdout is not None
             port = server.stdout.readline().strip()
+            sent = lab.sent_bytes("prefill")
             answer = in_lab(lab, "decode", sys.executable, "-c", CONNECT, lab.prefill_addr, port).stdout.strip()
-            assert answer == f"hello {lab.decode_addr}"
+            assert answer == f"hello {lab.decode_addr} {2**20}"
+            assert lab.sent_bytes("prefill") - sent > 2**20  # the MiB (and headers) went through prefill's tbf
             assert server.wait(TIMEOUT_S) == 0
         finally:
             server.kill()

@@ -4,7 +4,6 @@ one in the decode namespace over UCX TCP on the tbf-shaped veth pair, and the by
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -39,29 +38,20 @@ def peer(lab: Lab, role: Role, side: str) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def sent_bytes(lab: Lab) -> int:
-    """What the prefill end's tbf qdisc has sent so far."""
-    argv = ["ip", "netns", "exec", lab.prefill_ns, "tc", "-s", "qdisc", "show", "dev", lab.prefill_dev]
-    shown = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S, check=True).stdout
-    match = re.search(r"Sent (\d+) bytes", shown)
-    assert match is not None, shown
-    return int(match.group(1))
-
-
 def test_a_write_crosses_the_shaped_link_byte_for_byte(lab: Lab) -> None:
     with peer(lab, "decode", "consumer") as consumer, peer(lab, "prefill", "producer") as producer:
         try:
             assert consumer.stdout is not None and producer.stdin is not None and producer.stdout is not None
             agent = consumer.stdout.readline()
             assert json.loads(agent)["name"] == "link-consumer"
-            before = sent_bytes(lab)
+            before = lab.sent_bytes("prefill")
             producer.stdin.write(agent)
             producer.stdin.flush()
             written = json.loads(producer.stdout.readline())
             landed = json.loads(consumer.stdout.readline())
             assert written["status"] == "DONE"
             assert landed == {"notifications": ["across-the-link:1"], "equal": True}
-            assert sent_bytes(lab) - before >= written["bytes"]  # the bytes went through the shaped end
+            assert lab.sent_bytes("prefill") - before >= written["bytes"]  # the bytes went through the shaped end
             assert producer.wait(TIMEOUT_S) == 0 and consumer.wait(TIMEOUT_S) == 0
         finally:
             producer.kill()
