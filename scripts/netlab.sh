@@ -19,7 +19,7 @@
 #   that), so each veth end also holds 198.18.77.1/30 or 198.18.77.2/30, from RFC 2544's range for benchmarking
 #   networks (never routed on the internet): UCX's TCP connections use those, on the same veth, through the same tbf.
 # Where the services live is the caller's choice; the benchmark (benchmarks/bench_link.py) runs the rendezvous
-# service, the router and its load in the decode namespace, bound to 169.254.77.2, so both engines reach them.
+# service (bound to 169.254.77.2, which both engines reach), the router and the load in the decode namespace.
 #
 # `up` and `run` refuse with exit code 3 and a message, having made nothing, where namespaces, veth pairs or tbf
 # cannot be made (not root, no CAP_NET_ADMIN/CAP_SYS_ADMIN, no tbf): `check` tries them in a throwaway namespace
@@ -43,7 +43,7 @@ EXIT_REFUSED=3
 EXIT_USAGE=2
 
 usage() {
-  sed -n '4,8p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '5,9p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit "$EXIT_USAGE"
 }
 
@@ -248,7 +248,7 @@ cmd_exec() {
   names "$1"
   local ns env_lines
   ns=$(namespace_of "$2")
-  RATE=""  # as made: tc shows it (`tc qdisc show`)
+  RATE=""  # not known here (`tc qdisc show` has it): no NETLAB_RATE
   env_lines=$(lab_env "$2")
   shift 2
   mapfile -t assignments <<<"$env_lines"

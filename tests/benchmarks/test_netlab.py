@@ -239,12 +239,21 @@ def test_run_removes_the_lab_and_passes_on_the_commands_exit_status() -> None:
     assert snapshot(chosen) == before
 
 
-def test_it_refuses_without_privileges_and_makes_nothing() -> None:
+@pytest.mark.parametrize(
+    ("dropped", "why"),
+    [
+        (["--reuid=65534", "--regid=65534", "--clear-groups"], "not root"),
+        (["--bounding-set=-net_admin", "--inh-caps=-net_admin"], "RTNETLINK answers: Operation not permitted"),
+        (["--bounding-set=-sys_admin", "--inh-caps=-sys_admin"], "unshare failed: Operation not permitted"),
+    ],
+    ids=["not-root", "no-cap-net-admin", "no-cap-sys-admin"],
+)
+def test_it_refuses_without_privileges_and_makes_nothing(dropped: list[str], why: str) -> None:
     before = snapshot()
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    result = subprocess.run([*nobody, str(SCRIPT), "up"], capture_output=True, text=True, timeout=TIMEOUT_S)
+    argv = ["setpriv", *dropped, str(SCRIPT), "up"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == EXIT_REFUSED
-    assert "refusing: not root" in result.stderr
+    assert result.stderr.startswith("netlab: refusing: ") and why in result.stderr
     assert snapshot() == before
 
 
