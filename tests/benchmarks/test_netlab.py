@@ -80,10 +80,11 @@ def lab() -> Iterator[Lab]:
         down(made.id)
 
 
-def test_up_makes_two_namespaces_joined_by_a_shaped_veth_pair() -> None:
+@pytest.mark.parametrize(("rate", "shown"), [("1gbit", "1Gbit"), ("25gbit", "25Gbit")])
+def test_up_makes_two_namespaces_joined_by_a_shaped_veth_pair(rate: str, shown: str) -> None:
     chosen = lab_id()
     before = snapshot(chosen)
-    made = up(RATE, lab_id=chosen)
+    made = up(rate, lab_id=chosen)
     try:
         after = snapshot(chosen)
         assert after.namespaces - before.namespaces == {made.prefill_ns, made.decode_ns}
@@ -98,7 +99,7 @@ def test_up_makes_two_namespaces_joined_by_a_shaped_veth_pair() -> None:
             routes = sorted(sh("ip", "-n", ns, "route", "show").strip().splitlines())
             assert [r.split(" proto")[0] for r in routes] == [f"169.254.77.0/30 dev {dev}", f"198.18.77.0/30 dev {dev}"]
             qdisc = sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev)
-            assert re.search(r"qdisc tbf \S+ root .* rate 1Gbit ", qdisc), qdisc
+            assert re.search(rf"qdisc tbf \S+ root .* rate {shown} ", qdisc), qdisc
     finally:
         down(made.id)
     assert snapshot(chosen) == before
