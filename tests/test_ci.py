@@ -1,4 +1,4 @@
-"""tests/ci.py: under CI a skipped redis, nixl or vllm test fails, and hypothesis runs its `ci` profile.
+"""tests/ci.py: under CI a skipped redis, nixl, vllm or netns test fails, and hypothesis runs its `ci` profile.
 
 Each check runs pytest or Python in a subprocess, with and without CI in the environment.
 """
@@ -37,6 +37,10 @@ def test_vllm_xfail():
 @pytest.mark.redis
 def test_redis_runs():
     pass
+
+@pytest.mark.netns
+def test_netns_skips():
+    pytest.skip("cannot make network namespaces")
 """
 
 
@@ -50,7 +54,7 @@ def _env(ci: str | None) -> dict[str, str]:
 
 def run_pytest(tmp_path: Path, ci: str | None, *args: str) -> tuple[int, str]:
     """Exit status and output of pytest (with tests/ci.py, without other plugins) over the cases above."""
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    redis: r\n    nixl: n\n    vllm: v\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    redis: r\n    nixl: n\n    vllm: v\n    netns: s\n")
     (tmp_path / "test_cases.py").write_text(CASES)
     (tmp_path / "whole").mkdir(exist_ok=True)
     (tmp_path / "whole" / "conftest.py").write_text("import pytest\n\npytest.importorskip('no_such_module_here')\n")
@@ -70,15 +74,16 @@ def run_pytest(tmp_path: Path, ci: str | None, *args: str) -> tuple[int, str]:
 def test_skips_are_skips_on_a_developers_machine(tmp_path: Path) -> None:
     code, out = run_pytest(tmp_path, None)
     assert code == 0, out
-    assert "1 passed, 4 skipped, 1 xfailed" in out
+    assert "1 passed, 5 skipped, 1 xfailed" in out
 
 
 @pytest.mark.parametrize(("ci", "flags"), [("1", ()), ("true", ()), (None, ("--require-suites",))])
 def test_under_ci_a_skipped_suite_fails(tmp_path: Path, ci: str | None, flags: tuple[str, ...]) -> None:
     code, out = run_pytest(tmp_path, ci, *flags)
     assert code == 1, out
-    assert "1 failed, 1 passed, 1 skipped, 1 xfailed, 2 errors" in out
+    assert "2 failed, 1 passed, 1 skipped, 1 xfailed, 2 errors" in out
     assert "FAILED test_cases.py::test_redis_skips - the redis suite must run here" in out
+    assert "FAILED test_cases.py::test_netns_skips - the netns suite must run here" in out
     assert "ERROR test_cases.py::test_nixl_skipif - the nixl suite must run here" in out  # skipped in its setup
     assert "ERROR whole - whole must not be skipped as a whole here" in out  # its conftest skipped it
     assert "SKIPPED [1] test_cases.py:14: not a suite CI must run" in out
@@ -88,7 +93,7 @@ def test_under_ci_a_skipped_suite_fails(tmp_path: Path, ci: str | None, flags: t
 def test_ci_set_to_an_off_value_keeps_skips(tmp_path: Path) -> None:
     code, out = run_pytest(tmp_path, "0")
     assert code == 0, out
-    assert "1 passed, 4 skipped, 1 xfailed" in out
+    assert "1 passed, 5 skipped, 1 xfailed" in out
 
 
 @pytest.mark.parametrize(
