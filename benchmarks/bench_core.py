@@ -2,8 +2,8 @@
 
     python benchmarks/bench_core.py [--checkouts DIR ...] [--rounds 5] [--lifecycles 19200] [--batch 64]
 
-A lifecycle is what bench_rendezvous drives over the wire (RegisterTarget, ClaimTransfer, TRANSFER_ASSIGNED,
-CompleteTransfer, TRANSFER_COMMITTED, ReleaseTarget), here as coordinator calls in batches of --batch, with
+A lifecycle is what bench_rendezvous drives over the wire (RegisterTargets, ClaimTransfers, TRANSFER_ASSIGNED,
+CompleteTransfers, TRANSFER_COMMITTED, ReleaseTargets), here as coordinator calls in batches of --batch, with
 each event built into its message as the servicer does. Also timed: the record operations every transition
 or Redis round trip pays (`evolve`, the codec's encode and decode, a transfer's message).
 

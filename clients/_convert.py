@@ -23,13 +23,13 @@ from rendezvous.protocol.convert import engine, error, seconds, unix_time
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _BatchResponse = (
-    pb.RegisterTargetResponse
-    | pb.ClaimTransferResponse
-    | pb.MarkSourceReadyResponse
-    | pb.CompleteTransferResponse
-    | pb.AcknowledgeRevocationResponse
-    | pb.ReleaseTargetResponse
-    | pb.AbortTransferResponse
+    pb.RegisterTargetsResponse
+    | pb.ClaimTransfersResponse
+    | pb.MarkSourcesReadyResponse
+    | pb.CompleteTransfersResponse
+    | pb.AcknowledgeRevocationsResponse
+    | pb.ReleaseTargetsResponse
+    | pb.AbortTransfersResponse
 )
 """Every batched mutating call answers with one of these; all carry `results`."""
 

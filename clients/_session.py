@@ -496,7 +496,7 @@ class RankSession(EngineSession):
     A multi-rank engine registers once, with every rank's agent, from one process (`EngineSession`, rank 0).
     The other ranks' processes each open a `RankSession`: it finds the current incarnation with GetEngine,
     watches the engine's events from that incarnation's `watch_start_revision` (so it misses none) and sends
-    its rank's calls (CompleteTransfer, AcknowledgeRevocation) as that incarnation. It neither renews the lease
+    its rank's calls (CompleteTransfers, AcknowledgeRevocations) as that incarnation. It neither renews the lease
     nor re-asserts transfers: when the incarnation is replaced (rank 0 re-registered after a server restart or a
     lost lease) it waits for the next one, follows it and delivers `Reregistered`. Closing it deregisters nothing.
     """

@@ -178,7 +178,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     limits = (
         "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
-        "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfer's parts (--max-parts-per-request, "
+        "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfers's parts (--max-parts-per-request, "
         "TOO_MANY_PARTS) are counted before anything is converted; the rest apply per item or field. Each RPC's "
         "limits: docs/security.md, 'Limits against abuse'."
     )

@@ -559,7 +559,7 @@ class Engine:
         via: Any = None,
         **request: Any,
     ) -> pb.ItemResult:
-        """RegisterTarget with one target."""
+        """RegisterTargets with one target."""
         spec = pb.TargetSpec(
             transfer_id=transfer_id,
             block_ids=blocks,
@@ -569,45 +569,45 @@ class Engine:
         )
         if timeout:
             spec.timeout.CopyFrom(_duration(timeout))
-        (result,) = await self._items("RegisterTarget", "targets", [spec], via, **request)
+        (result,) = await self._items("RegisterTargets", "targets", [spec], via, **request)
         return result
 
     async def claim(self, transfer_id: str, via: Any = None, **request: Any) -> pb.ItemResult:
-        """ClaimTransfer with one claim."""
+        """ClaimTransfers with one claim."""
         claims = [pb.ClaimSpec(transfer_id=transfer_id)]
-        (result,) = await self._items("ClaimTransfer", "claims", claims, via, **request)
+        (result,) = await self._items("ClaimTransfers", "claims", claims, via, **request)
         return result
 
     async def mark_source_ready(self, transfer_id: str, blocks: Sequence[int]) -> pb.ItemResult:
-        """MarkSourceReady with one source."""
+        """MarkSourcesReady with one source."""
         spec = pb.SourceReadySpec(transfer_id=transfer_id, block_ids=blocks)
-        (result,) = await self._items("MarkSourceReady", "sources", [spec])
+        (result,) = await self._items("MarkSourcesReady", "sources", [spec])
         return result
 
     async def complete(
         self, transfer_id: str, generation: int, outcome: int = pb.COMPLETION_OUTCOME_SUCCEEDED
     ) -> pb.ItemResult:
-        """CompleteTransfer with one completion."""
+        """CompleteTransfers with one completion."""
         spec = pb.CompletionSpec(transfer_id=transfer_id, generation=generation, outcome=outcome)  # type: ignore[arg-type]
-        (result,) = await self._items("CompleteTransfer", "completions", [spec])
+        (result,) = await self._items("CompleteTransfers", "completions", [spec])
         return result
 
     async def acknowledge(self, transfer_id: str, generation: int) -> pb.ItemResult:
-        """AcknowledgeRevocation with one acknowledgement."""
+        """AcknowledgeRevocations with one acknowledgement."""
         ack = pb.RevocationAck(transfer_id=transfer_id, generation=generation)
-        (result,) = await self._items("AcknowledgeRevocation", "acks", [ack])
+        (result,) = await self._items("AcknowledgeRevocations", "acks", [ack])
         return result
 
     async def release(self, transfer_id: str, generation: int) -> pb.ItemResult:
-        """ReleaseTarget with one release."""
+        """ReleaseTargets with one release."""
         spec = pb.ReleaseSpec(transfer_id=transfer_id, generation=generation)
-        (result,) = await self._items("ReleaseTarget", "releases", [spec])
+        (result,) = await self._items("ReleaseTargets", "releases", [spec])
         return result
 
     async def abort(self, transfer_id: str, message: str = "conformance") -> pb.ItemResult:
-        """AbortTransfer with one abort, as this engine."""
+        """AbortTransfers with one abort, as this engine."""
         (result,) = await self._items(
-            "AbortTransfer", "aborts", [pb.AbortSpec(transfer_id=transfer_id, message=message)]
+            "AbortTransfers", "aborts", [pb.AbortSpec(transfer_id=transfer_id, message=message)]
         )
         return result
 
@@ -691,10 +691,10 @@ class Scenario:
         return response.results[0]  # type: ignore[no-any-return]
 
     async def router_abort(self, transfer_id: str, message: str = "conformance router") -> pb.ItemResult:
-        """AbortTransfer with an empty engine id, as a router does."""
-        request = pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id=transfer_id, message=message)])
-        response = await self.driver.call(self.driver.next_stub(), "AbortTransfer", request)
-        expect(len(response.results) == 1, f"AbortTransfer: 1 item sent, {len(response.results)} results answered")
+        """AbortTransfers with an empty engine id, as a router does."""
+        request = pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id=transfer_id, message=message)])
+        response = await self.driver.call(self.driver.next_stub(), "AbortTransfers", request)
+        expect(len(response.results) == 1, f"AbortTransfers: 1 item sent, {len(response.results)} results answered")
         return response.results[0]  # type: ignore[no-any-return]
 
     async def get_transfer(self, transfer_id: str) -> pb.Transfer:
@@ -709,10 +709,10 @@ class Scenario:
         fresh transfer of its own arrives, everything emitted before it has arrived too."""
         barrier_id = self.driver.new_id("barrier")
         if engine.role == CONSUMER:
-            expect_ok(await engine.register_target(barrier_id, (0,)), "barrier RegisterTarget")
+            expect_ok(await engine.register_target(barrier_id, (0,)), "barrier RegisterTargets")
         else:
-            expect_ok(await engine.claim(barrier_id), "barrier ClaimTransfer")
-        expect_ok(await self.router_abort(barrier_id, "barrier"), "barrier AbortTransfer")
+            expect_ok(await engine.claim(barrier_id), "barrier ClaimTransfers")
+        expect_ok(await self.router_abort(barrier_id, "barrier"), "barrier AbortTransfers")
         seen = await engine.events.expect(pb.EVENT_TYPE_TRANSFER_ABORTED, barrier_id)
         return engine.events.before(seen)
 

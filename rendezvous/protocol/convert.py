@@ -540,7 +540,7 @@ def _at_most(values: Sequence[V], limit: int) -> Sequence[V]:
 
 
 def target_spec(t: pb.TargetSpec, max_blocks: int) -> TargetSpec:
-    """One target of a RegisterTargetRequest (block ids past max_blocks: see `_at_most`)."""
+    """One target of a RegisterTargetsRequest (block ids past max_blocks: see `_at_most`)."""
     return TargetSpec(
         t.transfer_id,
         block_ids(_at_most(t.block_ids, max_blocks)),
@@ -554,19 +554,19 @@ def target_spec(t: pb.TargetSpec, max_blocks: int) -> TargetSpec:
 
 
 def claim_spec(c: pb.ClaimSpec) -> ClaimSpec:
-    """One claim of a ClaimTransferRequest."""
+    """One claim of a ClaimTransfersRequest."""
     return ClaimSpec(c.transfer_id, request_seconds(c.timeout, "timeout"), binding(c.binding, c.HasField("binding")))
 
 
 def source_spec(s: pb.SourceReadySpec, max_blocks: int) -> SourceReadySpec:
-    """One source of a MarkSourceReadyRequest (block ids past max_blocks: see `_at_most`)."""
+    """One source of a MarkSourcesReadyRequest (block ids past max_blocks: see `_at_most`)."""
     return SourceReadySpec(
         s.transfer_id, block_ids(_at_most(s.block_ids, max_blocks)), binding(s.binding, s.HasField("binding"))
     )
 
 
 def completion_spec(c: pb.CompletionSpec, max_parts: int) -> CompletionSpec:
-    """One completion of a CompleteTransferRequest (parts past max_parts: see `_at_most`); an outcome other
+    """One completion of a CompleteTransfersRequest (parts past max_parts: see `_at_most`); an outcome other
     than SUCCEEDED or FAILED reads as UNSPECIFIED."""
     return CompletionSpec(
         c.transfer_id,
@@ -579,17 +579,17 @@ def completion_spec(c: pb.CompletionSpec, max_parts: int) -> CompletionSpec:
 
 
 def revocation_ack(a: pb.RevocationAck) -> RevocationAck:
-    """One acknowledgement of an AcknowledgeRevocationRequest."""
+    """One acknowledgement of an AcknowledgeRevocationsRequest."""
     return RevocationAck(a.transfer_id, _generation(a.generation), tuple(a.ranks))
 
 
 def release_spec(r: pb.ReleaseSpec) -> ReleaseSpec:
-    """One release of a ReleaseTargetRequest."""
+    """One release of a ReleaseTargetsRequest."""
     return ReleaseSpec(r.transfer_id, _generation(r.generation))
 
 
 def abort_spec(a: pb.AbortSpec) -> AbortSpec:
-    """One abort of an AbortTransferRequest."""
+    """One abort of an AbortTransfersRequest."""
     return AbortSpec(a.transfer_id, a.message)
 
 

@@ -51,7 +51,7 @@ class Reason(StrEnum):
     """A negative timeout or one above the server's maximum."""
 
     OUTCOME_UNSPECIFIED = "OUTCOME_UNSPECIFIED"
-    """CompleteTransfer without SUCCEEDED or FAILED."""
+    """CompleteTransfers without SUCCEEDED or FAILED."""
 
     MODE_INVALID = "MODE_INVALID"
     """A TargetSpec.mode the server does not know."""
@@ -188,7 +188,7 @@ class Reason(StrEnum):
     """A completion with parts for a transfer whose target did not accept progressive writes."""
 
     TOO_MANY_PARTS = "TOO_MANY_PARTS"
-    """More parts in one completion than max_parts_per_completion, or in one CompleteTransfer
+    """More parts in one completion than max_parts_per_completion, or in one CompleteTransfers
  request than max_parts_per_request (then the whole request is refused)."""
 
     PART_OUT_OF_RANGE = "PART_OUT_OF_RANGE"

@@ -138,7 +138,7 @@ def _batch_rpc(
 
     The request's shape is checked on the message before any item is converted or any record looked up (the
     item count, and check's limits over all items), and conversion and answers yield to the event loop
-    (rendezvous.pacing). takes_half: the call takes a half of its transfers (or, AbortTransfer, ends them), so
+    (rendezvous.pacing). takes_half: the call takes a half of its transfers (or, AbortTransfers, ends them), so
     the caller's exemption from bindings is passed on. observe: counts what the items carried, once they are
     answered.
     """
@@ -184,7 +184,7 @@ def _completion_spec(message: pb.CompletionSpec, limits: Limits) -> CompletionSp
     return convert.completion_spec(message, limits.max_parts_per_completion)
 
 
-def _check_parts(request: pb.CompleteTransferRequest, limits: Limits) -> None:
+def _check_parts(request: pb.CompleteTransfersRequest, limits: Limits) -> None:
     """The parts of all the request's completions, counted on the message: none is converted first."""
     check_request_part_count(sum(len(c.parts) for c in request.completions), limits)
 
@@ -407,31 +407,31 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     # Transfers
 
-    RegisterTarget = _batch_rpc(
-        pb.RegisterTargetResponse, "targets", _target_spec, Coordinator.register_targets, takes_half=True
+    RegisterTargets = _batch_rpc(
+        pb.RegisterTargetsResponse, "targets", _target_spec, Coordinator.register_targets, takes_half=True
     )
-    ClaimTransfer = _batch_rpc(
-        pb.ClaimTransferResponse, "claims", _plain(convert.claim_spec), Coordinator.claim_transfers, takes_half=True
+    ClaimTransfers = _batch_rpc(
+        pb.ClaimTransfersResponse, "claims", _plain(convert.claim_spec), Coordinator.claim_transfers, takes_half=True
     )
-    MarkSourceReady = _batch_rpc(
-        pb.MarkSourceReadyResponse, "sources", _source_spec, Coordinator.mark_sources_ready, takes_half=True
+    MarkSourcesReady = _batch_rpc(
+        pb.MarkSourcesReadyResponse, "sources", _source_spec, Coordinator.mark_sources_ready, takes_half=True
     )
-    CompleteTransfer = _batch_rpc(
-        pb.CompleteTransferResponse,
+    CompleteTransfers = _batch_rpc(
+        pb.CompleteTransfersResponse,
         "completions",
         _completion_spec,
         Coordinator.complete_transfers,
         check=_check_parts,
         observe=_count_parts,
     )
-    AcknowledgeRevocation = _batch_rpc(
-        pb.AcknowledgeRevocationResponse, "acks", _plain(convert.revocation_ack), Coordinator.acknowledge_revocations
+    AcknowledgeRevocations = _batch_rpc(
+        pb.AcknowledgeRevocationsResponse, "acks", _plain(convert.revocation_ack), Coordinator.acknowledge_revocations
     )
-    ReleaseTarget = _batch_rpc(
-        pb.ReleaseTargetResponse, "releases", _plain(convert.release_spec), Coordinator.release_targets
+    ReleaseTargets = _batch_rpc(
+        pb.ReleaseTargetsResponse, "releases", _plain(convert.release_spec), Coordinator.release_targets
     )
-    AbortTransfer = _batch_rpc(
-        pb.AbortTransferResponse, "aborts", _plain(convert.abort_spec), Coordinator.abort_transfers, takes_half=True
+    AbortTransfers = _batch_rpc(
+        pb.AbortTransfersResponse, "aborts", _plain(convert.abort_spec), Coordinator.abort_transfers, takes_half=True
     )
 
     # Credits

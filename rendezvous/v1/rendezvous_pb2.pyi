@@ -497,7 +497,7 @@ class TargetSpec(_message.Message):
     progressive: bool
     def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
-class RegisterTargetRequest(_message.Message):
+class RegisterTargetsRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "targets")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -509,7 +509,7 @@ class RegisterTargetRequest(_message.Message):
     targets: _containers.RepeatedCompositeFieldContainer[TargetSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetSpec, _Mapping]]] = ...) -> None: ...
 
-class RegisterTargetResponse(_message.Message):
+class RegisterTargetsResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -527,7 +527,7 @@ class ClaimSpec(_message.Message):
     binding: TransferBinding
     def __init__(self, transfer_id: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
 
-class ClaimTransferRequest(_message.Message):
+class ClaimTransfersRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "claims")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -539,7 +539,7 @@ class ClaimTransferRequest(_message.Message):
     claims: _containers.RepeatedCompositeFieldContainer[ClaimSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., claims: _Optional[_Iterable[_Union[ClaimSpec, _Mapping]]] = ...) -> None: ...
 
-class ClaimTransferResponse(_message.Message):
+class ClaimTransfersResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -557,7 +557,7 @@ class SourceReadySpec(_message.Message):
     binding: TransferBinding
     def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
 
-class MarkSourceReadyRequest(_message.Message):
+class MarkSourcesReadyRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "sources")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -569,7 +569,7 @@ class MarkSourceReadyRequest(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[SourceReadySpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceReadySpec, _Mapping]]] = ...) -> None: ...
 
-class MarkSourceReadyResponse(_message.Message):
+class MarkSourcesReadyResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -605,7 +605,7 @@ class CompletionSpec(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[WrittenPart]
     def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ..., message: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., parts: _Optional[_Iterable[_Union[WrittenPart, _Mapping]]] = ...) -> None: ...
 
-class CompleteTransferRequest(_message.Message):
+class CompleteTransfersRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "completions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -617,7 +617,7 @@ class CompleteTransferRequest(_message.Message):
     completions: _containers.RepeatedCompositeFieldContainer[CompletionSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., completions: _Optional[_Iterable[_Union[CompletionSpec, _Mapping]]] = ...) -> None: ...
 
-class CompleteTransferResponse(_message.Message):
+class CompleteTransfersResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -635,7 +635,7 @@ class RevocationAck(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class AcknowledgeRevocationRequest(_message.Message):
+class AcknowledgeRevocationsRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "acks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -647,7 +647,7 @@ class AcknowledgeRevocationRequest(_message.Message):
     acks: _containers.RepeatedCompositeFieldContainer[RevocationAck]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., acks: _Optional[_Iterable[_Union[RevocationAck, _Mapping]]] = ...) -> None: ...
 
-class AcknowledgeRevocationResponse(_message.Message):
+class AcknowledgeRevocationsResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -663,7 +663,7 @@ class ReleaseSpec(_message.Message):
     generation: int
     def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class ReleaseTargetRequest(_message.Message):
+class ReleaseTargetsRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "releases")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -675,7 +675,7 @@ class ReleaseTargetRequest(_message.Message):
     releases: _containers.RepeatedCompositeFieldContainer[ReleaseSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[ReleaseSpec, _Mapping]]] = ...) -> None: ...
 
-class ReleaseTargetResponse(_message.Message):
+class ReleaseTargetsResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -691,7 +691,7 @@ class AbortSpec(_message.Message):
     message: str
     def __init__(self, transfer_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
-class AbortTransferRequest(_message.Message):
+class AbortTransfersRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "aborts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -703,7 +703,7 @@ class AbortTransferRequest(_message.Message):
     aborts: _containers.RepeatedCompositeFieldContainer[AbortSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., aborts: _Optional[_Iterable[_Union[AbortSpec, _Mapping]]] = ...) -> None: ...
 
-class AbortTransferResponse(_message.Message):
+class AbortTransfersResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]

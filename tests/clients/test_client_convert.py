@@ -144,7 +144,7 @@ def test_an_item_with_an_error_status_carries_the_exception() -> None:
     status = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")
     status.details.add().Pack(error_details_pb2.ErrorInfo(reason="ID_EMPTY", domain="kv-rendezvous"))
     ok, failed = _convert.item_results(
-        pb.RegisterTargetResponse(
+        pb.RegisterTargetsResponse(
             results=[
                 pb.ItemResult(transfer_id="a", state=pb.TRANSFER_STATE_TARGETED),
                 pb.ItemResult(transfer_id="b", status=status),
@@ -168,9 +168,9 @@ def test_mutating_calls_get_a_fresh_request_id_each_and_reads_none() -> None:
 def test_single_item_calls_keep_the_request_and_raise_the_item_error() -> None:
     batch = commands.register_targets("d", 1, [TargetSpec("t", [1])])
     single = batch.one()
-    assert single.request is batch.request and single.method == "RegisterTarget"
+    assert single.request is batch.request and single.method == "RegisterTargets"
     status = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")
-    response = pb.RegisterTargetResponse(results=[pb.ItemResult(transfer_id="t", status=status)])
+    response = pb.RegisterTargetsResponse(results=[pb.ItemResult(transfer_id="t", status=status)])
     with pytest.raises(InvalidArgument, match="bad"):
         single.parse(response)
 

@@ -61,12 +61,12 @@ async def test_a_claim_racing_a_consumer_reregistration_is_never_assigned_the_ne
     ids = [f"t{i:03d}" for i in range(TRANSFERS)]
     for i in range(0, TRANSFERS, BATCH):
         targets = [pb.TargetSpec(transfer_id=t, block_ids=[1, 2]) for t in ids[i : i + BATCH]]
-        await a.RegisterTarget(pb.RegisterTargetRequest(engine_id="d", targets=targets))
+        await a.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d", targets=targets))
 
     async def claim(batch: list[str]) -> int:
         """How many claims joined the transfer (the others found it ended: TRANSFER_ENDED)."""
         claims = [pb.ClaimSpec(transfer_id=t) for t in batch]
-        response = await b.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p", claims=claims))
+        response = await b.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p", claims=claims))
         return sum(not r.HasField("status") for r in response.results)
 
     # Replica a ends the old incarnation's transfers one by one while replica b matches claims against them.

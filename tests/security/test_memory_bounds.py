@@ -130,12 +130,12 @@ async def test_an_event_log_is_bounded_in_bytes_and_its_watcher_resyncs(store_ur
         for n in range(24):  # register 4,096 blocks, claim, abort, repeat
             tid = f"t{n}"
             await c.target(d0, tid, blocks, "d0")
-            claim = pb.ClaimTransferRequest(engine_id=p0.engine_id, incarnation=p0.incarnation)
+            claim = pb.ClaimTransfersRequest(engine_id=p0.engine_id, incarnation=p0.incarnation)
             claim.claims.add(transfer_id=tid)
-            await c.call("ClaimTransfer", claim, "p0")
-            abort = pb.AbortTransferRequest(engine_id=d0.engine_id, incarnation=d0.incarnation)
+            await c.call("ClaimTransfers", claim, "p0")
+            abort = pb.AbortTransfersRequest(engine_id=d0.engine_id, incarnation=d0.incarnation)
             abort.aborts.add(transfer_id=tid, message="again")
-            await c.call("AbortTransfer", abort, "d0")
+            await c.call("AbortTransfers", abort, "d0")
         # The producer's log: a TRANSFER_ASSIGNED (4,096 block ids) and a TRANSFER_ENDED per round.
         assert 0 < await store.event_log_bytes("p0-0") <= 256 << 10
         assert await store.event_log_bytes("d0-0") <= 256 << 10
@@ -156,12 +156,12 @@ async def _assign_rounds(c: Client, consumer: str, producers: list[str], blocks:
         tid = f"{consumer}-t{n}"
         producer = engines[n % len(engines)]
         await c.target(d, tid, blocks, who)
-        claim = pb.ClaimTransferRequest(engine_id=producer.engine_id, incarnation=producer.incarnation)
+        claim = pb.ClaimTransfersRequest(engine_id=producer.engine_id, incarnation=producer.incarnation)
         claim.claims.add(transfer_id=tid)
-        await c.call("ClaimTransfer", claim, "p0")
-        abort = pb.AbortTransferRequest(engine_id=d.engine_id, incarnation=d.incarnation)
+        await c.call("ClaimTransfers", claim, "p0")
+        abort = pb.AbortTransfersRequest(engine_id=d.engine_id, incarnation=d.incarnation)
         abort.aborts.add(transfer_id=tid, message="again")
-        await c.call("AbortTransfer", abort, who)
+        await c.call("AbortTransfers", abort, who)
 
 
 async def _watch_first(c: Client, engine_id: str, who: str) -> pb.WatchResponse:
@@ -291,9 +291,9 @@ async def test_a_stalled_watch_reader_is_dropped_past_the_output_buffer_limit(
         async def assign(p: pb.Engine, n: int) -> None:
             tid = f"{p.engine_id}-t{n}"
             await c.target(d0, tid, 4, who["d0"])
-            claim = pb.ClaimTransferRequest(engine_id=p.engine_id, incarnation=p.incarnation)
+            claim = pb.ClaimTransfersRequest(engine_id=p.engine_id, incarnation=p.incarnation)
             claim.claims.add(transfer_id=tid)
-            await c.call("ClaimTransfer", claim, who["p0"])
+            await c.call("ClaimTransfers", claim, who["p0"])
 
         # The first reader's window fills: a response stays handed to gRPC and not taken.
         for n in range(8):

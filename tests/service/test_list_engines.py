@@ -89,8 +89,8 @@ async def test_a_page_token_does_not_continue_another_listing(stub: Stub) -> Non
         pb.ListEnginesRequest(pool="decode", role=CONSUMER, page_token=decode.next_page_token),
     ):
         await expect_error(stub.ListEngines(other), grpc.StatusCode.INVALID_ARGUMENT, "PAGE_TOKEN_INVALID")
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(
             engine_id="d00", targets=[pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i]) for i in range(3)]
         )
     )
@@ -167,7 +167,7 @@ async def test_a_list_transfers_page_is_cut_by_bytes_the_same_way(stub: Stub) ->
     await register(stub, 1)
     ids = [f"t{i:02d}" for i in range(40)]
     targets = [pb.TargetSpec(transfer_id=t, block_ids=list(range(60))) for t in ids]
-    await stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d00", targets=targets))
+    await stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d00", targets=targets))
     pages = []
     token = ""
     while True:
