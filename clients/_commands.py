@@ -26,6 +26,7 @@ from clients._types import (
     EnginePage,
     EngineRole,
     EngineSpec,
+    EngineView,
     ItemResult,
     Registration,
     ReleaseSpec,
@@ -98,14 +99,13 @@ def _engine(response: pb.GetEngineResponse) -> EngineInfo:
 
 
 def list_engines(
-    pool: str, role: EngineRole | None, omit_agent_metadata: bool, omit_labels: bool, page_size: int, page_token: str
+    pool: str, role: EngineRole | None, view: EngineView, page_size: int, page_token: str
 ) -> Call[EnginePage[EngineInfo]]:
-    """ListEngines: one page, optionally of one pool and role."""
+    """ListEngines: one page in a view, optionally of one pool and role."""
     request = pb.ListEnginesRequest(
         pool=pool,
         role=number(role or 0),
-        omit_agent_metadata=omit_agent_metadata,
-        omit_labels=omit_labels,
+        view=number(view),
         page_size=page_size,
         page_token=page_token,
     )

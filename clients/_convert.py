@@ -63,7 +63,7 @@ def event(m: pb.Event) -> ServerEvent:
         transfer=transfer(m.transfer) if m.HasField("transfer") else None,
         generation=m.generation,
         peer=engine(m.peer) if m.HasField("peer") else None,
-        time=unix_time(m.time),
+        time=unix_time(m.event_time),
     )
 
 

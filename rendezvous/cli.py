@@ -361,7 +361,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(_table(("field", "value"), rows))
         elif args.command == "engines":
             engines = []
-            request = pb.ListEnginesRequest(pool=args.pool, omit_agent_metadata=True, omit_labels=True)
+            request = pb.ListEnginesRequest(pool=args.pool, view=pb.ENGINE_VIEW_BASIC)
             while True:  # every page (a page is bounded in count and bytes; --timeout applies to each)
                 page = stub.ListEngines(request, timeout=args.timeout, metadata=metadata)
                 engines += page.engines

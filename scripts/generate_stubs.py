@@ -79,7 +79,7 @@ def reasons_module(include: Path) -> str:
         "",
         "",
         "class Reason(StrEnum):",
-        '    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous")."""',
+        '    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous.dev")."""',
         "",
     ]
     codes: list[str] = []

@@ -59,10 +59,13 @@ std::optional<google::rpc::ErrorInfo> ErrorInfoOf(const grpc::Status& status) {
   return ErrorInfoOf(rich);
 }
 
+// The ErrorInfo domain of the service's errors (errors.proto; rendezvous.protocol.errors.ERROR_DOMAIN).
+constexpr char kErrorDomain[] = "kv-rendezvous.dev";
+
 // The reason as the generated ErrorReason enum knows it ("" for an unknown one: act on the code then).
 std::string KnownReason(const std::optional<google::rpc::ErrorInfo>& info) {
   v1::ErrorReason reason;
-  if (!info || info->domain() != "kv-rendezvous" || !v1::ErrorReason_Parse("ERROR_REASON_" + info->reason(), &reason))
+  if (!info || info->domain() != kErrorDomain || !v1::ErrorReason_Parse("ERROR_REASON_" + info->reason(), &reason))
     return "";
   return info->reason();
 }

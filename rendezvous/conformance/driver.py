@@ -21,6 +21,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from rendezvous.protocol.errors import ERROR_DOMAIN
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -76,11 +77,12 @@ class RpcFailure(Failed):
 
 
 def error_reason(status: status_pb2.Status) -> str:
-    """The ErrorInfo reason of a google.rpc.Status, or "" when it has none."""
+    """The ErrorInfo reason of a google.rpc.Status, or "" when it has none. A reason in a domain other than the
+    service's (ERROR_DOMAIN) reads "REASON@domain", so that it matches no expected reason."""
     for detail in status.details:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info):
-            return str(info.reason)
+            return str(info.reason) if info.domain == ERROR_DOMAIN else f"{info.reason}@{info.domain}"
     return ""
 
 

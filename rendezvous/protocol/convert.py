@@ -310,7 +310,7 @@ def fill_transfer(m: pb.Transfer, t: TransferRecord) -> None:
     m.progressive = t.progressive
     # A moment not reached stays unset; `times` is always present, if empty.
     if t.deadline:
-        set_time(m.deadline, t.deadline)
+        set_time(m.deadline_time, t.deadline)
     set_times(m.times, t.times)
 
 
@@ -320,7 +320,7 @@ def transfer(m: pb.Transfer, record: type[T]) -> T:
     return record(
         transfer_id=m.transfer_id,
         state=TransferState(m.state),
-        deadline=unix_time(m.deadline),
+        deadline=unix_time(m.deadline_time),
         mode=TransferMode(m.mode),
         generation=m.generation,
         consumer_engine_id=m.consumer_engine_id,

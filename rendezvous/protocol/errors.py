@@ -36,7 +36,7 @@ import grpc
 from rendezvous.protocol import reasons
 from rendezvous.protocol.reasons import Reason
 
-ERROR_DOMAIN = "kv-rendezvous"
+ERROR_DOMAIN = "kv-rendezvous.dev"
 """The google.rpc.ErrorInfo domain of the service's errors."""
 
 REASON_CODES: Mapping[Reason, grpc.StatusCode] = {

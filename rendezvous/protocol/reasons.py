@@ -11,7 +11,7 @@ from enum import StrEnum
 
 
 class Reason(StrEnum):
-    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous")."""
+    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous.dev")."""
 
     ID_EMPTY = "ID_EMPTY"
     """An engine, pool, agent or transfer id is empty."""
@@ -214,6 +214,12 @@ class Reason(StrEnum):
  connector: upgrade the servers first) (ErrorInfo metadata fields: data_plane_version, the engine's;
  supported, the newest this server knows)."""
 
+    PAGE_SIZE_INVALID = "PAGE_SIZE_INVALID"
+    """A negative page_size in ListEngines or ListTransfers."""
+
+    VIEW_INVALID = "VIEW_INVALID"
+    """A ListEngines view the server does not know."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -278,5 +284,7 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.REQUEST_ID_REUSED: "INVALID_ARGUMENT",
     Reason.MESSAGE_INVALID: "INVALID_ARGUMENT",
     Reason.DATA_PLANE_VERSION_UNSUPPORTED: "FAILED_PRECONDITION",
+    Reason.PAGE_SIZE_INVALID: "INVALID_ARGUMENT",
+    Reason.VIEW_INVALID: "INVALID_ARGUMENT",
 }
 """The google.rpc.Code name of each reason."""

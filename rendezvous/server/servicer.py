@@ -383,12 +383,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.ListEnginesResponse:
         role = wire.role_filter(request.role)
+        view = wire.engine_view(request.view)
         messages: dict[str, pb.Engine] = {}
 
         def weigh(engine: Engine) -> int:
             # Built once: the page keeps the messages it was cut by.
             messages[engine.engine_id] = message = wire.engine_message(
-                engine, not request.omit_agent_metadata, include_labels=not request.omit_labels
+                engine, view.with_agent_metadata, include_labels=view.with_labels
             )
             return _weigh(message)
 

@@ -24,6 +24,13 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
     MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
 
+class EngineView(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_VIEW_UNSPECIFIED: _ClassVar[EngineView]
+    ENGINE_VIEW_BASIC: _ClassVar[EngineView]
+    ENGINE_VIEW_PLACEMENT: _ClassVar[EngineView]
+    ENGINE_VIEW_FULL: _ClassVar[EngineView]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
@@ -73,6 +80,10 @@ ENGINE_ROLE_CONSUMER: EngineRole
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
+ENGINE_VIEW_UNSPECIFIED: EngineView
+ENGINE_VIEW_BASIC: EngineView
+ENGINE_VIEW_PLACEMENT: EngineView
+ENGINE_VIEW_FULL: EngineView
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_TARGETED: TransferState
 TRANSFER_STATE_CLAIMED: TransferState
@@ -372,20 +383,18 @@ class GetEngineResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
-    __slots__ = ("pool", "role", "omit_agent_metadata", "page_size", "page_token", "omit_labels")
+    __slots__ = ("pool", "role", "page_size", "page_token", "view")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
-    OMIT_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    OMIT_LABELS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     pool: str
     role: EngineRole
-    omit_agent_metadata: bool
     page_size: int
     page_token: str
-    omit_labels: bool
-    def __init__(self, pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., omit_agent_metadata: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., omit_labels: _Optional[bool] = ...) -> None: ...
+    view: EngineView
+    def __init__(self, pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., view: _Optional[_Union[EngineView, str]] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("header", "engines", "next_page_token")
@@ -398,7 +407,7 @@ class ListEnginesResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline", "times", "reported_ranks", "progressive")
+    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline_time", "times", "reported_ranks", "progressive")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -413,7 +422,7 @@ class Transfer(_message.Message):
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
     ABORT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REVOKING_GENERATION_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_TIME_FIELD_NUMBER: _ClassVar[int]
     TIMES_FIELD_NUMBER: _ClassVar[int]
     REPORTED_RANKS_FIELD_NUMBER: _ClassVar[int]
     PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
@@ -431,11 +440,11 @@ class Transfer(_message.Message):
     abort_reason: AbortReason
     abort_message: str
     revoking_generation: int
-    deadline: _timestamp_pb2.Timestamp
+    deadline_time: _timestamp_pb2.Timestamp
     times: TransferTimes
     reported_ranks: _containers.RepeatedScalarFieldContainer[int]
     progressive: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ..., reported_ranks: _Optional[_Iterable[int]] = ..., progressive: _Optional[bool] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ..., reported_ranks: _Optional[_Iterable[int]] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
 class TransferTimes(_message.Message):
     __slots__ = ("target_time", "claim_time", "match_time", "source_ready_time", "commit_time", "end_time")
@@ -748,20 +757,20 @@ class ListTransfersResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("revision", "type", "transfer", "generation", "peer", "time")
+    __slots__ = ("revision", "type", "transfer", "generation", "peer", "event_time")
     REVISION_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
-    TIME_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     revision: int
     type: EventType
     transfer: Transfer
     generation: int
     peer: Engine
-    time: _timestamp_pb2.Timestamp
-    def __init__(self, revision: _Optional[int] = ..., type: _Optional[_Union[EventType, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., generation: _Optional[int] = ..., peer: _Optional[_Union[Engine, _Mapping]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    event_time: _timestamp_pb2.Timestamp
+    def __init__(self, revision: _Optional[int] = ..., type: _Optional[_Union[EventType, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., generation: _Optional[int] = ..., peer: _Optional[_Union[Engine, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("engine_id", "start_revision", "max_batch")

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from clients import (
+    ERROR_DOMAIN,
     AsyncRendezvousClient,
     AsyncWatchStream,
     ClaimSpec,
@@ -15,6 +16,7 @@ from clients import (
     CompletionSpec,
     EngineRole,
     EngineSpec,
+    EngineView,
     EventType,
     FailedPrecondition,
     InvalidArgument,
@@ -61,7 +63,7 @@ async def test_an_empty_engine_id_is_an_invalid_argument_with_reason_id_empty(cl
     with pytest.raises(InvalidArgument) as caught:
         await client.register_engine(EngineSpec("", "decode", EngineRole.CONSUMER))
     assert caught.value.reason == "ID_EMPTY"
-    assert caught.value.domain == "kv-rendezvous"
+    assert caught.value.domain == ERROR_DOMAIN
     assert caught.value.metadata == {"field": "engine_id"}
 
 
@@ -125,13 +127,13 @@ async def test_listing_transfers_pages_through_all_of_them(client: AsyncRendezvo
     assert [t async for t in client.iter_transfers("d0", [TransferState.COMMITTED])] == []
 
 
-async def test_list_engines_filters_by_pool_and_role_and_can_omit_agent_metadata(
+async def test_list_engines_filters_by_pool_and_role_and_takes_a_view(
     client: AsyncRendezvousClient,
 ) -> None:
     await register(client, "d0", EngineRole.CONSUMER)
     await register(client, "p0", EngineRole.PRODUCER)
     await register(client, "p1", EngineRole.PRODUCER, pool="other")
-    producers = await client.list_engines("prefill", EngineRole.PRODUCER, omit_agent_metadata=True)
+    producers = await client.list_engines("prefill", EngineRole.PRODUCER, view=EngineView.PLACEMENT)
     assert [e.engine_id for e in producers] == ["p0"]
     assert producers[0].agents[0].metadata == b""
     assert [e.engine_id for e in await client.list_engines()] == ["d0", "p0", "p1"]

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clients import (
+    ERROR_DOMAIN,
     AbortReason,
     ClaimSpec,
     CompletionOutcome,
@@ -108,7 +109,7 @@ def test_a_transfer_message_becomes_a_record_with_its_times() -> None:
         source_block_ids=[9],
         abort_reason=pb.ABORT_REASON_PEER_LOST,
         abort_message="gone",
-        deadline=Timestamp(seconds=100, nanos=500_000_000),
+        deadline_time=Timestamp(seconds=100, nanos=500_000_000),
         times=pb.TransferTimes(target_time=Timestamp(seconds=90)),
     )
     record = _convert.transfer(message)
@@ -142,7 +143,7 @@ def test_an_event_without_transfer_or_peer_has_none_for_them() -> None:
 
 def test_an_item_with_an_error_status_carries_the_exception() -> None:
     status = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")
-    status.details.add().Pack(error_details_pb2.ErrorInfo(reason="ID_EMPTY", domain="kv-rendezvous"))
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason="ID_EMPTY", domain=ERROR_DOMAIN))
     ok, failed = _convert.item_results(
         pb.RegisterTargetsResponse(
             results=[

@@ -139,7 +139,7 @@ def status_error(status: Any) -> tuple[tuple[grpc.StatusCode, str], dict[str, st
 
 
 async def engine_ids(c: Client) -> list[str]:
-    page = await c.call("ListEngines", pb.ListEnginesRequest(omit_agent_metadata=True), "ops")
+    page = await c.call("ListEngines", pb.ListEnginesRequest(view=pb.ENGINE_VIEW_PLACEMENT), "ops")
     return sorted(e.engine_id for e in page.engines)
 
 

@@ -9,6 +9,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from rendezvous.protocol.errors import ERROR_DOMAIN
 from rendezvous.server import RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -24,7 +25,7 @@ def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
     (detail,) = status.details
     info = error_details_pb2.ErrorInfo()
     assert detail.Unpack(info)
-    assert info.domain == "kv-rendezvous"
+    assert info.domain == ERROR_DOMAIN
     return info
 
 
@@ -192,7 +193,7 @@ async def test_list_and_get_engines_filter_by_pool_and_role(stub: Stub) -> None:
     await register_pair(stub)
     producers = await stub.ListEngines(pb.ListEnginesRequest(role=PRODUCER))
     assert [e.engine_id for e in producers.engines] == ["p1"]
-    slim = await stub.ListEngines(pb.ListEnginesRequest(pool="decode", omit_agent_metadata=True))
+    slim = await stub.ListEngines(pb.ListEnginesRequest(pool="decode", view=pb.ENGINE_VIEW_PLACEMENT))
     assert [e.engine_id for e in slim.engines] == ["d1"] and slim.engines[0].agents[0].metadata == b""
     got = await stub.GetEngine(pb.GetEngineRequest(engine_id="d1"))
     assert got.engine.agents[0].metadata == b"md-d1-0"
