@@ -64,7 +64,7 @@ async def lifecycles(count: int, batch: int) -> float:
         page = await coordinator.read_events(engine_id, after[engine_id] + 1, 100_000)
         for event in page.events:
             wire.event_message(event)
-            after[engine_id] = event.revision
+            after[engine_id] = event.sequence
 
     started = time.process_time()
     for first in range(0, count, batch):

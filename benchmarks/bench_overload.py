@@ -254,10 +254,10 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
         )
         d_inc, p_inc = d.engine.incarnation, p.engine.incarnation
         d_watch = stub.Watch(
-            pb.WatchRequest(engine_id="good-d", start_revision=d.watch_start_revision), metadata=credentials("good-d")
+            pb.WatchRequest(engine_id="good-d", start_sequence=d.watch_start_sequence), metadata=credentials("good-d")
         )
         p_watch = stub.Watch(
-            pb.WatchRequest(engine_id="good-p", start_revision=p.watch_start_revision), metadata=credentials("good-p")
+            pb.WatchRequest(engine_id="good-p", start_sequence=p.watch_start_sequence), metadata=credentials("good-p")
         )
         await d_watch.read()
         await p_watch.read()

@@ -146,7 +146,7 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
             engine_request(engine_id, pb.ENGINE_ROLE_CONSUMER if consumer else pb.ENGINE_ROLE_PRODUCER)
         )
         inc = reg.engine.incarnation
-        watch = stub.Watch(pb.WatchRequest(engine_id=engine_id, start_revision=reg.watch_start_revision))
+        watch = stub.Watch(pb.WatchRequest(engine_id=engine_id, start_sequence=reg.watch_start_sequence))
         await watch.read()
         out.put(("ready", role))
         await asyncio.get_running_loop().run_in_executor(None, go.wait)

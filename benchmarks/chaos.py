@@ -845,7 +845,7 @@ class Producer(SimEngine):
                         record_incarnation=info.consumer_incarnation,
                         made_at=event.time,
                         received_at=time.time(),
-                        revision=event.revision,
+                        sequence=event.sequence,
                     )
                 )
                 self.ledger.assigned_signal(info.transfer_id).set()

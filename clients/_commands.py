@@ -217,9 +217,9 @@ def get_status() -> Call[ServerStatus]:
 # Streams
 
 
-def watch_request(engine_id: str, start_revision: int, max_batch: int) -> pb.WatchRequest:
+def watch_request(engine_id: str, start_sequence: int, max_batch: int) -> pb.WatchRequest:
     """The request opening a Watch stream."""
-    return pb.WatchRequest(engine_id=engine_id, start_revision=start_revision, max_batch=max_batch)
+    return pb.WatchRequest(engine_id=engine_id, start_sequence=start_sequence, max_batch=max_batch)
 
 
 def keep_alive_request(engine_id: str, incarnation: int) -> pb.KeepAliveRequest:

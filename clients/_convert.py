@@ -58,7 +58,7 @@ def transfer(m: pb.Transfer) -> TransferInfo:
 def event(m: pb.Event) -> ServerEvent:
     """An event message as a record."""
     return Event(
-        revision=m.revision,
+        sequence=m.sequence,
         type=EventType(m.type),
         transfer=transfer(m.transfer) if m.HasField("transfer") else None,
         generation=m.generation,
@@ -80,7 +80,7 @@ def item_results(m: _BatchResponse) -> list[ItemResult]:
 
 def registration(m: pb.RegisterEngineResponse) -> Registration:
     """A RegisterEngine answer as a record."""
-    return Registration(engine(m.engine), m.watch_start_revision, m.header.epoch)
+    return Registration(engine(m.engine), m.watch_start_sequence, m.header.epoch)
 
 
 def lease_renewal(m: pb.KeepAliveResponse) -> LeaseRenewal:
@@ -90,7 +90,7 @@ def lease_renewal(m: pb.KeepAliveResponse) -> LeaseRenewal:
 
 def watch_batch(m: pb.WatchResponse) -> WatchBatch:
     """A Watch message as a record."""
-    return WatchBatch(tuple(event(e) for e in m.events), m.resync_required, m.resync_revision, m.header.epoch)
+    return WatchBatch(tuple(event(e) for e in m.events), m.resync_required, m.resync_sequence, m.header.epoch)
 
 
 def engine_page(m: pb.ListEnginesResponse) -> EnginePage[EngineInfo]:

@@ -45,7 +45,7 @@ def engine_message(
         e,
         lease_expire_time=e.lease_expires_at,
         register_time=e.registered_at,
-        watch_start_revision=e.watch_start_revision,
+        watch_start_sequence=e.watch_start_sequence,
         capacity=e.capacity,
         live_transfers=live_transfers,
         include_metadata=include_metadata,
@@ -83,7 +83,7 @@ def event_message(e: Event[Transfer, Engine]) -> pb.Event:
 
 def fill_event(m: pb.Event, e: Event[Transfer, Engine]) -> None:
     """Set an empty Event message (a new one, or an item of a response: no copy) to an event."""
-    m.revision = e.revision
+    m.sequence = e.sequence
     m.type = number(e.type)
     if e.transfer is not None:
         fill_transfer(m.transfer, e.transfer)

@@ -45,7 +45,7 @@ class Assignment:
     record_incarnation: int
     made_at: float
     received_at: float
-    revision: int
+    sequence: int
 
 
 class Ledger:

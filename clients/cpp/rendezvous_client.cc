@@ -114,7 +114,7 @@ class Engine {
     grpc::Status status = stub_->RegisterEngine(Deadline().get(), request, &response);
     Expect(status.ok(), "RegisterEngine " + id_ + ": " + status.error_message());
     incarnation_ = response.engine().incarnation();
-    watch_start_ = response.watch_start_revision();
+    watch_start_ = response.watch_start_sequence();
   }
 
   v1::ItemResult RegisterTargets(const std::string& transfer_id, const std::vector<int64_t>& blocks) {
@@ -246,14 +246,14 @@ class Lease {
   std::thread thread_;
 };
 
-// An engine's Watch stream, read event by event from the revision its registration gave.
+// An engine's Watch stream, read event by event from the sequence its registration gave.
 class Watch {
  public:
   explicit Watch(const Engine& engine) : engine_id_(engine.id()) {
     context_.set_deadline(Clock::now() + std::chrono::seconds(60));
     v1::WatchRequest request;
     request.set_engine_id(engine.id());
-    request.set_start_revision(engine.watch_start());
+    request.set_start_sequence(engine.watch_start());
     reader_ = engine.stub()->Watch(&context_, request);
   }
 

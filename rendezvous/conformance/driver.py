@@ -132,7 +132,7 @@ def abort_reason_name(reason: int) -> str:
 
 def describe_event(e: pb.Event) -> str:
     """A short rendering for failure reasons."""
-    text = f"r{e.revision} {event_name(e.type)}"
+    text = f"#{e.sequence} {event_name(e.type)}"
     if e.HasField("transfer"):
         text += f"({e.transfer.transfer_id} g{e.generation}"
         if e.transfer.abort_reason:
@@ -314,13 +314,13 @@ def is_event(kind: int, transfer_id: str | None = None, generation: int | None =
 
 
 class Watcher:
-    """One Watch stream of one engine, from a start revision; keeps every event it receives."""
+    """One Watch stream of one engine, from a start sequence; keeps every event it receives."""
 
-    def __init__(self, driver: Driver, stub: Any, engine_id: str, start_revision: int) -> None:
+    def __init__(self, driver: Driver, stub: Any, engine_id: str, start_sequence: int) -> None:
         self._driver = driver
         self._stub = stub
         self.engine_id = engine_id
-        self.start_revision = start_revision
+        self.start_sequence = start_sequence
         self.events: list[pb.Event] = []
         self.first_response_had_events = False
         self.resyncs: list[int] = []
@@ -332,7 +332,7 @@ class Watcher:
 
     async def start(self) -> None:
         """Open the stream and wait for its first response (the watch is established)."""
-        request = pb.WatchRequest(engine_id=self.engine_id, start_revision=self.start_revision)
+        request = pb.WatchRequest(engine_id=self.engine_id, start_sequence=self.start_sequence)
         self._call = self._stub.Watch(request, metadata=self._driver.metadata or None)
         try:
             async with asyncio.timeout(self._driver.options.rpc_timeout):
@@ -358,7 +358,7 @@ class Watcher:
                 if response is grpc.aio.EOF:
                     break
                 if response.resync_required:
-                    self.resyncs.append(int(response.resync_revision))
+                    self.resyncs.append(int(response.resync_sequence))
                 self.events.extend(response.events)
                 self._changed.set()
         except grpc.aio.AioRpcError as err:
@@ -369,7 +369,7 @@ class Watcher:
             self._changed.set()
 
     async def wait_for(self, predicate: EventPredicate, what: str, timeout: float | None = None) -> pb.Event:
-        """The first event (since the start revision) that matches; waits at most timeout seconds."""
+        """The first event (since the start sequence) that matches; waits at most timeout seconds."""
         bound = self._driver.options.event_timeout if timeout is None else timeout
         deadline = time.monotonic() + bound
         while True:
@@ -398,8 +398,8 @@ class Watcher:
         return await self.wait_for(is_event(kind, transfer_id, generation), what, timeout)
 
     def before(self, event: pb.Event) -> list[pb.Event]:
-        """The events received before event (lower revisions)."""
-        return [e for e in self.events if e.revision < event.revision]
+        """The events received before event (lower sequences)."""
+        return [e for e in self.events if e.sequence < event.sequence]
 
     def _seen(self) -> str:
         resyncs = f" and resync_required at {self.resyncs}" if self.resyncs else ""
@@ -435,7 +435,7 @@ class Engine:
         self.role = role
         self.incarnation = 0
         self.lease_ttl = 0.0
-        self.watch_start_revision = 0
+        self.watch_start_sequence = 0
         self.watcher: Watcher | None = None
         self.keepalive_error: RpcFailure | None = None
         self._keepalive: asyncio.Task[None] | None = None
@@ -465,16 +465,16 @@ class Engine:
         response: pb.RegisterEngineResponse = await self.driver.call(self.stub, "RegisterEngine", request)
         self.incarnation = int(response.engine.incarnation)
         self.lease_ttl = _seconds(response.engine.lease_ttl)
-        if not self.watch_start_revision:
-            self.watch_start_revision = int(response.watch_start_revision)
+        if not self.watch_start_sequence:
+            self.watch_start_sequence = int(response.watch_start_sequence)
         self.deregistered = False
         self._stop_keepalive = asyncio.Event()
         self._keepalive = asyncio.create_task(self._keep_alive(self.incarnation, self._stop_keepalive))
         return response
 
     async def watch(self) -> Watcher:
-        """Watch from the first registration's watch_start_revision, so no event is missed."""
-        self.watcher = Watcher(self.driver, self.stub, self.engine_id, self.watch_start_revision)
+        """Watch from the first registration's watch_start_sequence, so no event is missed."""
+        self.watcher = Watcher(self.driver, self.stub, self.engine_id, self.watch_start_sequence)
         await self.watcher.start()
         return self.watcher
 

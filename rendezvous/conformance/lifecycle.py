@@ -205,14 +205,14 @@ async def _aborted_targets(s: Scenario, consumer: Engine, count: int) -> list[st
     return ids
 
 
-def _check_sequence(events: Sequence[pb.Event], ids: Sequence[str], first_revision: int, what: str) -> None:
-    """events are exactly the aborts of ids, at consecutive revisions from first_revision."""
-    got = [(e.revision, e.type, e.transfer.transfer_id) for e in events]
-    expected = [(first_revision + i, TRANSFER_ABORTED, t) for i, t in enumerate(ids)]
+def _check_sequence(events: Sequence[pb.Event], ids: Sequence[str], first_sequence: int, what: str) -> None:
+    """events are exactly the aborts of ids, at consecutive sequences from first_sequence."""
+    got = [(e.sequence, e.type, e.transfer.transfer_id) for e in events]
+    expected = [(first_sequence + i, TRANSFER_ABORTED, t) for i, t in enumerate(ids)]
     expect(
         got == expected,
         f"{what}: got {[describe_event(e) for e in events]}, expected TRANSFER_ABORTED of {list(ids)} "
-        f"at revisions {first_revision}..{first_revision + len(ids) - 1}",
+        f"at sequences {first_sequence}..{first_sequence + len(ids) - 1}",
     )
 
 
@@ -220,7 +220,7 @@ def _check_sequence(events: Sequence[pb.Event], ids: Sequence[str], first_revisi
 async def resume_without_gaps(s: Scenario) -> None:
     """Watch resumes at last seen + 1 (on another target, if given) with no gap and no duplicate."""
     consumer = await s.consumer(watch=False)
-    start = consumer.watch_start_revision
+    start = consumer.watch_start_sequence
     first_ids = await _aborted_targets(s, consumer, 3)
     watcher = Watcher(s.driver, consumer.stub, consumer.engine_id, start)
     await watcher.start()
@@ -238,26 +238,26 @@ async def resume_without_gaps(s: Scenario) -> None:
         await resumed.start()
         try:
             end = await resumed.expect(TRANSFER_ABORTED, ids[-1])
-            upto = [e for e in resumed.events if e.revision <= end.revision]
+            upto = [e for e in resumed.events if e.sequence <= end.sequence]
             _check_sequence(upto, ids, resume_at, f"the watch resumed at {resume_at}")
         finally:
             await resumed.close()
 
 
 @check("watch")
-async def future_revision_out_of_range(s: Scenario) -> None:
-    """Watch from beyond the latest revision + 1 is OUT_OF_RANGE / REVISION_INVALID; latest + 1 is fine."""
+async def future_sequence_out_of_range(s: Scenario) -> None:
+    """Watch from beyond the latest sequence + 1 is OUT_OF_RANGE / SEQUENCE_INVALID; latest + 1 is fine."""
     consumer = await s.consumer()
-    last = (await consumer.events.expect(TRANSFER_ABORTED, (await _aborted_targets(s, consumer, 1))[0])).revision
+    last = (await consumer.events.expect(TRANSFER_ABORTED, (await _aborted_targets(s, consumer, 1))[0])).sequence
     edge = Watcher(s.driver, s.driver.next_stub(), consumer.engine_id, last + 1)
     await edge.start()
     await edge.close()
     ahead = Watcher(s.driver, s.driver.next_stub(), consumer.engine_id, last + 2)
     err = await expect_rpc_error(
-        ahead.start(), grpc.StatusCode.OUT_OF_RANGE, "REVISION_INVALID", f"Watch(start_revision={last + 2})"
+        ahead.start(), grpc.StatusCode.OUT_OF_RANGE, "SEQUENCE_INVALID", f"Watch(start_sequence={last + 2})"
     )
-    reported = err.metadata.get("last_revision")
+    reported = err.metadata.get("last_sequence")
     expect(
         reported in (None, str(last)),
-        f"REVISION_INVALID names last_revision {reported}, the engine's latest revision is {last}",
+        f"SEQUENCE_INVALID names last_sequence {reported}, the engine's latest sequence is {last}",
     )

@@ -234,7 +234,7 @@ def engine_message(
     *,
     lease_expire_time: float,
     register_time: float,
-    watch_start_revision: int,
+    watch_start_sequence: int,
     capacity: EngineCapacity,
     live_transfers: int = 0,
     include_metadata: bool = True,
@@ -254,7 +254,7 @@ def engine_message(
         lease_expire_time=timestamp(lease_expire_time),
         register_time=timestamp(register_time),
         live_transfers=live_transfers,
-        watch_start_revision=watch_start_revision,
+        watch_start_sequence=watch_start_sequence,
         capacity=capacity_message(capacity),
     )
 
@@ -273,7 +273,7 @@ def engine(m: pb.Engine) -> EngineInfo:
         lease_expire_time=unix_time(m.lease_expire_time),
         live_transfers=m.live_transfers,
         register_time=unix_time(m.register_time),
-        watch_start_revision=m.watch_start_revision,
+        watch_start_sequence=m.watch_start_sequence,
         capacity=EngineCapacity(m.capacity.max_transfers, m.capacity.max_blocks),
         credits=credits(m.credits),
     )

@@ -65,8 +65,9 @@ class Reason(StrEnum):
     BATCH_TOO_LARGE = "BATCH_TOO_LARGE"
     """More items than max_batch_items."""
 
-    REVISION_INVALID = "REVISION_INVALID"
-    """A Watch start revision beyond the latest revision + 1."""
+    SEQUENCE_INVALID = "SEQUENCE_INVALID"
+    """A Watch start_sequence beyond the engine's latest event sequence + 1 (ErrorInfo metadata field:
+ last_sequence)."""
 
     PAGE_TOKEN_INVALID = "PAGE_TOKEN_INVALID"
     """A page token this server did not issue."""
@@ -239,7 +240,7 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.LABELS_INVALID: "INVALID_ARGUMENT",
     Reason.BATCH_EMPTY: "INVALID_ARGUMENT",
     Reason.BATCH_TOO_LARGE: "INVALID_ARGUMENT",
-    Reason.REVISION_INVALID: "OUT_OF_RANGE",
+    Reason.SEQUENCE_INVALID: "OUT_OF_RANGE",
     Reason.PAGE_TOKEN_INVALID: "INVALID_ARGUMENT",
     Reason.STATE_INVALID: "INVALID_ARGUMENT",
     Reason.ENGINE_NOT_FOUND: "NOT_FOUND",

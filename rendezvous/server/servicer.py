@@ -342,7 +342,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         engine, start = await self.coordinator.register_engine(spec)
         await pacer.tick()
         return pb.RegisterEngineResponse(
-            header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_revision=start
+            header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_sequence=start
         )
 
     async def KeepAlive(
@@ -525,7 +525,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         coordinator = self.coordinator
         engine_id = request.engine_id
         try:
-            revision = await coordinator.check_watch(engine_id, request.start_revision)
+            sequence = await coordinator.check_watch(engine_id, request.start_sequence)
             self.watchers.enter(engine_id)
         except Exception as exc:
             await self._refuse(context, "Watch", exc)
@@ -536,12 +536,12 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         try:
             yield pb.WatchResponse(header=await self._header())
             while not self._stopping.is_set():
-                page = await coordinator.read_events(engine_id, revision, batch)
-                if page.resync_revision is not None:
+                page = await coordinator.read_events(engine_id, sequence, batch)
+                if page.resync_sequence is not None:
                     self.metrics.resyncs.inc()
-                    revision = page.resync_revision
+                    sequence = page.resync_sequence
                     resync = pb.WatchResponse(
-                        header=await self._header(), resync_required=True, resync_revision=revision
+                        header=await self._header(), resync_required=True, resync_sequence=sequence
                     )
                     with buffers.sending(stream, resync.ByteSize()):
                         yield resync
@@ -549,15 +549,15 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     # Cut by bytes too, converted lazily: a peer's large agent metadata or labels, repeated in
                     # many events, must not make one response larger than a client accepts.
                     for response in _event_responses(page.events, coordinator.limits.max_response_bytes):
-                        revision = response.events[-1].revision + 1
+                        sequence = response.events[-1].sequence + 1
                         self.metrics.events_sent.inc(len(response.events))
                         response.header.CopyFrom(await self._header(seen=True))
                         with buffers.sending(stream, response.ByteSize()):
                             yield response
-                    if revision > page.last_revision:
+                    if sequence > page.last_sequence:
                         # The log was read to its end: wait for more (no empty read first: one round trip less
                         # to a networked store; a forgotten engine shows on the read after the wait).
-                        await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
+                        await coordinator.wait_events(engine_id, sequence - 1, timeout=0.5)
                 elif page.forgotten:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,
@@ -565,7 +565,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                         engine_id=engine_id,
                     )
                 else:
-                    await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
+                    await coordinator.wait_events(engine_id, sequence - 1, timeout=0.5)
             raise _shutting_down()
         except grpc.aio.AbortError:
             raise  # the status is already on its way (a slow reader's, rendezvous.server.watch_buffers)

@@ -255,7 +255,7 @@ class NixlAgent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_revision", "capacity", "credits")
+    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_sequence", "capacity", "credits")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -274,7 +274,7 @@ class Engine(_message.Message):
     LEASE_EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
     LIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     REGISTER_TIME_FIELD_NUMBER: _ClassVar[int]
-    WATCH_START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WATCH_START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
@@ -288,10 +288,10 @@ class Engine(_message.Message):
     lease_expire_time: _timestamp_pb2.Timestamp
     live_transfers: int
     register_time: _timestamp_pb2.Timestamp
-    watch_start_revision: int
+    watch_start_sequence: int
     capacity: EngineCapacity
     credits: EngineCredits
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_revision: _Optional[int] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ..., credits: _Optional[_Union[EngineCredits, _Mapping]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_sequence: _Optional[int] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ..., credits: _Optional[_Union[EngineCredits, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "pool", "role", "layout", "agents", "labels", "lease_ttl", "capacity")
@@ -323,14 +323,14 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("header", "engine", "watch_start_revision")
+    __slots__ = ("header", "engine", "watch_start_sequence")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
-    WATCH_START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WATCH_START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     header: ResponseHeader
     engine: Engine
-    watch_start_revision: int
-    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ..., watch_start_revision: _Optional[int] = ...) -> None: ...
+    watch_start_sequence: int
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ..., watch_start_sequence: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("engine_id", "incarnation")
@@ -757,42 +757,42 @@ class ListTransfersResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("revision", "type", "transfer", "generation", "peer", "event_time")
-    REVISION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("sequence", "type", "transfer", "generation", "peer", "event_time")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
-    revision: int
+    sequence: int
     type: EventType
     transfer: Transfer
     generation: int
     peer: Engine
     event_time: _timestamp_pb2.Timestamp
-    def __init__(self, revision: _Optional[int] = ..., type: _Optional[_Union[EventType, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., generation: _Optional[int] = ..., peer: _Optional[_Union[Engine, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., type: _Optional[_Union[EventType, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., generation: _Optional[int] = ..., peer: _Optional[_Union[Engine, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("engine_id", "start_revision", "max_batch")
+    __slots__ = ("engine_id", "start_sequence", "max_batch")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
-    start_revision: int
+    start_sequence: int
     max_batch: int
-    def __init__(self, engine_id: _Optional[str] = ..., start_revision: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., start_sequence: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
-    __slots__ = ("header", "events", "resync_required", "resync_revision")
+    __slots__ = ("header", "events", "resync_required", "resync_sequence")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
-    RESYNC_REVISION_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     header: ResponseHeader
     events: _containers.RepeatedCompositeFieldContainer[Event]
     resync_required: bool
-    resync_revision: int
-    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., resync_required: _Optional[bool] = ..., resync_revision: _Optional[int] = ...) -> None: ...
+    resync_sequence: int
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., resync_required: _Optional[bool] = ..., resync_sequence: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

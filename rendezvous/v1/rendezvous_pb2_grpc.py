@@ -260,7 +260,7 @@ class RendezvousServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Watch streams the events of one engine in revision order, in batches.
+        """Watch streams the events of one engine in sequence order, in batches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -55,7 +55,7 @@ async def test_registration_grants_a_lease_an_incarnation_and_a_watch_start(clie
     assert (engine.engine_id, engine.role, engine.layout) == ("d0", EngineRole.CONSUMER, LAYOUT)
     assert engine.agents == (agent("d0-0"),)
     assert engine.incarnation > 0 and engine.lease_ttl == 5.0
-    assert registration.watch_start_revision == 1
+    assert registration.watch_start_sequence == 1
     assert registration.epoch == client.epoch != 0
 
 
@@ -90,8 +90,8 @@ async def test_push_lifecycle_from_target_to_release(client: AsyncRendezvousClie
     d = await register(client, "d0", EngineRole.CONSUMER)
     p = await register(client, "p0", EngineRole.PRODUCER)
     async with (
-        client.watch("p0", p.watch_start_revision) as producer_events,
-        client.watch("d0", d.watch_start_revision) as consumer_events,
+        client.watch("p0", p.watch_start_sequence) as producer_events,
+        client.watch("d0", d.watch_start_sequence) as consumer_events,
     ):
         target = TargetSpec("t1", [5, 6], num_tokens=32)
         assert (await client.register_target("d0", target)).state == TransferState.TARGETED

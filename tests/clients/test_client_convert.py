@@ -137,8 +137,8 @@ def test_progressive_targets_and_their_parts_cross_the_wire_both_ways() -> None:
 
 
 def test_an_event_without_transfer_or_peer_has_none_for_them() -> None:
-    event = _convert.event(pb.Event(revision=4, type=pb.EVENT_TYPE_PEER_LOST, generation=0))
-    assert (event.revision, event.type, event.transfer, event.peer) == (4, EventType.PEER_LOST, None, None)
+    event = _convert.event(pb.Event(sequence=4, type=pb.EVENT_TYPE_PEER_LOST, generation=0))
+    assert (event.sequence, event.type, event.transfer, event.peer) == (4, EventType.PEER_LOST, None, None)
 
 
 def test_an_item_with_an_error_status_carries_the_exception() -> None:

@@ -35,7 +35,7 @@ async def producer_events(
     """The producer's events from start until aborted_wanted transfers were aborted (or WAIT_S passed)."""
     events: list[pb.Event] = []
     aborted: set[str] = set()
-    call = stub.Watch(pb.WatchRequest(engine_id="p", start_revision=start))
+    call = stub.Watch(pb.WatchRequest(engine_id="p", start_sequence=start))
     try:
         async with asyncio.timeout(WAIT_S):
             async for response in call:
@@ -78,7 +78,7 @@ async def test_a_claim_racing_a_consumer_reregistration_is_never_assigned_the_ne
     assert new != old
 
     # Every transfer the producer joined ends aborted, and the producer hears of it.
-    events, aborted = await producer_events(b, p.watch_start_revision, sum(joined))
+    events, aborted = await producer_events(b, p.watch_start_sequence, sum(joined))
     assert aborted == sum(joined), f"the producer heard of {aborted} aborts for {sum(joined)} joined transfers"
     assigned = [e for e in events if e.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED]
     wrong = [

@@ -152,10 +152,10 @@ async def test_limits_exceeded(stub: Stub) -> None:
         w.cancel()
 
 
-async def test_malformed_watch_revision(stub: Stub) -> None:
+async def test_malformed_watch_sequence(stub: Stub) -> None:
     await register_pair(stub)
     await expect_error(
-        stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=10**9)).read(), Code.OUT_OF_RANGE, "REVISION_INVALID"
+        stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=10**9)).read(), Code.OUT_OF_RANGE, "SEQUENCE_INVALID"
     )
     await expect_error(stub.Watch(pb.WatchRequest(engine_id="ghost")).read(), Code.NOT_FOUND, "ENGINE_NOT_FOUND")
 

@@ -76,7 +76,7 @@ async def test_the_producer_sees_a_progressive_target_and_its_complete_parts_com
     stub: Stub, server: RendezvousServer
 ) -> None:
     _, p = await register_pair(stub)
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     await watch.read()
     await target(stub, "t1", num_tokens=32, progressive=True)
     assert (await claim(stub, "t1")).state == pb.TRANSFER_STATE_MATCHED
@@ -105,7 +105,7 @@ async def test_bad_parts_are_refused_and_the_transfer_stays_matched(
     stub: Stub, server: RendezvousServer, parts: list[pb.WrittenPart], code: grpc.StatusCode, reason: str
 ) -> None:
     d, _ = await register_pair(stub)
-    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=d.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=d.watch_start_sequence))
     await watch.read()
     await target(stub, "t1", num_tokens=32, progressive=True)
     await claim(stub, "t1")

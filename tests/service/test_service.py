@@ -59,7 +59,7 @@ async def next_events(stream: grpc.aio.UnaryStreamCall, n: int = 1) -> list[pb.E
 
 async def test_push_lifecycle_over_grpc_delivers_the_assignment_to_the_watching_producer(stub: Stub) -> None:
     d, p = await register_pair(stub)
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     established = await watch.read()
     assert established.header.epoch == p.header.epoch and not established.events
     claimed = await stub.ClaimTransfers(
@@ -78,7 +78,7 @@ async def test_push_lifecycle_over_grpc_delivers_the_assignment_to_the_watching_
     assert assigned.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED
     assert list(assigned.transfer.target_block_ids) == [5, 9]
     assert assigned.peer.agents[0].metadata == b"md-d1-0"
-    assert assigned.revision == p.watch_start_revision
+    assert assigned.sequence == p.watch_start_sequence
     done = await stub.CompleteTransfers(
         pb.CompleteTransfersRequest(
             engine_id="p1",
@@ -95,22 +95,22 @@ async def test_push_lifecycle_over_grpc_delivers_the_assignment_to_the_watching_
     watch.cancel()
 
 
-async def test_watch_resumes_from_a_revision_after_a_disconnect(stub: Stub) -> None:
+async def test_watch_resumes_from_a_sequence_after_a_disconnect(stub: Stub) -> None:
     _, p = await register_pair(stub)
     for i in range(3):
         await stub.RegisterTargets(
             pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i])])
         )
         await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=f"t{i}")]))
-    first = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision, max_batch=1))
+    first = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence, max_batch=1))
     await first.read()
     (e1,) = await next_events(first)
     first.cancel()
-    resumed = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=e1.revision + 1))
+    resumed = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=e1.sequence + 1))
     await resumed.read()
     rest = await next_events(resumed, 2)
     assert [e.transfer.transfer_id for e in [e1, *rest]] == ["t0", "t1", "t2"]
-    assert [e.revision for e in rest] == [e1.revision + 1, e1.revision + 2]
+    assert [e.sequence for e in rest] == [e1.sequence + 1, e1.sequence + 2]
     resumed.cancel()
 
 
@@ -127,10 +127,10 @@ async def test_a_watcher_behind_the_retained_log_is_told_to_resync(stub: Stub) -
         await stub.ClaimTransfers(
             pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
         )
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=1))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=1))
     await watch.read()
     resync = await watch.read()
-    assert resync.resync_required and resync.resync_revision == 71
+    assert resync.resync_required and resync.resync_sequence == 71
     watch.cancel()
 
 
@@ -171,7 +171,7 @@ async def test_keepalive_of_an_engine_the_server_does_not_know_ends_with_engine_
 async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(stub: Stub, server: RendezvousServer) -> None:
     d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
     p = await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))
-    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=d.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=d.watch_start_sequence))
     await watch.read()
     await stub.RegisterTargets(
         pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
@@ -221,7 +221,7 @@ async def test_status_counts_engines_transfers_and_watchers(stub: Stub) -> None:
     await stub.RegisterTargets(
         pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
     )
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     await watch.read()
     status = await stub.GetStatus(pb.GetStatusRequest())
     assert (status.live_engines, dict(status.transfers_by_state), status.watchers) == (2, {"TARGETED": 1}, 1)
@@ -243,7 +243,7 @@ async def test_a_watcher_that_stops_reading_never_blocks_the_server_and_resyncs_
     stub: Stub,
 ) -> None:
     _, p = await register_pair(stub)
-    slow = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    slow = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     await slow.read()
     # 600 assignments while the watcher reads nothing: ~10x the 64 events the fixture retains.
     for chunk in range(6):
@@ -252,16 +252,16 @@ async def test_a_watcher_that_stops_reading_never_blocks_the_server_and_resyncs_
         await asyncio.wait_for(stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d1", targets=targets)), 5)
         claims = [pb.ClaimSpec(transfer_id=t) for t in ids]
         await asyncio.wait_for(stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=claims)), 5)
-    expected = p.watch_start_revision
+    expected = p.watch_start_sequence
     resynced = False
     while expected <= 600:
         response = await asyncio.wait_for(slow.read(), 5)
         if response.resync_required:
             resynced = True
-            expected = response.resync_revision
+            expected = response.resync_sequence
             continue
         for event in response.events:
-            assert event.revision == expected, "a gap in revisions without a resync"
+            assert event.sequence == expected, "a gap in sequences without a resync"
             expected += 1
     assert resynced, "600 events cannot all have been buffered for a reader that stopped"
     slow.cancel()

@@ -56,7 +56,7 @@ def test_times_are_the_timestamps_of_their_nanoseconds(deadline: float, times: l
         assert m.times.HasField(name) == bool(value)
         if value:
             assert getattr(m.times, name) == _stamp(value)
-    event = wire.event_message(Event(EventType.TRANSFER_COMMITTED, at, t, 1, revision=4))
+    event = wire.event_message(Event(EventType.TRANSFER_COMMITTED, at, t, 1, sequence=4))
     assert event.HasField("event_time") == bool(at)
     if at:
         assert event.event_time == _stamp(at)
@@ -87,7 +87,7 @@ def test_peers_with_large_metadata_are_built_every_time() -> None:
 def test_watch_responses_are_cut_as_paging_chunks_cuts_the_messages(sizes: list[int], budget: int) -> None:
     t = Transfer("t-1", State.MATCHED, 1.0)
     events = [
-        Event(EventType.TRANSFER_ASSIGNED, 1.0, t, 1, _engine(f"c-{i}", metadata=b"m" * size), revision=i + 1)
+        Event(EventType.TRANSFER_ASSIGNED, 1.0, t, 1, _engine(f"c-{i}", metadata=b"m" * size), sequence=i + 1)
         for i, size in enumerate(sizes)
     ]
     expected = list(paging.chunks((wire.event_message(e) for e in events), servicer._weigh, budget))
