@@ -59,13 +59,16 @@ std::optional<google::rpc::ErrorInfo> ErrorInfoOf(const grpc::Status& status) {
   return ErrorInfoOf(rich);
 }
 
-// The ErrorInfo domain of the service's errors (errors.proto; rendezvous.protocol.errors.ERROR_DOMAIN).
-constexpr char kErrorDomain[] = "kv-rendezvous.dev";
+// The ErrorInfo domain of the service's reasons, as errors.proto states it (ErrorReason's error_domain option).
+const std::string& ErrorDomain() {
+  static const std::string domain = v1::ErrorReason_descriptor()->options().GetExtension(v1::error_domain);
+  return domain;
+}
 
 // The reason as the generated ErrorReason enum knows it ("" for an unknown one: act on the code then).
 std::string KnownReason(const std::optional<google::rpc::ErrorInfo>& info) {
   v1::ErrorReason reason;
-  if (!info || info->domain() != kErrorDomain || !v1::ErrorReason_Parse("ERROR_REASON_" + info->reason(), &reason))
+  if (!info || info->domain() != ErrorDomain() || !v1::ErrorReason_Parse("ERROR_REASON_" + info->reason(), &reason))
     return "";
   return info->reason();
 }

@@ -21,7 +21,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from rendezvous.protocol.errors import ERROR_DOMAIN
+from rendezvous.v1 import errors_pb2
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -34,6 +34,15 @@ LAYOUT = pb.KvLayout(
 NUM_BLOCKS = 64
 BLOCK_BYTES = 4096
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _error_domain() -> str:
+    """The ErrorInfo domain of the service's reasons, as errors.proto states it (ErrorReason's `error_domain`)."""
+    extension: Any = errors_pb2.error_domain  # the generated .pyi types an extension as a plain FieldDescriptor
+    return str(errors_pb2.ErrorReason.DESCRIPTOR.GetOptions().Extensions[extension])
+
+
+ERROR_DOMAIN = _error_domain()
 
 
 @dataclass(frozen=True)

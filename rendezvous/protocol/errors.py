@@ -34,10 +34,7 @@ from collections.abc import Mapping
 import grpc
 
 from rendezvous.protocol import reasons
-from rendezvous.protocol.reasons import Reason
-
-ERROR_DOMAIN = "kv-rendezvous.dev"
-"""The google.rpc.ErrorInfo domain of the service's errors."""
+from rendezvous.protocol.reasons import ERROR_DOMAIN, Reason
 
 REASON_CODES: Mapping[Reason, grpc.StatusCode] = {
     reason: grpc.StatusCode[name] for reason, name in reasons.REASON_CODES.items()

@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import StrEnum
 
+ERROR_DOMAIN = "kv-rendezvous.dev"
+"""The google.rpc.ErrorInfo domain of every reason (the `error_domain` option of ErrorReason)."""
+
 
 class Reason(StrEnum):
-    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous.dev")."""
+    """The reason of a google.rpc.ErrorInfo in ERROR_DOMAIN."""
 
     ID_EMPTY = "ID_EMPTY"
     """An engine, pool, agent or transfer id is empty."""

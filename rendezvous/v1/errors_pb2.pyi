@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from typing import ClassVar as _ClassVar
@@ -136,3 +137,5 @@ ERROR_REASON_MESSAGE_INVALID: ErrorReason
 ERROR_REASON_DATA_PLANE_VERSION_UNSUPPORTED: ErrorReason
 ERROR_REASON_PAGE_SIZE_INVALID: ErrorReason
 ERROR_REASON_VIEW_INVALID: ErrorReason
+ERROR_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+error_domain: _descriptor.FieldDescriptor
