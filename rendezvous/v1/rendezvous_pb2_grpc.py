@@ -217,21 +217,21 @@ class RendezvousServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CompleteTransfers(self, request, context):
-        """CompleteTransfers reports the outcome of moving the bytes of a generation.
+        """CompleteTransfers reports the outcomes of moving the bytes of generations.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AcknowledgeRevocations(self, request, context):
-        """AcknowledgeRevocations confirms a producer will not write a revoked generation.
+        """AcknowledgeRevocations confirms a producer will not write revoked generations.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseTargets(self, request, context):
-        """ReleaseTargets ends a committed transfer: the consumer is done with it.
+        """ReleaseTargets ends committed transfers: the consumer is done with them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
