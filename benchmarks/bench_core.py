@@ -2,8 +2,8 @@
 
     python benchmarks/bench_core.py [--checkouts DIR ...] [--rounds 5] [--lifecycles 19200] [--batch 64]
 
-A lifecycle is what bench_rendezvous drives over the wire (RegisterTarget, ClaimTransfer, TRANSFER_ASSIGNED,
-CompleteTransfer, TRANSFER_COMMITTED, ReleaseTarget), here as coordinator calls in batches of --batch, with
+A lifecycle is what bench_rendezvous drives over the wire (RegisterTargets, ClaimTransfers, TRANSFER_ASSIGNED,
+CompleteTransfers, TRANSFER_COMMITTED, ReleaseTargets), here as coordinator calls in batches of --batch, with
 each event built into its message as the servicer does. Also timed: the record operations every transition
 or Redis round trip pays (`evolve`, the codec's encode and decode, a transfer's message).
 
@@ -64,7 +64,7 @@ async def lifecycles(count: int, batch: int) -> float:
         page = await coordinator.read_events(engine_id, after[engine_id] + 1, 100_000)
         for event in page.events:
             wire.event_message(event)
-            after[engine_id] = event.revision
+            after[engine_id] = event.sequence
 
     started = time.process_time()
     for first in range(0, count, batch):

@@ -119,14 +119,14 @@ async def live(args: argparse.Namespace) -> dict[str, Any]:
                             for i in ids
                         ]
                         ok(
-                            await stub.RegisterTarget(
-                                pb.RegisterTargetRequest(engine_id=c, incarnation=ci, targets=targets)
+                            await stub.RegisterTargets(
+                                pb.RegisterTargetsRequest(engine_id=c, incarnation=ci, targets=targets)
                             )
                         )
                         claims = [pb.ClaimSpec(transfer_id=f"live-{i:09d}") for i in ids]
                         ok(
-                            await stub.ClaimTransfer(
-                                pb.ClaimTransferRequest(engine_id=d, incarnation=di, claims=claims)
+                            await stub.ClaimTransfers(
+                                pb.ClaimTransfersRequest(engine_id=d, incarnation=di, claims=claims)
                             )
                         )
 
@@ -162,18 +162,18 @@ async def lifecycle_batch(stub: Any, pair: tuple[str, int, str, int], run: str, 
     targets = [
         pb.TargetSpec(transfer_id=t, block_ids=blocks(i, count), generation=1) for t, i in zip(names, ids, strict=True)
     ]
-    ok(await stub.RegisterTarget(pb.RegisterTargetRequest(engine_id=c, incarnation=ci, targets=targets)))
+    ok(await stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id=c, incarnation=ci, targets=targets)))
     ok(
-        await stub.ClaimTransfer(
-            pb.ClaimTransferRequest(engine_id=d, incarnation=di, claims=[pb.ClaimSpec(transfer_id=t) for t in names])
+        await stub.ClaimTransfers(
+            pb.ClaimTransfersRequest(engine_id=d, incarnation=di, claims=[pb.ClaimSpec(transfer_id=t) for t in names])
         )
     )
     completions = [
         pb.CompletionSpec(transfer_id=t, generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED) for t in names
     ]
-    ok(await stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id=d, incarnation=di, completions=completions)))
+    ok(await stub.CompleteTransfers(pb.CompleteTransfersRequest(engine_id=d, incarnation=di, completions=completions)))
     releases = [pb.ReleaseSpec(transfer_id=t, generation=1) for t in names]
-    ok(await stub.ReleaseTarget(pb.ReleaseTargetRequest(engine_id=c, incarnation=ci, releases=releases)))
+    ok(await stub.ReleaseTargets(pb.ReleaseTargetsRequest(engine_id=c, incarnation=ci, releases=releases)))
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,17 +1,17 @@
 """Overload benchmark: what the others see while load far beyond one replica's capacity arrives.
 
 One `kv-rendezvous serve` with an auth file, a health port and metrics. Four *flood* identities, each an
-engine of its own, send ClaimTransfer batches (64 re-claims of the same ids: real per-item work, no state
+engine of its own, send ClaimTransfers batches (64 re-claims of the same ids: real per-item work, no state
 growth) from h2load (nghttp2-client), which offers HTTP/2 gRPC calls far faster than the server can answer at
 little CPU of its own. First a closed-loop phase measures what the server serves (capacity, calls/s), a second
 one what is left of it beside the others' paced load (below; the most the flood can be admitted); then each
 phase offers 1x, 2x and 5x the capacity (h2load's streams scaled with the multiple, so that the excess reaches
 the server instead of waiting in the client for a free stream), while, side by side in the same phase:
 
-  others   a consumer and a producer engine (their own identities) run paced lifecycles (RegisterTarget,
-           ClaimTransfer, TRANSFER_ASSIGNED, CompleteTransfer, TRANSFER_COMMITTED, ReleaseTarget) and a
+  others   a consumer and a producer engine (their own identities) run paced lifecycles (RegisterTargets,
+           ClaimTransfers, TRANSFER_ASSIGNED, CompleteTransfers, TRANSFER_COMMITTED, ReleaseTargets) and a
            router reads GetStatus: their goodput, p99 and every error code
-  heavy    one more identity sends maximum-size CompleteTransfer requests (completions with parts, for
+  heavy    one more identity sends maximum-size CompleteTransfers requests (completions with parts, for
            unknown ids) back to back, as a buggy engine or an attacker would (serialized once, so that its
            own CPU takes little from the server on a shared machine; refused RESOURCE_EXHAUSTED, it waits
            50 ms, not the retry hint)
@@ -158,11 +158,11 @@ def serving(store: str, auth: Path, flags: list[str]) -> Iterator[Server]:
         proc.wait(timeout=30)
 
 
-# The flood: h2load offering ClaimTransfer batches.
+# The flood: h2load offering ClaimTransfers batches.
 
 
 async def register_flooders(address: str) -> list[bytes]:
-    """Register each flood engine; the ClaimTransfer body each of them sends."""
+    """Register each flood engine; the ClaimTransfers body each of them sends."""
     bodies = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
@@ -172,7 +172,7 @@ async def register_flooders(address: str) -> list[bytes]:
                 engine_request(name, pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials(name)
             )
             claims = [pb.ClaimSpec(transfer_id=f"{name}-t{j}") for j in range(FLOOD_BATCH)]
-            request = pb.ClaimTransferRequest(engine_id=name, incarnation=reg.engine.incarnation, claims=claims)
+            request = pb.ClaimTransfersRequest(engine_id=name, incarnation=reg.engine.incarnation, claims=claims)
             bodies.append(grpc_frame(request))
     return bodies
 
@@ -187,7 +187,7 @@ def h2load(
     streams = math.ceil(STREAMS * max(factor, 1.0))
     command = [
         "h2load",
-        f"http://{address}/rendezvous.v1.RendezvousService/ClaimTransfer",
+        f"http://{address}/rendezvous.v1.RendezvousService/ClaimTransfers",
         "-d",
         str(body),
         "-H",
@@ -254,10 +254,10 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
         )
         d_inc, p_inc = d.engine.incarnation, p.engine.incarnation
         d_watch = stub.Watch(
-            pb.WatchRequest(engine_id="good-d", start_revision=d.watch_start_revision), metadata=credentials("good-d")
+            pb.WatchRequest(engine_id="good-d", start_sequence=d.watch_start_sequence), metadata=credentials("good-d")
         )
         p_watch = stub.Watch(
-            pb.WatchRequest(engine_id="good-p", start_revision=p.watch_start_revision), metadata=credentials("good-p")
+            pb.WatchRequest(engine_id="good-p", start_sequence=p.watch_start_sequence), metadata=credentials("good-p")
         )
         await d_watch.read()
         await p_watch.read()
@@ -285,7 +285,7 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
                     return
                 done = [e for e in response.events if e.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED]
                 if done:
-                    request = pb.CompleteTransferRequest(
+                    request = pb.CompleteTransfersRequest(
                         engine_id="good-p",
                         incarnation=p_inc,
                         completions=[
@@ -297,7 +297,7 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
                             for e in done
                         ],
                     )
-                    background(call(others, "CompleteTransfer", stub.CompleteTransfer, request, "good-p"))
+                    background(call(others, "CompleteTransfers", stub.CompleteTransfers, request, "good-p"))
 
         async def consumer_events() -> None:
             while True:
@@ -315,7 +315,7 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
                         others.errors["aborted:" + pb.AbortReason.Name(e.transfer.abort_reason)] += 1
                         ended(e.transfer.transfer_id)
                 if committed:
-                    request = pb.ReleaseTargetRequest(
+                    request = pb.ReleaseTargetsRequest(
                         engine_id="good-d",
                         incarnation=d_inc,
                         releases=[
@@ -324,8 +324,8 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
                         ],
                     )
 
-                    async def release(request: pb.ReleaseTargetRequest = request, n: int = len(committed)) -> None:
-                        if await call(others, "ReleaseTarget", stub.ReleaseTarget, request, "good-d") is not None:
+                    async def release(request: pb.ReleaseTargetsRequest = request, n: int = len(committed)) -> None:
+                        if await call(others, "ReleaseTargets", stub.ReleaseTargets, request, "good-d") is not None:
                             others.released += n
 
                     background(release())
@@ -333,17 +333,17 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
         async def lifecycle(transfer_id: str) -> None:
             sent[transfer_id] = time.monotonic()
             others.started += 1
-            target = pb.RegisterTargetRequest(
+            target = pb.RegisterTargetsRequest(
                 engine_id="good-d",
                 incarnation=d_inc,
                 targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=range(4), generation=1)],
             )
-            claim = pb.ClaimTransferRequest(
+            claim = pb.ClaimTransfersRequest(
                 engine_id="good-p", incarnation=p_inc, claims=[pb.ClaimSpec(transfer_id=transfer_id)]
             )
             await asyncio.gather(
-                call(others, "RegisterTarget", stub.RegisterTarget, target, "good-d"),
-                call(others, "ClaimTransfer", stub.ClaimTransfer, claim, "good-p"),
+                call(others, "RegisterTargets", stub.RegisterTargets, target, "good-d"),
+                call(others, "ClaimTransfers", stub.ClaimTransfers, claim, "good-p"),
             )
 
         async def router() -> None:
@@ -382,10 +382,10 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
     return others
 
 
-# The heavy identity: maximum-size CompleteTransfer requests, back to back.
+# The heavy identity: maximum-size CompleteTransfers requests, back to back.
 
 
-def heavy_request(incarnation: int, max_bytes: int) -> pb.CompleteTransferRequest:
+def heavy_request(incarnation: int, max_bytes: int) -> pb.CompleteTransfersRequest:
     """Completions of 4,096 parts each for unknown ids, as many as fit in max_bytes."""
     parts = [pb.WrittenPart(first_layer=layer, num_layers=1, first_token=0, num_tokens=16) for layer in range(4096)]
     one = pb.CompletionSpec(transfer_id="heavy-x", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts)
@@ -394,7 +394,7 @@ def heavy_request(incarnation: int, max_bytes: int) -> pb.CompleteTransferReques
         pb.CompletionSpec(transfer_id=f"heavy-{i}", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts)
         for i in range(count)
     ]
-    return pb.CompleteTransferRequest(engine_id="heavy", incarnation=incarnation, completions=completions)
+    return pb.CompleteTransfersRequest(engine_id="heavy", incarnation=incarnation, completions=completions)
 
 
 async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
@@ -411,7 +411,7 @@ async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
         # Serialized once: on a shared machine, serializing 4 MiB of parts per call (~20 ms) would take CPU
         # from the server and be counted as the server's cost.
         body = request.SerializeToString()
-        complete = channel.unary_unary("/rendezvous.v1.RendezvousService/CompleteTransfer")
+        complete = channel.unary_unary("/rendezvous.v1.RendezvousService/CompleteTransfers")
         while not stop.is_set():  # a multiprocessing Event: read between calls only
             began = time.monotonic()
             try:
@@ -445,7 +445,7 @@ def sample_flood(address: str, body: bytes, until: float, out: dict[str, Any]) -
     whether a refusal carries a retry hint (google.rpc.RetryInfo). Its calls queue with that identity's flood."""
     codes: Counter[str] = Counter()
     with grpc.insecure_channel(address) as channel:
-        claim = channel.unary_unary("/rendezvous.v1.RendezvousService/ClaimTransfer")
+        claim = channel.unary_unary("/rendezvous.v1.RendezvousService/ClaimTransfers")
         while time.monotonic() < until:
             try:
                 claim(body, metadata=credentials("flood-0"), timeout=10)
@@ -543,7 +543,7 @@ def phase(
     cpu = proc_usage(server.proc.pid)[0] - cpu0
     after = server.rpc_counts()
     delta = Counter({k: after[k] - before[k] for k in after if after[k] != before[k]})
-    flood_codes = {code: n for (method, code), n in delta.items() if method == "ClaimTransfer"}
+    flood_codes = {code: n for (method, code), n in delta.items() if method == "ClaimTransfers"}
     rejected = {reason: n for (method, reason), n in delta.items() if method == "REJECTED"}
     shed = flood_codes.get("RESOURCE_EXHAUSTED", 0)
     # Answered by the service: not refused, nor given up by the client (h2load cancels what is in flight as it ends).
@@ -590,7 +590,7 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             bodies.append(path)
         capacity = phase(server, bodies, args.seconds, None, 0, "capacity", others_too=False)
         calls_per_s = capacity["flood_admitted_per_s"]
-        print(f"{store_name(store):>6} capacity: {calls_per_s:,.0f} ClaimTransfer calls/s of {FLOOD_BATCH} items")
+        print(f"{store_name(store):>6} capacity: {calls_per_s:,.0f} ClaimTransfers calls/s of {FLOOD_BATCH} items")
         # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
         beside = phase(server, bodies, args.seconds, None, 0, "beside", others_too=True)
         beside_per_s = beside["flood_admitted_per_s"]

@@ -146,7 +146,7 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
             engine_request(engine_id, pb.ENGINE_ROLE_CONSUMER if consumer else pb.ENGINE_ROLE_PRODUCER)
         )
         inc = reg.engine.incarnation
-        watch = stub.Watch(pb.WatchRequest(engine_id=engine_id, start_revision=reg.watch_start_revision))
+        watch = stub.Watch(pb.WatchRequest(engine_id=engine_id, start_sequence=reg.watch_start_sequence))
         await watch.read()
         out.put(("ready", role))
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
@@ -171,16 +171,16 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
                 for t in ids:
                     sent[t] = now
                 if consumer:
-                    await stub.RegisterTarget(
-                        pb.RegisterTargetRequest(
+                    await stub.RegisterTargets(
+                        pb.RegisterTargetsRequest(
                             engine_id=engine_id,
                             incarnation=inc,
                             targets=[pb.TargetSpec(transfer_id=t, block_ids=range(4), generation=1) for t in ids],
                         )
                     )
                 else:
-                    await stub.ClaimTransfer(
-                        pb.ClaimTransferRequest(
+                    await stub.ClaimTransfers(
+                        pb.ClaimTransfersRequest(
                             engine_id=engine_id, incarnation=inc, claims=[pb.ClaimSpec(transfer_id=t) for t in ids]
                         )
                     )
@@ -204,8 +204,8 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
                     ]
                     if committed:
                         background(
-                            stub.ReleaseTarget(
-                                pb.ReleaseTargetRequest(
+                            stub.ReleaseTargets(
+                                pb.ReleaseTargetsRequest(
                                     engine_id=engine_id,
                                     incarnation=inc,
                                     releases=[pb.ReleaseSpec(transfer_id=t, generation=1) for t in committed],
@@ -219,8 +219,8 @@ async def _engine(role: str, address: str, plan: dict[str, Any], go: Any, out: A
                         assigned_at[e.transfer.transfer_id] = now
                     if assigned:
                         background(
-                            stub.CompleteTransfer(
-                                pb.CompleteTransferRequest(
+                            stub.CompleteTransfers(
+                                pb.CompleteTransfersRequest(
                                     engine_id=engine_id,
                                     incarnation=inc,
                                     completions=[

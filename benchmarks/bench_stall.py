@@ -1,7 +1,7 @@
-"""How long one caller's large CompleteTransfer stalls the others: GetStatus latency and health probes under it.
+"""How long one caller's large CompleteTransfers stalls the others: GetStatus latency and health probes under it.
 
 A `kv-rendezvous serve` (memory store, health port on) from a checkout, one producer engine that sends
-CompleteTransfer requests of `--completions` x `--parts` written parts for unknown transfer ids, one at a time,
+CompleteTransfers requests of `--completions` x `--parts` written parts for unknown transfer ids, one at a time,
 while another client calls GetStatus every 10 ms and a probe checks the health port every 250 ms with a 1 s
 timeout (as a Kubernetes liveness probe does). Prints each attack call's time and status, the worst and p99
 GetStatus latency, and the probes that failed (docs/security.md, "Threat model: bounded work").
@@ -65,13 +65,13 @@ def producer(stub: pb_grpc.RendezvousServiceStub) -> int:
     return int(stub.RegisterEngine(request, timeout=30).engine.incarnation)
 
 
-def attack_request(incarnation: int, completions: int, parts: int) -> pb.CompleteTransferRequest:
+def attack_request(incarnation: int, completions: int, parts: int) -> pb.CompleteTransfersRequest:
     written = [pb.WrittenPart(first_token=i, num_tokens=1, num_layers=1) for i in range(parts)]
     items = [
         pb.CompletionSpec(transfer_id=f"unknown-{i}", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=written)
         for i in range(completions)
     ]
-    return pb.CompleteTransferRequest(engine_id="p0", incarnation=incarnation, completions=items)
+    return pb.CompleteTransfersRequest(engine_id="p0", incarnation=incarnation, completions=items)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,7 +100,7 @@ def loop_gaps(completions: int, parts: int, calls: int) -> dict[str, object]:
         def attack() -> list[str]:
             with grpc.insecure_channel(server.address, options=UNLIMITED) as channel:
                 request = attack_request(producer(pb_grpc.RendezvousServiceStub(channel)), completions, parts)
-                complete = pb_grpc.RendezvousServiceStub(channel).CompleteTransfer
+                complete = pb_grpc.RendezvousServiceStub(channel).CompleteTransfers
                 codes = []
                 for _ in range(calls):
                     try:
@@ -144,9 +144,9 @@ def main() -> None:
             # Serialized once here: the attack then holds no lock of this process the probes need.
             payload = request.SerializeToString()
             complete = channel.unary_unary(
-                "/rendezvous.v1.RendezvousService/CompleteTransfer",
+                "/rendezvous.v1.RendezvousService/CompleteTransfers",
                 request_serializer=None,
-                response_deserializer=pb.CompleteTransferResponse.FromString,
+                response_deserializer=pb.CompleteTransfersResponse.FromString,
             )
             done = threading.Event()
             latencies: list[float] = []

@@ -18,12 +18,12 @@ What runs, all on 127.0.0.1 (the servers as processes, everything else in this o
   sharing it (`tests/replicas/harness.py` Replica);
 - `--consumers` decode and `--producers` prefill engines, each an SDK session (ConsumerSession/ProducerSession)
   over its own client listing both replicas (half of the engines prefer each);
-- a router minting transfers at `--rate` per second (Poisson). It sends the consumer leg (RegisterTarget) and
-  the producer leg (ClaimTransfer) each after its own random delay, so either may come first, and aborts the
+- a router minting transfers at `--rate` per second (Poisson). It sends the consumer leg (RegisterTargets) and
+  the producer leg (ClaimTransfers) each after its own random delay, so either may come first, and aborts the
   transfer when a leg cannot be delivered;
-- producers "write" each TRANSFER_ASSIGNED for a random time, then CompleteTransfer (a few report a failure or
+- producers "write" each TRANSFER_ASSIGNED for a random time, then CompleteTransfers (a few report a failure or
   abort instead). On TRANSFER_REVOKED, or TRANSFER_ABORTED with a revoking_generation, they stop and
-  AcknowledgeRevocation after a random drain time (sometimes seconds). Consumers release after
+  AcknowledgeRevocations after a random drain time (sometimes seconds). Consumers release after
   TRANSFER_COMMITTED; some abort after the assignment, some re-register the target with the next generation
   (preemption) and reuse the old blocks only after REVOCATION_CONFIRMED;
 - chaos, on schedules drawn from `--seed`: engines crash (the session is cancelled without DeregisterEngine; a
@@ -39,7 +39,7 @@ what they still hold, and the checks wait at most lease TTL + sweep interval + `
    after TRANSFER_COMMITTED, TRANSFER_ABORTED without revoking_generation (or with another one),
    REVOCATION_CONFIRMED of its generation, or the end of the consumer process (a crash). A transfer the store
    forgot (TRANSFER_NOT_FOUND after an epoch change) counts as freed, and counted apart;
-3. every TRANSFER_ASSIGNED names as `peer` a consumer incarnation that sent RegisterTarget for that
+3. every TRANSFER_ASSIGNED names as `peer` a consumer incarnation that sent RegisterTargets for that
    (transfer, generation), as the consumer's client recorded it (sent, not answered: a crash can lose the answer
    to a call the server applied), the same incarnation the transfer record in the event names, and was made
    (event time) before that incarnation ended: the answer to the next incarnation's registration, or a crash
@@ -186,7 +186,7 @@ class Plan:
     producer_delay: float
     write_time: float
     drain_time: float
-    outcome: str  # ok | fail (CompleteTransfer FAILED) | abort (producer aborts instead of completing)
+    outcome: str  # ok | fail (CompleteTransfers FAILED) | abort (producer aborts instead of completing)
     misbehave_delay: float
 
 
@@ -252,7 +252,7 @@ class BlockSet:
     state: str = "in_use"  # in_use | pending | waiting | free (see Consumer)
     done_at: float = 0.0  # monotonic: when the consumer stopped needing these blocks
     incarnation: int = 0  # the consumer incarnation that registered them
-    registering: bool = False  # a RegisterTarget for them is in flight: its answer decides their fate
+    registering: bool = False  # a RegisterTargets for them is in flight: its answer decides their fate
 
 
 @dataclass
@@ -533,8 +533,8 @@ class Consumer(SimEngine):
             first.registering = False
             if life.alive:  # it may or may not have been registered: the router aborts, the record tells
                 self.ledger.count(f"register_call_failed_{err.reason or err.code.name}")
-                self.ledger.note(transfer_id, f"RegisterTarget raised {err!r}"[:200])
-                self.ledger.trace(transfer_id, self.engine_id, f"RegisterTarget raised {err.reason or err.code}")
+                self.ledger.note(transfer_id, f"RegisterTargets raised {err!r}"[:200])
+                self.ledger.trace(transfer_id, self.engine_id, f"RegisterTargets raised {err.reason or err.code}")
                 life.spawn(self._settle(life, held))
             return False
         first.registering = False
@@ -607,10 +607,10 @@ class Consumer(SimEngine):
         assert isinstance(session, ConsumerSession)
         result = await _retrying(lambda: session.release_targets([ReleaseSpec(held.transfer_id, generation)]))
         if result is None:
-            self.ledger.note(held.transfer_id, "ReleaseTarget kept failing")
+            self.ledger.note(held.transfer_id, "ReleaseTargets kept failing")
             return  # pending: the drain settles it
         who = f"{self.engine_id}#{life.incarnation}"
-        self.ledger.trace(held.transfer_id, who, f"ReleaseTarget g{generation} -> {_outcome(result)}")
+        self.ledger.trace(held.transfer_id, who, f"ReleaseTargets g{generation} -> {_outcome(result)}")
         if result.ok and result.state == TransferState.RELEASED:
             self.ledger.completed.add(held.transfer_id)
             self.ledger.completed_at.append(time.monotonic())
@@ -732,7 +732,9 @@ class Consumer(SimEngine):
         for _ in range(5):
             if abort_first:
                 result = await _retrying(lambda: session.abort_transfers([AbortSpec(held.transfer_id, "chaos")]))
-                self.ledger.trace(held.transfer_id, who, f"AbortTransfer -> {_outcome(result) if result else 'failed'}")
+                self.ledger.trace(
+                    held.transfer_id, who, f"AbortTransfers -> {_outcome(result) if result else 'failed'}"
+                )
                 self.ledger.aborted(held.transfer_id, "REQUESTED")
             info = await self._read(life, held.transfer_id)
             if info is None:
@@ -812,9 +814,9 @@ class Producer(SimEngine):
         try:
             result = (await session.claim_transfers([ClaimSpec(transfer_id)]))[0]
         except RendezvousError as err:
-            self.ledger.trace(transfer_id, self.engine_id, f"ClaimTransfer raised {err.reason or err.code}")
+            self.ledger.trace(transfer_id, self.engine_id, f"ClaimTransfers raised {err.reason or err.code}")
             return False
-        self.ledger.trace(transfer_id, f"{self.engine_id}#{life.incarnation}", f"ClaimTransfer -> {_outcome(result)}")
+        self.ledger.trace(transfer_id, f"{self.engine_id}#{life.incarnation}", f"ClaimTransfers -> {_outcome(result)}")
         return result.ok and not result.state.terminal
 
     def _on_event(self, life: ProducerLife, item: SessionEvent) -> None:
@@ -843,7 +845,7 @@ class Producer(SimEngine):
                         record_incarnation=info.consumer_incarnation,
                         made_at=event.time,
                         received_at=time.time(),
-                        revision=event.revision,
+                        sequence=event.sequence,
                     )
                 )
                 self.ledger.assigned_signal(info.transfer_id).set()
@@ -880,14 +882,14 @@ class Producer(SimEngine):
             result = await _retrying(lambda: session.abort_transfers([AbortSpec(transfer_id, "chaos: producer")]))
             self.ledger.aborted(transfer_id, "REQUESTED")
             self.ledger.count("producer_aborts")
-            what = "AbortTransfer"
+            what = "AbortTransfers"
         else:
             outcome = CompletionOutcome.FAILED if plan.outcome == "fail" else CompletionOutcome.SUCCEEDED
             spec = CompletionSpec(
                 transfer_id, generation, outcome, "chaos: write failed" if plan.outcome == "fail" else ""
             )
             result = await _retrying(lambda: session.complete_transfers([spec]))
-            what = f"CompleteTransfer g{generation} {outcome.name}"
+            what = f"CompleteTransfers g{generation} {outcome.name}"
             if plan.outcome == "fail":
                 self.ledger.count("producer_failures")
         self.ledger.trace(transfer_id, who, f"{what} -> {_outcome(result) if result else 'failed'}")
@@ -901,7 +903,7 @@ class Producer(SimEngine):
         self.ledger.count("revocation_acks")
         outcome = _outcome(result) if result else "failed"
         self.ledger.trace(
-            transfer_id, f"{self.engine_id}#{life.incarnation}", f"AcknowledgeRevocation g{generation} -> {outcome}"
+            transfer_id, f"{self.engine_id}#{life.incarnation}", f"AcknowledgeRevocations g{generation} -> {outcome}"
         )
 
     async def drain(self) -> None:
@@ -1287,7 +1289,7 @@ class Chaos:
         assert self.router is not None
         router = self.router
         result = await _retrying(lambda: router.abort_transfers("", [AbortSpec(transfer_id, "router: a leg failed")]))
-        self.ledger.trace(transfer_id, "router", f"AbortTransfer -> {_outcome(result) if result else 'failed'}")
+        self.ledger.trace(transfer_id, "router", f"AbortTransfers -> {_outcome(result) if result else 'failed'}")
 
     async def crash_engines(self) -> None:
         start = time.monotonic()

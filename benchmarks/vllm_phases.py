@@ -6,7 +6,7 @@ registered its target, prefill claimed it, the two matched and the last producer
 host's clock) one request's TTFT splits into:
 
 - `to_target`, `to_claim`: from sending to decode registering its blocks / prefill claiming the transfer (the
-  router's dispatch, each engine's admission of its leg and its RegisterTarget / ClaimTransfer round trip);
+  router's dispatch, each engine's admission of its leg and its RegisterTargets / ClaimTransfers round trip);
 - `to_match`: the later of the two (the rendezvous matches them at once);
 - `match_to_commit`: prefill computing the KV after its claim, the WRITE and its report (push: the producer
   tells the service nothing in between);

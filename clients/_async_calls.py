@@ -29,6 +29,7 @@ from clients._types import (
     EngineInfo,
     EngineRole,
     EngineSpec,
+    EngineView,
     ItemResult,
     Registration,
     ReleaseSpec,
@@ -113,15 +114,15 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         role: EngineRole | None = None,
         *,
         page_size: int = 0,
-        omit_agent_metadata: bool = False,
-        omit_labels: bool = False,
+        view: EngineView = EngineView.FULL,
         timeout: float | None = None,
     ) -> AsyncIterator[EngineInfo]:
         """Live engines sorted by id, optionally of one pool and role, page after page (page_size 0: the
-        server's default; timeout: per page)."""
+        server's default; view: how much of each engine, BASIC or PLACEMENT for smaller pages; timeout: per
+        page)."""
         token = ""
         while True:
-            call = commands.list_engines(pool, role, omit_agent_metadata, omit_labels, page_size, token)
+            call = commands.list_engines(pool, role, view, page_size, token)
             page = await self._invoke(call, timeout)
             for engine in page.engines:
                 yield engine
@@ -134,14 +135,11 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         pool: str = "",
         role: EngineRole | None = None,
         *,
-        omit_agent_metadata: bool = False,
-        omit_labels: bool = False,
+        view: EngineView = EngineView.FULL,
         timeout: float | None = None,
     ) -> list[EngineInfo]:
         """Every live engine sorted by id, optionally of one pool and role (all pages; timeout: per page)."""
-        engines = self.iter_engines(
-            pool, role, omit_agent_metadata=omit_agent_metadata, omit_labels=omit_labels, timeout=timeout
-        )
+        engines = self.iter_engines(pool, role, view=view, timeout=timeout)
         return [engine async for engine in engines]
 
     # Transfers

@@ -26,6 +26,7 @@ from clients._types import (
     EnginePage,
     EngineRole,
     EngineSpec,
+    EngineView,
     ItemResult,
     Registration,
     ReleaseSpec,
@@ -98,14 +99,13 @@ def _engine(response: pb.GetEngineResponse) -> EngineInfo:
 
 
 def list_engines(
-    pool: str, role: EngineRole | None, omit_agent_metadata: bool, omit_labels: bool, page_size: int, page_token: str
+    pool: str, role: EngineRole | None, view: EngineView, page_size: int, page_token: str
 ) -> Call[EnginePage[EngineInfo]]:
-    """ListEngines: one page, optionally of one pool and role."""
+    """ListEngines: one page in a view, optionally of one pool and role."""
     request = pb.ListEnginesRequest(
         pool=pool,
         role=number(role or 0),
-        omit_agent_metadata=omit_agent_metadata,
-        omit_labels=omit_labels,
+        view=number(view),
         page_size=page_size,
         page_token=page_token,
     )
@@ -122,30 +122,30 @@ def _batched(request_type: type[Message], engine_id: str, incarnation: int, **it
 
 
 def register_targets(engine_id: str, incarnation: int, targets: Iterable[TargetSpec]) -> Call[list[ItemResult]]:
-    """RegisterTarget."""
+    """RegisterTargets."""
     return _batched(
-        pb.RegisterTargetRequest, engine_id, incarnation, targets=[convert.target_message(t) for t in targets]
+        pb.RegisterTargetsRequest, engine_id, incarnation, targets=[convert.target_message(t) for t in targets]
     )
 
 
 def claim_transfers(engine_id: str, incarnation: int, claims: Iterable[ClaimSpec]) -> Call[list[ItemResult]]:
-    """ClaimTransfer."""
-    return _batched(pb.ClaimTransferRequest, engine_id, incarnation, claims=[convert.claim_message(c) for c in claims])
+    """ClaimTransfers."""
+    return _batched(pb.ClaimTransfersRequest, engine_id, incarnation, claims=[convert.claim_message(c) for c in claims])
 
 
 def mark_sources_ready(engine_id: str, incarnation: int, sources: Iterable[SourceReadySpec]) -> Call[list[ItemResult]]:
-    """MarkSourceReady."""
+    """MarkSourcesReady."""
     return _batched(
-        pb.MarkSourceReadyRequest, engine_id, incarnation, sources=[convert.source_message(s) for s in sources]
+        pb.MarkSourcesReadyRequest, engine_id, incarnation, sources=[convert.source_message(s) for s in sources]
     )
 
 
 def complete_transfers(
     engine_id: str, incarnation: int, completions: Iterable[CompletionSpec]
 ) -> Call[list[ItemResult]]:
-    """CompleteTransfer."""
+    """CompleteTransfers."""
     return _batched(
-        pb.CompleteTransferRequest,
+        pb.CompleteTransfersRequest,
         engine_id,
         incarnation,
         completions=[convert.completion_message(c) for c in completions],
@@ -153,22 +153,22 @@ def complete_transfers(
 
 
 def acknowledge_revocations(engine_id: str, incarnation: int, acks: Iterable[RevocationAck]) -> Call[list[ItemResult]]:
-    """AcknowledgeRevocation."""
+    """AcknowledgeRevocations."""
     return _batched(
-        pb.AcknowledgeRevocationRequest, engine_id, incarnation, acks=[convert.ack_message(a) for a in acks]
+        pb.AcknowledgeRevocationsRequest, engine_id, incarnation, acks=[convert.ack_message(a) for a in acks]
     )
 
 
 def release_targets(engine_id: str, incarnation: int, releases: Iterable[ReleaseSpec]) -> Call[list[ItemResult]]:
-    """ReleaseTarget."""
+    """ReleaseTargets."""
     return _batched(
-        pb.ReleaseTargetRequest, engine_id, incarnation, releases=[convert.release_message(r) for r in releases]
+        pb.ReleaseTargetsRequest, engine_id, incarnation, releases=[convert.release_message(r) for r in releases]
     )
 
 
 def abort_transfers(engine_id: str, incarnation: int, aborts: Iterable[AbortSpec]) -> Call[list[ItemResult]]:
-    """AbortTransfer; engine_id "" aborts as a router or operator."""
-    return _batched(pb.AbortTransferRequest, engine_id, incarnation, aborts=[convert.abort_message(a) for a in aborts])
+    """AbortTransfers; engine_id "" aborts as a router or operator."""
+    return _batched(pb.AbortTransfersRequest, engine_id, incarnation, aborts=[convert.abort_message(a) for a in aborts])
 
 
 def reserve_credits(reservations: Iterable[CreditSpec], ttl: float) -> Call[list[CreditResult]]:
@@ -217,9 +217,9 @@ def get_status() -> Call[ServerStatus]:
 # Streams
 
 
-def watch_request(engine_id: str, start_revision: int, max_batch: int) -> pb.WatchRequest:
+def watch_request(engine_id: str, start_sequence: int, max_batch: int) -> pb.WatchRequest:
     """The request opening a Watch stream."""
-    return pb.WatchRequest(engine_id=engine_id, start_revision=start_revision, max_batch=max_batch)
+    return pb.WatchRequest(engine_id=engine_id, start_sequence=start_sequence, max_batch=max_batch)
 
 
 def keep_alive_request(engine_id: str, incarnation: int) -> pb.KeepAliveRequest:

@@ -23,13 +23,13 @@ from rendezvous.protocol.convert import engine, error, seconds, unix_time
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 _BatchResponse = (
-    pb.RegisterTargetResponse
-    | pb.ClaimTransferResponse
-    | pb.MarkSourceReadyResponse
-    | pb.CompleteTransferResponse
-    | pb.AcknowledgeRevocationResponse
-    | pb.ReleaseTargetResponse
-    | pb.AbortTransferResponse
+    pb.RegisterTargetsResponse
+    | pb.ClaimTransfersResponse
+    | pb.MarkSourcesReadyResponse
+    | pb.CompleteTransfersResponse
+    | pb.AcknowledgeRevocationsResponse
+    | pb.ReleaseTargetsResponse
+    | pb.AbortTransfersResponse
 )
 """Every batched mutating call answers with one of these; all carry `results`."""
 
@@ -58,12 +58,12 @@ def transfer(m: pb.Transfer) -> TransferInfo:
 def event(m: pb.Event) -> ServerEvent:
     """An event message as a record."""
     return Event(
-        revision=m.revision,
+        sequence=m.sequence,
         type=EventType(m.type),
         transfer=transfer(m.transfer) if m.HasField("transfer") else None,
         generation=m.generation,
         peer=engine(m.peer) if m.HasField("peer") else None,
-        time=unix_time(m.time),
+        time=unix_time(m.event_time),
     )
 
 
@@ -80,7 +80,7 @@ def item_results(m: _BatchResponse) -> list[ItemResult]:
 
 def registration(m: pb.RegisterEngineResponse) -> Registration:
     """A RegisterEngine answer as a record."""
-    return Registration(engine(m.engine), m.watch_start_revision, m.header.epoch)
+    return Registration(engine(m.engine), m.watch_start_sequence, m.header.epoch)
 
 
 def lease_renewal(m: pb.KeepAliveResponse) -> LeaseRenewal:
@@ -90,7 +90,7 @@ def lease_renewal(m: pb.KeepAliveResponse) -> LeaseRenewal:
 
 def watch_batch(m: pb.WatchResponse) -> WatchBatch:
     """A Watch message as a record."""
-    return WatchBatch(tuple(event(e) for e in m.events), m.resync_required, m.resync_revision, m.header.epoch)
+    return WatchBatch(tuple(event(e) for e in m.events), m.resync_required, m.resync_sequence, m.header.epoch)
 
 
 def engine_page(m: pb.ListEnginesResponse) -> EnginePage[EngineInfo]:

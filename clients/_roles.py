@@ -84,7 +84,7 @@ class ConsumerSession(RoleSession):
         """Release committed transfers (their blocks are the consumer's again).
 
         Release a transfer after its TRANSFER_COMMITTED event, not on the data plane's notification: that
-        usually comes before the producer's CompleteTransfer, and a release then is refused INVALID_STATE (it
+        usually comes before the producer's CompleteTransfers, and a release then is refused INVALID_STATE (it
         changes nothing; do not abort on it, the bytes are in). Not released, a commit is released after the
         server's release timeout. `clients.nixl.ConsumerAgent` releases for the engine: never call this for a
         transfer registered through it.

@@ -20,6 +20,7 @@ from clients._types import (
     CreditSpec,
     EngineInfo,
     EngineRole,
+    EngineView,
     ItemResult,
     KvLayout,
     TransferInfo,
@@ -128,8 +129,9 @@ class RouterClient:
         return bindings.sign(self._binding_key, transfer_id, consumer_id, producer_id, expires)
 
     async def list_engines(self, pool: str = "", role: EngineRole | None = None) -> list[EngineInfo]:
-        """Live engines sorted by id (without NIXL metadata), optionally of one pool and role: every page."""
-        engines = self._client.iter_engines(pool, role, omit_agent_metadata=True, page_size=_PAGE_SIZE)
+        """Live engines sorted by id in the PLACEMENT view (no NIXL metadata), optionally of one pool and role:
+        every page."""
+        engines = self._client.iter_engines(pool, role, view=EngineView.PLACEMENT, page_size=_PAGE_SIZE)
         return [engine async for engine in engines]
 
     async def _live(self, pool: str, role: EngineRole) -> list[EngineInfo]:

@@ -1,7 +1,7 @@
 """Engine sessions: a registration kept alive, its events watched, its transfers re-asserted.
 
 A session survives what a long-running engine meets:
-- a broken Watch stream resumes from the revision after the last event delivered;
+- a broken Watch stream resumes from the sequence after the last event delivered;
 - a watch that fell behind the server's retention lists the engine's transfers and delivers a
   `Resynced` notification instead of the lost events;
 - a server restart (a new epoch: a memory store lost everything) or a lost registration
@@ -426,13 +426,13 @@ class EngineSession:
                         return
 
     def _start_watch(self) -> None:
-        start = self._registered().watch_start_revision
+        start = self._registered().watch_start_sequence
         self._watch_task = asyncio.create_task(self._watch(start), name=f"watch {self.engine_id}")
 
-    async def _watch(self, revision: int) -> None:
-        """Deliver the incarnation's events from revision on, resuming after every disconnect.
+    async def _watch(self, sequence: int) -> None:
+        """Deliver the incarnation's events from sequence on, resuming after every disconnect.
 
-        A resync (the server no longer holds revision) advances revision only once the transfer
+        A resync (the server no longer holds sequence) advances sequence only once the transfer
         list was delivered, so a failure in between resyncs again.
         """
         incarnation, epoch = self.incarnation, self.epoch
@@ -443,38 +443,38 @@ class EngineSession:
             try:
                 if resync_at is not None:
                     await self._resync(resync_at)
-                    revision, resync_at = resync_at, None
-                async with self._client.watch(self.engine_id, revision, max_batch=max_batch) as stream:
+                    sequence, resync_at = resync_at, None
+                async with self._client.watch(self.engine_id, sequence, max_batch=max_batch) as stream:
                     async for batch in stream:
                         backoff.reset()
                         if batch.epoch != epoch:
                             self._recover(SessionCause.EPOCH_CHANGED, incarnation)
                             return
                         if batch.resync_required:
-                            await self._resync(batch.resync_revision)
-                            revision = batch.resync_revision
+                            await self._resync(batch.resync_sequence)
+                            sequence = batch.resync_sequence
                         for event in batch.events:
                             self._live.on_event(event)
                             self._deliver(event)
-                            revision = event.revision + 1
-                log.info("engine %s watch ended by the server; resuming at %d", self.engine_id, revision)
+                            sequence = event.sequence + 1
+                log.info("engine %s watch ended by the server; resuming at %d", self.engine_id, sequence)
             except RendezvousError as err:
                 if err.reason in _ENGINE_GONE:
                     self._recover(Reason(err.reason), incarnation)
                     return
-                if err.reason == Reason.REVISION_INVALID:
+                if err.reason == Reason.SEQUENCE_INVALID:
                     # The engine's log restarted below our position: rebuild the view, follow the new log.
-                    resync_at = int(err.metadata.get("last_revision", "0")) + 1
+                    resync_at = int(err.metadata.get("last_sequence", "0")) + 1
                 elif err.code not in _TRANSIENT:
                     self._fail(err)
                     return
-                log.warning("engine %s watch failed; resuming at %d: %s", self.engine_id, revision, err)
+                log.warning("engine %s watch failed; resuming at %d: %s", self.engine_id, sequence, err)
             await asyncio.sleep(backoff.next())
 
-    async def _resync(self, revision: int) -> None:
+    async def _resync(self, sequence: int) -> None:
         transfers = tuple([t async for t in self._client.iter_transfers(self.engine_id)])
         self._live.retain(t.transfer_id for t in transfers if t.state not in _OVER)
-        self._deliver(Resynced(revision, transfers))
+        self._deliver(Resynced(sequence, transfers))
 
     def _deliver(self, item: SessionEvent) -> None:
         self._queue.put_nowait(item)
@@ -495,8 +495,8 @@ class RankSession(EngineSession):
 
     A multi-rank engine registers once, with every rank's agent, from one process (`EngineSession`, rank 0).
     The other ranks' processes each open a `RankSession`: it finds the current incarnation with GetEngine,
-    watches the engine's events from that incarnation's `watch_start_revision` (so it misses none) and sends
-    its rank's calls (CompleteTransfer, AcknowledgeRevocation) as that incarnation. It neither renews the lease
+    watches the engine's events from that incarnation's `watch_start_sequence` (so it misses none) and sends
+    its rank's calls (CompleteTransfers, AcknowledgeRevocations) as that incarnation. It neither renews the lease
     nor re-asserts transfers: when the incarnation is replaced (rank 0 re-registered after a server restart or a
     lost lease) it waits for the next one, follows it and delivers `Reregistered`. Closing it deregisters nothing.
     """
@@ -533,7 +533,7 @@ class RankSession(EngineSession):
             try:
                 engine = await self._client.get_engine(self.engine_id)
                 if engine.incarnation > previous:
-                    return Registration(engine, engine.watch_start_revision, self._client.epoch)
+                    return Registration(engine, engine.watch_start_sequence, self._client.epoch)
             except RendezvousError as err:
                 if err.reason not in _ENGINE_GONE and err.code not in _TRANSIENT:
                     raise

@@ -30,6 +30,7 @@ from clients._types import (
     EngineInfo,
     EngineRole,
     EngineSpec,
+    EngineView,
     ItemResult,
     Registration,
     ReleaseSpec,
@@ -114,15 +115,15 @@ class SyncCalls(ClientBase[grpc.Channel]):
         role: EngineRole | None = None,
         *,
         page_size: int = 0,
-        omit_agent_metadata: bool = False,
-        omit_labels: bool = False,
+        view: EngineView = EngineView.FULL,
         timeout: float | None = None,
     ) -> Iterator[EngineInfo]:
         """Live engines sorted by id, optionally of one pool and role, page after page (page_size 0: the
-        server's default; timeout: per page)."""
+        server's default; view: how much of each engine, BASIC or PLACEMENT for smaller pages; timeout: per
+        page)."""
         token = ""
         while True:
-            call = commands.list_engines(pool, role, omit_agent_metadata, omit_labels, page_size, token)
+            call = commands.list_engines(pool, role, view, page_size, token)
             page = self._invoke(call, timeout)
             yield from page.engines
             token = page.next_page_token
@@ -134,14 +135,11 @@ class SyncCalls(ClientBase[grpc.Channel]):
         pool: str = "",
         role: EngineRole | None = None,
         *,
-        omit_agent_metadata: bool = False,
-        omit_labels: bool = False,
+        view: EngineView = EngineView.FULL,
         timeout: float | None = None,
     ) -> list[EngineInfo]:
         """Every live engine sorted by id, optionally of one pool and role (all pages; timeout: per page)."""
-        engines = self.iter_engines(
-            pool, role, omit_agent_metadata=omit_agent_metadata, omit_labels=omit_labels, timeout=timeout
-        )
+        engines = self.iter_engines(pool, role, view=view, timeout=timeout)
         return [engine for engine in engines]
 
     # Transfers

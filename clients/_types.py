@@ -17,6 +17,7 @@ from rendezvous.protocol.enums import (
     AbortReason,
     CompletionOutcome,
     EngineRole,
+    EngineView,
     EventType,
     MemoryKind,
     TransferMode,
@@ -58,7 +59,7 @@ class Registration:
     """The answer to RegisterEngine: the new incarnation and where its event log starts."""
 
     engine: EngineInfo
-    watch_start_revision: int
+    watch_start_sequence: int
     epoch: int
 
 
@@ -109,17 +110,17 @@ class ItemResult:
 
 ServerEvent = Event[TransferInfo, EngineInfo]
 """An event as the SDK reads it from a Watch: the protocol's `Event` (one type with the service's) over the SDK's
-views of transfers and engines. `revision` is its position in the engine's log (1, 2, 3, ...; resume a Watch from
+views of transfers and engines. `sequence` is its position in the engine's log (1, 2, 3, ...; resume a Watch from
 the last one + 1), not the store-wide header revision."""
 
 
 @dataclass(frozen=True, slots=True)
 class WatchBatch:
-    """One message of a Watch stream: events in revision order, or a request to resync."""
+    """One message of a Watch stream: events in sequence order, or a request to resync."""
 
     events: tuple[ServerEvent, ...]
     resync_required: bool
-    resync_revision: int
+    resync_sequence: int
     epoch: int
 
 
@@ -128,10 +129,10 @@ class Resynced:
     """Synthetic session notification: events were lost, here is the engine's view instead.
 
     The watch fell behind what the server retains; `transfers` are the engine's live transfers
-    now, and the events that follow start at `revision`.
+    now, and the events that follow start at `sequence`.
     """
 
-    revision: int
+    sequence: int
     transfers: tuple[TransferInfo, ...]
 
 
@@ -213,6 +214,7 @@ __all__ = [
     "EnginePage",
     "EngineRole",
     "EngineSpec",
+    "EngineView",
     "Event",
     "EventType",
     "ItemResult",

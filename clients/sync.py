@@ -27,13 +27,13 @@ class RendezvousClient(SyncCalls):
 
     # Streams
 
-    def watch(self, engine_id: str, start_revision: int = 0, *, max_batch: int = 0) -> WatchStream:
-        """Open a Watch stream of an engine's events from start_revision (0: only new events).
+    def watch(self, engine_id: str, start_sequence: int = 0, *, max_batch: int = 0) -> WatchStream:
+        """Open a Watch stream of an engine's events from start_sequence (0: only new events).
 
         The stream is not resumed after a failure.
         """
         index, stub = self._endpoints.current()
-        call = stub.Watch(commands.watch_request(engine_id, start_revision, max_batch), metadata=self._metadata())
+        call = stub.Watch(commands.watch_request(engine_id, start_sequence, max_batch), metadata=self._metadata())
         return WatchStream(self, call, index)
 
     def keep_alive(self) -> KeepAliveStream:

@@ -9,7 +9,7 @@ router took the last credit) sends it to the next. When none has room the reques
 reservation (at once), and at every engine-list refresh (other routers' releases, targets released by the
 engines). A request that waits too long, or finds the queue full, is refused (`Refused`, the router's 503);
 a client that hangs up while queued just leaves the queue. Engines without a capacity need no reservation.
-The reservation is released when the request ends, however it ends; the engine's RegisterTarget has by then
+The reservation is released when the request ends, however it ends; the engine's RegisterTargets has by then
 taken its place (the rendezvous counts it once), and its TTL bounds what a crashed router leaves behind.
 """
 

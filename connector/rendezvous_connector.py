@@ -664,7 +664,7 @@ class _WorkerSide:
         span = tracing.start("connector.receive", self._about(transfer_id), parent=self._traces.pop(transfer_id, None))
         self._receiving[transfer_id] = span
         try:
-            with tracing.activate(span):  # RegisterTarget is its child
+            with tracing.activate(span):  # RegisterTargets is its child
                 result = await self._consumer().register_target(
                     transfer_id,
                     block_ids,
@@ -674,11 +674,11 @@ class _WorkerSide:
                     progressive=self.config.progressive,
                 )
         except Exception as e:
-            logger.warning("RegisterTarget %s failed: %s", transfer_id, e)
+            logger.warning("RegisterTargets %s failed: %s", transfer_id, e)
             self._received_failed(transfer_id)
             return
         if not result.ok or result.state is TransferState.ABORTED:
-            logger.warning("RegisterTarget %s: %s", transfer_id, result.error or result.state.name)
+            logger.warning("RegisterTargets %s: %s", transfer_id, result.error or result.state.name)
             if not self._consumer().awaiting_result(transfer_id):  # else the agent reports it once no write can land
                 self._received_failed(transfer_id)
 
@@ -727,15 +727,15 @@ class _WorkerSide:
         try:
             result = await (claim if claim is not None else self._claim(transfer_id))
         except Exception as e:  # e.g. DEADLINE_EXCEEDED on a starved host: it may or may not have been applied
-            logger.warning("ClaimTransfer %s failed, claiming again: %s", transfer_id, e)
+            logger.warning("ClaimTransfers %s failed, claiming again: %s", transfer_id, e)
             try:
                 result = await self._claim(transfer_id)  # asserting a claim twice is harmless
             except Exception as again:
-                logger.warning("ClaimTransfer %s failed again, aborting the transfer: %s", transfer_id, again)
+                logger.warning("ClaimTransfers %s failed again, aborting the transfer: %s", transfer_id, again)
                 await self._abort_transfer(transfer_id, f"prefill could not claim the transfer: {again}")
                 return False  # decode learns now, not at the transfer's deadline
         if not result.ok or result.state in (TransferState.ABORTED, TransferState.RELEASED):
-            logger.warning("ClaimTransfer %s: %s", transfer_id, result.error or result.state.name)
+            logger.warning("ClaimTransfers %s: %s", transfer_id, result.error or result.state.name)
             return False
         return True
 
@@ -789,4 +789,4 @@ class _WorkerSide:
         except Exception as e:  # e.g. the service is away; the agent hears of the end through its events
             refused = e
         if refused is not None:
-            logger.info("AbortTransfer %s: %s", transfer_id, refused)
+            logger.info("AbortTransfers %s: %s", transfer_id, refused)

@@ -178,7 +178,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     limits = (
         "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
-        "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfer's parts (--max-parts-per-request, "
+        "(--max-batch-items, BATCH_TOO_LARGE) and a CompleteTransfers's parts (--max-parts-per-request, "
         "TOO_MANY_PARTS) are counted before anything is converted; the rest apply per item or field. Each RPC's "
         "limits: docs/security.md, 'Limits against abuse'."
     )
@@ -361,7 +361,7 @@ def _inspect(args: argparse.Namespace) -> int:
             print(_table(("field", "value"), rows))
         elif args.command == "engines":
             engines = []
-            request = pb.ListEnginesRequest(pool=args.pool, omit_agent_metadata=True, omit_labels=True)
+            request = pb.ListEnginesRequest(pool=args.pool, view=pb.ENGINE_VIEW_BASIC)
             while True:  # every page (a page is bounded in count and bytes; --timeout applies to each)
                 page = stub.ListEngines(request, timeout=args.timeout, metadata=metadata)
                 engines += page.engines

@@ -150,12 +150,12 @@ class Coordinator:
     # Engines
 
     async def register_engine(self, spec: EngineSpec) -> tuple[Engine, int]:
-        """Register a new incarnation; returns it and the revision its watch should start from."""
+        """Register a new incarnation; returns it and the sequence its watch should start from."""
         now = self.clock()
         # Every event of the new incarnation comes after this: the record keeps it for the engine's other ranks.
         # The memory budget (core: budget.check_engine) is checked against the usage of the server and of the
         # registering identity as it is now; both reads in one round trip to a networked store.
-        last, tally = await self._both(self.store.last_event_revision(spec.engine_id), self.store.usage(spec.owner))
+        last, tally = await self._both(self.store.last_event_sequence(spec.engine_id), self.store.usage(spec.owner))
         first = last + 1
 
         def registered(cur: Engine | None) -> Engine:
@@ -178,7 +178,7 @@ class Coordinator:
                 "incarnation": engine.incarnation,
             },
         )
-        return engine, await self.store.last_event_revision(spec.engine_id) + 1
+        return engine, await self.store.last_event_sequence(spec.engine_id) + 1
 
     async def keep_alive(self, engine_id: str, incarnation: int) -> Engine:
         """Renew an engine's lease: the incarnation that holds it must be named (0, which skips the check on other
@@ -492,27 +492,27 @@ class Coordinator:
 
     # Events
 
-    async def check_watch(self, engine_id: str, start_revision: int) -> int:
-        """Validate a Watch request; returns the first revision to send."""
+    async def check_watch(self, engine_id: str, start_sequence: int) -> int:
+        """Validate a Watch request; returns the first sequence to send."""
         check_id("engine_id", engine_id, self.limits)
         if await self.store.get_engine(engine_id) is None:
             raise RendezvousError(Reason.ENGINE_NOT_FOUND, f"engine {engine_id} is not registered", engine_id=engine_id)
-        last = await self.store.last_event_revision(engine_id)
-        if start_revision > last + 1:
+        last = await self.store.last_event_sequence(engine_id)
+        if start_sequence > last + 1:
             raise RendezvousError(
-                Reason.REVISION_INVALID,
-                f"start_revision {start_revision} is ahead of the engine's latest revision {last}",
-                last_revision=last,
+                Reason.SEQUENCE_INVALID,
+                f"start_sequence {start_sequence} is ahead of the engine's latest sequence {last}",
+                last_sequence=last,
             )
-        return start_revision or last + 1
+        return start_sequence or last + 1
 
-    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
-        """Events of an engine from start_revision on."""
-        return await self.store.read_events(engine_id, start_revision, limit)
+    async def read_events(self, engine_id: str, start_sequence: int, limit: int) -> EventPage:
+        """Events of an engine from start_sequence on."""
+        return await self.store.read_events(engine_id, start_sequence, limit)
 
-    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
-        """Wait until the engine's log passes after_revision (or timeout)."""
-        await self.store.wait_events(engine_id, after_revision, timeout)
+    async def wait_events(self, engine_id: str, after_sequence: int, timeout: float) -> None:
+        """Wait until the engine's log passes after_sequence (or timeout)."""
+        await self.store.wait_events(engine_id, after_sequence, timeout)
 
     async def counts(self) -> StoreCounts:
         """Live engines and transfers by state."""

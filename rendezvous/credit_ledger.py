@@ -1,7 +1,7 @@
 """The coordinator's credit side: reservations on consumers' ledgers, and what consumers have in use.
 
 A router reserves decode admission credit on a consumer (ReserveCredits) before it sends a request there; a
-RegisterTarget then takes the reservation's place (core: credits.target_admission, a step of rules.Chain).
+RegisterTargets then takes the reservation's place (core: credits.target_admission, a step of rules.Chain).
 `CreditLedger` reads and writes the store's ledgers (Store.credits) and asks rendezvous.core.credits to
 decide; the coordinator owns one, and its sweeper drops lapsed reservations through it.
 """
@@ -75,7 +75,7 @@ class CreditLedger:
 
     async def holders(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
         """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, in one store call:
-        a RegisterTarget honours the router's choice of consumer (core: credits.check_reserved_elsewhere)."""
+        a RegisterTargets honours the router's choice of consumer (core: credits.check_reserved_elsewhere)."""
         ids = []
         for transfer_id in dict.fromkeys(transfer_ids):
             try:
@@ -88,7 +88,7 @@ class CreditLedger:
     async def capacity(
         self, consumer: Engine, held: Mapping[str, credits.Reservation], specs: Sequence[TargetSpec]
     ) -> Capacity:
-        """The capacity step of a RegisterTarget batch (core: rules.Capacity): held, the items' reservations on
+        """The capacity step of a RegisterTargets batch (core: rules.Capacity): held, the items' reservations on
         any consumer (`holders`); for a consumer with a capacity, its usage now and its reservations of the
         batch's ids."""
         if not consumer.capacity.limited:

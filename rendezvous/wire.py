@@ -6,8 +6,19 @@ from __future__ import annotations
 from rendezvous.core.model import Engine, Event, Role, Transfer
 from rendezvous.protocol import convert
 from rendezvous.protocol.convert import fill_transfer, number, set_time
+from rendezvous.protocol.enums import EngineView
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.v1 import rendezvous_pb2 as pb
+
+
+def engine_view(value: int) -> EngineView:
+    """ListEngines' view: unset is FULL; a value this server does not know is refused, not served as FULL."""
+    view = EngineView(value)
+    if value and view is EngineView.UNSPECIFIED:
+        raise RendezvousError(
+            Reason.VIEW_INVALID, f"view {value} is not BASIC, PLACEMENT, FULL or unset (FULL)", field="view"
+        )
+    return view
 
 
 def role_filter(value: int) -> Role | None:
@@ -34,7 +45,7 @@ def engine_message(
         e,
         lease_expire_time=e.lease_expires_at,
         register_time=e.registered_at,
-        watch_start_revision=e.watch_start_revision,
+        watch_start_sequence=e.watch_start_sequence,
         capacity=e.capacity,
         live_transfers=live_transfers,
         include_metadata=include_metadata,
@@ -72,7 +83,7 @@ def event_message(e: Event[Transfer, Engine]) -> pb.Event:
 
 def fill_event(m: pb.Event, e: Event[Transfer, Engine]) -> None:
     """Set an empty Event message (a new one, or an item of a response: no copy) to an event."""
-    m.revision = e.revision
+    m.sequence = e.sequence
     m.type = number(e.type)
     if e.transfer is not None:
         fill_transfer(m.transfer, e.transfer)
@@ -80,4 +91,4 @@ def fill_event(m: pb.Event, e: Event[Transfer, Engine]) -> None:
     if e.peer is not None:
         m.peer.CopyFrom(_peer_message(e.peer))
     if e.time:
-        set_time(m.time, e.time)
+        set_time(m.event_time, e.time)

@@ -61,6 +61,10 @@ def reasons_module(include: Path) -> str:
             raise SystemExit("protoc failed")
         files = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     (proto,) = files.file
+    found = re.search(r'option \(error_domain\) = "([^"]+)";', (PROTO_ROOT / "rendezvous/v1/errors.proto").read_text())
+    if found is None:
+        raise SystemExit("errors.proto: ErrorReason has no error_domain option")
+    domain = found.group(1)
     index = next(i for i, e in enumerate(proto.enum_type) if e.name == REASON_ENUM)
     comments = {
         tuple(loc.path): loc.leading_comments.strip() for loc in proto.source_code_info.location if loc.leading_comments
@@ -77,9 +81,12 @@ def reasons_module(include: Path) -> str:
         "from collections.abc import Mapping",
         "from enum import StrEnum",
         "",
+        f'ERROR_DOMAIN = "{domain}"',
+        '"""The google.rpc.ErrorInfo domain of every reason (the `error_domain` option of ErrorReason)."""',
+        "",
         "",
         "class Reason(StrEnum):",
-        '    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous")."""',
+        '    """The reason of a google.rpc.ErrorInfo in ERROR_DOMAIN."""',
         "",
     ]
     codes: list[str] = []

@@ -3,7 +3,7 @@
 `benchmarks/chaos.py` drives engines through crashes, replica kills and Redis restarts; its engines' clients record
 here (`Ledger`) each registration they sent and got answered, each incarnation and when it ended at the latest, and
 each TRANSFER_ASSIGNED they heard (`Assignment`). `Ledger.assignment_violations` then checks that every assignment
-names as its peer a consumer incarnation that sent RegisterTarget for that (transfer, generation), the same one
+names as its peer a consumer incarnation that sent RegisterTargets for that (transfer, generation), the same one
 the transfer record names, and was made before that incarnation ended. Tests own it (tests/test_oracle.py shows
 each check failing on a made-up violation); the benchmark imports it.
 """
@@ -45,7 +45,7 @@ class Assignment:
     record_incarnation: int
     made_at: float
     received_at: float
-    revision: int
+    sequence: int
 
 
 class Ledger:
@@ -57,7 +57,7 @@ class Ledger:
         self.events: Counter[str] = Counter()
         self.abort_reasons: dict[str, str] = {}
         self.reregistrations: Counter[str] = Counter()
-        # (transfer, generation) -> consumer incarnations that sent RegisterTarget for it; and those answered OK
+        # (transfer, generation) -> consumer incarnations that sent RegisterTargets for it; and those answered OK
         self.registrations: defaultdict[tuple[str, int], set[int]] = defaultdict(set)
         self.registrations_ok: defaultdict[tuple[str, int], set[int]] = defaultdict(set)
         self.incarnations: defaultdict[str, dict[int, Incarnation]] = defaultdict(dict)
@@ -121,7 +121,7 @@ class Ledger:
         for spec, result in zip(targets, results, strict=False):
             outcome = result.state.name if result.ok else f"error {result.error.reason if result.error else '?'}"
             self.trace(
-                spec.transfer_id, f"{engine_id}#{incarnation}", f"RegisterTarget g{spec.generation} -> {outcome}"
+                spec.transfer_id, f"{engine_id}#{incarnation}", f"RegisterTargets g{spec.generation} -> {outcome}"
             )
             if result.ok:
                 self.registrations_ok[(spec.transfer_id, spec.generation)].add(incarnation)
@@ -143,7 +143,7 @@ class Ledger:
             registered = sorted(self.registrations.get((a.transfer_id, a.generation), ()))
             if a.peer_incarnation not in registered:
                 problems.append(
-                    f"peer incarnation {a.peer_incarnation} never sent RegisterTarget g{a.generation}"
+                    f"peer incarnation {a.peer_incarnation} never sent RegisterTargets g{a.generation}"
                     f" (sent by {registered})"
                 )
             if a.record_incarnation != a.peer_incarnation:

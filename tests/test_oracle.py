@@ -56,7 +56,7 @@ async def test_an_assignment_naming_an_incarnation_that_never_registered_the_tar
     d0 = (await register(client, ledger, time.time())).engine.incarnation
     ledger.registering_targets(d0, [TargetSpec(transfer_id="t1", block_ids=(1, 2), generation=2)])
     ledger.assignments.append(assigned(d0, time.time()))
-    assert problems(ledger) == [f"peer incarnation {d0} never sent RegisterTarget g1 (sent by [])"]
+    assert problems(ledger) == [f"peer incarnation {d0} never sent RegisterTargets g1 (sent by [])"]
 
 
 async def test_an_assignment_whose_record_names_another_incarnation_is_reported(

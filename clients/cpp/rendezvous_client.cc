@@ -59,10 +59,16 @@ std::optional<google::rpc::ErrorInfo> ErrorInfoOf(const grpc::Status& status) {
   return ErrorInfoOf(rich);
 }
 
+// The ErrorInfo domain of the service's reasons, as errors.proto states it (ErrorReason's error_domain option).
+const std::string& ErrorDomain() {
+  static const std::string domain = v1::ErrorReason_descriptor()->options().GetExtension(v1::error_domain);
+  return domain;
+}
+
 // The reason as the generated ErrorReason enum knows it ("" for an unknown one: act on the code then).
 std::string KnownReason(const std::optional<google::rpc::ErrorInfo>& info) {
   v1::ErrorReason reason;
-  if (!info || info->domain() != "kv-rendezvous" || !v1::ErrorReason_Parse("ERROR_REASON_" + info->reason(), &reason))
+  if (!info || info->domain() != ErrorDomain() || !v1::ErrorReason_Parse("ERROR_REASON_" + info->reason(), &reason))
     return "";
   return info->reason();
 }
@@ -111,53 +117,53 @@ class Engine {
     grpc::Status status = stub_->RegisterEngine(Deadline().get(), request, &response);
     Expect(status.ok(), "RegisterEngine " + id_ + ": " + status.error_message());
     incarnation_ = response.engine().incarnation();
-    watch_start_ = response.watch_start_revision();
+    watch_start_ = response.watch_start_sequence();
   }
 
-  v1::ItemResult RegisterTarget(const std::string& transfer_id, const std::vector<int64_t>& blocks) {
-    v1::RegisterTargetRequest request;
+  v1::ItemResult RegisterTargets(const std::string& transfer_id, const std::vector<int64_t>& blocks) {
+    v1::RegisterTargetsRequest request;
     Header(&request);
     v1::TargetSpec* target = request.add_targets();
     target->set_transfer_id(transfer_id);
     target->set_generation(1);
     for (int64_t block : blocks) target->add_block_ids(block);
-    return Call<v1::RegisterTargetResponse>("RegisterTarget", &Stub::RegisterTarget, request);
+    return Call<v1::RegisterTargetsResponse>("RegisterTargets", &Stub::RegisterTargets, request);
   }
 
   v1::ItemResult Claim(const std::string& transfer_id) {
-    v1::ClaimTransferRequest request;
+    v1::ClaimTransfersRequest request;
     Header(&request);
     request.add_claims()->set_transfer_id(transfer_id);
-    return Call<v1::ClaimTransferResponse>("ClaimTransfer", &Stub::ClaimTransfer, request);
+    return Call<v1::ClaimTransfersResponse>("ClaimTransfers", &Stub::ClaimTransfers, request);
   }
 
   v1::ItemResult Complete(const std::string& transfer_id, uint64_t generation) {
-    v1::CompleteTransferRequest request;
+    v1::CompleteTransfersRequest request;
     Header(&request);
     v1::CompletionSpec* completion = request.add_completions();
     completion->set_transfer_id(transfer_id);
     completion->set_generation(generation);
     completion->set_outcome(v1::COMPLETION_OUTCOME_SUCCEEDED);
-    return Call<v1::CompleteTransferResponse>("CompleteTransfer", &Stub::CompleteTransfer, request);
+    return Call<v1::CompleteTransfersResponse>("CompleteTransfers", &Stub::CompleteTransfers, request);
   }
 
   v1::ItemResult Release(const std::string& transfer_id, uint64_t generation) {
-    v1::ReleaseTargetRequest request;
+    v1::ReleaseTargetsRequest request;
     Header(&request);
     v1::ReleaseSpec* release = request.add_releases();
     release->set_transfer_id(transfer_id);
     release->set_generation(generation);
-    return Call<v1::ReleaseTargetResponse>("ReleaseTarget", &Stub::ReleaseTarget, request);
+    return Call<v1::ReleaseTargetsResponse>("ReleaseTargets", &Stub::ReleaseTargets, request);
   }
 
   // The same call as a zombie would make it: with an incarnation that is not the engine's.
-  grpc::Status RegisterTargetAs(uint64_t incarnation, const std::string& transfer_id) {
-    v1::RegisterTargetRequest request;
+  grpc::Status RegisterTargetsAs(uint64_t incarnation, const std::string& transfer_id) {
+    v1::RegisterTargetsRequest request;
     Header(&request);
     request.set_incarnation(incarnation);
     request.add_targets()->set_transfer_id(transfer_id);
-    v1::RegisterTargetResponse response;
-    return stub_->RegisterTarget(Deadline().get(), request, &response);
+    v1::RegisterTargetsResponse response;
+    return stub_->RegisterTargets(Deadline().get(), request, &response);
   }
 
   void Deregister() {
@@ -243,14 +249,14 @@ class Lease {
   std::thread thread_;
 };
 
-// An engine's Watch stream, read event by event from the revision its registration gave.
+// An engine's Watch stream, read event by event from the sequence its registration gave.
 class Watch {
  public:
   explicit Watch(const Engine& engine) : engine_id_(engine.id()) {
     context_.set_deadline(Clock::now() + std::chrono::seconds(60));
     v1::WatchRequest request;
     request.set_engine_id(engine.id());
-    request.set_start_revision(engine.watch_start());
+    request.set_start_sequence(engine.watch_start());
     reader_ = engine.stub()->Watch(&context_, request);
   }
 
@@ -284,10 +290,10 @@ class Watch {
 
 void PushLifecycle(Engine& decode, Engine& prefill, Watch& decode_events, Watch& prefill_events,
                    const std::string& transfer_id) {
-  v1::ItemResult targeted = decode.RegisterTarget(transfer_id, {7, 8, 9});
-  Expect(targeted.state() == v1::TRANSFER_STATE_TARGETED, "RegisterTarget: TARGETED");
+  v1::ItemResult targeted = decode.RegisterTargets(transfer_id, {7, 8, 9});
+  Expect(targeted.state() == v1::TRANSFER_STATE_TARGETED, "RegisterTargets: TARGETED");
   v1::ItemResult claimed = prefill.Claim(transfer_id);
-  Expect(claimed.state() == v1::TRANSFER_STATE_MATCHED, "ClaimTransfer: MATCHED");
+  Expect(claimed.state() == v1::TRANSFER_STATE_MATCHED, "ClaimTransfers: MATCHED");
   v1::Event assigned = prefill_events.Next(v1::EVENT_TYPE_TRANSFER_ASSIGNED, transfer_id);
   const auto& blocks = assigned.transfer().target_block_ids();
   Expect(std::vector<int64_t>(blocks.begin(), blocks.end()) == std::vector<int64_t>{7, 8, 9}, "assigned blocks");
@@ -295,10 +301,10 @@ void PushLifecycle(Engine& decode, Engine& prefill, Watch& decode_events, Watch&
          "the assignment names the consumer and its agent metadata");
   // A real producer WRITEs the blocks with NIXL here, notification "<transfer_id>:<generation>", then reports.
   v1::ItemResult committed = prefill.Complete(transfer_id, assigned.generation());
-  Expect(committed.state() == v1::TRANSFER_STATE_COMMITTED, "CompleteTransfer: COMMITTED");
+  Expect(committed.state() == v1::TRANSFER_STATE_COMMITTED, "CompleteTransfers: COMMITTED");
   v1::Event commit = decode_events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, transfer_id);
   v1::ItemResult released = decode.Release(transfer_id, commit.generation());  // only after TRANSFER_COMMITTED
-  Expect(released.state() == v1::TRANSFER_STATE_RELEASED, "ReleaseTarget: RELEASED");
+  Expect(released.state() == v1::TRANSFER_STATE_RELEASED, "ReleaseTargets: RELEASED");
   Ok("push lifecycle: TARGETED, MATCHED, TRANSFER_ASSIGNED(" + std::to_string(assigned.generation()) +
      "), COMMITTED, TRANSFER_COMMITTED, RELEASED");
 }
@@ -308,7 +314,7 @@ void LayoutMismatch(Stub* stub, Engine& decode, Watch& decode_events, const std:
   Engine fp16(stub, "cpp-prefill-fp16-" + suffix, v1::ENGINE_ROLE_PRODUCER, 10, "float16");
   fp16.Register();
   std::string transfer_id = "cpp-" + suffix + "-layout";
-  decode.RegisterTarget(transfer_id, {1, 2});
+  decode.RegisterTargets(transfer_id, {1, 2});
   v1::ItemResult claimed = fp16.Claim(transfer_id);
   Expect(claimed.state() == v1::TRANSFER_STATE_ABORTED, "a claim across layouts: ABORTED");
   v1::Event aborted = decode_events.Next(v1::EVENT_TYPE_TRANSFER_ABORTED, transfer_id);
@@ -319,13 +325,13 @@ void LayoutMismatch(Stub* stub, Engine& decode, Watch& decode_events, const std:
 
 void Refusals(Engine& decode, const std::string& transfer_id) {
   // An item refused: the call succeeds, the item's status holds the google.rpc.Status.
-  v1::ItemResult out_of_range = decode.RegisterTarget(transfer_id, {64});
+  v1::ItemResult out_of_range = decode.RegisterTargets(transfer_id, {64});
   std::string reason = KnownReason(ErrorInfoOf(out_of_range.status()));
   Expect(out_of_range.status().code() == grpc::StatusCode::OUT_OF_RANGE && reason == "BLOCK_ID_OUT_OF_RANGE",
          "a block beyond the registered regions: " + out_of_range.status().message());
   Ok("item refused: OUT_OF_RANGE / " + reason);
   // A call refused: its google.rpc.Status is in the trailer.
-  grpc::Status stale = decode.RegisterTargetAs(decode.incarnation() + 1, transfer_id);
+  grpc::Status stale = decode.RegisterTargetsAs(decode.incarnation() + 1, transfer_id);
   reason = KnownReason(ErrorInfoOf(stale));
   Expect(stale.error_code() == grpc::StatusCode::FAILED_PRECONDITION && reason == "STALE_INCARNATION",
          "a call with another incarnation: " + stale.error_message());
@@ -339,8 +345,8 @@ void LeaseExpiry(Stub* stub, Engine& prefill, Watch& prefill_events, const std::
   lapsing.Register();
   uint64_t first = lapsing.incarnation();
   std::string transfer_id = "cpp-" + suffix + "-lapse";
-  Expect(lapsing.RegisterTarget(transfer_id, {1}).state() == v1::TRANSFER_STATE_TARGETED, "the lapsing target");
-  Expect(prefill.Claim(transfer_id).state() == v1::TRANSFER_STATE_MATCHED, "ClaimTransfer of the lapsing target");
+  Expect(lapsing.RegisterTargets(transfer_id, {1}).state() == v1::TRANSFER_STATE_TARGETED, "the lapsing target");
+  Expect(prefill.Claim(transfer_id).state() == v1::TRANSFER_STATE_MATCHED, "ClaimTransfers of the lapsing target");
   // No KeepAlive for `lapsing`: its lease lapses within two seconds.
   v1::Event aborted = prefill_events.Next(v1::EVENT_TYPE_TRANSFER_ABORTED, transfer_id);
   Expect(aborted.transfer().abort_reason() == v1::ABORT_REASON_PEER_LOST && aborted.generation() == 0,
@@ -362,7 +368,7 @@ void LeaseExpiry(Stub* stub, Engine& prefill, Watch& prefill_events, const std::
 
   lapsing.Register();  // a new incarnation; the old one's transfers were aborted
   Expect(lapsing.incarnation() != first, "a new incarnation");
-  v1::ItemResult again = lapsing.RegisterTarget("cpp-" + suffix + "-after-lapse", {1});
+  v1::ItemResult again = lapsing.RegisterTargets("cpp-" + suffix + "-after-lapse", {1});
   Expect(again.state() == v1::TRANSFER_STATE_TARGETED, "the new incarnation registers targets");
   lapsing.Deregister();
   Ok("lease expiry: producer told PEER_LOST, KeepAlive refused " + reason + ", registered again as incarnation " +

@@ -3,7 +3,7 @@
 Agents submit one item per transfer (a claim, a completion, an acknowledgement) from many places; the
 batcher turns them into one RPC per turn, which is what the protocol's repeated items are for. A turn's
 items are cut into calls of at most `max_items` and `CALL_BUDGET` (`weight`), so no call nears the server's
-request limits (4 MiB a message, 65,536 written parts a CompleteTransfer: docs/security.md).
+request limits (4 MiB a message, 65,536 written parts a CompleteTransfers: docs/security.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   TRANSFER_COMMITTED event says so; notifications of other generations are ignored (fencing). A progressive
   target (written in parts) arrives on TRANSFER_COMMITTED only: the service commits once the producer's parts
   tile the target, so a producer that notifies too early cannot start decode on missing bytes. Pull: on
-  SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfer.
+  SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfers.
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
   failed, or the service lost the transfer). When the service still fences a generation the producer may be
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
@@ -16,8 +16,8 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 - REVOKED (`AgentReason.REVOKED`): registering a newer generation of a transfer retires the older one; its blocks
   are reported free the same way, once no write of it can land.
 
-The release contract: the agent releases every committed transfer itself (ReleaseTarget, once TRANSFER_COMMITTED
-came); the engine never calls ReleaseTarget for a transfer it registered through the agent. An ok result's blocks
+The release contract: the agent releases every committed transfer itself (ReleaseTargets, once TRANSFER_COMMITTED
+came); the engine never calls ReleaseTargets for a transfer it registered through the agent. An ok result's blocks
 are the engine's to read and then reuse; a failed or REVOKED result's are free at once. To give a transfer up
 before its result, `abort` it (its failed result still comes, once no write can land).
 
@@ -202,9 +202,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     def _on_session(self, session: ConsumerSession | RankSession) -> None:
         if isinstance(session, ConsumerSession):
-            self._registrations = Batcher("RegisterTarget", session.register_targets)
-            self._releases = Batcher("ReleaseTarget", session.release_targets)
-        self._completions = Batcher("CompleteTransfer", session.complete_transfers)
+            self._registrations = Batcher("RegisterTargets", session.register_targets)
+            self._releases = Batcher("ReleaseTargets", session.release_targets)
+        self._completions = Batcher("CompleteTransfers", session.complete_transfers)
 
     async def _stop_threads(self) -> None:
         if self._thread is not None:
@@ -297,11 +297,11 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         try:
             return await self._registrations.submit(spec)
         except _IN_DOUBT as e:
-            logger.warning("RegisterTarget %s: %s; registering again", spec.transfer_id, e)
+            logger.warning("RegisterTargets %s: %s; registering again", spec.transfer_id, e)
         try:
             return await self._registrations.submit(spec)
         except _IN_DOUBT as e:
-            logger.warning("RegisterTarget %s: %s again; aborting the transfer", spec.transfer_id, e)
+            logger.warning("RegisterTargets %s: %s again; aborting the transfer", spec.transfer_id, e)
             await self._abort_in_doubt(spec.transfer_id, spec.timeout, f"its registration failed in transit: {e}")
             return ItemResult(spec.transfer_id, TransferState.ABORTED, e)
 
@@ -315,7 +315,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             try:
                 refused = (await self.abort(transfer_id, message)).error
             except _IN_DOUBT as e:
-                logger.warning("AbortTransfer %s: %s; trying again", transfer_id, e)
+                logger.warning("AbortTransfers %s: %s; trying again", transfer_id, e)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 1.0)
                 continue
@@ -527,7 +527,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     def _read_completed(self, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
         result = None if future.cancelled() or future.exception() else future.result()
         if result is None or not result.ok:
-            logger.warning("CompleteTransfer %s:%d: %s", transfer_id, generation, result or future)
+            logger.warning("CompleteTransfers %s:%d: %s", transfer_id, generation, result or future)
             return
         target = self._targets.get(transfer_id)
         if target is not None and target.generation == generation and result.state is TransferState.COMMITTED:

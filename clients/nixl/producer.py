@@ -5,14 +5,14 @@ through engine registration, and turns the engine's events into commands for its
 thread that makes NIXL calls:
 
 - TRANSFER_ASSIGNED   -> write the consumer's blocks (its agent for our rank, cached by incarnation);
-- TRANSFER_REVOKED    -> stop; AcknowledgeRevocation once no write of that generation can land;
+- TRANSFER_REVOKED    -> stop; AcknowledgeRevocations once no write of that generation can land;
 - TRANSFER_ABORTED    -> revoke a generation the service still fences, drop the transfer, free the source;
 - PEER_LOST           -> forget that incarnation's agents.
 
 The engine calls `claim` at admission and `ready` when the KV is computed (and, for a consumer that accepts
 parts, `ready_part` as prefill computes layers or chunks, which the writer posts ahead); the source blocks come
 back through the `on_free` callback once written (or once the transfer ended otherwise). Each finished write is reported
-with CompleteTransfer. In pull mode (`serve_reads=True`) `ready(..., mode=PULL)` calls MarkSourceReady instead and
+with CompleteTransfers. In pull mode (`serve_reads=True`) `ready(..., mode=PULL)` calls MarkSourcesReady instead and
 the consumer READs; the blocks are freed when the consumer commits or the transfer aborts. Without a progress
 thread NIXL serves a peer's READ only while the target agent is polled, and the writer polls only while it
 writes, so pull mode announces a second agent over the same tensors, polled by a `ReceiverThread`.
@@ -91,7 +91,7 @@ class WriteReport:
     written_time: float
     """When the writer reported the WRITE finished (or failed)."""
     completed_time: float
-    """When the service acknowledged CompleteTransfer."""
+    """When the service acknowledged CompleteTransfers."""
     parts: tuple[WrittenPart, ...] = ()
     """The rectangles written in parts (`ready_part`), the final piece included; () for one write."""
 
@@ -190,10 +190,10 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     def _on_session(self, session: ProducerSession | RankSession) -> None:
         if isinstance(session, ProducerSession):
-            self._claims = Batcher("ClaimTransfer", session.claim_transfers)
-            self._ready = Batcher("MarkSourceReady", session.mark_sources_ready)
-        self._completions = Batcher("CompleteTransfer", session.complete_transfers)
-        self._acks = Batcher("AcknowledgeRevocation", session.acknowledge_revocations)
+            self._claims = Batcher("ClaimTransfers", session.claim_transfers)
+            self._ready = Batcher("MarkSourcesReady", session.mark_sources_ready)
+        self._completions = Batcher("CompleteTransfers", session.complete_transfers)
+        self._acks = Batcher("AcknowledgeRevocations", session.acknowledge_revocations)
 
     async def close(self, *, deregister: bool = True) -> None:
         """Stop the writer (writes in flight drain; held sources are freed), then end the session."""
@@ -247,7 +247,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         rank for a transfer it never claimed (its blocks would wait for an assignment that cannot come; parts
         handed for it with `ready_part` are freed). A transfer that ended (aborted, or its claim refused) is
         freed at once. `prompt_tokens` (the tokens the blocks hold, from the first) is needed when the consumer's
-        block size differs. Pull (needs `serve_reads`, rank 0): MarkSourceReady is sent (batched), with the
+        block size differs. Pull (needs `serve_reads`, rank 0): MarkSourcesReady is sent (batched), with the
         router's `binding` in case it claims; a refused item is not raised but logged, and the blocks freed.
         """
         writer, ready = self._writer, self._ready
@@ -428,7 +428,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         span = self._writing.pop(transfer_id, tracing.NO_SPAN)
         span.set_attribute("kv_rendezvous.generation", generation)
         span.set_attribute("kv_rendezvous.ok", ok)
-        with tracing.activate(span):  # CompleteTransfer is its child
+        with tracing.activate(span):  # CompleteTransfers is its child
             spec = CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,), parts if ok else ())
             future = completions.submit(spec)
         span.end()
@@ -449,7 +449,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
     ) -> None:
         failure = None if future.cancelled() else (future.exception() or future.result().error)
         if failure is not None:
-            logger.warning("CompleteTransfer %s:%d: %s", transfer_id, generation, failure)
+            logger.warning("CompleteTransfers %s:%d: %s", transfer_id, generation, failure)
         if self._on_report is not None:
             self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic(), parts))
 
@@ -475,5 +475,5 @@ class ProducerAgent(RankAgent[ProducerSession]):
     def _pull_source_marked(self, transfer_id: str, future: asyncio.Future[ItemResult]) -> None:
         result = None if future.cancelled() or future.exception() else future.result()
         if result is None or not result.ok or result.state in (TransferState.ABORTED, TransferState.RELEASED):
-            logger.warning("MarkSourceReady %s: %s", transfer_id, "failed" if result is None else result)
+            logger.warning("MarkSourcesReady %s: %s", transfer_id, "failed" if result is None else result)
             self._free(transfer_id)

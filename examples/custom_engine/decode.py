@@ -4,7 +4,7 @@ The SDK's `ConsumerAgent` does the protocol: it registers the pool with NIXL and
 (lease renewed in the background), batches `register_target` calls, watches the engine's events and the NIXL
 notifications, and reports how each transfer ended through `on_result` (on this event loop): ok once the KV
 is in the blocks, failed with the abort reason otherwise, and in both cases only once no write can land in the
-blocks any more. It also releases a committed transfer itself (ReleaseTarget): the engine never does.
+blocks any more. It also releases a committed transfer itself (ReleaseTargets): the engine never does.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from rendezvous.v1 import errors_pb2
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -33,6 +34,15 @@ LAYOUT = pb.KvLayout(
 NUM_BLOCKS = 64
 BLOCK_BYTES = 4096
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _error_domain() -> str:
+    """The ErrorInfo domain of the service's reasons, as errors.proto states it (ErrorReason's `error_domain`)."""
+    extension: Any = errors_pb2.error_domain  # the generated .pyi types an extension as a plain FieldDescriptor
+    return str(errors_pb2.ErrorReason.DESCRIPTOR.GetOptions().Extensions[extension])
+
+
+ERROR_DOMAIN = _error_domain()
 
 
 @dataclass(frozen=True)
@@ -76,11 +86,12 @@ class RpcFailure(Failed):
 
 
 def error_reason(status: status_pb2.Status) -> str:
-    """The ErrorInfo reason of a google.rpc.Status, or "" when it has none."""
+    """The ErrorInfo reason of a google.rpc.Status, or "" when it has none. A reason in a domain other than the
+    service's (ERROR_DOMAIN) reads "REASON@domain", so that it matches no expected reason."""
     for detail in status.details:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info):
-            return str(info.reason)
+            return str(info.reason) if info.domain == ERROR_DOMAIN else f"{info.reason}@{info.domain}"
     return ""
 
 
@@ -130,7 +141,7 @@ def abort_reason_name(reason: int) -> str:
 
 def describe_event(e: pb.Event) -> str:
     """A short rendering for failure reasons."""
-    text = f"r{e.revision} {event_name(e.type)}"
+    text = f"#{e.sequence} {event_name(e.type)}"
     if e.HasField("transfer"):
         text += f"({e.transfer.transfer_id} g{e.generation}"
         if e.transfer.abort_reason:
@@ -312,13 +323,13 @@ def is_event(kind: int, transfer_id: str | None = None, generation: int | None =
 
 
 class Watcher:
-    """One Watch stream of one engine, from a start revision; keeps every event it receives."""
+    """One Watch stream of one engine, from a start sequence; keeps every event it receives."""
 
-    def __init__(self, driver: Driver, stub: Any, engine_id: str, start_revision: int) -> None:
+    def __init__(self, driver: Driver, stub: Any, engine_id: str, start_sequence: int) -> None:
         self._driver = driver
         self._stub = stub
         self.engine_id = engine_id
-        self.start_revision = start_revision
+        self.start_sequence = start_sequence
         self.events: list[pb.Event] = []
         self.first_response_had_events = False
         self.resyncs: list[int] = []
@@ -330,7 +341,7 @@ class Watcher:
 
     async def start(self) -> None:
         """Open the stream and wait for its first response (the watch is established)."""
-        request = pb.WatchRequest(engine_id=self.engine_id, start_revision=self.start_revision)
+        request = pb.WatchRequest(engine_id=self.engine_id, start_sequence=self.start_sequence)
         self._call = self._stub.Watch(request, metadata=self._driver.metadata or None)
         try:
             async with asyncio.timeout(self._driver.options.rpc_timeout):
@@ -356,7 +367,7 @@ class Watcher:
                 if response is grpc.aio.EOF:
                     break
                 if response.resync_required:
-                    self.resyncs.append(int(response.resync_revision))
+                    self.resyncs.append(int(response.resync_sequence))
                 self.events.extend(response.events)
                 self._changed.set()
         except grpc.aio.AioRpcError as err:
@@ -367,7 +378,7 @@ class Watcher:
             self._changed.set()
 
     async def wait_for(self, predicate: EventPredicate, what: str, timeout: float | None = None) -> pb.Event:
-        """The first event (since the start revision) that matches; waits at most timeout seconds."""
+        """The first event (since the start sequence) that matches; waits at most timeout seconds."""
         bound = self._driver.options.event_timeout if timeout is None else timeout
         deadline = time.monotonic() + bound
         while True:
@@ -396,8 +407,8 @@ class Watcher:
         return await self.wait_for(is_event(kind, transfer_id, generation), what, timeout)
 
     def before(self, event: pb.Event) -> list[pb.Event]:
-        """The events received before event (lower revisions)."""
-        return [e for e in self.events if e.revision < event.revision]
+        """The events received before event (lower sequences)."""
+        return [e for e in self.events if e.sequence < event.sequence]
 
     def _seen(self) -> str:
         resyncs = f" and resync_required at {self.resyncs}" if self.resyncs else ""
@@ -433,7 +444,7 @@ class Engine:
         self.role = role
         self.incarnation = 0
         self.lease_ttl = 0.0
-        self.watch_start_revision = 0
+        self.watch_start_sequence = 0
         self.watcher: Watcher | None = None
         self.keepalive_error: RpcFailure | None = None
         self._keepalive: asyncio.Task[None] | None = None
@@ -463,16 +474,16 @@ class Engine:
         response: pb.RegisterEngineResponse = await self.driver.call(self.stub, "RegisterEngine", request)
         self.incarnation = int(response.engine.incarnation)
         self.lease_ttl = _seconds(response.engine.lease_ttl)
-        if not self.watch_start_revision:
-            self.watch_start_revision = int(response.watch_start_revision)
+        if not self.watch_start_sequence:
+            self.watch_start_sequence = int(response.watch_start_sequence)
         self.deregistered = False
         self._stop_keepalive = asyncio.Event()
         self._keepalive = asyncio.create_task(self._keep_alive(self.incarnation, self._stop_keepalive))
         return response
 
     async def watch(self) -> Watcher:
-        """Watch from the first registration's watch_start_revision, so no event is missed."""
-        self.watcher = Watcher(self.driver, self.stub, self.engine_id, self.watch_start_revision)
+        """Watch from the first registration's watch_start_sequence, so no event is missed."""
+        self.watcher = Watcher(self.driver, self.stub, self.engine_id, self.watch_start_sequence)
         await self.watcher.start()
         return self.watcher
 
@@ -559,7 +570,7 @@ class Engine:
         via: Any = None,
         **request: Any,
     ) -> pb.ItemResult:
-        """RegisterTarget with one target."""
+        """RegisterTargets with one target."""
         spec = pb.TargetSpec(
             transfer_id=transfer_id,
             block_ids=blocks,
@@ -569,45 +580,45 @@ class Engine:
         )
         if timeout:
             spec.timeout.CopyFrom(_duration(timeout))
-        (result,) = await self._items("RegisterTarget", "targets", [spec], via, **request)
+        (result,) = await self._items("RegisterTargets", "targets", [spec], via, **request)
         return result
 
     async def claim(self, transfer_id: str, via: Any = None, **request: Any) -> pb.ItemResult:
-        """ClaimTransfer with one claim."""
+        """ClaimTransfers with one claim."""
         claims = [pb.ClaimSpec(transfer_id=transfer_id)]
-        (result,) = await self._items("ClaimTransfer", "claims", claims, via, **request)
+        (result,) = await self._items("ClaimTransfers", "claims", claims, via, **request)
         return result
 
     async def mark_source_ready(self, transfer_id: str, blocks: Sequence[int]) -> pb.ItemResult:
-        """MarkSourceReady with one source."""
+        """MarkSourcesReady with one source."""
         spec = pb.SourceReadySpec(transfer_id=transfer_id, block_ids=blocks)
-        (result,) = await self._items("MarkSourceReady", "sources", [spec])
+        (result,) = await self._items("MarkSourcesReady", "sources", [spec])
         return result
 
     async def complete(
         self, transfer_id: str, generation: int, outcome: int = pb.COMPLETION_OUTCOME_SUCCEEDED
     ) -> pb.ItemResult:
-        """CompleteTransfer with one completion."""
+        """CompleteTransfers with one completion."""
         spec = pb.CompletionSpec(transfer_id=transfer_id, generation=generation, outcome=outcome)  # type: ignore[arg-type]
-        (result,) = await self._items("CompleteTransfer", "completions", [spec])
+        (result,) = await self._items("CompleteTransfers", "completions", [spec])
         return result
 
     async def acknowledge(self, transfer_id: str, generation: int) -> pb.ItemResult:
-        """AcknowledgeRevocation with one acknowledgement."""
+        """AcknowledgeRevocations with one acknowledgement."""
         ack = pb.RevocationAck(transfer_id=transfer_id, generation=generation)
-        (result,) = await self._items("AcknowledgeRevocation", "acks", [ack])
+        (result,) = await self._items("AcknowledgeRevocations", "acks", [ack])
         return result
 
     async def release(self, transfer_id: str, generation: int) -> pb.ItemResult:
-        """ReleaseTarget with one release."""
+        """ReleaseTargets with one release."""
         spec = pb.ReleaseSpec(transfer_id=transfer_id, generation=generation)
-        (result,) = await self._items("ReleaseTarget", "releases", [spec])
+        (result,) = await self._items("ReleaseTargets", "releases", [spec])
         return result
 
     async def abort(self, transfer_id: str, message: str = "conformance") -> pb.ItemResult:
-        """AbortTransfer with one abort, as this engine."""
+        """AbortTransfers with one abort, as this engine."""
         (result,) = await self._items(
-            "AbortTransfer", "aborts", [pb.AbortSpec(transfer_id=transfer_id, message=message)]
+            "AbortTransfers", "aborts", [pb.AbortSpec(transfer_id=transfer_id, message=message)]
         )
         return result
 
@@ -691,10 +702,10 @@ class Scenario:
         return response.results[0]  # type: ignore[no-any-return]
 
     async def router_abort(self, transfer_id: str, message: str = "conformance router") -> pb.ItemResult:
-        """AbortTransfer with an empty engine id, as a router does."""
-        request = pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id=transfer_id, message=message)])
-        response = await self.driver.call(self.driver.next_stub(), "AbortTransfer", request)
-        expect(len(response.results) == 1, f"AbortTransfer: 1 item sent, {len(response.results)} results answered")
+        """AbortTransfers with an empty engine id, as a router does."""
+        request = pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id=transfer_id, message=message)])
+        response = await self.driver.call(self.driver.next_stub(), "AbortTransfers", request)
+        expect(len(response.results) == 1, f"AbortTransfers: 1 item sent, {len(response.results)} results answered")
         return response.results[0]  # type: ignore[no-any-return]
 
     async def get_transfer(self, transfer_id: str) -> pb.Transfer:
@@ -709,10 +720,10 @@ class Scenario:
         fresh transfer of its own arrives, everything emitted before it has arrived too."""
         barrier_id = self.driver.new_id("barrier")
         if engine.role == CONSUMER:
-            expect_ok(await engine.register_target(barrier_id, (0,)), "barrier RegisterTarget")
+            expect_ok(await engine.register_target(barrier_id, (0,)), "barrier RegisterTargets")
         else:
-            expect_ok(await engine.claim(barrier_id), "barrier ClaimTransfer")
-        expect_ok(await self.router_abort(barrier_id, "barrier"), "barrier AbortTransfer")
+            expect_ok(await engine.claim(barrier_id), "barrier ClaimTransfers")
+        expect_ok(await self.router_abort(barrier_id, "barrier"), "barrier AbortTransfers")
         seen = await engine.events.expect(pb.EVENT_TYPE_TRANSFER_ABORTED, barrier_id)
         return engine.events.before(seen)
 

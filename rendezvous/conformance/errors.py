@@ -34,30 +34,30 @@ COMMITTED = pb.TRANSFER_STATE_COMMITTED
 
 @check("errors")
 async def producer_registers_target(s: Scenario) -> None:
-    """RegisterTarget by a producer: FAILED_PRECONDITION / WRONG_ROLE."""
+    """RegisterTargets by a producer: FAILED_PRECONDITION / WRONG_ROLE."""
     producer = await s.producer(watch=False)
     result = await producer.register_target(s.transfer_id())
-    expect_item_error(result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "RegisterTarget by a producer")
+    expect_item_error(result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "RegisterTargets by a producer")
 
 
 @check("errors")
 async def producer_releases(s: Scenario) -> None:
-    """ReleaseTarget by the producer of a committed transfer: FAILED_PRECONDITION / WRONG_ROLE."""
+    """ReleaseTargets by the producer of a committed transfer: FAILED_PRECONDITION / WRONG_ROLE."""
     consumer, producer = await s.pair()
     t = await assigned_transfer(s, consumer, producer)
-    expect_state(await producer.complete(t, 1), COMMITTED, "CompleteTransfer")
+    expect_state(await producer.complete(t, 1), COMMITTED, "CompleteTransfers")
     result = await producer.release(t, 1)
-    expect_item_error(result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "ReleaseTarget by the transfer's producer")
+    expect_item_error(result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "ReleaseTargets by the transfer's producer")
 
 
 @check("errors")
 async def consumer_acknowledges(s: Scenario) -> None:
-    """AcknowledgeRevocation by the consumer of a transfer: FAILED_PRECONDITION / WRONG_ROLE."""
+    """AcknowledgeRevocations by the consumer of a transfer: FAILED_PRECONDITION / WRONG_ROLE."""
     consumer, producer = await s.pair()
     t = await assigned_transfer(s, consumer, producer)
     result = await consumer.acknowledge(t, 1)
     expect_item_error(
-        result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "AcknowledgeRevocation by the transfer's consumer"
+        result, Code.FAILED_PRECONDITION, "WRONG_ROLE", "AcknowledgeRevocations by the transfer's consumer"
     )
 
 
@@ -69,12 +69,12 @@ async def outsider_not_participant(s: Scenario) -> None:
     other_consumer = await s.consumer(watch=False)
     other_producer = await s.producer(watch=False)
     denied, reason = Code.PERMISSION_DENIED, "NOT_PARTICIPANT"
-    expect_item_error(await other_producer.complete(t, 1), denied, reason, "CompleteTransfer by another producer")
+    expect_item_error(await other_producer.complete(t, 1), denied, reason, "CompleteTransfers by another producer")
     expect_item_error(
-        await other_producer.acknowledge(t, 1), denied, reason, "AcknowledgeRevocation by another producer"
+        await other_producer.acknowledge(t, 1), denied, reason, "AcknowledgeRevocations by another producer"
     )
-    expect_item_error(await other_consumer.release(t, 1), denied, reason, "ReleaseTarget by another consumer")
-    expect_item_error(await other_consumer.abort(t), denied, reason, "AbortTransfer by another consumer")
+    expect_item_error(await other_consumer.release(t, 1), denied, reason, "ReleaseTargets by another consumer")
+    expect_item_error(await other_consumer.abort(t), denied, reason, "AbortTransfers by another consumer")
     transfer = await s.get_transfer(t)
     expect(
         transfer.state == MATCHED,
@@ -84,38 +84,38 @@ async def outsider_not_participant(s: Scenario) -> None:
 
 @check("errors")
 async def complete_unassigned(s: Scenario) -> None:
-    """CompleteTransfer of a claimed, never assigned transfer: FAILED_PRECONDITION / INVALID_STATE."""
+    """CompleteTransfers of a claimed, never assigned transfer: FAILED_PRECONDITION / INVALID_STATE."""
     producer = await s.producer(watch=False)
     t = s.transfer_id()
-    expect_state(await producer.claim(t), CLAIMED, "ClaimTransfer")
+    expect_state(await producer.claim(t), CLAIMED, "ClaimTransfers")
     result = await producer.complete(t, 1)
-    expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", "CompleteTransfer of an unassigned transfer")
+    expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", "CompleteTransfers of an unassigned transfer")
 
 
 async def _assigned_generation_two(s: Scenario) -> tuple[str, Engine]:
     """A transfer whose first target has generation 2, assigned; and its producer."""
     consumer, producer = await s.pair()
     t = s.transfer_id()
-    expect_state(await consumer.register_target(t, generation=2), TARGETED, "RegisterTarget(generation 2)")
-    expect_state(await producer.claim(t), MATCHED, "ClaimTransfer")
+    expect_state(await consumer.register_target(t, generation=2), TARGETED, "RegisterTargets(generation 2)")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfers")
     await producer.events.expect(pb.EVENT_TYPE_TRANSFER_ASSIGNED, t, 2)
     return t, producer
 
 
 @check("errors")
 async def complete_older_generation(s: Scenario) -> None:
-    """CompleteTransfer of a generation older than the current: FAILED_PRECONDITION / STALE_GENERATION."""
+    """CompleteTransfers of a generation older than the current: FAILED_PRECONDITION / STALE_GENERATION."""
     t, producer = await _assigned_generation_two(s)
     result = await producer.complete(t, 1)
-    expect_item_error(result, Code.FAILED_PRECONDITION, "STALE_GENERATION", "CompleteTransfer(1) while 2 is current")
+    expect_item_error(result, Code.FAILED_PRECONDITION, "STALE_GENERATION", "CompleteTransfers(1) while 2 is current")
 
 
 @check("errors")
 async def complete_newer_generation(s: Scenario) -> None:
-    """CompleteTransfer of a generation newer than the current: FAILED_PRECONDITION / INVALID_STATE."""
+    """CompleteTransfers of a generation newer than the current: FAILED_PRECONDITION / INVALID_STATE."""
     t, producer = await _assigned_generation_two(s)
     result = await producer.complete(t, 3)
-    expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", "CompleteTransfer(3) while 2 is current")
+    expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", "CompleteTransfers(3) while 2 is current")
 
 
 def _registration(s: Scenario) -> pb.RegisterEngineRequest:
@@ -174,7 +174,7 @@ async def unknown_transfer_mode(s: Scenario) -> None:
     """A target with an unknown TransferMode value (7): per item INVALID_ARGUMENT / MODE_INVALID."""
     consumer = await s.consumer(watch=False)
     result = await consumer.register_target(s.transfer_id(), mode=7)
-    expect_item_error(result, Code.INVALID_ARGUMENT, "MODE_INVALID", "RegisterTarget(mode 7)")
+    expect_item_error(result, Code.INVALID_ARGUMENT, "MODE_INVALID", "RegisterTargets(mode 7)")
 
 
 @check("errors")
@@ -189,7 +189,7 @@ async def stale_incarnation(s: Scenario) -> None:
         consumer.register_target(s.transfer_id(), incarnation=old),
         Code.FAILED_PRECONDITION,
         "STALE_INCARNATION",
-        "RegisterTarget with the replaced incarnation",
+        "RegisterTargets with the replaced incarnation",
     )
     await expect_rpc_error(
         consumer.keep_alive_once(old),
@@ -216,7 +216,7 @@ def _credit_refused(result: pb.CreditResult, what: str) -> None:
 
 @check("errors")
 async def beyond_declared_capacity(s: Scenario) -> None:
-    """ReserveCredits and RegisterTarget beyond a consumer's capacity: RESOURCE_EXHAUSTED /
+    """ReserveCredits and RegisterTargets beyond a consumer's capacity: RESOURCE_EXHAUSTED /
     ENGINE_CAPACITY_EXCEEDED; the reserved target is admitted and takes its reservation's place."""
     consumer = Engine(s, 0, s.driver.new_id("d"), CONSUMER)
     consumer.capacity = pb.EngineCapacity(max_transfers=1)
@@ -230,11 +230,11 @@ async def beyond_declared_capacity(s: Scenario) -> None:
         await consumer.register_target(other),
         Code.RESOURCE_EXHAUSTED,
         "ENGINE_CAPACITY_EXCEEDED",
-        "RegisterTarget without a reservation on a consumer with no credit left",
+        "RegisterTargets without a reservation on a consumer with no credit left",
     )
-    expect_state(await consumer.register_target(reserved), TARGETED, "RegisterTarget of the reserved transfer")
+    expect_state(await consumer.register_target(reserved), TARGETED, "RegisterTargets of the reserved transfer")
     _credit_refused(await s.reserve_credit(other, consumer), "ReserveCredits while the target holds the credit")
-    expect_ok(await s.router_abort(reserved), "AbortTransfer of the target")
+    expect_ok(await s.router_abort(reserved), "AbortTransfers of the target")
     again = await s.reserve_credit(other, consumer)
     expect(not again.status.code, f"ReserveCredits after the abort freed the credit: {describe_status(again.status)}")
     released = await s.release_credit(other)

@@ -33,8 +33,8 @@ REVOCATION_CONFIRMED = pb.EVENT_TYPE_REVOCATION_CONFIRMED
 async def assigned_transfer(s: Scenario, consumer: Engine, producer: Engine) -> str:
     """A push transfer, targeted then claimed, whose producer holds TRANSFER_ASSIGNED(1)."""
     t = s.transfer_id()
-    expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTarget")
-    expect_state(await producer.claim(t), MATCHED, "ClaimTransfer")
+    expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTargets")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfers")
     await producer.events.expect(ASSIGNED, t, 1)
     return t
 
@@ -62,14 +62,14 @@ async def consumer_abort(s: Scenario) -> None:
     """The consumer aborts an assigned transfer: the producer gets ABORTED(REQUESTED) and lets go of gen 1."""
     consumer, producer = await s.pair()
     t = await assigned_transfer(s, consumer, producer)
-    expect_state(await consumer.abort(t), ABORTED, "AbortTransfer by the consumer")
+    expect_state(await consumer.abort(t), ABORTED, "AbortTransfers by the consumer")
     expect_abort(await producer.events.expect(TRANSFER_ABORTED, t), pb.ABORT_REASON_REQUESTED)
     transfer = await s.get_transfer(t)
     expect(
         transfer.revoking_generation == 1,
         f"the producer may still be writing generation 1, yet revoking_generation is {transfer.revoking_generation}",
     )
-    expect_ok(await producer.acknowledge(t, 1), "AcknowledgeRevocation(1) of the aborted transfer")
+    expect_ok(await producer.acknowledge(t, 1), "AcknowledgeRevocations(1) of the aborted transfer")
     await consumer.events.expect(REVOCATION_CONFIRMED, t, 1)
 
 
@@ -78,7 +78,7 @@ async def producer_abort(s: Scenario) -> None:
     """The producer aborts: the consumer gets ABORTED(REQUESTED) with revoking_generation 0 (no wait)."""
     consumer, producer = await s.pair()
     t = await assigned_transfer(s, consumer, producer)
-    expect_state(await producer.abort(t), ABORTED, "AbortTransfer by the producer")
+    expect_state(await producer.abort(t), ABORTED, "AbortTransfers by the producer")
     expect_abort(await consumer.events.expect(TRANSFER_ABORTED, t), pb.ABORT_REASON_REQUESTED, 0)
 
 
@@ -87,10 +87,10 @@ async def router_abort(s: Scenario) -> None:
     """A router abort (empty engine id) reaches both sides; the consumer waits for the producer to let go."""
     consumer, producer = await s.pair()
     t = await assigned_transfer(s, consumer, producer)
-    expect_state(await s.router_abort(t), ABORTED, "AbortTransfer by the router")
+    expect_state(await s.router_abort(t), ABORTED, "AbortTransfers by the router")
     expect_abort(await consumer.events.expect(TRANSFER_ABORTED, t), pb.ABORT_REASON_REQUESTED, 1)
     expect_abort(await producer.events.expect(TRANSFER_ABORTED, t), pb.ABORT_REASON_REQUESTED)
-    expect_ok(await producer.acknowledge(t, 1), "AcknowledgeRevocation(1) of the aborted transfer")
+    expect_ok(await producer.acknowledge(t, 1), "AcknowledgeRevocations(1) of the aborted transfer")
     await consumer.events.expect(REVOCATION_CONFIRMED, t, 1)
 
 
@@ -100,10 +100,10 @@ async def abort_unknown_leaves_tombstone(s: Scenario) -> None:
     consumer = await s.consumer(watch=False)
     producer = await s.producer(watch=False)
     t = s.transfer_id()
-    expect_state(await s.router_abort(t), ABORTED, "AbortTransfer of an unknown transfer id")
+    expect_state(await s.router_abort(t), ABORTED, "AbortTransfers of an unknown transfer id")
     ended = grpc.StatusCode.FAILED_PRECONDITION
-    expect_item_error(await consumer.register_target(t), ended, "TRANSFER_ENDED", "RegisterTarget after the abort")
-    expect_item_error(await producer.claim(t), ended, "TRANSFER_ENDED", "ClaimTransfer after the abort")
+    expect_item_error(await consumer.register_target(t), ended, "TRANSFER_ENDED", "RegisterTargets after the abort")
+    expect_item_error(await producer.claim(t), ended, "TRANSFER_ENDED", "ClaimTransfers after the abort")
 
 
 @check("aborts")
@@ -111,21 +111,21 @@ async def target_deadline(s: Scenario) -> None:
     """A target with a 1 s timeout and no claim aborts with DEADLINE_EXCEEDED."""
     consumer = await s.consumer()
     t = s.transfer_id()
-    expect_state(await consumer.register_target(t, timeout=1.0), TARGETED, "RegisterTarget(timeout 1 s)")
+    expect_state(await consumer.register_target(t, timeout=1.0), TARGETED, "RegisterTargets(timeout 1 s)")
     aborted = await consumer.events.expect(TRANSFER_ABORTED, t, timeout=1.0 + s.options.margin)
     expect_abort(aborted, pb.ABORT_REASON_DEADLINE_EXCEEDED)
 
 
 @check("aborts")
 async def source_blocks_fewer_than_target(s: Scenario) -> None:
-    """MarkSourceReady with fewer blocks than the target and no claim: BLOCK_MISMATCH, never assigned."""
+    """MarkSourcesReady with fewer blocks than the target and no claim: BLOCK_MISMATCH, never assigned."""
     consumer, producer = await s.pair()
     t = s.transfer_id()
-    expect_state(await consumer.register_target(t, (0, 1, 2, 3)), TARGETED, "RegisterTarget(4 blocks)")
+    expect_state(await consumer.register_target(t, (0, 1, 2, 3)), TARGETED, "RegisterTargets(4 blocks)")
     result = await producer.mark_source_ready(t, (10, 11))
     expect(
         result.state == ABORTED,
-        f"MarkSourceReady(2 blocks) answered {state_name(result.state)}"
+        f"MarkSourcesReady(2 blocks) answered {state_name(result.state)}"
         + (f" ({describe_status(result.status)})" if result.status.code else "")
         + ", expected ABORTED",
     )
@@ -156,8 +156,8 @@ async def layout_mismatch(s: Scenario) -> None:
     layout.block_size = LAYOUT.block_size * 3 // 2
     producer = await s.producer(layout=layout)
     t = s.transfer_id()
-    expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTarget")
-    expect_state(await producer.claim(t), ABORTED, "ClaimTransfer by a producer of another block size")
+    expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTargets")
+    expect_state(await producer.claim(t), ABORTED, "ClaimTransfers by a producer of another block size")
     aborted = await consumer.events.expect(TRANSFER_ABORTED, t)
     expect_abort(aborted, pb.ABORT_REASON_LAYOUT_MISMATCH, 0)
     expect(
@@ -195,7 +195,7 @@ async def producer_lost_before_assignment(s: Scenario) -> None:
     producer = await s.producer(lease_ttl=s.options.lease_ttl)
     t = s.transfer_id()
     expect_state(await consumer.register_target(t, TARGET_BLOCKS, mode=pb.TRANSFER_MODE_PULL), TARGETED, "target")
-    expect_state(await producer.claim(t), MATCHED, "ClaimTransfer")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfers")
     await producer.stop_keepalive()
     aborted = await expect_peer_lost(s, consumer, producer, t)
     expect_abort(aborted, pb.ABORT_REASON_PEER_LOST, 0)
@@ -227,14 +227,14 @@ async def consumer_lost(s: Scenario) -> None:
 
 @check("revocation")
 async def retarget_revokes_then_reassigns(s: Scenario) -> None:
-    """Generation 2 revokes 1; only after AcknowledgeRevocation(1): REVOCATION_CONFIRMED(1), ASSIGNED(2)."""
+    """Generation 2 revokes 1; only after AcknowledgeRevocations(1): REVOCATION_CONFIRMED(1), ASSIGNED(2)."""
     consumer, producer = await s.pair()
     t = await assigned_transfer(s, consumer, producer)
-    expect_state(await consumer.register_target(t, (4, 5, 6, 7), generation=2), MATCHED, "RegisterTarget(gen 2)")
+    expect_state(await consumer.register_target(t, (4, 5, 6, 7), generation=2), MATCHED, "RegisterTargets(gen 2)")
     await producer.events.expect(REVOKED, t, 1)
     early = [e for e in await s.barrier(producer) if is_event(ASSIGNED, t, 2)(e)]
     expect(not early, "generation 2 was assigned before the producer acknowledged the revocation of 1")
-    expect_ok(await producer.acknowledge(t, 1), "AcknowledgeRevocation(1)")
+    expect_ok(await producer.acknowledge(t, 1), "AcknowledgeRevocations(1)")
     await consumer.events.expect(REVOCATION_CONFIRMED, t, 1)
     assigned = await producer.events.expect(ASSIGNED, t, 2)
     check_peer(assigned, consumer)
@@ -250,7 +250,7 @@ async def pending_revocation_then_producer_deregisters(s: Scenario) -> None:
     """Generation 2 revokes 1, then the producer deregisters: ABORTED(PEER_LOST), revoking_generation 0."""
     consumer, producer = await s.pair()
     t = await assigned_transfer(s, consumer, producer)
-    expect_state(await consumer.register_target(t, (4, 5, 6, 7), generation=2), MATCHED, "RegisterTarget(gen 2)")
+    expect_state(await consumer.register_target(t, (4, 5, 6, 7), generation=2), MATCHED, "RegisterTargets(gen 2)")
     await producer.events.expect(REVOKED, t, 1)
     await producer.deregister()
     aborted = await consumer.events.expect(TRANSFER_ABORTED, t)
@@ -263,7 +263,7 @@ async def aborted_assignment_then(s: Scenario, let_go: Callable[[Engine], Awaita
     consumer = await s.consumer()
     producer = await s.producer(lease_ttl=s.options.lease_ttl)
     t = await assigned_transfer(s, consumer, producer)
-    expect_state(await consumer.abort(t), ABORTED, "AbortTransfer by the consumer")
+    expect_state(await consumer.abort(t), ABORTED, "AbortTransfers by the consumer")
     transfer = await s.get_transfer(t)
     expect(
         transfer.revoking_generation == 1,

@@ -56,10 +56,10 @@ def check_blocks(what: str, got: Sequence[int], expected: Sequence[int]) -> None
 
 async def finish_push(s: Scenario, consumer: Engine, producer: Engine, transfer_id: str, generation: int) -> None:
     """The producer completes, the consumer hears TRANSFER_COMMITTED and releases; the transfer is RELEASED."""
-    expect_state(await producer.complete(transfer_id, generation), COMMITTED, "CompleteTransfer(SUCCEEDED)")
+    expect_state(await producer.complete(transfer_id, generation), COMMITTED, "CompleteTransfers(SUCCEEDED)")
     committed = await consumer.events.expect(TRANSFER_COMMITTED, transfer_id)
     expect(committed.generation == generation, f"{describe_event(committed)}: expected generation {generation}")
-    expect_state(await consumer.release(transfer_id, generation), RELEASED, "ReleaseTarget")
+    expect_state(await consumer.release(transfer_id, generation), RELEASED, "ReleaseTargets")
     transfer = await s.get_transfer(transfer_id)
     expect(transfer.state == RELEASED, f"GetTransfer after release: state {state_name(transfer.state)}")
 
@@ -69,11 +69,11 @@ async def push_to_release(s: Scenario, claim_first: bool) -> None:
     consumer, producer = await s.pair()
     t = s.transfer_id()
     if claim_first:
-        expect_state(await producer.claim(t), CLAIMED, "ClaimTransfer before any target")
-        expect_state(await consumer.register_target(t, TARGET_BLOCKS), MATCHED, "RegisterTarget after the claim")
+        expect_state(await producer.claim(t), CLAIMED, "ClaimTransfers before any target")
+        expect_state(await consumer.register_target(t, TARGET_BLOCKS), MATCHED, "RegisterTargets after the claim")
     else:
-        expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTarget before any claim")
-        expect_state(await producer.claim(t), MATCHED, "ClaimTransfer after the target")
+        expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTargets before any claim")
+        expect_state(await producer.claim(t), MATCHED, "ClaimTransfers after the target")
     assigned = await producer.events.expect(ASSIGNED, t)
     expect(assigned.generation == 1, f"{describe_event(assigned)}: expected generation 1")
     check_peer(assigned, consumer)
@@ -86,22 +86,22 @@ async def pull_to_release(s: Scenario, source_first: bool) -> None:
     consumer, producer = await s.pair()
     t = s.transfer_id()
     if source_first:
-        expect_state(await producer.mark_source_ready(t, SOURCE_BLOCKS), CLAIMED, "MarkSourceReady before any target")
+        expect_state(await producer.mark_source_ready(t, SOURCE_BLOCKS), CLAIMED, "MarkSourcesReady before any target")
         expect_state(
-            await consumer.register_target(t, TARGET_BLOCKS, mode=PULL), MATCHED, "RegisterTarget(PULL) after it"
+            await consumer.register_target(t, TARGET_BLOCKS, mode=PULL), MATCHED, "RegisterTargets(PULL) after it"
         )
     else:
-        expect_state(await consumer.register_target(t, TARGET_BLOCKS, mode=PULL), TARGETED, "RegisterTarget(PULL)")
-        expect_state(await producer.mark_source_ready(t, SOURCE_BLOCKS), MATCHED, "MarkSourceReady after the target")
+        expect_state(await consumer.register_target(t, TARGET_BLOCKS, mode=PULL), TARGETED, "RegisterTargets(PULL)")
+        expect_state(await producer.mark_source_ready(t, SOURCE_BLOCKS), MATCHED, "MarkSourcesReady after the target")
     ready = await consumer.events.expect(SOURCE_READY, t)
     expect(ready.generation == 1, f"{describe_event(ready)}: expected generation 1")
     check_peer(ready, producer)
     check_blocks(f"{describe_event(ready)} source blocks", ready.transfer.source_block_ids, SOURCE_BLOCKS)
-    expect_state(await consumer.complete(t, 1), COMMITTED, "CompleteTransfer(SUCCEEDED) by the pull consumer")
+    expect_state(await consumer.complete(t, 1), COMMITTED, "CompleteTransfers(SUCCEEDED) by the pull consumer")
     committed = await producer.events.expect(TRANSFER_COMMITTED, t)
     stray = [e for e in producer.events.before(committed) if is_event(ASSIGNED, t)(e)]
     expect(not stray, f"the producer of a pull transfer got {describe_event(stray[0])}" if stray else "")
-    expect_state(await consumer.release(t, 1), RELEASED, "ReleaseTarget")
+    expect_state(await consumer.release(t, 1), RELEASED, "ReleaseTargets")
 
 
 @check("lifecycle")
@@ -112,7 +112,7 @@ async def push_target_first(s: Scenario) -> None:
 
 @check("lifecycle")
 async def pull(s: Scenario) -> None:
-    """Pull: target + MarkSourceReady -> SOURCE_READY with the source blocks; consumer completes; COMMITTED."""
+    """Pull: target + MarkSourcesReady -> SOURCE_READY with the source blocks; consumer completes; COMMITTED."""
     await pull_to_release(s, source_first=False)
 
 
@@ -121,11 +121,11 @@ async def resend_is_noop(s: Scenario) -> None:
     """Re-sending the same target and the same claim changes nothing and emits no second assignment."""
     consumer, producer = await s.pair()
     t = s.transfer_id()
-    expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTarget")
-    expect_state(await producer.claim(t), MATCHED, "ClaimTransfer")
+    expect_state(await consumer.register_target(t, TARGET_BLOCKS), TARGETED, "RegisterTargets")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfers")
     await producer.events.expect(ASSIGNED, t, 1)
-    expect_state(await consumer.register_target(t, TARGET_BLOCKS), MATCHED, "the same RegisterTarget again")
-    expect_state(await producer.claim(t), MATCHED, "the same ClaimTransfer again")
+    expect_state(await consumer.register_target(t, TARGET_BLOCKS), MATCHED, "the same RegisterTargets again")
+    expect_state(await producer.claim(t), MATCHED, "the same ClaimTransfers again")
     transfer = await s.get_transfer(t)
     expect(transfer.generation == 1, f"after the re-sends the generation is {transfer.generation}, expected 1")
     assignments = [e for e in await s.barrier(producer) if is_event(ASSIGNED, t)(e)]
@@ -145,23 +145,23 @@ async def request_id_retry(s: Scenario) -> None:
     t = s.transfer_id()
     target_request = s.driver.new_id("req")
     first = expect_state(
-        await consumer.register_target(t, TARGET_BLOCKS, request_id=target_request), TARGETED, "RegisterTarget"
+        await consumer.register_target(t, TARGET_BLOCKS, request_id=target_request), TARGETED, "RegisterTargets"
     )
-    expect_state(await producer.claim(t), MATCHED, "ClaimTransfer")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfers")
     retry = await consumer.register_target(t, TARGET_BLOCKS, via=consumer.other_stub, request_id=target_request)
     expect(
         retry == first,
-        f"RegisterTarget retried with its request_id answered {state_name(retry.state)}, "
+        f"RegisterTargets retried with its request_id answered {state_name(retry.state)}, "
         f"not the first answer ({state_name(first.state)})",
     )
     t2 = s.transfer_id()
     claim_request = s.driver.new_id("req")
-    first = expect_state(await producer.claim(t2, request_id=claim_request), CLAIMED, "ClaimTransfer")
-    expect_state(await consumer.register_target(t2, TARGET_BLOCKS), MATCHED, "RegisterTarget")
+    first = expect_state(await producer.claim(t2, request_id=claim_request), CLAIMED, "ClaimTransfers")
+    expect_state(await consumer.register_target(t2, TARGET_BLOCKS), MATCHED, "RegisterTargets")
     retry = await producer.claim(t2, via=producer.other_stub, request_id=claim_request)
     expect(
         retry == first,
-        f"ClaimTransfer retried with its request_id answered {state_name(retry.state)}, "
+        f"ClaimTransfers retried with its request_id answered {state_name(retry.state)}, "
         f"not the first answer ({state_name(first.state)})",
     )
     assignments = [e for e in await s.barrier(producer) if is_event(ASSIGNED, t2)(e)]
@@ -173,15 +173,15 @@ async def generation_zero_means_one(s: Scenario) -> None:
     """Generation 0 on the wire means 1: in a target, a completion and a release."""
     consumer, producer = await s.pair()
     t = s.transfer_id()
-    expect_state(await consumer.register_target(t, TARGET_BLOCKS, generation=0), TARGETED, "RegisterTarget(gen 0)")
-    expect_state(await producer.claim(t), MATCHED, "ClaimTransfer")
+    expect_state(await consumer.register_target(t, TARGET_BLOCKS, generation=0), TARGETED, "RegisterTargets(gen 0)")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfers")
     assigned = await producer.events.expect(ASSIGNED, t)
     expect(assigned.generation == 1, f"a target of generation 0 was assigned as {describe_event(assigned)}")
     expect(assigned.transfer.generation == 1, f"the transfer's generation is {assigned.transfer.generation}")
-    expect_state(await producer.complete(t, 0), COMMITTED, "CompleteTransfer(generation 0)")
+    expect_state(await producer.complete(t, 0), COMMITTED, "CompleteTransfers(generation 0)")
     committed = await consumer.events.expect(TRANSFER_COMMITTED, t)
     expect(committed.generation == 1, f"{describe_event(committed)}: expected generation 1")
-    expect_state(await consumer.release(t, 0), RELEASED, "ReleaseTarget(generation 0)")
+    expect_state(await consumer.release(t, 0), RELEASED, "ReleaseTargets(generation 0)")
 
 
 @check("arrival")
@@ -192,7 +192,7 @@ async def push_claim_first(s: Scenario) -> None:
 
 @check("arrival")
 async def pull_source_ready_first(s: Scenario) -> None:
-    """Pull, MarkSourceReady before the target: SOURCE_READY follows the target."""
+    """Pull, MarkSourcesReady before the target: SOURCE_READY follows the target."""
     await pull_to_release(s, source_first=True)
 
 
@@ -200,19 +200,19 @@ async def _aborted_targets(s: Scenario, consumer: Engine, count: int) -> list[st
     """count transfers targeted by the consumer and aborted by the router: one TRANSFER_ABORTED each."""
     ids = [s.transfer_id() for _ in range(count)]
     for t in ids:
-        expect_state(await consumer.register_target(t, (0,)), TARGETED, "RegisterTarget")
+        expect_state(await consumer.register_target(t, (0,)), TARGETED, "RegisterTargets")
         await s.router_abort(t)
     return ids
 
 
-def _check_sequence(events: Sequence[pb.Event], ids: Sequence[str], first_revision: int, what: str) -> None:
-    """events are exactly the aborts of ids, at consecutive revisions from first_revision."""
-    got = [(e.revision, e.type, e.transfer.transfer_id) for e in events]
-    expected = [(first_revision + i, TRANSFER_ABORTED, t) for i, t in enumerate(ids)]
+def _check_sequence(events: Sequence[pb.Event], ids: Sequence[str], first_sequence: int, what: str) -> None:
+    """events are exactly the aborts of ids, at consecutive sequences from first_sequence."""
+    got = [(e.sequence, e.type, e.transfer.transfer_id) for e in events]
+    expected = [(first_sequence + i, TRANSFER_ABORTED, t) for i, t in enumerate(ids)]
     expect(
         got == expected,
         f"{what}: got {[describe_event(e) for e in events]}, expected TRANSFER_ABORTED of {list(ids)} "
-        f"at revisions {first_revision}..{first_revision + len(ids) - 1}",
+        f"at sequences {first_sequence}..{first_sequence + len(ids) - 1}",
     )
 
 
@@ -220,7 +220,7 @@ def _check_sequence(events: Sequence[pb.Event], ids: Sequence[str], first_revisi
 async def resume_without_gaps(s: Scenario) -> None:
     """Watch resumes at last seen + 1 (on another target, if given) with no gap and no duplicate."""
     consumer = await s.consumer(watch=False)
-    start = consumer.watch_start_revision
+    start = consumer.watch_start_sequence
     first_ids = await _aborted_targets(s, consumer, 3)
     watcher = Watcher(s.driver, consumer.stub, consumer.engine_id, start)
     await watcher.start()
@@ -238,26 +238,26 @@ async def resume_without_gaps(s: Scenario) -> None:
         await resumed.start()
         try:
             end = await resumed.expect(TRANSFER_ABORTED, ids[-1])
-            upto = [e for e in resumed.events if e.revision <= end.revision]
+            upto = [e for e in resumed.events if e.sequence <= end.sequence]
             _check_sequence(upto, ids, resume_at, f"the watch resumed at {resume_at}")
         finally:
             await resumed.close()
 
 
 @check("watch")
-async def future_revision_out_of_range(s: Scenario) -> None:
-    """Watch from beyond the latest revision + 1 is OUT_OF_RANGE / REVISION_INVALID; latest + 1 is fine."""
+async def future_sequence_out_of_range(s: Scenario) -> None:
+    """Watch from beyond the latest sequence + 1 is OUT_OF_RANGE / SEQUENCE_INVALID; latest + 1 is fine."""
     consumer = await s.consumer()
-    last = (await consumer.events.expect(TRANSFER_ABORTED, (await _aborted_targets(s, consumer, 1))[0])).revision
+    last = (await consumer.events.expect(TRANSFER_ABORTED, (await _aborted_targets(s, consumer, 1))[0])).sequence
     edge = Watcher(s.driver, s.driver.next_stub(), consumer.engine_id, last + 1)
     await edge.start()
     await edge.close()
     ahead = Watcher(s.driver, s.driver.next_stub(), consumer.engine_id, last + 2)
     err = await expect_rpc_error(
-        ahead.start(), grpc.StatusCode.OUT_OF_RANGE, "REVISION_INVALID", f"Watch(start_revision={last + 2})"
+        ahead.start(), grpc.StatusCode.OUT_OF_RANGE, "SEQUENCE_INVALID", f"Watch(start_sequence={last + 2})"
     )
-    reported = err.metadata.get("last_revision")
+    reported = err.metadata.get("last_sequence")
     expect(
         reported in (None, str(last)),
-        f"REVISION_INVALID names last_revision {reported}, the engine's latest revision is {last}",
+        f"SEQUENCE_INVALID names last_sequence {reported}, the engine's latest sequence is {last}",
     )

@@ -1,6 +1,6 @@
 """Halves bound to the router's choice: the check of a transfer binding (rendezvous.protocol.bindings).
 
-With binding keys configured, a consumer's target and a producer's claim (or a MarkSourceReady that
+With binding keys configured, a consumer's target and a producer's claim (or a MarkSourcesReady that
 claims) carrying a binding are admitted only if the binding verifies for the item's transfer id, has not
 expired, and names the caller for its half. With `required`, a half without a binding is refused too,
 unless the call is exempt (an admin identity). An engine that already holds its half of the transfer
@@ -11,7 +11,7 @@ re-assert with the binding they were given, which must still be live (the router
 
 With `required`, an engine aborts only a transfer it takes part in (check_abort): an engine's abort of an
 id not yet known would leave a tombstone that ends the router-minted id for the halves the router bound to it,
-whatever their bindings. The router (AbortTransfer without an engine id) and exempt callers pre-abort freely.
+whatever their bindings. The router (AbortTransfers without an engine id) and exempt callers pre-abort freely.
 
 A refusal names no other engine and is the same whether the transfer exists or not.
 """

@@ -209,7 +209,7 @@ def reserve(
 
 def check_reserved_elsewhere(consumer: Engine, transfer_id: str, reservation: Reservation | None, now: float) -> None:
     """A router that reserved a transfer's credit on a consumer chose that consumer: another consumer's
-    RegisterTarget for the transfer is CREDIT_CONFLICT while the reservation lasts (it names no engine)."""
+    RegisterTargets for the transfer is CREDIT_CONFLICT while the reservation lasts (it names no engine)."""
     if reservation is not None and reservation.engine_id != consumer.engine_id and reservation.expires_at > now:
         raise RendezvousError(
             Reason.CREDIT_CONFLICT,
@@ -221,7 +221,7 @@ def check_reserved_elsewhere(consumer: Engine, transfer_id: str, reservation: Re
 def target_admission(
     engine: Engine, spent: EngineCredits, cur: Transfer | None, reservation: Reservation | None, blocks: int, now: float
 ) -> EngineCredits:
-    """The engine's usage once a RegisterTarget of `blocks` on cur applies, or ENGINE_CAPACITY_EXCEEDED when
+    """The engine's usage once a RegisterTargets of `blocks` on cur applies, or ENGINE_CAPACITY_EXCEEDED when
     its capacity has no room for it.
 
     A target the engine already holds for the transfer (a re-registration) gives back its blocks; a

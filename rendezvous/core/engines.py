@@ -27,7 +27,7 @@ def register_engine(
     spec: EngineSpec,
     limits: Limits,
     timeouts: Timeouts,
-    watch_start_revision: int = 0,
+    watch_start_sequence: int = 0,
 ) -> Engine:
     """A new incarnation of an engine.
 
@@ -57,7 +57,7 @@ def register_engine(
         lease_expires_at=now + ttl,
         registered_at=now,
         unlost_incarnation=_unlost(previous),
-        watch_start_revision=watch_start_revision,
+        watch_start_sequence=watch_start_sequence,
         owner=spec.owner,
         capacity=spec.capacity,
     )

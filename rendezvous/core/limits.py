@@ -87,7 +87,7 @@ class Limits:
     max_parts_per_completion: int = 4_096
     """The most parts one CompletionSpec may report (more is TOO_MANY_PARTS); checking them is O(n log n)."""
     max_parts_per_request: int = 65_536
-    """The most parts a CompleteTransfer request may carry over all its completions (more: the request is
+    """The most parts a CompleteTransfers request may carry over all its completions (more: the request is
     refused with TOO_MANY_PARTS before any part is converted or any transfer looked up)."""
 
 

@@ -69,9 +69,9 @@ class Engine(Incarnation):
     # The incarnation this one replaced while the loss of that one's transfers is not known to be
     # applied (0 when none): whoever finds it set (re-registration, keep-alive, sweep) applies it.
     unlost_incarnation: int = 0
-    # A revision from which a watch sees all of this incarnation's events (its ranks that did not register
+    # A sequence from which a watch sees all of this incarnation's events (its ranks that did not register
     # follow it from here).
-    watch_start_revision: int = 0
+    watch_start_sequence: int = 0
     # The auth identity that registered this incarnation ("" without auth): the memory budget's per-identity
     # tallies charge it (rendezvous.core.budget).
     owner: str = ""

@@ -25,7 +25,14 @@ MAX_TOKEN_CHARS = 4_096
 
 
 def page_size(requested: int, default: int, maximum: int) -> int:
-    """The page size to serve: the default when none was asked for, never above the maximum."""
+    """The page size to serve: the default when none was asked for, never above the maximum; a negative one is
+    PAGE_SIZE_INVALID."""
+    if requested < 0:
+        raise RendezvousError(
+            Reason.PAGE_SIZE_INVALID,
+            f"page_size {requested} is negative; 0 asks for the server's default",
+            field="page_size",
+        )
     return min(requested or default, maximum)
 
 

@@ -1,8 +1,8 @@
 """The rule chain a batch item passes, as values: each step returns what it decides.
 
-An item of a transfer call (RegisterTarget ... AbortTransfers) passes, in order: the caller's live-transfer
+An item of a transfer call (RegisterTargets ... AbortTransfers) passes, in order: the caller's live-transfer
 limit (`engines.LiveTransferLimit`), the binding of the half it takes (`bindings`; an abort's own check),
-the consumer's capacity (`credits`: RegisterTarget only), the transition itself (`transfers`, one `Rule`
+the consumer's capacity (`credits`: RegisterTargets only), the transition itself (`transfers`, one `Rule`
 signature for all) and the caller's live-block budget (`budget.BlockBudget`, on the record the transition
 leaves). A step refuses by raising `RendezvousError`; `Chain.decide` returns a `Decision`: the transition,
 the record it was applied to, the block ids it adds and the consumer's usage after it. The coordinator
@@ -92,7 +92,7 @@ class Binding:
 
 @dataclass(frozen=True)
 class Capacity:
-    """The capacity step of a RegisterTarget batch: the router's choice of consumer is honoured
+    """The capacity step of a RegisterTargets batch: the router's choice of consumer is honoured
     (credits.check_reserved_elsewhere), and a consumer with a capacity admits the target within it."""
 
     consumer: Engine

@@ -14,12 +14,12 @@ and the request. It returns a `Transition`: the new record and the events to app
 Fencing: a producer holds at most one generation of a transfer (`assigned_generation`).
 When the consumer re-registers with a newer generation, or the transfer is aborted while
 the producer may be writing, that generation becomes `revoking_generation`: the producer
-gets TRANSFER_REVOKED (or TRANSFER_ABORTED) and must acknowledge (AcknowledgeRevocation,
-or CompleteTransfer of that generation) before the consumer gets REVOCATION_CONFIRMED and
+gets TRANSFER_REVOKED (or TRANSFER_ABORTED) and must acknowledge (AcknowledgeRevocations,
+or CompleteTransfers of that generation) before the consumer gets REVOCATION_CONFIRMED and
 may reuse those blocks. A lost producer, or the tombstone's expiry, confirms too.
 
 Ranks: an engine of several ranks (one NIXL agent each) moves a generation's bytes from every rank. Each
-rank reports its share (CompleteTransfer / AcknowledgeRevocation naming its ranks; none named = all), and the
+rank reports its share (CompleteTransfers / AcknowledgeRevocations naming its ranks; none named = all), and the
 record collects them in `reported_ranks` for the one generation in flight: the generation commits, or its
 revocation is confirmed, once every rank has reported. A failure of any rank aborts the transfer; until the
 other ranks have reported, the generation stays fenced and the mover is told TRANSFER_ABORTED too, so its
@@ -129,7 +129,7 @@ def _same_blocks(t: Transfer, blocks: tuple[int, ...], source: bool) -> bool:
 
 def _release(ctx: Context, t: Transfer) -> Transition:
     """The release step, the one way a committed transfer ends: its consumer is done with the blocks
-    (ReleaseTarget), release_timeout passed without a release, or the consumer's engine is gone."""
+    (ReleaseTargets), release_timeout passed without a release, or the consumer's engine is gone."""
     return Transition(_tombstone(ctx, t, State.RELEASED))
 
 
@@ -489,7 +489,7 @@ def mark_source_ready(
     _require_role(producer, Role.PRODUCER)
     blocks = tuple(spec.block_ids)
     if cur is None or cur.producer_engine_id != producer.engine_id:
-        # Claims the transfer as ClaimTransfer would, and is refused as it would be (TRANSFER_ENDED,
+        # Claims the transfer as ClaimTransfers would, and is refused as it would be (TRANSFER_ENDED,
         # CLAIM_CONFLICT): never an answer that another call on the same id would contradict.
         timeout = ctx.timeouts.default_claim_timeout
         return _claim(ctx, cur, producer, consumer, spec.transfer_id, timeout, blocks)
@@ -576,7 +576,7 @@ def complete(
     mover = cur.producer_engine_id if cur.mode == Mode.PUSH else cur.consumer_engine_id
     if engine.engine_id != mover:
         side = "producer" if cur.mode == Mode.PUSH else "consumer"
-        raise _wrong_side(cur, engine, f"CompleteTransfer in {cur.mode.name} mode", side)
+        raise _wrong_side(cur, engine, f"CompleteTransfers in {cur.mode.name} mode", side)
     replaced = _replaced(ctx, cur, engine)
     if replaced:
         return replaced
@@ -638,7 +638,7 @@ def acknowledge_revocation(
     if producer.engine_id not in cur.participants():
         raise _not_participant(cur, producer.engine_id)
     if producer.engine_id != cur.producer_engine_id:
-        raise _wrong_side(cur, producer, "AcknowledgeRevocation", "producer")
+        raise _wrong_side(cur, producer, "AcknowledgeRevocations", "producer")
     ranks = _reporting_ranks(producer, spec.ranks)
     replaced = _replaced(ctx, cur, producer)
     if replaced:
@@ -666,15 +666,15 @@ def release(
     if consumer.engine_id not in cur.participants():
         raise _not_participant(cur, consumer.engine_id)
     if consumer.engine_id != cur.consumer_engine_id:
-        raise _wrong_side(cur, consumer, "ReleaseTarget", "consumer")
+        raise _wrong_side(cur, consumer, "ReleaseTargets", "consumer")
     replaced = _replaced(ctx, cur, consumer)
     if replaced:
         return replaced
     if cur.state.terminal:
         return Transition(cur)
     if cur.state == State.MATCHED:
-        # Usually a consumer that released on the NIXL notification, before the producer's CompleteTransfer: the
-        # bytes may well be in, so this must not send it to AbortTransfer.
+        # Usually a consumer that released on the NIXL notification, before the producer's CompleteTransfers: the
+        # bytes may well be in, so this must not send it to AbortTransfers.
         raise RendezvousError(
             Reason.INVALID_STATE,
             f"transfer {cur.transfer_id} is MATCHED, not committed yet: release it after its TRANSFER_COMMITTED "

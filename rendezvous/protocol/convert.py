@@ -234,7 +234,7 @@ def engine_message(
     *,
     lease_expire_time: float,
     register_time: float,
-    watch_start_revision: int,
+    watch_start_sequence: int,
     capacity: EngineCapacity,
     live_transfers: int = 0,
     include_metadata: bool = True,
@@ -254,7 +254,7 @@ def engine_message(
         lease_expire_time=timestamp(lease_expire_time),
         register_time=timestamp(register_time),
         live_transfers=live_transfers,
-        watch_start_revision=watch_start_revision,
+        watch_start_sequence=watch_start_sequence,
         capacity=capacity_message(capacity),
     )
 
@@ -273,7 +273,7 @@ def engine(m: pb.Engine) -> EngineInfo:
         lease_expire_time=unix_time(m.lease_expire_time),
         live_transfers=m.live_transfers,
         register_time=unix_time(m.register_time),
-        watch_start_revision=m.watch_start_revision,
+        watch_start_sequence=m.watch_start_sequence,
         capacity=EngineCapacity(m.capacity.max_transfers, m.capacity.max_blocks),
         credits=credits(m.credits),
     )
@@ -310,7 +310,7 @@ def fill_transfer(m: pb.Transfer, t: TransferRecord) -> None:
     m.progressive = t.progressive
     # A moment not reached stays unset; `times` is always present, if empty.
     if t.deadline:
-        set_time(m.deadline, t.deadline)
+        set_time(m.deadline_time, t.deadline)
     set_times(m.times, t.times)
 
 
@@ -320,7 +320,7 @@ def transfer(m: pb.Transfer, record: type[T]) -> T:
     return record(
         transfer_id=m.transfer_id,
         state=TransferState(m.state),
-        deadline=unix_time(m.deadline),
+        deadline=unix_time(m.deadline_time),
         mode=TransferMode(m.mode),
         generation=m.generation,
         consumer_engine_id=m.consumer_engine_id,
@@ -540,7 +540,7 @@ def _at_most(values: Sequence[V], limit: int) -> Sequence[V]:
 
 
 def target_spec(t: pb.TargetSpec, max_blocks: int) -> TargetSpec:
-    """One target of a RegisterTargetRequest (block ids past max_blocks: see `_at_most`)."""
+    """One target of a RegisterTargetsRequest (block ids past max_blocks: see `_at_most`)."""
     return TargetSpec(
         t.transfer_id,
         block_ids(_at_most(t.block_ids, max_blocks)),
@@ -554,19 +554,19 @@ def target_spec(t: pb.TargetSpec, max_blocks: int) -> TargetSpec:
 
 
 def claim_spec(c: pb.ClaimSpec) -> ClaimSpec:
-    """One claim of a ClaimTransferRequest."""
+    """One claim of a ClaimTransfersRequest."""
     return ClaimSpec(c.transfer_id, request_seconds(c.timeout, "timeout"), binding(c.binding, c.HasField("binding")))
 
 
 def source_spec(s: pb.SourceReadySpec, max_blocks: int) -> SourceReadySpec:
-    """One source of a MarkSourceReadyRequest (block ids past max_blocks: see `_at_most`)."""
+    """One source of a MarkSourcesReadyRequest (block ids past max_blocks: see `_at_most`)."""
     return SourceReadySpec(
         s.transfer_id, block_ids(_at_most(s.block_ids, max_blocks)), binding(s.binding, s.HasField("binding"))
     )
 
 
 def completion_spec(c: pb.CompletionSpec, max_parts: int) -> CompletionSpec:
-    """One completion of a CompleteTransferRequest (parts past max_parts: see `_at_most`); an outcome other
+    """One completion of a CompleteTransfersRequest (parts past max_parts: see `_at_most`); an outcome other
     than SUCCEEDED or FAILED reads as UNSPECIFIED."""
     return CompletionSpec(
         c.transfer_id,
@@ -579,17 +579,17 @@ def completion_spec(c: pb.CompletionSpec, max_parts: int) -> CompletionSpec:
 
 
 def revocation_ack(a: pb.RevocationAck) -> RevocationAck:
-    """One acknowledgement of an AcknowledgeRevocationRequest."""
+    """One acknowledgement of an AcknowledgeRevocationsRequest."""
     return RevocationAck(a.transfer_id, _generation(a.generation), tuple(a.ranks))
 
 
 def release_spec(r: pb.ReleaseSpec) -> ReleaseSpec:
-    """One release of a ReleaseTargetRequest."""
+    """One release of a ReleaseTargetsRequest."""
     return ReleaseSpec(r.transfer_id, _generation(r.generation))
 
 
 def abort_spec(a: pb.AbortSpec) -> AbortSpec:
-    """One abort of an AbortTransferRequest."""
+    """One abort of an AbortTransfersRequest."""
     return AbortSpec(a.transfer_id, a.message)
 
 

@@ -101,6 +101,28 @@ class EventType(_WireEnum):
     REVOCATION_CONFIRMED = 7
 
 
+class EngineView(_WireEnum):
+    """How much of each engine ListEngines returns (AIP-157); UNSPECIFIED is the default, FULL."""
+
+    UNSPECIFIED = 0
+    BASIC = 1
+    """Without the NIXL agents' metadata bytes and without labels."""
+    PLACEMENT = 2
+    """BASIC plus labels: what a router places requests by."""
+    FULL = 3
+    """Everything, agent metadata and labels included."""
+
+    @property
+    def with_agent_metadata(self) -> bool:
+        """The view carries the agents' metadata bytes."""
+        return self in (EngineView.UNSPECIFIED, EngineView.FULL)
+
+    @property
+    def with_labels(self) -> bool:
+        """The view carries the engine's labels."""
+        return self is not EngineView.BASIC
+
+
 class CompletionOutcome(_WireEnum):
     """Result of moving a generation's bytes."""
 

@@ -15,7 +15,7 @@ what exactly went wrong, and fixes the code through `REASON_CODES` (generated fr
     ├── ResourceExhausted           RESOURCE_EXHAUSTED   TOO_MANY_TRANSFERS, TOO_MANY_WATCHERS, BUDGET_EXHAUSTED
     ├── FailedPrecondition          FAILED_PRECONDITION  LEASE_EXPIRED, STALE_INCARNATION, TRANSFER_ENDED, ...
     ├── Aborted                     ABORTED
-    ├── OutOfRange                  OUT_OF_RANGE         BLOCK_ID_OUT_OF_RANGE, REVISION_INVALID
+    ├── OutOfRange                  OUT_OF_RANGE         BLOCK_ID_OUT_OF_RANGE, SEQUENCE_INVALID
     ├── Unimplemented               UNIMPLEMENTED
     ├── Internal                    INTERNAL             INTERNAL_ERROR
     ├── Unavailable                 UNAVAILABLE          STORE_UNAVAILABLE, SHUTTING_DOWN; retried by the clients
@@ -34,10 +34,7 @@ from collections.abc import Mapping
 import grpc
 
 from rendezvous.protocol import reasons
-from rendezvous.protocol.reasons import Reason
-
-ERROR_DOMAIN = "kv-rendezvous"
-"""The google.rpc.ErrorInfo domain of the service's errors."""
+from rendezvous.protocol.reasons import ERROR_DOMAIN, Reason
 
 REASON_CODES: Mapping[Reason, grpc.StatusCode] = {
     reason: grpc.StatusCode[name] for reason, name in reasons.REASON_CODES.items()
@@ -152,7 +149,7 @@ class Aborted(RendezvousError):
 
 
 class OutOfRange(RendezvousError):
-    """A value is outside what the server holds (a block id, a watch revision)."""
+    """A value is outside what the server holds (a block id, a watch start_sequence)."""
 
     code = grpc.StatusCode.OUT_OF_RANGE
 

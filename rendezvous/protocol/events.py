@@ -1,7 +1,7 @@
 """`Event`: one change that concerns an engine, as the service logs it and as the SDK reads it from a Watch.
 
 One type for both: the service's events carry its own records (`Event[Transfer, Engine]`), the SDK's the views
-it reads back (`Event[TransferInfo, EngineInfo]`). Its `revision` is the event's position in its engine's log
+it reads back (`Event[TransferInfo, EngineInfo]`). Its `sequence` is the event's position in its engine's log
 (1, 2, 3, ...; the store assigns it), not the store-wide revision of response headers.
 """
 
@@ -28,4 +28,4 @@ class Event(Generic[T, E]):
     transfer: T | None = None
     generation: int = 0
     peer: E | None = None
-    revision: int = 0
+    sequence: int = 0

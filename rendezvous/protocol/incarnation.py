@@ -36,7 +36,7 @@ class EngineInfo(Incarnation):
     lease_expire_time: float
     live_transfers: int
     register_time: float
-    watch_start_revision: int = 0
+    watch_start_sequence: int = 0
     """A Watch from here sees every event of this incarnation (how an engine's other ranks follow it)."""
     capacity: EngineCapacity = field(default_factory=EngineCapacity)
     """What the engine admits at once (0 fields: no limit)."""

@@ -9,9 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import StrEnum
 
+ERROR_DOMAIN = "kv-rendezvous.dev"
+"""The google.rpc.ErrorInfo domain of every reason (the `error_domain` option of ErrorReason)."""
+
 
 class Reason(StrEnum):
-    """The reason of a google.rpc.ErrorInfo (domain "kv-rendezvous")."""
+    """The reason of a google.rpc.ErrorInfo in ERROR_DOMAIN."""
 
     ID_EMPTY = "ID_EMPTY"
     """An engine, pool, agent or transfer id is empty."""
@@ -51,7 +54,7 @@ class Reason(StrEnum):
     """A negative timeout or one above the server's maximum."""
 
     OUTCOME_UNSPECIFIED = "OUTCOME_UNSPECIFIED"
-    """CompleteTransfer without SUCCEEDED or FAILED."""
+    """CompleteTransfers without SUCCEEDED or FAILED."""
 
     MODE_INVALID = "MODE_INVALID"
     """A TargetSpec.mode the server does not know."""
@@ -65,8 +68,9 @@ class Reason(StrEnum):
     BATCH_TOO_LARGE = "BATCH_TOO_LARGE"
     """More items than max_batch_items."""
 
-    REVISION_INVALID = "REVISION_INVALID"
-    """A Watch start revision beyond the latest revision + 1."""
+    SEQUENCE_INVALID = "SEQUENCE_INVALID"
+    """A Watch start_sequence beyond the engine's latest event sequence + 1 (ErrorInfo metadata field:
+ last_sequence)."""
 
     PAGE_TOKEN_INVALID = "PAGE_TOKEN_INVALID"
     """A page token this server did not issue."""
@@ -188,7 +192,7 @@ class Reason(StrEnum):
     """A completion with parts for a transfer whose target did not accept progressive writes."""
 
     TOO_MANY_PARTS = "TOO_MANY_PARTS"
-    """More parts in one completion than max_parts_per_completion, or in one CompleteTransfer
+    """More parts in one completion than max_parts_per_completion, or in one CompleteTransfers
  request than max_parts_per_request (then the whole request is refused)."""
 
     PART_OUT_OF_RANGE = "PART_OUT_OF_RANGE"
@@ -214,6 +218,12 @@ class Reason(StrEnum):
  connector: upgrade the servers first) (ErrorInfo metadata fields: data_plane_version, the engine's;
  supported, the newest this server knows)."""
 
+    PAGE_SIZE_INVALID = "PAGE_SIZE_INVALID"
+    """A negative page_size in ListEngines or ListTransfers."""
+
+    VIEW_INVALID = "VIEW_INVALID"
+    """A ListEngines view the server does not know."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -233,7 +243,7 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.LABELS_INVALID: "INVALID_ARGUMENT",
     Reason.BATCH_EMPTY: "INVALID_ARGUMENT",
     Reason.BATCH_TOO_LARGE: "INVALID_ARGUMENT",
-    Reason.REVISION_INVALID: "OUT_OF_RANGE",
+    Reason.SEQUENCE_INVALID: "OUT_OF_RANGE",
     Reason.PAGE_TOKEN_INVALID: "INVALID_ARGUMENT",
     Reason.STATE_INVALID: "INVALID_ARGUMENT",
     Reason.ENGINE_NOT_FOUND: "NOT_FOUND",
@@ -278,5 +288,7 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.REQUEST_ID_REUSED: "INVALID_ARGUMENT",
     Reason.MESSAGE_INVALID: "INVALID_ARGUMENT",
     Reason.DATA_PLANE_VERSION_UNSUPPORTED: "FAILED_PRECONDITION",
+    Reason.PAGE_SIZE_INVALID: "INVALID_ARGUMENT",
+    Reason.VIEW_INVALID: "INVALID_ARGUMENT",
 }
 """The google.rpc.Code name of each reason."""

@@ -30,7 +30,7 @@ class EngineSpec:
     lease_ttl: float = 0.0
     capacity: EngineCapacity = field(default_factory=EngineCapacity)
     """Consumers: what the engine admits at once (live targets, their blocks); 0 fields: no limit. The
-    service refuses RegisterTarget and ReserveCredits beyond it (ENGINE_CAPACITY_EXCEEDED)."""
+    service refuses RegisterTargets and ReserveCredits beyond it (ENGINE_CAPACITY_EXCEEDED)."""
     _: KW_ONLY
     owner: str = ""
     """The auth identity registering it ("" without auth): set by the server, never sent."""

@@ -48,20 +48,20 @@ log = logging.getLogger(__name__)
 # The batched transfer calls (one ItemResult per item).
 _TRANSFER_CALLS = frozenset(
     {
-        "RegisterTarget",
-        "ClaimTransfer",
-        "MarkSourceReady",
-        "CompleteTransfer",
-        "AcknowledgeRevocation",
-        "ReleaseTarget",
-        "AbortTransfer",
+        "RegisterTargets",
+        "ClaimTransfers",
+        "MarkSourcesReady",
+        "CompleteTransfers",
+        "AcknowledgeRevocations",
+        "ReleaseTargets",
+        "AbortTransfers",
     }
 )
 # RPCs an engine makes for itself: request.engine_id names the engine acted for.
 _ENGINE_SCOPED = (
     frozenset({"RegisterEngine", "KeepAlive", "DeregisterEngine", "Watch", "ListTransfers"}) | _TRANSFER_CALLS
 )
-# RPCs the router role may make for any engine (AbortTransfer only as the router: empty engine_id).
+# RPCs the router role may make for any engine (AbortTransfers only as the router: empty engine_id).
 _ROUTER_CALLS = frozenset(
     {"GetEngine", "ListEngines", "GetTransfer", "ListTransfers", "GetStatus", "ReserveCredits", "ReleaseCredits"}
 )
@@ -188,10 +188,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if identity is None or identity.has_role(ADMIN):
             return
         engine_id: str = getattr(request, "engine_id", "") if method in _ENGINE_SCOPED else ""
-        if identity.has_role(ROUTER) and (method in _ROUTER_CALLS or (method == "AbortTransfer" and not engine_id)):
+        if identity.has_role(ROUTER) and (method in _ROUTER_CALLS or (method == "AbortTransfers" and not engine_id)):
             return
         if not engine_id:
-            if method in _ENGINE_SCOPED and method not in ("AbortTransfer", "ListTransfers"):
+            if method in _ENGINE_SCOPED and method not in ("AbortTransfers", "ListTransfers"):
                 raise RendezvousError(
                     Reason.IDENTITY_MISMATCH, f"{method} needs the engine_id of an engine you may act for"
                 )

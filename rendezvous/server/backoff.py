@@ -2,7 +2,7 @@
 
 Every cap on a request's shape (items, parts, block ids, a message that does not parse) is checked once the
 request is parsed, and parsing a large request is the dearest step of a call that is then refused: 15-30 ms
-for a 4 MiB CompleteTransfer of 466,944 parts on the 2-core VM, more than twenty admitted calls of another
+for a 4 MiB CompleteTransfers of 466,944 parts on the 2-core VM, more than twenty admitted calls of another
 caller. A well-behaved client sends such a request once (it is a bug); a buggy or hostile one sends it back to
 back and, refused at once, takes most of the loop. So a request of at least `min_bytes` that is refused
 INVALID_ARGUMENT as a whole charges its caller what it cost: for `FACTOR` times the seconds it took, that

@@ -4,13 +4,13 @@ The service's rule refuses an engine that is neither half of a transfer with NOT
 which confirms that the id exists. With auth on, every identity but admin gets such an item
 answered exactly as an unknown id is answered by that call (the guard says so in the `Caller` it hands the
 servicer, which answers the item so): NOT_FOUND / TRANSFER_NOT_FOUND with the
-same message for CompleteTransfer, AcknowledgeRevocation and ReleaseTarget; for AbortTransfer, which
+same message for CompleteTransfers, AcknowledgeRevocations and ReleaseTargets; for AbortTransfers, which
 accepts an unknown id, what it answers for one: OK with state ABORTED (an unknown id leaves an aborted
 tombstone). Nothing changes for such an item: the transfer belongs to others.
 
-MarkSourceReady takes the producer half as ClaimTransfer does and is refused as it is (CLAIM_CONFLICT for
+MarkSourcesReady takes the producer half as ClaimTransfers does and is refused as it is (CLAIM_CONFLICT for
 another producer's transfer): an answer "claimed" for a transfer the caller did not claim would be
-contradicted by its next call on the id (ClaimTransfer, CompleteTransfer, AcknowledgeRevocation). Who holds an
+contradicted by its next call on the id (ClaimTransfers, CompleteTransfers, AcknowledgeRevocations). Who holds an
 id is hidden from other engines by the router's bindings (required with a binding key unless --allow-unbound):
 then a foreign and an unknown id are answered alike by every call.
 """
@@ -22,7 +22,7 @@ from rendezvous.protocol.errors import transfer_not_found
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 # The answer to an unknown id of the calls that accept one: its state afterwards, OK.
-_UNKNOWN_ID_STATE = {"AbortTransfer": pb.TRANSFER_STATE_ABORTED}
+_UNKNOWN_ID_STATE = {"AbortTransfers": pb.TRANSFER_STATE_ABORTED}
 
 
 def answer_as_unknown(method: str, result: pb.ItemResult) -> None:

@@ -59,7 +59,7 @@ class Metrics:
         self.committed = Counter("kv_rendezvous_transfers_committed", "Transfers whose bytes arrived", registry=r)
         self.written_parts = Counter(
             "kv_rendezvous_written_parts",
-            "Parts of progressive writes in accepted CompleteTransfer reports",
+            "Parts of progressive writes in accepted CompleteTransfers reports",
             registry=r,
         )
         self.aborts = Counter("kv_rendezvous_transfer_aborts", "Aborted transfers by reason", ["reason"], registry=r)

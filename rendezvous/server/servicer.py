@@ -138,7 +138,7 @@ def _batch_rpc(
 
     The request's shape is checked on the message before any item is converted or any record looked up (the
     item count, and check's limits over all items), and conversion and answers yield to the event loop
-    (rendezvous.pacing). takes_half: the call takes a half of its transfers (or, AbortTransfer, ends them), so
+    (rendezvous.pacing). takes_half: the call takes a half of its transfers (or, AbortTransfers, ends them), so
     the caller's exemption from bindings is passed on. observe: counts what the items carried, once they are
     answered.
     """
@@ -184,7 +184,7 @@ def _completion_spec(message: pb.CompletionSpec, limits: Limits) -> CompletionSp
     return convert.completion_spec(message, limits.max_parts_per_completion)
 
 
-def _check_parts(request: pb.CompleteTransferRequest, limits: Limits) -> None:
+def _check_parts(request: pb.CompleteTransfersRequest, limits: Limits) -> None:
     """The parts of all the request's completions, counted on the message: none is converted first."""
     check_request_part_count(sum(len(c.parts) for c in request.completions), limits)
 
@@ -342,7 +342,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         engine, start = await self.coordinator.register_engine(spec)
         await pacer.tick()
         return pb.RegisterEngineResponse(
-            header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_revision=start
+            header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_sequence=start
         )
 
     async def KeepAlive(
@@ -383,12 +383,13 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.ListEnginesResponse:
         role = wire.role_filter(request.role)
+        view = wire.engine_view(request.view)
         messages: dict[str, pb.Engine] = {}
 
         def weigh(engine: Engine) -> int:
             # Built once: the page keeps the messages it was cut by.
             messages[engine.engine_id] = message = wire.engine_message(
-                engine, not request.omit_agent_metadata, include_labels=not request.omit_labels
+                engine, view.with_agent_metadata, include_labels=view.with_labels
             )
             return _weigh(message)
 
@@ -407,31 +408,31 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     # Transfers
 
-    RegisterTarget = _batch_rpc(
-        pb.RegisterTargetResponse, "targets", _target_spec, Coordinator.register_targets, takes_half=True
+    RegisterTargets = _batch_rpc(
+        pb.RegisterTargetsResponse, "targets", _target_spec, Coordinator.register_targets, takes_half=True
     )
-    ClaimTransfer = _batch_rpc(
-        pb.ClaimTransferResponse, "claims", _plain(convert.claim_spec), Coordinator.claim_transfers, takes_half=True
+    ClaimTransfers = _batch_rpc(
+        pb.ClaimTransfersResponse, "claims", _plain(convert.claim_spec), Coordinator.claim_transfers, takes_half=True
     )
-    MarkSourceReady = _batch_rpc(
-        pb.MarkSourceReadyResponse, "sources", _source_spec, Coordinator.mark_sources_ready, takes_half=True
+    MarkSourcesReady = _batch_rpc(
+        pb.MarkSourcesReadyResponse, "sources", _source_spec, Coordinator.mark_sources_ready, takes_half=True
     )
-    CompleteTransfer = _batch_rpc(
-        pb.CompleteTransferResponse,
+    CompleteTransfers = _batch_rpc(
+        pb.CompleteTransfersResponse,
         "completions",
         _completion_spec,
         Coordinator.complete_transfers,
         check=_check_parts,
         observe=_count_parts,
     )
-    AcknowledgeRevocation = _batch_rpc(
-        pb.AcknowledgeRevocationResponse, "acks", _plain(convert.revocation_ack), Coordinator.acknowledge_revocations
+    AcknowledgeRevocations = _batch_rpc(
+        pb.AcknowledgeRevocationsResponse, "acks", _plain(convert.revocation_ack), Coordinator.acknowledge_revocations
     )
-    ReleaseTarget = _batch_rpc(
-        pb.ReleaseTargetResponse, "releases", _plain(convert.release_spec), Coordinator.release_targets
+    ReleaseTargets = _batch_rpc(
+        pb.ReleaseTargetsResponse, "releases", _plain(convert.release_spec), Coordinator.release_targets
     )
-    AbortTransfer = _batch_rpc(
-        pb.AbortTransferResponse, "aborts", _plain(convert.abort_spec), Coordinator.abort_transfers, takes_half=True
+    AbortTransfers = _batch_rpc(
+        pb.AbortTransfersResponse, "aborts", _plain(convert.abort_spec), Coordinator.abort_transfers, takes_half=True
     )
 
     # Credits
@@ -524,7 +525,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         coordinator = self.coordinator
         engine_id = request.engine_id
         try:
-            revision = await coordinator.check_watch(engine_id, request.start_revision)
+            sequence = await coordinator.check_watch(engine_id, request.start_sequence)
             self.watchers.enter(engine_id)
         except Exception as exc:
             await self._refuse(context, "Watch", exc)
@@ -535,12 +536,12 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         try:
             yield pb.WatchResponse(header=await self._header())
             while not self._stopping.is_set():
-                page = await coordinator.read_events(engine_id, revision, batch)
-                if page.resync_revision is not None:
+                page = await coordinator.read_events(engine_id, sequence, batch)
+                if page.resync_sequence is not None:
                     self.metrics.resyncs.inc()
-                    revision = page.resync_revision
+                    sequence = page.resync_sequence
                     resync = pb.WatchResponse(
-                        header=await self._header(), resync_required=True, resync_revision=revision
+                        header=await self._header(), resync_required=True, resync_sequence=sequence
                     )
                     with buffers.sending(stream, resync.ByteSize()):
                         yield resync
@@ -548,15 +549,15 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     # Cut by bytes too, converted lazily: a peer's large agent metadata or labels, repeated in
                     # many events, must not make one response larger than a client accepts.
                     for response in _event_responses(page.events, coordinator.limits.max_response_bytes):
-                        revision = response.events[-1].revision + 1
+                        sequence = response.events[-1].sequence + 1
                         self.metrics.events_sent.inc(len(response.events))
                         response.header.CopyFrom(await self._header(seen=True))
                         with buffers.sending(stream, response.ByteSize()):
                             yield response
-                    if revision > page.last_revision:
+                    if sequence > page.last_sequence:
                         # The log was read to its end: wait for more (no empty read first: one round trip less
                         # to a networked store; a forgotten engine shows on the read after the wait).
-                        await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
+                        await coordinator.wait_events(engine_id, sequence - 1, timeout=0.5)
                 elif page.forgotten:
                     raise RendezvousError(
                         Reason.ENGINE_NOT_FOUND,
@@ -564,7 +565,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                         engine_id=engine_id,
                     )
                 else:
-                    await coordinator.wait_events(engine_id, revision - 1, timeout=0.5)
+                    await coordinator.wait_events(engine_id, sequence - 1, timeout=0.5)
             raise _shutting_down()
         except grpc.aio.AbortError:
             raise  # the status is already on its way (a slow reader's, rendezvous.server.watch_buffers)

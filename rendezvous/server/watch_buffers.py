@@ -6,7 +6,7 @@ for as long as it does not read. When a response would take the total past `Limi
 the streams that have waited longest are dropped, as Redis's `client-output-buffer-limit` and the
 kube-apiserver watch cache drop slow watchers: each ends with RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED
 (`budget` = `watch_buffer_bytes`) after what it was sent, and its handler's state (the events it read, the
-response) is freed at once. The client resumes from the revision after the last event it received.
+response) is freed at once. The client resumes from the sequence after the last event it received.
 The stream sending never drops itself: one response alone may pass the bound (responses are cut at
 `max_response_bytes`).
 """
@@ -111,7 +111,7 @@ def _slow_reader(limit: int, held: int) -> RendezvousError:
     return RendezvousError(
         Reason.BUDGET_EXHAUSTED,
         f"this Watch stream held {held} bytes its reader did not take while Watch streams held more than "
-        f"{limit}; watch again from the revision after the last event received",
+        f"{limit}; watch again from the sequence after the last event received",
         budget=WATCH_BUFFER_BYTES,
         scope="server",
         limit=limit,

@@ -42,8 +42,8 @@ _BLOCK_ID_BYTES = 48
 class EventLog:
     """One engine's event log and the waiters for its next event.
 
-    Events are kept as the core made them: an event's revision follows from its place in the log (the
-    oldest kept is last_revision - len(events) + 1), so it is set when the event is read, not stored."""
+    Events are kept as the core made them: an event's sequence follows from its place in the log (the
+    oldest kept is last_sequence - len(events) + 1), so it is set when the event is read, not stored."""
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
@@ -51,7 +51,7 @@ class EventLog:
         self.sizes: deque[int] = deque()
         self.numbers: deque[int] = deque()  # each event's sequence number in the store (its age)
         self.bytes = 0
-        self.last_revision = 0
+        self.last_sequence = 0
         self._changed: asyncio.Event | None = None  # made by the first waiter, set by the next append
 
     def changed(self) -> asyncio.Event:
@@ -112,7 +112,7 @@ class EventLogs:
             return
         self._number += 1
         size = event_bytes(event)
-        log.last_revision += 1
+        log.last_sequence += 1
         log.events.append(event)
         log.sizes.append(size)
         log.numbers.append(self._number)

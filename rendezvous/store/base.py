@@ -3,10 +3,9 @@
 A store applies transitions atomically: `update_transfer` reads a record, calls a pure function
 (from rendezvous.core) and writes its result together with the events it emits, or nothing at all.
 The function may be called more than once (optimistic concurrency in shared stores), so it must be
-pure. Each engine has an event log whose positions start at 1 and grow by one per event (the wire and
-the code call an event's position its `revision`, as v1 does; it is not `revision()`, the store-wide
-counter of the response headers); the log is bounded, and a reader asking for a trimmed position is told
-to resync.
+pure. Each engine has an event log whose positions start at 1 and grow by one per event (an event's
+`sequence`, on the wire and in the code; not `revision()`, the store-wide counter of the response headers);
+the log is bounded, and a reader asking for a trimmed position is told to resync.
 """
 
 from __future__ import annotations
@@ -36,14 +35,14 @@ EngineFilter = Callable[[Engine], bool]
 class EventPage:
     """Events read from an engine's log.
 
-    `resync_revision` is set when the requested revision is no longer retained: the reader must
-    rebuild its view (list its transfers) and continue from that revision. `forgotten`: the engine has
+    `resync_sequence` is set when the requested sequence is no longer retained: the reader must
+    rebuild its view (list its transfers) and continue from that sequence. `forgotten`: the engine has
     no record (never registered, or its tombstone was dropped), so it has no log either.
     """
 
     events: Sequence[Event[Transfer, Engine]]
-    last_revision: int
-    resync_revision: int | None = None
+    last_sequence: int
+    resync_sequence: int | None = None
     forgotten: bool = False
 
 
@@ -210,16 +209,16 @@ class Store(ABC):
         """Append events to the logs of the engines they address (unknown engines are skipped)."""
 
     @abstractmethod
-    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
-        """Up to limit events of an engine from start_revision on."""
+    async def read_events(self, engine_id: str, start_sequence: int, limit: int) -> EventPage:
+        """Up to limit events of an engine from start_sequence on."""
 
     @abstractmethod
-    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
-        """Return when the engine's log passes after_revision, or after timeout seconds."""
+    async def wait_events(self, engine_id: str, after_sequence: int, timeout: float) -> None:
+        """Return when the engine's log passes after_sequence, or after timeout seconds."""
 
     @abstractmethod
-    async def last_event_revision(self, engine_id: str) -> int:
-        """The revision of the engine's latest event (0 when none)."""
+    async def last_event_sequence(self, engine_id: str) -> int:
+        """The sequence of the engine's latest event (0 when none)."""
 
     @abstractmethod
     async def get_response(self, key: str) -> bytes | None:

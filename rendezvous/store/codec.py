@@ -238,7 +238,7 @@ def engine_fields(e: Engine) -> list[Any]:
         e.registered_at,
         e.ended_at,
         e.unlost_incarnation,
-        e.watch_start_revision,
+        e.watch_start_sequence,
         e.owner,
         [e.capacity.max_transfers, e.capacity.max_blocks],
         lay.data_plane_version,  # a field of the layout, kept past the end: older readers stop at the layout's 8
@@ -276,7 +276,7 @@ def engine_from_fields(obj: Any) -> Engine:
         registered_at=f[10],
         ended_at=f[11],
         unlost_incarnation=f[12] if len(f) > 12 else 0,
-        watch_start_revision=f[13] if len(f) > 13 else 0,
+        watch_start_sequence=f[13] if len(f) > 13 else 0,
         owner=f[14] if len(f) > 14 else "",
         capacity=EngineCapacity(*f[15]) if len(f) > 15 else EngineCapacity(),
     )
@@ -301,7 +301,7 @@ def decode_engine(data: bytes | str) -> Engine:
 
 
 def encode_event(event: Event[Transfer, Engine], transfer_json: str | None = None) -> str:
-    """An event as JSON text, without its revision (the log assigns it) and its peer (stored apart).
+    """An event as JSON text, without its sequence (the log assigns it) and its peer (stored apart).
 
     transfer_json is the already encoded event.transfer, when the caller has it (a transition's
     events usually carry the record it writes).
@@ -317,13 +317,13 @@ def event_around(event: Event[Transfer, Engine]) -> tuple[str, str]:
     return f"[{FORMAT},{int(event.type)},{to_json(event.time)},", f",{int(event.generation)}]"
 
 
-def decode_event(data: bytes | str, revision: int, peer: Engine | None = None) -> Event[Transfer, Engine]:
-    """The event of encode_event's text, at a revision, with its peer engine."""
+def decode_event(data: bytes | str, sequence: int, peer: Engine | None = None) -> Event[Transfer, Engine]:
+    """The event of encode_event's text, at a sequence, with its peer engine."""
     try:
         f = _check(_loads(data), "event")
-        # Event's fields, in order: type, time, transfer, generation, peer, revision.
+        # Event's fields, in order: type, time, transfer, generation, peer, sequence.
         return _new_event(
-            _event_type(f[1]), f[2], None if f[3] is None else transfer_from_fields(f[3]), f[4], peer, revision
+            _event_type(f[1]), f[2], None if f[3] is None else transfer_from_fields(f[3]), f[4], peer, sequence
         )
     except CodecError:
         raise

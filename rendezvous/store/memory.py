@@ -340,24 +340,24 @@ class MemoryStore(Store):
         self._revision += 1
         self._append(events)
 
-    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
+    async def read_events(self, engine_id: str, start_sequence: int, limit: int) -> EventPage:
         log = self._logs.get(engine_id)
         if log is None:
             return EventPage((), 0, forgotten=True)
-        first = log.last_revision - len(log.events) + 1
-        if start_revision < first:
-            return EventPage((), log.last_revision, resync_revision=log.last_revision + 1)
-        offset = start_revision - first
+        first = log.last_sequence - len(log.events) + 1
+        if start_sequence < first:
+            return EventPage((), log.last_sequence, resync_sequence=log.last_sequence + 1)
+        offset = start_sequence - first
         kept = log.events
-        events = [evolve(kept[i], revision=first + i) for i in range(offset, min(len(kept), offset + limit))]
-        return EventPage(events, log.last_revision)
+        events = [evolve(kept[i], sequence=first + i) for i in range(offset, min(len(kept), offset + limit))]
+        return EventPage(events, log.last_sequence)
 
-    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
+    async def wait_events(self, engine_id: str, after_sequence: int, timeout: float) -> None:
         log = self._logs.get(engine_id)
         if log is None:
             await asyncio.sleep(timeout)
             return
-        if log.last_revision > after_revision:
+        if log.last_sequence > after_sequence:
             await asyncio.sleep(0)  # always yield, so a caller looping on this never starves the event loop
             return
         try:
@@ -365,9 +365,9 @@ class MemoryStore(Store):
         except TimeoutError:
             return
 
-    async def last_event_revision(self, engine_id: str) -> int:
+    async def last_event_sequence(self, engine_id: str) -> int:
         log = self._logs.get(engine_id)
-        return log.last_revision if log else 0
+        return log.last_sequence if log else 0
 
     async def event_log_bytes(self, engine_id: str) -> int:
         log = self._logs.get(engine_id)

@@ -1,3 +1,4 @@
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from typing import ClassVar as _ClassVar
@@ -24,7 +25,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_LABELS_INVALID: _ClassVar[ErrorReason]
     ERROR_REASON_BATCH_EMPTY: _ClassVar[ErrorReason]
     ERROR_REASON_BATCH_TOO_LARGE: _ClassVar[ErrorReason]
-    ERROR_REASON_REVISION_INVALID: _ClassVar[ErrorReason]
+    ERROR_REASON_SEQUENCE_INVALID: _ClassVar[ErrorReason]
     ERROR_REASON_PAGE_TOKEN_INVALID: _ClassVar[ErrorReason]
     ERROR_REASON_STATE_INVALID: _ClassVar[ErrorReason]
     ERROR_REASON_ENGINE_NOT_FOUND: _ClassVar[ErrorReason]
@@ -69,6 +70,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_REQUEST_ID_REUSED: _ClassVar[ErrorReason]
     ERROR_REASON_MESSAGE_INVALID: _ClassVar[ErrorReason]
     ERROR_REASON_DATA_PLANE_VERSION_UNSUPPORTED: _ClassVar[ErrorReason]
+    ERROR_REASON_PAGE_SIZE_INVALID: _ClassVar[ErrorReason]
+    ERROR_REASON_VIEW_INVALID: _ClassVar[ErrorReason]
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_ID_EMPTY: ErrorReason
 ERROR_REASON_ID_TOO_LONG: ErrorReason
@@ -87,7 +90,7 @@ ERROR_REASON_MODE_INVALID: ErrorReason
 ERROR_REASON_LABELS_INVALID: ErrorReason
 ERROR_REASON_BATCH_EMPTY: ErrorReason
 ERROR_REASON_BATCH_TOO_LARGE: ErrorReason
-ERROR_REASON_REVISION_INVALID: ErrorReason
+ERROR_REASON_SEQUENCE_INVALID: ErrorReason
 ERROR_REASON_PAGE_TOKEN_INVALID: ErrorReason
 ERROR_REASON_STATE_INVALID: ErrorReason
 ERROR_REASON_ENGINE_NOT_FOUND: ErrorReason
@@ -132,3 +135,7 @@ ERROR_REASON_PARTS_INCOMPLETE: ErrorReason
 ERROR_REASON_REQUEST_ID_REUSED: ErrorReason
 ERROR_REASON_MESSAGE_INVALID: ErrorReason
 ERROR_REASON_DATA_PLANE_VERSION_UNSUPPORTED: ErrorReason
+ERROR_REASON_PAGE_SIZE_INVALID: ErrorReason
+ERROR_REASON_VIEW_INVALID: ErrorReason
+ERROR_DOMAIN_FIELD_NUMBER: _ClassVar[int]
+error_domain: _descriptor.FieldDescriptor

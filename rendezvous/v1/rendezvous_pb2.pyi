@@ -24,6 +24,13 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_DRAM: _ClassVar[MemoryKind]
     MEMORY_KIND_VRAM: _ClassVar[MemoryKind]
 
+class EngineView(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_VIEW_UNSPECIFIED: _ClassVar[EngineView]
+    ENGINE_VIEW_BASIC: _ClassVar[EngineView]
+    ENGINE_VIEW_PLACEMENT: _ClassVar[EngineView]
+    ENGINE_VIEW_FULL: _ClassVar[EngineView]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
@@ -73,6 +80,10 @@ ENGINE_ROLE_CONSUMER: EngineRole
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_DRAM: MemoryKind
 MEMORY_KIND_VRAM: MemoryKind
+ENGINE_VIEW_UNSPECIFIED: EngineView
+ENGINE_VIEW_BASIC: EngineView
+ENGINE_VIEW_PLACEMENT: EngineView
+ENGINE_VIEW_FULL: EngineView
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_TARGETED: TransferState
 TRANSFER_STATE_CLAIMED: TransferState
@@ -244,7 +255,7 @@ class NixlAgent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_revision", "capacity", "credits")
+    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_sequence", "capacity", "credits")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -263,7 +274,7 @@ class Engine(_message.Message):
     LEASE_EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
     LIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     REGISTER_TIME_FIELD_NUMBER: _ClassVar[int]
-    WATCH_START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WATCH_START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
@@ -277,10 +288,10 @@ class Engine(_message.Message):
     lease_expire_time: _timestamp_pb2.Timestamp
     live_transfers: int
     register_time: _timestamp_pb2.Timestamp
-    watch_start_revision: int
+    watch_start_sequence: int
     capacity: EngineCapacity
     credits: EngineCredits
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_revision: _Optional[int] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ..., credits: _Optional[_Union[EngineCredits, _Mapping]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_sequence: _Optional[int] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ..., credits: _Optional[_Union[EngineCredits, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "pool", "role", "layout", "agents", "labels", "lease_ttl", "capacity")
@@ -312,14 +323,14 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("header", "engine", "watch_start_revision")
+    __slots__ = ("header", "engine", "watch_start_sequence")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
-    WATCH_START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    WATCH_START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     header: ResponseHeader
     engine: Engine
-    watch_start_revision: int
-    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ..., watch_start_revision: _Optional[int] = ...) -> None: ...
+    watch_start_sequence: int
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ..., watch_start_sequence: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("engine_id", "incarnation")
@@ -372,20 +383,18 @@ class GetEngineResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
-    __slots__ = ("pool", "role", "omit_agent_metadata", "page_size", "page_token", "omit_labels")
+    __slots__ = ("pool", "role", "page_size", "page_token", "view")
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
-    OMIT_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    OMIT_LABELS_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     pool: str
     role: EngineRole
-    omit_agent_metadata: bool
     page_size: int
     page_token: str
-    omit_labels: bool
-    def __init__(self, pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., omit_agent_metadata: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., omit_labels: _Optional[bool] = ...) -> None: ...
+    view: EngineView
+    def __init__(self, pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., view: _Optional[_Union[EngineView, str]] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("header", "engines", "next_page_token")
@@ -398,7 +407,7 @@ class ListEnginesResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[Engine, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
-    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline", "times", "reported_ranks", "progressive")
+    __slots__ = ("transfer_id", "state", "mode", "generation", "consumer_engine_id", "consumer_incarnation", "producer_engine_id", "producer_incarnation", "target_block_ids", "source_block_ids", "num_tokens", "abort_reason", "abort_message", "revoking_generation", "deadline_time", "times", "reported_ranks", "progressive")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -413,7 +422,7 @@ class Transfer(_message.Message):
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
     ABORT_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REVOKING_GENERATION_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_TIME_FIELD_NUMBER: _ClassVar[int]
     TIMES_FIELD_NUMBER: _ClassVar[int]
     REPORTED_RANKS_FIELD_NUMBER: _ClassVar[int]
     PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
@@ -431,11 +440,11 @@ class Transfer(_message.Message):
     abort_reason: AbortReason
     abort_message: str
     revoking_generation: int
-    deadline: _timestamp_pb2.Timestamp
+    deadline_time: _timestamp_pb2.Timestamp
     times: TransferTimes
     reported_ranks: _containers.RepeatedScalarFieldContainer[int]
     progressive: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ..., reported_ranks: _Optional[_Iterable[int]] = ..., progressive: _Optional[bool] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., generation: _Optional[int] = ..., consumer_engine_id: _Optional[str] = ..., consumer_incarnation: _Optional[int] = ..., producer_engine_id: _Optional[str] = ..., producer_incarnation: _Optional[int] = ..., target_block_ids: _Optional[_Iterable[int]] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., abort_reason: _Optional[_Union[AbortReason, str]] = ..., abort_message: _Optional[str] = ..., revoking_generation: _Optional[int] = ..., deadline_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., times: _Optional[_Union[TransferTimes, _Mapping]] = ..., reported_ranks: _Optional[_Iterable[int]] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
 class TransferTimes(_message.Message):
     __slots__ = ("target_time", "claim_time", "match_time", "source_ready_time", "commit_time", "end_time")
@@ -497,7 +506,7 @@ class TargetSpec(_message.Message):
     progressive: bool
     def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., generation: _Optional[int] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., mode: _Optional[_Union[TransferMode, str]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ..., progressive: _Optional[bool] = ...) -> None: ...
 
-class RegisterTargetRequest(_message.Message):
+class RegisterTargetsRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "targets")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -509,7 +518,7 @@ class RegisterTargetRequest(_message.Message):
     targets: _containers.RepeatedCompositeFieldContainer[TargetSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetSpec, _Mapping]]] = ...) -> None: ...
 
-class RegisterTargetResponse(_message.Message):
+class RegisterTargetsResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -527,7 +536,7 @@ class ClaimSpec(_message.Message):
     binding: TransferBinding
     def __init__(self, transfer_id: _Optional[str] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
 
-class ClaimTransferRequest(_message.Message):
+class ClaimTransfersRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "claims")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -539,7 +548,7 @@ class ClaimTransferRequest(_message.Message):
     claims: _containers.RepeatedCompositeFieldContainer[ClaimSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., claims: _Optional[_Iterable[_Union[ClaimSpec, _Mapping]]] = ...) -> None: ...
 
-class ClaimTransferResponse(_message.Message):
+class ClaimTransfersResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -557,7 +566,7 @@ class SourceReadySpec(_message.Message):
     binding: TransferBinding
     def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., binding: _Optional[_Union[TransferBinding, _Mapping]] = ...) -> None: ...
 
-class MarkSourceReadyRequest(_message.Message):
+class MarkSourcesReadyRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "sources")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -569,7 +578,7 @@ class MarkSourceReadyRequest(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[SourceReadySpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceReadySpec, _Mapping]]] = ...) -> None: ...
 
-class MarkSourceReadyResponse(_message.Message):
+class MarkSourcesReadyResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -605,7 +614,7 @@ class CompletionSpec(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[WrittenPart]
     def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., outcome: _Optional[_Union[CompletionOutcome, str]] = ..., message: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., parts: _Optional[_Iterable[_Union[WrittenPart, _Mapping]]] = ...) -> None: ...
 
-class CompleteTransferRequest(_message.Message):
+class CompleteTransfersRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "completions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -617,7 +626,7 @@ class CompleteTransferRequest(_message.Message):
     completions: _containers.RepeatedCompositeFieldContainer[CompletionSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., completions: _Optional[_Iterable[_Union[CompletionSpec, _Mapping]]] = ...) -> None: ...
 
-class CompleteTransferResponse(_message.Message):
+class CompleteTransfersResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -635,7 +644,7 @@ class RevocationAck(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class AcknowledgeRevocationRequest(_message.Message):
+class AcknowledgeRevocationsRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "acks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -647,7 +656,7 @@ class AcknowledgeRevocationRequest(_message.Message):
     acks: _containers.RepeatedCompositeFieldContainer[RevocationAck]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., acks: _Optional[_Iterable[_Union[RevocationAck, _Mapping]]] = ...) -> None: ...
 
-class AcknowledgeRevocationResponse(_message.Message):
+class AcknowledgeRevocationsResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -663,7 +672,7 @@ class ReleaseSpec(_message.Message):
     generation: int
     def __init__(self, transfer_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class ReleaseTargetRequest(_message.Message):
+class ReleaseTargetsRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "releases")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -675,7 +684,7 @@ class ReleaseTargetRequest(_message.Message):
     releases: _containers.RepeatedCompositeFieldContainer[ReleaseSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[ReleaseSpec, _Mapping]]] = ...) -> None: ...
 
-class ReleaseTargetResponse(_message.Message):
+class ReleaseTargetsResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -691,7 +700,7 @@ class AbortSpec(_message.Message):
     message: str
     def __init__(self, transfer_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
-class AbortTransferRequest(_message.Message):
+class AbortTransfersRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "incarnation", "aborts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -703,7 +712,7 @@ class AbortTransferRequest(_message.Message):
     aborts: _containers.RepeatedCompositeFieldContainer[AbortSpec]
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., aborts: _Optional[_Iterable[_Union[AbortSpec, _Mapping]]] = ...) -> None: ...
 
-class AbortTransferResponse(_message.Message):
+class AbortTransfersResponse(_message.Message):
     __slots__ = ("header", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -748,42 +757,42 @@ class ListTransfersResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("revision", "type", "transfer", "generation", "peer", "time")
-    REVISION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("sequence", "type", "transfer", "generation", "peer", "event_time")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
-    TIME_FIELD_NUMBER: _ClassVar[int]
-    revision: int
+    EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
     type: EventType
     transfer: Transfer
     generation: int
     peer: Engine
-    time: _timestamp_pb2.Timestamp
-    def __init__(self, revision: _Optional[int] = ..., type: _Optional[_Union[EventType, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., generation: _Optional[int] = ..., peer: _Optional[_Union[Engine, _Mapping]] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    event_time: _timestamp_pb2.Timestamp
+    def __init__(self, sequence: _Optional[int] = ..., type: _Optional[_Union[EventType, str]] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., generation: _Optional[int] = ..., peer: _Optional[_Union[Engine, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("engine_id", "start_revision", "max_batch")
+    __slots__ = ("engine_id", "start_sequence", "max_batch")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
-    START_REVISION_FIELD_NUMBER: _ClassVar[int]
+    START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
-    start_revision: int
+    start_sequence: int
     max_batch: int
-    def __init__(self, engine_id: _Optional[str] = ..., start_revision: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., start_sequence: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
-    __slots__ = ("header", "events", "resync_required", "resync_revision")
+    __slots__ = ("header", "events", "resync_required", "resync_sequence")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
-    RESYNC_REVISION_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     header: ResponseHeader
     events: _containers.RepeatedCompositeFieldContainer[Event]
     resync_required: bool
-    resync_revision: int
-    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., resync_required: _Optional[bool] = ..., resync_revision: _Optional[int] = ...) -> None: ...
+    resync_sequence: int
+    def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., resync_required: _Optional[bool] = ..., resync_sequence: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

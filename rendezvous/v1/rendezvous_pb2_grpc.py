@@ -30,10 +30,10 @@ class RendezvousServiceStub:
     and consumer (decode) engines in disaggregated LLM serving.
 
     A router mints a transfer id and sends both legs of a request at once. The
-    consumer registers its destination blocks (RegisterTarget) while the producer
-    is still computing; the producer claims the transfer (ClaimTransfer). When
+    consumer registers its destination blocks (RegisterTargets) while the producer
+    is still computing; the producer claims the transfer (ClaimTransfers). When
     both halves exist the service sends TRANSFER_ASSIGNED to the producer, whose
-    background writer pushes the KV with NIXL and reports CompleteTransfer.
+    background writer pushes the KV with NIXL and reports CompleteTransfers.
 
     Conventions: every response carries a ResponseHeader; mutating RPCs take a
     batch of items and an AIP-155 request_id; errors are google.rpc.Status with
@@ -73,40 +73,40 @@ class RendezvousServiceStub:
                 request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
-        self.RegisterTarget = channel.unary_unary(
-                '/rendezvous.v1.RendezvousService/RegisterTarget',
-                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetRequest.SerializeToString,
-                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetResponse.FromString,
+        self.RegisterTargets = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/RegisterTargets',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetsRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetsResponse.FromString,
                 _registered_method=True)
-        self.ClaimTransfer = channel.unary_unary(
-                '/rendezvous.v1.RendezvousService/ClaimTransfer',
-                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransferRequest.SerializeToString,
-                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransferResponse.FromString,
+        self.ClaimTransfers = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/ClaimTransfers',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransfersRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransfersResponse.FromString,
                 _registered_method=True)
-        self.MarkSourceReady = channel.unary_unary(
-                '/rendezvous.v1.RendezvousService/MarkSourceReady',
-                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourceReadyRequest.SerializeToString,
-                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourceReadyResponse.FromString,
+        self.MarkSourcesReady = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/MarkSourcesReady',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourcesReadyRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourcesReadyResponse.FromString,
                 _registered_method=True)
-        self.CompleteTransfer = channel.unary_unary(
-                '/rendezvous.v1.RendezvousService/CompleteTransfer',
-                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransferRequest.SerializeToString,
-                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransferResponse.FromString,
+        self.CompleteTransfers = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/CompleteTransfers',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransfersRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransfersResponse.FromString,
                 _registered_method=True)
-        self.AcknowledgeRevocation = channel.unary_unary(
-                '/rendezvous.v1.RendezvousService/AcknowledgeRevocation',
-                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationRequest.SerializeToString,
-                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationResponse.FromString,
+        self.AcknowledgeRevocations = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/AcknowledgeRevocations',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationsRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationsResponse.FromString,
                 _registered_method=True)
-        self.ReleaseTarget = channel.unary_unary(
-                '/rendezvous.v1.RendezvousService/ReleaseTarget',
-                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetRequest.SerializeToString,
-                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetResponse.FromString,
+        self.ReleaseTargets = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/ReleaseTargets',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetsRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetsResponse.FromString,
                 _registered_method=True)
-        self.AbortTransfer = channel.unary_unary(
-                '/rendezvous.v1.RendezvousService/AbortTransfer',
-                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransferRequest.SerializeToString,
-                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransferResponse.FromString,
+        self.AbortTransfers = channel.unary_unary(
+                '/rendezvous.v1.RendezvousService/AbortTransfers',
+                request_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransfersRequest.SerializeToString,
+                response_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransfersResponse.FromString,
                 _registered_method=True)
         self.GetTransfer = channel.unary_unary(
                 '/rendezvous.v1.RendezvousService/GetTransfer',
@@ -145,10 +145,10 @@ class RendezvousServiceServicer:
     and consumer (decode) engines in disaggregated LLM serving.
 
     A router mints a transfer id and sends both legs of a request at once. The
-    consumer registers its destination blocks (RegisterTarget) while the producer
-    is still computing; the producer claims the transfer (ClaimTransfer). When
+    consumer registers its destination blocks (RegisterTargets) while the producer
+    is still computing; the producer claims the transfer (ClaimTransfers). When
     both halves exist the service sends TRANSFER_ASSIGNED to the producer, whose
-    background writer pushes the KV with NIXL and reports CompleteTransfer.
+    background writer pushes the KV with NIXL and reports CompleteTransfers.
 
     Conventions: every response carries a ResponseHeader; mutating RPCs take a
     batch of items and an AIP-155 request_id; errors are google.rpc.Status with
@@ -194,51 +194,51 @@ class RendezvousServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterTarget(self, request, context):
-        """RegisterTarget records consumer destination blocks for transfers.
+    def RegisterTargets(self, request, context):
+        """RegisterTargets records consumer destination blocks for transfers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ClaimTransfer(self, request, context):
-        """ClaimTransfer records that a producer will provide the KV of transfers.
+    def ClaimTransfers(self, request, context):
+        """ClaimTransfers records that a producer will provide the KV of transfers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def MarkSourceReady(self, request, context):
-        """MarkSourceReady records that a producer's KV blocks are computed. In pull
+    def MarkSourcesReady(self, request, context):
+        """MarkSourcesReady records that a producer's KV blocks are computed. In pull
         mode it sends SOURCE_READY to the consumer; in push mode it is a metric.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def CompleteTransfer(self, request, context):
-        """CompleteTransfer reports the outcome of moving the bytes of a generation.
+    def CompleteTransfers(self, request, context):
+        """CompleteTransfers reports the outcomes of moving the bytes of generations.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AcknowledgeRevocation(self, request, context):
-        """AcknowledgeRevocation confirms a producer will not write a revoked generation.
+    def AcknowledgeRevocations(self, request, context):
+        """AcknowledgeRevocations confirms a producer will not write revoked generations.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReleaseTarget(self, request, context):
-        """ReleaseTarget ends a committed transfer: the consumer is done with it.
+    def ReleaseTargets(self, request, context):
+        """ReleaseTargets ends committed transfers: the consumer is done with them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AbortTransfer(self, request, context):
-        """AbortTransfer aborts live transfers; the other side is told. A producer that
+    def AbortTransfers(self, request, context):
+        """AbortTransfers aborts live transfers; the other side is told. A producer that
         aborts promises not to write the transfer any more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -260,7 +260,7 @@ class RendezvousServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Watch streams the events of one engine in revision order, in batches.
+        """Watch streams the events of one engine in sequence order, in batches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,7 +276,7 @@ class RendezvousServiceServicer:
     def ReserveCredits(self, request, context):
         """ReserveCredits reserves admission credit (one transfer and its blocks) on consumer engines for transfer
         ids, atomically per item, for routers that must not overcommit a decode engine. A reservation becomes
-        the live target when the consumer's RegisterTarget for that transfer id arrives.
+        the live target when the consumer's RegisterTargets for that transfer id arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -317,40 +317,40 @@ def add_RendezvousServiceServicer_to_server(servicer, server):
                     request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ListEnginesRequest.FromString,
                     response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ListEnginesResponse.SerializeToString,
             ),
-            'RegisterTarget': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterTarget,
-                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetRequest.FromString,
-                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetResponse.SerializeToString,
+            'RegisterTargets': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterTargets,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetsRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetsResponse.SerializeToString,
             ),
-            'ClaimTransfer': grpc.unary_unary_rpc_method_handler(
-                    servicer.ClaimTransfer,
-                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransferRequest.FromString,
-                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransferResponse.SerializeToString,
+            'ClaimTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimTransfers,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransfersRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransfersResponse.SerializeToString,
             ),
-            'MarkSourceReady': grpc.unary_unary_rpc_method_handler(
-                    servicer.MarkSourceReady,
-                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourceReadyRequest.FromString,
-                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourceReadyResponse.SerializeToString,
+            'MarkSourcesReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.MarkSourcesReady,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourcesReadyRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourcesReadyResponse.SerializeToString,
             ),
-            'CompleteTransfer': grpc.unary_unary_rpc_method_handler(
-                    servicer.CompleteTransfer,
-                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransferRequest.FromString,
-                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransferResponse.SerializeToString,
+            'CompleteTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteTransfers,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransfersRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransfersResponse.SerializeToString,
             ),
-            'AcknowledgeRevocation': grpc.unary_unary_rpc_method_handler(
-                    servicer.AcknowledgeRevocation,
-                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationRequest.FromString,
-                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationResponse.SerializeToString,
+            'AcknowledgeRevocations': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcknowledgeRevocations,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationsRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationsResponse.SerializeToString,
             ),
-            'ReleaseTarget': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseTarget,
-                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetRequest.FromString,
-                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetResponse.SerializeToString,
+            'ReleaseTargets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTargets,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetsRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetsResponse.SerializeToString,
             ),
-            'AbortTransfer': grpc.unary_unary_rpc_method_handler(
-                    servicer.AbortTransfer,
-                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransferRequest.FromString,
-                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransferResponse.SerializeToString,
+            'AbortTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortTransfers,
+                    request_deserializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransfersRequest.FromString,
+                    response_serializer=rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransfersResponse.SerializeToString,
             ),
             'GetTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTransfer,
@@ -395,10 +395,10 @@ class RendezvousService:
     and consumer (decode) engines in disaggregated LLM serving.
 
     A router mints a transfer id and sends both legs of a request at once. The
-    consumer registers its destination blocks (RegisterTarget) while the producer
-    is still computing; the producer claims the transfer (ClaimTransfer). When
+    consumer registers its destination blocks (RegisterTargets) while the producer
+    is still computing; the producer claims the transfer (ClaimTransfers). When
     both halves exist the service sends TRANSFER_ASSIGNED to the producer, whose
-    background writer pushes the KV with NIXL and reports CompleteTransfer.
+    background writer pushes the KV with NIXL and reports CompleteTransfers.
 
     Conventions: every response carries a ResponseHeader; mutating RPCs take a
     batch of items and an AIP-155 request_id; errors are google.rpc.Status with
@@ -543,7 +543,7 @@ class RendezvousService:
             _registered_method=True)
 
     @staticmethod
-    def RegisterTarget(request,
+    def RegisterTargets(request,
             target,
             options=(),
             channel_credentials=None,
@@ -556,9 +556,9 @@ class RendezvousService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rendezvous.v1.RendezvousService/RegisterTarget',
-            rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetRequest.SerializeToString,
-            rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetResponse.FromString,
+            '/rendezvous.v1.RendezvousService/RegisterTargets',
+            rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetsRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.RegisterTargetsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -570,7 +570,7 @@ class RendezvousService:
             _registered_method=True)
 
     @staticmethod
-    def ClaimTransfer(request,
+    def ClaimTransfers(request,
             target,
             options=(),
             channel_credentials=None,
@@ -583,9 +583,9 @@ class RendezvousService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rendezvous.v1.RendezvousService/ClaimTransfer',
-            rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransferRequest.SerializeToString,
-            rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransferResponse.FromString,
+            '/rendezvous.v1.RendezvousService/ClaimTransfers',
+            rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransfersRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.ClaimTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -597,7 +597,7 @@ class RendezvousService:
             _registered_method=True)
 
     @staticmethod
-    def MarkSourceReady(request,
+    def MarkSourcesReady(request,
             target,
             options=(),
             channel_credentials=None,
@@ -610,9 +610,9 @@ class RendezvousService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rendezvous.v1.RendezvousService/MarkSourceReady',
-            rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourceReadyRequest.SerializeToString,
-            rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourceReadyResponse.FromString,
+            '/rendezvous.v1.RendezvousService/MarkSourcesReady',
+            rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourcesReadyRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.MarkSourcesReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -624,7 +624,7 @@ class RendezvousService:
             _registered_method=True)
 
     @staticmethod
-    def CompleteTransfer(request,
+    def CompleteTransfers(request,
             target,
             options=(),
             channel_credentials=None,
@@ -637,9 +637,9 @@ class RendezvousService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rendezvous.v1.RendezvousService/CompleteTransfer',
-            rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransferRequest.SerializeToString,
-            rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransferResponse.FromString,
+            '/rendezvous.v1.RendezvousService/CompleteTransfers',
+            rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransfersRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.CompleteTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -651,7 +651,7 @@ class RendezvousService:
             _registered_method=True)
 
     @staticmethod
-    def AcknowledgeRevocation(request,
+    def AcknowledgeRevocations(request,
             target,
             options=(),
             channel_credentials=None,
@@ -664,9 +664,9 @@ class RendezvousService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rendezvous.v1.RendezvousService/AcknowledgeRevocation',
-            rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationRequest.SerializeToString,
-            rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationResponse.FromString,
+            '/rendezvous.v1.RendezvousService/AcknowledgeRevocations',
+            rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationsRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.AcknowledgeRevocationsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -678,7 +678,7 @@ class RendezvousService:
             _registered_method=True)
 
     @staticmethod
-    def ReleaseTarget(request,
+    def ReleaseTargets(request,
             target,
             options=(),
             channel_credentials=None,
@@ -691,9 +691,9 @@ class RendezvousService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rendezvous.v1.RendezvousService/ReleaseTarget',
-            rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetRequest.SerializeToString,
-            rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetResponse.FromString,
+            '/rendezvous.v1.RendezvousService/ReleaseTargets',
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetsRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.ReleaseTargetsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -705,7 +705,7 @@ class RendezvousService:
             _registered_method=True)
 
     @staticmethod
-    def AbortTransfer(request,
+    def AbortTransfers(request,
             target,
             options=(),
             channel_credentials=None,
@@ -718,9 +718,9 @@ class RendezvousService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/rendezvous.v1.RendezvousService/AbortTransfer',
-            rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransferRequest.SerializeToString,
-            rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransferResponse.FromString,
+            '/rendezvous.v1.RendezvousService/AbortTransfers',
+            rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransfersRequest.SerializeToString,
+            rendezvous_dot_v1_dot_rendezvous__pb2.AbortTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,15 +54,15 @@ async def test_calls_stay_far_under_the_servers_request_limits() -> None:
         return [ItemResult(s.transfer_id, TransferState.MATCHED) for s in items]
 
     parts = tuple(WrittenPart(first_token=i, num_tokens=1) for i in range(1_000))
-    completions = Batcher("CompleteTransfer", complete)
+    completions = Batcher("CompleteTransfers", complete)
     await asyncio.gather(*(completions.submit(CompletionSpec(f"t{i}", 1, parts=parts)) for i in range(40)))
     # 40 x 1,000 parts in one turn: 16,384 parts a call at most, a quarter of the server's 65,536.
     assert [len(c) for c in completion_calls] == [16, 16, 8]
-    sources = Batcher("MarkSourceReady", ready)
+    sources = Batcher("MarkSourcesReady", ready)
     blocks = range(1 << 40, (1 << 40) + 20_000)  # 6-byte varints: 117 KiB a source, 29 MiB in all
     await asyncio.gather(*(sources.submit(SourceReadySpec(f"t{i}", blocks)) for i in range(256)))
     requests = [
-        pb.MarkSourceReadyRequest(
+        pb.MarkSourcesReadyRequest(
             sources=[pb.SourceReadySpec(transfer_id=s.transfer_id, block_ids=s.block_ids) for s in c]
         )
         for c in source_calls

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from clients import (
+    ERROR_DOMAIN,
     AsyncRendezvousClient,
     AsyncWatchStream,
     ClaimSpec,
@@ -15,6 +16,7 @@ from clients import (
     CompletionSpec,
     EngineRole,
     EngineSpec,
+    EngineView,
     EventType,
     FailedPrecondition,
     InvalidArgument,
@@ -53,7 +55,7 @@ async def test_registration_grants_a_lease_an_incarnation_and_a_watch_start(clie
     assert (engine.engine_id, engine.role, engine.layout) == ("d0", EngineRole.CONSUMER, LAYOUT)
     assert engine.agents == (agent("d0-0"),)
     assert engine.incarnation > 0 and engine.lease_ttl == 5.0
-    assert registration.watch_start_revision == 1
+    assert registration.watch_start_sequence == 1
     assert registration.epoch == client.epoch != 0
 
 
@@ -61,7 +63,7 @@ async def test_an_empty_engine_id_is_an_invalid_argument_with_reason_id_empty(cl
     with pytest.raises(InvalidArgument) as caught:
         await client.register_engine(EngineSpec("", "decode", EngineRole.CONSUMER))
     assert caught.value.reason == "ID_EMPTY"
-    assert caught.value.domain == "kv-rendezvous"
+    assert caught.value.domain == ERROR_DOMAIN
     assert caught.value.metadata == {"field": "engine_id"}
 
 
@@ -88,8 +90,8 @@ async def test_push_lifecycle_from_target_to_release(client: AsyncRendezvousClie
     d = await register(client, "d0", EngineRole.CONSUMER)
     p = await register(client, "p0", EngineRole.PRODUCER)
     async with (
-        client.watch("p0", p.watch_start_revision) as producer_events,
-        client.watch("d0", d.watch_start_revision) as consumer_events,
+        client.watch("p0", p.watch_start_sequence) as producer_events,
+        client.watch("d0", d.watch_start_sequence) as consumer_events,
     ):
         target = TargetSpec("t1", [5, 6], num_tokens=32)
         assert (await client.register_target("d0", target)).state == TransferState.TARGETED
@@ -125,13 +127,13 @@ async def test_listing_transfers_pages_through_all_of_them(client: AsyncRendezvo
     assert [t async for t in client.iter_transfers("d0", [TransferState.COMMITTED])] == []
 
 
-async def test_list_engines_filters_by_pool_and_role_and_can_omit_agent_metadata(
+async def test_list_engines_filters_by_pool_and_role_and_takes_a_view(
     client: AsyncRendezvousClient,
 ) -> None:
     await register(client, "d0", EngineRole.CONSUMER)
     await register(client, "p0", EngineRole.PRODUCER)
     await register(client, "p1", EngineRole.PRODUCER, pool="other")
-    producers = await client.list_engines("prefill", EngineRole.PRODUCER, omit_agent_metadata=True)
+    producers = await client.list_engines("prefill", EngineRole.PRODUCER, view=EngineView.PLACEMENT)
     assert [e.engine_id for e in producers] == ["p0"]
     assert producers[0].agents[0].metadata == b""
     assert [e.engine_id for e in await client.list_engines()] == ["d0", "p0", "p1"]

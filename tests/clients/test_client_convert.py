@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from clients import (
+    ERROR_DOMAIN,
     AbortReason,
     ClaimSpec,
     CompletionOutcome,
@@ -108,7 +109,7 @@ def test_a_transfer_message_becomes_a_record_with_its_times() -> None:
         source_block_ids=[9],
         abort_reason=pb.ABORT_REASON_PEER_LOST,
         abort_message="gone",
-        deadline=Timestamp(seconds=100, nanos=500_000_000),
+        deadline_time=Timestamp(seconds=100, nanos=500_000_000),
         times=pb.TransferTimes(target_time=Timestamp(seconds=90)),
     )
     record = _convert.transfer(message)
@@ -136,15 +137,15 @@ def test_progressive_targets_and_their_parts_cross_the_wire_both_ways() -> None:
 
 
 def test_an_event_without_transfer_or_peer_has_none_for_them() -> None:
-    event = _convert.event(pb.Event(revision=4, type=pb.EVENT_TYPE_PEER_LOST, generation=0))
-    assert (event.revision, event.type, event.transfer, event.peer) == (4, EventType.PEER_LOST, None, None)
+    event = _convert.event(pb.Event(sequence=4, type=pb.EVENT_TYPE_PEER_LOST, generation=0))
+    assert (event.sequence, event.type, event.transfer, event.peer) == (4, EventType.PEER_LOST, None, None)
 
 
 def test_an_item_with_an_error_status_carries_the_exception() -> None:
     status = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")
-    status.details.add().Pack(error_details_pb2.ErrorInfo(reason="ID_EMPTY", domain="kv-rendezvous"))
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason="ID_EMPTY", domain=ERROR_DOMAIN))
     ok, failed = _convert.item_results(
-        pb.RegisterTargetResponse(
+        pb.RegisterTargetsResponse(
             results=[
                 pb.ItemResult(transfer_id="a", state=pb.TRANSFER_STATE_TARGETED),
                 pb.ItemResult(transfer_id="b", status=status),
@@ -168,9 +169,9 @@ def test_mutating_calls_get_a_fresh_request_id_each_and_reads_none() -> None:
 def test_single_item_calls_keep_the_request_and_raise_the_item_error() -> None:
     batch = commands.register_targets("d", 1, [TargetSpec("t", [1])])
     single = batch.one()
-    assert single.request is batch.request and single.method == "RegisterTarget"
+    assert single.request is batch.request and single.method == "RegisterTargets"
     status = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")
-    response = pb.RegisterTargetResponse(results=[pb.ItemResult(transfer_id="t", status=status)])
+    response = pb.RegisterTargetsResponse(results=[pb.ItemResult(transfer_id="t", status=status)])
     with pytest.raises(InvalidArgument, match="bad"):
         single.parse(response)
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from clients import AsyncRendezvousClient, EngineRole, EngineSpec, RendezvousClient, RouterClient
+from clients import AsyncRendezvousClient, EngineRole, EngineSpec, EngineView, RendezvousClient, RouterClient
 from clients.testing import TestServer, start_test_server
 from rendezvous.core.limits import Limits
 from tests.clients.conftest import client_config
@@ -32,12 +32,12 @@ async def client() -> AsyncIterator[AsyncRendezvousClient]:
         yield c
 
 
-async def test_iter_engines_asks_page_after_page_and_can_omit_labels(client: AsyncRendezvousClient) -> None:
+async def test_iter_engines_asks_page_after_page_in_a_view(client: AsyncRendezvousClient) -> None:
     with_labels = [e async for e in client.iter_engines(page_size=3)]
     assert [e.engine_id for e in with_labels] == IDS and with_labels[-1].labels == {"zone": "a"}
-    without = [e async for e in client.iter_engines("decode", EngineRole.CONSUMER, omit_labels=True)]
+    without = [e async for e in client.iter_engines("decode", EngineRole.CONSUMER, view=EngineView.BASIC)]
     assert [e.engine_id for e in without] == IDS and all(e.labels == {} for e in without)
-    assert without[0].agents[0].metadata == with_labels[0].agents[0].metadata != b""
+    assert without[0].agents[0].metadata == b"" != with_labels[0].agents[0].metadata
 
 
 async def test_list_engines_goes_through_every_page(client: AsyncRendezvousClient) -> None:
@@ -61,6 +61,6 @@ def sync_client() -> Iterator[RendezvousClient]:
 
 
 def test_the_blocking_client_pages_the_same_way(sync_client: RendezvousClient) -> None:
-    slim = list(sync_client.iter_engines(page_size=3, omit_agent_metadata=True))
+    slim = list(sync_client.iter_engines(page_size=3, view=EngineView.PLACEMENT))
     assert [e.engine_id for e in slim] == IDS and slim[0].agents[0].metadata == b""
-    assert [e.engine_id for e in sync_client.list_engines("decode", omit_labels=True)] == IDS
+    assert [e.engine_id for e in sync_client.list_engines("decode", view=EngineView.BASIC)] == IDS

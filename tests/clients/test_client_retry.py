@@ -222,7 +222,7 @@ def test_a_cancelled_sent_by_the_server_is_retried_for_every_call() -> None:
 async def test_a_claim_the_server_drops_with_cancelled_is_retried_not_lost(server: AsyncTestServer) -> None:
     """gRPC core answers a call it drops before the service (past `grpc.server.max_pending_requests`
     calls of that method waiting) with CANCELLED. Stand-in for that drop (the real one needs a loaded
-    server's timing): the real server answers the first ClaimTransfer CANCELLED before any work."""
+    server's timing): the real server answers the first ClaimTransfers CANCELLED before any work."""
     coordinator = server.server.coordinator
     caller = coordinator._caller
     calls: list[str] = []

@@ -197,8 +197,8 @@ async def test_the_watch_resumes_after_a_disconnect_without_loss_or_repeats(
         proxy.refuse(False)
         after = await collect_assignments(events, {"t1", "t2"})
 
-        assert [e.revision for e in first] == [1]
-        assert [e.revision for e in after] == [2, 3]
+        assert [e.sequence for e in first] == [1]
+        assert [e.sequence for e in after] == [2, 3]
         assert proxy.accepted >= 2, "the session never reconnected"
         assert producer.incarnation == (await client.get_engine("p0")).incarnation
 
@@ -313,7 +313,7 @@ def test_live_transfers_end_on_commit_or_abort_events_and_follow_a_resync() -> N
     live.claims.update({t: ClaimSpec(t) for t in ("a", "b", "c")})
     live.sources["a"] = SourceReadySpec("a", [1])
     committed: ServerEvent = Event(
-        EventType.TRANSFER_COMMITTED, 0.0, TransferInfo("a", TransferState.COMMITTED), 1, revision=1
+        EventType.TRANSFER_COMMITTED, 0.0, TransferInfo("a", TransferState.COMMITTED), 1, sequence=1
     )
     live.on_event(committed)
     assert "a" not in live and len(live) == 2

@@ -58,7 +58,7 @@ def test_an_empty_engine_id_is_an_invalid_argument_with_reason_id_empty(client: 
 def test_push_lifecycle_with_a_blocking_watch(client: RendezvousClient) -> None:
     client.register_engine(spec("d0", EngineRole.CONSUMER))
     p = client.register_engine(spec("p0", EngineRole.PRODUCER))
-    with client.watch("p0", p.watch_start_revision) as stream:
+    with client.watch("p0", p.watch_start_sequence) as stream:
         client.register_target("d0", TargetSpec("t1", [3, 4]))
         assert client.claim_transfers("p0", [ClaimSpec("t1")])[0].state == TransferState.MATCHED
         (assigned,) = next_with_events(stream).events

@@ -51,7 +51,7 @@ async def test_the_other_rank_sees_the_assignment_and_the_transfer_commits_once_
 ) -> None:
     async with tp2_producer(client) as leader, RankSession(client, "p0", config=FAST_SESSION) as follower:
         assert follower.incarnation == leader.incarnation
-        assert follower.engine.watch_start_revision == leader.engine.watch_start_revision > 0
+        assert follower.engine.watch_start_sequence == leader.engine.watch_start_sequence > 0
         await consumer.register_target(TargetSpec("t1", [1, 2]))
         assert (await leader.claim_transfer(ClaimSpec("t1"))).state == TransferState.MATCHED
         for session in (leader, follower):

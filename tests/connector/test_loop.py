@@ -97,7 +97,7 @@ def test_a_worker_that_fails_to_start_closes_its_loop(monkeypatch: pytest.Monkey
 
 
 def _prefill_worker(monkeypatch: pytest.MonkeyPatch, claims: list[Exception | None], aborted: list[str]) -> Any:
-    """Rank 0 of a prefill engine whose ClaimTransfer answers from `claims` (an exception raises, None succeeds)."""
+    """Rank 0 of a prefill engine whose ClaimTransfers answers from `claims` (an exception raises, None succeeds)."""
     from clients import ItemResult, TransferState
     from connector.rendezvous_connector import _WorkerSide
 

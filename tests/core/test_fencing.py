@@ -32,7 +32,7 @@ from tests.core.test_lifecycle import TIMEOUTS, World, ok, reason, types
 
 
 def assigned_then_aborted_by_consumer(w: World) -> None:
-    """RegisterTarget(d1, t1), ClaimTransfer(p1, t1) -> ASSIGNED(1), then the consumer aborts: revocation pending."""
+    """RegisterTargets(d1, t1), ClaimTransfers(p1, t1) -> ASSIGNED(1), then the consumer aborts: revocation pending."""
     w.target()
     w.claim()
     assert types(w.events("p1")) == [EventType.TRANSFER_ASSIGNED]

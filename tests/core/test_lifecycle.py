@@ -55,7 +55,7 @@ class World:
         """Events of an engine since the last call."""
         page = run(self.store.read_events(engine_id, self.seen.get(engine_id, 0) + 1, 10_000))
         if page.events:
-            self.seen[engine_id] = page.events[-1].revision
+            self.seen[engine_id] = page.events[-1].sequence
         return list(page.events)
 
     def target(self, tid: str = "t1", blocks: tuple[int, ...] = (1, 2, 3), gen: int = 1, **kw: object) -> ItemOutcome:

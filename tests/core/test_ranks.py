@@ -56,7 +56,7 @@ class RankedWorld:
     def events(self, engine_id: str) -> list[EventType]:
         page = run(self.store.read_events(engine_id, self.seen.get(engine_id, 0) + 1, 10_000))
         if page.events:
-            self.seen[engine_id] = page.events[-1].revision
+            self.seen[engine_id] = page.events[-1].sequence
         return types(list(page.events))
 
     def matched(self) -> None:

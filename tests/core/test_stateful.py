@@ -131,7 +131,7 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _register(self, engine_id: str) -> None:
         run(self.coord.register_engine(self._spec(engine_id)))
-        self.seen[engine_id] = run(self.store.last_event_revision(engine_id))
+        self.seen[engine_id] = run(self.store.last_event_sequence(engine_id))
         self._forget_holdings(engine_id)
 
     def _forget_holdings(self, producer: str) -> None:
@@ -150,9 +150,9 @@ class Lifecycle(RuleBasedStateMachine):
         run(self.coord.sweep())
         for engine_id in ENGINES:
             page = run(self.store.read_events(engine_id, self.seen[engine_id] + 1, 1_000_000))
-            assert page.resync_revision is None
+            assert page.resync_sequence is None
             for event in page.events:
-                self.seen[engine_id] = event.revision
+                self.seen[engine_id] = event.sequence
                 self._check_event(engine_id, event)
 
     def _check_event(self, engine_id: str, event: Event[Transfer, Engine]) -> None:

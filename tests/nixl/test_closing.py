@@ -23,5 +23,5 @@ async def test_a_peer_lost_after_the_agents_stopped_is_ignored(client: AsyncRend
     consumer_info, producer_info = await client.get_engine("d0"), await client.get_engine("p0")
     await consumer.close()
     await producer.close()  # the threads are stopped; a session may still deliver what it read before it ended
-    await producer.handle_event(Event(EventType.PEER_LOST, time.time(), peer=consumer_info, revision=1))
-    await consumer.handle_event(Event(EventType.PEER_LOST, time.time(), peer=producer_info, revision=1))
+    await producer.handle_event(Event(EventType.PEER_LOST, time.time(), peer=consumer_info, sequence=1))
+    await consumer.handle_event(Event(EventType.PEER_LOST, time.time(), peer=producer_info, sequence=1))

@@ -1,4 +1,4 @@
-"""A RegisterTarget whose call fails in transit may still have been applied, and a producer may then write into
+"""A RegisterTargets whose call fails in transit may still have been applied, and a producer may then write into
 its blocks. The consumer agent sends it once more; should that fail too, it aborts the transfer and reports the
 blocks free only once the service heard the abort. Here the service waits on a paused Redis, so a call times out
 at the client while the service applies it afterwards: a registration in doubt for real, over real NIXL."""

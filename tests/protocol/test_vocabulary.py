@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import clients
 from rendezvous import core
+from rendezvous.conformance import driver as conformance_driver
 from rendezvous.protocol import REASON_CODES, Reason, errors
 from rendezvous.v1 import errors_pb2, rendezvous_pb2
 
@@ -13,6 +16,13 @@ def test_every_reason_of_the_proto_is_a_python_reason_with_a_code() -> None:
     assert names == {r.value for r in Reason}
     assert set(REASON_CODES) == set(Reason)
     assert {errors.REASON_CODES[r].name for r in Reason} == set(REASON_CODES.values())
+
+
+def test_the_error_domain_is_the_dns_name_errors_proto_states_once() -> None:
+    # The conformance suite reads it from the stubs (errors.proto's option), the packages from the generated
+    # reasons module: the same one string.
+    assert errors.ERROR_DOMAIN == clients.ERROR_DOMAIN == conformance_driver.ERROR_DOMAIN
+    assert re.fullmatch(r"[a-z0-9-]+(\.[a-z0-9-]+)+", errors.ERROR_DOMAIN), errors.ERROR_DOMAIN
 
 
 def test_service_and_sdk_share_the_same_objects() -> None:
@@ -31,6 +41,7 @@ def test_enum_numbers_equal_the_protos() -> None:
         (clients.MemoryKind, rendezvous_pb2.MemoryKind),
         (clients.TransferState, rendezvous_pb2.TransferState),
         (clients.TransferMode, rendezvous_pb2.TransferMode),
+        (clients.EngineView, rendezvous_pb2.EngineView),
         (clients.AbortReason, rendezvous_pb2.AbortReason),
         (clients.EventType, rendezvous_pb2.EventType),
         (clients.CompletionOutcome, rendezvous_pb2.CompletionOutcome),

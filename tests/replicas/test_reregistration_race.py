@@ -35,7 +35,7 @@ async def producer_events(
     """The producer's events from start until aborted_wanted transfers were aborted (or WAIT_S passed)."""
     events: list[pb.Event] = []
     aborted: set[str] = set()
-    call = stub.Watch(pb.WatchRequest(engine_id="p", start_revision=start))
+    call = stub.Watch(pb.WatchRequest(engine_id="p", start_sequence=start))
     try:
         async with asyncio.timeout(WAIT_S):
             async for response in call:
@@ -61,12 +61,12 @@ async def test_a_claim_racing_a_consumer_reregistration_is_never_assigned_the_ne
     ids = [f"t{i:03d}" for i in range(TRANSFERS)]
     for i in range(0, TRANSFERS, BATCH):
         targets = [pb.TargetSpec(transfer_id=t, block_ids=[1, 2]) for t in ids[i : i + BATCH]]
-        await a.RegisterTarget(pb.RegisterTargetRequest(engine_id="d", targets=targets))
+        await a.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d", targets=targets))
 
     async def claim(batch: list[str]) -> int:
         """How many claims joined the transfer (the others found it ended: TRANSFER_ENDED)."""
         claims = [pb.ClaimSpec(transfer_id=t) for t in batch]
-        response = await b.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p", claims=claims))
+        response = await b.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p", claims=claims))
         return sum(not r.HasField("status") for r in response.results)
 
     # Replica a ends the old incarnation's transfers one by one while replica b matches claims against them.
@@ -78,7 +78,7 @@ async def test_a_claim_racing_a_consumer_reregistration_is_never_assigned_the_ne
     assert new != old
 
     # Every transfer the producer joined ends aborted, and the producer hears of it.
-    events, aborted = await producer_events(b, p.watch_start_revision, sum(joined))
+    events, aborted = await producer_events(b, p.watch_start_sequence, sum(joined))
     assert aborted == sum(joined), f"the producer heard of {aborted} aborts for {sum(joined)} joined transfers"
     assigned = [e for e in events if e.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED]
     wrong = [

@@ -67,13 +67,13 @@ AUTH = {
 UNARY_ENGINE_CALLS = [
     "RegisterEngine",
     "DeregisterEngine",
-    "RegisterTarget",
-    "ClaimTransfer",
-    "MarkSourceReady",
-    "CompleteTransfer",
-    "AcknowledgeRevocation",
-    "ReleaseTarget",
-    "AbortTransfer",
+    "RegisterTargets",
+    "ClaimTransfers",
+    "MarkSourcesReady",
+    "CompleteTransfers",
+    "AcknowledgeRevocations",
+    "ReleaseTargets",
+    "AbortTransfers",
     "ListTransfers",
 ]
 ROUTER_CALLS = [
@@ -82,7 +82,7 @@ ROUTER_CALLS = [
     ("GetEngine", pb.GetEngineRequest(engine_id="decode-0")),
     ("GetTransfer", pb.GetTransferRequest(transfer_id="t-1")),
     ("ListTransfers", pb.ListTransfersRequest()),
-    ("AbortTransfer", pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t-1")])),
+    ("AbortTransfers", pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id="t-1")])),
     ("ReserveCredits", pb.ReserveCreditsRequest(reservations=[pb.CreditSpec(transfer_id="t-1", engine_id="decode-0")])),
     ("ReleaseCredits", pb.ReleaseCreditsRequest(transfer_ids=["t-1"])),
 ]
@@ -233,8 +233,8 @@ async def test_a_pool_identity_registers_engines_in_its_pool_only(channel: grpc.
 
 async def test_a_pool_identity_cannot_act_for_engines_of_other_pools(channel: grpc.aio.Channel) -> None:
     await register(channel, "decode-0", DECODE)
-    request = pb.RegisterTargetRequest(engine_id="decode-0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
-    assert await refusal(call(channel, "RegisterTarget", request, POOL)) == DENIED
+    request = pb.RegisterTargetsRequest(engine_id="decode-0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    assert await refusal(call(channel, "RegisterTargets", request, POOL)) == DENIED
     assert await refusal(first_watch_message(channel, "decode-0", POOL)) == DENIED
 
 

@@ -111,7 +111,7 @@ async def test_on_a_server_a_caller_backs_off_unread_after_a_large_invalid_reque
         reg = await stub.RegisterEngine(engine_request("p0", pb.ENGINE_ROLE_PRODUCER), metadata=engine)
         incarnation = reg.engine.incarnation
         parts = [pb.WrittenPart(first_layer=i, num_layers=1, num_tokens=16) for i in range(150)]
-        over = pb.CompleteTransferRequest(
+        over = pb.CompleteTransfersRequest(
             engine_id="p0",
             incarnation=incarnation,
             completions=[pb.CompletionSpec(transfer_id="t", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts)],
@@ -119,22 +119,22 @@ async def test_on_a_server_a_caller_backs_off_unread_after_a_large_invalid_reque
         size = over.ByteSize()
         assert size >= 1_000
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.CompleteTransfer(over, metadata=engine, timeout=30)
+            await stub.CompleteTransfers(over, metadata=engine, timeout=30)
         assert from_rpc_error(err.value).reason == "TOO_MANY_PARTS"
         # As large again: refused before it is read (these bytes are no message at all), with a retry hint.
-        raw = channel.unary_unary("/rendezvous.v1.RendezvousService/CompleteTransfer")
+        raw = channel.unary_unary("/rendezvous.v1.RendezvousService/CompleteTransfers")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await raw(b"\xff" * size, metadata=engine, timeout=30)
         refused = from_rpc_error(err.value)
         assert (refused.code, refused.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED")
         assert refused.retry_after is not None and refused.retry_after > 0
         # The same caller's small requests, and every other identity's, are served.
-        small = pb.CompleteTransferRequest(
+        small = pb.CompleteTransfersRequest(
             engine_id="p0",
             incarnation=incarnation,
             completions=[pb.CompletionSpec(transfer_id="t", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED)],
         )
-        answer = await stub.CompleteTransfer(small, metadata=engine, timeout=30)
+        answer = await stub.CompleteTransfers(small, metadata=engine, timeout=30)
         assert error_reason(answer.results[0]) == "TRANSFER_NOT_FOUND"
         assert (await stub.GetStatus(pb.GetStatusRequest(), metadata=router, timeout=30)).header.server_id
 

@@ -72,10 +72,10 @@ def reason(result: pb.ItemResult) -> str:
 async def targeted_transfer(channel: grpc.aio.Channel, transfer_id: str) -> None:
     """d0 (the bound consumer) targets transfer_id."""
     incarnation = await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, BOUND)
-    target = pb.RegisterTargetRequest(
+    target = pb.RegisterTargetsRequest(
         engine_id="d0", incarnation=incarnation, targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2])]
     )
-    assert not (await item(channel, "RegisterTarget", target, BOUND)).HasField("status")
+    assert not (await item(channel, "RegisterTargets", target, BOUND)).HasField("status")
 
 
 # Identities bound to role and pool
@@ -97,8 +97,8 @@ async def test_a_bound_identity_cannot_register_another_role_or_pool_so_cannot_c
         await call(channel, "RegisterEngine", engine_request("d0-evil", role, pool=pool), BOUND)
     refused = from_rpc_error(err.value)
     assert (refused.code, refused.reason, refused.metadata["field"]) == (*DENIED, field)
-    claim = pb.ClaimTransferRequest(engine_id="d0-evil", claims=[pb.ClaimSpec(transfer_id="t-d0")])
-    assert await refusal(call(channel, "ClaimTransfer", claim, BOUND)) == (
+    claim = pb.ClaimTransfersRequest(engine_id="d0-evil", claims=[pb.ClaimSpec(transfer_id="t-d0")])
+    assert await refusal(call(channel, "ClaimTransfers", claim, BOUND)) == (
         grpc.StatusCode.NOT_FOUND,
         "ENGINE_NOT_FOUND",
     )
@@ -115,8 +115,8 @@ async def test_a_bound_identity_cannot_act_for_an_engine_of_its_ids_registered_w
     channel: grpc.aio.Channel,
 ) -> None:
     await register(channel, "d0-x", pb.ENGINE_ROLE_PRODUCER, ADMIN)
-    claim = pb.ClaimTransferRequest(engine_id="d0-x", claims=[pb.ClaimSpec(transfer_id="t-any")])
-    assert await refusal(call(channel, "ClaimTransfer", claim, BOUND)) == DENIED
+    claim = pb.ClaimTransfersRequest(engine_id="d0-x", claims=[pb.ClaimSpec(transfer_id="t-any")])
+    assert await refusal(call(channel, "ClaimTransfers", claim, BOUND)) == DENIED
     watch = pb_grpc.RendezvousServiceStub(channel).Watch(pb.WatchRequest(engine_id="d0-x"), metadata=bearer(BOUND))
     assert await refusal(watch.read()) == DENIED
 
@@ -131,14 +131,14 @@ def without_id(result: pb.ItemResult, transfer_id: str) -> tuple[int, str, str]:
 def participant_call(method: str, engine_id: str, incarnation: int, transfer_id: str) -> Any:
     """A one-item request of a transfer-scoped call for transfer_id."""
     request = getattr(pb, f"{method}Request")(engine_id=engine_id, incarnation=incarnation)
-    if method == "ReleaseTarget":
+    if method == "ReleaseTargets":
         request.releases.append(pb.ReleaseSpec(transfer_id=transfer_id, generation=1))
-    elif method == "CompleteTransfer":
+    elif method == "CompleteTransfers":
         outcome = pb.COMPLETION_OUTCOME_SUCCEEDED
         request.completions.append(pb.CompletionSpec(transfer_id=transfer_id, generation=1, outcome=outcome))
-    elif method == "AcknowledgeRevocation":
+    elif method == "AcknowledgeRevocations":
         request.acks.append(pb.RevocationAck(transfer_id=transfer_id, generation=1))
-    elif method == "AbortTransfer":
+    elif method == "AbortTransfers":
         request.aborts.append(pb.AbortSpec(transfer_id=transfer_id, message="mine now"))
     else:
         request.sources.append(pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[1, 2]))
@@ -148,18 +148,18 @@ def participant_call(method: str, engine_id: str, incarnation: int, transfer_id:
 async def matched_transfer(channel: grpc.aio.Channel, transfer_id: str) -> None:
     await targeted_transfer(channel, transfer_id)
     incarnation = await register(channel, "p0", pb.ENGINE_ROLE_PRODUCER, PREFILL)
-    claim = pb.ClaimTransferRequest(
+    claim = pb.ClaimTransfersRequest(
         engine_id="p0", incarnation=incarnation, claims=[pb.ClaimSpec(transfer_id=transfer_id)]
     )
-    assert not (await item(channel, "ClaimTransfer", claim, PREFILL)).HasField("status")
+    assert not (await item(channel, "ClaimTransfers", claim, PREFILL)).HasField("status")
 
 
 @pytest.mark.parametrize(
     ("method", "engine_id", "token"),
     [
-        ("ReleaseTarget", "d1", DECODE_1),
-        ("CompleteTransfer", "p1", PREFILL_1),
-        ("AcknowledgeRevocation", "p1", PREFILL_1),
+        ("ReleaseTargets", "d1", DECODE_1),
+        ("CompleteTransfers", "p1", PREFILL_1),
+        ("AcknowledgeRevocations", "p1", PREFILL_1),
     ],
 )
 async def test_a_non_participant_is_answered_as_for_an_unknown_id(
@@ -182,7 +182,7 @@ async def test_a_non_participant_is_answered_as_for_an_unknown_id(
 
 @pytest.mark.parametrize(
     ("method", "engine_id", "token"),
-    [("AbortTransfer", "d1", DECODE_1), ("AbortTransfer", "p1", PREFILL_1)],
+    [("AbortTransfers", "d1", DECODE_1), ("AbortTransfers", "p1", PREFILL_1)],
 )
 async def test_a_non_participant_aborting_is_answered_as_for_an_unknown_id(
     channel: grpc.aio.Channel, method: str, engine_id: str, token: str
@@ -211,13 +211,13 @@ async def test_a_non_participant_aborting_is_answered_as_for_an_unknown_id(
 async def test_a_claim_conflict_names_no_other_engine(channel: grpc.aio.Channel) -> None:
     await matched_transfer(channel, "t-live")
     incarnation = await register(channel, "p1", pb.ENGINE_ROLE_PRODUCER, PREFILL_1)
-    claim = pb.ClaimTransferRequest(
+    claim = pb.ClaimTransfersRequest(
         engine_id="p1", incarnation=incarnation, claims=[pb.ClaimSpec(transfer_id="t-live")]
     )
-    ready = participant_call("MarkSourceReady", "p1", incarnation, "t-live")
+    ready = participant_call("MarkSourcesReady", "p1", incarnation, "t-live")
     for result in (
-        await item(channel, "ClaimTransfer", claim, PREFILL_1),
-        await item(channel, "MarkSourceReady", ready, PREFILL_1),
+        await item(channel, "ClaimTransfers", claim, PREFILL_1),
+        await item(channel, "MarkSourcesReady", ready, PREFILL_1),
     ):
         assert reason(result) == "CLAIM_CONFLICT" and "p0" not in result.status.message
 

@@ -96,27 +96,27 @@ def attack(budget: dict[str, int] | None) -> dict[str, int]:
             stub = pb_grpc.RendezvousServiceStub(channel)
             # Warm up every path the attack takes, then take the baseline.
             victim = stub.RegisterEngine(_engine("victim", 64, BLOCKS_PER_TARGET), timeout=30).engine
-            warm = pb.RegisterTargetRequest(engine_id="victim", incarnation=victim.incarnation)
+            warm = pb.RegisterTargetsRequest(engine_id="victim", incarnation=victim.incarnation)
             warm.targets.add(transfer_id="warm", block_ids=range(16), generation=1)
-            stub.RegisterTarget(warm, timeout=30)
+            stub.RegisterTargets(warm, timeout=30)
             churn = stub.RegisterEngine(_engine("warm-engine", MIB), timeout=30).engine
             stub.DeregisterEngine(pb.DeregisterEngineRequest(engine_id="warm-engine", incarnation=churn.incarnation))
             base = rss(serve.pid)
             blocks = range(BLOCKS_PER_TARGET)
             aborted = 0
             for n in range(ABORTED_TARGETS):
-                request = pb.RegisterTargetRequest(engine_id="victim", incarnation=victim.incarnation)
+                request = pb.RegisterTargetsRequest(engine_id="victim", incarnation=victim.incarnation)
                 request.targets.add(transfer_id=f"aborted-{n}", block_ids=blocks, generation=1)
-                aborted += stub.RegisterTarget(request, timeout=60).results[0].status.code == 0
-                abort = pb.AbortTransferRequest(engine_id="victim", incarnation=victim.incarnation)
+                aborted += stub.RegisterTargets(request, timeout=60).results[0].status.code == 0
+                abort = pb.AbortTransfersRequest(engine_id="victim", incarnation=victim.incarnation)
                 abort.aborts.add(transfer_id=f"aborted-{n}")
-                stub.AbortTransfer(abort, timeout=30)
+                stub.AbortTransfers(abort, timeout=30)
             after_aborts = rss(serve.pid)
             accepted_targets = 0
             for n in range(TARGETS):
-                request = pb.RegisterTargetRequest(engine_id="victim", incarnation=victim.incarnation)
+                request = pb.RegisterTargetsRequest(engine_id="victim", incarnation=victim.incarnation)
                 request.targets.add(transfer_id=f"big-{n}", block_ids=blocks, generation=1)
-                result = stub.RegisterTarget(request, timeout=60).results[0]
+                result = stub.RegisterTargets(request, timeout=60).results[0]
                 accepted_targets += result.status.code == 0
             after_targets = rss(serve.pid)
             accepted_engines = 0

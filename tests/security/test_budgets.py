@@ -79,11 +79,11 @@ class Client:
         return (await self.call("RegisterEngine", registration(engine_id, metadata, consumer), who)).engine
 
     async def target(self, engine: Any, transfer_id: str, blocks: int, who: str | None, timeout: float = 0) -> Any:
-        request = pb.RegisterTargetRequest(engine_id=engine.engine_id, incarnation=engine.incarnation)
+        request = pb.RegisterTargetsRequest(engine_id=engine.engine_id, incarnation=engine.incarnation)
         spec = request.targets.add(transfer_id=transfer_id, block_ids=range(blocks), generation=1)
         if timeout:
             spec.timeout.FromMilliseconds(int(timeout * 1000))
-        return await self.call("RegisterTarget", request, who)
+        return await self.call("RegisterTargets", request, who)
 
     def owner(self, who: str) -> str:
         """The key an identity's memory is charged under (policy.Identity.key)."""
@@ -139,7 +139,7 @@ def status_error(status: Any) -> tuple[tuple[grpc.StatusCode, str], dict[str, st
 
 
 async def engine_ids(c: Client) -> list[str]:
-    page = await c.call("ListEngines", pb.ListEnginesRequest(omit_agent_metadata=True), "ops")
+    page = await c.call("ListEngines", pb.ListEnginesRequest(view=pb.ENGINE_VIEW_PLACEMENT), "ops")
     return sorted(e.engine_id for e in page.engines)
 
 
@@ -210,19 +210,19 @@ async def test_live_block_budgets_refuse_the_item_and_free_on_abort(store_url: s
         assert item_error(await c.target(d1, "t3", 150, "d1")) is None
         assert await c.serving()
         # Aborting gives the blocks back.
-        abort = pb.AbortTransferRequest(engine_id="d0-0", incarnation=d0.incarnation)
+        abort = pb.AbortTransfersRequest(engine_id="d0-0", incarnation=d0.incarnation)
         abort.aborts.add(transfer_id="t1")
-        await c.call("AbortTransfer", abort, "d0")
+        await c.call("AbortTransfers", abort, "d0")
         assert item_error(await c.target(d0, "t2", 100, "d0")) is None
 
 
 async def test_a_batch_stops_at_the_budget(store_url: str, tmp_path: Path) -> None:
     async with client(store_url, tmp_path) as c:
         d0 = await c.register("d0-0", "d0")
-        request = pb.RegisterTargetRequest(engine_id="d0-0", incarnation=d0.incarnation)
+        request = pb.RegisterTargetsRequest(engine_id="d0-0", incarnation=d0.incarnation)
         for n in range(4):
             request.targets.add(transfer_id=f"b{n}", block_ids=range(60), generation=1)
-        response = await c.call("RegisterTarget", request, "d0")
+        response = await c.call("RegisterTargets", request, "d0")
         errors = [status_error(r.status) for r in response.results]
         assert errors[:3] == [None, None, None]
         assert errors[3] is not None and errors[3][0] == EXHAUSTED

@@ -158,31 +158,31 @@ def item_error(result: pb.ItemResult) -> tuple[str, str, dict[str, str]]:
 async def test_a_non_participant_learns_no_abort_message(stub: pb_grpc.RendezvousServiceStub) -> None:
     for name, role in (("d0", CONSUMER), ("d1", CONSUMER), ("p1", PRODUCER)):
         await register(stub, name, role)
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
     )
     secret = "p0's disk at /srv/kv failed"
-    await stub.AbortTransfer(
-        pb.AbortTransferRequest(engine_id="d0", aborts=[pb.AbortSpec(transfer_id="t", message=secret)])
+    await stub.AbortTransfers(
+        pb.AbortTransfersRequest(engine_id="d0", aborts=[pb.AbortSpec(transfer_id="t", message=secret)])
     )
-    other_target = pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
-    other_claim = pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")])
-    for reply in (await stub.RegisterTarget(other_target), await stub.ClaimTransfer(other_claim)):
+    other_target = pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    other_claim = pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")])
+    for reply in (await stub.RegisterTargets(other_target), await stub.ClaimTransfers(other_claim)):
         reason, text, metadata = item_error(reply.results[0])
         assert reason == "TRANSFER_ENDED" and "/srv/kv" not in text and "REQUESTED" not in text
         assert "abort_reason" not in metadata and "state" not in metadata
     # The participant still learns why.
-    own = pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[2])])
-    reason, text, metadata = item_error((await stub.RegisterTarget(own)).results[0])
+    own = pb.RegisterTargetsRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[2])])
+    reason, text, metadata = item_error((await stub.RegisterTargets(own)).results[0])
     assert reason == "TRANSFER_ENDED" and secret in text and metadata["abort_reason"] == "REQUESTED"
 
 
 async def test_the_halves_of_a_pre_aborted_id_learn_why(stub: pb_grpc.RendezvousServiceStub) -> None:
     await register(stub, "d0")
     abort_ = pb.AbortSpec(transfer_id="t", message="the client went away")
-    await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[abort_]))  # the router, before either half
-    request = pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
-    reason, text, metadata = item_error((await stub.RegisterTarget(request)).results[0])
+    await stub.AbortTransfers(pb.AbortTransfersRequest(aborts=[abort_]))  # the router, before either half
+    request = pb.RegisterTargetsRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    reason, text, metadata = item_error((await stub.RegisterTargets(request)).results[0])
     assert reason == "TRANSFER_ENDED" and "went away" in text and metadata["abort_reason"] == "REQUESTED"
 
 
@@ -198,9 +198,9 @@ async def bound(tmp_path: Path, store: str) -> AsyncIterator[grpc.aio.Channel]:
 
 
 async def abort(channel: grpc.aio.Channel, engine: str, transfer_id: str) -> pb.ItemResult:
-    request = pb.AbortTransferRequest(engine_id=engine, aborts=[pb.AbortSpec(transfer_id=transfer_id, message="x")])
+    request = pb.AbortTransfersRequest(engine_id=engine, aborts=[pb.AbortSpec(transfer_id=transfer_id, message="x")])
     token = TOKENS[engine] if engine else ROUTER
-    result: pb.ItemResult = (await call(channel, "AbortTransfer", request, token)).results[0]
+    result: pb.ItemResult = (await call(channel, "AbortTransfers", request, token)).results[0]
     return result
 
 
@@ -218,7 +218,7 @@ async def test_an_unbound_engine_cannot_pre_abort_a_routers_transfer(bound: grpc
     assert info(await target(bound, "d0", "t2", signed("t2")))[0] == "TRANSFER_ENDED"
 
 
-# 6. MarkSourceReady + AcknowledgeRevocation: no existence oracle.
+# 6. MarkSourcesReady + AcknowledgeRevocations: no existence oracle.
 
 
 async def test_mark_source_ready_then_acknowledge_answers_a_foreign_id_as_an_unknown_one(
@@ -229,14 +229,14 @@ async def test_mark_source_ready_then_acknowledge_answers_a_foreign_id_as_an_unk
     assert info(await claim(bound, "p0", "t-foreign", signed("t-foreign"))) == ("", "")
 
     async def probe(transfer_id: str) -> list[bytes]:
-        ready = pb.MarkSourceReadyRequest(
+        ready = pb.MarkSourcesReadyRequest(
             engine_id="p1", sources=[pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[1, 2])]
         )
-        ack = pb.AcknowledgeRevocationRequest(
+        ack = pb.AcknowledgeRevocationsRequest(
             engine_id="p1", acks=[pb.RevocationAck(transfer_id=transfer_id, generation=1)]
         )
         answers = []
-        for method, request in (("MarkSourceReady", ready), ("AcknowledgeRevocation", ack)):
+        for method, request in (("MarkSourcesReady", ready), ("AcknowledgeRevocations", ack)):
             result: pb.ItemResult = (await call(bound, method, request, TOKENS["p1"])).results[0]
             result.transfer_id = ""
             answers.append(result.status.SerializeToString(deterministic=True).replace(transfer_id.encode(), b"<id>"))
@@ -255,17 +255,17 @@ async def test_a_credit_reserved_on_one_consumer_holds_against_another(stub: pb_
         pb.ReserveCreditsRequest(reservations=[pb.CreditSpec(transfer_id="t", engine_id="d0", blocks=1)])
     )
     assert not reserved.results[0].HasField("status")
-    d1 = pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
-    reason, text, _ = item_error((await stub.RegisterTarget(d1)).results[0])
+    d1 = pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    reason, text, _ = item_error((await stub.RegisterTargets(d1)).results[0])
     assert reason == "CREDIT_CONFLICT" and "another consumer" in text and "d0" not in text
     await stub.ReleaseCredits(pb.ReleaseCreditsRequest(transfer_ids=["t"]))
-    assert (await stub.RegisterTarget(d1)).results[0].state == pb.TRANSFER_STATE_TARGETED
+    assert (await stub.RegisterTargets(d1)).results[0].state == pb.TRANSFER_STATE_TARGETED
     # The consumer the router chose is admitted as before.
     await stub.ReserveCredits(
         pb.ReserveCreditsRequest(reservations=[pb.CreditSpec(transfer_id="t2", engine_id="d0", blocks=1)])
     )
-    d0 = pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t2", block_ids=[1])])
-    assert (await stub.RegisterTarget(d0)).results[0].state == pb.TRANSFER_STATE_TARGETED
+    d0 = pb.RegisterTargetsRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t2", block_ids=[1])])
+    assert (await stub.RegisterTargets(d0)).results[0].state == pb.TRANSFER_STATE_TARGETED
 
 
 # 3. Engine.live_transfers counts unsettled transfers: an abort awaiting its revocation ack is one.
@@ -276,10 +276,12 @@ async def test_live_transfers_count_an_abort_until_its_revocation_is_acknowledge
 ) -> None:
     await register(stub, "d0")
     await register(stub, "p0", PRODUCER)
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
     )
-    matched = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t")]))
+    matched = await stub.ClaimTransfers(
+        pb.ClaimTransfersRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t")])
+    )
     assert matched.results[0].state == pb.TRANSFER_STATE_MATCHED
 
     async def live() -> list[int]:
@@ -290,13 +292,13 @@ async def test_live_transfers_count_an_abort_until_its_revocation_is_acknowledge
 
     assert await live() == [1, 1]
     # The consumer aborts while the producer may be writing generation 1: d0's blocks stay pinned.
-    await stub.AbortTransfer(pb.AbortTransferRequest(engine_id="d0", aborts=[pb.AbortSpec(transfer_id="t")]))
+    await stub.AbortTransfers(pb.AbortTransfersRequest(engine_id="d0", aborts=[pb.AbortSpec(transfer_id="t")]))
     transfer = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))).transfer
     assert (transfer.state, transfer.revoking_generation) == (pb.TRANSFER_STATE_ABORTED, 1)
     assert await live() == [1, 1]
     assert not any("ABORTED" in s for s in (await stub.GetStatus(pb.GetStatusRequest())).transfers_by_state)
-    await stub.AcknowledgeRevocation(
-        pb.AcknowledgeRevocationRequest(engine_id="p0", acks=[pb.RevocationAck(transfer_id="t", generation=1)])
+    await stub.AcknowledgeRevocations(
+        pb.AcknowledgeRevocationsRequest(engine_id="p0", acks=[pb.RevocationAck(transfer_id="t", generation=1)])
     )
     assert await live() == [0, 0]
 
@@ -334,23 +336,23 @@ async def test_a_duration_with_mixed_signs_is_refused(stub: pb_grpc.RendezvousSe
     for call_, request in (
         (stub.RegisterEngine, engine_request("d1", CONSUMER, lease_ttl=mixed)),
         (
-            stub.RegisterTarget,
-            pb.RegisterTargetRequest(
+            stub.RegisterTargets,
+            pb.RegisterTargetsRequest(
                 engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1], timeout=mixed)]
             ),
         ),
         (
-            stub.ClaimTransfer,
-            pb.ClaimTransferRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t", timeout=mixed)]),
+            stub.ClaimTransfers,
+            pb.ClaimTransfersRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t", timeout=mixed)]),
         ),
     ):
         await refused(call_(request), grpc.StatusCode.INVALID_ARGUMENT, "TIMEOUT_INVALID")
     # Both negative is a negative wait: refused for its item, as before.
-    negative = pb.RegisterTargetRequest(
+    negative = pb.RegisterTargetsRequest(
         engine_id="d0",
         targets=[pb.TargetSpec(transfer_id="t", block_ids=[1], timeout={"seconds": -5, "nanos": -5})],
     )
-    assert item_error((await stub.RegisterTarget(negative)).results[0])[0] == "TIMEOUT_INVALID"
+    assert item_error((await stub.RegisterTargets(negative)).results[0])[0] == "TIMEOUT_INVALID"
 
 
 async def test_a_target_of_no_blocks_matches_and_commits_with_nothing_to_write(
@@ -358,14 +360,14 @@ async def test_a_target_of_no_blocks_matches_and_commits_with_nothing_to_write(
 ) -> None:
     await register(stub, "d0")
     await register(stub, "p0", PRODUCER)
-    target_ = await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t")])
+    target_ = await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t")])
     )
     assert target_.results[0].state == pb.TRANSFER_STATE_TARGETED
-    claim_ = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t")]))
+    claim_ = await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p0", claims=[pb.ClaimSpec(transfer_id="t")]))
     assert claim_.results[0].state == pb.TRANSFER_STATE_MATCHED
     done = pb.CompletionSpec(transfer_id="t", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED)
-    completed = await stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id="p0", completions=[done]))
+    completed = await stub.CompleteTransfers(pb.CompleteTransfersRequest(engine_id="p0", completions=[done]))
     assert completed.results[0].state == pb.TRANSFER_STATE_COMMITTED
 
 
@@ -382,13 +384,13 @@ async def test_an_unstated_layout_field_matches_only_an_unstated_one(
         ("t-same", "p-unstated", pb.TRANSFER_STATE_MATCHED),
         ("t-differs", "p-stated", pb.TRANSFER_STATE_ABORTED),
     ):
-        await stub.RegisterTarget(
-            pb.RegisterTargetRequest(
+        await stub.RegisterTargets(
+            pb.RegisterTargetsRequest(
                 engine_id="d-unstated", targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1])]
             )
         )
-        claimed = await stub.ClaimTransfer(
-            pb.ClaimTransferRequest(engine_id=producer, claims=[pb.ClaimSpec(transfer_id=transfer_id)])
+        claimed = await stub.ClaimTransfers(
+            pb.ClaimTransfersRequest(engine_id=producer, claims=[pb.ClaimSpec(transfer_id=transfer_id)])
         )
         assert claimed.results[0].state == state
     aborted = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t-differs"))).transfer
@@ -400,7 +402,7 @@ async def test_reserve_credits_reports_the_first_fault_in_the_documented_order(
 ) -> None:
     await register(stub, "d0")
     await register(stub, "p0", PRODUCER)
-    await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t-ended")]))
+    await stub.AbortTransfers(pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id="t-ended")]))
     huge = 1 << 40
     cases = [
         (pb.CreditSpec(transfer_id="t-ended", engine_id="nobody", blocks=huge), "ENGINE_NOT_FOUND"),
@@ -465,10 +467,10 @@ async def test_replicas_targeting_at_once_never_pass_the_live_block_budget(
         for i in range(16):
             await replicas[i % 2].RegisterEngine(engine_request(f"e-{i:02d}", CONSUMER), metadata=metadata)
 
-        async def target_(i: int) -> pb.RegisterTargetResponse:
+        async def target_(i: int) -> pb.RegisterTargetsResponse:
             spec = pb.TargetSpec(transfer_id=f"t-{i:02d}", block_ids=range(10))
-            request = pb.RegisterTargetRequest(engine_id=f"e-{i:02d}", targets=[spec])
-            reply: pb.RegisterTargetResponse = await replicas[i % 2].RegisterTarget(request, metadata=metadata)
+            request = pb.RegisterTargetsRequest(engine_id=f"e-{i:02d}", targets=[spec])
+            reply: pb.RegisterTargetsResponse = await replicas[i % 2].RegisterTargets(request, metadata=metadata)
             return reply
 
         replies = await asyncio.gather(*(target_(i) for i in range(16)))

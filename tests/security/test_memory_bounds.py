@@ -11,7 +11,7 @@ over gRPC with the memory and the Redis store.
 - Registrations in flight together on one server cannot pass the agent metadata budget between them, nor
   target batches in flight together the live-block budget (memory store; Redis checks it in its script).
 - A Watch reader that stops reading is dropped once the responses readers have not taken pass
-  `max_watch_buffer_bytes` (RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED), and resumes from its revision.
+  `max_watch_buffer_bytes` (RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED), and resumes from its sequence.
 
 Sizes are asserted on what the stores count (`answer_bytes`, `event_log_bytes`, the stored records), not on RSS.
 """
@@ -130,17 +130,17 @@ async def test_an_event_log_is_bounded_in_bytes_and_its_watcher_resyncs(store_ur
         for n in range(24):  # register 4,096 blocks, claim, abort, repeat
             tid = f"t{n}"
             await c.target(d0, tid, blocks, "d0")
-            claim = pb.ClaimTransferRequest(engine_id=p0.engine_id, incarnation=p0.incarnation)
+            claim = pb.ClaimTransfersRequest(engine_id=p0.engine_id, incarnation=p0.incarnation)
             claim.claims.add(transfer_id=tid)
-            await c.call("ClaimTransfer", claim, "p0")
-            abort = pb.AbortTransferRequest(engine_id=d0.engine_id, incarnation=d0.incarnation)
+            await c.call("ClaimTransfers", claim, "p0")
+            abort = pb.AbortTransfersRequest(engine_id=d0.engine_id, incarnation=d0.incarnation)
             abort.aborts.add(transfer_id=tid, message="again")
-            await c.call("AbortTransfer", abort, "d0")
+            await c.call("AbortTransfers", abort, "d0")
         # The producer's log: a TRANSFER_ASSIGNED (4,096 block ids) and a TRANSFER_ENDED per round.
         assert 0 < await store.event_log_bytes("p0-0") <= 256 << 10
         assert await store.event_log_bytes("d0-0") <= 256 << 10
-        # The oldest events went: a watcher from the first revision is told to resync (and relist).
-        stream = c.stub.Watch(pb.WatchRequest(engine_id="p0-0", start_revision=1), metadata=_auth("p0"), timeout=10)
+        # The oldest events went: a watcher from the first sequence is told to resync (and relist).
+        stream = c.stub.Watch(pb.WatchRequest(engine_id="p0-0", start_sequence=1), metadata=_auth("p0"), timeout=10)
         responses = [await stream.read() for _ in range(2)]
         stream.cancel()
         assert responses[1].resync_required
@@ -156,17 +156,17 @@ async def _assign_rounds(c: Client, consumer: str, producers: list[str], blocks:
         tid = f"{consumer}-t{n}"
         producer = engines[n % len(engines)]
         await c.target(d, tid, blocks, who)
-        claim = pb.ClaimTransferRequest(engine_id=producer.engine_id, incarnation=producer.incarnation)
+        claim = pb.ClaimTransfersRequest(engine_id=producer.engine_id, incarnation=producer.incarnation)
         claim.claims.add(transfer_id=tid)
-        await c.call("ClaimTransfer", claim, "p0")
-        abort = pb.AbortTransferRequest(engine_id=d.engine_id, incarnation=d.incarnation)
+        await c.call("ClaimTransfers", claim, "p0")
+        abort = pb.AbortTransfersRequest(engine_id=d.engine_id, incarnation=d.incarnation)
         abort.aborts.add(transfer_id=tid, message="again")
-        await c.call("AbortTransfer", abort, who)
+        await c.call("AbortTransfers", abort, who)
 
 
 async def _watch_first(c: Client, engine_id: str, who: str) -> pb.WatchResponse:
-    """What a watcher from revision 1 hears after the snapshot: events from 1, or resync_required."""
-    stream = c.stub.Watch(pb.WatchRequest(engine_id=engine_id, start_revision=1), metadata=_auth(who), timeout=10)
+    """What a watcher from sequence 1 hears after the snapshot: events from 1, or resync_required."""
+    stream = c.stub.Watch(pb.WatchRequest(engine_id=engine_id, start_sequence=1), metadata=_auth(who), timeout=10)
     responses: list[pb.WatchResponse] = [await stream.read() for _ in range(2)]
     stream.cancel()
     return responses[1]
@@ -185,9 +185,9 @@ async def test_an_identitys_event_logs_are_bounded_together_oldest_first(store_u
         # The oldest of p0's events went first (p0-0's first TRANSFER_ASSIGNED): its watcher resyncs; the newest
         # stays: p0-3's last event is the newest of the identity.
         assert (await _watch_first(c, "p0-0", "p0")).resync_required
-        # Another identity's log is not p0's to trim: d0's consumer still has every event from revision 1.
+        # Another identity's log is not p0's to trim: d0's consumer still has every event from sequence 1.
         first = await _watch_first(c, "d0-0", "d0")
-        assert not first.resync_required and first.events[0].revision == 1
+        assert not first.resync_required and first.events[0].sequence == 1
         assert await c.serving()
 
 
@@ -291,9 +291,9 @@ async def test_a_stalled_watch_reader_is_dropped_past_the_output_buffer_limit(
         async def assign(p: pb.Engine, n: int) -> None:
             tid = f"{p.engine_id}-t{n}"
             await c.target(d0, tid, 4, who["d0"])
-            claim = pb.ClaimTransferRequest(engine_id=p.engine_id, incarnation=p.incarnation)
+            claim = pb.ClaimTransfersRequest(engine_id=p.engine_id, incarnation=p.incarnation)
             claim.claims.add(transfer_id=tid)
-            await c.call("ClaimTransfer", claim, who["p0"])
+            await c.call("ClaimTransfers", claim, who["p0"])
 
         # The first reader's window fills: a response stays handed to gRPC and not taken.
         for n in range(8):
@@ -307,21 +307,21 @@ async def test_a_stalled_watch_reader_is_dropped_past_the_output_buffer_limit(
         # Its handler ends at once (the events it read and its response freed), without its reader.
         await _until(lambda: _gauge(c, "kv_rendezvous_watchers") == 1)
         # The dropped reader gets what was on its way, then RESOURCE_EXHAUSTED / BUDGET_EXHAUSTED; it resumes
-        # from the revision after the last event it received.
+        # from the sequence after the last event it received.
         last = 0
         with pytest.raises(grpc.aio.AioRpcError) as err:
             while True:
                 response = await streams[0].read()
                 if response.events:
-                    last = response.events[-1].revision
+                    last = response.events[-1].sequence
         converted = from_rpc_error(err.value)
         assert (converted.code, converted.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "BUDGET_EXHAUSTED")
         assert converted.metadata["budget"] == "watch_buffer_bytes"
-        resumed = c.stub.Watch(pb.WatchRequest(engine_id="p0-0", start_revision=last + 1), metadata=metadata)
+        resumed = c.stub.Watch(pb.WatchRequest(engine_id="p0-0", start_sequence=last + 1), metadata=metadata)
         await resumed.read()
         await assign(producers[0], 8)  # at least one event after those it received
         rest = await resumed.read()
-        assert rest.events and rest.events[0].revision == last + 1
+        assert rest.events and rest.events[0].sequence == last + 1
         resumed.cancel()
         streams[1].cancel()
         assert await c.serving()

@@ -106,8 +106,8 @@ async def test_a_revoked_producer_s_watch_delivers_no_assignment(
     p0 = await register(channel, "p0", P0)
     d0 = await register(channel, "d0", D0)
     ids = [f"t-{i}" for i in range(TRANSFERS)]
-    claims = pb.ClaimTransferRequest(engine_id="p0", incarnation=p0, claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
-    assert not [r for r in (await call(channel, "ClaimTransfer", claims, P0)).results if r.HasField("status")]
+    claims = pb.ClaimTransfersRequest(engine_id="p0", incarnation=p0, claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
+    assert not [r for r in (await call(channel, "ClaimTransfers", claims, P0)).results if r.HasField("status")]
     watch = pb_grpc.RendezvousServiceStub(channel).Watch(
         pb.WatchRequest(engine_id="p0"), metadata=bearer(P0), timeout=30
     )
@@ -115,10 +115,10 @@ async def test_a_revoked_producer_s_watch_delivers_no_assignment(
 
     revoke(server, without(P0))
     for t in ids:  # one assignment after another, each its own Watch message
-        target = pb.RegisterTargetRequest(
+        target = pb.RegisterTargetsRequest(
             engine_id="d0", incarnation=d0, targets=[pb.TargetSpec(transfer_id=t, block_ids=[1, 2])]
         )
-        assert not (await call(channel, "RegisterTarget", target, D0)).results[0].HasField("status")
+        assert not (await call(channel, "RegisterTargets", target, D0)).results[0].HasField("status")
 
     assigned = []
     with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -209,28 +209,28 @@ async def test_a_peer_at_every_size_limit_cannot_make_the_other_sides_watch_unde
     d = await stub.RegisterEngine(consumer)
     p = await stub.RegisterEngine(ranked_request("p", PRODUCER))
     ids = [f"t{i}" for i in range(8)]
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1, 2]) for t in ids])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1, 2]) for t in ids])
     )
-    claimed = await stub.ClaimTransfer(
-        pb.ClaimTransferRequest(engine_id="p", claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
+    claimed = await stub.ClaimTransfers(
+        pb.ClaimTransfersRequest(engine_id="p", claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
     )
     assert all(r.state == pb.TRANSFER_STATE_MATCHED for r in claimed.results)
     huge = "\u00e9" * (1 << 20)  # 2 MiB: one a request, under the server's 4 MiB message size
     for t in ids[:4]:
-        await stub.AbortTransfer(
-            pb.AbortTransferRequest(engine_id="d", aborts=[pb.AbortSpec(transfer_id=t, message=huge)])
+        await stub.AbortTransfers(
+            pb.AbortTransfersRequest(engine_id="d", aborts=[pb.AbortSpec(transfer_id=t, message=huge)])
         )
     for t in ids[4:]:
         failed = pb.CompletionSpec(transfer_id=t, outcome=pb.COMPLETION_OUTCOME_FAILED, message=huge)
-        await stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id="p", completions=[failed]))
+        await stub.CompleteTransfers(pb.CompleteTransfersRequest(engine_id="p", completions=[failed]))
 
-    producer_events = await watch_until(stub, "p", p.watch_start_revision, 12)
+    producer_events = await watch_until(stub, "p", p.watch_start_sequence, 12)
     assigned = [e for e in producer_events if e.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED]
     assert [e.transfer.transfer_id for e in assigned] == ids
     assert all(dict(e.peer.labels) == largest_labels() for e in assigned)
     assert all(sum(len(a.metadata) for a in e.peer.agents) == LIMITS.max_engine_agent_metadata_bytes for e in assigned)
-    consumer_events = await watch_until(stub, "d", d.watch_start_revision, 4)
+    consumer_events = await watch_until(stub, "d", d.watch_start_sequence, 4)
     aborted = [e for e in producer_events + consumer_events if e.type == pb.EVENT_TYPE_TRANSFER_ABORTED]
     assert sorted(e.transfer.transfer_id for e in aborted) == ids
     for event in aborted:
@@ -242,7 +242,7 @@ async def test_a_peer_at_every_size_limit_cannot_make_the_other_sides_watch_unde
 
 async def watch_until(stub: Stub, engine_id: str, start: int, count: int) -> list[pb.Event]:
     """The first count events of an engine's Watch from start, as a default client receives them."""
-    stream = stub.Watch(pb.WatchRequest(engine_id=engine_id, start_revision=start))
+    stream = stub.Watch(pb.WatchRequest(engine_id=engine_id, start_sequence=start))
     events: list[pb.Event] = []
     try:
         async for response in stream:

@@ -92,7 +92,7 @@ def test_the_default_message_size_admits_the_largest_registration_and_target() -
     target = pb.TargetSpec(
         transfer_id="t" * limits.max_id_length, block_ids=range(top - limits.max_blocks_per_target, top)
     )
-    request = pb.RegisterTargetRequest(engine_id="d" * limits.max_id_length, targets=[target])
+    request = pb.RegisterTargetsRequest(engine_id="d" * limits.max_id_length, targets=[target])
     assert request.ByteSize() < DEFAULT_MAX_MESSAGE_BYTES // 4
 
 
@@ -115,10 +115,10 @@ async def test_a_request_over_the_message_size_is_refused_unread(monkeypatch: py
         converted = counting(monkeypatch, convert, "block_ids")
         blocks = range(1 << 40, (1 << 40) + 65_536)  # 6 bytes a block id: 384 KiB a target
         targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=blocks) for i in range(12)]
-        request = pb.RegisterTargetRequest(engine_id="d0", incarnation=1, targets=targets)
+        request = pb.RegisterTargetsRequest(engine_id="d0", incarnation=1, targets=targets)
         assert request.ByteSize() > DEFAULT_MAX_MESSAGE_BYTES
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.RegisterTarget(request)
+            await stub.RegisterTargets(request)
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value.details()
         assert not converted
 
@@ -132,7 +132,7 @@ async def test_a_batch_over_the_item_cap_is_refused_before_any_item_is_converted
     converted = counting(monkeypatch, convert, "block_ids")
     targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i]) for i in range(9)]
     metadata = await refused(
-        stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d0", incarnation=1, targets=targets)),
+        stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d0", incarnation=1, targets=targets)),
         grpc.StatusCode.INVALID_ARGUMENT,
         Reason.BATCH_TOO_LARGE,
     )
@@ -149,7 +149,7 @@ async def test_a_completion_batch_over_the_parts_cap_is_refused_before_any_part_
         pb.CompletionSpec(transfer_id=f"t{i}", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts) for i in range(3)
     ]
     metadata = await refused(
-        stub.CompleteTransfer(pb.CompleteTransferRequest(engine_id="d0", incarnation=1, completions=completions)),
+        stub.CompleteTransfers(pb.CompleteTransfersRequest(engine_id="d0", incarnation=1, completions=completions)),
         grpc.StatusCode.INVALID_ARGUMENT,
         Reason.TOO_MANY_PARTS,
     )
@@ -173,15 +173,15 @@ async def test_an_item_over_its_own_limit_is_refused_alone_converting_one_past_t
 
     monkeypatch.setattr(convert, "block_ids", block_ids)
     targets = [pb.TargetSpec(transfer_id="long", block_ids=range(50)), pb.TargetSpec(transfer_id="t", block_ids=[1])]
-    registered = await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d0", incarnation=consumer.incarnation, targets=targets)
+    registered = await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d0", incarnation=consumer.incarnation, targets=targets)
     )
     assert converted_blocks == [9, 1]
     assert [error_reason(r) for r in registered.results] == ["TOO_MANY_BLOCKS", ""]
     parts = [pb.WrittenPart(first_token=i, num_tokens=1) for i in range(50)]
     completion = pb.CompletionSpec(transfer_id="t", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, parts=parts)
-    completed = await stub.CompleteTransfer(
-        pb.CompleteTransferRequest(engine_id="p0", incarnation=producer.incarnation, completions=[completion])
+    completed = await stub.CompleteTransfers(
+        pb.CompleteTransfersRequest(engine_id="p0", incarnation=producer.incarnation, completions=[completion])
     )
     assert len(converted_parts) == 9
     assert [error_reason(r) for r in completed.results] == ["TOO_MANY_PARTS"]
@@ -246,8 +246,8 @@ async def test_a_long_batch_gives_the_loop_to_other_tasks_between_items(
     ticker = asyncio.create_task(_tick(ticks))
     try:
         targets = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i]) for i in range(8)]
-        response = await stub.RegisterTarget(
-            pb.RegisterTargetRequest(engine_id="d0", incarnation=engine.incarnation, targets=targets)
+        response = await stub.RegisterTargets(
+            pb.RegisterTargetsRequest(engine_id="d0", incarnation=engine.incarnation, targets=targets)
         )
     finally:
         ticker.cancel()

@@ -120,18 +120,18 @@ async def target(
     channel: grpc.aio.Channel, engine: str, transfer_id: str, binding: Binding | None, token: str | None = None
 ) -> pb.ItemResult:
     spec = pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2], binding=message(binding))
-    request = pb.RegisterTargetRequest(engine_id=engine, targets=[spec])
-    result: pb.ItemResult = (await call(channel, "RegisterTarget", request, token or TOKENS[engine])).results[0]
+    request = pb.RegisterTargetsRequest(engine_id=engine, targets=[spec])
+    result: pb.ItemResult = (await call(channel, "RegisterTargets", request, token or TOKENS[engine])).results[0]
     return result
 
 
 async def claim(
     channel: grpc.aio.Channel, engine: str, transfer_id: str, binding: Binding | None, token: str | None = None
 ) -> pb.ItemResult:
-    request = pb.ClaimTransferRequest(
+    request = pb.ClaimTransfersRequest(
         engine_id=engine, claims=[pb.ClaimSpec(transfer_id=transfer_id, binding=message(binding))]
     )
-    result: pb.ItemResult = (await call(channel, "ClaimTransfer", request, token or TOKENS[engine])).results[0]
+    result: pb.ItemResult = (await call(channel, "ClaimTransfers", request, token or TOKENS[engine])).results[0]
     return result
 
 
@@ -139,8 +139,8 @@ async def mark_ready(
     channel: grpc.aio.Channel, engine: str, transfer_id: str, binding: Binding | None
 ) -> pb.ItemResult:
     spec = pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[1, 2], binding=message(binding))
-    request = pb.MarkSourceReadyRequest(engine_id=engine, sources=[spec])
-    result: pb.ItemResult = (await call(channel, "MarkSourceReady", request, TOKENS[engine])).results[0]
+    request = pb.MarkSourcesReadyRequest(engine_id=engine, sources=[spec])
+    result: pb.ItemResult = (await call(channel, "MarkSourcesReady", request, TOKENS[engine])).results[0]
     return result
 
 
@@ -218,7 +218,7 @@ async def test_batched_items_each_carry_their_own_binding(
         pb.TargetSpec(transfer_id="t-c", block_ids=[3]),
         pb.TargetSpec(transfer_id="t-d", block_ids=[4], binding=message(signed("t-d"))),
     ]
-    response = await call(channel, "RegisterTarget", pb.RegisterTargetRequest(engine_id="d0", targets=specs), D0)
+    response = await call(channel, "RegisterTargets", pb.RegisterTargetsRequest(engine_id="d0", targets=specs), D0)
     assert [info(r)[0] for r in response.results] == ["", "BINDING_INVALID", "BINDING_REQUIRED", ""]
     refused = [r for r in caplog.records if r.getMessage() == "transfer half refused"]
     assert sorted((r.__dict__["transfer_id"], r.__dict__["reason"]) for r in refused) == [
@@ -237,10 +237,10 @@ async def test_an_engine_holding_its_half_needs_no_live_binding_to_re_register(
     clock.advance(2.1)  # the binding expires (whole seconds): a new half with it is refused
     assert info(await target(channel, "d0", "t-2", signed("t-2", ttl=1.5))) == ("BINDING_INVALID", "expire_time")
     spec = pb.TargetSpec(transfer_id="t-1", block_ids=[3, 4], generation=2, binding=message(soon))
-    result = await call(channel, "RegisterTarget", pb.RegisterTargetRequest(engine_id="d0", targets=[spec]), D0)
+    result = await call(channel, "RegisterTargets", pb.RegisterTargetsRequest(engine_id="d0", targets=[spec]), D0)
     assert info(result.results[0]) == ("", "")
     spec = pb.TargetSpec(transfer_id="t-1", block_ids=[5, 6], generation=3)
-    result = await call(channel, "RegisterTarget", pb.RegisterTargetRequest(engine_id="d0", targets=[spec]), D0)
+    result = await call(channel, "RegisterTargets", pb.RegisterTargetsRequest(engine_id="d0", targets=[spec]), D0)
     assert info(result.results[0]) == ("", "")
     assert info(await claim(channel, "p0", "t-1", None)) == ("", "")
     # Still nobody else.

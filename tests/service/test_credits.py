@@ -1,4 +1,4 @@
-"""Decode admission credits over gRPC: declared capacity, RegisterTarget refusals, ReserveCredits /
+"""Decode admission credits over gRPC: declared capacity, RegisterTargets refusals, ReserveCredits /
 ReleaseCredits, conversion of a reservation into the live target, TTL and lease-end reclamation, bad input.
 Real server on 127.0.0.1, memory and Redis stores; the server's time is a fake clock the tests move."""
 

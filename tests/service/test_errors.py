@@ -21,7 +21,7 @@ Code = grpc.StatusCode
 
 
 async def target(stub: Stub, *specs: pb.TargetSpec, engine_id: str = "d1") -> list[pb.ItemResult]:
-    return list((await stub.RegisterTarget(pb.RegisterTargetRequest(engine_id=engine_id, targets=specs))).results)
+    return list((await stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id=engine_id, targets=specs))).results)
 
 
 @pytest.mark.parametrize(
@@ -50,15 +50,15 @@ async def test_conflicting_reregistration(stub: Stub) -> None:
 
 async def test_unknown_engine_and_transfer(stub: Stub) -> None:
     await expect_error(
-        stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="ghost", targets=[pb.TargetSpec(transfer_id="t")])),
+        stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id="ghost", targets=[pb.TargetSpec(transfer_id="t")])),
         Code.NOT_FOUND,
         "ENGINE_NOT_FOUND",
     )
     await expect_error(stub.GetEngine(pb.GetEngineRequest(engine_id="ghost")), Code.NOT_FOUND, "ENGINE_NOT_FOUND")
     await expect_error(stub.GetTransfer(pb.GetTransferRequest(transfer_id="t")), Code.NOT_FOUND, "TRANSFER_NOT_FOUND")
     await register_pair(stub)
-    result = await stub.ReleaseTarget(
-        pb.ReleaseTargetRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t")])
+    result = await stub.ReleaseTargets(
+        pb.ReleaseTargetsRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t")])
     )
     assert item_reason(result.results[0].status) == "TRANSFER_NOT_FOUND"
 
@@ -101,7 +101,9 @@ async def test_layout_mismatch_is_reported_to_both(stub: Stub) -> None:
     )
     await stub.RegisterEngine(other)
     await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]))
-    claimed = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    claimed = await stub.ClaimTransfers(
+        pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")])
+    )
     assert claimed.results[0].state == pb.TRANSFER_STATE_ABORTED
     t = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))).transfer
     assert t.abort_reason == pb.ABORT_REASON_LAYOUT_MISMATCH and "model_fingerprint" in t.abort_message
@@ -116,7 +118,9 @@ async def test_data_plane_versions_are_checked_at_registration_and_match(stub: S
     producer.layout.data_plane_version = 2
     await stub.RegisterEngine(producer)
     await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]))
-    claimed = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    claimed = await stub.ClaimTransfers(
+        pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")])
+    )
     assert claimed.results[0].state == pb.TRANSFER_STATE_ABORTED
     t = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))).transfer
     assert t.abort_reason == pb.ABORT_REASON_DATA_PLANE_MISMATCH
@@ -136,7 +140,7 @@ async def test_limits_exceeded(stub: Stub) -> None:
     await register_pair(stub)
     too_many = [pb.TargetSpec(transfer_id=f"t{i}", block_ids=[1]) for i in range(129)]
     await expect_error(
-        stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d1", targets=too_many)),
+        stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d1", targets=too_many)),
         Code.INVALID_ARGUMENT,
         "BATCH_TOO_LARGE",
     )
@@ -148,10 +152,10 @@ async def test_limits_exceeded(stub: Stub) -> None:
         w.cancel()
 
 
-async def test_malformed_watch_revision(stub: Stub) -> None:
+async def test_malformed_watch_sequence(stub: Stub) -> None:
     await register_pair(stub)
     await expect_error(
-        stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=10**9)).read(), Code.OUT_OF_RANGE, "REVISION_INVALID"
+        stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=10**9)).read(), Code.OUT_OF_RANGE, "SEQUENCE_INVALID"
     )
     await expect_error(stub.Watch(pb.WatchRequest(engine_id="ghost")).read(), Code.NOT_FOUND, "ENGINE_NOT_FOUND")
 
@@ -166,8 +170,8 @@ async def test_bad_page_token_and_state_filter(stub: Stub) -> None:
 
 async def test_unspecified_completion_outcome(stub: Stub) -> None:
     await register_pair(stub)
-    result = await stub.CompleteTransfer(
-        pb.CompleteTransferRequest(engine_id="p1", completions=[pb.CompletionSpec(transfer_id="t", generation=1)])
+    result = await stub.CompleteTransfers(
+        pb.CompleteTransfersRequest(engine_id="p1", completions=[pb.CompletionSpec(transfer_id="t", generation=1)])
     )
     assert item_reason(result.results[0].status) == "OUTCOME_UNSPECIFIED"
 
@@ -257,16 +261,16 @@ async def test_an_unknown_transfer_mode_is_refused_per_item(stub: Stub) -> None:
 async def test_generation_zero_means_one_in_every_call(stub: Stub) -> None:
     await register_pair(stub)
     await target(stub, pb.TargetSpec(transfer_id="t", block_ids=[1]))
-    await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
-    completed = await stub.CompleteTransfer(
-        pb.CompleteTransferRequest(
+    await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    completed = await stub.CompleteTransfers(
+        pb.CompleteTransfersRequest(
             engine_id="p1",
             completions=[pb.CompletionSpec(transfer_id="t", outcome=pb.COMPLETION_OUTCOME_SUCCEEDED)],
         )
     )
     assert completed.results[0].state == pb.TRANSFER_STATE_COMMITTED
-    released = await stub.ReleaseTarget(
-        pb.ReleaseTargetRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t")])
+    released = await stub.ReleaseTargets(
+        pb.ReleaseTargetsRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t")])
     )
     assert released.results[0].state == pb.TRANSFER_STATE_RELEASED
 

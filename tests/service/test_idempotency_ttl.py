@@ -53,15 +53,15 @@ async def test_a_retry_after_the_idempotency_ttl_is_answered_afresh(server_confi
             stub = pb_grpc.RendezvousServiceStub(channel)
             await stub.RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
             await stub.RegisterEngine(engine_request("p1", pb.ENGINE_ROLE_PRODUCER))
-            claim = pb.ClaimTransferRequest(request_id="r-1", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
-            first = await stub.ClaimTransfer(claim)
+            claim = pb.ClaimTransfersRequest(request_id="r-1", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
+            first = await stub.ClaimTransfers(claim)
             assert first.results[0].state == pb.TRANSFER_STATE_CLAIMED
-            await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t1")]))
-            assert await stub.ClaimTransfer(claim) == first  # within the TTL: the first answer
+            await stub.AbortTransfers(pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id="t1")]))
+            assert await stub.ClaimTransfers(claim) == first  # within the TTL: the first answer
             clock.advance(0.29)
-            assert await stub.ClaimTransfer(claim) == first  # still within it
+            assert await stub.ClaimTransfers(claim) == first  # still within it
             clock.advance(0.02)
-            again = await stub.ClaimTransfer(claim)  # past it: the request runs again
+            again = await stub.ClaimTransfers(claim)  # past it: the request runs again
             assert again.results[0].state == pb.TRANSFER_STATE_ABORTED
     finally:
         await server.stop(0)

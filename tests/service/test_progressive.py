@@ -35,16 +35,16 @@ def server_config() -> ServerConfig:
 
 async def target(stub: Stub, transfer_id: str, engine_id: str = "d1", **kw: Any) -> pb.ItemResult:
     spec = pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2], **kw)
-    response: pb.RegisterTargetResponse = await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id=engine_id, targets=[spec])
+    response: pb.RegisterTargetsResponse = await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id=engine_id, targets=[spec])
     )
     return response.results[0]
 
 
 async def claim(stub: Stub, transfer_id: str, engine_id: str = "p1") -> pb.ItemResult:
     claims = [pb.ClaimSpec(transfer_id=transfer_id)]
-    response: pb.ClaimTransferResponse = await stub.ClaimTransfer(
-        pb.ClaimTransferRequest(engine_id=engine_id, claims=claims)
+    response: pb.ClaimTransfersResponse = await stub.ClaimTransfers(
+        pb.ClaimTransfersRequest(engine_id=engine_id, claims=claims)
     )
     return response.results[0]
 
@@ -55,8 +55,8 @@ async def complete(
     spec = pb.CompletionSpec(
         transfer_id=transfer_id, generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED, ranks=ranks, parts=parts
     )
-    response: pb.CompleteTransferResponse = await stub.CompleteTransfer(
-        pb.CompleteTransferRequest(engine_id=engine_id, completions=[spec])
+    response: pb.CompleteTransfersResponse = await stub.CompleteTransfers(
+        pb.CompleteTransfersRequest(engine_id=engine_id, completions=[spec])
     )
     return response.results[0]
 
@@ -76,7 +76,7 @@ async def test_the_producer_sees_a_progressive_target_and_its_complete_parts_com
     stub: Stub, server: RendezvousServer
 ) -> None:
     _, p = await register_pair(stub)
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     await watch.read()
     await target(stub, "t1", num_tokens=32, progressive=True)
     assert (await claim(stub, "t1")).state == pb.TRANSFER_STATE_MATCHED
@@ -105,7 +105,7 @@ async def test_bad_parts_are_refused_and_the_transfer_stays_matched(
     stub: Stub, server: RendezvousServer, parts: list[pb.WrittenPart], code: grpc.StatusCode, reason: str
 ) -> None:
     d, _ = await register_pair(stub)
-    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=d.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=d.watch_start_sequence))
     await watch.read()
     await target(stub, "t1", num_tokens=32, progressive=True)
     await claim(stub, "t1")
@@ -114,7 +114,7 @@ async def test_bad_parts_are_refused_and_the_transfer_stays_matched(
     # A later transfer's abort is the consumer's next event: no TRANSFER_COMMITTED came before it.
     await target(stub, "t2")
     await claim(stub, "t2")
-    await stub.AbortTransfer(pb.AbortTransferRequest(engine_id="p1", aborts=[pb.AbortSpec(transfer_id="t2")]))
+    await stub.AbortTransfers(pb.AbortTransfersRequest(engine_id="p1", aborts=[pb.AbortSpec(transfer_id="t2")]))
     (event,) = await next_events(watch)
     assert (event.type, event.transfer.transfer_id) == (pb.EVENT_TYPE_TRANSFER_ABORTED, "t2")
     # The producer may report again, correctly.

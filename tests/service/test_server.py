@@ -69,13 +69,13 @@ async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: Server
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.RendezvousServiceStub(channel)
             await stub.RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
-            await stub.RegisterTarget(
-                pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+            await stub.RegisterTargets(
+                pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
             )
-            await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t")]))
+            await stub.AbortTransfers(pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id="t")]))
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-        assert 'kv_rendezvous_rpcs_total{code="OK",method="RegisterTarget"} 1.0' in body
+        assert 'kv_rendezvous_rpcs_total{code="OK",method="RegisterTargets"} 1.0' in body
         assert 'kv_rendezvous_transfer_aborts_total{reason="REQUESTED"} 1.0' in body
         assert "kv_rendezvous_match_wait_seconds_bucket" in body
         # The memory budget's gauges follow the store (refreshed every health_interval).
@@ -163,9 +163,9 @@ async def test_an_abort_is_logged_with_its_transfer_id(
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
         await stub.RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
-        await stub.RegisterTarget(
-            pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t-logged", block_ids=[1])])
+        await stub.RegisterTargets(
+            pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t-logged", block_ids=[1])])
         )
-        await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t-logged")]))
+        await stub.AbortTransfers(pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id="t-logged")]))
     (record,) = [r for r in caplog.records if r.getMessage() == "transfer aborted"]
     assert (record.transfer_id, record.abort_reason, record.from_state) == ("t-logged", "REQUESTED", "TARGETED")  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from rendezvous.protocol.errors import ERROR_DOMAIN
 from rendezvous.server import RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -24,7 +25,7 @@ def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
     (detail,) = status.details
     info = error_details_pb2.ErrorInfo()
     assert detail.Unpack(info)
-    assert info.domain == "kv-rendezvous"
+    assert info.domain == ERROR_DOMAIN
     return info
 
 
@@ -58,13 +59,15 @@ async def next_events(stream: grpc.aio.UnaryStreamCall, n: int = 1) -> list[pb.E
 
 async def test_push_lifecycle_over_grpc_delivers_the_assignment_to_the_watching_producer(stub: Stub) -> None:
     d, p = await register_pair(stub)
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     established = await watch.read()
     assert established.header.epoch == p.header.epoch and not established.events
-    claimed = await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")]))
+    claimed = await stub.ClaimTransfers(
+        pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
+    )
     assert claimed.results[0].state == pb.TRANSFER_STATE_CLAIMED
-    targeted = await stub.RegisterTarget(
-        pb.RegisterTargetRequest(
+    targeted = await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(
             engine_id="d1",
             incarnation=d.engine.incarnation,
             targets=[pb.TargetSpec(transfer_id="t1", block_ids=[5, 9], generation=1)],
@@ -75,16 +78,16 @@ async def test_push_lifecycle_over_grpc_delivers_the_assignment_to_the_watching_
     assert assigned.type == pb.EVENT_TYPE_TRANSFER_ASSIGNED
     assert list(assigned.transfer.target_block_ids) == [5, 9]
     assert assigned.peer.agents[0].metadata == b"md-d1-0"
-    assert assigned.revision == p.watch_start_revision
-    done = await stub.CompleteTransfer(
-        pb.CompleteTransferRequest(
+    assert assigned.sequence == p.watch_start_sequence
+    done = await stub.CompleteTransfers(
+        pb.CompleteTransfersRequest(
             engine_id="p1",
             completions=[pb.CompletionSpec(transfer_id="t1", generation=1, outcome=pb.COMPLETION_OUTCOME_SUCCEEDED)],
         )
     )
     assert done.results[0].state == pb.TRANSFER_STATE_COMMITTED
-    released = await stub.ReleaseTarget(
-        pb.ReleaseTargetRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t1", generation=1)])
+    released = await stub.ReleaseTargets(
+        pb.ReleaseTargetsRequest(engine_id="d1", releases=[pb.ReleaseSpec(transfer_id="t1", generation=1)])
     )
     assert released.results[0].state == pb.TRANSFER_STATE_RELEASED
     got = await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t1"))
@@ -92,22 +95,22 @@ async def test_push_lifecycle_over_grpc_delivers_the_assignment_to_the_watching_
     watch.cancel()
 
 
-async def test_watch_resumes_from_a_revision_after_a_disconnect(stub: Stub) -> None:
+async def test_watch_resumes_from_a_sequence_after_a_disconnect(stub: Stub) -> None:
     _, p = await register_pair(stub)
     for i in range(3):
-        await stub.RegisterTarget(
-            pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i])])
+        await stub.RegisterTargets(
+            pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=f"t{i}", block_ids=[i])])
         )
-        await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=f"t{i}")]))
-    first = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision, max_batch=1))
+        await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=f"t{i}")]))
+    first = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence, max_batch=1))
     await first.read()
     (e1,) = await next_events(first)
     first.cancel()
-    resumed = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=e1.revision + 1))
+    resumed = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=e1.sequence + 1))
     await resumed.read()
     rest = await next_events(resumed, 2)
     assert [e.transfer.transfer_id for e in [e1, *rest]] == ["t0", "t1", "t2"]
-    assert [e.revision for e in rest] == [e1.revision + 1, e1.revision + 2]
+    assert [e.sequence for e in rest] == [e1.sequence + 1, e1.sequence + 2]
     resumed.cancel()
 
 
@@ -116,28 +119,30 @@ async def test_a_watcher_behind_the_retained_log_is_told_to_resync(stub: Stub) -
     # The fixture keeps 64 events per engine; 70 assignments push the first ones out.
     for chunk in range(7):
         ids = [f"t{chunk}-{i}" for i in range(10)]
-        await stub.RegisterTarget(
-            pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids])
+        await stub.RegisterTargets(
+            pb.RegisterTargetsRequest(
+                engine_id="d1", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids]
+            )
         )
-        await stub.ClaimTransfer(
-            pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
+        await stub.ClaimTransfers(
+            pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id=t) for t in ids])
         )
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=1))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=1))
     await watch.read()
     resync = await watch.read()
-    assert resync.resync_required and resync.resync_revision == 71
+    assert resync.resync_required and resync.resync_sequence == 71
     watch.cancel()
 
 
 async def test_a_retry_with_the_same_request_id_returns_the_first_answer(stub: Stub) -> None:
     await register_pair(stub)
-    request = pb.ClaimTransferRequest(request_id="r-1", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
-    first = await stub.ClaimTransfer(request)
-    await stub.AbortTransfer(pb.AbortTransferRequest(aborts=[pb.AbortSpec(transfer_id="t1")]))
-    retry = await stub.ClaimTransfer(request)
+    request = pb.ClaimTransfersRequest(request_id="r-1", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
+    first = await stub.ClaimTransfers(request)
+    await stub.AbortTransfers(pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id="t1")]))
+    retry = await stub.ClaimTransfers(request)
     assert retry == first
-    fresh = await stub.ClaimTransfer(
-        pb.ClaimTransferRequest(request_id="r-2", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
+    fresh = await stub.ClaimTransfers(
+        pb.ClaimTransfersRequest(request_id="r-2", engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")])
     )
     assert fresh.results[0].state == pb.TRANSFER_STATE_ABORTED
 
@@ -166,12 +171,12 @@ async def test_keepalive_of_an_engine_the_server_does_not_know_ends_with_engine_
 async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(stub: Stub, server: RendezvousServer) -> None:
     d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
     p = await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))
-    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_revision=d.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=d.watch_start_sequence))
     await watch.read()
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
     )
-    await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")]))
+    await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")]))
     keep = stub.KeepAlive()
     aborted, lost = await next_events(watch, 2)
     assert aborted.type == pb.EVENT_TYPE_TRANSFER_ABORTED
@@ -188,7 +193,7 @@ async def test_list_and_get_engines_filter_by_pool_and_role(stub: Stub) -> None:
     await register_pair(stub)
     producers = await stub.ListEngines(pb.ListEnginesRequest(role=PRODUCER))
     assert [e.engine_id for e in producers.engines] == ["p1"]
-    slim = await stub.ListEngines(pb.ListEnginesRequest(pool="decode", omit_agent_metadata=True))
+    slim = await stub.ListEngines(pb.ListEnginesRequest(pool="decode", view=pb.ENGINE_VIEW_PLACEMENT))
     assert [e.engine_id for e in slim.engines] == ["d1"] and slim.engines[0].agents[0].metadata == b""
     got = await stub.GetEngine(pb.GetEngineRequest(engine_id="d1"))
     assert got.engine.agents[0].metadata == b"md-d1-0"
@@ -197,8 +202,8 @@ async def test_list_and_get_engines_filter_by_pool_and_role(stub: Stub) -> None:
 async def test_list_transfers_pages_in_id_order(stub: Stub) -> None:
     await register_pair(stub)
     ids = [f"t{i:02d}" for i in range(5)]
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids])
     )
     seen: list[str] = []
     token = ""
@@ -213,10 +218,10 @@ async def test_list_transfers_pages_in_id_order(stub: Stub) -> None:
 
 async def test_status_counts_engines_transfers_and_watchers(stub: Stub) -> None:
     _, p = await register_pair(stub)
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
     )
-    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     await watch.read()
     status = await stub.GetStatus(pb.GetStatusRequest())
     assert (status.live_engines, dict(status.transfers_by_state), status.watchers) == (2, {"TARGETED": 1}, 1)
@@ -227,8 +232,8 @@ async def test_status_counts_engines_transfers_and_watchers(stub: Stub) -> None:
 async def test_status_counts_live_transfers_only_not_tombstones(stub: Stub) -> None:
     await register_pair(stub)
     targets = [pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ("t1", "t2")]
-    await stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d1", targets=targets))
-    await stub.AbortTransfer(pb.AbortTransferRequest(engine_id="d1", aborts=[pb.AbortSpec(transfer_id="t2")]))
+    await stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d1", targets=targets))
+    await stub.AbortTransfers(pb.AbortTransfersRequest(engine_id="d1", aborts=[pb.AbortSpec(transfer_id="t2")]))
     assert (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t2"))).transfer.state == pb.TRANSFER_STATE_ABORTED
     status = await stub.GetStatus(pb.GetStatusRequest())
     assert dict(status.transfers_by_state) == {"TARGETED": 1}
@@ -238,25 +243,25 @@ async def test_a_watcher_that_stops_reading_never_blocks_the_server_and_resyncs_
     stub: Stub,
 ) -> None:
     _, p = await register_pair(stub)
-    slow = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+    slow = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
     await slow.read()
     # 600 assignments while the watcher reads nothing: ~10x the 64 events the fixture retains.
     for chunk in range(6):
         ids = [f"s{chunk}-{i}" for i in range(100)]
         targets = [pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ids]
-        await asyncio.wait_for(stub.RegisterTarget(pb.RegisterTargetRequest(engine_id="d1", targets=targets)), 5)
+        await asyncio.wait_for(stub.RegisterTargets(pb.RegisterTargetsRequest(engine_id="d1", targets=targets)), 5)
         claims = [pb.ClaimSpec(transfer_id=t) for t in ids]
-        await asyncio.wait_for(stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=claims)), 5)
-    expected = p.watch_start_revision
+        await asyncio.wait_for(stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=claims)), 5)
+    expected = p.watch_start_sequence
     resynced = False
     while expected <= 600:
         response = await asyncio.wait_for(slow.read(), 5)
         if response.resync_required:
             resynced = True
-            expected = response.resync_revision
+            expected = response.resync_sequence
             continue
         for event in response.events:
-            assert event.revision == expected, "a gap in revisions without a resync"
+            assert event.sequence == expected, "a gap in sequences without a resync"
             expected += 1
     assert resynced, "600 events cannot all have been buffered for a reader that stopped"
     slow.cancel()
@@ -264,11 +269,11 @@ async def test_a_watcher_that_stops_reading_never_blocks_the_server_and_resyncs_
 
 async def test_an_abort_after_assignment_tells_the_consumer_which_generation_to_wait_for(stub: Stub) -> None:
     await register_pair(stub)
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
     )
-    await stub.ClaimTransfer(pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
-    aborted = await stub.AbortTransfer(
-        pb.AbortTransferRequest(engine_id="d1", aborts=[pb.AbortSpec(transfer_id="t", message="gone")])
+    await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")]))
+    aborted = await stub.AbortTransfers(
+        pb.AbortTransfersRequest(engine_id="d1", aborts=[pb.AbortSpec(transfer_id="t", message="gone")])
     )
     assert (aborted.results[0].state, aborted.results[0].revoking_generation) == (pb.TRANSFER_STATE_ABORTED, 1)

@@ -29,13 +29,13 @@ async def test_headers_carry_a_revision_that_covers_what_the_call_wrote_and_the_
     async with start_test_server(store=store) as server, grpc.aio.insecure_channel(server.address) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
         d, p = await register_pair(stub)
-        watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_revision=p.watch_start_revision))
+        watch = stub.Watch(pb.WatchRequest(engine_id="p1", start_sequence=p.watch_start_sequence))
         await watch.read()  # established
-        targeted = await stub.RegisterTarget(
-            pb.RegisterTargetRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+        targeted = await stub.RegisterTargets(
+            pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
         )
-        claimed = await stub.ClaimTransfer(
-            pb.ClaimTransferRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")])
+        claimed = await stub.ClaimTransfers(
+            pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t")])
         )
         assigned = await watch.read()
         now = (await stub.GetTransfer(pb.GetTransferRequest(transfer_id="t"))).header.revision

@@ -57,8 +57,8 @@ async def test_list_engines_makes_the_same_few_store_calls_for_any_number_of_eng
 ) -> None:
     stub, store = counted
     await stub.RegisterEngine(engine_request("d0", pb.ENGINE_ROLE_CONSUMER))
-    await stub.RegisterTarget(
-        pb.RegisterTargetRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
+    await stub.RegisterTargets(
+        pb.RegisterTargetsRequest(engine_id="d0", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
     )
     store.calls.clear()
     one = await stub.ListEngines(pb.ListEnginesRequest())

@@ -48,18 +48,18 @@ def test_times_are_the_timestamps_of_their_nanoseconds(deadline: float, times: l
     t = Transfer("t-1", State.MATCHED, deadline, times=TransferTimes(*times))
     m = convert.transfer_message(t)
     assert m.HasField("times")
-    assert m.HasField("deadline") == bool(deadline)
+    assert m.HasField("deadline_time") == bool(deadline)
     if deadline:
-        assert m.deadline == _stamp(deadline)
+        assert m.deadline_time == _stamp(deadline)
     fields = ("target_time", "claim_time", "match_time", "source_ready_time", "commit_time", "end_time")
     for name, value in zip(fields, times, strict=True):
         assert m.times.HasField(name) == bool(value)
         if value:
             assert getattr(m.times, name) == _stamp(value)
-    event = wire.event_message(Event(EventType.TRANSFER_COMMITTED, at, t, 1, revision=4))
-    assert event.HasField("time") == bool(at)
+    event = wire.event_message(Event(EventType.TRANSFER_COMMITTED, at, t, 1, sequence=4))
+    assert event.HasField("event_time") == bool(at)
     if at:
-        assert event.time == _stamp(at)
+        assert event.event_time == _stamp(at)
 
 
 def test_a_peer_message_follows_the_record_the_event_carries() -> None:
@@ -87,7 +87,7 @@ def test_peers_with_large_metadata_are_built_every_time() -> None:
 def test_watch_responses_are_cut_as_paging_chunks_cuts_the_messages(sizes: list[int], budget: int) -> None:
     t = Transfer("t-1", State.MATCHED, 1.0)
     events = [
-        Event(EventType.TRANSFER_ASSIGNED, 1.0, t, 1, _engine(f"c-{i}", metadata=b"m" * size), revision=i + 1)
+        Event(EventType.TRANSFER_ASSIGNED, 1.0, t, 1, _engine(f"c-{i}", metadata=b"m" * size), sequence=i + 1)
         for i, size in enumerate(sizes)
     ]
     expected = list(paging.chunks((wire.event_message(e) for e in events), servicer._weigh, budget))

@@ -101,7 +101,7 @@ def test_unknown_numbers_read_as_unspecified_and_broken_records_are_codec_errors
         decode_event(b'[1,1,2.0,[1,"t"],0]', 1)
 
 
-def test_an_event_round_trips_with_its_revision_and_peer() -> None:
+def test_an_event_round_trips_with_its_sequence_and_peer() -> None:
     peer = Engine(
         engine_id="p",
         pool="pool",

@@ -88,9 +88,9 @@ async def test_a_fresh_store_knows_nothing(store: Store) -> None:
     assert await store.list_transfers() == []
     assert await store.list_transfers("e") == []
     assert await store.live_transfer_ids("e") == []
-    assert await store.last_event_revision("e") == 0
+    assert await store.last_event_sequence("e") == 0
     page = await store.read_events("e", 1, 10)
-    assert (list(page.events), page.last_revision, page.resync_revision) == ([], 0, None)
+    assert (list(page.events), page.last_sequence, page.resync_sequence) == ([], 0, None)
     assert await store.due_transfers(NOW + 1e6, 100) == []
     assert await store.lapsed_engines(NOW + 1e6, 0) == []
     counts = await store.counts()
@@ -123,7 +123,7 @@ async def test_an_engine_record_round_trips_exactly(store: Store) -> None:
         lease_expires_at=NOW + 1 / 3,
         registered_at=NOW,
         ended_at=0.0,
-        watch_start_revision=2**40 + 1,
+        watch_start_sequence=2**40 + 1,
     )
     await put_engine(store, engine)
     assert await store.get_engine("e:1/x") == engine
@@ -309,7 +309,7 @@ async def test_a_failing_transition_leaves_no_trace(store: Store) -> None:
     with pytest.raises(RuntimeError):
         await store.update_transfer("t", fail)
     assert await store.get_transfer("t") == before.transfer
-    assert await store.last_event_revision("c") == 0
+    assert await store.last_event_sequence("c") == 0
     assert await store.revision() == revision
 
 
@@ -413,7 +413,7 @@ async def test_concurrent_transitions_of_one_transfer_are_atomic(backend: str, m
     final = await stores[0].get_transfer("t")
     assert final is not None and final.num_tokens == total
     page = await stores[-1].read_events("c", 1, 10 * total)
-    assert [e.revision for e in page.events] == list(range(1, total + 1))
+    assert [e.sequence for e in page.events] == list(range(1, total + 1))
     assert sorted(e.transfer.num_tokens for e in page.events if e.transfer) == list(range(1, total + 1))
     assert calls >= total
 
@@ -602,17 +602,17 @@ async def test_each_engine_numbers_its_events_from_one(store: Store) -> None:
     t = make_transfer("t", State.MATCHED, producer="p")
     await put_transfer(store, t, [note("p", t), note("c", t, EventType.SOURCE_READY), note("p", t)])
     await store.append_events([note("c", None, EventType.PEER_LOST), note("nobody")])
-    assert await store.last_event_revision("p") == 2
-    assert await store.last_event_revision("c") == 2
-    assert await store.last_event_revision("nobody") == 0
+    assert await store.last_event_sequence("p") == 2
+    assert await store.last_event_sequence("c") == 2
+    assert await store.last_event_sequence("nobody") == 0
     p_page = await store.read_events("p", 1, 10)
-    assert [(e.revision, e.type) for e in p_page.events] == [
+    assert [(e.sequence, e.type) for e in p_page.events] == [
         (1, EventType.TRANSFER_ASSIGNED),
         (2, EventType.TRANSFER_ASSIGNED),
     ]
-    assert p_page.last_revision == 2 and p_page.resync_revision is None
+    assert p_page.last_sequence == 2 and p_page.resync_sequence is None
     c_page = await store.read_events("c", 1, 10)
-    assert [(e.revision, e.type) for e in c_page.events] == [(1, EventType.SOURCE_READY), (2, EventType.PEER_LOST)]
+    assert [(e.sequence, e.type) for e in c_page.events] == [(1, EventType.SOURCE_READY), (2, EventType.PEER_LOST)]
     assert c_page.events[0].transfer == t
     assert c_page.events[0].time == NOW and c_page.events[0].generation == 1
 
@@ -625,7 +625,7 @@ async def test_events_carry_their_peer_engine(store: Store) -> None:
     await put_transfer(store, t, [assigned])
     (event,) = (await store.read_events("p", 1, 10)).events
     assert event.peer == consumer
-    assert event == replace(assigned.event, revision=1)
+    assert event == replace(assigned.event, sequence=1)
 
 
 async def test_read_events_starts_anywhere_and_respects_the_limit(store: Store) -> None:
@@ -633,11 +633,11 @@ async def test_read_events_starts_anywhere_and_respects_the_limit(store: Store) 
     for _ in range(10):
         await store.append_events([note("c")])
     page = await store.read_events("c", 4, 3)
-    assert [e.revision for e in page.events] == [4, 5, 6]
-    assert page.last_revision == 10
-    assert [e.revision for e in (await store.read_events("c", 9, 100)).events] == [9, 10]
+    assert [e.sequence for e in page.events] == [4, 5, 6]
+    assert page.last_sequence == 10
+    assert [e.sequence for e in (await store.read_events("c", 9, 100)).events] == [9, 10]
     tail = await store.read_events("c", 11, 100)
-    assert (list(tail.events), tail.last_revision, tail.resync_revision) == ([], 10, None)
+    assert (list(tail.events), tail.last_sequence, tail.resync_sequence) == ([], 10, None)
 
 
 async def test_a_reader_behind_the_trimmed_log_is_told_to_resync(make_store: StoreFactory) -> None:
@@ -646,23 +646,23 @@ async def test_a_reader_behind_the_trimmed_log_is_told_to_resync(make_store: Sto
     # Redis trims whole stream nodes (MAXLEN ~), so write well past a node's worth.
     for _ in range(30):
         await store.append_events([note("c")] * 10)
-    last = await store.last_event_revision("c")
+    last = await store.last_event_sequence("c")
     assert last == 300
     behind = await store.read_events("c", 1, 10)
-    assert (list(behind.events), behind.last_revision, behind.resync_revision) == ([], 300, 301)
+    assert (list(behind.events), behind.last_sequence, behind.resync_sequence) == ([], 300, 301)
     recent = await store.read_events("c", 296, 10)
-    assert [e.revision for e in recent.events] == [296, 297, 298, 299, 300]
-    assert recent.resync_revision is None
+    assert [e.sequence for e in recent.events] == [296, 297, 298, 299, 300]
+    assert recent.resync_sequence is None
 
 
 async def test_deleting_an_engine_drops_its_log(store: Store) -> None:
     await put_engine(store, make_engine("c"))
     await store.append_events([note("c"), note("c")])
     await store.update_engine("c", lambda _cur: None)
-    assert await store.last_event_revision("c") == 0
+    assert await store.last_event_sequence("c") == 0
     await put_engine(store, make_engine("c", now=NOW + 1))
     await store.append_events([note("c")])
-    assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1]
+    assert [e.sequence for e in (await store.read_events("c", 1, 10)).events] == [1]
 
 
 async def test_a_deleted_or_reowned_engines_log_leaves_the_bounds_it_counted_in(make_store: StoreFactory) -> None:
@@ -677,21 +677,21 @@ async def test_a_deleted_or_reowned_engines_log_leaves_the_bounds_it_counted_in(
     await store.update_engine("a", lambda _cur: None)  # deleted: its 2 leave A's count and the server's
     await put_engine(store, replace(make_engine("b", now=NOW + 1), owner="B"))  # b's 1 moves from A to B
     await store.append_events([note("c"), note("c"), note("c")])  # A's 3 again, 4 in all: nothing trimmed
-    assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3]
-    assert [e.revision for e in (await store.read_events("b", 1, 10)).events] == [1]
+    assert [e.sequence for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3]
+    assert [e.sequence for e in (await store.read_events("b", 1, 10)).events] == [1]
     await store.append_events([note("b")])  # 5 over the server's 4: only the oldest of all (b's first) goes
-    assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3]
-    assert (await store.read_events("b", 1, 10)).resync_revision is not None
-    assert [e.revision for e in (await store.read_events("b", 2, 10)).events] == [2]
+    assert [e.sequence for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3]
+    assert (await store.read_events("b", 1, 10)).resync_sequence is not None
+    assert [e.sequence for e in (await store.read_events("b", 2, 10)).events] == [2]
 
 
-async def test_wait_events_returns_once_the_log_passes_the_revision(store: Store) -> None:
+async def test_wait_events_returns_once_the_log_passes_the_sequence(store: Store) -> None:
     await put_engine(store, make_engine("c"))
     await store.append_events([note("c")])
     # Already past: it returns at once, not after its own (hour-long) timeout; the 30 s only guard a hang.
     await asyncio.wait_for(store.wait_events("c", 0, timeout=3600), 30)
     waiter = asyncio.create_task(store.wait_events("c", 1, timeout=10))
-    # Not a synchronisation: whenever the waiter starts, revision 2 wakes it. This only shows it blocks.
+    # Not a synchronisation: whenever the waiter starts, sequence 2 wakes it. This only shows it blocks.
     await asyncio.sleep(0.05)
     assert not waiter.done()
     await store.append_events([note("c")])

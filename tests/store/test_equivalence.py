@@ -161,7 +161,7 @@ async def state(store: Store) -> Any:
     logs = {}
     for engine_id in CONSUMERS + PRODUCERS:
         page = await store.read_events(engine_id, 1, 100_000)
-        assert [e.revision for e in page.events] == list(range(1, len(page.events) + 1))
+        assert [e.sequence for e in page.events] == list(range(1, len(page.events) + 1))
         logs[engine_id] = Counter(
             (e.type, e.transfer, e.generation, e.peer.engine_id if e.peer else "", e.time) for e in page.events
         )

@@ -18,10 +18,10 @@ def logs(per_identity: int = 1_000, total: int = 1_000) -> EventLogs:
 
 
 def kept(event_logs: EventLogs, engine_id: str) -> tuple[int, int]:
-    """An engine's log as (first revision kept, last revision)."""
+    """An engine's log as (first sequence kept, last sequence)."""
     log = event_logs.get(engine_id)
     assert log is not None
-    return log.last_revision - len(log.events) + 1, log.last_revision
+    return log.last_sequence - len(log.events) + 1, log.last_sequence
 
 
 def test_an_identitys_bound_trims_the_oldest_of_its_engines_events_first() -> None:
@@ -35,7 +35,7 @@ def test_an_identitys_bound_trims_the_oldest_of_its_engines_events_first() -> No
     assert kept(event_logs, "a1") == (1, 3)
     assert kept(event_logs, "b0") == (1, 1)
     event_logs.append("a1", EVENT)
-    assert kept(event_logs, "a0") == (3, 2)  # emptied: a watcher from any kept revision resyncs
+    assert kept(event_logs, "a0") == (3, 2)  # emptied: a watcher from any kept sequence resyncs
     assert event_logs.bytes == 5 * SIZE
 
 

@@ -105,7 +105,7 @@ ENGINE = Engine(
     registered_at=1.25,
     ended_at=0.0,
     unlost_incarnation=3,
-    watch_start_revision=7,
+    watch_start_sequence=7,
     owner="spiffe://p",
     capacity=EngineCapacity(8, 100),
 )

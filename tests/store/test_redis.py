@@ -40,7 +40,7 @@ async def test_a_second_instance_sees_the_same_state_and_epoch(redis_pair: tuple
     t = await put_transfer(a, make_transfer("t"), [note("c")])
     assert await b.get_engine("c") == engine
     assert await b.get_transfer("t") == t.transfer
-    assert [e.revision for e in (await b.read_events("c", 1, 10)).events] == [1]
+    assert [e.sequence for e in (await b.read_events("c", 1, 10)).events] == [1]
     assert await b.revision() == await a.revision()
 
 
@@ -112,7 +112,7 @@ async def test_events_read_back_by_their_writer_equal_those_another_replica_deco
     redis_pair: tuple[RedisStore, RedisStore],
 ) -> None:
     """The writer keeps the events it wrote until read back (no decode then); a replica that did not write them
-    decodes the same bytes, and both answer equal events, with the revision and peer the log holds."""
+    decodes the same bytes, and both answer equal events, with the sequence and peer the log holds."""
     a, b = redis_pair
     consumer = await put_engine(a, make_engine("c"))
     await put_engine(a, make_engine("p"))
@@ -140,7 +140,7 @@ async def test_events_read_back_by_their_writer_equal_those_another_replica_deco
     assert (
         list(mine.events)
         == list(theirs.events)
-        == [replace(e.event, revision=r + 1) for r, (e, _) in enumerate(events)]
+        == [replace(e.event, sequence=r + 1) for r, (e, _) in enumerate(events)]
     )
     assert [e.peer for e in mine.events] == [consumer] * 3 and mine.events[0].transfer == transfers[0]
     assert (await a.read_events("c", 1, 10)).events == (await b.read_events("c", 1, 10)).events
@@ -204,7 +204,7 @@ async def test_a_replica_answers_a_revision_that_covers_its_own_writes_without_a
     assert by_b == await b.revision() > by_a
     assert await a.answered_revision() == by_a
     page = await a.read_events("c", 2, 10)  # b's event: a Watch on a sends it with a header that covers it
-    assert [e.revision for e in page.events] == [2]
+    assert [e.sequence for e in page.events] == [2]
     assert await a.answered_revision() == by_b
 
 
@@ -498,8 +498,8 @@ async def test_a_stream_ahead_of_its_counter_is_continued_after(redis_server: Co
         with redis_server.client() as r:
             r.hset("{ns}:e:c", "r", 1)  # as if someone restored an old copy of the engine hash
         await store.append_events([note("c")])
-        assert await store.last_event_revision("c") == 4
-        assert [e.revision for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3, 4]
+        assert await store.last_event_sequence("c") == 4
+        assert [e.sequence for e in (await store.read_events("c", 1, 10)).events] == [1, 2, 3, 4]
     finally:
         await store.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from clients import AsyncRendezvousClient, ClaimSpec, CompletionSpec, EngineRole, ReleaseSpec, TargetSpec, TransferState
 from tests.clients.test_client_aio import register
 
-CYCLE = ("RegisterEngine", "RegisterTarget", "ClaimTransfer", "CompleteTransfer", "ReleaseTarget")
+CYCLE = ("RegisterEngine", "RegisterTargets", "ClaimTransfers", "CompleteTransfers", "ReleaseTargets")
 """The RPCs of `cycle`."""
 
 

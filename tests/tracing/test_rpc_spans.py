@@ -43,7 +43,7 @@ async def test_the_service_span_of_a_batch_tells_each_transfer_and_its_state(
     traced: InMemorySpanExporter, client: AsyncRendezvousClient
 ) -> None:
     await cycle(client)
-    (claim,) = [s for s in named(traced.get_finished_spans(), "/ClaimTransfer") if s.kind is SpanKind.SERVER]
+    (claim,) = [s for s in named(traced.get_finished_spans(), "/ClaimTransfers") if s.kind is SpanKind.SERVER]
     assert claim.attributes is not None and claim.attributes["kv_rendezvous.engine_id"] == "p0"
     (item,) = claim.events
     assert item.name == "transfer"
@@ -65,7 +65,7 @@ def test_the_trace_context_goes_out_as_traceparent_metadata(traced: InMemorySpan
 
 async def test_off_no_span_is_recorded_and_every_span_is_the_shared_no_op(client: AsyncRendezvousClient) -> None:
     assert not tracing.enabled()
-    with tracing.span("request") as outer, tracing.rpc_span("ClaimTransfer", "p0") as rpc:
+    with tracing.span("request") as outer, tracing.rpc_span("ClaimTransfers", "p0") as rpc:
         await cycle(client)
     assert outer is rpc is tracing.NO_SPAN is tracing.start("write") is tracing.current()
     assert tracing.carrier() == {}

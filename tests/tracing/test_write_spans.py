@@ -1,5 +1,5 @@
 """The producer's write span: one per rank, from `ready` to the write's end, a child of the engine's span at
-`ready`, and the parent of its CompleteTransfer. A producer and a consumer rank share this process here."""
+`ready`, and the parent of its CompleteTransfers. A producer and a consumer rank share this process here."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ async def test_each_write_is_a_span_of_its_rank_under_the_span_that_handed_over_
             assert (await producer.claim("t1")).state is TransferState.MATCHED
             producer.ready("t1", [0, 1])
         assert (await asyncio.wait_for(arrived, WAIT)).ok
-        assert (await asyncio.wait_for(reported, WAIT)).ok  # CompleteTransfer was answered
+        assert (await asyncio.wait_for(reported, WAIT)).ok  # CompleteTransfers was answered
     finally:
         await producer.close()
         await consumer.close()
@@ -76,5 +76,5 @@ async def test_each_write_is_a_span_of_its_rank_under_the_span_that_handed_over_
         "kv_rendezvous.ok": True,
     }
     assert [e.name for e in write.events] == ["assigned"]
-    (complete,) = [s for s in named(spans, "/CompleteTransfer") if s.kind is SpanKind.CLIENT]
+    (complete,) = [s for s in named(spans, "/CompleteTransfers") if s.kind is SpanKind.CLIENT]
     assert complete.parent is not None and complete.parent.span_id == write.context.span_id

@@ -180,7 +180,7 @@ def wait_state(server: TestServer, transfer_id: str, states: set[TransferState],
 
 def wait_committed(server: TestServer, transfer_id: str) -> None:
     """The transfer committed (and may have been released by decode): decode did not silently recompute. Decode
-    goes on at the producer's NIXL notification, which lands before the producer's CompleteTransfer reaches the
+    goes on at the producer's NIXL notification, which lands before the producer's CompleteTransfers reaches the
     service, so decode may answer while the transfer is still MATCHED: the commit is awaited, not assumed."""
     wait_state(server, transfer_id, {TransferState.COMMITTED, TransferState.RELEASED})
 

@@ -123,5 +123,5 @@ def test_a_request_through_the_router_is_one_trace_across_every_process(
     assert first_step["attributes"]["kv_rendezvous.ok"] is True
     assert first_step["start_time"] >= spans["connector.receive"]["end_time"]
     # The service's spans of the claim and the target are in the same trace, children of the engines' calls.
-    # (The producer reports its WRITE after producer.write ends: its CompleteTransfer may still be on its way.)
-    server_spans(traced, {"ClaimTransfer", "RegisterTarget", "CompleteTransfer", "ListEngines"})
+    # (The producer reports its WRITE after producer.write ends: its CompleteTransfers may still be on its way.)
+    server_spans(traced, {"ClaimTransfers", "RegisterTargets", "CompleteTransfers", "ListEngines"})

@@ -170,9 +170,9 @@ class WrittenEvents:
         if len(events) > self._size:
             del events[next(iter(events))]
 
-    def read(self, data: bytes, revision: int, peer: Engine | None) -> Event[Transfer, Engine]:
-        """The event stored as data, at revision, with its peer (codec.decode_event's answer)."""
+    def read(self, data: bytes, sequence: int, peer: Engine | None) -> Event[Transfer, Engine]:
+        """The event stored as data, at sequence, with its peer (codec.decode_event's answer)."""
         written = self._events.pop(data, None)
         if written is None:
-            return decode_event(data, revision, peer)
-        return evolve(written, peer=peer, revision=revision)
+            return decode_event(data, sequence, peer)
+        return evolve(written, peer=peer, sequence=sequence)

@@ -2,7 +2,7 @@
 
 Records are hashes with a version (the global revision of the write that stored them); transitions
 are compare-and-set Lua scripts (scripts/) that write a record, its indexes and its events at once;
-each engine's events live in a Redis Stream whose entry ids are the engine's revisions ("<revision>-0").
+each engine's events live in a Redis Stream whose entry ids are the engine's event sequences ("<sequence>-0").
 
 update_transfer is optimistic (the loop in optimistic.py, shared with update_engine). It keeps the
 versions of the records it last saw (cache.py); a transition is computed on them (or, for an id it never
@@ -710,15 +710,15 @@ class RedisStore(Store):
         raise StoreUnavailableError("the store epoch keeps changing")
 
     @_guarded
-    async def read_events(self, engine_id: str, start_revision: int, limit: int) -> EventPage:
-        reply = await self._scripts.run("read_events", engine_id=engine_id, start_revision=start_revision, limit=limit)
+    async def read_events(self, engine_id: str, start_sequence: int, limit: int) -> EventPage:
+        reply = await self._scripts.run("read_events", engine_id=engine_id, start_sequence=start_sequence, limit=limit)
         # The store's revision, read with the events: a response that carries them answers at least it.
         self._epoch.saw(reply[0])
         last = int(reply[1])
         if len(reply) == 2:
             return EventPage((), last, forgotten=True)
         if reply[2] == 1:
-            return EventPage((), last, resync_revision=last + 1)
+            return EventPage((), last, resync_sequence=last + 1)
         events = [
             self._written_events.read(
                 reply[i + 1],
@@ -729,14 +729,14 @@ class RedisStore(Store):
         ]
         return EventPage(events, last)
 
-    async def wait_events(self, engine_id: str, after_revision: int, timeout: float) -> None:
+    async def wait_events(self, engine_id: str, after_sequence: int, timeout: float) -> None:
         # Not _guarded: its time limit is the wait's own plus op_timeout.
         watch = self._watch
         if watch is None:
             raise StoreUnavailableError("the Redis store is not open")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        stream: dict[Any, Any] = {self._prefix + "s:" + engine_id: f"{max(after_revision, 0)}-0"}
+        stream: dict[Any, Any] = {self._prefix + "s:" + engine_id: f"{max(after_sequence, 0)}-0"}
         limit = max(timeout, 0) + self.options.op_timeout
         with store_errors(limit):
             async with asyncio.timeout(limit):
@@ -751,7 +751,7 @@ class RedisStore(Store):
                             return
 
     @_guarded
-    async def last_event_revision(self, engine_id: str) -> int:
+    async def last_event_sequence(self, engine_id: str) -> int:
         return int(await self._command("HGET", self._prefix + "e:" + engine_id, "r") or 0)
 
     # Responses and counts

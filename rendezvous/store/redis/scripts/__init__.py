@@ -26,7 +26,7 @@ Key schema (docs/operations.md has it for operators):
     deadlines        zset    transfer id by deadline (swept by any replica)
     el:<engine>      set     unsettled transfer ids of an engine (live, or awaiting a revocation)
     et:<engine>      set     every transfer id (live or tombstone) of an engine
-    e:<engine>       hash    v version, d record, r latest event revision, o owner (auth identity), n engines
+    e:<engine>       hash    v version, d record, r latest event sequence, o owner (auth identity), n engines
                              and m agent metadata bytes charged to the budget, b the event stream's bytes
     budget           hash    the memory budget's tallies: e engines, b live block ids, m agent metadata
                              bytes; `<kind>:<owner>` the same per owner
@@ -34,7 +34,7 @@ Key schema (docs/operations.md has it for operators):
     engine_ids       zset    every engine id, score 0 (ordered by id: ListEngines pages)
     leases           zset    live engine id by lease expiry
     ended            zset    ended engine id (tombstone) by end time
-    s:<engine>       stream  events; entry id "<revision>-0", fields e (event), p (peer engine or ""), g (the
+    s:<engine>       stream  events; entry id "<sequence>-0", fields e (event), p (peer engine or ""), g (the
                              event's number from es: its age); the e: hash's b is the bytes it is counted as
                              (_append.lua)
     es               string  the last event number given (INCR per event appended)
@@ -147,7 +147,7 @@ SIGNATURES: Mapping[str, Signature] = {
         (_EVENTS,),
         ("guard", "append"),
     ),
-    "read_events": Signature(("engine_id", "start_revision", "limit")),
+    "read_events": Signature(("engine_id", "start_sequence", "limit")),
     "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),
     "due_transfers": Signature(("now", "limit", "hold_until")),
     "read_engines": Signature(groups=(Group("ids", ("engine_id",)),), helpers=("records",)),

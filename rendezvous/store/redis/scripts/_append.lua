@@ -1,4 +1,4 @@
--- Append one event to an engine's stream; the stream id is the engine's next revision. The peer
+-- Append one event to an engine's stream; the stream id is the engine's next event sequence. The peer
 -- engine an event carries is its own field, so readers decode each distinct peer once. An entry's
 -- fields: e (event), p (peer, "" for none), g (its sequence number in the namespace, from `es`: its age).
 -- Bounds, each trimming oldest first: an engine's stream keeps at most maxlen events and maxbytes bytes (the

@@ -1,4 +1,4 @@
--- Reply: the store's revision (the `rev` key: at least that of every event read here), then {last revision}
+-- Reply: the store's revision (the `rev` key: at least that of every event read here), then {last sequence}
 -- for an unknown engine's empty log, {last, 1} when start was trimmed (resync), {last, 0, flat (entry id,
 -- event, peer or "")...} otherwise.
 local rev = tonumber(redis.call('GET', P .. 'rev') or '0')
@@ -13,7 +13,7 @@ local head = redis.call('XRANGE', sk, '-', '+', 'COUNT', 1)
 if head[1] then
   first = tonumber(string.match(head[1][1], '^(%d+)'))
 end
-local start = tonumber(start_revision)
+local start = tonumber(start_sequence)
 if start < first then
   return {rev, last, 1}
 end
