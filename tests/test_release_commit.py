@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.wheels import release_commit
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "release_commit.py"
 OLD = "a" * 40
 NEW = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("release_commit", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-release_commit = _load()
 
 
 def _changelog(*sections: str) -> str:
