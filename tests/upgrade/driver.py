@@ -1,0 +1,210 @@
+"""One engine of the mixed-version test: a producer or a consumer doing whole transfer lifecycles until told to stop.
+
+Run as a script by the interpreter whose SDK it exercises (a previous release's venv or the current tree), so it
+imports the SDK's public names only and nothing of the tests. Control path only: the stand-in NIXL agents of
+`clients.testing` and no bytes moved (the data plane's formats are the version checks' business, not the rolling
+restart's).
+
+Transfer ids are `<prefix>-<n>`; a producer and a consumer given the same prefix work the same ids in the same
+order, a batch at a time, and alternate push batches (claim -> TRANSFER_ASSIGNED -> complete -> TRANSFER_COMMITTED
+-> release) with pull batches (claim and mark the source ready -> SOURCE_READY -> the consumer completes ->
+TRANSFER_COMMITTED to the producer; the consumer releases).
+
+Control, through files in --control: after each batch the driver writes `<engine>.progress` (transfers finished).
+A file `stop` holding a number N makes it finish transfers up to N and write `<engine>.finished`; then a file
+`close` makes it deregister, write `<engine>.json` (its account: finished transfers, failures, re-registrations) and
+exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+from clients import (
+    AsyncRendezvousClient,
+    ClaimSpec,
+    ClientConfig,
+    CompletionSpec,
+    ConsumerSession,
+    Event,
+    EventType,
+    ItemResult,
+    KvLayout,
+    ProducerSession,
+    ReleaseSpec,
+    Reregistered,
+    RetryPolicy,
+    SessionConfig,
+    SessionEvent,
+    SourceReadySpec,
+    TargetSpec,
+    TransferMode,
+)
+from clients.testing import stand_in_agent
+
+LAYOUT = KvLayout(model_fingerprint="upgrade-test-model", dtype="float16", block_size=16, num_layers=2)
+BATCH_TIMEOUT_S = 120.0
+"""How long one batch may take; only a failing fleet waits that long."""
+POLL_S = 0.05
+
+
+class Driver:
+    """One engine's loop and its account of what happened."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.engine_id: str = args.engine
+        self.prefix: str = args.prefix
+        self.batch: int = args.batch
+        self.control = Path(args.control)
+        config = ClientConfig(
+            targets=tuple(args.targets.split(",")),
+            retry=RetryPolicy(initial_backoff=0.02, max_backoff=0.5, deadline=60.0),
+            call_timeout=10.0,
+        )
+        session_config = SessionConfig(reconnect=RetryPolicy(initial_backoff=0.02, max_backoff=0.5))
+        self.client = AsyncRendezvousClient(config)
+        kind = ConsumerSession if args.role == "consumer" else ProducerSession
+        self.session = kind(
+            self.client, self.engine_id, args.role, layout=LAYOUT, agents=(stand_in_agent(f"{self.engine_id}-0"),),
+            config=session_config, handler=self.on_event,
+        )  # fmt: skip
+        self.finished = 0
+        self.failures: list[str] = []
+        self.reregistered = 0
+        self.waiting: dict[str, asyncio.Future[None]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # The loop
+
+    async def run(self) -> None:
+        await self.session.start()
+        try:
+            while self.finished < self.stop_at():
+                ids = [f"{self.prefix}-{n}" for n in range(self.finished, self.finished + self.batch)]
+                mode = TransferMode.PUSH if self.finished // self.batch % 2 == 0 else TransferMode.PULL
+                await self.lifecycles(ids, mode)
+                self.finished += self.batch
+                self.write("progress", str(self.finished))
+            self.write("finished", str(self.finished))
+            await self.until(lambda: (self.control / "close").exists())
+        except Exception as err:
+            self.failures.append(f"stopped at {self.finished}: {err!r}")
+            raise
+        finally:
+            await self.session.close()
+            await self.client.close()
+            account = {
+                "finished": self.finished,
+                "failures": self.failures,
+                "reregistered": self.reregistered,
+            }
+            self.write("json", json.dumps(account))
+
+    async def lifecycles(self, ids: Sequence[str], mode: TransferMode) -> None:
+        """Start a batch's transfers and wait until this engine's part of each is done."""
+        loop = asyncio.get_running_loop()
+        self.waiting = {t: loop.create_future() for t in ids}
+        session = self.session
+        if isinstance(session, ConsumerSession):
+            self.check(await session.register_targets([TargetSpec(t, (1, 2, 3), mode=mode) for t in ids]))
+        else:
+            self.check(await session.claim_transfers([ClaimSpec(t) for t in ids]))
+            if mode == TransferMode.PULL:
+                self.check(await session.mark_sources_ready([SourceReadySpec(t, (4, 5, 6)) for t in ids]))
+        try:
+            await asyncio.wait_for(asyncio.gather(*self.waiting.values()), BATCH_TIMEOUT_S)
+        except TimeoutError:
+            left = sorted(t for t, f in self.waiting.items() if not f.done())
+            raise TimeoutError(f"timed out after {BATCH_TIMEOUT_S} s waiting for {left}") from None
+
+    # Events: what each role does next
+
+    async def on_event(self, item: SessionEvent) -> None:
+        if isinstance(item, Reregistered):
+            self.reregistered += 1
+            return
+        if not isinstance(item, Event) or item.transfer is None:
+            return
+        tid, generation = item.transfer.transfer_id, item.generation
+        waiting = self.waiting.get(tid)
+        if waiting is None or waiting.done():
+            return  # a redelivered event, or another batch's
+        if item.type == EventType.TRANSFER_ABORTED:
+            self.failures.append(f"{tid} aborted: {item.transfer.abort_reason} {item.transfer.abort_message}")
+            waiting.set_result(None)
+        elif item.type == EventType.TRANSFER_ASSIGNED:  # producer, push
+            self.spawn(tid, self.session.complete_transfers([CompletionSpec(tid, generation)]))
+        elif item.type == EventType.SOURCE_READY:  # consumer, pull: "read", report, release
+            self.spawn(tid, self.complete_and_release(tid, generation))
+        elif item.type == EventType.TRANSFER_COMMITTED:
+            if isinstance(self.session, ConsumerSession):  # push: the bytes arrived
+                self.spawn(tid, self.session.release_targets([ReleaseSpec(tid, generation)]))
+            else:  # pull: the consumer read the source
+                waiting.set_result(None)
+
+    async def complete_and_release(self, tid: str, generation: int) -> list[ItemResult]:
+        assert isinstance(self.session, ConsumerSession)
+        completed = await self.session.complete_transfers([CompletionSpec(tid, generation)])
+        if not all(r.ok for r in completed):
+            return completed
+        return await self.session.release_targets([ReleaseSpec(tid, generation)])
+
+    def spawn(self, tid: str, call: Awaitable[list[ItemResult]]) -> None:
+        """Run a lifecycle step off the event loop's dispatch; the transfer is done for this engine when it is."""
+        waiting = self.waiting[tid]
+
+        async def step() -> None:
+            try:
+                self.check(await call)
+            except Exception as err:
+                self.failures.append(f"{tid}: {err!r}")
+            if not waiting.done():
+                waiting.set_result(None)
+
+        task = asyncio.create_task(step())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def check(self, results: Sequence[ItemResult]) -> None:
+        self.failures.extend(f"{r.transfer_id} refused: {r.error!r}" for r in results if not r.ok)
+
+    # Control files
+
+    def stop_at(self) -> float:
+        try:
+            return int((self.control / "stop").read_text())
+        except (FileNotFoundError, ValueError):
+            return float("inf")
+
+    def write(self, suffix: str, text: str) -> None:
+        """Write <engine>.<suffix> whole (a reader never sees half of it)."""
+        path = self.control / f"{self.engine_id}.{suffix}"
+        partial = path.with_suffix(".partial")
+        partial.write_text(text)
+        os.replace(partial, path)
+
+    @staticmethod
+    async def until(condition: Callable[[], bool]) -> None:
+        while not condition():  # noqa: ASYNC110 - a file the test writes: nothing in this process to await
+            await asyncio.sleep(POLL_S)
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", choices=("producer", "consumer"), required=True)
+    parser.add_argument("--engine", required=True)
+    parser.add_argument("--prefix", required=True, help="transfer ids are <prefix>-<n>; shared by the two sides")
+    parser.add_argument("--targets", required=True, help="the replicas' addresses, comma-separated, in order")
+    parser.add_argument("--control", required=True, help="the folder of control and progress files")
+    parser.add_argument("--batch", type=int, default=4)
+    asyncio.run(Driver(parser.parse_args(argv)).run())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
