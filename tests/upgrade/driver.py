@@ -12,8 +12,8 @@ TRANSFER_COMMITTED to the producer; the consumer releases).
 
 Control, through files in --control: after each batch the driver writes `<engine>.progress` (transfers finished).
 A file `stop` holding a number N makes it finish transfers up to N and write `<engine>.finished`; then a file
-`close` makes it deregister, write `<engine>.json` (its account: finished transfers, failures, re-registrations) and
-exit.
+`close` makes it deregister, write `<engine>.json` (its account: finished transfers, failures, re-registrations, and
+where its SDK was imported from) and exit.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+import clients
 from clients import (
     AsyncRendezvousClient,
     ClaimSpec,
@@ -103,6 +104,7 @@ class Driver:
                 "finished": self.finished,
                 "failures": self.failures,
                 "reregistered": self.reregistered,
+                "sdk": str(Path(clients.__file__).parent),
             }
             self.write("json", json.dumps(account))
 

@@ -7,8 +7,8 @@ each engine a process of its own driving whole transfer lifecycles with the SDK 
 pull batches; control path only, no NIXL bytes): an old consumer with a new producer, a new consumer with an old
 producer. Each engine's client lists both replicas, its own version's first. Under that load the replicas roll one at
 a time (SIGTERM, the current version on the same port, wait until it serves and the load went on through it). Then
-the engines finish the transfers in hand and every account is checked: no refused item, no abort, no
-re-registration, every lifecycle committed and released in either replica's view, and nothing left live there (a
+the engines finish the transfers in hand and every account is checked: each engine ran its own version's SDK, no
+refused item, no abort, no re-registration, every lifecycle committed and released in either replica's view, and nothing left live there (a
 live transfer pins its target and source blocks).
 
 Every wait is on observed state (files the engines write, the replicas' answers), with generous bounds.
@@ -44,6 +44,7 @@ class Engine:
     def __init__(self, role: str, engine_id: str, prefix: str, targets: list[Replica], control: Path,
                  venv: Path | None) -> None:  # fmt: skip
         self.engine_id = engine_id
+        self.venv = venv
         self.control = control
         self.log = control / f"{engine_id}.log"
         python = sys.executable if venv is None else str(venv / "bin" / "python")
@@ -158,6 +159,8 @@ def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
         (tmp_path / "close").write_text("")
         for engine in engines:
             account = engine.account()
+            sdk = Path(str(account.pop("sdk")))
+            assert sdk.is_relative_to(engine.venv or REPO), f"{engine.engine_id} ran the SDK in {sdk}"
             assert account == {"finished": total, "failures": [], "reregistered": 0}, engine.engine_id
         for replica in (a, b):
             with RendezvousClient(ClientConfig(targets=(replica.address,))) as view:
