@@ -5,11 +5,11 @@ The previous release is its wheel, built from its release commit and installed i
 One Redis namespace; replica A serves the previous release and replica B the working tree. Two pairs of engines,
 each engine a process of its own driving whole transfer lifecycles with the SDK of its version (driver.py: push and
 pull batches; control path only, no NIXL bytes): an old consumer with a new producer, a new consumer with an old
-producer. Each engine's client lists both replicas, its own version's first. Under that load the replicas roll one at
-a time (SIGTERM, the current version on the same port, wait until it serves and the load went on through it). Then
-the engines finish the transfers in hand and every account is checked: each engine ran its own version's SDK, no
-refused item, no abort, no re-registration, every lifecycle committed and released in either replica's view, and nothing left live there (a
-live transfer pins its target and source blocks).
+producer. Each engine's client lists both replicas, its own version's first. Under that load the replicas roll one
+at a time (SIGTERM, the current version on the same port, wait until it serves and the load went on through it).
+Then the engines finish the transfers in hand and every account is checked: each engine ran its own version's SDK,
+no refused item, no abort, no re-registration, every lifecycle committed and released in either replica's view, and
+nothing left live there (a live transfer pins its target and source blocks).
 
 Every wait is on observed state (files the engines write, the replicas' answers), with generous bounds.
 """
