@@ -10,10 +10,12 @@ order, a batch at a time, and alternate push batches (claim -> TRANSFER_ASSIGNED
 -> release) with pull batches (claim and mark the source ready -> SOURCE_READY -> the consumer completes ->
 TRANSFER_COMMITTED to the producer; the consumer releases).
 
-Control, through files in --control: after each batch the driver writes `<engine>.progress` (transfers finished).
-A file `stop` holding a number N makes it finish transfers up to N and write `<engine>.finished`; then a file
-`close` makes it deregister, write `<engine>.json` (its account: finished transfers, failures, re-registrations, and
-where its SDK was imported from) and exit.
+Control, through files in --control, named after the process (--name, default the engine id): after each batch
+the driver writes `<name>.progress` (the next transfer number). A file `stop` (the fleet's) or `<name>.stop` (this
+process's) holding a number N makes it finish transfers up to N and write `<name>.finished`; then a file `close` or
+`<name>.close` makes it deregister, write `<name>.json` (its account: transfers finished up to, failures,
+re-registrations, and where its SDK was imported from) and exit. An engine restarted as another version is a new
+process with the same engine id and prefix and `--start N`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Driver:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.engine_id: str = args.engine
+        self.name: str = args.name or args.engine
         self.prefix: str = args.prefix
         self.batch: int = args.batch
         self.control = Path(args.control)
@@ -75,7 +78,7 @@ class Driver:
             self.client, self.engine_id, args.role, layout=LAYOUT, agents=(stand_in_agent(f"{self.engine_id}-0"),),
             config=session_config, handler=self.on_event,
         )  # fmt: skip
-        self.finished = 0
+        self.finished: int = args.start
         self.failures: list[str] = []
         self.reregistered = 0
         self.waiting: dict[str, asyncio.Future[None]] = {}
@@ -93,7 +96,7 @@ class Driver:
                 self.finished += self.batch
                 self.write("progress", str(self.finished))
             self.write("finished", str(self.finished))
-            await self.until(lambda: (self.control / "close").exists())
+            await self.until(lambda: any((self.control / f).exists() for f in ("close", f"{self.name}.close")))
         except Exception as err:
             self.failures.append(f"stopped at {self.finished}: {err!r}")
             raise
@@ -179,14 +182,19 @@ class Driver:
     # Control files
 
     def stop_at(self) -> float:
+        """Where to stop: the lower of the fleet's `stop` and this process's `<name>.stop` (none: never)."""
+        return min(self._number(self.control / f) for f in ("stop", f"{self.name}.stop"))
+
+    @staticmethod
+    def _number(path: Path) -> float:
         try:
-            return int((self.control / "stop").read_text())
+            return int(path.read_text())
         except (FileNotFoundError, ValueError):
             return float("inf")
 
     def write(self, suffix: str, text: str) -> None:
-        """Write <engine>.<suffix> whole (a reader never sees half of it)."""
-        path = self.control / f"{self.engine_id}.{suffix}"
+        """Write <name>.<suffix> whole (a reader never sees half of it)."""
+        path = self.control / f"{self.name}.{suffix}"
         partial = path.with_suffix(".partial")
         partial.write_text(text)
         os.replace(partial, path)
@@ -201,6 +209,8 @@ def main(argv: Sequence[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--role", choices=("producer", "consumer"), required=True)
     parser.add_argument("--engine", required=True)
+    parser.add_argument("--name", default="", help="this process's control files' name (default: the engine id)")
+    parser.add_argument("--start", type=int, default=0, help="the first transfer number (an upgraded engine's)")
     parser.add_argument("--prefix", required=True, help="transfer ids are <prefix>-<n>; shared by the two sides")
     parser.add_argument("--targets", required=True, help="the replicas' addresses, comma-separated, in order")
     parser.add_argument("--control", required=True, help="the folder of control and progress files")

@@ -5,11 +5,12 @@ The previous release is its wheel, built from its release commit and installed i
 One Redis namespace; replica A serves the previous release and replica B the working tree. Two pairs of engines,
 each engine a process of its own driving whole transfer lifecycles with the SDK of its version (driver.py: push and
 pull batches; control path only, no NIXL bytes): an old consumer with a new producer, a new consumer with an old
-producer. Each engine's client lists both replicas, its own version's first. Under that load the replicas roll one
-at a time (SIGTERM, the current version on the same port, wait until it serves and the load went on through it).
-Then the engines finish the transfers in hand and every account is checked: each engine ran its own version's SDK,
-no refused item, no abort, no re-registration, every lifecycle committed and released in either replica's view, and
-nothing left live there (a live transfer pins its target and source blocks).
+producer. Each engine's client lists both replicas, its own version's first. Under that load the fleet upgrades: the
+replicas one at a time (SIGTERM, the current version on the same port), then the old consumer, then the old
+producer (finish the transfers in hand, deregister, the current version under the same engine id), each step once
+the load went on through the last. Then the engines finish the transfers in hand and every account is checked:
+each engine ran its own version's SDK, no refused item, no abort, no re-registration, every lifecycle committed and
+released in either replica's view, and nothing left live there (a live transfer pins its target and source blocks).
 
 Every wait is on observed state (files the engines write, the replicas' answers), with generous bounds.
 """
@@ -39,19 +40,25 @@ WAIT_S = 150.0
 
 
 class Engine:
-    """One driver.py process: a producer or consumer of the previous release (venv) or the working tree (None)."""
+    """One driver.py process: a producer or consumer of the previous release (venv) or the working tree (None).
+
+    `start` is the first transfer number it works on: an engine restarted as the other version carries on there.
+    """
 
     def __init__(self, role: str, engine_id: str, prefix: str, targets: list[Replica], control: Path,
-                 venv: Path | None) -> None:  # fmt: skip
-        self.engine_id = engine_id
+                 venv: Path | None, start: int = 0) -> None:  # fmt: skip
+        self.role, self.engine_id, self.prefix, self.targets = role, engine_id, prefix, targets
         self.venv = venv
+        self.start = start
+        self.name = f"{engine_id}.{'old' if venv else 'new'}"
         self.control = control
-        self.log = control / f"{engine_id}.log"
+        self.log = control / f"{self.name}.log"
         python = sys.executable if venv is None else str(venv / "bin" / "python")
         env = isolated_env() | ({"PYTHONPATH": str(REPO)} if venv is None else {})
         args = [
-            python, str(DRIVER), "--role", role, "--engine", engine_id, "--prefix", prefix, "--batch", str(BATCH),
-            "--targets", ",".join(r.address for r in targets), "--control", str(control),
+            python, str(DRIVER), "--role", role, "--engine", engine_id, "--name", self.name, "--prefix", prefix,
+            "--start", str(start), "--batch", str(BATCH), "--targets", ",".join(r.address for r in targets),
+            "--control", str(control),
         ]  # fmt: skip
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
@@ -60,26 +67,33 @@ class Engine:
 
     def _read(self, suffix: str) -> str | None:
         try:
-            return (self.control / f"{self.engine_id}.{suffix}").read_text()
+            return (self.control / f"{self.name}.{suffix}").read_text()
         except FileNotFoundError:
             return None
 
     def progress(self) -> int:
-        """Transfers finished so far; an AssertionError (with the engine's log) if it stopped."""
+        """The next transfer number; an AssertionError (with the engine's log) if it stopped."""
         if self.process.poll() is not None:
-            raise AssertionError(f"{self.engine_id} exited with {self.process.returncode}:\n{self.tail()}")
-        return int(self._read("progress") or 0)
+            raise AssertionError(f"{self.name} exited with {self.process.returncode}:\n{self.tail()}")
+        return int(self._read("progress") or self.start)
 
     def finished(self) -> bool:
         self.progress()
         return self._read("finished") is not None
 
+    def tell(self, suffix: str, text: str = "") -> None:
+        """Write this process's control file <name>.<suffix> (stop, close)."""
+        (self.control / f"{self.name}.{suffix}").write_text(text)
+
     def account(self) -> dict[str, object]:
-        """What the engine reports after it closed."""
+        """What the engine reports after it closed; checks it ran its own version's SDK."""
         self.process.wait(timeout=WAIT_S)
         account = self._read("json")
-        assert self.process.returncode == 0 and account is not None, f"{self.engine_id}:\n{self.tail()}"
-        return dict(json.loads(account))
+        assert self.process.returncode == 0 and account is not None, f"{self.name}:\n{self.tail()}"
+        found = dict(json.loads(account))
+        sdk = Path(str(found.pop("sdk")))
+        assert sdk.is_relative_to(self.venv or REPO), f"{self.name} ran the SDK in {sdk}"
+        return found
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -101,9 +115,21 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
 
 def load_goes_on(engines: list[Engine], batches: int = 2) -> None:
     """Wait until every engine has finished `batches` more batches than now."""
-    start = {e.engine_id: e.progress() for e in engines}
-    wait_for(lambda: all(e.progress() >= start[e.engine_id] + batches * BATCH for e in engines),
+    start = {e.name: e.progress() for e in engines}
+    wait_for(lambda: all(e.progress() >= start[e.name] + batches * BATCH for e in engines),
              f"every engine to finish {batches} more batches")  # fmt: skip
+
+
+def upgrade_engine(engines: list[Engine], old: Engine, peer: Engine) -> None:
+    """docs/operations.md "Upgrading", steps 2 and 3, for one engine: let it finish the transfers in hand (and its
+    peer finish them too), deregister it, and start the working tree's version of it where it stopped."""
+    at = max(old.progress(), peer.progress()) + BATCH
+    old.tell("stop", str(at))
+    wait_for(lambda: old.finished() and peer.progress() >= at, f"{old.name} and {peer.name} to reach {at}")
+    old.tell("close")
+    assert old.account() == {"finished": at, "failures": [], "reregistered": 0}, old.name
+    engines[engines.index(old)] = Engine(old.role, old.engine_id, old.prefix, old.targets, old.control, None, at)
+    load_goes_on(engines)
 
 
 @pytest.fixture
@@ -130,25 +156,27 @@ def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
 ) -> None:
     a, b = fleet
     old = previous_release_venv
-    engines = [
-        Engine("consumer", "decode-old", "old-new", [a, b], tmp_path, old),
-        Engine("producer", "prefill-new", "old-new", [b, a], tmp_path, None),
-        Engine("consumer", "decode-new", "new-old", [b, a], tmp_path, None),
-        Engine("producer", "prefill-old", "new-old", [a, b], tmp_path, old),
-    ]
+    decode_a = Engine("consumer", "decode-a", "a", [a, b], tmp_path, old)
+    prefill_a = Engine("producer", "prefill-a", "a", [b, a], tmp_path, None)
+    decode_b = Engine("consumer", "decode-b", "b", [b, a], tmp_path, None)
+    prefill_b = Engine("producer", "prefill-b", "b", [a, b], tmp_path, old)
+    engines = [decode_a, prefill_a, decode_b, prefill_b]
     try:
         load_goes_on(engines)
 
-        # docs/operations.md, "Upgrading", step 1: the replicas, one at a time.
+        # docs/operations.md, "Upgrading": 1. the replicas, one at a time;
         for replica in (a, b):
             replica.upgrade()
             load_goes_on(engines)
+        # 2. the consumers; 3. the producers.
+        upgrade_engine(engines, decode_a, prefill_a)
+        upgrade_engine(engines, prefill_b, decode_b)
 
         total = max(e.progress() for e in engines) + 2 * BATCH
         (tmp_path / "stop").write_text(str(total))
         wait_for(lambda: all(e.finished() for e in engines), f"every engine to finish {total} transfers")
 
-        expected = {f"{prefix}-{n}" for prefix in ("old-new", "new-old") for n in range(total)}
+        expected = {f"{prefix}-{n}" for prefix in ("a", "b") for n in range(total)}
         for replica in (a, b):
             with RendezvousClient(ClientConfig(targets=(replica.address,))) as view:
                 assert list(view.iter_transfers()) == [], f"live transfers in {replica.name}'s view"
@@ -158,10 +186,8 @@ def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
 
         (tmp_path / "close").write_text("")
         for engine in engines:
-            account = engine.account()
-            sdk = Path(str(account.pop("sdk")))
-            assert sdk.is_relative_to(engine.venv or REPO), f"{engine.engine_id} ran the SDK in {sdk}"
-            assert account == {"finished": total, "failures": [], "reregistered": 0}, engine.engine_id
+            assert engine.venv is None
+            assert engine.account() == {"finished": total, "failures": [], "reregistered": 0}, engine.name
         for replica in (a, b):
             with RendezvousClient(ClientConfig(targets=(replica.address,))) as view:
                 assert view.get_status().live_engines == 0
