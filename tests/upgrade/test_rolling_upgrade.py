@@ -10,13 +10,15 @@ replicas one at a time (SIGTERM, the current version on the same port), then the
 producer (finish the transfers in hand, deregister, the current version under the same engine id), each step once
 the load went on through the last. Then the engines finish the transfers in hand and every account is checked:
 each engine ran its own version's SDK, no refused item, no abort, no re-registration, every lifecycle committed and
-released in either replica's view, and nothing left live there (a live transfer pins its target and source blocks).
+released in either replica's view, nothing left live there (a live transfer pins its target and source blocks), and
+no block, engine or agent metadata left charged in the store's budget sums.
 
 Every wait is on observed state (files the engines write, the replicas' answers), with generous bounds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -27,6 +29,9 @@ from pathlib import Path
 import pytest
 
 from clients import ClientConfig, RendezvousClient, TransferState
+from rendezvous.core.budget import Usage
+from rendezvous.core.limits import Limits
+from rendezvous.store.factory import create_store
 from tests.redis_fixtures import fresh_prefix, with_prefix
 from tests.replicas.harness import Replica
 from tests.wheels import REPO, isolated_env
@@ -132,6 +137,20 @@ def upgrade_engine(engines: list[Engine], old: Engine, peer: Engine) -> None:
     load_goes_on(engines)
 
 
+def store_usage(url: str) -> Usage:
+    """What the store's records charge the memory budget, server-wide: its exact sums, kept by every replica."""
+
+    async def read() -> Usage:
+        store = create_store(url, Limits())
+        await store.open()
+        try:
+            return (await store.usage("")).total
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
 @pytest.fixture
 def store_url(redis_url: str) -> str:
     return with_prefix(redis_url, fresh_prefix())
@@ -152,7 +171,7 @@ def fleet(store_url: str, previous_release_venv: Path) -> Iterator[tuple[Replica
 
 
 def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
-    fleet: tuple[Replica, Replica], previous_release_venv: Path, tmp_path: Path
+    fleet: tuple[Replica, Replica], store_url: str, previous_release_venv: Path, tmp_path: Path
 ) -> None:
     a, b = fleet
     old = previous_release_venv
@@ -183,6 +202,8 @@ def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
                 released = {t.transfer_id for t in view.iter_transfers(states=[TransferState.RELEASED])}
                 assert released == expected, f"{replica.name}: not released: {sorted(expected - released)[:10]}"
                 assert list(view.iter_transfers(states=[TransferState.ABORTED])) == []
+        charged = store_usage(store_url)
+        assert (charged.engines, charged.blocks) == (len(engines), 0), "blocks of ended transfers are still charged"
 
         (tmp_path / "close").write_text("")
         for engine in engines:
@@ -191,6 +212,7 @@ def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
         for replica in (a, b):
             with RendezvousClient(ClientConfig(targets=(replica.address,))) as view:
                 assert view.get_status().live_engines == 0
+        assert store_usage(store_url) == Usage()
     finally:
         for engine in engines:
             engine.kill()
