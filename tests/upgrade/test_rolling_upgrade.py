@@ -27,13 +27,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from grpc_health.v1 import health_pb2
 
 from clients import ClientConfig, RendezvousClient, TransferState
 from rendezvous.core.budget import Usage
 from rendezvous.core.limits import Limits
 from rendezvous.store.factory import create_store
 from tests.redis_fixtures import fresh_prefix, with_prefix
-from tests.replicas.harness import Replica
+from tests.replicas.harness import Replica, health
 from tests.wheels import REPO, isolated_env
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -186,6 +187,7 @@ def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
         # docs/operations.md, "Upgrading": 1. the replicas, one at a time;
         for replica in (a, b):
             replica.upgrade()
+            assert asyncio.run(health(replica.address)) == health_pb2.HealthCheckResponse.SERVING
             load_goes_on(engines)
         # 2. the consumers; 3. the producers.
         upgrade_engine(engines, decode_a, prefill_a)
