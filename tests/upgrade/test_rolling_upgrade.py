@@ -159,9 +159,11 @@ def store_url(redis_url: str) -> str:
 
 @pytest.fixture
 def fleet(store_url: str, previous_release_venv: Path) -> Iterator[tuple[Replica, Replica]]:
-    """Replica A of the previous release and B of the working tree, on one Redis namespace."""
-    a = Replica(store_url, "a", venv=previous_release_venv)
-    b = Replica(store_url, "b")
+    """Replica A of the previous release and B of the working tree, on one Redis namespace. They stop as a deployed
+    replica does (docs/operations.md, "Upgrading"): NOT_SERVING for a second, then running calls get their grace."""
+    stop = ("--drain", "1", "--grace", "5")
+    a = Replica(store_url, "a", stop, venv=previous_release_venv)
+    b = Replica(store_url, "b", stop)
     try:
         a.start()
         b.start()
