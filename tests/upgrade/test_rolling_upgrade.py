@@ -4,14 +4,15 @@ says to do it.
 The previous release is its wheel, built from its release commit and installed in a venv of its own (conftest.py).
 One Redis namespace; replica A serves the previous release and replica B the working tree. Two pairs of engines,
 each engine a process of its own driving whole transfer lifecycles with the SDK of its version (driver.py: push and
-pull batches; control path only, no NIXL bytes): an old consumer with a new producer, a new consumer with an old
-producer. Each engine's client lists both replicas, its own version's first. Under that load the fleet upgrades: the
-replicas one at a time (SIGTERM, the current version on the same port), then the old consumer, then the old
-producer (finish the transfers in hand, deregister, the current version under the same engine id), each step once
-the load went on through the last. Then the engines finish the transfers in hand and every account is checked:
-each engine ran its own version's SDK, no refused item, no abort, no re-registration, every lifecycle committed and
-released in either replica's view, nothing left live there (a live transfer pins its target and source blocks), and
-no block, engine or agent metadata left charged in the store's budget sums.
+pull batches), on the control path alone or with real NIXL writes and reads over DRAM (checked byte for byte). Old
+and new engines are paired across versions (OLD_ENGINES). Each engine's client lists both replicas, its own
+version's first. Under that load the fleet upgrades: the replicas one at a time (SIGTERM, the current version on the
+same port, SERVING), then the old consumers, then the old producers (finish the transfers in hand, deregister, the
+current version under the same engine id), each step once the load went on through the last. Then the engines finish
+the transfers in hand and every account is checked: each engine ran its own version's SDK, no refused item, no
+abort, no failed write or read, no re-registration, every lifecycle committed and released in either replica's view,
+nothing left live there (a live transfer pins its target and source blocks), and no block, engine or agent metadata
+left charged in the store's budget sums.
 
 Every wait is on observed state (files the engines write, the replicas' answers), with generous bounds.
 """
@@ -52,8 +53,9 @@ class Engine:
     """
 
     def __init__(self, role: str, engine_id: str, prefix: str, targets: list[Replica], control: Path,
-                 venv: Path | None, start: int = 0) -> None:  # fmt: skip
+                 venv: Path | None, data_plane: str, start: int = 0) -> None:  # fmt: skip
         self.role, self.engine_id, self.prefix, self.targets = role, engine_id, prefix, targets
+        self.data_plane = data_plane
         self.venv = venv
         self.start = start
         self.name = f"{engine_id}.{'old' if venv else 'new'}"
@@ -64,7 +66,7 @@ class Engine:
         args = [
             python, str(DRIVER), "--role", role, "--engine", engine_id, "--name", self.name, "--prefix", prefix,
             "--start", str(start), "--batch", str(BATCH), "--targets", ",".join(r.address for r in targets),
-            "--control", str(control),
+            "--control", str(control), "--data-plane", data_plane,
         ]  # fmt: skip
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
@@ -126,15 +128,17 @@ def load_goes_on(engines: list[Engine], batches: int = 2) -> None:
              f"every engine to finish {batches} more batches")  # fmt: skip
 
 
-def upgrade_engine(engines: list[Engine], old: Engine, peer: Engine) -> None:
+def upgrade_engine(engines: list[Engine], old: Engine) -> None:
     """docs/operations.md "Upgrading", steps 2 and 3, for one engine: let it finish the transfers in hand (and its
     peer finish them too), deregister it, and start the working tree's version of it where it stopped."""
+    (peer,) = (e for e in engines if e.prefix == old.prefix and e is not old)
     at = max(old.progress(), peer.progress()) + BATCH
     old.tell("stop", str(at))
     wait_for(lambda: old.finished() and peer.progress() >= at, f"{old.name} and {peer.name} to reach {at}")
     old.tell("close")
     assert old.account() == {"finished": at, "failures": [], "reregistered": 0}, old.name
-    engines[engines.index(old)] = Engine(old.role, old.engine_id, old.prefix, old.targets, old.control, None, at)
+    new = Engine(old.role, old.engine_id, old.prefix, old.targets, old.control, None, old.data_plane, at)
+    engines[engines.index(old)] = new
     load_goes_on(engines)
 
 
@@ -173,16 +177,28 @@ def fleet(store_url: str, previous_release_venv: Path) -> Iterator[tuple[Replica
         b.close()
 
 
+OLD_ENGINES = {
+    "none": ("decode-a", "prefill-b"),
+    "nixl": ("decode-a", "prefill-a", "prefill-b"),
+}
+"""The engines that start as the previous release. Control path only, an old consumer pairs with a new producer
+too; with NIXL not (a new producer may speak a data-plane version an old consumer cannot read: consumers upgrade
+first)."""
+
+
+@pytest.mark.parametrize("data_plane", ["none", pytest.param("nixl", marks=pytest.mark.nixl)])
 def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
-    fleet: tuple[Replica, Replica], store_url: str, previous_release_venv: Path, tmp_path: Path
+    fleet: tuple[Replica, Replica], store_url: str, previous_release_venv: Path, tmp_path: Path, data_plane: str
 ) -> None:
+    if data_plane == "nixl":
+        pytest.importorskip("nixl")
     a, b = fleet
-    old = previous_release_venv
-    decode_a = Engine("consumer", "decode-a", "a", [a, b], tmp_path, old)
-    prefill_a = Engine("producer", "prefill-a", "a", [b, a], tmp_path, None)
-    decode_b = Engine("consumer", "decode-b", "b", [b, a], tmp_path, None)
-    prefill_b = Engine("producer", "prefill-b", "b", [a, b], tmp_path, old)
-    engines = [decode_a, prefill_a, decode_b, prefill_b]
+    engines = []
+    for pair in ("a", "b"):
+        for role, pool in (("consumer", "decode"), ("producer", "prefill")):
+            old = f"{pool}-{pair}" in OLD_ENGINES[data_plane]
+            venv, targets = (previous_release_venv, [a, b]) if old else (None, [b, a])
+            engines.append(Engine(role, f"{pool}-{pair}", pair, targets, tmp_path, venv, data_plane))
     try:
         load_goes_on(engines)
 
@@ -191,9 +207,10 @@ def test_a_rolling_upgrade_under_load_fails_loses_and_pins_nothing(
             replica.upgrade()
             assert asyncio.run(health(replica.address)) == health_pb2.HealthCheckResponse.SERVING
             load_goes_on(engines)
-        # 2. the consumers; 3. the producers.
-        upgrade_engine(engines, decode_a, prefill_a)
-        upgrade_engine(engines, prefill_b, decode_b)
+        # 2. the consumers; 3. the producers, an engine at a time.
+        for role in ("consumer", "producer"):
+            for engine in [e for e in engines if e.role == role and e.venv is not None]:
+                upgrade_engine(engines, engine)
 
         total = max(e.progress() for e in engines) + 2 * BATCH
         (tmp_path / "stop").write_text(str(total))
