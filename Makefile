@@ -85,7 +85,7 @@ check: setup-dev setup-buf
 
 lint: check
 
-# The protocol against its last release (scripts/buf_breaking.sh says which commit that is).
+# The protocol against its last release: the commit CHANGELOG.md names (scripts/buf_breaking.sh).
 breaking: setup-buf
 	scripts/buf_breaking.sh
 

@@ -1,7 +1,5 @@
 """The release artifacts: `python -m build` makes an sdist and, from it, a wheel that installs into a clean venv
-and serves. The build runs without isolation (the setuptools of this environment, no index needed); the clean
-venv gets the wheel with --no-deps and sees this environment's packages only as a plain path (no editable
-installs), so what it imports of kv-rendezvous is the wheel's."""
+and serves (how they are built and installed: tests/wheels.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +8,6 @@ import re
 import selectors
 import signal
 import subprocess
-import sys
-import sysconfig
 import time
 import zipfile
 from collections.abc import Iterator
@@ -22,53 +18,27 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import rendezvous
+from tests.wheels import build, export_working_tree, isolated_env, run, wheel_venv
 
 pytest.importorskip("build")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 60.0
 _SERVING = re.compile(r"serving on (\S+)")
 
 
-def _isolated() -> dict[str, str]:
-    """The environment for the clean venv's commands: nothing on PYTHONPATH (run them outside the repository)."""
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONUNBUFFERED": "1"}
-
-
-def _run(*args: str | Path, cwd: Path | None = None) -> str:
-    env = None if cwd is None else _isolated()
-    done = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, check=False)
-    assert done.returncode == 0, f"{args} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The sdist and wheel of the working tree (its tracked and unignored files, copied: the build writes there)."""
+    """The sdist and wheel of the working tree."""
     root = tmp_path_factory.mktemp("release")
-    source = root / "source"
-    files = _run("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=REPO).split("\0")
-    for name in filter(None, files):
-        src = REPO / name
-        if src.is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            (source / name).write_bytes(src.read_bytes())
-    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", root / "dist", source)
-    return root / "dist"
+    return build(export_working_tree(root / "source"), root / "dist")
 
 
 @pytest.fixture(scope="module")
 def venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv holding only the wheel, this environment's site-packages visible after its own."""
-    path = tmp_path_factory.mktemp("venv")
-    _run(sys.executable, "-m", "venv", path)
-    python = path / "bin" / "python"
-    site = _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=path).strip()
-    (Path(site) / "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     (wheel,) = dist.glob("*.whl")
-    _run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", wheel, cwd=path)
-    return path
+    return wheel_venv(wheel, tmp_path_factory.mktemp("venv"))
 
 
 def test_the_sdist_and_wheel_carry_the_one_version_and_the_packages_data(dist: Path) -> None:
@@ -85,9 +55,9 @@ def test_the_sdist_and_wheel_carry_the_one_version_and_the_packages_data(dist: P
 
 
 def test_the_installed_wheel_imports_itself_and_states_its_version(venv: Path) -> None:
-    found = _run(venv / "bin" / "python", "-c", "import rendezvous; print(rendezvous.__file__)", cwd=venv).strip()
+    found = run(venv / "bin" / "python", "-c", "import rendezvous; print(rendezvous.__file__)", cwd=venv).strip()
     assert Path(found).is_relative_to(venv)
-    assert _run(venv / "bin" / "kv-rendezvous", "--version", cwd=venv).strip() == rendezvous.__version__
+    assert run(venv / "bin" / "kv-rendezvous", "--version", cwd=venv).strip() == rendezvous.__version__
 
 
 @pytest.fixture
@@ -100,7 +70,7 @@ def served(venv: Path) -> Iterator[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=venv,
-        env=_isolated(),
+        env=isolated_env(),
     )
     assert process.stdout is not None
     output = b""

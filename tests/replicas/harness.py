@@ -39,6 +39,7 @@ from clients import (
     mint_transfer_id,
 )
 from tests.factories import SDK_LAYOUT, sdk_agent
+from tests.wheels import isolated_env
 
 START_TIMEOUT_S = 20.0
 WAIT_S = 15.0
@@ -50,12 +51,19 @@ _SERVING = re.compile(r"serving on (\S+)")
 
 
 class Replica:
-    """One `kv-rendezvous serve` process on 127.0.0.1; it keeps its port across restarts."""
+    """One `kv-rendezvous serve` process on 127.0.0.1; it keeps its port across restarts.
 
-    def __init__(self, store_url: str, name: str = "replica", extra_args: Sequence[str] = ()) -> None:
+    It serves the working tree's code, or with `venv` the kv-rendezvous installed there (tests/wheels.py), run
+    from that venv with nothing of the repository on its path.
+    """
+
+    def __init__(
+        self, store_url: str, name: str = "replica", extra_args: Sequence[str] = (), venv: Path | None = None
+    ) -> None:
         self.store_url = store_url
         self.name = name
         self.extra_args = tuple(extra_args)
+        self.venv = venv
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.log = Path(tempfile.mkstemp(prefix=f"rdv-{name}-", suffix=".log")[1])
@@ -67,8 +75,9 @@ class Replica:
     def start(self) -> None:
         """Start serving (on a free port the first time, the same one afterwards); wait until it listens."""
         assert self.process is None
+        python = sys.executable if self.venv is None else str(self.venv / "bin" / "python")
         args = [
-            sys.executable, "-m", "rendezvous.cli", "serve",
+            python, "-m", "rendezvous.cli", "serve",
             "--listen", f"127.0.0.1:{self.port}",
             "--store", self.store_url,
             "--metrics-listen", "off",
@@ -77,9 +86,11 @@ class Replica:
             "--log-level", "warning",
             *self.extra_args,
         ]  # fmt: skip
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1") if self.venv is None else isolated_env()
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env)
+            self.process = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env, cwd=self.venv
+            )
         self.port = int(self._read_address().rpartition(":")[2])
 
     def _read_address(self) -> str:
@@ -132,6 +143,12 @@ class Replica:
 
     def restart(self) -> None:
         self.kill()
+        self.start()
+
+    def upgrade(self, venv: Path | None = None) -> None:
+        """Stop gracefully (SIGTERM) and serve `venv`'s version (None: the working tree's) on the same port."""
+        self.terminate()
+        self.venv = venv
         self.start()
 
     def close(self) -> None:
