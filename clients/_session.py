@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -55,6 +56,7 @@ _ENGINE_GONE = frozenset({Reason.ENGINE_NOT_FOUND, Reason.LEASE_EXPIRED})
 _TRANSFER_GONE = frozenset({Reason.TRANSFER_ENDED, Reason.TRANSFER_NOT_FOUND})
 _OVER = frozenset({TransferState.COMMITTED, TransferState.RELEASED, TransferState.ABORTED})
 _ENDING_EVENTS = frozenset({EventType.TRANSFER_COMMITTED, EventType.TRANSFER_ABORTED})
+_ENDED_KEPT = 65_536
 _TRANSIENT = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -86,6 +88,15 @@ class LiveTransfers:
         self.targets: dict[str, TargetSpec] = {}
         self.claims: dict[str, ClaimSpec] = {}
         self.sources: dict[str, SourceReadySpec] = {}
+        # Transfers an event ended, by the count of ends at that moment: a call's result that was in flight
+        # while the event arrived must not bring them back (its answer says MATCHED; the event came later
+        # on the server and earlier here). The newest _ENDED_KEPT only: older calls are long answered.
+        self._ends = 0
+        self._ended: OrderedDict[str, int] = OrderedDict()
+
+    def mark(self) -> int:
+        """A position to pass to `record` as `since`: ends noted after it win over that call's results."""
+        return self._ends
 
     def __len__(self) -> int:
         return len(self.targets.keys() | self.claims.keys() | self.sources.keys())
@@ -99,11 +110,20 @@ class LiveTransfers:
         self.claims.pop(transfer_id, None)
         self.sources.pop(transfer_id, None)
 
-    def record(self, table: dict[str, Any] | None, specs: Sequence[Any], results: Sequence[ItemResult]) -> None:
-        """Note a batch's results; items of an asserting call (table given) are remembered there."""
+    def record(
+        self,
+        table: dict[str, Any] | None,
+        specs: Sequence[Any],
+        results: Sequence[ItemResult],
+        since: int | None = None,
+    ) -> None:
+        """Note a batch's results; items of an asserting call (table given) are remembered there.
+
+        `since` is `mark()` taken before the call was sent: a transfer an event ended after it stays ended.
+        """
         for spec, result in zip(specs, results, strict=True):
             if result.ok and result.state not in _OVER:
-                if table is not None:
+                if table is not None and (since is None or self._ended.get(spec.transfer_id, since) <= since):
                     table[spec.transfer_id] = spec
             elif result.ok or (result.error is not None and result.error.reason in _TRANSFER_GONE):
                 self.end(spec.transfer_id)
@@ -111,7 +131,13 @@ class LiveTransfers:
     def on_event(self, event: ServerEvent) -> None:
         """Note an event: committed and aborted transfers are over."""
         if event.type in _ENDING_EVENTS and event.transfer is not None:
-            self.end(event.transfer.transfer_id)
+            transfer_id = event.transfer.transfer_id
+            self.end(transfer_id)
+            self._ends += 1
+            self._ended[transfer_id] = self._ends
+            self._ended.move_to_end(transfer_id)
+            if len(self._ended) > _ENDED_KEPT:
+                self._ended.popitem(last=False)
 
     def retain(self, live: Iterable[str]) -> None:
         """Keep only these transfers (the server's view after a resync)."""
@@ -288,6 +314,7 @@ class EngineSession:
         forgot them: send it again as the new incarnation (asserting twice is harmless).
         """
         incarnation = await self._ready()
+        since = self._live.mark()
         try:
             results = await send(self.engine_id, specs, incarnation=incarnation)
         except RendezvousError as err:
@@ -295,7 +322,7 @@ class EngineSession:
                 raise
             incarnation = await self._ready()
             results = await send(self.engine_id, specs, incarnation=incarnation)
-        self._live.record(table, specs, results)
+        self._live.record(table, specs, results, since)
         if table is not None and incarnation != self.incarnation:
             return await self._call(send, specs, table)
         return results
@@ -379,8 +406,9 @@ class EngineSession:
             specs: list[Any] = list(table.values())
             for start in range(0, len(specs), size):
                 chunk = specs[start : start + size]
+                since = live.mark()
                 chunk_results = await send(self.engine_id, chunk, incarnation=self.incarnation)
-                live.record(table, chunk, chunk_results)
+                live.record(table, chunk, chunk_results, since)
                 results.extend(chunk_results)
         return results
 

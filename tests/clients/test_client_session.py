@@ -319,3 +319,18 @@ def test_live_transfers_end_on_commit_or_abort_events_and_follow_a_resync() -> N
     assert "a" not in live and len(live) == 2
     live.retain(["c"])
     assert list(live.claims) == ["c"]
+
+
+def test_a_result_in_flight_while_an_event_ended_its_transfer_does_not_bring_it_back() -> None:
+    live = LiveTransfers()
+    before = live.mark()
+    committed: ServerEvent = Event(
+        EventType.TRANSFER_COMMITTED, 0.0, TransferInfo("a", TransferState.COMMITTED), 1, sequence=1
+    )
+    live.on_event(committed)
+    # MarkSourcesReady answered MATCHED on the server before the commit; its answer arrives after the event.
+    live.record(live.sources, [SourceReadySpec("a", [1])], [ItemResult("a", TransferState.MATCHED)], before)
+    assert "a" not in live
+    # A call sent after the end may assert the id again (a new target under the same id).
+    live.record(live.targets, [TargetSpec("a", [2])], [ItemResult("a", TransferState.TARGETED)], live.mark())
+    assert list(live.targets) == ["a"]
