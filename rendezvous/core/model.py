@@ -12,7 +12,7 @@ import types
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rendezvous.protocol.enums import (
     LIVE_STATES,
@@ -28,6 +28,9 @@ from rendezvous.protocol.events import Event
 from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes
 from rendezvous.protocol.transfer import TransferRecord
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "LIVE_STATES",
@@ -142,9 +145,11 @@ class Addressed:
 
 
 R = TypeVar("R", Transfer, TransferTimes, Event[Transfer, Engine])
+Record = TypeVar("Record", bound="DataclassInstance")
+"""Any frozen slots dataclass `positional` builds (the hot path's records, and the coordinator's values)."""
 
 
-def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
+def _builder(cls: type[Record], parameters: str, value: str) -> Callable[..., Record]:
     """A generated function `(parameters)` that builds a `cls` (a frozen slots dataclass without
     `__post_init__`, or one that extends one such as `Transfer` does) whose field `n` is `value` with `{n}`
     replaced by the field's name.
@@ -157,11 +162,12 @@ def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
     names = tuple(f.name for f in fields(cls))
     base = cls.__mro__[1]  # object, Generic (Event), or the one record cls extends
     inherited = tuple(getattr(base, "__slots__", ()))
-    assert len(cls.__mro__) <= 3 and inherited + cls.__slots__ == names, f"{cls.__name__}: one layer of slots"
+    slots: tuple[str, ...] = cls.__dict__["__slots__"]
+    assert len(cls.__mro__) <= 3 and inherited + slots == names, f"{cls.__name__}: one layer of slots"
     assert not hasattr(cls, "__post_init__"), f"{cls.__name__}: no __post_init__"
     # Both of object's own: CPython fills a type's one setattr slot from __setattr__ and __delattr__ together,
     # and a frozen base's Python __delattr__ alone would make every store a Python-level call (~2.7x evolve).
-    own = {"__slots__": cls.__slots__, "__setattr__": object.__setattr__, "__delattr__": object.__delattr__}
+    own = {"__slots__": slots, "__setattr__": object.__setattr__, "__delattr__": object.__delattr__}
     # A generic record's own bases (Generic[...]): plain Generic cannot be subclassed, and the layouts must match.
     bases = cls.__dict__.get("__orig_bases__", (base,))
     settable = types.new_class(f"_Settable{cls.__name__}", bases, exec_body=lambda namespace: namespace.update(own))
@@ -170,7 +176,7 @@ def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
     lines += ["    new.__class__ = _cls", "    return new"]
     namespace: dict[str, Any] = {"_KEEP": object(), "_new": object.__new__, "_settable": settable, "_cls": cls}
     exec("\n".join(lines), namespace)  # generated from the dataclass's own field names, as dataclasses does
-    build: Callable[..., R] = namespace["build"]
+    build: Callable[..., Record] = namespace["build"]
     return build
 
 
@@ -181,9 +187,9 @@ def _copier(cls: type[R]) -> Callable[..., R]:
     return _builder(cls, f"record, *, {keep}", "record.{n} if {n} is _KEEP else {n}")
 
 
-def positional(cls: type[R]) -> Callable[..., R]:
+def positional(cls: type[Record]) -> Callable[..., Record]:
     """`cls(*values)` with every field given, in order, without the frozen `__init__`'s cost (the Redis
-    store's codec decodes records with it)."""
+    store's codec decodes records with it; the coordinator builds a batch item's values with it)."""
     return _builder(cls, "{names}", "{n}")
 
 

@@ -67,7 +67,7 @@ from rendezvous.protocol.requests import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Context:
     """What every transition may consult: the time and the policy."""
 
@@ -76,7 +76,7 @@ class Context:
     timeouts: Timeouts
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transition:
     """A transition's result: the new record (None deletes it) and the events it emits."""
 
