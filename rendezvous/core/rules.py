@@ -59,6 +59,7 @@ class Decision(Transition):
         spent: EngineCredits | None = None,
     ) -> Decision:
         """The decision that took transition on before (the sweeper's: no step but the transition decided).
+
         One is made per batch item, on the hot path: built without the frozen `__init__`'s cost."""
         return _decision(transition.transfer, transition.events, before, blocks, spent)
 
