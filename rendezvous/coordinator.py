@@ -22,7 +22,17 @@ from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
 from rendezvous.core.bindings import BindingRules
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import LIVE_STATES, Addressed, Engine, Event, EventType, Role, State, Transfer
+from rendezvous.core.model import (
+    LIVE_STATES,
+    Addressed,
+    Engine,
+    Event,
+    EventType,
+    Role,
+    State,
+    Transfer,
+    positional,
+)
 from rendezvous.core.rules import Binding, CallerT, Chain, Decision, SpecT
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.core.validation import check_batch, check_id
@@ -58,13 +68,18 @@ class TransitionObserver(Protocol):
     def on_transition(self, before: Transfer | None, after: Transfer | None, now: float) -> None: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ItemOutcome:
     """The result of one batch item: the transfer after it, or the error that rejected it."""
 
     transfer_id: str
     transfer: Transfer | None = None
     error: RendezvousError | None = None
+
+
+# A batch item's values, built without the frozen __init__'s cost (rendezvous.core.model.positional).
+_outcome = positional(ItemOutcome)
+_context = positional(Context)
 
 
 _STORE_BATCH = 256
@@ -114,7 +129,7 @@ class Coordinator:
 
     def context(self) -> Context:
         """The context a transition of now runs in (the clock read once, the policy)."""
-        return Context(self.clock(), self.limits, self.timeouts)
+        return _context(self.clock(), self.limits, self.timeouts)
 
     async def _apply(
         self, transfer_id: str, fn: Callable[[Transfer | None, Mapping[str, Engine]], Decision]
@@ -347,7 +362,7 @@ class Coordinator:
             free = chain.unlimited()
             results = await self._apply_all([(i.transfer_id, partial(free.decide, self.context(), i)) for i in items])
             return [
-                refused(item, r) if isinstance(r, Exception) else ItemOutcome(item.transfer_id, transfer=r.transfer)
+                refused(item, r) if isinstance(r, Exception) else _outcome(item.transfer_id, r.transfer, None)
                 for item, r in zip(items, results, strict=True)
             ]
         outcomes: list[ItemOutcome] = []
@@ -360,7 +375,7 @@ class Coordinator:
             except RendezvousError as err:
                 outcomes.append(refused(item, err))
             else:
-                outcomes.append(ItemOutcome(item.transfer_id, transfer=decision.transfer))
+                outcomes.append(_outcome(item.transfer_id, decision.transfer, None))
             chain = chain.after(decision)
         return outcomes
 

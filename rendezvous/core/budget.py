@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rendezvous.core.limits import Limits
-from rendezvous.core.model import Engine, State, Transfer
+from rendezvous.core.model import Engine, State, Transfer, positional
 from rendezvous.protocol.errors import Reason, RendezvousError
 
 ENGINES = "engines"
@@ -151,7 +151,7 @@ def check_engine(limits: Limits, tally: Tally, cur: Engine | None, new: Engine) 
     check_usage(limits, tally, new.owner, after - before, after - own_before)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlockBudget:
     """The live-block budget for a batch of one engine's calls (like `engines.LiveTransferLimit`).
 
@@ -211,8 +211,12 @@ class BlockBudget:
         total, own = change
         if not total and not own:
             return self
-        return BlockBudget(self.engine_id, self.owner, self.limits, self.room - total, self.identity_room - own)
+        # Per batch item that names block ids: built without the frozen __init__'s cost.
+        return _block_budget(self.engine_id, self.owner, self.limits, self.room - total, self.identity_room - own)
 
     def after(self, cur: Transfer | None, new: Transfer | None) -> BlockBudget:
         """The budget after a call that turned cur into new."""
         return self.spent(self.change(cur, new))
+
+
+_block_budget = positional(BlockBudget)

@@ -7,7 +7,7 @@ from enum import Enum
 
 from rendezvous.core import credits
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import Engine, Transfer
+from rendezvous.core.model import Engine, Transfer, positional
 from rendezvous.core.validation import check_engine_spec
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.errors import Reason, RendezvousError
@@ -150,7 +150,7 @@ def sweep_engine(now: float, tombstone_ttl: float, seen: Engine, cur: Engine | N
     return end_incarnation(now, cur) if verdict is Lapse.LEASE_PASSED else None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LiveTransferLimit:
     """The live-transfer limit (max_live_transfers_per_engine) for calls of one engine.
 
@@ -186,7 +186,10 @@ class LiveTransferLimit:
         engine was in it already, which errs on the side of refusing)."""
         if outcome is None or outcome.state.terminal:
             return self
-        return LiveTransferLimit(self.engine_id, self.limit, self.room - 1)
+        return _live_transfer_limit(self.engine_id, self.limit, self.room - 1)  # per batch item: no frozen __init__
+
+
+_live_transfer_limit = positional(LiveTransferLimit)
 
 
 _PAIRS_KEPT = 64

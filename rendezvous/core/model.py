@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import types
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rendezvous.protocol.enums import (
     LIVE_STATES,
@@ -28,6 +28,9 @@ from rendezvous.protocol.events import Event
 from rendezvous.protocol.incarnation import Incarnation
 from rendezvous.protocol.records import EngineCapacity, KvLayout, KvRegion, NixlAgent, TransferTimes
 from rendezvous.protocol.transfer import TransferRecord
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "LIVE_STATES",
@@ -48,6 +51,7 @@ __all__ = [
     "Transfer",
     "TransferTimes",
     "evolve",
+    "keywords",
     "positional",
 ]
 
@@ -142,35 +146,43 @@ class Addressed:
 
 
 R = TypeVar("R", Transfer, TransferTimes, Event[Transfer, Engine])
+_KEEP: Any = object()
+"""A parameter not given (a copy keeps the record's value; a factory default is made)."""
+Record = TypeVar("Record", bound="DataclassInstance")
+"""Any frozen slots dataclass a builder makes (`positional`, `keywords`): the hot path's records and values."""
 
 
-def _builder(cls: type[R], parameters: str, value: str) -> Callable[..., R]:
+def _builder(
+    cls: type[Record], parameters: str, value: Callable[[Field[Any]], str], names: Mapping[str, Any] | None = None
+) -> Callable[..., Record]:
     """A generated function `(parameters)` that builds a `cls` (a frozen slots dataclass without
-    `__post_init__`, or one that extends one such as `Transfer` does) whose field `n` is `value` with `{n}`
-    replaced by the field's name.
+    `__post_init__`, or one that extends one such as `Transfer` does) whose field `f` is the expression
+    `value(f)`; `names` are what the parameters' defaults and the expressions may name.
 
     The record is built as an instance of a class with the same slots and base whose attributes are plainly
     settable (so each field costs one plain attribute store, not a frozen `object.__setattr__` call: ~0.3 us a
     Transfer instead of ~3.7 us for `dataclasses.replace`) and then becomes a `cls`, which the same layout
     allows.
     """
-    names = tuple(f.name for f in fields(cls))
+    every = fields(cls)
     base = cls.__mro__[1]  # object, Generic (Event), or the one record cls extends
     inherited = tuple(getattr(base, "__slots__", ()))
-    assert len(cls.__mro__) <= 3 and inherited + cls.__slots__ == names, f"{cls.__name__}: one layer of slots"
+    slots: tuple[str, ...] = cls.__dict__["__slots__"]
+    assert len(cls.__mro__) <= 3 and inherited + slots == tuple(f.name for f in every), f"{cls.__name__}: slots"
     assert not hasattr(cls, "__post_init__"), f"{cls.__name__}: no __post_init__"
     # Both of object's own: CPython fills a type's one setattr slot from __setattr__ and __delattr__ together,
     # and a frozen base's Python __delattr__ alone would make every store a Python-level call (~2.7x evolve).
-    own = {"__slots__": cls.__slots__, "__setattr__": object.__setattr__, "__delattr__": object.__delattr__}
+    own = {"__slots__": slots, "__setattr__": object.__setattr__, "__delattr__": object.__delattr__}
     # A generic record's own bases (Generic[...]): plain Generic cannot be subclassed, and the layouts must match.
     bases = cls.__dict__.get("__orig_bases__", (base,))
     settable = types.new_class(f"_Settable{cls.__name__}", bases, exec_body=lambda namespace: namespace.update(own))
-    lines = [f"def build({parameters.format(names=', '.join(names))}):", "    new = _new(_settable)"]
-    lines += [f"    new.{n} = {value.format(n=n)}" for n in names]
+    lines = [f"def build({parameters}):", "    new = _new(_settable)"]
+    lines += [f"    new.{f.name} = {value(f)}" for f in every]
     lines += ["    new.__class__ = _cls", "    return new"]
-    namespace: dict[str, Any] = {"_KEEP": object(), "_new": object.__new__, "_settable": settable, "_cls": cls}
+    namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__, "_settable": settable, "_cls": cls}
+    namespace.update(names or {})
     exec("\n".join(lines), namespace)  # generated from the dataclass's own field names, as dataclasses does
-    build: Callable[..., R] = namespace["build"]
+    build: Callable[..., Record] = namespace["build"]
     return build
 
 
@@ -178,13 +190,34 @@ def _copier(cls: type[R]) -> Callable[..., R]:
     """A function (record, **changes) -> a copy of record with changes (an unknown field name is a TypeError,
     as in `dataclasses.replace`)."""
     keep = ", ".join(f"{f.name}=_KEEP" for f in fields(cls))
-    return _builder(cls, f"record, *, {keep}", "record.{n} if {n} is _KEEP else {n}")
+    return _builder(cls, f"record, *, {keep}", lambda f: f"record.{f.name} if {f.name} is _KEEP else {f.name}")
 
 
-def positional(cls: type[R]) -> Callable[..., R]:
+def positional(cls: type[Record]) -> Callable[..., Record]:
     """`cls(*values)` with every field given, in order, without the frozen `__init__`'s cost (the Redis
-    store's codec decodes records with it)."""
-    return _builder(cls, "{names}", "{n}")
+    store's codec decodes records with it; the coordinator builds a batch item's values with it)."""
+    return _builder(cls, ", ".join(f.name for f in fields(cls)), lambda f: f.name)
+
+
+def keywords(cls: type[Record]) -> Callable[..., Record]:
+    """`cls(**values)`, the fields not given at the class's defaults, without the frozen `__init__`'s cost (a
+    transition's new records)."""
+    names: dict[str, Any] = {}
+    parameters = []
+    for f in fields(cls):
+        if f.default is not MISSING:
+            names[f"_default_{f.name}"] = f.default
+            parameters.append(f"{f.name}=_default_{f.name}")
+        elif f.default_factory is not MISSING:
+            names[f"_factory_{f.name}"] = f.default_factory
+            parameters.append(f"{f.name}=_KEEP")
+        else:
+            parameters.append(f.name)
+
+    def value(f: Field[Any]) -> str:
+        return f.name if f.default_factory is MISSING else f"_factory_{f.name}() if {f.name} is _KEEP else {f.name}"
+
+    return _builder(cls, "*, " + ", ".join(parameters), value, names)
 
 
 _COPIERS: dict[type, Callable[..., Any]] = {cls: _copier(cls) for cls in (Transfer, TransferTimes, Event)}

@@ -20,7 +20,7 @@ from rendezvous.core import credits
 from rendezvous.core.bindings import BindingRules, check_abort, check_binding
 from rendezvous.core.budget import BlockBudget
 from rendezvous.core.engines import LiveTransferLimit
-from rendezvous.core.model import Engine, Role, Transfer
+from rendezvous.core.model import Engine, Role, Transfer, positional
 from rendezvous.core.transfers import Context, Transition
 from rendezvous.protocol.records import EngineCredits
 from rendezvous.protocol.requests import (
@@ -40,7 +40,7 @@ Rule = Callable[[Context, Transfer | None, CallerT, Mapping[str, Engine], SpecT]
 """A request's transition: (context, current record, caller, the record's engines by id, request)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision(Transition):
     """A transition with what the chain decided on the way to it."""
 
@@ -60,16 +60,11 @@ class Decision(Transition):
     ) -> Decision:
         """The decision that took transition on before (the sweeper's: no step but the transition decided).
 
-        One is made per batch item, on the hot path: built without the frozen dataclass's per-field
-        `object.__setattr__` (half its cost), which is what it would do."""
-        decision = _new(Decision)
-        decision.__dict__.update(
-            transfer=transition.transfer, events=transition.events, before=before, blocks=blocks, spent=spent
-        )
-        return decision
+        One is made per batch item, on the hot path: built without the frozen `__init__`'s cost."""
+        return _decision(transition.transfer, transition.events, before, blocks, spent)
 
 
-_new = object.__new__
+_decision = positional(Decision)
 
 
 @dataclass(frozen=True)
@@ -112,7 +107,7 @@ class Capacity:
         return credits.target_admission(self.consumer, self.spent, cur, reservation, blocks, now)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chain(Generic[CallerT, SpecT]):
     """The steps one item passes (a step left None does not apply), for one item at a time."""
 
@@ -164,6 +159,10 @@ class Chain(Generic[CallerT, SpecT]):
         if next_limit is limit and next_budget is budget and capacity is self.capacity:
             return self  # the common case (no step keeps count): nothing to build
         # As replace() would, without its per-field cost: a batch's items each make one when a step keeps count.
-        chain: Chain[CallerT, SpecT] = _new(Chain)
-        chain.__dict__.update(self.__dict__, limit=next_limit, budget=next_budget, capacity=capacity)
+        chain: Chain[CallerT, SpecT] = _chain(
+            self.transition, self.caller, next_limit, self.binding, capacity, next_budget
+        )
         return chain
+
+
+_chain = positional(Chain)

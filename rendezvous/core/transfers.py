@@ -51,6 +51,8 @@ from rendezvous.core.model import (
     TransferTimes,
     blocks_digest,
     evolve,
+    keywords,
+    positional,
 )
 from rendezvous.core.parts import check_part_count, check_parts, check_progressive_target, held_layers
 from rendezvous.core.validation import check_block_ids, check_id, resolve_timeout
@@ -67,7 +69,7 @@ from rendezvous.protocol.requests import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Context:
     """What every transition may consult: the time and the policy."""
 
@@ -76,7 +78,7 @@ class Context:
     timeouts: Timeouts
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Transition:
     """A transition's result: the new record (None deletes it) and the events it emits."""
 
@@ -84,10 +86,15 @@ class Transition:
     events: tuple[Addressed, ...] = ()
 
 
+# The records a transition makes new (a transfer's first half, its events), without the frozen __init__'s cost.
+_new_transfer, _new_times = keywords(Transfer), keywords(TransferTimes)
+_new_event, _addressed = positional(Event), positional(Addressed)
+
+
 def _event(
     ctx: Context, engine_id: str, kind: EventType, t: Transfer | None, generation: int = 0, peer: Engine | None = None
 ) -> Addressed:
-    return Addressed(engine_id, Event(kind, ctx.now, t, generation, peer))
+    return _addressed(engine_id, _new_event(kind, ctx.now, t, generation, peer, 0))
 
 
 def _times(t: Transfer, **changes: float) -> TransferTimes:
@@ -351,7 +358,7 @@ def register_target(
     blocks = tuple(spec.block_ids)
     if cur is None:
         return Transition(
-            Transfer(
+            _new_transfer(
                 transfer_id=spec.transfer_id,
                 state=State.TARGETED,
                 deadline=ctx.now + timeout,
@@ -361,7 +368,7 @@ def register_target(
                 consumer_incarnation=consumer.incarnation,
                 target_block_ids=blocks,
                 num_tokens=spec.num_tokens,
-                times=TransferTimes(target_time=ctx.now),
+                times=_new_times(target_time=ctx.now),
                 progressive=spec.progressive,
             )
         )
@@ -449,14 +456,14 @@ def _claim(
     ready = ctx.now if source is not None else 0.0
     if cur is None:
         return Transition(
-            Transfer(
+            _new_transfer(
                 transfer_id=transfer_id,
                 state=State.CLAIMED,
                 deadline=ctx.now + timeout,
                 producer_engine_id=producer.engine_id,
                 producer_incarnation=producer.incarnation,
                 source_block_ids=source,
-                times=TransferTimes(claim_time=ctx.now, source_ready_time=ready),
+                times=_new_times(claim_time=ctx.now, source_ready_time=ready),
             )
         )
     if cur.producer_engine_id == producer.engine_id:

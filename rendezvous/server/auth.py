@@ -9,7 +9,8 @@ nothing of a transfer (rendezvous.server.disclosure).
 
 `Guard` is the server interceptor that applies this and the per-caller quotas (keyed by the identity's
 token, Identity.key; only calls that did not authenticate are limited by host). Tokens and metadata are
-never logged; denials are logged with the identity's name.
+never logged; denials are logged with the identity's name. A failure of the guard's own (a bug) is answered as
+any other: INTERNAL / INTERNAL_ERROR, logged under a request id (rendezvous.server.failures).
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from rendezvous.server.authfile import (
     Identity,
 )
 from rendezvous.server.backoff import InvalidBackoff
+from rendezvous.server.failures import as_error
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.server.turns import FairTurns
-from rendezvous.store.base import StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -281,8 +282,8 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 caller = self._identify_caller(method, context, len(raw))
                 self._backoff.check(caller.key, len(raw))
-            except (RendezvousError, StoreUnavailableError) as exc:
-                await self._refuse(method, context, _as_error(exc))
+            except Exception as exc:
+                await self._refuse(method, context, as_error(exc, method))
                 raise AssertionError("unreachable: abort_with_status raises") from None
             try:
                 async with self._turns.turn(caller.key, len(raw)):
@@ -295,8 +296,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         raise
                     self._backoff.passed(caller.key, len(raw))
                     return response
-            except RendezvousError as err:  # refused for its turn (before its request was parsed) or unparsable
-                await self._refuse(method, context, err)
+            except grpc.aio.AbortError:
+                raise  # answered already (by the service, or refused by _serve)
+            except Exception as exc:  # refused for its turn (before its request was parsed), unparsable, or a bug
+                await self._refuse(method, context, as_error(exc, method))
                 raise AssertionError("unreachable: abort_with_status raises") from None
 
         return checked
@@ -307,8 +310,8 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         try:
             await self._authorize_call(method, caller, request)
             self._quotas.enter(caller.key)
-        except (RendezvousError, StoreUnavailableError) as exc:
-            await self._refuse(method, context, _as_error(exc))
+        except Exception as exc:
+            await self._refuse(method, context, as_error(exc, method, getattr(request, "request_id", "")))
             raise AssertionError("unreachable: abort_with_status raises") from None
         try:
             return await behavior(request, context, _rights(caller.identity))
@@ -320,14 +323,18 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 caller = await self._admit(method, request, context)
                 self._quotas.open_stream(caller.key)
-            except (RendezvousError, StoreUnavailableError) as exc:
-                await self._refuse(method, context, _as_error(exc))
+            except Exception as exc:
+                await self._refuse(method, context, as_error(exc, method))
                 return
             try:
                 async for response in self._while_known(behavior(request, context), lambda: caller):
                     yield response
             except _Denied as denied:
                 await self._refuse(method, context, denied.error)
+            except grpc.aio.AbortError:
+                raise  # answered already
+            except Exception as exc:
+                await self._refuse(method, context, as_error(exc, method))
             finally:
                 self._quotas.close_stream(caller.key)
 
@@ -349,8 +356,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                             self._recheck(caller)
                             self._charge(caller.key, request)
                             await self._authorize(method, caller.identity, request)
-                    except (RendezvousError, StoreUnavailableError) as exc:
-                        raise _Denied(_as_error(exc)) from None
+                    except _Denied:
+                        raise  # its identity left the auth file (_recheck)
+                    except Exception as exc:
+                        raise _Denied(as_error(exc, method)) from None
                     yield request
 
             try:
@@ -359,6 +368,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     yield response
             except _Denied as denied:
                 await self._refuse(method, context, denied.error)
+            except grpc.aio.AbortError:
+                raise  # answered already
+            except Exception as exc:
+                await self._refuse(method, context, as_error(exc, method))
             finally:
                 if admitted:
                     self._quotas.close_stream(admitted[0].key)
@@ -413,9 +426,3 @@ def _refused_as_invalid(exc: BaseException, context: grpc.aio.ServicerContext) -
 def _peer_host(context: grpc.aio.ServicerContext) -> str:
     """The caller's address without its port ("ipv4:127.0.0.1")."""
     return str(context.peer()).rpartition(":")[0]
-
-
-def _as_error(exc: RendezvousError | StoreUnavailableError) -> RendezvousError:
-    if isinstance(exc, StoreUnavailableError):
-        return RendezvousError(Reason.STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
-    return exc

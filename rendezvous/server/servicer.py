@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
@@ -35,9 +34,9 @@ from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.requests import CompletionSpec, SourceReadySpec, TargetSpec
 from rendezvous.server import disclosure, idempotency
 from rendezvous.server.authfile import ANONYMOUS, Caller
+from rendezvous.server.failures import as_error
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.watch_buffers import Stream, WatchBuffers
-from rendezvous.store.base import StoreUnavailableError
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
@@ -49,27 +48,6 @@ M = TypeVar("M", bound=Message)
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext, Caller], Awaitable[ResponseT]]
 Served = Callable[..., Awaitable[ResponseT]]
 """A unary RPC as served: (servicer, request, context), and the Caller where the auth guard hands one."""
-
-
-def _as_error(exc: Exception, method: str, request_id: str = "") -> RendezvousError:
-    """A failure as the domain error the client sees: store outages are UNAVAILABLE (retry), and anything else
-    unexpected (a bug) is INTERNAL_ERROR, logged with its traceback under a request id the client is told (the
-    call's own request_id, else a fresh one), so an operator can find it from the client's report."""
-    if isinstance(exc, RendezvousError):
-        return exc
-    if isinstance(exc, StoreUnavailableError):
-        return RendezvousError(Reason.STORE_UNAVAILABLE, f"the store is unavailable: {exc}")
-    request_id = request_id or uuid.uuid4().hex
-    log.error(
-        "%s failed unexpectedly (request id %s)",
-        method,
-        request_id,
-        exc_info=exc,
-        extra={"method": method, "request_id": request_id},
-    )
-    return RendezvousError(
-        Reason.INTERNAL_ERROR, f"internal error; logged with request id {request_id}", request_id=request_id
-    )
 
 
 def _shutting_down() -> RendezvousError:
@@ -112,7 +90,7 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Serve
                             await store.put_response(key, value, self.idempotency_ttl, caller.key)
                     return response
                 except Exception as exc:
-                    err = _as_error(exc, method, request_id)
+                    err = as_error(exc, method, request_id)
                     code = err.code.name
                     await _abort(context, err)
                 finally:
@@ -306,7 +284,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         """Fail a stream call with exc, counted under its status code (unary calls: `_rpc`)."""
-        err = _as_error(exc, method)
+        err = as_error(exc, method)
         self.metrics.rpcs.labels(method, err.code.name).inc()
         await _abort(context, err)
 
@@ -354,11 +332,14 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
                     raise _shutting_down()
                 engine = await self.coordinator.keep_alive(request.engine_id, request.incarnation)
                 header = await self._header(seen=True)
+                response = pb.KeepAliveResponse(
+                    header=header, engine_id=engine.engine_id, lease_ttl=duration(engine.lease_ttl)
+                )
             except Exception as exc:
                 await self._refuse(context, "KeepAlive", exc)
                 return
             self.metrics.rpcs.labels("KeepAlive", "OK").inc()
-            yield pb.KeepAliveResponse(header=header, engine_id=engine.engine_id, lease_ttl=duration(engine.lease_ttl))
+            yield response
 
     @_rpc(pb.DeregisterEngineResponse)
     async def DeregisterEngine(
@@ -530,10 +511,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         except Exception as exc:
             await self._refuse(context, "Watch", exc)
             return
-        self.metrics.rpcs.labels("Watch", "OK").inc()
-        batch = min(request.max_batch or self.watch_batch, self.watch_batch)
-        stream, buffers = Stream(context), self.watch_buffers
         try:
+            self.metrics.rpcs.labels("Watch", "OK").inc()
+            batch = min(request.max_batch or self.watch_batch, self.watch_batch)
+            stream, buffers = Stream(context), self.watch_buffers
             yield pb.WatchResponse(header=await self._header())
             while not self._stopping.is_set():
                 page = await coordinator.read_events(engine_id, sequence, batch)
@@ -570,6 +551,6 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         except grpc.aio.AbortError:
             raise  # the status is already on its way (a slow reader's, rendezvous.server.watch_buffers)
         except Exception as exc:
-            await _abort(context, _as_error(exc, "Watch"))
+            await _abort(context, as_error(exc, "Watch"))
         finally:
             self.watchers.leave(engine_id)

@@ -26,6 +26,20 @@ from rendezvous.store.credits import CreditStore, MemoryCredits
 
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 
+_ChargeKey = tuple[str, int, str, int]
+"""What a transfer record charges the live-block budget: (consumer id, target block ids, producer id, source
+block ids); a side without block ids has id ""."""
+_Charge = tuple[_ChargeKey, str, str]
+"""A charge as kept: its key, the consumer's owner, the producer's owner."""
+
+
+def _charge_key(t: Transfer | None) -> _ChargeKey | None:
+    """What t charges (rendezvous.core.budget.transfer_blocks), None for nothing."""
+    target, source = budget.transfer_blocks(t)
+    if t is None or not (target or source):
+        return None
+    return (t.consumer_engine_id if target else "", target, t.producer_engine_id if source else "", source)
+
 
 class MemoryStore(Store):
     """Dicts, id-ordered indexes, a deadline heap and bounded event logs (rendezvous.store._event_logs)."""
@@ -67,9 +81,8 @@ class MemoryStore(Store):
         # (kept, so that a change takes back exactly that, from the owner it charged), and the sums, over all
         # and by owner, as [engines, block ids, metadata bytes].
         self._engine_charges: dict[str, tuple[str, int, int]] = {}
-        # A transfer's: ((consumer id, target block ids, producer id, source block ids), consumer's owner,
-        # producer's owner); a side without block ids has id "".
-        self._transfer_charges: dict[str, tuple[tuple[str, int, str, int], str, str]] = {}
+        # A transfer's (_Charge): its _charge_key, the consumer's owner and the producer's owner.
+        self._transfer_charges: dict[str, _Charge] = {}
         self._total = [0, 0, 0]
         self._by_owner: dict[str, list[int]] = {}
 
@@ -138,13 +151,18 @@ class MemoryStore(Store):
         new = transition.transfer
         if new is cur and not transition.events:
             return transition
-        target, source = budget.transfer_blocks(new)
-        charged = target or source or transfer_id in self._transfer_charges
-        if charged:
-            self._check_blocks(transfer_id, new, target, source)
+        # The live-block budget: most writes keep the charge they had (a transfer's block ids change at its
+        # target and source calls, and when it ends); a new one is checked before anything is written.
+        old = self._transfer_charges.get(transfer_id)
+        key = _charge_key(new)
+        recharge = old[0] != key if old is not None else key is not None
+        charge = None
+        if recharge:
+            charge = self._charge_of(key)
+            self._check_blocks(old, charge)
         self._revision += 1
-        if charged:
-            self._charge_transfer(transfer_id, new, target, source)
+        if recharge:
+            self._recharge(transfer_id, old, charge)
         self._index(cur, new)
         self._order(cur, new)
         if new is None:
@@ -188,19 +206,19 @@ class MemoryStore(Store):
                 self._add(c[0], 0, sign * c[1])
                 self._add(c[0], 2, sign * c[2])
 
-    def _check_blocks(self, transfer_id: str, new: Transfer | None, target: int, source: int) -> None:
+    def _charge_of(self, key: _ChargeKey | None) -> _Charge | None:
+        """A transfer's charge of key (see `_charge_key`), with the owners it goes to."""
+        return (key, self._owner(key[0]), self._owner(key[2])) if key is not None else None
+
+    def _check_blocks(self, old: _Charge | None, new: _Charge | None) -> None:
         """Refuse (BUDGET_EXHAUSTED) a write that takes the live-block budget past a limit, by the tallies as
         they are now. The coordinator checks a batch by the tallies read as it starts, and the batches of
         requests in flight together interleave between their items (rendezvous.pacing): as the Redis script
         does, the write that would pass the budget is refused, whichever batch it belongs to."""
-        if new is None or not (target or source):
+        if new is None:
             return  # frees what it held
-        old = self._transfer_charges.get(transfer_id)
-        consumer = new.consumer_engine_id if target else ""
-        producer = new.producer_engine_id if source else ""
-        if old is not None and old[0] == (consumer, target, producer, source):
-            return  # the same charge: most writes
-        charges = [(self._owner(consumer), target), (self._owner(producer), source)]
+        (_, target, _, source), consumer_owner, producer_owner = new
+        charges = [(consumer_owner, target), (producer_owner, source)]
         if old is not None:
             charges += [(old[1], -old[0][1]), (old[2], -old[0][3])]
         grow: dict[str, int] = {}
@@ -215,25 +233,17 @@ class MemoryStore(Store):
             if owner and n > 0 and have + n > limits.max_live_blocks_per_identity:
                 raise budget.exhausted(budget.LIVE_BLOCKS, "identity", limits.max_live_blocks_per_identity, have, n)
 
-    def _charge_transfer(self, transfer_id: str, new: Transfer | None, target: int, source: int) -> None:
-        old = self._transfer_charges.get(transfer_id)
-        charge = None
-        if new is not None and (target or source):
-            consumer = new.consumer_engine_id if target else ""
-            producer = new.producer_engine_id if source else ""
-            key = (consumer, target, producer, source)
-            if old is not None and old[0] == key:
-                return  # the same charge (most writes: a transfer's blocks change at its target and source calls)
-            charge = (key, self._owner(consumer), self._owner(producer))
-            self._transfer_charges[transfer_id] = charge
+    def _recharge(self, transfer_id: str, old: _Charge | None, new: _Charge | None) -> None:
+        """Replace a transfer's charge in the tallies."""
+        if new is not None:
+            self._transfer_charges[transfer_id] = new
+            self._add(new[1], 1, new[0][1])
+            self._add(new[2], 1, new[0][3])
         else:
             self._transfer_charges.pop(transfer_id, None)
         if old is not None:
             self._add(old[1], 1, -old[0][1])
             self._add(old[2], 1, -old[0][3])
-        if charge is not None:
-            self._add(charge[1], 1, target)
-            self._add(charge[2], 1, source)
 
     async def usage(self, owner: str) -> budget.Tally:
         mine = self._by_owner.get(owner) if owner else None

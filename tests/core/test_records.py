@@ -1,5 +1,5 @@
-"""The core's record builders: `evolve` is `dataclasses.replace` and `positional` is the class's own `__init__`,
-for records of one layer (TransferTimes, Event) and for `Transfer`, which extends the protocol's record."""
+"""The core's record builders: `evolve` is `dataclasses.replace`, and `positional` and `keywords` are the class's own
+`__init__`, for records of one layer (TransferTimes, Event) and for `Transfer`, which extends the protocol's record."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rendezvous.core.model import Event, EventType, Mode, State, Transfer, TransferTimes, evolve, positional
+from rendezvous.core.model import (
+    Event,
+    EventType,
+    Mode,
+    State,
+    Transfer,
+    TransferTimes,
+    evolve,
+    keywords,
+    positional,
+)
 
 TRANSFER = Transfer("t", State.MATCHED, 10.0, Mode.PULL, 2, "c", 1, "p", 3, (1, 2), (3, 4), 32)
 
@@ -45,6 +55,17 @@ def test_positional_is_the_classes_init(record: Any) -> None:
     built = positional(type(record))(*values)
     assert type(built) is type(record) and built == type(record)(*values) == record
     assert not hasattr(built, "__dict__")
+
+
+@given(changes)
+def test_keywords_is_the_classes_init(change: dict[str, Any]) -> None:
+    given_ = {"transfer_id": "t", "state": State.TARGETED, "deadline": 1.0, **change}
+    built = keywords(Transfer)(**given_)
+    assert type(built) is Transfer and built == Transfer(**given_)
+    assert built.times == TransferTimes() and built.times is not keywords(Transfer)(**given_).times  # a factory's
+    assert not hasattr(built, "__dict__")
+    with pytest.raises(TypeError):
+        keywords(Transfer)(state=State.TARGETED, deadline=1.0)  # transfer_id has no default
 
 
 def test_evolve_refuses_a_field_the_record_lacks() -> None:

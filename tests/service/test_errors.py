@@ -10,7 +10,7 @@ from typing import NoReturn
 import grpc
 import pytest
 
-from rendezvous.server import RendezvousServer, ServerConfig
+from rendezvous.server import RendezvousServer, ServerConfig, servicer
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.service.conftest import LAYOUT, engine_request
@@ -295,6 +295,23 @@ async def test_a_bug_in_a_handler_is_internal_with_a_reason_and_a_request_id_in_
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await stub.DeregisterEngine(pb.DeregisterEngineRequest(engine_id="d1", request_id="rid-1"))
     assert (caught.value.code(), error_info(caught.value).metadata["request_id"]) == (Code.INTERNAL, "rid-1")
+
+
+async def test_a_bug_while_answering_a_keepalive_is_internal_with_a_reason(
+    stub: Stub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, _ = await register_pair(stub)
+
+    def broken(*args: object) -> NoReturn:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(servicer, "duration", broken)  # the response's lease_ttl
+    stream = stub.KeepAlive()
+    await stream.write(pb.KeepAliveRequest(engine_id="d1", incarnation=d.engine.incarnation))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stream.read()
+    assert caught.value.code() == Code.INTERNAL
+    assert error_info(caught.value).reason == "INTERNAL_ERROR"
 
 
 async def test_an_open_watch_is_told_the_server_is_shutting_down(server_config: ServerConfig) -> None:
