@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 
+from rendezvous import wire
 from rendezvous.protocol import index_wire
 from rendezvous.server.authfile import Caller
 from rendezvous.server.servicer import RendezvousServicer, _rpc
@@ -49,6 +50,7 @@ class KvIndexServicer(ipb_grpc.KvIndexServiceServicer):
     async def MatchPrefixes(
         self, request: ipb.MatchPrefixesRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> ipb.MatchPrefixesResponse:
+        wire.role_filter(request.role)  # a role this server does not know is refused, as ListEngines refuses it
         found = await self.coordinator.index.match(index_wire.query(request))
         return ipb.MatchPrefixesResponse(
             header=await self._header(), matches=[index_wire.match_message(m) for m in found]

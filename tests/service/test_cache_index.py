@@ -204,6 +204,11 @@ async def test_malformed_requests_and_queries_over_the_limit_are_invalid(
         request = ipb.ReportCacheEventsRequest(engine_id="p0", events=[ipb.CacheEvent()])
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await ipb_grpc.KvIndexServiceStub(channel).ReportCacheEvents(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A role this server does not know is refused, not read as "any role".
+        query = ipb.MatchPrefixesRequest(block_hashes=[b"a"], role=7)  # type: ignore[arg-type]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await ipb_grpc.KvIndexServiceStub(channel).MatchPrefixes(query)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
