@@ -257,7 +257,8 @@ class RendezvousServer:
                 up = await self.store.ping()
                 if up:
                     self.metrics.update_counts(await self.store.counts())
-                    self.metrics.update_budget((await self.store.usage("")).total, self.config.limits)
+                    usage, index_blocks = (await self.store.usage("")).total, await self.store.index().total()
+                    self.metrics.update_budget(usage, self.config.limits, index_blocks)
             except Exception:
                 up = False
             if up != serving and not self._stopping.is_set():
