@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Engine, Role
-from rendezvous.core.validation import check_batch
+from rendezvous.core.validation import check_batch, check_id
 from rendezvous.protocol.cache_index import (
     MAX_HASH_BYTES,
     AllBlocksCleared,
@@ -136,10 +136,15 @@ def check_snapshot(snapshot: CacheSnapshot, limits: Limits) -> None:
 
 def check_query(query: PrefixQuery, limits: Limits) -> None:
     """A query's shape: a chain of at most max_index_query_blocks, at most max_index_query_engines pools and
-    engines. The counts are checked before any hash is looked at."""
+    engines, each id well-formed (rendezvous.core.validation.check_id). The counts are checked before any hash or
+    id is looked at."""
     _check_total(len(query.block_hashes), limits.max_index_query_blocks, "chain blocks")
     _check_total(len(query.pools), limits.max_index_query_engines, "pools")
     _check_total(len(query.engine_ids), limits.max_index_query_engines, "engine ids")
+    for pool in query.pools:
+        check_id("pool", pool, limits)
+    for engine_id in query.engine_ids:
+        check_id("engine_id", engine_id, limits)
     if not _check_hashes(query.block_hashes):
         raise RendezvousError(Reason.BLOCK_HASH_INVALID, "the query's chain names no block")
 

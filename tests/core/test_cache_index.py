@@ -199,3 +199,17 @@ def test_too_many_hashes_in_a_report_or_a_query_are_refused() -> None:
         with pytest.raises(RendezvousError) as caught:
             check_query(query, limits)
         assert caught.value.reason == Reason.INDEX_QUERY_TOO_LARGE
+
+
+@pytest.mark.parametrize(
+    ("query", "reason"),
+    [
+        (PrefixQuery((b"a",), engine_ids=("x" * 257,)), Reason.ID_TOO_LONG),
+        (PrefixQuery((b"a",), pools=("a pool",)), Reason.ID_INVALID),
+        (PrefixQuery(()), Reason.BLOCK_HASH_INVALID),
+    ],
+)
+def test_a_query_names_well_formed_ids_and_at_least_one_block(query: PrefixQuery, reason: Reason) -> None:
+    with pytest.raises(RendezvousError) as caught:
+        check_query(query, LIMITS)
+    assert caught.value.reason == reason
