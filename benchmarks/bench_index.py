@@ -169,7 +169,7 @@ async def footprint(redis_url: str, blocks: int = 200_000) -> dict[str, float]:
     from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
     from rendezvous.core.model import Role
     from rendezvous.protocol.cache_index import BlockHashing
-    from rendezvous.store.cache_index import MemoryIndex
+    from rendezvous.store.cache_index import IndexBounds, MemoryIndex
     from rendezvous.store.factory import create_store
 
     entry = IndexEntry("e0", 1, "pool", Role.CONSUMER, 0, BlockHashing("x"), blocks)
@@ -178,7 +178,7 @@ async def footprint(redis_url: str, blocks: int = 200_000) -> dict[str, float]:
     index = MemoryIndex()
     # The hashes are made inside the trace: the index keeps them (a request's bytes objects).
     members = frozenset(member(0, block(0, n)) for n in range(blocks))
-    await index.write(None, IndexWrite(entry, True, members, frozenset()), blocks)
+    await index.write(None, IndexWrite(entry, True, members, frozenset()), IndexBounds(blocks, blocks))
     del members
     out = {"memory_bytes_per_block": (tracemalloc.get_traced_memory()[0] - before) / blocks}
     tracemalloc.stop()
@@ -189,7 +189,7 @@ async def footprint(redis_url: str, blocks: int = 200_000) -> dict[str, float]:
     store = create_store(redis_url, Limits())
     await store.open()
     used = int(client.info("memory")["used_memory"])
-    await store.index().write(None, write, blocks)
+    await store.index().write(None, write, IndexBounds(blocks, blocks))
     out["redis_bytes_per_block"] = (int(client.info("memory")["used_memory"]) - used) / blocks
     await store.close()
     return out

@@ -21,6 +21,7 @@ from rendezvous.core.validation import check_id
 from rendezvous.protocol.cache_index import CacheReport, CacheSnapshot, IndexPosition, PrefixMatch, PrefixQuery
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.store.base import Store
+from rendezvous.store.cache_index import IndexBounds
 
 _ATTEMPTS = 16
 """Compare-and-set rounds of one report before it gives up (only the engine's own calls contend)."""
@@ -33,6 +34,7 @@ class CacheIndex:
         self.store = store
         self.limits = limits
         self.clock = clock
+        self._bounds = IndexBounds(limits.max_index_blocks_total, limits.max_index_blocks_per_identity)
 
     async def _engine(self, engine_id: str, incarnation: int) -> Engine:
         check_id("engine_id", engine_id, self.limits)
@@ -51,7 +53,7 @@ class CacheIndex:
             if write is None:
                 assert read.entry is not None
                 return IndexPosition(read.entry.sequence, read.entry.block_count, duplicate=True)
-            if await index.write(read.entry, write, self.limits.max_index_blocks_total):
+            if await index.write(read.entry, write, self._bounds):
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 
@@ -63,7 +65,7 @@ class CacheIndex:
         for _ in range(_ATTEMPTS):
             read = await index.read(engine.engine_id, ())
             write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
-            if await index.write(read.entry, write, self.limits.max_index_blocks_total):
+            if await index.write(read.entry, write, self._bounds):
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 

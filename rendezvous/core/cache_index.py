@@ -48,6 +48,9 @@ class IndexEntry:
     sequence: int
     hashing: BlockHashing
     block_count: int
+    owner: str = ""
+    """The identity the engine's incarnation was registered by (Engine.owner): its blocks count against that
+    identity's bound (max_index_blocks_per_identity)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +258,9 @@ def decide_report(
     removes = frozenset() if cleared else frozenset(m for m, v in state.items() if not v and held.get(m, False))
     after = len(adds) if cleared else before + len(adds) - len(removes)
     _check_room(engine.engine_id, before, after, limits)
-    new = IndexEntry(engine.engine_id, engine.incarnation, engine.pool, engine.role, report.sequence, hashing, after)
+    new = IndexEntry(
+        engine.engine_id, engine.incarnation, engine.pool, engine.role, report.sequence, hashing, after, engine.owner
+    )
     return IndexWrite(new, cleared, adds, removes)
 
 
@@ -269,7 +274,14 @@ def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSna
     before = entry.block_count if entry is not None and not _fresh(entry, engine) else 0
     _check_room(engine.engine_id, before, len(adds), limits)
     new = IndexEntry(
-        engine.engine_id, engine.incarnation, engine.pool, engine.role, snapshot.sequence, hashing, len(adds)
+        engine.engine_id,
+        engine.incarnation,
+        engine.pool,
+        engine.role,
+        snapshot.sequence,
+        hashing,
+        len(adds),
+        engine.owner,
     )
     return IndexWrite(new, True, adds, frozenset())
 

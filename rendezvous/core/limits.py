@@ -95,6 +95,10 @@ class Limits:
     max_index_blocks_total: int = 20_000_000
     """The blocks the KV index may hold over the server (INDEX_FULL past it); about 100 B each in memory or Redis
     (docs/security.md, "Limits against abuse"): 2 GB at the bound."""
+    max_index_blocks_per_identity: int = 4_000_000
+    """The blocks the KV index may hold for the engines of one identity together (INDEX_FULL past it; the identity
+    that registered them, as the memory budget charges it; without auth only the other bounds apply): so one
+    identity's engines cannot take the whole server's bound."""
     max_index_blocks_per_request: int = 65_536
     """The most block hashes one ReportCacheEvents or ReplaceCachedBlocks request may carry in all (a larger
     snapshot is refused with INDEX_QUERY_TOO_LARGE: send it as a snapshot and reports)."""

@@ -227,8 +227,8 @@ class Reason(StrEnum):
  applied; send ReplaceCachedBlocks (ErrorInfo metadata field: group_index)."""
 
     INDEX_FULL = "INDEX_FULL"
-    """The KV index has no room for the blocks: the engine's or the server's bound
- (ErrorInfo metadata fields: scope (engine or server), limit, have, adding)."""
+    """The KV index has no room for the blocks: the engine's, its identity's or the server's bound
+ (ErrorInfo metadata fields: scope (engine, identity or server), limit, have, adding)."""
 
     INDEX_QUERY_TOO_LARGE = "INDEX_QUERY_TOO_LARGE"
     """A KV index request over a size limit: more hashes than max_index_blocks_per_request or

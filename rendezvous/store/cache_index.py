@@ -3,7 +3,8 @@
 Each engine with reports has an entry (its incarnation, pool, role, sequence, hashing and block count) and a set
 of members (rendezvous.core.cache_index.member). A write is a compare-and-set on the entry's incarnation and
 sequence, so two replicas that decided on the same entry cannot both write: the second reads again. The server's
-bound on all blocks (max_index_blocks_total) is checked in the step that writes. `MemoryIndex` serves the memory
+bound on all blocks (max_index_blocks_total) and an identity's on its engines' blocks (max_index_blocks_per_identity)
+are checked in the step that writes. `MemoryIndex` serves the memory
 store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py), where a query is one
 script: one round trip, whatever the number of engines.
 """
@@ -11,6 +12,7 @@ script: one round trip, whatever the number of engines.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,12 +29,22 @@ class IndexRead:
     held: dict[bytes, bool]
 
 
-def index_full(limit: int, have: int, adding: int) -> RendezvousError:
-    """The refusal of a write past the server's bound."""
+@dataclass(frozen=True)
+class IndexBounds:
+    """The bounds a write must keep to in the step that writes: all blocks (max_index_blocks_total) and an
+    identity's engines' blocks (max_index_blocks_per_identity; entries without an owner are not bounded by it)."""
+
+    total: int
+    per_identity: int
+
+
+def index_full(scope: str, limit: int, have: int, adding: int) -> RendezvousError:
+    """The refusal of a write past the server's bound (scope "server") or its identity's ("identity")."""
+    whose = "the server's" if scope == "server" else "its identity's"
     return RendezvousError(
         Reason.INDEX_FULL,
-        f"the KV index holds {have} blocks; {adding} more would pass the server's limit of {limit}",
-        scope="server",
+        f"the KV index holds {have} blocks there; {adding} more would pass {whose} limit of {limit}",
+        scope=scope,
         limit=limit,
         have=have,
         adding=adding,
@@ -61,9 +73,10 @@ class IndexStore(ABC):
         """An engine's entry and whether it holds each of members."""
 
     @abstractmethod
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, max_total: int) -> bool:
+    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
         """Apply write if the engine's entry is still expected (same incarnation and sequence; None: none).
-        False (nothing written) when it changed; INDEX_FULL when the server's blocks would pass max_total."""
+        False (nothing written) when it changed; INDEX_FULL when a growth would pass one of bounds (the server's
+        first, then the new entry's owner's: its blocks so far, less the entry's own if it was charged to it)."""
 
     @abstractmethod
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
@@ -85,21 +98,26 @@ class MemoryIndex(IndexStore):
         self._entries: dict[str, IndexEntry] = {}
         self._blocks: dict[str, set[bytes]] = {}
         self._total = 0
+        self._owned: Counter[str] = Counter()
 
     async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
         held = self._blocks.get(engine_id, set())
         return IndexRead(self._entries.get(engine_id), {m: m in held for m in members})
 
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, max_total: int) -> bool:
-        engine_id = write.entry.engine_id
+    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+        engine_id, owner = write.entry.engine_id, write.entry.owner
         current = self._entries.get(engine_id)
         if _version(current) != _version(expected):
             return False
         blocks = self._blocks.get(engine_id, set())
         before = len(blocks)
         after = write.entry.block_count
-        if after > before and self._total + after - before > max_total:
-            raise index_full(max_total, self._total, after - before)
+        if after > before and self._total + after - before > bounds.total:
+            raise index_full("server", bounds.total, self._total, after - before)
+        charged = current.owner if current is not None else ""
+        mine = after - (before if charged == owner else 0)
+        if owner and mine > 0 and self._owned[owner] + mine > bounds.per_identity:
+            raise index_full("identity", bounds.per_identity, self._owned[owner], mine)
         if write.reset:
             blocks = set()
         blocks |= write.adds
@@ -108,6 +126,8 @@ class MemoryIndex(IndexStore):
         self._blocks[engine_id] = blocks
         self._entries[engine_id] = write.entry
         self._total += after - before
+        self._owned[charged] -= before
+        self._owned[owner] += after
         return True
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
@@ -131,7 +151,9 @@ class MemoryIndex(IndexStore):
         if entry is None or entry.incarnation > incarnation:
             return False
         del self._entries[engine_id]
-        self._total -= len(self._blocks.pop(engine_id))
+        held = len(self._blocks.pop(engine_id))
+        self._total -= held
+        self._owned[entry.owner] -= held
         return True
 
     async def total(self) -> int:

@@ -1,7 +1,7 @@
 """The KV index on Redis answers as on the memory store, and both as plain sets: random reports, snapshots,
 engine ends and queries through the coordinator give the same answers on both stores, a refused batch leaves no
 trace, and a query counts exactly the leading blocks the engine's accepted events leave it holding (never one it
-reported removed)."""
+reported removed). The bounds (per engine, per identity, in all) are small enough for the operations to reach."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ pytestmark = pytest.mark.redis
 
 ENGINES = {"e0": Role.PRODUCER, "e1": Role.CONSUMER}
 HASHING = BlockHashing("sha256", "0", 16)
-LIMITS = Limits(max_index_blocks_per_engine=5, max_index_blocks_total=8)
+LIMITS = Limits(max_index_blocks_per_engine=5, max_index_blocks_total=8, max_index_blocks_per_identity=7)
+OWNER = "a"
+"""The identity both engines are registered by: their entries share its bound."""
 TIMEOUTS = Timeouts(default_lease_ttl=300, max_lease_ttl=300)
 
 block = st.sampled_from([b"a", b"b", b"c", b"d", b"e", b"f"])
@@ -106,7 +108,7 @@ async def apply(coord: Coordinator, model: Model, op: tuple[Any, ...]) -> Any:
             return await coord.index.replace(snapshot)
         if kind == "end":
             await coord.deregister_engine(args[0], 0)
-            return await coord.register_engine(engine_spec(args[0], ENGINES[args[0]]))
+            return await coord.register_engine(engine_spec(args[0], ENGINES[args[0]], owner=OWNER))
         chain, g = args
         return {m.engine_id: m.matched_blocks for m in await coord.index.match(PrefixQuery(chain, g))}
     except RendezvousError as err:
@@ -140,7 +142,7 @@ async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
         coords = [Coordinator(s, LIMITS, TIMEOUTS, clock=FakeClock(START)) for s in stores]
         for engine_id, role in ENGINES.items():
             for coord in coords:
-                await coord.register_engine(engine_spec(engine_id, role))
+                await coord.register_engine(engine_spec(engine_id, role, owner=OWNER))
         model = Model()
         for op in ops:
             answers = [await apply(coord, model, op) for coord in coords]

@@ -12,17 +12,24 @@ from rendezvous.core.model import Role
 from rendezvous.protocol.cache_index import BlockHashing, PrefixQuery
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.store.base import Store
+from rendezvous.store.cache_index import IndexBounds
 from tests.store.conftest import StoreFactory
 from tests.store.test_credits_store import replicas
 
 HASHING = BlockHashing("sha256", "seed", 16, integer_hashes=True)
-BIG = 1_000_000
+BIG = IndexBounds(1_000_000, 1_000_000)
 
 
 def entry(
-    engine_id: str, sequence: int, count: int, incarnation: int = 7, pool: str = "p", role: Role = Role.PRODUCER
+    engine_id: str,
+    sequence: int,
+    count: int,
+    incarnation: int = 7,
+    pool: str = "p",
+    role: Role = Role.PRODUCER,
+    owner: str = "",
 ) -> IndexEntry:
-    return IndexEntry(engine_id, incarnation, pool, role, sequence, HASHING, count)
+    return IndexEntry(engine_id, incarnation, pool, role, sequence, HASHING, count, owner)
 
 
 def put(e: IndexEntry, *hashes: bytes, reset: bool = False, removes: tuple[bytes, ...] = ()) -> IndexWrite:
@@ -64,14 +71,31 @@ async def test_a_reset_replaces_the_blocks_and_the_total_follows(store: Store) -
 
 
 async def test_the_server_bound_refuses_growth_past_it(store: Store) -> None:
-    index = store.index()
-    assert await index.write(None, put(entry("e0", 1, 2), b"a", b"b"), 3)
+    index, bounds = store.index(), IndexBounds(3, 100)
+    assert await index.write(None, put(entry("e0", 1, 2), b"a", b"b"), bounds)
     with pytest.raises(RendezvousError) as caught:
-        await index.write(None, put(entry("e1", 1, 2), b"a", b"b"), 3)
+        await index.write(None, put(entry("e1", 1, 2), b"a", b"b"), bounds)
     assert caught.value.reason == Reason.INDEX_FULL
     assert caught.value.metadata == {"scope": "server", "limit": "3", "have": "2", "adding": "2"}
     assert (await index.read("e1", [])).entry is None
-    assert await index.write(None, put(entry("e1", 1, 1), b"a"), 3)
+    assert await index.write(None, put(entry("e1", 1, 1), b"a"), bounds)
+
+
+async def test_an_identity_bound_counts_its_engines_together(make_store: StoreFactory, backend: str) -> None:
+    one, two = await replicas(make_store, backend, 2)
+    bounds = IndexBounds(100, 3)
+    a0, a1, b0 = entry("a0", 1, 2, owner="a"), entry("a1", 1, 2, owner="a"), entry("b0", 1, 3, owner="b")
+    assert await one.index().write(None, put(a0, b"x", b"y"), bounds)
+    with pytest.raises(RendezvousError) as caught:
+        await two.index().write(None, put(a1, b"x", b"y"), bounds)
+    assert caught.value.metadata == {"scope": "identity", "limit": "3", "have": "2", "adding": "2"}
+    # Another identity has its own bound; an engine without an owner (no auth) is bounded by the server's only.
+    assert await two.index().write(None, put(b0, b"x", b"y", b"z"), bounds)
+    assert await two.index().write(None, put(entry("n0", 1, 4), b"p", b"q", b"r", b"s"), bounds)
+    # Rewriting an entry charges its new size, less what it held: a0 grows to 3, then its blocks go with it.
+    assert await one.index().write(a0, put(entry("a0", 2, 3, owner="a"), b"z"), bounds)
+    assert await one.index().drop("a0", 7)
+    assert await two.index().write(None, put(a1, b"x", b"y"), bounds)
 
 
 async def test_match_counts_leading_blocks_per_selected_engine(store: Store) -> None:

@@ -1,11 +1,11 @@
 """The KV index in Redis: the `IndexStore` contract (rendezvous/store/cache_index.py) in Lua scripts.
 
 Keys (rendezvous/store/redis/scripts/__init__.py, docs/operations.md): `ix:<engine>` (the entry: version,
-record, pool, role, incarnation), `ixb:<engine>` (its block set), `ixe` (engines with an entry), `ixt` (the
-blocks of all entries). A report reads the entry and the blocks it names in one script (index_read), the core
-decides, and index_write applies the decision if the entry's version is unchanged; MatchPrefixes is one script
-(index_match), so every replica answers from the same state in one round trip. Writes carry the store's epoch
-guard, as every write does.
+record, pool, role, incarnation, owner), `ixb:<engine>` (its block set), `ixe` (engines with an entry), `ixt`
+(the blocks of all entries), `ixo` (the blocks of each owner's entries). A report reads the entry and the blocks
+it names in one script (index_read), the core decides, and index_write applies the decision if the entry's
+version is unchanged and the bounds hold; MatchPrefixes is one script (index_match), so every replica answers
+from the same state in one round trip. Writes carry the store's epoch guard, as every write does.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
 from rendezvous.core.model import Role
 from rendezvous.protocol.cache_index import BlockHashing, PrefixMatch, PrefixQuery
 from rendezvous.store.base import StoreUnavailableError
-from rendezvous.store.cache_index import IndexRead, IndexStore, index_full, ranked
+from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, ranked
 from rendezvous.store.codec import future_format
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.scripts import Scripts
@@ -32,7 +32,7 @@ def encode(e: IndexEntry) -> str:
     h = e.hashing
     return json.dumps(
         [e.engine_id, e.incarnation, e.pool, int(e.role), e.sequence, h.algorithm, h.seed, h.block_size,
-         h.integer_hashes, e.block_count],
+         h.integer_hashes, e.block_count, e.owner],
         separators=(",", ":"),
     )  # fmt: skip
 
@@ -44,7 +44,7 @@ def decode(data: bytes | str) -> IndexEntry:
     if type(f[0]) is int:
         raise future_format("KV index entry", f[0])
     hashing = BlockHashing(str(f[5]), str(f[6]), int(f[7]), bool(f[8]))
-    return IndexEntry(str(f[0]), int(f[1]), str(f[2]), Role(int(f[3])), int(f[4]), hashing, int(f[9]))
+    return IndexEntry(str(f[0]), int(f[1]), str(f[2]), Role(int(f[3])), int(f[4]), hashing, int(f[9]), str(f[10]))
 
 
 def _version(entry: IndexEntry | None) -> str:
@@ -74,7 +74,7 @@ class RedisIndex(IndexStore):
         entry = decode(reply[1]) if reply[1] else None
         return IndexRead(entry, {m: bool(h) for m, h in zip(members, reply[2:], strict=True)})
 
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, max_total: int) -> bool:
+    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
         e = write.entry
         reply = await self._write(
             "index_write",
@@ -85,14 +85,17 @@ class RedisIndex(IndexStore):
             pool=e.pool,
             role=int(e.role),
             incarnation=e.incarnation,
+            owner=e.owner,
             reset=1 if write.reset else 0,
             count=e.block_count,
-            max_total=max_total,
+            max_total=bounds.total,
+            max_owner=bounds.per_identity,
             adds=list(write.adds),
             removes=list(write.removes),
         )
         if reply[0] == b"B":
-            raise index_full(max_total, int(reply[1]), int(reply[2]))
+            scope = reply[1].decode()
+            raise index_full(scope, bounds.total if scope == "server" else bounds.per_identity, *map(int, reply[2:]))
         return bool(reply[0] == b"OK")
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:

@@ -51,10 +51,11 @@ Key schema (docs/operations.md has it for operators):
     crt              hash    transfer id -> its reservation (which engine holds it)
     crd              zset    transfer id by reservation expiry (swept by any replica)
     ix:<engine>      hash    the engine's KV index entry: v "<incarnation>:<sequence>", d record, p pool, r role,
-                             i incarnation
+                             i incarnation, o owner (the identity its blocks are charged to)
     ixb:<engine>     set     its blocks: group (4 bytes big-endian) + hash
     ixe              set     every engine id with an entry
     ixt              string  the blocks of all entries (max_index_blocks_total)
+    ixo              hash    owner -> the blocks of its engines' entries (max_index_blocks_per_identity)
 
 Replies use short status words: OK (applied, with the new version), N (no change, version
 verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
@@ -186,9 +187,11 @@ SIGNATURES: Mapping[str, Signature] = {
             "pool",
             "role",
             "incarnation",
+            "owner",
             "reset",
             "count",
             "max_total",
+            "max_owner",
         ),
         (Group("adds", ("member",)), Group("removes", ("member",))),
         ("guard",),
