@@ -97,13 +97,14 @@ class IndexPosition:
 @dataclass(frozen=True, slots=True)
 class PrefixQuery:
     """Which engines hold how much of a chain (MatchPrefixes): engine_ids, else every indexed engine, narrowed by
-    pools and role."""
+    pools and role, and to those holding at least min_matched leading blocks."""
 
     block_hashes: tuple[bytes, ...]
     group: int = 0
     pools: tuple[str, ...] = ()
     engine_ids: tuple[str, ...] = ()
     role: EngineRole | None = None
+    min_matched: int = 0
 
 
 @dataclass(frozen=True, slots=True)

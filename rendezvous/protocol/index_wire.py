@@ -120,6 +120,7 @@ def query_request(q: PrefixQuery) -> ipb.MatchPrefixesRequest:
         pools=q.pools,
         engine_ids=q.engine_ids,
         role=int(q.role or EngineRole.UNSPECIFIED),  # type: ignore[arg-type]
+        min_matched_blocks=q.min_matched,
     )
 
 
@@ -132,6 +133,7 @@ def query(m: ipb.MatchPrefixesRequest) -> PrefixQuery:
         tuple(m.pools),
         tuple(m.engine_ids),
         role if role is not EngineRole.UNSPECIFIED else None,
+        m.min_matched_blocks,
     )
 
 

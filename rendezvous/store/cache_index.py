@@ -80,7 +80,8 @@ class IndexStore(ABC):
 
     @abstractmethod
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`)."""
+        """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`); entries
+        holding fewer than query.min_matched are left out."""
 
     @abstractmethod
     async def drop(self, engine_id: str, incarnation: int) -> bool:
@@ -131,19 +132,12 @@ class MemoryIndex(IndexStore):
         return True
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        found = [
-            PrefixMatch(
-                e.engine_id,
-                e.pool,
-                e.role,
-                matched_blocks(query.block_hashes, query.group, self._blocks[e.engine_id]),
-                e.hashing,
-                e.sequence,
-                e.incarnation,
-            )
-            for e in self._entries.values()
-            if selects(query, e)
-        ]
+        found = []
+        for e in self._entries.values():
+            if selects(query, e):
+                n = matched_blocks(query.block_hashes, query.group, self._blocks[e.engine_id])
+                if n >= query.min_matched:
+                    found.append(PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation))
         return ranked(found)
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:

@@ -112,18 +112,20 @@ class ReplaceCachedBlocksResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[_rendezvous_pb2.ResponseHeader, _Mapping]] = ..., sequence: _Optional[int] = ..., block_count: _Optional[int] = ...) -> None: ...
 
 class MatchPrefixesRequest(_message.Message):
-    __slots__ = ("block_hashes", "group_index", "pools", "engine_ids", "role")
+    __slots__ = ("block_hashes", "group_index", "pools", "engine_ids", "role", "min_matched_blocks")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     group_index: int
     pools: _containers.RepeatedScalarFieldContainer[str]
     engine_ids: _containers.RepeatedScalarFieldContainer[str]
     role: _rendezvous_pb2.EngineRole
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., group_index: _Optional[int] = ..., pools: _Optional[_Iterable[str]] = ..., engine_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[_rendezvous_pb2.EngineRole, str]] = ...) -> None: ...
+    min_matched_blocks: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., group_index: _Optional[int] = ..., pools: _Optional[_Iterable[str]] = ..., engine_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[_rendezvous_pb2.EngineRole, str]] = ..., min_matched_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefixMatch(_message.Message):
     __slots__ = ("engine_id", "pool", "role", "matched_blocks", "hashing", "sequence", "incarnation")

@@ -34,7 +34,7 @@ def test_a_snapshot_and_a_query_read_back_as_sent() -> None:
     snapshot = CacheSnapshot("e0", 3, HASHING, ((0, (b"a",)), (1, (b"b", b"c"))), incarnation=2)
     assert index_wire.snapshot(index_wire.snapshot_request(snapshot)) == snapshot
     for role in (None, EngineRole.CONSUMER):
-        query = PrefixQuery((b"a", b"b"), 1, ("decode",), ("d0", "d1"), role)
+        query = PrefixQuery((b"a", b"b"), 1, ("decode",), ("d0", "d1"), role, min_matched=2)
         assert index_wire.query(index_wire.query_request(query)) == query
 
 

@@ -57,7 +57,7 @@ operation = st.one_of(
     st.tuples(st.just("snapshot"), engine, st.sampled_from([0, 2, -2]), st.lists(st.tuples(group, blocks),
               max_size=2)),
     st.tuples(st.just("end"), engine),
-    st.tuples(st.just("match"), blocks, group),
+    st.tuples(st.just("match"), blocks, group, st.integers(0, 2)),
 )  # fmt: skip
 
 
@@ -109,8 +109,9 @@ async def apply(coord: Coordinator, model: Model, op: tuple[Any, ...]) -> Any:
         if kind == "end":
             await coord.deregister_engine(args[0], 0)
             return await coord.register_engine(engine_spec(args[0], ENGINES[args[0]], owner=OWNER))
-        chain, g = args
-        return {m.engine_id: m.matched_blocks for m in await coord.index.match(PrefixQuery(chain, g))}
+        chain, g, least = args
+        found = await coord.index.match(PrefixQuery(chain, g, min_matched=least))
+        return {m.engine_id: m.matched_blocks for m in found}
     except RendezvousError as err:
         return err.reason
 
@@ -119,7 +120,7 @@ def follow(model: Model, op: tuple[Any, ...], answer: Any) -> None:
     """Move the model as the answer says the service did."""
     kind, *args = op
     if kind == "match":
-        assert answer == model.matched(args[0], args[1])
+        assert answer == {e: n for e, n in model.matched(args[0], args[1]).items() if n >= args[2]}
     elif kind == "end":
         model.held.pop(args[0], None)
         model.sequence.pop(args[0], None)
@@ -161,7 +162,7 @@ async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
     ops=[
         ("report", "e0", 0, [BlocksStored((b"a", b"b", b"c"))], True),
         ("report", "e0", 0, [BlocksRemoved((b"b",))], False),
-        ("match", (b"a", b"b", b"c"), 0),
+        ("match", (b"a", b"b", b"c"), 0, 0),
     ]
 )
 def test_random_index_operations_give_the_same_answers_on_memory_and_redis(

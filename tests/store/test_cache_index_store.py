@@ -111,6 +111,9 @@ async def test_match_counts_leading_blocks_per_selected_engine(store: Store) -> 
     assert [m.engine_id for m in await index.match(PrefixQuery(chain, role=Role.PRODUCER))] == ["e0", "e2"]
     assert [m.engine_id for m in await index.match(PrefixQuery(chain, engine_ids=("e2", "nope", "e2")))] == ["e2"]
     assert [m.matched_blocks for m in await index.match(PrefixQuery(chain, group=1))] == [0, 0, 0]
+    # Only the engines holding at least min_matched leading blocks.
+    assert [m.engine_id for m in await index.match(PrefixQuery(chain, min_matched=1))] == ["e0", "e1"]
+    assert await index.match(PrefixQuery(chain, min_matched=3)) == []
 
 
 async def test_drop_takes_an_incarnation_and_older_ones_only(make_store: StoreFactory, backend: str) -> None:

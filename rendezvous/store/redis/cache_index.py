@@ -102,6 +102,7 @@ class RedisIndex(IndexStore):
         reply = await self._scripts.run(
             "index_match",
             role=int(query.role or 0),
+            min_matched=query.min_matched,
             members=[member(query.group, h) for h in query.block_hashes],
             pools=list(query.pools),
             engine_ids=list(dict.fromkeys(query.engine_ids)),

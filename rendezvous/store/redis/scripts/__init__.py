@@ -197,7 +197,7 @@ SIGNATURES: Mapping[str, Signature] = {
         ("guard",),
     ),
     "index_match": Signature(
-        ("role",),
+        ("role", "min_matched"),
         (Group("members", ("member",)), Group("pools", ("pool",)), Group("engine_ids", ("engine_id",))),
     ),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),

@@ -1,10 +1,11 @@
 -- MatchPrefixes in one step: for each engine of engine_ids (none: every indexed engine, `ixe`) that has an
 -- entry of one of pools (none: any) and of role ("0": any), how many leading members of the chain its block set
--- holds. Reply: {record, matched, record, matched, ...}.
+-- holds; engines holding fewer than min_matched are left out. Reply: {record, matched, record, matched, ...}.
 local ids = engine_ids
 if #ids == 0 then
   ids = redis.call('SMEMBERS', P .. 'ixe')
 end
+local least = tonumber(min_matched)
 local wanted = {}
 for _, pool in ipairs(pools) do
   wanted[pool] = true
@@ -21,8 +22,10 @@ for _, id in ipairs(ids) do
       end
       n = i
     end
-    out[#out + 1] = entry[1]
-    out[#out + 1] = n
+    if n >= least then
+      out[#out + 1] = entry[1]
+      out[#out + 1] = n
+    end
   end
 end
 return out
