@@ -18,6 +18,8 @@ from google.protobuf.message import Message
 from clients import _convert
 from clients._types import (
     AbortSpec,
+    CacheReport,
+    CacheSnapshot,
     ClaimSpec,
     CompletionSpec,
     CreditResult,
@@ -27,7 +29,10 @@ from clients._types import (
     EngineRole,
     EngineSpec,
     EngineView,
+    IndexPosition,
     ItemResult,
+    PrefixMatch,
+    PrefixQuery,
     Registration,
     ReleaseSpec,
     RevocationAck,
@@ -38,8 +43,9 @@ from clients._types import (
     TransferPage,
     TransferState,
 )
-from rendezvous.protocol import convert
+from rendezvous.protocol import convert, index_wire
 from rendezvous.protocol.convert import duration, number
+from rendezvous.v1 import index_pb2 as ipb
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 ResultT = TypeVar("ResultT")
@@ -207,6 +213,29 @@ def list_transfers(
         page_token=page_token,
     )
     return Call("ListTransfers", request, _convert.transfer_page, idempotent=True)
+
+
+# The KV index (KvIndexService). Retried like reads: a report's sequence makes a repeat a no-op, and a snapshot
+# of the same sequence replaces the entry with the same blocks.
+
+
+def report_cache_events(report: CacheReport) -> Call[IndexPosition]:
+    """ReportCacheEvents."""
+    return Call("ReportCacheEvents", index_wire.report_request(report), index_wire.position, idempotent=True)
+
+
+def replace_cached_blocks(snapshot: CacheSnapshot) -> Call[IndexPosition]:
+    """ReplaceCachedBlocks."""
+    return Call("ReplaceCachedBlocks", index_wire.snapshot_request(snapshot), index_wire.position, idempotent=True)
+
+
+def match_prefixes(query: PrefixQuery) -> Call[list[PrefixMatch]]:
+    """MatchPrefixes."""
+    return Call("MatchPrefixes", index_wire.query_request(query), _matches, idempotent=True)
+
+
+def _matches(response: ipb.MatchPrefixesResponse) -> list[PrefixMatch]:
+    return index_wire.matches(response.matches)
 
 
 def get_status() -> Call[ServerStatus]:

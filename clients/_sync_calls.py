@@ -23,6 +23,8 @@ from clients._retry import Attempts
 from clients._transport import ClientBase
 from clients._types import (
     AbortSpec,
+    CacheReport,
+    CacheSnapshot,
     ClaimSpec,
     CompletionSpec,
     CreditResult,
@@ -31,7 +33,10 @@ from clients._types import (
     EngineRole,
     EngineSpec,
     EngineView,
+    IndexPosition,
     ItemResult,
+    PrefixMatch,
+    PrefixQuery,
     Registration,
     ReleaseSpec,
     RevocationAck,
@@ -292,6 +297,21 @@ class SyncCalls(ClientBase[grpc.Channel]):
             token = page.next_page_token
             if not token:
                 return
+
+    # The KV index
+
+    def report_cache_events(self, report: CacheReport, *, timeout: float | None = None) -> IndexPosition:
+        """Report one numbered batch of an engine's cache events (KvIndexService). Raises INDEX_SEQUENCE_GAP
+        (metadata expected_sequence) or INDEX_PARENT_UNKNOWN when the engine should send a snapshot."""
+        return self._invoke(commands.report_cache_events(report), timeout)
+
+    def replace_cached_blocks(self, snapshot: CacheSnapshot, *, timeout: float | None = None) -> IndexPosition:
+        """Replace an engine's entry in the KV index by a snapshot of its cache."""
+        return self._invoke(commands.replace_cached_blocks(snapshot), timeout)
+
+    def match_prefixes(self, query: PrefixQuery, *, timeout: float | None = None) -> list[PrefixMatch]:
+        """How many leading blocks of the query's chain each selected indexed engine holds, best first."""
+        return self._invoke(commands.match_prefixes(query), timeout)
 
     def get_status(self, *, timeout: float | None = None) -> ServerStatus:
         """The operator summary of the server."""

@@ -15,12 +15,22 @@ from clients._exceptions import from_rpc_error
 from rendezvous.protocol import tracing
 from rendezvous.protocol.errors import RendezvousError
 from rendezvous.protocol.tracing import Span
+from rendezvous.v1 import index_pb2_grpc as ipb_grpc
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
 ChannelT = TypeVar("ChannelT")
 
 Metadata = tuple[tuple[str, str], ...]
 EpochListener = Callable[[int, int], None]
+
+
+class ServiceStubs:
+    """The stubs of both services on one channel, as one: a call names its RPC (`Call.method`), and no RPC name
+    is in both RendezvousService and KvIndexService."""
+
+    def __init__(self, channel: Any) -> None:
+        for stub in (pb_grpc.RendezvousServiceStub(channel), ipb_grpc.KvIndexServiceStub(channel)):
+            vars(self).update(vars(stub))
 
 
 class Endpoints(Generic[ChannelT]):
@@ -47,7 +57,7 @@ class Endpoints(Generic[ChannelT]):
         return self._targets[self._current]
 
     def current(self) -> tuple[int, Any]:
-        """The current endpoint's index and RendezvousService stub."""
+        """The current endpoint's index and stubs (ServiceStubs)."""
         index = self._current
         stub = self._stubs[index]
         if stub is None:
@@ -56,7 +66,7 @@ class Endpoints(Generic[ChannelT]):
                 if stub is None:
                     channel = self._open_channel(self._targets[index])
                     self._channels[index] = channel
-                    stub = self._stubs[index] = pb_grpc.RendezvousServiceStub(channel)
+                    stub = self._stubs[index] = ServiceStubs(channel)
         return index, stub
 
     def failover(self, index: int) -> None:

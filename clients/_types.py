@@ -13,6 +13,19 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from rendezvous.protocol.bindings import Binding
+from rendezvous.protocol.cache_index import (
+    AllBlocksCleared,
+    BlockHashing,
+    BlocksRemoved,
+    BlocksStored,
+    CacheEvent,
+    CacheReport,
+    CacheSnapshot,
+    IndexPosition,
+    PrefixMatch,
+    PrefixQuery,
+    hash_of,
+)
 from rendezvous.protocol.enums import (
     AbortReason,
     CompletionOutcome,
@@ -202,7 +215,14 @@ class CreditResult:
 __all__ = [
     "AbortReason",
     "AbortSpec",
+    "AllBlocksCleared",
     "Binding",
+    "BlockHashing",
+    "BlocksRemoved",
+    "BlocksStored",
+    "CacheEvent",
+    "CacheReport",
+    "CacheSnapshot",
     "ClaimSpec",
     "CompletionOutcome",
     "CompletionSpec",
@@ -217,6 +237,7 @@ __all__ = [
     "EngineView",
     "Event",
     "EventType",
+    "IndexPosition",
     "ItemResult",
     "KvLayout",
     "KvRegion",
@@ -224,6 +245,8 @@ __all__ = [
     "MemoryKind",
     "NixlAgent",
     "NixlAgentInfo",
+    "PrefixMatch",
+    "PrefixQuery",
     "Registration",
     "ReleaseSpec",
     "Reregistered",
@@ -239,4 +262,5 @@ __all__ = [
     "TransferTimes",
     "WatchBatch",
     "WrittenPart",
+    "hash_of",
 ]

@@ -17,6 +17,7 @@ from functools import partial
 from typing import Protocol, TypeVar
 
 from rendezvous import sweeper
+from rendezvous.cache_index import CacheIndex
 from rendezvous.core import budget, paging
 from rendezvous.core import engines as engine_rules
 from rendezvous.core import transfers as lifecycle
@@ -105,6 +106,7 @@ class Coordinator:
         self.clock = clock
         self.observer = observer
         self.credits = CreditLedger(store, self.limits, self.timeouts, clock)
+        self.index = CacheIndex(store, self.limits, clock)
         self._page_key: bytes | None = None
 
     async def _both(self, first: Awaitable[A], second: Awaitable[B]) -> tuple[A, B]:
@@ -291,9 +293,11 @@ class Coordinator:
         return applied
 
     async def lose_engine(self, lost: Engine) -> int:
-        """Abort the live transfers of an ended incarnation and tell its peers; its credits come back."""
+        """Abort the live transfers of an ended incarnation and tell its peers; its credits come back and its KV
+        index entry goes."""
         ctx = self.context()
         await self.credits.reclaim(lost)
+        await self.index.drop(lost)
         aborted = 0
         peers: set[str] = set()
         ids = await self.store.live_transfer_ids(lost.engine_id)

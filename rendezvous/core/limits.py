@@ -89,6 +89,23 @@ class Limits:
     max_parts_per_request: int = 65_536
     """The most parts a CompleteTransfers request may carry over all its completions (more: the request is
     refused with TOO_MANY_PARTS before any part is converted or any transfer looked up)."""
+    max_index_blocks_per_engine: int = 1_000_000
+    """The blocks the KV index may hold for one engine (KvIndexService; past it a report is INDEX_FULL): more than
+    a large engine's prefix cache (a GPU with 80 GiB of KV at 16 tokens a block rarely has 500,000 blocks)."""
+    max_index_blocks_total: int = 20_000_000
+    """The blocks the KV index may hold over the server (INDEX_FULL past it); about 100 B each in memory or Redis
+    (docs/security.md, "Limits against abuse"): 2 GB at the bound."""
+    max_index_blocks_per_identity: int = 4_000_000
+    """The blocks the KV index may hold for the engines of one identity together (INDEX_FULL past it; the identity
+    that registered them, as the memory budget charges it; without auth only the other bounds apply): so one
+    identity's engines cannot take the whole server's bound."""
+    max_index_blocks_per_request: int = 65_536
+    """The most block hashes one ReportCacheEvents or ReplaceCachedBlocks request may carry in all (a larger
+    snapshot is refused with INDEX_QUERY_TOO_LARGE: send it as a snapshot and reports)."""
+    max_index_query_blocks: int = 4_096
+    """The longest chain MatchPrefixes takes (64 Ki tokens at 16 a block); longer is INDEX_QUERY_TOO_LARGE."""
+    max_index_query_engines: int = 1_024
+    """The most pools, or engine ids, one MatchPrefixes names (INDEX_QUERY_TOO_LARGE past it)."""
 
 
 @dataclass(frozen=True)

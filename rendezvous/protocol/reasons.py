@@ -224,6 +224,38 @@ class Reason(StrEnum):
     VIEW_INVALID = "VIEW_INVALID"
     """A ListEngines view the server does not know."""
 
+    INDEX_SEQUENCE_GAP = "INDEX_SEQUENCE_GAP"
+    """A KV index report's sequence is past the one after the last applied: events were lost;
+ send ReplaceCachedBlocks (ErrorInfo metadata fields: expected_sequence, sequence)."""
+
+    INDEX_SEQUENCE_STALE = "INDEX_SEQUENCE_STALE"
+    """A KV index report's sequence is below the last applied: an old batch, refused (the same
+ sequence again is a no-op) (ErrorInfo metadata fields: expected_sequence, sequence)."""
+
+    INDEX_PARENT_UNKNOWN = "INDEX_PARENT_UNKNOWN"
+    """A stored block's parent is not held by the engine in the index; nothing of the batch
+ applied; send ReplaceCachedBlocks (ErrorInfo metadata field: group_index)."""
+
+    INDEX_FULL = "INDEX_FULL"
+    """The KV index has no room for the blocks: the engine's, its identity's or the server's bound
+ (ErrorInfo metadata fields: scope (engine, identity or server), limit, have, adding)."""
+
+    INDEX_QUERY_TOO_LARGE = "INDEX_QUERY_TOO_LARGE"
+    """A KV index request over a size limit: more hashes than max_index_blocks_per_request or
+ max_index_query_blocks, or more pools or engines than max_index_query_engines (ErrorInfo metadata: limit)."""
+
+    INDEX_HASHING_MISSING = "INDEX_HASHING_MISSING"
+    """The engine's first KV index report or its snapshot does not say how it hashes blocks
+ (BlockHashing), or says it badly."""
+
+    INDEX_HASHING_MISMATCH = "INDEX_HASHING_MISMATCH"
+    """A KV index report announces another BlockHashing than the engine's entry holds (a
+ snapshot may change it)."""
+
+    BLOCK_HASH_INVALID = "BLOCK_HASH_INVALID"
+    """A block hash that is empty or longer than 32 bytes, an empty stored or removed event, or
+ a token_count over its blocks' tokens."""
+
 
 REASON_CODES: Mapping[Reason, str] = {
     Reason.ID_EMPTY: "INVALID_ARGUMENT",
@@ -290,5 +322,13 @@ REASON_CODES: Mapping[Reason, str] = {
     Reason.DATA_PLANE_VERSION_UNSUPPORTED: "FAILED_PRECONDITION",
     Reason.PAGE_SIZE_INVALID: "INVALID_ARGUMENT",
     Reason.VIEW_INVALID: "INVALID_ARGUMENT",
+    Reason.INDEX_SEQUENCE_GAP: "FAILED_PRECONDITION",
+    Reason.INDEX_SEQUENCE_STALE: "FAILED_PRECONDITION",
+    Reason.INDEX_PARENT_UNKNOWN: "FAILED_PRECONDITION",
+    Reason.INDEX_FULL: "RESOURCE_EXHAUSTED",
+    Reason.INDEX_QUERY_TOO_LARGE: "INVALID_ARGUMENT",
+    Reason.INDEX_HASHING_MISSING: "FAILED_PRECONDITION",
+    Reason.INDEX_HASHING_MISMATCH: "FAILED_PRECONDITION",
+    Reason.BLOCK_HASH_INVALID: "INVALID_ARGUMENT",
 }
 """The google.rpc.Code name of each reason."""

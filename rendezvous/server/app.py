@@ -24,6 +24,7 @@ from rendezvous.server.auth import Guard
 from rendezvous.server.authfile import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
 from rendezvous.server.backoff import InvalidBackoff
 from rendezvous.server.health import HealthPort
+from rendezvous.server.index_servicer import KvIndexServicer
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
@@ -32,12 +33,15 @@ from rendezvous.server.turns import FairTurns
 from rendezvous.server.watch_buffers import HandlerTask
 from rendezvous.store.base import Store, StoreUnavailableError
 from rendezvous.store.factory import create_store
+from rendezvous.v1 import index_pb2 as ipb
+from rendezvous.v1 import index_pb2_grpc as ipb_grpc
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RendezvousService"].full_name
+INDEX_SERVICE_NAME = ipb.DESCRIPTOR.services_by_name["KvIndexService"].full_name
 LIVENESS = "liveness"
 
 
@@ -165,15 +169,26 @@ class RendezvousServer:
             self.turns = FairTurns(limits.turns, limits.waiting, limits.waiting_bytes)
             backoff = InvalidBackoff(limits.invalid_backoff_bytes, self.clock)
             interceptors.append(
-                Guard(SERVICE_NAME, self.auth, quotas, self.store.get_engine, self.metrics, self.turns, backoff)
+                Guard(
+                    (SERVICE_NAME, INDEX_SERVICE_NAME),
+                    self.auth,
+                    quotas,
+                    self.store.get_engine,
+                    self.metrics,
+                    self.turns,
+                    backoff,
+                )
             )
         server = grpc.aio.server(options=options, interceptors=interceptors)
         servicer = RendezvousServicer(
             self.coordinator, self.metrics, self.server_id, cfg.idempotency_ttl, cfg.watch_batch, self._stopping
         )
         pb_grpc.add_RendezvousServiceServicer_to_server(servicer, server)
+        ipb_grpc.add_KvIndexServiceServicer_to_server(KvIndexServicer(servicer), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, INDEX_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
         if self.certificates is not None:
             self.port = server.add_secure_port(cfg.listen, self.certificates.credentials())
         else:
@@ -242,7 +257,8 @@ class RendezvousServer:
                 up = await self.store.ping()
                 if up:
                     self.metrics.update_counts(await self.store.counts())
-                    self.metrics.update_budget((await self.store.usage("")).total, self.config.limits)
+                    usage, index_blocks = (await self.store.usage("")).total, await self.store.index().total()
+                    self.metrics.update_budget(usage, self.config.limits, index_blocks)
             except Exception:
                 up = False
             if up != serving and not self._stopping.is_set():

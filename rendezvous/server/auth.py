@@ -1,11 +1,11 @@
 """Who may call what: identities (rendezvous.server.authfile) checked on every request.
 
-An engine identity may register, renew, deregister, watch and act on transfers for its own engines
-only, and only with the roles and in the pools it is bound to; the `router` role may read
-(GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router (an empty
-engine_id); `admin` may do everything. Health checks and reflection need no identity. A stream ends
-at its next message once its identity leaves the auth file (or changes), and a non-participant learns
-nothing of a transfer (rendezvous.server.disclosure).
+An engine identity may register, renew, deregister, watch, act on transfers and report KV cache events
+(KvIndexService) for its own engines only, and only with the roles and in the pools it is bound to; the
+`router` role may read (GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router
+(an empty engine_id); any identity may query the KV index (MatchPrefixes); `admin` may do everything. Health
+checks and reflection need no identity. A stream ends at its next message once its identity leaves the auth file
+(or changes), and a non-participant learns nothing of a transfer (rendezvous.server.disclosure).
 
 `Guard` is the server interceptor that applies this and the per-caller quotas (keyed by the identity's
 token, Identity.key; only calls that did not authenticate are limited by host). Tokens and metadata are
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +58,16 @@ _TRANSFER_CALLS = frozenset(
         "AbortTransfers",
     }
 )
+# KvIndexService's reports: only for an engine the caller may act for.
+_INDEX_REPORTS = frozenset({"ReportCacheEvents", "ReplaceCachedBlocks"})
 # RPCs an engine makes for itself: request.engine_id names the engine acted for.
 _ENGINE_SCOPED = (
-    frozenset({"RegisterEngine", "KeepAlive", "DeregisterEngine", "Watch", "ListTransfers"}) | _TRANSFER_CALLS
+    frozenset({"RegisterEngine", "KeepAlive", "DeregisterEngine", "Watch", "ListTransfers"})
+    | _TRANSFER_CALLS
+    | _INDEX_REPORTS
 )
+# RPCs any authenticated identity may make (KvIndexService's query: what the fleet's caches hold).
+_ANY_IDENTITY = frozenset({"MatchPrefixes"})
 # RPCs the router role may make for any engine (AbortTransfers only as the router: empty engine_id).
 _ROUTER_CALLS = frozenset(
     {"GetEngine", "ListEngines", "GetTransfer", "ListTransfers", "GetStatus", "ReserveCredits", "ReleaseCredits"}
@@ -113,13 +119,14 @@ class _Denied(Exception):
 
 
 class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Authenticates and authorizes every RendezvousService call (when a policy is set) and applies
+    """Authenticates and authorizes every call of `services` (RendezvousService, KvIndexService; when a policy is
+    set) and applies
     the per-caller quotas; unary calls are served in their caller's fair `turns`, and large ones wait out their
     caller's `backoff` after an invalid one. `engine_of` answers a registered engine (None if unknown)."""
 
     def __init__(
         self,
-        service: str,
+        services: Sequence[str],
         policy: AuthPolicy | None,
         quotas: CallQuotas,
         engine_of: EngineLookup,
@@ -127,7 +134,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         turns: FairTurns,
         backoff: InvalidBackoff,
     ) -> None:
-        self._prefix = f"/{service}/"
+        self._prefixes = tuple(f"/{service}/" for service in services)
         self._policy = policy
         self._quotas = quotas
         self._engine_of = engine_of
@@ -142,9 +149,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
         method_path: str = handler_call_details.method
-        if handler is None or not method_path.startswith(self._prefix):
+        prefix = next((p for p in self._prefixes if method_path.startswith(p)), None)
+        if handler is None or prefix is None:
             return handler
-        method = method_path[len(self._prefix) :]
+        method = method_path[len(prefix) :]
         kwargs = {
             "request_deserializer": handler.request_deserializer,
             "response_serializer": handler.response_serializer,
@@ -186,7 +194,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return "id:" + identity.key if identity is not None else "peer:" + peer
 
     async def _authorize(self, method: str, identity: Identity | None, request: Any) -> None:
-        if identity is None or identity.has_role(ADMIN):
+        if identity is None or identity.has_role(ADMIN) or method in _ANY_IDENTITY:
             return
         engine_id: str = getattr(request, "engine_id", "") if method in _ENGINE_SCOPED else ""
         if identity.has_role(ROUTER) and (method in _ROUTER_CALLS or (method == "AbortTransfers" and not engine_id)):

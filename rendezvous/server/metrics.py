@@ -21,6 +21,10 @@ _MATCH_WAITS = frozenset(("target_to_match", "claim_to_match"))
 _PHASE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+INDEX_BLOCKS = "index_blocks"
+"""The budget gauges' name for the blocks the KV index holds (KvIndexService)."""
+
+
 class Metrics:
     """The server's metrics; also the coordinator's transition observer."""
 
@@ -145,12 +149,14 @@ class Metrics:
         elif after.state == State.ABORTED:
             self.aborts.labels(after.abort_reason.name).inc()
 
-    def update_budget(self, used: Usage, limits: Limits) -> None:
-        """Refresh the memory-budget gauges (server-wide; per-identity tallies are not exported)."""
+    def update_budget(self, used: Usage, limits: Limits, index_blocks: int) -> None:
+        """Refresh the memory-budget gauges (server-wide; per-identity tallies are not exported), the KV index's
+        blocks (`index_blocks`, bounded by max_index_blocks_total) among them."""
         for name, value, limit in (
             (budget.ENGINES, used.engines, limits.max_engines),
             (budget.LIVE_BLOCKS, used.blocks, limits.max_live_blocks),
             (budget.AGENT_METADATA_BYTES, used.metadata_bytes, limits.max_agent_metadata_bytes_total),
+            (INDEX_BLOCKS, index_blocks, limits.max_index_blocks_total),
         ):
             self.budget_used.labels(name).set(value)
             self.budget_limit.labels(name).set(limit)

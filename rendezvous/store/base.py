@@ -19,6 +19,7 @@ from rendezvous.core.budget import Tally
 from rendezvous.core.engines import lapse
 from rendezvous.core.model import Addressed, Engine, Event, State, Transfer
 from rendezvous.core.transfers import Transition
+from rendezvous.store.cache_index import IndexStore
 from rendezvous.store.credits import CreditStore
 
 TransferFn = Callable[[Transfer | None, Mapping[str, Engine]], Transition]
@@ -261,3 +262,7 @@ class Store(ABC):
     def credits(self) -> CreditStore:
         """The store's credit reservations (rendezvous.store.credits), shared as the store is."""
         raise NotImplementedError(f"the {self.name} store keeps no credit reservations")
+
+    def index(self) -> IndexStore:
+        """The store's KV index (rendezvous.store.cache_index), shared as the store is."""
+        raise NotImplementedError(f"the {self.name} store keeps no KV index")

@@ -22,6 +22,7 @@ from rendezvous.store._answers import Answers
 from rendezvous.store._event_logs import EventLogs
 from rendezvous.store._sorted import SortedIds
 from rendezvous.store.base import EngineFilter, EngineFn, EventPage, Store, StoreCounts, TransferFn
+from rendezvous.store.cache_index import IndexStore, MemoryIndex
 from rendezvous.store.credits import CreditStore, MemoryCredits
 
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
@@ -405,6 +406,13 @@ class MemoryStore(Store):
         if ledger is None:
             ledger = self._credits = MemoryCredits()
         return ledger
+
+    def index(self) -> IndexStore:
+        """The in-process KV index (rendezvous.store.cache_index.MemoryIndex), made on first use."""
+        kept: IndexStore | None = getattr(self, "_kv_index", None)
+        if kept is None:
+            kept = self._kv_index = MemoryIndex()
+        return kept
 
 
 __all__ = ["MemoryStore"]

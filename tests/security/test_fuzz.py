@@ -21,13 +21,14 @@ from hypothesis import strategies as st
 from clients._exceptions import from_rpc_error
 from clients.testing import TestServer
 from rendezvous.core import Limits
+from rendezvous.v1 import index_pb2 as ipb
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.ci import examples
 from tests.service.conftest import engine_request
 
 SERVICE = pb.DESCRIPTOR.services_by_name["RendezvousService"]
-METHODS = list(SERVICE.methods)
+METHODS = [*SERVICE.methods, *ipb.DESCRIPTOR.services_by_name["KvIndexService"].methods]
 DEADLINE = 10.0
 KNOWN_IDS = ["decode-0", "prefill-0", "t-1", ""]
 HUGE = 70_000
@@ -126,7 +127,8 @@ def _call(channel: grpc.Channel, method: Any, request: Message) -> None:
         finally:
             stream.cancel()
     else:
-        getattr(stub, method.name)(request, timeout=DEADLINE)
+        path = f"/{method.containing_service.full_name}/{method.name}"
+        channel.unary_unary(path, request_serializer=type(request).SerializeToString)(request, timeout=DEADLINE)
 
 
 _SETTINGS = settings(
@@ -154,7 +156,7 @@ def test_generated_requests_are_answered_or_refused_with_a_reason(channel: grpc.
 @_SETTINGS
 @given(method=st.sampled_from(METHODS), payload=st.binary(max_size=256))
 def test_random_bytes_never_hang_or_break_the_server(channel: grpc.Channel, method: Any, payload: bytes) -> None:
-    path = f"/{SERVICE.full_name}/{method.name}"
+    path = f"/{method.containing_service.full_name}/{method.name}"
     try:
         if method.server_streaming:
             open_stream = channel.stream_stream(path) if method.client_streaming else channel.unary_stream(path)

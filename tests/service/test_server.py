@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from rendezvous.server import RendezvousServer, ServerConfig
+from rendezvous.v1 import index_pb2 as ipb
+from rendezvous.v1 import index_pb2_grpc as ipb_grpc
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.service.conftest import engine_request
@@ -73,6 +75,10 @@ async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: Server
                 pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
             )
             await stub.AbortTransfers(pb.AbortTransfersRequest(aborts=[pb.AbortSpec(transfer_id="t")]))
+            stored = ipb.CacheEvent(stored=ipb.BlocksStored(block_hashes=[b"h"]))
+            hashing = ipb.BlockHashing(algorithm="sha256", block_size=16)
+            report = ipb.ReportCacheEventsRequest(engine_id="d1", hashing=hashing, events=[stored])
+            await ipb_grpc.KvIndexServiceStub(channel).ReportCacheEvents(report)
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
         assert 'kv_rendezvous_rpcs_total{code="OK",method="RegisterTargets"} 1.0' in body
@@ -86,6 +92,11 @@ async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: Server
             await asyncio.sleep(0.05)
             body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
         assert used in body and 'kv_rendezvous_budget_used{budget="live_blocks"} 0.0' in body
+        # The KV index's blocks are counted with them (refreshed in the same step).
+        assert 'kv_rendezvous_budget_used{budget="index_blocks"} 1.0' in body
+        prefix = 'kv_rendezvous_budget_limit{budget="index_blocks"} '
+        (limit,) = (float(line.removeprefix(prefix)) for line in body.splitlines() if line.startswith(prefix))
+        assert limit == server_config.limits.max_index_blocks_total
         assert f'kv_rendezvous_budget_limit{{budget="engines"}} {float(server_config.limits.max_engines)}' in body
     finally:
         await server.stop(0)

@@ -59,10 +59,12 @@ from rendezvous.store.base import (
     StoreUnavailableError,
     TransferFn,
 )
+from rendezvous.store.cache_index import IndexStore
 from rendezvous.store.codec import encode_engine, encode_event, encode_transfer, event_around, to_json
 from rendezvous.store.credits import CreditStore
 from rendezvous.store.redis import optimistic
 from rendezvous.store.redis.cache import ABSENT, EngineEntry, PeerCache, RecordCache, Snapshot, WrittenEvents
+from rendezvous.store.redis.cache_index import RedisIndex
 from rendezvous.store.redis.credits import RedisCredits
 from rendezvous.store.redis.epoch import Epoch
 from rendezvous.store.redis.errors import store_errors, unavailable
@@ -810,6 +812,13 @@ class RedisStore(Store):
         if ledger is None:
             ledger = self._credits = RedisCredits(self._prefix, self._scripts, self._epoch, self._command)
         return ledger
+
+    def index(self) -> IndexStore:
+        """The KV index in this store's namespace (rendezvous.store.redis.cache_index), made on first use."""
+        kept: IndexStore | None = getattr(self, "_kv_index", None)
+        if kept is None:
+            kept = self._kv_index = RedisIndex(self._prefix, self._scripts, self._epoch, self._command)
+        return kept
 
 
 __all__ = ["RedisStore"]

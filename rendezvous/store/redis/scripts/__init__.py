@@ -50,6 +50,12 @@ Key schema (docs/operations.md has it for operators):
     crv:<engine>     string  the version of that ledger, INCR per change (compare-and-set of put_credit)
     crt              hash    transfer id -> its reservation (which engine holds it)
     crd              zset    transfer id by reservation expiry (swept by any replica)
+    ix:<engine>      hash    the engine's KV index entry: v "<incarnation>:<sequence>", d record, p pool, r role,
+                             i incarnation, o owner (the identity its blocks are charged to)
+    ixb:<engine>     set     its blocks: group (4 bytes big-endian) + hash
+    ixe              set     every engine id with an entry
+    ixt              string  the blocks of all entries (max_index_blocks_total)
+    ixo              hash    owner -> the blocks of its engines' entries (max_index_blocks_per_identity)
 
 Replies use short status words: OK (applied, with the new version), N (no change, version
 verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
@@ -168,6 +174,33 @@ SIGNATURES: Mapping[str, Signature] = {
     ),
     "drop_credit": Signature(("guard", "transfer_id"), helpers=("guard",)),
     "read_credits": Signature(("engine_id",)),
+    # The KV index (rendezvous/store/redis/cache_index.py): members are a block's group (4 bytes) and hash;
+    # expected, version: "<incarnation>:<sequence>" of the entry decided on ("" for none) and of the one written.
+    "index_read": Signature(("engine_id",), (Group("members", ("member",)),)),
+    "index_write": Signature(
+        (
+            "guard",
+            "engine_id",
+            "expected",
+            "version",
+            "record",
+            "pool",
+            "role",
+            "incarnation",
+            "owner",
+            "reset",
+            "count",
+            "max_total",
+            "max_owner",
+        ),
+        (Group("adds", ("member",)), Group("removes", ("member",))),
+        ("guard",),
+    ),
+    "index_match": Signature(
+        ("role", "min_matched"),
+        (Group("members", ("member",)), Group("pools", ("pool",)), Group("engine_ids", ("engine_id",))),
+    ),
+    "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
     # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).
     "put_answer": Signature(("key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes")),
 }

@@ -1,0 +1,87 @@
+"""The coordinator's KV index side: engines' cache reports and snapshots in, routers' prefix queries out.
+
+`CacheIndex` checks the engine reported for (registered, live, the incarnation named), reads its entry from the
+store's index (Store.index), asks rendezvous.core.cache_index to decide, and writes the decision with a
+compare-and-set on the entry, reading again if another call moved it first. The coordinator owns one and drops an
+engine's entry when its incarnation ends (Coordinator.lose_engine: deregistration, lease expiry,
+re-registration; applied again when the tombstone ages, so an entry written by a call that raced the end goes
+too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rendezvous.core import cache_index as rules
+from rendezvous.core import engines as engine_rules
+from rendezvous.core.limits import Limits
+from rendezvous.core.model import Engine
+from rendezvous.core.validation import check_id
+from rendezvous.protocol.cache_index import CacheReport, CacheSnapshot, IndexPosition, PrefixMatch, PrefixQuery
+from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.store.base import Store
+from rendezvous.store.cache_index import IndexBounds
+
+_ATTEMPTS = 16
+"""Compare-and-set rounds of one report before it gives up (only the engine's own calls contend)."""
+
+
+class CacheIndex:
+    """The KV index over a store's index."""
+
+    def __init__(self, store: Store, limits: Limits, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.limits = limits
+        self.clock = clock
+        self._bounds = IndexBounds(limits.max_index_blocks_total, limits.max_index_blocks_per_identity)
+
+    async def _engine(self, engine_id: str, incarnation: int) -> Engine:
+        check_id("engine_id", engine_id, self.limits)
+        engine = await self.store.get_engine(engine_id)
+        return engine_rules.check_incarnation(self.clock(), engine, engine_id, incarnation)
+
+    async def report(self, report: CacheReport) -> IndexPosition:
+        """Apply one numbered batch of an engine's cache events (all or nothing)."""
+        rules.check_report(report, self.limits)
+        engine = await self._engine(report.engine_id, report.incarnation)
+        index = self.store.index()
+        members = rules.members_read(report)
+        for _ in range(_ATTEMPTS):
+            read = await index.read(engine.engine_id, members)
+            write = rules.decide_report(read.entry, engine, report, read.held, self.limits)
+            if write is None:
+                assert read.entry is not None
+                return IndexPosition(read.entry.sequence, read.entry.block_count, duplicate=True)
+            if await index.write(read.entry, write, self._bounds):
+                return IndexPosition(write.entry.sequence, write.entry.block_count)
+        raise _contended(engine.engine_id)
+
+    async def replace(self, snapshot: CacheSnapshot) -> IndexPosition:
+        """Replace an engine's entry by a snapshot of its cache."""
+        rules.check_snapshot(snapshot, self.limits)
+        engine = await self._engine(snapshot.engine_id, snapshot.incarnation)
+        index = self.store.index()
+        for _ in range(_ATTEMPTS):
+            read = await index.read(engine.engine_id, ())
+            write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
+            if await index.write(read.entry, write, self._bounds):
+                return IndexPosition(write.entry.sequence, write.entry.block_count)
+        raise _contended(engine.engine_id)
+
+    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
+        """How many leading blocks of the query's chain each selected indexed engine holds."""
+        rules.check_query(query, self.limits)
+        return await self.store.index().match(query)
+
+    async def drop(self, ended: Engine) -> None:
+        """Forget what an ended incarnation (or an older one) reported."""
+        await self.store.index().drop(ended.engine_id, ended.incarnation)
+
+
+def _contended(engine_id: str) -> RendezvousError:
+    return RendezvousError(
+        Reason.STORE_UNAVAILABLE,
+        f"engine {engine_id}: its KV index entry kept changing under this call; retry",
+        engine_id=engine_id,
+    )

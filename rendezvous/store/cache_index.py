@@ -1,0 +1,158 @@
+"""Where the KV index lives (rendezvous.core.cache_index decides what goes in).
+
+Each engine with reports has an entry (its incarnation, pool, role, sequence, hashing and block count) and a set
+of members (rendezvous.core.cache_index.member). A write is a compare-and-set on the entry's incarnation and
+sequence, so two replicas that decided on the same entry cannot both write: the second reads again. The server's
+bound on all blocks (max_index_blocks_total) and an identity's on its engines' blocks (max_index_blocks_per_identity)
+are checked in the step that writes. `MemoryIndex` serves the memory
+store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py), where a query is one
+script: one round trip, whatever the number of engines.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rendezvous.core.cache_index import IndexEntry, IndexWrite, matched_blocks
+from rendezvous.protocol.cache_index import PrefixMatch, PrefixQuery
+from rendezvous.protocol.errors import Reason, RendezvousError
+
+
+@dataclass(frozen=True)
+class IndexRead:
+    """An engine's entry (None: none) and whether it holds each member asked for, as of one instant."""
+
+    entry: IndexEntry | None
+    held: dict[bytes, bool]
+
+
+@dataclass(frozen=True)
+class IndexBounds:
+    """The bounds a write must keep to in the step that writes: all blocks (max_index_blocks_total) and an
+    identity's engines' blocks (max_index_blocks_per_identity; entries without an owner are not bounded by it)."""
+
+    total: int
+    per_identity: int
+
+
+def index_full(scope: str, limit: int, have: int, adding: int) -> RendezvousError:
+    """The refusal of a write past the server's bound (scope "server") or its identity's ("identity")."""
+    whose = "the server's" if scope == "server" else "its identity's"
+    return RendezvousError(
+        Reason.INDEX_FULL,
+        f"the KV index holds {have} blocks there; {adding} more would pass {whose} limit of {limit}",
+        scope=scope,
+        limit=limit,
+        have=have,
+        adding=adding,
+    )
+
+
+def ranked(matches: Sequence[PrefixMatch]) -> list[PrefixMatch]:
+    """Most matched blocks first, then by engine id (MatchPrefixesResponse's order)."""
+    return sorted(matches, key=lambda m: (-m.matched_blocks, m.engine_id))
+
+
+def selects(query: PrefixQuery, entry: IndexEntry) -> bool:
+    """Whether the query asks about the entry's engine."""
+    return (
+        (not query.engine_ids or entry.engine_id in query.engine_ids)
+        and (not query.pools or entry.pool in query.pools)
+        and (query.role is None or entry.role == query.role)
+    )
+
+
+class IndexStore(ABC):
+    """Engines' entries and block sets, with the server's bound on all blocks."""
+
+    @abstractmethod
+    async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
+        """An engine's entry and whether it holds each of members."""
+
+    @abstractmethod
+    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+        """Apply write if the engine's entry is still expected (same incarnation and sequence; None: none).
+        False (nothing written) when it changed; INDEX_FULL when a growth would pass one of bounds (the server's
+        first, then the new entry's owner's: its blocks so far, less the entry's own if it was charged to it)."""
+
+    @abstractmethod
+    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
+        """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`); entries
+        holding fewer than query.min_matched are left out."""
+
+    @abstractmethod
+    async def drop(self, engine_id: str, incarnation: int) -> bool:
+        """Drop the engine's entry and blocks if they belong to incarnation or an older one; whether it did."""
+
+    @abstractmethod
+    async def total(self) -> int:
+        """The blocks held over the server (what max_index_blocks_total bounds)."""
+
+
+class MemoryIndex(IndexStore):
+    """Dicts; atomic because nothing awaits between a check and its write on the one event loop."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, IndexEntry] = {}
+        self._blocks: dict[str, set[bytes]] = {}
+        self._total = 0
+        self._owned: Counter[str] = Counter()
+
+    async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
+        held = self._blocks.get(engine_id, set())
+        return IndexRead(self._entries.get(engine_id), {m: m in held for m in members})
+
+    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+        engine_id, owner = write.entry.engine_id, write.entry.owner
+        current = self._entries.get(engine_id)
+        if _version(current) != _version(expected):
+            return False
+        blocks = self._blocks.get(engine_id, set())
+        before = len(blocks)
+        after = write.entry.block_count
+        if after > before and self._total + after - before > bounds.total:
+            raise index_full("server", bounds.total, self._total, after - before)
+        charged = current.owner if current is not None else ""
+        mine = after - (before if charged == owner else 0)
+        if owner and mine > 0 and self._owned[owner] + mine > bounds.per_identity:
+            raise index_full("identity", bounds.per_identity, self._owned[owner], mine)
+        if write.reset:
+            blocks = set()
+        blocks |= write.adds
+        blocks -= write.removes
+        assert len(blocks) == after, "the decision's count is the set's"
+        self._blocks[engine_id] = blocks
+        self._entries[engine_id] = write.entry
+        self._total += after - before
+        self._owned[charged] -= before
+        self._owned[owner] += after
+        return True
+
+    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
+        found = []
+        for e in self._entries.values():
+            if selects(query, e):
+                n = matched_blocks(query.block_hashes, query.group, self._blocks[e.engine_id])
+                if n >= query.min_matched:
+                    found.append(PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation))
+        return ranked(found)
+
+    async def drop(self, engine_id: str, incarnation: int) -> bool:
+        entry = self._entries.get(engine_id)
+        if entry is None or entry.incarnation > incarnation:
+            return False
+        del self._entries[engine_id]
+        held = len(self._blocks.pop(engine_id))
+        self._total -= held
+        self._owned[entry.owner] -= held
+        return True
+
+    async def total(self) -> int:
+        return self._total
+
+
+def _version(entry: IndexEntry | None) -> tuple[int, int] | None:
+    return (entry.incarnation, entry.sequence) if entry is not None else None

@@ -1,0 +1,123 @@
+"""The KV index in Redis: the `IndexStore` contract (rendezvous/store/cache_index.py) in Lua scripts.
+
+Keys (rendezvous/store/redis/scripts/__init__.py, docs/operations.md): `ix:<engine>` (the entry: version,
+record, pool, role, incarnation, owner), `ixb:<engine>` (its block set), `ixe` (engines with an entry), `ixt`
+(the blocks of all entries), `ixo` (the blocks of each owner's entries). A report reads the entry and the blocks
+it names in one script (index_read), the core decides, and index_write applies the decision if the entry's
+version is unchanged and the bounds hold; MatchPrefixes is one script (index_match), so every replica answers
+from the same state in one round trip. Writes carry the store's epoch guard, as every write does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
+from rendezvous.core.model import Role
+from rendezvous.protocol.cache_index import BlockHashing, PrefixMatch, PrefixQuery
+from rendezvous.store.base import StoreUnavailableError
+from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, ranked
+from rendezvous.store.codec import future_format
+from rendezvous.store.redis.epoch import Epoch
+from rendezvous.store.redis.scripts import Scripts
+
+_ATTEMPTS = 5
+"""Epoch refusals a write retries after acting on them."""
+
+
+def encode(e: IndexEntry) -> str:
+    """An entry as JSON text."""
+    h = e.hashing
+    return json.dumps(
+        [e.engine_id, e.incarnation, e.pool, int(e.role), e.sequence, h.algorithm, h.seed, h.block_size,
+         h.integer_hashes, e.block_count, e.owner],
+        separators=(",", ":"),
+    )  # fmt: skip
+
+
+def decode(data: bytes | str) -> IndexEntry:
+    """The entry of encode's text. Its format (1) is its shape: a later one starts with its number and is refused
+    (FutureFormatError), never misread."""
+    f = json.loads(data)
+    if type(f[0]) is int:
+        raise future_format("KV index entry", f[0])
+    hashing = BlockHashing(str(f[5]), str(f[6]), int(f[7]), bool(f[8]))
+    return IndexEntry(str(f[0]), int(f[1]), str(f[2]), Role(int(f[3])), int(f[4]), hashing, int(f[9]), str(f[10]))
+
+
+def _version(entry: IndexEntry | None) -> str:
+    return f"{entry.incarnation}:{entry.sequence}" if entry is not None else ""
+
+
+class RedisIndex(IndexStore):
+    """The KV index of one Redis namespace, run through the store's scripts and epoch."""
+
+    def __init__(self, prefix: str, scripts: Scripts, epoch: Epoch, command: Callable[..., Awaitable[Any]]) -> None:
+        self._prefix = prefix
+        self._scripts = scripts
+        self._epoch = epoch
+        self._command = command
+
+    async def _write(self, name: str, **args: Any) -> Any:
+        for _ in range(_ATTEMPTS):
+            reply = await self._scripts.run(name, guard=self._epoch.guard, **args)
+            if reply[0] in (b"E", b"R"):
+                await self._epoch.refused(reply)
+                continue
+            return reply
+        raise StoreUnavailableError(f"{name}: the store's epoch keeps changing")
+
+    async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
+        reply = await self._scripts.run("index_read", engine_id=engine_id, members=list(members))
+        entry = decode(reply[1]) if reply[1] else None
+        return IndexRead(entry, {m: bool(h) for m, h in zip(members, reply[2:], strict=True)})
+
+    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+        e = write.entry
+        reply = await self._write(
+            "index_write",
+            engine_id=e.engine_id,
+            expected=_version(expected),
+            version=_version(e),
+            record=encode(e),
+            pool=e.pool,
+            role=int(e.role),
+            incarnation=e.incarnation,
+            owner=e.owner,
+            reset=1 if write.reset else 0,
+            count=e.block_count,
+            max_total=bounds.total,
+            max_owner=bounds.per_identity,
+            adds=list(write.adds),
+            removes=list(write.removes),
+        )
+        if reply[0] == b"B":
+            scope = reply[1].decode()
+            raise index_full(scope, bounds.total if scope == "server" else bounds.per_identity, *map(int, reply[2:]))
+        return bool(reply[0] == b"OK")
+
+    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
+        reply = await self._scripts.run(
+            "index_match",
+            role=int(query.role or 0),
+            min_matched=query.min_matched,
+            members=[member(query.group, h) for h in query.block_hashes],
+            pools=list(query.pools),
+            engine_ids=list(dict.fromkeys(query.engine_ids)),
+        )
+        found = []
+        for i in range(0, len(reply), 2):
+            e = decode(reply[i])
+            found.append(
+                PrefixMatch(e.engine_id, e.pool, e.role, int(reply[i + 1]), e.hashing, e.sequence, e.incarnation)
+            )
+        return ranked(found)
+
+    async def drop(self, engine_id: str, incarnation: int) -> bool:
+        reply = await self._write("index_drop", engine_id=engine_id, incarnation=incarnation)
+        return bool(reply[0] == b"OK")
+
+    async def total(self) -> int:
+        return int(await self._command("GET", self._prefix + "ixt") or 0)

@@ -1,0 +1,54 @@
+-- Write an engine's KV index entry if it is still at the version the caller decided on (expected; "" for none):
+-- the record, pool, role, incarnation and owner, the block set (emptied first when reset is 1, then adds added
+-- and removes removed), the server's block total `ixt` and the owners' totals `ixo`. A growth must keep the
+-- server's total within max_total and, for an owner (not ""), the owner's within max_owner (its blocks so far,
+-- less this entry's if they were charged to it). count: the set's size after (the caller's decision, exact since
+-- the set changes only with the version).
+-- Reply: OK | C (changed: read again) | B scope have adding (a bound) | E epoch | R rev epoch.
+local bad = guard_failed(guard)
+if bad then
+  return bad
+end
+local k = P .. 'ix:' .. engine_id
+local bk = P .. 'ixb:' .. engine_id
+local current = redis.call('HMGET', k, 'v', 'o')
+if (current[1] or '') ~= expected then
+  return {'C'}
+end
+local charged = current[2] or ''
+local before = redis.call('SCARD', bk)
+local after = tonumber(count)
+local total = tonumber(redis.call('GET', P .. 'ixt') or '0')
+if after > before and total + after - before > tonumber(max_total) then
+  return {'B', 'server', total, after - before}
+end
+if owner ~= '' then
+  local mine = after
+  if charged == owner then
+    mine = after - before
+  end
+  local have = tonumber(redis.call('HGET', P .. 'ixo', owner) or '0')
+  if mine > 0 and have + mine > tonumber(max_owner) then
+    return {'B', 'identity', have, mine}
+  end
+end
+if reset == '1' then
+  redis.call('DEL', bk)
+end
+-- In slices: unpack is bounded by Lua's stack.
+for first = 1, #adds, 1000 do
+  redis.call('SADD', bk, unpack(adds, first, math.min(first + 999, #adds)))
+end
+for first = 1, #removes, 1000 do
+  redis.call('SREM', bk, unpack(removes, first, math.min(first + 999, #removes)))
+end
+redis.call('HSET', k, 'v', version, 'd', record, 'p', pool, 'r', role, 'i', incarnation, 'o', owner)
+redis.call('SADD', P .. 'ixe', engine_id)
+redis.call('INCRBY', P .. 'ixt', after - before)
+if charged ~= '' and before > 0 and redis.call('HINCRBY', P .. 'ixo', charged, -before) <= 0 then
+  redis.call('HDEL', P .. 'ixo', charged)
+end
+if owner ~= '' and after > 0 then
+  redis.call('HINCRBY', P .. 'ixo', owner, after)
+end
+return {'OK'}

@@ -1,0 +1,244 @@
+"""KvIndexService over real gRPC, on the memory store and on Redis, through the SDK: reports, snapshots, queries,
+and every refusal of the issue's "Bad input" with its status and reason."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from clients import (
+    AllBlocksCleared,
+    AsyncRendezvousClient,
+    BlockHashing,
+    BlocksRemoved,
+    BlocksStored,
+    CacheEvent,
+    CacheReport,
+    CacheSnapshot,
+    EngineRole,
+    PrefixQuery,
+    Reason,
+    RendezvousClient,
+    RendezvousError,
+    hash_of,
+)
+from clients.testing import AsyncTestServer, FakeClock, TestServer, start_test_server
+from rendezvous.core import Limits, Timeouts
+from rendezvous.v1 import index_pb2 as ipb
+from rendezvous.v1 import index_pb2_grpc as ipb_grpc
+from tests.factories import sdk_engine
+from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+
+__all__ = ["redis_url"]  # the fixture
+
+HASHING = BlockHashing("sha256_cbor", "0", 16)
+CHAIN = tuple(bytes([i]) * 32 for i in range(1, 9))
+"""Eight blocks of one request's chain (sha256-sized hashes)."""
+LIMITS = Limits(max_index_blocks_per_engine=64, max_index_blocks_total=100, max_index_query_blocks=16)
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest) -> str:
+    if request.param == "memory":
+        return "memory"
+    url: str = request.getfixturevalue("redis_url")
+    return with_prefix(url, fresh_prefix())
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def server(store: str, clock: FakeClock) -> AsyncIterator[AsyncTestServer]:
+    async with start_test_server(clock, store=store, limits=LIMITS, timeouts=Timeouts(default_lease_ttl=2)) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def client(server: AsyncTestServer) -> AsyncIterator[AsyncRendezvousClient]:
+    async with AsyncRendezvousClient(server.address) as c:
+        yield c
+
+
+async def register(client: AsyncRendezvousClient, engine_id: str, role: EngineRole = EngineRole.PRODUCER) -> int:
+    return (await client.register_engine(sdk_engine(engine_id, role))).engine.incarnation
+
+
+def report(sequence: int, *events: CacheEvent, engine_id: str = "p0", first: bool = False) -> CacheReport:
+    return CacheReport(engine_id, sequence, events, HASHING if first else None)
+
+
+def stored(first: int, last: int, group: int = 0) -> BlocksStored:
+    """CHAIN[first:last], linked to the block before first."""
+    return BlocksStored(CHAIN[first:last], CHAIN[first - 1] if first else b"", group, (last - first) * 16)
+
+
+async def matched(client: AsyncRendezvousClient, chain: tuple[bytes, ...] = CHAIN, **kw: object) -> dict[str, int]:
+    return {m.engine_id: m.matched_blocks for m in await client.match_prefixes(PrefixQuery(chain, **kw))}  # type: ignore[arg-type]
+
+
+async def refused(call: object, code: grpc.StatusCode, reason: Reason) -> RendezvousError:
+    with pytest.raises(RendezvousError) as caught:
+        await call  # type: ignore[misc]
+    assert (caught.value.code, caught.value.reason) == (code, reason), caught.value
+    return caught.value
+
+
+async def test_routers_see_what_engines_reported_and_never_a_removed_block(client: AsyncRendezvousClient) -> None:
+    await register(client, "p0")
+    await register(client, "d0", EngineRole.CONSUMER)
+    at = await client.report_cache_events(report(0, stored(0, 6), engine_id="p0", first=True))
+    assert (at.sequence, at.block_count, at.duplicate) == (0, 6, False)
+    await client.report_cache_events(report(10, stored(0, 3), engine_id="d0", first=True))
+    assert await matched(client) == {"p0": 6, "d0": 3}
+    await client.report_cache_events(report(1, BlocksRemoved((CHAIN[2],)), engine_id="p0"))
+    assert await matched(client) == {"p0": 2, "d0": 3}
+    assert await matched(client, role=EngineRole.CONSUMER) == {"d0": 3}
+    [answer] = await client.match_prefixes(PrefixQuery(CHAIN, engine_ids=("p0",)))
+    assert (answer.hashing, answer.sequence, answer.role, answer.pool) == (HASHING, 1, EngineRole.PRODUCER, "prefill")
+    await client.report_cache_events(report(2, AllBlocksCleared(), engine_id="p0"))
+    assert await matched(client) == {"p0": 0, "d0": 3}
+
+
+async def test_kv_cache_groups_are_matched_apart(client: AsyncRendezvousClient) -> None:
+    await register(client, "p0")
+    await client.report_cache_events(report(0, stored(0, 4, group=0), stored(0, 2, group=1), first=True))
+    assert await matched(client, group=0) == {"p0": 4}
+    assert await matched(client, group=1) == {"p0": 2}
+
+
+async def test_a_gap_is_refused_with_the_expected_sequence_and_a_snapshot_repairs_it(
+    client: AsyncRendezvousClient,
+) -> None:
+    await register(client, "p0")
+    await client.report_cache_events(report(0, stored(0, 2), first=True))
+    gapped = client.report_cache_events(report(5, stored(2, 4)))
+    err = await refused(gapped, grpc.StatusCode.FAILED_PRECONDITION, Reason.INDEX_SEQUENCE_GAP)
+    assert err.metadata["expected_sequence"] == "1"
+    assert await matched(client) == {"p0": 2}
+    at = await client.replace_cached_blocks(CacheSnapshot("p0", 5, HASHING, ((0, CHAIN[:5]),)))
+    assert (at.sequence, at.block_count) == (5, 5)
+    await client.report_cache_events(report(6, stored(5, 8)))
+    assert await matched(client) == {"p0": 8}
+
+
+async def test_a_duplicate_is_a_no_op_and_an_older_batch_is_refused(client: AsyncRendezvousClient) -> None:
+    await register(client, "p0")
+    await client.report_cache_events(report(0, stored(0, 2), first=True))
+    await client.report_cache_events(report(1, stored(2, 3)))
+    again = await client.report_cache_events(report(1, BlocksRemoved(CHAIN[:3])))
+    assert (again.duplicate, again.sequence, again.block_count) == (True, 1, 3)
+    await refused(
+        client.report_cache_events(report(0, BlocksRemoved(CHAIN[:1]))),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        Reason.INDEX_SEQUENCE_STALE,
+    )
+    assert await matched(client) == {"p0": 3}
+
+
+async def test_a_chain_that_does_not_link_is_refused_whole(client: AsyncRendezvousClient) -> None:
+    await register(client, "p0")
+    await client.report_cache_events(report(0, stored(0, 2), first=True))
+    unlinked = report(1, stored(2, 3), stored(5, 6))
+    await refused(
+        client.report_cache_events(unlinked), grpc.StatusCode.FAILED_PRECONDITION, Reason.INDEX_PARENT_UNKNOWN
+    )
+    assert await matched(client) == {"p0": 2}
+
+
+async def test_reports_for_unknown_or_replaced_engines_are_refused(client: AsyncRendezvousClient) -> None:
+    await refused(
+        client.report_cache_events(report(0, stored(0, 1), first=True)),
+        grpc.StatusCode.NOT_FOUND,
+        Reason.ENGINE_NOT_FOUND,
+    )
+    old = await register(client, "p0")
+    await register(client, "p0")
+    stale = replace(report(0, stored(0, 1), first=True), incarnation=old)
+    await refused(client.report_cache_events(stale), grpc.StatusCode.FAILED_PRECONDITION, Reason.STALE_INCARNATION)
+
+
+async def test_the_first_report_must_say_how_blocks_are_hashed(client: AsyncRendezvousClient) -> None:
+    await register(client, "p0")
+    await refused(
+        client.report_cache_events(report(0, stored(0, 1))),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        Reason.INDEX_HASHING_MISSING,
+    )
+
+
+async def test_floods_past_the_bounds_are_refused(client: AsyncRendezvousClient) -> None:
+    many = tuple(hash_of(i) for i in range(65))
+    await register(client, "p0")
+    err = await refused(
+        client.replace_cached_blocks(CacheSnapshot("p0", 0, HASHING, ((0, many),))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        Reason.INDEX_FULL,
+    )
+    assert err.metadata["scope"] == "engine"
+    await client.replace_cached_blocks(CacheSnapshot("p0", 0, HASHING, ((0, many[:60]),)))
+    await register(client, "p1")
+    err = await refused(
+        client.replace_cached_blocks(CacheSnapshot("p1", 0, HASHING, ((0, many[:41]),))),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        Reason.INDEX_FULL,
+    )
+    assert (err.metadata["scope"], err.metadata["limit"]) == ("server", "100")
+
+
+async def test_malformed_requests_and_queries_over_the_limit_are_invalid(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    await register(client, "p0")
+    too_long = PrefixQuery(tuple(hash_of(i) for i in range(17)))
+    await refused(client.match_prefixes(too_long), grpc.StatusCode.INVALID_ARGUMENT, Reason.INDEX_QUERY_TOO_LARGE)
+    bad_hash = report(0, BlocksStored((b"x" * 33,)), first=True)
+    await refused(client.report_cache_events(bad_hash), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    # An event of no kind (a newer client's) is refused, not skipped.
+    async with grpc.aio.insecure_channel(server.address) as channel:
+        request = ipb.ReportCacheEventsRequest(engine_id="p0", events=[ipb.CacheEvent()])
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await ipb_grpc.KvIndexServiceStub(channel).ReportCacheEvents(request)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A role this server does not know is refused, not read as "any role".
+        query = ipb.MatchPrefixesRequest(block_hashes=[b"a"], role=7)  # type: ignore[arg-type]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await ipb_grpc.KvIndexServiceStub(channel).MatchPrefixes(query)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_an_entry_goes_with_its_engine(
+    server: AsyncTestServer, client: AsyncRendezvousClient, clock: FakeClock
+) -> None:
+    inc = await register(client, "p0")
+    await register(client, "p1")
+    for engine_id in ("p0", "p1"):
+        await client.report_cache_events(report(0, stored(0, 2), engine_id=engine_id, first=True))
+    await client.deregister_engine("p0", inc)
+    assert await matched(client) == {"p1": 2}
+    clock.advance(3)  # past p1's lease
+    await server.sweep()
+    assert await matched(client) == {}
+
+
+async def test_a_reregistered_engine_starts_a_fresh_entry(client: AsyncRendezvousClient) -> None:
+    await register(client, "p0")
+    await client.report_cache_events(report(7, stored(0, 4), first=True))
+    await register(client, "p0")
+    assert await matched(client) == {}
+    await client.report_cache_events(report(0, stored(0, 1), first=True))
+    assert await matched(client) == {"p0": 1}
+
+
+def test_the_blocking_client_reports_and_queries() -> None:
+    with TestServer() as server, RendezvousClient(server.address) as client:
+        client.register_engine(sdk_engine("p0", EngineRole.PRODUCER))
+        at = client.report_cache_events(report(0, stored(0, 3), first=True))
+        assert at.block_count == 3
+        assert client.replace_cached_blocks(CacheSnapshot("p0", 1, HASHING, ((0, CHAIN[:2]),))).sequence == 1
+        assert [m.matched_blocks for m in client.match_prefixes(PrefixQuery(CHAIN))] == [2]
