@@ -6,9 +6,12 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 
 - ok: the generation's bytes are in its blocks. Push: the first of the NIXL notification "T:g" and the
   TRANSFER_COMMITTED event says so; notifications of other generations are ignored (fencing). A progressive
-  target (written in parts) arrives on TRANSFER_COMMITTED only: the service commits once the producer's parts
-  tile the target, so a producer that notifies too early cannot start decode on missing bytes. Pull: on
-  SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfer.
+  target (written in parts) arrives on the first of the part notification that completes its tiling
+  (`clients.nixl.arrival`: each sender's parts tile its share, as the service checks them) and TRANSFER_COMMITTED
+  (the service commits once the parts the producer reports tile the target); a whole-write notification is not
+  arrival for it, and notifications that cannot tile it (overlapping, outside) leave it to the commit, so decode
+  never starts on missing bytes. Pull: on SOURCE_READY the agent READs the producer's blocks itself, then
+  reports CompleteTransfer.
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
   failed, or the service lost the transfer). When the service still fences a generation the producer may be
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
@@ -67,6 +70,7 @@ from clients._types import (
 )
 from clients.aio import AsyncRendezvousClient
 from clients.nixl.agent import NixlEndpoint
+from clients.nixl.arrival import PartsArrival
 from clients.nixl.batching import Batcher
 from clients.nixl.notifications import TransferNotification
 from clients.nixl.polling import PollConfig
@@ -74,6 +78,7 @@ from clients.nixl.producer import agent_for_rank
 from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
+from rendezvous.protocol import kvmap
 from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 
 if TYPE_CHECKING:
@@ -126,7 +131,7 @@ class _Target:
     generation: int
     block_ids: tuple[int, ...]
     mode: TransferMode
-    progressive: bool = False  # arrives on TRANSFER_COMMITTED only: the service checked that the parts tile it
+    parts: PartsArrival | None = None  # progressive: arrives once its part notifications tile it (or on the commit)
     arrived: bool = False
     senders: set[str] = dataclasses.field(default_factory=set)  # producer agents whose notification came
 
@@ -164,10 +169,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         """
         super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
-        """Notifications ignored: for a generation or transfer no longer expected, or for a progressive target."""
+        """Notifications ignored: for a generation or transfer no longer expected, or a whole-write one for a
+        progressive target."""
+        self.disputed_targets = 0
+        """Progressive targets whose part notifications could not tile them (they arrive on the commit only)."""
         self._poll = poll
         self._on_result = on_result
         self._follower_check_s = follower_check_s
+        self._held = range(self.layout.num_layers)  # the model layers this rank holds (its stage's), once open
         self._thread: ReceiverThread | None = None
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
         self._targets: dict[str, _Target] = {}
@@ -192,7 +201,12 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             poll=self._poll,
         )
         self._thread.start()
-        return self._thread.agent_info(self.rank)
+        agent = self._thread.agent_info(self.rank)
+        try:
+            self._held = kvmap.rank_shape(self.layout, agent).layers
+        except kvmap.ShapeError:  # the service refuses such a layout at registration
+            self._held = range(self.layout.num_layers)
+        return agent
 
     def _stamped(self, callback: Callable[..., None]) -> Callable[..., None]:
         """callback on the loop, given as its last argument when the receiver thread called it (time.monotonic()):
@@ -239,8 +253,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
         `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
         request's `kv_transfer_params`), which a service with binding keys checks. `progressive`: the producer
-        may write the KV in parts while it computes (it needs `num_tokens`); the target then arrives on
-        TRANSFER_COMMITTED only, once the service checked that the producer's parts tile it.
+        may write the KV in parts while it computes (it needs `num_tokens`); the target then arrives once the
+        part notifications tile it, or on TRANSFER_COMMITTED, once the service checked the parts reported.
 
         A newer generation of a transfer retires the older one: its blocks are reported (reason `AgentReason.REVOKED`)
         once no write of it can land. A failed item is returned, not raised, and leaves nothing registered. A
@@ -261,7 +275,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             progressive=progressive,
         )
         if not self.leader:
-            target = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)
+            target = self._target(spec)
             self._targets[transfer_id] = target
             self._update_expecting()
             if self._early_commits.pop(transfer_id, None) == generation:
@@ -271,7 +285,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
-        new = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)
+        new = self._target(spec)
         if old is not None and generation <= old.generation:
             old = None  # a repeat (or a stale one, which the service refuses)
         else:
@@ -288,6 +302,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             retired = TransferResult(transfer_id, old.generation, False, old.block_ids, AgentReason.REVOKED)
             await self._when_unfenced(retired, maybe_fenced=result.state is not TransferState.TARGETED)
         return result
+
+    def _target(self, spec: TargetSpec) -> _Target:
+        parts = PartsArrival(spec.num_tokens, self._held) if spec.progressive else None
+        return _Target(spec.generation, tuple(spec.block_ids), TransferMode(spec.mode), parts)
 
     async def _submit_target(self, spec: TargetSpec) -> ItemResult:
         """Send the registration. A call that failed in transit (`_IN_DOUBT`) may still have been applied, and a
@@ -491,9 +509,12 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 target is None
                 or target.generation != n.generation
                 or target.mode is not TransferMode.PUSH
-                or target.progressive  # written in parts: only the commit says that all of them landed
+                or (target.parts is None) != (n.parts is None)  # in parts: only the parts say what landed
             ):
                 self.stale_notifications += 1
+                continue
+            if target.parts is not None:
+                self._part_notified(n, target, arrived)
                 continue
             target.senders.add(n.sender)
             # Several producer ranks may write into this rank: the bytes are in once each of them said so.
@@ -502,6 +523,18 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 self._deliver(
                     TransferResult(n.transfer_id, n.generation, True, target.block_ids), arrived, "notification"
                 )
+
+    def _part_notified(self, n: TransferNotification, target: _Target, arrived: float) -> None:
+        parts = target.parts
+        assert parts is not None
+        if target.arrived or parts.disputed is not None:
+            return
+        if parts.add(n):
+            target.arrived = True
+            self._deliver(TransferResult(n.transfer_id, n.generation, True, target.block_ids), arrived, "parts")
+        elif parts.disputed is not None:
+            self.disputed_targets += 1
+            logger.warning("transfer %s:%d: waiting for the commit: %s", n.transfer_id, n.generation, parts.disputed)
 
     def _read_done(
         self, transfer_id: str, generation: int, ok: bool, error: str | None, arrived: float | None = None

@@ -72,7 +72,7 @@ import numpy.typing as npt
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.device import COMPLETE, KvReady
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
-from clients.nixl.notifications import encode_notification
+from clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
 from clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
 from clients.nixl.polling import Backoff, PollConfig
@@ -151,6 +151,8 @@ class _Target:
     merges itself (faster than building the lists; see benchmarks/bench_nixl.py)."""
     writers: int = 1
     """Producer ranks that write into this consumer rank (`kvmap.writers_into`), told in the notification."""
+    layers: range | None = None
+    """The model layers of the share (None: the rank's columns are not layers), told with parts."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,7 +236,6 @@ class _Progress:
     posted: npt.NDArray[np.int64]
     grid: Grid | None = None  # once the prompt's length is known
     written: list[WrittenPart] = dataclasses.field(default_factory=list)
-    notify: list[str] = dataclasses.field(default_factory=list)  # targets notified alone once all drained
     part_at: float = 0.0  # when the engine handed over the part last posted (`_SourcePart.at`)
 
 
@@ -284,6 +285,23 @@ class _Piece:
     target: _Target
     plan: WritePlan | None
     blocks: tuple[_Blocks, ...] = ()
+    covers: tuple[WrittenPart, ...] = ()
+    """Written in parts: the rectangles of the target this WRITE carries, in its layers (`_Target.layers`)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """One transfer's parts for one peer in a turn's WRITE (`_flush_parts`)."""
+
+    write: _Write
+    target: _Target
+    local: list[npt.NDArray[np.int32]] = dataclasses.field(default_factory=list)
+    remote: list[npt.NDArray[np.int32]] = dataclasses.field(default_factory=list)
+    covers: list[WrittenPart] = dataclasses.field(default_factory=list)
+
+
+def _entry(transfer_id: str, generation: int, piece: _Piece) -> PartsEntry:
+    return PartsEntry(transfer_id, generation, piece.target.writers, piece.target.layers, piece.covers)
 
 
 @dataclasses.dataclass(eq=False)
@@ -616,7 +634,10 @@ class TransferWriter:
                 raise LayoutMismatchError(f"{len(regions)} regions here, {len(a.peer.regions)} at the peer")
             whole = range(len(regions))
             share = kvmap.RankShare(self._rank, a.peer.rank, whole, whole, 0, 0, 1)
-            targets: tuple[_Target, ...] = (_Target(a.peer, share, RankGeometry(a.peer.regions, 1, 1), True),)
+            geometry = RankGeometry(a.peer.regions, 1, 1)
+            targets: tuple[_Target, ...] = (
+                _Target(a.peer, share, geometry, True, layers=self._columns.layers_of(whole)),
+            )
             producer, kv_layout = RankGeometry(regions, 1, 1), ""
         else:
             if self._layout is None:
@@ -638,7 +659,8 @@ class TransferWriter:
                 )
                 writers = kvmap.writers_into(mine, theirs, c)
                 geometry = RankGeometry(agent.regions, c.num_heads, bd, kvmap.element_bytes(theirs.dtype))
-                return _Target(agent, s, geometry, whole, writers)
+                layers = self._columns.layers_of(s.producer_regions)
+                return _Target(agent, s, geometry, whole, writers, layers)
 
             targets = tuple(target(s) for s in kvmap.shares((me,), consumers))
             if not targets:
@@ -809,8 +831,9 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         source = t.source[len(t.source) - len(a.dst) :]
-        pieces = [_Piece(target, plan, (_Blocks(source, a.dst),)) for target, plan in plans]
-        self._post(transfer_id, t, w, [(p, self._notification(w, p.target)) for p in pieces])
+        whole = (WrittenPart(0, a.target_tokens),) if a.progressive and a.target_tokens else ()
+        pieces = [_Piece(target, plan, (_Blocks(source, a.dst),), whole) for target, plan in plans]
+        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces])
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Post the cells computed and not posted yet, unless the generation's parts in flight are at the cap."""
@@ -837,13 +860,12 @@ class TransferWriter:
             return  # posted, with what else is computed by then, once parts drain
         self._record(progress, grid, rects)
         progress.part_at = t.part_at
-        self._post(transfer_id, t, w, [(p, b"") for p in pieces], parts=True)
+        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces], parts=True)
         self._turn[0] += time.perf_counter() - start
         self._turn[1] += 1
 
     def _post_final(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
-        """Everything is computed: post what is left, notifying each target with its last WRITE when none of
-        its parts is in flight, else alone once the generation drained."""
+        """Everything is computed: post what is left, each WRITE with the notification of the parts it carries."""
         progress, src = w.progress, t.source
         assert progress is not None and src is not None
         if not progress.written:  # nothing went ahead: one write, as without parts
@@ -859,23 +881,14 @@ class TransferWriter:
             return
         rects = rectangles(progress.posted, np.full_like(progress.posted, len(w.assignment.dst)))
         try:
-            pieces = {p.target.agent.name: p for p in self._pieces(w.assignment, grid, rects, src)}
+            pieces = self._pieces(w.assignment, grid, rects, src)
         except ValueError as e:
             w.error = str(e)
             self._settle(transfer_id, t)
             return
         self._record(progress, grid, rects)
         w.posted_at = time.monotonic()  # `on_written` times what is left once prefill is done
-        busy, posts = w.peers, []
-        for target in w.assignment.targets:
-            name, piece = target.agent.name, pieces.get(target.agent.name)
-            if piece is not None and name not in busy:
-                posts.append((piece, self._notification(w, target)))
-                continue
-            if piece is not None:
-                posts.append((piece, b""))
-            progress.notify.append(name)
-        self._post(transfer_id, t, w, posts)
+        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces])
 
     def _grid(self, w: _Write, prompt_tokens: int) -> Grid | None:
         """The write's target placed in the prompt, once its length is known; None before (or on failure)."""
@@ -901,9 +914,12 @@ class TransferWriter:
         descriptors, planned and merged; targets without a share in them get none."""
         assert a.producer is not None
         first_src = grid.start // grid.producer_block_size
+        written = [self._columns.part(r, grid) for r in rects]
         pieces: list[_Piece] = []
         for target in a.targets:
             share = target.share
+            cut = (self._columns.within(p, target.layers) for p in written)
+            covers = tuple(p for p in cut if p is not None)
             if target.whole_blocks and grid.runs is None:
                 cells = tuple(
                     _Blocks(
@@ -914,7 +930,7 @@ class TransferWriter:
                     for r in rects
                 )
                 if cells:
-                    pieces.append(_Piece(target, None, cells))
+                    pieces.append(_Piece(target, None, cells, covers))
                 continue
             plans: list[WritePlan] = []
             for r in rects:
@@ -943,7 +959,7 @@ class TransferWriter:
                 local, remote = merge_descriptors(
                     np.concatenate([p.local for p in plans]), np.concatenate([p.remote for p in plans])
                 )
-                pieces.append(_Piece(target, WritePlan(local, remote)))
+                pieces.append(_Piece(target, WritePlan(local, remote), covers=covers))
         return pieces
 
     def _indices(self, peer: str, blocks: tuple[_Blocks, ...]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -955,8 +971,13 @@ class TransferWriter:
         return local, remote
 
     @staticmethod
-    def _notification(w: _Write, target: _Target) -> bytes:
-        return encode_notification(w.assignment.transfer_id, w.generation, target.writers)
+    def _notification(w: _Write, piece: _Piece) -> bytes:
+        """A whole write's notification; with parts, what this piece carries (`clients.nixl.notifications`)."""
+        if piece.covers:
+            return encode_parts([_entry(w.assignment.transfer_id, w.generation, piece)])
+        if w.progress is None:
+            return encode_notification(w.assignment.transfer_id, w.generation, piece.target.writers)
+        return b""
 
     def _post(
         self, transfer_id: str, t: _Transfer, w: _Write, posts: list[tuple[_Piece, bytes]], *, parts: bool = False
@@ -1000,7 +1021,7 @@ class TransferWriter:
         step goes in one post), held by each of those transfers; one that cannot be posted fails them all."""
         start = time.perf_counter()
         batch, self._batch = self._batch, []
-        by_peer: dict[str, dict[str, tuple[_Write, list[npt.NDArray[np.int32]], list[npt.NDArray[np.int32]]]]] = {}
+        by_peer: dict[str, dict[str, _Held]] = {}
         for transfer_id, w, piece in batch:
             w.deferred -= 1
             t = self._transfers.get(transfer_id)
@@ -1013,22 +1034,30 @@ class TransferWriter:
                 w.error = str(e)
                 self._settle(transfer_id, t)
                 continue
-            held = by_peer.setdefault(name, {}).setdefault(transfer_id, (w, [], []))
-            held[1].append(local)
-            held[2].append(remote)
+            held = by_peer.setdefault(name, {}).setdefault(transfer_id, _Held(w, piece.target))
+            held.local.append(local)
+            held.remote.append(remote)
+            held.covers.extend(piece.covers)
         for name, writes in by_peer.items():
-            live = {tid: x for tid, x in writes.items() if x[0].error is None}
+            live = {tid: x for tid, x in writes.items() if x.write.error is None}
             if not live:
                 continue
+            note = [
+                PartsEntry(tid, x.write.generation, x.target.writers, x.target.layers, tuple(x.covers))
+                for tid, x in live.items()
+                if x.covers
+            ]
             try:
                 posted = self._endpoint.post_indices(
                     "WRITE",
                     name,
-                    np.concatenate([i for _, local, _ in live.values() for i in local]),
-                    np.concatenate([i for _, _, remote in live.values() for i in remote]),
+                    np.concatenate([i for x in live.values() for i in x.local]),
+                    np.concatenate([i for x in live.values() for i in x.remote]),
+                    encode_parts(note) if note else b"",
                 )
             except DataPlaneError as e:
-                for transfer_id, (w, _, _) in live.items():
+                for transfer_id, x in live.items():
+                    w = x.write
                     w.error = str(e)
                     t = self._transfers.get(transfer_id)
                     if t is not None:
@@ -1036,7 +1065,8 @@ class TransferWriter:
                 continue
             if len(live) > 1:
                 self._holders[posted] = len(live)
-            for transfer_id, (w, _, _) in live.items():
+            for transfer_id, x in live.items():
+                w = x.write
                 w.posts.append(posted)
                 w.part_posts.add(posted)
                 self._parts_in_flight += 1
@@ -1095,14 +1125,6 @@ class TransferWriter:
         t.write = None
         ok = w.error is None and w.complete
         error = w.error
-        if ok and not (w.revoked or w.aborted) and w.progress is not None:
-            for name in w.progress.notify:  # every part landed: now the consumer may hear of it
-                target = next(x for x in w.assignment.targets if x.agent.name == name)
-                try:
-                    self._endpoint.notify(name, self._notification(w, target))
-                except DataPlaneError as e:
-                    ok, error = False, str(e)
-                    break
         if self._on_written is not None and w.posted_at:
             self._emit(self._on_written, time.monotonic() - w.posted_at, ok)
         parts = tuple(w.progress.written) if w.progress is not None else ()
