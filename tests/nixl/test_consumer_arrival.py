@@ -112,7 +112,11 @@ async def test_the_real_writer_s_parts_make_the_target_arrive(
         assert (await client.get_transfer("t1")).state is TransferState.MATCHED
         pair.producer.ready("t1", [1, 2])
         report = await asyncio.wait_for(pair.reported, WAIT)
-        assert report.ok and sorted(report.parts, key=lambda p: p.first_layer) == list(BOTH_LAYERS)
+        # Both layers in one part when both were computed by the time the assignment reached the writer.
+        assert report.ok and sorted(report.parts, key=lambda p: p.first_layer) in (
+            [WrittenPart(0, 32)],
+            list(BOTH_LAYERS),
+        )
 
 
 async def test_overlapping_part_notifications_leave_the_arrival_to_the_commit(
