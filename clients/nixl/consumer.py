@@ -72,12 +72,14 @@ from clients.aio import AsyncRendezvousClient
 from clients.nixl.agent import NixlEndpoint
 from clients.nixl.arrival import PartsArrival
 from clients.nixl.batching import Batcher
+from clients.nixl.integrity import block_digests
 from clients.nixl.notifications import TransferNotification
 from clients.nixl.polling import PollConfig
 from clients.nixl.producer import agent_for_rank
 from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
+from clients.nixl.regions import KvRegion, MemoryKind
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 
@@ -108,6 +110,8 @@ class AgentReason(StrEnum):
     """A pull-mode READ of the producer's blocks failed."""
     LOST = "LOST"
     """The service no longer has the transfer (or the engine's registration of it failed)."""
+    CORRUPTED = "CORRUPTED"
+    """The bytes in the blocks do not match the digests the producer sent (`clients.nixl.integrity`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,6 +138,10 @@ class _Target:
     parts: PartsArrival | None = None  # progressive: arrives once its part notifications tile it (or on the commit)
     arrived: bool = False
     senders: set[str] = dataclasses.field(default_factory=set)  # producer agents whose notification came
+    digests: tuple[int, ...] = ()  # integrity: what the producer says its blocks hold, checked before arrival
+    checking: bool = False  # the digests are being checked: neither a notification nor the commit is arrival
+    committed: bool = False  # TRANSFER_COMMITTED came while checking
+    corrupted: str = ""  # the check failed: why
 
 
 class _Closed:
@@ -156,6 +164,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         on_result: OnResult | None = None,
         follower_check_s: float = FOLLOWER_CHECK_S,
         capacity: EngineCapacity | None = None,
+        integrity: bool = False,
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
@@ -166,6 +175,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         `on_result(result)` (else `results()`) runs on the event loop the agent was started on; `poll` sets how
         the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
         transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
+        `integrity`: every pushed transfer must come with the producer's digests (`clients.nixl.integrity`,
+        its writer's `WriterConfig.integrity`), checked before it counts as arrived; without, it fails
+        (`AgentReason.CORRUPTED`). Digests that come are checked either way.
         """
         super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
@@ -176,6 +188,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._poll = poll
         self._on_result = on_result
         self._follower_check_s = follower_check_s
+        self._integrity = integrity
         self._held = range(self.layout.num_layers)  # the model layers this rank holds (its stage's), once open
         self._thread: ReceiverThread | None = None
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
@@ -183,7 +196,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._fenced: dict[tuple[str, int], TransferResult] = {}
         self._reading: set[tuple[str, int]] = set()  # pull READs in flight: their blocks are still written
         self._after_read: dict[tuple[str, int], TransferResult] = {}
-        self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations
+        self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations, digest checks
+        self._regions: tuple[KvRegion, ...] = ()  # this rank's, once open (digest checks read them)
         self._early_commits: OrderedDict[str, int] = OrderedDict()  # following ranks: commits heard before expected
         self._registrations: Batcher[TargetSpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
@@ -202,6 +216,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         )
         self._thread.start()
         agent = self._thread.agent_info(self.rank)
+        self._regions = agent.regions if agent.memory_kind is MemoryKind.DRAM else ()
         try:
             self._held = kvmap.rank_shape(self.layout, agent).layers
         except kvmap.ShapeError:  # the service refuses such a layout at registration
@@ -385,15 +400,22 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         else:
             result = ItemResult(transfer_id, TransferState.ABORTED)
         if result.ok:
-            await self._give_back(transfer_id, message)
+            await self._give_back(
+                transfer_id, message, AgentReason.CORRUPTED if self._corrupted(transfer_id) else AbortReason.REQUESTED
+            )
         return result
 
-    async def _give_back(self, transfer_id: str, message: str) -> None:
+    def _corrupted(self, transfer_id: str) -> bool:
+        target = self._targets.get(transfer_id)
+        return target is not None and bool(target.corrupted)
+
+    async def _give_back(
+        self, transfer_id: str, message: str, reason: AbortReason | AgentReason = AbortReason.REQUESTED
+    ) -> None:
         """Stop expecting an aborted transfer; its failed result comes once no write can land."""
         target = self._targets.pop(transfer_id, None)
         if target is not None and not target.arrived:
             self._update_expecting()
-            reason = AbortReason.REQUESTED
             failed = TransferResult(transfer_id, target.generation, False, target.block_ids, reason, message)
             await self._when_unfenced(failed, maybe_fenced=True)
 
@@ -452,9 +474,21 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         target = self._targets.get(transfer_id)
         if target is None or target.generation != generation or target.mode is not TransferMode.PUSH:
             return
+        if self._integrity and not target.digests and not target.arrived and not target.corrupted:
+            target.committed = True  # the notification with the digests is still to come: it ends the commit
+            return
+        if target.checking or (target.digests and not target.arrived and not target.corrupted):
+            target.committed = True  # its digests decide, and the check ends the commit
+            if not target.checking:
+                target.checking = True
+                self._start_check(transfer_id, target, time.monotonic(), "commit")
+            return
         del self._targets[transfer_id]
         self._update_expecting()
-        if not target.arrived:
+        if target.corrupted:  # committed all the same: every write landed, so its blocks are free
+            failed = TransferResult(transfer_id, generation, False, target.block_ids, AgentReason.CORRUPTED)
+            self._deliver(dataclasses.replace(failed, message=target.corrupted))
+        elif not target.arrived:
             self._deliver(TransferResult(transfer_id, generation, True, target.block_ids), time.monotonic(), "commit")
         if self._releases is not None:  # the registering rank releases for the engine
             self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
@@ -513,16 +547,14 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             ):
                 self.stale_notifications += 1
                 continue
+            target.digests = n.digests or target.digests
             if target.parts is not None:
                 self._part_notified(n, target, arrived)
                 continue
             target.senders.add(n.sender)
             # Several producer ranks may write into this rank: the bytes are in once each of them said so.
             if not target.arrived and n.writers and len(target.senders) >= n.writers:
-                target.arrived = True
-                self._deliver(
-                    TransferResult(n.transfer_id, n.generation, True, target.block_ids), arrived, "notification"
-                )
+                self._arrive(n.transfer_id, target, arrived, "notification")
 
     def _part_notified(self, n: TransferNotification, target: _Target, arrived: float) -> None:
         parts = target.parts
@@ -530,11 +562,65 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         if target.arrived or parts.disputed is not None:
             return
         if parts.add(n):
-            target.arrived = True
-            self._deliver(TransferResult(n.transfer_id, n.generation, True, target.block_ids), arrived, "parts")
+            self._arrive(n.transfer_id, target, arrived, "parts")
         elif parts.disputed is not None:
             self.disputed_targets += 1
             logger.warning("transfer %s:%d: waiting for the commit: %s", n.transfer_id, n.generation, parts.disputed)
+
+    def _arrive(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
+        """The target's bytes are in (`via` says how it knows): ok, once its digests matched when it has any."""
+        if target.checking or target.corrupted:
+            return
+        if self._integrity and not target.digests:
+            target.checking = True  # ended as a failed check: the producer sent nothing to check
+            self._start_check(transfer_id, target, at, via)
+            return
+        if target.digests:
+            target.checking = True
+            self._start_check(transfer_id, target, at, via)
+            return
+        target.arrived = True
+        self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), at, via)
+
+    def _start_check(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
+        task = asyncio.create_task(self._check_digests(transfer_id, target, at, via))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check_digests(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
+        """Compare the target's blocks with the producer's digests (off the loop); ok if they match, else fail
+        the transfer (`AgentReason.CORRUPTED`), aborting it at the service so that the producer hears why."""
+        if not target.digests:
+            why = "integrity is required here, but the producer sent no checksums (turn it on for both pools)"
+        elif len(self._regions) != len(target.digests):
+            why = f"{len(target.digests)} digests for {len(self._regions)} host-memory regions here: cannot check"
+        else:
+            got: tuple[int, ...] = await asyncio.to_thread(block_digests, self._regions, target.block_ids)
+            bad = next((r for r, (a, b) in enumerate(zip(got, target.digests, strict=True)) if a != b), None)
+            why = "" if bad is None else (
+                f"integrity check failed: region {bad} of blocks {list(target.block_ids)} hashes to "
+                f"{got[bad]:016x}, the producer wrote {target.digests[bad]:016x}"
+            )  # fmt: skip
+        if self._targets.get(transfer_id) is not target:
+            return  # ended meanwhile (aborted, retired): its result was reported
+        target.checking = False
+        if not why:
+            target.arrived = True
+            self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), at, via)
+            if target.committed:
+                self._committed(transfer_id, target.generation)
+            return
+        target.corrupted = why
+        logger.error("transfer %s:%d: %s", transfer_id, target.generation, why)
+        if target.committed:
+            self._committed(transfer_id, target.generation)
+            return
+        try:
+            refused = (await self.abort(transfer_id, why)).error
+        except RendezvousError as e:
+            refused = e
+        if refused is not None:  # it committed, or ended: its event ends the target
+            logger.warning("AbortTransfer %s after a failed integrity check: %s", transfer_id, refused)
 
     def _read_done(
         self, transfer_id: str, generation: int, ok: bool, error: str | None, arrived: float | None = None

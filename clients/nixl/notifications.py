@@ -11,6 +11,9 @@ with carried (the parts of several transfers may go in one WRITE). An entry is e
   rank holds); a part is "<first_token>+<num_tokens>" (all of those layers) or
   "<first_token>+<num_tokens>x<first_layer>+<num_layers>", in the target's tokens (0 = its first).
 
+Either may end in "#<digest>,<digest>,...": per region of the consumer rank, the 16-hex-digit xxh3-64 of the
+target's blocks the write carried, whole (end-to-end integrity, `clients.nixl.integrity`).
+
 `<version>` is the data-plane version that wrote it (rendezvous.protocol.dataplane); transfer ids hold no
 whitespace and the generation is what follows an entry's last ':', so ids may contain ':' and the untagged form
 of version 1 ("<transfer_id>:<generation>[/<writers>]") reads too. Versions 1 and 2 have whole entries only.
@@ -45,6 +48,8 @@ class TransferNotification:
     """Parts only: the model layers of the consumer rank this sender writes (None: every one it holds)."""
     parts: tuple[WrittenPart, ...] | None = None
     """The rectangles this WRITE carried (`num_layers` 0: all of `layers`); None for a whole entry."""
+    digests: tuple[int, ...] = ()
+    """Integrity: per region, the xxh3-64 of the target's blocks as written (() when the producer sent none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +61,16 @@ class PartsEntry:
     writers: int
     layers: range | None
     parts: tuple[WrittenPart, ...]
+    digests: tuple[int, ...] = ()
 
 
 _TAG = f"{DATA_PLANE_VERSION} "
 
 
-def encode_notification(transfer_id: str, generation: int, writers: int = 1) -> bytes:
+def encode_notification(transfer_id: str, generation: int, writers: int = 1, digests: tuple[int, ...] = ()) -> bytes:
     """The whole-entry notification for one generation of a transfer, written by `writers` producer ranks."""
     suffix = "" if writers == 1 else f"/{writers}"
-    return f"{_TAG}{transfer_id}:{generation}{suffix}".encode()
+    return f"{_TAG}{transfer_id}:{generation}{suffix}{_digests(digests)}".encode()
 
 
 def encode_parts(entries: Sequence[PartsEntry]) -> bytes:
@@ -78,7 +84,11 @@ def _entry(e: PartsEntry) -> str:
         f"{p.first_token}+{p.num_tokens}" + (f"x{p.first_layer}+{p.num_layers}" if p.num_layers else "")
         for p in e.parts
     )
-    return f"{e.transfer_id}:{e.generation}/{e.writers}@{layers}={parts}"
+    return f"{e.transfer_id}:{e.generation}/{e.writers}@{layers}={parts}{_digests(e.digests)}"
+
+
+def _digests(digests: tuple[int, ...]) -> str:
+    return "#" + ",".join(f"{d:016x}" for d in digests) if digests else ""
 
 
 def parse_notification(sender: str, payload: bytes) -> tuple[TransferNotification, ...] | None:
@@ -100,13 +110,17 @@ def parse_notification(sender: str, payload: bytes) -> tuple[TransferNotificatio
 
 def _parse_entry(sender: str, entry: str) -> TransferNotification | None:
     transfer_id, sep, tail = entry.rpartition(":")
+    tail, hashed, listed_digests = tail.partition("#")
+    digests = tuple(int(d, 16) for d in listed_digests.split(",") if _hex(d)) if hashed else ()
+    if hashed and len(digests) != len(listed_digests.split(",")):
+        return None
     head, at, described = tail.partition("@")
     generation, slash, writers = head.partition("/")
     if not sep or not transfer_id or not _number(generation) or (slash and not _number(writers)):
         return None
     count = int(writers) if slash else 1
     if not at:
-        return TransferNotification(sender, transfer_id, int(generation), count)
+        return TransferNotification(sender, transfer_id, int(generation), count, digests=digests)
     span, equals, listed = described.partition("=")
     layers = _layers(span)
     parts = [_part(p) for p in listed.split(",")] if equals and listed else []
@@ -119,6 +133,7 @@ def _parse_entry(sender: str, entry: str) -> TransferNotification | None:
         count,
         layers if isinstance(layers, range) else None,
         tuple(p for p in parts if p is not None),
+        digests,
     )
 
 
@@ -143,6 +158,10 @@ def _part(text: str) -> WrittenPart | None:
     if not plus or not _number(first_layer) or not _number(num_layers) or not int(num_layers):
         return None
     return WrittenPart(int(first_token), int(num_tokens), int(first_layer), int(num_layers))
+
+
+def _hex(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 def _number(text: str) -> bool:

@@ -72,11 +72,12 @@ import numpy.typing as npt
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.device import COMPLETE, KvReady
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
+from clients.nixl.integrity import block_digests
 from clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
 from clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
 from clients.nixl.polling import Backoff, PollConfig
-from clients.nixl.regions import BlockIds
+from clients.nixl.regions import BlockIds, MemoryKind
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.records import KvLayout
 from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
@@ -129,6 +130,10 @@ class WriterConfig:
     wait for the next part or the final, and go together). The cost measured includes the post, which on shm
     copies the bytes, so large parts look costly: in the serving simulation 4 paid at 512 tokens but held back
     nearly every part at 8k (benchmarks/RESULTS.md). 0: every part at once."""
+    integrity: bool = False
+    """End-to-end integrity (`clients.nixl.integrity`): send the xxh3 digests of what each whole write carries, per
+    region, for the consumer to check before arrival. Generations then go in one write (no progressive parts).
+    DRAM regions only."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -287,6 +292,8 @@ class _Piece:
     blocks: tuple[_Blocks, ...] = ()
     covers: tuple[WrittenPart, ...] = ()
     """Written in parts: the rectangles of the target this WRITE carries, in its layers (`_Target.layers`)."""
+    digests: tuple[int, ...] = ()
+    """Integrity: per region, the digest of the source blocks of a whole write (`clients.nixl.integrity`)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -301,7 +308,14 @@ class _Held:
 
 
 def _entry(transfer_id: str, generation: int, piece: _Piece) -> PartsEntry:
-    return PartsEntry(transfer_id, generation, piece.target.writers, piece.target.layers, piece.covers)
+    target = piece.target
+    return PartsEntry(transfer_id, generation, target.writers, target.layers, piece.covers, piece.digests)
+
+
+def _same_bytes(target: _Target) -> bool:
+    """Whether the consumer rank's regions receive exactly this rank's blocks, region by region (whole blocks,
+    the only writer): then both sides' digests are of the same bytes."""
+    return target.whole_blocks and target.writers == 1
 
 
 @dataclasses.dataclass(eq=False)
@@ -356,6 +370,8 @@ class TransferWriter:
         self._on_source_free = on_source_free
         self._on_written = on_written
         self._config = config or WriterConfig()
+        if self._config.integrity and endpoint.memory_kind is not MemoryKind.DRAM:
+            raise ValueError("integrity checksums read host memory: DRAM regions only")
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"nixl-writer-{endpoint.name}", daemon=True)
@@ -791,7 +807,7 @@ class TransferWriter:
 
     def _in_parts(self, a: _Assign) -> bool:
         """Whether the assignment may be written in parts (the consumer accepts them, block sizes known)."""
-        return a.progressive and self._layout is not None and len(a.dst) > 0
+        return a.progressive and not self._config.integrity and self._layout is not None and len(a.dst) > 0
 
     def _try_write(self, transfer_id: str, t: _Transfer) -> None:
         a = t.assignment
@@ -832,7 +848,11 @@ class TransferWriter:
             return
         source = t.source[len(t.source) - len(a.dst) :]
         whole = (WrittenPart(0, a.target_tokens),) if a.progressive and a.target_tokens else ()
-        pieces = [_Piece(target, plan, (_Blocks(source, a.dst),), whole) for target, plan in plans]
+        digests = block_digests(self._endpoint.regions, source) if self._config.integrity else ()
+        pieces = [
+            _Piece(target, plan, (_Blocks(source, a.dst),), whole, digests if _same_bytes(target) else ())
+            for target, plan in plans
+        ]
         self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces])
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
@@ -976,7 +996,7 @@ class TransferWriter:
         if piece.covers:
             return encode_parts([_entry(w.assignment.transfer_id, w.generation, piece)])
         if w.progress is None:
-            return encode_notification(w.assignment.transfer_id, w.generation, piece.target.writers)
+            return encode_notification(w.assignment.transfer_id, w.generation, piece.target.writers, piece.digests)
         return b""
 
     def _post(
