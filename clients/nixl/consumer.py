@@ -216,6 +216,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         )
         self._thread.start()
         agent = self._thread.agent_info(self.rank)
+        if self._integrity and agent.memory_kind is not MemoryKind.DRAM:
+            await self._stop_threads()
+            raise ValueError("integrity checks read host memory: DRAM regions only")
         self._regions = agent.regions if agent.memory_kind is MemoryKind.DRAM else ()
         try:
             self._held = kvmap.rank_shape(self.layout, agent).layers
