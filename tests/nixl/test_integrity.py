@@ -146,3 +146,18 @@ async def write(
         assert asyncio.get_running_loop().time() < deadline, "the WRITE never finished"
         await asyncio.sleep(0.005)
     endpoint.release(posted)
+
+
+async def test_a_checked_producer_writes_a_progressive_target_whole_and_it_arrives_checked(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    async with integrity_pair(client) as pair:
+        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        for layer in range(2):
+            pair.producer.ready_part("t1", [1, 2], 32, (layer, layer + 1), prompt_tokens=32)
+        pair.producer.ready("t1", [1, 2])
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        report = await asyncio.wait_for(pair.reported, WAIT)
+        assert report.ok and report.parts == ()  # one write, its digests with it
+        assert_blocks_5_6_hold_source_1_2(pair)
