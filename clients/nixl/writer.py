@@ -12,25 +12,28 @@ An assignment names either one consumer agent, whose regions pair with this rank
 blocks), or the consumer engine (`ConsumerEngine`: its layout and every rank's agent). Then this rank writes
 its share of each consumer rank as `rendezvous.protocol.kvmap` says (its heads and layers; tokens paired by
 `token_runs` when block sizes differ): one WRITE per consumer rank it has a share in, each with descriptor
-lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>".
+lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>" (with
+`WriterConfig.integrity`, also the digests of what it carries: `clients.nixl.integrity`).
 
-Progressive push (`assign(..., progressive=True)`: the consumer accepts parts). The engine reports what it
-computed with `source_part` (layer-wise prefill: each layer of the whole prompt; chunked prefill: each chunk
-in all layers), and the writer posts what is new as soon as it holds the assignment: a part covers the target
-blocks all of whose tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed
-block waits for the next part or the final write. That needs the writer's `layout` (block sizes, layers) and
-the prompt's length (from `source_part` or `assign`); until both are known parts are only remembered. A part
-goes in one WRITE per consumer rank with a share in it, no notification; for a whole-block share its cells are
-addressed by index in the prepared lists (its layers as ranges of regions), and the parts of every transfer
-handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per consumer rank, held by
-each of those transfers; other shares' cells are merged into as few descriptors as they allow. Every share
-works, with different block sizes and TP sizes too. A source or part handed over with a `KvReady` (the device
-still computing it: `clients.nixl.device`) waits, in order per transfer, until it is done; one whose device fails
-or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most `WriterConfig.max_parts_in_flight`
-WRITEs of parts per transfer are in flight; what is computed meanwhile goes together once one drains.
-`source_ready` is the final: what is left is posted at once, each consumer rank notified with its last WRITE
-when none of its parts is in flight, else by a notification alone once every WRITE of the generation is done.
-Without `progressive` (or when nothing went ahead) the generation goes in one write at `source_ready`.
+Progressive push (`assign(..., progressive=True)`: the consumer accepts parts). The engine reports what it computed
+with `source_part` (layer-wise prefill: each layer of the whole prompt; chunked prefill: each chunk in all layers),
+and the writer posts what is new as soon as it holds the assignment: a part covers the target blocks all of whose
+tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed block waits for the next
+part or the final write. That needs the writer's `layout` (block sizes, layers) and the prompt's length (from
+`source_part` or `assign`); until both are known parts are only remembered. A part goes in one WRITE per consumer
+rank with a share in it, with the notification of the rectangles it carries in that rank's share
+(`clients.nixl.notifications`: the consumer arrives once they tile the target, before the service's commit); for a
+whole-block share its cells are addressed by index in the prepared lists (its layers as ranges of regions), and the
+parts of every transfer handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per
+consumer rank, held by each of those transfers and naming each one's; other shares' cells are merged into as few
+descriptors as they allow. Every share works, with different block sizes and TP sizes too. A source or part handed
+over with a `KvReady` (the device still computing it: `clients.nixl.device`) waits, in order per transfer, until it
+is done; one whose device fails or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most
+`WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes
+together once one drains. `source_ready` is the final: what is left is posted at once, each WRITE with its parts'
+notification (none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
+integrity) the generation goes in one write at `source_ready`; into a progressive target its notification names the
+whole target.
 
 Outcomes, per transfer (a generation's WRITEs, its parts included, count as one write):
 
@@ -41,9 +44,10 @@ Outcomes, per transfer (a generation's WRITEs, its parts included, count as one 
 - a bad assignment (block id out of range, regions or layouts that do not pair, unreadable metadata, a stale
   peer incarnation, fewer source than destination blocks) fails through `on_complete(ok=False)` without
   writing; so does a write that NIXL reports failed (the peer died), after it was posted;
-- `on_complete(ok=True)` only once every WRITE of the generation is DONE, and the consumer's notification is
-  sent only then or with the last of them; if one fails or cannot be posted (a part too), no more are posted
-  and `on_complete(ok=False)` comes once the others posted have drained (none of them lands later);
+- `on_complete(ok=True)` only once every WRITE of the generation is DONE; a whole write's notification goes with its
+  WRITE, each part's with its own (so the consumer may hear before the writer sees DONE); if one fails or cannot be
+  posted (a part too), no more are posted and `on_complete(ok=False)` comes once the others posted have drained
+  (none of them lands later);
 - with equal block sizes the LAST `len(dst)` source blocks go to the destination (the consumer may hold a
   prefix already); an empty destination completes at once once the source is ready;
 - `revoke` and `abort` stop the posting of parts; `on_revoked` and the abort's `on_source_free` come once
