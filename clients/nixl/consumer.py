@@ -220,8 +220,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             await self._stop_threads()
             raise ValueError("integrity checks read host memory: DRAM regions only")
         self._regions = agent.regions if agent.memory_kind is MemoryKind.DRAM else ()
-        try:
-            self._held = kvmap.rank_shape(self.layout, agent).layers
+        try:  # regions not grouped by layer hold every layer, as one
+            self._held = kvmap.rank_shape(self.layout, agent).layers or range(self.layout.num_layers)
         except kvmap.ShapeError:  # the service refuses such a layout at registration
             self._held = range(self.layout.num_layers)
         return agent
