@@ -477,7 +477,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         target = self._targets.get(transfer_id)
         if target is None or target.generation != generation or target.mode is not TransferMode.PUSH:
             return
-        if self._integrity and not target.digests and not target.arrived and not target.corrupted:
+        if self._integrity and target.block_ids and not target.digests and not target.arrived and not target.corrupted:
             target.committed = True  # the notification with the digests is still to come: it ends the commit
             return
         if target.checking or (target.digests and not target.arrived and not target.corrupted):
@@ -574,11 +574,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         """The target's bytes are in (`via` says how it knows): ok, once its digests matched when it has any."""
         if target.checking or target.corrupted:
             return
-        if self._integrity and not target.digests:
-            target.checking = True  # ended as a failed check: the producer sent nothing to check
-            self._start_check(transfer_id, target, at, via)
-            return
-        if target.digests:
+        if target.block_ids and (target.digests or self._integrity):  # none with integrity: a failed check
             target.checking = True
             self._start_check(transfer_id, target, at, via)
             return
@@ -601,8 +597,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             got: tuple[int, ...] = await asyncio.to_thread(block_digests, self._regions, target.block_ids)
             bad = next((r for r, (a, b) in enumerate(zip(got, target.digests, strict=True)) if a != b), None)
             why = "" if bad is None else (
-                f"integrity check failed: region {bad} of blocks {list(target.block_ids)} hashes to "
-                f"{got[bad]:016x}, the producer wrote {target.digests[bad]:016x}"
+                f"integrity check failed: region {bad} of the {len(target.block_ids)} blocks from block "
+                f"{target.block_ids[0]} hashes to {got[bad]:016x}, the producer wrote {target.digests[bad]:016x}"
             )  # fmt: skip
         if self._targets.get(transfer_id) is not target:
             return  # ended meanwhile (aborted, retired): its result was reported

@@ -113,7 +113,7 @@ async def test_bytes_corrupted_after_they_landed_fail_the_transfer_on_both_sides
         finally:
             hand.close()
         assert not result.ok and result.reason is AgentReason.CORRUPTED
-        assert "integrity check failed: region 1 of blocks [5, 6]" in result.message
+        assert "integrity check failed: region 1 of the 2 blocks from block 5" in result.message
         info = await client.get_transfer("t1")
         assert info.state is TransferState.ABORTED and "integrity check failed: region 1" in info.abort_message
 
@@ -161,3 +161,13 @@ async def test_a_checked_producer_writes_a_progressive_target_whole_and_it_arriv
         report = await asyncio.wait_for(pair.reported, WAIT)
         assert report.ok and report.parts == ()  # one write, its digests with it
         assert_blocks_5_6_hold_source_1_2(pair)
+
+
+async def test_a_target_of_no_blocks_has_nothing_to_check_and_arrives_on_the_commit(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    async with integrity_pair(client) as pair:
+        assert (await pair.consumer.register_target("t1", [])).ok  # decode had every block cached
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        pair.producer.ready("t1", [1, 2])
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
