@@ -14,12 +14,16 @@
   parts       progressive push on a TransferWriter: one layer of a 512-token prompt (64 scattered block
               descriptors of 1 KiB) handed over and posted, per part, and one layer of 8 requests, against NIXL's
               own prepared post of the same descriptors measured in the same run (see `parts`)
+  integrity   end-to-end checksums (`--only-integrity`): a TransferWriter's whole write of the buffer in 64 KiB
+              blocks, source_ready -> on_complete, with `WriterConfig.integrity` off and on (the producer's
+              xxh3 digests), and the consumer's check (`block_digests` over the same blocks) with zlib.crc32 of
+              the same bytes beside it; each as seconds per GiB
 
 Both sides must poll for a WRITE to complete (see clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
 
     python -m benchmarks.bench_nixl [--total-mib 64] [--reps 5] [--round-trips 1000] [--output nixl.json]
-                                    [--only-parts]
+                                    [--only-parts | --only-integrity]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import platform
 import statistics
 import threading
 import time
+import zlib
 from importlib.metadata import version
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -49,6 +54,7 @@ from clients.nixl import (
     WriterConfig,
     XferStatus,
 )
+from clients.nixl.integrity import block_digests
 from clients.nixl.plan import RankGeometry, plan_write
 from clients.nixl.polling import Backoff, PollConfig
 from rendezvous.protocol.kvmap import RankShare
@@ -420,6 +426,70 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     return result
 
 
+INTEGRITY_BLOCK = 64 << 10
+
+
+def integrity(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
+    """What end-to-end integrity costs a whole write of `total` bytes, per GiB: median (min-max) of `reps`."""
+    buffer = np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8)
+    blocks = list(range(total // INTEGRITY_BLOCK))
+    agent: NixlAgentInfo = peer.call("create", "bench-integrity-dst", INTEGRITY_BLOCK)
+    completed = threading.Event()
+    outcomes: list[bool] = []
+
+    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        outcomes.append(ok)
+        completed.set()
+
+    writes: dict[str, list[float]] = {}
+    for checked in (False, True):
+        writer = TransferWriter(
+            NixlEndpoint(f"bench-integrity-src-{checked}", one_region(buffer, INTEGRITY_BLOCK)),
+            on_complete=on_complete,
+            on_revoked=lambda *_: None,
+            on_source_free=lambda *_: None,
+            config=WriterConfig(integrity=checked),
+        )
+        samples = []
+        with writer:
+            for i in range(reps + 1):  # the first warms the peer up
+                writer.assign(f"i{checked}{i}", 1, agent, 1, blocks)
+                writer.barrier()
+                completed.clear()
+                start = time.perf_counter()
+                writer.source_ready(f"i{checked}{i}", blocks)
+                if not completed.wait(60):
+                    raise TimeoutError("writer did not complete")
+                samples.append(time.perf_counter() - start)
+        writes["on" if checked else "off"] = samples[1:]
+    if not all(outcomes):
+        raise RuntimeError("a benchmark write failed")
+    regions = one_region(buffer, INTEGRITY_BLOCK)
+    check, crc = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        block_digests(regions, blocks)
+        check.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        zlib.crc32(buffer.data)
+        crc.append(time.perf_counter() - start)
+    per_gib = (1 << 30) / total
+    on, off = statistics.median(writes["on"]), statistics.median(writes["off"])
+    return {
+        "bytes": total,
+        "block_bytes": INTEGRITY_BLOCK,
+        "write_off_s": _spread(writes["off"]),
+        "write_on_s": _spread(writes["on"]),
+        "producer_s_per_gib": (on - off) * per_gib,
+        "check_s_per_gib": _spread([c * per_gib for c in check]),
+        "crc32_s_per_gib": _spread([c * per_gib for c in crc]),
+    }
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
 def measure(peer: Consumer, total: int, args: argparse.Namespace) -> dict[str, Any]:
     """Throughput, round trips, the writer's latency and the cost of posting one transfer."""
     buffer = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
@@ -471,7 +541,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--round-trips", type=int, default=1000)
     parser.add_argument("--output", default="nixl.json", help="file name under benchmarks/results/")
-    parser.add_argument("--only-parts", action="store_true", help="run the progressive parts section alone")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--only-parts", action="store_true", help="run the progressive parts section alone")
+    only.add_argument("--only-integrity", action="store_true", help="run the integrity section alone")
     args = parser.parse_args()
     os.environ.setdefault("UCX_TLS", "shm,tcp")  # loopback only, inherited by the consumer process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -479,10 +551,22 @@ def main() -> None:
     peer = Consumer(total)
     try:
         peer.call("backoff", True)
-        progressive = parts(peer, total, max(args.reps, 20))
-        measured = {} if args.only_parts else measure(peer, total, args)
+        if args.only_integrity:
+            checksums = integrity(peer, total, args.reps)
+        else:
+            progressive = parts(peer, total, max(args.reps, 20))
+            measured = {} if args.only_parts else measure(peer, total, args)
     finally:
         peer.stop()
+    if args.only_integrity:
+        print(f"integrity, a whole write of {args.total_mib} MiB in {INTEGRITY_BLOCK >> 10} KiB blocks, seconds: "
+              f"median (min-max) of {args.reps}")  # fmt: skip
+        for key in ("write_off_s", "write_on_s", "check_s_per_gib", "crc32_s_per_gib"):
+            row = checksums[key]
+            print(f"{key:>22}: {row['median']:.4f} ({row['min']:.4f}-{row['max']:.4f})")
+        print(f"{'producer_s_per_gib':>22}: {checksums['producer_s_per_gib']:.4f}")
+        _write_result(args, total, {"integrity": checksums})
+        return
     if measured:
         report(measured, args)
     print(
@@ -501,7 +585,10 @@ def main() -> None:
         print(f"{label:>36}: {row['median']:8.1f} ({row['min']:.1f}-{row['max']:.1f})")
     print(f"{'part / floor':>36}: {progressive['part_over_floor']:8.2f}")
     print(f"{'layer of N / floor':>36}: {progressive['layer_of_n_over_floor']:8.2f}")
+    _write_result(args, total, {**measured, "progressive_parts": progressive})
 
+
+def _write_result(args: argparse.Namespace, total: int, measured: dict[str, Any]) -> None:
     RESULTS.mkdir(exist_ok=True)
     result = {
         "benchmark": "nixl",
@@ -517,7 +604,6 @@ def main() -> None:
         "total_bytes": total,
         "reps": args.reps,
         **measured,
-        "progressive_parts": progressive,
     }
     (RESULTS / args.output).write_text(json.dumps(result, indent=2) + "\n")
 

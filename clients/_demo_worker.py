@@ -1,8 +1,10 @@
 """One engine of `kv-rendezvous demo`, in its own process: a producer or consumer agent over a DRAM KV pool.
 
-Commands arrive on a queue: ("transfer", transfer_id, num_blocks, seed, pull) or ("stop",). A producer fills
-blocks with `pattern(seed)`, claims and marks them ready; a consumer registers destination blocks and
-checks every byte that lands. Both post reports to the controller's queue and queue work until blocks free up.
+Commands arrive on a queue: ("transfer", transfer_id, num_blocks, seed, mode) or ("stop",), mode "push", "pull"
+or "progressive". A producer fills blocks with `pattern(seed)`, claims and marks them ready (progressive: hands
+them over as one part first, as chunked prefill would, then ready); a consumer registers destination blocks
+(progressive: a target that accepts parts, one token per block) and checks every byte that lands. Both post
+reports to the controller's queue and queue work until blocks free up.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class _Engine:
         self.tensors = [torch.zeros((spec.num_blocks, n), dtype=torch.uint8) for n in spec.block_lengths]
         self.client = AsyncRendezvousClient(spec.address)
         self.free = list(range(spec.num_blocks))
-        self.waiting: collections.deque[tuple[str, int, int, bool]] = collections.deque()
+        self.waiting: collections.deque[tuple[str, int, int, str]] = collections.deque()
         self.held: dict[str, tuple[list[int], int, float]] = {}
         self.agent: Any = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -88,19 +90,19 @@ class _Engine:
         await self.agent.start()
         _noise()  # generate it before the clock starts
 
-    def submit(self, transfer_id: str, num_blocks: int, seed: int, pull: bool) -> None:
-        self.waiting.append((transfer_id, num_blocks, seed, pull))
+    def submit(self, transfer_id: str, num_blocks: int, seed: int, mode: str) -> None:
+        self.waiting.append((transfer_id, num_blocks, seed, mode))
         self._admit()
 
     def _admit(self) -> None:
         while self.waiting and len(self.free) >= self.waiting[0][1]:
-            transfer_id, n, seed, pull = self.waiting.popleft()
+            transfer_id, n, seed, mode = self.waiting.popleft()
             blocks, self.free = self.free[:n], self.free[n:]
             self.held[transfer_id] = (blocks, seed, time.monotonic())
             if self.spec.role == "producer":
-                work = self._produce(transfer_id, blocks, seed, pull)
+                work = self._produce(transfer_id, blocks, seed, mode)
             else:
-                work = self._consume(transfer_id, blocks, pull)
+                work = self._consume(transfer_id, blocks, mode)
             self._spawn(work)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
@@ -129,23 +131,32 @@ class _Engine:
             verified += expected.nbytes
         return verified, ""
 
-    async def _produce(self, transfer_id: str, blocks: list[int], seed: int, pull: bool) -> None:
+    async def _produce(self, transfer_id: str, blocks: list[int], seed: int, mode: str) -> None:
         from clients import TransferMode
 
         await asyncio.to_thread(self._fill, blocks, seed)  # off the loop, which serves the agent
-        if not pull:
+        if mode != "pull":
             await self.agent.claim(transfer_id)
-        mode = TransferMode.PULL if pull else TransferMode.PUSH
-        self.agent.ready(transfer_id, blocks, self._on_free, mode=mode)
+        if mode == "progressive":
+            self.agent.ready_part(transfer_id, blocks, len(blocks), prompt_tokens=len(blocks))
+        transfer_mode = TransferMode.PULL if mode == "pull" else TransferMode.PUSH
+        self.agent.ready(transfer_id, blocks, self._on_free, mode=transfer_mode)
 
-    async def _consume(self, transfer_id: str, blocks: list[int], pull: bool) -> None:
+    async def _consume(self, transfer_id: str, blocks: list[int], mode: str) -> None:
         from clients import TransferMode
 
-        mode = TransferMode.PULL if pull else TransferMode.PUSH
-        result = await self.agent.register_target(transfer_id, blocks, mode=mode)
+        transfer_mode = TransferMode.PULL if mode == "pull" else TransferMode.PUSH
+        progressive = mode == "progressive"
+        result = await self.agent.register_target(
+            transfer_id,
+            blocks,
+            mode=transfer_mode,
+            num_tokens=len(blocks) if progressive else 0,
+            progressive=progressive,
+        )
         if not result.ok:
             self._release(transfer_id)
-            self.reports.put(("done", transfer_id, False, 0, 0.0, str(result.error)))
+            self.reports.put(("done", transfer_id, False, 0, 0.0, str(result.error), 0.0))
 
     def _on_free(self, transfer_id: str) -> None:
         self._release(transfer_id)
@@ -157,17 +168,17 @@ class _Engine:
         )
 
     def _on_result(self, result: Any) -> None:
-        elapsed = time.monotonic() - self.held[result.transfer_id][2]
-        self._spawn(self._verify(result, elapsed))
+        now = time.monotonic()
+        self._spawn(self._verify(result, now - self.held[result.transfer_id][2], now))
 
-    async def _verify(self, result: Any, elapsed: float) -> None:
+    async def _verify(self, result: Any, elapsed: float, arrived: float) -> None:
         blocks, seed, _ = self.held[result.transfer_id]
         verified, error = 0, "" if result.ok else str(result.reason)
         if result.ok:
             verified, error = await asyncio.to_thread(self._check, blocks, seed)
         self._release(result.transfer_id)  # only now may the blocks be registered again
         ok = result.ok and not error
-        self.reports.put(("done", result.transfer_id, ok, verified if ok else 0, elapsed, error))
+        self.reports.put(("done", result.transfer_id, ok, verified if ok else 0, elapsed, error, arrived))
 
     async def close(self) -> None:
         await self.agent.close()

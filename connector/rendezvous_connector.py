@@ -526,6 +526,7 @@ class _WorkerSide:
         from clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, TLSConfig
         from clients.nixl.consumer import ConsumerAgent
         from clients.nixl.producer import ProducerAgent
+        from clients.nixl.writer import WriterConfig
 
         config = self.config
         self._client = AsyncRendezvousClient(
@@ -543,7 +544,10 @@ class _WorkerSide:
             "rank": self.rank,
         }
         if self.producer:
-            self._agent = ProducerAgent(self._client, self.engine_id, config.pool, tensors, **common)
+            writer = WriterConfig(integrity=config.integrity)
+            self._agent = ProducerAgent(
+                self._client, self.engine_id, config.pool, tensors, writer_config=writer, **common
+            )
         else:
             capacity = EngineCapacity(config.max_transfers, config.max_blocks)  # what routers reserve within
             self._agent = ConsumerAgent(
@@ -553,6 +557,7 @@ class _WorkerSide:
                 tensors,
                 on_result=self._on_result,
                 capacity=capacity,
+                integrity=config.integrity,
                 **common,
             )
         return await self._agent.open()

@@ -295,18 +295,6 @@ class NixlEndpoint:
 
         return self._post(operation, peer, make)
 
-    def notify(self, peer: str, notification: bytes) -> None:
-        """Send `notification` to a peer by itself, not bound to a transfer (it reaches the peer after the bytes
-        of transfers to it that are done, not of those still in flight). Raises `PeerError` for an unknown
-        peer and `TransferFailedError` when NIXL refuses it."""
-        agent = self._nixl()
-        if peer not in self._peers:
-            raise PeerError(f"unknown peer agent {peer!r}")
-        try:
-            agent.send_notif(peer, notification)
-        except self._errors as e:
-            raise TransferFailedError(f"notification to {peer!r} not sent: {e}") from e
-
     def _post(self, operation: Operation, peer: str, make: Callable[[], Any]) -> PostedTransfer:
         handle = None
         try:

@@ -6,9 +6,12 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 
 - ok: the generation's bytes are in its blocks. Push: the first of the NIXL notification "T:g" and the
   TRANSFER_COMMITTED event says so; notifications of other generations are ignored (fencing). A progressive
-  target (written in parts) arrives on TRANSFER_COMMITTED only: the service commits once the producer's parts
-  tile the target, so a producer that notifies too early cannot start decode on missing bytes. Pull: on
-  SOURCE_READY the agent READs the producer's blocks itself, then reports CompleteTransfers.
+  target (written in parts) arrives on the first of the part notification that completes its tiling
+  (`clients.nixl.arrival`: each sender's parts tile its share, as the service checks them) and TRANSFER_COMMITTED
+  (the service commits once the parts the producer reports tile the target); a whole-write notification is not
+  arrival for it, and notifications that cannot tile it (overlapping, outside) leave it to the commit, so decode
+  never starts on missing bytes. Pull: on SOURCE_READY the agent READs the producer's blocks itself, then
+  reports CompleteTransfers.
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
   failed, or the service lost the transfer). When the service still fences a generation the producer may be
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
@@ -67,13 +70,17 @@ from clients._types import (
 )
 from clients.aio import AsyncRendezvousClient
 from clients.nixl.agent import NixlEndpoint
+from clients.nixl.arrival import PartsArrival
 from clients.nixl.batching import Batcher
+from clients.nixl.integrity import block_digests
 from clients.nixl.notifications import TransferNotification
 from clients.nixl.polling import PollConfig
 from clients.nixl.producer import agent_for_rank
 from clients.nixl.rank import RankAgent, RankOptions
 from clients.nixl.receiver import TransferReceiver
 from clients.nixl.receiver_thread import ReceiverThread
+from clients.nixl.regions import KvRegion, MemoryKind
+from rendezvous.protocol import kvmap
 from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 
 if TYPE_CHECKING:
@@ -103,6 +110,8 @@ class AgentReason(StrEnum):
     """A pull-mode READ of the producer's blocks failed."""
     LOST = "LOST"
     """The service no longer has the transfer (or the engine's registration of it failed)."""
+    CORRUPTED = "CORRUPTED"
+    """The bytes in the blocks do not match the digests the producer sent (`clients.nixl.integrity`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,9 +135,13 @@ class _Target:
     generation: int
     block_ids: tuple[int, ...]
     mode: TransferMode
-    progressive: bool = False  # arrives on TRANSFER_COMMITTED only: the service checked that the parts tile it
+    parts: PartsArrival | None = None  # progressive: arrives once its part notifications tile it (or on the commit)
     arrived: bool = False
     senders: set[str] = dataclasses.field(default_factory=set)  # producer agents whose notification came
+    digests: tuple[int, ...] = ()  # integrity: what the producer says its blocks hold, checked before arrival
+    checking: bool = False  # the digests are being checked: neither a notification nor the commit is arrival
+    committed: bool = False  # TRANSFER_COMMITTED came while checking
+    corrupted: str = ""  # the check failed: why
 
 
 class _Closed:
@@ -151,6 +164,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         on_result: OnResult | None = None,
         follower_check_s: float = FOLLOWER_CHECK_S,
         capacity: EngineCapacity | None = None,
+        integrity: bool = False,
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
@@ -161,20 +175,29 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         `on_result(result)` (else `results()`) runs on the event loop the agent was started on; `poll` sets how
         the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
         transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
+        `integrity`: every pushed transfer must come with the producer's digests (`clients.nixl.integrity`,
+        its writer's `WriterConfig.integrity`), checked before it counts as arrived; without, it fails
+        (`AgentReason.CORRUPTED`). Digests that come are checked either way.
         """
         super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
-        """Notifications ignored: for a generation or transfer no longer expected, or for a progressive target."""
+        """Notifications ignored: for a generation or transfer no longer expected, or a whole-write one for a
+        progressive target."""
+        self.disputed_targets = 0
+        """Progressive targets whose part notifications could not tile them (they arrive on the commit only)."""
         self._poll = poll
         self._on_result = on_result
         self._follower_check_s = follower_check_s
+        self._integrity = integrity
+        self._held = range(self.layout.num_layers)  # the model layers this rank holds (its stage's), once open
         self._thread: ReceiverThread | None = None
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
         self._targets: dict[str, _Target] = {}
         self._fenced: dict[tuple[str, int], TransferResult] = {}
         self._reading: set[tuple[str, int]] = set()  # pull READs in flight: their blocks are still written
         self._after_read: dict[tuple[str, int], TransferResult] = {}
-        self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations
+        self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations, digest checks
+        self._regions: tuple[KvRegion, ...] = ()  # this rank's, once open (digest checks read them)
         self._early_commits: OrderedDict[str, int] = OrderedDict()  # following ranks: commits heard before expected
         self._registrations: Batcher[TargetSpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
@@ -192,7 +215,16 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             poll=self._poll,
         )
         self._thread.start()
-        return self._thread.agent_info(self.rank)
+        agent = self._thread.agent_info(self.rank)
+        if self._integrity and agent.memory_kind is not MemoryKind.DRAM:
+            await self._stop_threads()
+            raise ValueError("integrity checks read host memory: DRAM regions only")
+        self._regions = agent.regions if agent.memory_kind is MemoryKind.DRAM else ()
+        try:  # regions not grouped by layer hold every layer, as one
+            self._held = kvmap.rank_shape(self.layout, agent).layers or range(self.layout.num_layers)
+        except kvmap.ShapeError:  # the service refuses such a layout at registration
+            self._held = range(self.layout.num_layers)
+        return agent
 
     def _stamped(self, callback: Callable[..., None]) -> Callable[..., None]:
         """callback on the loop, given as its last argument when the receiver thread called it (time.monotonic()):
@@ -239,8 +271,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
         `binding` is the router's binding of the transfer to this engine (`Binding.from_params` of the
         request's `kv_transfer_params`), which a service with binding keys checks. `progressive`: the producer
-        may write the KV in parts while it computes (it needs `num_tokens`); the target then arrives on
-        TRANSFER_COMMITTED only, once the service checked that the producer's parts tile it.
+        may write the KV in parts while it computes (it needs `num_tokens`); the target then arrives once the
+        part notifications tile it, or on TRANSFER_COMMITTED, once the service checked the parts reported.
 
         A newer generation of a transfer retires the older one: its blocks are reported (reason `AgentReason.REVOKED`)
         once no write of it can land. A failed item is returned, not raised, and leaves nothing registered. A
@@ -261,7 +293,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             progressive=progressive,
         )
         if not self.leader:
-            target = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)
+            target = self._target(spec)
             self._targets[transfer_id] = target
             self._update_expecting()
             if self._early_commits.pop(transfer_id, None) == generation:
@@ -271,7 +303,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
-        new = _Target(generation, tuple(spec.block_ids), TransferMode(mode), progressive)
+        new = self._target(spec)
         if old is not None and generation <= old.generation:
             old = None  # a repeat (or a stale one, which the service refuses)
         else:
@@ -288,6 +320,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             retired = TransferResult(transfer_id, old.generation, False, old.block_ids, AgentReason.REVOKED)
             await self._when_unfenced(retired, maybe_fenced=result.state is not TransferState.TARGETED)
         return result
+
+    def _target(self, spec: TargetSpec) -> _Target:
+        parts = PartsArrival(spec.num_tokens, self._held) if spec.progressive else None
+        return _Target(spec.generation, tuple(spec.block_ids), TransferMode(spec.mode), parts)
 
     async def _submit_target(self, spec: TargetSpec) -> ItemResult:
         """Send the registration. A call that failed in transit (`_IN_DOUBT`) may still have been applied, and a
@@ -367,15 +403,22 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         else:
             result = ItemResult(transfer_id, TransferState.ABORTED)
         if result.ok:
-            await self._give_back(transfer_id, message)
+            await self._give_back(
+                transfer_id, message, AgentReason.CORRUPTED if self._corrupted(transfer_id) else AbortReason.REQUESTED
+            )
         return result
 
-    async def _give_back(self, transfer_id: str, message: str) -> None:
+    def _corrupted(self, transfer_id: str) -> bool:
+        target = self._targets.get(transfer_id)
+        return target is not None and bool(target.corrupted)
+
+    async def _give_back(
+        self, transfer_id: str, message: str, reason: AbortReason | AgentReason = AbortReason.REQUESTED
+    ) -> None:
         """Stop expecting an aborted transfer; its failed result comes once no write can land."""
         target = self._targets.pop(transfer_id, None)
         if target is not None and not target.arrived:
             self._update_expecting()
-            reason = AbortReason.REQUESTED
             failed = TransferResult(transfer_id, target.generation, False, target.block_ids, reason, message)
             await self._when_unfenced(failed, maybe_fenced=True)
 
@@ -434,9 +477,21 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         target = self._targets.get(transfer_id)
         if target is None or target.generation != generation or target.mode is not TransferMode.PUSH:
             return
+        if self._integrity and target.block_ids and not target.digests and not target.arrived and not target.corrupted:
+            target.committed = True  # the notification with the digests is still to come: it ends the commit
+            return
+        if target.checking or (target.digests and not target.arrived and not target.corrupted):
+            target.committed = True  # its digests decide, and the check ends the commit
+            if not target.checking:
+                target.checking = True
+                self._start_check(transfer_id, target, time.monotonic(), "commit")
+            return
         del self._targets[transfer_id]
         self._update_expecting()
-        if not target.arrived:
+        if target.corrupted:  # committed all the same: every write landed, so its blocks are free
+            failed = TransferResult(transfer_id, generation, False, target.block_ids, AgentReason.CORRUPTED)
+            self._deliver(dataclasses.replace(failed, message=target.corrupted))
+        elif not target.arrived:
             self._deliver(TransferResult(transfer_id, generation, True, target.block_ids), time.monotonic(), "commit")
         if self._releases is not None:  # the registering rank releases for the engine
             self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
@@ -491,17 +546,80 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 target is None
                 or target.generation != n.generation
                 or target.mode is not TransferMode.PUSH
-                or target.progressive  # written in parts: only the commit says that all of them landed
+                or (target.parts is None) != (n.parts is None)  # in parts: only the parts say what landed
             ):
                 self.stale_notifications += 1
+                continue
+            target.digests = n.digests or target.digests
+            if target.parts is not None:
+                self._part_notified(n, target, arrived)
                 continue
             target.senders.add(n.sender)
             # Several producer ranks may write into this rank: the bytes are in once each of them said so.
             if not target.arrived and n.writers and len(target.senders) >= n.writers:
-                target.arrived = True
-                self._deliver(
-                    TransferResult(n.transfer_id, n.generation, True, target.block_ids), arrived, "notification"
-                )
+                self._arrive(n.transfer_id, target, arrived, "notification")
+
+    def _part_notified(self, n: TransferNotification, target: _Target, arrived: float) -> None:
+        parts = target.parts
+        assert parts is not None
+        if target.arrived or parts.disputed is not None:
+            return
+        if parts.add(n):
+            self._arrive(n.transfer_id, target, arrived, "parts")
+        elif parts.disputed is not None:
+            self.disputed_targets += 1
+            logger.warning("transfer %s:%d: waiting for the commit: %s", n.transfer_id, n.generation, parts.disputed)
+
+    def _arrive(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
+        """The target's bytes are in (`via` says how it knows): ok, once its digests matched when it has any."""
+        if target.checking or target.corrupted:
+            return
+        if target.block_ids and (target.digests or self._integrity):  # none with integrity: a failed check
+            target.checking = True
+            self._start_check(transfer_id, target, at, via)
+            return
+        target.arrived = True
+        self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), at, via)
+
+    def _start_check(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
+        task = asyncio.create_task(self._check_digests(transfer_id, target, at, via))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _check_digests(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
+        """Compare the target's blocks with the producer's digests (off the loop); ok if they match, else fail
+        the transfer (`AgentReason.CORRUPTED`), aborting it at the service so that the producer hears why."""
+        if not target.digests:
+            why = "integrity is required here, but the producer sent no checksums (turn it on for both pools)"
+        elif len(self._regions) != len(target.digests):
+            why = f"{len(target.digests)} digests for {len(self._regions)} host-memory regions here: cannot check"
+        else:
+            got: tuple[int, ...] = await asyncio.to_thread(block_digests, self._regions, target.block_ids)
+            bad = next((r for r, (a, b) in enumerate(zip(got, target.digests, strict=True)) if a != b), None)
+            why = "" if bad is None else (
+                f"integrity check failed: region {bad} of the {len(target.block_ids)} blocks from block "
+                f"{target.block_ids[0]} hashes to {got[bad]:016x}, the producer wrote {target.digests[bad]:016x}"
+            )  # fmt: skip
+        if self._targets.get(transfer_id) is not target:
+            return  # ended meanwhile (aborted, retired): its result was reported
+        target.checking = False
+        if not why:
+            target.arrived = True
+            self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), at, via)
+            if target.committed:
+                self._committed(transfer_id, target.generation)
+            return
+        target.corrupted = why
+        logger.error("transfer %s:%d: %s", transfer_id, target.generation, why)
+        if target.committed:
+            self._committed(transfer_id, target.generation)
+            return
+        try:
+            refused = (await self.abort(transfer_id, why)).error
+        except RendezvousError as e:
+            refused = e
+        if refused is not None:  # it committed, or ended: its event ends the target
+            logger.warning("AbortTransfers %s after a failed integrity check: %s", transfer_id, refused)
 
     def _read_done(
         self, transfer_id: str, generation: int, ok: bool, error: str | None, arrived: float | None = None

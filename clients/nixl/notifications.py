@@ -1,45 +1,98 @@
-"""The NIXL notification that accompanies a transfer's bytes: "<version> <transfer_id>:<generation>" in UTF-8, or
-"<version> <transfer_id>:<generation>/<writers>" when several producer ranks write into the same consumer rank.
+"""The NIXL notifications that accompany a transfer's bytes (data-plane version 3).
 
-<version> is the data-plane version that wrote it (rendezvous.protocol.dataplane); transfer ids hold no
-whitespace, so the untagged form of version 1 ("<transfer_id>:<generation>[/<writers>]") reads too.
+A notification is "<version> <entry>[ <entry>...]" in UTF-8, one entry per transfer whose bytes the WRITE it came
+with carried (the parts of several transfers may go in one WRITE). An entry is either
 
-A consumer uses it to learn that the blocks of one generation of a transfer have landed (from every one of
-`writers` senders; 0 = unknown: wait for TRANSFER_COMMITTED), and ignores a notification for a generation it
-no longer expects (fencing). Transfer ids may contain ':'; the generation is what follows the last one.
+- whole: "<transfer_id>:<generation>[/<writers>]", the producer rank wrote its whole share of the generation
+  (with this WRITE, or this one was its last), or
+- parts: "<transfer_id>:<generation>/<writers>@<layers>=<part>[,<part>...]", this WRITE carried these
+  rectangles of a target written in parts (progressive push). `<layers>` is the share of the consumer rank that
+  this producer rank writes, "<first>-<stop>" (model layers [first, stop)) or "*" (every layer the consumer
+  rank holds); a part is "<first_token>+<num_tokens>" (all of those layers) or
+  "<first_token>+<num_tokens>x<first_layer>+<num_layers>", in the target's tokens (0 = its first).
+
+Either may end in "#<digest>,<digest>,...": per region of the consumer rank, the 16-hex-digit xxh3-64 of the
+target's blocks the write carried, whole (end-to-end integrity, `clients.nixl.integrity`).
+
+`<version>` is the data-plane version that wrote it (rendezvous.protocol.dataplane); transfer ids hold no
+whitespace and the generation is what follows an entry's last ':', so ids may contain ':' and the untagged form
+of version 1 ("<transfer_id>:<generation>[/<writers>]") reads too. Versions 1 and 2 have whole entries only.
+
+NIXL delivers a notification only after the WRITE posted with it landed, so a consumer learns from it which of
+its blocks hold the bytes: all of a generation's once every one of `writers` senders (0 = unknown: wait for
+TRANSFER_COMMITTED) sent a whole entry, and for a progressive target once each sender's parts tile its share
+(`clients.nixl.arrival`). A notification for a generation no longer expected is ignored (fencing).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION, READS
+from rendezvous.protocol.records import WrittenPart
 
-__all__ = ["TransferNotification", "encode_notification", "parse_notification"]
+__all__ = ["PartsEntry", "TransferNotification", "encode_notification", "encode_parts", "parse_notification"]
 
 
 @dataclass(frozen=True, slots=True)
 class TransferNotification:
-    """A transfer notification received from agent `sender`."""
+    """One entry of a notification received from agent `sender`."""
 
     sender: str
     transfer_id: str
     generation: int
     writers: int = 1
     """Producer ranks whose notifications together say the consumer rank's blocks have landed (0 = unknown)."""
+    layers: range | None = None
+    """Parts only: the model layers of the consumer rank this sender writes (None: every one it holds)."""
+    parts: tuple[WrittenPart, ...] | None = None
+    """The rectangles this WRITE carried (`num_layers` 0: all of `layers`); None for a whole entry."""
+    digests: tuple[int, ...] = ()
+    """Integrity: per region, the xxh3-64 of the target's blocks as written (() when the producer sent none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PartsEntry:
+    """What one WRITE carried of one transfer written in parts, to encode (`encode_parts`)."""
+
+    transfer_id: str
+    generation: int
+    writers: int
+    layers: range | None
+    parts: tuple[WrittenPart, ...]
+    digests: tuple[int, ...] = ()
 
 
 _TAG = f"{DATA_PLANE_VERSION} "
 
 
-def encode_notification(transfer_id: str, generation: int, writers: int = 1) -> bytes:
-    """The notification payload for one generation of a transfer, written by `writers` producer ranks."""
+def encode_notification(transfer_id: str, generation: int, writers: int = 1, digests: tuple[int, ...] = ()) -> bytes:
+    """The whole-entry notification for one generation of a transfer, written by `writers` producer ranks."""
     suffix = "" if writers == 1 else f"/{writers}"
-    return f"{_TAG}{transfer_id}:{generation}{suffix}".encode()
+    return f"{_TAG}{transfer_id}:{generation}{suffix}{_digests(digests)}".encode()
 
 
-def parse_notification(sender: str, payload: bytes) -> TransferNotification | None:
-    """The notification in `payload`, or None when it is not one of a version this data plane reads."""
+def encode_parts(entries: Sequence[PartsEntry]) -> bytes:
+    """The notification of a WRITE that carried these parts (of one or several transfers)."""
+    return (_TAG + " ".join(_entry(e) for e in entries)).encode()
+
+
+def _entry(e: PartsEntry) -> str:
+    layers = "*" if e.layers is None else f"{e.layers.start}-{e.layers.stop}"
+    parts = ",".join(
+        f"{p.first_token}+{p.num_tokens}" + (f"x{p.first_layer}+{p.num_layers}" if p.num_layers else "")
+        for p in e.parts
+    )
+    return f"{e.transfer_id}:{e.generation}/{e.writers}@{layers}={parts}{_digests(e.digests)}"
+
+
+def _digests(digests: tuple[int, ...]) -> str:
+    return "#" + ",".join(f"{d:016x}" for d in digests) if digests else ""
+
+
+def parse_notification(sender: str, payload: bytes) -> tuple[TransferNotification, ...] | None:
+    """The entries in `payload`, or None when it is not a notification of a version this data plane reads."""
     try:
         text = payload.decode()
     except UnicodeDecodeError:
@@ -48,12 +101,67 @@ def parse_notification(sender: str, payload: bytes) -> TransferNotification | No
     if space:
         if not _number(version) or int(version) not in READS[DATA_PLANE_VERSION]:
             return None
-        text = rest
-    transfer_id, sep, tail = text.rpartition(":")
-    generation, slash, writers = tail.partition("/")
+        entries = rest.split(" ") if int(version) >= 3 else [rest]
+    else:
+        entries = [text]
+    parsed = tuple(_parse_entry(sender, entry) for entry in entries)
+    return None if any(n is None for n in parsed) else tuple(n for n in parsed if n is not None)
+
+
+def _parse_entry(sender: str, entry: str) -> TransferNotification | None:
+    transfer_id, sep, tail = entry.rpartition(":")
+    tail, hashed, listed_digests = tail.partition("#")
+    digests = tuple(int(d, 16) for d in listed_digests.split(",") if _hex(d)) if hashed else ()
+    if hashed and len(digests) != len(listed_digests.split(",")):
+        return None
+    head, at, described = tail.partition("@")
+    generation, slash, writers = head.partition("/")
     if not sep or not transfer_id or not _number(generation) or (slash and not _number(writers)):
         return None
-    return TransferNotification(sender, transfer_id, int(generation), int(writers) if slash else 1)
+    count = int(writers) if slash else 1
+    if not at:
+        return TransferNotification(sender, transfer_id, int(generation), count, digests=digests)
+    span, equals, listed = described.partition("=")
+    layers = _layers(span)
+    parts = [_part(p) for p in listed.split(",")] if equals and listed else []
+    if not slash or layers is False or not parts or any(p is None for p in parts):
+        return None
+    return TransferNotification(
+        sender,
+        transfer_id,
+        int(generation),
+        count,
+        layers if isinstance(layers, range) else None,
+        tuple(p for p in parts if p is not None),
+        digests,
+    )
+
+
+def _layers(text: str) -> range | bool | None:
+    """ "*" -> None, "<first>-<stop>" -> range; False when malformed."""
+    if text == "*":
+        return None
+    first, dash, stop = text.partition("-")
+    if not dash or not _number(first) or not _number(stop) or int(first) >= int(stop):
+        return False
+    return range(int(first), int(stop))
+
+
+def _part(text: str) -> WrittenPart | None:
+    tokens, x, layers = text.partition("x")
+    first_token, plus, num_tokens = tokens.partition("+")
+    if not plus or not _number(first_token) or not _number(num_tokens):
+        return None
+    if not x:
+        return WrittenPart(int(first_token), int(num_tokens), 0, 0)
+    first_layer, plus, num_layers = layers.partition("+")
+    if not plus or not _number(first_layer) or not _number(num_layers) or not int(num_layers):
+        return None
+    return WrittenPart(int(first_token), int(num_tokens), int(first_layer), int(num_layers))
+
+
+def _hex(text: str) -> bool:
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 def _number(text: str) -> bool:

@@ -77,6 +77,23 @@ class Columns:
         """The rank's region indices of columns `[first, end)`."""
         return range(first * self.regions_per_column, end * self.regions_per_column)
 
+    def layers_of(self, regions: range) -> range | None:
+        """The model layers of the rank's `regions` (whole columns); None when columns are not layers."""
+        if not self.by_layer:
+            return None
+        per = self.regions_per_column
+        return range(self.first_layer + regions.start // per, self.first_layer + -(-regions.stop // per))
+
+    def within(self, part: WrittenPart, layers: range | None) -> WrittenPart | None:
+        """`part` cut to model `layers` (None: columns are not layers, so parts are of all of them), with its
+        layers stated; None when it has none of them."""
+        if layers is None:
+            return part
+        first = part.first_layer if part.num_layers else self.first_layer
+        stop = first + (part.num_layers or self.count)
+        first, stop = max(first, layers.start), min(stop, layers.stop)
+        return WrittenPart(part.first_token, part.num_tokens, first, stop - first) if first < stop else None
+
     def part(self, r: Rectangle, grid: Grid) -> WrittenPart:
         """`r` in target coordinates."""
         first_token = r.first_block * grid.consumer_block_size

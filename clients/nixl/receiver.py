@@ -1,10 +1,10 @@
 """`TransferReceiver`: the consumer's side of the data plane.
 
 It owns a `NixlEndpoint` over the destination regions. In push mode producers WRITE into them and
-`poll_notifications` reports each "<transfer_id>:<generation>" that arrived; in pull mode the receiver READs
-a producer's blocks itself. Like the endpoint, a receiver belongs to one thread. Call `poll_notifications`
-steadily while writes are expected: on UCX over shm/tcp a producer's WRITE only completes while the
-receiving agent is polled.
+`poll_notifications` reports each notification entry that arrived (clients.nixl.notifications); in pull mode
+the receiver READs a producer's blocks itself. Like the endpoint, a receiver belongs to one thread. Call
+`poll_notifications` steadily while writes are expected: on UCX over shm/tcp a producer's WRITE only completes
+while the receiving agent is polled.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class TransferReceiver:
     def __init__(self, endpoint: NixlEndpoint, poll: PollConfig | None = None) -> None:
         self.endpoint = endpoint
         self.malformed_notifications = 0
-        """How many notifications were not "<transfer_id>:<generation>" (logged and dropped)."""
+        """How many notifications this data plane could not read (logged and dropped)."""
         self._poll = poll or PollConfig()
 
     def agent_info(self, rank: int = 0) -> NixlAgentInfo:
@@ -39,15 +39,15 @@ class TransferReceiver:
 
     def poll_notifications(self) -> list[TransferNotification]:
         """Progress NIXL and return the transfer notifications that arrived since the last call."""
-        received = []
+        received: list[TransferNotification] = []
         for sender, payloads in self.endpoint.get_notifications().items():
             for payload in payloads:
-                notification = parse_notification(sender, payload)
-                if notification is None:
+                entries = parse_notification(sender, payload)
+                if entries is None:
                     self.malformed_notifications += 1
                     logger.warning("malformed notification from %s dropped: %r", sender, payload[:64])
                 else:
-                    received.append(notification)
+                    received.extend(entries)
         return received
 
     def add_peer(self, agent: NixlAgentInfo, incarnation: int) -> bool:

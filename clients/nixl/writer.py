@@ -12,25 +12,28 @@ An assignment names either one consumer agent, whose regions pair with this rank
 blocks), or the consumer engine (`ConsumerEngine`: its layout and every rank's agent). Then this rank writes
 its share of each consumer rank as `rendezvous.protocol.kvmap` says (its heads and layers; tokens paired by
 `token_runs` when block sizes differ): one WRITE per consumer rank it has a share in, each with descriptor
-lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>".
+lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>" (with
+`WriterConfig.integrity`, also the digests of what it carries: `clients.nixl.integrity`).
 
-Progressive push (`assign(..., progressive=True)`: the consumer accepts parts). The engine reports what it
-computed with `source_part` (layer-wise prefill: each layer of the whole prompt; chunked prefill: each chunk
-in all layers), and the writer posts what is new as soon as it holds the assignment: a part covers the target
-blocks all of whose tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed
-block waits for the next part or the final write. That needs the writer's `layout` (block sizes, layers) and
-the prompt's length (from `source_part` or `assign`); until both are known parts are only remembered. A part
-goes in one WRITE per consumer rank with a share in it, no notification; for a whole-block share its cells are
-addressed by index in the prepared lists (its layers as ranges of regions), and the parts of every transfer
-handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per consumer rank, held by
-each of those transfers; other shares' cells are merged into as few descriptors as they allow. Every share
-works, with different block sizes and TP sizes too. A source or part handed over with a `KvReady` (the device
-still computing it: `clients.nixl.device`) waits, in order per transfer, until it is done; one whose device fails
-or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most `WriterConfig.max_parts_in_flight`
-WRITEs of parts per transfer are in flight; what is computed meanwhile goes together once one drains.
-`source_ready` is the final: what is left is posted at once, each consumer rank notified with its last WRITE
-when none of its parts is in flight, else by a notification alone once every WRITE of the generation is done.
-Without `progressive` (or when nothing went ahead) the generation goes in one write at `source_ready`.
+Progressive push (`assign(..., progressive=True)`: the consumer accepts parts). The engine reports what it computed
+with `source_part` (layer-wise prefill: each layer of the whole prompt; chunked prefill: each chunk in all layers),
+and the writer posts what is new as soon as it holds the assignment: a part covers the target blocks all of whose
+tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed block waits for the next
+part or the final write. That needs the writer's `layout` (block sizes, layers) and the prompt's length (from
+`source_part` or `assign`); until both are known parts are only remembered. A part goes in one WRITE per consumer
+rank with a share in it, with the notification of the rectangles it carries in that rank's share
+(`clients.nixl.notifications`: the consumer arrives once they tile the target, before the service's commit); for a
+whole-block share its cells are addressed by index in the prepared lists (its layers as ranges of regions), and the
+parts of every transfer handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per
+consumer rank, held by each of those transfers and naming each one's; other shares' cells are merged into as few
+descriptors as they allow. Every share works, with different block sizes and TP sizes too. A source or part handed
+over with a `KvReady` (the device still computing it: `clients.nixl.device`) waits, in order per transfer, until it
+is done; one whose device fails or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most
+`WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes
+together once one drains. `source_ready` is the final: what is left is posted at once, each WRITE with its parts'
+notification (none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
+integrity) the generation goes in one write at `source_ready`; into a progressive target its notification names the
+whole target.
 
 Outcomes, per transfer (a generation's WRITEs, its parts included, count as one write):
 
@@ -41,9 +44,10 @@ Outcomes, per transfer (a generation's WRITEs, its parts included, count as one 
 - a bad assignment (block id out of range, regions or layouts that do not pair, unreadable metadata, a stale
   peer incarnation, fewer source than destination blocks) fails through `on_complete(ok=False)` without
   writing; so does a write that NIXL reports failed (the peer died), after it was posted;
-- `on_complete(ok=True)` only once every WRITE of the generation is DONE, and the consumer's notification is
-  sent only then or with the last of them; if one fails or cannot be posted (a part too), no more are posted
-  and `on_complete(ok=False)` comes once the others posted have drained (none of them lands later);
+- `on_complete(ok=True)` only once every WRITE of the generation is DONE; a whole write's notification goes with its
+  WRITE, each part's with its own (so the consumer may hear before the writer sees DONE); if one fails or cannot be
+  posted (a part too), no more are posted and `on_complete(ok=False)` comes once the others posted have drained
+  (none of them lands later);
 - with equal block sizes the LAST `len(dst)` source blocks go to the destination (the consumer may hold a
   prefix already); an empty destination completes at once once the source is ready;
 - `revoke` and `abort` stop the posting of parts; `on_revoked` and the abort's `on_source_free` come once
@@ -72,11 +76,12 @@ import numpy.typing as npt
 from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from clients.nixl.device import COMPLETE, KvReady
 from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
-from clients.nixl.notifications import encode_notification
+from clients.nixl.integrity import block_digests
+from clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
 from clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
 from clients.nixl.polling import Backoff, PollConfig
-from clients.nixl.regions import BlockIds
+from clients.nixl.regions import BlockIds, MemoryKind
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.records import KvLayout
 from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
@@ -129,6 +134,10 @@ class WriterConfig:
     wait for the next part or the final, and go together). The cost measured includes the post, which on shm
     copies the bytes, so large parts look costly: in the serving simulation 4 paid at 512 tokens but held back
     nearly every part at 8k (benchmarks/RESULTS.md). 0: every part at once."""
+    integrity: bool = False
+    """End-to-end integrity (`clients.nixl.integrity`): send the xxh3 digests of what each whole write carries, per
+    region, for the consumer to check before arrival. Generations then go in one write (no progressive parts).
+    DRAM regions only."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,6 +160,8 @@ class _Target:
     merges itself (faster than building the lists; see benchmarks/bench_nixl.py)."""
     writers: int = 1
     """Producer ranks that write into this consumer rank (`kvmap.writers_into`), told in the notification."""
+    layers: range | None = None
+    """The model layers of the share (None: the rank's columns are not layers), told with parts."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,7 +245,6 @@ class _Progress:
     posted: npt.NDArray[np.int64]
     grid: Grid | None = None  # once the prompt's length is known
     written: list[WrittenPart] = dataclasses.field(default_factory=list)
-    notify: list[str] = dataclasses.field(default_factory=list)  # targets notified alone once all drained
     part_at: float = 0.0  # when the engine handed over the part last posted (`_SourcePart.at`)
 
 
@@ -284,6 +294,32 @@ class _Piece:
     target: _Target
     plan: WritePlan | None
     blocks: tuple[_Blocks, ...] = ()
+    covers: tuple[WrittenPart, ...] = ()
+    """Written in parts: the rectangles of the target this WRITE carries, in its layers (`_Target.layers`)."""
+    digests: tuple[int, ...] = ()
+    """Integrity: per region, the digest of the source blocks of a whole write (`clients.nixl.integrity`)."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """One transfer's parts for one peer in a turn's WRITE (`_flush_parts`)."""
+
+    write: _Write
+    target: _Target
+    local: list[npt.NDArray[np.int32]] = dataclasses.field(default_factory=list)
+    remote: list[npt.NDArray[np.int32]] = dataclasses.field(default_factory=list)
+    covers: list[WrittenPart] = dataclasses.field(default_factory=list)
+
+
+def _entry(transfer_id: str, generation: int, piece: _Piece) -> PartsEntry:
+    target = piece.target
+    return PartsEntry(transfer_id, generation, target.writers, target.layers, piece.covers, piece.digests)
+
+
+def _same_bytes(target: _Target) -> bool:
+    """Whether the consumer rank's regions receive exactly this rank's blocks, region by region (whole blocks,
+    the only writer): then both sides' digests are of the same bytes."""
+    return target.whole_blocks and target.writers == 1
 
 
 @dataclasses.dataclass(eq=False)
@@ -338,6 +374,8 @@ class TransferWriter:
         self._on_source_free = on_source_free
         self._on_written = on_written
         self._config = config or WriterConfig()
+        if self._config.integrity and endpoint.memory_kind is not MemoryKind.DRAM:
+            raise ValueError("integrity checksums read host memory: DRAM regions only")
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"nixl-writer-{endpoint.name}", daemon=True)
@@ -616,7 +654,10 @@ class TransferWriter:
                 raise LayoutMismatchError(f"{len(regions)} regions here, {len(a.peer.regions)} at the peer")
             whole = range(len(regions))
             share = kvmap.RankShare(self._rank, a.peer.rank, whole, whole, 0, 0, 1)
-            targets: tuple[_Target, ...] = (_Target(a.peer, share, RankGeometry(a.peer.regions, 1, 1), True),)
+            geometry = RankGeometry(a.peer.regions, 1, 1)
+            targets: tuple[_Target, ...] = (
+                _Target(a.peer, share, geometry, True, layers=self._columns.layers_of(whole)),
+            )
             producer, kv_layout = RankGeometry(regions, 1, 1), ""
         else:
             if self._layout is None:
@@ -638,7 +679,8 @@ class TransferWriter:
                 )
                 writers = kvmap.writers_into(mine, theirs, c)
                 geometry = RankGeometry(agent.regions, c.num_heads, bd, kvmap.element_bytes(theirs.dtype))
-                return _Target(agent, s, geometry, whole, writers)
+                layers = self._columns.layers_of(s.producer_regions)
+                return _Target(agent, s, geometry, whole, writers, layers)
 
             targets = tuple(target(s) for s in kvmap.shares((me,), consumers))
             if not targets:
@@ -769,7 +811,7 @@ class TransferWriter:
 
     def _in_parts(self, a: _Assign) -> bool:
         """Whether the assignment may be written in parts (the consumer accepts them, block sizes known)."""
-        return a.progressive and self._layout is not None and len(a.dst) > 0
+        return a.progressive and not self._config.integrity and self._layout is not None and len(a.dst) > 0
 
     def _try_write(self, transfer_id: str, t: _Transfer) -> None:
         a = t.assignment
@@ -809,8 +851,13 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         source = t.source[len(t.source) - len(a.dst) :]
-        pieces = [_Piece(target, plan, (_Blocks(source, a.dst),)) for target, plan in plans]
-        self._post(transfer_id, t, w, [(p, self._notification(w, p.target)) for p in pieces])
+        whole = (WrittenPart(0, a.target_tokens),) if a.progressive and a.target_tokens else ()
+        digests = block_digests(self._endpoint.regions, source) if self._config.integrity else ()
+        pieces = [
+            _Piece(target, plan, (_Blocks(source, a.dst),), whole, digests if _same_bytes(target) else ())
+            for target, plan in plans
+        ]
+        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces])
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Post the cells computed and not posted yet, unless the generation's parts in flight are at the cap."""
@@ -837,13 +884,12 @@ class TransferWriter:
             return  # posted, with what else is computed by then, once parts drain
         self._record(progress, grid, rects)
         progress.part_at = t.part_at
-        self._post(transfer_id, t, w, [(p, b"") for p in pieces], parts=True)
+        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces], parts=True)
         self._turn[0] += time.perf_counter() - start
         self._turn[1] += 1
 
     def _post_final(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
-        """Everything is computed: post what is left, notifying each target with its last WRITE when none of
-        its parts is in flight, else alone once the generation drained."""
+        """Everything is computed: post what is left, each WRITE with the notification of the parts it carries."""
         progress, src = w.progress, t.source
         assert progress is not None and src is not None
         if not progress.written:  # nothing went ahead: one write, as without parts
@@ -859,23 +905,14 @@ class TransferWriter:
             return
         rects = rectangles(progress.posted, np.full_like(progress.posted, len(w.assignment.dst)))
         try:
-            pieces = {p.target.agent.name: p for p in self._pieces(w.assignment, grid, rects, src)}
+            pieces = self._pieces(w.assignment, grid, rects, src)
         except ValueError as e:
             w.error = str(e)
             self._settle(transfer_id, t)
             return
         self._record(progress, grid, rects)
         w.posted_at = time.monotonic()  # `on_written` times what is left once prefill is done
-        busy, posts = w.peers, []
-        for target in w.assignment.targets:
-            name, piece = target.agent.name, pieces.get(target.agent.name)
-            if piece is not None and name not in busy:
-                posts.append((piece, self._notification(w, target)))
-                continue
-            if piece is not None:
-                posts.append((piece, b""))
-            progress.notify.append(name)
-        self._post(transfer_id, t, w, posts)
+        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces])
 
     def _grid(self, w: _Write, prompt_tokens: int) -> Grid | None:
         """The write's target placed in the prompt, once its length is known; None before (or on failure)."""
@@ -901,9 +938,12 @@ class TransferWriter:
         descriptors, planned and merged; targets without a share in them get none."""
         assert a.producer is not None
         first_src = grid.start // grid.producer_block_size
+        written = [self._columns.part(r, grid) for r in rects]
         pieces: list[_Piece] = []
         for target in a.targets:
             share = target.share
+            cut = (self._columns.within(p, target.layers) for p in written)
+            covers = tuple(p for p in cut if p is not None)
             if target.whole_blocks and grid.runs is None:
                 cells = tuple(
                     _Blocks(
@@ -914,7 +954,7 @@ class TransferWriter:
                     for r in rects
                 )
                 if cells:
-                    pieces.append(_Piece(target, None, cells))
+                    pieces.append(_Piece(target, None, cells, covers))
                 continue
             plans: list[WritePlan] = []
             for r in rects:
@@ -943,7 +983,7 @@ class TransferWriter:
                 local, remote = merge_descriptors(
                     np.concatenate([p.local for p in plans]), np.concatenate([p.remote for p in plans])
                 )
-                pieces.append(_Piece(target, WritePlan(local, remote)))
+                pieces.append(_Piece(target, WritePlan(local, remote), covers=covers))
         return pieces
 
     def _indices(self, peer: str, blocks: tuple[_Blocks, ...]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
@@ -955,8 +995,13 @@ class TransferWriter:
         return local, remote
 
     @staticmethod
-    def _notification(w: _Write, target: _Target) -> bytes:
-        return encode_notification(w.assignment.transfer_id, w.generation, target.writers)
+    def _notification(w: _Write, piece: _Piece) -> bytes:
+        """A whole write's notification; with parts, what this piece carries (`clients.nixl.notifications`)."""
+        if piece.covers:
+            return encode_parts([_entry(w.assignment.transfer_id, w.generation, piece)])
+        if w.progress is None:
+            return encode_notification(w.assignment.transfer_id, w.generation, piece.target.writers, piece.digests)
+        return b""
 
     def _post(
         self, transfer_id: str, t: _Transfer, w: _Write, posts: list[tuple[_Piece, bytes]], *, parts: bool = False
@@ -1000,7 +1045,7 @@ class TransferWriter:
         step goes in one post), held by each of those transfers; one that cannot be posted fails them all."""
         start = time.perf_counter()
         batch, self._batch = self._batch, []
-        by_peer: dict[str, dict[str, tuple[_Write, list[npt.NDArray[np.int32]], list[npt.NDArray[np.int32]]]]] = {}
+        by_peer: dict[str, dict[str, _Held]] = {}
         for transfer_id, w, piece in batch:
             w.deferred -= 1
             t = self._transfers.get(transfer_id)
@@ -1013,22 +1058,30 @@ class TransferWriter:
                 w.error = str(e)
                 self._settle(transfer_id, t)
                 continue
-            held = by_peer.setdefault(name, {}).setdefault(transfer_id, (w, [], []))
-            held[1].append(local)
-            held[2].append(remote)
+            held = by_peer.setdefault(name, {}).setdefault(transfer_id, _Held(w, piece.target))
+            held.local.append(local)
+            held.remote.append(remote)
+            held.covers.extend(piece.covers)
         for name, writes in by_peer.items():
-            live = {tid: x for tid, x in writes.items() if x[0].error is None}
+            live = {tid: x for tid, x in writes.items() if x.write.error is None}
             if not live:
                 continue
+            note = [
+                PartsEntry(tid, x.write.generation, x.target.writers, x.target.layers, tuple(x.covers))
+                for tid, x in live.items()
+                if x.covers
+            ]
             try:
                 posted = self._endpoint.post_indices(
                     "WRITE",
                     name,
-                    np.concatenate([i for _, local, _ in live.values() for i in local]),
-                    np.concatenate([i for _, _, remote in live.values() for i in remote]),
+                    np.concatenate([i for x in live.values() for i in x.local]),
+                    np.concatenate([i for x in live.values() for i in x.remote]),
+                    encode_parts(note) if note else b"",
                 )
             except DataPlaneError as e:
-                for transfer_id, (w, _, _) in live.items():
+                for transfer_id, x in live.items():
+                    w = x.write
                     w.error = str(e)
                     t = self._transfers.get(transfer_id)
                     if t is not None:
@@ -1036,7 +1089,8 @@ class TransferWriter:
                 continue
             if len(live) > 1:
                 self._holders[posted] = len(live)
-            for transfer_id, (w, _, _) in live.items():
+            for transfer_id, x in live.items():
+                w = x.write
                 w.posts.append(posted)
                 w.part_posts.add(posted)
                 self._parts_in_flight += 1
@@ -1095,14 +1149,6 @@ class TransferWriter:
         t.write = None
         ok = w.error is None and w.complete
         error = w.error
-        if ok and not (w.revoked or w.aborted) and w.progress is not None:
-            for name in w.progress.notify:  # every part landed: now the consumer may hear of it
-                target = next(x for x in w.assignment.targets if x.agent.name == name)
-                try:
-                    self._endpoint.notify(name, self._notification(w, target))
-                except DataPlaneError as e:
-                    ok, error = False, str(e)
-                    break
         if self._on_written is not None and w.posted_at:
             self._emit(self._on_written, time.monotonic() - w.posted_at, ok)
         parts = tuple(w.progress.written) if w.progress is not None else ()

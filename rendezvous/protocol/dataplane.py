@@ -10,14 +10,18 @@ Versions:
 1. "<transfer_id>:<generation>[/<writers>]" notifications (engines that state no version, 0, speak it).
 2. The same, tagged: "2 <transfer_id>:<generation>[/<writers>]" (ids hold no whitespace). Its consumers read 1
    too, so during a rolling upgrade consumers go first (docs/operations.md, "Upgrading").
+3. Several entries per notification, and parts entries: "3 <transfer_id>:<generation>/<writers>@<layers>=<parts>"
+   says which rectangles of a progressive target the WRITE it came with carried, so the consumer declares
+   arrival itself once they tile the target (clients.nixl.notifications, clients.nixl.arrival). Its consumers
+   read 1 and 2 (where a progressive target arrives on TRANSFER_COMMITTED, as before).
 """
 
 from __future__ import annotations
 
-DATA_PLANE_VERSION = 2
+DATA_PLANE_VERSION = 3
 """The version this release's data plane speaks, and the newest the service knows."""
 
-READS: dict[int, frozenset[int]] = {1: frozenset({1}), 2: frozenset({1, 2})}
+READS: dict[int, frozenset[int]] = {1: frozenset({1}), 2: frozenset({1, 2}), 3: frozenset({1, 2, 3})}
 """The producer versions a consumer of each version reads (its own among them). A new version adds its row and
 keeps the others."""
 

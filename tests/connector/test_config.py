@@ -122,3 +122,10 @@ def test_the_idle_step_wait() -> None:
     assert ConnectorConfig.from_extra_config({"rendezvous": "a:1", "idle_wait_ms": "0"}).idle_wait_ms == 0.0
     with pytest.raises(ValueError, match="idle_wait_ms"):
         ConnectorConfig.from_extra_config({"rendezvous": "a:1", "idle_wait_ms": -1})
+
+
+def test_integrity_is_a_flag_off_by_default() -> None:
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1", "integrity": "true"}).integrity is True
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1"}).integrity is False
+    with pytest.raises(ValueError, match="integrity must be true or false"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "integrity": 1})

@@ -322,8 +322,9 @@ def test_an_engine_of_a_data_plane_version_the_server_does_not_know_is_refused_a
     with pytest.raises(RendezvousError) as err:
         run(w.coord.register_engine(engine_spec("p2", Role.PRODUCER, newer)))
     assert err.value.reason == Reason.DATA_PLANE_VERSION_UNSUPPORTED
-    assert err.value.metadata == {"data_plane_version": "3", "supported": "2"}
-    assert "data_plane_version 3 is newer than this server knows (2)" in err.value.message
+    newest, unknown = DATA_PLANE_VERSION, DATA_PLANE_VERSION + 1
+    assert err.value.metadata == {"data_plane_version": str(unknown), "supported": str(newest)}
+    assert f"data_plane_version {unknown} is newer than this server knows ({newest})" in err.value.message
 
 
 def test_fewer_source_than_target_blocks_aborts_with_block_mismatch() -> None:

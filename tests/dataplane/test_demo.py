@@ -10,7 +10,7 @@ from clients.demo import add_demo_arguments, run_demo
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("mode", "engines"), [("push", "2"), ("pull", "1")])
+@pytest.mark.parametrize(("mode", "engines"), [("push", "2"), ("pull", "1"), ("progressive", "1")])
 def test_small_demo_verifies_every_transfer(mode: str, engines: str, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     add_demo_arguments(parser)

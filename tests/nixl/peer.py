@@ -81,15 +81,19 @@ class _Host:
                 time.sleep(50e-6)
         return received, receiver.malformed_notifications
 
-    def wait_landed(self, name: str, expected: list[npt.NDArray[np.uint8]], timeout: float) -> tuple[bool, list[Any]]:
-        """Poll until the regions hold `expected` (as `blocks` returns them) or `timeout` passed: whether they
-        do, and the transfer notifications that arrived meanwhile."""
+    def wait_landed(
+        self, name: str, expected: list[npt.NDArray[np.uint8]], timeout: float, notifications: int = 0
+    ) -> tuple[bool, list[Any]]:
+        """Poll until the regions hold `expected` (as `blocks` returns them) and at least `notifications`
+        transfer notifications arrived, or `timeout` passed: whether they do, and the notifications that
+        arrived meanwhile (a notification may come a poll after the bytes it follows are visible)."""
         receiver = self.endpoints[name][0]
         received: list[Any] = []
         deadline = time.monotonic() + timeout
         while True:
             received.extend(receiver.poll_notifications())
-            if all(np.array_equal(b, e) for b, e in zip(self.blocks(name), expected, strict=True)):
+            landed = all(np.array_equal(b, e) for b, e in zip(self.blocks(name), expected, strict=True))
+            if landed and len(received) >= notifications:
                 return True, received
             if time.monotonic() >= deadline:
                 return False, received

@@ -3,23 +3,47 @@ plane reads the versions its consumers are paired with (rendezvous.protocol.data
 
 from __future__ import annotations
 
-from clients.nixl.notifications import TransferNotification, encode_notification, parse_notification
+from clients.nixl.notifications import (
+    PartsEntry,
+    TransferNotification,
+    encode_notification,
+    encode_parts,
+    parse_notification,
+)
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
+from rendezvous.protocol.records import WrittenPart
 
 
 def test_a_notification_names_its_data_plane_version_and_reads_back() -> None:
     assert encode_notification("t:1", 3) == f"{DATA_PLANE_VERSION} t:1:3".encode()
     assert encode_notification("t", 2, writers=4) == f"{DATA_PLANE_VERSION} t:2/4".encode()
-    assert parse_notification("p", encode_notification("t:1", 3)) == TransferNotification("p", "t:1", 3)
-    assert parse_notification("p", encode_notification("t", 2, 4)) == TransferNotification("p", "t", 2, 4)
+    assert parse_notification("p", encode_notification("t:1", 3)) == (TransferNotification("p", "t:1", 3),)
+    assert parse_notification("p", encode_notification("t", 2, 4)) == (TransferNotification("p", "t", 2, 4),)
 
 
-def test_version_1_untagged_notifications_still_read() -> None:
-    assert parse_notification("p", b"t:1:3") == TransferNotification("p", "t:1", 3)
-    assert parse_notification("p", b"t:2/0") == TransferNotification("p", "t", 2, 0)
+def test_a_parts_notification_says_what_its_write_carried_for_each_transfer() -> None:
+    layer_0 = (WrittenPart(0, 32, 0, 1),)
+    chunk = (WrittenPart(16, 16), WrittenPart(0, 16, 1, 1))
+    payload = encode_parts([PartsEntry("a:b", 1, 2, range(0, 2), layer_0), PartsEntry("c", 4, 1, None, chunk)])
+    assert payload == f"{DATA_PLANE_VERSION} a:b:1/2@0-2=0+32x0+1 c:4/1@*=16+16,0+16x1+1".encode()
+    assert parse_notification("p", payload) == (
+        TransferNotification("p", "a:b", 1, 2, range(0, 2), layer_0),
+        TransferNotification("p", "c", 4, 1, None, chunk),
+    )
+
+
+def test_versions_1_and_2_still_read() -> None:
+    assert parse_notification("p", b"t:1:3") == (TransferNotification("p", "t:1", 3),)
+    assert parse_notification("p", b"t:2/0") == (TransferNotification("p", "t", 2, 0),)
+    assert parse_notification("p", b"2 t:2/3") == (TransferNotification("p", "t", 2, 3),)
 
 
 def test_a_notification_of_a_version_this_data_plane_does_not_read_is_malformed() -> None:
     assert parse_notification("p", f"{DATA_PLANE_VERSION + 1} t:3".encode()) is None
     assert parse_notification("p", b"v2 t:3") is None
     assert parse_notification("p", b"2 t:x") is None
+
+
+def test_a_malformed_parts_entry_spoils_the_whole_notification() -> None:
+    for bad in ("t:1@*=0+4", "t:1/1@*=", "t:1/1@2-1=0+4", "t:1/1@*=0+4x1+0", "t:1/1@*=0-4", "t:1/1@0-2=a+4"):
+        assert parse_notification("p", f"{DATA_PLANE_VERSION} ok:1 {bad}".encode()) is None, bad

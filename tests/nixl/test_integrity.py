@@ -1,0 +1,173 @@
+"""End-to-end integrity with a real service and real NIXL: a producer with `WriterConfig.integrity` sends the
+digests of what it wrote, and the consumer checks its blocks before the transfer counts as arrived. Bytes that
+differ (corrupted after they landed, or a producer that lies) fail the transfer with a reason on both sides and
+never reach decode."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from clients import AsyncRendezvousClient, TransferState
+from clients.nixl.agent import NixlEndpoint, XferStatus
+from clients.nixl.consumer import AgentReason, ConsumerAgent
+from clients.nixl.integrity import block_digests
+from clients.nixl.notifications import encode_notification
+from clients.nixl.producer import ProducerAgent
+from clients.nixl.regions import regions_from_tensors
+from clients.nixl.writer import WriterConfig
+from clients.testing import AsyncTestServer
+from tests.clients.conftest import WAIT, client, server
+from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2
+
+__all__ = ["client", "server"]
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
+
+xxhash = pytest.importorskip("xxhash", reason="integrity needs the nixl extra's xxhash")
+
+
+@contextlib.asynccontextmanager
+async def integrity_pair(client: AsyncRendezvousClient, *, producer_checks: bool = True) -> AsyncIterator[Pair]:
+    """The pair of test_producer_parts with integrity on: the producer sends digests (unless told not to), the
+    consumer requires them."""
+    loop = asyncio.get_running_loop()
+    arrived: asyncio.Future[Any] = loop.create_future()
+    reported: asyncio.Future[Any] = loop.create_future()
+    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
+    config = WriterConfig(integrity=producer_checks)
+    producer = ProducerAgent(
+        client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result, writer_config=config
+    )
+    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
+    consumer = ConsumerAgent(
+        client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result, integrity=True
+    )
+    await producer.start()
+    await consumer.start()
+    try:
+        yield Pair(producer, consumer, kv, decode, arrived, reported)
+    finally:
+        await producer.close()
+        await consumer.close()
+
+
+def test_digests_are_per_region_over_the_blocks_in_order() -> None:
+    tensors = [torch.arange(4 * 8, dtype=torch.uint8).reshape(4, 8), torch.ones(4, 8, dtype=torch.uint8)]
+    regions = regions_from_tensors(tensors)
+    want = tuple(xxhash.xxh3_64_intdigest(t[[2, 0, 1]].numpy().tobytes()) for t in tensors)
+    assert block_digests(regions, [2, 0, 1]) == want
+    assert block_digests(regions, [0, 1, 2]) != want
+    with pytest.raises(ValueError, match="outside"):
+        block_digests(regions, [3, 4])
+
+
+async def test_a_checked_transfer_arrives_with_its_bytes(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    async with integrity_pair(client) as pair:
+        assert (await pair.consumer.register_target("t1", [5, 6])).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        pair.producer.ready("t1", [1, 2])
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        assert_blocks_5_6_hold_source_1_2(pair)
+
+
+async def test_a_producer_without_checksums_fails_a_consumer_that_requires_them(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    async with integrity_pair(client, producer_checks=False) as pair:
+        assert (await pair.consumer.register_target("t1", [5, 6])).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        pair.producer.ready("t1", [1, 2])
+        result = await asyncio.wait_for(pair.arrived, WAIT)
+        assert not result.ok and result.reason is AgentReason.CORRUPTED and "sent no checksums" in result.message
+
+
+async def test_bytes_corrupted_after_they_landed_fail_the_transfer_on_both_sides(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """A hand-driven NIXL endpoint writes the blocks without a notification; a byte of the consumer's block
+    then changes; the notification with the true digests comes last. The consumer fails the transfer and aborts
+    it at the service, whose record (what the producer is told) names the region."""
+    async with integrity_pair(client) as pair:
+        consumer = pair.consumer
+        assert (await consumer.register_target("t1", [5, 6])).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        engine = await client.get_engine("d0")
+        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
+        try:
+            hand.add_peer(engine.agents[0], engine.incarnation)
+            await write(hand, engine.agents[0].name, b"")
+            assert torch.equal(pair.decode[1][5:7], pair.kv[1][1:3])  # landed
+            pair.decode[1][6, 100] ^= 0xFF
+            digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
+            # The notification goes with a block outside the target, so the corrupted one stays as it is.
+            await write(hand, engine.agents[0].name, encode_notification("t1", 1, digests=digests), (0,), (0,))
+            result = await asyncio.wait_for(pair.arrived, WAIT)
+        finally:
+            hand.close()
+        assert not result.ok and result.reason is AgentReason.CORRUPTED
+        assert "integrity check failed: region 1 of the 2 blocks from block 5" in result.message
+        info = await client.get_transfer("t1")
+        assert info.state is TransferState.ABORTED and "integrity check failed: region 1" in info.abort_message
+
+
+async def test_a_producer_that_lies_never_reaches_decode(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    async with integrity_pair(client) as pair:
+        assert (await pair.consumer.register_target("t1", [5, 6])).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        engine = await client.get_engine("d0")
+        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
+        try:
+            hand.add_peer(engine.agents[0], engine.incarnation)
+            lie = block_digests(regions_from_tensors(pair.kv), [2, 1])  # the digests of other bytes
+            await write(hand, engine.agents[0].name, encode_notification("t1", 1, digests=lie))
+            result = await asyncio.wait_for(pair.arrived, WAIT)
+        finally:
+            hand.close()
+        assert not result.ok and result.reason is AgentReason.CORRUPTED and "region 0" in result.message
+
+
+async def write(
+    endpoint: NixlEndpoint, peer: str, notification: bytes, src: tuple[int, ...] = (1, 2), dst: tuple[int, ...] = (5, 6)
+) -> None:
+    """Source blocks `src` into `dst` (the target's by default), in every region, polled until done."""
+    posted = endpoint.post("WRITE", peer, src, dst, notification)
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while endpoint.poll(posted) is XferStatus.IN_PROGRESS:  # NIXL moves the bytes while the sender polls
+        assert asyncio.get_running_loop().time() < deadline, "the WRITE never finished"
+        await asyncio.sleep(0.005)
+    endpoint.release(posted)
+
+
+async def test_a_checked_producer_writes_a_progressive_target_whole_and_it_arrives_checked(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    async with integrity_pair(client) as pair:
+        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        for layer in range(2):
+            pair.producer.ready_part("t1", [1, 2], 32, (layer, layer + 1), prompt_tokens=32)
+        pair.producer.ready("t1", [1, 2])
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        report = await asyncio.wait_for(pair.reported, WAIT)
+        assert report.ok and report.parts == ()  # one write, its digests with it
+        assert_blocks_5_6_hold_source_1_2(pair)
+
+
+async def test_a_target_of_no_blocks_has_nothing_to_check_and_arrives_on_the_commit(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    async with integrity_pair(client) as pair:
+        assert (await pair.consumer.register_target("t1", [])).ok  # decode had every block cached
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        pair.producer.ready("t1", [1, 2])
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
