@@ -1,9 +1,9 @@
 """The conversion of a failed gRPC call into the protocol's one error tree (rendezvous.protocol.errors).
 
-Every failure the clients raise is a `RendezvousError` (re-exported by `clients`), of the subclass of its gRPC
-status code (`ResourceExhausted`, `Unavailable`, ...); `reason` is the ErrorInfo reason that says what exactly
-went wrong. The same classes describe per-item failures of batched calls (`ItemResult.error`), and are what the
-service raises.
+Every failure the clients raise is a `RendezvousError` (re-exported by `rendezvous.clients`), of the subclass of
+its gRPC status code (`ResourceExhausted`, `Unavailable`, ...); `reason` is the ErrorInfo reason that says what
+exactly went wrong. The same classes describe per-item failures of batched calls (`ItemResult.error`), and are what
+the service raises.
 """
 
 from __future__ import annotations

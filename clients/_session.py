@@ -45,7 +45,7 @@ from clients._types import (
 from clients.aio import AsyncRendezvousClient
 from rendezvous.protocol.errors import Cancelled, Reason, RendezvousError
 
-log = logging.getLogger("clients.session")
+log = logging.getLogger("rendezvous.clients.session")
 
 EventHandler = Callable[[SessionEvent], Awaitable[None]]
 """A coroutine function a session calls with each event, one at a time, in order."""

@@ -8,7 +8,7 @@
 `TestServer` does the same for synchronous tests, serving from an event loop in a thread. Keyword
 arguments are passed to the server's `ServerConfig` (e.g. `timeouts=Timeouts(...)`), except
 `listen`, which the harness chooses. The server package is imported only when a server starts,
-so `clients` itself does not depend on it.
+so `rendezvous.clients` itself does not depend on it.
 
 An engine registers one NIXL agent per rank; `stand_in_agent` makes one with no NIXL behind it, for tests and
 examples that exercise the control plane only. `TEST_LAYOUT` is a KV layout for tests whose KV is no model's.

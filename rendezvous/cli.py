@@ -3,8 +3,8 @@
 Every `serve` flag also reads an environment variable: --store is KV_RENDEZVOUS_STORE, and so on.
 """
 
-# The service does not import its clients: subcommands that live in `clients` or `connector` (`demo`,
-# `router`) are entry points in the group `kv_rendezvous.commands` (pyproject.toml), loaded only when the
+# The service does not import its clients: subcommands that live in `rendezvous.clients` or `rendezvous.connector`
+# (`demo`, `router`) are entry points in the group `kv_rendezvous.commands` (pyproject.toml), loaded only when the
 # command line may name one of them.
 
 from __future__ import annotations

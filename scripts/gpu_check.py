@@ -41,15 +41,21 @@ STALE = 0xEE  # the producer's KV before the kernels computed it
 
 
 def load_data_plane() -> None:
-    """Make `clients.nixl.*` importable without running the `clients` and `clients.nixl` package modules (they
-    load the whole SDK, and gRPC with it), and `nixl` resolve to `nixl_cu13` when only that wheel is there."""
+    """Make `rendezvous.clients.nixl.*` importable without running the `rendezvous.clients` and
+    `rendezvous.clients.nixl` package modules (they load the whole SDK, and gRPC with it), and `nixl` resolve to
+    `nixl_cu13` when only that wheel is there. `rendezvous` itself is import-free."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    for name, path in (("clients", REPO / "clients"), ("clients.nixl", REPO / "clients" / "nixl")):
+    for name, path in (
+        ("rendezvous.clients", REPO / "clients"),
+        ("rendezvous.clients.nixl", REPO / "clients" / "nixl"),
+    ):
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = [str(path)]
             sys.modules[name] = package
+            parent, _, child = name.rpartition(".")
+            setattr(importlib.import_module(parent), child, package)
     try:
         importlib.import_module("nixl._api")
     except ImportError:

@@ -5,7 +5,7 @@ named after its engine, with metadata b"md-" + its name and DRAM regions of 64 b
 (`clients.testing.stand_in_agent`, what an engine author's control-plane test registers); a consumer in pool
 "decode", a producer in "prefill". The builders differ only in the types of the layer under test:
 
-- `sdk_*`: the SDK's types (`clients`), for tests that go through a client;
+- `sdk_*`: the SDK's types (`rendezvous.clients`), for tests that go through a client;
 - `proto_*`: the protocol's messages (`rendezvous.v1`), for tests that speak raw gRPC;
 - `core_*`: the core's records (`rendezvous.core`), for the pure state machine and the stores.
 

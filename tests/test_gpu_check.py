@@ -28,15 +28,16 @@ def test_the_helper_loads_the_data_plane_without_the_sdk_or_grpc() -> None:
         "import runpy, sys\n"
         "helper = runpy.run_path('scripts/gpu_check.py')\n"
         "helper['load_data_plane']()\n"
-        "import clients.nixl.writer, clients.nixl.receiver\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google', 'clients')))\n"
+        "import rendezvous.clients.nixl.writer, rendezvous.clients.nixl.receiver\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google', 'rendezvous')))\n"
     )
     pytest.importorskip("nixl")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     loaded = ast.literal_eval(done.stdout)
     assert not [m for m in loaded if m.split(".")[0] in ("grpc", "google")]
-    assert "clients._session" not in loaded and "clients.nixl.producer" not in loaded
+    assert "rendezvous.clients._session" not in loaded and "rendezvous.clients.nixl.producer" not in loaded
+    assert "rendezvous.clients.nixl.writer" in loaded  # loaded, and under its one name
 
 
 @pytest.mark.nixl

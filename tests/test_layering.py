@@ -1,8 +1,10 @@
-"""Imports flow one way: connector -> clients -> protocol (rendezvous.v1, rendezvous.protocol) <- rendezvous.
+"""Imports flow one way: connector -> clients -> protocol (rendezvous.v1, rendezvous.protocol) <- the service.
 
-Each check imports modules in a fresh interpreter and looks at what got loaded, so a lazy import inside a
-function does not count but an import at module level anywhere down the chain does. The `kv-rendezvous`
-subcommands that live in clients and connector reach the CLI as entry points, not as imports.
+One import name holds them all: the SDK is `rendezvous.clients` (folder clients/), the vLLM connector
+`rendezvous.connector` (folder connector/), the service the rest of `rendezvous`. Each check imports modules in a
+fresh interpreter and looks at what got loaded, so a lazy import inside a function does not count but an import at
+module level anywhere down the chain does. The `kv-rendezvous` subcommands that live in the SDK and the connector
+reach the CLI as entry points, not as imports.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from rendezvous.cli import BUILTIN_COMMANDS, COMMANDS_GROUP, build_parser
 REPO = Path(__file__).resolve().parents[1]
 PROTOCOL = ("rendezvous.v1", "rendezvous.protocol")
 """What clients, connector and the conformance suite may load from the `rendezvous` distribution's service side."""
+SDK = ("rendezvous.clients", "rendezvous.connector")
+"""The SDK and the connector, the service's own clients."""
+OLD = ("clients", "connector")
+"""Their top-level names before 0.1.0, importable from a checkout's root (its folders): nothing may use them."""
 
 
 def _run(code: str) -> str:
@@ -40,7 +46,7 @@ def loaded_by(*modules: str) -> set[str]:
         "    importlib.import_module(name)\n"
         "print('\\n'.join(sys.modules))\n"
     )
-    return {m for m in _run(code).split() if m.split(".")[0] in ("rendezvous", "clients", "connector")}
+    return {m for m in _run(code).split() if m.split(".")[0] in ("rendezvous", *OLD)}
 
 
 def commands(parser: argparse.ArgumentParser) -> list[str]:
@@ -63,13 +69,14 @@ def test_the_service_does_not_import_its_clients() -> None:
         "rendezvous.wire",
     )
     assert "rendezvous.server.servicer" in modules  # the imports did happen
-    assert under(modules, "clients", "connector") == set()
+    assert under(modules, *SDK, *OLD) == set()
 
 
-def imports_in(package: str) -> set[tuple[str, str]]:
-    """(file, module) for every absolute import in the package's sources, at any depth (lazy ones too)."""
+def imports_in(folder: str) -> set[tuple[str, str]]:
+    """(file, module) for every absolute import in the folder's sources, at any depth (lazy ones too). The symlinks
+    rendezvous/clients and rendezvous/connector are not followed: those folders are read under their own names."""
     found = set()
-    for path in (REPO / package).rglob("*.py"):
+    for path in (REPO / folder).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -79,13 +86,13 @@ def imports_in(package: str) -> set[tuple[str, str]]:
 
 
 def test_no_source_imports_against_the_flow_even_lazily() -> None:
-    service = {(f, m) for f, m in imports_in("rendezvous") if m.split(".")[0] in ("clients", "connector")}
+    service = {(f, m) for f, m in imports_in("rendezvous") if under({m}, *SDK, *OLD)}
     assert service == set()
     sdk = {
         (f, m)
-        for package in ("clients", "connector")
-        for f, m in imports_in(package)
-        if m.split(".")[0] == "rendezvous" and under({m}, *PROTOCOL) == set()
+        for folder in ("clients", "connector")
+        for f, m in imports_in(folder)
+        if under({m}, "rendezvous", *OLD) and under({m}, *PROTOCOL, *SDK) == set()
     }
     # The one exception: the SDK's test harness starts a real server, importing it when asked to.
     assert sdk == {("clients/testing.py", "rendezvous.server")}
@@ -97,21 +104,27 @@ def test_the_core_imports_neither_store_nor_server() -> None:
     )
     assert "rendezvous.core.transfers" in modules
     assert under(modules, "rendezvous.server", "rendezvous.store", "rendezvous.coordinator", "rendezvous.cli") == set()
-    assert under(modules, "clients", "connector") == set()
+    assert under(modules, *SDK, *OLD) == set()
 
 
 @pytest.mark.parametrize(
     ("modules", "allowed"),
     [
-        (("clients", "clients.testing", "clients.demo", "clients._cli"), ("clients",)),
+        (
+            ("rendezvous.clients", "rendezvous.clients.testing", "rendezvous.clients.demo", "rendezvous.clients._cli"),
+            ("rendezvous.clients",),
+        ),
         pytest.param(
-            ("clients.nixl",),
-            ("clients",),
+            ("rendezvous.clients.nixl",),
+            ("rendezvous.clients",),
             marks=[pytest.mark.nixl, pytest.mark.skipif(not importlib.util.find_spec("nixl"), reason="needs nixl")],
         ),
         (
-            ("connector", "connector.router", "connector.launch", "connector._loop", "connector._cli"),
-            ("clients", "connector"),
+            (
+                *("rendezvous.connector", "rendezvous.connector.router", "rendezvous.connector.launch"),
+                *("rendezvous.connector._loop", "rendezvous.connector._cli"),
+            ),
+            SDK,
         ),
         (("rendezvous.conformance",), ("rendezvous.conformance",)),
     ],
@@ -126,9 +139,10 @@ def test_sdk_connector_and_conformance_load_only_the_protocol(
 
 def test_subcommands_of_clients_and_connector_are_entry_points() -> None:
     registered = {ep.name: ep.value for ep in entry_points(group=COMMANDS_GROUP)}
-    assert registered == {"demo": "clients._cli:add_demo_parser", "router": "connector._cli:add_router_parser"}, (
-        "the entry points are registered at install time: pip install -e . --no-deps"
-    )
+    assert registered == {
+        "demo": "rendezvous.clients._cli:add_demo_parser",
+        "router": "rendezvous.connector._cli:add_router_parser",
+    }, "the entry points are registered at install time: pip install -e . --no-deps"
     assert commands(build_parser()) == [
         *("serve", "demo", "router", "conformance"),
         *("health", "status", "engines", "transfers"),
@@ -164,4 +178,4 @@ def test_a_builtin_command_loads_no_client_code() -> None:
     )
     modules = set(_run(code).split())
     assert "rendezvous.cli" in modules
-    assert under(modules, "clients", "connector") == set()
+    assert under(modules, *SDK, *OLD) == set()

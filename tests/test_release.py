@@ -8,6 +8,7 @@ import re
 import selectors
 import signal
 import subprocess
+import tarfile
 import time
 import zipfile
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import rendezvous
-from tests.wheels import build, export_working_tree, isolated_env, run, wheel_venv
+from tests.wheels import REPO, build, export_working_tree, isolated_env, run, wheel_venv
 
 pytest.importorskip("build")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -54,9 +55,37 @@ def test_the_sdist_and_wheel_carry_the_one_version_and_the_packages_data(dist: P
     assert not any(n.startswith("tests/") for n in names)
 
 
+def test_the_wheel_installs_one_import_name(dist: Path) -> None:
+    (wheel,) = dist.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        (top_level,) = (n for n in names if n.endswith(".dist-info/top_level.txt"))
+        declared = archive.read(top_level).decode().split()
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"rendezvous"}
+    assert declared == ["rendezvous"]
+    # Every module of the SDK (folder clients/) and the connector (connector/) is in it, under rendezvous/.
+    for folder in ("clients", "connector"):
+        for module in (REPO / folder).rglob("*.py"):
+            if (module.parent / "__init__.py").exists():
+                assert "rendezvous/" + module.relative_to(REPO).as_posix() in names
+
+
+def test_the_sdist_holds_the_sdk_and_connector_as_plain_files(dist: Path) -> None:
+    (sdist,) = dist.glob("*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        members = {m.name.split("/", 1)[1]: m for m in archive.getmembers() if "/" in m.name}
+    assert members["rendezvous/clients/__init__.py"].isfile()
+    assert members["rendezvous/connector/rendezvous_connector.py"].isfile()
+    assert not [name for name, m in members.items() if m.issym() or m.islnk()]
+
+
 def test_the_installed_wheel_imports_itself_and_states_its_version(venv: Path) -> None:
     found = run(venv / "bin" / "python", "-c", "import rendezvous; print(rendezvous.__file__)", cwd=venv).strip()
     assert Path(found).is_relative_to(venv)
+    code = "import rendezvous.clients as c, rendezvous.connector as v; print(c.__file__, v.__file__)"
+    assert all(Path(f).is_relative_to(venv) for f in run(venv / "bin" / "python", "-c", code, cwd=venv).split())
+    absent = "import importlib.util as u; print(u.find_spec('clients'), u.find_spec('connector'))"
+    assert run(venv / "bin" / "python", "-c", absent, cwd=venv).split() == ["None", "None"]
     assert run(venv / "bin" / "kv-rendezvous", "--version", cwd=venv).strip() == rendezvous.__version__
 
 

@@ -58,12 +58,15 @@ def run(*args: str | Path, cwd: Path | None = None) -> str:
 
 
 def export_working_tree(dest: Path) -> Path:
-    """The working tree's tracked and unignored files, copied into dest (the build writes into its source)."""
+    """The working tree's tracked and unignored files, copied into dest (the build writes into its source);
+    symlinks stay symlinks, as in a clone (rendezvous/clients and rendezvous/connector are)."""
     files = run("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=REPO).split("\0")
     for name in filter(None, files):
         src = REPO / name
-        if src.is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            (dest / name).symlink_to(os.readlink(src))
+        elif src.is_file():
             (dest / name).write_bytes(src.read_bytes())
     return dest
 
