@@ -11,8 +11,8 @@ A fleet of --engines engines each starts from a snapshot of --blocks blocks (cha
           the others 0 (each engine's hashes are its own); with --min-matched 1 only the holder is answered
 
 Each call is awaited before the next (one in flight): its latency is the round trip on loopback. Client and
-server share this process (clients.testing), so "cpu" is both sides' Python per call; Redis's own CPU per call
-(INFO cpu) is apart. The `_service` phases make the same calls on the server's coordinator directly (no gRPC, no
+server share this process (rendezvous.clients.testing), so "cpu" is both sides' Python per call; Redis's own CPU per
+call (INFO cpu) is apart. The `_service` phases make the same calls on the server's coordinator directly (no gRPC, no
 SDK): what the service itself spends per batch and per query. --runs runs of each store; the report gives
 medians and the spread (min to max) of each run's figures. Results go to benchmarks/results/index-<n>.json
 (--tag to name them).
@@ -86,7 +86,7 @@ def figures(latencies: list[float], cpu: float, redis_s: float) -> dict[str, flo
 
 
 async def one_run(store: str, redis_url: str | None, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    from clients import (
+    from rendezvous.clients import (
         AsyncRendezvousClient,
         BlockHashing,
         BlocksRemoved,
@@ -97,7 +97,7 @@ async def one_run(store: str, redis_url: str | None, args: argparse.Namespace) -
         EngineSpec,
         PrefixQuery,
     )
-    from clients.testing import stand_in_agent, start_test_server
+    from rendezvous.clients.testing import stand_in_agent, start_test_server
     from rendezvous.core import Limits
 
     hashing = BlockHashing("sha256_cbor", "0", 16)

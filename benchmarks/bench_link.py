@@ -64,7 +64,7 @@ from bench_vllm import (  # noqa: E402
 )
 from netlab import EXIT_REFUSED, SCRIPT, Lab, Role, down, why_not  # noqa: E402
 
-from connector.launch import MAX_MODEL_LEN, build_tiny_model  # noqa: E402
+from rendezvous.connector.launch import MAX_MODEL_LEN, build_tiny_model  # noqa: E402
 
 LINK_MODES = ("plain", "pull", "ours", "ours-progressive", "ours-progressive-layers")
 MODEL_SHAPE = {"layers": 8, "heads": 8, "kv_heads": 8, "hidden": 256, "intermediate": 512}

@@ -9,8 +9,8 @@
   posting     one transfer of a 118-block context (32 layers x K and V, 16 tokens per block; one token of one
               head is 64 fp16, or 2 bytes so that descriptors dominate): descriptors, plan time, post time
               (making the transfer handle + the transfer call) and time to DONE, for whole blocks (TP 1 -> 1:
-              prepared lists with indices, or per-transfer lists from clients.nixl.plan, unmerged or merged) and
-              for one rank's head slice (TP 2 -> 1, HND)
+              prepared lists with indices, or per-transfer lists from rendezvous.clients.nixl.plan, unmerged or merged)
+              and for one rank's head slice (TP 2 -> 1, HND)
   parts       progressive push on a TransferWriter: one layer of a 512-token prompt (64 scattered block
               descriptors of 1 KiB) handed over and posted, per part, and one layer of 8 requests, against NIXL's
               own prepared post of the same descriptors measured in the same run (see `parts`)
@@ -19,7 +19,7 @@
               xxh3 digests), and the consumer's check (`block_digests` over the same blocks) with zlib.crc32 of
               the same bytes beside it; each as seconds per GiB
 
-Both sides must poll for a WRITE to complete (see clients.nixl.agent). Spinning pollers on a machine with few
+Both sides must poll for a WRITE to complete (see rendezvous.clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
 
     python -m benchmarks.bench_nixl [--total-mib 64] [--reps 5] [--round-trips 1000] [--output nixl.json]
@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.nixl import (
+from rendezvous.clients.nixl import (
     KvRegion,
     NixlAgentInfo,
     NixlEndpoint,
@@ -54,9 +54,9 @@ from clients.nixl import (
     WriterConfig,
     XferStatus,
 )
-from clients.nixl.integrity import block_digests
-from clients.nixl.plan import RankGeometry, plan_write
-from clients.nixl.polling import Backoff, PollConfig
+from rendezvous.clients.nixl.integrity import block_digests
+from rendezvous.clients.nixl.plan import RankGeometry, plan_write
+from rendezvous.clients.nixl.polling import Backoff, PollConfig
 from rendezvous.protocol.kvmap import RankShare
 from rendezvous.protocol.records import KvLayout
 

@@ -63,8 +63,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rendezvous import LAYOUT, REGION, local_redis, percentile, proc_usage, start_server
 
-from clients._exceptions import from_rpc_error
-from connector.launch import free_port
+from rendezvous.clients._exceptions import from_rpc_error
+from rendezvous.connector.launch import free_port
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 

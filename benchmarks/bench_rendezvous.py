@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from connector.launch import free_port
+from rendezvous.connector.launch import free_port
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 

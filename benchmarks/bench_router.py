@@ -1,6 +1,6 @@
 """The router's placement policies and conditional disaggregation, against simulated engines.
 
-The router (`connector.router.Router`) and the rendezvous service are real: the router discovers the engines
+The router (`rendezvous.connector.router.Router`) and the rendezvous service are real: the router discovers the engines
 through the service (ListEngines) and sends each request's legs over HTTP as it does in front of vLLM. The
 engines are SIMULATED (the role Dynamo's `mocker` plays for its router benchmarks): small HTTP servers that
 model what placement changes and nothing else.
@@ -45,11 +45,11 @@ from typing import Any
 
 from aiohttp import ClientSession, ClientTimeout, web
 
-from clients import AsyncRendezvousClient, EngineRole, EngineSpec, KvLayout, PickPolicy
-from clients.testing import stand_in_agent, start_test_server
-from connector.launch import free_port
-from connector.prompts import PromptReader
-from connector.router import ANY_MODEL, PREFILL_HEADER, LocalPrefill, Route, Router
+from rendezvous.clients import AsyncRendezvousClient, EngineRole, EngineSpec, KvLayout, PickPolicy
+from rendezvous.clients.testing import stand_in_agent, start_test_server
+from rendezvous.connector.launch import free_port
+from rendezvous.connector.prompts import PromptReader
+from rendezvous.connector.router import ANY_MODEL, PREFILL_HEADER, LocalPrefill, Route, Router
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK = 16

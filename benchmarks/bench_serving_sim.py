@@ -122,7 +122,7 @@ class Sim:
     """What the consumer checks: every byte ("bytes"), each head's first and last 8 bytes ("ends"), or "off"."""
 
     def layout(self, ranks: int) -> Any:
-        from clients import KvLayout
+        from rendezvous.clients import KvLayout
 
         return KvLayout(self.model, "bf16", BLOCK_TOKENS, self.layers, ranks, 1, "HND", KV_HEADS)
 
@@ -254,9 +254,9 @@ def pieces(sim: Sim, tokens: int, mode: str) -> Iterator[_Piece]:
 
 
 async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
-    from clients import AsyncRendezvousClient, TransferMode
-    from clients.nixl.producer import ProducerAgent
-    from clients.nixl.rank import start_ranks
+    from rendezvous.clients import AsyncRendezvousClient, TransferMode
+    from rendezvous.clients.nixl.producer import ProducerAgent
+    from rendezvous.clients.nixl.rank import start_ranks
 
     ranks = sim.producer_ranks
     free = list(range(sim.pool_blocks))
@@ -338,9 +338,9 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
 
 
 async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None:
-    from clients import AsyncRendezvousClient, TransferMode
-    from clients.nixl.consumer import ConsumerAgent, TransferResult
-    from clients.nixl.rank import start_ranks
+    from rendezvous.clients import AsyncRendezvousClient, TransferMode
+    from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
+    from rendezvous.clients.nixl.rank import start_ranks
 
     ranks = sim.consumer_ranks
     free = list(range(sim.pool_blocks))
@@ -754,7 +754,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.model} KV / {args.kv_scale}: {bytes_per_token} B/token in {regions} regions, prompts of"
         f" {','.join(map(str, args.prompt_tokens))} tokens (+-{args.prompt_spread:.0%})"
     )
-    from clients.testing import TestServer
+    from rendezvous.clients.testing import TestServer
 
     results: list[dict[str, Any]] = []
     with TestServer() as server:

@@ -19,9 +19,9 @@ Modes (each but `plain` a prefill engine, a decode engine and a proxy in front o
   `{"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port" (prefill's NIXL side channel),
   "tp_size": 1, "remote_request_id": "cmpl-<id>-0", "remote_block_ids": []}`, so the proxy must know prefill's
   engine id and side-channel port up front.
-- `ours`: a `kv-rendezvous serve` process, `RendezvousConnector` on both engines, and `python -m connector.router`.
-  Each request's TTFT is also split into phases from the service's record of its transfer
-  (benchmarks/vllm_phases.py), reported as medians (`phases_p50_ms`).
+- `ours`: a `kv-rendezvous serve` process, `RendezvousConnector` on both engines, and
+  `python -m rendezvous.connector.router`. Each request's TTFT is also split into phases from the service's record of
+  its transfer (benchmarks/vllm_phases.py), reported as medians (`phases_p50_ms`).
 - `ours-progressive` (not in the default set): `ours` with progressive push on both engines: with chunked
   prefill (`--prefill-chunk N`, applied to every engine that prefills, plain included, so the modes compute
   alike) each finished chunk is written while the next one computes (`--progressive-layers`: each layer as the
@@ -79,8 +79,8 @@ if str(REPO) not in sys.path:
 from vllm_phases import PREFILL_LEG_HEADER, median_ms, overhead_ms, phases, pull_phases  # noqa: E402
 from vllm_spans import format_timeline, median_timeline, read_spans, timelines  # noqa: E402
 
-from clients.sync import RendezvousClient  # noqa: E402
-from connector.launch import (  # noqa: E402
+from rendezvous.clients.sync import RendezvousClient  # noqa: E402
+from rendezvous.connector.launch import (  # noqa: E402
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     WORKER_SPIN_ENV,
@@ -94,7 +94,7 @@ from connector.launch import (  # noqa: E402
     start_router,
     wait_healthy,
 )
-from connector.router import TRANSFER_ID_HEADER  # noqa: E402
+from rendezvous.connector.router import TRANSFER_ID_HEADER  # noqa: E402
 from rendezvous.protocol import tracing  # noqa: E402
 
 ALL_MODES = ("plain", "pull", "push", "ours", "ours-progressive", "ours-progressive-layers")
@@ -801,7 +801,7 @@ async def measure(deployments: Sequence[Deployment], args: argparse.Namespace, v
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; returns the JSON report."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-vllm-", dir=args.log_dir))
-    if args.worker_spin_ms is not None:  # every engine started from here on (connector.launch.start_engine)
+    if args.worker_spin_ms is not None:  # every engine started from here on (rendezvous.connector.launch.start_engine)
         os.environ[WORKER_SPIN_ENV] = args.worker_spin_ms
     if args.trace is not None:  # every process started from here on appends its spans to the file
         args.trace.unlink(missing_ok=True)
@@ -934,8 +934,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--worker-spin-ms",
         default=None,
-        help="how long every engine's workers busy-poll for the next step (default: connector.launch's, 2 ms; "
-        "'' = vLLM's own 1 s)",
+        help="how long every engine's workers busy-poll for the next step (default: rendezvous.connector.launch's, 2 "
+        "ms; '' = vLLM's own 1 s)",
     )
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: build the tiny one)")
     parser.add_argument("--log-dir", type=Path, default=None, help="where engine logs go (default: a temp dir)")

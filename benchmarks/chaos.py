@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from clients import (  # noqa: E402
+from rendezvous.clients import (  # noqa: E402
     AbortSpec,
     AsyncRendezvousClient,
     Cancelled,

@@ -5,10 +5,10 @@
 - `ProducerSession` / `ConsumerSession`: an engine's registration, lease renewal and event stream,
   kept alive across disconnects and server restarts; `RouterClient` for routers.
 - `RendezvousError` and its subclasses: every failure, with the server's ErrorInfo reason.
-- `clients.testing`: an in-process server for tests.
+- `rendezvous.clients.testing`: an in-process server for tests.
 """
 
-from clients._config import (
+from rendezvous.clients._config import (
     NO_RETRY,
     ChannelOptions,
     ClientConfig,
@@ -18,10 +18,10 @@ from clients._config import (
     SessionConfig,
     TLSConfig,
 )
-from clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
-from clients._router import PickPolicy, RouterClient, layout_difference
-from clients._session import EngineSession, EventHandler, LiveTransfers, RankSession
-from clients._types import (
+from rendezvous.clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
+from rendezvous.clients._router import PickPolicy, RouterClient, layout_difference
+from rendezvous.clients._session import EngineSession, EventHandler, LiveTransfers, RankSession
+from rendezvous.clients._types import (
     AbortReason,
     AbortSpec,
     AllBlocksCleared,
@@ -74,8 +74,8 @@ from clients._types import (
     WrittenPart,
     hash_of,
 )
-from clients.aio import AsyncKeepAliveStream, AsyncRendezvousClient, AsyncWatchStream
-from clients.sync import KeepAliveStream, RendezvousClient, WatchStream
+from rendezvous.clients.aio import AsyncKeepAliveStream, AsyncRendezvousClient, AsyncWatchStream
+from rendezvous.clients.sync import KeepAliveStream, RendezvousClient, WatchStream
 from rendezvous.protocol.errors import (
     ERROR_DOMAIN,
     Aborted,

@@ -20,7 +20,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 def run_demo_command(argv: Sequence[str]) -> int:
     """`kv-rendezvous demo ARGV...`."""
-    from clients.demo import add_demo_arguments, run_demo
+    from rendezvous.clients.demo import add_demo_arguments, run_demo
 
     demo = argparse.ArgumentParser(prog="kv-rendezvous demo", description=run_demo.__doc__)
     add_demo_arguments(demo)

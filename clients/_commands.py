@@ -15,8 +15,8 @@ from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
-from clients import _convert
-from clients._types import (
+from rendezvous.clients import _convert
+from rendezvous.clients._types import (
     AbortSpec,
     CacheReport,
     CacheSnapshot,

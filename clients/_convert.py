@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clients._types import (
+from rendezvous.clients._types import (
     CreditResult,
     EngineInfo,
     EnginePage,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from clients import KvLayout
+from rendezvous.clients import KvLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class _Engine:
     def __init__(self, spec: WorkerSpec, reports: Any) -> None:
         import torch
 
-        from clients import AsyncRendezvousClient
+        from rendezvous.clients import AsyncRendezvousClient
 
         self.spec = spec
         self.reports = reports
@@ -74,8 +74,8 @@ class _Engine:
         self.tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        from clients.nixl.consumer import ConsumerAgent
-        from clients.nixl.producer import ProducerAgent
+        from rendezvous.clients.nixl.consumer import ConsumerAgent
+        from rendezvous.clients.nixl.producer import ProducerAgent
 
         s = self.spec
         if s.role == "producer":
@@ -132,7 +132,7 @@ class _Engine:
         return verified, ""
 
     async def _produce(self, transfer_id: str, blocks: list[int], seed: int, mode: str) -> None:
-        from clients import TransferMode
+        from rendezvous.clients import TransferMode
 
         await asyncio.to_thread(self._fill, blocks, seed)  # off the loop, which serves the agent
         if mode != "pull":
@@ -143,7 +143,7 @@ class _Engine:
         self.agent.ready(transfer_id, blocks, self._on_free, mode=transfer_mode)
 
     async def _consume(self, transfer_id: str, blocks: list[int], mode: str) -> None:
-        from clients import TransferMode
+        from rendezvous.clients import TransferMode
 
         transfer_mode = TransferMode.PULL if mode == "pull" else TransferMode.PUSH
         progressive = mode == "progressive"

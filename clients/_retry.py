@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import grpc
 
-from clients._config import RetryPolicy
+from rendezvous.clients._config import RetryPolicy
 from rendezvous.protocol.errors import RendezvousError
 
 

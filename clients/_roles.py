@@ -6,9 +6,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
-from clients._config import SessionConfig
-from clients._session import EngineSession, EventHandler
-from clients._types import (
+from rendezvous.clients._config import SessionConfig
+from rendezvous.clients._session import EngineSession, EventHandler
+from rendezvous.clients._types import (
     ClaimSpec,
     EngineCapacity,
     EngineRole,
@@ -21,7 +21,7 @@ from clients._types import (
     SourceReadySpec,
     TargetSpec,
 )
-from clients.aio import AsyncRendezvousClient
+from rendezvous.clients.aio import AsyncRendezvousClient
 
 
 def mint_transfer_id() -> str:
@@ -86,7 +86,7 @@ class ConsumerSession(RoleSession):
         Release a transfer after its TRANSFER_COMMITTED event, not on the data plane's notification: that
         usually comes before the producer's CompleteTransfers, and a release then is refused INVALID_STATE (it
         changes nothing; do not abort on it, the bytes are in). Not released, a commit is released after the
-        server's release timeout. `clients.nixl.ConsumerAgent` releases for the engine: never call this for a
+        server's release timeout. `rendezvous.clients.nixl.ConsumerAgent` releases for the engine: never call this for a
         transfer registered through it.
         A transfer that committed before a server restart is unknown afterwards: its release
         answers TRANSFER_NOT_FOUND, which only means there is nothing left to release.

@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
-from clients._prefix import PrefixIndex
-from clients._roles import mint_transfer_id
-from clients._types import (
+from rendezvous.clients._prefix import PrefixIndex
+from rendezvous.clients._roles import mint_transfer_id
+from rendezvous.clients._types import (
     AbortSpec,
     Binding,
     CreditResult,
@@ -25,7 +25,7 @@ from clients._types import (
     KvLayout,
     TransferInfo,
 )
-from clients.aio import AsyncRendezvousClient
+from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.protocol import bindings, kvmap
 from rendezvous.protocol.errors import NotFound
 
@@ -177,7 +177,8 @@ class RouterClient:
     ) -> EngineInfo:
         """A live engine of one of `pools` with `role`, chosen by the policy; with `layout`, only engines that
         can exchange KV with that layout qualify; `prefix` is the prompt's chained block hashes
-        (`connector.prompts`), which the prefix-aware policy weighs. Raises NotFound if no engine qualifies."""
+        (`rendezvous.connector.prompts`), which the prefix-aware policy weighs. Raises NotFound if no engine
+        qualifies."""
         return (await self.rank_engines(pools, role, layout=layout, prefix=prefix))[0]
 
     async def rank_engines(

@@ -20,9 +20,9 @@ from typing import Any, Self
 
 import grpc
 
-from clients._config import SessionConfig
-from clients._retry import Backoff
-from clients._types import (
+from rendezvous.clients._config import SessionConfig
+from rendezvous.clients._retry import Backoff
+from rendezvous.clients._types import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
@@ -42,7 +42,7 @@ from clients._types import (
     TargetSpec,
     TransferState,
 )
-from clients.aio import AsyncRendezvousClient
+from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.protocol.errors import Cancelled, Reason, RendezvousError
 
 log = logging.getLogger("rendezvous.clients.session")

@@ -3,8 +3,8 @@
 """The unary side of a client, one method per RPC: connecting, closing, sending with retries.
 
 Written once, for asyncio, in `clients/_async_calls.py`; `scripts/unasync.py` derives the blocking
-form, `clients/_sync_calls.py`, from it by token replacement. The public clients (`clients.aio`,
-`clients.sync`) add their streams on top.
+form, `clients/_sync_calls.py`, from it by token replacement. The public clients (`rendezvous.clients.aio`,
+`rendezvous.clients.sync`) add their streams on top.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any, Self, TypeVar
 
 import grpc
 
-from clients import _commands as commands
-from clients._commands import Call
-from clients._config import ClientConfig
-from clients._retry import Attempts
-from clients._transport import ClientBase
-from clients._types import (
+from rendezvous.clients import _commands as commands
+from rendezvous.clients._commands import Call
+from rendezvous.clients._config import ClientConfig
+from rendezvous.clients._retry import Attempts
+from rendezvous.clients._transport import ClientBase
+from rendezvous.clients._types import (
     AbortSpec,
     CacheReport,
     CacheSnapshot,

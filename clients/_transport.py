@@ -9,9 +9,9 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from clients._commands import Call
-from clients._config import ClientConfig
-from clients._exceptions import from_rpc_error
+from rendezvous.clients._commands import Call
+from rendezvous.clients._config import ClientConfig
+from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.protocol import tracing
 from rendezvous.protocol.errors import RendezvousError
 from rendezvous.protocol.tracing import Span

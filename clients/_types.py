@@ -1,6 +1,6 @@
 """What SDK users see: enums and frozen records of engines, transfers and events.
 
-No protobuf here; `clients._convert` maps these from the wire. The requests (`TargetSpec`, ...) are the
+No protobuf here; `rendezvous.clients._convert` maps these from the wire. The requests (`TargetSpec`, ...) are the
 protocol's (rendezvous.protocol.requests), re-exported. Enum values equal the
 protocol's numbers; a value this client does not know (a newer server) reads as UNSPECIFIED.
 Times are seconds since the Unix epoch as floats, 0.0 meaning "not set"; durations are seconds.

@@ -1,7 +1,7 @@
 """The asyncio client: one method per RPC, typed in and out.
 
-Requests are built and answers parsed by `clients._commands`, the definition shared with the
-sync client (`clients.sync`); the unary calls that send them are `clients._async_calls`'s, from
+Requests are built and answers parsed by `rendezvous.clients._commands`, the definition shared with the
+sync client (`rendezvous.clients.sync`); the unary calls that send them are `rendezvous.clients._async_calls`'s, from
 which the sync client's are generated; this module adds the streams. Create the client inside a
 running event loop: its gRPC channels (one per endpoint, opened on first use) belong to that loop.
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 import grpc
 
-from clients import _commands as commands
-from clients import _convert
-from clients._async_calls import AsyncCalls
-from clients._types import LeaseRenewal, WatchBatch
+from rendezvous.clients import _commands as commands
+from rendezvous.clients import _convert
+from rendezvous.clients._async_calls import AsyncCalls
+from rendezvous.clients._types import LeaseRenewal, WatchBatch
 from rendezvous.protocol.errors import Unavailable
 
 

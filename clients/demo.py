@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from clients._demo_worker import WorkerSpec, serve
+from rendezvous.clients._demo_worker import WorkerSpec, serve
 
 __all__ = ["DemoSummary", "add_demo_arguments", "run_demo"]
 
@@ -189,7 +189,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.min_blocks < 1 or args.max_blocks < args.min_blocks or args.max_blocks > args.pool_blocks:
         print("need 1 <= --min-blocks <= --max-blocks <= --pool-blocks", file=sys.stderr)
         return 2
-    from clients.testing import TestServer
+    from rendezvous.clients.testing import TestServer
 
     with TestServer() as server:
         shape = f"{args.regions} x {args.block_kib} KiB blocks, {args.mode}"

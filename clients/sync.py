@@ -1,7 +1,7 @@
-"""The synchronous client: the same commands as `clients.aio`, over a blocking gRPC channel.
+"""The synchronous client: the same commands as `rendezvous.clients.aio`, over a blocking gRPC channel.
 
-Requests are built and answers parsed by `clients._commands`, shared with the asyncio client;
-the unary calls that send them are `clients._sync_calls`'s, generated from the asyncio client's
+Requests are built and answers parsed by `rendezvous.clients._commands`, shared with the asyncio client;
+the unary calls that send them are `rendezvous.clients._sync_calls`'s, generated from the asyncio client's
 (`scripts/unasync.py`); this module adds the streams. The client is thread-safe: gRPC channels are, and the client keeps
 no per-call state.
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 import grpc
 
-from clients import _commands as commands
-from clients import _convert
-from clients._sync_calls import SyncCalls
-from clients._types import LeaseRenewal, WatchBatch
+from rendezvous.clients import _commands as commands
+from rendezvous.clients import _convert
+from rendezvous.clients._sync_calls import SyncCalls
+from rendezvous.clients._types import LeaseRenewal, WatchBatch
 from rendezvous.protocol.errors import Unavailable
 from rendezvous.v1 import rendezvous_pb2 as pb
 

@@ -36,7 +36,7 @@ from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
-from clients._types import KvLayout, KvRegion, MemoryKind, NixlAgentInfo
+from rendezvous.clients._types import KvLayout, KvRegion, MemoryKind, NixlAgentInfo
 
 _HOST = "127.0.0.1"
 T = TypeVar("T")

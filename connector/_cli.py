@@ -20,6 +20,6 @@ def add_router_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 def run_router_command(argv: Sequence[str]) -> int:
     """`kv-rendezvous router ARGV...`."""
-    from connector.router import main
+    from rendezvous.connector.router import main
 
     return main(argv)

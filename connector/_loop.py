@@ -1,6 +1,6 @@
 """`LoopThread`: an asyncio event loop on its own daemon thread (the connector's network side).
 
-Kept apart from `connector.rendezvous_connector` so that it imports without vLLM.
+Kept apart from `rendezvous.connector.rendezvous_connector` so that it imports without vLLM.
 """
 
 from __future__ import annotations

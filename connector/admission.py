@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from clients import EngineInfo, EngineRole, NotFound, RendezvousError, RouterClient
+from rendezvous.clients import EngineInfo, EngineRole, NotFound, RendezvousError, RouterClient
 
 __all__ = ["NO_CAPACITY", "QUEUE_FULL", "QUEUE_TIMEOUT", "Admission", "DecodeAdmission", "Refused", "RouterMetrics"]
 

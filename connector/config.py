@@ -74,8 +74,8 @@ class ConnectorConfig:
     """Prefill, with `progressive`: hand each layer's KV over as the forward pass computes it (`save_kv_layer`),
     so a layer is written while the next ones compute, in every chunk including the last."""
     integrity: bool = False
-    """End-to-end integrity (clients.nixl.integrity): prefill sends the xxh3 digests of each write, decode checks
-    its blocks against them before the KV counts as arrived and fails the request's transfer on a mismatch (and
+    """End-to-end integrity (rendezvous.clients.nixl.integrity): prefill sends the xxh3 digests of each write, decode
+    checks its blocks against them before the KV counts as arrived and fails the request's transfer on a mismatch (and
     on a prefill that sent none). Turn it on for both pools; prefill then writes each prompt in one write
     (no progressive parts). DRAM KV only (vLLM-CPU); a GPU engine refuses it at start."""
     idle_wait_ms: float = 2.0

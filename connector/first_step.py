@@ -3,7 +3,7 @@
 The scheduler learns that a request's KV arrived from a step's `finished_recving`; a later step schedules the
 request and computes its first token. The span runs from the first to the end of the second, so a trace shows
 what decode adds after the completion notice: waiting to be scheduled (`kv_rendezvous.schedule_wait_steps`,
-steps that ran without it) and the step itself. Kept apart from `connector.rendezvous_connector` so that it
+steps that ran without it) and the step itself. Kept apart from `rendezvous.connector.rendezvous_connector` so that it
 imports without vLLM.
 """
 

@@ -156,7 +156,7 @@ class Engine(_Process):
 
 
 class RouterProcess(_Process):
-    """A `python -m connector.router` process."""
+    """A `python -m rendezvous.connector.router` process."""
 
 
 ENGINE_NICE_ENV = "KV_RENDEZVOUS_ENGINE_NICE"
@@ -258,9 +258,9 @@ def build_tiny_model(path: Path, **shape: int) -> Path:
 def start_router(
     log_dir: Path, port: int, args: Sequence[str], name: str = "router", env: Mapping[str, str] | None = None
 ) -> RouterProcess:
-    """Start `python -m connector.router --listen 127.0.0.1:<port> <args>` (not yet healthy: see wait_healthy);
-    `env` adds environment variables."""
-    argv = [sys.executable, "-m", "connector.router", "--listen", f"127.0.0.1:{port}", *args]
+    """Start `python -m rendezvous.connector.router --listen 127.0.0.1:<port> <args>` (not yet healthy: see
+    wait_healthy); `env` adds environment variables."""
+    argv = [sys.executable, "-m", "rendezvous.connector.router", "--listen", f"127.0.0.1:{port}", *args]
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -288,7 +288,7 @@ def connector_config(
     adds `kv_connector_extra_config` keys."""
     return {
         "kv_connector": "RendezvousConnector",
-        "kv_connector_module_path": "connector.rendezvous_connector",
+        "kv_connector_module_path": "rendezvous.connector.rendezvous_connector",
         "kv_role": role,
         "kv_buffer_device": "cpu",
         "kv_load_failure_policy": failure_policy,

@@ -3,7 +3,7 @@
 Load it with
 
     --kv-transfer-config '{"kv_connector": "RendezvousConnector",
-                           "kv_connector_module_path": "connector.rendezvous_connector",
+                           "kv_connector_module_path": "rendezvous.connector.rendezvous_connector",
                            "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu",
                            "kv_connector_extra_config": {"rendezvous": "host:port", "pool": "..."}}'
 
@@ -11,8 +11,8 @@ and give both legs of a request the same `kv_transfer_params = {"transfer_id": .
 `traceparent` there (the router adds it when it traces) makes the connector's spans children of the router's.
 
 The scheduler-side instance only bookkeeps; everything that talks to the network lives in the worker-side
-instance, on a background thread with its own event loop (`connector._loop.LoopThread`, closed when the worker
-stops): the step loop hands it each step's work through the connector metadata and collects results from
+instance, on a background thread with its own event loop (`rendezvous.connector._loop.LoopThread`, closed when the
+worker stops): the step loop hands it each step's work through the connector metadata and collects results from
 thread-safe sets, never waiting on the network.
 
 - Producer (prefill): `on_new_request` claims the transfer at admission; `request_finished` keeps the
@@ -22,7 +22,7 @@ thread-safe sets, never waiting on the network.
   (chunked prefill), each step that leaves a claimed prompt unfinished hands the writer what it computed once
   the step's forward is done (`wait_for_save` -> `ProducerAgent.ready_part`), so the chunk's full blocks are
   written while the next chunk is computed. Each part carries an event recorded on the forward's stream where
-  it is handed over (`clients.nixl.device`): on a GPU the writer posts it only once the kernels that compute
+  it is handed over (`rendezvous.clients.nixl.device`): on a GPU the writer posts it only once the kernels that compute
   it have run, without blocking the forward.
 - Consumer (decode): `get_num_new_matched_tokens` asks for the prompt tokens not computed locally (async);
   `update_state_after_alloc` turns the allocated blocks into a target registered by the worker's
@@ -57,9 +57,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from connector._loop import LoopThread
-from connector.config import TRANSFER_ID_KEY, ConnectorConfig, binding_params, trace_context
-from connector.first_step import FirstSteps
+from rendezvous.connector._loop import LoopThread
+from rendezvous.connector.config import TRANSFER_ID_KEY, ConnectorConfig, binding_params, trace_context
+from rendezvous.connector.first_step import FirstSteps
 from rendezvous.protocol import tracing
 from rendezvous.protocol.bindings import Binding
 
@@ -74,10 +74,10 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from clients import ItemResult, NixlAgentInfo
-    from clients.nixl.consumer import ConsumerAgent, TransferResult
-    from clients.nixl.device import Device, KvReady
-    from clients.nixl.producer import ProducerAgent
+    from rendezvous.clients import ItemResult, NixlAgentInfo
+    from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
+    from rendezvous.clients.nixl.device import Device, KvReady
+    from rendezvous.clients.nixl.producer import ProducerAgent
 
 __all__ = ["RendezvousConnector", "RendezvousConnectorMetadata"]
 
@@ -418,7 +418,7 @@ class _WorkerSide:
 
     def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tracing.configure_from_env("kv-rendezvous-prefill" if self.producer else "kv-rendezvous-decode")
-        from clients.nixl.device import device_of
+        from rendezvous.clients.nixl.device import device_of
 
         tensors = self._block_tensors(kv_caches)
         self._thread = LoopThread(f"rendezvous-{self.engine_id}")
@@ -497,8 +497,8 @@ class _WorkerSide:
         return tensors
 
     def _layout(self, tensors: list[torch.Tensor]) -> Any:
-        from clients import KvLayout
-        from connector.compat import model_fingerprint
+        from rendezvous.clients import KvLayout
+        from rendezvous.connector.compat import model_fingerprint
         from rendezvous.protocol import kvmap
 
         model = self.vllm_config.model_config
@@ -523,10 +523,10 @@ class _WorkerSide:
 
     async def _open(self, tensors: list[torch.Tensor]) -> NixlAgentInfo:
         """This rank's client and agent, its NIXL side started; its agent, for the engine's registration."""
-        from clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, TLSConfig
-        from clients.nixl.consumer import ConsumerAgent
-        from clients.nixl.producer import ProducerAgent
-        from clients.nixl.writer import WriterConfig
+        from rendezvous.clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, TLSConfig
+        from rendezvous.clients.nixl.consumer import ConsumerAgent
+        from rendezvous.clients.nixl.producer import ProducerAgent
+        from rendezvous.clients.nixl.writer import WriterConfig
 
         config = self.config
         self._client = AsyncRendezvousClient(
@@ -658,13 +658,13 @@ class _WorkerSide:
     # Consumer
 
     def _consumer(self) -> ConsumerAgent:
-        from clients.nixl.consumer import ConsumerAgent
+        from rendezvous.clients.nixl.consumer import ConsumerAgent
 
         assert isinstance(self._agent, ConsumerAgent)
         return self._agent
 
     async def _register(self, transfer_id: str, block_ids: list[int], num_tokens: int) -> None:
-        from clients import TransferState
+        from rendezvous.clients import TransferState
 
         span = tracing.start("connector.receive", self._about(transfer_id), parent=self._traces.pop(transfer_id, None))
         self._receiving[transfer_id] = span
@@ -711,7 +711,7 @@ class _WorkerSide:
     # Producer
 
     def _producer_agent(self) -> ProducerAgent:
-        from clients.nixl.producer import ProducerAgent
+        from rendezvous.clients.nixl.producer import ProducerAgent
 
         assert isinstance(self._agent, ProducerAgent)
         return self._agent
@@ -724,7 +724,7 @@ class _WorkerSide:
     async def _claimed(self, transfer_id: str) -> bool:
         """Whether this producer holds the transfer (awaiting the claim sent at admission, or claiming now).
         Other ranks than 0 do not claim: their writer hears of the assignment, or of the end, through events."""
-        from clients import TransferState
+        from rendezvous.clients import TransferState
 
         if self.rank:
             return True

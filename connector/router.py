@@ -1,6 +1,6 @@
 """`kv-rendezvous router`: a reference OpenAI-compatible proxy for disaggregated vLLM engines.
 
-    python -m connector.router --listen 127.0.0.1:8000 --address 127.0.0.1:50051 \
+    python -m rendezvous.connector.router --listen 127.0.0.1:8000 --address 127.0.0.1:50051 \
         --route 'llama:prefill-a,prefill-b:decode-a' --route '*:prefill:decode' --policy least-loaded
 
 Per request (`POST /v1/completions`, `POST /v1/chat/completions`) it looks up the request's model in its routes
@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClientConfig,
     EngineInfo,
@@ -51,10 +51,10 @@ from clients import (
     RendezvousError,
     RouterClient,
 )
-from clients._router import DEFAULT_BINDING_TTL
-from connector.admission import Admission, DecodeAdmission, Refused, RouterMetrics
-from connector.config import TRANSFER_ID_KEY
-from connector.prompts import PromptReader, Tokenizer
+from rendezvous.clients._router import DEFAULT_BINDING_TTL
+from rendezvous.connector.admission import Admission, DecodeAdmission, Refused, RouterMetrics
+from rendezvous.connector.config import TRANSFER_ID_KEY
+from rendezvous.connector.prompts import PromptReader, Tokenizer
 from rendezvous.protocol import bindings, tracing
 from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
 
@@ -71,7 +71,8 @@ PREFILL_HEADER = "X-Kv-Prefill"
 `local-short` (on the decode engine: the prompt is below --local-prefill-below) or `local-busy` (on the decode
 engine: every prefill engine had --local-prefill-when-busy requests in flight)."""
 REFUSAL_HEADER = "X-Kv-Refusal"
-"""On a 503 for want of decode credit: why (`queue_full`, `queue_timeout`, `no_capacity`; connector.admission)."""
+"""On a 503 for want of decode credit: why (`queue_full`, `queue_timeout`, `no_capacity`;
+rendezvous.connector.admission)."""
 LOCAL_SHORT = "local-short"
 LOCAL_BUSY = "local-busy"
 _ENGINE_KEEPALIVE = 2.0

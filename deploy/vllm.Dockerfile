@@ -1,4 +1,4 @@
-# vLLM engines with the rendezvous connector (connector.rendezvous_connector) and the NIXL data plane.
+# vLLM engines with the rendezvous connector (rendezvous.connector.rendezvous_connector) and the NIXL data plane.
 # Build from the repository root: docker build -f deploy/vllm.Dockerfile -t vllm-rendezvous:0.1.0 .
 FROM vllm/vllm-openai:v0.11.0
 WORKDIR /opt/kv-rendezvous

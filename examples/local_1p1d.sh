@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 UCX_NET_
        VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1
 
 config() {  # role pool port [extra json]
-  printf '{"kv_connector": "RendezvousConnector", "kv_connector_module_path": "connector.rendezvous_connector",
+  printf '{"kv_connector": "RendezvousConnector", "kv_connector_module_path": "rendezvous.connector.rendezvous_connector",
  "kv_role": "%s", "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute",
  "kv_connector_extra_config": {"rendezvous": "127.0.0.1:50051", "pool": "%s",
  "labels": {"url": "http://127.0.0.1:%s"}}}' "$1" "$2" "$3"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     CompletionSpec,
@@ -21,7 +21,7 @@ from clients import (
     TargetSpec,
     mint_transfer_id,
 )
-from clients.testing import stand_in_agent  # a real engine registers its NIXL agents (one per rank)
+from rendezvous.clients.testing import stand_in_agent  # a real engine registers its NIXL agents (one per rank)
 
 
 async def main(address: str) -> None:

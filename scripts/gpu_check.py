@@ -10,8 +10,8 @@ byte for byte on the GPU and timed next to a device-to-device torch copy of as m
   tp2->tp2 layer-wise
             progressive push racing the kernels: each layer's KV is written on the GPU by a copy queued behind a
             long kernel and handed to the writer at once, with the event that marks it computed
-            (`clients.nixl.device.CudaDevice`); the consumer must hold the computed bytes, never the stale ones
-            the producer's memory held before (a write posted before its event would copy those)
+            (`rendezvous.clients.nixl.device.CudaDevice`); the consumer must hold the computed bytes, never the stale
+            ones the producer's memory held before (a write posted before its event would copy those)
 
 Only the data plane is loaded (clients/nixl and rendezvous/protocol, not the SDK's package, which needs gRPC
 extras), and NIXL either as `nixl` or as the bare `nixl_cu13` wheel. Without a GPU it prints "no GPU: skipping"
@@ -105,8 +105,8 @@ CASES = {"tp2->tp2": Engine(2, 1), "pp2->tp2": Engine(1, 2), LAYERWISE: Engine(2
 def consumer(conn: Connection, device: str, num_blocks: int) -> None:
     """The consumer engine: two ranks' receivers, polled steadily; checks the bytes when asked."""
     load_data_plane()
-    from clients.nixl.agent import NixlEndpoint
-    from clients.nixl.receiver import TransferReceiver
+    from rendezvous.clients.nixl.agent import NixlEndpoint
+    from rendezvous.clients.nixl.receiver import TransferReceiver
 
     tensors = [CONSUMER.tensors(r, num_blocks, device, None) for r in range(2)]
     receivers = [TransferReceiver(NixlEndpoint.from_tensors(f"gpu-check-c{r}", tensors[r])) for r in range(2)]
@@ -170,7 +170,7 @@ def main() -> int:
         print("no GPU: skipping (torch sees no CUDA device)")
         return 0
     load_data_plane()
-    from clients.nixl.writer import ConsumerEngine
+    from rendezvous.clients.nixl.writer import ConsumerEngine
 
     num_blocks = max(args.blocks or (544 if args.device == "cuda" else 40), 17)
     ctx = mp.get_context("spawn")
@@ -201,8 +201,8 @@ def start_writers(
 ) -> tuple[list[Any], threading.Semaphore, list[str]]:
     """One started `TransferWriter` per producer rank over its tensors (with PP, each its stage's layers), the
     semaphore each completion releases, and the list failed completions are reported to."""
-    from clients.nixl.agent import NixlEndpoint
-    from clients.nixl.writer import TransferWriter
+    from rendezvous.clients.nixl.agent import NixlEndpoint
+    from rendezvous.clients.nixl.writer import TransferWriter
 
     done = threading.Semaphore(0)
     errors: list[str] = []
@@ -283,7 +283,7 @@ def run_layerwise(
     """One transfer pushed layer by layer while the device computes each layer behind a long kernel; checked."""
     import torch
 
-    from clients.nixl.device import CpuDevice, CudaDevice, Device
+    from rendezvous.clients.nixl.device import CpuDevice, CudaDevice, Device
 
     seed, ranks, prompt = 5, producer.tp * producer.pp, len(src) * TOKENS
     computed = [producer.tensors(r, num_blocks, device, seed) for r in range(ranks)]  # what the kernels write

@@ -2,7 +2,7 @@
 
 Every suite registers the same engine: model "tiny" in float32, 16-token blocks, 2 layers; one agent per rank
 named after its engine, with metadata b"md-" + its name and DRAM regions of 64 blocks of 4 KiB from 1 MiB on
-(`clients.testing.stand_in_agent`, what an engine author's control-plane test registers); a consumer in pool
+(`rendezvous.clients.testing.stand_in_agent`, what an engine author's control-plane test registers); a consumer in pool
 "decode", a producer in "prefill". The builders differ only in the types of the layer under test:
 
 - `sdk_*`: the SDK's types (`rendezvous.clients`), for tests that go through a client;
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from clients import EngineRole, EngineSpec, KvLayout, NixlAgentInfo
-from clients.testing import stand_in_agent
 from rendezvous import core
+from rendezvous.clients import EngineRole, EngineSpec, KvLayout, NixlAgentInfo
+from rendezvous.clients.testing import stand_in_agent
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 MODEL = "tiny"

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from clients import ItemResult, Registration, TargetSpec
+from rendezvous.clients import ItemResult, Registration, TargetSpec
 
 CRASH_SLACK_S = 1.0
 """A renewal in flight when an engine crashed may extend its lease by about this much beyond crash + TTL."""

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from clients import AsyncRendezvousClient, EngineRole, Registration, TargetSpec
-from clients.testing import start_test_server
+from rendezvous.clients import AsyncRendezvousClient, EngineRole, Registration, TargetSpec
+from rendezvous.clients.testing import start_test_server
 from tests.factories import sdk_engine
 from tests.oracle import CRASH_SLACK_S, Assignment, Ledger
 

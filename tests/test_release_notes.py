@@ -17,20 +17,27 @@ from typing import TypeVar
 import pytest
 from prometheus_client import CollectorRegistry
 
-from clients.demo import add_demo_arguments
-from clients.nixl.metrics import DataPlaneMetrics
-from connector.admission import RouterMetrics
-from connector.config import ConnectorConfig
-from connector.router import build_parser as router_parser
 from rendezvous.cli import build_parser
+from rendezvous.clients.demo import add_demo_arguments
+from rendezvous.clients.nixl.metrics import DataPlaneMetrics
 from rendezvous.conformance.runner import add_arguments as add_conformance_arguments
+from rendezvous.connector.admission import RouterMetrics
+from rendezvous.connector.config import ConnectorConfig
+from rendezvous.connector.router import build_parser as router_parser
 from rendezvous.server.metrics import Metrics
 from rendezvous.v1 import errors_pb2, rendezvous_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 NOTES = (REPO / "docs" / "releases" / "0.1.0.md").read_text(encoding="utf-8")
 PACKAGES = ("rendezvous", "clients", "connector")
-SDK_MODULES = ("clients", "clients.nixl", "clients.testing", "connector", "rendezvous.protocol", "rendezvous.server")
+SDK_MODULES = (
+    "rendezvous.clients",
+    "rendezvous.clients.nixl",
+    "rendezvous.clients.testing",
+    "rendezvous.connector",
+    "rendezvous.protocol",
+    "rendezvous.server",
+)
 _ENV_NAME = re.compile(r"KV_RENDEZVOUS_[A-Z0-9_]+")
 
 

@@ -11,17 +11,23 @@
 NIXL itself is imported when the first endpoint is created; this package imports without it.
 """
 
-from clients._types import KvRegion, MemoryKind, NixlAgentInfo
-from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
-from clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
-from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, PeerError, TransferFailedError
-from clients.nixl.metrics import DataPlaneMetrics
-from clients.nixl.notifications import TransferNotification, encode_notification, parse_notification
-from clients.nixl.polling import PollConfig
-from clients.nixl.producer import ProducerAgent, WriteReport
-from clients.nixl.receiver import TransferReceiver
-from clients.nixl.regions import DescriptorTable, memory_kind_of, regions_from_tensors, registration_spans
-from clients.nixl.writer import (
+from rendezvous.clients._types import KvRegion, MemoryKind, NixlAgentInfo
+from rendezvous.clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
+from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
+from rendezvous.clients.nixl.errors import (
+    BlockRangeError,
+    DataPlaneError,
+    LayoutMismatchError,
+    PeerError,
+    TransferFailedError,
+)
+from rendezvous.clients.nixl.metrics import DataPlaneMetrics
+from rendezvous.clients.nixl.notifications import TransferNotification, encode_notification, parse_notification
+from rendezvous.clients.nixl.polling import PollConfig
+from rendezvous.clients.nixl.producer import ProducerAgent, WriteReport
+from rendezvous.clients.nixl.receiver import TransferReceiver
+from rendezvous.clients.nixl.regions import DescriptorTable, memory_kind_of, regions_from_tensors, registration_spans
+from rendezvous.clients.nixl.writer import (
     OnComplete,
     OnCompleteParts,
     OnRevoked,

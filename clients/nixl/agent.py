@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from clients.nixl.errors import BlockRangeError, LayoutMismatchError, PeerError, TransferFailedError
-from clients.nixl.regions import (
+from rendezvous.clients.nixl.errors import BlockRangeError, LayoutMismatchError, PeerError, TransferFailedError
+from rendezvous.clients.nixl.regions import (
     BlockIds,
     DescriptorTable,
     memory_kind_of,
@@ -278,7 +278,7 @@ class NixlEndpoint:
         """Post a WRITE (local -> peer) or READ (peer -> local) of descriptor lists built for this transfer.
 
         `local[i]` pairs with `remote[i]`, Nx3 (address, length, device) rows inside the registered memory of
-        each side (see `clients.nixl.plan`). Raises `PeerError` for an unknown peer and `TransferFailedError`
+        each side (see `rendezvous.clients.nixl.plan`). Raises `PeerError` for an unknown peer and `TransferFailedError`
         when NIXL refuses the lists or the transfer.
         """
         agent = self._nixl()

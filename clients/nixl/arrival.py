@@ -1,10 +1,10 @@
 """`PartsArrival`: when a consumer rank may take a progressive target (written in parts) as arrived by itself.
 
 Each WRITE of a part carries a notification that says which rectangles of the target it carried (tokens x model
-layers, `clients.nixl.notifications`), and NIXL delivers it only once that WRITE landed. So the parts a sender's
-notifications name are in the consumer's blocks. The target has arrived once, for each of the `writers` producer
-ranks that write into this consumer rank, the parts it named tile its share exactly (every token of the target x
-every layer of its share, no cell twice: `rendezvous.protocol.tiling.check_parts`, the service's own check), and
+layers, `rendezvous.clients.nixl.notifications`), and NIXL delivers it only once that WRITE landed. So the parts a
+sender's notifications name are in the consumer's blocks. The target has arrived once, for each of the `writers`
+producer ranks that write into this consumer rank, the parts it named tile its share exactly (every token of the target
+x every layer of its share, no cell twice: `rendezvous.protocol.tiling.check_parts`, the service's own check), and
 the senders' shares together cover every layer the consumer rank holds.
 
 A notification repeated (the same rectangle again) counts once. Anything that cannot be part of an exact tiling
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from clients.nixl.notifications import TransferNotification
+from rendezvous.clients.nixl.notifications import TransferNotification
 from rendezvous.protocol.errors import RendezvousError
 from rendezvous.protocol.records import WrittenPart
 from rendezvous.protocol.tiling import check_parts

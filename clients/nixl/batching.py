@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
-from clients._types import ItemResult
+from rendezvous.clients._types import ItemResult
 
 __all__ = ["Batcher"]
 

@@ -7,11 +7,11 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 - ok: the generation's bytes are in its blocks. Push: the first of the NIXL notification "T:g" and the
   TRANSFER_COMMITTED event says so; notifications of other generations are ignored (fencing). A progressive
   target (written in parts) arrives on the first of the part notification that completes its tiling
-  (`clients.nixl.arrival`: each sender's parts tile its share, as the service checks them) and TRANSFER_COMMITTED
-  (the service commits once the parts the producer reports tile the target); a whole-write notification is not
-  arrival for it, and notifications that cannot tile it (overlapping, outside) leave it to the commit, so decode
-  never starts on missing bytes. Pull: on SOURCE_READY the agent READs the producer's blocks itself, then
-  reports CompleteTransfers.
+  (`rendezvous.clients.nixl.arrival`: each sender's parts tile its share, as the service checks them) and
+  TRANSFER_COMMITTED (the service commits once the parts the producer reports tile the target); a whole-write
+  notification is not arrival for it, and notifications that cannot tile it (overlapping, outside) leave it to the
+  commit, so decode never starts on missing bytes. Pull: on SOURCE_READY the agent READs the producer's blocks itself,
+  then reports CompleteTransfers.
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
   failed, or the service lost the transfer). When the service still fences a generation the producer may be
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
@@ -47,9 +47,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Unpack
 
-from clients._roles import ConsumerSession
-from clients._session import RankSession
-from clients._types import (
+from rendezvous.clients._roles import ConsumerSession
+from rendezvous.clients._session import RankSession
+from rendezvous.clients._types import (
     AbortReason,
     AbortSpec,
     Binding,
@@ -68,18 +68,18 @@ from clients._types import (
     TransferMode,
     TransferState,
 )
-from clients.aio import AsyncRendezvousClient
-from clients.nixl.agent import NixlEndpoint
-from clients.nixl.arrival import PartsArrival
-from clients.nixl.batching import Batcher
-from clients.nixl.integrity import block_digests
-from clients.nixl.notifications import TransferNotification
-from clients.nixl.polling import PollConfig
-from clients.nixl.producer import agent_for_rank
-from clients.nixl.rank import RankAgent, RankOptions
-from clients.nixl.receiver import TransferReceiver
-from clients.nixl.receiver_thread import ReceiverThread
-from clients.nixl.regions import KvRegion, MemoryKind
+from rendezvous.clients.aio import AsyncRendezvousClient
+from rendezvous.clients.nixl.agent import NixlEndpoint
+from rendezvous.clients.nixl.arrival import PartsArrival
+from rendezvous.clients.nixl.batching import Batcher
+from rendezvous.clients.nixl.integrity import block_digests
+from rendezvous.clients.nixl.notifications import TransferNotification
+from rendezvous.clients.nixl.polling import PollConfig
+from rendezvous.clients.nixl.producer import agent_for_rank
+from rendezvous.clients.nixl.rank import RankAgent, RankOptions
+from rendezvous.clients.nixl.receiver import TransferReceiver
+from rendezvous.clients.nixl.receiver_thread import ReceiverThread
+from rendezvous.clients.nixl.regions import KvRegion, MemoryKind
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
 
@@ -111,7 +111,7 @@ class AgentReason(StrEnum):
     LOST = "LOST"
     """The service no longer has the transfer (or the engine's registration of it failed)."""
     CORRUPTED = "CORRUPTED"
-    """The bytes in the blocks do not match the digests the producer sent (`clients.nixl.integrity`)."""
+    """The bytes in the blocks do not match the digests the producer sent (`rendezvous.clients.nixl.integrity`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -175,7 +175,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         `on_result(result)` (else `results()`) runs on the event loop the agent was started on; `poll` sets how
         the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
         transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
-        `integrity`: every pushed transfer must come with the producer's digests (`clients.nixl.integrity`,
+        `integrity`: every pushed transfer must come with the producer's digests (`rendezvous.clients.nixl.integrity`,
         its writer's `WriterConfig.integrity`), checked before it counts as arrived; without, it fails
         (`AgentReason.CORRUPTED`). Digests that come are checked either way.
         """

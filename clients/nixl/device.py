@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from clients.nixl.regions import memory_kind_of
+from rendezvous.clients.nixl.regions import memory_kind_of
 from rendezvous.protocol.enums import MemoryKind
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 
 With `WriterConfig.integrity` a producer rank computes, for every region, the xxh3-64 digest of the bytes of the
 target's blocks it wrote (in the target's block order), and sends the digests with the notification of the write
-(`clients.nixl.notifications`, "#<hex>,..."). A consumer rank that gets digests computes the same over its own
-regions and takes the transfer as arrived only if every one matches (`ConsumerAgent`); a mismatch fails the
+(`rendezvous.clients.nixl.notifications`, "#<hex>,..."). A consumer rank that gets digests computes the same over its
+own regions and takes the transfer as arrived only if every one matches (`ConsumerAgent`); a mismatch fails the
 transfer (`AgentReason.CORRUPTED`) and never reaches decode. Digests are sent only for a whole write into a
 consumer rank whose regions pair with the producer's block for block (equal layouts: one writer, every head,
 equal block sizes), so both sides hash the same bytes; a producer with integrity writes each generation in
@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from clients.nixl.regions import BlockIds
+from rendezvous.clients.nixl.regions import BlockIds
 from rendezvous.protocol.records import KvRegion
 
 __all__ = ["block_digests"]

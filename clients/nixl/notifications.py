@@ -12,7 +12,7 @@ with carried (the parts of several transfers may go in one WRITE). An entry is e
   "<first_token>+<num_tokens>x<first_layer>+<num_layers>", in the target's tokens (0 = its first).
 
 Either may end in "#<digest>,<digest>,...": per region of the consumer rank, the 16-hex-digit xxh3-64 of the
-target's blocks the write carried, whole (end-to-end integrity, `clients.nixl.integrity`).
+target's blocks the write carried, whole (end-to-end integrity, `rendezvous.clients.nixl.integrity`).
 
 `<version>` is the data-plane version that wrote it (rendezvous.protocol.dataplane); transfer ids hold no
 whitespace and the generation is what follows an entry's last ':', so ids may contain ':' and the untagged form
@@ -21,7 +21,7 @@ of version 1 ("<transfer_id>:<generation>[/<writers>]") reads too. Versions 1 an
 NIXL delivers a notification only after the WRITE posted with it landed, so a consumer learns from it which of
 its blocks hold the bytes: all of a generation's once every one of `writers` senders (0 = unknown: wait for
 TRANSFER_COMMITTED) sent a whole entry, and for a progressive target once each sender's parts tile its share
-(`clients.nixl.arrival`). A notification for a generation no longer expected is ignored (fencing).
+(`rendezvous.clients.nixl.arrival`). A notification for a generation no longer expected is ignored (fencing).
 """
 
 from __future__ import annotations

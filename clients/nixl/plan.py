@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from clients.nixl.errors import BlockRangeError, LayoutMismatchError
+from rendezvous.clients.nixl.errors import BlockRangeError, LayoutMismatchError
 from rendezvous.protocol.kvmap import HEAD_MAJOR, HEAD_SPLIT_LAYOUTS, HKTV, RankShare, TokenRun
 from rendezvous.protocol.records import KvRegion
 

@@ -32,9 +32,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
-from clients._roles import ProducerSession
-from clients._session import RankSession
-from clients._types import (
+from rendezvous.clients._roles import ProducerSession
+from rendezvous.clients._session import RankSession
+from rendezvous.clients._types import (
     AbortSpec,
     Binding,
     ClaimSpec,
@@ -52,15 +52,15 @@ from clients._types import (
     TransferMode,
     TransferState,
 )
-from clients.aio import AsyncRendezvousClient
-from clients.nixl.agent import NixlEndpoint
-from clients.nixl.batching import Batcher
-from clients.nixl.device import COMPLETE, KvReady
-from clients.nixl.rank import RankAgent, RankOptions
-from clients.nixl.receiver import TransferReceiver
-from clients.nixl.receiver_thread import ReceiverThread
-from clients.nixl.regions import BlockIds
-from clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig, WrittenPart
+from rendezvous.clients.aio import AsyncRendezvousClient
+from rendezvous.clients.nixl.agent import NixlEndpoint
+from rendezvous.clients.nixl.batching import Batcher
+from rendezvous.clients.nixl.device import COMPLETE, KvReady
+from rendezvous.clients.nixl.rank import RankAgent, RankOptions
+from rendezvous.clients.nixl.receiver import TransferReceiver
+from rendezvous.clients.nixl.receiver_thread import ReceiverThread
+from rendezvous.clients.nixl.regions import BlockIds
+from rendezvous.clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig, WrittenPart
 from rendezvous.protocol import tracing
 
 if TYPE_CHECKING:
@@ -290,8 +290,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
     ) -> None:
         """Push only: the prompt's first `num_computed_tokens` tokens are computed in model layers `[first, end)`
         (None = all) in `block_ids`, the prompt's blocks so far, or will be once `kv_ready` is done (recorded on
-        the compute stream where the engine calls this: `clients.nixl.device`); `ready` still follows once all
-        is computed.
+        the compute stream where the engine calls this: `rendezvous.clients.nixl.device`); `ready` still follows once
+        all is computed.
 
         Layer-wise prefill calls this once per layer, chunked prefill once per chunk. When the consumer accepts
         parts, this rank's writer posts what is new at once (`TransferWriter.source_part`, which needs the

@@ -4,7 +4,7 @@ Both join one rank's NIXL agent to an engine session: `open` starts the rank's N
 `NixlAgentInfo`; `start` then either registers the engine (rank 0, or a single-rank engine) with every rank's
 agent, in a session of its role, or follows that registration from another rank (`RankSession`); `close` ends
 it. Callbacks from the NIXL thread hop onto the loop the agent was started on. Both time their side of the data
-plane in Prometheus histograms (`clients.nixl.metrics`), kept in the registry given as `metrics_registry`
+plane in Prometheus histograms (`rendezvous.clients.nixl.metrics`), kept in the registry given as `metrics_registry`
 (default: prometheus_client's global `REGISTRY`).
 
 A multi-rank engine (tensor or pipeline parallel) runs one agent per rank, usually in one process each:
@@ -25,12 +25,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar, Unpack
 
-from clients._config import SessionConfig
-from clients._roles import RoleSession
-from clients._session import RankSession
-from clients._types import EngineCapacity, KvLayout, NixlAgentInfo, SessionEvent
-from clients.aio import AsyncRendezvousClient
-from clients.nixl.metrics import DataPlaneMetrics
+from rendezvous.clients._config import SessionConfig
+from rendezvous.clients._roles import RoleSession
+from rendezvous.clients._session import RankSession
+from rendezvous.clients._types import EngineCapacity, KvLayout, NixlAgentInfo, SessionEvent
+from rendezvous.clients.aio import AsyncRendezvousClient
+from rendezvous.clients.nixl.metrics import DataPlaneMetrics
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 
 if TYPE_CHECKING:
@@ -78,7 +78,8 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         self.engine_id = engine_id
         self.rank = rank = options.get("rank", 0)
         self.metrics = DataPlaneMetrics.of(options.get("metrics_registry"))
-        """This rank's data-plane histograms (`clients.nixl.metrics`), in the registry the agent was given."""
+        """This rank's data-plane histograms (`rendezvous.clients.nixl.metrics`), in the registry the agent was
+        given."""
         layout = options.get("layout")
         if layout is None or not layout.model_fingerprint or layout.num_layers < 1:
             raise ValueError(

@@ -1,7 +1,7 @@
 """`TransferReceiver`: the consumer's side of the data plane.
 
 It owns a `NixlEndpoint` over the destination regions. In push mode producers WRITE into them and
-`poll_notifications` reports each notification entry that arrived (clients.nixl.notifications); in pull mode
+`poll_notifications` reports each notification entry that arrived (rendezvous.clients.nixl.notifications); in pull mode
 the receiver READs a producer's blocks itself. Like the endpoint, a receiver belongs to one thread. Call
 `poll_notifications` steadily while writes are expected: on UCX over shm/tcp a producer's WRITE only completes
 while the receiving agent is polled.
@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import time
 
-from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
-from clients.nixl.errors import TransferFailedError
-from clients.nixl.notifications import TransferNotification, parse_notification
-from clients.nixl.polling import Backoff, PollConfig
-from clients.nixl.regions import BlockIds
+from rendezvous.clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
+from rendezvous.clients.nixl.errors import TransferFailedError
+from rendezvous.clients.nixl.notifications import TransferNotification, parse_notification
+from rendezvous.clients.nixl.polling import Backoff, PollConfig
+from rendezvous.clients.nixl.regions import BlockIds
 from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
 
 __all__ = ["TransferReceiver"]

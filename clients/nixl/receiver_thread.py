@@ -15,13 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from clients._types import NixlAgentInfo
-from clients.nixl.agent import PostedTransfer
-from clients.nixl.errors import DataPlaneError
-from clients.nixl.notifications import TransferNotification
-from clients.nixl.polling import Backoff, PollConfig
-from clients.nixl.receiver import TransferReceiver
-from clients.nixl.regions import BlockIds
+from rendezvous.clients._types import NixlAgentInfo
+from rendezvous.clients.nixl.agent import PostedTransfer
+from rendezvous.clients.nixl.errors import DataPlaneError
+from rendezvous.clients.nixl.notifications import TransferNotification
+from rendezvous.clients.nixl.polling import Backoff, PollConfig
+from rendezvous.clients.nixl.receiver import TransferReceiver
+from rendezvous.clients.nixl.regions import BlockIds
 
 __all__ = ["OnNotifications", "OnReadDone", "ReceiverThread"]
 

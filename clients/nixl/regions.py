@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from clients.nixl.errors import BlockRangeError, LayoutMismatchError
+from rendezvous.clients.nixl.errors import BlockRangeError, LayoutMismatchError
 from rendezvous.protocol.enums import MemoryKind
 from rendezvous.protocol.records import KvRegion
 

@@ -12,24 +12,24 @@ An assignment names either one consumer agent, whose regions pair with this rank
 blocks), or the consumer engine (`ConsumerEngine`: its layout and every rank's agent). Then this rank writes
 its share of each consumer rank as `rendezvous.protocol.kvmap` says (its heads and layers; tokens paired by
 `token_runs` when block sizes differ): one WRITE per consumer rank it has a share in, each with descriptor
-lists built for the transfer (`clients.nixl.plan`) and the notification "<transfer_id>:<generation>" (with
-`WriterConfig.integrity`, also the digests of what it carries: `clients.nixl.integrity`).
+lists built for the transfer (`rendezvous.clients.nixl.plan`) and the notification "<transfer_id>:<generation>" (with
+`WriterConfig.integrity`, also the digests of what it carries: `rendezvous.clients.nixl.integrity`).
 
 Progressive push (`assign(..., progressive=True)`: the consumer accepts parts). The engine reports what it computed
 with `source_part` (layer-wise prefill: each layer of the whole prompt; chunked prefill: each chunk in all layers),
 and the writer posts what is new as soon as it holds the assignment: a part covers the target blocks all of whose
-tokens are computed in the layers reported (`clients.nixl.parts`), so a partly computed block waits for the next
-part or the final write. That needs the writer's `layout` (block sizes, layers) and the prompt's length (from
+tokens are computed in the layers reported (`rendezvous.clients.nixl.parts`), so a partly computed block waits for the
+next part or the final write. That needs the writer's `layout` (block sizes, layers) and the prompt's length (from
 `source_part` or `assign`); until both are known parts are only remembered. A part goes in one WRITE per consumer
 rank with a share in it, with the notification of the rectangles it carries in that rank's share
-(`clients.nixl.notifications`: the consumer arrives once they tile the target, before the service's commit); for a
-whole-block share its cells are addressed by index in the prepared lists (its layers as ranges of regions), and the
-parts of every transfer handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per
+(`rendezvous.clients.nixl.notifications`: the consumer arrives once they tile the target, before the service's commit);
+for a whole-block share its cells are addressed by index in the prepared lists (its layers as ranges of regions), and
+the parts of every transfer handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per
 consumer rank, held by each of those transfers and naming each one's; other shares' cells are merged into as few
 descriptors as they allow. Every share works, with different block sizes and TP sizes too. A source or part handed
-over with a `KvReady` (the device still computing it: `clients.nixl.device`) waits, in order per transfer, until it
-is done; one whose device fails or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most
-`WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes
+over with a `KvReady` (the device still computing it: `rendezvous.clients.nixl.device`) waits, in order per transfer,
+until it is done; one whose device fails or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At
+most `WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes
 together once one drains. `source_ready` is the final: what is left is posted at once, each WRITE with its parts'
 notification (none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
 integrity) the generation goes in one write at `source_ready`; into a progressive target its notification names the
@@ -73,15 +73,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
-from clients.nixl.device import COMPLETE, KvReady
-from clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
-from clients.nixl.integrity import block_digests
-from clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
-from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
-from clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
-from clients.nixl.polling import Backoff, PollConfig
-from clients.nixl.regions import BlockIds, MemoryKind
+from rendezvous.clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
+from rendezvous.clients.nixl.device import COMPLETE, KvReady
+from rendezvous.clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
+from rendezvous.clients.nixl.integrity import block_digests
+from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
+from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
+from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
+from rendezvous.clients.nixl.polling import Backoff, PollConfig
+from rendezvous.clients.nixl.regions import BlockIds, MemoryKind
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.records import KvLayout
 from rendezvous.protocol.records import NixlAgent as NixlAgentInfo
@@ -135,9 +135,9 @@ class WriterConfig:
     copies the bytes, so large parts look costly: in the serving simulation 4 paid at 512 tokens but held back
     nearly every part at 8k (benchmarks/RESULTS.md). 0: every part at once."""
     integrity: bool = False
-    """End-to-end integrity (`clients.nixl.integrity`): send the xxh3 digests of what each whole write carries, per
-    region, for the consumer to check before arrival. Generations then go in one write (no progressive parts).
-    DRAM regions only."""
+    """End-to-end integrity (`rendezvous.clients.nixl.integrity`): send the xxh3 digests of what each whole write
+    carries, per region, for the consumer to check before arrival. Generations then go in one write (no progressive
+    parts). DRAM regions only."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -297,7 +297,7 @@ class _Piece:
     covers: tuple[WrittenPart, ...] = ()
     """Written in parts: the rectangles of the target this WRITE carries, in its layers (`_Target.layers`)."""
     digests: tuple[int, ...] = ()
-    """Integrity: per region, the digest of the source blocks of a whole write (`clients.nixl.integrity`)."""
+    """Integrity: per region, the digest of the source blocks of a whole write (`rendezvous.clients.nixl.integrity`)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -460,8 +460,8 @@ class TransferWriter:
 
     def source_ready(self, transfer_id: str, src_block_ids: BlockIds, *, kv_ready: KvReady = COMPLETE) -> None:
         """The transfer's KV is computed in `src_block_ids`, or will be once `kv_ready` is done (nothing of it is
-        written before: `clients.nixl.device`). Raises `BlockRangeError` for ids outside the endpoint's regions
-        (checked here, in the caller's thread)."""
+        written before: `rendezvous.clients.nixl.device`). Raises `BlockRangeError` for ids outside the endpoint's
+        regions (checked here, in the caller's thread)."""
         src = self._endpoint.table.check_block_ids(src_block_ids).copy()
         self._put(_SourceReady(transfer_id, src, kv_ready))
 
@@ -996,7 +996,8 @@ class TransferWriter:
 
     @staticmethod
     def _notification(w: _Write, piece: _Piece) -> bytes:
-        """A whole write's notification; with parts, what this piece carries (`clients.nixl.notifications`)."""
+        """A whole write's notification; with parts, what this piece carries
+        (`rendezvous.clients.nixl.notifications`)."""
         if piece.covers:
             return encode_parts([_entry(w.assignment.transfer_id, w.generation, piece)])
         if w.progress is None:

@@ -1,4 +1,4 @@
-"""Shorten vLLM's shared-memory spin in engines started by `connector.launch` (tests, benchmarks, demos).
+"""Shorten vLLM's shared-memory spin in engines started by `rendezvous.connector.launch` (tests, benchmarks, demos).
 
 A vLLM worker waits for its next step on a shared-memory queue (`shm_broadcast.MessageQueue`), and after each
 read it busy-polls it for 1 s (`SpinCondition.busy_loop_s`, not configurable) before it sleeps on a socket. On a
@@ -9,8 +9,8 @@ slices of that length, looking at the queue between slices. The slices matter: t
 write (a reader that sleeps on it indefinitely stalled for up to vLLM's 5 s recheck: TTFT p99 9.9 s on a plain
 engine at 4 requests/s), which vLLM's 1 s of spinning hides.
 
-Python imports this module at start-up when its folder is on PYTHONPATH (`connector.launch` puts it there); it
-only installs an import hook, which patches the queue's module when vLLM imports it.
+Python imports this module at start-up when its folder is on PYTHONPATH (`rendezvous.connector.launch` puts it there);
+it only installs an import hook, which patches the queue's module when vLLM imports it.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from clients import AsyncRendezvousClient
-from clients.nixl import ConsumerAgent, TransferResult
+from rendezvous.clients import AsyncRendezvousClient
+from rendezvous.clients.nixl import ConsumerAgent, TransferResult
 
 from .model import LAYOUT, blocks_needed, kv_cache, prompt_kv
 

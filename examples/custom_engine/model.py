@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from clients import KvLayout
+from rendezvous.clients import KvLayout
 
 NUM_LAYERS = 2
 BLOCK_SIZE = 16

@@ -13,8 +13,8 @@ import asyncio
 
 import torch
 
-from clients import AsyncRendezvousClient
-from clients.nixl import ProducerAgent
+from rendezvous.clients import AsyncRendezvousClient
+from rendezvous.clients.nixl import ProducerAgent
 
 from .decode import Reply
 from .model import LAYOUT, blocks_needed, kv_cache, prompt_kv

@@ -16,7 +16,7 @@ import signal
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from clients import mint_transfer_id
+from rendezvous.clients import mint_transfer_id
 
 from .decode import DecodeEngine
 from .prefill import PrefillEngine

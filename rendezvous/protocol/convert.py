@@ -1,6 +1,6 @@
 """The one mapping between the wire (rendezvous.v1 messages) and the protocol's records, requests and errors.
 
-Service (rendezvous.wire) and SDK (clients._convert) both build on it: a request maps here both ways (the SDK
+Service (rendezvous.wire) and SDK (rendezvous.clients._convert) both build on it: a request maps here both ways (the SDK
 sends it, the service reads it), as does an error (google.rpc.Status with one ErrorInfo, AIP-193) and a
 transfer (the `TransferRecord` that both sides extend). Each side keeps only the mapping of what is its own
 (the service's engines and events, the SDK's views of the answers).

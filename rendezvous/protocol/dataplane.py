@@ -1,8 +1,8 @@
 """Data-plane versions: which formats of the bytes an engine's connector moves can work together.
 
-The data plane (clients.nixl) is what producer and consumer agree on without the service in between: the NIXL
-notification that accompanies a transfer's bytes (clients.nixl.notifications) and the blocks' layout in memory.
-Each engine states the version it speaks in its layout (`KvLayout.data_plane_version`); the service refuses a
+The data plane (rendezvous.clients.nixl) is what producer and consumer agree on without the service in between: the NIXL
+notification that accompanies a transfer's bytes (rendezvous.clients.nixl.notifications) and the blocks' layout in
+memory. Each engine states the version it speaks in its layout (`KvLayout.data_plane_version`); the service refuses a
 version it does not know at registration, and aborts a transfer whose consumer cannot read what its producer
 writes (AbortReason.DATA_PLANE_MISMATCH), naming both versions.
 
@@ -12,8 +12,8 @@ Versions:
    too, so during a rolling upgrade consumers go first (docs/operations.md, "Upgrading").
 3. Several entries per notification, and parts entries: "3 <transfer_id>:<generation>/<writers>@<layers>=<parts>"
    says which rectangles of a progressive target the WRITE it came with carried, so the consumer declares
-   arrival itself once they tile the target (clients.nixl.notifications, clients.nixl.arrival). Its consumers
-   read 1 and 2 (where a progressive target arrives on TRANSFER_COMMITTED, as before).
+   arrival itself once they tile the target (rendezvous.clients.nixl.notifications, rendezvous.clients.nixl.arrival).
+   Its consumers read 1 and 2 (where a progressive target arrives on TRANSFER_COMMITTED, as before).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each part (`WrittenPart`) is tokens `[first_token, first_token + num_tokens)` of the target (0 = its first) x
 layers `[first_layer, first_layer + num_layers)` of the model (`num_layers` 0: every held layer). The service
 checks the parts a completion reports (`rendezvous.core.parts`), and a consumer rank checks the parts its
-producers' notifications say landed (`clients.nixl.arrival`): one check, so both sides agree on what tiles.
+producers' notifications say landed (`rendezvous.clients.nixl.arrival`): one check, so both sides agree on what tiles.
 
 The check is a sweep over the layers: parts start and end at layer boundaries, the parts spanning the current
 layer interval are kept sorted by first token, and each newcomer is compared with its two neighbours (disjoint

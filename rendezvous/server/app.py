@@ -103,8 +103,8 @@ class RendezvousServer:
     """One server replica. `start()`, then `stop()`; `address` is known once started.
 
     clock: the time leases, deadlines, credits and bindings are judged by, wall time by default. A test passes a
-    fake one (clients.testing.FakeClock), moves it and calls `coordinator.sweep()` instead of sleeping; the memory
-    store's kept answers then expire by it too (by default they run on a monotonic clock).
+    fake one (rendezvous.clients.testing.FakeClock), moves it and calls `coordinator.sweep()` instead of sleeping; the
+    memory store's kept answers then expire by it too (by default they run on a monotonic clock).
     """
 
     def __init__(self, config: ServerConfig | None = None, clock: Callable[[], float] | None = None) -> None:

@@ -20,7 +20,14 @@ import time
 import numpy as np
 import numpy.typing as npt
 
-from clients.nixl import KvRegion, NixlAgentInfo, NixlEndpoint, TransferReceiver, XferStatus, encode_notification
+from rendezvous.clients.nixl import (
+    KvRegion,
+    NixlAgentInfo,
+    NixlEndpoint,
+    TransferReceiver,
+    XferStatus,
+    encode_notification,
+)
 
 REGIONS = 2
 BLOCKS = 64

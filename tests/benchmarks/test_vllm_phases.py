@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from vllm_phases import PHASES, median_ms, overhead_ms, phases, pull_phases
 
-from clients import TransferTimes
+from rendezvous.clients import TransferTimes
 
 
 def row(*seconds: float) -> dict[str, float]:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClientConfig,
     ConsumerSession,
@@ -22,7 +22,7 @@ from clients import (
     SessionConfig,
     SessionEvent,
 )
-from clients.testing import AsyncTestServer, start_test_server
+from rendezvous.clients.testing import AsyncTestServer, start_test_server
 from rendezvous.core.limits import Limits, Timeouts
 from tests.factories import SDK_LAYOUT as LAYOUT
 from tests.factories import sdk_agent as agent

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from clients import CompletionSpec, ItemResult, SourceReadySpec, TransferState, Unavailable, WrittenPart
-from clients.nixl.batching import Batcher
+from rendezvous.clients import CompletionSpec, ItemResult, SourceReadySpec, TransferState, Unavailable, WrittenPart
+from rendezvous.clients.nixl.batching import Batcher
 from rendezvous.v1 import rendezvous_pb2 as pb
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     ERROR_DOMAIN,
     AsyncRendezvousClient,
     AsyncWatchStream,
@@ -29,8 +29,8 @@ from clients import (
     Unavailable,
     WatchBatch,
 )
-from clients import _commands as commands
-from clients.testing import AsyncTestServer
+from rendezvous.clients import _commands as commands
+from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import FAST_RETRY, LAYOUT, WAIT, agent, client_config, free_port
 from tests.factories import sdk_engine
 

@@ -10,7 +10,7 @@ from google.rpc import error_details_pb2, status_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clients import (
+from rendezvous.clients import (
     ERROR_DOMAIN,
     AbortReason,
     ClaimSpec,
@@ -26,7 +26,7 @@ from clients import (
     WrittenPart,
     _convert,
 )
-from clients import _commands as commands
+from rendezvous.clients import _commands as commands
 from rendezvous.protocol import convert
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.clients.conftest import LAYOUT, agent

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
-from clients import (
+from rendezvous.clients import (
     ERROR_DOMAIN,
     FailedPrecondition,
     InvalidArgument,
@@ -17,7 +17,7 @@ from clients import (
     RendezvousError,
     Unavailable,
 )
-from clients._exceptions import from_rpc_error
+from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.protocol import errors as protocol_errors
 from rendezvous.protocol.convert import error as from_status
 from rendezvous.protocol.convert import error_status

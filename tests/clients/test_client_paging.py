@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from clients import AsyncRendezvousClient, EngineRole, EngineSpec, EngineView, RendezvousClient, RouterClient
-from clients.testing import TestServer, start_test_server
+from rendezvous.clients import AsyncRendezvousClient, EngineRole, EngineSpec, EngineView, RendezvousClient, RouterClient
+from rendezvous.clients.testing import TestServer, start_test_server
 from rendezvous.core.limits import Limits
 from tests.clients.conftest import client_config
 from tests.factories import sdk_engine

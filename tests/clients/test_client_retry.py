@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ChannelOptions,
     ClaimSpec,
@@ -27,9 +27,9 @@ from clients import (
     TransferState,
     Unavailable,
 )
-from clients._retry import Attempts, Backoff
-from clients._transport import CallMetadata, EpochTracker
-from clients.testing import AsyncTestServer, FakeClock, TestServer
+from rendezvous.clients._retry import Attempts, Backoff
+from rendezvous.clients._transport import CallMetadata, EpochTracker
+from rendezvous.clients.testing import AsyncTestServer, FakeClock, TestServer
 from rendezvous.protocol.errors import Cancelled
 from rendezvous.store.base import StoreUnavailableError
 from tests.factories import sdk_engine

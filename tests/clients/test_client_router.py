@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AbortReason,
     AsyncRendezvousClient,
     ClaimSpec,
@@ -19,7 +19,7 @@ from clients import (
     TransferState,
     mint_transfer_id,
 )
-from clients._router import WAIT_AFTER_INTERVALS
+from rendezvous.clients._router import WAIT_AFTER_INTERVALS
 from tests.clients.conftest import consumer_session, next_event, of_type, producer_session
 from tests.factories import sdk_engine
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     CompletionSpec,
@@ -36,7 +36,7 @@ from clients import (
     TransferMode,
     TransferState,
 )
-from clients.testing import AsyncTestServer, FakeClock, start_test_server
+from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Limits
 from tests.clients.conftest import (
     WAIT,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     ClaimSpec,
     CompletionSpec,
     CreditSpec,
@@ -23,7 +23,7 @@ from clients import (
     WatchBatch,
     WatchStream,
 )
-from clients.testing import TestServer
+from rendezvous.clients.testing import TestServer
 from tests.clients.conftest import WAIT, client_config, free_port
 from tests.factories import sdk_engine
 

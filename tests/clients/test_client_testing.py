@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clients import AsyncRendezvousClient, EngineRole, EngineSpec, NotFound, RendezvousClient
-from clients.testing import AsyncTestServer, FakeClock, TestServer, stand_in_agent, start_test_server
+from rendezvous.clients import AsyncRendezvousClient, EngineRole, EngineSpec, NotFound, RendezvousClient
+from rendezvous.clients.testing import AsyncTestServer, FakeClock, TestServer, stand_in_agent, start_test_server
 from rendezvous.core.limits import Timeouts
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AbortSpec,
     AsyncRendezvousClient,
     ClaimSpec,

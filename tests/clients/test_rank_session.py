@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     CompletionSpec,
@@ -23,7 +23,7 @@ from clients import (
     TargetSpec,
     TransferState,
 )
-from clients.testing import AsyncTestServer
+from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import FAST_SESSION, LAYOUT, agent, consumer_session, next_event, of_type
 
 TP2 = dataclasses.replace(LAYOUT, tp_size=2, num_kv_heads=2, kv_layout="HND")

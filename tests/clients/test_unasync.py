@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clients import AsyncRendezvousClient, RendezvousClient
+from rendezvous.clients import AsyncRendezvousClient, RendezvousClient
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "scripts" / "unasync.py"

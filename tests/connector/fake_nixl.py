@@ -1,7 +1,7 @@
 """FakeNixlAgent: a FAKE of NIXL's `nixl._api.nixl_agent`, for agents that live in one process (no NIXL, no UCX).
 
-The connector's worker half is unit-tested with it: `install(monkeypatch)` makes `clients.nixl.agent` build these
-instead of real agents. A WRITE copies the bytes at once (`ctypes.memmove` between the registered CPU tensors of
+The connector's worker half is unit-tested with it: `install(monkeypatch)` makes `rendezvous.clients.nixl.agent` build
+these instead of real agents. A WRITE copies the bytes at once (`ctypes.memmove` between the registered CPU tensors of
 the two agents) and queues its notification for the peer; a READ copies the other way. It checks what NIXL would
 refuse here: memory outside what the agents registered, an unknown peer. It is not a model of NIXL's timing or
 failures: tests/nixl and tests/dataplane run the real one.
@@ -154,8 +154,10 @@ class FakeNixlAgent:
 
 
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
-    """clients.nixl endpoints made from now on (until the test ends) get fake agents."""
-    import clients.nixl.agent
+    """rendezvous.clients.nixl endpoints made from now on (until the test ends) get fake agents."""
+    import rendezvous.clients.nixl.agent
 
     _agents.clear()
-    monkeypatch.setattr(clients.nixl.agent, "_nixl_api", lambda: (FakeNixlAgent, FakeNixlConfig, (FakeNixlError,)))
+    monkeypatch.setattr(
+        rendezvous.clients.nixl.agent, "_nixl_api", lambda: (FakeNixlAgent, FakeNixlConfig, (FakeNixlError,))
+    )

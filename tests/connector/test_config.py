@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector import ConnectorConfig
-from connector.config import trace_context
+from rendezvous.connector import ConnectorConfig
+from rendezvous.connector.config import trace_context
 
 
 def test_minimal() -> None:
@@ -81,7 +81,7 @@ def test_the_routers_trace_context_is_read_from_kv_transfer_params() -> None:
 
 
 def test_the_routers_binding_is_read_from_kv_transfer_params_as_plain_data() -> None:
-    from connector.config import BINDING_KEY, binding_params
+    from rendezvous.connector.config import BINDING_KEY, binding_params
 
     value = {"consumer": "d0", "producer": "p0", "expires": 1, "mac": "00"}
     assert binding_params({"transfer_id": "t", BINDING_KEY: value}) == value

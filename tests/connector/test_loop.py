@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from connector import ConnectorConfig
-from connector._loop import LoopThread
+from rendezvous.connector import ConnectorConfig
+from rendezvous.connector._loop import LoopThread
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 NOT_NEEDED: Any = None
@@ -64,7 +64,7 @@ def test_tasks_still_running_when_the_thread_stops_are_cancelled_and_unwind() ->
 @pytest.mark.vllm
 @needs_vllm
 def test_the_workers_shutdown_path_closes_its_loop() -> None:
-    from connector.rendezvous_connector import _WorkerSide
+    from rendezvous.connector.rendezvous_connector import _WorkerSide
 
     config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1"})
     worker = _WorkerSide(config, True, "p0", NOT_NEEDED, NOT_NEEDED)
@@ -77,7 +77,7 @@ def test_the_workers_shutdown_path_closes_its_loop() -> None:
 @pytest.mark.vllm
 @needs_vllm
 def test_a_worker_that_fails_to_start_closes_its_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    import connector.rendezvous_connector as module
+    import rendezvous.connector.rendezvous_connector as module
 
     started: list[LoopThread] = []
 
@@ -98,8 +98,8 @@ def test_a_worker_that_fails_to_start_closes_its_loop(monkeypatch: pytest.Monkey
 
 def _prefill_worker(monkeypatch: pytest.MonkeyPatch, claims: list[Exception | None], aborted: list[str]) -> Any:
     """Rank 0 of a prefill engine whose ClaimTransfers answers from `claims` (an exception raises, None succeeds)."""
-    from clients import ItemResult, TransferState
-    from connector.rendezvous_connector import _WorkerSide
+    from rendezvous.clients import ItemResult, TransferState
+    from rendezvous.connector.rendezvous_connector import _WorkerSide
 
     config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1"})
     worker = _WorkerSide(config, True, "p0", NOT_NEEDED, NOT_NEEDED)
@@ -121,7 +121,7 @@ def _prefill_worker(monkeypatch: pytest.MonkeyPatch, claims: list[Exception | No
 @pytest.mark.vllm
 @needs_vllm
 def test_a_claim_that_failed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    from clients import DeadlineExceeded
+    from rendezvous.clients import DeadlineExceeded
 
     claims: list[Exception | None] = [DeadlineExceeded("", "Deadline Exceeded"), None]
     aborted: list[str] = []
@@ -133,7 +133,7 @@ def test_a_claim_that_failed_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.vllm
 @needs_vllm
 def test_a_claim_that_fails_twice_aborts_the_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
-    from clients import DeadlineExceeded
+    from rendezvous.clients import DeadlineExceeded
 
     claims: list[Exception | None] = [DeadlineExceeded("", "Deadline Exceeded"), DeadlineExceeded("", "again")]
     aborted: list[str] = []
@@ -145,7 +145,7 @@ def test_a_claim_that_fails_twice_aborts_the_transfer(monkeypatch: pytest.Monkey
 @pytest.mark.vllm
 @needs_vllm
 def test_a_step_that_computes_nothing_is_marked_idle() -> None:
-    from connector.rendezvous_connector import _SchedulerSide
+    from rendezvous.connector.rendezvous_connector import _SchedulerSide
 
     side = _SchedulerSide(producer=True, block_size=16, engine_id="p0")
     step: Any = SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
@@ -162,7 +162,7 @@ def test_an_idle_step_waits_for_a_transfer_to_end_and_wakes_when_one_does() -> N
     import threading
     import time
 
-    from connector.rendezvous_connector import _WorkerSide
+    from rendezvous.connector.rendezvous_connector import _WorkerSide
 
     config = ConnectorConfig.from_extra_config({"rendezvous": "127.0.0.1:1"})
     worker = _WorkerSide(config, False, "d0", NOT_NEEDED, NOT_NEEDED)

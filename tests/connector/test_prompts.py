@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clients._prefix import PrefixIndex
-from connector.prompts import CHARS_PER_TOKEN, PromptReader
+from rendezvous.clients._prefix import PrefixIndex
+from rendezvous.connector.prompts import CHARS_PER_TOKEN, PromptReader
 
 
 class WordTokenizer:

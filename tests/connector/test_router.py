@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClientConfig,
     EngineCapacity,
@@ -28,10 +28,18 @@ from clients import (
     TransferInfo,
     TransferState,
 )
-from clients.testing import AsyncTestServer, start_test_server
-from connector.launch import free_port
-from connector.prompts import PromptReader
-from connector.router import ANY_MODEL, PREFILL_HEADER, TRANSFER_ID_HEADER, LocalPrefill, Route, Router, parse_route
+from rendezvous.clients.testing import AsyncTestServer, start_test_server
+from rendezvous.connector.launch import free_port
+from rendezvous.connector.prompts import PromptReader
+from rendezvous.connector.router import (
+    ANY_MODEL,
+    PREFILL_HEADER,
+    TRANSFER_ID_HEADER,
+    LocalPrefill,
+    Route,
+    Router,
+    parse_route,
+)
 from rendezvous.protocol import bindings
 from rendezvous.protocol.bindings import Binding
 from tests.factories import SDK_LAYOUT, sdk_engine
@@ -641,7 +649,7 @@ async def test_two_routers_never_double_spend_a_decode_engines_credit(cluster: C
 
 
 def test_the_queue_flags_parse() -> None:
-    from connector.router import build_parser
+    from rendezvous.connector.router import build_parser
 
     args = build_parser().parse_args(
         ["--address", "r:1", "--max-queued", "7", "--queue-timeout", "2.5", "--credit-ttl", "9"]
@@ -652,7 +660,7 @@ def test_the_queue_flags_parse() -> None:
 
 
 def test_the_server_flag_is_address_and_the_old_rendezvous_name_warns(capsys: pytest.CaptureFixture[str]) -> None:
-    from connector.router import build_parser
+    from rendezvous.connector.router import build_parser
 
     assert build_parser().parse_args(["--address", "r:1,r:2"]).address == "r:1,r:2"
     assert "deprecated" not in capsys.readouterr().err
@@ -661,7 +669,7 @@ def test_the_server_flag_is_address_and_the_old_rendezvous_name_warns(capsys: py
 
 
 def test_the_router_refuses_to_start_without_an_address(capsys: pytest.CaptureFixture[str]) -> None:
-    from connector.router import main
+    from rendezvous.connector.router import main
 
     with pytest.raises(SystemExit) as exited:
         main(["--listen", "127.0.0.1:0"])

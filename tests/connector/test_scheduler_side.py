@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from connector.config import TRANSFER_ID_KEY
+from rendezvous.connector.config import TRANSFER_ID_KEY
 
 pytestmark = [
     pytest.mark.vllm,
@@ -30,7 +30,7 @@ def vb() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from connector.launch import build_tiny_model
+    from rendezvous.connector.launch import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from clients.testing import TestServer
+from rendezvous.clients.testing import TestServer
 
 pytestmark = [
     pytest.mark.vllm,
@@ -26,7 +26,7 @@ WAIT = 30.0
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from connector.launch import build_tiny_model
+    from rendezvous.connector.launch import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
@@ -57,8 +57,8 @@ def workers(
     model: Path, server: TestServer, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[Any, Any, dict[str, Any], dict[str, Any]]]:
     """A started prefill worker and decode worker, with their KV caches."""
-    from connector import ConnectorConfig
-    from connector.rendezvous_connector import _WorkerSide
+    from rendezvous.connector import ConnectorConfig
+    from rendezvous.connector.rendezvous_connector import _WorkerSide
     from tests.connector import fake_nixl
     from tests.connector.vllm_builders import kv_cache_config, vllm_config
 
@@ -100,7 +100,7 @@ def reported(worker: Any, field: str, request_id: str) -> set[str]:
 
 def until_state(server: TestServer, transfer_id: str, state: str) -> None:
     """Until the rendezvous has the transfer in `state` (a TransferState name)."""
-    from clients import NotFound, RendezvousClient
+    from rendezvous.clients import NotFound, RendezvousClient
 
     deadline = time.monotonic() + WAIT
     with RendezvousClient(server.address) as client:
@@ -115,7 +115,7 @@ def until_state(server: TestServer, transfer_id: str, state: str) -> None:
 
 
 def test_a_step_s_target_claim_and_ready_move_the_prompt_s_blocks(workers: tuple[Any, Any, Any, Any]) -> None:
-    from connector.rendezvous_connector import RendezvousConnectorMetadata as Meta
+    from rendezvous.connector.rendezvous_connector import RendezvousConnectorMetadata as Meta
 
     prefill, decode, source, destination = workers
     decode.submit(Meta(targets=[("d-r1", "t1", [7, 8, 9], 40)]))
@@ -131,7 +131,7 @@ def test_a_step_s_target_claim_and_ready_move_the_prompt_s_blocks(workers: tuple
 def test_a_decode_request_that_ends_first_aborts_the_transfer_and_the_prefill_worker_lets_go(
     workers: tuple[Any, Any, Any, Any], server: TestServer
 ) -> None:
-    from connector.rendezvous_connector import RendezvousConnectorMetadata as Meta
+    from rendezvous.connector.rendezvous_connector import RendezvousConnectorMetadata as Meta
 
     prefill, decode, _, _ = workers
     decode.submit(Meta(targets=[("d-r1", "t1", [7, 8, 9], 40)]))

@@ -1,4 +1,4 @@
-"""connector/worker_spin: engines started by connector.launch get vLLM's shared-memory readers' busy loop
+"""connector/worker_spin: engines started by rendezvous.connector.launch get vLLM's shared-memory readers' busy loop
 shortened to KV_RENDEZVOUS_WORKER_SPIN_MS and their sleep sliced to it; without the variable vLLM's own 1 s and
 5 s stand (real vLLM, in a fresh interpreter started as the launcher starts an engine)."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from connector.launch import REPO, WORKER_SPIN_ENV, WORKER_SPIN_HOOK
+from rendezvous.connector.launch import REPO, WORKER_SPIN_ENV, WORKER_SPIN_HOOK
 
 pytestmark = [
     pytest.mark.vllm,

@@ -3,8 +3,8 @@ connector's scheduler half tested in milliseconds, without an engine, a model ru
 
 Modelled on vLLM's own builders for its connectors' unit tests (tests/v1/kv_connector/unit/utils.py in vLLM's
 repository, which its wheel does not ship: `create_vllm_config`, `create_scheduler`, `create_request`,
-`create_model_runner_output`). The model is the project's tiny Llama (`connector.launch.build_tiny_model`): vLLM
-reads its config, never runs it. The KV cache is a stand-in of one 1-head layer, as in vLLM's.
+`create_model_runner_output`). The model is the project's tiny Llama (`rendezvous.connector.launch.build_tiny_model`):
+vLLM reads its config, never runs it. The KV cache is a stand-in of one 1-head layer, as in vLLM's.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from connector.config import TRANSFER_ID_KEY
+from rendezvous.connector.config import TRANSFER_ID_KEY
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 100
@@ -46,7 +46,7 @@ def vllm_config(model: Path, kv_role: Literal["kv_producer", "kv_consumer"], **e
         cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=False),
         kv_transfer_config=KVTransferConfig(
             kv_connector="RendezvousConnector",
-            kv_connector_module_path="connector.rendezvous_connector",
+            kv_connector_module_path="rendezvous.connector.rendezvous_connector",
             kv_role=kv_role,
             kv_connector_extra_config={"rendezvous": "127.0.0.1:1", **extra},
         ),

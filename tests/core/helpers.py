@@ -25,8 +25,8 @@ T = TypeVar("T")
 
 
 START = 1_000_000.0
-"""Where the core tests' fake clocks (clients.testing.FakeClock) start: a fixed time, the same for clocks that are
-compared side by side (the core's rules only ever look at differences)."""
+"""Where the core tests' fake clocks (rendezvous.clients.testing.FakeClock) start: a fixed time, the same for clocks
+that are compared side by side (the core's rules only ever look at differences)."""
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clients.testing import FakeClock
+from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import credits
 from rendezvous.core.credits import EngineCapacity, Reservation

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from clients.testing import FakeClock
+from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import (
     AbortReason,

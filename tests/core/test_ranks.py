@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from clients.testing import FakeClock
+from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import (
     AbortReason,

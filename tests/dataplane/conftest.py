@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("nixl")
 pytest.importorskip("torch")
 
-from clients.testing import FakeClock, TestServer
+from rendezvous.clients.testing import FakeClock, TestServer
 from rendezvous.core.limits import Timeouts
 from tests.dataplane.worker import Spec, WorkerProcess
 

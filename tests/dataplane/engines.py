@@ -48,7 +48,7 @@ class EngineSpec(Spec):
         return self.tp * self.pp
 
     def layout(self) -> Any:
-        from clients import KvLayout
+        from rendezvous.clients import KvLayout
 
         return KvLayout("tiny", "u8", self.block_size, self.layers, self.tp, self.pp, self.kv_layout, self.heads)
 
@@ -117,10 +117,10 @@ class _EngineWorker:
         self.heard: list[list[Any]] = []  # each rank's session events, once handled
 
     async def start(self) -> tuple[str, int, str]:
-        from clients import AsyncRendezvousClient
-        from clients.nixl.consumer import ConsumerAgent
-        from clients.nixl.producer import ProducerAgent
-        from clients.nixl.rank import start_ranks
+        from rendezvous.clients import AsyncRendezvousClient
+        from rendezvous.clients.nixl.consumer import ConsumerAgent
+        from rendezvous.clients.nixl.producer import ProducerAgent
+        from rendezvous.clients.nixl.rank import start_ranks
 
         s, put = self.spec, self.events.put
         for rank in range(s.ranks):

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from clients.demo import add_demo_arguments, run_demo
+from rendezvous.clients.demo import add_demo_arguments, run_demo
 
 
 @pytest.mark.timeout(180)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clients import AbortReason
-from clients.testing import FakeClock, TestServer
+from rendezvous.clients import AbortReason
+from rendezvous.clients.testing import FakeClock, TestServer
 from tests.dataplane.checks import Landed, assert_pool, reset_pool, transfer_id
 from tests.dataplane.conftest import LEASE_TTL
 from tests.dataplane.worker import Spec, WorkerProcess

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from clients.nixl.metrics import ARRIVAL_TO_RESULT_SECONDS, WRITE_SECONDS, DataPlaneMetrics
+from rendezvous.clients.nixl.metrics import ARRIVAL_TO_RESULT_SECONDS, WRITE_SECONDS, DataPlaneMetrics
 from tests.dataplane.checks import transfer_id
 from tests.dataplane.worker import WorkerProcess
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from clients import AbortReason, RendezvousClient, TransferState
-from clients.nixl import AgentReason
-from clients.testing import TestServer
+from rendezvous.clients import AbortReason, RendezvousClient, TransferState
+from rendezvous.clients.nixl import AgentReason
+from rendezvous.clients.testing import TestServer
 from tests.dataplane.checks import transfer_id
 from tests.dataplane.engines import EngineProcess, EngineSpec, expected
 

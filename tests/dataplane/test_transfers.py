@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AbortReason,
     AsyncRendezvousClient,
     ConsumerSession,
@@ -22,8 +22,8 @@ from clients import (
     ServerEvent,
     TargetSpec,
 )
-from clients.nixl import AgentReason
-from clients.testing import TEST_LAYOUT, TestServer
+from rendezvous.clients.nixl import AgentReason
+from rendezvous.clients.testing import TEST_LAYOUT, TestServer
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 from tests.dataplane.checks import Landed, assert_pool, chunks, reset_pool, transfer_id
 from tests.dataplane.worker import WorkerProcess
@@ -132,7 +132,7 @@ def test_unknown_agent_fails_the_transfer_without_a_write(server: TestServer, pr
     tid = transfer_id("ghost")
     regions = tuple(KvRegion(0x100000 * (i + 1), n, n, 64) for i, n in enumerate(producer.spec.block_lengths))
     ghost = NixlAgentInfo("ghost-agent", b"not nixl metadata", 0, MemoryKind.DRAM, regions)
-    # It states the producer's data-plane version (clients.nixl's), or the service would not pair them.
+    # It states the producer's data-plane version (rendezvous.clients.nixl's), or the service would not pair them.
     layout = replace(TEST_LAYOUT, data_plane_version=DATA_PLANE_VERSION)
 
     async def consumer_side() -> ServerEvent:

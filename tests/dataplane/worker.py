@@ -49,7 +49,7 @@ class _Worker:
     def __init__(self, spec: Spec, events: Any) -> None:
         import torch
 
-        from clients import AsyncRendezvousClient
+        from rendezvous.clients import AsyncRendezvousClient
 
         self.spec = spec
         self.events = events
@@ -58,9 +58,9 @@ class _Worker:
         self.agent: Any = None
 
     async def start(self) -> tuple[str, int, str]:
-        from clients.nixl.consumer import ConsumerAgent
-        from clients.nixl.producer import ProducerAgent
-        from clients.testing import TEST_LAYOUT
+        from rendezvous.clients.nixl.consumer import ConsumerAgent
+        from rendezvous.clients.nixl.producer import ProducerAgent
+        from rendezvous.clients.testing import TEST_LAYOUT
 
         s, put = self.spec, self.events.put
         if s.role == "producer":
@@ -91,14 +91,14 @@ class _Worker:
         return _outcome(await self.agent.claim(transfer_id))
 
     def ready(self, transfer_id: str, block_ids: list[int], pull: bool = False) -> None:
-        from clients import TransferMode
+        from rendezvous.clients import TransferMode
 
         mode = TransferMode.PULL if pull else TransferMode.PUSH
         self.agent.ready(transfer_id, block_ids, lambda t: self.events.put(("free", t)), mode=mode)
 
     async def inject(self, transfer_id: str, generation: int, consumer_id: str, dst: list[int]) -> None:
         """Hand the agent an assignment the service did not make (e.g. with block ids out of range)."""
-        from clients import Event, EventType, TransferInfo, TransferState
+        from rendezvous.clients import Event, EventType, TransferInfo, TransferState
 
         peer = await self.client.get_engine(consumer_id)
         info = TransferInfo(transfer_id, TransferState.MATCHED, target_block_ids=tuple(dst))
@@ -107,7 +107,7 @@ class _Worker:
     # Consumer commands
 
     async def register(self, transfer_id: str, block_ids: list[int], generation: int = 1, pull: bool = False) -> str:
-        from clients import TransferMode
+        from rendezvous.clients import TransferMode
 
         mode = TransferMode.PULL if pull else TransferMode.PUSH
         return _outcome(await self.agent.register_target(transfer_id, block_ids, generation, mode=mode))

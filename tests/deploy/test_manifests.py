@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from clients.nixl.metrics import DataPlaneMetrics
-from connector.admission import RouterMetrics
-from connector.config import ConnectorConfig
 from rendezvous.cli import build_parser
+from rendezvous.clients.nixl.metrics import DataPlaneMetrics
+from rendezvous.connector.admission import RouterMetrics
+from rendezvous.connector.config import ConnectorConfig
 from rendezvous.server.authfile import AuthPolicy
 from rendezvous.server.metrics import Metrics
 from rendezvous.store.redis import parse_url
@@ -175,7 +175,7 @@ def test_the_vllm_pools_are_wired_through_kv_connector_extra_config() -> None:
         args = container(one(docs, "Deployment", f"vllm-{role}"))["args"]
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
         assert transfer["kv_connector"] == "RendezvousConnector"
-        assert transfer["kv_connector_module_path"] == "connector.rendezvous_connector"
+        assert transfer["kv_connector_module_path"] == "rendezvous.connector.rendezvous_connector"
         assert transfer["kv_role"] == kv_role
         config = ConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"])
         assert config.pool == role and config.rendezvous == ("kv-rendezvous.kv-rendezvous.svc:50051",)

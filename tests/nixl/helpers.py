@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from clients.nixl.parts import WrittenPart
-from clients.nixl.regions import BlockIds
+from rendezvous.clients.nixl.parts import WrittenPart
+from rendezvous.clients.nixl.regions import BlockIds
 from tests.nixl.peer import SENTINEL, Layout
 
 

@@ -40,7 +40,7 @@ class _Host:
         self.endpoints: dict[str, tuple[Any, Layout, list[npt.NDArray[np.uint8]]]] = {}
 
     def create(self, name: str, layout: Layout) -> Any:
-        from clients.nixl import KvRegion, NixlEndpoint, TransferReceiver
+        from rendezvous.clients.nixl import KvRegion, NixlEndpoint, TransferReceiver
 
         lengths, nb = layout.block_lengths, layout.num_blocks
         if layout.interleaved:
@@ -135,7 +135,7 @@ class _Host:
 
 
 def _serve(conn: Connection) -> None:
-    import clients.nixl  # noqa: F401  (NIXL and torch load here, before the parent's first call is timed)
+    import rendezvous.clients.nixl  # noqa: F401  (NIXL and torch load here, before the parent's first call is timed)
 
     host = _Host()
     conn.send((0, "ok", "ready"))

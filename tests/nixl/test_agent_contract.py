@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from clients import AbortSpec, AsyncRendezvousClient, KvLayout, Reason, TransferState
-from clients.nixl.consumer import ConsumerAgent
-from clients.nixl.producer import ProducerAgent
-from clients.nixl.rank import RankOptions
-from clients.testing import TEST_LAYOUT
+from rendezvous.clients import AbortSpec, AsyncRendezvousClient, KvLayout, Reason, TransferState
+from rendezvous.clients.nixl.consumer import ConsumerAgent
+from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.nixl.rank import RankOptions
+from rendezvous.clients.testing import TEST_LAYOUT
 from tests.clients.conftest import WAIT, client, server
 
 __all__ = ["client", "server"]

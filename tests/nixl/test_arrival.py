@@ -3,8 +3,8 @@ tile its share; repeats count once, and anything that cannot tile exactly leaves
 
 from __future__ import annotations
 
-from clients.nixl.arrival import MAX_PARTS, PartsArrival
-from clients.nixl.notifications import TransferNotification
+from rendezvous.clients.nixl.arrival import MAX_PARTS, PartsArrival
+from rendezvous.clients.nixl.notifications import TransferNotification
 from rendezvous.protocol.records import WrittenPart
 
 

@@ -6,10 +6,10 @@ import time
 
 import torch
 
-from clients import AsyncRendezvousClient, Event, EventType
-from clients.nixl.consumer import ConsumerAgent
-from clients.nixl.producer import ProducerAgent
-from clients.testing import TEST_LAYOUT
+from rendezvous.clients import AsyncRendezvousClient, Event, EventType
+from rendezvous.clients.nixl.consumer import ConsumerAgent
+from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.testing import TEST_LAYOUT
 from tests.clients.conftest import client, server
 
 __all__ = ["client", "server"]

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
-from clients import AsyncRendezvousClient, InvalidArgument, TransferState, WrittenPart
-from clients._types import CompletionSpec
-from clients.nixl.agent import NixlEndpoint, XferStatus
-from clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
-from clients.testing import AsyncTestServer
+from rendezvous.clients import AsyncRendezvousClient, InvalidArgument, TransferState, WrittenPart
+from rendezvous.clients._types import CompletionSpec
+from rendezvous.clients.nixl.agent import NixlEndpoint, XferStatus
+from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
+from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import WAIT, client, server
 from tests.nixl.test_producer_parts import Pair, landed, started_pair
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from clients.nixl import (
+from rendezvous.clients.nixl import (
     BlockRangeError,
     KvRegion,
     LayoutMismatchError,
@@ -18,7 +18,7 @@ from clients.nixl import (
     TransferNotification,
     XferStatus,
 )
-from clients.nixl.regions import BlockIds
+from rendezvous.clients.nixl.regions import BlockIds
 from tests.nixl.helpers import as_numpy, assert_moved, region_views, unique
 from tests.nixl.peer import Layout, PeerProcess
 

@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from clients import AsyncRendezvousClient, TransferState
-from clients.nixl.agent import NixlEndpoint, XferStatus
-from clients.nixl.consumer import AgentReason, ConsumerAgent
-from clients.nixl.integrity import block_digests
-from clients.nixl.notifications import encode_notification
-from clients.nixl.producer import ProducerAgent
-from clients.nixl.regions import regions_from_tensors
-from clients.nixl.writer import WriterConfig
-from clients.testing import AsyncTestServer
+from rendezvous.clients import AsyncRendezvousClient, TransferState
+from rendezvous.clients.nixl.agent import NixlEndpoint, XferStatus
+from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent
+from rendezvous.clients.nixl.integrity import block_digests
+from rendezvous.clients.nixl.notifications import encode_notification
+from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.nixl.regions import regions_from_tensors
+from rendezvous.clients.nixl.writer import WriterConfig
+from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import WAIT, client, server
 from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2
 

@@ -11,9 +11,9 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from clients._types import KvLayout, NixlAgentInfo
-from clients.nixl import NixlEndpoint, TransferWriter
-from clients.nixl.writer import ConsumerEngine
+from rendezvous.clients._types import KvLayout, NixlAgentInfo
+from rendezvous.clients.nixl import NixlEndpoint, TransferWriter
+from rendezvous.clients.nixl.writer import ConsumerEngine
 from tests.nixl.helpers import Event, Recorder, region_views, unique
 from tests.nixl.peer import SENTINEL, Layout, PeerProcess
 

@@ -3,7 +3,7 @@ plane reads the versions its consumers are paired with (rendezvous.protocol.data
 
 from __future__ import annotations
 
-from clients.nixl.notifications import (
+from rendezvous.clients.nixl.notifications import (
     PartsEntry,
     TransferNotification,
     encode_notification,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clients._types import KvLayout, KvRegion, NixlAgentInfo
-from clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
+from rendezvous.clients._types import KvLayout, KvRegion, NixlAgentInfo
+from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
 from rendezvous.protocol.kvmap import BlockPairingError
 
 AGENT = NixlAgentInfo("a", b"", regions=tuple(KvRegion(4096 * i, 64, 64, 8) for i in range(4)))

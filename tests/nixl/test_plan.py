@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clients._types import KvLayout, KvRegion, NixlAgentInfo
-from clients.nixl.errors import BlockRangeError, LayoutMismatchError
-from clients.nixl.plan import RankGeometry, WritePlan, plan_write
+from rendezvous.clients._types import KvLayout, KvRegion, NixlAgentInfo
+from rendezvous.clients.nixl.errors import BlockRangeError, LayoutMismatchError
+from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, plan_write
 from rendezvous.protocol import kvmap
 from tests.ci import examples
 

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from clients import AsyncRendezvousClient, InvalidArgument, TransferState, WrittenPart
-from clients._types import CompletionSpec, KvLayout
-from clients.nixl import BlockRangeError
-from clients.nixl.agent import NixlEndpoint
-from clients.nixl.consumer import ConsumerAgent
-from clients.nixl.notifications import encode_notification
-from clients.nixl.producer import ProducerAgent
-from clients.testing import AsyncTestServer
+from rendezvous.clients import AsyncRendezvousClient, InvalidArgument, TransferState, WrittenPart
+from rendezvous.clients._types import CompletionSpec, KvLayout
+from rendezvous.clients.nixl import BlockRangeError
+from rendezvous.clients.nixl.agent import NixlEndpoint
+from rendezvous.clients.nixl.consumer import ConsumerAgent
+from rendezvous.clients.nixl.notifications import encode_notification
+from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import WAIT, client, server
 
 __all__ = ["client", "server"]  # the SDK tests' real server and client, here too

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from clients.nixl import BlockRangeError, NixlAgentInfo, NixlEndpoint, TransferNotification, TransferReceiver
+from rendezvous.clients.nixl import BlockRangeError, NixlAgentInfo, NixlEndpoint, TransferNotification, TransferReceiver
 from tests.nixl.helpers import as_numpy, assert_moved, region_views, unique
 from tests.nixl.peer import Layout, PeerProcess
 

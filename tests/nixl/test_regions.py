@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.nixl import (
+from rendezvous.clients.nixl import (
     BlockRangeError,
     DescriptorTable,
     KvRegion,
@@ -21,7 +21,7 @@ from clients.nixl import (
     regions_from_tensors,
     registration_spans,
 )
-from clients.nixl.polling import Backoff, PollConfig
+from rendezvous.clients.nixl.polling import Backoff, PollConfig
 
 REGIONS = [KvRegion(1 << 20, 256, 200, 5), KvRegion(2 << 20, 64, 64, 3, device_id=1), KvRegion(3 << 20, 512, 512, 4)]
 

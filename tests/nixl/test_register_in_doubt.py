@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from clients import AbortReason, AsyncRendezvousClient, DeadlineExceeded, TransferState
-from clients.testing import TEST_LAYOUT, start_test_server
+from rendezvous.clients import AbortReason, AsyncRendezvousClient, DeadlineExceeded, TransferState
+from rendezvous.clients.testing import TEST_LAYOUT, start_test_server
 from tests.clients.conftest import WAIT, client_config
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
 
@@ -51,8 +51,8 @@ async def test_a_registration_that_timed_out_is_sent_again_and_the_kv_arrives(
 ) -> None:
     import torch
 
-    from clients.nixl.consumer import ConsumerAgent
-    from clients.nixl.producer import ProducerAgent
+    from rendezvous.clients.nixl.consumer import ConsumerAgent
+    from rendezvous.clients.nixl.producer import ProducerAgent
 
     arrived: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     destination = torch.zeros(8, 256, dtype=torch.uint8)
@@ -78,8 +78,8 @@ async def test_a_registration_that_timed_out_twice_is_aborted_before_its_blocks_
 ) -> None:
     import torch
 
-    from clients.nixl.consumer import ConsumerAgent
-    from clients.nixl.producer import ProducerAgent
+    from rendezvous.clients.nixl.consumer import ConsumerAgent
+    from rendezvous.clients.nixl.producer import ProducerAgent
 
     arrived: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     producer = ProducerAgent(client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT)

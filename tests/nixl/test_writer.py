@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from clients.nixl import (
+from rendezvous.clients.nixl import (
     BlockRangeError,
     KvRegion,
     NixlAgentInfo,
@@ -18,7 +18,7 @@ from clients.nixl import (
     TransferNotification,
     TransferWriter,
 )
-from clients.nixl.regions import BlockIds
+from rendezvous.clients.nixl.regions import BlockIds
 from tests.nixl.helpers import Event, Recorder, as_numpy, assert_moved, region_views, unique
 from tests.nixl.peer import Layout, PeerProcess
 

@@ -15,11 +15,18 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from clients._types import KvLayout
-from clients.nixl import NixlAgentInfo, NixlEndpoint, TransferNotification, TransferWriter, WriterConfig, WrittenPart
-from clients.nixl.arrival import PartsArrival
-from clients.nixl.device import KvReady
-from clients.nixl.writer import ConsumerEngine
+from rendezvous.clients._types import KvLayout
+from rendezvous.clients.nixl import (
+    NixlAgentInfo,
+    NixlEndpoint,
+    TransferNotification,
+    TransferWriter,
+    WriterConfig,
+    WrittenPart,
+)
+from rendezvous.clients.nixl.arrival import PartsArrival
+from rendezvous.clients.nixl.device import KvReady
+from rendezvous.clients.nixl.writer import ConsumerEngine
 from tests.nixl.helpers import Event, Recorder, region_views, unique
 from tests.nixl.peer import SENTINEL, Layout, PeerProcess
 from tests.nixl.test_multirank import Engine, expected

@@ -8,7 +8,7 @@ import dataclasses
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clients import TransferInfo, _convert
+from rendezvous.clients import TransferInfo, _convert
 from rendezvous.core.model import AbortReason, Mode, State, Transfer, TransferTimes
 from rendezvous.protocol import convert
 from rendezvous.protocol.transfer import TransferRecord

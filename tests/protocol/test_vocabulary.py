@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import re
 
-import clients
-from rendezvous import core
+from rendezvous import clients, core
 from rendezvous.conformance import driver as conformance_driver
 from rendezvous.protocol import REASON_CODES, Reason, errors
 from rendezvous.v1 import errors_pb2, rendezvous_pb2

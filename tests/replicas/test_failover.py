@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AbortSpec,
     Event,
     EventType,

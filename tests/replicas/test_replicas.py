@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from grpc_health.v1 import health_pb2
 
-from clients import (
+from rendezvous.clients import (
     NO_RETRY,
     AsyncRendezvousClient,
     ClaimSpec,

@@ -19,7 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients import (
+from rendezvous.cli import _config_from, build_parser
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     ClientConfig,
@@ -34,9 +35,8 @@ from clients import (
     TLSConfig,
     mint_transfer_id,
 )
-from clients._exceptions import from_rpc_error
-from clients.testing import stand_in_agent
-from rendezvous.cli import _config_from, build_parser
+from rendezvous.clients._exceptions import from_rpc_error
+from rendezvous.clients.testing import stand_in_agent
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.server import TLSConfig as ServerTLS
 from rendezvous.server.authfile import AuthPolicy

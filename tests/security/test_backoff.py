@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients._exceptions import from_rpc_error
+from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.core.limits import Limits
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server import CallLimits, RendezvousServer, ServerConfig

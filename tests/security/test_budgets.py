@@ -19,8 +19,8 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients._exceptions import from_rpc_error
-from clients.testing import FakeClock
+from rendezvous.clients._exceptions import from_rpc_error
+from rendezvous.clients.testing import FakeClock
 from rendezvous.core import Limits, Timeouts
 from rendezvous.server import RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb

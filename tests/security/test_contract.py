@@ -17,7 +17,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from clients.testing import start_test_server
+from rendezvous.clients.testing import start_test_server
 from rendezvous.core import Limits
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clients._exceptions import from_rpc_error
-from clients.testing import TestServer
+from rendezvous.clients._exceptions import from_rpc_error
+from rendezvous.clients.testing import TestServer
 from rendezvous.core import Limits
 from rendezvous.v1 import index_pb2 as ipb
 from rendezvous.v1 import rendezvous_pb2 as pb

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AsyncRendezvousClient,
     BlockHashing,
     BlocksStored,

@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients._exceptions import from_rpc_error
 from rendezvous import pacing
+from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import Limits
 from rendezvous.core.model import Role

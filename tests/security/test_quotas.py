@@ -12,7 +12,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients._exceptions import from_rpc_error
+from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server import CallLimits, RendezvousServer, ServerConfig
 from rendezvous.server.quotas import CallQuotas

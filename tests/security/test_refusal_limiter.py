@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from clients._exceptions import from_rpc_error
+from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server import CallLimits, RendezvousServer
 from rendezvous.server.quotas import CallQuotas

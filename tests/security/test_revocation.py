@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 
-from clients._exceptions import from_rpc_error
+from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.server import RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc

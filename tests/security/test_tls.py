@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients import NO_RETRY, AsyncRendezvousClient, ClientConfig, TLSConfig
-from clients.testing import TestServer
 from rendezvous.cli import _config_from, build_parser, main
+from rendezvous.clients import NO_RETRY, AsyncRendezvousClient, ClientConfig, TLSConfig
+from rendezvous.clients.testing import TestServer
 from rendezvous.server import CallLimits, RendezvousServer, ServerConfig
 from rendezvous.server import TLSConfig as ServerTLS
 from rendezvous.v1 import rendezvous_pb2 as pb

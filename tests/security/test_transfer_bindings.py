@@ -14,7 +14,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 
-from clients import (
+from rendezvous.cli import _config_from, build_parser
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     ClientConfig,
@@ -25,8 +26,7 @@ from clients import (
     TargetSpec,
     TransferState,
 )
-from clients.testing import FakeClock
-from rendezvous.cli import _config_from, build_parser
+from rendezvous.clients.testing import FakeClock
 from rendezvous.protocol import bindings
 from rendezvous.protocol.bindings import Binding
 from rendezvous.protocol.convert import binding_message as message

@@ -9,7 +9,7 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AllBlocksCleared,
     AsyncRendezvousClient,
     BlockHashing,
@@ -25,7 +25,7 @@ from clients import (
     RendezvousError,
     hash_of,
 )
-from clients.testing import AsyncTestServer, FakeClock, TestServer, start_test_server
+from rendezvous.clients.testing import AsyncTestServer, FakeClock, TestServer, start_test_server
 from rendezvous.core import Limits, Timeouts
 from rendezvous.v1 import index_pb2 as ipb
 from rendezvous.v1 import index_pb2_grpc as ipb_grpc

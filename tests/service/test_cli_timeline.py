@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from clients import (
+from rendezvous.cli import main
+from rendezvous.clients import (
     AbortSpec,
     ClaimSpec,
     CompletionSpec,
@@ -18,8 +19,7 @@ from clients import (
     TargetSpec,
     TransferInfo,
 )
-from clients.testing import TestServer
-from rendezvous.cli import main
+from rendezvous.clients.testing import TestServer
 from tests.clients.conftest import LAYOUT, agent, client_config
 
 

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from clients import (
+from rendezvous import cli
+from rendezvous.clients import (
     AbortSpec,
     AsyncRendezvousClient,
     ClaimSpec,
@@ -21,8 +22,7 @@ from clients import (
     EngineSpec,
     TargetSpec,
 )
-from clients.testing import AsyncTestServer, FakeClock, start_test_server
-from rendezvous import cli
+from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core import Limits, Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc

@@ -9,8 +9,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from clients.testing import FakeClock
 from rendezvous.cli import _config_from, build_parser
+from rendezvous.clients.testing import FakeClock
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from clients import (
+from rendezvous.clients import (
     AbortSpec,
     AsyncRendezvousClient,
     ClaimSpec,
@@ -20,7 +20,7 @@ from clients import (
     TransferInfo,
     TransferMode,
 )
-from clients.testing import AsyncTestServer, start_test_server
+from rendezvous.clients.testing import AsyncTestServer, start_test_server
 from tests.clients.conftest import LAYOUT, agent, client_config
 
 PUSH_PHASES = ("target_to_match", "claim_to_match", "match_to_commit", "commit_to_release", "total")

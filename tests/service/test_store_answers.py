@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from clients.testing import start_test_server
+from rendezvous.clients.testing import start_test_server
 from rendezvous.core import Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from clients.testing import FakeClock
+from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import Limits, RendezvousError, Role, Timeouts
 from rendezvous.protocol.cache_index import (

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from clients.testing import FakeClock
+from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator, ItemOutcome
 from rendezvous.core import (
     AbortSpec,

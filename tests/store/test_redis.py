@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as redis
 from redis.asyncio.connection import AbstractConnection
 
-from clients.testing import FakeClock
+from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
 from rendezvous.core.limits import Limits, Timeouts

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from clients import AsyncRendezvousClient, ClaimSpec, CompletionSpec, EngineRole, ReleaseSpec, TargetSpec, TransferState
+from rendezvous.clients import (
+    AsyncRendezvousClient,
+    ClaimSpec,
+    CompletionSpec,
+    EngineRole,
+    ReleaseSpec,
+    TargetSpec,
+    TransferState,
+)
 from tests.clients.test_client_aio import register
 
 CYCLE = ("RegisterEngine", "RegisterTargets", "ClaimTransfers", "CompleteTransfers", "ReleaseTargets")

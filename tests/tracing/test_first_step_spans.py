@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from connector.first_step import FirstSteps
+from rendezvous.connector.first_step import FirstSteps
 from rendezvous.protocol import tracing
 
 ROUTER = {tracing.TRACEPARENT: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}

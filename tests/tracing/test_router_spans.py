@@ -7,8 +7,8 @@ from typing import Any
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from clients import EngineRole
-from connector.router import ANY_MODEL, Route
+from rendezvous.clients import EngineRole
+from rendezvous.connector.router import ANY_MODEL, Route
 from rendezvous.protocol import tracing
 from tests.clients.conftest import wait_until
 from tests.connector.test_router import Cluster, cluster, make_router, server

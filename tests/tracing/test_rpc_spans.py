@@ -10,8 +10,8 @@ from pathlib import Path
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from clients import AsyncRendezvousClient, ClientConfig
-from clients._transport import CallMetadata
+from rendezvous.clients import AsyncRendezvousClient, ClientConfig
+from rendezvous.clients._transport import CallMetadata
 from rendezvous.protocol import tracing
 from tests.tracing.conftest import named
 from tests.tracing.lifecycle import CYCLE, cycle
@@ -75,8 +75,8 @@ async def test_off_no_span_is_recorded_and_every_span_is_the_shared_no_op(client
 def test_off_nothing_of_opentelemetry_is_imported_by_a_transfer_cycle() -> None:
     code = (
         "import asyncio, sys\n"
-        "from clients import AsyncRendezvousClient\n"
-        "from clients.testing import start_test_server\n"
+        "from rendezvous.clients import AsyncRendezvousClient\n"
+        "from rendezvous.clients.testing import start_test_server\n"
         "from tests.tracing.lifecycle import cycle\n"
         "async def main():\n"
         "    async with start_test_server() as server, AsyncRendezvousClient(server.address) as client:\n"

@@ -11,8 +11,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from clients import AsyncRendezvousClient, TransferState
-from clients.testing import TEST_LAYOUT, AsyncTestServer
+from rendezvous.clients import AsyncRendezvousClient, TransferState
+from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer
 from rendezvous.protocol import tracing
 from tests.clients.conftest import WAIT
 from tests.tracing.conftest import named
@@ -29,8 +29,8 @@ async def test_each_write_is_a_span_of_its_rank_under_the_span_that_handed_over_
 ) -> None:
     import torch
 
-    from clients.nixl.consumer import ConsumerAgent
-    from clients.nixl.producer import ProducerAgent
+    from rendezvous.clients.nixl.consumer import ConsumerAgent
+    from rendezvous.clients.nixl.producer import ProducerAgent
 
     loop = asyncio.get_running_loop()
     arrived: asyncio.Future[Any] = loop.create_future()

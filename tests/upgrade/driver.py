@@ -2,9 +2,9 @@
 
 Run as a script by the interpreter whose SDK it exercises (a previous release's venv or the current tree), so it
 imports the SDK's public names only and nothing of the tests. Two data planes (--data-plane): `none`, the control
-path alone (an engine session with the stand-in agent of `clients.testing` does each step, no bytes move), and
-`nixl`, the SDK's NIXL agents over DRAM (`clients.nixl`: they move the bytes and do the steps; the consumer checks
-every byte that lands).
+path alone (an engine session with the stand-in agent of `rendezvous.clients.testing` does each step, no bytes move),
+and `nixl`, the SDK's NIXL agents over DRAM (`rendezvous.clients.nixl`: they move the bytes and do the steps; the
+consumer checks every byte that lands).
 
 Transfer ids are `<prefix>-<n>`; a producer and a consumer given the same prefix work the same ids in the same
 order, a batch at a time, and alternate push batches (claim -> TRANSFER_ASSIGNED -> complete -> TRANSFER_COMMITTED
@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import clients
-from clients import (
+from rendezvous import clients
+from rendezvous.clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     ClientConfig,
@@ -51,7 +51,7 @@ from clients import (
     TargetSpec,
     TransferMode,
 )
-from clients.testing import stand_in_agent
+from rendezvous.clients.testing import stand_in_agent
 
 LAYOUT = KvLayout(model_fingerprint="upgrade-test-model", dtype="float16", block_size=16, num_layers=2)
 BATCH_TIMEOUT_S = 120.0
@@ -249,7 +249,7 @@ class NixlDriver(Driver):
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        from clients.nixl import ConsumerAgent, ProducerAgent
+        from rendezvous.clients.nixl import ConsumerAgent, ProducerAgent
 
         super().__init__(args)
         self.torch = torch

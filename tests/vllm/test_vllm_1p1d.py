@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import BLOCK_SIZE, Engine
 from tests.vllm.conftest import wait_committed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

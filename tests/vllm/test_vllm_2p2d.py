@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, RouterProcess, connector_config, free_port, start_engine, wait_healthy
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import (
+    BLOCK_SIZE,
+    Engine,
+    RouterProcess,
+    connector_config,
+    free_port,
+    start_engine,
+    wait_healthy,
+)
 from tests.vllm.conftest import running_router
 from tests.vllm.test_vllm_1p1d import reference_text, token_prompt
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from clients import NotFound, TransferState
-from clients.sync import RendezvousClient
-from clients.testing import TestServer
-from connector.launch import Engine, RouterProcess, connector_config, running_engine
+from rendezvous.clients import NotFound, TransferState
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import Engine, RouterProcess, connector_config, running_engine
 from rendezvous.protocol import bindings
 from tests.vllm.conftest import running_router, wait_committed, warm_up
 from tests.vllm.test_vllm_1p1d import MAX_TOKENS, token_prompt

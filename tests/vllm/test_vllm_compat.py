@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from connector.compat import HASH_CHARS, TRANSFER_MODE, model_fingerprint
+from rendezvous.connector.compat import HASH_CHARS, TRANSFER_MODE, model_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

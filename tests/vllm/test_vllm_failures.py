@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from clients import AbortReason, AbortSpec, TransferState
-from clients.sync import RendezvousClient
-from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
+from rendezvous.clients import AbortReason, AbortSpec, TransferState
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
 from tests.vllm.conftest import wait_blocks_free, wait_state
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from clients import AbortReason, TransferState
-from clients.sync import RendezvousClient
-from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
+from rendezvous.clients import AbortReason, TransferState
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
 from tests.vllm.conftest import running_router, wait_blocks_free, wait_committed
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from connector.launch import connector_config
+from rendezvous.connector.launch import connector_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -17,7 +17,7 @@ def connector_for(model: Path, role: str, **parallel: Any) -> Any:
     from vllm.config import KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from connector.rendezvous_connector import RendezvousConnector
+    from rendezvous.connector.rendezvous_connector import RendezvousConnector
 
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), dtype="float32", max_model_len=512),

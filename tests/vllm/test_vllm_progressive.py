@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from clients import AbortSpec, TransferState
-from clients.sync import RendezvousClient
-from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
+from rendezvous.clients import AbortSpec, TransferState
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import BLOCK_SIZE, Engine, connector_config, running_engine
 from tests.vllm.conftest import running_router, wait_blocks_free, wait_committed, wait_state
 from tests.vllm.test_vllm_1p1d import MAX_TOKENS, disaggregated, reference_text, token_prompt
 

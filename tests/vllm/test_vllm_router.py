@@ -1,4 +1,5 @@
-"""1P1D through the reference router (`connector.router`): one OpenAI request in, both legs dispatched at once."""
+"""1P1D through the reference router (`rendezvous.connector.router`): one OpenAI request in, both legs dispatched at
+once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from connector.launch import BLOCK_SIZE, MAX_MODEL_LEN, Engine, RouterProcess, post_json
+from rendezvous.connector.launch import BLOCK_SIZE, MAX_MODEL_LEN, Engine, RouterProcess, post_json
 from tests.vllm.conftest import wait_blocks_free
 from tests.vllm.test_vllm_1p1d import reference_text, token_prompt
 

@@ -17,8 +17,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from clients.testing import TestServer
-from connector.launch import (
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import (
     Engine,
     RouterProcess,
     connector_config,

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from clients.testing import TestServer
-from connector.launch import Engine, connector_config, free_port, start_engine
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import Engine, connector_config, free_port, start_engine
 from tests.vllm.conftest import RENEWAL_TIMEOUT_S, WARM_UP_TIMEOUT_S
 
 TP2 = ["--tensor-parallel-size", "2"]

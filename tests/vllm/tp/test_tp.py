@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from clients.sync import RendezvousClient
-from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, wait_healthy
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import BLOCK_SIZE, Engine, wait_healthy
 from tests.vllm.conftest import running_router, wait_blocks_free, wait_committed, warm_up
 from tests.vllm.test_vllm_1p1d import disaggregated, reference_text, token_prompt
 from tests.vllm.tp.conftest import LONG, TP_START_TIMEOUT_S, TP_TEST_TIMEOUT_S, start_tp_engine

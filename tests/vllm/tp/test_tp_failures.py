@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from clients import AbortReason, TransferState
-from clients.sync import RendezvousClient
-from clients.testing import TestServer
-from connector.launch import BLOCK_SIZE, Engine, wait_healthy
+from rendezvous.clients import AbortReason, TransferState
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import TestServer
+from rendezvous.connector.launch import BLOCK_SIZE, Engine, wait_healthy
 from tests.vllm.conftest import wait_blocks_free, wait_state, warm_up
 from tests.vllm.test_vllm_1p1d import token_prompt
 from tests.vllm.test_vllm_failures import decode_after_losing_prefill
