@@ -51,7 +51,7 @@ def test_the_sdist_and_wheel_carry_the_one_version_and_the_packages_data(dist: P
     with zipfile.ZipFile(dist / f"kv_rendezvous-{version}-py3-none-any.whl") as wheel:
         names = set(wheel.namelist())
     assert "rendezvous/store/redis/scripts/commit_transfers.lua" in names
-    assert {"rendezvous/py.typed", "clients/py.typed", "rendezvous/v1/rendezvous_pb2.pyi"} <= names
+    assert {"rendezvous/py.typed", "rendezvous/clients/py.typed", "rendezvous/v1/rendezvous_pb2.pyi"} <= names
     assert not any(n.startswith("tests/") for n in names)
 
 
