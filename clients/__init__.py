@@ -18,6 +18,7 @@ from clients._config import (
     SessionConfig,
     TLSConfig,
 )
+from clients._prefix import IndexedPrefix
 from clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
 from clients._router import PickPolicy, RouterClient, layout_difference
 from clients._session import EngineSession, EventHandler, LiveTransfers, RankSession
@@ -137,6 +138,7 @@ __all__ = [
     "EventType",
     "FailedPrecondition",
     "IndexPosition",
+    "IndexedPrefix",
     "Internal",
     "InvalidArgument",
     "ItemResult",
