@@ -86,6 +86,13 @@ class RouterMetrics:
             ["pool"],
             registry=self.registry,
         )
+        self.placements = Counter(
+            "kv_rendezvous_router_prefix_placements",
+            "Prefix-aware placements by what informed them: index (the fleet's KV index answered) or memory "
+            "(the router's own memory of what it sent where)",
+            ["source"],
+            registry=self.registry,
+        )
         self.reserved = Counter(
             "kv_rendezvous_router_credit_reservations",
             "Reservations this router was granted",

@@ -20,7 +20,8 @@ Decode admission credits (connector/admission.py): a decode engine that declared
 request once the router holds a reservation on it (`ReserveCredits`, atomic at the rendezvous, so several routers
 never overcommit it); when no decode engine has credit the request waits in a bounded queue (`--max-queued`,
 `--queue-timeout`) or is answered 503 naming why (`X-Kv-Refusal`); the reservation is released when the request
-ends. `GET /metrics` serves the router's Prometheus metrics (queue, waits, refusals, pools' free credit).
+ends. `GET /metrics` serves the router's Prometheus metrics (queue, waits, refusals, pools' free credit, prefix-aware
+placements by source).
 With `--policy prefix-aware` engines are placed by what the fleet's KV index says they hold of the prompt
 (engines that report their cache, connector `kv_index`; connector.prefix_view), by the router's own memory of
 what it sent where while the index cannot answer (or with --no-kv-index); `--local-prefill-below` then counts
@@ -263,7 +264,10 @@ class Router:
         indexed = None
         if prefix_aware and self.index is not None:
             indexed = await self.index.lookup(body, (*route.prefill_pools, *route.decode_pools))
-        span.set_attribute("kv_rendezvous.prefix_source", "index" if indexed is not None else "memory")
+        if prefix_aware:
+            source = "index" if indexed is not None else "memory"
+            span.set_attribute("kv_rendezvous.prefix_source", source)
+            self.metrics.placements.labels(source).inc()
         transfer_id = self.engines.mint_transfer_id()
         blocks = -(-self.prompts.tokens(body) // self.prompts.block_tokens)
         try:
