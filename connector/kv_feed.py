@@ -10,6 +10,7 @@ It keeps a mirror of what the engine holds, from the events it has seen, and rep
 - a gap in vLLM's sequence (a message the SUB socket dropped, a feed that joined late) is filled from the
   replay socket; what the replay no longer holds is lost, and the index is then replaced by the mirror
   (ReplaceCachedBlocks), the best knowledge there is;
+- an unreadable batch is a lost one;
 - any refused report (a gap or stale sequence at the server, a parent the server does not hold, the engine
   re-registered and its entry dropped, the server unreachable) is repaired by the same snapshot, at once and
   then on every later batch or idle tick until one is accepted;
@@ -225,7 +226,11 @@ class KvFeed:
             dealer.close(linger=0)
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        events = cache_events(self._decoder.decode(payload).events)
+        try:
+            events = cache_events(self._decoder.decode(payload).events)
+        except msgspec.DecodeError as e:  # a batch this vLLM's schema cannot read is a lost batch
+            log.warning("KV events batch %d of %s is unreadable (%s): a snapshot repairs", seq, self.engine_id, e)
+            events, self.in_sync = [], False
         for event in events:
             self._mirror(event)
         self.sequence = seq

@@ -201,6 +201,23 @@ def test_an_entry_restarted_elsewhere_is_repaired_by_a_snapshot(client: Rendezvo
         pub.shutdown()
 
 
+def test_an_unreadable_batch_is_repaired_by_a_snapshot(client: RendezvousClient, tmp_path: Path) -> None:
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:2], None)))
+        wait_applied(feed, 0)
+        feed.stop()  # the test delivers the next batches itself
+        feed.receive(1, b"not msgpack")
+        assert (feed.sequence, feed.snapshots) == (1, 2)
+        feed.receive(2, msgspec.msgpack.encode(batch(stored(CHAIN[2:3], CHAIN[1]))))
+        assert matched(client, CHAIN) == 3
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
 def test_events_of_another_medium_are_left_out() -> None:
     offloaded = BlockStored([7], None, [], 16, None, "CPU", None)
     assert cache_events([offloaded, removed([8])]) == cache_events([removed([8])])
