@@ -23,7 +23,7 @@ _INT64 = (1 << 64) - 1
 
 def computable(hashing: BlockHashing) -> bool:
     """Whether a router can compute this engine's chain: a seed it announced, an algorithm vLLM knows (and can
-    run here)."""
+    run here: vLLM is installed, and the xxhash package for the xxhash algorithms)."""
     return bool(hashing.seed) and _hash_function(hashing.algorithm) is not None
 
 
@@ -46,9 +46,9 @@ def chain(hashing: BlockHashing, token_ids: Sequence[int]) -> list[bytes]:
 
 @cache
 def _hash_function(algorithm: str) -> Callable[[Any], bytes] | None:
-    from vllm.utils.hashing import get_hash_fn_by_name
-
     try:
+        from vllm.utils.hashing import get_hash_fn_by_name  # a router without vLLM computes no chain
+
         function = get_hash_fn_by_name(algorithm)
         function(b"")  # xxhash's are named but need the xxhash package
     except (ValueError, ImportError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -681,6 +682,7 @@ def test_the_router_refuses_to_start_without_an_address(capsys: pytest.CaptureFi
 
 
 INDEX_HASHING = BlockHashing("sha256", "fleet-seed", 16, integer_hashes=True)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="chains use vLLM's hashing")
 
 
 async def report_held(cluster: Cluster, engine_id: str, *prompts: list[int]) -> None:
@@ -689,6 +691,7 @@ async def report_held(cluster: Cluster, engine_id: str, *prompts: list[int]) -> 
     await cluster.rendezvous.replace_cached_blocks(CacheSnapshot(engine_id, 1, INDEX_HASHING, ((0, hashes),)))
 
 
+@needs_vllm
 async def test_prefix_aware_places_by_the_kv_index_over_its_own_memory(cluster: Cluster, make_router: Any) -> None:
     for i in range(2):
         await cluster.add(f"p{i}", "prefill", EngineRole.PRODUCER)
@@ -705,6 +708,7 @@ async def test_prefix_aware_places_by_the_kv_index_over_its_own_memory(cluster: 
     assert len(cluster.engines["p0"].bodies) == 1
 
 
+@needs_vllm
 async def test_without_the_kv_index_prefix_aware_places_by_its_memory(cluster: Cluster, make_router: Any) -> None:
     for i in range(2):
         await cluster.add(f"p{i}", "prefill", EngineRole.PRODUCER)
@@ -716,6 +720,7 @@ async def test_without_the_kv_index_prefix_aware_places_by_its_memory(cluster: C
     assert (await router.complete("tiny", prompt=prompt_of(1, 4, 1)))[1]["engine"] == "d0"  # its memory
 
 
+@needs_vllm
 async def test_a_prompt_the_decode_engine_mostly_holds_is_computed_there(cluster: Cluster, make_router: Any) -> None:
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     await cluster.add("d", "decode", EngineRole.CONSUMER)
