@@ -3,7 +3,8 @@
 vLLM publishes its prefix cache's changes (`--kv-events-config`, vllm/distributed/kv_events.py): numbered
 KVEventBatch messages of BlockStored / BlockRemoved / AllBlocksCleared on a ZMQ PUB socket, the recent ones kept
 for a ROUTER replay socket. `KvFeed` subscribes to them on a thread of its own and forwards each batch as a
-ReportCacheEvents with vLLM's sequence, for its engine id (the live incarnation: the server checks the caller).
+ReportCacheEvents for its engine id (the live incarnation: the server checks the caller), numbered by the feed
+(vLLM's numbers detect lost batches; a batch with nothing of the engine's own cache is not sent).
 
 It keeps a mirror of what the engine holds, from the events it has seen, and repairs with it:
 - a batch it already applied (a replay overlapping the live stream) is skipped;
