@@ -18,6 +18,7 @@ from rendezvous.clients._config import (
     SessionConfig,
     TLSConfig,
 )
+from rendezvous.clients._prefix import IndexedPrefix
 from rendezvous.clients._roles import ConsumerSession, ProducerSession, mint_transfer_id
 from rendezvous.clients._router import PickPolicy, RouterClient, layout_difference
 from rendezvous.clients._session import EngineSession, EventHandler, LiveTransfers, RankSession
@@ -139,6 +140,7 @@ __all__ = [
     "EventType",
     "FailedPrecondition",
     "IndexPosition",
+    "IndexedPrefix",
     "Internal",
     "InvalidArgument",
     "ItemResult",

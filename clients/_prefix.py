@@ -1,6 +1,8 @@
-"""Which engine was sent which prompt blocks: the router's approximate view of the engines' prefix caches.
+"""What a router knows of the engines' prefix caches: the fleet's KV index's answer for a request (`IndexedPrefix`,
+what the engines reported) or, while the index is unavailable, its own memory of what it sent where
+(`PrefixIndex`).
 
-An engine's cache is not observed; the index assumes an engine still holds the blocks of the prompts it was
+The memory does not observe an engine's cache; it assumes an engine still holds the blocks of the prompts it was
 sent most recently, up to `capacity` (engine, block) entries across all engines, forgetting the oldest
 first (engines evict least recently used blocks too). Dynamo's and vLLM's KV-aware routers make the same
 approximation when they do not subscribe to the engines' cache events.
@@ -9,7 +11,22 @@ approximation when they do not subscribe to the engines' cache events.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class IndexedPrefix:
+    """The KV index's answer (MatchPrefixes) for one request: its chain's length in blocks of `block_size`
+    tokens, and how many leading blocks of it each indexed engine holds (an engine not named holds none)."""
+
+    blocks: int
+    block_size: int
+    matched: Mapping[str, int] = field(default_factory=dict)
+
+    def uncached(self, engine_id: str) -> int:
+        """The request's blocks the engine lacks."""
+        return self.blocks - self.matched.get(engine_id, 0)
 
 
 class PrefixIndex:

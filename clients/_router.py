@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
-from rendezvous.clients._prefix import PrefixIndex
+from rendezvous.clients._prefix import IndexedPrefix, PrefixIndex
 from rendezvous.clients._roles import mint_transfer_id
 from rendezvous.clients._types import (
     AbortSpec,
@@ -23,11 +23,13 @@ from rendezvous.clients._types import (
     EngineView,
     ItemResult,
     KvLayout,
+    PrefixMatch,
+    PrefixQuery,
     TransferInfo,
 )
 from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.protocol import bindings, kvmap
-from rendezvous.protocol.errors import NotFound
+from rendezvous.protocol.errors import NotFound, RendezvousError
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,10 @@ class PickPolicy(enum.Enum):
     """Fewest requests in flight from this router; ties go to fewer live transfers at the rendezvous (which
     counts other routers' work too, as of the last refresh), then in turn."""
     PREFIX_AWARE = "prefix-aware"
-    """Least work: the prompt blocks an engine likely lacks (`PrefixIndex`: what this router sent it before),
-    plus one, plus `load_weight` times the same measure summed over the legs it has in flight from this
-    router (the work queued ahead); ties as for least-loaded."""
+    """Least work: the prompt blocks an engine lacks (the fleet's KV index's answer, `IndexedPrefix`, where the
+    caller has one; else `PrefixIndex`, what this router sent it before), plus one, plus `load_weight` times
+    the same measure summed over the legs it has in flight from this router (the work queued ahead); ties as
+    for least-loaded."""
 
 
 def layout_difference(producer: KvLayout, consumer: KvLayout) -> str | None:
@@ -174,12 +177,14 @@ class RouterClient:
         *,
         layout: KvLayout | None = None,
         prefix: Sequence[int] = (),
+        indexed: IndexedPrefix | None = None,
     ) -> EngineInfo:
         """A live engine of one of `pools` with `role`, chosen by the policy; with `layout`, only engines that
         can exchange KV with that layout qualify; `prefix` is the prompt's chained block hashes
-        (`rendezvous.connector.prompts`), which the prefix-aware policy weighs. Raises NotFound if no engine
-        qualifies."""
-        return (await self.rank_engines(pools, role, layout=layout, prefix=prefix))[0]
+        (`rendezvous.connector.prompts`), which the prefix-aware policy weighs by this router's memory, unless
+        `indexed`, the KV index's answer for the prompt (`index_matches`), tells what the engines hold. Raises
+        NotFound if no engine qualifies."""
+        return (await self.rank_engines(pools, role, layout=layout, prefix=prefix, indexed=indexed))[0]
 
     async def rank_engines(
         self,
@@ -188,6 +193,7 @@ class RouterClient:
         *,
         layout: KvLayout | None = None,
         prefix: Sequence[int] = (),
+        indexed: IndexedPrefix | None = None,
     ) -> list[EngineInfo]:
         """Every qualifying engine (as for `pick_engine`), best first by the policy: a caller that cannot use
         the first (no credit left on it) goes down the list. Raises NotFound if no engine qualifies."""
@@ -215,12 +221,30 @@ class RouterClient:
         weight = self.load_weight
         return sorted(
             rotated,
-            key=lambda e: (self._leg_work(e.engine_id, prefix) + weight * self._work[e.engine_id], e.live_transfers),
+            key=lambda e: (
+                self._leg_work(e.engine_id, prefix, indexed) + weight * self._work[e.engine_id],
+                e.live_transfers,
+            ),
         )
 
-    def _leg_work(self, engine_id: str, prefix: Sequence[int]) -> int:
-        """A leg's work on an engine, in blocks: those of the prompt it likely lacks, plus one."""
+    def _leg_work(self, engine_id: str, prefix: Sequence[int], indexed: IndexedPrefix | None = None) -> int:
+        """A leg's work on an engine, in blocks: those of the prompt it lacks (as the index says, else as this
+        router's memory guesses), plus one."""
+        if indexed is not None:
+            return indexed.uncached(engine_id) + 1
         return len(prefix) - self.prefixes.matched(engine_id, prefix) + 1
+
+    async def index_matches(
+        self, chain: Sequence[bytes], pools: Sequence[str], role: EngineRole | None = None
+    ) -> list[PrefixMatch] | None:
+        """The fleet's KV index's answer for a chain of block hashes (MatchPrefixes) among the engines of
+        `pools`: each indexed engine's matched blocks and hashing. None while the index cannot answer (the
+        caller falls back on its memory)."""
+        try:
+            return await self._client.match_prefixes(PrefixQuery(tuple(chain), pools=tuple(pools), role=role))
+        except RendezvousError as e:
+            log.warning("the KV index did not answer (%s): placing by this router's memory", e)
+            return None
 
     async def pick_pair(
         self,
@@ -235,11 +259,13 @@ class RouterClient:
         return producer, consumer
 
     @contextmanager
-    def in_flight(self, engine: EngineInfo, prefix: Sequence[int] = ()) -> Iterator[None]:
+    def in_flight(
+        self, engine: EngineInfo, prefix: Sequence[int] = (), indexed: IndexedPrefix | None = None
+    ) -> Iterator[None]:
         """Count a request leg as in flight on `engine` while the block runs (for least-loaded), with its work
         (for prefix-aware); the engine is then taken to hold the leg's prompt blocks `prefix`."""
         engine_id = engine.engine_id
-        work = self._leg_work(engine_id, prefix)
+        work = self._leg_work(engine_id, prefix, indexed)
         self.prefixes.record(engine_id, prefix)
         self._in_flight[engine_id] += 1
         self._work[engine_id] += work

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rendezvous.clients import EngineInfo, EngineRole, NotFound, RendezvousError, RouterClient
+from rendezvous.clients import EngineInfo, EngineRole, IndexedPrefix, NotFound, RendezvousError, RouterClient
 
 __all__ = ["NO_CAPACITY", "QUEUE_FULL", "QUEUE_TIMEOUT", "Admission", "DecodeAdmission", "Refused", "RouterMetrics"]
 
@@ -86,6 +86,13 @@ class RouterMetrics:
             ["pool"],
             registry=self.registry,
         )
+        self.placements = Counter(
+            "kv_rendezvous_router_prefix_placements",
+            "Prefix-aware placements by what informed them: index (the fleet's KV index answered) or memory "
+            "(the router's own memory of what it sent where)",
+            ["source"],
+            registry=self.registry,
+        )
         self.reserved = Counter(
             "kv_rendezvous_router_credit_reservations",
             "Reservations this router was granted",
@@ -145,10 +152,18 @@ class DecodeAdmission:
         """Requests waiting for credit now."""
         return len(self._waiters)
 
-    async def admit(self, pools: Sequence[str], transfer_id: str, blocks: int, prefix: Sequence[int] = ()) -> Admission:
+    async def admit(
+        self,
+        pools: Sequence[str],
+        transfer_id: str,
+        blocks: int,
+        prefix: Sequence[int] = (),
+        indexed: IndexedPrefix | None = None,
+    ) -> Admission:
         """A decode engine of `pools` with credit for one transfer of `blocks`, reserved for transfer_id;
-        waits in the queue when there is none. Raises Refused, or NotFound when the pools have no engine."""
-        admission = await self._try(pools, transfer_id, blocks, prefix)
+        waits in the queue when there is none (engines ranked by `RouterClient.rank_engines` with `prefix` and
+        `indexed`). Raises Refused, or NotFound when the pools have no engine."""
+        admission = await self._try(pools, transfer_id, blocks, prefix, indexed)
         if admission is not None:
             return admission
         if not self.max_queued or not self.queue_timeout:
@@ -174,7 +189,7 @@ class DecodeAdmission:
                     async with asyncio.timeout(min(remaining, self.retry_interval)):
                         await waiter.wait()
                 waiter.clear()
-                admission = await self._try(pools, transfer_id, blocks, prefix)
+                admission = await self._try(pools, transfer_id, blocks, prefix, indexed)
                 if admission is not None:
                     return admission
         finally:
@@ -188,9 +203,14 @@ class DecodeAdmission:
         return Refused(reason, message)
 
     async def _try(
-        self, pools: Sequence[str], transfer_id: str, blocks: int, prefix: Sequence[int]
+        self,
+        pools: Sequence[str],
+        transfer_id: str,
+        blocks: int,
+        prefix: Sequence[int],
+        indexed: IndexedPrefix | None,
     ) -> Admission | None:
-        ranked = await self.engines.rank_engines(pools, EngineRole.CONSUMER, prefix=prefix)
+        ranked = await self.engines.rank_engines(pools, EngineRole.CONSUMER, prefix=prefix, indexed=indexed)
         self.metrics.observe_pools(ranked)
         for engine in ranked:
             if not engine.capacity.limited:

@@ -78,6 +78,10 @@ class ConnectorConfig:
     checks its blocks against them before the KV counts as arrived and fails the request's transfer on a mismatch (and
     on a prefill that sent none). Turn it on for both pools; prefill then writes each prompt in one write
     (no progressive parts). DRAM KV only (vLLM-CPU); a GPU engine refuses it at start."""
+    kv_index: bool = False
+    """Feed the rendezvous's KV index with this engine's prefix cache (rendezvous.connector.kv_feed): the engine-core
+    process subscribes to vLLM's KV events (--kv-events-config, publisher zmq, a bound endpoint) and reports
+    them for this engine, so every router can place requests by what the engine really holds."""
     idle_wait_ms: float = 2.0
     """How long a step that computes nothing waits for a transfer to end. vLLM steps without pause while a
     request waits for its KV (decode) or its KV is being sent (prefill), and such steps only ask the connector
@@ -120,7 +124,11 @@ class ConnectorConfig:
         for name, count in ints.items():
             if count < 0:
                 raise ValueError(f"{name} must not be negative, got {count}")
-        flags = {k: _flag(k, extra.pop(k)) for k in ("progressive", "progressive_layers", "integrity") if k in extra}
+        flags = {
+            k: _flag(k, extra.pop(k))
+            for k in ("progressive", "progressive_layers", "integrity", "kv_index")
+            if k in extra
+        }
         if flags.get("progressive_layers") and not flags.get("progressive"):
             raise ValueError("progressive_layers needs progressive")
         strings = {k: str(v) for k, v in extra.items()}

@@ -62,6 +62,14 @@ class PromptReader:
             return self.tokenizer.encode(prompt), 1
         return prompt, 1 if isinstance(prompt, list) else CHARS_PER_TOKEN
 
+    def token_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine sees them: a prompt of token ids, or a text prompt with a
+        tokenizer; None for a chat (its template is the engine's) or a text prompt without a tokenizer."""
+        if body.get("prompt") is None:
+            return None
+        units, per_token = self._units(body)
+        return list(units) if per_token == 1 and not isinstance(units, str) else None
+
     def tokens(self, body: Mapping[str, Any]) -> int:
         """The prompt's length in tokens (estimated for text without a tokenizer)."""
         units, per_token = self._units(body)

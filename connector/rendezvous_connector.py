@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
     from rendezvous.clients.nixl.device import Device, KvReady
     from rendezvous.clients.nixl.producer import ProducerAgent
+    from rendezvous.connector.kv_feed import KvFeed
 
 __all__ = ["RendezvousConnector", "RendezvousConnectorMetadata"]
 
@@ -150,10 +151,14 @@ class RendezvousConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         self._submitted: RendezvousConnectorMetadata | None = None
+        self._feed: KvFeed | None = None
+        """Scheduler, with `kv_index`: the engine's KV events into the rendezvous's KV index."""
         """Worker: the step metadata last handed to the network thread."""
         if role == KVConnectorRole.SCHEDULER:
             progressive = "layers" if self._config.progressive_layers else "chunks" if self._config.progressive else ""
             self._scheduler = _SchedulerSide(self._producer, self.block_size, self.engine_id, progressive)
+            if self._config.kv_index:
+                self._feed = _start_feed(self._config, self.engine_id, vllm_config, kv_cache_config)
         else:
             self._worker = _WorkerSide(self._config, self._producer, self.engine_id, vllm_config, kv_cache_config)
 
@@ -237,6 +242,28 @@ class RendezvousConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.stop()
+        if self._feed is not None:
+            self._feed.stop()
+            self._feed.client.close()
+
+
+def _start_feed(
+    config: ConnectorConfig, engine_id: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> KvFeed:
+    """The engine-core process's KV index feed, on a client of its own (the workers' are in other processes)."""
+    from rendezvous.clients import ClientConfig, TLSConfig
+    from rendezvous.clients.sync import RendezvousClient
+    from rendezvous.connector.kv_feed import start_feed
+
+    tls = TLSConfig(config.tls_ca, config.tls_cert, config.tls_key) if config.uses_tls else None
+    client = RendezvousClient(
+        ClientConfig(targets=config.rendezvous, token=config.token, call_timeout=config.call_timeout, tls=tls)
+    )
+    try:
+        return start_feed(client, engine_id, vllm_config, kv_cache_config)
+    except BaseException:
+        client.close()
+        raise
 
 
 @dataclasses.dataclass

@@ -20,7 +20,12 @@ Decode admission credits (connector/admission.py): a decode engine that declared
 request once the router holds a reservation on it (`ReserveCredits`, atomic at the rendezvous, so several routers
 never overcommit it); when no decode engine has credit the request waits in a bounded queue (`--max-queued`,
 `--queue-timeout`) or is answered 503 naming why (`X-Kv-Refusal`); the reservation is released when the request
-ends. `GET /metrics` serves the router's Prometheus metrics (queue, waits, refusals, pools' free credit).
+ends. `GET /metrics` serves the router's Prometheus metrics (queue, waits, refusals, pools' free credit, prefix-aware
+placements by source).
+With `--policy prefix-aware` engines are placed by what the fleet's KV index says they hold of the prompt
+(engines that report their cache, connector `kv_index`; rendezvous.connector.prefix_view), by the router's own memory of
+what it sent where while the index cannot answer (or with --no-kv-index); `--local-prefill-below` then counts
+only the tokens the decode engine does not hold.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).
@@ -46,6 +51,7 @@ from rendezvous.clients import (
     ClientConfig,
     EngineInfo,
     EngineRole,
+    IndexedPrefix,
     NotFound,
     PickPolicy,
     RendezvousError,
@@ -54,6 +60,7 @@ from rendezvous.clients import (
 from rendezvous.clients._router import DEFAULT_BINDING_TTL
 from rendezvous.connector.admission import Admission, DecodeAdmission, Refused, RouterMetrics
 from rendezvous.connector.config import TRANSFER_ID_KEY
+from rendezvous.connector.prefix_view import PrefixView
 from rendezvous.connector.prompts import PromptReader, Tokenizer
 from rendezvous.protocol import bindings, tracing
 from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
@@ -140,6 +147,7 @@ class Router:
         max_queued: int = 100,
         queue_timeout: float = 30.0,
         credit_ttl: float = 60.0,
+        kv_index: bool = True,
     ) -> None:
         if not routes:
             raise ValueError("the router needs at least one route")
@@ -164,6 +172,8 @@ class Router:
         )
         self.prompts = prompts or PromptReader()
         self.local_prefill = local_prefill or LocalPrefill()
+        self.index = PrefixView(self.engines, self.prompts, retry_interval=refresh_interval) if kv_index else None
+        """Prefix-aware: the fleet's KV index (None: this router's memory only)."""
         self._timeout = ClientTimeout(total=timeout)
         self._http: ClientSession | None = None
 
@@ -250,18 +260,26 @@ class Router:
         span: tracing.Span,
     ) -> web.StreamResponse:
         engines = self.engines
-        prefix = self.prompts.block_hashes(body) if engines.policy is PickPolicy.PREFIX_AWARE else []
+        prefix_aware = engines.policy is PickPolicy.PREFIX_AWARE
+        prefix = self.prompts.block_hashes(body) if prefix_aware else []
+        indexed = None
+        if prefix_aware and self.index is not None:
+            indexed = await self.index.lookup(body, (*route.prefill_pools, *route.decode_pools))
+        if prefix_aware:
+            source = "index" if indexed is not None else "memory"
+            span.set_attribute("kv_rendezvous.prefix_source", source)
+            self.metrics.placements.labels(source).inc()
         transfer_id = self.engines.mint_transfer_id()
         blocks = -(-self.prompts.tokens(body) // self.prompts.block_tokens)
         try:
-            admission = await self.admission.admit(route.decode_pools, transfer_id, blocks, prefix)
+            admission = await self.admission.admit(route.decode_pools, transfer_id, blocks, prefix, indexed)
         except Refused as e:
             span.set_attribute("kv_rendezvous.refused", e.reason)
             return _error(503, f"no decode credit ({e.reason}): {e}", headers={REFUSAL_HEADER: e.reason})
         except RendezvousError as e:
             return _error(503, f"no engines: {e}")
         try:
-            return await self._admitted(request, path, limit_keys, body, route, span, admission, prefix)
+            return await self._admitted(request, path, limit_keys, body, route, span, admission, prefix, indexed)
         finally:
             # However the request ended (answered, failed, the client gone): its decode credit goes back.
             await asyncio.shield(asyncio.ensure_future(self.admission.release(admission)))
@@ -276,17 +294,18 @@ class Router:
         span: tracing.Span,
         admission: Admission,
         prefix: Sequence[int],
+        indexed: IndexedPrefix | None,
     ) -> web.StreamResponse:
         """The request, once a decode engine admitted it (with credit reserved on it)."""
         engines = self.engines
         decode, transfer_id = admission.engine, admission.transfer_id
         try:
             decode_url = _engine_url(decode)
-            local = await self._prefill_locally(body, route)
+            local = await self._prefill_locally(body, route, decode, indexed)
             if local:
-                return await self._local(request, decode, decode_url + path, body, prefix, local, span)
+                return await self._local(request, decode, decode_url + path, body, prefix, indexed, local, span)
             prefill = await engines.pick_engine(
-                route.prefill_pools, EngineRole.PRODUCER, layout=decode.layout, prefix=prefix
+                route.prefill_pools, EngineRole.PRODUCER, layout=decode.layout, prefix=prefix, indexed=indexed
             )
             prefill_url = _engine_url(prefill)
         except RendezvousError as e:
@@ -305,10 +324,12 @@ class Router:
         prefill_body.pop("stream_options", None)
         for key in limit_keys:
             prefill_body[key] = 1
-        prefill_leg = asyncio.create_task(self._prefill(prefill, prefill_url + path, prefill_body, transfer_id, prefix))
+        prefill_leg = asyncio.create_task(
+            self._prefill(prefill, prefill_url + path, prefill_body, transfer_id, prefix, indexed)
+        )
         answer = _Answer()
         try:
-            with self.engines.in_flight(decode, prefix):
+            with self.engines.in_flight(decode, prefix, indexed):
                 return await self._decode(request, decode, decode_url + path, decode_body, transfer_id, answer)
         except asyncio.CancelledError:
             # The client went away. Before decode answered, let both engines go at once. After, decode had the
@@ -322,16 +343,25 @@ class Router:
                 # The client is answered; let prefill finish in the background (its blocks are freed by then).
                 prefill_leg.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    async def _prefill_locally(self, body: Mapping[str, Any], route: Route) -> str:
-        """Why the decode engine should compute this request's prompt itself, or "" (disaggregate)."""
+    async def _prefill_locally(
+        self, body: Mapping[str, Any], route: Route, decode: EngineInfo, indexed: IndexedPrefix | None
+    ) -> str:
+        """Why the decode engine should compute this request's prompt itself, or "" (disaggregate). The tokens
+        to compute are the prompt's, less those the KV index says the decode engine holds already."""
         rule = self.local_prefill
-        if rule.below_tokens and self.prompts.tokens(body) < rule.below_tokens:
+        if rule.below_tokens and self._uncached_tokens(body, decode, indexed) < rule.below_tokens:
             return LOCAL_SHORT
         if rule.when_busy:
             lightest = await self.engines.lightest_load(route.prefill_pools, EngineRole.PRODUCER)
             if lightest >= rule.when_busy:
                 return LOCAL_BUSY
         return ""
+
+    def _uncached_tokens(self, body: Mapping[str, Any], decode: EngineInfo, indexed: IndexedPrefix | None) -> int:
+        tokens = self.prompts.tokens(body)
+        if indexed is None:
+            return tokens
+        return max(0, tokens - indexed.matched.get(decode.engine_id, 0) * indexed.block_size)
 
     async def _local(
         self,
@@ -340,6 +370,7 @@ class Router:
         url: str,
         body: dict[str, Any],
         prefix: Sequence[int],
+        indexed: IndexedPrefix | None,
         why: str,
         span: tracing.Span,
     ) -> web.StreamResponse:
@@ -347,16 +378,25 @@ class Router:
         span.set_attribute("kv_rendezvous.prefill", why)
         named = {PREFILL_HEADER: why}
         try:
-            with self.engines.in_flight(engine, prefix), _leg_span("router.decode", engine, "") as headers:
+            with self.engines.in_flight(engine, prefix, indexed), _leg_span("router.decode", engine, "") as headers:
                 return await self._relay(request, url, body, headers, named)
         except (ClientError, OSError, TimeoutError) as e:
             self.engines.invalidate()
             return _error(502, f"decode engine failed: {e}")
 
     async def _prefill(
-        self, engine: EngineInfo, url: str, body: dict[str, Any], transfer_id: str, prefix: Sequence[int]
+        self,
+        engine: EngineInfo,
+        url: str,
+        body: dict[str, Any],
+        transfer_id: str,
+        prefix: Sequence[int],
+        indexed: IndexedPrefix | None,
     ) -> None:
-        with self.engines.in_flight(engine, prefix), _leg_span("router.prefill", engine, transfer_id) as headers:
+        with (
+            self.engines.in_flight(engine, prefix, indexed),
+            _leg_span("router.prefill", engine, transfer_id) as headers,
+        ):
             try:
                 async with self.http.post(url, json=body, headers=headers) as response:
                     await response.read()
@@ -509,6 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="prefix-aware: what one request in flight weighs, in whole prompts of uncached blocks",
     )
+    parser.add_argument(
+        "--no-kv-index",
+        dest="kv_index",
+        action="store_false",
+        help="prefix-aware: place by this router's memory only, never by the fleet's KV index",
+    )
     parser.add_argument("--prefix-block", type=int, default=16, help="tokens per KV block, for prompt block hashes")
     parser.add_argument(
         "--tokenizer",
@@ -604,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_queued=args.max_queued,
             queue_timeout=args.queue_timeout,
             credit_ttl=args.credit_ttl,
+            kv_index=args.kv_index,
         )
         return router.app()
 

@@ -104,6 +104,14 @@ def test_progressive_push_is_a_flag(value: object, expected: bool) -> None:
     assert ConnectorConfig.from_extra_config({"rendezvous": "a:1"}).progressive is False
 
 
+@pytest.mark.parametrize(("value", "expected"), [(True, True), ("true", True), (False, False)])
+def test_the_kv_index_feed_is_a_flag(value: object, expected: bool) -> None:
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1", "kv_index": value}).kv_index is expected
+    assert ConnectorConfig.from_extra_config({"rendezvous": "a:1"}).kv_index is False
+    with pytest.raises(ValueError, match="kv_index must be true or false"):
+        ConnectorConfig.from_extra_config({"rendezvous": "a:1", "kv_index": "on"})
+
+
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_progressive_push_refuses_what_is_not_a_boolean(value: object) -> None:
     with pytest.raises(ValueError, match="progressive must be true or false"):

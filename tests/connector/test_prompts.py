@@ -27,6 +27,14 @@ def test_token_ids_are_counted_exactly_and_text_is_estimated() -> None:
     assert reader.tokens({}) == 0
 
 
+def test_token_ids_are_known_only_where_the_engine_would_see_the_same() -> None:
+    assert PromptReader().token_ids({"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert PromptReader(tokenizer=WordTokenizer()).token_ids({"prompt": "a b a"}) == [0, 1, 0]
+    assert PromptReader().token_ids({"prompt": "a b a"}) is None  # no tokenizer: an estimate is no chain
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert PromptReader(tokenizer=WordTokenizer()).token_ids(chat) is None  # the chat template is the engine's
+
+
 def test_only_full_blocks_are_hashed_and_the_hashes_chain() -> None:
     reader = PromptReader(block_tokens=4)
     a = reader.block_hashes({"prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9]})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -19,6 +20,8 @@ from aiohttp import ClientSession, ClientTimeout, web
 
 from rendezvous.clients import (
     AsyncRendezvousClient,
+    BlockHashing,
+    CacheSnapshot,
     ClientConfig,
     EngineCapacity,
     EngineRole,
@@ -29,10 +32,12 @@ from rendezvous.clients import (
     TransferState,
 )
 from rendezvous.clients.testing import AsyncTestServer, start_test_server
+from rendezvous.connector.block_hashes import chain
 from rendezvous.connector.launch import free_port
 from rendezvous.connector.prompts import PromptReader
 from rendezvous.connector.router import (
     ANY_MODEL,
+    LOCAL_SHORT,
     PREFILL_HEADER,
     TRANSFER_ID_HEADER,
     LocalPrefill,
@@ -674,3 +679,56 @@ def test_the_router_refuses_to_start_without_an_address(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as exited:
         main(["--listen", "127.0.0.1:0"])
     assert exited.value.code == 2 and "required: --address" in capsys.readouterr().err
+
+
+INDEX_HASHING = BlockHashing("sha256", "fleet-seed", 16, integer_hashes=True)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="chains use vLLM's hashing")
+
+
+async def report_held(cluster: Cluster, engine_id: str, *prompts: list[int]) -> None:
+    """What the engine's KV index feed would report: it holds these prompts' full blocks (a snapshot)."""
+    hashes = tuple({h: None for p in prompts for h in chain(INDEX_HASHING, p)})
+    await cluster.rendezvous.replace_cached_blocks(CacheSnapshot(engine_id, 1, INDEX_HASHING, ((0, hashes),)))
+
+
+@needs_vllm
+async def test_prefix_aware_places_by_the_kv_index_over_its_own_memory(cluster: Cluster, make_router: Any) -> None:
+    for i in range(2):
+        await cluster.add(f"p{i}", "prefill", EngineRole.PRODUCER)
+        await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.PREFIX_AWARE)
+    assert (await router.complete("tiny", prompt=prompt_of(1, 4, 0)))[1]["engine"] == "d0"  # nothing indexed
+    # d0 evicted the prefix since (the router's memory cannot know); d1 and p1 computed it for another router.
+    await report_held(cluster, "d0")
+    await report_held(cluster, "d1", prompt_of(1, 4, 9))
+    await report_held(cluster, "p0")
+    await report_held(cluster, "p1", prompt_of(1, 4, 9))
+    assert (await router.complete("tiny", prompt=prompt_of(1, 4, 1)))[1]["engine"] == "d1"
+    await asyncio.wait_for(cluster.engines["p1"].wait_bodies(1), WAIT)  # prefill follows the index too
+    assert len(cluster.engines["p0"].bodies) == 1
+
+
+@needs_vllm
+async def test_without_the_kv_index_prefix_aware_places_by_its_memory(cluster: Cluster, make_router: Any) -> None:
+    for i in range(2):
+        await cluster.add(f"p{i}", "prefill", EngineRole.PRODUCER)
+        await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.PREFIX_AWARE, kv_index=False)
+    assert (await router.complete("tiny", prompt=prompt_of(1, 4, 0)))[1]["engine"] == "d0"
+    await report_held(cluster, "d0")
+    await report_held(cluster, "d1", prompt_of(1, 4, 9))
+    assert (await router.complete("tiny", prompt=prompt_of(1, 4, 1)))[1]["engine"] == "d0"  # its memory
+
+
+@needs_vllm
+async def test_a_prompt_the_decode_engine_mostly_holds_is_computed_there(cluster: Cluster, make_router: Any) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router(
+        {ANY_MODEL: Route(("prefill",), ("decode",))}, PickPolicy.PREFIX_AWARE, local_prefill=LocalPrefill(40)
+    )
+    await router.complete("tiny", prompt=prompt_of(3, 4, 0))  # 69 tokens, none held: prefilled remotely
+    assert router.last_prefill == "remote"
+    await report_held(cluster, "d", prompt_of(3, 4, 0))
+    await router.complete("tiny", prompt=prompt_of(3, 4, 1))  # 5 tokens not held: decode computes them
+    assert router.last_prefill == LOCAL_SHORT

