@@ -5,4 +5,4 @@ The distribution's one import name: the engine SDK is `rendezvous.clients` (fold
 `rendezvous.v1` (the protocol stubs, used by clients), loads no service code.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
