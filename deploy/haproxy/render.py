@@ -1,6 +1,6 @@
 """Render haproxy.cfg.template into a folder: an HAProxy admission front for `kv-rendezvous serve`.
 
-    python deploy/haproxy/render.py OUT_DIR --server 10.0.0.5:50051 [--listen :8443] [--max-calls 64] ...
+    python deploy/haproxy/render.py OUT_DIR --server 10.0.0.5:50051 [--listen :8443] [--max-calls 32] ...
     haproxy -f OUT_DIR/haproxy.cfg
 
 The front refuses in C what the service would otherwise queue in gRPC core: a caller past its share of
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +31,24 @@ TEMPLATE = Path(__file__).with_name("haproxy.cfg.template")
 
 @dataclass(frozen=True)
 class Front:
-    """What the front admits. `max_calls`: concurrent unary calls the service is given (size it from the
-    capacity model: calls/s it serves x the latency of one call at that rate); the rest waits, in priority
-    order, at most `queue_timeout_ms`."""
+    """What the front admits (defaults: what bench_overload.py measured best on one 2-core machine).
+
+    max_calls: concurrent unary calls the service is given; the rest waits in HAProxy, in priority order, at
+        most `queue_timeout_ms`, then is refused RATE_LIMITED. Size it from the capacity model: enough to keep
+        the service busy (calls/s it serves x one call's latency), no more, since every call inside waits in
+        gRPC core's first-come-first-served queue.
+    calls_share, rate_per_caller: a caller with more concurrent calls, or more calls/s, waits behind the
+        others' calls (HAProxy priority class 1).
+    calls_per_caller, streams_per_caller: past these a caller's call or Watch/KeepAlive stream is refused at
+        once, TOO_MANY_CONCURRENT_CALLS.
+    retry_after_s: the RetryInfo of every refusal.
+    """
 
     listen: str
     server: str
-    max_calls: int = 64
-    calls_per_caller: int = 16
+    max_calls: int = 32
+    calls_share: int = 24
+    calls_per_caller: int = 128
     streams_per_caller: int = 64
     rate_per_caller: int = 1000
     queue_timeout_ms: int = 200
@@ -63,10 +75,13 @@ def _write_answer(path: Path, headers: list[tuple[str, str]]) -> Path:
 
 
 def render(front: Front, out: Path) -> Path:
-    """Write haproxy.cfg and the queue's refusal (an errorfile) into out; the config's path."""
+    """Write haproxy.cfg and its refusals (errorfiles) into out; the config's path. HAProxy's stats socket
+    will be out/stats.sock."""
     out.mkdir(parents=True, exist_ok=True)
     retry = front.retry_after_s
-    queued = refusal_headers(Reason.RATE_LIMITED, "the service is at capacity: retry after the hint", retry)
+    queued = refusal_headers(
+        Reason.RATE_LIMITED, "no slot of the service came free in time; retry after the hint", retry
+    )
     calls = refusal_headers(
         Reason.TOO_MANY_CONCURRENT_CALLS, f"more than {front.calls_per_caller} concurrent calls of this caller", retry
     )
@@ -77,11 +92,13 @@ def render(front: Front, out: Path) -> Path:
         listen=front.listen,
         server=front.server,
         max_calls=front.max_calls,
+        calls_share=front.calls_share,
         calls_per_caller=front.calls_per_caller,
         streams_per_caller=front.streams_per_caller,
         rate_per_caller=front.rate_per_caller,
         queue_timeout_ms=front.queue_timeout_ms,
         max_connections=front.max_connections,
+        stats_socket=out / "stats.sock",
         queue_refusal=_write_answer(out / "queue_refusal.http", queued),
         too_many_calls=_write_answer(out / "too_many_calls.http", calls),
         too_many_streams=_write_answer(out / "too_many_streams.http", streams),
@@ -91,26 +108,31 @@ def render(front: Front, out: Path) -> Path:
     return path
 
 
+def refused(stats_socket: Path) -> int:
+    """Calls the front answered itself so far (refused per caller or from the queue): every request it took
+    less those it passed to a server, from `show stat` on its stats socket."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(stats_socket))
+        sock.sendall(b"show stat\n")
+        text = b"".join(iter(lambda: sock.recv(65536), b"")).decode()
+    header, *rows = text.lstrip("# ").splitlines()
+    records = [dict(zip(header.split(","), row.split(","), strict=False)) for row in rows if row]
+    taken = sum(int(r["req_tot"] or 0) for r in records if r["svname"] == "FRONTEND")
+    passed = sum(int(r["stot"] or 0) for r in records if r["svname"] not in ("FRONTEND", "BACKEND"))
+    return taken - passed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path, help="folder for haproxy.cfg and its errorfile")
+    parser.add_argument("out", type=Path, help="folder for haproxy.cfg and its errorfiles")
     parser.add_argument("--server", required=True, help="the service's host:port")
     parser.add_argument("--listen", default=":8443", help="the front's address")
-    defaults = Front("", "")
-    for name in ("max_calls", "calls_per_caller", "streams_per_caller", "rate_per_caller", "queue_timeout_ms"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    parser.add_argument("--retry-after-s", type=float, default=defaults.retry_after_s)
+    for field in dataclasses.fields(Front):
+        if field.name not in ("listen", "server"):
+            kind = float if isinstance(field.default, float) else int
+            parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default)
     args = parser.parse_args(argv)
-    front = Front(
-        args.listen,
-        args.server,
-        max_calls=args.max_calls,
-        calls_per_caller=args.calls_per_caller,
-        streams_per_caller=args.streams_per_caller,
-        rate_per_caller=args.rate_per_caller,
-        queue_timeout_ms=args.queue_timeout_ms,
-        retry_after_s=args.retry_after_s,
-    )
+    front = Front(**{k: v for k, v in vars(args).items() if k != "out"})
     print(render(front, args.out))
     return 0
 
