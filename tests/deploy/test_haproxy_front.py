@@ -2,12 +2,14 @@
 
 A caller past its share of open streams is refused by the front, in C, with the answer the service itself
 would give (RESOURCE_EXHAUSTED, ErrorInfo TOO_MANY_CONCURRENT_CALLS in the service's domain, a RetryInfo), as
-the SDK's error tree reads it; another identity's calls and streams still pass. Driven by concurrency (streams
-held open), not by time."""
+the SDK's error tree reads it; another identity's calls and streams still pass. A call that gets no slot of the
+service is refused RATE_LIMITED with a retry hint (the queue's refusal, HAProxy's 503 rewritten). Driven by
+concurrency (streams held open) and by a service nobody listens on, not by time."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import shutil
 import subprocess
@@ -65,11 +67,15 @@ async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
 @pytest.fixture
 def front(server: RendezvousServer, tmp_path: Path) -> Iterator[str]:
     """haproxy in the foreground on a free port, in front of the server; its address."""
+    with _haproxy(server.address, tmp_path) as listen:
+        yield listen
+
+
+@contextlib.contextmanager
+def _haproxy(server: str, tmp_path: Path) -> Iterator[str]:
     render = _renderer()
     listen = f"127.0.0.1:{free_port()}"
-    config = render.render(
-        render.Front(listen, server.address, streams_per_caller=STREAMS_PER_CALLER), tmp_path / "front"
-    )
+    config = render.render(render.Front(listen, server, streams_per_caller=STREAMS_PER_CALLER), tmp_path / "front")
     proc = subprocess.Popen(["haproxy", "-db", "-f", str(config)], stderr=subprocess.PIPE, text=True)
     try:
         yield listen
@@ -95,14 +101,19 @@ async def _open_watch(stub: pb_grpc.RendezvousServiceStub, engine: str, token: s
     return watch
 
 
-async def test_a_caller_past_its_streams_is_refused_by_the_front_with_a_reason_and_a_retry_hint(front: str) -> None:
-    # Connection refused until haproxy listens: poll gRPC health through it (health bypasses every limit).
+async def _wait_listening(front: str) -> None:
+    """Connection refused until haproxy listens: poll gRPC health through it (health bypasses every limit)."""
+
     async def ready() -> bool:
         async with grpc.aio.insecure_channel(front) as probe:
             answer = await health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=1)
         return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
     await eventually(ready, "the front to listen")
+
+
+async def test_a_caller_past_its_streams_is_refused_by_the_front_with_a_reason_and_a_retry_hint(front: str) -> None:
+    await _wait_listening(front)
     channel = await _channel(front)
     stub = pb_grpc.RendezvousServiceStub(channel)
     held = [await _open_watch(stub, "hog", HOG) for _ in range(STREAMS_PER_CALLER)]
@@ -123,3 +134,27 @@ async def test_a_caller_past_its_streams_is_refused_by_the_front_with_a_reason_a
     for watch in held + good:
         watch.cancel()
     await channel.close()
+
+
+async def test_a_call_that_gets_no_slot_of_the_service_is_refused_rate_limited_with_a_retry_hint(
+    tmp_path: Path,
+) -> None:
+    # The queue's refusal (HAProxy's 503, rewritten as a gRPC answer) is what a call gets when no slot of the
+    # service is reachable; a service nobody listens on gives no slot at all, whatever the timing.
+    nobody = f"127.0.0.1:{free_port()}"
+    with _haproxy(nobody, tmp_path) as front:
+        async with grpc.aio.insecure_channel(front) as channel:
+            stub = pb_grpc.RendezvousServiceStub(channel)
+            request = engine_request("good", pb.ENGINE_ROLE_PRODUCER)
+
+            async def refused() -> bool:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.RegisterEngine(request, metadata=bearer(GOOD), timeout=30)
+                assert err.value.code() != grpc.StatusCode.UNAVAILABLE  # not yet listening: poll again
+                error = from_rpc_error(err.value)
+                assert isinstance(error, ResourceExhausted), error
+                assert error.reason == Reason.RATE_LIMITED and error.domain == ERROR_DOMAIN
+                assert error.retry_after is not None and error.retry_after > 0
+                return True
+
+            await eventually(refused, "the front's refusal")
