@@ -137,6 +137,7 @@ class Server:
     health: str
     metrics: str
     front_stats: Path | None = None  # the HAProxy front's stats socket, when there is one
+    front_pid: int | None = None
 
     def refused_at_front(self) -> int:
         return 0 if self.front_stats is None else _front_renderer().refused(self.front_stats)
@@ -194,7 +195,8 @@ def fronted(server: Server, folder: Path, rate_per_caller: int) -> Iterator[Serv
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"haproxy did not start: {proc.communicate()[1]}")
             time.sleep(0.05)
-        yield dataclasses.replace(server, address=listen, front_stats=folder / "front" / "stats.sock")
+        stats = folder / "front" / "stats.sock"
+        yield dataclasses.replace(server, address=listen, front_stats=stats, front_pid=proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -547,6 +549,7 @@ def phase(
     before = server.rpc_counts()
     refused_before = server.refused_at_front()
     cpu0 = proc_usage(server.proc.pid)[0]
+    front_cpu0 = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0]
     stop = threading.Event()
     health: dict[str, Any] = {}
     serving_health: dict[str, Any] = {}
@@ -588,6 +591,7 @@ def phase(
     for t in threads:
         t.join()
     cpu = proc_usage(server.proc.pid)[0] - cpu0
+    front_cpu = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0] - front_cpu0
     after = server.rpc_counts()
     refused_at_front = server.refused_at_front() - refused_before
     delta = Counter({k: after[k] - before[k] for k in after if after[k] != before[k]})
@@ -610,6 +614,7 @@ def phase(
             next((ln.strip() for ln in out.splitlines() if ln.startswith("requests:")), "") for out in clients_saw
         ],
         "server_cpu_util": cpu / elapsed,
+        "front_cpu_util": front_cpu / elapsed,
         "health_port": health,
         "serving_port_health": serving_health,
         **memory,
@@ -698,7 +703,7 @@ def report(store: str, r: dict[str, Any]) -> None:
         f"(serving port {r['serving_port_health']['failures']}/{r['serving_port_health']['probes']}); heavy "
         f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']} "
         f"({r['heavy']['retry_hints']} retry hints); "
-        f"server CPU {r['server_cpu_util']:.0%}, peak RSS {r['peak_rss_mib']:.0f} MiB"
+        f"server CPU {r['server_cpu_util']:.0%} (front {r['front_cpu_util']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
     )
 
 
