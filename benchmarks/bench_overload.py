@@ -29,6 +29,12 @@ lifecycle ends released, or its error is counted.
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
     python benchmarks/bench_overload.py --compare     # memory and Redis, one run
     python benchmarks/bench_overload.py --serve-flag=--rate-limit=0   # flags passed to serve
+    python benchmarks/bench_overload.py --front haproxy   # every phase after capacity through deploy/haproxy
+
+With `--front haproxy` (apt-get install haproxy) the capacity phase still measures the server itself; the
+other phases go through an HAProxy admission front rendered from deploy/haproxy (its per-caller rate share
+sized from that capacity), the health port is still probed directly, and `refused_at_front` counts the calls
+HAProxy answered itself (RESOURCE_EXHAUSTED that never reached the server).
 
 Needs h2load (`apt-get install nghttp2-client`).
 """
@@ -38,6 +44,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import importlib.util
 import json
 import math
 import multiprocessing as mp
@@ -69,6 +77,7 @@ from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 
 RESULTS = Path(__file__).parent / "results"
+FRONT = Path(__file__).resolve().parents[1] / "deploy" / "haproxy"
 FLOODERS = 4
 FLOOD_BATCH = 64
 GOOD_RATE = 100.0  # the others' lifecycles per second
@@ -124,9 +133,14 @@ def grpc_frame(message: Any) -> bytes:
 @dataclass
 class Server:
     proc: subprocess.Popen[str]
-    address: str
+    address: str  # where clients call: the server, or the front before it
     health: str
     metrics: str
+    front_stats: Path | None = None  # the HAProxy front's stats socket, when there is one
+    front_pid: int | None = None
+
+    def refused_at_front(self) -> int:
+        return 0 if self.front_stats is None else _front_renderer().refused(self.front_stats)
 
     def rpc_counts(self) -> Counter[tuple[str, str]]:
         """Answered calls by (method, code), and calls refused before the service as (REJECTED, reason)."""
@@ -153,6 +167,36 @@ def serving(store: str, auth: Path, flags: list[str]) -> Iterator[Server]:
     )
     try:
         yield Server(proc, address, health, metrics)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _front_renderer() -> Any:
+    spec = importlib.util.spec_from_file_location("haproxy_render", FRONT / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves its annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def fronted(server: Server, folder: Path, rate_per_caller: int) -> Iterator[Server]:
+    """The server behind an HAProxy admission front (deploy/haproxy), as clients see it."""
+    render = _front_renderer()
+    listen = f"127.0.0.1:{free_port()}"
+    front = render.Front(listen, server.address, rate_per_caller=rate_per_caller)
+    config = render.render(front, folder / "front")
+    proc = subprocess.Popen(["haproxy", "-db", "-f", str(config)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (folder / "front" / "stats.sock").exists():  # listening once its socket is bound
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"haproxy did not start: {proc.communicate()[1]}")
+            time.sleep(0.05)
+        stats = folder / "front" / "stats.sock"
+        yield dataclasses.replace(server, address=listen, front_stats=stats, front_pid=proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -219,6 +263,7 @@ class Others:
     started: int = 0
     released: int = 0
     retries: int = 0
+    refused: Counter[str] = field(default_factory=Counter)  # the retried RESOURCE_EXHAUSTED, by ErrorInfo reason
     dropped: int = 0  # CANCELLED by the server (gRPC core's backlog drop), retried
 
 
@@ -232,6 +277,9 @@ async def call(others: Others, what: str, method: Any, request: Any, name: str) 
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 others.retries += 1
+                refusal = from_rpc_error(err)
+                by = " by the front" if refusal.metadata.get("refused_by") == "front" else ""
+                others.refused[f"{what}:{refusal.reason}{by}"] += 1
                 await asyncio.sleep(0.05)
                 continue
             if err.code() == grpc.StatusCode.CANCELLED:
@@ -499,7 +547,9 @@ def phase(
     """One phase: the flood at `rate` calls/s in all (None: closed loop), the others (if others_too), heavy (if
     heavy_bytes), probes."""
     before = server.rpc_counts()
+    refused_before = server.refused_at_front()
     cpu0 = proc_usage(server.proc.pid)[0]
+    front_cpu0 = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0]
     stop = threading.Event()
     health: dict[str, Any] = {}
     serving_health: dict[str, Any] = {}
@@ -541,7 +591,9 @@ def phase(
     for t in threads:
         t.join()
     cpu = proc_usage(server.proc.pid)[0] - cpu0
+    front_cpu = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0] - front_cpu0
     after = server.rpc_counts()
+    refused_at_front = server.refused_at_front() - refused_before
     delta = Counter({k: after[k] - before[k] for k in after if after[k] != before[k]})
     flood_codes = {code: n for (method, code), n in delta.items() if method == "ClaimTransfers"}
     rejected = {reason: n for (method, reason), n in delta.items() if method == "REJECTED"}
@@ -556,11 +608,13 @@ def phase(
         "flood_shed_per_s": shed / seconds,
         "flood_codes": flood_codes,
         "rejected_before_service": rejected,
+        "refused_at_front": refused_at_front,
         "flood_sampled": sampled,
         "h2load_requests": [
             next((ln.strip() for ln in out.splitlines() if ln.startswith("requests:")), "") for out in clients_saw
         ],
         "server_cpu_util": cpu / elapsed,
+        "front_cpu_util": front_cpu / elapsed,
         "health_port": health,
         "serving_port_health": serving_health,
         **memory,
@@ -573,6 +627,7 @@ def phase(
             "lifecycle_p99_ms": percentile(others.lifecycle_ms, 0.99),
             "router_p99_ms": percentile(others.router_ms, 0.99),
             "retried_after_resource_exhausted": others.retries,
+            "refused_by_reason": dict(others.refused),
             "retried_after_cancelled": others.dropped,
             "errors": dict(others.errors),
         }
@@ -582,7 +637,8 @@ def phase(
 
 def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     auth = auth_file(folder)
-    with serving(store, auth, args.serve_flag) as server:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(serving(store, auth, args.serve_flag))
         bodies = []
         for i, body in enumerate(asyncio.run(register_flooders(server.address))):
             path = folder / f"flood-{i}.bin"
@@ -591,6 +647,10 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         capacity = phase(server, bodies, args.seconds, None, 0, "capacity", others_too=False)
         calls_per_s = capacity["flood_admitted_per_s"]
         print(f"{store_name(store):>6} capacity: {calls_per_s:,.0f} ClaimTransfers calls/s of {FLOOD_BATCH} items")
+        if args.front == "haproxy":
+            # A caller past twice a flood identity's share of capacity, or 4x the others' pace, waits behind the rest.
+            share = max(2 * calls_per_s / FLOODERS, 4 * GOOD_RATE)
+            server = stack.enter_context(fronted(server, folder, round(share)))
         # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
         beside = phase(server, bodies, args.seconds, None, 0, "beside", others_too=True)
         beside_per_s = beside["flood_admitted_per_s"]
@@ -614,6 +674,7 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             report(store, result)
     return {
         "store": store_name(store),
+        "front": args.front,
         "capacity_calls_per_s": calls_per_s,
         "capacity_beside_others_calls_per_s": beside_per_s,
         "capacity": capacity,
@@ -632,7 +693,8 @@ def report(store: str, r: dict[str, Any]) -> None:
     print(
         f"{store_name(store):>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s "
         f"({r['of_capacity']:.0%} of capacity, {r['of_capacity_beside_others']:.0%} beside the others), shed "
-        f"{r['flood_shed_per_s']:,.0f}/s {r['rejected_before_service']}, sampled {r['flood_sampled']}; "
+        f"{r['flood_shed_per_s']:,.0f}/s {r['rejected_before_service']}, refused at the front "
+        f"{r['refused_at_front'] / r['seconds']:,.0f}/s, sampled {r['flood_sampled']}; "
         f"others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
         f"p50 {o['lifecycle_p50_ms']:.1f} ms p99 {o['lifecycle_p99_ms']:.1f} ms, "
         f"router p99 {o['router_p99_ms']:.1f} ms, "
@@ -641,7 +703,7 @@ def report(store: str, r: dict[str, Any]) -> None:
         f"(serving port {r['serving_port_health']['failures']}/{r['serving_port_health']['probes']}); heavy "
         f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']} "
         f"({r['heavy']['retry_hints']} retry hints); "
-        f"server CPU {r['server_cpu_util']:.0%}, peak RSS {r['peak_rss_mib']:.0f} MiB"
+        f"server CPU {r['server_cpu_util']:.0%} (front {r['front_cpu_util']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
     )
 
 
@@ -658,11 +720,16 @@ def main() -> int:
         help="size of the heavy identity's requests (the server's maximum); 0: no heavy identity",
     )
     parser.add_argument("--serve-flag", action="append", default=[], help="a flag passed to serve (repeatable)")
+    parser.add_argument(
+        "--front", default="none", choices=["none", "haproxy"], help="an admission front before the server"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "overload.json", help="results file")
     args = parser.parse_args()
     args.factors = [float(f) for f in args.factors.split(",")]
     if shutil.which("h2load") is None:
         raise SystemExit("h2load not found: apt-get install nghttp2-client")
+    if args.front == "haproxy" and shutil.which("haproxy") is None:
+        raise SystemExit("haproxy not found: apt-get install haproxy")
     stores = ["memory", "redis"] if args.compare else [args.store]
     runs = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -673,6 +740,7 @@ def main() -> int:
         "benchmark": "overload",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
         "serve_flags": args.serve_flag,
+        "front": args.front,
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
