@@ -11,19 +11,15 @@ from the same state in one round trip. Writes carry the store's epoch guard, as 
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
 from rendezvous.core.model import Role
 from rendezvous.protocol.cache_index import BlockHashing, PrefixMatch, PrefixQuery
-from rendezvous.store.base import StoreUnavailableError
 from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, ranked
 from rendezvous.store.codec import future_format
-from rendezvous.store.redis.epoch import Epoch
-from rendezvous.store.redis.scripts import Scripts
+from rendezvous.store.redis.guarded import GuardedScripts
 
-_ATTEMPTS = 5
 """Epoch refusals a write retries after acting on them."""
 
 
@@ -51,23 +47,8 @@ def _version(entry: IndexEntry | None) -> str:
     return f"{entry.incarnation}:{entry.sequence}" if entry is not None else ""
 
 
-class RedisIndex(IndexStore):
+class RedisIndex(GuardedScripts, IndexStore):
     """The KV index of one Redis namespace, run through the store's scripts and epoch."""
-
-    def __init__(self, prefix: str, scripts: Scripts, epoch: Epoch, command: Callable[..., Awaitable[Any]]) -> None:
-        self._prefix = prefix
-        self._scripts = scripts
-        self._epoch = epoch
-        self._command = command
-
-    async def _write(self, name: str, **args: Any) -> Any:
-        for _ in range(_ATTEMPTS):
-            reply = await self._scripts.run(name, guard=self._epoch.guard, **args)
-            if reply[0] in (b"E", b"R"):
-                await self._epoch.refused(reply)
-                continue
-            return reply
-        raise StoreUnavailableError(f"{name}: the store's epoch keeps changing")
 
     async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
         reply = await self._scripts.run("index_read", engine_id=engine_id, members=list(members))

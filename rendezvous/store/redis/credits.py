@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from rendezvous.core.credits import Reservation
-from rendezvous.store.base import StoreUnavailableError
 from rendezvous.store.codec import future_format
 from rendezvous.store.credits import CreditStore, Ledger
-from rendezvous.store.redis.epoch import Epoch
-from rendezvous.store.redis.scripts import Scripts
+from rendezvous.store.redis.guarded import GuardedScripts
 
-_ATTEMPTS = 5
 """Epoch refusals a write retries after acting on them."""
 
 
@@ -38,23 +34,8 @@ def decode(data: bytes | str) -> Reservation:
     return Reservation(str(f[0]), str(f[1]), int(f[2]), int(f[3]), float(f[4]))
 
 
-class RedisCredits(CreditStore):
+class RedisCredits(GuardedScripts, CreditStore):
     """Reservations of one Redis namespace, run through the store's scripts, epoch and command pipeline."""
-
-    def __init__(self, prefix: str, scripts: Scripts, epoch: Epoch, command: Callable[..., Awaitable[Any]]) -> None:
-        self._prefix = prefix
-        self._scripts = scripts
-        self._epoch = epoch
-        self._command = command
-
-    async def _write(self, name: str, **args: Any) -> Any:
-        for _ in range(_ATTEMPTS):
-            reply = await self._scripts.run(name, guard=self._epoch.guard, **args)
-            if reply[0] in (b"E", b"R"):
-                await self._epoch.refused(reply)
-                continue
-            return reply
-        raise StoreUnavailableError(f"{name}: the store's epoch keeps changing")
 
     async def ledger(self, engine_id: str) -> Ledger:
         version, records = await self._scripts.run("read_credits", engine_id=engine_id)
