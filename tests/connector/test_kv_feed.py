@@ -173,9 +173,10 @@ def test_a_refused_parent_is_repaired_by_a_snapshot(client: RendezvousClient, tm
     try:
         pub.publish(batch(stored(CHAIN[:3], None)))
         wait_applied(feed, 0)
-        client.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))  # a new incarnation: its entry is dropped
-        assert client.match_prefixes(PrefixQuery(tuple(hash_of(h) for h in CHAIN), engine_ids=(ENGINE,))) == []
-        pub.publish(batch(stored(CHAIN[3:], CHAIN[2])))  # INDEX_PARENT_UNKNOWN on the fresh entry
+        # A new incarnation: its entry is dropped. (Not asserted empty here: the feed may notice and repair it at any
+        # moment, e.g. when it next compares its count with the index's.)
+        client.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        pub.publish(batch(stored(CHAIN[3:], CHAIN[2])))  # INDEX_PARENT_UNKNOWN on the fresh entry, unless repaired
         wait_applied(feed, 1)
         assert matched(client, CHAIN) == 4
         assert feed.snapshots == 2
