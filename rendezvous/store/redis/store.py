@@ -205,7 +205,7 @@ class RedisStore(Store):
         sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
         if self.target.sentinel_password is not None:
             sentinel_kwargs["password"] = self.target.sentinel_password
-        sentinel = Sentinel(list(self.target.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(list(self.target.sentinels), sentinel_kwargs=sentinel_kwargs, **kwargs)  # type: ignore[no-untyped-call,unused-ignore]
         self._sentinels.append(sentinel)
         master: aioredis.Redis = sentinel.master_for(self.target.service, redis_class=aioredis.Redis)
         return master
