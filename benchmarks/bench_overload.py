@@ -23,7 +23,10 @@ the server instead of waiting in the client for a free stream), while, side by s
 
 The flood's calls are counted by the server (its /metrics, by status code): `admitted` is every call that
 was answered by the service (not refused, nor cancelled by h2load as it ends), `shed` every RESOURCE_EXHAUSTED,
-both per second of the flood's own phase. No transfer of the others may be lost: each
+both per second of the flood's own phase. Over capacity three ways: `of_capacity` (the flood's alone),
+`of_capacity_beside_others` (over what the closed-loop flood gets beside the others), and
+`of_capacity_others_included` (the flood's plus the others' share of the server, capacity less capacity beside
+them, over capacity: the load admitted in all). No transfer of the others may be lost: each
 lifecycle ends released, or its error is counted.
 
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
@@ -35,6 +38,16 @@ With `--front haproxy` (apt-get install haproxy) the capacity phase still measur
 other phases go through an HAProxy admission front rendered from deploy/haproxy (its per-caller rate share
 sized from that capacity), the health port is still probed directly, and `refused_at_front` counts the calls
 HAProxy answered itself (RESOURCE_EXHAUSTED that never reached the server).
+
+    python benchmarks/bench_overload.py --server-cpus 0 [--client-cpus 1] [--redis-cpus server|clients]
+
+With `--server-cpus` the server runs on those CPUs only (taskset, before it starts: its threads too) and
+everything else the benchmark starts on `--client-cpus` (by default every other CPU it may use): h2load, the
+HAProxy front, the others' clients, the probers, the sampler and the heavy sender (this process pins itself, and
+its children inherit it). redis-server goes with the server (`--redis-cpus server`, the default: it is the
+server's backend, and the clients' CPU is the front's and the load's) or with the clients. The capacity phases
+run under the same pinning, so admitted over capacity compares the server with the same CPU; the results record
+the pinning asked for and the affinity the server's threads had.
 
 Needs h2load (`apt-get install nghttp2-client`).
 """
@@ -86,6 +99,81 @@ STREAMS = 16
 """Streams per h2load connection at 1x (4 connections per flood identity): at 5x, 80, so an identity's 320 calls
 in flight pass what the server lets it have in progress and waiting (32 + --max-waiting-calls, 256)."""
 SAMPLE_INTERVAL_S = 0.05
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as taskset and /proc write it ("0", "0,2", "1-3,6"): its CPUs. ValueError if empty or
+    malformed."""
+    cpus: set[int] = set()
+    for item in text.split(","):
+        first, dash, last = item.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (e.g. 0 or 0,2 or 1-3)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"not a CPU range: {item!r}")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """The server on `server`; every other process the benchmark starts on `clients`; redis-server with the
+    server or with the clients (`redis`: "server" or "clients")."""
+
+    server: frozenset[int]
+    clients: frozenset[int]
+    redis: str
+
+    @property
+    def redis_cpus(self) -> frozenset[int]:
+        return self.server if self.redis == "server" else self.clients
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "server_cpus": sorted(self.server),
+            "client_cpus": sorted(self.clients),
+            "redis_with": self.redis,
+            "redis_cpus": sorted(self.redis_cpus),
+            "front_cpus": sorted(self.clients),
+        }
+
+
+def pinning(server: str | None, clients: str | None, redis: str, allowed: frozenset[int]) -> Pinning | None:
+    """The pinning that --server-cpus, --client-cpus and --redis-cpus ask for, among the CPUs this process may
+    use (`allowed`); None without --server-cpus. The clients default to every allowed CPU but the server's; the
+    two sets must not share a CPU (the point is a server with CPU of its own)."""
+    if server is None:
+        if clients is not None:
+            raise ValueError("--client-cpus needs --server-cpus")
+        return None
+    if redis not in ("server", "clients"):
+        raise ValueError(f"--redis-cpus is server or clients, not {redis!r}")
+    server_cpus = parse_cpus(server)
+    client_cpus = parse_cpus(clients) if clients is not None else allowed - server_cpus
+    for name, cpus in (("--server-cpus", server_cpus), ("--client-cpus", client_cpus)):
+        if not cpus:
+            raise ValueError(f"{name}: no CPU left for it")
+        if not cpus <= allowed:
+            raise ValueError(f"{name}: CPUs {sorted(cpus - allowed)} are not among this process's {sorted(allowed)}")
+    if server_cpus & client_cpus:
+        raise ValueError(f"the server's and the clients' CPUs overlap: {sorted(server_cpus & client_cpus)}")
+    return Pinning(server_cpus, client_cpus, redis)
+
+
+def pin_this_process(cpus: frozenset[int]) -> None:
+    """This process, each of its threads, and so every process and thread it starts from now on, on `cpus`."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
+def affinity(pid: int) -> list[int]:
+    """The CPUs any thread of process `pid` may run on."""
+    cpus: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            cpus |= os.sched_getaffinity(int(task))
+    return sorted(cpus)
 
 
 def token(name: str) -> str:
@@ -159,11 +247,11 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(store: str, auth: Path, flags: list[str]) -> Iterator[Server]:
-    """`kv-rendezvous serve` (bench_rendezvous.start_server) with auth, a health port and metrics."""
+def serving(store: str, auth: Path, flags: list[str], cpus: frozenset[int] | None) -> Iterator[Server]:
+    """`kv-rendezvous serve` (bench_rendezvous.start_server) with auth, a health port and metrics, on `cpus`."""
     health, metrics = (f"127.0.0.1:{free_port()}" for _ in range(2))
     proc, address = start_server(
-        store, "--health-listen", health, "--metrics-listen", metrics, "--auth-file", str(auth), *flags
+        store, "--health-listen", health, "--metrics-listen", metrics, "--auth-file", str(auth), *flags, cpus=cpus
     )
     try:
         yield Server(proc, address, health, metrics)
@@ -637,8 +725,10 @@ def phase(
 
 def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     auth = auth_file(folder)
+    pinned: Pinning | None = args.pinning
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(serving(store, auth, args.serve_flag))
+        server = stack.enter_context(serving(store, auth, args.serve_flag, None if pinned is None else pinned.server))
+        server_affinity = affinity(server.proc.pid)
         bodies = []
         for i, body in enumerate(asyncio.run(register_flooders(server.address))):
             path = folder / f"flood-{i}.bin"
@@ -670,17 +760,28 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             result["factor"] = factor
             result["of_capacity"] = result["flood_admitted_per_s"] / calls_per_s
             result["of_capacity_beside_others"] = result["flood_admitted_per_s"] / beside_per_s
+            result["of_capacity_others_included"] = admitted_in_all(
+                result["flood_admitted_per_s"], calls_per_s, beside_per_s
+            )
             phases.append(result)
             report(store, result)
     return {
         "store": store_name(store),
         "front": args.front,
+        "server_affinity": server_affinity,
         "capacity_calls_per_s": calls_per_s,
         "capacity_beside_others_calls_per_s": beside_per_s,
         "capacity": capacity,
         "capacity_beside_others": beside,
         "phases": phases,
     }
+
+
+def admitted_in_all(flood_per_s: float, capacity_per_s: float, beside_per_s: float) -> float:
+    """The load admitted in all, the others' included, as a share of capacity: the flood's admitted calls/s plus
+    what the others' paced load takes of the server, counted in flood calls/s as the capacity it leaves the flood
+    (capacity alone less capacity beside them, both closed loop), over capacity."""
+    return (flood_per_s + capacity_per_s - beside_per_s) / capacity_per_s
 
 
 def store_name(store: str) -> str:
@@ -692,7 +793,8 @@ def report(store: str, r: dict[str, Any]) -> None:
     o = r["others"]
     print(
         f"{store_name(store):>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s "
-        f"({r['of_capacity']:.0%} of capacity, {r['of_capacity_beside_others']:.0%} beside the others), shed "
+        f"({r['of_capacity']:.0%} of capacity, {r['of_capacity_beside_others']:.0%} beside the others, "
+        f"{r['of_capacity_others_included']:.0%} with the others' share), shed "
         f"{r['flood_shed_per_s']:,.0f}/s {r['rejected_before_service']}, refused at the front "
         f"{r['refused_at_front'] / r['seconds']:,.0f}/s, sampled {r['flood_sampled']}; "
         f"others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
@@ -723,9 +825,22 @@ def main() -> int:
     parser.add_argument(
         "--front", default="none", choices=["none", "haproxy"], help="an admission front before the server"
     )
+    parser.add_argument("--server-cpus", help="CPU list for the server alone (taskset syntax: 0, 0-1, 0,2)")
+    parser.add_argument("--client-cpus", help="CPU list for everything else (default: every CPU but the server's)")
+    parser.add_argument(
+        "--redis-cpus", default="server", choices=["server", "clients"], help="redis-server beside the server or not"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "overload.json", help="results file")
     args = parser.parse_args()
     args.factors = [float(f) for f in args.factors.split(",")]
+    try:
+        args.pinning = pinning(args.server_cpus, args.client_cpus, args.redis_cpus, frozenset(os.sched_getaffinity(0)))
+    except ValueError as err:
+        parser.error(str(err))
+    if args.pinning is not None:
+        if shutil.which("taskset") is None:
+            raise SystemExit("taskset not found: apt-get install util-linux")
+        pin_this_process(args.pinning.clients)
     if shutil.which("h2load") is None:
         raise SystemExit("h2load not found: apt-get install nghttp2-client")
     if args.front == "haproxy" and shutil.which("haproxy") is None:
@@ -734,13 +849,15 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         for store in stores:
-            url = stack.enter_context(local_redis()) if store == "redis" else "memory"
+            redis_cpus = None if args.pinning is None else args.pinning.redis_cpus
+            url = stack.enter_context(local_redis(redis_cpus)) if store == "redis" else "memory"
             runs.append(run_store(url, args, Path(tmp)))
     result = {
         "benchmark": "overload",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
         "serve_flags": args.serve_flag,
         "front": args.front,
+        "pinning": None if args.pinning is None else args.pinning.describe(),
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
