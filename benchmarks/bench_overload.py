@@ -26,7 +26,10 @@ was answered by the service (not refused, nor cancelled by h2load as it ends), `
 both per second of the flood's own phase. Over capacity three ways: `of_capacity` (the flood's alone),
 `of_capacity_beside_others` (over what the closed-loop flood gets beside the others), and
 `of_capacity_others_included` (the flood's plus the others' share of the server, capacity less capacity beside
-them, over capacity: the load admitted in all). No transfer of the others may be lost: each
+them, over capacity: the load admitted in all; with a front, capacity beside them is measured once more on the
+server directly, as the front holds back a closed-loop flood). `server_cpus_busy` is how busy the server's CPUs
+were, whoever ran there (what else ran on them: less the server's own `server_cpu_util`), `server_cpus_steal`
+the time the hypervisor took from them. No transfer of the others may be lost: each
 lifecycle ends released, or its error is counted.
 
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
@@ -167,6 +170,20 @@ def pin_this_process(cpus: frozenset[int]) -> None:
         os.sched_setaffinity(int(task), cpus)
 
 
+def cpu_ticks(cpus: frozenset[int] | None) -> tuple[int, int, int]:
+    """Busy, stolen and total ticks of these CPUs (every CPU for None) so far, from /proc/stat."""
+    busy = steal = total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
+            continue
+        user, nice, system, idle, iowait, irq, softirq, stolen = (int(f) for f in fields[:8])
+        busy += user + nice + system + irq + softirq
+        steal += stolen
+        total += user + nice + system + idle + iowait + irq + softirq + stolen
+    return busy, steal, total
+
+
 def affinity(pid: int) -> list[int]:
     """The CPUs any thread of process `pid` may run on."""
     cpus: set[int] = set()
@@ -225,6 +242,7 @@ class Server:
     health: str
     metrics: str
     front_stats: Path | None = None  # the HAProxy front's stats socket, when there is one
+    cpus: frozenset[int] | None = None  # the server's CPUs when it is pinned
     front_pid: int | None = None
 
     def refused_at_front(self) -> int:
@@ -254,7 +272,7 @@ def serving(store: str, auth: Path, flags: list[str], cpus: frozenset[int] | Non
         store, "--health-listen", health, "--metrics-listen", metrics, "--auth-file", str(auth), *flags, cpus=cpus
     )
     try:
-        yield Server(proc, address, health, metrics)
+        yield Server(proc, address, health, metrics, cpus=cpus)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -637,6 +655,7 @@ def phase(
     before = server.rpc_counts()
     refused_before = server.refused_at_front()
     cpu0 = proc_usage(server.proc.pid)[0]
+    ticks0 = cpu_ticks(server.cpus)
     front_cpu0 = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0]
     stop = threading.Event()
     health: dict[str, Any] = {}
@@ -679,6 +698,7 @@ def phase(
     for t in threads:
         t.join()
     cpu = proc_usage(server.proc.pid)[0] - cpu0
+    busy, steal, total = (after_ - before_ for after_, before_ in zip(cpu_ticks(server.cpus), ticks0, strict=True))
     front_cpu = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0] - front_cpu0
     after = server.rpc_counts()
     refused_at_front = server.refused_at_front() - refused_before
@@ -703,6 +723,8 @@ def phase(
         ],
         "server_cpu_util": cpu / elapsed,
         "front_cpu_util": front_cpu / elapsed,
+        "server_cpus_busy": busy / max(total, 1),
+        "server_cpus_steal": steal / max(total, 1),
         "health_port": health,
         "serving_port_health": serving_health,
         **memory,
@@ -737,12 +759,15 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         capacity = phase(server, bodies, args.seconds, None, 0, "capacity", others_too=False)
         calls_per_s = capacity["flood_admitted_per_s"]
         print(f"{store_name(store):>6} capacity: {calls_per_s:,.0f} ClaimTransfers calls/s of {FLOOD_BATCH} items")
+        # The others' share of the server, measured on the server itself (the front limits a closed-loop flood).
+        beside_direct = beside = phase(server, bodies, args.seconds, None, 0, "beside", others_too=True)
         if args.front == "haproxy":
+            print(f"{store_name(store):>6} capacity beside the others, direct: {beside['flood_admitted_per_s']:,.0f}")
             # A caller past twice a flood identity's share of capacity, or 4x the others' pace, waits behind the rest.
             share = max(2 * calls_per_s / FLOODERS, 4 * GOOD_RATE)
             server = stack.enter_context(fronted(server, folder, round(share)))
-        # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
-        beside = phase(server, bodies, args.seconds, None, 0, "beside", others_too=True)
+            # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
+            beside = phase(server, bodies, args.seconds, None, 0, "beside-front", others_too=True)
         beside_per_s = beside["flood_admitted_per_s"]
         print(f"{store_name(store):>6} capacity beside the others: {beside_per_s:,.0f} calls/s")
         phases = []
@@ -761,7 +786,7 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             result["of_capacity"] = result["flood_admitted_per_s"] / calls_per_s
             result["of_capacity_beside_others"] = result["flood_admitted_per_s"] / beside_per_s
             result["of_capacity_others_included"] = admitted_in_all(
-                result["flood_admitted_per_s"], calls_per_s, beside_per_s
+                result["flood_admitted_per_s"], calls_per_s, beside_direct["flood_admitted_per_s"]
             )
             phases.append(result)
             report(store, result)
@@ -773,6 +798,7 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         "capacity_beside_others_calls_per_s": beside_per_s,
         "capacity": capacity,
         "capacity_beside_others": beside,
+        "capacity_beside_others_direct": beside_direct,
         "phases": phases,
     }
 
@@ -780,7 +806,7 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
 def admitted_in_all(flood_per_s: float, capacity_per_s: float, beside_per_s: float) -> float:
     """The load admitted in all, the others' included, as a share of capacity: the flood's admitted calls/s plus
     what the others' paced load takes of the server, counted in flood calls/s as the capacity it leaves the flood
-    (capacity alone less capacity beside them, both closed loop), over capacity."""
+    (capacity alone less capacity beside them, both closed loop on the server itself), over capacity."""
     return (flood_per_s + capacity_per_s - beside_per_s) / capacity_per_s
 
 
@@ -805,7 +831,8 @@ def report(store: str, r: dict[str, Any]) -> None:
         f"(serving port {r['serving_port_health']['failures']}/{r['serving_port_health']['probes']}); heavy "
         f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']} "
         f"({r['heavy']['retry_hints']} retry hints); "
-        f"server CPU {r['server_cpu_util']:.0%} (front {r['front_cpu_util']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
+        f"server CPU {r['server_cpu_util']:.0%} (its CPUs busy {r['server_cpus_busy']:.0%}, stolen "
+        f"{r['server_cpus_steal']:.0%}; front {r['front_cpu_util']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
     )
 
 
