@@ -288,11 +288,11 @@ def _front_renderer() -> Any:
 
 
 @contextlib.contextmanager
-def fronted(server: Server, folder: Path, rate_per_caller: int) -> Iterator[Server]:
+def fronted(server: Server, folder: Path, rate_per_caller: int, options: dict[str, int]) -> Iterator[Server]:
     """The server behind an HAProxy admission front (deploy/haproxy), as clients see it."""
     render = _front_renderer()
     listen = f"127.0.0.1:{free_port()}"
-    front = render.Front(listen, server.address, rate_per_caller=rate_per_caller)
+    front = render.Front(listen, server.address, **{"rate_per_caller": rate_per_caller, **options})
     config = render.render(front, folder / "front")
     proc = subprocess.Popen(["haproxy", "-db", "-f", str(config)], stderr=subprocess.PIPE, text=True)
     try:
@@ -765,7 +765,7 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             print(f"{store_name(store):>6} capacity beside the others, direct: {beside['flood_admitted_per_s']:,.0f}")
             # A caller past twice a flood identity's share of capacity, or 4x the others' pace, waits behind the rest.
             share = max(2 * calls_per_s / FLOODERS, 4 * GOOD_RATE)
-            server = stack.enter_context(fronted(server, folder, round(share)))
+            server = stack.enter_context(fronted(server, folder, round(share), front_options(args.front_option)))
             # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
             beside = phase(server, bodies, args.seconds, None, 0, "beside-front", others_too=True)
         beside_per_s = beside["flood_admitted_per_s"]
@@ -801,6 +801,17 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         "capacity_beside_others_direct": beside_direct,
         "phases": phases,
     }
+
+
+def front_options(options: list[str]) -> dict[str, int]:
+    """--front-option max_calls=64 ...: fields of deploy/haproxy/render.py's Front, integers."""
+    parsed = {}
+    for option in options:
+        name, equals, value = option.partition("=")
+        if not equals or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"not NAME=INTEGER: {option!r}")
+        parsed[name.strip().replace("-", "_")] = int(value)
+    return parsed
 
 
 def admitted_in_all(flood_per_s: float, capacity_per_s: float, beside_per_s: float) -> float:
@@ -852,6 +863,12 @@ def main() -> int:
     parser.add_argument(
         "--front", default="none", choices=["none", "haproxy"], help="an admission front before the server"
     )
+    parser.add_argument(
+        "--front-option",
+        action="append",
+        default=[],
+        help="NAME=INTEGER, a field of deploy/haproxy/render.py's Front (e.g. max_calls=64; repeatable)",
+    )
     parser.add_argument("--server-cpus", help="CPU list for the server alone (taskset syntax: 0, 0-1, 0,2)")
     parser.add_argument("--client-cpus", help="CPU list for everything else (default: every CPU but the server's)")
     parser.add_argument(
@@ -861,6 +878,7 @@ def main() -> int:
     args = parser.parse_args()
     args.factors = [float(f) for f in args.factors.split(",")]
     try:
+        front_options(args.front_option)
         args.pinning = pinning(args.server_cpus, args.client_cpus, args.redis_cpus, frozenset(os.sched_getaffinity(0)))
     except ValueError as err:
         parser.error(str(err))
@@ -884,6 +902,7 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
         "serve_flags": args.serve_flag,
         "front": args.front,
+        "front_options": front_options(args.front_option),
         "pinning": None if args.pinning is None else args.pinning.describe(),
         "runs": runs,
     }
