@@ -400,12 +400,23 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
     others = Others()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
-        d = await stub.RegisterEngine(
-            engine_request("good-d", pb.ENGINE_ROLE_CONSUMER, "d"), metadata=credentials("good-d")
+        # Retried as any other call: through a front a closed-loop flood may have every slot at this moment.
+        d = await call(
+            others,
+            "RegisterEngine",
+            stub.RegisterEngine,
+            engine_request("good-d", pb.ENGINE_ROLE_CONSUMER, "d"),
+            "good-d",
         )
-        p = await stub.RegisterEngine(
-            engine_request("good-p", pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials("good-p")
+        p = await call(
+            others,
+            "RegisterEngine",
+            stub.RegisterEngine,
+            engine_request("good-p", pb.ENGINE_ROLE_PRODUCER, "p"),
+            "good-p",
         )
+        if d is None or p is None:
+            raise RuntimeError(f"the others could not register: {dict(others.errors)}")
         d_inc, p_inc = d.engine.incarnation, p.engine.incarnation
         d_watch = stub.Watch(
             pb.WatchRequest(engine_id="good-d", start_sequence=d.watch_start_sequence), metadata=credentials("good-d")
@@ -527,12 +538,9 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
             task.cancel()
         d_watch.cancel()
         p_watch.cancel()
-        await stub.DeregisterEngine(
-            pb.DeregisterEngineRequest(engine_id="good-d", incarnation=d_inc), metadata=credentials("good-d")
-        )
-        await stub.DeregisterEngine(
-            pb.DeregisterEngineRequest(engine_id="good-p", incarnation=p_inc), metadata=credentials("good-p")
-        )
+        for name, incarnation in (("good-d", d_inc), ("good-p", p_inc)):
+            request = pb.DeregisterEngineRequest(engine_id=name, incarnation=incarnation)
+            await call(others, "DeregisterEngine", stub.DeregisterEngine, request, name)
     return others
 
 
@@ -663,14 +671,16 @@ def phase(
     memory: dict[str, Any] = {}
     sampled: dict[str, Any] = {}
     threads = [
-        threading.Thread(target=probe_health, args=(server.health, stop, health)),
-        threading.Thread(target=probe_health, args=(server.address, stop, serving_health)),
-        threading.Thread(target=sample_rss, args=(server.proc.pid, stop, memory)),
+        threading.Thread(target=probe_health, args=(server.health, stop, health), daemon=True),
+        threading.Thread(target=probe_health, args=(server.address, stop, serving_health), daemon=True),
+        threading.Thread(target=sample_rss, args=(server.proc.pid, stop, memory), daemon=True),
     ]
     if rate is not None:
         body = bodies[0].read_bytes()[5:]  # the message, without its gRPC frame header
         threads.append(
-            threading.Thread(target=sample_flood, args=(server.address, body, time.monotonic() + seconds, sampled))
+            threading.Thread(
+                target=sample_flood, args=(server.address, body, time.monotonic() + seconds, sampled), daemon=True
+            )
         )
     for t in threads:
         t.start()
