@@ -36,6 +36,7 @@ lifecycle ends released, or its error is counted.
     python benchmarks/bench_overload.py --compare     # memory and Redis, one run
     python benchmarks/bench_overload.py --serve-flag=--rate-limit=0   # flags passed to serve
     python benchmarks/bench_overload.py --front haproxy   # every phase after capacity through deploy/haproxy
+    python benchmarks/bench_overload.py --front haproxy --front-option max_calls=64   # a field of render.Front
 
 With `--front haproxy` (apt-get install haproxy) the capacity phase still measures the server itself; the
 other phases go through an HAProxy admission front rendered from deploy/haproxy (its per-caller rate share
