@@ -23,18 +23,35 @@ the server instead of waiting in the client for a free stream), while, side by s
 
 The flood's calls are counted by the server (its /metrics, by status code): `admitted` is every call that
 was answered by the service (not refused, nor cancelled by h2load as it ends), `shed` every RESOURCE_EXHAUSTED,
-both per second of the flood's own phase. No transfer of the others may be lost: each
+both per second of the flood's own phase. Over capacity three ways: `of_capacity` (the flood's alone),
+`of_capacity_beside_others` (over what the closed-loop flood gets beside the others), and
+`of_capacity_others_included` (the flood's plus the others' share of the server, capacity less capacity beside
+them, over capacity: the load admitted in all; with a front, capacity beside them is measured once more on the
+server directly, as the front holds back a closed-loop flood). `server_cpus_busy` is how busy the server's CPUs
+were, whoever ran there (what else ran on them: less the server's own `server_cpu_util`), `server_cpus_steal`
+the time the hypervisor took from them. No transfer of the others may be lost: each
 lifecycle ends released, or its error is counted.
 
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
     python benchmarks/bench_overload.py --compare     # memory and Redis, one run
     python benchmarks/bench_overload.py --serve-flag=--rate-limit=0   # flags passed to serve
     python benchmarks/bench_overload.py --front haproxy   # every phase after capacity through deploy/haproxy
+    python benchmarks/bench_overload.py --front haproxy --front-option max_calls=64   # a field of render.Front
 
 With `--front haproxy` (apt-get install haproxy) the capacity phase still measures the server itself; the
 other phases go through an HAProxy admission front rendered from deploy/haproxy (its per-caller rate share
 sized from that capacity), the health port is still probed directly, and `refused_at_front` counts the calls
 HAProxy answered itself (RESOURCE_EXHAUSTED that never reached the server).
+
+    python benchmarks/bench_overload.py --server-cpus 0 [--client-cpus 1] [--redis-cpus server|clients]
+
+With `--server-cpus` the server runs on those CPUs only (taskset, before it starts: its threads too) and
+everything else the benchmark starts on `--client-cpus` (by default every other CPU it may use): h2load, the
+HAProxy front, the others' clients, the probers, the sampler and the heavy sender (this process pins itself, and
+its children inherit it). redis-server goes with the server (`--redis-cpus server`, the default: it is the
+server's backend, and the clients' CPU is the front's and the load's) or with the clients. The capacity phases
+run under the same pinning, so admitted over capacity compares the server with the same CPU; the results record
+the pinning asked for and the affinity the server's threads had.
 
 Needs h2load (`apt-get install nghttp2-client`).
 """
@@ -88,6 +105,95 @@ in flight pass what the server lets it have in progress and waiting (32 + --max-
 SAMPLE_INTERVAL_S = 0.05
 
 
+def parse_cpus(text: str) -> frozenset[int]:
+    """A CPU list as taskset and /proc write it ("0", "0,2", "1-3,6"): its CPUs. ValueError if empty or
+    malformed."""
+    cpus: set[int] = set()
+    for item in text.split(","):
+        first, dash, last = item.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (e.g. 0 or 0,2 or 1-3)")
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise ValueError(f"not a CPU range: {item!r}")
+        cpus.update(range(low, high + 1))
+    return frozenset(cpus)
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """The server on `server`; every other process the benchmark starts on `clients`; redis-server with the
+    server or with the clients (`redis`: "server" or "clients")."""
+
+    server: frozenset[int]
+    clients: frozenset[int]
+    redis: str
+
+    @property
+    def redis_cpus(self) -> frozenset[int]:
+        return self.server if self.redis == "server" else self.clients
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "server_cpus": sorted(self.server),
+            "client_cpus": sorted(self.clients),
+            "redis_with": self.redis,
+            "redis_cpus": sorted(self.redis_cpus),
+            "front_cpus": sorted(self.clients),
+        }
+
+
+def pinning(server: str | None, clients: str | None, redis: str, allowed: frozenset[int]) -> Pinning | None:
+    """The pinning that --server-cpus, --client-cpus and --redis-cpus ask for, among the CPUs this process may
+    use (`allowed`); None without --server-cpus. The clients default to every allowed CPU but the server's; the
+    two sets must not share a CPU (the point is a server with CPU of its own)."""
+    if server is None:
+        if clients is not None:
+            raise ValueError("--client-cpus needs --server-cpus")
+        return None
+    if redis not in ("server", "clients"):
+        raise ValueError(f"--redis-cpus is server or clients, not {redis!r}")
+    server_cpus = parse_cpus(server)
+    client_cpus = parse_cpus(clients) if clients is not None else allowed - server_cpus
+    for name, cpus in (("--server-cpus", server_cpus), ("--client-cpus", client_cpus)):
+        if not cpus:
+            raise ValueError(f"{name}: no CPU left for it")
+        if not cpus <= allowed:
+            raise ValueError(f"{name}: CPUs {sorted(cpus - allowed)} are not among this process's {sorted(allowed)}")
+    if server_cpus & client_cpus:
+        raise ValueError(f"the server's and the clients' CPUs overlap: {sorted(server_cpus & client_cpus)}")
+    return Pinning(server_cpus, client_cpus, redis)
+
+
+def pin_this_process(cpus: frozenset[int]) -> None:
+    """This process, each of its threads, and so every process and thread it starts from now on, on `cpus`."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
+def cpu_ticks(cpus: frozenset[int] | None) -> tuple[int, int, int]:
+    """Busy, stolen and total ticks of these CPUs (every CPU for None) so far, from /proc/stat."""
+    busy = steal = total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or (cpus is not None and int(name[3:]) not in cpus):
+            continue
+        user, nice, system, idle, iowait, irq, softirq, stolen = (int(f) for f in fields[:8])
+        busy += user + nice + system + irq + softirq
+        steal += stolen
+        total += user + nice + system + idle + iowait + irq + softirq + stolen
+    return busy, steal, total
+
+
+def affinity(pid: int) -> list[int]:
+    """The CPUs any thread of process `pid` may run on."""
+    cpus: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            cpus |= os.sched_getaffinity(int(task))
+    return sorted(cpus)
+
+
 def token(name: str) -> str:
     return f"{name}-token-0123456789abcdef"
 
@@ -137,6 +243,7 @@ class Server:
     health: str
     metrics: str
     front_stats: Path | None = None  # the HAProxy front's stats socket, when there is one
+    cpus: frozenset[int] | None = None  # the server's CPUs when it is pinned
     front_pid: int | None = None
 
     def refused_at_front(self) -> int:
@@ -159,14 +266,14 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(store: str, auth: Path, flags: list[str]) -> Iterator[Server]:
-    """`kv-rendezvous serve` (bench_rendezvous.start_server) with auth, a health port and metrics."""
+def serving(store: str, auth: Path, flags: list[str], cpus: frozenset[int] | None) -> Iterator[Server]:
+    """`kv-rendezvous serve` (bench_rendezvous.start_server) with auth, a health port and metrics, on `cpus`."""
     health, metrics = (f"127.0.0.1:{free_port()}" for _ in range(2))
     proc, address = start_server(
-        store, "--health-listen", health, "--metrics-listen", metrics, "--auth-file", str(auth), *flags
+        store, "--health-listen", health, "--metrics-listen", metrics, "--auth-file", str(auth), *flags, cpus=cpus
     )
     try:
-        yield Server(proc, address, health, metrics)
+        yield Server(proc, address, health, metrics, cpus=cpus)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -182,11 +289,11 @@ def _front_renderer() -> Any:
 
 
 @contextlib.contextmanager
-def fronted(server: Server, folder: Path, rate_per_caller: int) -> Iterator[Server]:
+def fronted(server: Server, folder: Path, rate_per_caller: int, options: dict[str, int]) -> Iterator[Server]:
     """The server behind an HAProxy admission front (deploy/haproxy), as clients see it."""
     render = _front_renderer()
     listen = f"127.0.0.1:{free_port()}"
-    front = render.Front(listen, server.address, rate_per_caller=rate_per_caller)
+    front = render.Front(listen, server.address, **{"rate_per_caller": rate_per_caller, **options})
     config = render.render(front, folder / "front")
     proc = subprocess.Popen(["haproxy", "-db", "-f", str(config)], stderr=subprocess.PIPE, text=True)
     try:
@@ -294,12 +401,23 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
     others = Others()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
-        d = await stub.RegisterEngine(
-            engine_request("good-d", pb.ENGINE_ROLE_CONSUMER, "d"), metadata=credentials("good-d")
+        # Retried as any other call: through a front a closed-loop flood may have every slot at this moment.
+        d = await call(
+            others,
+            "RegisterEngine",
+            stub.RegisterEngine,
+            engine_request("good-d", pb.ENGINE_ROLE_CONSUMER, "d"),
+            "good-d",
         )
-        p = await stub.RegisterEngine(
-            engine_request("good-p", pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials("good-p")
+        p = await call(
+            others,
+            "RegisterEngine",
+            stub.RegisterEngine,
+            engine_request("good-p", pb.ENGINE_ROLE_PRODUCER, "p"),
+            "good-p",
         )
+        if d is None or p is None:
+            raise RuntimeError(f"the others could not register: {dict(others.errors)}")
         d_inc, p_inc = d.engine.incarnation, p.engine.incarnation
         d_watch = stub.Watch(
             pb.WatchRequest(engine_id="good-d", start_sequence=d.watch_start_sequence), metadata=credentials("good-d")
@@ -421,12 +539,9 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
             task.cancel()
         d_watch.cancel()
         p_watch.cancel()
-        await stub.DeregisterEngine(
-            pb.DeregisterEngineRequest(engine_id="good-d", incarnation=d_inc), metadata=credentials("good-d")
-        )
-        await stub.DeregisterEngine(
-            pb.DeregisterEngineRequest(engine_id="good-p", incarnation=p_inc), metadata=credentials("good-p")
-        )
+        for name, incarnation in (("good-d", d_inc), ("good-p", p_inc)):
+            request = pb.DeregisterEngineRequest(engine_id=name, incarnation=incarnation)
+            await call(others, "DeregisterEngine", stub.DeregisterEngine, request, name)
     return others
 
 
@@ -452,9 +567,13 @@ async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
     options = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message_length", 1 << 30)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
-        reg = await stub.RegisterEngine(
-            engine_request("heavy", pb.ENGINE_ROLE_PRODUCER, "p"), metadata=credentials("heavy")
+        # Registered (and deregistered) with the others' retry: through a front the flood may hold every slot.
+        setup = Others()
+        reg = await call(
+            setup, "RegisterEngine", stub.RegisterEngine, engine_request("heavy", pb.ENGINE_ROLE_PRODUCER, "p"), "heavy"
         )
+        if reg is None:
+            raise RuntimeError(f"the heavy identity could not register: {dict(setup.errors)}")
         request = heavy_request(reg.engine.incarnation, max_bytes)
         # Serialized once: on a shared machine, serializing 4 MiB of parts per call (~20 ms) would take CPU
         # from the server and be counted as the server's cost.
@@ -471,10 +590,8 @@ async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
                     hints += from_rpc_error(err).retry_after is not None
                     await asyncio.sleep(0.05)  # not the hint: the worst case, a sender that ignores it
             call_s.append(time.monotonic() - began)
-        await stub.DeregisterEngine(
-            pb.DeregisterEngineRequest(engine_id="heavy", incarnation=reg.engine.incarnation),
-            metadata=credentials("heavy"),
-        )
+        leave = pb.DeregisterEngineRequest(engine_id="heavy", incarnation=reg.engine.incarnation)
+        await call(setup, "DeregisterEngine", stub.DeregisterEngine, leave, "heavy")
     return {
         "request_mib": len(body) / 2**20,
         "codes": dict(codes),
@@ -549,6 +666,7 @@ def phase(
     before = server.rpc_counts()
     refused_before = server.refused_at_front()
     cpu0 = proc_usage(server.proc.pid)[0]
+    ticks0 = cpu_ticks(server.cpus)
     front_cpu0 = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0]
     stop = threading.Event()
     health: dict[str, Any] = {}
@@ -556,14 +674,16 @@ def phase(
     memory: dict[str, Any] = {}
     sampled: dict[str, Any] = {}
     threads = [
-        threading.Thread(target=probe_health, args=(server.health, stop, health)),
-        threading.Thread(target=probe_health, args=(server.address, stop, serving_health)),
-        threading.Thread(target=sample_rss, args=(server.proc.pid, stop, memory)),
+        threading.Thread(target=probe_health, args=(server.health, stop, health), daemon=True),
+        threading.Thread(target=probe_health, args=(server.address, stop, serving_health), daemon=True),
+        threading.Thread(target=sample_rss, args=(server.proc.pid, stop, memory), daemon=True),
     ]
     if rate is not None:
         body = bodies[0].read_bytes()[5:]  # the message, without its gRPC frame header
         threads.append(
-            threading.Thread(target=sample_flood, args=(server.address, body, time.monotonic() + seconds, sampled))
+            threading.Thread(
+                target=sample_flood, args=(server.address, body, time.monotonic() + seconds, sampled), daemon=True
+            )
         )
     for t in threads:
         t.start()
@@ -591,6 +711,7 @@ def phase(
     for t in threads:
         t.join()
     cpu = proc_usage(server.proc.pid)[0] - cpu0
+    busy, steal, total = (after_ - before_ for after_, before_ in zip(cpu_ticks(server.cpus), ticks0, strict=True))
     front_cpu = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0] - front_cpu0
     after = server.rpc_counts()
     refused_at_front = server.refused_at_front() - refused_before
@@ -615,6 +736,8 @@ def phase(
         ],
         "server_cpu_util": cpu / elapsed,
         "front_cpu_util": front_cpu / elapsed,
+        "server_cpus_busy": busy / max(total, 1),
+        "server_cpus_steal": steal / max(total, 1),
         "health_port": health,
         "serving_port_health": serving_health,
         **memory,
@@ -637,8 +760,10 @@ def phase(
 
 def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     auth = auth_file(folder)
+    pinned: Pinning | None = args.pinning
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(serving(store, auth, args.serve_flag))
+        server = stack.enter_context(serving(store, auth, args.serve_flag, None if pinned is None else pinned.server))
+        server_affinity = affinity(server.proc.pid)
         bodies = []
         for i, body in enumerate(asyncio.run(register_flooders(server.address))):
             path = folder / f"flood-{i}.bin"
@@ -647,12 +772,15 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
         capacity = phase(server, bodies, args.seconds, None, 0, "capacity", others_too=False)
         calls_per_s = capacity["flood_admitted_per_s"]
         print(f"{store_name(store):>6} capacity: {calls_per_s:,.0f} ClaimTransfers calls/s of {FLOOD_BATCH} items")
+        # The others' share of the server, measured on the server itself (the front limits a closed-loop flood).
+        beside_direct = beside = phase(server, bodies, args.seconds, None, 0, "beside", others_too=True)
         if args.front == "haproxy":
+            print(f"{store_name(store):>6} capacity beside the others, direct: {beside['flood_admitted_per_s']:,.0f}")
             # A caller past twice a flood identity's share of capacity, or 4x the others' pace, waits behind the rest.
             share = max(2 * calls_per_s / FLOODERS, 4 * GOOD_RATE)
-            server = stack.enter_context(fronted(server, folder, round(share)))
-        # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
-        beside = phase(server, bodies, args.seconds, None, 0, "beside", others_too=True)
+            server = stack.enter_context(fronted(server, folder, round(share), front_options(args.front_option)))
+            # What is left of it beside the others' paced load (and no heavy sender): the most the flood can get.
+            beside = phase(server, bodies, args.seconds, None, 0, "beside-front", others_too=True)
         beside_per_s = beside["flood_admitted_per_s"]
         print(f"{store_name(store):>6} capacity beside the others: {beside_per_s:,.0f} calls/s")
         phases = []
@@ -670,17 +798,40 @@ def run_store(store: str, args: argparse.Namespace, folder: Path) -> dict[str, A
             result["factor"] = factor
             result["of_capacity"] = result["flood_admitted_per_s"] / calls_per_s
             result["of_capacity_beside_others"] = result["flood_admitted_per_s"] / beside_per_s
+            result["of_capacity_others_included"] = admitted_in_all(
+                result["flood_admitted_per_s"], calls_per_s, beside_direct["flood_admitted_per_s"]
+            )
             phases.append(result)
             report(store, result)
     return {
         "store": store_name(store),
         "front": args.front,
+        "server_affinity": server_affinity,
         "capacity_calls_per_s": calls_per_s,
         "capacity_beside_others_calls_per_s": beside_per_s,
         "capacity": capacity,
         "capacity_beside_others": beside,
+        "capacity_beside_others_direct": beside_direct,
         "phases": phases,
     }
+
+
+def front_options(options: list[str]) -> dict[str, int]:
+    """--front-option max_calls=64 ...: fields of deploy/haproxy/render.py's Front, integers."""
+    parsed = {}
+    for option in options:
+        name, equals, value = option.partition("=")
+        if not equals or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"not NAME=INTEGER: {option!r}")
+        parsed[name.strip().replace("-", "_")] = int(value)
+    return parsed
+
+
+def admitted_in_all(flood_per_s: float, capacity_per_s: float, beside_per_s: float) -> float:
+    """The load admitted in all, the others' included, as a share of capacity: the flood's admitted calls/s plus
+    what the others' paced load takes of the server, counted in flood calls/s as the capacity it leaves the flood
+    (capacity alone less capacity beside them, both closed loop on the server itself), over capacity."""
+    return (flood_per_s + capacity_per_s - beside_per_s) / capacity_per_s
 
 
 def store_name(store: str) -> str:
@@ -692,7 +843,8 @@ def report(store: str, r: dict[str, Any]) -> None:
     o = r["others"]
     print(
         f"{store_name(store):>6} x{r['factor']:g}: flood admitted {r['flood_admitted_per_s']:,.0f}/s "
-        f"({r['of_capacity']:.0%} of capacity, {r['of_capacity_beside_others']:.0%} beside the others), shed "
+        f"({r['of_capacity']:.0%} of capacity, {r['of_capacity_beside_others']:.0%} beside the others, "
+        f"{r['of_capacity_others_included']:.0%} with the others' share), shed "
         f"{r['flood_shed_per_s']:,.0f}/s {r['rejected_before_service']}, refused at the front "
         f"{r['refused_at_front'] / r['seconds']:,.0f}/s, sampled {r['flood_sampled']}; "
         f"others {o['lifecycles_released']}/{o['lifecycles_started']} released, "
@@ -703,7 +855,8 @@ def report(store: str, r: dict[str, Any]) -> None:
         f"(serving port {r['serving_port_health']['failures']}/{r['serving_port_health']['probes']}); heavy "
         f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']} "
         f"({r['heavy']['retry_hints']} retry hints); "
-        f"server CPU {r['server_cpu_util']:.0%} (front {r['front_cpu_util']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
+        f"server CPU {r['server_cpu_util']:.0%} (its CPUs busy {r['server_cpus_busy']:.0%}, stolen "
+        f"{r['server_cpus_steal']:.0%}; front {r['front_cpu_util']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
     )
 
 
@@ -723,9 +876,29 @@ def main() -> int:
     parser.add_argument(
         "--front", default="none", choices=["none", "haproxy"], help="an admission front before the server"
     )
+    parser.add_argument(
+        "--front-option",
+        action="append",
+        default=[],
+        help="NAME=INTEGER, a field of deploy/haproxy/render.py's Front (e.g. max_calls=64; repeatable)",
+    )
+    parser.add_argument("--server-cpus", help="CPU list for the server alone (taskset syntax: 0, 0-1, 0,2)")
+    parser.add_argument("--client-cpus", help="CPU list for everything else (default: every CPU but the server's)")
+    parser.add_argument(
+        "--redis-cpus", default="server", choices=["server", "clients"], help="redis-server beside the server or not"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "overload.json", help="results file")
     args = parser.parse_args()
     args.factors = [float(f) for f in args.factors.split(",")]
+    try:
+        front_options(args.front_option)
+        args.pinning = pinning(args.server_cpus, args.client_cpus, args.redis_cpus, frozenset(os.sched_getaffinity(0)))
+    except ValueError as err:
+        parser.error(str(err))
+    if args.pinning is not None:
+        if shutil.which("taskset") is None:
+            raise SystemExit("taskset not found: apt-get install util-linux")
+        pin_this_process(args.pinning.clients)
     if shutil.which("h2load") is None:
         raise SystemExit("h2load not found: apt-get install nghttp2-client")
     if args.front == "haproxy" and shutil.which("haproxy") is None:
@@ -734,13 +907,16 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         for store in stores:
-            url = stack.enter_context(local_redis()) if store == "redis" else "memory"
+            redis_cpus = None if args.pinning is None else args.pinning.redis_cpus
+            url = stack.enter_context(local_redis(redis_cpus)) if store == "redis" else "memory"
             runs.append(run_store(url, args, Path(tmp)))
     result = {
         "benchmark": "overload",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
         "serve_flags": args.serve_flag,
         "front": args.front,
+        "front_options": front_options(args.front_option),
+        "pinning": None if args.pinning is None else args.pinning.describe(),
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

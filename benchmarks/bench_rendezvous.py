@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -311,11 +311,18 @@ def live_state(address: str) -> dict[str, int]:
     return {"live_engines": status.live_engines, "live_transfers": sum(live.values())}
 
 
-def start_server(store: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
-    """`kv-rendezvous serve` on a free port with this store (and extra serve flags)."""
+def on_cpus(cpus: Collection[int] | None) -> list[str]:
+    """The command prefix that runs a program, every thread it will start included, on these CPUs only
+    (`taskset`, which sets the affinity before the program starts); none for None."""
+    return [] if cpus is None else ["taskset", "--cpu-list", ",".join(str(cpu) for cpu in sorted(cpus))]
+
+
+def start_server(store: str, *flags: str, cpus: Collection[int] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """`kv-rendezvous serve` on a free port with this store (and extra serve flags), on `cpus` if given."""
     address = f"127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
         [
+            *on_cpus(cpus),
             sys.executable,
             "-m",
             "rendezvous.cli",
@@ -340,12 +347,23 @@ def start_server(store: str, *flags: str) -> tuple[subprocess.Popen[str], str]:
 
 
 @contextlib.contextmanager
-def local_redis() -> Iterator[str]:
-    """A throwaway redis-server on a unix socket (no persistence)."""
+def local_redis(cpus: Collection[int] | None = None) -> Iterator[str]:
+    """A throwaway redis-server on a unix socket (no persistence), on `cpus` if given."""
     with tempfile.TemporaryDirectory() as tmp:
         sock = Path(tmp) / "redis.sock"
         proc = subprocess.Popen(
-            ["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no"],
+            [
+                *on_cpus(cpus),
+                "redis-server",
+                "--port",
+                "0",
+                "--unixsocket",
+                str(sock),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
             stdout=subprocess.DEVNULL,
         )
         try:
