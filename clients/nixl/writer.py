@@ -282,6 +282,7 @@ class _Write:
     posts: list[PostedTransfer] = dataclasses.field(default_factory=list)
     part_posts: set[PostedTransfer] = dataclasses.field(default_factory=set)  # of `posts`: parts (the cap)
     deferred: int = 0  # parts waiting to be posted with this turn's others (`_flush_parts`)
+    held_back: bool = False  # parts computed wait for parts in flight to drain (`max_parts_in_flight`)
     posted_at: float = 0.0  # time.monotonic() before the first post; 0.0 = none yet
     progress: _Progress | None = None  # written in parts
     complete: bool = False
@@ -402,6 +403,7 @@ class TransferWriter:
         self._in_flight: dict[str, _Write] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._forget: set[str] = set()
+        self._reconnect: set[str] = set()  # peers that assignments wait for (`_connect`) until writes to them drain
         self._columns = Columns.of(layout, self.agent_info())
         self._parts_in_flight = 0
         self._waiting: list[_Waiting] = []  # in arrival order
@@ -837,6 +839,7 @@ class TransferWriter:
                 continue
             if self._writing_to(name):
                 connected = False
+                self._reconnect.add(name)
                 continue
             if name in self._forget or current:  # forgotten, or loaded without the blocks prepared
                 self._forget.discard(name)
@@ -920,7 +923,9 @@ class TransferWriter:
             return
         queued = len(w.part_posts) + (w.deferred > 0)  # this turn's parts go in one WRITE
         if queued and queued + len(pieces) > self._config.max_parts_in_flight:
-            return  # posted, with what else is computed by then, once parts drain
+            w.held_back = True  # posted, with what else is computed by then, once parts drain
+            return
+        w.held_back = False
         self._record(progress, rects, written)
         progress.part_at = t.part_at
         self._post(transfer_id, t, w, pieces, parts=True)
@@ -1172,10 +1177,15 @@ class TransferWriter:
         self._turn = [0.0, 0]
 
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
-        """Poll the write's WRITEs; release those done, then finish the generation or post more parts.
-        True if one was done."""
+        """Poll the write's WRITEs in the order they were posted, up to the first still in flight (they mostly
+        finish in that order: a turn polls a write once, not each of its parts in flight); release those done, then
+        finish the generation or post more parts. True if one was done."""
         poll = self._endpoint.poll
-        drained = [p for p in w.posts if poll(p) is not XferStatus.IN_PROGRESS]
+        drained = []
+        for posted in w.posts:
+            if poll(posted) is XferStatus.IN_PROGRESS:
+                break
+            drained.append(posted)
         for posted in drained:
             w.posts.remove(posted)
             if posted in w.part_posts:
@@ -1193,7 +1203,7 @@ class TransferWriter:
                 w.error = posted.error or "the write failed"
         if not w.posts:
             self._in_flight.pop(transfer_id, None)
-        if not self._settle(transfer_id, t) and drained:
+        if not self._settle(transfer_id, t) and drained and w.held_back:
             self._post_parts(transfer_id, t, w)
         for peer in {p.peer for p in drained}:
             self._after_drain(peer)
@@ -1232,11 +1242,12 @@ class TransferWriter:
             self._try_write(transfer_id, t)
 
     def _after_drain(self, peer: str) -> None:
-        if self._writing_to(peer):
+        if (peer not in self._forget and peer not in self._reconnect) or self._writing_to(peer):
             return
         if peer in self._forget:
             self._forget.discard(peer)
             self._endpoint.remove_peer(peer)
+        self._reconnect.discard(peer)
         for transfer_id, t in list(self._transfers.items()):
             if t.assignment is not None and peer in t.assignment.names():
                 self._try_write(transfer_id, t)
