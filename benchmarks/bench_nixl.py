@@ -320,6 +320,10 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     - floor: `NixlEndpoint.post_indices` of one layer's prepared descriptors, indices computed beforehand
       (NIXL's make_prepped_xfer + transfer and nothing of ours but a call), per post; and of the same layer of
       `PART_REQUESTS` prompts in one post.
+
+    Each also as CPU time (`*_cpu_us`): the writer thread's (its CPU clock read from this thread) for the part,
+    part alone and layer of N, this thread's for the floors. On a busy machine wall times measure the scheduler as
+    much as the code; CPU times much less so.
     """
     blocks = PART_TOKENS // POST_TOKENS
     num_blocks = min(total // (POST_REGIONS * PART_BLOCK), 1024)
@@ -352,6 +356,11 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         "caller_us": [],
         "part_alone_us": [],
         "barrier_us": [],
+        "part_cpu_us": [],
+        "part_alone_cpu_us": [],
+        "layer_of_n_cpu_us": [],
+        "floor_cpu_us": [],
+        "floor_layer_of_n_cpu_us": [],
         "layer_of_n_us": [],
         "floor_us": [],
         "floor_layer_of_n_us": [],
@@ -372,27 +381,36 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
                 raise TimeoutError(f"{name} did not complete")
 
     with writer:
+        [thread] = [t for t in threading.enumerate() if t.name == "nixl-writer-bench-parts-src"]
+        assert thread.ident is not None
+        clock = time.pthread_getcpuclockid(thread.ident)  # the writer thread's CPU time
+
+        def cpu() -> float:
+            return time.clock_gettime(clock)
+
         for rep in range(reps + 1):
             name = f"part-{rep}"
             transfer(name, 0)
             writer.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu()
             for layer in range(PART_LAYERS):
                 writer.source_part(name, src, PART_TOKENS, (layer, layer + 1), prompt_tokens=PART_TOKENS)
             handed = time.perf_counter()
             writer.barrier()
             per_part = (time.perf_counter() - start) / PART_LAYERS
+            per_part_cpu = (cpu() - start_cpu) / PART_LAYERS
             caller = (handed - start) / PART_LAYERS
             finish([name])
             name = f"alone-{rep}"
             transfer(name, 0)
             writer.barrier()
-            alone, barrier = [], []
+            alone, alone_cpu, barrier = [], [], []
             for layer in range(PART_LAYERS):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), cpu()
                 writer.source_part(name, src, PART_TOKENS, (layer, layer + 1), prompt_tokens=PART_TOKENS)
                 writer.barrier()
                 alone.append(time.perf_counter() - start)
+                alone_cpu.append(cpu() - start_cpu)
                 start = time.perf_counter()
                 writer.barrier()
                 barrier.append(time.perf_counter() - start)
@@ -401,16 +419,20 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
             for i, n in enumerate(names):
                 transfer(n, i)
             writer.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu()
             for n in names:
                 writer.source_part(n, src, PART_TOKENS, (0, 1), prompt_tokens=PART_TOKENS)
             writer.barrier()
             layer_of_n = time.perf_counter() - start
+            layer_of_n_cpu = cpu() - start_cpu
             finish(names)
             if rep:  # the first is a warm-up: connections, caches
                 samples["part_us"].append(per_part * 1e6)
                 samples["caller_us"].append(caller * 1e6)
                 samples["part_alone_us"].extend(x * 1e6 for x in alone)
+                samples["part_cpu_us"].append(per_part_cpu * 1e6)
+                samples["part_alone_cpu_us"].extend(x * 1e6 for x in alone_cpu)
+                samples["layer_of_n_cpu_us"].append(layer_of_n_cpu * 1e6)
                 samples["barrier_us"].extend(x * 1e6 for x in barrier)
                 samples["layer_of_n_us"].append(layer_of_n * 1e6)
     if failed:
@@ -425,12 +447,13 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         ("floor_layer_of_n_us", reps, (n_local, n_remote)),
     ):
         for i in range(count + 5):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             posted = endpoint.post_indices("WRITE", agent.name, *indices)
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
             wait(endpoint, posted)
             if i >= 5:
                 samples[key].append(elapsed * 1e6)
+                samples[key.replace("_us", "_cpu_us")].append(elapsed_cpu * 1e6)
     endpoint.close()
     peer.call("close", agent.name)
     result: dict[str, Any] = {
@@ -444,6 +467,11 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         result[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
     result["part_over_floor"] = result["part_us"]["median"] / result["floor_us"]["median"]
     result["part_alone_over_floor"] = result["part_alone_us"]["median"] / result["floor_us"]["median"]
+    for key in ("part", "part_alone"):
+        result[f"{key}_cpu_over_floor"] = result[f"{key}_cpu_us"]["median"] / result["floor_cpu_us"]["median"]
+    result["layer_of_n_cpu_over_floor"] = (
+        result["layer_of_n_cpu_us"]["median"] / result["floor_layer_of_n_cpu_us"]["median"]
+    )
     result["layer_of_n_over_floor"] = result["layer_of_n_us"]["median"] / result["floor_layer_of_n_us"]["median"]
     return result
 
@@ -604,11 +632,19 @@ def main() -> None:
         ("layer_of_n_us", f"one layer of {PART_REQUESTS} requests, us"),
         ("floor_us", "NIXL prepared post of a part, us"),
         ("floor_layer_of_n_us", f"NIXL prepared post of {PART_REQUESTS} parts, us"),
+        ("part_cpu_us", "one part, writer CPU, us"),
+        ("part_alone_cpu_us", "one part alone, writer CPU, us"),
+        ("layer_of_n_cpu_us", f"one layer of {PART_REQUESTS}, writer CPU, us"),
+        ("floor_cpu_us", "NIXL post of a part, CPU, us"),
+        ("floor_layer_of_n_cpu_us", f"NIXL post of {PART_REQUESTS} parts, CPU, us"),
     ):
         row = progressive[key]
         print(f"{label:>36}: {row['median']:8.1f} ({row['min']:.1f}-{row['max']:.1f})")
     print(f"{'part / floor':>36}: {progressive['part_over_floor']:8.2f}")
     print(f"{'part alone / floor':>36}: {progressive['part_alone_over_floor']:8.2f}")
+    for key in ("part", "part_alone", "layer_of_n"):
+        label = f"{key.replace('_', ' ')} / floor, CPU"
+        print(f"{label:>36}: {progressive[f'{key}_cpu_over_floor']:8.2f}")
     print(f"{'layer of N / floor':>36}: {progressive['layer_of_n_over_floor']:8.2f}")
     _write_result(args, total, {**measured, "progressive_parts": progressive})
 
