@@ -556,3 +556,20 @@ def test_a_target_that_does_not_fit_the_prompt_fails_once_its_length_is_told(
     assert p.writer.parts_in_flight == 0 and untouched(peer, p)
     p.writer.abort("t")
     assert p.recorder.next() == Event("source_free", ("t",))
+
+
+def test_parts_of_one_transfer_handed_over_in_one_turn_are_placed_once(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair(start=False)  # what is queued before the start is handled in one turn: a writer that fell behind
+    posts = spy_posts(p.writer)
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.source_part("t", SRC, PROMPT, (1, 2), prompt_tokens=PROMPT)
+
+    p.writer.start()
+
+    assert p.writer.barrier(5) and posts == [2 * 2 * 3] and p.writer.parts_in_flight == 1  # both layers, one WRITE
+    received = p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]), 1)
+    assert carried(received) == [("t", 1, (WrittenPart(0, 12, 0, 2),))]  # one rectangle, not one per part
+    p.writer.source_ready("t", SRC)
+    assert p.drained(peer) == complete(1, WrittenPart(0, 12, 0, 0))  # nothing left for the final
+    assert p.recorder.next() == Event("source_free", ("t",))
