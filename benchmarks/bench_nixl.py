@@ -12,8 +12,9 @@
               prepared lists with indices, or per-transfer lists from rendezvous.clients.nixl.plan, unmerged or merged)
               and for one rank's head slice (TP 2 -> 1, HND)
   parts       progressive push on a TransferWriter: one layer of a 512-token prompt (64 scattered block
-              descriptors of 1 KiB) handed over and posted, per part, and one layer of 8 requests, against NIXL's
-              own prepared post of the same descriptors measured in the same run (see `parts`)
+              descriptors of 1 KiB) handed over and posted, per part (32 in a row, and one at a time), and one
+              layer of 8 requests, against NIXL's own prepared post of the same descriptors measured in the same
+              run (see `parts`)
   integrity   end-to-end checksums (`--only-integrity`): a TransferWriter's whole write of the buffer in 64 KiB
               blocks, source_ready -> on_complete, with `WriterConfig.integrity` off and on (the producer's
               xxh3 digests), and the consumer's check (`block_digests` over the same blocks) with zlib.crc32 of
@@ -312,10 +313,17 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     - part: a 512-token prompt handed over layer by layer (`source_part`), 32 parts, each posted at once:
       the time from the first `source_part` to the writer having handled the last (`barrier`), per part;
       caller: of that, the time in the calls themselves (what the thread running the forward pays), per part;
+    - part alone: the same parts handed over one at a time, each followed by a `barrier` (the writer wakes for
+      it, places it and posts its WRITE), per part; barrier: an empty `barrier`'s round trip, the share of the
+      thread hand-off in it;
     - layer of N requests: one layer of `PART_REQUESTS` prompts handed over together, the same time for all;
     - floor: `NixlEndpoint.post_indices` of one layer's prepared descriptors, indices computed beforehand
       (NIXL's make_prepped_xfer + transfer and nothing of ours but a call), per post; and of the same layer of
       `PART_REQUESTS` prompts in one post.
+
+    Each also as CPU time (`*_cpu_us`): the writer thread's (its CPU clock read from this thread) for the part,
+    part alone and layer of N, this thread's for the floors. On a busy machine wall times measure the scheduler as
+    much as the code; CPU times much less so.
     """
     blocks = PART_TOKENS // POST_TOKENS
     num_blocks = min(total // (POST_REGIONS * PART_BLOCK), 1024)
@@ -346,6 +354,13 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {
         "part_us": [],
         "caller_us": [],
+        "part_alone_us": [],
+        "barrier_us": [],
+        "part_cpu_us": [],
+        "part_alone_cpu_us": [],
+        "layer_of_n_cpu_us": [],
+        "floor_cpu_us": [],
+        "floor_layer_of_n_cpu_us": [],
         "layer_of_n_us": [],
         "floor_us": [],
         "floor_layer_of_n_us": [],
@@ -366,31 +381,59 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
                 raise TimeoutError(f"{name} did not complete")
 
     with writer:
+        [thread] = [t for t in threading.enumerate() if t.name == "nixl-writer-bench-parts-src"]
+        assert thread.ident is not None
+        clock = time.pthread_getcpuclockid(thread.ident)  # the writer thread's CPU time
+
+        def cpu() -> float:
+            return time.clock_gettime(clock)
+
         for rep in range(reps + 1):
             name = f"part-{rep}"
             transfer(name, 0)
             writer.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu()
             for layer in range(PART_LAYERS):
                 writer.source_part(name, src, PART_TOKENS, (layer, layer + 1), prompt_tokens=PART_TOKENS)
             handed = time.perf_counter()
             writer.barrier()
             per_part = (time.perf_counter() - start) / PART_LAYERS
+            per_part_cpu = (cpu() - start_cpu) / PART_LAYERS
             caller = (handed - start) / PART_LAYERS
+            finish([name])
+            name = f"alone-{rep}"
+            transfer(name, 0)
+            writer.barrier()
+            alone, alone_cpu, barrier = [], [], []
+            for layer in range(PART_LAYERS):
+                start, start_cpu = time.perf_counter(), cpu()
+                writer.source_part(name, src, PART_TOKENS, (layer, layer + 1), prompt_tokens=PART_TOKENS)
+                writer.barrier()
+                alone.append(time.perf_counter() - start)
+                alone_cpu.append(cpu() - start_cpu)
+                start = time.perf_counter()
+                writer.barrier()
+                barrier.append(time.perf_counter() - start)
             finish([name])
             names = [f"layer-{rep}-{i}" for i in range(PART_REQUESTS)]
             for i, n in enumerate(names):
                 transfer(n, i)
             writer.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), cpu()
             for n in names:
                 writer.source_part(n, src, PART_TOKENS, (0, 1), prompt_tokens=PART_TOKENS)
             writer.barrier()
             layer_of_n = time.perf_counter() - start
+            layer_of_n_cpu = cpu() - start_cpu
             finish(names)
             if rep:  # the first is a warm-up: connections, caches
                 samples["part_us"].append(per_part * 1e6)
                 samples["caller_us"].append(caller * 1e6)
+                samples["part_alone_us"].extend(x * 1e6 for x in alone)
+                samples["part_cpu_us"].append(per_part_cpu * 1e6)
+                samples["part_alone_cpu_us"].extend(x * 1e6 for x in alone_cpu)
+                samples["layer_of_n_cpu_us"].append(layer_of_n_cpu * 1e6)
+                samples["barrier_us"].extend(x * 1e6 for x in barrier)
                 samples["layer_of_n_us"].append(layer_of_n * 1e6)
     if failed:
         raise RuntimeError(f"a benchmark write failed: {failed[0]}")
@@ -404,12 +447,13 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         ("floor_layer_of_n_us", reps, (n_local, n_remote)),
     ):
         for i in range(count + 5):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             posted = endpoint.post_indices("WRITE", agent.name, *indices)
-            elapsed = time.perf_counter() - start
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
             wait(endpoint, posted)
             if i >= 5:
                 samples[key].append(elapsed * 1e6)
+                samples[key.replace("_us", "_cpu_us")].append(elapsed_cpu * 1e6)
     endpoint.close()
     peer.call("close", agent.name)
     result: dict[str, Any] = {
@@ -422,6 +466,12 @@ def parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     for key, values in samples.items():
         result[key] = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
     result["part_over_floor"] = result["part_us"]["median"] / result["floor_us"]["median"]
+    result["part_alone_over_floor"] = result["part_alone_us"]["median"] / result["floor_us"]["median"]
+    for key in ("part", "part_alone"):
+        result[f"{key}_cpu_over_floor"] = result[f"{key}_cpu_us"]["median"] / result["floor_cpu_us"]["median"]
+    result["layer_of_n_cpu_over_floor"] = (
+        result["layer_of_n_cpu_us"]["median"] / result["floor_layer_of_n_cpu_us"]["median"]
+    )
     result["layer_of_n_over_floor"] = result["layer_of_n_us"]["median"] / result["floor_layer_of_n_us"]["median"]
     return result
 
@@ -577,13 +627,24 @@ def main() -> None:
     for key, label in (
         ("part_us", "one part (plan + post), us"),
         ("caller_us", "of which the caller's thread, us"),
+        ("part_alone_us", "one part alone, to its post, us"),
+        ("barrier_us", "of which a barrier's round trip, us"),
         ("layer_of_n_us", f"one layer of {PART_REQUESTS} requests, us"),
         ("floor_us", "NIXL prepared post of a part, us"),
         ("floor_layer_of_n_us", f"NIXL prepared post of {PART_REQUESTS} parts, us"),
+        ("part_cpu_us", "one part, writer CPU, us"),
+        ("part_alone_cpu_us", "one part alone, writer CPU, us"),
+        ("layer_of_n_cpu_us", f"one layer of {PART_REQUESTS}, writer CPU, us"),
+        ("floor_cpu_us", "NIXL post of a part, CPU, us"),
+        ("floor_layer_of_n_cpu_us", f"NIXL post of {PART_REQUESTS} parts, CPU, us"),
     ):
         row = progressive[key]
         print(f"{label:>36}: {row['median']:8.1f} ({row['min']:.1f}-{row['max']:.1f})")
     print(f"{'part / floor':>36}: {progressive['part_over_floor']:8.2f}")
+    print(f"{'part alone / floor':>36}: {progressive['part_alone_over_floor']:8.2f}")
+    for key in ("part", "part_alone", "layer_of_n"):
+        label = f"{key.replace('_', ' ')} / floor, CPU"
+        print(f"{label:>36}: {progressive[f'{key}_cpu_over_floor']:8.2f}")
     print(f"{'layer of N / floor':>36}: {progressive['layer_of_n_over_floor']:8.2f}")
     _write_result(args, total, {**measured, "progressive_parts": progressive})
 

@@ -259,6 +259,13 @@ class NixlEndpoint:
             ),
         )
 
+    def peer_table(self, peer: str) -> DescriptorTable:
+        """The peer's whole blocks as prepared (`add_peer`), for indices into them (`post_indices`). Raises
+        `PeerError` for a peer without prepared blocks."""
+        table = self._prepared(peer).table
+        assert table is not None
+        return table
+
     def _prepared(self, peer: str) -> _Peer:
         remote = self._peers.get(peer)
         if remote is None or remote.table is None:

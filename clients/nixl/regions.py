@@ -152,10 +152,11 @@ class DescriptorTable:
             return np.zeros(0, dtype=np.int64)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise BlockRangeError(f"block ids must be a flat list of integers, got {ids.dtype} shape {ids.shape}")
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.num_blocks:
+        ids = ids.astype(np.int64, copy=False)
+        if int(ids.view(np.uint64).max()) >= self.num_blocks:  # one pass: negative ids are above 2**63 as unsigned
+            low, high = int(ids.min()), int(ids.max())
             raise BlockRangeError(f"block ids must be in [0, {self.num_blocks}), got ids in [{low}, {high}]")
-        return ids.astype(np.int64, copy=False)
+        return ids
 
     def indices(self, block_ids: BlockIds, regions: range | None = None) -> npt.NDArray[np.int32]:
         """Descriptor indices of `block_ids` in every region (or in `regions`): region-major,

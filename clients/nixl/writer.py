@@ -22,16 +22,19 @@ tokens are computed in the layers reported (`rendezvous.clients.nixl.parts`), so
 next part or the final write. That needs the writer's `layout` (block sizes, layers) and the prompt's length (from
 `source_part` or `assign`); until both are known parts are only remembered. A part goes in one WRITE per consumer
 rank with a share in it, with the notification of the rectangles it carries in that rank's share
-(`rendezvous.clients.nixl.notifications`: the consumer arrives once they tile the target, before the service's commit);
-for a whole-block share its cells are addressed by index in the prepared lists (its layers as ranges of regions), and
-the parts of every transfer handled in one turn of the thread (a layer of each prompt of a step) go in one WRITE per
-consumer rank, held by each of those transfers and naming each one's; other shares' cells are merged into as few
-descriptors as they allow. Every share works, with different block sizes and TP sizes too. A source or part handed
-over with a `KvReady` (the device still computing it: `rendezvous.clients.nixl.device`) waits, in order per transfer,
-until it is done; one whose device fails or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At
-most `WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes
-together once one drains. `source_ready` is the final: what is left is posted at once, each WRITE with its parts'
-notification (none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
+(`rendezvous.clients.nixl.notifications`: the consumer arrives once they tile the target, before the service's commit).
+Parts are placed at the end of each turn of the thread, so the parts of one transfer handed over meanwhile (the writer
+fell behind) are placed once, together. For a whole-block share the write's cells are addressed by index in the
+prepared lists: the indices of every (region, target block), here and at the peer, are made once per write (ours
+again only when the engine reports more source blocks), and a part is a slice of them; the parts of every transfer
+handled in one turn (a layer of each prompt of a step) go in one WRITE per consumer rank, held by each of those
+transfers and naming each one's. Other shares' cells are merged into as few descriptors as they allow. Every share
+works, with different block sizes and TP sizes too. A source or part handed over with a `KvReady` (the device still
+computing it: `rendezvous.clients.nixl.device`) waits, in order per transfer, until it is done; one whose device fails
+or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most
+`WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes together
+once one drains. `source_ready` is the final: what is left is posted at once, each WRITE with its parts' notification
+(none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
 integrity) the generation goes in one write at `source_ready`; into a progressive target its notification names the
 whole target.
 
@@ -75,7 +78,13 @@ import numpy.typing as npt
 
 from rendezvous.clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from rendezvous.clients.nixl.device import COMPLETE, KvReady
-from rendezvous.clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
+from rendezvous.clients.nixl.errors import (
+    BlockRangeError,
+    DataPlaneError,
+    LayoutMismatchError,
+    PeerError,
+    TransferFailedError,
+)
 from rendezvous.clients.nixl.integrity import block_digests
 from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
@@ -99,6 +108,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_NO_BLOCKS: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
 
 OnComplete = Callable[[str, int, bool, str | None], None]
 """on_complete(transfer_id, generation, ok, error): the WRITE of a generation finished or could not start."""
@@ -238,6 +249,19 @@ class _Waiting:
     since: float  # time.monotonic() when it arrived
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Cells:
+    """A whole-block target's descriptors in the prepared lists, here and at the peer, per (region, target
+    block): made once per source list of the write, then each part is a slice of them (no lists built)."""
+
+    src: npt.NDArray[np.int64]
+    """The source blocks they were made from (`Computed.src`, replaced only when it grows)."""
+    local: npt.NDArray[np.int32]
+    """regions x the target blocks whose source block is known."""
+    remote: npt.NDArray[np.int32]
+    """regions x target blocks."""
+
+
 @dataclasses.dataclass(eq=False)
 class _Progress:
     """A generation written in parts: the cells posted so far, per column a prefix of the target's blocks."""
@@ -246,6 +270,7 @@ class _Progress:
     grid: Grid | None = None  # once the prompt's length is known
     written: list[WrittenPart] = dataclasses.field(default_factory=list)
     part_at: float = 0.0  # when the engine handed over the part last posted (`_SourcePart.at`)
+    cells: dict[str, _Cells] = dataclasses.field(default_factory=dict)  # per whole-block target agent
 
 
 @dataclasses.dataclass(eq=False)
@@ -257,6 +282,7 @@ class _Write:
     posts: list[PostedTransfer] = dataclasses.field(default_factory=list)
     part_posts: set[PostedTransfer] = dataclasses.field(default_factory=set)  # of `posts`: parts (the cap)
     deferred: int = 0  # parts waiting to be posted with this turn's others (`_flush_parts`)
+    held_back: bool = False  # parts computed wait for parts in flight to drain (`max_parts_in_flight`)
     posted_at: float = 0.0  # time.monotonic() before the first post; 0.0 = none yet
     progress: _Progress | None = None  # written in parts
     complete: bool = False
@@ -279,21 +305,14 @@ class _Write:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Blocks:
-    """Whole blocks `src` -> `dst` in `regions` (None: all), addressed in the prepared lists."""
-
-    src: npt.NDArray[np.int64]
-    dst: npt.NDArray[np.int64]
-    regions: range | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class _Piece:
-    """What one WRITE moves into one target: whole blocks of its prepared lists, or a plan."""
+    """What one WRITE moves into one target: descriptors of the prepared lists by index (whole blocks), or a
+    plan's lists."""
 
     target: _Target
     plan: WritePlan | None
-    blocks: tuple[_Blocks, ...] = ()
+    indices: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None
+    """Without a plan: the prepared descriptors, here and at the target (`NixlEndpoint.post_indices`)."""
     covers: tuple[WrittenPart, ...] = ()
     """Written in parts: the rectangles of the target this WRITE carries, in its layers (`_Target.layers`)."""
     digests: tuple[int, ...] = ()
@@ -384,9 +403,11 @@ class TransferWriter:
         self._in_flight: dict[str, _Write] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._forget: set[str] = set()
+        self._reconnect: set[str] = set()  # peers that assignments wait for (`_connect`) until writes to them drain
         self._columns = Columns.of(layout, self.agent_info())
         self._parts_in_flight = 0
         self._waiting: list[_Waiting] = []  # in arrival order
+        self._parts_due: dict[str, None] = {}  # transfers given parts this turn: placed once, at the turn's end
         self._batch: list[tuple[str, _Write, _Piece]] = []  # this turn's parts by index, posted together per peer
         self._holders: dict[PostedTransfer, int] = {}  # a WRITE posted for several transfers: how many hold it
         self._part_cost = 0.0  # seconds the writer spends on a part (moving average; 0.0 = none measured yet)
@@ -533,6 +554,7 @@ class TransferWriter:
                 command = self._next_command(0.0)
             progressed = self._handle_computed() or progressed
             try:
+                self._place_due()
                 self._flush_parts()
                 progressed = self._poll_writes() or progressed
                 self._flush_parts()  # parts that waited for one that drained
@@ -556,6 +578,8 @@ class TransferWriter:
             match command:
                 case _Assign():
                     self._assign(command)
+                case _SourcePart() if command.kv_ready is COMPLETE and not self._waiting:
+                    self._source_part(command)  # computed, and nothing is waiting before it
                 case _SourceReady() | _SourcePart():
                     self._waiting.append(_Waiting(command, time.monotonic()))
                     self._handle_computed(command.transfer_id)
@@ -566,6 +590,7 @@ class TransferWriter:
                 case _ForgetPeer():
                     self._forget_peer(command.name, command.incarnation)
                 case _Barrier():
+                    self._place_due()
                     self._flush_parts()
                     command.done.set()
         except Exception:
@@ -719,6 +744,10 @@ class TransferWriter:
             self._emit(self._on_source_free, s.transfer_id)
             return
         t = self._transfers.setdefault(s.transfer_id, _Transfer())
+        if s.transfer_id in self._parts_due:  # its parts of this turn go ahead of the final, as handed over
+            del self._parts_due[s.transfer_id]
+            if t.write is not None:
+                self._post_parts(s.transfer_id, t, t.write)
         t.source = s.src
         w = t.write
         if w is None:
@@ -738,8 +767,16 @@ class TransferWriter:
             return  # the final write covers it
         if t.write is None:
             self._try_write(p.transfer_id, t)
-        else:
-            self._post_parts(p.transfer_id, t, t.write)
+        else:  # placed at the end of the turn, with the transfer's other parts of it (`_place_due`)
+            self._parts_due[p.transfer_id] = None
+
+    def _place_due(self) -> None:
+        """Post the parts handed over this turn: each transfer's new cells once, however many parts told them."""
+        due, self._parts_due = self._parts_due, {}
+        for transfer_id in due:
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.write is not None and t.source is None:
+                self._post_parts(transfer_id, t, t.write)
 
     def _revoke(self, transfer_id: str, generation: int) -> None:
         t = self._transfers.get(transfer_id)
@@ -802,6 +839,7 @@ class TransferWriter:
                 continue
             if self._writing_to(name):
                 connected = False
+                self._reconnect.add(name)
                 continue
             if name in self._forget or current:  # forgotten, or loaded without the blocks prepared
                 self._forget.discard(name)
@@ -836,6 +874,7 @@ class TransferWriter:
             self._post_whole(transfer_id, t, w)
         else:
             w.progress = _Progress(np.zeros(self._columns.count, dtype=np.int64))
+            self._prepare_parts(transfer_id, t, w)
             self._post_parts(transfer_id, t, w)
 
     def _post_whole(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
@@ -846,18 +885,19 @@ class TransferWriter:
             a = dataclasses.replace(a, prompt_tokens=t.computed.prompt_tokens)
         try:
             plans = self._plans(a, t.source)
-        except ValueError as e:  # too few source blocks for the destination, or ids outside the regions
+            source = t.source[len(t.source) - len(a.dst) :]
+            indices = [None if plan else self._endpoint.indices(x.agent.name, source, a.dst) for x, plan in plans]
+        except (ValueError, DataPlaneError) as e:  # too few source blocks, ids outside the regions, the peer gone
             w.error = str(e)
             self._settle(transfer_id, t)
             return
-        source = t.source[len(t.source) - len(a.dst) :]
         whole = (WrittenPart(0, a.target_tokens),) if a.progressive and a.target_tokens else ()
         digests = block_digests(self._endpoint.regions, source) if self._config.integrity else ()
         pieces = [
-            _Piece(target, plan, (_Blocks(source, a.dst),), whole, digests if _same_bytes(target) else ())
-            for target, plan in plans
+            _Piece(target, plan, cells, whole, digests if _same_bytes(target) else ())
+            for (target, plan), cells in zip(plans, indices, strict=True)
         ]
-        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces])
+        self._post(transfer_id, t, w, pieces)
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Post the cells computed and not posted yet, unless the generation's parts in flight are at the cap."""
@@ -869,22 +909,26 @@ class TransferWriter:
         start = time.perf_counter()
         grid = self._grid(w, computed.prompt_tokens)
         if grid is None:
+            self._settle(transfer_id, t)  # fails the write if its target does not fit the prompt
             return
         rects = rectangles(progress.posted, grid.ready(computed))
         if not rects:
             return
+        written = [self._columns.part(r, grid) for r in rects]
         try:
-            pieces = self._pieces(w.assignment, grid, rects, computed.src)
-        except ValueError as e:  # BlockRangeError: ids outside the regions
+            pieces = self._pieces(w, grid, rects, written, computed.src)
+        except (ValueError, DataPlaneError) as e:  # ids outside the regions, the peer gone
             w.error = str(e)
             self._settle(transfer_id, t)
             return
         queued = len(w.part_posts) + (w.deferred > 0)  # this turn's parts go in one WRITE
         if queued and queued + len(pieces) > self._config.max_parts_in_flight:
-            return  # posted, with what else is computed by then, once parts drain
-        self._record(progress, grid, rects)
+            w.held_back = True  # posted, with what else is computed by then, once parts drain
+            return
+        w.held_back = False
+        self._record(progress, rects, written)
         progress.part_at = t.part_at
-        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces], parts=True)
+        self._post(transfer_id, t, w, pieces, parts=True)
         self._turn[0] += time.perf_counter() - start
         self._turn[1] += 1
 
@@ -904,15 +948,31 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         rects = rectangles(progress.posted, np.full_like(progress.posted, len(w.assignment.dst)))
+        written = [self._columns.part(r, grid) for r in rects]
         try:
-            pieces = self._pieces(w.assignment, grid, rects, src)
-        except ValueError as e:
+            pieces = self._pieces(w, grid, rects, written, src)
+        except (ValueError, DataPlaneError) as e:
             w.error = str(e)
             self._settle(transfer_id, t)
             return
-        self._record(progress, grid, rects)
+        self._record(progress, rects, written)
         w.posted_at = time.monotonic()  # `on_written` times what is left once prefill is done
-        self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces])
+        self._post(transfer_id, t, w, pieces)
+
+    def _prepare_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
+        """Place a write in parts in the prompt and make its whole-block targets' descriptors (`_cells`) as soon as
+        the prompt's length is known, ahead of its parts; fail it at once if its target does not fit."""
+        computed = t.computed
+        grid = self._grid(w, computed.prompt_tokens if computed is not None else 0)
+        if grid is not None and grid.runs is None:
+            src = computed.src if computed is not None else _NO_BLOCKS
+            try:
+                for target in w.assignment.targets:
+                    if target.whole_blocks:
+                        self._cells(w, target, grid, src)
+            except DataPlaneError as e:
+                w.error = str(e)
+        self._settle(transfer_id, t)
 
     def _grid(self, w: _Write, prompt_tokens: int) -> Grid | None:
         """The write's target placed in the prompt, once its length is known; None before (or on failure)."""
@@ -927,34 +987,40 @@ class TransferWriter:
                 w.error = str(e)
         return progress.grid
 
-    def _record(self, progress: _Progress, grid: Grid, rects: list[Rectangle]) -> None:
+    @staticmethod
+    def _record(progress: _Progress, rects: list[Rectangle], written: list[WrittenPart]) -> None:
         for r in rects:
             progress.posted[r.first_column : r.end_column] = r.end_block
-            progress.written.append(self._columns.part(r, grid))
+        progress.written.extend(written)
 
-    def _pieces(self, a: _Assign, grid: Grid, rects: list[Rectangle], src: npt.NDArray[np.int64]) -> list[_Piece]:
-        """Per target, one WRITE of the rectangles' cells: whole blocks of its prepared lists, by index (the
-        rectangles' columns as region ranges), when the target takes whole blocks of equal size; else their
-        descriptors, planned and merged; targets without a share in them get none."""
+    def _pieces(
+        self, w: _Write, grid: Grid, rects: list[Rectangle], written: list[WrittenPart], src: npt.NDArray[np.int64]
+    ) -> list[_Piece]:
+        """Per target, one WRITE of the rectangles' cells (`written`: each in target coordinates): whole blocks of
+        its prepared lists, by index (slices of `_cells`), when the target takes whole blocks of equal size; else
+        their descriptors, planned and merged; targets without a share in them get none."""
+        a = w.assignment
         assert a.producer is not None
         first_src = grid.start // grid.producer_block_size
-        written = [self._columns.part(r, grid) for r in rects]
+        per = self._columns.regions_per_column
         pieces: list[_Piece] = []
         for target in a.targets:
             share = target.share
             cut = (self._columns.within(p, target.layers) for p in written)
             covers = tuple(p for p in cut if p is not None)
             if target.whole_blocks and grid.runs is None:
-                cells = tuple(
-                    _Blocks(
-                        src[first_src + r.first_block : first_src + r.end_block],
-                        a.dst[r.first_block : r.end_block],
-                        self._columns.regions(r.first_column, r.end_column),
+                here, there = self._cells(w, target, grid, src)
+                boxes = [
+                    (slice(r.first_column * per, r.end_column * per), slice(r.first_block, r.end_block)) for r in rects
+                ]
+                if len(boxes) == 1:
+                    pieces.append(_Piece(target, None, (here[boxes[0]].ravel(), there[boxes[0]].ravel()), covers))
+                elif boxes:
+                    indices = (
+                        np.concatenate([here[box].ravel() for box in boxes]),
+                        np.concatenate([there[box].ravel() for box in boxes]),
                     )
-                    for r in rects
-                )
-                if cells:
-                    pieces.append(_Piece(target, None, cells, covers))
+                    pieces.append(_Piece(target, None, indices, covers))
                 continue
             plans: list[WritePlan] = []
             for r in rects:
@@ -986,13 +1052,29 @@ class TransferWriter:
                 pieces.append(_Piece(target, WritePlan(local, remote), covers=covers))
         return pieces
 
-    def _indices(self, peer: str, blocks: tuple[_Blocks, ...]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
-        """The prepared descriptors of `blocks`, here and at `peer`; raises `BlockRangeError` when empty."""
-        pairs = [self._endpoint.indices(peer, b.src, b.dst, b.regions) for b in blocks]
-        local, remote = pairs[0] if len(pairs) == 1 else (np.concatenate(x) for x in zip(*pairs, strict=True))
-        if len(local) == 0:
-            raise BlockRangeError("a transfer needs at least one block")
-        return local, remote
+    def _cells(
+        self, w: _Write, target: _Target, grid: Grid, src: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+        """The whole-block target's prepared descriptors of the write, per (region, target block), here and at
+        the peer: made once per source list (`_Cells`). Raises `PeerError` when the peer is no longer the
+        assignment's incarnation (nothing of the write may land in another)."""
+        progress, a, name = w.progress, w.assignment, target.agent.name
+        assert progress is not None
+        incarnation = self._endpoint.peer_incarnation(name)
+        if incarnation is not None and incarnation != a.incarnation:
+            raise PeerError(f"peer agent {name!r} is now incarnation {incarnation}, not {a.incarnation}")
+        cells = progress.cells.get(name)
+        if cells is None or cells.src is not src:
+            regions = len(self._endpoint.regions)
+            if cells is None:
+                remote = self._endpoint.peer_table(name).indices(a.dst).reshape(regions, len(a.dst))
+            else:
+                remote = cells.remote
+            first = grid.start // grid.producer_block_size
+            known = min(len(a.dst), max(len(src) - first, 0))  # target blocks whose source block is known
+            local = self._endpoint.table.indices(src[first : first + known]).reshape(regions, known)
+            cells = progress.cells[name] = _Cells(src, local, remote)
+        return cells.local, cells.remote
 
     @staticmethod
     def _notification(w: _Write, piece: _Piece) -> bytes:
@@ -1004,29 +1086,27 @@ class TransferWriter:
             return encode_notification(w.assignment.transfer_id, w.generation, piece.target.writers, piece.digests)
         return b""
 
-    def _post(
-        self, transfer_id: str, t: _Transfer, w: _Write, posts: list[tuple[_Piece, bytes]], *, parts: bool = False
-    ) -> None:
-        """Post each piece with its notification (b"": none); the first failure stops the generation. Parts by
-        index wait for the end of the turn, to be posted with the other transfers' (`_flush_parts`); anything
+    def _post(self, transfer_id: str, t: _Transfer, w: _Write, pieces: list[_Piece], *, parts: bool = False) -> None:
+        """Post each piece with its notification (`_notification`); the first failure stops the generation. Parts
+        by index wait for the end of the turn, to be posted with the other transfers' (`_flush_parts`); anything
         else posts those first, so a notification never overtakes a part."""
         if not w.posted_at:
             w.posted_at = time.monotonic()
         if not parts:
             self._flush_parts()
-        for piece, notification in posts:
-            name = piece.target.agent.name
-            if parts and piece.plan is None:
+        for piece in pieces:
+            if parts and piece.indices is not None:
                 self._batch.append((transfer_id, w, piece))
                 w.deferred += 1
                 continue
+            name, notification = piece.target.agent.name, self._notification(w, piece)
             try:
                 if piece.plan is not None:
                     plan = piece.plan
                     posted = self._endpoint.post_descriptors("WRITE", name, plan.local, plan.remote, notification)
                 else:
-                    local, remote = self._indices(name, piece.blocks)
-                    posted = self._endpoint.post_indices("WRITE", name, local, remote, notification)
+                    assert piece.indices is not None
+                    posted = self._endpoint.post_indices("WRITE", name, *piece.indices, notification)
             except DataPlaneError as e:
                 w.error = str(e)
                 break
@@ -1052,16 +1132,10 @@ class TransferWriter:
             t = self._transfers.get(transfer_id)
             if t is None or t.write is not w or w.error is not None or w.revoked or w.aborted:
                 continue  # stopped meanwhile: its cells are not written, and need not be
-            name = piece.target.agent.name
-            try:
-                local, remote = self._indices(name, piece.blocks)
-            except DataPlaneError as e:
-                w.error = str(e)
-                self._settle(transfer_id, t)
-                continue
-            held = by_peer.setdefault(name, {}).setdefault(transfer_id, _Held(w, piece.target))
-            held.local.append(local)
-            held.remote.append(remote)
+            assert piece.indices is not None
+            held = by_peer.setdefault(piece.target.agent.name, {}).setdefault(transfer_id, _Held(w, piece.target))
+            held.local.append(piece.indices[0])
+            held.remote.append(piece.indices[1])
             held.covers.extend(piece.covers)
         for name, writes in by_peer.items():
             live = {tid: x for tid, x in writes.items() if x.write.error is None}
@@ -1103,10 +1177,15 @@ class TransferWriter:
         self._turn = [0.0, 0]
 
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
-        """Poll the write's WRITEs; release those done, then finish the generation or post more parts.
-        True if one was done."""
+        """Poll the write's WRITEs in the order they were posted, up to the first still in flight (they mostly
+        finish in that order: a turn polls a write once, not each of its parts in flight); release those done, then
+        finish the generation or post more parts. True if one was done."""
         poll = self._endpoint.poll
-        drained = [p for p in w.posts if poll(p) is not XferStatus.IN_PROGRESS]
+        drained = []
+        for posted in w.posts:
+            if poll(posted) is XferStatus.IN_PROGRESS:
+                break
+            drained.append(posted)
         for posted in drained:
             w.posts.remove(posted)
             if posted in w.part_posts:
@@ -1124,7 +1203,7 @@ class TransferWriter:
                 w.error = posted.error or "the write failed"
         if not w.posts:
             self._in_flight.pop(transfer_id, None)
-        if not self._settle(transfer_id, t) and drained:
+        if not self._settle(transfer_id, t) and drained and w.held_back:
             self._post_parts(transfer_id, t, w)
         for peer in {p.peer for p in drained}:
             self._after_drain(peer)
@@ -1163,11 +1242,12 @@ class TransferWriter:
             self._try_write(transfer_id, t)
 
     def _after_drain(self, peer: str) -> None:
-        if self._writing_to(peer):
+        if (peer not in self._forget and peer not in self._reconnect) or self._writing_to(peer):
             return
         if peer in self._forget:
             self._forget.discard(peer)
             self._endpoint.remove_peer(peer)
+        self._reconnect.discard(peer)
         for transfer_id, t in list(self._transfers.items()):
             if t.assignment is not None and peer in t.assignment.names():
                 self._try_write(transfer_id, t)

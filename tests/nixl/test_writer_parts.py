@@ -540,3 +540,36 @@ def test_parts_that_compute_faster_than_a_part_costs_wait_and_go_together(
     assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 3))
     assert posts == [2 * 2, 6 * 2]  # the final: the 6 regions of layers 1-3 at once
     p.landed(peer, layers(range(8), SRC[:2], [3, 4]))
+
+
+@pytest.mark.parametrize("told", ["assign", "part"])
+def test_a_target_that_does_not_fit_the_prompt_fails_once_its_length_is_told(
+    peer: PeerProcess, make_pair: MakePair, told: str
+) -> None:
+    p = make_pair()
+    on_assign = PROMPT if told == "assign" else 0
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5, 12, 13, 14], prompt_tokens=on_assign, progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT - on_assign)  # 5 blocks, not 6
+
+    failed = p.recorder.next()
+    assert failed.args[:3] == ("t", 1, False) and "6 target blocks but the prompt fills 5" in failed.args[3]
+    assert p.writer.parts_in_flight == 0 and untouched(peer, p)
+    p.writer.abort("t")
+    assert p.recorder.next() == Event("source_free", ("t",))
+
+
+def test_parts_of_one_transfer_handed_over_in_one_turn_are_placed_once(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair(start=False)  # what is queued before the start is handled in one turn: a writer that fell behind
+    posts = spy_posts(p.writer)
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.writer.source_part("t", SRC, PROMPT, (1, 2), prompt_tokens=PROMPT)
+
+    p.writer.start()
+
+    assert p.writer.barrier(5) and posts == [2 * 2 * 3] and p.writer.parts_in_flight == 1  # both layers, one WRITE
+    received = p.landed(peer, layers(range(4), SRC[2:], [9, 2, 5]), 1)
+    assert carried(received) == [("t", 1, (WrittenPart(0, 12, 0, 2),))]  # one rectangle, not one per part
+    p.writer.source_ready("t", SRC)
+    assert p.drained(peer) == complete(1, WrittenPart(0, 12, 0, 0))  # nothing left for the final
+    assert p.recorder.next() == Event("source_free", ("t",))
