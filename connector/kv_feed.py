@@ -126,7 +126,7 @@ class KvFeed:
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._held: dict[int, set[bytes]] = {}
         self.sequence: int | None = None
-        """The last vLLM sequence applied to the mirror (None before the first)."""
+        """The last vLLM sequence applied: mirrored and forwarded (or repaired); None before the first."""
         self.index_sequence = 0
         """The index's sequence for the engine: batches forwarded since the feed started (a batch with no event
         of the engine's own cache is not forwarded, so vLLM's numbers would leave gaps)."""
@@ -227,6 +227,13 @@ class KvFeed:
             dealer.close(linger=0)
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        """Forward one batch; `sequence` says it was applied only once its report (or repair) is done."""
+        try:
+            self._forward(seq, payload)
+        finally:
+            self.sequence = seq
+
+    def _forward(self, seq: int, payload: bytes) -> None:
         try:
             events = cache_events(self._decoder.decode(payload).events)
         except msgspec.DecodeError as e:  # a batch this vLLM's schema cannot read is a lost batch
@@ -234,7 +241,6 @@ class KvFeed:
             events, self.in_sync = [], False
         for event in events:
             self._mirror(event)
-        self.sequence = seq
         if not self.in_sync:
             self._replace()
             return
