@@ -76,6 +76,7 @@ import numpy.typing as npt
 from rendezvous.clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from rendezvous.clients.nixl.device import COMPLETE, KvReady
 from rendezvous.clients.nixl.errors import BlockRangeError, DataPlaneError, LayoutMismatchError, TransferFailedError
+from rendezvous.clients.nixl.granularity import PartCost
 from rendezvous.clients.nixl.integrity import block_digests
 from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
@@ -130,10 +131,10 @@ class WriterConfig:
     """How long a part or source may wait for its `KvReady` (the device computing it) before its transfer fails."""
     part_compute_ratio: float = 0.0
     """Adaptive granularity (off by default): a transfer's new cells are posted as a part only once the engine
-    computed for at least this many times the writer's measured cost of a part since its last part (else they
-    wait for the next part or the final, and go together). The cost measured includes the post, which on shm
-    copies the bytes, so large parts look costly: in the serving simulation 4 paid at 512 tokens but held back
-    nearly every part at 8k (benchmarks/RESULTS.md). 0: every part at once."""
+    computed for at least this many times the fixed cost of a part since its last part (else they wait for the
+    next part or the final, and go together). The fixed cost is what grouping saves, fitted apart from the cost per
+    byte over the parts posted (`rendezvous.clients.nixl.granularity`), so each part's overhead is at most 1/ratio
+    of the compute it carries. 0: every part at once."""
     integrity: bool = False
     """End-to-end integrity (`rendezvous.clients.nixl.integrity`): send the xxh3 digests of what each whole write
     carries, per region, for the consumer to check before arrival. Generations then go in one write (no progressive
@@ -358,10 +359,14 @@ class TransferWriter:
         rank: int = 0,
         first_layer: int = 0,
         num_layers: int = 0,
+        part_cost: PartCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`layout`, `rank` and the layers (with pipeline parallelism) place this rank in its engine; they
         are needed for assignments to a `ConsumerEngine` and for writes in parts. Exactly one of `on_complete`
-        and `on_complete_parts` (which is also told the parts written) reports each generation's outcome."""
+        and `on_complete_parts` (which is also told the parts written) reports each generation's outcome.
+        `part_cost` (fitted as parts are posted) and `clock` (when `source_part` is called) time the compute and
+        the parts for `WriterConfig.part_compute_ratio`; tests inject them."""
         if (on_complete is None) == (on_complete_parts is None):
             raise TypeError("pass one of on_complete and on_complete_parts")
         self._endpoint = endpoint
@@ -389,8 +394,10 @@ class TransferWriter:
         self._waiting: list[_Waiting] = []  # in arrival order
         self._batch: list[tuple[str, _Write, _Piece]] = []  # this turn's parts by index, posted together per peer
         self._holders: dict[PostedTransfer, int] = {}  # a WRITE posted for several transfers: how many hold it
-        self._part_cost = 0.0  # seconds the writer spends on a part (moving average; 0.0 = none measured yet)
-        self._turn = [0.0, 0]  # this turn's seconds spent placing and posting parts, and the parts
+        self._part_cost = part_cost or PartCost()
+        self._clock = clock
+        self._block_bytes = np.cumsum([0, *(r.block_length_bytes for r in endpoint.regions)])  # per region range
+        self._turn = [0.0, 0, 0]  # this turn's CPU seconds placing and posting parts, the parts and their bytes
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
@@ -490,7 +497,7 @@ class TransferWriter:
         block_size = self._layout.block_size if self._layout is not None else 0
         if len(src) * block_size < num_computed_tokens and block_size:
             raise BlockRangeError(f"{num_computed_tokens} tokens do not fit {len(src)} blocks of {block_size}")
-        part = _SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready, time.monotonic())
+        part = _SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready, self._clock())
         self._put(part)
 
     def revoke(self, transfer_id: str, generation: int) -> None:
@@ -864,9 +871,9 @@ class TransferWriter:
         progress, computed = w.progress, t.computed
         if progress is None or computed is None or w.stopped:
             return
-        if t.part_at - progress.part_at < self._config.part_compute_ratio * self._part_cost:
-            return  # too little computed since the last part to pay for one: it goes with the next
-        start = time.perf_counter()
+        if not self._part_cost.pays(t.part_at - progress.part_at, self._config.part_compute_ratio):
+            return  # too little computed since the last part to pay for one: it goes with the next (or the final)
+        start = time.thread_time()
         grid = self._grid(w, computed.prompt_tokens)
         if grid is None:
             return
@@ -885,8 +892,9 @@ class TransferWriter:
         self._record(progress, grid, rects)
         progress.part_at = t.part_at
         self._post(transfer_id, t, w, [(p, self._notification(w, p)) for p in pieces], parts=True)
-        self._turn[0] += time.perf_counter() - start
+        self._turn[0] += time.thread_time() - start
         self._turn[1] += 1
+        self._turn[2] += sum(self._bytes(p) for p in pieces)
 
     def _post_final(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Everything is computed: post what is left, each WRITE with the notification of the parts it carries."""
@@ -986,6 +994,16 @@ class TransferWriter:
                 pieces.append(_Piece(target, WritePlan(local, remote), covers=covers))
         return pieces
 
+    def _bytes(self, piece: _Piece) -> int:
+        """The bytes a piece moves."""
+        if piece.plan is not None:
+            return piece.plan.num_bytes
+        total, cumulative = 0, self._block_bytes
+        for b in piece.blocks:
+            regions = b.regions if b.regions is not None else range(len(cumulative) - 1)
+            total += len(b.src) * int(cumulative[regions.stop] - cumulative[regions.start])
+        return total
+
     def _indices(self, peer: str, blocks: tuple[_Blocks, ...]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
         """The prepared descriptors of `blocks`, here and at `peer`; raises `BlockRangeError` when empty."""
         pairs = [self._endpoint.indices(peer, b.src, b.dst, b.regions) for b in blocks]
@@ -1044,7 +1062,7 @@ class TransferWriter:
     def _flush_parts(self) -> None:
         """Post the turn's parts by index: one WRITE per peer for all transfers' (a layer of every prompt of a
         step goes in one post), held by each of those transfers; one that cannot be posted fails them all."""
-        start = time.perf_counter()
+        start = time.thread_time()
         batch, self._batch = self._batch, []
         by_peer: dict[str, dict[str, _Held]] = {}
         for transfer_id, w, piece in batch:
@@ -1096,11 +1114,10 @@ class TransferWriter:
                 w.part_posts.add(posted)
                 self._parts_in_flight += 1
                 self._in_flight[transfer_id] = w
-        seconds, parts = self._turn
-        if parts:  # what a part cost this turn: placing it and its share of the posts
-            cost = (seconds + time.perf_counter() - start) / parts
-            self._part_cost = cost if not self._part_cost else 0.8 * self._part_cost + 0.2 * cost
-        self._turn = [0.0, 0]
+        seconds, parts, num_bytes = self._turn
+        if parts:  # what this turn's parts cost: placing them and the posts
+            self._part_cost.observe(seconds + time.thread_time() - start, int(parts), int(num_bytes))
+        self._turn = [0.0, 0, 0]
 
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
         """Poll the write's WRITEs; release those done, then finish the generation or post more parts.
