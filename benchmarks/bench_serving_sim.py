@@ -120,6 +120,9 @@ class Sim:
     chunk_tokens: int = 512
     verify: str = "ends"
     """What the consumer checks: every byte ("bytes"), each head's first and last 8 bytes ("ends"), or "off"."""
+    with_pull: bool = True
+    """Whether pull runs: only then does the producer serve READs (a second agent, its thread polling for them,
+    which takes the GIL from the forward every poll)."""
 
     def layout(self, ranks: int) -> Any:
         from rendezvous.clients import KvLayout
@@ -329,7 +332,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
             kv[rank],
             rank=rank,
             layout=sim.layout(ranks),
-            serve_reads=sim.pull,
+            serve_reads=sim.pull and sim.with_pull,
             on_report=on_report,
         )
         for rank, client in enumerate(clients)
@@ -820,6 +823,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progressive=args.progressive,
                 chunk_tokens=args.chunk_tokens,
                 verify=args.verify,
+                with_pull=PULL in args.modes,
             )
             results.extend(_run_pair(server.address, sim, args))
     return {
