@@ -30,8 +30,10 @@ descriptors as they allow. Every share works, with different block sizes and TP 
 over with a `KvReady` (the device still computing it: `rendezvous.clients.nixl.device`) waits, in order per transfer,
 until it is done; one whose device fails or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At
 most `WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes
-together once one drains. `source_ready` is the final: what is left is posted at once, each WRITE with its parts'
-notification (none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
+together once one drains. New cells wait for more (the next part or the final) until the compute since the
+transfer's last part pays for a part (`WriterConfig.part_compute_ratio`, `rendezvous.clients.nixl.granularity`).
+`source_ready` is the final: what is left is posted at once, each WRITE with its parts' notification (none is sent
+when nothing is left). Without `progressive` (or when nothing went ahead, or with
 integrity) the generation goes in one write at `source_ready`; into a progressive target its notification names the
 whole target.
 
@@ -129,12 +131,14 @@ class WriterConfig:
     """WRITEs of parts (`source_part`) of one transfer in flight at most; newer parts wait and go together."""
     kv_ready_timeout_s: float = 60.0
     """How long a part or source may wait for its `KvReady` (the device computing it) before its transfer fails."""
-    part_compute_ratio: float = 0.0
-    """Adaptive granularity (off by default): a transfer's new cells are posted as a part only once the engine
-    computed for at least this many times the fixed cost of a part since its last part (else they wait for the
-    next part or the final, and go together). The fixed cost is what grouping saves, fitted apart from the cost per
-    byte over the parts posted (`rendezvous.clients.nixl.granularity`), so each part's overhead is at most 1/ratio
-    of the compute it carries. 0: every part at once."""
+    part_compute_ratio: float = 8.0
+    """Adaptive granularity: a transfer's new cells are posted as a part only once the engine computed for at
+    least this many times the fixed cost of a part since its last part (else they wait for the next part or the
+    final, which is never held, and go together). The fixed cost is what grouping saves, fitted apart from the cost
+    per byte over the parts posted (`rendezvous.clients.nixl.granularity`), so a part's own cost is at most 1/ratio
+    of the compute it carries: in the serving simulation (~0.1-0.5 ms a part, 20 us a token of compute) 8 made
+    ~6 parts of a 512-token prompt's 64 layers, ~25 of a 2k one's and ~60 of an 8k one's (benchmarks/RESULTS.md,
+    "Adaptive granularity"). 0: every part at once."""
     integrity: bool = False
     """End-to-end integrity (`rendezvous.clients.nixl.integrity`): send the xxh3 digests of what each whole write
     carries, per region, for the consumer to check before arrival. Generations then go in one write (no progressive
