@@ -120,6 +120,9 @@ class Sim:
     chunk_tokens: int = 512
     verify: str = "ends"
     """What the consumer checks: every byte ("bytes"), each head's first and last 8 bytes ("ends"), or "off"."""
+    with_pull: bool = True
+    """Whether pull runs: only then does the producer serve READs (a second agent, its thread polling for them,
+    which takes the GIL from the forward every poll)."""
 
     def layout(self, ranks: int) -> Any:
         from rendezvous.clients import KvLayout
@@ -169,6 +172,8 @@ class _Words:
 
     regions: list[Any]
     heads: range
+    flat: list[Any]
+    """The regions as flat words (views)."""
 
     @classmethod
     def of(cls, tensors: list[Any], rank: int, ranks: int) -> _Words:
@@ -176,7 +181,7 @@ class _Words:
 
         per_rank = KV_HEADS // ranks
         views = [t.view(torch.int64).view(t.shape[0], per_rank, -1) for t in tensors]
-        return cls(views, range(rank * per_rank, (rank + 1) * per_rank))
+        return cls(views, range(rank * per_rank, (rank + 1) * per_rank), [v.view(-1) for v in views])
 
 
 def _runs(block_ids: list[int] | tuple[int, ...], blocks: range) -> Iterator[tuple[range, int]]:
@@ -194,6 +199,31 @@ def _stamped(pool: Any, verify: str) -> list[Any]:
     return [pool] if verify == "bytes" else [pool[:, :, 0], pool[:, :, -1]]
 
 
+@dataclass(frozen=True)
+class _Stamps:
+    """One rank's stamps of a request, placed (`verify` "ends"): per block, the positions of the stamped words in a
+    region (flat), and per region and block the values they get."""
+
+    positions: Any  # (blocks, stamped words of a block)
+    values: Any  # (regions, blocks, stamped words of a block)
+
+    @classmethod
+    def of(cls, words: _Words, transfer_id: str, block_ids: list[int]) -> _Stamps:
+        import torch
+
+        _, heads, per_head = words.regions[0].shape
+        ends = torch.tensor([0, per_head - 1])
+        positions = (
+            torch.tensor(block_ids, dtype=torch.int64).view(-1, 1, 1) * (heads * per_head)
+            + torch.arange(heads).view(1, -1, 1) * per_head
+            + ends.view(1, 1, -1)
+        ).view(len(block_ids), -1)
+        values = stamps(transfer_id, range(len(block_ids)), range(len(words.regions)), words.heads)
+        per_region = values.permute(1, 0, 2)  # (regions, blocks, heads)
+        stacked = torch.stack([per_region] * len(ends), dim=-1)  # not expand(): its copy is ~100x slower here
+        return cls(positions, stacked.reshape(len(words.regions), len(block_ids), -1))
+
+
 def stamp(
     ranks: list[_Words], transfer_id: str, block_ids: list[int], blocks: range, regions: range, verify: str
 ) -> None:
@@ -205,6 +235,16 @@ def stamp(
                 value = values[run.start - blocks.start : run.stop - blocks.start, i]
                 for stamped in _stamped(words.regions[region][first : first + len(run)], verify):
                     stamped.copy_(value.view(*value.shape, *[1] * (stamped.dim() - 2)).expand_as(stamped))
+
+
+def stamp_ends(ranks: list[_Words], placed: list[_Stamps], blocks: range, regions: range) -> None:
+    """`stamp` with `verify` "ends", from the request's stamps placed beforehand: one scatter per region, whatever
+    the blocks' runs, so that handing the KV over per layer costs the simulated forward little more stamping than
+    handing it over at once (per layer `stamp` costs ~10 torch calls, more than a layer of a short prompt computes)."""
+    for words, p in zip(ranks, placed, strict=True):
+        where = p.positions[blocks.start : blocks.stop].reshape(-1)
+        for region in regions:
+            words.flat[region].index_copy_(0, where, p.values[region, blocks.start : blocks.stop].reshape(-1))
 
 
 def intact(ranks: list[_Words], transfer_id: str, block_ids: tuple[int, ...], verify: str) -> bool:
@@ -292,7 +332,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
             kv[rank],
             rank=rank,
             layout=sim.layout(ranks),
-            serve_reads=sim.pull,
+            serve_reads=sim.pull and sim.with_pull,
             on_report=on_report,
         )
         for rank, client in enumerate(clients)
@@ -309,8 +349,11 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
                     await asyncio.sleep(0.001)
                 blocks, free[:] = free[:num_blocks], free[num_blocks:]
                 start, seconds = time.monotonic(), tokens * sim.prefill_s_per_token
+                placed = [_Stamps.of(w, transfer_id, blocks) for w in words] if sim.verify == "ends" else []
                 for piece in pieces(sim, tokens, mode):
-                    if sim.verify != "off":  # the forward writes the piece's KV
+                    if placed:  # the forward writes the piece's KV
+                        stamp_ends(words, placed, piece.blocks, piece.regions)
+                    elif sim.verify != "off":
                         stamp(words, transfer_id, blocks, piece.blocks, piece.regions, sim.verify)
                     await asyncio.sleep(max(0.0, start + piece.done * seconds - time.monotonic()))
                     if mode == PROGRESSIVE:
@@ -458,6 +501,11 @@ async def _consumer(address: str, sim: Sim, commands: Any, reports: Any) -> None
 
 
 def _engine(role: str, address: str, sim: Sim, commands: Any, reports: Any) -> None:
+    import torch
+
+    # The simulation's own torch calls (stamping the KV, checking it) are small: split over both cores of a busy
+    # machine, each waits for a second thread (a 0.5M-element xor took 17 ms instead of 0.5 ms).
+    torch.set_num_threads(1)
     run = _producer if role == "producer" else _consumer
     asyncio.run(run(address, sim, commands, reports))
 
@@ -775,6 +823,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 progressive=args.progressive,
                 chunk_tokens=args.chunk_tokens,
                 verify=args.verify,
+                with_pull=PULL in args.modes,
             )
             results.extend(_run_pair(server.address, sim, args))
     return {

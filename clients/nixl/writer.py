@@ -33,7 +33,9 @@ works, with different block sizes and TP sizes too. A source or part handed over
 computing it: `rendezvous.clients.nixl.device`) waits, in order per transfer, until it is done; one whose device fails
 or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At most
 `WriterConfig.max_parts_in_flight` WRITEs of parts per transfer are in flight; what is computed meanwhile goes together
-once one drains. `source_ready` is the final: what is left is posted at once, each WRITE with its parts' notification
+once one drains. New cells wait for more (the next part or the final) until the compute since the transfer's last
+part pays for a part (`WriterConfig.part_compute_ratio`, `rendezvous.clients.nixl.granularity`). `source_ready` is the
+final: what is left is posted at once, each WRITE with its parts' notification
 (none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
 integrity) the generation goes in one write at `source_ready`; into a progressive target its notification names the
 whole target.
@@ -85,6 +87,7 @@ from rendezvous.clients.nixl.errors import (
     PeerError,
     TransferFailedError,
 )
+from rendezvous.clients.nixl.granularity import PartCost
 from rendezvous.clients.nixl.integrity import block_digests
 from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
@@ -139,12 +142,14 @@ class WriterConfig:
     """WRITEs of parts (`source_part`) of one transfer in flight at most; newer parts wait and go together."""
     kv_ready_timeout_s: float = 60.0
     """How long a part or source may wait for its `KvReady` (the device computing it) before its transfer fails."""
-    part_compute_ratio: float = 0.0
-    """Adaptive granularity (off by default): a transfer's new cells are posted as a part only once the engine
-    computed for at least this many times the writer's measured cost of a part since its last part (else they
-    wait for the next part or the final, and go together). The cost measured includes the post, which on shm
-    copies the bytes, so large parts look costly: in the serving simulation 4 paid at 512 tokens but held back
-    nearly every part at 8k (benchmarks/RESULTS.md). 0: every part at once."""
+    part_compute_ratio: float = 8.0
+    """Adaptive granularity: a transfer's new cells are posted as a part only once the engine computed for at
+    least this many times the fixed cost of a part since its last part (else they wait for the next part or the
+    final, which is never held, and go together). The fixed cost is what grouping saves, fitted apart from the cost
+    per byte over the parts posted (`rendezvous.clients.nixl.granularity`), so a part's own cost is at most 1/ratio
+    of the compute it carries: in the serving simulation (~0.1-0.5 ms a part, 20 us a token of compute) 8 made
+    ~6 parts of a 512-token prompt's 64 layers, ~25 of a 2k one's and ~60 of an 8k one's (benchmarks/RESULTS.md,
+    "Adaptive granularity"). 0: every part at once."""
     integrity: bool = False
     """End-to-end integrity (`rendezvous.clients.nixl.integrity`): send the xxh3 digests of what each whole write
     carries, per region, for the consumer to check before arrival. Generations then go in one write (no progressive
@@ -377,10 +382,14 @@ class TransferWriter:
         rank: int = 0,
         first_layer: int = 0,
         num_layers: int = 0,
+        part_cost: PartCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`layout`, `rank` and the layers (with pipeline parallelism) place this rank in its engine; they
         are needed for assignments to a `ConsumerEngine` and for writes in parts. Exactly one of `on_complete`
-        and `on_complete_parts` (which is also told the parts written) reports each generation's outcome."""
+        and `on_complete_parts` (which is also told the parts written) reports each generation's outcome.
+        `part_cost` (fitted as parts are posted) and `clock` (when `source_part` is called) time the compute and
+        the parts for `WriterConfig.part_compute_ratio`; tests inject them."""
         if (on_complete is None) == (on_complete_parts is None):
             raise TypeError("pass one of on_complete and on_complete_parts")
         self._endpoint = endpoint
@@ -410,8 +419,12 @@ class TransferWriter:
         self._parts_due: dict[str, None] = {}  # transfers given parts this turn: placed once, at the turn's end
         self._batch: list[tuple[str, _Write, _Piece]] = []  # this turn's parts by index, posted together per peer
         self._holders: dict[PostedTransfer, int] = {}  # a WRITE posted for several transfers: how many hold it
-        self._part_cost = 0.0  # seconds the writer spends on a part (moving average; 0.0 = none measured yet)
-        self._turn = [0.0, 0]  # this turn's seconds spent placing and posting parts, and the parts
+        self._part_cost = part_cost or PartCost()
+        self._clock = clock
+        regions = endpoint.table.regions  # a prepared descriptor's region, and so its bytes, by its index
+        self._region_starts = np.cumsum([0, *(r.num_blocks for r in regions)])[:-1]
+        self._region_bytes = np.array([r.block_length_bytes for r in regions], dtype=np.int64)
+        self._turn = [0.0, 0, 0]  # this turn's CPU seconds placing and posting parts, the parts and their bytes
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
         """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
@@ -511,7 +524,7 @@ class TransferWriter:
         block_size = self._layout.block_size if self._layout is not None else 0
         if len(src) * block_size < num_computed_tokens and block_size:
             raise BlockRangeError(f"{num_computed_tokens} tokens do not fit {len(src)} blocks of {block_size}")
-        part = _SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready, time.monotonic())
+        part = _SourcePart(transfer_id, src, num_computed_tokens, layers, prompt_tokens, kv_ready, self._clock())
         self._put(part)
 
     def revoke(self, transfer_id: str, generation: int) -> None:
@@ -904,9 +917,9 @@ class TransferWriter:
         progress, computed = w.progress, t.computed
         if progress is None or computed is None or w.stopped:
             return
-        if t.part_at - progress.part_at < self._config.part_compute_ratio * self._part_cost:
-            return  # too little computed since the last part to pay for one: it goes with the next
-        start = time.perf_counter()
+        if not self._part_cost.pays(t.part_at - progress.part_at, self._config.part_compute_ratio):
+            return  # too little computed since the last part to pay for one: it goes with the next (or the final)
+        start = time.thread_time()
         grid = self._grid(w, computed.prompt_tokens)
         if grid is None:
             self._settle(transfer_id, t)  # fails the write if its target does not fit the prompt
@@ -929,8 +942,9 @@ class TransferWriter:
         self._record(progress, rects, written)
         progress.part_at = t.part_at
         self._post(transfer_id, t, w, pieces, parts=True)
-        self._turn[0] += time.perf_counter() - start
+        self._turn[0] += time.thread_time() - start
         self._turn[1] += 1
+        self._turn[2] += sum(self._bytes(p) for p in pieces)
 
     def _post_final(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Everything is computed: post what is left, each WRITE with the notification of the parts it carries."""
@@ -1076,6 +1090,14 @@ class TransferWriter:
             cells = progress.cells[name] = _Cells(src, local, remote)
         return cells.local, cells.remote
 
+    def _bytes(self, piece: _Piece) -> int:
+        """The bytes a piece moves."""
+        if piece.plan is not None:
+            return piece.plan.num_bytes
+        assert piece.indices is not None
+        regions = np.searchsorted(self._region_starts, piece.indices[0], side="right") - 1
+        return int(self._region_bytes[regions].sum())
+
     @staticmethod
     def _notification(w: _Write, piece: _Piece) -> bytes:
         """A whole write's notification; with parts, what this piece carries
@@ -1124,7 +1146,7 @@ class TransferWriter:
     def _flush_parts(self) -> None:
         """Post the turn's parts by index: one WRITE per peer for all transfers' (a layer of every prompt of a
         step goes in one post), held by each of those transfers; one that cannot be posted fails them all."""
-        start = time.perf_counter()
+        start = time.thread_time()
         batch, self._batch = self._batch, []
         by_peer: dict[str, dict[str, _Held]] = {}
         for transfer_id, w, piece in batch:
@@ -1170,11 +1192,10 @@ class TransferWriter:
                 w.part_posts.add(posted)
                 self._parts_in_flight += 1
                 self._in_flight[transfer_id] = w
-        seconds, parts = self._turn
-        if parts:  # what a part cost this turn: placing it and its share of the posts
-            cost = (seconds + time.perf_counter() - start) / parts
-            self._part_cost = cost if not self._part_cost else 0.8 * self._part_cost + 0.2 * cost
-        self._turn = [0.0, 0]
+        seconds, parts, num_bytes = self._turn
+        if parts:  # what this turn's parts cost: placing them and the posts
+            self._part_cost.observe(seconds + time.thread_time() - start, int(parts), int(num_bytes))
+        self._turn = [0.0, 0, 0]
 
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
         """Poll the write's WRITEs in the order they were posted, up to the first still in flight (they mostly

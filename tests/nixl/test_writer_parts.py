@@ -6,6 +6,7 @@ carried, and the notifications of a generation tile its target (`PartsArrival`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from rendezvous.clients.nixl import (
 )
 from rendezvous.clients.nixl.arrival import PartsArrival
 from rendezvous.clients.nixl.device import KvReady
+from rendezvous.clients.nixl.granularity import PartCost
 from rendezvous.clients.nixl.writer import ConsumerEngine
 from tests.nixl.helpers import Event, Recorder, region_views, unique
 from tests.nixl.peer import SENTINEL, Layout, PeerProcess
@@ -93,6 +95,8 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
         kv_ready_timeout_s: float = 60.0,
         start: bool = True,
         part_compute_ratio: float = 0.0,  # every part at once, unless a test is about grouping them
+        part_cost: PartCost | None = None,
+        clock: Callable[[], float] = time.monotonic,  # when parts are handed over
     ) -> Pair:
         layout = Layout((REGION,) * (2 * layers), 16)
         dest = unique("dst")
@@ -110,6 +114,8 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
                 part_compute_ratio=part_compute_ratio,
             ),
             layout=KvLayout("m", "uint8", BLOCK, layers, kv_layout="HND"),
+            part_cost=part_cost,
+            clock=clock,
         )
         if start:
             writer.start()
@@ -521,24 +527,47 @@ def test_one_layer_of_several_transfers_handed_over_together_goes_in_one_write(
     assert p.writer.parts_in_flight == 0
 
 
-def test_parts_that_compute_faster_than_a_part_costs_wait_and_go_together(
+class GivenCost(PartCost):
+    """A part's fixed cost, given: what the writer measures is recorded, not fitted."""
+
+    def __init__(self, fixed: float) -> None:
+        super().__init__()
+        self.given = fixed
+        self.observed: list[tuple[int, int]] = []  # parts and bytes of each turn
+
+    def observe(self, seconds: float, parts: int, num_bytes: int) -> None:
+        self.observed.append((parts, num_bytes))
+
+    @property
+    def fixed(self) -> float:
+        return self.given
+
+
+def test_a_part_goes_once_its_compute_pays_for_it_and_what_is_held_goes_with_the_final(
     peer: PeerProcess, make_pair: MakePair
 ) -> None:
-    p = make_pair(layers=4, part_compute_ratio=1e9)  # no layer computes for 1e9 times a part's cost
+    handed = iter([10.0, 10.5, 11.0, 11.5])  # when the engine hands over layers 0-3
+    cost = GivenCost(0.5)
+    p = make_pair(layers=4, part_compute_ratio=2.0, part_cost=cost, clock=handed.__next__)  # a part: 1 s of compute
     posts = spy_posts(p.writer)
     p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
-    p.writer.source_part("t", SRC[:2], 8, (0, 1), prompt_tokens=8)  # the first part: nothing measured yet
+    p.writer.source_part("t", SRC[:2], 8, (0, 1), prompt_tokens=8)  # the first part goes at once
     assert carried(p.landed(peer, layers(range(2), SRC[:2], [3, 4]), 1)) == [("t", 1, (WrittenPart(0, 8, 0, 1),))]
-    for layer in range(1, 4):
-        p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
+    assert cost.observed == [(1, 2 * 2 * REGION)]  # measured: 2 blocks of K and V
 
-    assert p.settled() == [] and posts == [2 * 2]  # layers 1-3 held: each computed too fast to pay for a part
+    p.writer.source_part("t", SRC[:2], 8, (1, 2), prompt_tokens=8)  # 0.5 s since the last part: cannot pay
+    assert p.settled() == [] and posts == [2 * 2]
+    p.writer.source_part("t", SRC[:2], 8, (2, 3), prompt_tokens=8)  # 1 s: pays, and carries layer 1 too
+    assert carried(p.landed(peer, layers(range(6), SRC[:2], [3, 4]), 1)) == [("t", 1, (WrittenPart(0, 8, 1, 2),))]
+    assert posts == [2 * 2, 4 * 2] and cost.observed[-1] == (1, 2 * 4 * REGION)
+    p.writer.source_part("t", SRC[:2], 8, (3, 4), prompt_tokens=8)  # 0.5 s since: held
+    assert p.settled() == [] and posts == [2 * 2, 4 * 2]
 
-    p.writer.source_ready("t", SRC[:2])
+    p.writer.source_ready("t", SRC[:2])  # the final is never held
     received, _ = peer.call("wait_notifications", p.dest, 1, 5.0)
-    assert carried(received) == [("t", 1, (WrittenPart(0, 8, 1, 3),))]
-    assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 3))
-    assert posts == [2 * 2, 6 * 2]  # the final: the 6 regions of layers 1-3 at once
+    assert carried(received) == [("t", 1, (WrittenPart(0, 8, 3, 1),))]
+    assert p.recorder.next() == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 2), WrittenPart(0, 8, 3, 1))
+    assert posts == [2 * 2, 4 * 2, 2 * 2]
     p.landed(peer, layers(range(8), SRC[:2], [3, 4]))
 
 
@@ -573,3 +602,13 @@ def test_parts_of_one_transfer_handed_over_in_one_turn_are_placed_once(peer: Pee
     p.writer.source_ready("t", SRC)
     assert p.drained(peer) == complete(1, WrittenPart(0, 12, 0, 0))  # nothing left for the final
     assert p.recorder.next() == Event("source_free", ("t",))
+
+
+def test_without_a_ratio_every_part_goes_whatever_it_costs(peer: PeerProcess, make_pair: MakePair) -> None:
+    p = make_pair(layers=4, part_compute_ratio=0.0, part_cost=GivenCost(3600.0))
+    posts = spy_posts(p.writer)
+    p.writer.assign("t", 1, p.agent, 1, [3, 4], progressive=True)
+    for layer in range(4):
+        p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
+        p.landed(peer, layers(range(2 * layer + 2), SRC[:2], [3, 4]), 1)
+    assert posts == [2 * 2] * 4
