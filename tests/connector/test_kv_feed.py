@@ -4,6 +4,7 @@ lost events and refused reports repaired by a snapshot of what the feed has seen
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,6 +216,39 @@ def test_an_unreadable_batch_is_repaired_by_a_snapshot(client: RendezvousClient,
         feed.receive(2, msgspec.msgpack.encode(batch(stored(CHAIN[2:3], CHAIN[1]))))
         assert matched(client, CHAIN) == 3
     finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_a_batch_counts_as_applied_once_its_report_is_done(
+    client: RendezvousClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:2], None)))
+        wait_applied(feed, 0)
+        feed.stop()  # the test delivers the next batch itself
+        reporting, release = threading.Event(), threading.Event()
+        report = client.report_cache_events
+
+        def held(*args: object, **kwargs: object) -> object:
+            reporting.set()
+            release.wait(WAIT_S)
+            return report(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(client, "report_cache_events", held)
+        payload = msgspec.msgpack.encode(batch(stored(CHAIN[2:3], CHAIN[1])))
+        receiving = threading.Thread(target=feed.receive, args=(1, payload))
+        receiving.start()
+        assert reporting.wait(WAIT_S)
+        assert feed.sequence == 0  # a waiter for batch 1 would read the index before the report lands
+        release.set()
+        receiving.join(WAIT_S)
+        assert feed.sequence == 1 and matched(client, CHAIN) == 3
+    finally:
+        release.set()
         feed.stop()
         pub.shutdown()
 
