@@ -402,20 +402,10 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.RendezvousServiceStub(channel)
         # Retried as any other call: through a front a closed-loop flood may have every slot at this moment.
-        d = await call(
-            others,
-            "RegisterEngine",
-            stub.RegisterEngine,
-            engine_request("good-d", pb.ENGINE_ROLE_CONSUMER, "d"),
-            "good-d",
-        )
-        p = await call(
-            others,
-            "RegisterEngine",
-            stub.RegisterEngine,
-            engine_request("good-p", pb.ENGINE_ROLE_PRODUCER, "p"),
-            "good-p",
-        )
+        d, p = [
+            await call(others, "RegisterEngine", stub.RegisterEngine, engine_request(name, role, pool), name)
+            for name, role, pool in (("good-d", pb.ENGINE_ROLE_CONSUMER, "d"), ("good-p", pb.ENGINE_ROLE_PRODUCER, "p"))
+        ]
         if d is None or p is None:
             raise RuntimeError(f"the others could not register: {dict(others.errors)}")
         d_inc, p_inc = d.engine.incarnation, p.engine.incarnation
