@@ -24,6 +24,7 @@
 # `up` and `run` refuse with exit code 3 and a message, having made nothing, where namespaces, veth pairs or tbf
 # cannot be made (not root, no CAP_NET_ADMIN/CAP_SYS_ADMIN, no tbf): `check` tries them in a throwaway namespace
 # first. An `up` that fails half-way (or is interrupted) removes what it made before it exits, and only that.
+# Interrupted (SIGINT, SIGTERM), `up` and `run` clean up first, then die of the signal (a shell's $? is 130, 143).
 # `down` is idempotent: it stops the processes left in the lab's namespaces (SIGTERM, SIGKILL after 10 s), then
 # deletes the namespaces, which deletes the veth pair and its qdiscs.
 # NETLAB_FAIL_AT=STEP makes `up` fail after STEP (ns-prefill, ns-decode, veth, moved, addresses, qdisc-prefill):
@@ -135,6 +136,17 @@ cmd_down() {
 
 CHILD=""  # run: the command's process
 
+# SIGINT and SIGTERM end the script through its EXIT trap (the clean-up); then it dies of that signal, as an
+# interrupted program should, so that its caller knows (a shell's $? is 130 or 143).
+SIGNALLED=""
+trap_signals() {
+  trap 'SIGNALLED=INT; exit 130' INT
+  trap 'SIGNALLED=TERM; exit 143' TERM
+}
+die_of_signal() {  # last in an EXIT trap
+  [ -z "$SIGNALLED" ] || { trap - EXIT "$SIGNALLED"; kill -s "$SIGNALLED" $$; }
+}
+
 # What this `up` made, removed again if it does not finish.
 MADE_NS=()
 MADE_LINKS=()
@@ -213,9 +225,8 @@ EOF
 
 up_or_undo() {
   check_or_refuse
-  trap undo_up EXIT
-  trap 'exit 130' INT
-  trap 'exit 143' TERM
+  trap 'undo_up; die_of_signal' EXIT
+  trap_signals
   make_lab
   trap - EXIT INT TERM
 }
@@ -260,9 +271,9 @@ cmd_run() {
   [ ${#REST[@]} -gt 0 ] || usage
   up_or_undo
   # From here the lab exists: whatever ends this script (the command, Ctrl-C, SIGTERM) removes it.
-  trap 'status=$?; [ -z "$CHILD" ] || kill -TERM "$CHILD" 2>/dev/null || true; cmd_down "$ID"; exit "$status"' EXIT
-  trap 'exit 130' INT
-  trap 'exit 143' TERM
+  trap 'status=$?; [ -z "$CHILD" ] || kill -TERM "$CHILD" 2>/dev/null || true; cmd_down "$ID"; die_of_signal
+    exit "$status"' EXIT
+  trap_signals
   print_lab >&2
   local env_lines
   env_lines=$(lab_env decode)
