@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar
@@ -103,21 +104,29 @@ class EpochTracker:
     """The server epoch seen in response headers, and who to tell when it changes.
 
     A changed epoch means the server lost its soft state (a restart of a memory store): engines
-    must register again and re-assert their transfers.
+    must register again and re-assert their transfers. An epoch never comes back (each is random,
+    never reused), so an answer that carries one this client has already left was sent before the
+    change and arrived late (calls and streams answer out of order): it changes nothing. Were it
+    taken as news, a session would register a third incarnation and abort what it had re-asserted.
     """
 
-    __slots__ = ("_listeners", "epoch")
+    __slots__ = ("_left", "_listeners", "epoch")
+
+    # How many left epochs are remembered; a late answer can only be from a recent one.
+    LEFT_REMEMBERED = 16
 
     def __init__(self) -> None:
         self.epoch = 0
         self._listeners: list[EpochListener] = []
+        self._left: deque[int] = deque(maxlen=self.LEFT_REMEMBERED)
 
     def observe(self, epoch: int) -> None:
         """Note the epoch of a response; listeners hear of a change as (old, new)."""
-        if epoch == self.epoch or not epoch:
+        if epoch == self.epoch or not epoch or epoch in self._left:
             return
         old, self.epoch = self.epoch, epoch
         if old:
+            self._left.append(old)
             for listener in list(self._listeners):
                 listener(old, epoch)
 

@@ -160,6 +160,16 @@ def test_epoch_listeners_hear_changes_but_not_the_first_epoch() -> None:
     assert tracker.epoch == 9
 
 
+def test_a_late_answer_from_an_epoch_already_left_changes_nothing() -> None:
+    tracker = EpochTracker()
+    heard: list[tuple[int, int]] = []
+    tracker.add_listener(lambda old, new: heard.append((old, new)))
+    for epoch in (5, 7, 5, 7, 9, 5, 7):
+        tracker.observe(epoch)
+    assert heard == [(5, 7), (7, 9)]
+    assert tracker.epoch == 9
+
+
 def test_the_deadline_counts_from_the_first_attempt_not_the_first_failure() -> None:
     clock = FakeClock(100.0)
     policy = RetryPolicy(initial_backoff=0.1, max_backoff=0.1, jitter=0.0, deadline=1.0)
