@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from rendezvous import __version__
-from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits, Timeouts
+from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, Limits, Timeouts
 from rendezvous.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -143,6 +143,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "largest request (and response) message; a larger request is refused unread with RESOURCE_EXHAUSTED",
         int,
     )
+    _flag(
+        g,
+        "receive-window-bytes",
+        DEFAULT_RECEIVE_WINDOW_BYTES,
+        "each call's HTTP/2 receive window: what a call refused before its request is read may still send "
+        "(0: gRPC's own, grown by bandwidth-delay probing)",
+        int,
+    )
     # The defaults of CallLimits (rendezvous.server.quotas; tests/security/test_defaults.py keeps them equal).
     _flag(
         g,
@@ -175,6 +183,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "after a caller's request of at least N bytes is refused as invalid, its requests as large are refused "
         "unread for 10x what that one cost (doubling while it repeats, <= 10 s); 0: off",
         int,
+    )
+    _flag(
+        g,
+        "invalid-backoff-hold",
+        1.0,
+        "seconds a call of a caller backing off from its method is held unread before it is refused (or served, "
+        "if the back-off ended meanwhile); 0: refused at once",
+        float,
     )
     limits = (
         "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
@@ -230,6 +246,7 @@ def _config_from(args: argparse.Namespace) -> Any:
         drain=args.drain,
         health_listen=None if args.health_listen in ("", "off") else args.health_listen,
         max_message_bytes=args.max_message_bytes,
+        receive_window_bytes=args.receive_window_bytes,
         tls=tls,
         auth_file=args.auth_file or None,
         min_token_bytes=args.min_token_bytes,
@@ -248,6 +265,7 @@ def _config_from(args: argparse.Namespace) -> Any:
             args.max_waiting_calls,
             args.invalid_backoff_bytes,
             args.max_waiting_bytes,
+            args.invalid_backoff_hold,
         ),
     )
 

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rendezvous.coordinator import Coordinator
 from rendezvous.core.bindings import BindingRules
-from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, Limits, Timeouts
+from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, Limits, Timeouts
 from rendezvous.protocol.bindings import load_keys
 from rendezvous.server.auth import Guard
 from rendezvous.server.authfile import DEFAULT_MIN_TOKEN_BYTES, AuthPolicy
@@ -55,6 +55,10 @@ class ServerConfig:
     (rendezvous.server.health): probes should target it, since it answers however busy the serving loop is
     and needs no TLS (Kubernetes' native gRPC probes). `max_message_bytes` is the largest request (and
     response) message, in bytes: a larger request is refused by gRPC, unread, with RESOURCE_EXHAUSTED.
+    `receive_window_bytes` is each call's HTTP/2 receive window: what a client may send before the server
+    reads, so what a call refused before its request is read still costs (0: gRPC's window, grown by
+    bandwidth-delay probing to megabytes on a fast link; a request then costs the server nearly as much to
+    refuse unread as to read: 1.9-2.6 against 3.0-4.5 ms for 4 MiB here).
     """
 
     listen: str = "127.0.0.1:50051"
@@ -67,6 +71,7 @@ class ServerConfig:
     grace: float = 5.0
     drain: float = 0.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    receive_window_bytes: int = DEFAULT_RECEIVE_WINDOW_BYTES
     idempotency_ttl: float = 600.0
     """Seconds the answer to a request with a request_id is kept, for its retries (AIP-155)."""
     watch_batch: int = 1024
@@ -90,6 +95,8 @@ class ServerConfig:
             raise ValueError(f"idempotency_ttl must be a positive number of seconds, not {self.idempotency_ttl:g}")
         if self.max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be a positive number of bytes, not {self.max_message_bytes}")
+        if self.receive_window_bytes < 0:
+            raise ValueError(f"receive_window_bytes must not be negative, not {self.receive_window_bytes}")
         if self.allow_unbound and not self.binding_key_file:
             raise ValueError("allow_unbound needs binding_key_file (without keys no binding is required)")
 
@@ -162,12 +169,14 @@ class RendezvousServer:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.so_reuseport", 0),
         ]
+        if cfg.receive_window_bytes:
+            options += [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", cfg.receive_window_bytes)]
         interceptors: list[grpc.aio.ServerInterceptor] = [HandlerTask()]
         limits = cfg.call_limits.for_server(auth=self.auth is not None)
         if self.auth is not None or limits.enabled:
             quotas = CallQuotas(limits)
             self.turns = FairTurns(limits.turns, limits.waiting, limits.waiting_bytes)
-            backoff = InvalidBackoff(limits.invalid_backoff_bytes, self.clock)
+            backoff = InvalidBackoff(limits.invalid_backoff_bytes, self.clock, limits.invalid_backoff_hold)
             interceptors.append(
                 Guard(
                     (SERVICE_NAME, INDEX_SERVICE_NAME),

@@ -160,7 +160,11 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler.unary_unary:
             # The request arrives as bytes (no deserializer) and is parsed in the caller's turn, after its
             # size was charged: a caller's queued requests cost nothing until their turn.
-            checked = self._unary(method, handler.unary_unary, handler.request_deserializer)
+            checked, unread_first = self._unary(method, handler.unary_unary, handler.request_deserializer)
+            if self._backoff.watches(method):  # some caller backs off from it: identify before reading
+                return grpc.stream_unary_rpc_method_handler(
+                    unread_first, response_serializer=handler.response_serializer
+                )
             return grpc.unary_unary_rpc_method_handler(checked, response_serializer=handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(self._unary_stream(method, handler.unary_stream), **kwargs)
@@ -281,14 +285,42 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _unary(
         self, method: str, behavior: Callable[..., Awaitable[Any]], parse: Callable[[bytes], Any]
-    ) -> Callable[..., Awaitable[Any]]:
-        """A unary call: identified and charged by its size first (and refused unread while its caller backs off
+    ) -> tuple[Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]]:
+        """A unary call: identified and charged by its size first (and refused unparsed while its caller backs off
         from an invalid request as large, rendezvous.server.backoff), then parsed, authorized and served in its
-        caller's fair turn (rendezvous.server.turns), so a caller's backlog waits in its own queue."""
+        caller's fair turn (rendezvous.server.turns), so a caller's backlog waits in its own queue.
+
+        Two behaviours of one call: `checked` for gRPC's unary handler (the request read whole first), and
+        `unread_first` for a request-streaming handler, used while some caller backs off from this method: the
+        caller is identified before its request is read, and refused unread if it is one of them."""
 
         async def checked(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
                 caller = self._identify_caller(method, context, len(raw))
+            except Exception as exc:
+                await self._refuse(method, context, as_error(exc, method))
+                raise AssertionError("unreachable: abort_with_status raises") from None
+            return await read(caller, raw, context)
+
+        async def unread_first(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            try:
+                caller = self._identify_caller(method, context, 0)
+                await self._wait_out_backoff(caller.key, method)
+            except Exception as exc:
+                await self._refuse(method, context, as_error(exc, method))
+                raise AssertionError("unreachable: abort_with_status raises") from None
+            raw = await context.read()
+            try:
+                if not isinstance(raw, bytes):  # grpc.aio.EOF: a unary call sent no request
+                    raise RendezvousError(Reason.MESSAGE_INVALID, f"{method} got no request message")
+                self._quotas.admit_rest(caller.key, len(raw))
+            except Exception as exc:
+                await self._refuse(method, context, as_error(exc, method))
+                raise AssertionError("unreachable: abort_with_status raises") from None
+            return await read(caller, raw, context)
+
+        async def read(caller: _Admitted, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
                 self._backoff.check(caller.key, len(raw))
             except Exception as exc:
                 await self._refuse(method, context, as_error(exc, method))
@@ -300,7 +332,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                         response = await self._serve(method, behavior, caller, _parsed(parse, raw), context)
                     except BaseException as exc:
                         if _refused_as_invalid(exc, context):
-                            self._backoff.refused(caller.key, len(raw), time.perf_counter() - began)
+                            self._backoff.refused(caller.key, method, len(raw), time.perf_counter() - began)
                         raise
                     self._backoff.passed(caller.key, len(raw))
                     return response
@@ -310,7 +342,18 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await self._refuse(method, context, as_error(exc, method))
                 raise AssertionError("unreachable: abort_with_status raises") from None
 
-        return checked
+        return checked, unread_first
+
+    async def _wait_out_backoff(self, key: str, method: str) -> None:
+        """Hold a call of a caller backing off from method, unread, until the back-off ends (at most the hold),
+        then raise RATE_LIMITED if it has not."""
+        backoff = self._backoff
+        left = backoff.unread_wait(key, method)
+        if left > 0:
+            with backoff.hold(key, left) as seconds:
+                if seconds:
+                    await asyncio.sleep(seconds)
+        backoff.check_unread(key, method)
 
     async def _serve(
         self, method: str, behavior: Callable[..., Awaitable[Any]], caller: _Admitted, request: Any, context: Any

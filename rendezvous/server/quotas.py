@@ -43,7 +43,8 @@ class CallLimits:
     turn going round robin among the callers with calls waiting, at most `waiting` of them and
     `waiting_bytes` of their requests per caller (rendezvous.server.turns; 0 bytes: no bound). Per caller:
     after a request of at least `invalid_backoff_bytes` is refused as invalid, its requests as large wait out
-    a back-off unread (rendezvous.server.backoff; 0: off)."""
+    a back-off unread (rendezvous.server.backoff; 0: off), a call to the refused method held unread for at
+    most `invalid_backoff_hold` seconds first (0: refused at once)."""
 
     rate: float | None = None
     burst: int = 0
@@ -56,11 +57,12 @@ class CallLimits:
     waiting: int = 256
     invalid_backoff_bytes: int = 65_536
     waiting_bytes: int = 16 << 20
+    invalid_backoff_hold: float = 1.0
 
     def __post_init__(self) -> None:
         numbers = (self.rate or 0, self.burst, self.concurrency, self.cost_bytes, self.streams, self.waiting)
         sizes = (self.invalid_backoff_bytes, self.waiting_bytes)
-        if min(*numbers, *sizes, self.refusal_rate, self.refusal_burst) < 0:
+        if min(*numbers, *sizes, self.refusal_rate, self.refusal_burst, self.invalid_backoff_hold) < 0:
             raise ValueError("call limits must not be negative")
         if self.turns < 1:
             raise ValueError("turns (unary calls in progress at once) must be at least 1")
@@ -148,8 +150,16 @@ class CallQuotas:
 
     def admit(self, key: str, request_bytes: int = 0) -> None:
         """Charge one call (more for a large request) to key's bucket, or raise RATE_LIMITED."""
+        self._take(key, self.cost(request_bytes))
+
+    def admit_rest(self, key: str, request_bytes: int) -> None:
+        """Charge what a request of request_bytes costs beyond the one call admitted before it was read."""
+        if self.charges_by_size:
+            self._take(key, self.cost(request_bytes) - 1)
+
+    def _take(self, key: str, cost: int) -> None:
         calls = self._calls
-        if calls is not None and not calls.take(key, self.cost(request_bytes)):
+        if calls is not None and cost and not calls.take(key, cost):
             rate = self._rate
             raise RendezvousError(
                 Reason.RATE_LIMITED,
