@@ -54,8 +54,9 @@ class _Wait:
 
 
 class InvalidBackoff:
-    """Per caller: the requests refused unread after a large invalid one (`check`), fed by `refused` and
-    `passed` once a call is served. min_bytes 0: off."""
+    """Per caller: after a large invalid request, its calls to that method refused unread (`check_unread`, after
+    a `hold`) and its requests as large refused unparsed (`check`), fed by `refused` and `passed` once a call is
+    served. min_bytes 0: off."""
 
     __slots__ = ("_callers", "_clock", "_held", "_methods", "max_hold", "min_bytes")
 
