@@ -76,8 +76,8 @@ class ConnectorConfig:
     integrity: bool = False
     """End-to-end integrity (rendezvous.clients.nixl.integrity): prefill sends the xxh3 digests of each write, decode
     checks its blocks against them before the KV counts as arrived and fails the request's transfer on a mismatch (and
-    on a prefill that sent none). Turn it on for both pools; prefill then writes each prompt in one write
-    (no progressive parts). DRAM KV only (vLLM-CPU); a GPU engine refuses it at start."""
+    on a prefill that sent none). Turn it on for both pools. With `progressive` the layers are hashed as they are
+    written and the digests go with the last write. DRAM KV only (vLLM-CPU); a GPU engine refuses it at start."""
     kv_index: bool = False
     """Feed the rendezvous's KV index with this engine's prefix cache (rendezvous.connector.kv_feed): the engine-core
     process subscribes to vLLM's KV events (--kv-events-config, publisher zmq, a bound endpoint) and reports

@@ -11,8 +11,9 @@ with carried (the parts of several transfers may go in one WRITE). An entry is e
   rank holds); a part is "<first_token>+<num_tokens>" (all of those layers) or
   "<first_token>+<num_tokens>x<first_layer>+<num_layers>", in the target's tokens (0 = its first).
 
-Either may end in "#<digest>,<digest>,...": per region of the consumer rank, the 16-hex-digit xxh3-64 of the
-target's blocks the write carried, whole (end-to-end integrity, `rendezvous.clients.nixl.integrity`).
+Either may end in "#<digest>,<digest>,...": per region of the consumer rank, the 16-hex-digit xxh3-64 of all of
+the target's blocks, in its order (end-to-end integrity, `rendezvous.clients.nixl.integrity`): with a whole entry,
+what the write carried; with a parts entry, the final's, what the parts carried together.
 
 `<version>` is the data-plane version that wrote it (rendezvous.protocol.dataplane); transfer ids hold no
 whitespace and the generation is what follows an entry's last ':', so ids may contain ':' and the untagged form
@@ -49,7 +50,7 @@ class TransferNotification:
     parts: tuple[WrittenPart, ...] | None = None
     """The rectangles this WRITE carried (`num_layers` 0: all of `layers`); None for a whole entry."""
     digests: tuple[int, ...] = ()
-    """Integrity: per region, the xxh3-64 of the target's blocks as written (() when the producer sent none)."""
+    """Integrity: per region, the xxh3-64 of all the target's blocks as written (() when the producer sent none)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,10 @@ or takes longer than `WriterConfig.kv_ready_timeout_s` fails its transfer. At mo
 once one drains. New cells wait for more (the next part or the final) until the compute since the transfer's last
 part pays for a part (`WriterConfig.part_compute_ratio`, `rendezvous.clients.nixl.granularity`). `source_ready` is the
 final: what is left is posted at once, each WRITE with its parts' notification
-(none is sent when nothing is left). Without `progressive` (or when nothing went ahead, or with
-integrity) the generation goes in one write at `source_ready`; into a progressive target its notification names the
-whole target.
+(none is sent when nothing is left). Without `progressive` (or when nothing went ahead) the generation goes in one
+write at `source_ready`; into a progressive target its notification names the whole target. With
+`WriterConfig.integrity` each part's source blocks are hashed once it is posted, the cells that would complete the
+target wait for the final, and the final's notification carries the digests of the whole target.
 
 Outcomes, per transfer (a generation's WRITEs, its parts included, count as one write):
 
@@ -88,7 +89,7 @@ from rendezvous.clients.nixl.errors import (
     TransferFailedError,
 )
 from rendezvous.clients.nixl.granularity import PartCost
-from rendezvous.clients.nixl.integrity import block_digests
+from rendezvous.clients.nixl.integrity import RunningDigests, block_digests
 from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
 from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
@@ -151,9 +152,9 @@ class WriterConfig:
     ~6 parts of a 512-token prompt's 64 layers, ~25 of a 2k one's and ~60 of an 8k one's (benchmarks/RESULTS.md,
     "Adaptive granularity"). 0: every part at once."""
     integrity: bool = False
-    """End-to-end integrity (`rendezvous.clients.nixl.integrity`): send the xxh3 digests of what each whole write
-    carries, per region, for the consumer to check before arrival. Generations then go in one write (no progressive
-    parts). DRAM regions only."""
+    """End-to-end integrity (`rendezvous.clients.nixl.integrity`): send the xxh3 digests of what each generation
+    writes, per region, for the consumer to check before arrival (written in parts: hashed as the parts go, sent
+    with the final, which always carries the cells that complete the target). DRAM regions only."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -276,6 +277,8 @@ class _Progress:
     written: list[WrittenPart] = dataclasses.field(default_factory=list)
     part_at: float = 0.0  # when the engine handed over the part last posted (`_SourcePart.at`)
     cells: dict[str, _Cells] = dataclasses.field(default_factory=dict)  # per whole-block target agent
+    digests: RunningDigests | None = None  # integrity: of the source blocks posted, per region
+    hashed: npt.NDArray[np.int64] | None = None  # integrity: per column, the prefix of the target's blocks hashed
 
 
 @dataclasses.dataclass(eq=False)
@@ -321,7 +324,8 @@ class _Piece:
     covers: tuple[WrittenPart, ...] = ()
     """Written in parts: the rectangles of the target this WRITE carries, in its layers (`_Target.layers`)."""
     digests: tuple[int, ...] = ()
-    """Integrity: per region, the digest of the source blocks of a whole write (`rendezvous.clients.nixl.integrity`)."""
+    """Integrity: per region, the digest of the target's source blocks, sent with its whole write or its final
+    (`rendezvous.clients.nixl.integrity`)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -862,7 +866,7 @@ class TransferWriter:
 
     def _in_parts(self, a: _Assign) -> bool:
         """Whether the assignment may be written in parts (the consumer accepts them, block sizes known)."""
-        return a.progressive and not self._config.integrity and self._layout is not None and len(a.dst) > 0
+        return a.progressive and self._layout is not None and len(a.dst) > 0
 
     def _try_write(self, transfer_id: str, t: _Transfer) -> None:
         a = t.assignment
@@ -887,6 +891,9 @@ class TransferWriter:
             self._post_whole(transfer_id, t, w)
         else:
             w.progress = _Progress(np.zeros(self._columns.count, dtype=np.int64))
+            if self._config.integrity and any(_same_bytes(target) for target in a.targets):
+                w.progress.digests = RunningDigests(self._endpoint.regions)
+                w.progress.hashed = np.zeros(self._columns.count, dtype=np.int64)
             self._prepare_parts(transfer_id, t, w)
             self._post_parts(transfer_id, t, w)
 
@@ -924,7 +931,10 @@ class TransferWriter:
         if grid is None:
             self._settle(transfer_id, t)  # fails the write if its target does not fit the prompt
             return
-        rects = rectangles(progress.posted, grid.ready(computed))
+        ready = grid.ready(computed)
+        if progress.digests is not None and bool((ready >= len(w.assignment.dst)).all()):
+            return  # the cells that complete the target go with the final, which brings the digests
+        rects = rectangles(progress.posted, ready)
         if not rects:
             return
         written = [self._columns.part(r, grid) for r in rects]
@@ -942,6 +952,7 @@ class TransferWriter:
         self._record(progress, rects, written)
         progress.part_at = t.part_at
         self._post(transfer_id, t, w, pieces, parts=True)
+        self._hash(progress, grid, computed.src)
         self._turn[0] += time.thread_time() - start
         self._turn[1] += 1
         self._turn[2] += sum(self._bytes(p) for p in pieces)
@@ -970,6 +981,10 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         self._record(progress, rects, written)
+        if progress.digests is not None:
+            self._hash(progress, grid, src)
+            digests = progress.digests.digests()
+            pieces = [dataclasses.replace(p, digests=digests) if _same_bytes(p.target) else p for p in pieces]
         w.posted_at = time.monotonic()  # `on_written` times what is left once prefill is done
         self._post(transfer_id, t, w, pieces)
 
@@ -1000,6 +1015,19 @@ class TransferWriter:
             except ValueError as e:  # BlockPairingError: the target does not fit the prompt
                 w.error = str(e)
         return progress.grid
+
+    def _hash(self, progress: _Progress, grid: Grid, src: npt.NDArray[np.int64]) -> None:
+        """Integrity: hash the source blocks of the cells posted since the last call, per region in the target's
+        block order (each column's posted cells are a prefix of the target's blocks)."""
+        running, hashed = progress.digests, progress.hashed
+        if running is None or hashed is None:
+            return
+        first = grid.start // grid.producer_block_size
+        for column in np.flatnonzero(progress.posted > hashed).tolist():
+            blocks = src[first + hashed[column] : first + progress.posted[column]]
+            for region in self._columns.regions(column, column + 1):
+                running.extend(region, blocks)
+            hashed[column] = progress.posted[column]
 
     @staticmethod
     def _record(progress: _Progress, rects: list[Rectangle], written: list[WrittenPart]) -> None:

@@ -13,17 +13,17 @@ from typing import Any
 import pytest
 import torch
 
-from rendezvous.clients import AsyncRendezvousClient, TransferState
+from rendezvous.clients import AsyncRendezvousClient, TransferState, WrittenPart
 from rendezvous.clients.nixl.agent import NixlEndpoint, XferStatus
 from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent
-from rendezvous.clients.nixl.integrity import block_digests
-from rendezvous.clients.nixl.notifications import encode_notification
+from rendezvous.clients.nixl.integrity import RunningDigests, block_digests
+from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.regions import regions_from_tensors
 from rendezvous.clients.nixl.writer import WriterConfig
 from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import WAIT, client, server
-from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2
+from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2, landed
 
 __all__ = ["client", "server"]
 
@@ -33,14 +33,16 @@ xxhash = pytest.importorskip("xxhash", reason="integrity needs the nixl extra's 
 
 
 @contextlib.asynccontextmanager
-async def integrity_pair(client: AsyncRendezvousClient, *, producer_checks: bool = True) -> AsyncIterator[Pair]:
+async def integrity_pair(
+    client: AsyncRendezvousClient, *, producer_checks: bool = True, part_compute_ratio: float = 8.0
+) -> AsyncIterator[Pair]:
     """The pair of test_producer_parts with integrity on: the producer sends digests (unless told not to), the
-    consumer requires them."""
+    consumer requires them. `part_compute_ratio` 0: every part goes as soon as it is computed."""
     loop = asyncio.get_running_loop()
     arrived: asyncio.Future[Any] = loop.create_future()
     reported: asyncio.Future[Any] = loop.create_future()
     kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
-    config = WriterConfig(integrity=producer_checks)
+    config = WriterConfig(integrity=producer_checks, part_compute_ratio=part_compute_ratio)
     producer = ProducerAgent(
         client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result, writer_config=config
     )
@@ -65,6 +67,18 @@ def test_digests_are_per_region_over_the_blocks_in_order() -> None:
     assert block_digests(regions, [0, 1, 2]) != want
     with pytest.raises(ValueError, match="outside"):
         block_digests(regions, [3, 4])
+
+
+def test_digests_run_over_blocks_added_in_pieces_as_over_them_at_once() -> None:
+    tensors = [torch.arange(6 * 8, dtype=torch.uint8).reshape(6, 8), torch.arange(6 * 8, dtype=torch.uint8).flip(0)]
+    regions = regions_from_tensors(tensors)
+    running = RunningDigests(regions)
+    running.extend(1, [4])
+    running.extend(0, [4, 0])
+    assert running.digests() != block_digests(regions, [4, 0, 5])  # region 1 holds one block so far
+    running.extend(0, [5])
+    running.extend(1, [0, 5])
+    assert running.digests() == block_digests(regions, [4, 0, 5])
 
 
 async def test_a_checked_transfer_arrives_with_its_bytes(
@@ -148,19 +162,89 @@ async def write(
     endpoint.release(posted)
 
 
-async def test_a_checked_producer_writes_a_progressive_target_whole_and_it_arrives_checked(
+async def test_a_checked_progressive_transfer_goes_in_parts_and_arrives_checked(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Layer 0 goes ahead as a part; layer 1 would complete the target, so it waits for the final, which brings the
+    digests of both layers: the consumer, which requires them, takes the transfer as arrived once they match."""
+    async with integrity_pair(client, part_compute_ratio=0.0) as pair:
+        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        pair.producer.ready_part("t1", [1, 2], 32, (0, 1), prompt_tokens=32)
+        await landed(pair.decode[0][5:7], pair.kv[0][1:3])  # the part went ahead
+        pair.producer.ready_part("t1", [1, 2], 32, (1, 2), prompt_tokens=32)
+        assert not pair.decode[1].any() and not pair.arrived.done()  # the completing layer waits for the final
+        pair.producer.ready("t1", [1, 2])
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        report = await asyncio.wait_for(pair.reported, WAIT)
+        assert report.ok and sorted(report.parts, key=lambda p: p.first_layer) == [
+            WrittenPart(0, 32, 0, 1),
+            WrittenPart(0, 32, 1, 1),
+        ]
+        assert_blocks_5_6_hold_source_1_2(pair)
+
+
+async def test_chunks_are_hashed_as_they_go_and_their_digests_match(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Chunked prefill: each chunk of tokens in every layer is a part (a prefix of the target's blocks per region),
+    hashed as it goes; the digests of the whole target, sent with the final, match what landed."""
+    async with integrity_pair(client, part_compute_ratio=0.0) as pair:
+        assert (await pair.consumer.register_target("t1", [4, 5, 6], num_tokens=48, progressive=True)).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        pair.producer.ready_part("t1", [1], 16, prompt_tokens=48)
+        await landed(pair.decode[1][4:5], pair.kv[1][1:2])
+        pair.producer.ready_part("t1", [1, 2], 32, prompt_tokens=48)
+        await landed(pair.decode[1][4:6], pair.kv[1][1:3])
+        pair.producer.ready_part("t1", [1, 2, 3], 48, prompt_tokens=48)
+        pair.producer.ready("t1", [1, 2, 3])
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        report = await asyncio.wait_for(pair.reported, WAIT)
+        assert report.ok and len(report.parts) == 3
+        for d, k in zip(pair.decode, pair.kv, strict=True):
+            assert torch.equal(d[4:7], k[1:4])
+
+
+async def test_parts_that_tile_the_target_without_digests_fail_a_checking_consumer(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """A hand-driven producer writes both layers as parts that tile the target, with no digests: the consumer,
+    which requires them, fails the transfer instead of taking the parts as arrived."""
+    async with integrity_pair(client) as pair:
+        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+        engine = await client.get_engine("d0")
+        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
+        try:
+            hand.add_peer(engine.agents[0], engine.incarnation)
+            parts = (WrittenPart(0, 32, 0, 1), WrittenPart(0, 32, 1, 1))
+            await write(hand, engine.agents[0].name, encode_parts([PartsEntry("t1", 1, 1, None, parts)]))
+            result = await asyncio.wait_for(pair.arrived, WAIT)
+        finally:
+            hand.close()
+        assert not result.ok and result.reason is AgentReason.CORRUPTED and "sent no checksums" in result.message
+
+
+async def test_parts_whose_final_digests_lie_never_reach_decode(
     server: AsyncTestServer, client: AsyncRendezvousClient
 ) -> None:
     async with integrity_pair(client) as pair:
         assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
         assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
-        for layer in range(2):
-            pair.producer.ready_part("t1", [1, 2], 32, (layer, layer + 1), prompt_tokens=32)
-        pair.producer.ready("t1", [1, 2])
-        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
-        report = await asyncio.wait_for(pair.reported, WAIT)
-        assert report.ok and report.parts == ()  # one write, its digests with it
-        assert_blocks_5_6_hold_source_1_2(pair)
+        engine = await client.get_engine("d0")
+        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
+        try:
+            hand.add_peer(engine.agents[0], engine.incarnation)
+            name = engine.agents[0].name
+            await write(hand, name, encode_parts([PartsEntry("t1", 1, 1, None, (WrittenPart(0, 32, 0, 1),))]))
+            assert not pair.arrived.done()  # one layer of two: not arrived
+            lie = block_digests(regions_from_tensors(pair.kv), [2, 1])  # the digests of other bytes
+            final = PartsEntry("t1", 1, 1, None, (WrittenPart(0, 32, 1, 1),), lie)
+            await write(hand, name, encode_parts([final]))
+            result = await asyncio.wait_for(pair.arrived, WAIT)
+        finally:
+            hand.close()
+        assert not result.ok and result.reason is AgentReason.CORRUPTED and "region 0" in result.message
 
 
 async def test_a_target_of_no_blocks_has_nothing_to_check_and_arrives_on_the_commit(

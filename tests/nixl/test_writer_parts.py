@@ -408,6 +408,7 @@ def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerP
         on_complete_parts=recorder.on_complete_parts,
         on_revoked=recorder.on_revoked,
         on_source_free=recorder.on_source_free,
+        config=WriterConfig(part_compute_ratio=0.0),  # each layer a part, however soon after the last
         layout=p.layout,
     )
     try:
