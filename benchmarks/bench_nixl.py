@@ -18,7 +18,10 @@
   integrity   end-to-end checksums (`--only-integrity`): a TransferWriter's whole write of the buffer in 64 KiB
               blocks, source_ready -> on_complete, with `WriterConfig.integrity` off and on (the producer's
               xxh3 digests), and the consumer's check (`block_digests` over the same blocks) with zlib.crc32 of
-              the same bytes beside it; each as seconds per GiB
+              the same bytes beside it; each as seconds per GiB. Then the same bytes as a progressive write of
+              32 layers x K and V in 16 KiB blocks: all layers but the last handed over as parts and written,
+              then the last layer and source_ready -> on_complete, integrity off and on (what is left for the
+              final once the parts were hashed as they went)
 
 Both sides must poll for a WRITE to complete (see rendezvous.clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
@@ -533,7 +536,65 @@ def integrity(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         "producer_s_per_gib": (on - off) * per_gib,
         "check_s_per_gib": _spread([c * per_gib for c in check]),
         "crc32_s_per_gib": _spread([c * per_gib for c in crc]),
+        **integrity_in_parts(peer, total, reps),
     }
+
+
+INTEGRITY_PART_BLOCK = 16 << 10
+
+
+def integrity_in_parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
+    """A progressive write of `total` bytes (`PART_LAYERS` layers x K and V): every layer but the last handed over
+    as a part, written; then the last layer and `source_ready`, timed to on_complete, with integrity off and on."""
+    num_blocks = total // (POST_REGIONS * INTEGRITY_PART_BLOCK)
+    agent: NixlAgentInfo = peer.call("create", "bench-integrity-parts-dst", INTEGRITY_PART_BLOCK)
+    agent = dataclasses.replace(
+        agent, regions=tuple(layer_regions(agent.regions[0].base_address, INTEGRITY_PART_BLOCK, num_blocks))
+    )
+    buffer = np.random.default_rng(5).integers(0, 256, POST_REGIONS * INTEGRITY_PART_BLOCK * num_blocks, np.uint8)
+    layout = KvLayout("bench", "uint8", POST_TOKENS, PART_LAYERS, kv_layout="HND")
+    prompt, src = num_blocks * POST_TOKENS, np.arange(num_blocks)
+    dst = np.random.default_rng(6).permutation(num_blocks)
+    completed, outcomes = threading.Event(), []
+
+    def on_complete(transfer_id: str, generation: int, ok: bool, error: str | None) -> None:
+        outcomes.append(ok)
+        completed.set()
+
+    finals: dict[str, list[float]] = {}
+    for checked in (False, True):
+        writer = TransferWriter(
+            NixlEndpoint(
+                f"bench-integrity-parts-src-{checked}",
+                layer_regions(buffer.ctypes.data, INTEGRITY_PART_BLOCK, num_blocks),
+            ),
+            on_complete=on_complete,
+            on_revoked=lambda *_: None,
+            on_source_free=lambda *_: None,
+            config=WriterConfig(integrity=checked, max_parts_in_flight=PART_LAYERS, part_compute_ratio=0.0),
+            layout=layout,
+        )
+        samples = []
+        with writer:
+            for i in range(reps + 1):  # the first warms the peer up
+                name = f"p{checked}{i}"
+                writer.assign(name, 1, agent, 1, dst, prompt_tokens=prompt, progressive=True)
+                for layer in range(PART_LAYERS - 1):
+                    writer.source_part(name, src, prompt, (layer, layer + 1))
+                writer.barrier()
+                while writer.parts_in_flight:  # the parts are written (and hashed) before the last layer
+                    time.sleep(0.001)
+                completed.clear()
+                start = time.perf_counter()
+                writer.source_part(name, src, prompt, (PART_LAYERS - 1, PART_LAYERS))
+                writer.source_ready(name, src)
+                if not completed.wait(60):
+                    raise TimeoutError("writer did not complete")
+                samples.append(time.perf_counter() - start)
+        finals["on" if checked else "off"] = samples[1:]
+    if not all(outcomes):
+        raise RuntimeError("a benchmark write failed")
+    return {"parts_final_off_s": _spread(finals["off"]), "parts_final_on_s": _spread(finals["on"])}
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -611,7 +672,8 @@ def main() -> None:
     if args.only_integrity:
         print(f"integrity, a whole write of {args.total_mib} MiB in {INTEGRITY_BLOCK >> 10} KiB blocks, seconds: "
               f"median (min-max) of {args.reps}")  # fmt: skip
-        for key in ("write_off_s", "write_on_s", "check_s_per_gib", "crc32_s_per_gib"):
+        for key in ("write_off_s", "write_on_s", "check_s_per_gib", "crc32_s_per_gib", "parts_final_off_s",
+                    "parts_final_on_s"):  # fmt: skip
             row = checksums[key]
             print(f"{key:>22}: {row['median']:.4f} ({row['min']:.4f}-{row['max']:.4f})")
         print(f"{'producer_s_per_gib':>22}: {checksums['producer_s_per_gib']:.4f}")
