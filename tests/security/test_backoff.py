@@ -197,6 +197,31 @@ async def test_on_a_server_a_caller_backs_off_unread_after_a_large_invalid_reque
         assert (await stub.GetStatus(pb.GetStatusRequest(), metadata=router, timeout=30)).header.server_id
 
 
+async def test_while_a_method_is_read_unread_first_a_call_without_a_request_message_is_invalid(
+    frozen: RendezvousServer,
+) -> None:
+    """While the engine backs off from GetStatus, that method is served as request-streaming (so that a caller is
+    identified before its request is read): a call of another identity that sends no request message gets
+    MESSAGE_INVALID, not a crash or a hang; one that sends two is served the first (the rest is never read, so a
+    caller that never half-closes holds nothing), and the service goes on serving."""
+    engine, router = bearer(ENGINE), bearer(ROUTER)
+    path = "/rendezvous.v1.RendezvousService/GetStatus"
+    async with grpc.aio.insecure_channel(frozen.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary(path)(b"\xff" * 2_000, metadata=engine, timeout=30)
+        assert from_rpc_error(err.value).reason == "MESSAGE_INVALID"  # the engine now backs off from GetStatus
+        streamed = channel.stream_unary(path, response_deserializer=pb.GetStatusResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await streamed(iter([]), metadata=router, timeout=30)
+        refused = from_rpc_error(err.value)
+        assert (refused.code, refused.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "MESSAGE_INVALID")
+        assert "got no request message" in refused.message
+        empty = pb.GetStatusRequest().SerializeToString()
+        assert (await streamed(iter([empty, b"\xff" * 10]), metadata=router, timeout=30)).header.server_id
+        stub = pb_grpc.RendezvousServiceStub(channel)
+        assert (await stub.GetStatus(pb.GetStatusRequest(), metadata=router, timeout=30)).header.server_id
+
+
 async def test_on_a_server_a_large_request_that_does_not_parse_starts_a_back_off_too(
     frozen: RendezvousServer,
 ) -> None:
