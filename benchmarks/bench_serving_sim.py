@@ -118,6 +118,8 @@ class Sim:
     progressive: str = "layer"
     """How push-progressive hands the KV over: "layer" or "chunk"."""
     chunk_tokens: int = 512
+    part_compute_ratio: float | None = None
+    """The producer writer's `WriterConfig.part_compute_ratio` (adaptive granularity of parts); None: its default."""
     verify: str = "ends"
     """What the consumer checks: every byte ("bytes"), each head's first and last 8 bytes ("ends"), or "off"."""
     with_pull: bool = True
@@ -297,8 +299,10 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     from rendezvous.clients import AsyncRendezvousClient, TransferMode
     from rendezvous.clients.nixl.producer import ProducerAgent
     from rendezvous.clients.nixl.rank import start_ranks
+    from rendezvous.clients.nixl.writer import WriterConfig
 
     ranks = sim.producer_ranks
+    ratio = {} if sim.part_compute_ratio is None else {"part_compute_ratio": sim.part_compute_ratio}
     free = list(range(sim.pool_blocks))
     work: asyncio.Queue[tuple[str, int, int, str]] = asyncio.Queue()
     writes: dict[str, list[tuple[float, int]]] = {}  # each rank's WRITE duration and parts, until all reported
@@ -334,6 +338,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
             layout=sim.layout(ranks),
             serve_reads=sim.pull and sim.with_pull,
             on_report=on_report,
+            writer_config=WriterConfig(**ratio),
         )
         for rank, client in enumerate(clients)
     ]
@@ -773,6 +778,11 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--chunk-tokens", type=int, default=512, help="push-progressive --progressive chunk")
     parser.add_argument(
+        "--part-compute-ratio",
+        type=float,
+        help="push-progressive: the writer's WriterConfig.part_compute_ratio (default: its default; 0: every part)",
+    )
+    parser.add_argument(
         "--verify", choices=("ends", "bytes", "off"), default="ends", help="what the consumer checks of each request"
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3-32b", help="KV bytes per token")
@@ -822,6 +832,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 layers=layers,
                 progressive=args.progressive,
                 chunk_tokens=args.chunk_tokens,
+                part_compute_ratio=args.part_compute_ratio,
                 verify=args.verify,
                 with_pull=PULL in args.modes,
             )

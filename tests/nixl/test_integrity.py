@@ -29,6 +29,9 @@ __all__ = ["client", "server"]
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(60)]
 
+PROGRESSIVE: dict[str, Any] = {"num_tokens": 32, "progressive": True}
+"""RegisterTarget's options for a target of blocks 5 and 6 that accepts parts."""
+
 xxhash = pytest.importorskip("xxhash", reason="integrity needs the nixl extra's xxhash")
 
 
@@ -57,6 +60,23 @@ async def integrity_pair(
     finally:
         await producer.close()
         await consumer.close()
+
+
+@contextlib.asynccontextmanager
+async def hand_writer(
+    client: AsyncRendezvousClient, pair: Pair, **target: Any
+) -> AsyncIterator[tuple[NixlEndpoint, str]]:
+    """Target "t1" (blocks 5 and 6 of d0, `target` as RegisterTarget's options) matched with p0, and a hand-driven
+    NIXL endpoint over p0's KV with d0's agent as its peer: (the endpoint, the peer's name)."""
+    assert (await pair.consumer.register_target("t1", [5, 6], **target)).ok
+    assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
+    engine = await client.get_engine("d0")
+    hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
+    try:
+        hand.add_peer(engine.agents[0], engine.incarnation)
+        yield hand, engine.agents[0].name
+    finally:
+        hand.close()
 
 
 def test_digests_are_per_region_over_the_blocks_in_order() -> None:
@@ -109,23 +129,14 @@ async def test_bytes_corrupted_after_they_landed_fail_the_transfer_on_both_sides
     """A hand-driven NIXL endpoint writes the blocks without a notification; a byte of the consumer's block
     then changes; the notification with the true digests comes last. The consumer fails the transfer and aborts
     it at the service, whose record (what the producer is told) names the region."""
-    async with integrity_pair(client) as pair:
-        consumer = pair.consumer
-        assert (await consumer.register_target("t1", [5, 6])).ok
-        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
-        engine = await client.get_engine("d0")
-        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
-        try:
-            hand.add_peer(engine.agents[0], engine.incarnation)
-            await write(hand, engine.agents[0].name, b"")
-            assert torch.equal(pair.decode[1][5:7], pair.kv[1][1:3])  # landed
-            pair.decode[1][6, 100] ^= 0xFF
-            digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
-            # The notification goes with a block outside the target, so the corrupted one stays as it is.
-            await write(hand, engine.agents[0].name, encode_notification("t1", 1, digests=digests), (0,), (0,))
-            result = await asyncio.wait_for(pair.arrived, WAIT)
-        finally:
-            hand.close()
+    async with integrity_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        await write(hand, peer, b"")
+        assert torch.equal(pair.decode[1][5:7], pair.kv[1][1:3])  # landed
+        pair.decode[1][6, 100] ^= 0xFF
+        digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
+        # The notification goes with a block outside the target, so the corrupted one stays as it is.
+        await write(hand, peer, encode_notification("t1", 1, digests=digests), (0,), (0,))
+        result = await asyncio.wait_for(pair.arrived, WAIT)
         assert not result.ok and result.reason is AgentReason.CORRUPTED
         assert "integrity check failed: region 1 of the 2 blocks from block 5" in result.message
         info = await client.get_transfer("t1")
@@ -135,18 +146,10 @@ async def test_bytes_corrupted_after_they_landed_fail_the_transfer_on_both_sides
 async def test_a_producer_that_lies_never_reaches_decode(
     server: AsyncTestServer, client: AsyncRendezvousClient
 ) -> None:
-    async with integrity_pair(client) as pair:
-        assert (await pair.consumer.register_target("t1", [5, 6])).ok
-        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
-        engine = await client.get_engine("d0")
-        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
-        try:
-            hand.add_peer(engine.agents[0], engine.incarnation)
-            lie = block_digests(regions_from_tensors(pair.kv), [2, 1])  # the digests of other bytes
-            await write(hand, engine.agents[0].name, encode_notification("t1", 1, digests=lie))
-            result = await asyncio.wait_for(pair.arrived, WAIT)
-        finally:
-            hand.close()
+    async with integrity_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        lie = block_digests(regions_from_tensors(pair.kv), [2, 1])  # the digests of other bytes
+        await write(hand, peer, encode_notification("t1", 1, digests=lie))
+        result = await asyncio.wait_for(pair.arrived, WAIT)
         assert not result.ok and result.reason is AgentReason.CORRUPTED and "region 0" in result.message
 
 
@@ -168,7 +171,7 @@ async def test_a_checked_progressive_transfer_goes_in_parts_and_arrives_checked(
     """Layer 0 goes ahead as a part; layer 1 would complete the target, so it waits for the final, which brings the
     digests of both layers: the consumer, which requires them, takes the transfer as arrived once they match."""
     async with integrity_pair(client, part_compute_ratio=0.0) as pair:
-        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
+        assert (await pair.consumer.register_target("t1", [5, 6], **PROGRESSIVE)).ok
         assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
         pair.producer.ready_part("t1", [1, 2], 32, (0, 1), prompt_tokens=32)
         await landed(pair.decode[0][5:7], pair.kv[0][1:3])  # the part went ahead
@@ -210,40 +213,22 @@ async def test_parts_that_tile_the_target_without_digests_fail_a_checking_consum
 ) -> None:
     """A hand-driven producer writes both layers as parts that tile the target, with no digests: the consumer,
     which requires them, fails the transfer instead of taking the parts as arrived."""
-    async with integrity_pair(client) as pair:
-        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
-        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
-        engine = await client.get_engine("d0")
-        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
-        try:
-            hand.add_peer(engine.agents[0], engine.incarnation)
-            parts = (WrittenPart(0, 32, 0, 1), WrittenPart(0, 32, 1, 1))
-            await write(hand, engine.agents[0].name, encode_parts([PartsEntry("t1", 1, 1, None, parts)]))
-            result = await asyncio.wait_for(pair.arrived, WAIT)
-        finally:
-            hand.close()
+    async with integrity_pair(client) as pair, hand_writer(client, pair, **PROGRESSIVE) as (hand, peer):
+        parts = (WrittenPart(0, 32, 0, 1), WrittenPart(0, 32, 1, 1))
+        await write(hand, peer, encode_parts([PartsEntry("t1", 1, 1, None, parts)]))
+        result = await asyncio.wait_for(pair.arrived, WAIT)
         assert not result.ok and result.reason is AgentReason.CORRUPTED and "sent no checksums" in result.message
 
 
 async def test_parts_whose_final_digests_lie_never_reach_decode(
     server: AsyncTestServer, client: AsyncRendezvousClient
 ) -> None:
-    async with integrity_pair(client) as pair:
-        assert (await pair.consumer.register_target("t1", [5, 6], num_tokens=32, progressive=True)).ok
-        assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
-        engine = await client.get_engine("d0")
-        hand = NixlEndpoint.from_tensors("hand-writer", pair.kv)
-        try:
-            hand.add_peer(engine.agents[0], engine.incarnation)
-            name = engine.agents[0].name
-            await write(hand, name, encode_parts([PartsEntry("t1", 1, 1, None, (WrittenPart(0, 32, 0, 1),))]))
-            assert not pair.arrived.done()  # one layer of two: not arrived
-            lie = block_digests(regions_from_tensors(pair.kv), [2, 1])  # the digests of other bytes
-            final = PartsEntry("t1", 1, 1, None, (WrittenPart(0, 32, 1, 1),), lie)
-            await write(hand, name, encode_parts([final]))
-            result = await asyncio.wait_for(pair.arrived, WAIT)
-        finally:
-            hand.close()
+    async with integrity_pair(client) as pair, hand_writer(client, pair, **PROGRESSIVE) as (hand, peer):
+        await write(hand, peer, encode_parts([PartsEntry("t1", 1, 1, None, (WrittenPart(0, 32, 0, 1),))]))
+        assert not pair.arrived.done()  # one layer of two: not arrived
+        lie = block_digests(regions_from_tensors(pair.kv), [2, 1])  # the digests of other bytes
+        await write(hand, peer, encode_parts([PartsEntry("t1", 1, 1, None, (WrittenPart(0, 32, 1, 1),), lie)]))
+        result = await asyncio.wait_for(pair.arrived, WAIT)
         assert not result.ok and result.reason is AgentReason.CORRUPTED and "region 0" in result.message
 
 
