@@ -302,7 +302,8 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
     from rendezvous.clients.nixl.writer import WriterConfig
 
     ranks = sim.producer_ranks
-    ratio = {} if sim.part_compute_ratio is None else {"part_compute_ratio": sim.part_compute_ratio}
+    ratio = sim.part_compute_ratio
+    config = WriterConfig() if ratio is None else WriterConfig(part_compute_ratio=ratio)
     free = list(range(sim.pool_blocks))
     work: asyncio.Queue[tuple[str, int, int, str]] = asyncio.Queue()
     writes: dict[str, list[tuple[float, int]]] = {}  # each rank's WRITE duration and parts, until all reported
@@ -338,7 +339,7 @@ async def _producer(address: str, sim: Sim, commands: Any, reports: Any) -> None
             layout=sim.layout(ranks),
             serve_reads=sim.pull and sim.with_pull,
             on_report=on_report,
-            writer_config=WriterConfig(**ratio),
+            writer_config=config,
         )
         for rank, client in enumerate(clients)
     ]
