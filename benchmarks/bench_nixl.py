@@ -21,7 +21,8 @@
               the same bytes beside it; each as seconds per GiB. Then the same bytes as a progressive write of
               32 layers x K and V in 16 KiB blocks: all layers but the last handed over as parts and written,
               then the last layer and source_ready -> on_complete, integrity off and on (what is left for the
-              final once the parts were hashed as they went)
+              final once the parts were hashed as they went), and the consumer's check at arrival: the whole
+              target hashed then, or only the last layer (`LandedDigests`, the others hashed as they landed)
 
 Both sides must poll for a WRITE to complete (see rendezvous.clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
@@ -58,11 +59,12 @@ from rendezvous.clients.nixl import (
     WriterConfig,
     XferStatus,
 )
-from rendezvous.clients.nixl.integrity import block_digests
+from rendezvous.clients.nixl.integrity import LandedDigests, block_digests
 from rendezvous.clients.nixl.plan import RankGeometry, plan_write
 from rendezvous.clients.nixl.polling import Backoff, PollConfig
+from rendezvous.protocol import kvmap
 from rendezvous.protocol.kvmap import RankShare
-from rendezvous.protocol.records import KvLayout
+from rendezvous.protocol.records import KvLayout, WrittenPart
 
 RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
@@ -594,7 +596,29 @@ def integrity_in_parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         finals["on" if checked else "off"] = samples[1:]
     if not all(outcomes):
         raise RuntimeError("a benchmark write failed")
-    return {"parts_final_off_s": _spread(finals["off"]), "parts_final_on_s": _spread(finals["on"])}
+    # The consumer's check at arrival: all of the target hashed then, or only what the last layer's part carried
+    # (LandedDigests hashed the others as they landed), on these regions, in this thread.
+    regions = layer_regions(buffer.ctypes.data, INTEGRITY_PART_BLOCK, num_blocks)
+    shape = kvmap.rank_shape(layout, NixlAgentInfo("bench", b"", regions=tuple(regions)))
+    whole, rest = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        block_digests(regions, dst)
+        whole.append(time.perf_counter() - start)
+        landed = LandedDigests.of(regions, shape, dst.tolist(), POST_TOKENS, prompt)
+        assert landed is not None
+        for layer in range(PART_LAYERS - 1):
+            landed.hash(landed.land(WrittenPart(0, prompt, layer, 1), range(PART_LAYERS)))
+        start = time.perf_counter()
+        landed.hash(landed.rest())
+        landed.digests()
+        rest.append(time.perf_counter() - start)
+    return {
+        "parts_final_off_s": _spread(finals["off"]),
+        "parts_final_on_s": _spread(finals["on"]),
+        "check_at_arrival_whole_s": _spread(whole),
+        "check_at_arrival_landed_s": _spread(rest),
+    }
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -673,7 +697,7 @@ def main() -> None:
         print(f"integrity, a whole write of {args.total_mib} MiB in {INTEGRITY_BLOCK >> 10} KiB blocks, seconds: "
               f"median (min-max) of {args.reps}")  # fmt: skip
         for key in ("write_off_s", "write_on_s", "check_s_per_gib", "crc32_s_per_gib", "parts_final_off_s",
-                    "parts_final_on_s"):  # fmt: skip
+                    "parts_final_on_s", "check_at_arrival_whole_s", "check_at_arrival_landed_s"):  # fmt: skip
             row = checksums[key]
             print(f"{key:>22}: {row['median']:.4f} ({row['min']:.4f}-{row['max']:.4f})")
         print(f"{'producer_s_per_gib':>22}: {checksums['producer_s_per_gib']:.4f}")

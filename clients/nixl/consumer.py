@@ -72,7 +72,7 @@ from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.agent import NixlEndpoint
 from rendezvous.clients.nixl.arrival import PartsArrival
 from rendezvous.clients.nixl.batching import Batcher
-from rendezvous.clients.nixl.integrity import block_digests
+from rendezvous.clients.nixl.integrity import HashJob, LandedDigests, block_digests
 from rendezvous.clients.nixl.notifications import TransferNotification
 from rendezvous.clients.nixl.polling import PollConfig
 from rendezvous.clients.nixl.producer import agent_for_rank
@@ -142,6 +142,8 @@ class _Target:
     checking: bool = False  # the digests are being checked: neither a notification nor the commit is arrival
     committed: bool = False  # TRANSFER_COMMITTED came while checking
     corrupted: str = ""  # the check failed: why
+    landed: LandedDigests | None = None  # integrity, in parts: its blocks hashed as the parts land
+    hashing: asyncio.Task[None] | None = None  # the last of `landed`'s hash jobs handed to a thread, in order
 
 
 class _Closed:
@@ -198,6 +200,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._after_read: dict[tuple[str, int], TransferResult] = {}
         self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations, digest checks
         self._regions: tuple[KvRegion, ...] = ()  # this rank's, once open (digest checks read them)
+        self._shape: kvmap.RankShape | None = None  # this rank's, once open (where each layer's regions are)
         self._early_commits: OrderedDict[str, int] = OrderedDict()  # following ranks: commits heard before expected
         self._registrations: Batcher[TargetSpec] | None = None
         self._completions: Batcher[CompletionSpec] | None = None
@@ -221,7 +224,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             raise ValueError("integrity checks read host memory: DRAM regions only")
         self._regions = agent.regions if agent.memory_kind is MemoryKind.DRAM else ()
         try:  # regions not grouped by layer hold every layer, as one
-            self._held = kvmap.rank_shape(self.layout, agent).layers or range(self.layout.num_layers)
+            self._shape = kvmap.rank_shape(self.layout, agent)
+            self._held = self._shape.layers or range(self.layout.num_layers)
         except kvmap.ShapeError:  # the service refuses such a layout at registration
             self._held = range(self.layout.num_layers)
         return agent
@@ -323,7 +327,11 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     def _target(self, spec: TargetSpec) -> _Target:
         parts = PartsArrival(spec.num_tokens, self._held) if spec.progressive else None
-        return _Target(spec.generation, tuple(spec.block_ids), TransferMode(spec.mode), parts)
+        target = _Target(spec.generation, tuple(spec.block_ids), TransferMode(spec.mode), parts)
+        if parts is not None and self._integrity and self._shape is not None:  # else hashed at arrival
+            bs = self.layout.block_size
+            target.landed = LandedDigests.of(self._regions, self._shape, target.block_ids, bs, spec.num_tokens)
+        return target
 
     async def _submit_target(self, spec: TargetSpec) -> ItemResult:
         """Send the registration. A call that failed in transit (`_IN_DOUBT`) may still have been applied, and a
@@ -564,6 +572,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         assert parts is not None
         if target.arrived or parts.disputed is not None:
             return
+        if target.landed is not None:  # before `add`: its arrival's check hashes what is left after these
+            share = n.layers or self._held
+            jobs = [job for part in n.parts or () for job in target.landed.land(part, share)]
+            self._hash_landed(target, target.landed, jobs)
         if parts.add(n):
             self._arrive(n.transfer_id, target, arrived, "parts")
         elif parts.disputed is not None:
@@ -586,6 +598,35 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
+    def _hash_landed(self, target: _Target, landed: LandedDigests, jobs: list[HashJob]) -> None:
+        """Hash `jobs` in a thread once the target's earlier jobs are done (one region's blocks go in order)."""
+        if not jobs:
+            return
+        previous = target.hashing
+
+        async def run() -> None:
+            if previous is not None:
+                await previous
+            await asyncio.to_thread(landed.hash, jobs)
+
+        task = target.hashing = asyncio.create_task(run())
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _target_digests(self, target: _Target) -> tuple[int, ...]:
+        """The digests of the target's blocks: what was hashed as its parts landed and the rest, or all of it at
+        once (not written in parts, its parts disputed or a hash of them failed)."""
+        landed = target.landed
+        if landed is not None and target.parts is not None and target.parts.disputed is None:
+            self._hash_landed(target, landed, landed.rest())
+            try:
+                if target.hashing is not None:
+                    await target.hashing
+                return landed.digests()
+            except ValueError as e:  # a block outside the regions: hashed again, the whole target
+                logger.warning("hashing a target's parts as they landed failed: %s", e)
+        return await asyncio.to_thread(block_digests, self._regions, target.block_ids)
+
     async def _check_digests(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
         """Compare the target's blocks with the producer's digests (off the loop); ok if they match, else fail
         the transfer (`AgentReason.CORRUPTED`), aborting it at the service so that the producer hears why."""
@@ -594,7 +635,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         elif len(self._regions) != len(target.digests):
             why = f"{len(target.digests)} digests for {len(self._regions)} host-memory regions here: cannot check"
         else:
-            got: tuple[int, ...] = await asyncio.to_thread(block_digests, self._regions, target.block_ids)
+            got = await self._target_digests(target)
             bad = next((r for r, (a, b) in enumerate(zip(got, target.digests, strict=True)) if a != b), None)
             why = "" if bad is None else (
                 f"integrity check failed: region {bad} of the {len(target.block_ids)} blocks from block "

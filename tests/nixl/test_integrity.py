@@ -13,15 +13,17 @@ from typing import Any
 import pytest
 import torch
 
-from rendezvous.clients import AsyncRendezvousClient, TransferState, WrittenPart
+from rendezvous.clients import AsyncRendezvousClient, KvLayout, NixlAgentInfo, TransferState, WrittenPart
 from rendezvous.clients.nixl.agent import NixlEndpoint, XferStatus
 from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent
-from rendezvous.clients.nixl.integrity import RunningDigests, block_digests
+from rendezvous.clients.nixl.integrity import LandedDigests, RunningDigests, block_digests
 from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.regions import regions_from_tensors
 from rendezvous.clients.nixl.writer import WriterConfig
 from rendezvous.clients.testing import AsyncTestServer
+from rendezvous.protocol import kvmap
+from rendezvous.protocol.records import KvRegion
 from tests.clients.conftest import WAIT, client, server
 from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2, landed
 
@@ -99,6 +101,53 @@ def test_digests_run_over_blocks_added_in_pieces_as_over_them_at_once() -> None:
     running.extend(0, [5])
     running.extend(1, [0, 5])
     assert running.digests() == block_digests(regions, [4, 0, 5])
+
+
+def landed_digests(tokens: int = 40) -> tuple[LandedDigests, list[KvRegion], list[int], list[torch.Tensor]]:
+    """A rank of layers 2 and 3 (K and V each: 4 regions of 8 blocks of 16 tokens) and a target of `tokens` in
+    blocks 6, 1 and 4: (its LandedDigests, the regions, the blocks, the tensors, which the caller keeps alive while
+    it reads the regions)."""
+    layout = KvLayout("m", "uint8", 16, 4, pp_size=2, kv_layout="HND", num_kv_heads=1)
+    tensors = [
+        torch.randint(0, 256, (8, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(r)) for r in range(4)
+    ]
+    regions = regions_from_tensors(tensors)
+    agent = NixlAgentInfo("d", b"", regions=tuple(regions), rank=1, first_layer=2, num_layers=2)
+    blocks = [6, 1, 4]
+    hashing = LandedDigests.of(regions, kvmap.rank_shape(layout, agent), blocks, 16, tokens)
+    assert hashing is not None
+    return hashing, regions, blocks, tensors
+
+
+def test_landed_parts_are_hashed_per_region_once_their_blocks_are_whole() -> None:
+    hashing, regions, blocks, _tensors = landed_digests()
+    share = range(2, 4)
+    assert hashing.land(WrittenPart(0, 20, 3, 1), share) == [(2, [6]), (3, [6])]  # layer 3: block 0 whole
+    assert hashing.land(WrittenPart(32, 8, 3, 1), share) == []  # beyond what is whole from the first token
+    assert hashing.land(WrittenPart(20, 12, 3, 1), share) == [(2, [1, 4]), (3, [1, 4])]  # 0-40: all, the last partial
+    assert hashing.land(WrittenPart(0, 8, 0, 0), share) == []  # layer 2: half a block
+    jobs = hashing.land(WrittenPart(8, 16, 0, 0), share)  # all layers: 8-24 makes 0-24, block 0 of layer 2
+    assert jobs == [(0, [6]), (1, [6])]
+    hashing.hash([(2, [6]), (3, [6]), (2, [1, 4]), (3, [1, 4]), *jobs])
+    rest = hashing.rest()
+    assert rest == [(0, [1, 4]), (1, [1, 4])] and hashing.rest() == []
+    hashing.hash(rest)
+    assert hashing.digests() == block_digests(regions, blocks)
+
+
+def test_landed_digests_need_regions_by_layer_and_blocks_that_hold_the_target() -> None:
+    _, regions, blocks, _ = landed_digests()
+    shape = kvmap.rank_shape(
+        KvLayout("m", "uint8", 16, 4, kv_layout="HND"), NixlAgentInfo("d", b"", regions=tuple(regions))
+    )
+    assert LandedDigests.of(regions, shape, blocks, 16, 40) is not None
+    assert LandedDigests.of(regions, shape, blocks, 16, 48) is not None
+    assert LandedDigests.of(regions, shape, blocks, 16, 49) is None  # 4 blocks' worth of tokens in 3
+    assert LandedDigests.of(regions, shape, blocks, 16, 32) is None
+    ungrouped = kvmap.rank_shape(
+        KvLayout("m", "uint8", 16, 3, kv_layout="HND"), NixlAgentInfo("d", b"", regions=tuple(regions))
+    )
+    assert LandedDigests.of(regions, ungrouped, blocks, 16, 40) is None  # 4 regions for 3 layers: one group
 
 
 async def test_a_checked_transfer_arrives_with_its_bytes(
