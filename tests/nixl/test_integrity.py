@@ -279,6 +279,8 @@ async def test_parts_whose_final_digests_lie_never_reach_decode(
         await write(hand, peer, encode_parts([PartsEntry("t1", 1, 1, None, (WrittenPart(0, 32, 1, 1),), lie)]))
         result = await asyncio.wait_for(pair.arrived, WAIT)
         assert not result.ok and result.reason is AgentReason.CORRUPTED and "region 0" in result.message
+        info = await client.get_transfer("t1")  # what the producer is told
+        assert info.state is TransferState.ABORTED and "integrity check failed: region 0" in info.abort_message
 
 
 async def test_a_target_of_no_blocks_has_nothing_to_check_and_arrives_on_the_commit(
