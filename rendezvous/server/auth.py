@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -179,6 +179,11 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._metrics.rejected.labels(err.reason).inc()
         await context.abort_with_status(rpc_status.to_status(convert.error_status(err)))
 
+    async def _refuse_call(self, method: str, context: grpc.aio.ServicerContext, err: RendezvousError) -> NoReturn:
+        """Refuse a unary call: `abort_with_status` raises, so this never returns."""
+        await self._refuse(method, context, err)
+        raise AssertionError("unreachable: abort_with_status raises")
+
     def _identify(self, context: grpc.aio.ServicerContext) -> Identity | None:
         if self._policy is None:
             return None
@@ -298,8 +303,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             try:
                 caller = self._identify_caller(method, context, len(raw))
             except Exception as exc:
-                await self._refuse(method, context, as_error(exc, method))
-                raise AssertionError("unreachable: abort_with_status raises") from None
+                await self._refuse_call(method, context, as_error(exc, method))
             return await read(caller, raw, context)
 
         async def unread_first(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
@@ -307,24 +311,21 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 caller = self._identify_caller(method, context, 0)
                 await self._wait_out_backoff(caller.key, method)
             except Exception as exc:
-                await self._refuse(method, context, as_error(exc, method))
-                raise AssertionError("unreachable: abort_with_status raises") from None
+                await self._refuse_call(method, context, as_error(exc, method))
             raw = await context.read()
             try:
                 if not isinstance(raw, bytes):  # grpc.aio.EOF: a unary call sent no request
                     raise RendezvousError(Reason.MESSAGE_INVALID, f"{method} got no request message")
                 self._quotas.admit_rest(caller.key, len(raw))
             except Exception as exc:
-                await self._refuse(method, context, as_error(exc, method))
-                raise AssertionError("unreachable: abort_with_status raises") from None
+                await self._refuse_call(method, context, as_error(exc, method))
             return await read(caller, raw, context)
 
         async def read(caller: _Admitted, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             try:
                 self._backoff.check(caller.key, len(raw))
             except Exception as exc:
-                await self._refuse(method, context, as_error(exc, method))
-                raise AssertionError("unreachable: abort_with_status raises") from None
+                await self._refuse_call(method, context, as_error(exc, method))
             try:
                 async with self._turns.turn(caller.key, len(raw)):
                     began = time.perf_counter()
@@ -339,8 +340,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except grpc.aio.AbortError:
                 raise  # answered already (by the service, or refused by _serve)
             except Exception as exc:  # refused for its turn (before its request was parsed), unparsable, or a bug
-                await self._refuse(method, context, as_error(exc, method))
-                raise AssertionError("unreachable: abort_with_status raises") from None
+                await self._refuse_call(method, context, as_error(exc, method))
 
         return checked, unread_first
 
@@ -362,8 +362,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await self._authorize_call(method, caller, request)
             self._quotas.enter(caller.key)
         except Exception as exc:
-            await self._refuse(method, context, as_error(exc, method, getattr(request, "request_id", "")))
-            raise AssertionError("unreachable: abort_with_status raises") from None
+            await self._refuse_call(method, context, as_error(exc, method, getattr(request, "request_id", "")))
         try:
             return await behavior(request, context, _rights(caller.identity))
         finally:
