@@ -22,7 +22,10 @@
               32 layers x K and V in 16 KiB blocks: all layers but the last handed over as parts and written,
               then the last layer and source_ready -> on_complete, integrity off and on (what is left for the
               final once the parts were hashed as they went), and the consumer's check at arrival: the whole
-              target hashed then, or only the last layer (`LandedDigests`, the others hashed as they landed)
+              target hashed then, or only the last layer (`LandedDigests`, the others hashed as they landed).
+              Last, scoped digests (hetero layouts) of half the heads of the same 64 KiB blocks (8 heads x 16
+              tokens x 512 B), a consumer's `scope_digests` (its plan and the hash), HND (one range per block)
+              and NHD (one per token), as seconds per GiB hashed
 
 Both sides must poll for a WRITE to complete (see rendezvous.clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
@@ -59,7 +62,8 @@ from rendezvous.clients.nixl import (
     WriterConfig,
     XferStatus,
 )
-from rendezvous.clients.nixl.integrity import LandedDigests, block_digests
+from rendezvous.clients.nixl.integrity import LandedDigests, block_digests, scope_digests
+from rendezvous.clients.nixl.notifications import DigestScope
 from rendezvous.clients.nixl.plan import RankGeometry, plan_write
 from rendezvous.clients.nixl.polling import Backoff, PollConfig
 from rendezvous.protocol import kvmap
@@ -539,7 +543,27 @@ def integrity(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         "check_s_per_gib": _spread([c * per_gib for c in check]),
         "crc32_s_per_gib": _spread([c * per_gib for c in crc]),
         **integrity_in_parts(peer, total, reps),
+        **{f"scoped_{layout.lower()}_s_per_gib": scoped_check(buffer, layout, reps) for layout in ("HND", "NHD")},
     }
+
+
+SCOPED_HEADS, SCOPED_TOKENS = 8, 16
+"""The blocks of `scoped_check`: 8 heads x 16 tokens x 512 B (one token of one head: 128 x fp32) = 64 KiB."""
+
+
+def scoped_check(buffer: np.ndarray[Any, Any], kv_layout: str, reps: int) -> dict[str, float]:
+    """A consumer's check of scoped digests (`scope_digests`: its plan and the hash) of half the heads of every
+    block of `buffer`, per GiB hashed: median (min-max) of `reps`."""
+    regions = one_region(buffer, INTEGRITY_BLOCK)
+    geometry = RankGeometry(regions, SCOPED_HEADS, SCOPED_TOKENS)
+    blocks = list(range(regions[0].num_blocks))
+    scope = DigestScope(range(0, 1), 0, SCOPED_HEADS // 2, len(blocks) * SCOPED_TOKENS)
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        scope_digests(geometry, kv_layout, scope, blocks)
+        samples.append(time.perf_counter() - start)
+    return _spread([s * (1 << 30) / (buffer.nbytes / 2) for s in samples])
 
 
 INTEGRITY_PART_BLOCK = 16 << 10
@@ -697,7 +721,8 @@ def main() -> None:
         print(f"integrity, a whole write of {args.total_mib} MiB in {INTEGRITY_BLOCK >> 10} KiB blocks, seconds: "
               f"median (min-max) of {args.reps}")  # fmt: skip
         for key in ("write_off_s", "write_on_s", "check_s_per_gib", "crc32_s_per_gib", "parts_final_off_s",
-                    "parts_final_on_s", "check_at_arrival_whole_s", "check_at_arrival_landed_s"):  # fmt: skip
+                    "parts_final_on_s", "check_at_arrival_whole_s", "check_at_arrival_landed_s",
+                    "scoped_hnd_s_per_gib", "scoped_nhd_s_per_gib"):  # fmt: skip
             row = checksums[key]
             print(f"{key:>22}: {row['median']:.4f} ({row['min']:.4f}-{row['max']:.4f})")
         print(f"{'producer_s_per_gib':>22}: {checksums['producer_s_per_gib']:.4f}")

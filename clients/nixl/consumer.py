@@ -72,8 +72,9 @@ from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.agent import NixlEndpoint
 from rendezvous.clients.nixl.arrival import PartsArrival
 from rendezvous.clients.nixl.batching import Batcher
-from rendezvous.clients.nixl.integrity import HashJob, LandedDigests, block_digests
-from rendezvous.clients.nixl.notifications import TransferNotification
+from rendezvous.clients.nixl.integrity import HashJob, LandedDigests, block_digests, scope_digests, scope_gaps
+from rendezvous.clients.nixl.notifications import DigestScope, TransferNotification
+from rendezvous.clients.nixl.plan import RankGeometry
 from rendezvous.clients.nixl.polling import PollConfig
 from rendezvous.clients.nixl.producer import agent_for_rank
 from rendezvous.clients.nixl.rank import RankAgent, RankOptions
@@ -138,7 +139,10 @@ class _Target:
     parts: PartsArrival | None = None  # progressive: arrives once its part notifications tile it (or on the commit)
     arrived: bool = False
     senders: set[str] = dataclasses.field(default_factory=set)  # producer agents whose notification came
+    tokens: int = 0  # the target's tokens, when its registration said
     digests: tuple[int, ...] = ()  # integrity: what the producer says its blocks hold, checked before arrival
+    scoped: dict[str, tuple[DigestScope, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    """Integrity: per sender that wrote only some of the target's bytes, what its digests cover and them."""
     checking: bool = False  # the digests are being checked: neither a notification nor the commit is arrival
     committed: bool = False  # TRANSFER_COMMITTED came while checking
     corrupted: str = ""  # the check failed: why
@@ -327,7 +331,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     def _target(self, spec: TargetSpec) -> _Target:
         parts = PartsArrival(spec.num_tokens, self._held) if spec.progressive else None
-        target = _Target(spec.generation, tuple(spec.block_ids), TransferMode(spec.mode), parts)
+        target = _Target(spec.generation, tuple(spec.block_ids), TransferMode(spec.mode), parts, tokens=spec.num_tokens)
         if parts is not None and self._integrity and self._shape is not None:  # else hashed at arrival
             bs = self.layout.block_size
             target.landed = LandedDigests.of(self._regions, self._shape, target.block_ids, bs, spec.num_tokens)
@@ -558,7 +562,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             ):
                 self.stale_notifications += 1
                 continue
-            target.digests = n.digests or target.digests
+            if n.scope is not None:
+                target.scoped[n.sender] = (n.scope, n.digests)
+            else:
+                target.digests = n.digests or target.digests
             if target.parts is not None:
                 self._part_notified(n, target, arrived)
                 continue
@@ -572,6 +579,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         assert parts is not None
         if target.arrived or parts.disputed is not None:
             return
+        if n.writers != 1:  # several writers send scoped digests, checked at arrival: nothing to hash as it lands
+            target.landed = None
         if target.landed is not None:  # before `add`: its arrival's check hashes what is left after these
             share = n.layers or self._held
             jobs = [job for part in n.parts or () for job in target.landed.land(part, share)]
@@ -586,7 +595,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         """The target's bytes are in (`via` says how it knows): ok, once its digests matched when it has any."""
         if target.checking or target.corrupted:
             return
-        if target.block_ids and (target.digests or self._integrity):  # none with integrity: a failed check
+        if target.block_ids and (target.digests or target.scoped or self._integrity):  # none: a failed check
             target.checking = True
             self._start_check(transfer_id, target, at, via)
             return
@@ -630,7 +639,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     async def _check_digests(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
         """Compare the target's blocks with the producer's digests (off the loop); ok if they match, else fail
         the transfer (`AgentReason.CORRUPTED`), aborting it at the service so that the producer hears why."""
-        if not target.digests:
+        if target.scoped:
+            why = await self._check_scoped(target)
+        elif not target.digests:
             why = "integrity is required here, but the producer sent no checksums (turn it on for both pools)"
         elif len(self._regions) != len(target.digests):
             why = f"{len(target.digests)} digests for {len(self._regions)} host-memory regions here: cannot check"
@@ -661,6 +672,32 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             refused = e
         if refused is not None:  # it committed, or ended: its event ends the target
             logger.warning("AbortTransfers %s after a failed integrity check: %s", transfer_id, refused)
+
+    async def _check_scoped(self, target: _Target) -> str:
+        """Why the scoped digests of `target`'s senders do not show its bytes as written; "" when they do."""
+        if self._shape is None or not self._regions:
+            return "scoped digests, but this rank's layout does not place its regions: cannot check"
+        bs, blocks = self.layout.block_size, len(target.block_ids)
+        tokens = target.tokens or (blocks - 1) * bs + 1
+        gaps = scope_gaps(
+            (scope for scope, _ in target.scoped.values()), len(self._regions), self._shape.num_heads, tokens
+        )
+        if gaps:
+            return f"integrity check failed: {gaps}"
+        geometry = RankGeometry(self._regions, self._shape.num_heads, bs, kvmap.element_bytes(self.layout.dtype))
+        for sender, (scope, digests) in sorted(target.scoped.items()):
+            try:
+                got = await asyncio.to_thread(scope_digests, geometry, self.layout.kv_layout, scope, target.block_ids)
+            except ValueError as e:
+                return f"integrity check failed: {sender}'s digests of {scope}: {e}"
+            bad = next((i for i, (a, b) in enumerate(zip(got, digests, strict=True)) if a != b), None)
+            if bad is not None:
+                return (
+                    f"integrity check failed: {sender} wrote heads +{scope.first_head}:{scope.num_heads} of region "
+                    f"{scope.regions[bad]} of the {blocks} blocks from block {target.block_ids[0]}, hashing to "
+                    f"{digests[bad]:016x}; they hash to {got[bad]:016x} here"
+                )
+        return ""
 
     def _read_done(
         self, transfer_id: str, generation: int, ok: bool, error: str | None, arrived: float | None = None

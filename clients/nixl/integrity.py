@@ -14,6 +14,13 @@ blocks as its parts land too (`LandedDigests`: per region, the prefix of the tar
 landed in the region's layer), so that at arrival only what the last parts carried is left to hash. Memory is read
 on the host: DRAM regions only (a GPU would hash on the device).
 
+A producer rank that writes only some of a consumer rank's bytes (hetero TP: some heads; other block sizes: the
+target's tokens re-blocked; pipeline stages: some layers' regions) sends scoped digests instead
+(`notifications.DigestScope`): per consumer region it writes, the xxh3-64 of the bytes it wrote there in ascending
+address order, read from its source in that order (`plan_digests`). The consumer makes the same plan for itself,
+its own memory on both sides (`scope_digests`), and hashes it in the same order; the senders' scopes must tile its
+regions and heads (`scope_gaps`). These are hashed when the target is complete (the final of a write in parts).
+
 xxh3 hashes ~7.5 GiB/s per core here against zlib.crc32's ~0.2 (benchmarks/RESULTS.md, "Integrity"), so the
 cost per GiB is a few tenths of a second of one core on each side, off the engine's step loop.
 """
@@ -21,13 +28,25 @@ cost per GiB is a few tenths of a second of one core on each side, off the engin
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
+
+from rendezvous.clients.nixl.notifications import DigestScope
+from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, plan_write
 from rendezvous.clients.nixl.regions import BlockIds
-from rendezvous.protocol.kvmap import RankShape
+from rendezvous.protocol.kvmap import RankShape, RankShare, TokenRun
 from rendezvous.protocol.records import KvRegion, WrittenPart
 
-__all__ = ["HashJob", "LandedDigests", "RunningDigests", "block_digests"]
+__all__ = [
+    "HashJob",
+    "LandedDigests",
+    "RunningDigests",
+    "block_digests",
+    "plan_digests",
+    "scope_digests",
+    "scope_gaps",
+]
 
 HashJob = tuple[int, Sequence[int]]
 """(region, block ids): the next blocks of a region to hash, in the target's order."""
@@ -127,6 +146,58 @@ class LandedDigests:
         blocks = self._block_ids[self._taken[i] : complete]
         self._taken[i] = complete
         return [(region, blocks) for region in self._shape.region_range(range(layer, layer + 1))]
+
+
+def plan_digests(plan: WritePlan, regions: Sequence[KvRegion], indices: range) -> tuple[int, ...]:
+    """Per region `indices` of `regions` (the plan's remote side), the xxh3-64 of the bytes `plan` writes there in
+    ascending address order, read from the plan's local side (host memory the caller keeps alive and does not
+    write meanwhile). How the plan splits or merges its descriptors does not change the digest."""
+    import xxhash
+
+    order = np.argsort(plan.remote[:, 0], kind="stable")
+    remote = plan.remote[order, 0]
+    local, length = plan.local[order, 0], plan.local[order, 1]
+    out: list[int] = []
+    for i in indices:
+        r = regions[i]
+        end = r.base_address + r.block_stride_bytes * max(r.num_blocks - 1, 0) + r.block_length_bytes
+        lo, hi = np.searchsorted(remote, np.array([r.base_address, end], dtype=np.uint64))
+        h = xxhash.xxh3_64()
+        for address, size in zip(local[lo:hi].tolist(), length[lo:hi].tolist(), strict=True):
+            h.update(memoryview((ctypes.c_char * size).from_address(address)).cast("B"))
+        out.append(h.intdigest())
+    return tuple(out)
+
+
+def scope_digests(geometry: RankGeometry, kv_layout: str, scope: DigestScope, block_ids: BlockIds) -> tuple[int, ...]:
+    """A consumer rank's digests of what `scope` covers of its target in `block_ids`: its own memory planned as a
+    write into itself (`plan_write`), so its bytes are those a producer's plan of that scope writes. Raises
+    ValueError (`DataPlaneError`) when the scope does not fit the rank's layout or blocks."""
+    bs = geometry.block_size
+    if bs < 1 or -(-scope.tokens // bs) != len(block_ids):
+        raise ValueError(f"{scope.tokens} tokens do not fill the target's {len(block_ids)} blocks of {bs}")
+    runs = None
+    if scope.tokens != len(block_ids) * bs:
+        runs = [TokenRun(j, j, 0, 0, min(bs, scope.tokens - j * bs)) for j in range(len(block_ids))]
+    share = RankShare(0, 0, scope.regions, scope.regions, scope.first_head, scope.first_head, scope.num_heads)
+    plan = plan_write(geometry, geometry, share, block_ids, block_ids, kv_layout, runs)
+    return plan_digests(plan, geometry.regions, scope.regions)
+
+
+def scope_gaps(scopes: Iterable[DigestScope], num_regions: int, num_heads: int, tokens: int) -> str:
+    """Why `scopes` (one per sender) do not cover a consumer rank's `num_regions` regions x `num_heads` heads
+    exactly once, each at least the target's first `tokens` tokens; "" when they do."""
+    counts = np.zeros((num_regions, num_heads), dtype=np.int64)
+    for s in scopes:
+        if s.regions.stop > num_regions or s.first_head + s.num_heads > num_heads:
+            return f"digests of regions {s.regions} heads +{s.first_head}:{s.num_heads} outside the rank's"
+        if s.tokens < tokens:
+            return f"digests of only {s.tokens} tokens ({tokens} needed)"
+        counts[s.regions.start : s.regions.stop, s.first_head : s.first_head + s.num_heads] += 1
+    if (counts != 1).any():
+        region, head = (int(x) for x in np.argwhere(counts != 1)[0])
+        return f"the digests cover region {region} head {head} {int(counts[region, head])} times, not once"
+    return ""
 
 
 def _runs(region: KvRegion, blocks: list[int]) -> list[memoryview]:

@@ -13,7 +13,11 @@ with carried (the parts of several transfers may go in one WRITE). An entry is e
 
 Either may end in "#<digest>,<digest>,...": per region of the consumer rank, the 16-hex-digit xxh3-64 of all of
 the target's blocks, in its order (end-to-end integrity, `rendezvous.clients.nixl.integrity`): with a whole entry,
-what the write carried; with a parts entry, the final's, what the parts carried together.
+what the write carried; with a parts entry, the final's, what the parts carried together. A producer rank that
+writes only some of the consumer rank's bytes (other head counts, block sizes or layers: data-plane version 4)
+says which: "#<first>-<stop>/<head>+<heads>/<tokens>=<digest>,...", per consumer region of [first, stop), the
+xxh3-64 of the bytes of heads [head, head + heads) (the consumer rank's own numbering) of the target's first
+`tokens` tokens, in ascending address order (`DigestScope`).
 
 `<version>` is the data-plane version that wrote it (rendezvous.protocol.dataplane); transfer ids hold no
 whitespace and the generation is what follows an entry's last ':', so ids may contain ':' and the untagged form
@@ -33,7 +37,28 @@ from dataclasses import dataclass
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION, READS
 from rendezvous.protocol.records import WrittenPart
 
-__all__ = ["PartsEntry", "TransferNotification", "encode_notification", "encode_parts", "parse_notification"]
+__all__ = [
+    "DigestScope",
+    "PartsEntry",
+    "TransferNotification",
+    "encode_notification",
+    "encode_parts",
+    "parse_notification",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DigestScope:
+    """What a producer rank's digests cover of a consumer rank's target: regions `regions` (one digest each),
+    heads [first_head, first_head + num_heads) of the consumer rank, the target's first `tokens` tokens."""
+
+    regions: range
+    first_head: int
+    num_heads: int
+    tokens: int
+
+    def __str__(self) -> str:
+        return f"{self.regions.start}-{self.regions.stop}/{self.first_head}+{self.num_heads}/{self.tokens}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +76,8 @@ class TransferNotification:
     """The rectangles this WRITE carried (`num_layers` 0: all of `layers`); None for a whole entry."""
     digests: tuple[int, ...] = ()
     """Integrity: per region, the xxh3-64 of all the target's blocks as written (() when the producer sent none)."""
+    scope: DigestScope | None = None
+    """Integrity: what `digests` cover, when the sender wrote only some of the rank's bytes (None: all of them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +90,22 @@ class PartsEntry:
     layers: range | None
     parts: tuple[WrittenPart, ...]
     digests: tuple[int, ...] = ()
+    scope: DigestScope | None = None
 
 
 _TAG = f"{DATA_PLANE_VERSION} "
 
 
-def encode_notification(transfer_id: str, generation: int, writers: int = 1, digests: tuple[int, ...] = ()) -> bytes:
+def encode_notification(
+    transfer_id: str,
+    generation: int,
+    writers: int = 1,
+    digests: tuple[int, ...] = (),
+    scope: DigestScope | None = None,
+) -> bytes:
     """The whole-entry notification for one generation of a transfer, written by `writers` producer ranks."""
     suffix = "" if writers == 1 else f"/{writers}"
-    return f"{_TAG}{transfer_id}:{generation}{suffix}{_digests(digests)}".encode()
+    return f"{_TAG}{transfer_id}:{generation}{suffix}{_digests(digests, scope)}".encode()
 
 
 def encode_parts(entries: Sequence[PartsEntry]) -> bytes:
@@ -85,11 +119,13 @@ def _entry(e: PartsEntry) -> str:
         f"{p.first_token}+{p.num_tokens}" + (f"x{p.first_layer}+{p.num_layers}" if p.num_layers else "")
         for p in e.parts
     )
-    return f"{e.transfer_id}:{e.generation}/{e.writers}@{layers}={parts}{_digests(e.digests)}"
+    return f"{e.transfer_id}:{e.generation}/{e.writers}@{layers}={parts}{_digests(e.digests, e.scope)}"
 
 
-def _digests(digests: tuple[int, ...]) -> str:
-    return "#" + ",".join(f"{d:016x}" for d in digests) if digests else ""
+def _digests(digests: tuple[int, ...], scope: DigestScope | None) -> str:
+    if not digests:
+        return ""
+    return "#" + (f"{scope}=" if scope is not None else "") + ",".join(f"{d:016x}" for d in digests)
 
 
 def parse_notification(sender: str, payload: bytes) -> tuple[TransferNotification, ...] | None:
@@ -112,8 +148,16 @@ def parse_notification(sender: str, payload: bytes) -> tuple[TransferNotificatio
 def _parse_entry(sender: str, entry: str) -> TransferNotification | None:
     transfer_id, sep, tail = entry.rpartition(":")
     tail, hashed, listed_digests = tail.partition("#")
+    scope: DigestScope | None = None
+    if "=" in listed_digests:
+        described_scope, _, listed_digests = listed_digests.partition("=")
+        scope = _scope(described_scope)
+        if scope is None:
+            return None
     digests = tuple(int(d, 16) for d in listed_digests.split(",") if _hex(d)) if hashed else ()
     if hashed and len(digests) != len(listed_digests.split(",")):
+        return None
+    if scope is not None and len(digests) != len(scope.regions):
         return None
     head, at, described = tail.partition("@")
     generation, slash, writers = head.partition("/")
@@ -121,7 +165,7 @@ def _parse_entry(sender: str, entry: str) -> TransferNotification | None:
         return None
     count = int(writers) if slash else 1
     if not at:
-        return TransferNotification(sender, transfer_id, int(generation), count, digests=digests)
+        return TransferNotification(sender, transfer_id, int(generation), count, digests=digests, scope=scope)
     span, equals, listed = described.partition("=")
     layers = _layers(span)
     parts = [_part(p) for p in listed.split(",")] if equals and listed else []
@@ -135,7 +179,20 @@ def _parse_entry(sender: str, entry: str) -> TransferNotification | None:
         layers if isinstance(layers, range) else None,
         tuple(p for p in parts if p is not None),
         digests,
+        scope,
     )
+
+
+def _scope(text: str) -> DigestScope | None:
+    """ "<first>-<stop>/<head>+<heads>/<tokens>" -> DigestScope; None when malformed."""
+    span, slash, rest = text.partition("/")
+    heads, slash_2, tokens = rest.partition("/")
+    regions, (head, plus, count) = _layers(span), heads.partition("+")
+    if not slash or not slash_2 or not plus or not isinstance(regions, range):
+        return None
+    if not (_number(head) and _number(count) and _number(tokens)) or not int(count) or not int(tokens):
+        return None
+    return DigestScope(regions, int(head), int(count), int(tokens))
 
 
 def _layers(text: str) -> range | bool | None:

@@ -39,7 +39,9 @@ final: what is left is posted at once, each WRITE with its parts' notification
 (none is sent when nothing is left). Without `progressive` (or when nothing went ahead) the generation goes in one
 write at `source_ready`; into a progressive target its notification names the whole target. With
 `WriterConfig.integrity` each part's source blocks are hashed once it is posted, the cells that would complete the
-target wait for the final, and the final's notification carries the digests of the whole target.
+target wait for the final, and the final's notification carries the digests of the whole target. A target this
+rank writes only some of (other heads, block sizes or layers) gets scoped digests (`integrity.plan_digests`) of
+its whole plan, hashed at the final; its last cell waits for the final.
 
 Outcomes, per transfer (a generation's WRITEs, its parts included, count as one write):
 
@@ -89,8 +91,8 @@ from rendezvous.clients.nixl.errors import (
     TransferFailedError,
 )
 from rendezvous.clients.nixl.granularity import PartCost
-from rendezvous.clients.nixl.integrity import RunningDigests, block_digests
-from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
+from rendezvous.clients.nixl.integrity import RunningDigests, block_digests, plan_digests
+from rendezvous.clients.nixl.notifications import DigestScope, PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
 from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
 from rendezvous.clients.nixl.polling import Backoff, PollConfig
@@ -279,6 +281,7 @@ class _Progress:
     cells: dict[str, _Cells] = dataclasses.field(default_factory=dict)  # per whole-block target agent
     digests: RunningDigests | None = None  # integrity: of the source blocks posted, per region
     hashed: npt.NDArray[np.int64] | None = None  # integrity: per column, the prefix of the target's blocks hashed
+    scoped: bool = False  # integrity: some target gets scoped digests, made at the final (`_digests`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -326,6 +329,8 @@ class _Piece:
     digests: tuple[int, ...] = ()
     """Integrity: per region, the digest of the target's source blocks, sent with its whole write or its final
     (`rendezvous.clients.nixl.integrity`)."""
+    scope: DigestScope | None = None
+    """Integrity: what `digests` cover, when this rank writes only some of the target's bytes."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -341,7 +346,7 @@ class _Held:
 
 def _entry(transfer_id: str, generation: int, piece: _Piece) -> PartsEntry:
     target = piece.target
-    return PartsEntry(transfer_id, generation, target.writers, target.layers, piece.covers, piece.digests)
+    return PartsEntry(transfer_id, generation, target.writers, target.layers, piece.covers, piece.digests, piece.scope)
 
 
 def _same_bytes(target: _Target) -> bool:
@@ -894,6 +899,7 @@ class TransferWriter:
             if self._config.integrity and any(_same_bytes(target) for target in a.targets):
                 w.progress.digests = RunningDigests(self._endpoint.regions)
                 w.progress.hashed = np.zeros(self._columns.count, dtype=np.int64)
+            w.progress.scoped = self._config.integrity and not all(_same_bytes(target) for target in a.targets)
             self._prepare_parts(transfer_id, t, w)
             self._post_parts(transfer_id, t, w)
 
@@ -912,12 +918,41 @@ class TransferWriter:
             self._settle(transfer_id, t)
             return
         whole = (WrittenPart(0, a.target_tokens),) if a.progressive and a.target_tokens else ()
-        digests = block_digests(self._endpoint.regions, source) if self._config.integrity else ()
+        try:
+            digests = self._digests(a, t.source, plans)
+        except (ValueError, DataPlaneError) as e:
+            w.error = str(e)
+            self._settle(transfer_id, t)
+            return
         pieces = [
-            _Piece(target, plan, cells, whole, digests if _same_bytes(target) else ())
-            for (target, plan), cells in zip(plans, indices, strict=True)
+            _Piece(target, plan, cells, whole, *checked)
+            for (target, plan), cells, checked in zip(plans, indices, digests, strict=True)
         ]
         self._post(transfer_id, t, w, pieces)
+
+    def _digests(
+        self, a: _Assign, src: npt.NDArray[np.int64], plans: list[tuple[_Target, WritePlan | None]]
+    ) -> list[tuple[tuple[int, ...], DigestScope | None]]:
+        """Integrity: per target, the digests of the whole generation written there and what they cover (None:
+        all of the target's bytes, `block_digests` of the source blocks); () without integrity."""
+        if not self._config.integrity:
+            return [((), None)] * len(plans)
+        same = [_same_bytes(target) for target, _ in plans]
+        if not all(same) and any(plan is None for _, plan in plans):
+            plans = self._plans(a, src, check=True)
+        blocks = block_digests(self._endpoint.regions, src[len(src) - len(a.dst) :]) if any(same) else ()
+        assert a.producer is not None
+        out: list[tuple[tuple[int, ...], DigestScope | None]] = []
+        for (target, plan), whole in zip(plans, same, strict=True):
+            if whole:
+                out.append((blocks, None))
+                continue
+            assert plan is not None
+            share, bd = target.share, target.geometry.block_size
+            tokens = len(a.dst) * bd if a.producer.block_size == bd else a.target_tokens
+            scope = DigestScope(share.consumer_regions, share.consumer_head, share.num_heads, tokens)
+            out.append((plan_digests(plan, target.geometry.regions, scope.regions), scope))
+        return out
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Post the cells computed and not posted yet, unless the generation's parts in flight are at the cap."""
@@ -934,6 +969,8 @@ class TransferWriter:
         ready = grid.ready(computed)
         if progress.digests is not None and bool((ready >= len(w.assignment.dst)).all()):
             return  # the cells that complete the target go with the final, which brings the digests
+        if progress.scoped:
+            ready = self._hold_last_cells(w.assignment, ready)
         rects = rectangles(progress.posted, ready)
         if not rects:
             return
@@ -985,8 +1022,49 @@ class TransferWriter:
             self._hash(progress, grid, src)
             digests = progress.digests.digests()
             pieces = [dataclasses.replace(p, digests=digests) if _same_bytes(p.target) else p for p in pieces]
+        if progress.scoped:
+            try:
+                pieces = self._scope_final(w, t, pieces)
+            except (ValueError, DataPlaneError) as e:
+                w.error = str(e)
+                self._settle(transfer_id, t)
+                return
         w.posted_at = time.monotonic()  # `on_written` times what is left once prefill is done
         self._post(transfer_id, t, w, pieces)
+
+    def _hold_last_cells(self, a: _Assign, ready: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Integrity: `ready` less the last cell of each target with scoped digests that it would complete, so that
+        cell goes with the final, which brings the digests."""
+        held = ready
+        for target in a.targets:
+            if _same_bytes(target):
+                continue
+            layers = target.layers
+            columns = range(self._columns.count)
+            if layers is not None:
+                columns = columns[self._columns.select((layers.start, layers.stop)) or slice(0)]
+            if columns and bool((held[columns.start : columns.stop] >= len(a.dst)).all()):
+                held = held.copy()
+                held[columns.stop - 1] = len(a.dst) - 1
+        return held
+
+    def _scope_final(self, w: _Write, t: _Transfer, pieces: list[_Piece]) -> list[_Piece]:
+        """Integrity: the final's pieces, those of targets with scoped digests carrying them (of the whole plan)."""
+        a = w.assignment
+        assert t.source is not None
+        if not a.prompt_tokens and t.computed is not None:
+            a = dataclasses.replace(a, prompt_tokens=t.computed.prompt_tokens)
+        plans = self._plans(a, t.source, check=True)
+        scoped: dict[str, tuple[tuple[int, ...], DigestScope]] = {}
+        for (target, _), (digests, scope) in zip(plans, self._digests(a, t.source, plans), strict=True):
+            if scope is not None:
+                scoped[target.agent.name] = (digests, scope)
+        return [
+            p if p.target.agent.name not in scoped else dataclasses.replace(
+                p, digests=scoped[p.target.agent.name][0], scope=scoped[p.target.agent.name][1]
+            )
+            for p in pieces
+        ]  # fmt: skip
 
     def _prepare_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Place a write in parts in the prompt and make its whole-block targets' descriptors (`_cells`) as soon as
@@ -1133,7 +1211,9 @@ class TransferWriter:
         if piece.covers:
             return encode_parts([_entry(w.assignment.transfer_id, w.generation, piece)])
         if w.progress is None:
-            return encode_notification(w.assignment.transfer_id, w.generation, piece.target.writers, piece.digests)
+            return encode_notification(
+                w.assignment.transfer_id, w.generation, piece.target.writers, piece.digests, piece.scope
+            )
         return b""
 
     def _post(self, transfer_id: str, t: _Transfer, w: _Write, pieces: list[_Piece], *, parts: bool = False) -> None:

@@ -14,14 +14,22 @@ Versions:
    says which rectangles of a progressive target the WRITE it came with carried, so the consumer declares
    arrival itself once they tile the target (rendezvous.clients.nixl.notifications, rendezvous.clients.nixl.arrival).
    Its consumers read 1 and 2 (where a progressive target arrives on TRANSFER_COMMITTED, as before).
+4. Integrity digests with a scope, "#<regions>/<heads>/<tokens>=<digest>,...": a producer rank that writes only
+   some of a consumer rank's bytes (other head counts, block sizes or pipeline stages) says what its digests
+   cover, so such transfers can be checked end to end too. Its consumers read 1 to 3.
 """
 
 from __future__ import annotations
 
-DATA_PLANE_VERSION = 3
+DATA_PLANE_VERSION = 4
 """The version this release's data plane speaks, and the newest the service knows."""
 
-READS: dict[int, frozenset[int]] = {1: frozenset({1}), 2: frozenset({1, 2}), 3: frozenset({1, 2, 3})}
+READS: dict[int, frozenset[int]] = {
+    1: frozenset({1}),
+    2: frozenset({1, 2}),
+    3: frozenset({1, 2, 3}),
+    4: frozenset({1, 2, 3, 4}),
+}
 """The producer versions a consumer of each version reads (its own among them). A new version adds its row and
 keeps the others."""
 

@@ -39,6 +39,8 @@ class EngineSpec(Spec):
     kv_layout: str = "HND"
     follower_check_s: float = 5.0
     """How often a following consumer rank asks the service about a transfer it has heard nothing of."""
+    integrity: bool = False
+    """End-to-end integrity: producer ranks send digests of what they wrote, consumer ranks require them."""
 
     def worker(self, events: Any) -> Any:
         return _EngineWorker(self, events)
@@ -121,6 +123,7 @@ class _EngineWorker:
         from rendezvous.clients.nixl.consumer import ConsumerAgent
         from rendezvous.clients.nixl.producer import ProducerAgent
         from rendezvous.clients.nixl.rank import start_ranks
+        from rendezvous.clients.nixl.writer import WriterConfig
 
         s, put = self.spec, self.events.put
         for rank in range(s.ranks):
@@ -135,6 +138,7 @@ class _EngineWorker:
                 agent: Any = ProducerAgent(
                     client, s.engine_id, "prefill", self.tensors[rank], rank=rank, layout=s.layout(),
                     lease_ttl=s.lease_ttl, on_report=report, first_layer=layers.start, num_layers=len(layers),
+                    writer_config=WriterConfig(integrity=s.integrity),
                 )  # fmt: skip
             else:
 
@@ -144,6 +148,7 @@ class _EngineWorker:
                 agent = ConsumerAgent(
                     client, s.engine_id, "decode", self.tensors[rank], rank=rank, layout=s.layout(),
                     lease_ttl=s.lease_ttl, on_result=result, follower_check_s=s.follower_check_s,
+                    integrity=s.integrity,
                 )  # fmt: skip
             gate, heard = asyncio.Event(), list[Any]()
             gate.set()

@@ -91,9 +91,25 @@ def _tp2_pair(name: str, follower_check_s: float) -> Case:
 FOLLOWERS = {"late_follower": _tp2_pair("late", 3600.0), "checking_follower": _tp2_pair("checking", 0.2)}
 
 
+def _checked(case: Case) -> Case:
+    """`case` with end-to-end integrity on both engines: each producer rank writes only some of a consumer rank's
+    bytes (heads, re-blocked tokens or layers), so it sends scoped digests (data-plane version 4)."""
+    return dataclasses.replace(
+        case,
+        producer=dataclasses.replace(case.producer, integrity=True),
+        consumer=dataclasses.replace(case.consumer, integrity=True),
+    )
+
+
+CHECKED = {
+    f"checked_{name}": _checked(CASES[name])
+    for name in ("tp4_to_tp1", "tp1_to_tp4_nhd", "blocks_16_to_32", "pp2_to_tp1")
+}
+
+
 @pytest.fixture
 def engines(request: pytest.FixtureRequest, server: TestServer) -> Iterator[tuple[Case, EngineProcess, EngineProcess]]:
-    case: Case = {**CASES, **FOLLOWERS}[request.param]
+    case: Case = {**CASES, **FOLLOWERS, **CHECKED}[request.param]
     case = dataclasses.replace(
         case,
         producer=dataclasses.replace(case.producer, address=server.address),
@@ -121,7 +137,7 @@ def assert_no_live_transfer(server: TestServer, *engine_ids: str, timeout: float
                 time.sleep(0.05)
 
 
-@pytest.mark.parametrize("engines", list(CASES), indirect=True)
+@pytest.mark.parametrize("engines", list(CASES) + list(CHECKED), indirect=True)
 def test_every_rank_writes_its_share_byte_exact(
     engines: tuple[Case, EngineProcess, EngineProcess], server: TestServer
 ) -> None:

@@ -17,7 +17,7 @@ from rendezvous.clients import AsyncRendezvousClient, KvLayout, NixlAgentInfo, T
 from rendezvous.clients.nixl.agent import NixlEndpoint, XferStatus
 from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent
 from rendezvous.clients.nixl.integrity import LandedDigests, RunningDigests, block_digests
-from rendezvous.clients.nixl.notifications import PartsEntry, encode_notification, encode_parts
+from rendezvous.clients.nixl.notifications import DigestScope, PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.regions import regions_from_tensors
 from rendezvous.clients.nixl.writer import WriterConfig
@@ -281,6 +281,39 @@ async def test_parts_whose_final_digests_lie_never_reach_decode(
         assert not result.ok and result.reason is AgentReason.CORRUPTED and "region 0" in result.message
         info = await client.get_transfer("t1")  # what the producer is told
         assert info.state is TransferState.ABORTED and "integrity check failed: region 0" in info.abort_message
+
+
+WHOLE = DigestScope(range(0, 2), 0, 1, 32)
+"""Scoped digests that cover every byte of the target of blocks 5 and 6: both regions, the one head, 32 tokens."""
+
+
+@pytest.mark.parametrize(
+    ("scope", "source", "why"),
+    [
+        (WHOLE, [1, 2], ""),
+        (DigestScope(range(0, 1), 0, 1, 32), [1, 2], "cover region 1 head 0 0 times, not once"),
+        (DigestScope(range(0, 2), 0, 1, 16), [1, 2], "digests of only 16 tokens (17 needed)"),
+        (WHOLE, [2, 1], "hand-writer wrote heads +0:1 of region 0 of the 2 blocks from block 5"),
+    ],
+    ids=["match", "a-region-unscoped", "too-few-tokens", "a-lie"],
+)
+async def test_scoped_digests_must_cover_the_target_and_match_it(
+    server: AsyncTestServer, client: AsyncRendezvousClient, scope: DigestScope, source: list[int], why: str
+) -> None:
+    """A hand-driven producer writes the target and sends digests with a scope (what a producer rank writing only
+    some of the bytes sends): the transfer arrives only when the scopes cover every region and head of the target
+    once and the digests match what landed."""
+    async with integrity_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        digests = block_digests(regions_from_tensors(pair.kv), source)[: len(scope.regions)]
+        await write(hand, peer, encode_notification("t1", 1, digests=digests, scope=scope))
+        result = await asyncio.wait_for(pair.arrived, WAIT)
+        if not why:
+            assert result.ok
+            assert_blocks_5_6_hold_source_1_2(pair)
+            return
+        assert not result.ok and result.reason is AgentReason.CORRUPTED and why in result.message
+        info = await client.get_transfer("t1")
+        assert info.state is TransferState.ABORTED and why in info.abort_message
 
 
 async def test_a_target_of_no_blocks_has_nothing_to_check_and_arrives_on_the_commit(

@@ -4,6 +4,7 @@ plane reads the versions its consumers are paired with (rendezvous.protocol.data
 from __future__ import annotations
 
 from rendezvous.clients.nixl.notifications import (
+    DigestScope,
     PartsEntry,
     TransferNotification,
     encode_notification,
@@ -47,3 +48,17 @@ def test_a_notification_of_a_version_this_data_plane_does_not_read_is_malformed(
 def test_a_malformed_parts_entry_spoils_the_whole_notification() -> None:
     for bad in ("t:1@*=0+4", "t:1/1@*=", "t:1/1@2-1=0+4", "t:1/1@*=0+4x1+0", "t:1/1@*=0-4", "t:1/1@0-2=a+4"):
         assert parse_notification("p", f"{DATA_PLANE_VERSION} ok:1 {bad}".encode()) is None, bad
+
+
+def test_digests_with_a_scope_say_which_regions_heads_and_tokens_they_cover() -> None:
+    scope = DigestScope(range(2, 4), 1, 2, 40)
+    payload = encode_notification("t", 5, writers=2, digests=(1, 0xABC), scope=scope)
+    assert payload == f"{DATA_PLANE_VERSION} t:5/2#2-4/1+2/40=0000000000000001,0000000000000abc".encode()
+    assert parse_notification("p", payload) == (TransferNotification("p", "t", 5, 2, digests=(1, 0xABC), scope=scope),)
+    parts = encode_parts([PartsEntry("t", 5, 2, None, (WrittenPart(0, 40),), (7,), DigestScope(range(0, 1), 0, 1, 40))])
+    assert parse_notification("p", parts) == (
+        TransferNotification("p", "t", 5, 2, None, (WrittenPart(0, 40),), (7,), DigestScope(range(0, 1), 0, 1, 40)),
+    )
+    digest = "0000000000000001"
+    for bad in ("2-4/1+2/40", "3-2/1+2/40", "2-3/1+0/40", "2-3/1+2/0", "2-3/1/40", "2-3/x+1/40"):
+        assert parse_notification("p", f"{DATA_PLANE_VERSION} t:5#{bad}={digest}".encode()) is None, bad

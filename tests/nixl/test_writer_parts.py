@@ -28,6 +28,10 @@ from rendezvous.clients.nixl import (
 from rendezvous.clients.nixl.arrival import PartsArrival
 from rendezvous.clients.nixl.device import KvReady
 from rendezvous.clients.nixl.granularity import PartCost
+from rendezvous.clients.nixl.integrity import scope_digests
+from rendezvous.clients.nixl.notifications import DigestScope
+from rendezvous.clients.nixl.plan import RankGeometry
+from rendezvous.clients.nixl.regions import regions_from_tensors
 from rendezvous.clients.nixl.writer import ConsumerEngine
 from tests.nixl.helpers import Event, Recorder, region_views, unique
 from tests.nixl.peer import SENTINEL, Layout, PeerProcess
@@ -613,3 +617,54 @@ def test_without_a_ratio_every_part_goes_whatever_it_costs(peer: PeerProcess, ma
         p.writer.source_part("t", SRC[:2], 8, (layer, layer + 1), prompt_tokens=8)
         p.landed(peer, layers(range(2 * layer + 2), SRC[:2], [3, 4]), 1)
     assert posts == [2 * 2] * 4
+
+
+def test_with_integrity_each_stage_s_last_cell_waits_for_the_final_which_brings_scoped_digests(
+    peer: PeerProcess,
+) -> None:
+    """Integrity into consumer stages that each take one layer of the producer's (only some of its bytes): each
+    layer's part goes ahead without its last block, which goes with the final, whose notification carries the
+    digests of that stage's whole target with their scope; the consumer's own hash of its blocks matches them."""
+    pytest.importorskip("xxhash", reason="integrity needs the nixl extra's xxhash")
+    p, c = Engine(1, 1, 4, 6), Engine(1, 2, 4, 6)  # the consumer's stage r holds layer r
+    src, dst = [0, 1, 2], [5, 4, 3]
+    names = [unique("c0"), unique("c1")]
+    agents = tuple(
+        dataclasses.replace(peer.call("create", n, c.region_layout(r)), rank=r, **c.agent_fields(r))
+        for r, n in enumerate(names)
+    )
+    views = region_views(p.region_layout(0), seed=301)
+    recorder = Recorder()
+    writer = TransferWriter(
+        NixlEndpoint.from_tensors(unique("p"), views),
+        on_complete_parts=recorder.on_complete_parts,
+        on_revoked=recorder.on_revoked,
+        on_source_free=recorder.on_source_free,
+        config=WriterConfig(part_compute_ratio=0.0, integrity=True),
+        layout=p.layout,
+    )
+    try:
+        writer.start()
+        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, dst, progressive=True)
+        writer.source_part("t", src, 12, (0, 1), prompt_tokens=12)
+        assert writer.barrier(5) and writer.parts_in_flight == 1  # layer 0's first two blocks, into stage 0
+        writer.source_part("t", src, 12, (1, 2))
+        assert writer.barrier(5) and writer.parts_in_flight == 2
+        writer.source_ready("t", src)
+
+        received = peer.call("wait_all", {n: 2 for n in names}, 10.0)
+        for r, n in enumerate(names):
+            ahead, final = received[n]
+            assert (ahead.parts, ahead.digests) == ((WrittenPart(0, 8, r, 1),), ())
+            assert final.parts == (WrittenPart(8, 4, r, 1),) and final.scope == DigestScope(range(0, 2), 0, 4, 12)
+            assert tiles([ahead, final], 12, range(r, r + 1))
+            held = [torch.from_numpy(b.copy()) for b in peer.call("blocks", n)]
+            geometry = RankGeometry(regions_from_tensors(held), 4, 4)
+            assert scope_digests(geometry, "HND", final.scope, dst) == final.digests
+            held[1][dst[0], 0] ^= 0xFF  # a byte of what landed, changed
+            assert scope_digests(geometry, "HND", final.scope, dst) != final.digests
+        assert recorder.next(10) == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 1), WrittenPart(8, 4))
+    finally:
+        assert writer.stop(10)
+        for n in names:
+            peer.call("close", n)
