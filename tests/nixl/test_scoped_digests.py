@@ -18,7 +18,7 @@ from rendezvous.clients.nixl.notifications import DigestScope
 from rendezvous.clients.nixl.plan import RankGeometry, WritePlan
 from rendezvous.protocol import kvmap
 from tests.ci import examples
-from tests.nixl.test_plan import Case, FakeEngine, apply, cases, plans
+from tests.nixl.test_plan import Case, FakeEngine, apply, cases, make_engine, plans
 
 pytest.importorskip("xxhash", reason="integrity needs the nixl extra's xxhash")
 
@@ -83,6 +83,21 @@ def test_a_consumer_hashes_what_each_writer_hashed_and_a_changed_byte_shows(case
     got = [scope_digests(geometry(case.consumer, share.consumer_rank), kv_layout, s, case.dst)
            for share, s, _ in sent if share.consumer_rank == rank]  # fmt: skip
     assert got != [digests for share, _, digests in sent if share.consumer_rank == rank]
+
+
+def test_a_descriptor_merged_across_two_regions_counts_for_each_its_own_bytes() -> None:
+    """Region 0's last target block and region 1's first lie side by side in the consumer's memory, so its own
+    plan merges them into one descriptor, where the producer's plan (not contiguous at the source) does not: each
+    region's digest takes its own byte of it (found by the property test above)."""
+    producer, consumer = (
+        in_memory(make_engine(1, 1, 2, 1, 1, "HND", (1,), n, 0, seed)) for n, seed in ((2, 1), (6, 2))
+    )
+    case = Case(producer, consumer, np.array([1, 0]), np.array([0, 5]), 0, 0, False, True)
+    ((share, plan),) = plans(case)
+    assert plan.num_descriptors == 4  # 1 -> 0, 0 -> 5 in each region: nothing contiguous on both sides
+    sent = plan_digests(plan, geometry(consumer, 0).regions, share.consumer_regions)
+    land(case, [(share, plan)])
+    assert scope_digests(geometry(consumer, 0), "HND", scope(case, share), case.dst) == sent
 
 
 def test_scopes_must_cover_every_region_and_head_once_with_the_whole_target() -> None:
