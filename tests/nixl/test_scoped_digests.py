@@ -5,6 +5,7 @@ when the bytes landed. Checked on every pairing `tests/nixl/test_plan.py` draws,
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import numpy as np
@@ -12,10 +13,10 @@ import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 
-from rendezvous.clients._types import KvRegion
+from rendezvous.clients._types import KvLayout, KvRegion, NixlAgentInfo
 from rendezvous.clients.nixl.integrity import plan_digests, scope_digests, scope_gaps
 from rendezvous.clients.nixl.notifications import DigestScope
-from rendezvous.clients.nixl.plan import RankGeometry, WritePlan
+from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, plan_write
 from rendezvous.protocol import kvmap
 from tests.ci import examples
 from tests.nixl.test_plan import Case, FakeEngine, apply, cases, make_engine, plans
@@ -114,3 +115,48 @@ def test_a_scope_that_does_not_fill_the_blocks_is_refused() -> None:
     geometry = RankGeometry((KvRegion(arena.ctypes.data, 64, 64, 4),), 2, 16)
     with pytest.raises(ValueError, match="40 tokens do not fill the target's 2 blocks of 16"):
         scope_digests(geometry, "HND", DigestScope(range(0, 1), 0, 2, 40), [0, 1])
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d", "bp", "bd"), [(2, 1, 16, 16), (1, 2, 16, 16), (2, 1, 16, 32), (1, 2, 32, 16)])
+def test_vllm_cpu_caches_check_by_head_and_token_with_their_transposed_keys(
+    tp_p: int, tp_d: int, bp: int, bd: int
+) -> None:
+    """vLLM-CPU's layout (HKTV: per head the keys transposed, then the values): each producer rank's digests of
+    what it wrote into each consumer rank match the consumer's own hash of its scope, the scopes tile the rank,
+    and a changed byte shows."""
+    heads, dim, prompt = 4, 4, 3 * max(bp, bd) + 5
+    num_src, num_dst = -(-prompt // bp), -(-prompt // bd)
+    rng = np.random.default_rng(bp + bd + tp_p)
+    producers = [rng.standard_normal((num_src + 1, heads // tp_p, bp, 2 * dim)).astype(np.float32) for _ in range(tp_p)]
+    consumers = [np.zeros((num_dst + 2, heads // tp_d, bd, 2 * dim), dtype=np.float32) for _ in range(tp_d)]
+
+    def region(cache: npt.NDArray[np.float32]) -> KvRegion:
+        return KvRegion(cache.ctypes.data, cache[0].nbytes, cache[0].nbytes, len(cache))
+
+    lp = KvLayout("m", "float32", bp, 1, tp_p, 1, kvmap.HKTV, heads)
+    ld = KvLayout("m", "float32", bd, 1, tp_d, 1, kvmap.HKTV, heads)
+    shapes_p = kvmap.rank_shapes(
+        lp, [NixlAgentInfo(f"p{r}", b"", rank=r, regions=(region(c),)) for r, c in enumerate(producers)]
+    )
+    shapes_d = kvmap.rank_shapes(
+        ld, [NixlAgentInfo(f"d{r}", b"", rank=r, regions=(region(c),)) for r, c in enumerate(consumers)]
+    )
+    src, dst = list(range(1, num_src + 1)), list(range(2, num_dst + 2))
+    runs = kvmap.token_runs(num_src, num_dst, bp, bd, prompt, prompt) if bp != bd else None
+    tokens = prompt if bp != bd else num_dst * bd
+    sent: list[tuple[int, DigestScope, tuple[int, ...]]] = []
+    for share in kvmap.shares(shapes_p, shapes_d):
+        p, c = producers[share.producer_rank], consumers[share.consumer_rank]
+        into = RankGeometry((region(c),), heads // tp_d, bd, 4)
+        plan = plan_write(RankGeometry((region(p),), heads // tp_p, bp, 4), into, share, src, dst, kvmap.HKTV, runs)
+        scope = DigestScope(share.consumer_regions, share.consumer_head, share.num_heads, tokens)
+        sent.append((share.consumer_rank, scope, plan_digests(plan, into.regions, scope.regions)))
+        for (la, n, _), (ra, _, _) in zip(plan.local.tolist(), plan.remote.tolist(), strict=True):
+            ctypes.memmove(ra, la, n)
+    for rank, c in enumerate(consumers):
+        geometry = RankGeometry((region(c),), heads // tp_d, bd, 4)
+        mine = [(scope, digests) for r, scope, digests in sent if r == rank]
+        assert scope_gaps((scope for scope, _ in mine), 1, heads // tp_d, prompt) == ""
+        assert [scope_digests(geometry, kvmap.HKTV, scope, dst) for scope, _ in mine] == [d for _, d in mine]
+        c[dst[-1], 0, 0, dim] += 1.0  # the first value of the last block's first token
+        assert [scope_digests(geometry, kvmap.HKTV, scope, dst) for scope, _ in mine] != [d for _, d in mine]

