@@ -188,7 +188,7 @@ def _hash_ranges(h: Any, addresses: npt.NDArray[np.int64], lengths: npt.NDArray[
         return
     size, start = int(lengths[0]), int(addresses.min())
     span = int(addresses.max()) + size - start
-    memory = np.frombuffer((ctypes.c_char * span).from_address(start), dtype=np.uint8)
+    memory = np.frombuffer(memoryview((ctypes.c_char * span).from_address(start)).cast("B"), dtype=np.uint8)
     rows = np.lib.stride_tricks.sliding_window_view(memory, size)  # row k: the `size` bytes from byte k
     offsets = addresses - start
     step = max(_GATHER_ROWS_BYTES // size, 1)
