@@ -223,4 +223,5 @@ def _hex(text: str) -> bool:
 
 
 def _number(text: str) -> bool:
-    return text.isdigit() and text.isascii()
+    """A decimal of at most 20 digits (a uint64): longer ones are malformed, not a slow or failing `int()`."""
+    return 0 < len(text) <= 20 and text.isdigit() and text.isascii()

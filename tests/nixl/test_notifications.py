@@ -45,6 +45,15 @@ def test_a_notification_of_a_version_this_data_plane_does_not_read_is_malformed(
     assert parse_notification("p", b"2 t:x") is None
 
 
+def test_numbers_longer_than_a_uint64_are_malformed_not_an_error() -> None:
+    """A peer's notification is bad input: a 5,000-digit generation made `int()` raise (Python's digit limit)
+    out of the receiver's poll instead of counting the notification as malformed."""
+    huge = "9" * 5000
+    for bad in (f"t:{huge}", f"t:1/{huge}", f"t:1/1@*=0+{huge}", f"t:1#0-1/0+1/{huge}=0000000000000001"):
+        assert parse_notification("p", f"{DATA_PLANE_VERSION} {bad}".encode()) is None, bad[:20]
+    assert parse_notification("p", f"{DATA_PLANE_VERSION} t:{2**64 - 1}".encode()) is not None
+
+
 def test_a_malformed_parts_entry_spoils_the_whole_notification() -> None:
     for bad in ("t:1@*=0+4", "t:1/1@*=", "t:1/1@2-1=0+4", "t:1/1@*=0+4x1+0", "t:1/1@*=0-4", "t:1/1@0-2=a+4"):
         assert parse_notification("p", f"{DATA_PLANE_VERSION} ok:1 {bad}".encode()) is None, bad
