@@ -175,25 +175,29 @@ def plan_digests(plan: WritePlan, regions: Sequence[KvRegion], indices: range) -
     return tuple(out)
 
 
-_GATHER_ROWS_BYTES = 8 << 20
-"""Ranges of one length are gathered with numpy this many bytes at a time rather than hashed one Python call each
-(a head split of NHD blocks makes one range per token)."""
+_GATHER_BELOW, _GATHER_ROWS_BYTES = 4096, 8 << 20
+"""Ranges of one length below `_GATHER_BELOW` bytes (a head split of NHD blocks makes one range per token) are
+gathered with numpy, `_GATHER_ROWS_BYTES` at a time, rather than hashed one Python call each; longer ones are
+hashed in place (the copy would cost more than the calls)."""
 
 
 def _hash_ranges(h: Any, addresses: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]) -> None:
     """Feed `h` the bytes of host memory ranges (`addresses`, `lengths`), in order, as one stream."""
-    if len(addresses) <= 16 or bool((lengths != lengths[0]).any()):
-        for address, size in zip(addresses.tolist(), lengths.tolist(), strict=True):
-            h.update(memoryview((ctypes.c_char * size).from_address(address)).cast("B"))
+    if not len(addresses):
         return
-    size, start = int(lengths[0]), int(addresses.min())
-    span = int(addresses.max()) + size - start
+    start = int(addresses.min())
+    span = int((addresses + lengths).max()) - start
     memory = np.frombuffer(memoryview((ctypes.c_char * span).from_address(start)).cast("B"), dtype=np.uint8)
-    rows = np.lib.stride_tricks.sliding_window_view(memory, size)  # row k: the `size` bytes from byte k
     offsets = addresses - start
-    step = max(_GATHER_ROWS_BYTES // size, 1)
-    for first in range(0, len(offsets), step):
-        h.update(rows[offsets[first : first + step]])
+    size = int(lengths[0])
+    if len(offsets) > 16 and size < _GATHER_BELOW and not bool((lengths != size).any()):
+        rows = np.lib.stride_tricks.sliding_window_view(memory, size)  # row k: the `size` bytes from byte k
+        step = max(_GATHER_ROWS_BYTES // size, 1)
+        for first in range(0, len(offsets), step):
+            h.update(rows[offsets[first : first + step]])
+        return
+    for offset, length in zip(offsets.tolist(), lengths.tolist(), strict=True):
+        h.update(memory[offset : offset + length])
 
 
 def scope_digests(geometry: RankGeometry, kv_layout: str, scope: DigestScope, block_ids: BlockIds) -> tuple[int, ...]:
