@@ -179,11 +179,14 @@ def fleet(store_url: str, previous_release_venv: Path) -> Iterator[tuple[Replica
 
 OLD_ENGINES = {
     "none": ("decode-a", "prefill-b"),
-    "nixl": ("decode-a", "prefill-a", "prefill-b"),
+    "nixl": ("decode-a", "decode-b", "prefill-a", "prefill-b"),
 }
-"""The engines that start as the previous release. Control path only, an old consumer pairs with a new producer
-too; with NIXL not (a new producer may speak a data-plane version an old consumer cannot read: consumers upgrade
-first)."""
+"""The engines that start as the previous release. Control path only (no data-plane version stated), new engines
+run beside the old replica from the start and an old consumer pairs with a new producer too. With NIXL every engine
+starts old and upgrades in the documented order, servers first, then consumers, then producers: a new engine
+speaks a data-plane version the previous release's servers do not know (4; they know 3, and abort a pair they
+cannot judge), and a new producer one an old consumer cannot read. Between the consumers' step and the producers'
+old producers write into new consumers."""
 
 
 @pytest.mark.parametrize("data_plane", ["none", pytest.param("nixl", marks=pytest.mark.nixl)])
