@@ -5,6 +5,7 @@ carried, and the notifications of a generation tile its target (`PartsArrival`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -397,27 +398,48 @@ def test_chunks_into_bigger_blocks_of_fewer_ranks_land_byte_exact(peer: PeerProc
         peer.call("close", name)
 
 
-def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerProcess) -> None:
-    p, c = Engine(1, 1, 4, 6), Engine(1, 2, 4, 6)  # the consumer's stage r holds layer r
-    src, dst = [0, 1, 2], [5, 4, 3]
+STAGES = (Engine(1, 1, 4, 6), Engine(1, 2, 4, 6))
+"""A producer rank of two layers and a consumer of two pipeline stages: stage r holds layer r."""
+STAGES_SRC, STAGES_DST = [0, 1, 2], [5, 4, 3]
+
+
+@contextlib.contextmanager
+def into_two_stages(
+    peer: PeerProcess, seed: int, config: WriterConfig
+) -> Iterator[tuple[list[str], list[torch.Tensor], Recorder, TransferWriter]]:
+    """`STAGES`' producer rank (a started writer with `config`, its KV random from `seed`) assigned transfer "t"
+    into the consumer's two stages, progressive: (the stages' agent names, the KV, the recorder, the writer)."""
+    p, c = STAGES
     names = [unique("c0"), unique("c1")]
     agents = tuple(
         dataclasses.replace(peer.call("create", n, c.region_layout(r)), rank=r, **c.agent_fields(r))
         for r, n in enumerate(names)
     )
-    views = region_views(p.region_layout(0), seed=300)
+    views = region_views(p.region_layout(0), seed=seed)
     recorder = Recorder()
     writer = TransferWriter(
         NixlEndpoint.from_tensors(unique("p"), views),
         on_complete_parts=recorder.on_complete_parts,
         on_revoked=recorder.on_revoked,
         on_source_free=recorder.on_source_free,
-        config=WriterConfig(part_compute_ratio=0.0),  # each layer a part, however soon after the last
+        config=config,
         layout=p.layout,
     )
     try:
         writer.start()
-        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, dst, progressive=True)
+        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, STAGES_DST, progressive=True)
+        yield names, views, recorder, writer
+    finally:
+        assert writer.stop(10)
+        for n in names:
+            peer.call("close", n)
+
+
+def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerProcess) -> None:
+    p, c = STAGES
+    src, dst = STAGES_SRC, STAGES_DST
+    config = WriterConfig(part_compute_ratio=0.0)  # each layer a part, however soon after the last
+    with into_two_stages(peer, 300, config) as (names, views, recorder, writer):
         writer.source_part("t", src, 12, (0, 1), prompt_tokens=12)
         assert writer.barrier(5) and writer.parts_in_flight == 1  # one WRITE, into stage 0
         writer.source_part("t", src, 12, (1, 2))
@@ -436,10 +458,6 @@ def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerP
             got = [c.canonical(b) for b in peer.call("blocks", n)]
             for g, w in zip(got, expected(p, c, sources, r, src, dst, 12, 12), strict=True):
                 np.testing.assert_array_equal(g, w, err_msg=f"consumer rank {r}")
-    finally:
-        assert writer.stop(10)
-        for n in names:
-            peer.call("close", n)
 
 
 def test_a_part_is_posted_only_once_the_device_computed_it(peer: PeerProcess, make_pair: MakePair) -> None:
@@ -626,26 +644,9 @@ def test_with_integrity_each_stage_s_last_cell_waits_for_the_final_which_brings_
     layer's part goes ahead without its last block, which goes with the final, whose notification carries the
     digests of that stage's whole target with their scope; the consumer's own hash of its blocks matches them."""
     pytest.importorskip("xxhash", reason="integrity needs the nixl extra's xxhash")
-    p, c = Engine(1, 1, 4, 6), Engine(1, 2, 4, 6)  # the consumer's stage r holds layer r
-    src, dst = [0, 1, 2], [5, 4, 3]
-    names = [unique("c0"), unique("c1")]
-    agents = tuple(
-        dataclasses.replace(peer.call("create", n, c.region_layout(r)), rank=r, **c.agent_fields(r))
-        for r, n in enumerate(names)
-    )
-    views = region_views(p.region_layout(0), seed=301)
-    recorder = Recorder()
-    writer = TransferWriter(
-        NixlEndpoint.from_tensors(unique("p"), views),
-        on_complete_parts=recorder.on_complete_parts,
-        on_revoked=recorder.on_revoked,
-        on_source_free=recorder.on_source_free,
-        config=WriterConfig(part_compute_ratio=0.0, integrity=True),
-        layout=p.layout,
-    )
-    try:
-        writer.start()
-        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, dst, progressive=True)
+    src, dst = STAGES_SRC, STAGES_DST
+    config = WriterConfig(part_compute_ratio=0.0, integrity=True)
+    with into_two_stages(peer, 301, config) as (names, _, recorder, writer):
         writer.source_part("t", src, 12, (0, 1), prompt_tokens=12)
         assert writer.barrier(5) and writer.parts_in_flight == 1  # layer 0's first two blocks, into stage 0
         writer.source_part("t", src, 12, (1, 2))
@@ -664,7 +665,3 @@ def test_with_integrity_each_stage_s_last_cell_waits_for_the_final_which_brings_
             held[1][dst[0], 0] ^= 0xFF  # a byte of what landed, changed
             assert scope_digests(geometry, "HND", final.scope, dst) != final.digests
         assert recorder.next(10) == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 1), WrittenPart(8, 4))
-    finally:
-        assert writer.stop(10)
-        for n in names:
-            peer.call("close", n)
