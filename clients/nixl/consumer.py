@@ -595,7 +595,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         """The target's bytes are in (`via` says how it knows): ok, once its digests matched when it has any."""
         if target.checking or target.corrupted:
             return
-        if target.block_ids and (target.digests or target.scoped or self._integrity):  # none: a failed check
+        # Digests that came are checked where the blocks can be read on the host; with integrity on, none is a failure.
+        checkable = bool(self._regions) and bool(target.digests or target.scoped)
+        if target.block_ids and (self._integrity or checkable):
             target.checking = True
             self._start_check(transfer_id, target, at, via)
             return

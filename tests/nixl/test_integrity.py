@@ -25,7 +25,7 @@ from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.records import KvRegion
 from tests.clients.conftest import WAIT, client, server
-from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2, landed
+from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2, landed, started_pair
 
 __all__ = ["client", "server"]
 
@@ -314,6 +314,21 @@ async def test_scoped_digests_must_cover_the_target_and_match_it(
         assert not result.ok and result.reason is AgentReason.CORRUPTED and why in result.message
         info = await client.get_transfer("t1")
         assert info.state is TransferState.ABORTED and why in info.abort_message
+
+
+async def test_a_consumer_that_cannot_read_its_blocks_on_the_host_takes_digests_it_did_not_ask_for_as_unchecked(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """A consumer without integrity whose KV is not in host memory (over VRAM: no host regions) cannot hash its
+    blocks; digests a producer sends anyway arrive unchecked, as without them (before, the transfer failed:
+    "2 digests for 0 host-memory regions here")."""
+    async with started_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        pair.consumer._regions = ()  # what a consumer over VRAM has: nothing to read on the host
+        await write(
+            hand, peer, encode_notification("t1", 1, digests=block_digests(regions_from_tensors(pair.kv), [1, 2]))
+        )
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        assert_blocks_5_6_hold_source_1_2(pair)
 
 
 async def test_a_target_of_no_blocks_has_nothing_to_check_and_arrives_on_the_commit(
