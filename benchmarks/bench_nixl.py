@@ -10,7 +10,7 @@
               head is 64 fp16, or 2 bytes so that descriptors dominate): descriptors, plan time, post time
               (making the transfer handle + the transfer call) and time to DONE, for whole blocks (TP 1 -> 1:
               prepared lists with indices, or per-transfer lists from rendezvous.clients.nixl.plan, unmerged or merged)
-              and for one rank's head slice (TP 2 -> 1, HND)
+              and for one rank's head slice (TP 2 -> 1, HND, and vLLM-CPU's HKTV where the unit allows)
   parts       progressive push on a TransferWriter: one layer of a 512-token prompt (64 scattered block
               descriptors of 1 KiB) handed over and posted, per part (32 in a row, and one at a time), and one
               layer of 8 requests, against NIXL's own prepared post of the same descriptors measured in the same
@@ -244,6 +244,7 @@ POST_HEADS = 4  # KV heads of the model
 POST_TOKENS = 16  # tokens per block
 POST_UNITS = (128, 2)  # bytes of one token of one head: 64 x fp16; 2 makes the bytes negligible next to descriptors
 POST_BLOCKS = 118
+POST_ELEMENT = 2  # bytes of an element (fp16): HKTV's key rows are a token's element each
 
 
 def layer_regions(base: int, block: int, num_blocks: int) -> list[KvRegion]:
@@ -274,10 +275,13 @@ def _posting(peer: Consumer, total: int, reps: int, unit: int) -> list[dict[str,
         endpoint = NixlEndpoint(f"bench-post-src-{unit}-{tp}", regions)
         endpoint.add_peer(dataclasses.replace(agent, regions=tuple(remote_regions)), 1, whole_blocks=tp == 1)
         share = RankShare(0, 0, range(POST_REGIONS), range(POST_REGIONS), 0, 0, heads)
-        producer = RankGeometry(regions, heads, POST_TOKENS)
-        consumer = RankGeometry(remote_regions, POST_HEADS, POST_TOKENS)
+        producer = RankGeometry(regions, heads, POST_TOKENS, POST_ELEMENT)
+        consumer = RankGeometry(remote_regions, POST_HEADS, POST_TOKENS, POST_ELEMENT)
         modes = ["prepared lists, indices"] if tp == 1 else []
-        for mode in [*modes, "per-transfer lists, unmerged", "per-transfer lists, merged"]:
+        modes += ["per-transfer lists, unmerged", "per-transfer lists, merged"]
+        if tp == 2 and unit % (2 * POST_ELEMENT) == 0:  # vLLM-CPU's layout: keys transposed, then the values
+            modes.append("per-transfer lists, merged, HKTV")
+        for mode in modes:
             samples, count = [], 0
             for _ in range(reps + 2):
                 start = time.perf_counter()
@@ -286,7 +290,8 @@ def _posting(peer: Consumer, total: int, reps: int, unit: int) -> list[dict[str,
                     planned = time.perf_counter()
                     posted = endpoint.post("WRITE", agent.name, src, dst, b"post:1")
                 else:
-                    plan = plan_write(producer, consumer, share, src, dst, "HND", merge=mode.endswith(" merged"))
+                    kv_layout = kvmap.HKTV if mode.endswith("HKTV") else "HND"
+                    plan = plan_write(producer, consumer, share, src, dst, kv_layout, merge="unmerged" not in mode)
                     count, planned = plan.num_descriptors, time.perf_counter()
                     posted = endpoint.post_descriptors("WRITE", agent.name, plan.local, plan.remote, b"post:1")
                 sent = time.perf_counter()
@@ -295,7 +300,7 @@ def _posting(peer: Consumer, total: int, reps: int, unit: int) -> list[dict[str,
             plan_s, post_s, done_s = (statistics.median(x) for x in zip(*samples[2:], strict=True))
             rows.append(
                 {
-                    "case": f"TP {tp} -> 1" + (" (whole blocks)" if tp == 1 else " (head slice, HND)"),
+                    "case": f"TP {tp} -> 1" + (" (whole blocks)" if tp == 1 else " (head slice)"),
                     "mode": mode,
                     "unit_bytes": unit,
                     "descriptors": count,

@@ -370,3 +370,19 @@ def test_vllm_cpu_blocks_move_by_token_with_their_transposed_keys(
             assert key == truth[head, token, 0].tolist() and value == truth[head, token, 1].tolist(), (head, token)
     for c in consumers:
         assert not c.cache[:2].any()  # the blocks not in the target stay untouched
+
+
+def test_vllm_cpu_whole_blocks_of_some_heads_move_as_one_slab_per_block() -> None:
+    """TP 2 -> 1, equal block sizes: a producer rank's heads of a consumer block (keys and values of each, one
+    after the other) are one slab on both sides, so the plan is one descriptor per block, made without a
+    descriptor per key row (that plan took ~190 ms for 1,024 blocks; this one ~1 ms)."""
+    heads, dim, bs, blocks = 4, 4, 8, 6
+    producer, consumer = CpuCache(blocks, heads // 2, bs, dim), CpuCache(blocks, heads, bs, dim)
+    share = kvmap.RankShare(1, 0, range(1), range(1), 0, 2, 2)  # rank 1's two heads are the consumer's 2 and 3
+    p = RankGeometry((producer.region(),), 2, bs, 4)
+    c = RankGeometry((consumer.region(),), heads, bs, 4)
+    plan = plan_write(p, c, share, [1, 2, 3], [5, 0, 4], kvmap.HKTV)
+    slab = 2 * bs * 2 * dim * 4  # two heads' keys and values, float32
+    assert plan.num_descriptors == 3 and plan.local[:, 1].tolist() == [slab] * 3
+    block = consumer.cache[0].nbytes
+    assert (plan.remote[:, 0] - CpuCache.BASE).tolist() == [5 * block + slab, 0 * block + slab, 4 * block + slab]
