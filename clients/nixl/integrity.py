@@ -227,7 +227,10 @@ def scope_gaps(scopes: Iterable[DigestScope], num_regions: int, num_heads: int, 
         counts[s.regions.start : s.regions.stop, s.first_head : s.first_head + s.num_heads] += 1
     if (counts != 1).any():
         region, head = (int(x) for x in np.argwhere(counts != 1)[0])
-        return f"the digests cover region {region} head {head} {int(counts[region, head])} times, not once"
+        times = int(counts[region, head])
+        if not times:
+            return f"no digests cover region {region} head {head} (a producer rank without integrity wrote it?)"
+        return f"the digests cover region {region} head {head} {times} times, not once"
     return ""
 
 

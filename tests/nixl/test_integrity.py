@@ -291,7 +291,7 @@ WHOLE = DigestScope(range(0, 2), 0, 1, 32)
     ("scope", "source", "why"),
     [
         (WHOLE, [1, 2], ""),
-        (DigestScope(range(0, 1), 0, 1, 32), [1, 2], "cover region 1 head 0 0 times, not once"),
+        (DigestScope(range(0, 1), 0, 1, 32), [1, 2], "no digests cover region 1 head 0"),
         (DigestScope(range(0, 2), 0, 1, 16), [1, 2], "digests of only 16 tokens (17 needed)"),
         (WHOLE, [2, 1], "hand-writer wrote heads +0:1 of region 0 of the 2 blocks from block 5"),
     ],

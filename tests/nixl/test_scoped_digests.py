@@ -104,7 +104,7 @@ def test_a_descriptor_merged_across_two_regions_counts_for_each_its_own_bytes() 
 def test_scopes_must_cover_every_region_and_head_once_with_the_whole_target() -> None:
     half = [DigestScope(range(0, 4), 0, 2, 32), DigestScope(range(0, 4), 2, 2, 32)]
     assert scope_gaps(half, 4, 4, 32) == ""
-    assert "region 0 head 2 0 times" in scope_gaps(half[:1], 4, 4, 32)
+    assert "no digests cover region 0 head 2" in scope_gaps(half[:1], 4, 4, 32)
     assert "region 0 head 0 2 times" in scope_gaps([half[0], half[0], half[1]], 4, 4, 32)
     assert "digests of only 16 tokens (32 needed)" in scope_gaps([DigestScope(range(0, 4), 0, 4, 16)], 4, 4, 32)
     assert "outside the rank's" in scope_gaps([DigestScope(range(0, 5), 0, 4, 32)], 4, 4, 32)
