@@ -349,6 +349,13 @@ def _entry(transfer_id: str, generation: int, piece: _Piece) -> PartsEntry:
     return PartsEntry(transfer_id, generation, target.writers, target.layers, piece.covers, piece.digests, piece.scope)
 
 
+def _told(a: _Assign, t: _Transfer) -> _Assign:
+    """`a` with the prompt's length the engine told with the parts, when the assignment did not say it."""
+    if not a.prompt_tokens and t.computed is not None:
+        return dataclasses.replace(a, prompt_tokens=t.computed.prompt_tokens)
+    return a
+
+
 def _same_bytes(target: _Target) -> bool:
     """Whether the consumer rank's regions receive exactly this rank's blocks, region by region (whole blocks,
     the only writer): then both sides' digests are of the same bytes."""
@@ -905,10 +912,8 @@ class TransferWriter:
 
     def _post_whole(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Post the generation in one WRITE per target, each with the notification."""
-        a, w.complete = w.assignment, True
+        a, w.complete = _told(w.assignment, t), True
         assert t.source is not None
-        if not a.prompt_tokens and t.computed is not None:  # told with the parts
-            a = dataclasses.replace(a, prompt_tokens=t.computed.prompt_tokens)
         try:
             plans = self._plans(a, t.source)
             source = t.source[len(t.source) - len(a.dst) :]
@@ -941,18 +946,18 @@ class TransferWriter:
         if not all(same) and any(plan is None for _, plan in plans):
             plans = self._plans(a, src, check=True)
         blocks = block_digests(self._endpoint.regions, src[len(src) - len(a.dst) :]) if any(same) else ()
-        assert a.producer is not None
-        out: list[tuple[tuple[int, ...], DigestScope | None]] = []
-        for (target, plan), whole in zip(plans, same, strict=True):
-            if whole:
-                out.append((blocks, None))
-                continue
-            assert plan is not None
-            share, bd = target.share, target.geometry.block_size
-            tokens = len(a.dst) * bd if a.producer.block_size == bd else a.target_tokens
-            scope = DigestScope(share.consumer_regions, share.consumer_head, share.num_heads, tokens)
-            out.append((plan_digests(plan, target.geometry.regions, scope.regions), scope))
-        return out
+        return [
+            (blocks, None) if whole else self._scoped(a, *planned) for planned, whole in zip(plans, same, strict=True)
+        ]
+
+    @staticmethod
+    def _scoped(a: _Assign, target: _Target, plan: WritePlan | None) -> tuple[tuple[int, ...], DigestScope]:
+        """Integrity: the scoped digests of what `plan` writes of the whole generation into `target`."""
+        assert a.producer is not None and plan is not None
+        share, bd = target.share, target.geometry.block_size
+        tokens = len(a.dst) * bd if a.producer.block_size == bd else a.target_tokens
+        scope = DigestScope(share.consumer_regions, share.consumer_head, share.num_heads, tokens)
+        return plan_digests(plan, target.geometry.regions, scope.regions), scope
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
         """Post the cells computed and not posted yet, unless the generation's parts in flight are at the cap."""
@@ -1050,15 +1055,13 @@ class TransferWriter:
 
     def _scope_final(self, w: _Write, t: _Transfer, pieces: list[_Piece]) -> list[_Piece]:
         """Integrity: the final's pieces, those of targets with scoped digests carrying them (of the whole plan)."""
-        a = w.assignment
+        a = _told(w.assignment, t)
         assert t.source is not None
-        if not a.prompt_tokens and t.computed is not None:
-            a = dataclasses.replace(a, prompt_tokens=t.computed.prompt_tokens)
-        plans = self._plans(a, t.source, check=True)
-        scoped: dict[str, tuple[tuple[int, ...], DigestScope]] = {}
-        for (target, _), (digests, scope) in zip(plans, self._digests(a, t.source, plans), strict=True):
-            if scope is not None:
-                scoped[target.agent.name] = (digests, scope)
+        scoped = {
+            target.agent.name: self._scoped(a, target, plan)
+            for target, plan in self._plans(a, t.source, check=True)
+            if not _same_bytes(target)
+        }
         return [
             p if p.target.agent.name not in scoped else dataclasses.replace(
                 p, digests=scoped[p.target.agent.name][0], scope=scoped[p.target.agent.name][1]
