@@ -21,7 +21,9 @@
               the same bytes beside it; each as seconds per GiB. Then the same bytes as a progressive write of
               32 layers x K and V in 16 KiB blocks: all layers but the last handed over as parts and written,
               then the last layer and source_ready -> on_complete, integrity off and on (what is left for the
-              final once the parts were hashed as they went), and the consumer's check at arrival: the whole
+              final once the parts were hashed as they went), and on as TP rank 0 of 2 into a TP 1 consumer
+              (scoped digests, each layer's regions hashed once its part is posted), and the consumer's check
+              at arrival: the whole
               target hashed then, or only the last layer (`LandedDigests`, the others hashed as they landed).
               Last, scoped digests (hetero layouts) of half the heads of the same 64 KiB blocks (8 heads x 16
               tokens x 512 B), a consumer's `scope_digests` (its plan and the hash), HND (one range per block)
@@ -46,6 +48,7 @@ import statistics
 import threading
 import time
 import zlib
+from dataclasses import replace
 from importlib.metadata import version
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -66,6 +69,7 @@ from rendezvous.clients.nixl.integrity import LandedDigests, block_digests, scop
 from rendezvous.clients.nixl.notifications import DigestScope
 from rendezvous.clients.nixl.plan import RankGeometry, plan_write
 from rendezvous.clients.nixl.polling import Backoff, PollConfig
+from rendezvous.clients.nixl.writer import ConsumerEngine
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.kvmap import RankShare
 from rendezvous.protocol.records import KvLayout, WrittenPart
@@ -576,7 +580,8 @@ INTEGRITY_PART_BLOCK = 16 << 10
 
 def integrity_in_parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     """A progressive write of `total` bytes (`PART_LAYERS` layers x K and V): every layer but the last handed over
-    as a part, written; then the last layer and `source_ready`, timed to on_complete, with integrity off and on."""
+    as a part, written; then the last layer and `source_ready`, timed to on_complete, with integrity off and on;
+    and on, as TP rank 0 of 2 writing its half of the heads into a consumer of TP 1 (scoped digests)."""
     num_blocks = total // (POST_REGIONS * INTEGRITY_PART_BLOCK)
     agent: NixlAgentInfo = peer.call("create", "bench-integrity-parts-dst", INTEGRITY_PART_BLOCK)
     agent = dataclasses.replace(
@@ -593,23 +598,25 @@ def integrity_in_parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
         completed.set()
 
     finals: dict[str, list[float]] = {}
-    for checked in (False, True):
+    for mode in ("off", "on", "scoped"):
+        block, writer_layout = INTEGRITY_PART_BLOCK, layout
+        into: NixlAgentInfo | ConsumerEngine = agent
+        if mode == "scoped":  # rank 0 of TP 2 holds head 0 of 2: half of each consumer block
+            block, into = INTEGRITY_PART_BLOCK // 2, ConsumerEngine(replace(layout, num_kv_heads=2), (agent,))
+            writer_layout = replace(layout, tp_size=2, num_kv_heads=2)
         writer = TransferWriter(
-            NixlEndpoint(
-                f"bench-integrity-parts-src-{checked}",
-                layer_regions(buffer.ctypes.data, INTEGRITY_PART_BLOCK, num_blocks),
-            ),
+            NixlEndpoint(f"bench-integrity-parts-src-{mode}", layer_regions(buffer.ctypes.data, block, num_blocks)),
             on_complete=on_complete,
             on_revoked=lambda *_: None,
             on_source_free=lambda *_: None,
-            config=WriterConfig(integrity=checked, max_parts_in_flight=PART_LAYERS, part_compute_ratio=0.0),
-            layout=layout,
+            config=WriterConfig(integrity=mode != "off", max_parts_in_flight=PART_LAYERS, part_compute_ratio=0.0),
+            layout=writer_layout,
         )
         samples = []
         with writer:
             for i in range(reps + 1):  # the first warms the peer up
-                name = f"p{checked}{i}"
-                writer.assign(name, 1, agent, 1, dst, prompt_tokens=prompt, progressive=True)
+                name = f"p{mode}{i}"
+                writer.assign(name, 1, into, 1, dst, prompt_tokens=prompt, progressive=True)
                 for layer in range(PART_LAYERS - 1):
                     writer.source_part(name, src, prompt, (layer, layer + 1))
                 writer.barrier()
@@ -622,7 +629,7 @@ def integrity_in_parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
                 if not completed.wait(60):
                     raise TimeoutError("writer did not complete")
                 samples.append(time.perf_counter() - start)
-        finals["on" if checked else "off"] = samples[1:]
+        finals[mode] = samples[1:]
     if not all(outcomes):
         raise RuntimeError("a benchmark write failed")
     # The consumer's check at arrival: all of the target hashed then, or only what the last layer's part carried
@@ -645,6 +652,7 @@ def integrity_in_parts(peer: Consumer, total: int, reps: int) -> dict[str, Any]:
     return {
         "parts_final_off_s": _spread(finals["off"]),
         "parts_final_on_s": _spread(finals["on"]),
+        "parts_final_scoped_s": _spread(finals["scoped"]),
         "check_at_arrival_whole_s": _spread(whole),
         "check_at_arrival_landed_s": _spread(rest),
     }
@@ -726,7 +734,7 @@ def main() -> None:
         print(f"integrity, a whole write of {args.total_mib} MiB in {INTEGRITY_BLOCK >> 10} KiB blocks, seconds: "
               f"median (min-max) of {args.reps}")  # fmt: skip
         for key in ("write_off_s", "write_on_s", "check_s_per_gib", "crc32_s_per_gib", "parts_final_off_s",
-                    "parts_final_on_s", "check_at_arrival_whole_s", "check_at_arrival_landed_s",
+                    "parts_final_on_s", "parts_final_scoped_s", "check_at_arrival_whole_s", "check_at_arrival_landed_s",
                     "scoped_hnd_s_per_gib", "scoped_nhd_s_per_gib"):  # fmt: skip
             row = checksums[key]
             print(f"{key:>22}: {row['median']:.4f} ({row['min']:.4f}-{row['max']:.4f})")

@@ -19,7 +19,8 @@ target's tokens re-blocked; pipeline stages: some layers' regions) sends scoped 
 (`notifications.DigestScope`): per consumer region it writes, the xxh3-64 of the bytes it wrote there in ascending
 address order, read from its source in that order (`plan_digests`). The consumer makes the same plan for itself,
 its own memory on both sides (`scope_digests`), and hashes it in the same order; the senders' scopes must tile its
-regions and heads (`scope_gaps`). These are hashed when the target is complete (the final of a write in parts).
+regions and heads (`scope_gaps`). Written in parts, a producer rank hashes each consumer region once every cell of
+it is posted (`ScopedDigests`), and the final the rest; the consumer hashes them when the target is complete.
 
 xxh3 hashes ~7.5 GiB/s per core here against zlib.crc32's ~0.2 (benchmarks/RESULTS.md, "Integrity"), so the
 cost per GiB is a few tenths of a second of one core on each side, off the engine's step loop.
@@ -28,7 +29,9 @@ cost per GiB is a few tenths of a second of one core on each side, off the engin
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,7 @@ __all__ = [
     "HashJob",
     "LandedDigests",
     "RunningDigests",
+    "ScopedDigests",
     "block_digests",
     "plan_digests",
     "scope_digests",
@@ -161,9 +165,7 @@ def plan_digests(plan: WritePlan, regions: Sequence[KvRegion], indices: range) -
     local, length = plan.local[order, 0].astype(np.int64), plan.local[order, 1].astype(np.int64)
     out: list[int] = []
     for i in indices:
-        r = regions[i]
-        base = r.base_address
-        end = base + r.block_stride_bytes * max(r.num_blocks - 1, 0) + r.block_length_bytes
+        base, end = _span(regions[i])
         # A merged descriptor may run on from one region into the next: each region hashes its own bytes of it.
         lo = max(int(np.searchsorted(remote, base, side="right")) - 1, 0)
         hi = int(np.searchsorted(remote, end))
@@ -173,6 +175,72 @@ def plan_digests(plan: WritePlan, regions: Sequence[KvRegion], indices: range) -
         _hash_ranges(h, (local[lo:hi] + first - remote[lo:hi])[keep], (stop - first)[keep])
         out.append(h.intdigest())
     return tuple(out)
+
+
+def _span(region: KvRegion) -> tuple[int, int]:
+    """The addresses from `region`'s first byte to its last block's end."""
+    base = region.base_address
+    return base, base + region.block_stride_bytes * max(region.num_blocks - 1, 0) + region.block_length_bytes
+
+
+class ScopedDigests:
+    """A producer rank's scoped digests of one target written in parts, made region by region: a consumer region's
+    as soon as every cell of it is posted (`add`, on the writer thread while later layers compute), the others at
+    the final (`digests`). A region's digest is `plan_digests` of that region's plan alone, the same bytes in the
+    same order as in the whole plan, unless the consumer's regions interleave (one's span holds another's blocks,
+    whose bytes the whole plan hashes into both): then every region waits for the final."""
+
+    def __init__(self, producer: RankGeometry, consumer: RankGeometry, share: RankShare, kv_layout: str) -> None:
+        self._producer, self._consumer, self._share, self._kv_layout = producer, consumer, share, kv_layout
+        spans = sorted(_span(r) for r in consumer.regions)
+        self._early = all(end <= start for (_, end), (start, _) in pairwise(spans))
+        self._src: npt.NDArray[np.int64] | None = None
+        self._done: dict[int, int] = {}
+        """Consumer region -> the digest of what the plan of `_src` writes there."""
+
+    @property
+    def hashed(self) -> int:
+        """How many of the share's consumer regions are hashed."""
+        return len(self._done)
+
+    def add(
+        self, producer_regions: Iterable[int], src: BlockIds, dst: BlockIds, runs: Sequence[TokenRun] | None
+    ) -> None:
+        """Hash the consumer regions that receive the producer rank's `producer_regions`, every cell of them
+        posted, with source blocks `src` into `dst` (`runs`: as `plan_write` takes them). Raises ValueError
+        (`DataPlaneError`) when they do not fit the regions."""
+        if not self._early:
+            return
+        if self._src is None or not np.array_equal(self._src, src):  # more source blocks: planned anew
+            self._src, self._done = np.array(src, dtype=np.int64), {}
+        first = self._share.producer_regions.start
+        self._hash([r - first for r in producer_regions if r in self._share.producer_regions], dst, runs)
+
+    def digests(self, src: BlockIds, dst: BlockIds, runs: Sequence[TokenRun] | None) -> tuple[int, ...]:
+        """Per consumer region of the share, in order, the digest of what the whole write puts there: those not
+        hashed yet (or planned from other source blocks) hashed now."""
+        if self._src is None or not np.array_equal(self._src, src):
+            self._src, self._done = np.array(src, dtype=np.int64), {}
+        self._hash(range(len(self._share.consumer_regions)), dst, runs)
+        return tuple(self._done[c] for c in self._share.consumer_regions)
+
+    def _hash(self, offsets: Iterable[int], dst: BlockIds, runs: Sequence[TokenRun] | None) -> None:
+        """Hash the share's regions at `offsets` not hashed yet, one plan per run of neighbours."""
+        share, src = self._share, self._src
+        assert src is not None
+        todo = sorted({i for i in offsets if share.consumer_regions[i] not in self._done})
+        while todo:
+            stop = next((k for k in range(1, len(todo)) if todo[k] != todo[k - 1] + 1), len(todo))
+            first, end = todo[0], todo[stop - 1] + 1
+            part = dataclasses.replace(
+                share,
+                producer_regions=share.producer_regions[first:end],
+                consumer_regions=share.consumer_regions[first:end],
+            )
+            plan = plan_write(self._producer, self._consumer, part, src, dst, self._kv_layout, runs)
+            digests = plan_digests(plan, self._consumer.regions, part.consumer_regions)
+            self._done.update(zip(part.consumer_regions, digests, strict=True))
+            todo = todo[stop:]
 
 
 _GATHER_BELOW, _GATHER_ROWS_BYTES = 4096, 8 << 20

@@ -41,7 +41,8 @@ write at `source_ready`; into a progressive target its notification names the wh
 `WriterConfig.integrity` each part's source blocks are hashed once it is posted, the cells that would complete the
 target wait for the final, and the final's notification carries the digests of the whole target. A target this
 rank writes only some of (other heads, block sizes or layers) gets scoped digests (`integrity.plan_digests`) of
-its whole plan, hashed at the final; its last cell waits for the final.
+its whole plan: each consumer region's hashed once every cell of it is posted (`integrity.ScopedDigests`), the
+rest at the final; its last cell waits for the final.
 
 Outcomes, per transfer (a generation's WRITEs, its parts included, count as one write):
 
@@ -91,7 +92,7 @@ from rendezvous.clients.nixl.errors import (
     TransferFailedError,
 )
 from rendezvous.clients.nixl.granularity import PartCost
-from rendezvous.clients.nixl.integrity import RunningDigests, block_digests, plan_digests
+from rendezvous.clients.nixl.integrity import RunningDigests, ScopedDigests, block_digests, plan_digests
 from rendezvous.clients.nixl.notifications import DigestScope, PartsEntry, encode_notification, encode_parts
 from rendezvous.clients.nixl.parts import Columns, Computed, Grid, Rectangle, WrittenPart, rectangles
 from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, merge_descriptors, plan_write
@@ -281,7 +282,9 @@ class _Progress:
     cells: dict[str, _Cells] = dataclasses.field(default_factory=dict)  # per whole-block target agent
     digests: RunningDigests | None = None  # integrity: of the source blocks posted, per region
     hashed: npt.NDArray[np.int64] | None = None  # integrity: per column, the prefix of the target's blocks hashed
-    scoped: bool = False  # integrity: some target gets scoped digests, made at the final (`_digests`)
+    scoped: dict[str, ScopedDigests] = dataclasses.field(default_factory=dict)
+    """Integrity: per target agent with scoped digests, those made so far (`_hash_scoped`, `_scope_final`)."""
+    scope_columns: npt.NDArray[np.bool_] | None = None  # integrity: the columns whose regions were hashed scoped
 
 
 @dataclasses.dataclass(eq=False)
@@ -354,6 +357,14 @@ def _told(a: _Assign, t: _Transfer) -> _Assign:
     if not a.prompt_tokens and t.computed is not None:
         return dataclasses.replace(a, prompt_tokens=t.computed.prompt_tokens)
     return a
+
+
+def _scope(a: _Assign, target: _Target) -> DigestScope:
+    """Integrity: what the scoped digests of the whole generation written into `target` cover."""
+    assert a.producer is not None
+    share, bd = target.share, target.geometry.block_size
+    tokens = len(a.dst) * bd if a.producer.block_size == bd else a.target_tokens
+    return DigestScope(share.consumer_regions, share.consumer_head, share.num_heads, tokens)
 
 
 def _same_bytes(target: _Target) -> bool:
@@ -754,12 +765,9 @@ class TransferWriter:
         """Each target with its write plan for source blocks `src` (None: whole blocks by index, planned only
         to `check` the assignment); raises ValueError when they do not fit."""
         assert a.producer is not None
-        bp, bd = a.producer.block_size, a.targets[0].geometry.block_size if a.targets else 0
-        if len(src) < len(a.dst) and bp == bd:
+        runs = self._runs(a, src)
+        if runs is None and len(src) < len(a.dst):
             raise BlockRangeError(f"{len(a.dst)} destination blocks but only {len(src)} source blocks")
-        runs = None
-        if bp != bd:
-            runs = kvmap.token_runs(len(src), len(a.dst), bp, bd, a.prompt_tokens, a.target_tokens)
         plans: list[tuple[_Target, WritePlan | None]] = []
         for t in a.targets:
             planned = not t.whole_blocks or check
@@ -767,6 +775,16 @@ class TransferWriter:
                 (t, plan_write(a.producer, t.geometry, t.share, src, a.dst, a.kv_layout, runs) if planned else None)
             )
         return plans
+
+    @staticmethod
+    def _runs(a: _Assign, src: npt.NDArray[np.int64]) -> tuple[kvmap.TokenRun, ...] | None:
+        """How `a`'s tokens pair source blocks `src` with its destination blocks (None: equal block sizes, whole
+        blocks in order); raises ValueError when they do not fit."""
+        assert a.producer is not None
+        bp, bd = a.producer.block_size, a.targets[0].geometry.block_size if a.targets else 0
+        if bp == bd:
+            return None
+        return kvmap.token_runs(len(src), len(a.dst), bp, bd, a.prompt_tokens, a.target_tokens)
 
     def _source_ready(self, s: _SourceReady) -> None:
         if s.transfer_id in self._ended:
@@ -906,7 +924,14 @@ class TransferWriter:
             if self._config.integrity and any(_same_bytes(target) for target in a.targets):
                 w.progress.digests = RunningDigests(self._endpoint.regions)
                 w.progress.hashed = np.zeros(self._columns.count, dtype=np.int64)
-            w.progress.scoped = self._config.integrity and not all(_same_bytes(target) for target in a.targets)
+            if self._config.integrity and not all(_same_bytes(target) for target in a.targets):
+                assert a.producer is not None
+                w.progress.scoped = {
+                    x.agent.name: ScopedDigests(a.producer, x.geometry, x.share, a.kv_layout)
+                    for x in a.targets
+                    if not _same_bytes(x)
+                }
+                w.progress.scope_columns = np.zeros(self._columns.count, dtype=np.bool_)
             self._prepare_parts(transfer_id, t, w)
             self._post_parts(transfer_id, t, w)
 
@@ -953,10 +978,8 @@ class TransferWriter:
     @staticmethod
     def _scoped(a: _Assign, target: _Target, plan: WritePlan | None) -> tuple[tuple[int, ...], DigestScope]:
         """Integrity: the scoped digests of what `plan` writes of the whole generation into `target`."""
-        assert a.producer is not None and plan is not None
-        share, bd = target.share, target.geometry.block_size
-        tokens = len(a.dst) * bd if a.producer.block_size == bd else a.target_tokens
-        scope = DigestScope(share.consumer_regions, share.consumer_head, share.num_heads, tokens)
+        assert plan is not None
+        scope = _scope(a, target)
         return plan_digests(plan, target.geometry.regions, scope.regions), scope
 
     def _post_parts(self, transfer_id: str, t: _Transfer, w: _Write) -> None:
@@ -995,6 +1018,7 @@ class TransferWriter:
         progress.part_at = t.part_at
         self._post(transfer_id, t, w, pieces, parts=True)
         self._hash(progress, grid, computed.src)
+        self._hash_scoped(w, t, computed.src)
         self._turn[0] += time.thread_time() - start
         self._turn[1] += 1
         self._turn[2] += sum(self._bytes(p) for p in pieces)
@@ -1053,14 +1077,38 @@ class TransferWriter:
                 held[columns.stop - 1] = len(a.dst) - 1
         return held
 
-    def _scope_final(self, w: _Write, t: _Transfer, pieces: list[_Piece]) -> list[_Piece]:
-        """Integrity: the final's pieces, those of targets with scoped digests carrying them (of the whole plan)."""
+    def _hash_scoped(self, w: _Write, t: _Transfer, src: npt.NDArray[np.int64]) -> None:
+        """Integrity: hash, for each target with scoped digests, the consumer regions whose every cell is posted now
+        (`ScopedDigests.add`); what does not fit is left to the final, which fails the write."""
+        progress = w.progress
+        assert progress is not None
+        done = progress.scope_columns
+        if done is None:
+            return
+        complete = progress.posted >= len(w.assignment.dst)
+        new = np.flatnonzero(complete & ~done).tolist()
+        if not new:
+            return
+        done |= complete
         a = _told(w.assignment, t)
-        assert t.source is not None
+        regions = [r for column in new for r in self._columns.regions(column, column + 1)]
+        try:
+            runs = self._runs(a, src)
+            for digests in progress.scoped.values():
+                digests.add(regions, src, a.dst, runs)
+        except (ValueError, DataPlaneError) as e:
+            logger.debug("transfer %s: scoped digests left to the final: %s", a.transfer_id, e)
+
+    def _scope_final(self, w: _Write, t: _Transfer, pieces: list[_Piece]) -> list[_Piece]:
+        """Integrity: the final's pieces, those of targets with scoped digests carrying them (of the whole plan,
+        the regions not hashed as the parts went hashed now)."""
+        a, src, progress = _told(w.assignment, t), t.source, w.progress
+        assert src is not None and progress is not None
+        runs = self._runs(a, src)
         scoped = {
-            target.agent.name: self._scoped(a, target, plan)
-            for target, plan in self._plans(a, t.source, check=True)
-            if not _same_bytes(target)
+            target.agent.name: (progress.scoped[target.agent.name].digests(src, a.dst, runs), _scope(a, target))
+            for target in a.targets
+            if target.agent.name in progress.scoped
         }
         return [
             p if p.target.agent.name not in scoped else dataclasses.replace(

@@ -12,9 +12,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rendezvous.clients._types import KvLayout, KvRegion, NixlAgentInfo
-from rendezvous.clients.nixl.integrity import plan_digests, scope_digests, scope_gaps
+from rendezvous.clients.nixl.integrity import ScopedDigests, plan_digests, scope_digests, scope_gaps
 from rendezvous.clients.nixl.notifications import DigestScope
 from rendezvous.clients.nixl.plan import RankGeometry, WritePlan, plan_write
 from rendezvous.protocol import kvmap
@@ -84,6 +85,50 @@ def test_a_consumer_hashes_what_each_writer_hashed_and_a_changed_byte_shows(case
     got = [scope_digests(geometry(case.consumer, share.consumer_rank), kv_layout, s, case.dst)
            for share, s, _ in sent if share.consumer_rank == rank]  # fmt: skip
     assert got != [digests for share, _, digests in sent if share.consumer_rank == rank]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(cases(), st.data())
+def test_a_writer_hashing_region_by_region_as_parts_go_sends_the_whole_plan_s_digests(
+    case: Case, data: st.DataObject
+) -> None:
+    """`ScopedDigests` (a write in parts): the consumer regions whose cells are all posted hashed in any groups,
+    the rest at the final, give the digests of the whole plan; so does a source list that changed meanwhile."""
+    if not len(case.dst):
+        return
+    case = dataclasses.replace(case, producer=in_memory(case.producer), consumer=in_memory(case.consumer))
+    p, c = case.producer, case.consumer
+    bp, bd = p.layout.block_size, c.layout.block_size
+    runs = kvmap.token_runs(len(case.src), len(case.dst), bp, bd, case.prompt_tokens, case.target_tokens)
+    runs_or_none = runs if bp != bd else None
+    for share, plan in plans(case):
+        into = geometry(c, share.consumer_rank)
+        made = ScopedDigests(geometry(p, share.producer_rank), into, share, p.layout.kv_layout)
+        regions = list(share.producer_regions)
+        ahead = data.draw(st.lists(st.sampled_from(regions), max_size=len(regions)))
+        if data.draw(st.booleans()):
+            made.add(ahead[:1], case.src[::-1], case.dst, runs_or_none)  # planned anew once the source grows
+        for k in range(0, len(ahead), 2):
+            made.add(ahead[k : k + 2], case.src, case.dst, runs_or_none)
+        assert made.hashed == len(set(ahead))
+        assert made.digests(case.src, case.dst, runs_or_none) == plan_digests(
+            plan, into.regions, share.consumer_regions
+        )
+
+
+def test_interleaved_consumer_regions_are_hashed_at_the_final_only() -> None:
+    """K and V of each block side by side (a region's span holds the other's blocks): the whole plan hashes the
+    other region's bytes into each digest, so no region is hashed alone as the parts go."""
+    arena, source = np.zeros(4 * 2 * 8, dtype=np.uint8), np.arange(2 * 4 * 4, dtype=np.uint8)
+    kv = [KvRegion(arena.ctypes.data + 8 * i, 16, 8, 4) for i in range(2)]  # 2 heads x 2 tokens x 2 bytes
+    src_kv = [KvRegion(source.ctypes.data + 16 * i, 4, 4, 4) for i in range(2)]  # the first head
+    into, producer = RankGeometry(kv, 2, 2), RankGeometry(src_kv, 1, 2)
+    share = kvmap.RankShare(0, 0, range(0, 2), range(0, 2), 0, 0, 1)
+    made = ScopedDigests(producer, into, share, "HND")
+    made.add([0], [0, 1], [2, 3], None)
+    assert made.hashed == 0
+    plan = plan_write(producer, into, share, [0, 1], [2, 3], "HND")
+    assert made.digests([0, 1], [2, 3], None) == plan_digests(plan, into.regions, range(0, 2))
 
 
 def test_a_descriptor_merged_across_two_regions_counts_for_each_its_own_bytes() -> None:

@@ -665,3 +665,51 @@ def test_with_integrity_each_stage_s_last_cell_waits_for_the_final_which_brings_
             held[1][dst[0], 0] ^= 0xFF  # a byte of what landed, changed
             assert scope_digests(geometry, "HND", final.scope, dst) != final.digests
         assert recorder.next(10) == complete(1, WrittenPart(0, 8, 0, 1), WrittenPart(0, 8, 1, 1), WrittenPart(8, 4))
+
+
+def test_with_integrity_a_head_share_s_layers_are_hashed_as_their_parts_go(peer: PeerProcess) -> None:
+    """Integrity into a rank of twice the heads (TP 2 -> 1: rank 0 writes heads 0-1 of every layer), in layer
+    parts: each layer's regions are hashed once its part is posted, so the final's scoped digests are of the
+    bytes those parts wrote even if the source changed after they landed (hashed at the final, they would be
+    of the new bytes and fail the consumer's check)."""
+    pytest.importorskip("xxhash", reason="integrity needs the nixl extra's xxhash")
+    p, c = Engine(2, 1, 4, 6, layers=3), Engine(1, 1, 4, 6, layers=3)
+    src, dst, prompt = [0, 1, 2], [5, 4, 3], 12
+    name = unique("c")
+    consumer = ConsumerEngine(c.layout, (dataclasses.replace(peer.call("create", name, c.region_layout(0)), rank=0),))
+    views = region_views(p.region_layout(0), seed=302)
+    recorder = Recorder()
+    writer = TransferWriter(
+        NixlEndpoint.from_tensors(unique("p"), views),
+        on_complete_parts=recorder.on_complete_parts,
+        on_revoked=recorder.on_revoked,
+        on_source_free=recorder.on_source_free,
+        config=WriterConfig(part_compute_ratio=0.0, integrity=True),
+        layout=p.layout,
+    )
+    try:
+        writer.start()
+        writer.assign("t", 1, consumer, 1, dst, progressive=True)
+        for layer in (0, 1):
+            writer.source_part("t", src, prompt, (layer, layer + 1), prompt_tokens=prompt)
+            assert writer.barrier(5)
+        ahead = peer.call("wait_all", {name: 2}, 10.0)[name]
+        assert [n.parts for n in ahead] == [(WrittenPart(0, 12, 0, 1),), (WrittenPart(0, 12, 1, 1),)]
+        for region in views[:4]:  # layers 0 and 1, K and V: reused once landed
+            region.bitwise_not_()
+
+        writer.source_part("t", src, prompt, (2, 3))
+        writer.source_ready("t", src)
+
+        last = peer.call("wait_all", {name: 2}, 10.0)[name]  # layer 2 but its last cell, and the final (any order)
+        (final,) = [n for n in last if n.digests]
+        assert {n.parts for n in last} == {(WrittenPart(0, 8, 2, 1),), (WrittenPart(8, 4, 2, 1),)}
+        assert final.scope == DigestScope(range(0, 6), 0, 2, 12) and len(final.digests) == 6
+        held = [torch.from_numpy(b.copy()) for b in peer.call("blocks", name)]
+        geometry = RankGeometry(regions_from_tensors(held), 4, 4)
+        assert scope_digests(geometry, "HND", final.scope, dst) == final.digests
+        done = recorder.next(10)
+        assert (done.kind, done.args[:4]) == ("complete", ("t", 1, True, None))
+    finally:
+        assert writer.stop(10)
+        peer.call("close", name)
