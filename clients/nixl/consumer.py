@@ -100,6 +100,9 @@ FOLLOWER_CHECK_S = 5.0
 """How often a following rank asks the service about a transfer it expects and has heard nothing of."""
 EARLY_COMMITS = 4096
 """How many commits of transfers it did not expect (yet) a following rank remembers."""
+DIGESTS_AFTER_COMMIT_S = 10.0
+"""How long a target to be checked, committed before all of its digests came (their notifications trail the commit,
+or the number of producer ranks writing it is unknown), waits for the rest before it is checked with what came."""
 
 
 class AgentReason(StrEnum):
@@ -171,6 +174,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         follower_check_s: float = FOLLOWER_CHECK_S,
         capacity: EngineCapacity | None = None,
         integrity: bool = False,
+        digests_after_commit_s: float = DIGESTS_AFTER_COMMIT_S,
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
@@ -183,7 +187,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
         `integrity`: every pushed transfer must come with the producer's digests (`rendezvous.clients.nixl.integrity`,
         its writer's `WriterConfig.integrity`), checked before it counts as arrived; without, it fails
-        (`AgentReason.CORRUPTED`). Digests that come are checked either way.
+        (`AgentReason.CORRUPTED`). Digests that come are checked either way. A target to be checked that is
+        committed before all its digests came waits `digests_after_commit_s` for the rest, then is checked with
+        what came.
         """
         super().__init__(client, engine_id, pool, tensors, capacity=capacity, **options)
         self.stale_notifications = 0
@@ -195,6 +201,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._on_result = on_result
         self._follower_check_s = follower_check_s
         self._integrity = integrity
+        self._digests_after_commit_s = digests_after_commit_s
         self._held = range(self.layout.num_layers)  # the model layers this rank holds (its stage's), once open
         self._thread: ReceiverThread | None = None
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
@@ -489,14 +496,16 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         target = self._targets.get(transfer_id)
         if target is None or target.generation != generation or target.mode is not TransferMode.PUSH:
             return
-        if self._integrity and target.block_ids and not target.digests and not target.arrived and not target.corrupted:
-            target.committed = True  # the notification with the digests is still to come: it ends the commit
-            return
-        if target.checking or (target.digests and not target.arrived and not target.corrupted):
+        if target.checking or (not target.arrived and not target.corrupted and self._needs_check(target)):
             target.committed = True  # its digests decide, and the check ends the commit
-            if not target.checking:
-                target.checking = True
-                self._start_check(transfer_id, target, time.monotonic(), "commit")
+            if target.checking:
+                return
+            if self._digests_complete(target):
+                self._check_committed(transfer_id, target)
+            else:  # the notifications with the rest may still be on their way (or writers unknown): not for ever
+                asyncio.get_running_loop().call_later(
+                    self._digests_after_commit_s, self._check_committed, transfer_id, target
+                )
             return
         del self._targets[transfer_id]
         self._update_expecting()
@@ -566,6 +575,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 target.scoped[n.sender] = (n.scope, n.digests)
             else:
                 target.digests = n.digests or target.digests
+            if target.committed and not target.checking and self._digests_complete(target):
+                self._check_committed(n.transfer_id, target)  # the commit came first, waiting for these
+                continue
             if target.parts is not None:
                 self._part_notified(n, target, arrived)
                 continue
@@ -581,23 +593,49 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             return
         if n.writers != 1:  # several writers send scoped digests, checked at arrival: nothing to hash as it lands
             target.landed = None
-        if target.landed is not None:  # before `add`: its arrival's check hashes what is left after these
+        done = parts.add(n)  # first: parts it disputes (layers or tokens outside the target) are not hashed
+        if target.landed is not None and parts.disputed is None:  # before arrival, whose check hashes the rest
             share = n.layers or self._held
             jobs = [job for part in n.parts or () for job in target.landed.land(part, share)]
             self._hash_landed(target, target.landed, jobs)
-        if parts.add(n):
+        if done:
             self._arrive(n.transfer_id, target, arrived, "parts")
         elif parts.disputed is not None:
             self.disputed_targets += 1
             logger.warning("transfer %s:%d: waiting for the commit: %s", n.transfer_id, n.generation, parts.disputed)
+
+    def _needs_check(self, target: _Target) -> bool:
+        """Whether the target's bytes are checked before they count as arrived: with integrity on, or when digests
+        came that this rank can check (its blocks in host memory)."""
+        checkable = bool(self._regions) and bool(target.digests or target.scoped)
+        return bool(target.block_ids) and (self._integrity or checkable)
+
+    def _digests_complete(self, target: _Target) -> bool:
+        """Whether the digests that came cover the whole target: unscoped ones, or scopes that tile this rank."""
+        if target.digests:
+            return True
+        if not target.scoped or self._shape is None:
+            return False
+        scopes = (scope for scope, _ in target.scoped.values())
+        return not scope_gaps(scopes, len(self._regions), self._shape.num_heads, self._scope_tokens(target))
+
+    def _scope_tokens(self, target: _Target) -> int:
+        """The tokens the senders' scopes must cover: the target's, or (unknown) as many as its blocks need."""
+        return target.tokens or (len(target.block_ids) - 1) * self.layout.block_size + 1
+
+    def _check_committed(self, transfer_id: str, target: _Target) -> None:
+        """Check a committed target with the digests that came, unless it is checked, decided or gone already."""
+        if self._targets.get(transfer_id) is not target or target.checking or target.arrived or target.corrupted:
+            return
+        target.checking = True
+        self._start_check(transfer_id, target, time.monotonic(), "commit")
 
     def _arrive(self, transfer_id: str, target: _Target, at: float, via: str) -> None:
         """The target's bytes are in (`via` says how it knows): ok, once its digests matched when it has any."""
         if target.checking or target.corrupted:
             return
         # Digests that came are checked where the blocks can be read on the host; with integrity on, none is a failure.
-        checkable = bool(self._regions) and bool(target.digests or target.scoped)
-        if target.block_ids and (self._integrity or checkable):
+        if self._needs_check(target):
             target.checking = True
             self._start_check(transfer_id, target, at, via)
             return
@@ -680,9 +718,11 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         if self._shape is None or not self._regions:
             return "scoped digests, but this rank's layout does not place its regions: cannot check"
         bs, blocks = self.layout.block_size, len(target.block_ids)
-        tokens = target.tokens or (blocks - 1) * bs + 1
         gaps = scope_gaps(
-            (scope for scope, _ in target.scoped.values()), len(self._regions), self._shape.num_heads, tokens
+            (scope for scope, _ in target.scoped.values()),
+            len(self._regions),
+            self._shape.num_heads,
+            self._scope_tokens(target),
         )
         if gaps:
             return f"integrity check failed: {gaps}"

@@ -120,13 +120,14 @@ class LandedDigests:
         """`part` landed (`num_layers` 0: all of `share`, the sender's layers); the jobs for the blocks it completed."""
         first_token, num_tokens = part.first_token, part.num_tokens
         layers = range(part.first_layer, part.first_layer + part.num_layers) if part.num_layers else share
+        held = range(self._shape.first_layer, self._shape.first_layer + self._shape.num_layers)
         jobs: list[HashJob] = []
-        for layer in layers:
+        for layer in range(max(layers.start, held.start), min(layers.stop, held.stop)):  # others: not held here
             i = layer - self._shape.first_layer
-            if not 0 <= i < self._shape.num_layers:
-                continue  # not held here (PartsArrival disputes it)
-            beyond = self._beyond[i]
-            beyond.append((first_token, first_token + num_tokens))
+            beyond, landed = self._beyond[i], (first_token, first_token + num_tokens)
+            if landed in beyond:
+                continue  # a repeat
+            beyond.append(landed)
             beyond.sort()
             while beyond and beyond[0][0] <= self._prefix[i]:
                 self._prefix[i] = max(self._prefix[i], beyond.pop(0)[1])

@@ -195,12 +195,17 @@ def _scope(text: str) -> DigestScope | None:
     return DigestScope(regions, int(head), int(count), int(tokens))
 
 
+_MAX_SPAN = 1 << 16
+"""The most layers or regions a span may name (no engine rank holds more): a longer one is malformed, not a range
+whose `len()` overflows."""
+
+
 def _layers(text: str) -> range | bool | None:
     """ "*" -> None, "<first>-<stop>" -> range; False when malformed."""
     if text == "*":
         return None
     first, dash, stop = text.partition("-")
-    if not dash or not _number(first) or not _number(stop) or int(first) >= int(stop):
+    if not dash or not _number(first) or not _number(stop) or not 0 < int(stop) - int(first) <= _MAX_SPAN:
         return False
     return range(int(first), int(stop))
 

@@ -66,7 +66,10 @@ class WritePlan:
 
 
 def _column(regions: Sequence[KvRegion], indices: range, field: str) -> _Ints:
-    return np.array([getattr(regions[i], field) for i in indices], dtype=np.int64)[:, None]
+    try:
+        return np.array([getattr(regions[i], field) for i in indices], dtype=np.int64)[:, None]
+    except OverflowError:  # a peer's region stated a uint64 no process maps
+        raise LayoutMismatchError(f"a region's {field} is beyond 2**63: not an address of this machine") from None
 
 
 def _block_ids(ids: Sequence[int] | npt.NDArray[np.integer], regions: Sequence[KvRegion], indices: range) -> _Ints:

@@ -42,7 +42,11 @@ class TransferReceiver:
         received: list[TransferNotification] = []
         for sender, payloads in self.endpoint.get_notifications().items():
             for payload in payloads:
-                entries = parse_notification(sender, payload)
+                try:
+                    entries = parse_notification(sender, payload)
+                except Exception:  # a peer's bytes must not end the thread that reads them: malformed
+                    logger.exception("notification from %s could not be parsed", sender)
+                    entries = None
                 if entries is None:
                     self.malformed_notifications += 1
                     logger.warning("malformed notification from %s dropped: %r", sender, payload[:64])

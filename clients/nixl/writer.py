@@ -701,8 +701,11 @@ class TransferWriter:
             return
         try:
             resolved = self._resolve(a)
-        except ValueError as e:  # BlockRangeError, LayoutMismatchError, ShapeError, BlockPairingError
-            self._complete(a.transfer_id, a.generation, False, str(e))
+        except Exception as e:  # ValueError: BlockRangeError, LayoutMismatchError, ShapeError, BlockPairingError
+            if not isinstance(e, ValueError):  # a bug here or bytes no check foresaw: failed all the same, not lost
+                logger.exception("writer %s: assignment %s:%d", self._endpoint.name, a.transfer_id, a.generation)
+            why = str(e) if isinstance(e, ValueError) else f"the assignment could not be planned: {e!r}"
+            self._complete(a.transfer_id, a.generation, False, why)
             self._drop_if_idle(a.transfer_id, t)
             return
         t.assignment = resolved

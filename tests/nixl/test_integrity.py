@@ -13,11 +13,24 @@ from typing import Any
 import pytest
 import torch
 
-from rendezvous.clients import AsyncRendezvousClient, KvLayout, NixlAgentInfo, TransferState, WrittenPart
+from rendezvous.clients import (
+    AsyncRendezvousClient,
+    CompletionSpec,
+    KvLayout,
+    NixlAgentInfo,
+    TransferState,
+    WrittenPart,
+)
 from rendezvous.clients.nixl.agent import NixlEndpoint, XferStatus
-from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent
+from rendezvous.clients.nixl.consumer import DIGESTS_AFTER_COMMIT_S, AgentReason, ConsumerAgent
 from rendezvous.clients.nixl.integrity import LandedDigests, RunningDigests, block_digests
-from rendezvous.clients.nixl.notifications import DigestScope, PartsEntry, encode_notification, encode_parts
+from rendezvous.clients.nixl.notifications import (
+    DigestScope,
+    PartsEntry,
+    encode_notification,
+    encode_parts,
+    parse_notification,
+)
 from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.regions import regions_from_tensors
 from rendezvous.clients.nixl.writer import WriterConfig
@@ -25,6 +38,8 @@ from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.records import KvRegion
 from tests.clients.conftest import WAIT, client, server
+from tests.nixl.test_consumer_arrival import BOTH_LAYERS, progressive_match
+from tests.nixl.test_consumer_arrival import hand_writer as parts_writer
 from tests.nixl.test_producer_parts import LAYOUT, Pair, assert_blocks_5_6_hold_source_1_2, landed, started_pair
 
 __all__ = ["client", "server"]
@@ -39,7 +54,11 @@ xxhash = pytest.importorskip("xxhash", reason="integrity needs the nixl extra's 
 
 @contextlib.asynccontextmanager
 async def integrity_pair(
-    client: AsyncRendezvousClient, *, producer_checks: bool = True, part_compute_ratio: float = 8.0
+    client: AsyncRendezvousClient,
+    *,
+    producer_checks: bool = True,
+    part_compute_ratio: float = 8.0,
+    digests_after_commit_s: float = DIGESTS_AFTER_COMMIT_S,
 ) -> AsyncIterator[Pair]:
     """The pair of test_producer_parts with integrity on: the producer sends digests (unless told not to), the
     consumer requires them. `part_compute_ratio` 0: every part goes as soon as it is computed."""
@@ -53,7 +72,14 @@ async def integrity_pair(
     )
     decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
     consumer = ConsumerAgent(
-        client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result, integrity=True
+        client,
+        "d0",
+        "decode",
+        decode,
+        layout=LAYOUT,
+        on_result=arrived.set_result,
+        integrity=True,
+        digests_after_commit_s=digests_after_commit_s,
     )
     await producer.start()
     await consumer.start()
@@ -133,6 +159,15 @@ def test_landed_parts_are_hashed_per_region_once_their_blocks_are_whole() -> Non
     assert rest == [(0, [1, 4]), (1, [1, 4])] and hashing.rest() == []
     hashing.hash(rest)
     assert hashing.digests() == block_digests(regions, blocks)
+
+
+def test_a_landed_part_is_walked_over_the_layers_held_only() -> None:
+    """A part (or a sender's share) naming 1e20 layers was walked layer by layer on the consumer's event loop,
+    which hung (found by an audit); only the layers this rank holds are, and a repeat adds nothing."""
+    hashing, _regions, _blocks, _tensors = landed_digests()
+    assert hashing.land(WrittenPart(32, 8, 0, 10**20), range(2, 4)) == []  # beyond the prefix: nothing whole
+    assert hashing.land(WrittenPart(32, 8, 0, 10**20), range(2, 4)) == []
+    assert hashing.land(WrittenPart(0, 32, 0, 0), range(0, 10**20)) == [(r, [6, 1, 4]) for r in range(4)]
 
 
 def test_landed_digests_need_regions_by_layer_and_blocks_that_hold_the_target() -> None:
@@ -339,3 +374,121 @@ async def test_a_target_of_no_blocks_has_nothing_to_check_and_arrives_on_the_com
         assert (await pair.producer.claim("t1")).state is TransferState.MATCHED
         pair.producer.ready("t1", [1, 2])
         assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+
+
+HALVES = (DigestScope(range(0, 1), 0, 1, 32), DigestScope(range(1, 2), 0, 1, 32))
+"""Two producer ranks' scopes that tile the target of blocks 5 and 6: region 0, region 1."""
+
+
+@contextlib.asynccontextmanager
+async def second_writer(client: AsyncRendezvousClient, pair: Pair) -> AsyncIterator[NixlEndpoint]:
+    """Another hand-driven NIXL endpoint over p0's KV with d0's agent as its peer: a second producer rank."""
+    engine = await client.get_engine("d0")
+    hand = NixlEndpoint.from_tensors("hand-writer-2", pair.kv)
+    try:
+        hand.add_peer(engine.agents[0], engine.incarnation)
+        yield hand
+    finally:
+        hand.close()
+
+
+async def test_a_commit_before_the_last_writer_s_digests_waits_for_them(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Two producer ranks, each with the digests of its region: the commit comes between their notifications, so
+    the scopes that came do not cover the target yet; the consumer waits for the second, then checks them all."""
+    async with integrity_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
+        await write(hand, peer, encode_notification("t1", 1, 2, digests[:1], HALVES[0]))
+        await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))  # -> TRANSFER_COMMITTED
+        assert not pair.arrived.done()
+        async with second_writer(client, pair) as other:
+            await write(other, peer, encode_notification("t1", 1, 2, digests[1:], HALVES[1]))
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        assert_blocks_5_6_hold_source_1_2(pair)
+
+
+async def test_writers_unknown_the_commit_checks_the_scopes_once_they_cover_the_target(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Writers 0 (pipeline stages on both sides: the consumer cannot count its senders): the commit decides, and
+    the check runs once the scopes tile the target (before, a checking consumer waited for ever: the digests had
+    come, but only `writers` senders could end the wait; found by an audit)."""
+    async with integrity_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
+        await write(hand, peer, encode_notification("t1", 1, 0, digests[:1], HALVES[0]))
+        await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))
+        async with second_writer(client, pair) as other:
+            await write(other, peer, encode_notification("t1", 1, 0, digests[1:], HALVES[1]))
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        assert_blocks_5_6_hold_source_1_2(pair)
+
+
+async def test_writers_unknown_scopes_that_never_cover_the_target_fail_it_after_the_wait(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Writers 0, committed, and the second rank's digests never come (it ran without integrity): after
+    `digests_after_commit_s` the consumer checks what came, and the gap fails the transfer."""
+    async with integrity_pair(client, digests_after_commit_s=0.2) as pair, hand_writer(client, pair) as (hand, peer):
+        digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
+        await write(hand, peer, encode_notification("t1", 1, 0, digests[:1], HALVES[0]))
+        await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))
+        result = await asyncio.wait_for(pair.arrived, WAIT)
+        assert not result.ok and result.reason is AgentReason.CORRUPTED
+        assert "no digests cover region 1 head 0" in result.message
+
+
+async def test_writers_unknown_scoped_digests_that_lie_are_checked_on_the_commit(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """A consumer without integrity, writers 0: scoped digests that came are checked when the commit ends the
+    target, as unscoped ones are (before, only unscoped ones were, and wrong bytes reached decode)."""
+    async with started_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        lie = block_digests(regions_from_tensors(pair.kv), [2, 1])
+        await write(hand, peer, encode_notification("t1", 1, 0, lie, WHOLE))
+        await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))
+        result = await asyncio.wait_for(pair.arrived, WAIT)
+        assert not result.ok and result.reason is AgentReason.CORRUPTED
+
+
+async def test_a_consumer_that_cannot_read_its_blocks_takes_digests_unchecked_on_the_commit_too(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Over VRAM without integrity, parts disputed so the commit decides, the final carrying digests: the commit
+    takes them unchecked, as a notification does (before, "2 digests for 0 host-memory regions": CORRUPTED)."""
+    async with started_pair(client) as pair:
+        pair.consumer._regions = ()  # what a consumer over VRAM has
+        await progressive_match(pair)
+        writer = await parts_writer(pair, client)
+        try:
+            digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
+            await writer.part(BOTH_LAYERS[0], layer=0)
+            await writer.part(WrittenPart(16, 16, 0, 2), layer=1)  # overlaps layer 0's: disputed
+            final = PartsEntry("t1", 1, 1, range(2), (WrittenPart(0, 16, 1, 1),), digests)
+            await writer.write(1, encode_parts([final]))
+            await writer.fence()
+        finally:
+            writer.close()
+        assert pair.consumer.disputed_targets == 1
+        done = CompletionSpec("t1", 1, parts=BOTH_LAYERS)
+        assert (await pair.producer.session.complete_transfer(done)).state is TransferState.COMMITTED
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+
+
+async def test_a_notification_the_parser_cannot_read_does_not_end_the_receiver_thread(
+    server: AsyncTestServer, client: AsyncRendezvousClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever a peer's bytes make the parser raise, they count as malformed and the thread reads on (a scope of
+    1e20 regions raised OverflowError and ended it: no notification was read after)."""
+
+    def failing_once(sender: str, payload: bytes) -> Any:
+        if payload.startswith(b"poison"):
+            raise OverflowError("a bug the parser's checks did not foresee")
+        return parse_notification(sender, payload)
+
+    monkeypatch.setattr("rendezvous.clients.nixl.receiver.parse_notification", failing_once)
+    async with started_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        await write(hand, peer, b"poison")
+        await write(hand, peer, encode_notification("t1", 1))
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        assert_blocks_5_6_hold_source_1_2(pair)

@@ -54,6 +54,15 @@ def test_numbers_longer_than_a_uint64_are_malformed_not_an_error() -> None:
     assert parse_notification("p", f"{DATA_PLANE_VERSION} t:{2**64 - 1}".encode()) is not None
 
 
+def test_a_span_of_more_layers_or_regions_than_any_rank_holds_is_malformed() -> None:
+    """A scope of 1e20 regions parsed as a range whose `len()` overflows a C ssize_t: OverflowError out of the
+    parser ended the consumer's receiver thread (found by an audit). Spans are at most 65,536 long."""
+    huge, digest = "9" * 20, "0000000000000000"
+    for bad in (f"t:1#0-{huge}/0+1/1={digest}", f"t:1/1@0-{huge}=0+4", "t:1/1@0-65537=0+4"):
+        assert parse_notification("p", f"{DATA_PLANE_VERSION} {bad}".encode()) is None, bad
+    assert parse_notification("p", f"{DATA_PLANE_VERSION} t:1/1@0-65536=0+4".encode()) is not None
+
+
 def test_a_malformed_parts_entry_spoils_the_whole_notification() -> None:
     for bad in ("t:1@*=0+4", "t:1/1@*=", "t:1/1@2-1=0+4", "t:1/1@*=0+4x1+0", "t:1/1@*=0-4", "t:1/1@0-2=a+4"):
         assert parse_notification("p", f"{DATA_PLANE_VERSION} ok:1 {bad}".encode()) is None, bad

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -251,14 +251,19 @@ def test_bad_peers_fail_their_assignments(make_pair: MakePair) -> None:
     garbage = NixlAgentInfo("ghost", b"not metadata", regions=p.agent.regions)
     one_region = NixlAgentInfo(p.agent.name, p.agent.metadata, regions=p.agent.regions[:1])
     misaligned = NixlAgentInfo(p.agent.name, p.agent.metadata, regions=(p.agent.regions[0], KvRegion(4096, 64, 64, 8)))
-    for i, agent in enumerate([garbage, one_region, misaligned]):
+    # A uint64 the service passes on but no process maps: its int64 column overflowed, the writer logged the
+    # OverflowError and dropped the assignment without an outcome (found by an audit).
+    far = tuple(replace(r, base_address=2**63 + r.base_address) for r in p.agent.regions)
+    beyond = NixlAgentInfo(p.agent.name, p.agent.metadata, regions=far)
+    for i, agent in enumerate([garbage, one_region, misaligned, beyond]):
         p.writer.assign(f"t{i}", 1, agent, 1, [0])
 
     events = p.settled()
 
-    assert [(e.kind, e.args[:3]) for e in events] == [("complete", (f"t{i}", 1, False)) for i in range(3)]
+    assert [(e.kind, e.args[:3]) for e in events] == [("complete", (f"t{i}", 1, False)) for i in range(4)]
     assert "unreadable" in events[0].args[3]
     assert "regions" in events[1].args[3] and "block length" in events[2].args[3]
+    assert "beyond 2**63" in events[3].args[3]
 
 
 def test_a_new_peer_incarnation_is_loaded_for_later_assignments(peer: PeerProcess, make_pair: MakePair) -> None:
