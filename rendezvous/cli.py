@@ -568,6 +568,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as err:
         print(f"kv-rendezvous: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader left (`... | head`): no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # a shell's status for a command a SIGPIPE ended
 
 
 if __name__ == "__main__":

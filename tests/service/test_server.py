@@ -130,6 +130,18 @@ def test_cli_serves_answers_operator_commands_and_exits_cleanly_on_sigterm() -> 
         assert rows["live engines"] == "1" and rows["live transfers"] == "0"
         engines = subprocess.run([*cli, "engines", "--address", address], capture_output=True, text=True, check=True)
         assert engines.stdout.splitlines()[1].split()[:3] == ["d1", "decode", "consumer"]
+        read, write = os.pipe()
+        os.close(read)  # a reader that left, as `| head -2` does once it has its lines
+        try:
+            cut = subprocess.run(
+                [*cli, "status", "--address", address],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            os.close(write)
+        assert cut.returncode == 141 and "Traceback" not in cut.stderr, cut.stderr  # a BrokenPipeError's, before
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=15) == 0
         assert '"message": "stopped"' in serve.stderr.read()  # type: ignore[union-attr]
