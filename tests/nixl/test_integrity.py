@@ -392,34 +392,21 @@ async def second_writer(client: AsyncRendezvousClient, pair: Pair) -> AsyncItera
         hand.close()
 
 
-async def test_a_commit_before_the_last_writer_s_digests_waits_for_them(
-    server: AsyncTestServer, client: AsyncRendezvousClient
+@pytest.mark.parametrize("writers", [2, 0], ids=["writers-known", "writers-unknown"])
+async def test_a_commit_before_every_writer_s_digests_waits_for_them(
+    server: AsyncTestServer, client: AsyncRendezvousClient, writers: int
 ) -> None:
     """Two producer ranks, each with the digests of its region: the commit comes between their notifications, so
-    the scopes that came do not cover the target yet; the consumer waits for the second, then checks them all."""
+    the scopes that came do not cover the target yet; the consumer waits for the second, then checks them all.
+    With writers 0 (pipeline stages on both sides: the consumer cannot count its senders) the commit decides
+    arrival, and before, a checking consumer waited for ever: the digests had come, but only `writers` senders
+    could end the wait (found by an audit)."""
     async with integrity_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
         digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
-        await write(hand, peer, encode_notification("t1", 1, 2, digests[:1], HALVES[0]))
+        await write(hand, peer, encode_notification("t1", 1, writers, digests[:1], HALVES[0]))
         await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))  # -> TRANSFER_COMMITTED
-        assert not pair.arrived.done()
         async with second_writer(client, pair) as other:
-            await write(other, peer, encode_notification("t1", 1, 2, digests[1:], HALVES[1]))
-        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
-        assert_blocks_5_6_hold_source_1_2(pair)
-
-
-async def test_writers_unknown_the_commit_checks_the_scopes_once_they_cover_the_target(
-    server: AsyncTestServer, client: AsyncRendezvousClient
-) -> None:
-    """Writers 0 (pipeline stages on both sides: the consumer cannot count its senders): the commit decides, and
-    the check runs once the scopes tile the target (before, a checking consumer waited for ever: the digests had
-    come, but only `writers` senders could end the wait; found by an audit)."""
-    async with integrity_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
-        digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
-        await write(hand, peer, encode_notification("t1", 1, 0, digests[:1], HALVES[0]))
-        await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))
-        async with second_writer(client, pair) as other:
-            await write(other, peer, encode_notification("t1", 1, 0, digests[1:], HALVES[1]))
+            await write(other, peer, encode_notification("t1", 1, writers, digests[1:], HALVES[1]))
         assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
         assert_blocks_5_6_hold_source_1_2(pair)
 

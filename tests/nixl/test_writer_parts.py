@@ -404,13 +404,12 @@ STAGES_SRC, STAGES_DST = [0, 1, 2], [5, 4, 3]
 
 
 @contextlib.contextmanager
-def into_two_stages(
-    peer: PeerProcess, seed: int, config: WriterConfig
+def writing_into(
+    peer: PeerProcess, p: Engine, c: Engine, dst: list[int], seed: int, config: WriterConfig
 ) -> Iterator[tuple[list[str], list[torch.Tensor], Recorder, TransferWriter]]:
-    """`STAGES`' producer rank (a started writer with `config`, its KV random from `seed`) assigned transfer "t"
-    into the consumer's two stages, progressive: (the stages' agent names, the KV, the recorder, the writer)."""
-    p, c = STAGES
-    names = [unique("c0"), unique("c1")]
+    """`p`'s rank 0 (a started writer with `config`, its KV random from `seed`) assigned transfer "t" into `dst`
+    of every rank of `c`, progressive: (the consumer ranks' agent names, the KV, the recorder, the writer)."""
+    names = [unique(f"c{r}") for r in range(c.tp * c.pp)]
     agents = tuple(
         dataclasses.replace(peer.call("create", n, c.region_layout(r)), rank=r, **c.agent_fields(r))
         for r, n in enumerate(names)
@@ -427,12 +426,19 @@ def into_two_stages(
     )
     try:
         writer.start()
-        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, STAGES_DST, progressive=True)
+        writer.assign("t", 1, ConsumerEngine(c.layout, agents), 1, dst, progressive=True)
         yield names, views, recorder, writer
     finally:
         assert writer.stop(10)
         for n in names:
             peer.call("close", n)
+
+
+def into_two_stages(
+    peer: PeerProcess, seed: int, config: WriterConfig
+) -> contextlib.AbstractContextManager[tuple[list[str], list[torch.Tensor], Recorder, TransferWriter]]:
+    """`STAGES`' producer rank writing transfer "t" into the consumer's two stages (`writing_into`)."""
+    return writing_into(peer, *STAGES, STAGES_DST, seed, config)
 
 
 def test_layer_parts_go_only_to_the_consumer_stage_holding_the_layer(peer: PeerProcess) -> None:
@@ -675,21 +681,8 @@ def test_with_integrity_a_head_share_s_layers_are_hashed_as_their_parts_go(peer:
     pytest.importorskip("xxhash", reason="integrity needs the nixl extra's xxhash")
     p, c = Engine(2, 1, 4, 6, layers=3), Engine(1, 1, 4, 6, layers=3)
     src, dst, prompt = [0, 1, 2], [5, 4, 3], 12
-    name = unique("c")
-    consumer = ConsumerEngine(c.layout, (dataclasses.replace(peer.call("create", name, c.region_layout(0)), rank=0),))
-    views = region_views(p.region_layout(0), seed=302)
-    recorder = Recorder()
-    writer = TransferWriter(
-        NixlEndpoint.from_tensors(unique("p"), views),
-        on_complete_parts=recorder.on_complete_parts,
-        on_revoked=recorder.on_revoked,
-        on_source_free=recorder.on_source_free,
-        config=WriterConfig(part_compute_ratio=0.0, integrity=True),
-        layout=p.layout,
-    )
-    try:
-        writer.start()
-        writer.assign("t", 1, consumer, 1, dst, progressive=True)
+    config = WriterConfig(part_compute_ratio=0.0, integrity=True)
+    with writing_into(peer, p, c, dst, 302, config) as ((name,), views, recorder, writer):
         for layer in (0, 1):
             writer.source_part("t", src, prompt, (layer, layer + 1), prompt_tokens=prompt)
             assert writer.barrier(5)
@@ -710,6 +703,3 @@ def test_with_integrity_a_head_share_s_layers_are_hashed_as_their_parts_go(peer:
         assert scope_digests(geometry, "HND", final.scope, dst) == final.digests
         done = recorder.next(10)
         assert (done.kind, done.args[:4]) == ("complete", ("t", 1, True, None))
-    finally:
-        assert writer.stop(10)
-        peer.call("close", name)
