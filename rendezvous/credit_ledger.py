@@ -17,9 +17,10 @@ from typing import TypeVar
 
 from rendezvous.core import credits
 from rendezvous.core.limits import Limits, Timeouts
-from rendezvous.core.model import Engine
+from rendezvous.core.model import Engine, Transfer
 from rendezvous.core.rules import Capacity
 from rendezvous.core.validation import check_batch, check_id
+from rendezvous.pacing import Pacer
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.protocol.records import EngineCredits
 from rendezvous.protocol.requests import CreditSpec, TargetSpec
@@ -59,19 +60,27 @@ class CreditLedger:
             return list(await asyncio.gather(*calls))
         return [await call for call in calls]
 
-    async def _usage(self, engine: Engine, reservations: Sequence[credits.Reservation], now: float) -> EngineCredits:
+    async def _usage(
+        self,
+        engine: Engine,
+        reservations: Sequence[credits.Reservation],
+        now: float,
+        records: dict[str, Transfer | None] | None = None,
+    ) -> EngineCredits:
         """What engine has in use now (core: credits.usage), from its unsettled transfers (the live index: about
         as many as its capacity admits, so the reads are bounded by it; only counted, without a block limit) and
-        its reservations' transfers."""
-        ids = [r.transfer_id for r in reservations]
+        its reservations' transfers: those not in `records` read and added to it (a batch's items then read each
+        reserved transfer once; a record that changed meanwhile can only make a reservation count that no longer
+        does, which errs on the side of refusing)."""
+        records = {} if records is None else records
+        unread = [r.transfer_id for r in reservations if r.transfer_id not in records]
+        records.update(zip(unread, await self._each([self.store.get_transfer(tid) for tid in unread]), strict=True))
         if not engine.capacity.max_blocks:
             count = (await self.store.live_transfer_counts([engine.engine_id]))[engine.engine_id]
-            found = await self._each([self.store.get_transfer(tid) for tid in ids])
-            return credits.usage_by_count(engine, count, reservations, dict(zip(ids, found, strict=True)), now)
+            return credits.usage_by_count(engine, count, reservations, records, now)
         live = await self.store.live_transfer_ids(engine.engine_id)
-        records = await self._each([self.store.get_transfer(tid) for tid in [*live, *ids]])
-        targets = [t for t in records[: len(live)] if t is not None]
-        return credits.usage(engine, targets, reservations, dict(zip(ids, records[len(live) :], strict=True)), now)
+        targets = [t for t in await self._each([self.store.get_transfer(tid) for tid in live]) if t is not None]
+        return credits.usage(engine, targets, reservations, records, now)
 
     async def holders(self, transfer_ids: Sequence[str]) -> dict[str, credits.Reservation]:
         """The credit reservations (on any consumer) of the well-formed ids among transfer_ids, in one store call:
@@ -113,16 +122,20 @@ class CreditLedger:
         check_batch(len(specs), self.limits)
         lifetime = credits.credit_ttl(ttl, self.timeouts)
         outcomes: list[CreditOutcome] = []
+        records: dict[str, Transfer | None] = {}  # the reserved transfers' records, read once per batch
+        pacer = Pacer()
         for spec in specs:
             try:
                 check_id("transfer_id", spec.transfer_id, self.limits)
                 check_id("engine_id", spec.engine_id, self.limits)
-                outcomes.append(CreditOutcome(spec.transfer_id, reservation=await self._reserve(spec, lifetime)))
+                reservation = await self._reserve(spec, lifetime, records)
+                outcomes.append(CreditOutcome(spec.transfer_id, reservation=reservation))
             except RendezvousError as err:
                 outcomes.append(CreditOutcome(spec.transfer_id, error=err))
+            await pacer.tick()
         return outcomes
 
-    async def _reserve(self, spec: CreditSpec, ttl: float) -> credits.Reservation:
+    async def _reserve(self, spec: CreditSpec, ttl: float, records: dict[str, Transfer | None]) -> credits.Reservation:
         ledger_store = self.store.credits()
         for _ in range(_RESERVE_ATTEMPTS):
             now = self.clock()
@@ -131,9 +144,11 @@ class CreditLedger:
             existing = await ledger_store.get(spec.transfer_id)
             transfer = await self.store.get_transfer(spec.transfer_id)
             limited = engine is not None and engine.capacity.limited
-            spent = await self._usage(engine, ledger.reservations, now) if engine is not None and limited else None
+            spent = None
+            if engine is not None and limited:
+                spent = await self._usage(engine, ledger.reservations, now, records)
             reservation = credits.reserve(
-                now, engine, spec, existing, transfer, spent or EngineCredits(), ttl, self.limits
+                now, engine, spec, existing, transfer, spent or EngineCredits(), ttl, self.limits, ledger.reservations
             )
             if await ledger_store.put(reservation, ledger.version, existing):
                 log.debug(

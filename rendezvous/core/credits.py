@@ -10,7 +10,7 @@ when its lease ends). These functions decide; stores persist reservations; the c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from rendezvous.core.limits import Limits, Timeouts
@@ -144,11 +144,13 @@ def reserve(
     spent: EngineCredits,
     ttl: float,
     limits: Limits,
+    ledger: Sequence[Reservation] = (),
 ) -> Reservation:
     """The reservation for request, or why not.
 
     `existing` is the reservation already held for the transfer id (on any engine), `existing_transfer` the
-    transfer's record, `spent` the engine's usage (which counts `existing` if it holds credit there). The
+    transfer's record, `spent` the engine's usage (which counts `existing` if it holds credit there), `ledger`
+    the engine's reservations (at most `limits.max_credits_per_engine` unexpired ones, this id's aside). The
     same reservation again (same engine, same blocks) is idempotent: it is kept, with its expiry renewed.
     Another one for a transfer id that holds credit is CREDIT_CONFLICT; one for a transfer that already has
     a consumer or ended is TRANSFER_ENDED / TARGET_CONFLICT (nothing left to reserve for).
@@ -203,6 +205,15 @@ def reserve(
                 engine_id=existing.engine_id,
                 blocks=existing.blocks,
             )
+    others = sum(1 for r in ledger if r.expires_at > now and r.transfer_id != request.transfer_id)
+    if others >= limits.max_credits_per_engine:
+        raise RendezvousError(
+            Reason.ENGINE_CAPACITY_EXCEEDED,
+            f"engine {engine.engine_id} holds {others} credit reservations, the most one engine may",
+            engine_id=engine.engine_id,
+            limit="reservations",
+            max=limits.max_credits_per_engine,
+        )
     _fit(engine, spent, 1, request.blocks)
     return renewed
 

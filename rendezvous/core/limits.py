@@ -82,6 +82,11 @@ class Limits:
     """The largest EngineCapacity.max_transfers an engine may declare (larger is CAPACITY_INVALID)."""
     max_capacity_blocks: int = 1 << 40
     """The largest EngineCapacity.max_blocks an engine may declare."""
+    max_credits_per_engine: int = 1_024
+    """The most unexpired credit reservations one consumer engine's ledger may hold (a router reserves for a
+    request it is about to send there, and the request's target takes the reservation's place): past it
+    ReserveCredits is ENGINE_CAPACITY_EXCEEDED (`limit` "reservations"), whatever the engine's capacity. It bounds
+    the ledgers' memory and each reservation's work, which reads every reservation of its engine."""
     max_answer_bytes: int = 1 << 20
     """The largest answer kept for a request_id's retries (AIP-155; RegisterEngine's is kept without the agent
     metadata, regions and labels its request repeats); a larger one is not kept and a retry runs again."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from rendezvous.clients.testing import FakeClock
@@ -81,6 +83,24 @@ def test_reserve_refuses_beyond_capacity_naming_the_limit() -> None:
     with pytest.raises(RendezvousError) as blocks:
         credits.reserve(NOW, d, CreditSpec("t", "d0", 5), None, None, EngineCredits(1, 6), 30, LIMITS)
     assert blocks.value.metadata["limit"] == "blocks"
+
+
+def test_an_engine_holds_at_most_max_credits_per_engine_reservations_whatever_its_capacity() -> None:
+    """Zero-block reservations always fit a capacity of blocks alone, and any fits an engine without a capacity:
+    the ledger's own bound refuses them once full (found by an audit: 2,048 such items were admitted in one call,
+    and every later item read them all). Expired ones and the id's own do not count."""
+    limits = replace(LIMITS, max_credits_per_engine=2)
+    for d in (consumer(max_blocks=10), consumer()):
+        full = [held(d, "a"), held(d, "b")]
+        with pytest.raises(RendezvousError) as refused:
+            credits.reserve(NOW, d, CreditSpec("c", "d0", 0), None, None, EngineCredits(), 30, limits, full)
+        assert refused.value.reason == Reason.ENGINE_CAPACITY_EXCEEDED
+        assert refused.value.metadata == {"engine_id": "d0", "limit": "reservations", "max": "2"}
+        lapsed = [held(d, "a"), held(d, "b", expires=NOW)]
+        assert credits.reserve(NOW, d, CreditSpec("c", "d0", 0), None, None, EngineCredits(), 30, limits, lapsed)
+        before = replace(full[0], incarnation=d.incarnation - 1)  # the id's own, of the engine's last incarnation
+        again = credits.reserve(NOW, d, CreditSpec("a", "d0", 3), before, None, EngineCredits(), 30, limits, full)
+        assert again.blocks == 3  # it replaces that one: no more room taken
 
 
 def test_reserve_is_idempotent_and_conflicts_are_named() -> None:

@@ -5,12 +5,13 @@ Real server on 127.0.0.1, memory and Redis stores; the server's time is a fake c
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
-from rendezvous import cli
+from rendezvous import cli, pacing
 from rendezvous.clients import (
     AbortSpec,
     AsyncRendezvousClient,
@@ -193,6 +194,57 @@ async def test_bad_input(client: AsyncRendezvousClient, server: AsyncTestServer)
     async with grpc.aio.insecure_channel(server.address) as channel:
         status = await pb_grpc.RendezvousServiceStub(channel).GetStatus(pb.GetStatusRequest())
         assert status.header.epoch
+
+
+async def test_a_consumer_s_ledger_holds_at_most_max_credits_per_engine(store: str, clock: FakeClock) -> None:
+    """Zero-block reservations on a consumer whose capacity limits blocks alone always fit; the ledger's own
+    bound stops them (before, a router admitted thousands in one call); a release makes room again."""
+    limits = Limits(max_credits_per_engine=3)
+    async with start_test_server(clock, store=store, limits=limits) as srv, AsyncRendezvousClient(srv.address) as c:
+        await register(c, decode("d0", blocks=100))
+        results = await c.reserve_credits([CreditSpec(f"t{i}", "d0") for i in range(5)])
+        assert [r.ok for r in results] == [True, True, True, False, False]
+        refused = results[3].error
+        assert refused is not None and refused.reason == "ENGINE_CAPACITY_EXCEEDED"
+        assert refused.metadata["limit"] == "reservations"
+        await c.release_credits(["t0"])
+        assert (await c.reserve_credits([CreditSpec("t3", "d0")]))[0].ok
+
+
+async def test_a_reservation_batch_reads_each_reserved_transfer_once_and_yields_between_items(
+    server: AsyncTestServer, client: AsyncRendezvousClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each item of a ReserveCredits batch used to read the transfer of every reservation its engine held (2,048
+    items held the loop 1-2 s in one step, found by an audit): a batch reads each once, and gives the loop to
+    other tasks between items."""
+    monkeypatch.setattr(pacing, "QUANTUM", 0.0)  # yield at every chance, so the test needs no timing
+    await register(client, decode("d0", blocks=1000))
+    coordinator = server.server.coordinator
+    reads: list[str] = []
+    ticks, seen = [0], []
+    original = coordinator.store.get_transfer
+
+    async def get_transfer(transfer_id: str) -> object:
+        reads.append(transfer_id)
+        seen.append(ticks[0])
+        return await original(transfer_id)
+
+    monkeypatch.setattr(coordinator.store, "get_transfer", get_transfer)
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(0)
+            ticks[0] += 1
+
+    ticker = asyncio.create_task(tick())
+    try:
+        results = await client.reserve_credits([CreditSpec(f"t{i}", "d0") for i in range(100)])
+    finally:
+        ticker.cancel()
+    assert all(r.ok for r in results)
+    # Each id read for its own item, then once as a reservation the later items count (the last: no later item).
+    assert Counter(reads) == {**{f"t{i}": 2 for i in range(99)}, "t99": 1}
+    assert seen[-1] > seen[0]  # other tasks ran while the batch did
 
 
 async def test_concurrent_reservations_never_overcommit(server: AsyncTestServer) -> None:
