@@ -367,6 +367,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             case EventType.TRANSFER_ASSIGNED:
                 self._assign(event)
             case EventType.TRANSFER_REVOKED:
+                self._drop_deferred(transfer_id, event.generation)
                 writer.revoke(transfer_id, event.generation)
             case EventType.TRANSFER_ABORTED:
                 if info.revoking_generation:
@@ -374,6 +375,12 @@ class ProducerAgent(RankAgent[ProducerSession]):
                 self._end(transfer_id)
             case EventType.TRANSFER_COMMITTED:  # pull: the consumer read the blocks
                 self._end(transfer_id)
+
+    def _drop_deferred(self, transfer_id: str, generation: int) -> None:
+        """A held assignment of `generation` or older is revoked: it must never reach the writer."""
+        deferred = self._deferred.get(transfer_id)
+        if deferred is not None and deferred.generation <= generation:
+            del self._deferred[transfer_id]
 
     def _assign(self, event: ServerEvent) -> None:
         writer, info, peer = self._writer, event.transfer, event.peer

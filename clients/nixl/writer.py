@@ -437,7 +437,11 @@ class TransferWriter:
         # Owned by the writer thread:
         self._transfers: dict[str, _Transfer] = {}
         self._in_flight: dict[str, _Write] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        """Transfers that succeeded or were aborted (""), or failed before any assignment came (why)."""
+        self._fences: OrderedDict[str, int] = OrderedDict()
+        """Revoked generations of transfers not held here (revoked before their assignment came, or dropped idle
+        since): an assignment of one of them or older is stale."""
         self._forget: set[str] = set()
         self._reconnect: set[str] = set()  # peers that assignments wait for (`_connect`) until writes to them drain
         self._columns = Columns.of(layout, self.agent_info())
@@ -671,8 +675,7 @@ class TransferWriter:
         dropped = [x.command for x in self._waiting if x.command.transfer_id == transfer_id]
         self._waiting = [x for x in self._waiting if x.command.transfer_id != transfer_id]
         if transfer_id in self._ended:
-            if any(isinstance(c, _SourceReady) for c in dropped):
-                self._emit(self._on_source_free, transfer_id)
+            self._free_ended(transfer_id)
             return
         t = self._transfers.setdefault(transfer_id, _Transfer())
         for command in dropped:  # held now, so freed with the transfer
@@ -681,20 +684,28 @@ class TransferWriter:
             elif t.computed is None:
                 t.computed = Computed.empty(self._columns)
         w, a = t.write, t.assignment
+        told = True
         if w is not None and not w.stopped:
             w.error = error  # on_complete(ok=False) once its WRITEs posted drained
             self._settle(transfer_id, t)
         elif a is not None:
             t.assignment = None
             self._complete(transfer_id, a.generation, False, error)
+        else:
+            told = False  # no assignment yet: the one that comes is failed with it (`_assign`)
         if t.write is None:
-            self._end(transfer_id, t)
+            self._end(transfer_id, t, "" if told else error)
 
     def _assign(self, a: _Assign) -> None:
         if a.transfer_id in self._ended:
-            logger.debug("assignment of ended transfer %s ignored", a.transfer_id)
+            why = self._ended[a.transfer_id]
+            if why:  # it failed before its assignment came: the assignment fails with it
+                self._complete(a.transfer_id, a.generation, False, why)
+            else:
+                logger.debug("assignment of ended transfer %s ignored", a.transfer_id)
             return
         t = self._transfers.setdefault(a.transfer_id, _Transfer())
+        t.fence = max(t.fence, self._fences.pop(a.transfer_id, 0))
         newest = max([t.fence, *(x.generation for x in (t.assignment, t.write) if x is not None)])
         if a.generation <= newest:
             logger.debug("stale or repeated assignment %s:%d ignored", a.transfer_id, a.generation)
@@ -791,7 +802,7 @@ class TransferWriter:
 
     def _source_ready(self, s: _SourceReady) -> None:
         if s.transfer_id in self._ended:
-            self._emit(self._on_source_free, s.transfer_id)
+            self._free_ended(s.transfer_id)
             return
         t = self._transfers.setdefault(s.transfer_id, _Transfer())
         if s.transfer_id in self._parts_due:  # its parts of this turn go ahead of the final, as handed over
@@ -807,6 +818,7 @@ class TransferWriter:
 
     def _source_part(self, p: _SourcePart) -> None:
         if p.transfer_id in self._ended:
+            self._free_ended(p.transfer_id)
             return
         t = self._transfers.setdefault(p.transfer_id, _Transfer())
         if t.computed is None:
@@ -830,7 +842,8 @@ class TransferWriter:
 
     def _revoke(self, transfer_id: str, generation: int) -> None:
         t = self._transfers.get(transfer_id)
-        if t is None:
+        if t is None:  # nothing of it to stop, but an assignment of it that comes later must not be written
+            self._remember_fence(transfer_id, generation)
             self._emit(self._on_revoked, transfer_id, generation)
             return
         t.fence = max(t.fence, generation)
@@ -1354,6 +1367,8 @@ class TransferWriter:
                 w.part_posts.add(posted)
                 self._parts_in_flight += 1
                 self._in_flight[transfer_id] = w
+        for peer in {piece.target.agent.name for _, _, piece in batch}:
+            self._after_drain(peer)  # an assignment that waited for this batch to reconnect the peer: nothing posted
         seconds, parts, num_bytes = self._turn
         if parts:  # what this turn's parts cost: placing them and the posts
             self._part_cost.observe(seconds + time.thread_time() - start, int(parts), int(num_bytes))
@@ -1436,29 +1451,48 @@ class TransferWriter:
                 self._try_write(transfer_id, t)
 
     def _writing_to(self, peer: str) -> bool:
-        return any(peer in w.peers for w in self._in_flight.values())
+        """Whether a WRITE to `peer` is in flight, or a part for it waits in this turn's batch (`_flush_parts`)."""
+        batched = any(piece.target.agent.name == peer for _, _, piece in self._batch)
+        return batched or any(peer in w.peers for w in self._in_flight.values())
 
-    def _end(self, transfer_id: str, t: _Transfer) -> None:
+    def _end(self, transfer_id: str, t: _Transfer, why: str = "") -> None:
         del self._transfers[transfer_id]
-        self._remember_ended(transfer_id)
+        self._remember_ended(transfer_id, why)
         if t.held:
             self._emit(self._on_source_free, transfer_id)
 
-    def _remember_ended(self, transfer_id: str) -> None:
-        self._ended[transfer_id] = None
+    def _free_ended(self, transfer_id: str) -> None:
+        """Blocks handed over for a transfer that ended are the engine's again: at once, or with the rest once the
+        WRITEs it still has in flight drained (aborted mid-way)."""
+        if transfer_id not in self._transfers:
+            self._emit(self._on_source_free, transfer_id)
+
+    def _remember_ended(self, transfer_id: str, why: str = "") -> None:
+        self._ended[transfer_id] = why
         self._ended.move_to_end(transfer_id)
         while len(self._ended) > self._config.ended_transfers_kept:
             self._ended.popitem(last=False)
 
+    def _remember_fence(self, transfer_id: str, generation: int) -> None:
+        self._fences[transfer_id] = max(generation, self._fences.get(transfer_id, 0))
+        self._fences.move_to_end(transfer_id)
+        while len(self._fences) > self._config.ended_transfers_kept:
+            self._fences.popitem(last=False)
+
     def _drop_if_idle(self, transfer_id: str, t: _Transfer) -> None:
         if t.idle and self._transfers.get(transfer_id) is t:
             del self._transfers[transfer_id]
+            if t.fence:
+                self._remember_fence(transfer_id, t.fence)
 
     def _shutdown(self) -> None:
         self._batch.clear()  # parts not posted yet: their writes fail below
         for entry in self._waiting:  # never written; a source handed over is freed below with the others
-            if isinstance(entry.command, _SourceReady) and entry.command.transfer_id not in self._ended:
-                self._transfers.setdefault(entry.command.transfer_id, _Transfer()).source = entry.command.src
+            command = entry.command
+            if isinstance(command, _SourceReady) and command.transfer_id in self._ended:
+                self._free_ended(command.transfer_id)  # as it would have been once computed
+            elif isinstance(command, _SourceReady):
+                self._transfers.setdefault(command.transfer_id, _Transfer()).source = command.src
         self._waiting.clear()
         for transfer_id, t in list(self._transfers.items()):
             if t.assignment is not None:

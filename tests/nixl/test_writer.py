@@ -168,6 +168,32 @@ def test_repeated_assignment_of_a_generation_writes_once(peer: PeerProcess, make
     p.landed(peer, [1], [8])
 
 
+def test_a_generation_revoked_before_its_assignment_came_is_never_written(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    """A revocation of a transfer the writer holds nothing of is acknowledged at once; the revoked generation's
+    assignment, if it comes after (ProducerAgent held it for the prompt's length), is stale. Before, the writer
+    kept no fence for it and wrote it into blocks the consumer had been told it may reuse (found by an audit)."""
+    p = make_pair()
+    p.writer.revoke("t1", 1)
+    p.writer.assign("t1", 1, p.agent, 1, [3])  # late
+    p.writer.assign("t2", 1, p.agent, 1, [5])
+    p.writer.revoke("t2", 1)  # dropped: nothing of t2 is held after it
+    p.writer.assign("t2", 1, p.agent, 1, [6])  # late again
+    p.writer.source_ready("t1", [4])
+    p.writer.assign("t1", 2, p.agent, 1, [8])
+
+    assert p.notifications(peer, 1) == [("t1", 2)]
+    events = [p.recorder.next() for _ in range(4)]
+    assert events == [
+        Event("revoked", ("t1", 1)),
+        Event("revoked", ("t2", 1)),
+        complete("t1", 2),
+        Event("source_free", ("t1",)),
+    ]
+    p.landed(peer, [4], [8])  # blocks 3, 5 and 6 still hold the sentinel
+
+
 def test_revoke_before_the_write_drops_it_and_keeps_the_source_for_the_next_generation(
     peer: PeerProcess, make_pair: MakePair
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -177,6 +178,18 @@ class _Point:
         if self.stream.error is not None:
             raise RuntimeError(self.stream.error)
         return self.stream.completed >= self.index
+
+
+class Gate:
+    """A KvReady whose `done` holds the writer thread until the test opens it: the commands queued meanwhile are
+    then handled in one turn of the thread."""
+
+    def __init__(self) -> None:
+        self.entered, self.open = threading.Event(), threading.Event()
+
+    def done(self) -> bool:
+        self.entered.set()
+        return self.open.wait(10)
 
 
 def spy_posts(writer: TransferWriter) -> list[int]:
@@ -511,6 +524,70 @@ def test_a_device_error_fails_the_transfer_and_writes_nothing(peer: PeerProcess,
     assert "the device failed computing the KV: an illegal memory access" in failed.args[3]
     assert p.recorder.next() == Event("source_free", ("t",))
     assert p.writer.parts_in_flight == 0 and untouched(peer, p)
+
+
+def test_an_assignment_after_a_device_failure_before_it_fails_with_that_failure(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    """Layer-wise prefill hands parts over before decode registered (the claim goes at admission): a part whose
+    device fails then ends the transfer here with nobody to tell. Before, the assignment that came next was
+    ignored as of an ended transfer: no outcome, and decode waited for the deadline (found by an audit)."""
+    p, stream = make_pair(), LateStream()
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT, kv_ready=stream.record())
+    stream.error = "an illegal memory access was encountered"
+    assert p.recorder.next() == Event("source_free", ("t",))
+
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+
+    failed = p.recorder.next()
+    assert failed.args[:3] == ("t", 1, False) and "an illegal memory access" in failed.args[3]
+    assert p.settled() == [] and untouched(peer, p)
+
+
+def test_what_an_ended_transfer_is_handed_is_freed_at_once_or_at_stop(peer: PeerProcess, make_pair: MakePair) -> None:
+    """After an abort nothing more of a transfer is written: a part handed over later is freed at once, and a
+    source still computing when the writer stops is freed then. Before, neither was ever freed (found by an
+    audit): the engine's blocks leaked."""
+    p, stream = make_pair(), LateStream()
+    p.writer.source_ready("t", SRC, kv_ready=stream.record())
+    p.writer.abort("t")
+    p.writer.source_part("u", SRC, 4, (0, 1), prompt_tokens=PROMPT)
+    p.writer.abort("u")
+    assert p.recorder.next() == Event("source_free", ("u",))  # its first part, held until the abort
+    p.writer.source_part("u", SRC, 8, (0, 1))  # late
+    assert p.recorder.next() == Event("source_free", ("u",))
+    assert p.settled() == []
+
+    assert p.writer.stop(10)
+
+    assert p.recorder.pending() == [Event("source_free", ("t",))]
+    assert untouched(peer, p)
+
+
+def test_a_part_for_a_peer_s_old_incarnation_never_lands_in_its_new_one(peer: PeerProcess, make_pair: MakePair) -> None:
+    """In one turn, a first part placed as its assignment (to incarnation 1) comes waits in the turn's batch, and
+    an assignment to the peer's new incarnation reconnects the peer: it must wait for that batch, whose WRITE
+    goes to incarnation 1 and fails. Before, the reconnect did not see the batch, and the old incarnation's part
+    landed in the new one's memory (found by an audit)."""
+    p = make_pair()
+    p.writer.assign("t0", 1, p.agent, 1, [3])  # incarnation 1 loaded
+    p.writer.source_ready("t0", SRC[:1])
+    p.landed(peer, {r: (SRC[:1], [3]) for r in range(2 * LAYERS)}, 1)
+    assert p.recorder.next().args[:3] == ("t0", 1, True)
+    assert p.recorder.next() == Event("source_free", ("t0",))
+    peer.call("close", p.dest)
+    restarted = peer.call("create", p.dest, LAYOUT)  # the same agent name, new memory: incarnation 2
+
+    gate = Gate()
+    p.writer.source_part("tx", SRC, 4, prompt_tokens=PROMPT, kv_ready=gate)
+    assert gate.entered.wait(5)  # the writer thread is held: the next three commands go in one turn
+    p.writer.source_part("t1", SRC, PROMPT, prompt_tokens=PROMPT)
+    p.writer.assign("t1", 1, p.agent, 1, [9, 2, 5], progressive=True)  # incarnation 1: gone
+    p.writer.assign("t2", 1, restarted, 2, [1])
+    gate.open.set()
+
+    failed = p.recorder.next(10)  # (its bytes may land all the same here: both incarnations share one process)
+    assert failed.args[:3] == ("t1", 1, False) and "DISCONNECT" in failed.args[3]
 
 
 def test_a_part_the_device_never_computes_fails_its_transfer(peer: PeerProcess, make_pair: MakePair) -> None:
