@@ -53,7 +53,7 @@ class CacheIndex:
             if write is None:
                 assert read.entry is not None
                 return IndexPosition(read.entry.sequence, read.entry.block_count, duplicate=True)
-            if await index.write(read.entry, write, self._bounds):
+            if await index.write(read, write, self._bounds):
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 
@@ -65,7 +65,7 @@ class CacheIndex:
         for _ in range(_ATTEMPTS):
             read = await index.read(engine.engine_id, ())
             write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
-            if await index.write(read.entry, write, self._bounds):
+            if await index.write(read, write, self._bounds):
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 

@@ -1,8 +1,10 @@
 """Where the KV index lives (rendezvous.core.cache_index decides what goes in).
 
 Each engine with reports has an entry (its incarnation, pool, role, sequence, hashing and block count) and a set
-of members (rendezvous.core.cache_index.member). A write is a compare-and-set on the entry's incarnation and
-sequence, so two replicas that decided on the same entry cannot both write: the second reads again. The server's
+of members (rendezvous.core.cache_index.member). A write is a compare-and-set on the entry's version as read
+(`IndexRead.version`), which every write moves (a snapshot at the entry's own sequence too: it replaces the set
+without moving the sequence), so two calls that decided on the same entry cannot both write: the second reads
+again, and never writes a count decided on a set that changed since. The server's
 bound on all blocks (max_index_blocks_total) and an identity's on its engines' blocks (max_index_blocks_per_identity)
 are checked in the step that writes. `MemoryIndex` serves the memory
 store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py), where a query is one
@@ -27,6 +29,8 @@ class IndexRead:
 
     entry: IndexEntry | None
     held: dict[bytes, bool]
+    version: str = ""
+    """The entry's version, opaque ("" for none): what a write decided on this read expects. Every write moves it."""
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,11 @@ class IndexStore(ABC):
         """An engine's entry and whether it holds each of members."""
 
     @abstractmethod
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
-        """Apply write if the engine's entry is still expected (same incarnation and sequence; None: none).
-        False (nothing written) when it changed; INDEX_FULL when a growth would pass one of bounds (the server's
-        first, then the new entry's owner's: its blocks so far, less the entry's own if it was charged to it)."""
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+        """Apply write if the engine's entry is still the one expected read (its version; None: no entry), moving
+        the version. False (nothing written) when any write came between; INDEX_FULL when a growth would pass one
+        of bounds (the server's first, then the new entry's owner's: its blocks so far, less the entry's own if it
+        was charged to it)."""
 
     @abstractmethod
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
@@ -100,15 +105,19 @@ class MemoryIndex(IndexStore):
         self._blocks: dict[str, set[bytes]] = {}
         self._total = 0
         self._owned: Counter[str] = Counter()
+        self._versions: dict[str, str] = {}
+        self._writes = 0
 
     async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
         held = self._blocks.get(engine_id, set())
-        return IndexRead(self._entries.get(engine_id), {m: m in held for m in members})
+        return IndexRead(
+            self._entries.get(engine_id), {m: m in held for m in members}, self._versions.get(engine_id, "")
+        )
 
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
         engine_id, owner = write.entry.engine_id, write.entry.owner
         current = self._entries.get(engine_id)
-        if _version(current) != _version(expected):
+        if self._versions.get(engine_id, "") != (expected.version if expected is not None else ""):
             return False
         blocks = self._blocks.get(engine_id, set())
         before = len(blocks)
@@ -126,6 +135,8 @@ class MemoryIndex(IndexStore):
         assert len(blocks) == after, "the decision's count is the set's"
         self._blocks[engine_id] = blocks
         self._entries[engine_id] = write.entry
+        self._writes += 1
+        self._versions[engine_id] = str(self._writes)
         self._total += after - before
         self._owned[charged] -= before
         self._owned[owner] += after
@@ -145,6 +156,7 @@ class MemoryIndex(IndexStore):
         if entry is None or entry.incarnation > incarnation:
             return False
         del self._entries[engine_id]
+        del self._versions[engine_id]
         held = len(self._blocks.pop(engine_id))
         self._total -= held
         self._owned[entry.owner] -= held
@@ -152,7 +164,3 @@ class MemoryIndex(IndexStore):
 
     async def total(self) -> int:
         return self._total
-
-
-def _version(entry: IndexEntry | None) -> tuple[int, int] | None:
-    return (entry.incarnation, entry.sequence) if entry is not None else None

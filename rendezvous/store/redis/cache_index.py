@@ -4,7 +4,8 @@ Keys (rendezvous/store/redis/scripts/__init__.py, docs/operations.md): `ix:<engi
 record, pool, role, incarnation, owner), `ixb:<engine>` (its block set), `ixe` (engines with an entry), `ixt`
 (the blocks of all entries), `ixo` (the blocks of each owner's entries). A report reads the entry and the blocks
 it names in one script (index_read), the core decides, and index_write applies the decision if the entry's
-version is unchanged and the bounds hold; MatchPrefixes is one script (index_match), so every replica answers
+version (`v` "<incarnation>:<sequence>" and `w`, the write's number, new at every write) is unchanged and the
+bounds hold; MatchPrefixes is one script (index_match), so every replica answers
 from the same state in one round trip. Writes carry the store's epoch guard, as every write does.
 """
 
@@ -43,8 +44,9 @@ def decode(data: bytes | str) -> IndexEntry:
     return IndexEntry(str(f[0]), int(f[1]), str(f[2]), Role(int(f[3])), int(f[4]), hashing, int(f[9]), str(f[10]))
 
 
-def _version(entry: IndexEntry | None) -> str:
-    return f"{entry.incarnation}:{entry.sequence}" if entry is not None else ""
+def _version(entry: IndexEntry) -> str:
+    """What 0.1.0's replicas compare alone (index_write.lua adds the write's number)."""
+    return f"{entry.incarnation}:{entry.sequence}"
 
 
 class RedisIndex(GuardedScripts, IndexStore):
@@ -53,14 +55,15 @@ class RedisIndex(GuardedScripts, IndexStore):
     async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
         reply = await self._scripts.run("index_read", engine_id=engine_id, members=list(members))
         entry = decode(reply[1]) if reply[1] else None
-        return IndexRead(entry, {m: bool(h) for m, h in zip(members, reply[2:], strict=True)})
+        held = {m: bool(h) for m, h in zip(members, reply[2:], strict=True)}
+        return IndexRead(entry, held, reply[0].decode())
 
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
         e = write.entry
         reply = await self._write(
             "index_write",
             engine_id=e.engine_id,
-            expected=_version(expected),
+            expected=expected.version if expected is not None else "",
             version=_version(e),
             record=encode(e),
             pool=e.pool,
