@@ -70,9 +70,10 @@ class CacheIndex:
         raise _contended(engine.engine_id)
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        """How many leading blocks of the query's chain each selected indexed engine holds."""
+        """How many leading blocks of the query's chain each selected indexed engine holds (within
+        max_index_query_lookups lookups: rendezvous.store.cache_index.leading_counts)."""
         rules.check_query(query, self.limits)
-        return await self.store.index().match(query)
+        return await self.store.index().match(query, self.limits.max_index_query_lookups)
 
     async def drop(self, ended: Engine) -> None:
         """Forget what an ended incarnation (or an older one) reported."""

@@ -7,20 +7,33 @@ without moving the sequence), so two calls that decided on the same entry cannot
 again, and never writes a count decided on a set that changed since. The server's
 bound on all blocks (max_index_blocks_total) and an identity's on its engines' blocks (max_index_blocks_per_identity)
 are checked in the step that writes. `MemoryIndex` serves the memory
-store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py), where a query is one
-script: one round trip, whatever the number of engines.
+store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py).
+
+A query counts each selected engine's leading blocks level by level (`leading_counts`), in steps of at most
+`MATCH_STEP` lookups between which the memory store gives the event loop back, and within a budget of lookups
+(max_index_query_lookups): both stores give the same answer, cut at the same depth.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from rendezvous.core.cache_index import IndexEntry, IndexWrite, matched_blocks
+from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
+from rendezvous.core.limits import Limits
+from rendezvous.pacing import Pacer
 from rendezvous.protocol.cache_index import PrefixMatch, PrefixQuery
 from rendezvous.protocol.errors import Reason, RendezvousError
+
+MATCH_STEP = 4_096
+"""The most block lookups of one step of a query: between two of them the memory store may give the event loop
+back (rendezvous.pacing); the Redis store makes each step one script call."""
+
+Probe = Callable[[Sequence[int], int, int], Awaitable[Sequence[int]]]
+"""probe(engines, start, stop): for each of engines (indexes into the query's selected engines), how many of the
+chain's blocks start, start + 1, ... before stop it holds in a row from start."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,37 @@ def ranked(matches: Sequence[PrefixMatch]) -> list[PrefixMatch]:
     return sorted(matches, key=lambda m: (-m.matched_blocks, m.engine_id))
 
 
+async def leading_counts(engines: int, length: int, budget: int, probe: Probe) -> list[int]:
+    """How many leading blocks of a chain of length each of engines holds, counted level by level within budget
+    lookups. Level i looks up block i of each engine that holds blocks 0 to i - 1, one lookup each; the levels go on
+    while the next one fits in what is left of the budget. The depth D they stop at (the chain's length, unless the
+    budget ran out) is the same whatever the steps: the largest D with sum(min(count + 1, D)) <= budget over the
+    exact counts. An engine's answer is min(its count, D): exact below D, at least D where it says D.
+
+    The levels go in windows (each level of one affordable), each window in steps of at most MATCH_STEP lookups:
+    probe calls, which the memory store makes without waiting and the Redis store as one script each."""
+    counts = [0] * engines
+    alive = list(range(engines))
+    depth = spent = 0
+    pacer = Pacer()
+    while alive and depth < length and budget - spent >= len(alive):
+        width = min(length - depth, (budget - spent) // len(alive), max(1, MATCH_STEP // len(alive)))
+        per_step = max(1, MATCH_STEP // width)
+        survivors = []
+        for first in range(0, len(alive), per_step):
+            part = alive[first : first + per_step]
+            held = await probe(part, depth, depth + width)
+            for i, n in zip(part, held, strict=True):
+                counts[i] = depth + n
+                spent += min(n + 1, width)
+                if n == width:
+                    survivors.append(i)
+            await pacer.tick()
+        alive = survivors
+        depth += width
+    return counts
+
+
 def selects(query: PrefixQuery, entry: IndexEntry) -> bool:
     """Whether the query asks about the entry's engine."""
     return (
@@ -84,9 +128,10 @@ class IndexStore(ABC):
         was charged to it)."""
 
     @abstractmethod
-    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`); entries
-        holding fewer than query.min_matched are left out."""
+    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+        """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`), counted by
+        `leading_counts` within max_lookups; entries holding fewer than query.min_matched are left out. Not one
+        instant: a block counts as it was when it was looked up."""
 
     @abstractmethod
     async def drop(self, engine_id: str, incarnation: int) -> bool:
@@ -142,14 +187,37 @@ class MemoryIndex(IndexStore):
         self._owned[owner] += after
         return True
 
-    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        found = []
-        for e in self._entries.values():
-            if selects(query, e):
-                n = matched_blocks(query.block_hashes, query.group, self._blocks[e.engine_id])
-                if n >= query.min_matched:
-                    found.append(PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation))
-        return ranked(found)
+    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+        # The entries and their sets as of now (a report changes a set in place, a snapshot or drop swaps it).
+        every = [(e, self._blocks[e.engine_id]) for e in self._entries.values()]
+        pacer = Pacer()
+        chosen = []
+        for pair in every:
+            if selects(query, pair[0]):
+                chosen.append(pair)
+            await pacer.tick()
+        chain = [member(query.group, h) for h in query.block_hashes]  # once per query, not per engine
+
+        async def probe(engines: Sequence[int], start: int, stop: int) -> list[int]:
+            window = chain[start:stop]
+            held = []
+            for i in engines:
+                blocks, n = chosen[i][1], 0
+                for m in window:
+                    if m not in blocks:
+                        break
+                    n += 1
+                held.append(n)
+            return held
+
+        counts = await leading_counts(len(chosen), len(chain), max_lookups, probe)
+        return ranked(
+            [
+                PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation)
+                for (e, _), n in zip(chosen, counts, strict=True)
+                if n >= query.min_matched
+            ]
+        )
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:
         entry = self._entries.get(engine_id)

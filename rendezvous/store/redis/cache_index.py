@@ -15,9 +15,10 @@ import json
 from collections.abc import Sequence
 
 from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
+from rendezvous.core.limits import Limits
 from rendezvous.core.model import Role
 from rendezvous.protocol.cache_index import BlockHashing, PrefixMatch, PrefixQuery
-from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, ranked
+from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, leading_counts, ranked
 from rendezvous.store.codec import future_format
 from rendezvous.store.redis.guarded import GuardedScripts
 
@@ -82,22 +83,29 @@ class RedisIndex(GuardedScripts, IndexStore):
             raise index_full(scope, bounds.total if scope == "server" else bounds.per_identity, *map(int, reply[2:]))
         return bool(reply[0] == b"OK")
 
-    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
+    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
         reply = await self._scripts.run(
             "index_match",
             role=int(query.role or 0),
-            min_matched=query.min_matched,
+            min_matched=0,
             members=[member(query.group, h) for h in query.block_hashes],
             pools=list(query.pools),
             engine_ids=list(dict.fromkeys(query.engine_ids)),
         )
-        found = []
-        for i in range(0, len(reply), 2):
-            e = decode(reply[i])
-            found.append(
-                PrefixMatch(e.engine_id, e.pool, e.role, int(reply[i + 1]), e.hashing, e.sequence, e.incarnation)
-            )
-        return ranked(found)
+        entries = [decode(reply[i]) for i in range(0, len(reply), 2)]
+        exact = [int(reply[i]) for i in range(1, len(reply), 2)]
+
+        async def probe(engines: Sequence[int], start: int, stop: int) -> list[int]:
+            return [min(max(exact[i] - start, 0), stop - start) for i in engines]
+
+        counts = await leading_counts(len(entries), len(query.block_hashes), max_lookups, probe)
+        return ranked(
+            [
+                PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation)
+                for e, n in zip(entries, counts, strict=True)
+                if n >= query.min_matched
+            ]
+        )
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:
         reply = await self._write("index_drop", engine_id=engine_id, incarnation=incarnation)
