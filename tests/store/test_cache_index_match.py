@@ -1,6 +1,6 @@
 """MatchPrefixes' work in the stores (rendezvous.store.cache_index.leading_counts): it gives the event loop back
 between steps, looks up at most max_index_query_lookups blocks, and past that cuts every count at the same depth on
-every backend, the depth the rule says."""
+every backend, the depth the rule says; on Redis, in script calls of bounded work."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from rendezvous.core.model import Role
 from rendezvous.protocol.cache_index import BlockHashing, PrefixQuery
 from rendezvous.store.base import Store
 from rendezvous.store.cache_index import MATCH_STEP, IndexBounds, MemoryIndex, leading_counts
+from rendezvous.store.redis import RedisStore
 from tests.ci import examples
+from tests.redis_fixtures import fresh_prefix, with_prefix
 
 HASHING = BlockHashing("sha256", "seed", 16)
 BIG = IndexBounds(10_000_000, 10_000_000)
@@ -132,3 +134,32 @@ async def test_every_backend_cuts_at_the_same_depth(store: Store) -> None:
         found = await index.match(PrefixQuery(blocks), max_lookups=budget)
         depth = depth_rule(list(held.values()), 300, budget)
         assert {m.engine_id: m.matched_blocks for m in found} == {e: min(n, depth) for e, n in held.items()}, budget
+
+
+@pytest.mark.redis
+async def test_a_long_query_holds_redis_one_bounded_script_at_a_time(redis_url: str) -> None:
+    """Redis runs one script at a time for every replica: a query's lookups go in calls of at most MATCH_STEP."""
+    store = RedisStore(with_prefix(redis_url, fresh_prefix()))
+    await store.open()
+    try:
+        index = store.index()
+        blocks = chain(4_096)
+        for i in range(4):
+            await hold(index, f"e{i}", blocks)
+        await hold(index, "short", blocks[:10])
+        scripts = index._scripts  # type: ignore[attr-defined]
+        run = scripts.run
+        calls: list[tuple[str, int]] = []
+
+        async def counted(name: str, **args: Any) -> Any:
+            calls.append((name, len(args.get("members", ())) * len(args.get("engine_ids", ()))))
+            return await run(name, **args)
+
+        scripts.run = counted
+        found = await index.match(PrefixQuery(blocks))
+        assert {m.engine_id: m.matched_blocks for m in found} == {"e0": 4_096, "e1": 4_096, "e2": 4_096, "e3": 4_096,
+                                                                   "short": 10}  # fmt: skip
+        steps = [n for name, n in calls if name == "index_match"]
+        assert sum(steps) >= 4 * 4_096 and max(steps) <= MATCH_STEP
+    finally:
+        await store.close()

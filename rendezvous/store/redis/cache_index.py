@@ -5,8 +5,10 @@ record, pool, role, incarnation, owner), `ixb:<engine>` (its block set), `ixe` (
 (the blocks of all entries), `ixo` (the blocks of each owner's entries). A report reads the entry and the blocks
 it names in one script (index_read), the core decides, and index_write applies the decision if the entry's
 version (`v` "<incarnation>:<sequence>" and `w`, the write's number, new at every write) is unchanged and the
-bounds hold; MatchPrefixes is one script (index_match), so every replica answers
-from the same state in one round trip. Writes carry the store's epoch guard, as every write does.
+bounds hold. MatchPrefixes goes in steps, so that no script holds Redis for long (every replica shares it): the
+entries of the engines asked about, SELECT_STEP at a time (index_select), then the lookups of
+rendezvous.store.cache_index.leading_counts, at most MATCH_STEP a call (index_match), cut as the memory store
+cuts them. Writes carry the store's epoch guard, as every write does.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from rendezvous.store.codec import future_format
 from rendezvous.store.redis.guarded import GuardedScripts
 
 """Epoch refusals a write retries after acting on them."""
+
+
+SELECT_STEP = 1_024
+"""Engines whose entries one index_select call reads (a query naming its most engines takes one call)."""
 
 
 def encode(e: IndexEntry) -> str:
@@ -84,21 +90,27 @@ class RedisIndex(GuardedScripts, IndexStore):
         return bool(reply[0] == b"OK")
 
     async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
-        reply = await self._scripts.run(
-            "index_match",
-            role=int(query.role or 0),
-            min_matched=0,
-            members=[member(query.group, h) for h in query.block_hashes],
-            pools=list(query.pools),
-            engine_ids=list(dict.fromkeys(query.engine_ids)),
-        )
-        entries = [decode(reply[i]) for i in range(0, len(reply), 2)]
-        exact = [int(reply[i]) for i in range(1, len(reply), 2)]
+        ids = list(dict.fromkeys(query.engine_ids))
+        if not ids:
+            ids = sorted(m.decode() for m in await self._command("SMEMBERS", self._prefix + "ixe"))
+        entries: list[IndexEntry] = []
+        for first in range(0, len(ids), SELECT_STEP):
+            reply = await self._scripts.run(
+                "index_select",
+                role=int(query.role or 0),
+                pools=list(query.pools),
+                engine_ids=ids[first : first + SELECT_STEP],
+            )
+            entries.extend(decode(record) for record in reply)
+        chain = [member(query.group, h) for h in query.block_hashes]
 
         async def probe(engines: Sequence[int], start: int, stop: int) -> list[int]:
-            return [min(max(exact[i] - start, 0), stop - start) for i in engines]
+            reply = await self._scripts.run(
+                "index_match", members=chain[start:stop], engine_ids=[entries[i].engine_id for i in engines]
+            )
+            return [int(n) for n in reply]
 
-        counts = await leading_counts(len(entries), len(query.block_hashes), max_lookups, probe)
+        counts = await leading_counts(len(entries), len(chain), max_lookups, probe)
         return ranked(
             [
                 PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation)

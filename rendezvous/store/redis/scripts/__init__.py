@@ -199,10 +199,8 @@ SIGNATURES: Mapping[str, Signature] = {
         (Group("adds", ("member",)), Group("removes", ("member",))),
         ("guard",),
     ),
-    "index_match": Signature(
-        ("role", "min_matched"),
-        (Group("members", ("member",)), Group("pools", ("pool",)), Group("engine_ids", ("engine_id",))),
-    ),
+    "index_select": Signature(("role",), (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)))),
+    "index_match": Signature(groups=(Group("members", ("member",)), Group("engine_ids", ("engine_id",)))),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
     # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).
     "put_answer": Signature(("key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes")),
