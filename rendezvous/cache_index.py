@@ -53,7 +53,7 @@ class CacheIndex:
             if write is None:
                 assert read.entry is not None
                 return IndexPosition(read.entry.sequence, read.entry.block_count, duplicate=True)
-            if await index.write(read.entry, write, self._bounds):
+            if await index.write(read, write, self._bounds):
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 
@@ -65,14 +65,15 @@ class CacheIndex:
         for _ in range(_ATTEMPTS):
             read = await index.read(engine.engine_id, ())
             write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
-            if await index.write(read.entry, write, self._bounds):
+            if await index.write(read, write, self._bounds):
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        """How many leading blocks of the query's chain each selected indexed engine holds."""
+        """How many leading blocks of the query's chain each selected indexed engine holds (within
+        max_index_query_lookups lookups: rendezvous.store.cache_index.leading_counts)."""
         rules.check_query(query, self.limits)
-        return await self.store.index().match(query)
+        return await self.store.index().match(query, self.limits.max_index_query_lookups)
 
     async def drop(self, ended: Engine) -> None:
         """Forget what an ended incarnation (or an older one) reported."""

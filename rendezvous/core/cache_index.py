@@ -284,13 +284,3 @@ def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSna
         engine.owner,
     )
     return IndexWrite(new, True, adds, frozenset())
-
-
-def matched_blocks(chain: Iterable[bytes], group: int, holds: set[bytes] | frozenset[bytes]) -> int:
-    """How many leading blocks of chain (hashes) a set of members holds in group."""
-    n = 0
-    for h in chain:
-        if member(group, h) not in holds:
-            break
-        n += 1
-    return n

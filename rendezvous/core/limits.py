@@ -19,9 +19,10 @@ flows at 256 KiB per round trip (over 1 ms, 256 MB/s; on loopback no slower than
 class Limits:
     """Hard limits; requests beyond them are rejected with a reason, never truncated.
 
-    Two exceptions, because neither is worth refusing a call for: an abort or completion message is
-    clipped to `max_abort_message_bytes`, and a response (a ListEngines or ListTransfers page, a Watch batch) is cut
-    before it grows past `max_response_bytes` (the rest follows in the next page or batch). Byte sizes
+    Three exceptions, because none is worth refusing a call for: an abort or completion message is
+    clipped to `max_abort_message_bytes`, a response (a ListEngines or ListTransfers page, a Watch batch) is cut
+    before it grows past `max_response_bytes` (the rest follows in the next page or batch), and a MatchPrefixes
+    answer's counts stop at the depth of the chain its `max_index_query_lookups` lookups reach. Byte sizes
     are of UTF-8. Under the defaults the largest single engine or event stays under 4 MiB, the receive
     limit of a gRPC client left at its defaults (tests/security/test_sizes.py checks it).
 
@@ -116,6 +117,12 @@ class Limits:
     """The longest chain MatchPrefixes takes (64 Ki tokens at 16 a block); longer is INDEX_QUERY_TOO_LARGE."""
     max_index_query_engines: int = 1_024
     """The most pools, or engine ids, one MatchPrefixes names (INDEX_QUERY_TOO_LARGE past it)."""
+    max_index_query_lookups: int = 4_194_304
+    """The most block lookups one MatchPrefixes makes (one per selected engine and block looked at): its work, which
+    the number of indexed engines would otherwise set. Past it the answer is cut at the depth of the chain the
+    lookups reached, never refused (rendezvous.store.cache_index.leading_counts): an engine that holds more counts
+    that depth. The default is max_index_query_engines x max_index_query_blocks: a query naming its engines is never
+    cut."""
 
 
 @dataclass(frozen=True)

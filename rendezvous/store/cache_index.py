@@ -1,24 +1,39 @@
 """Where the KV index lives (rendezvous.core.cache_index decides what goes in).
 
 Each engine with reports has an entry (its incarnation, pool, role, sequence, hashing and block count) and a set
-of members (rendezvous.core.cache_index.member). A write is a compare-and-set on the entry's incarnation and
-sequence, so two replicas that decided on the same entry cannot both write: the second reads again. The server's
+of members (rendezvous.core.cache_index.member). A write is a compare-and-set on the entry's version as read
+(`IndexRead.version`), which every write moves (a snapshot at the entry's own sequence too: it replaces the set
+without moving the sequence), so two calls that decided on the same entry cannot both write: the second reads
+again, and never writes a count decided on a set that changed since. The server's
 bound on all blocks (max_index_blocks_total) and an identity's on its engines' blocks (max_index_blocks_per_identity)
 are checked in the step that writes. `MemoryIndex` serves the memory
-store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py), where a query is one
-script: one round trip, whatever the number of engines.
+store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py).
+
+A query counts each selected engine's leading blocks level by level (`leading_counts`), in steps of at most
+`MATCH_STEP` lookups between which the memory store gives the event loop back, and within a budget of lookups
+(max_index_query_lookups): both stores give the same answer, cut at the same depth.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from rendezvous.core.cache_index import IndexEntry, IndexWrite, matched_blocks
+from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
+from rendezvous.core.limits import Limits
+from rendezvous.pacing import Pacer
 from rendezvous.protocol.cache_index import PrefixMatch, PrefixQuery
 from rendezvous.protocol.errors import Reason, RendezvousError
+
+MATCH_STEP = 4_096
+"""The most block lookups of one step of a query: between two of them the memory store may give the event loop
+back (rendezvous.pacing); the Redis store makes each step one script call."""
+
+Probe = Callable[[Sequence[int], int, int], Awaitable[Sequence[int]]]
+"""probe(engines, start, stop): for each of engines (indexes into the query's selected engines), how many of the
+chain's blocks start, start + 1, ... before stop it holds in a row from start."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +42,8 @@ class IndexRead:
 
     entry: IndexEntry | None
     held: dict[bytes, bool]
+    version: str = ""
+    """The entry's version, opaque ("" for none): what a write decided on this read expects. Every write moves it."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,37 @@ def ranked(matches: Sequence[PrefixMatch]) -> list[PrefixMatch]:
     return sorted(matches, key=lambda m: (-m.matched_blocks, m.engine_id))
 
 
+async def leading_counts(engines: int, length: int, budget: int, probe: Probe) -> list[int]:
+    """How many leading blocks of a chain of length each of engines holds, counted level by level within budget
+    lookups. Level i looks up block i of each engine that holds blocks 0 to i - 1, one lookup each; the levels go on
+    while the next one fits in what is left of the budget. The depth D they stop at (the chain's length, unless the
+    budget ran out) is the same whatever the steps: the largest D with sum(min(count + 1, D)) <= budget over the
+    exact counts. An engine's answer is min(its count, D): exact below D, at least D where it says D.
+
+    The levels go in windows (each level of one affordable), each window in steps of at most MATCH_STEP lookups:
+    probe calls, which the memory store makes without waiting and the Redis store as one script each."""
+    counts = [0] * engines
+    alive = list(range(engines))
+    depth = spent = 0
+    pacer = Pacer()
+    while alive and depth < length and budget - spent >= len(alive):
+        width = min(length - depth, (budget - spent) // len(alive), max(1, MATCH_STEP // len(alive)))
+        per_step = max(1, MATCH_STEP // width)
+        survivors = []
+        for first in range(0, len(alive), per_step):
+            part = alive[first : first + per_step]
+            held = await probe(part, depth, depth + width)
+            for i, n in zip(part, held, strict=True):
+                counts[i] = depth + n
+                spent += min(n + 1, width)
+                if n == width:
+                    survivors.append(i)
+            await pacer.tick()
+        alive = survivors
+        depth += width
+    return counts
+
+
 def selects(query: PrefixQuery, entry: IndexEntry) -> bool:
     """Whether the query asks about the entry's engine."""
     return (
@@ -73,15 +121,17 @@ class IndexStore(ABC):
         """An engine's entry and whether it holds each of members."""
 
     @abstractmethod
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
-        """Apply write if the engine's entry is still expected (same incarnation and sequence; None: none).
-        False (nothing written) when it changed; INDEX_FULL when a growth would pass one of bounds (the server's
-        first, then the new entry's owner's: its blocks so far, less the entry's own if it was charged to it)."""
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+        """Apply write if the engine's entry is still the one expected read (its version; None: no entry), moving
+        the version. False (nothing written) when any write came between; INDEX_FULL when a growth would pass one
+        of bounds (the server's first, then the new entry's owner's: its blocks so far, less the entry's own if it
+        was charged to it)."""
 
     @abstractmethod
-    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`); entries
-        holding fewer than query.min_matched are left out."""
+    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+        """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`), counted by
+        `leading_counts` within max_lookups; entries holding fewer than query.min_matched are left out. Not one
+        instant: a block counts as it was when it was looked up."""
 
     @abstractmethod
     async def drop(self, engine_id: str, incarnation: int) -> bool:
@@ -100,15 +150,19 @@ class MemoryIndex(IndexStore):
         self._blocks: dict[str, set[bytes]] = {}
         self._total = 0
         self._owned: Counter[str] = Counter()
+        self._versions: dict[str, str] = {}
+        self._writes = 0
 
     async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
         held = self._blocks.get(engine_id, set())
-        return IndexRead(self._entries.get(engine_id), {m: m in held for m in members})
+        return IndexRead(
+            self._entries.get(engine_id), {m: m in held for m in members}, self._versions.get(engine_id, "")
+        )
 
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
         engine_id, owner = write.entry.engine_id, write.entry.owner
         current = self._entries.get(engine_id)
-        if _version(current) != _version(expected):
+        if self._versions.get(engine_id, "") != (expected.version if expected is not None else ""):
             return False
         blocks = self._blocks.get(engine_id, set())
         before = len(blocks)
@@ -126,25 +180,51 @@ class MemoryIndex(IndexStore):
         assert len(blocks) == after, "the decision's count is the set's"
         self._blocks[engine_id] = blocks
         self._entries[engine_id] = write.entry
+        self._writes += 1
+        self._versions[engine_id] = str(self._writes)
         self._total += after - before
         self._owned[charged] -= before
         self._owned[owner] += after
         return True
 
-    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        found = []
-        for e in self._entries.values():
-            if selects(query, e):
-                n = matched_blocks(query.block_hashes, query.group, self._blocks[e.engine_id])
-                if n >= query.min_matched:
-                    found.append(PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation))
-        return ranked(found)
+    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+        # The entries and their sets as of now (a report changes a set in place, a snapshot or drop swaps it).
+        every = [(e, self._blocks[e.engine_id]) for e in self._entries.values()]
+        pacer = Pacer()
+        chosen = []
+        for pair in every:
+            if selects(query, pair[0]):
+                chosen.append(pair)
+            await pacer.tick()
+        chain = [member(query.group, h) for h in query.block_hashes]  # once per query, not per engine
+
+        async def probe(engines: Sequence[int], start: int, stop: int) -> list[int]:
+            window = chain[start:stop]
+            held = []
+            for i in engines:
+                blocks, n = chosen[i][1], 0
+                for m in window:
+                    if m not in blocks:
+                        break
+                    n += 1
+                held.append(n)
+            return held
+
+        counts = await leading_counts(len(chosen), len(chain), max_lookups, probe)
+        return ranked(
+            [
+                PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation)
+                for (e, _), n in zip(chosen, counts, strict=True)
+                if n >= query.min_matched
+            ]
+        )
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:
         entry = self._entries.get(engine_id)
         if entry is None or entry.incarnation > incarnation:
             return False
         del self._entries[engine_id]
+        del self._versions[engine_id]
         held = len(self._blocks.pop(engine_id))
         self._total -= held
         self._owned[entry.owner] -= held
@@ -152,7 +232,3 @@ class MemoryIndex(IndexStore):
 
     async def total(self) -> int:
         return self._total
-
-
-def _version(entry: IndexEntry | None) -> tuple[int, int] | None:
-    return (entry.incarnation, entry.sequence) if entry is not None else None

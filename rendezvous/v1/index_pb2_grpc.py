@@ -114,7 +114,7 @@ class KvIndexServiceServicer:
 
     def MatchPrefixes(self, request, context):
         """MatchPrefixes answers, for a chain of block hashes, how many leading blocks
-        of it each indexed engine holds, in one call (one store round trip). Which
+        of it each indexed engine holds, in one call. Which
         engines: those named, else every indexed engine, narrowed by pools and
         role. Errors: INDEX_QUERY_TOO_LARGE, BLOCK_HASH_INVALID.
         """

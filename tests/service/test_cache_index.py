@@ -105,6 +105,22 @@ async def test_routers_see_what_engines_reported_and_never_a_removed_block(clien
     assert await matched(client) == {"p0": 0, "d0": 3}
 
 
+async def test_a_query_past_its_lookups_is_answered_cut_at_one_depth(store: str, clock: FakeClock) -> None:
+    """max_index_query_lookups bounds a query's work: 3 engines, 10 lookups reach depth 3 of the chain (3 a level,
+    then the 1 left is too few for a level), so the two holding the whole chain answer 3 and the one holding 2
+    blocks its exact 2. Not an error: a router still places by the longest prefix it can tell apart."""
+    limits = replace(LIMITS, max_index_query_lookups=10)
+    async with (
+        start_test_server(clock, store=store, limits=limits, timeouts=Timeouts(default_lease_ttl=2)) as srv,
+        AsyncRendezvousClient(srv.address) as client,
+    ):
+        for engine_id, n in (("p0", 8), ("p1", 8), ("p2", 2)):
+            await register(client, engine_id)
+            await client.report_cache_events(report(0, stored(0, n), engine_id=engine_id, first=True))
+        assert await matched(client) == {"p0": 3, "p1": 3, "p2": 2}
+        assert await matched(client, engine_ids=("p0",)) == {"p0": 8}  # 1 engine: 8 lookups, exact
+
+
 async def test_kv_cache_groups_are_matched_apart(client: AsyncRendezvousClient) -> None:
     await register(client, "p0")
     await client.report_cache_events(report(0, stored(0, 4, group=0), stored(0, 2, group=1), first=True))

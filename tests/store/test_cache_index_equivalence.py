@@ -24,6 +24,7 @@ from rendezvous.protocol.cache_index import (
     CacheEvent,
     CacheReport,
     CacheSnapshot,
+    IndexPosition,
     PrefixQuery,
 )
 from rendezvous.store import MemoryStore, Store
@@ -169,3 +170,40 @@ def test_random_index_operations_give_the_same_answers_on_memory_and_redis(
     redis_url: str, ops: list[tuple[Any, ...]]
 ) -> None:
     asyncio.run(compare(redis_url, ops))
+
+
+async def test_a_report_decided_before_a_same_sequence_snapshot_reads_again(redis_url: str) -> None:
+    """Two replicas: a report on one reads the entry, a snapshot at the entry's own sequence lands on the other, then
+    the report writes. Its decision was made on the old set, so its write must be refused and decided again: the
+    entry's count, the owner's tally and the server's total then match the set."""
+    url = with_prefix(redis_url, fresh_prefix())
+    stores = [RedisStore(url), RedisStore(url)]
+    for s in stores:
+        await s.open()
+    try:
+        one, two = (Coordinator(s, Limits(), TIMEOUTS, clock=FakeClock(START)) for s in stores)
+        await one.register_engine(engine_spec("e0", Role.CONSUMER, owner=OWNER))
+        old, new = (b"a", b"b", b"c", b"d"), (b"v", b"w", b"x", b"y", b"z")
+        await one.index.report(CacheReport("e0", 5, (BlocksStored(old),), HASHING))
+        index = stores[0].index()
+        read = index.read
+        raced: list[IndexPosition] = []
+
+        async def read_then_snapshot(engine_id: str, members: Any) -> Any:
+            seen = await read(engine_id, members)
+            if members and not raced:  # the report's first read: the snapshot lands before its write
+                raced.append(await two.index.replace(CacheSnapshot("e0", 5, HASHING, ((0, new),))))
+            return seen
+
+        index.read = read_then_snapshot  # type: ignore[method-assign]
+        answer = await one.index.report(CacheReport("e0", 6, (BlocksRemoved(old[:2]),)))
+        assert raced and raced[0].block_count == len(new)
+        assert answer.block_count == len(new)  # the removed blocks were no longer held
+        held = (await stores[1].index().read("e0", [])).entry
+        assert held is not None and held.block_count == len(new)
+        assert await stores[1].index().total() == len(new)
+        found = await two.index.match(PrefixQuery(new))
+        assert [(m.engine_id, m.matched_blocks) for m in found] == [("e0", len(new))]
+    finally:
+        for s in stores:
+            await s.close()

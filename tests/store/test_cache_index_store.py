@@ -46,12 +46,34 @@ async def test_write_is_compare_and_set_on_the_entry(make_store: StoreFactory, b
     seen = await b.read("e0", [member(0, b"x"), member(0, b"z"), member(1, b"x")])
     assert seen.entry == first
     assert list(seen.held.values()) == [True, False, False]
-    assert await b.write(seen.entry, put(entry("e0", 2, 2), b"z", removes=(b"y",)), BIG)
+    assert await b.write(seen, put(entry("e0", 2, 2), b"z", removes=(b"y",)), BIG)
     assert (await a.read("e0", [member(0, b"y"), member(0, b"z")])).held == {
         member(0, b"y"): False,
         member(0, b"z"): True,
     }
     assert await a.total() == 2
+
+
+async def test_every_write_moves_the_version_a_snapshot_at_the_same_sequence_too(
+    make_store: StoreFactory, backend: str
+) -> None:
+    """A snapshot may carry the entry's own sequence: it replaces the set without moving the sequence, so a report
+    decided on the set before it must still be refused, or its count and the totals drift from the sets."""
+    one, two = await replicas(make_store, backend, 2)
+    a, b = one.index(), two.index()
+    assert await a.write(None, put(entry("e0", 5, 4), b"a", b"b", b"c", b"d"), BIG)
+    before = await b.read("e0", [member(0, b"a"), member(0, b"b")])
+    # A snapshot at sequence 5 again: the entry's incarnation and sequence stay, its set does not.
+    assert await a.write(await a.read("e0", []), put(entry("e0", 5, 2), b"x", b"y", reset=True), BIG)
+    after = await b.read("e0", [])
+    assert after.entry == entry("e0", 5, 2) and after.version != before.version
+    # A report decided on the old set (removing a and b: 2 blocks left, it thinks) is refused; nothing moves.
+    assert not await b.write(before, put(entry("e0", 6, 2), removes=(b"a", b"b")), BIG)
+    assert (await b.read("e0", [])).entry == entry("e0", 5, 2)
+    assert await b.total() == 2
+    # The same report decided again on the read after the snapshot writes.
+    assert await b.write(after, put(entry("e0", 6, 2)), BIG)
+    assert (await a.read("e0", [])).version not in (before.version, after.version)
 
 
 async def test_racing_writes_on_one_entry_let_one_win(make_store: StoreFactory, backend: str) -> None:
@@ -64,7 +86,7 @@ async def test_a_reset_replaces_the_blocks_and_the_total_follows(store: Store) -
     index = store.index()
     first = entry("e0", 1, 3)
     assert await index.write(None, put(first, b"a", b"b", b"c"), BIG)
-    assert await index.write(first, put(entry("e0", 2, 1), b"d", reset=True), BIG)
+    assert await index.write(await index.read("e0", []), put(entry("e0", 2, 1), b"d", reset=True), BIG)
     held = (await index.read("e0", [member(0, h) for h in (b"a", b"d")])).held
     assert list(held.values()) == [False, True]
     assert await index.total() == 1
@@ -93,7 +115,7 @@ async def test_an_identity_bound_counts_its_engines_together(make_store: StoreFa
     assert await two.index().write(None, put(b0, b"x", b"y", b"z"), bounds)
     assert await two.index().write(None, put(entry("n0", 1, 4), b"p", b"q", b"r", b"s"), bounds)
     # Rewriting an entry charges its new size, less what it held: a0 grows to 3, then its blocks go with it.
-    assert await one.index().write(a0, put(entry("a0", 2, 3, owner="a"), b"z"), bounds)
+    assert await one.index().write(await one.index().read("a0", []), put(entry("a0", 2, 3, owner="a"), b"z"), bounds)
     assert await one.index().drop("a0", 7)
     assert await two.index().write(None, put(a1, b"x", b"y"), bounds)
 

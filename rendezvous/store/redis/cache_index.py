@@ -4,8 +4,11 @@ Keys (rendezvous/store/redis/scripts/__init__.py, docs/operations.md): `ix:<engi
 record, pool, role, incarnation, owner), `ixb:<engine>` (its block set), `ixe` (engines with an entry), `ixt`
 (the blocks of all entries), `ixo` (the blocks of each owner's entries). A report reads the entry and the blocks
 it names in one script (index_read), the core decides, and index_write applies the decision if the entry's
-version is unchanged and the bounds hold; MatchPrefixes is one script (index_match), so every replica answers
-from the same state in one round trip. Writes carry the store's epoch guard, as every write does.
+version (`v` "<incarnation>:<sequence>" and `w`, the write's number, new at every write) is unchanged and the
+bounds hold. MatchPrefixes goes in steps, so that no script holds Redis for long (every replica shares it): the
+entries of the engines asked about, SELECT_STEP at a time (index_select), then the lookups of
+rendezvous.store.cache_index.leading_counts, at most MATCH_STEP a call (index_match), cut as the memory store
+cuts them. Writes carry the store's epoch guard, as every write does.
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ import json
 from collections.abc import Sequence
 
 from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
+from rendezvous.core.limits import Limits
 from rendezvous.core.model import Role
 from rendezvous.protocol.cache_index import BlockHashing, PrefixMatch, PrefixQuery
-from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, ranked
+from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, leading_counts, ranked
 from rendezvous.store.codec import future_format
 from rendezvous.store.redis.guarded import GuardedScripts
 
 """Epoch refusals a write retries after acting on them."""
+
+
+SELECT_STEP = 1_024
+"""Engines whose entries one index_select call reads (a query naming its most engines takes one call)."""
 
 
 def encode(e: IndexEntry) -> str:
@@ -43,8 +51,9 @@ def decode(data: bytes | str) -> IndexEntry:
     return IndexEntry(str(f[0]), int(f[1]), str(f[2]), Role(int(f[3])), int(f[4]), hashing, int(f[9]), str(f[10]))
 
 
-def _version(entry: IndexEntry | None) -> str:
-    return f"{entry.incarnation}:{entry.sequence}" if entry is not None else ""
+def _version(entry: IndexEntry) -> str:
+    """What 0.1.0's replicas compare alone (index_write.lua adds the write's number)."""
+    return f"{entry.incarnation}:{entry.sequence}"
 
 
 class RedisIndex(GuardedScripts, IndexStore):
@@ -53,14 +62,15 @@ class RedisIndex(GuardedScripts, IndexStore):
     async def read(self, engine_id: str, members: Sequence[bytes]) -> IndexRead:
         reply = await self._scripts.run("index_read", engine_id=engine_id, members=list(members))
         entry = decode(reply[1]) if reply[1] else None
-        return IndexRead(entry, {m: bool(h) for m, h in zip(members, reply[2:], strict=True)})
+        held = {m: bool(h) for m, h in zip(members, reply[2:], strict=True)}
+        return IndexRead(entry, held, reply[0].decode())
 
-    async def write(self, expected: IndexEntry | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
         e = write.entry
         reply = await self._write(
             "index_write",
             engine_id=e.engine_id,
-            expected=_version(expected),
+            expected=expected.version if expected is not None else "",
             version=_version(e),
             record=encode(e),
             pool=e.pool,
@@ -79,22 +89,35 @@ class RedisIndex(GuardedScripts, IndexStore):
             raise index_full(scope, bounds.total if scope == "server" else bounds.per_identity, *map(int, reply[2:]))
         return bool(reply[0] == b"OK")
 
-    async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
-        reply = await self._scripts.run(
-            "index_match",
-            role=int(query.role or 0),
-            min_matched=query.min_matched,
-            members=[member(query.group, h) for h in query.block_hashes],
-            pools=list(query.pools),
-            engine_ids=list(dict.fromkeys(query.engine_ids)),
-        )
-        found = []
-        for i in range(0, len(reply), 2):
-            e = decode(reply[i])
-            found.append(
-                PrefixMatch(e.engine_id, e.pool, e.role, int(reply[i + 1]), e.hashing, e.sequence, e.incarnation)
+    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+        ids = list(dict.fromkeys(query.engine_ids))
+        if not ids:
+            ids = sorted(m.decode() for m in await self._command("SMEMBERS", self._prefix + "ixe"))
+        entries: list[IndexEntry] = []
+        for first in range(0, len(ids), SELECT_STEP):
+            reply = await self._scripts.run(
+                "index_select",
+                role=int(query.role or 0),
+                pools=list(query.pools),
+                engine_ids=ids[first : first + SELECT_STEP],
             )
-        return ranked(found)
+            entries.extend(decode(record) for record in reply)
+        chain = [member(query.group, h) for h in query.block_hashes]
+
+        async def probe(engines: Sequence[int], start: int, stop: int) -> list[int]:
+            reply = await self._scripts.run(
+                "index_match", members=chain[start:stop], engine_ids=[entries[i].engine_id for i in engines]
+            )
+            return [int(n) for n in reply]
+
+        counts = await leading_counts(len(entries), len(chain), max_lookups, probe)
+        return ranked(
+            [
+                PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation)
+                for e, n in zip(entries, counts, strict=True)
+                if n >= query.min_matched
+            ]
+        )
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:
         reply = await self._write("index_drop", engine_id=engine_id, incarnation=incarnation)

@@ -50,12 +50,14 @@ Key schema (docs/operations.md has it for operators):
     crv:<engine>     string  the version of that ledger, INCR per change (compare-and-set of put_credit)
     crt              hash    transfer id -> its reservation (which engine holds it)
     crd              zset    transfer id by reservation expiry (swept by any replica)
-    ix:<engine>      hash    the engine's KV index entry: v "<incarnation>:<sequence>", d record, p pool, r role,
+    ix:<engine>      hash    the engine's KV index entry: v "<incarnation>:<sequence>", w the number of the write
+                             that wrote it (from ixw; v and w together are its version), d record, p pool, r role,
                              i incarnation, o owner (the identity its blocks are charged to)
     ixb:<engine>     set     its blocks: group (4 bytes big-endian) + hash
     ixe              set     every engine id with an entry
     ixt              string  the blocks of all entries (max_index_blocks_total)
     ixo              hash    owner -> the blocks of its engines' entries (max_index_blocks_per_identity)
+    ixw              string  the last KV index write's number (INCR per write: an entry's w)
 
 Replies use short status words: OK (applied, with the new version), N (no change, version
 verified), C (conflict: the current state follows), E (epoch mismatch: the current epoch follows),
@@ -175,7 +177,8 @@ SIGNATURES: Mapping[str, Signature] = {
     "drop_credit": Signature(("guard", "transfer_id"), helpers=("guard",)),
     "read_credits": Signature(("engine_id",)),
     # The KV index (rendezvous/store/redis/cache_index.py): members are a block's group (4 bytes) and hash;
-    # expected, version: "<incarnation>:<sequence>" of the entry decided on ("" for none) and of the one written.
+    # expected: the version of the entry decided on, as index_read answered it ("" for none); version:
+    # "<incarnation>:<sequence>" of the one written (index_write.lua adds the write's number).
     "index_read": Signature(("engine_id",), (Group("members", ("member",)),)),
     "index_write": Signature(
         (
@@ -196,10 +199,8 @@ SIGNATURES: Mapping[str, Signature] = {
         (Group("adds", ("member",)), Group("removes", ("member",))),
         ("guard",),
     ),
-    "index_match": Signature(
-        ("role", "min_matched"),
-        (Group("members", ("member",)), Group("pools", ("pool",)), Group("engine_ids", ("engine_id",))),
-    ),
+    "index_select": Signature(("role",), (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)))),
+    "index_match": Signature(groups=(Group("members", ("member",)), Group("engine_ids", ("engine_id",)))),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
     # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).
     "put_answer": Signature(("key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes")),

@@ -1,9 +1,12 @@
--- Write an engine's KV index entry if it is still at the version the caller decided on (expected; "" for none):
--- the record, pool, role, incarnation and owner, the block set (emptied first when reset is 1, then adds added
--- and removes removed), the server's block total `ixt` and the owners' totals `ixo`. A growth must keep the
--- server's total within max_total and, for an owner (not ""), the owner's within max_owner (its blocks so far,
--- less this entry's if they were charged to it). count: the set's size after (the caller's decision, exact since
--- the set changes only with the version).
+-- Write an engine's KV index entry if it is still at the version the caller decided on (expected, as index_read
+-- answered it; "" for none): the record, pool, role, incarnation and owner, the block set (emptied first when reset
+-- is 1, then adds added and removes removed), the server's block total `ixt` and the owners' totals `ixo`. A growth
+-- must keep the server's total within max_total and, for an owner (not ""), the owner's within max_owner (its
+-- blocks so far, less this entry's if they were charged to it). count: the set's size after (the caller's
+-- decision, exact since the set changes only with the version).
+-- The version is "<v>/<w>": v is "<incarnation>:<sequence>" (the caller's `version`, what 0.1.0's replicas compare
+-- alone), w the write's number (INCR `ixw`), new at every write: a snapshot at the entry's own sequence replaces
+-- the set without moving v, and w tells a report decided on the set before it that it changed.
 -- Reply: OK | C (changed: read again) | B scope have adding (a bound) | E epoch | R rev epoch.
 local bad = guard_failed(guard)
 if bad then
@@ -11,8 +14,12 @@ if bad then
 end
 local k = P .. 'ix:' .. engine_id
 local bk = P .. 'ixb:' .. engine_id
-local current = redis.call('HMGET', k, 'v', 'o')
-if (current[1] or '') ~= expected then
+local current = redis.call('HMGET', k, 'v', 'o', 'w')
+local now = ''
+if current[1] then
+  now = current[1] .. '/' .. (current[3] or '')
+end
+if now ~= expected then
   return {'C'}
 end
 local charged = current[2] or ''
@@ -42,7 +49,8 @@ end
 for first = 1, #removes, 1000 do
   redis.call('SREM', bk, unpack(removes, first, math.min(first + 999, #removes)))
 end
-redis.call('HSET', k, 'v', version, 'd', record, 'p', pool, 'r', role, 'i', incarnation, 'o', owner)
+local w = redis.call('INCR', P .. 'ixw')
+redis.call('HSET', k, 'v', version, 'w', w, 'd', record, 'p', pool, 'r', role, 'i', incarnation, 'o', owner)
 redis.call('SADD', P .. 'ixe', engine_id)
 redis.call('INCRBY', P .. 'ixt', after - before)
 if charged ~= '' and before > 0 and redis.call('HINCRBY', P .. 'ixo', charged, -before) <= 0 then
