@@ -118,6 +118,14 @@ class Computed:
     def empty(cls, columns: Columns) -> Computed:
         return cls(np.zeros(0, dtype=np.int64), np.zeros(columns.count, dtype=np.int64))
 
+    def restarted(self, src: _Ints, num_tokens: int, columns: slice | None) -> bool:
+        """Whether a report is of the prompt computed again from its first token (vLLM preempted it and resumed it
+        in other blocks): its blocks do not continue those reported, or fewer tokens are computed where more were."""
+        known = min(len(src), len(self.src))
+        if not np.array_equal(src[:known], self.src[:known]):
+            return True
+        return columns is not None and bool((self.tokens[columns] > num_tokens).any())
+
     def add(self, src: _Ints, num_tokens: int, columns: slice | None, prompt_tokens: int) -> None:
         if len(src) > len(self.src):
             self.src = src

@@ -821,9 +821,13 @@ class TransferWriter:
             self._free_ended(p.transfer_id)
             return
         t = self._transfers.setdefault(p.transfer_id, _Transfer())
+        columns = self._columns.select(p.layers)
+        again = t.computed is not None and t.source is None and t.computed.restarted(p.src, p.num_tokens, columns)
+        if again and self._restarted(p.transfer_id, t):
+            return
         if t.computed is None:
             t.computed = Computed.empty(self._columns)
-        t.computed.add(p.src, p.num_tokens, self._columns.select(p.layers), p.prompt_tokens)
+        t.computed.add(p.src, p.num_tokens, columns, p.prompt_tokens)
         t.part_at = max(t.part_at, p.at)
         if t.source is not None:
             return  # the final write covers it
@@ -831,6 +835,19 @@ class TransferWriter:
             self._try_write(p.transfer_id, t)
         else:  # placed at the end of the turn, with the transfer's other parts of it (`_place_due`)
             self._parts_due[p.transfer_id] = None
+
+    def _restarted(self, transfer_id: str, t: _Transfer) -> bool:
+        """The engine computes the prompt again in other blocks (preempted, resumed from its first token): what it
+        reported before is void. A write that posted parts of it fails, since they may read blocks the engine has
+        reused since; else the reports start over. True when the write failed."""
+        w = t.write
+        if w is not None and w.progress is not None and bool(w.progress.posted.any()):
+            if not w.stopped:
+                w.error = "the prefill restarted in other blocks (preempted) after parts of it were posted"
+                self._settle(transfer_id, t)
+            return True
+        t.computed = None
+        return False
 
     def _place_due(self) -> None:
         """Post the parts handed over this turn: each transfer's new cells once, however many parts told them."""

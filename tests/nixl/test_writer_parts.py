@@ -590,6 +590,44 @@ def test_a_part_for_a_peer_s_old_incarnation_never_lands_in_its_new_one(peer: Pe
     assert failed.args[:3] == ("t1", 1, False) and "DISCONNECT" in failed.args[3]
 
 
+def test_reports_of_a_prompt_restarted_in_other_blocks_start_over(peer: PeerProcess, make_pair: MakePair) -> None:
+    """vLLM preempts a prompt mid chunked prefill and resumes it from its first token in other blocks: the next
+    report names other blocks and fewer tokens. Before, the writer kept the longest block list and the most tokens
+    reported, so the old blocks (freed, and reused by other requests) went out as parts and the final skipped
+    them: decode got other bytes (found by an audit). Nothing was posted yet: the reports start over."""
+    p = make_pair()
+    dst = [9, 10, 11, 12, 13]
+    p.writer.source_part("t", [0, 1, 7], 12, prompt_tokens=PROMPT)
+    p.writer.source_part("t", [2, 4], 8, prompt_tokens=PROMPT)  # restarted: tokens 0-8 in blocks 2 and 4
+    p.writer.assign("t", 1, p.agent, 1, dst, progressive=True)
+    p.landed(peer, layers(range(2 * LAYERS), [2, 4], dst[:2]), 1)  # what the new report says is computed
+    p.writer.source_ready("t", [2, 4, 6, 8, 10])
+
+    p.landed(peer, layers(range(2 * LAYERS), [2, 4, 6, 8, 10], dst))
+    assert p.recorder.next().args[:3] == ("t", 1, True)
+
+
+def test_a_prompt_restarted_after_parts_of_it_were_posted_fails_its_write(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    """Parts already posted may have read blocks the engine reused after preempting the prompt: the write fails
+    rather than finish with them, and nothing more of it is posted."""
+    p = make_pair()
+    dst = [9, 10, 11, 12, 13]
+    p.writer.assign("t", 1, p.agent, 1, dst, progressive=True)
+    p.writer.source_part("t", [0, 1, 7], 12, prompt_tokens=PROMPT)
+    p.landed(peer, layers(range(2 * LAYERS), [0, 1, 7], dst[:3]), 1)
+
+    p.writer.source_part("t", [2, 4], 8, prompt_tokens=PROMPT)
+    p.writer.source_ready("t", [2, 4, 6, 8, 10])
+
+    failed = p.recorder.next()
+    assert failed.args[:3] == ("t", 1, False) and "preempted" in failed.args[3]
+    p.landed(peer, layers(range(2 * LAYERS), [0, 1, 7], dst[:3]))  # nothing more
+    p.writer.abort("t")  # a failed generation keeps its source for another, until the transfer ends
+    assert p.recorder.next() == Event("source_free", ("t",))
+
+
 def test_a_part_the_device_never_computes_fails_its_transfer(peer: PeerProcess, make_pair: MakePair) -> None:
     p, stream = make_pair(kv_ready_timeout_s=0.05), LateStream()
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
