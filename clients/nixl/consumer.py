@@ -77,7 +77,7 @@ from rendezvous.clients.nixl.notifications import DigestScope, TransferNotificat
 from rendezvous.clients.nixl.plan import RankGeometry
 from rendezvous.clients.nixl.polling import PollConfig
 from rendezvous.clients.nixl.producer import agent_for_rank
-from rendezvous.clients.nixl.rank import RankAgent, RankOptions
+from rendezvous.clients.nixl.rank import FOLLOWER_CHECK_S, RankAgent, RankOptions
 from rendezvous.clients.nixl.receiver import TransferReceiver
 from rendezvous.clients.nixl.receiver_thread import ReceiverThread
 from rendezvous.clients.nixl.regions import KvRegion, MemoryKind
@@ -96,8 +96,6 @@ _IN_DOUBT = (DeadlineExceeded, Unavailable, Cancelled, Unknown)
 ABORT_IN_DOUBT_S = 60.0
 """How long an agent tries to abort a transfer whose registration is in doubt, when it has no timeout of its own."""
 _ARRIVED = frozenset({TransferState.COMMITTED, TransferState.RELEASED})
-FOLLOWER_CHECK_S = 5.0
-"""How often a following rank asks the service about a transfer it expects and has heard nothing of."""
 EARLY_COMMITS = 4096
 """How many commits of transfers it did not expect (yet) a following rank remembers."""
 DIGESTS_AFTER_COMMIT_S = 10.0

@@ -56,12 +56,13 @@ from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.agent import NixlEndpoint
 from rendezvous.clients.nixl.batching import Batcher
 from rendezvous.clients.nixl.device import COMPLETE, KvReady
-from rendezvous.clients.nixl.rank import RankAgent, RankOptions
+from rendezvous.clients.nixl.rank import FOLLOWER_CHECK_S, RankAgent, RankOptions
 from rendezvous.clients.nixl.receiver import TransferReceiver
 from rendezvous.clients.nixl.receiver_thread import ReceiverThread
 from rendezvous.clients.nixl.regions import BlockIds
 from rendezvous.clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig, WrittenPart
 from rendezvous.protocol import tracing
+from rendezvous.protocol.errors import NotFound, RendezvousError
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +133,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         serve_reads: bool = False,
         first_layer: int = 0,
         num_layers: int = 0,
+        follower_check_s: float = FOLLOWER_CHECK_S,
         **options: Unpack[RankOptions],
     ) -> None:
         """`options`: those of every rank agent (`RankOptions`: agent_name, rank, layout, labels, lease_ttl,
@@ -141,12 +143,17 @@ class ProducerAgent(RankAgent[ProducerSession]):
         `rank`, `layout` and (with pipeline parallelism) `first_layer`/`num_layers` place this rank in its engine;
         the writer writes this rank's share of each assignment (`rendezvous.protocol.kvmap`). `on_report` gets a
         `WriteReport` per finished write, and `ready`'s `on_free` the source back: both on the event loop the
-        agent was started on. `writer_config` tunes the writer thread; `serve_reads` serves pull-mode READs."""
+        agent was started on. `writer_config` tunes the writer thread; `serve_reads` serves pull-mode READs.
+        `follower_check_s`: how often a following rank asks the service about a transfer whose source it holds and
+        of which it has heard nothing (rank 0's claim may have been refused: then no event comes, and the source
+        is freed once the service says the transfer is not this engine's to write)."""
         super().__init__(client, engine_id, pool, tensors, **options)
         self.serve_reads = serve_reads
         self._layers = (first_layer, num_layers)
         self._writer_config = writer_config
         self._on_report = on_report
+        self._follower_check_s = follower_check_s
+        self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of the sources they hold
         self._writer: TransferWriter | None = None
         self._server: ReceiverThread | None = None
         self._sources: dict[str, _Source] = {}
@@ -197,6 +204,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     async def close(self, *, deregister: bool = True) -> None:
         """Stop the writer (writes in flight drain; held sources are freed), then end the session."""
+        for check in list(self._checks):
+            check.cancel()
         await self._stop_threads()
         await asyncio.sleep(0)  # run the callbacks the writer posted while stopping
         for batcher in (self._claims, self._ready, self._completions, self._acks):
@@ -276,6 +285,30 @@ class ProducerAgent(RankAgent[ProducerSession]):
         deferred = self._deferred.pop(transfer_id, None)
         if deferred is not None:
             self._assign(deferred)
+        if not self.leader and transfer_id not in self._assigned:
+            check = asyncio.get_running_loop().create_task(self._check_source(transfer_id, source))
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
+
+    async def _check_source(self, transfer_id: str, source: _Source) -> None:
+        """A following rank holds a source until the transfer's events end it; should rank 0's claim have been
+        refused (the transfer ended before prefill claimed it), none comes: so it asks every `follower_check_s`
+        until an assignment came, and frees the source once the transfer is not this engine's to write."""
+        while True:
+            await asyncio.sleep(self._follower_check_s)
+            if self._sources.get(transfer_id) is not source or transfer_id in self._assigned:
+                return  # freed, or its events flow
+            try:
+                info = await self.engine_session.client.get_transfer(transfer_id)
+            except NotFound:
+                self._end(transfer_id)
+                return
+            except RendezvousError as e:  # the service is slow or away: that says nothing of the transfer
+                logger.warning("transfer %s: checking on it failed, looking again later: %s", transfer_id, e)
+                continue
+            if info.producer_engine_id != self.engine_id or info.state.terminal:
+                self._end(transfer_id)
+                return
 
     def ready_part(
         self,

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 SessionT = TypeVar("SessionT", bound=RoleSession)
 
+FOLLOWER_CHECK_S = 5.0
+"""How often a following rank asks the service about a transfer it holds (a target it expects, a source handed
+over) and has heard nothing of: rank 0's registration or claim of it may have failed, and then no event comes."""
+
 
 class RankOptions(TypedDict, total=False):
     """The keyword arguments every rank agent takes (`ProducerAgent`, `ConsumerAgent`); all optional."""

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from rendezvous.clients import AsyncRendezvousClient, EventType, KvLayout
+from rendezvous.clients import AbortSpec, AsyncRendezvousClient, EventType, KvLayout
 from rendezvous.clients.nixl.consumer import ConsumerAgent
 from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.testing import TEST_LAYOUT
 from tests.clients.conftest import WAIT, client, server
 
@@ -83,3 +84,34 @@ async def test_a_part_handed_over_after_its_transfer_ended_is_freed(client: Asyn
         assert await asyncio.wait_for(freed, WAIT) == "t1"
     finally:
         await producer.close()
+
+
+TP2 = KvLayout("m", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
+
+
+async def test_a_following_rank_frees_its_source_when_rank_0_s_claim_was_refused(
+    client: AsyncRendezvousClient,
+) -> None:
+    """The connector hands `ready` to every TP rank; only rank 0 claims. When the claim is refused (the transfer
+    ended before prefill claimed it), rank 0 frees at once, but rank 1 heard of the transfer from nobody: its
+    blocks, and vLLM's finished_sending for the request (which waits for every rank), were held for ever. It
+    asks the service every `follower_check_s` and frees them."""
+    ranks = [
+        ProducerAgent(
+            client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TP2, rank=r, follower_check_s=0.05
+        )
+        for r in range(2)
+    ]
+    await start_ranks(ranks)
+    loop = asyncio.get_running_loop()
+    freed: list[asyncio.Future[str]] = [loop.create_future(), loop.create_future()]
+    try:
+        await client.abort_transfer("", AbortSpec("t1", "the router gave up"))  # before any half arrived
+        assert (await ranks[0].claim("t1")).error is not None  # TRANSFER_ENDED
+        for rank, done in zip(ranks, freed, strict=True):
+            rank.ready("t1", [0, 1], done.set_result)
+        assert await asyncio.wait_for(freed[0], WAIT) == "t1"
+        assert await asyncio.wait_for(freed[1], WAIT) == "t1"
+    finally:
+        for agent in reversed(ranks):
+            await agent.close()
