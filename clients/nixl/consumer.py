@@ -200,6 +200,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._follower_check_s = follower_check_s
         self._integrity = integrity
         self._digests_after_commit_s = digests_after_commit_s
+        self._late_checks: dict[str, asyncio.TimerHandle] = {}  # committed targets waiting for their digests
         self._held = range(self.layout.num_layers)  # the model layers this rank holds (its stage's), once open
         self._thread: ReceiverThread | None = None
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
@@ -259,6 +260,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         """Stop the receiver thread (reads in flight finish), end the session and `results()`."""
         for check in list(self._checks):
             check.cancel()
+        for late in self._late_checks.values():
+            late.cancel()
+        self._late_checks.clear()
         await self._stop_threads()
         for batcher in (self._registrations, self._completions, self._releases):
             if batcher is not None:
@@ -501,7 +505,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             if self._digests_complete(target):
                 self._check_committed(transfer_id, target)
             else:  # the notifications with the rest may still be on their way (or writers unknown): not for ever
-                asyncio.get_running_loop().call_later(
+                self._late_checks[transfer_id] = asyncio.get_running_loop().call_later(
                     self._digests_after_commit_s, self._check_committed, transfer_id, target
                 )
             return
@@ -623,6 +627,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     def _check_committed(self, transfer_id: str, target: _Target) -> None:
         """Check a committed target with the digests that came, unless it is checked, decided or gone already."""
+        late = self._late_checks.pop(transfer_id, None)
+        if late is not None:
+            late.cancel()
         if self._targets.get(transfer_id) is not target or target.checking or target.arrived or target.corrupted:
             return
         target.checking = True

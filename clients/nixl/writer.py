@@ -596,8 +596,8 @@ class TransferWriter:
                 self._handle(command)
                 progressed = True
                 command = self._next_command(0.0)
-            progressed = self._handle_computed() or progressed
-            try:
+            try:  # an error here must not end the thread: every transfer would wait for it
+                progressed = self._handle_computed() or progressed
                 self._place_due()
                 self._flush_parts()
                 progressed = self._poll_writes() or progressed
