@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from rendezvous import wire
+from rendezvous.core import paging
 from rendezvous.protocol import index_wire
 from rendezvous.server.authfile import Caller
 from rendezvous.server.servicer import RendezvousServicer, _rpc
@@ -52,6 +53,11 @@ class KvIndexServicer(ipb_grpc.KvIndexServiceServicer):
     ) -> ipb.MatchPrefixesResponse:
         wire.role_filter(request.role)  # a role this server does not know is refused, as ListEngines refuses it
         found = await self.coordinator.index.match(index_wire.query(request))
-        return ipb.MatchPrefixesResponse(
-            header=await self._header(), matches=[index_wire.match_message(m) for m in found]
-        )
+        messages = [index_wire.match_message(m) for m in found]
+        # Best first: past max_response_bytes the rest, the engines that match least, are left out.
+        best = paging.cut(messages, len(messages), _size, self.coordinator.limits.max_response_bytes)
+        return ipb.MatchPrefixesResponse(header=await self._header(), matches=best)
+
+
+def _size(match: ipb.PrefixMatch) -> int:
+    return match.ByteSize() + 8  # its field tag and length in the response

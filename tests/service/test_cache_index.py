@@ -121,6 +121,25 @@ async def test_a_query_past_its_lookups_is_answered_cut_at_one_depth(store: str,
         assert await matched(client, engine_ids=("p0",)) == {"p0": 8}  # 1 engine: 8 lookups, exact
 
 
+async def test_an_answer_past_max_response_bytes_keeps_the_engines_that_match_most(
+    store: str, clock: FakeClock
+) -> None:
+    """A MatchPrefixes answer lists every selected engine: with thousands indexed it could pass a client's 4 MiB
+    receive limit (found by an audit). It is cut like any response at `max_response_bytes`: best first, so the
+    engines left out are those that match least."""
+    one = len(ipb.PrefixMatch(engine_id="p0", pool="prefill", matched_blocks=8).SerializeToString()) + 40
+    limits = replace(LIMITS, max_response_bytes=2 * one)
+    async with (
+        start_test_server(clock, store=store, limits=limits, timeouts=Timeouts(default_lease_ttl=2)) as srv,
+        AsyncRendezvousClient(srv.address) as client,
+    ):
+        for engine_id, n in (("p0", 2), ("p1", 8), ("p2", 5), ("p3", 1)):
+            await register(client, engine_id)
+            await client.report_cache_events(report(0, stored(0, n), engine_id=engine_id, first=True))
+        best = list((await matched(client)).items())
+        assert 1 <= len(best) < 4 and best == [("p1", 8), ("p2", 5), ("p0", 2)][: len(best)]
+
+
 async def test_kv_cache_groups_are_matched_apart(client: AsyncRendezvousClient) -> None:
     await register(client, "p0")
     await client.report_cache_events(report(0, stored(0, 4, group=0), stored(0, 2, group=1), first=True))
