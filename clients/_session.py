@@ -70,6 +70,16 @@ _TRANSIENT = frozenset(
 )
 
 
+def _smaller_batch(err: RendezvousError, sent: int) -> int:
+    """The batch size to try after `sent` items were refused BATCH_TOO_LARGE: the server's limit (its ErrorInfo
+    metadata), else half."""
+    try:
+        limit = int(err.metadata.get("limit", ""))
+    except ValueError:
+        limit = 0
+    return limit if 0 < limit < sent else max(sent // 2, 1)
+
+
 class _Closed:
     """Ends the event queue."""
 
@@ -404,12 +414,20 @@ class EngineSession:
             (client.mark_sources_ready, live.sources),
         ):
             specs: list[Any] = list(table.values())
-            for start in range(0, len(specs), size):
+            start = 0
+            while start < len(specs):
                 chunk = specs[start : start + size]
                 since = live.mark()
-                chunk_results = await send(self.engine_id, chunk, incarnation=self.incarnation)
+                try:
+                    chunk_results = await send(self.engine_id, chunk, incarnation=self.incarnation)
+                except RendezvousError as err:
+                    if err.reason != Reason.BATCH_TOO_LARGE or len(chunk) == 1:
+                        raise
+                    size = _smaller_batch(err, len(chunk))  # the server's limit is below reassert_batch
+                    continue
                 live.record(table, chunk, chunk_results, since)
                 results.extend(chunk_results)
+                start += len(chunk)
         return results
 
     def _fail(self, err: RendezvousError) -> None:

@@ -264,6 +264,22 @@ async def test_after_a_server_restart_sessions_reregister_and_their_transfers_st
     assert (transfer.state, transfer.consumer_incarnation) == (TransferState.COMMITTED, consumer.incarnation)
 
 
+async def test_re_asserting_more_targets_than_the_server_s_batch_limit_splits_them(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """The fixture's server takes 128 items a batch; re-assertion sent up to `reassert_batch` (1,000) at once, the
+    server refused BATCH_TOO_LARGE, and the session stopped after a restart it should survive (found by an
+    audit). It now takes the limit the refusal names."""
+    async with consumer_session(client) as consumer:
+        events = consumer.events()
+        for start in (0, 100):
+            await consumer.register_targets([TargetSpec(f"t{i}", [i % 64]) for i in range(start, start + 100)])
+        await server.restart()
+        event = await next_event(events, is_reregistered)
+        assert isinstance(event, Reregistered) and consumer.failure is None
+        assert len([r for r in event.results if r.ok]) == 200
+
+
 async def test_a_late_answer_from_the_epoch_before_a_restart_does_not_register_again(
     server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession
 ) -> None:
