@@ -453,7 +453,10 @@ class EngineSession:
                     while True:
                         await asyncio.sleep(delay)
                         incarnation = self.incarnation
-                        renewal = await stream.renew(self.engine_id, incarnation)
+                        # Unanswered for as long as the wait between renewals, it is given up while the lease
+                        # still has time for another endpoint to renew it.
+                        bound = self.engine.lease_ttl * fraction
+                        renewal = await stream.renew(self.engine_id, incarnation, timeout=bound)
                         backoff.reset()
                         delay = renewal.lease_ttl * fraction
                 except RendezvousError as err:

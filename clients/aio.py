@@ -104,13 +104,20 @@ class AsyncKeepAliveStream:
         self._call = call
         self._index = index
 
-    async def renew(self, engine_id: str, incarnation: int) -> LeaseRenewal:
-        """Renew an engine incarnation's lease; raises if it cannot be (e.g. LEASE_EXPIRED)."""
+    async def renew(self, engine_id: str, incarnation: int, timeout: float | None = None) -> LeaseRenewal:
+        """Renew an engine incarnation's lease; raises if it cannot be (e.g. LEASE_EXPIRED). Without an answer
+        within `timeout` seconds (None: no bound) the stream is cancelled, the endpoint given up like an
+        UNAVAILABLE one (a replica that went silent without closing its connections), and Unavailable raised."""
         try:
-            await self._call.write(commands.keep_alive_request(engine_id, incarnation))
-            response = await self._call.read()
+            async with asyncio.timeout(timeout):
+                await self._call.write(commands.keep_alive_request(engine_id, incarnation))
+                response = await self._call.read()
         except grpc.RpcError as error:
             raise self._client._failed(error, self._index) from error
+        except TimeoutError:
+            self.cancel()
+            self._client._endpoints.failover(self._index)
+            raise Unavailable("", f"no KeepAlive answer within {timeout:g} s") from None
         except asyncio.InvalidStateError:
             response = grpc.aio.EOF  # the server already ended the stream without an error
         if response is grpc.aio.EOF:

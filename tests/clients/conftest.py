@@ -142,13 +142,16 @@ async def client(server: AsyncTestServer) -> AsyncIterator[AsyncRendezvousClient
 
 
 class TcpProxy:
-    """A loopback TCP proxy whose connections a test can cut, and which can refuse new ones."""
+    """A loopback TCP proxy whose connections a test can cut, which can refuse new ones, and which can go silent
+    (`freeze`: bytes are held, connections stay open, as behind a node lost without a reset)."""
 
     def __init__(self, upstream_port: int) -> None:
         self._upstream_port = upstream_port
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._refusing = False
+        self._flowing = asyncio.Event()
+        self._flowing.set()
         self.accepted = 0
         self.port = 0
 
@@ -176,6 +179,10 @@ class TcpProxy:
         """While refusing, new connections are closed as soon as they are accepted."""
         self._refusing = refusing
 
+    def freeze(self) -> None:
+        """From now on no byte goes through, either way, and nothing is closed."""
+        self._flowing.clear()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._refusing:
             writer.transport.abort()
@@ -192,6 +199,7 @@ class TcpProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
+                await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()
         writer.transport.abort()

@@ -280,6 +280,34 @@ async def test_re_asserting_more_targets_than_the_server_s_batch_limit_splits_th
         assert len([r for r in event.results if r.ok]) == 200
 
 
+async def test_a_replica_gone_silent_is_given_up_within_the_renewal_interval() -> None:
+    """Two endpoints; the first stops answering without closing its connections (a node lost without a reset).
+    A renewal had no deadline and waited for gRPC's own keepalive (30 s + 10 s), while the lease (3 s here)
+    lapsed and the server aborted the engine's transfers (found by an audit). A renewal unanswered for the
+    interval between renewals is given up like an UNAVAILABLE endpoint: the next goes to the second replica."""
+    async with start_test_server() as server:
+        first, second = TcpProxy(server.port), TcpProxy(server.port)
+        await first.start()
+        await second.start()
+        config = client_config(first.address, second.address)
+        try:
+            async with (
+                AsyncRendezvousClient(server.address) as direct,
+                AsyncRendezvousClient(config) as client,
+                consumer_session(client, lease_ttl=3.0) as session,
+            ):
+                await session.register_target(TargetSpec("t1", [1]))
+                first.freeze()
+                deadline = asyncio.get_running_loop().time() + WAIT
+                while not second.accepted:  # the first renewal after the freeze fails over
+                    assert asyncio.get_running_loop().time() < deadline, "the session never left the replica"
+                    await asyncio.sleep(0.05)
+                assert (await direct.get_engine("d0")).incarnation == session.incarnation
+        finally:
+            await first.close()
+            await second.close()
+
+
 async def test_a_late_answer_from_the_epoch_before_a_restart_does_not_register_again(
     server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession
 ) -> None:
