@@ -36,6 +36,8 @@ QUEUE_TIMEOUT = "queue_timeout"
 """Refused: the request waited queue_timeout seconds and no credit came back."""
 NO_CAPACITY = "no_capacity"
 """Refused: no decode engine had credit, and the router queues nothing (max_queued or queue_timeout 0)."""
+TOO_LARGE = "too_large"
+"""Refused: the prompt needs more blocks than any decode engine of the pools admits at all (its `max_blocks`)."""
 ENGINE_FULL = "engine_full"
 """Counted only: an engine refused a reservation (another router took the credit); the next was tried."""
 
@@ -212,6 +214,9 @@ class DecodeAdmission:
     ) -> Admission | None:
         ranked = await self.engines.rank_engines(pools, EngineRole.CONSUMER, prefix=prefix, indexed=indexed)
         self.metrics.observe_pools(ranked)
+        if ranked and all(0 < e.capacity.max_blocks < blocks for e in ranked):  # waiting would not change that
+            most = max(e.capacity.max_blocks for e in ranked)
+            raise self._refuse(TOO_LARGE, f"{blocks} blocks: no decode engine of {', '.join(pools)} admits over {most}")
         for engine in ranked:
             if not engine.capacity.limited:
                 return Admission(engine, transfer_id, reserved=False)

@@ -39,7 +39,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,7 @@ from rendezvous.clients import (
     RouterClient,
 )
 from rendezvous.clients._router import DEFAULT_BINDING_TTL
-from rendezvous.connector.admission import Admission, DecodeAdmission, Refused, RouterMetrics
+from rendezvous.connector.admission import TOO_LARGE, Admission, DecodeAdmission, Refused, RouterMetrics
 from rendezvous.connector.config import TRANSFER_ID_KEY
 from rendezvous.connector.prefix_view import PrefixView
 from rendezvous.connector.prompts import PromptReader, Tokenizer
@@ -78,7 +78,7 @@ PREFILL_HEADER = "X-Kv-Prefill"
 `local-short` (on the decode engine: the prompt is below --local-prefill-below) or `local-busy` (on the decode
 engine: every prefill engine had --local-prefill-when-busy requests in flight)."""
 REFUSAL_HEADER = "X-Kv-Refusal"
-"""On a 503 for want of decode credit: why (`queue_full`, `queue_timeout`, `no_capacity`;
+"""On a 503 for want of decode credit: why (`queue_full`, `queue_timeout`, `no_capacity`; on a 413, `too_large`;
 rendezvous.connector.admission)."""
 LOCAL_SHORT = "local-short"
 LOCAL_BUSY = "local-busy"
@@ -176,6 +176,7 @@ class Router:
         """Prefix-aware: the fleet's KV index (None: this router's memory only)."""
         self._timeout = ClientTimeout(total=timeout)
         self._http: ClientSession | None = None
+        self._background: set[asyncio.Task[None]] = set()  # work after an answer (credit releases)
 
     def app(self) -> web.Application:
         """The aiohttp application."""
@@ -191,10 +192,13 @@ class Router:
 
     async def _open(self, app: web.Application) -> None:
         # Engines (uvicorn) close idle connections after 5 s; reusing one they are closing resets the request.
-        connector = TCPConnector(keepalive_timeout=_ENGINE_KEEPALIVE)
+        # No pool limit of its own (aiohttp's is 100 connections): credits and the queue bound what goes out.
+        connector = TCPConnector(limit=0, keepalive_timeout=_ENGINE_KEEPALIVE)
         self._http = ClientSession(timeout=self._timeout, connector=connector)
 
     async def _close(self, app: web.Application) -> None:
+        if self._background:  # credits given back before the client to the rendezvous closes
+            await asyncio.wait(self._background)
         if self._http is not None:
             await self._http.close()
         await self.engines.stop_refreshing()  # no background ListEngines outlives its channel
@@ -239,10 +243,12 @@ class Router:
     async def _proxy(self, request: web.Request, path: str, limit_keys: Sequence[str]) -> web.StreamResponse:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return _error(400, "the request body must be JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
+        if not isinstance(body.get("kv_transfer_params") or {}, dict):
+            return _error(400, "kv_transfer_params must be a JSON object")
         model = body.get("model")
         route = self.route(model) if isinstance(model, str) else None
         if route is None:
@@ -275,14 +281,16 @@ class Router:
             admission = await self.admission.admit(route.decode_pools, transfer_id, blocks, prefix, indexed)
         except Refused as e:
             span.set_attribute("kv_rendezvous.refused", e.reason)
-            return _error(503, f"no decode credit ({e.reason}): {e}", headers={REFUSAL_HEADER: e.reason})
+            status = 413 if e.reason == TOO_LARGE else 503  # too large: no wait would help
+            return _error(status, f"no decode credit ({e.reason}): {e}", headers={REFUSAL_HEADER: e.reason})
         except RendezvousError as e:
             return _error(503, f"no engines: {e}")
         try:
             return await self._admitted(request, path, limit_keys, body, route, span, admission, prefix, indexed)
         finally:
-            # However the request ended (answered, failed, the client gone): its decode credit goes back.
-            await asyncio.shield(asyncio.ensure_future(self.admission.release(admission)))
+            # However the request ended (answered, failed, the client gone): its decode credit goes back, after
+            # the answer (a slow or unreachable rendezvous must not hold it; the credit's TTL bounds a failure).
+            self._in_background(self.admission.release(admission))
 
     async def _admitted(
         self,
@@ -380,6 +388,9 @@ class Router:
         try:
             with self.engines.in_flight(engine, prefix, indexed), _leg_span("router.decode", engine, "") as headers:
                 return await self._relay(request, url, body, headers, named)
+        except _StreamCut as cut:
+            self.engines.invalidate()
+            return cut.response
         except (ClientError, OSError, TimeoutError) as e:
             self.engines.invalidate()
             return _error(502, f"decode engine failed: {e}")
@@ -421,6 +432,9 @@ class Router:
         try:
             with _leg_span("router.decode", engine, transfer_id) as headers:
                 response = await self._relay(request, url, body, headers, named, answer)
+        except _StreamCut as cut:  # decode had the KV (it was answering): the transfer was delivered
+            self.engines.invalidate()
+            return cut.response
         except (ClientError, OSError, TimeoutError) as e:
             self.engines.invalidate()
             await self._abort(transfer_id, "the decode leg failed")
@@ -458,7 +472,19 @@ class Router:
                 await _write(out, None)
             except _ClientGone:  # the client hung up (as it does once it has `[DONE]`): not the engine's failure
                 pass
+            except (ClientError, OSError, TimeoutError) as e:
+                # The engine's stream broke after the answer began: the client must see it cut, not complete
+                # (and not wait for more): its connection is closed without the stream's end.
+                if request.transport is not None:
+                    request.transport.abort()
+                raise _StreamCut(out) from e
             return out
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` after the answer, kept until it is done (and awaited at close)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort(self, transfer_id: str, message: str) -> None:
         with contextlib.suppress(RendezvousError):  # ended already: nothing to abort
@@ -467,6 +493,14 @@ class Router:
 
 class _ClientGone(Exception):
     """Writing to the client failed: it went away."""
+
+
+class _StreamCut(Exception):
+    """The engine's streamed answer broke after it began; the client's stream (`response`) was cut."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("the engine's stream broke")
+        self.response = response
 
 
 async def _write(out: web.StreamResponse, chunk: bytes | None) -> None:

@@ -1,0 +1,166 @@
+"""The router under bad input and failing neighbours: every client gets a clear answer at once, and nothing the
+router holds (credit, connections) waits on a neighbour that cannot help. Found by an audit of the router; each test
+failed before its fix. A real rendezvous server, fake vLLM HTTP engines (engines are external to the router)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, TCPConnector, web
+
+from rendezvous.clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, EngineRole, RetryPolicy
+from rendezvous.clients.testing import AsyncTestServer
+from rendezvous.connector.launch import free_port
+from rendezvous.connector.router import REFUSAL_HEADER, Router
+from tests.connector.test_router import (
+    FLEET,
+    LAYOUT,
+    WAIT,
+    Cluster,
+    FakeEngine,
+    cluster,
+    make_router,
+    server,
+)
+from tests.factories import sdk_engine
+
+__all__ = ["cluster", "make_router", "server"]
+
+
+async def post_raw(router: Any, data: bytes) -> tuple[int, str]:
+    url = f"http://127.0.0.1:{router.port}/v1/completions"
+    async with router.http.post(url, data=data, headers={"Content-Type": "application/json"}) as response:
+        return response.status, await response.text()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        json.dumps({"model": "tiny", "prompt": "hi", "kv_transfer_params": [["a", 1]]}).encode(),
+        json.dumps({"model": "tiny", "prompt": "hi", "kv_transfer_params": "abc"}).encode(),
+        json.dumps({"model": "tiny", "prompt": "hi", "kv_transfer_params": 5}).encode(),
+        b"[" * 100_000 + b"]" * 100_000,  # under the body limit, deeper than the parser recurses
+    ],
+    ids=["params-a-list", "params-a-string", "params-a-number", "nested-too-deep"],
+)
+async def test_a_malformed_request_is_a_400_not_a_500(cluster: Cluster, make_router: Any, data: bytes) -> None:
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER, capacity=1)
+    router = await make_router(FLEET)
+    status, text = await post_raw(router, data)
+    assert status == 400, text
+
+
+class CuttingEngine(FakeEngine):
+    """Streams one event, then drops its connection: an engine that crashed mid-answer."""
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        assert request.transport is not None
+        request.transport.abort()  # no [DONE], no end of the chunked stream
+        return stream
+
+
+async def test_a_stream_decode_cuts_reaches_the_client_cut(cluster: Cluster, make_router: Any) -> None:
+    """The client had its 200 and a first event; before, the router then returned a second (502) response
+    nobody could send, and the client waited for the rest of a stream that neither went on nor ended."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    engine = CuttingEngine("d")
+    await engine.start()
+    cluster.engines["d"] = engine
+    labels = {"url": f"http://127.0.0.1:{engine.port}"}
+    await cluster.rendezvous.register_engine(
+        sdk_engine("d", EngineRole.CONSUMER, pool="decode", layout=LAYOUT, labels=labels, lease_ttl=60)
+    )
+    router = await make_router(FLEET)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 8, "stream": True}
+    received = b""
+
+    async def read() -> None:
+        nonlocal received
+        async with router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body) as response:
+            assert response.status == 200
+            async for chunk in response.content.iter_any():
+                received += chunk
+
+    with pytest.raises(ClientPayloadError):  # a broken stream, not a complete one, and not a wait
+        await asyncio.wait_for(read(), WAIT)
+    assert received.startswith(b"data: ")
+
+
+async def test_a_prompt_larger_than_every_decode_engine_is_refused_at_once(cluster: Cluster, make_router: Any) -> None:
+    """A prompt of 9 blocks and decode engines that admit 8: before, it waited out the queue (30 s by default),
+    then got 503 queue_timeout. No wait helps it: 413 too_large at once."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    engine = FakeEngine("d")
+    await engine.start()
+    cluster.engines["d"] = engine
+    labels = {"url": f"http://127.0.0.1:{engine.port}"}
+    capacity = EngineCapacity(max_transfers=4, max_blocks=8)
+    await cluster.rendezvous.register_engine(
+        sdk_engine(
+            "d", EngineRole.CONSUMER, pool="decode", layout=LAYOUT, labels=labels, lease_ttl=60, capacity=capacity
+        )
+    )
+    router = await make_router(FLEET, max_queued=4, queue_timeout=3_600.0)
+    body = {"model": "tiny", "prompt": list(range(16 * 9)), "max_tokens": 8}
+    url = f"http://127.0.0.1:{router.port}/v1/completions"
+    async with router.http.post(url, json=body) as response:  # the session's timeout is WAIT, far below the queue's
+        assert response.status == 413 and response.headers[REFUSAL_HEADER] == "too_large"
+
+
+async def test_an_answer_is_not_held_back_by_giving_its_credit_back(server: AsyncTestServer, cluster: Cluster) -> None:
+    """Decode answered while the rendezvous was unreachable: before, the answer waited for ReleaseCredits to give
+    up (the client's whole retry deadline; every answer paid that round trip). The credit goes back after it."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER, capacity=1)
+    slow = RetryPolicy(deadline=3_600.0)  # a release that fails keeps trying far longer than the test waits
+    client = AsyncRendezvousClient(ClientConfig(targets=(server.address,), call_timeout=2.0, retry=slow))
+    router = Router(client, FLEET, refresh_interval=0.0)
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        decode.gate.clear()
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            body = {"model": "tiny", "prompt": "hi"}
+            request = asyncio.ensure_future(http.post(f"http://127.0.0.1:{port}/v1/completions", json=body))
+            await asyncio.wait_for(decode.received.wait(), WAIT)
+            await server.stop()  # the rendezvous goes away while decode computes
+            decode.gate.set()
+            async with await request as response:
+                assert response.status == 200
+    finally:
+        for task in router._background:  # a release that cannot succeed: not waited for at cleanup
+            task.cancel()
+        await runner.cleanup()
+
+
+async def test_engine_legs_are_not_capped_by_an_http_pool_of_the_router(cluster: Cluster, make_router: Any) -> None:
+    """150 requests at once to engines that declare no capacity: every decode leg reaches its engine (aiohttp's
+    default pool held the router to 100 connections, the others waiting inside it after their admission)."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER)
+    decode.gate.clear()  # every decode answer is held (a long generation)
+    router = await make_router(FLEET)
+    async with ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=3 * WAIT)) as http:
+
+        async def one() -> int:
+            url = f"http://127.0.0.1:{router.port}/v1/completions"
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                await response.read()
+                return response.status
+
+        tasks = [asyncio.create_task(one()) for _ in range(150)]
+        try:
+            await asyncio.wait_for(decode.wait_bodies(150), 2 * WAIT)
+        finally:
+            decode.gate.set()
+        assert await asyncio.gather(*tasks) == [200] * 150
