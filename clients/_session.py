@@ -186,6 +186,7 @@ class EngineSession:
         self._keepalive_task: asyncio.Task[None] | None = None
         self._dispatch_task: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
+        self._reregistered = asyncio.Event()  # cleared while a recovery has not registered the new incarnation yet
         self._remove_listener: Callable[[], None] | None = None
         self._failure: RendezvousError | None = None
         self._closed = False
@@ -377,22 +378,26 @@ class EngineSession:
 
     async def _reregister(self, cause: Reason | SessionCause) -> None:
         previous = self.incarnation
+        self._reregistered.clear()
         watch = self._watch_task
         if watch is not None and watch is not asyncio.current_task():
             watch.cancel()
             await asyncio.wait([watch])
         backoff = Backoff(self._config.reconnect)
         registered = False
+        results: dict[str, ItemResult] = {}  # every round's, the last per transfer (one may end another's)
         while True:
             try:
                 if not registered:
                     self._registration = await self._client.register_engine(self._spec)
                     registered = True
-                results = await self._reassert()
+                    self._reregistered.set()  # its lease runs from now: the keep-alive renews it meanwhile
+                await self._reassert(results)
                 break
             except RendezvousError as err:
                 if err.reason in _ENGINE_GONE:
                     registered = False
+                    self._reregistered.clear()
                 elif err.code not in _TRANSIENT:
                     self._fail(err)
                     return
@@ -401,13 +406,13 @@ class EngineSession:
                 log.warning("engine %s re-registration failed, retrying: %s", self.engine_id, err)
                 await asyncio.sleep(backoff.next())
         log.info("engine %s re-registered as incarnation %d", self.engine_id, self.incarnation)
-        self._deliver(Reregistered(cause, previous, self.incarnation, self.epoch, tuple(results)))
+        self._deliver(Reregistered(cause, previous, self.incarnation, self.epoch, tuple(results.values())))
         self._start_watch()
 
-    async def _reassert(self) -> list[ItemResult]:
-        """Send what the session still wants to the new incarnation: targets, claims, ready sources."""
+    async def _reassert(self, results: dict[str, ItemResult]) -> None:
+        """Send what the session still wants to the new incarnation: targets, claims, ready sources; each item's
+        result into `results`, by transfer id."""
         live, client, size = self._live, self._client, self._config.reassert_batch
-        results: list[ItemResult] = []
         for send, table in (
             (client.register_targets, live.targets),
             (client.claim_transfers, live.claims),
@@ -426,9 +431,8 @@ class EngineSession:
                     size = _smaller_batch(err, len(chunk))  # the server's limit is below reassert_batch
                     continue
                 live.record(table, chunk, chunk_results, since)
-                results.extend(chunk_results)
+                results.update((r.transfer_id, r) for r in chunk_results)
                 start += len(chunk)
-        return results
 
     def _fail(self, err: RendezvousError) -> None:
         log.error("engine session %s stopped: %s", self.engine_id, err)
@@ -461,9 +465,7 @@ class EngineSession:
                         delay = renewal.lease_ttl * fraction
                 except RendezvousError as err:
                     if self._replaced(err, incarnation):
-                        recovery = self._recovery
-                        if recovery is not None and not recovery.done():
-                            await asyncio.wait([recovery])
+                        await self._until_registered()
                         if self._failure is not None:
                             return
                         delay = self.engine.lease_ttl * fraction
@@ -473,6 +475,18 @@ class EngineSession:
                     else:
                         self._fail(err)
                         return
+
+    async def _until_registered(self) -> None:
+        """Until a recovery under way has registered the new incarnation (whose lease runs from then, however long
+        its re-assertion takes) or ended."""
+        recovery = self._recovery
+        if recovery is None or recovery.done() or self._reregistered.is_set():
+            return
+        registered = asyncio.ensure_future(self._reregistered.wait())
+        try:
+            await asyncio.wait([recovery, registered], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            registered.cancel()
 
     def _start_watch(self) -> None:
         start = self._registered().watch_start_sequence

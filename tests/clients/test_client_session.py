@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from rendezvous.clients import (
+    AsyncKeepAliveStream,
     AsyncRendezvousClient,
     ClaimSpec,
     CompletionSpec,
@@ -29,6 +31,7 @@ from rendezvous.clients import (
     Resynced,
     ServerEvent,
     SessionCause,
+    SessionConfig,
     SessionEvent,
     SourceReadySpec,
     TargetSpec,
@@ -39,8 +42,11 @@ from rendezvous.clients import (
 from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Limits
 from tests.clients.conftest import (
+    FAST_SESSION,
+    LAYOUT,
     WAIT,
     TcpProxy,
+    agent,
     client_config,
     consumer_session,
     next_event,
@@ -306,6 +312,73 @@ async def test_a_replica_gone_silent_is_given_up_within_the_renewal_interval() -
         finally:
             await first.close()
             await second.close()
+
+
+async def test_a_re_assertion_longer_than_the_lease_keeps_the_new_incarnation_renewed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The keep-alive waited for the whole recovery, so a re-assertion that outlasted the lease (a slow server,
+    many transfers) lost the new incarnation's lease: the session registered again, aborting what it had
+    re-asserted, round after round, and the Reregistered event carried only the last round's results (found by an
+    audit: 14 of 20 targets dropped unreported). It now renews the new incarnation from its registration on.
+    The server's clock is a fake one: the lease lapses only when the test moves it."""
+    clock = FakeClock()
+    renewed, refused = asyncio.Event(), asyncio.Event()
+    renew = AsyncKeepAliveStream.renew
+
+    async def renew_and_tell(self: AsyncKeepAliveStream, *args: Any, **kwargs: Any) -> Any:
+        try:
+            renewal = await renew(self, *args, **kwargs)
+        except NotFound:  # the old incarnation, on the restarted server
+            refused.set()
+            raise
+        renewed.set()
+        return renewal
+
+    monkeypatch.setattr(AsyncKeepAliveStream, "renew", renew_and_tell)
+    config = SessionConfig(reconnect=FAST_SESSION.reconnect, reassert_batch=1)
+    async with start_test_server(clock) as server, AsyncRendezvousClient(client_config(server.address)) as client:
+        session = ConsumerSession(
+            client, "d0", "decode", layout=LAYOUT, agents=[agent("d0-0")], lease_ttl=3.0, config=config
+        )
+        await session.start()
+        try:
+            events = session.events()
+            await session.register_targets([TargetSpec(f"t{i}", [i]) for i in range(3)])
+            held, calls = asyncio.Event(), []
+            register_targets = client.register_targets
+
+            async def slow_second_chunk(*args: Any, **kwargs: Any) -> Any:
+                calls.append(args)
+                if len(calls) == 2:
+                    await held.wait()  # the re-assertion's second chunk waits while the lease's time passes
+                return await register_targets(*args, **kwargs)
+
+            register_engine = client.register_engine
+
+            async def after_a_refused_renewal(*args: Any, **kwargs: Any) -> Any:
+                await asyncio.wait_for(refused.wait(), WAIT)  # the keep-alive meets the recovery first
+                return await register_engine(*args, **kwargs)
+
+            monkeypatch.setattr(client, "register_targets", slow_second_chunk)
+            monkeypatch.setattr(client, "register_engine", after_a_refused_renewal)
+            await server.restart()
+            deadline = asyncio.get_running_loop().time() + WAIT
+            while len(calls) < 2:
+                assert asyncio.get_running_loop().time() < deadline, "the re-assertion never started"
+                await asyncio.sleep(0.01)
+            incarnation = session.incarnation
+            for _ in range(2):  # 4 s in all, past the 3 s lease: it lives only if renewed meanwhile
+                renewed.clear()
+                clock.advance(2.0)
+                await asyncio.wait_for(renewed.wait(), WAIT)
+                await server.sweep()
+            held.set()
+            event = await next_event(events, is_reregistered)
+            assert isinstance(event, Reregistered) and event.incarnation == incarnation
+            assert sorted(r.transfer_id for r in event.results if r.ok) == ["t0", "t1", "t2"]
+        finally:
+            await session.close(deregister=False)
 
 
 async def test_a_late_answer_from_the_epoch_before_a_restart_does_not_register_again(
