@@ -231,7 +231,11 @@ class Router:
             except (RendezvousError, ClientError, OSError, TimeoutError, ValueError) as e:
                 logger.warning("no models from pools %s: %s", ",".join(route.decode_pools), e)
                 continue
-            models.update({m["id"]: m for m in listed.get("data", []) if isinstance(m, dict) and "id" in m})
+            data = listed.get("data") if isinstance(listed, dict) else None  # an engine's answer: check its shape
+            if not isinstance(data, list):
+                logger.warning("pools %s listed no models: %.200r", ",".join(route.decode_pools), listed)
+                continue
+            models.update({m["id"]: m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)})
         return web.json_response({"object": "list", "data": list(models.values())})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

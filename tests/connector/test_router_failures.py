@@ -14,7 +14,7 @@ from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, TCPConnect
 from rendezvous.clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, EngineRole, RetryPolicy
 from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.connector.launch import free_port
-from rendezvous.connector.router import REFUSAL_HEADER, Router
+from rendezvous.connector.router import REFUSAL_HEADER, Route, Router
 from tests.connector.test_router import (
     FLEET,
     LAYOUT,
@@ -164,3 +164,35 @@ async def test_engine_legs_are_not_capped_by_an_http_pool_of_the_router(cluster:
         finally:
             decode.gate.set()
         assert await asyncio.gather(*tasks) == [200] * 150
+
+
+class OddModelsEngine(FakeEngine):
+    """Answers /v1/models with `listing` instead of an OpenAI list."""
+
+    def __init__(self, name: str, listing: Any) -> None:
+        super().__init__(name)
+        self.listing = listing
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(self.listing)
+
+
+@pytest.mark.parametrize("listing", [[{"id": "m"}], {"data": [{"id": ["m"]}]}, {"data": 5}], ids=["list", "id", "data"])
+async def test_an_engine_s_odd_model_list_leaves_the_others_listed(
+    cluster: Cluster, make_router: Any, listing: Any
+) -> None:
+    """Before, a JSON list, or an id that cannot be a key, raised out of /v1/models: a 500 for every route."""
+    await cluster.add("pa", "prefill-a", EngineRole.PRODUCER)
+    await cluster.add("da", "decode-a", EngineRole.CONSUMER)
+    odd = OddModelsEngine("db", listing)
+    await odd.start()
+    cluster.engines["db"] = odd
+    labels = {"url": f"http://127.0.0.1:{odd.port}"}
+    await cluster.rendezvous.register_engine(
+        sdk_engine("db", EngineRole.CONSUMER, pool="decode-b", layout=LAYOUT, labels=labels, lease_ttl=60)
+    )
+    routes = {"a": Route(("prefill-a",), ("decode-a",)), "b": Route(("prefill-a",), ("decode-b",))}
+    router = await make_router(routes)
+    async with router.http.get(f"http://127.0.0.1:{router.port}/v1/models") as response:
+        assert response.status == 200
+        assert [m["id"] for m in (await response.json())["data"]] == ["model-of-da"]
