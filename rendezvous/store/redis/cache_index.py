@@ -5,9 +5,10 @@ record, pool, role, incarnation, owner), `ixb:<engine>` (its block set), `ixe` (
 (the blocks of all entries), `ixo` (the blocks of each owner's entries). A report reads the entry and the blocks
 it names in one script (index_read), the core decides, and index_write applies the decision if the entry's
 version (`v` "<incarnation>:<sequence>" and `w`, the write's number, new at every write) is unchanged and the
-bounds hold. MatchPrefixes goes in steps, so that no script holds Redis for long (every replica shares it): the
-entries of the engines asked about, SELECT_STEP at a time (index_select), then the lookups of
-rendezvous.store.cache_index.leading_counts, at most MATCH_STEP a call (index_match), cut as the memory store
+bounds hold. MatchPrefixes is one script when it is small (at most SELECT_STEP engines and MATCH_STEP lookups in
+all: index_match_small, one round trip); else it goes in steps, so that no script holds Redis for long (every
+replica shares it): the entries of the engines asked about, SELECT_STEP at a time (index_select), then the lookups
+of rendezvous.store.cache_index.leading_counts, at most MATCH_STEP a call (index_match), cut as the memory store
 cuts them. Writes carry the store's epoch guard, as every write does.
 """
 
@@ -20,7 +21,15 @@ from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
 from rendezvous.core.limits import Limits
 from rendezvous.core.model import Role
 from rendezvous.protocol.cache_index import BlockHashing, PrefixMatch, PrefixQuery
-from rendezvous.store.cache_index import IndexBounds, IndexRead, IndexStore, index_full, leading_counts, ranked
+from rendezvous.store.cache_index import (
+    MATCH_STEP,
+    IndexBounds,
+    IndexRead,
+    IndexStore,
+    index_full,
+    leading_counts,
+    ranked,
+)
 from rendezvous.store.codec import future_format
 from rendezvous.store.redis.guarded import GuardedScripts
 
@@ -91,6 +100,20 @@ class RedisIndex(GuardedScripts, IndexStore):
 
     async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
         ids = list(dict.fromkeys(query.engine_ids))
+        chain = [member(query.group, h) for h in query.block_hashes]
+        if len(ids) <= SELECT_STEP:  # most queries: one script (one round trip), if it needs at most MATCH_STEP lookups
+            small = await self._scripts.run(
+                "index_match_small",
+                role=int(query.role or 0),
+                most=SELECT_STEP,
+                budget=min(MATCH_STEP, max_lookups),
+                pools=list(query.pools),
+                engine_ids=ids,
+                members=chain,
+            )
+            if int(small[0]):
+                found = zip(small[1::2], small[2::2], strict=True)
+                return ranked([_matched(decode(record), int(n)) for record, n in found if int(n) >= query.min_matched])
         if not ids:
             ids = sorted(m.decode() for m in await self._command("SMEMBERS", self._prefix + "ixe"))
         entries: list[IndexEntry] = []
@@ -102,7 +125,6 @@ class RedisIndex(GuardedScripts, IndexStore):
                 engine_ids=ids[first : first + SELECT_STEP],
             )
             entries.extend(decode(record) for record in reply)
-        chain = [member(query.group, h) for h in query.block_hashes]
 
         async def probe(engines: Sequence[int], start: int, stop: int) -> list[int]:
             reply = await self._scripts.run(
@@ -111,13 +133,7 @@ class RedisIndex(GuardedScripts, IndexStore):
             return [int(n) for n in reply]
 
         counts = await leading_counts(len(entries), len(chain), max_lookups, probe)
-        return ranked(
-            [
-                PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation)
-                for e, n in zip(entries, counts, strict=True)
-                if n >= query.min_matched
-            ]
-        )
+        return ranked([_matched(e, n) for e, n in zip(entries, counts, strict=True) if n >= query.min_matched])
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:
         reply = await self._write("index_drop", engine_id=engine_id, incarnation=incarnation)
@@ -125,3 +141,9 @@ class RedisIndex(GuardedScripts, IndexStore):
 
     async def total(self) -> int:
         return int(await self._command("GET", self._prefix + "ixt") or 0)
+
+
+def _matched(entry: IndexEntry, blocks: int) -> PrefixMatch:
+    return PrefixMatch(
+        entry.engine_id, entry.pool, entry.role, blocks, entry.hashing, entry.sequence, entry.incarnation
+    )

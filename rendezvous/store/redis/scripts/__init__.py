@@ -201,6 +201,10 @@ SIGNATURES: Mapping[str, Signature] = {
     ),
     "index_select": Signature(("role",), (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)))),
     "index_match": Signature(groups=(Group("members", ("member",)), Group("engine_ids", ("engine_id",)))),
+    "index_match_small": Signature(
+        ("role", "most", "budget"),
+        (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)), Group("members", ("member",))),
+    ),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
     # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).
     "put_answer": Signature(("key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes")),
