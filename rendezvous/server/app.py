@@ -111,12 +111,14 @@ class RendezvousServer:
 
     clock: the time leases, deadlines, credits and bindings are judged by, wall time by default. A test passes a
     fake one (rendezvous.clients.testing.FakeClock), moves it and calls `coordinator.sweep()` instead of sleeping; the
-    memory store's kept answers then expire by it too (by default they run on a monotonic clock).
+    memory store's kept answers and the call quotas' token buckets then run by it too (by default they run on a
+    monotonic clock).
     """
 
     def __init__(self, config: ServerConfig | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config or ServerConfig()
         self.clock = clock or time.time
+        self._quota_clock = clock or time.monotonic
         self.metrics = Metrics()
         self.store: Store = create_store(self.config.store, self.config.limits, clock)
         bindings = (
@@ -174,7 +176,7 @@ class RendezvousServer:
         interceptors: list[grpc.aio.ServerInterceptor] = [HandlerTask()]
         limits = cfg.call_limits.for_server(auth=self.auth is not None)
         if self.auth is not None or limits.enabled:
-            quotas = CallQuotas(limits)
+            quotas = CallQuotas(limits, self._quota_clock)
             self.turns = FairTurns(limits.turns, limits.waiting, limits.waiting_bytes)
             backoff = InvalidBackoff(limits.invalid_backoff_bytes, self.clock, limits.invalid_backoff_hold)
             interceptors.append(
