@@ -335,8 +335,12 @@ class NixlEndpoint:
             raise TransferFailedError(f"transfer to {transfer.peer!r} could not be released: {e}") from e
 
     def get_notifications(self) -> dict[str, list[bytes]]:
-        """Progress NIXL and return the notifications that arrived since the last call, by sender agent."""
-        notifs: dict[str, list[bytes]] = self._nixl().get_new_notifs()
+        """Progress NIXL and return the notifications that arrived since the last call, by sender agent;
+        raises `TransferFailedError` if NIXL raised doing so."""
+        try:
+            notifs: dict[str, list[bytes]] = self._nixl().get_new_notifs()
+        except self._errors as e:
+            raise TransferFailedError(f"NIXL could not read notifications: {e or type(e).__name__}") from e
         return notifs
 
     def close(self) -> None:

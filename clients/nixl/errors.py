@@ -6,7 +6,7 @@ Everything the NIXL data plane raises on purpose is a `DataPlaneError`::
     ├── BlockRangeError      (also a ValueError) a block id is outside a region, or the lists differ in length
     ├── LayoutMismatchError  (also a ValueError) the peer's regions do not pair with ours
     ├── PeerError            unknown peer, unreadable metadata, or a stale incarnation
-    └── TransferFailedError  NIXL refused to post a transfer, or reported it failed
+    └── TransferFailedError  NIXL refused to post a transfer, reported it failed, or raised reading notifications
 
 They are raised before anything is posted, except `TransferFailedError`, whose transfer may have moved part
 of its bytes.
@@ -32,4 +32,4 @@ class PeerError(DataPlaneError):
 
 
 class TransferFailedError(DataPlaneError):
-    """NIXL failed to post a transfer or reported an error while moving it."""
+    """NIXL failed to post a transfer, reported an error while moving it, or raised reading notifications."""

@@ -31,6 +31,8 @@ class TransferReceiver:
         self.endpoint = endpoint
         self.malformed_notifications = 0
         """How many notifications this data plane could not read (logged and dropped)."""
+        self.failed_polls = 0
+        """How many times NIXL raised reading notifications (logged; the next poll tries again)."""
         self._poll = poll or PollConfig()
 
     def agent_info(self, rank: int = 0) -> NixlAgentInfo:
@@ -38,9 +40,18 @@ class TransferReceiver:
         return self.endpoint.agent_info(rank)
 
     def poll_notifications(self) -> list[TransferNotification]:
-        """Progress NIXL and return the transfer notifications that arrived since the last call."""
+        """Progress NIXL and return the transfer notifications that arrived since the last call. If NIXL raises
+        (a peer's connection failing under it), none are returned this time and `failed_polls` counts it: the
+        thread that polls goes on polling, as every write to this consumer depends on it."""
         received: list[TransferNotification] = []
-        for sender, payloads in self.endpoint.get_notifications().items():
+        try:
+            arrived = self.endpoint.get_notifications()
+        except TransferFailedError:
+            self.failed_polls += 1
+            if self.failed_polls & (self.failed_polls - 1) == 0:  # the 1st, 2nd, 4th, 8th... failure
+                logger.exception("receiver %s: poll %d failed", self.endpoint.name, self.failed_polls)
+            return received
+        for sender, payloads in arrived.items():
             for payload in payloads:
                 try:
                     entries = parse_notification(sender, payload)

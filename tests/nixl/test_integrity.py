@@ -479,3 +479,35 @@ async def test_a_notification_the_parser_cannot_read_does_not_end_the_receiver_t
         await write(hand, peer, encode_notification("t1", 1))
         assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
         assert_blocks_5_6_hold_source_1_2(pair)
+
+
+async def test_nixl_raising_on_a_notification_poll_does_not_end_the_receiver_thread(
+    server: AsyncTestServer, client: AsyncRendezvousClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL's own error out of get_new_notifs (a peer's connection failing under it) ended the consumer's receiver
+    thread: no notification was read after, and pushed WRITEs to it never completed. Raised by NIXL's real
+    exception type from the real agent's polls, three times, then the agent answers again."""
+    from nixl import _bindings
+
+    raised: list[str] = []
+
+    class FailingPolls:
+        def __init__(self, agent: Any) -> None:
+            self._agent = agent
+
+        def get_new_notifs(self) -> Any:
+            if len(raised) < 3:
+                raised.append("raised")
+                raise _bindings.nixlRemoteDisconnectError("a peer's connection failed")
+            return self._agent.get_new_notifs()
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._agent, name)
+
+    real = NixlEndpoint._nixl
+    monkeypatch.setattr(NixlEndpoint, "_nixl", lambda self: FailingPolls(real(self)))
+    async with started_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
+        await write(hand, peer, encode_notification("t1", 1))
+        assert (await asyncio.wait_for(pair.arrived, WAIT)).ok
+        assert_blocks_5_6_hold_source_1_2(pair)
+    assert raised == ["raised"] * 3
