@@ -21,6 +21,7 @@ from typing import Any, Self
 import grpc
 
 from rendezvous.clients._config import SessionConfig
+from rendezvous.clients._memo import remember
 from rendezvous.clients._retry import Backoff
 from rendezvous.clients._types import (
     AbortSpec,
@@ -144,10 +145,7 @@ class LiveTransfers:
             transfer_id = event.transfer.transfer_id
             self.end(transfer_id)
             self._ends += 1
-            self._ended[transfer_id] = self._ends
-            self._ended.move_to_end(transfer_id)
-            if len(self._ended) > _ENDED_KEPT:
-                self._ended.popitem(last=False)
+            remember(self._ended, transfer_id, self._ends, _ENDED_KEPT)
 
     def retain(self, live: Iterable[str]) -> None:
         """Keep only these transfers (the server's view after a resync)."""

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Unpack
 
+from rendezvous.clients._memo import remember
 from rendezvous.clients._roles import ConsumerSession
 from rendezvous.clients._session import RankSession
 from rendezvous.clients._types import (
@@ -520,10 +521,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
 
     def _remember_commit(self, transfer_id: str, generation: int) -> None:
-        self._early_commits[transfer_id] = generation
-        self._early_commits.move_to_end(transfer_id)
-        if len(self._early_commits) > EARLY_COMMITS:
-            self._early_commits.popitem(last=False)
+        remember(self._early_commits, transfer_id, generation, EARLY_COMMITS)
 
     def _fail(
         self, transfer_id: str, reason: AbortReason | AgentReason, message: str, revoking_generation: int = 0

@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Unpack
 
+from rendezvous.clients._memo import remember
 from rendezvous.clients._roles import ProducerSession
 from rendezvous.clients._session import RankSession
 from rendezvous.clients._types import (
@@ -230,10 +231,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """
         if self._claims is None:
             raise RuntimeError("the agent is not started" if self.leader else "claims are the registering rank's")
-        self._claimed[transfer_id] = None
-        self._claimed.move_to_end(transfer_id)
-        if len(self._claimed) > CLAIMS_KEPT:
-            self._claimed.popitem(last=False)
+        remember(self._claimed, transfer_id, None, CLAIMS_KEPT)
         result = await self._claims.submit(ClaimSpec(transfer_id, timeout, binding))
         if not result.ok or result.state.terminal:  # no assignment will come: a `ready` after this frees at once
             self._end(transfer_id)

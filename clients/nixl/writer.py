@@ -82,6 +82,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from rendezvous.clients._memo import remember
 from rendezvous.clients.nixl.agent import NixlEndpoint, PostedTransfer, XferStatus
 from rendezvous.clients.nixl.device import COMPLETE, KvReady
 from rendezvous.clients.nixl.errors import (
@@ -1485,16 +1486,11 @@ class TransferWriter:
             self._emit(self._on_source_free, transfer_id)
 
     def _remember_ended(self, transfer_id: str, why: str = "") -> None:
-        self._ended[transfer_id] = why
-        self._ended.move_to_end(transfer_id)
-        while len(self._ended) > self._config.ended_transfers_kept:
-            self._ended.popitem(last=False)
+        remember(self._ended, transfer_id, why, self._config.ended_transfers_kept)
 
     def _remember_fence(self, transfer_id: str, generation: int) -> None:
-        self._fences[transfer_id] = max(generation, self._fences.get(transfer_id, 0))
-        self._fences.move_to_end(transfer_id)
-        while len(self._fences) > self._config.ended_transfers_kept:
-            self._fences.popitem(last=False)
+        fence = max(generation, self._fences.get(transfer_id, 0))
+        remember(self._fences, transfer_id, fence, self._config.ended_transfers_kept)
 
     def _drop_if_idle(self, transfer_id: str, t: _Transfer) -> None:
         if t.idle and self._transfers.get(transfer_id) is t:
