@@ -109,7 +109,8 @@ class PrefixQuery:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """One indexed engine's answer: how many leading blocks of the chain it holds."""
+    """One indexed engine's answer: how many leading blocks of the chain it holds. `at_least`: the server's lookups
+    (max_index_query_lookups) stopped at this depth of the chain, so the engine holds matched_blocks or more."""
 
     engine_id: str
     pool: str
@@ -118,3 +119,4 @@ class PrefixMatch:
     hashing: BlockHashing
     sequence: int
     incarnation: int
+    at_least: bool = False

@@ -147,6 +147,7 @@ def match_message(p: PrefixMatch) -> ipb.PrefixMatch:
         hashing=hashing_message(p.hashing),
         sequence=p.sequence,
         incarnation=p.incarnation,
+        at_least=p.at_least,
     )
 
 
@@ -154,7 +155,14 @@ def matches(ms: Sequence[ipb.PrefixMatch]) -> list[PrefixMatch]:
     """The answers of a MatchPrefixesResponse."""
     return [
         PrefixMatch(
-            m.engine_id, m.pool, EngineRole(m.role), m.matched_blocks, hashing(m.hashing), m.sequence, m.incarnation
+            m.engine_id,
+            m.pool,
+            EngineRole(m.role),
+            m.matched_blocks,
+            hashing(m.hashing),
+            m.sequence,
+            m.incarnation,
+            m.at_least,
         )
         for m in ms
     ]

@@ -56,7 +56,7 @@ class KvIndexServicer(ipb_grpc.KvIndexServiceServicer):
         messages = [index_wire.match_message(m) for m in found]
         # Best first: past max_response_bytes the rest, the engines that match least, are left out.
         best = paging.cut(messages, len(messages), _size, self.coordinator.limits.max_response_bytes)
-        return ipb.MatchPrefixesResponse(header=await self._header(), matches=best)
+        return ipb.MatchPrefixesResponse(header=await self._header(), matches=best, left_out=len(messages) - len(best))
 
 
 def _size(match: ipb.PrefixMatch) -> int:

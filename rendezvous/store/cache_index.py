@@ -73,12 +73,13 @@ def ranked(matches: Sequence[PrefixMatch]) -> list[PrefixMatch]:
     return sorted(matches, key=lambda m: (-m.matched_blocks, m.engine_id))
 
 
-async def leading_counts(engines: int, length: int, budget: int, probe: Probe) -> list[int]:
+async def leading_counts(engines: int, length: int, budget: int, probe: Probe) -> tuple[list[int], int]:
     """How many leading blocks of a chain of length each of engines holds, counted level by level within budget
-    lookups. Level i looks up block i of each engine that holds blocks 0 to i - 1, one lookup each; the levels go on
-    while the next one fits in what is left of the budget. The depth D they stop at (the chain's length, unless the
-    budget ran out) is the same whatever the steps: the largest D with sum(min(count + 1, D)) <= budget over the
-    exact counts. An engine's answer is min(its count, D): exact below D, at least D where it says D.
+    lookups, and the depth D the levels stopped at. Level i looks up block i of each engine that holds blocks 0 to
+    i - 1, one lookup each; the levels go on while the next one fits in what is left of the budget. D (the chain's
+    length, unless the budget ran out) is the same whatever the steps: the largest D with
+    sum(min(count + 1, D)) <= budget over the exact counts. An engine's answer is min(its count, D): exact below D,
+    at least D where it says D (`answers`).
 
     The levels go in windows (each level of one affordable), each window in steps of at most MATCH_STEP lookups:
     probe calls, which the memory store makes without waiting and the Redis store as one script each."""
@@ -101,7 +102,21 @@ async def leading_counts(engines: int, length: int, budget: int, probe: Probe) -
             await pacer.tick()
         alive = survivors
         depth += width
-    return counts
+    return counts, depth
+
+
+def answers(entries: Sequence[IndexEntry], counts: Sequence[int], depth: int, query: PrefixQuery) -> list[PrefixMatch]:
+    """The query's answer (`ranked`) from its selected entries' leading counts, cut at depth: an engine counted to a
+    depth short of the chain's length holds at least that many. Entries holding fewer than query.min_matched are
+    left out."""
+    cut = depth < len(query.block_hashes)
+    return ranked(
+        [
+            PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation, cut and n == depth)
+            for e, n in zip(entries, counts, strict=True)
+            if n >= query.min_matched
+        ]
+    )
 
 
 def selects(query: PrefixQuery, entry: IndexEntry) -> bool:
@@ -210,14 +225,8 @@ class MemoryIndex(IndexStore):
                 held.append(n)
             return held
 
-        counts = await leading_counts(len(chosen), len(chain), max_lookups, probe)
-        return ranked(
-            [
-                PrefixMatch(e.engine_id, e.pool, e.role, n, e.hashing, e.sequence, e.incarnation)
-                for (e, _), n in zip(chosen, counts, strict=True)
-                if n >= query.min_matched
-            ]
-        )
+        counts, depth = await leading_counts(len(chosen), len(chain), max_lookups, probe)
+        return answers([e for e, _ in chosen], counts, depth, query)
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:
         entry = self._entries.get(engine_id)

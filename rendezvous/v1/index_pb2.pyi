@@ -128,7 +128,7 @@ class MatchPrefixesRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., group_index: _Optional[int] = ..., pools: _Optional[_Iterable[str]] = ..., engine_ids: _Optional[_Iterable[str]] = ..., role: _Optional[_Union[_rendezvous_pb2.EngineRole, str]] = ..., min_matched_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefixMatch(_message.Message):
-    __slots__ = ("engine_id", "pool", "role", "matched_blocks", "hashing", "sequence", "incarnation")
+    __slots__ = ("engine_id", "pool", "role", "matched_blocks", "hashing", "sequence", "incarnation", "at_least")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class PrefixMatch(_message.Message):
     HASHING_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AT_LEAST_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool: str
     role: _rendezvous_pb2.EngineRole
@@ -143,12 +144,15 @@ class PrefixMatch(_message.Message):
     hashing: BlockHashing
     sequence: int
     incarnation: int
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[_rendezvous_pb2.EngineRole, str]] = ..., matched_blocks: _Optional[int] = ..., hashing: _Optional[_Union[BlockHashing, _Mapping]] = ..., sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    at_least: bool
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[_rendezvous_pb2.EngineRole, str]] = ..., matched_blocks: _Optional[int] = ..., hashing: _Optional[_Union[BlockHashing, _Mapping]] = ..., sequence: _Optional[int] = ..., incarnation: _Optional[int] = ..., at_least: _Optional[bool] = ...) -> None: ...
 
 class MatchPrefixesResponse(_message.Message):
-    __slots__ = ("header", "matches")
+    __slots__ = ("header", "matches", "left_out")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     MATCHES_FIELD_NUMBER: _ClassVar[int]
+    LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     header: _rendezvous_pb2.ResponseHeader
     matches: _containers.RepeatedCompositeFieldContainer[PrefixMatch]
-    def __init__(self, header: _Optional[_Union[_rendezvous_pb2.ResponseHeader, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[PrefixMatch, _Mapping]]] = ...) -> None: ...
+    left_out: int
+    def __init__(self, header: _Optional[_Union[_rendezvous_pb2.ResponseHeader, _Mapping]] = ..., matches: _Optional[_Iterable[_Union[PrefixMatch, _Mapping]]] = ..., left_out: _Optional[int] = ...) -> None: ...

@@ -39,8 +39,9 @@ def test_a_snapshot_and_a_query_read_back_as_sent() -> None:
 
 
 def test_matches_read_back_as_sent() -> None:
-    match = PrefixMatch("d0", "decode", EngineRole.CONSUMER, 7, HASHING, 11, 5)
-    assert index_wire.matches([index_wire.match_message(match)]) == [match]
+    for at_least in (False, True):
+        match = PrefixMatch("d0", "decode", EngineRole.CONSUMER, 7, HASHING, 11, 5, at_least)
+        assert index_wire.matches([index_wire.match_message(match)]) == [match]
 
 
 def test_an_event_of_no_kind_is_refused() -> None:

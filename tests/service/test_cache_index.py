@@ -118,7 +118,10 @@ async def test_a_query_past_its_lookups_is_answered_cut_at_one_depth(store: str,
             await register(client, engine_id)
             await client.report_cache_events(report(0, stored(0, n), engine_id=engine_id, first=True))
         assert await matched(client) == {"p0": 3, "p1": 3, "p2": 2}
+        # The answer says which counts are "at least" (before, a cut answer looked exact).
+        assert {m.engine_id for m in await client.match_prefixes(PrefixQuery(CHAIN)) if m.at_least} == {"p0", "p1"}
         assert await matched(client, engine_ids=("p0",)) == {"p0": 8}  # 1 engine: 8 lookups, exact
+        assert not (await client.match_prefixes(PrefixQuery(CHAIN, engine_ids=("p0",))))[0].at_least
 
 
 async def test_an_answer_past_max_response_bytes_keeps_the_engines_that_match_most(
@@ -138,6 +141,11 @@ async def test_an_answer_past_max_response_bytes_keeps_the_engines_that_match_mo
             await client.report_cache_events(report(0, stored(0, n), engine_id=engine_id, first=True))
         best = list((await matched(client)).items())
         assert 1 <= len(best) < 4 and best == [("p1", 8), ("p2", 5), ("p0", 2)][: len(best)]
+        async with grpc.aio.insecure_channel(srv.address) as channel:  # the count left out, for any client
+            answer = await ipb_grpc.KvIndexServiceStub(channel).MatchPrefixes(
+                ipb.MatchPrefixesRequest(block_hashes=CHAIN)
+            )
+        assert (len(answer.matches), answer.left_out) == (len(best), 4 - len(best))
 
 
 async def test_kv_cache_groups_are_matched_apart(client: AsyncRendezvousClient) -> None:

@@ -93,8 +93,10 @@ async def test_a_query_looks_up_at_most_its_budget_and_cuts_every_count_at_one_d
     # 160 lookups: level 0 takes 5, levels 1 to 3 take 4 (17), levels 4 to 50 take 3 (158), level 51 takes 2.
     found = await index.match(PrefixQuery(blocks), max_lookups=160)
     assert {m.engine_id: m.matched_blocks for m in found} == {"full0": 52, "full1": 52, "half": 50, "few": 3, "none": 0}
+    assert {m.engine_id for m in found if m.at_least} == {"full0", "full1"}  # they hold 52 or more; the rest exact
     assert depth_rule(list(held.values()), 100, 160) == 52
     assert len(seen) <= 160
+    assert not any(m.at_least for m in await index.match(PrefixQuery(blocks)))
     # Too few lookups for one level: every engine counts 0 (and min_matched leaves them all out).
     assert {m.matched_blocks for m in await index.match(PrefixQuery(blocks), max_lookups=4)} == {0}
     assert await index.match(PrefixQuery(blocks, min_matched=1), max_lookups=4) == []
@@ -118,9 +120,11 @@ def test_the_depth_is_the_rule_whatever_the_steps(counts: list[int], length: int
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("rendezvous.store.cache_index.MATCH_STEP", step)
-        got = asyncio.run(leading_counts(len(counts), length, budget, probe))
+        got, stopped = asyncio.run(leading_counts(len(counts), length, budget, probe))
     depth = depth_rule(counts, length, budget)
     assert got == [min(c, depth) for c in counts]
+    for n, held in zip(got, counts, strict=True):  # `answers` says "at least" exactly where a count may be short
+        assert n == held or (stopped < length and n == stopped and held > n)
     assert probed[0] <= budget
 
 
@@ -134,6 +138,10 @@ async def test_every_backend_cuts_at_the_same_depth(store: Store) -> None:
         found = await index.match(PrefixQuery(blocks), max_lookups=budget)
         depth = depth_rule(list(held.values()), 300, budget)
         assert {m.engine_id: m.matched_blocks for m in found} == {e: min(n, depth) for e, n in held.items()}, budget
+        # Counted to a depth short of the chain: those that reached it hold at least that many.
+        assert {m.engine_id for m in found if m.at_least} == {
+            e for e, n in held.items() if depth < 300 and n >= depth
+        }, budget
 
 
 @pytest.mark.redis

@@ -26,9 +26,9 @@ from rendezvous.store.cache_index import (
     IndexBounds,
     IndexRead,
     IndexStore,
+    answers,
     index_full,
     leading_counts,
-    ranked,
 )
 from rendezvous.store.codec import future_format
 from rendezvous.store.redis.guarded import GuardedScripts
@@ -112,8 +112,8 @@ class RedisIndex(GuardedScripts, IndexStore):
                 members=chain,
             )
             if int(small[0]):
-                found = zip(small[1::2], small[2::2], strict=True)
-                return ranked([_matched(decode(record), int(n)) for record, n in found if int(n) >= query.min_matched])
+                selected = [decode(record) for record in small[1::2]]
+                return answers(selected, [int(n) for n in small[2::2]], len(chain), query)
         if not ids:
             ids = sorted(m.decode() for m in await self._command("SMEMBERS", self._prefix + "ixe"))
         entries: list[IndexEntry] = []
@@ -132,8 +132,8 @@ class RedisIndex(GuardedScripts, IndexStore):
             )
             return [int(n) for n in reply]
 
-        counts = await leading_counts(len(entries), len(chain), max_lookups, probe)
-        return ranked([_matched(e, n) for e, n in zip(entries, counts, strict=True) if n >= query.min_matched])
+        counts, depth = await leading_counts(len(entries), len(chain), max_lookups, probe)
+        return answers(entries, counts, depth, query)
 
     async def drop(self, engine_id: str, incarnation: int) -> bool:
         reply = await self._write("index_drop", engine_id=engine_id, incarnation=incarnation)
@@ -141,9 +141,3 @@ class RedisIndex(GuardedScripts, IndexStore):
 
     async def total(self) -> int:
         return int(await self._command("GET", self._prefix + "ixt") or 0)
-
-
-def _matched(entry: IndexEntry, blocks: int) -> PrefixMatch:
-    return PrefixMatch(
-        entry.engine_id, entry.pool, entry.role, blocks, entry.hashing, entry.sequence, entry.incarnation
-    )
