@@ -77,7 +77,7 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Serve
             request_id = getattr(request, "request_id", "")
             with tracing.rpc_span(method, engine_id, incoming=incoming):
                 try:
-                    key = f"{method}/{engine_id}/{request_id}" if request_id else ""
+                    key = _answer_key(method, engine_id, caller, request_id) if request_id else ""
                     store = self.coordinator.store
                     if key:
                         kept = await store.get_response(key)
@@ -100,6 +100,15 @@ def _rpc(response_type: type[ResponseT]) -> Callable[[Handler[ResponseT]], Serve
         return wrapped
 
     return decorate
+
+
+def _answer_key(method: str, engine_id: str, caller: Caller, request_id: str) -> str:
+    """Where a call's answer is kept for its retries: under the engine it acts for, which only identities that may
+    act for it can name; a call for no engine (the router's) under its caller's identity too, so that one identity's
+    request ids neither answer nor refuse (REQUEST_ID_REUSED) another's."""
+    if engine_id or not caller.key:
+        return f"{method}/{engine_id}/{request_id}"
+    return f"{method}/@{caller.key}/{request_id}"
 
 
 def _batch_rpc(
