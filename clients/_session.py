@@ -104,6 +104,10 @@ class LiveTransfers:
         # on the server and earlier here). The newest _ENDED_KEPT only: older calls are long answered.
         self._ends = 0
         self._ended: OrderedDict[str, int] = OrderedDict()
+        # The calls recorded so far, and for each transfer held the count when a call last asserted it: a listing
+        # read while a call was answered may lack that call's transfer, and `retain` must not drop it.
+        self._records = 0
+        self._asserted: dict[str, int] = {}
 
     def mark(self) -> int:
         """A position to pass to `record` as `since`: ends noted after it win over that call's results."""
@@ -115,11 +119,16 @@ class LiveTransfers:
     def __contains__(self, transfer_id: object) -> bool:
         return transfer_id in self.targets or transfer_id in self.claims or transfer_id in self.sources
 
+    def records(self) -> int:
+        """A position to pass to `retain` as `since`: transfers a call asserted after it are kept."""
+        return self._records
+
     def end(self, transfer_id: str) -> None:
         """Forget a transfer."""
         self.targets.pop(transfer_id, None)
         self.claims.pop(transfer_id, None)
         self.sources.pop(transfer_id, None)
+        self._asserted.pop(transfer_id, None)
 
     def record(
         self,
@@ -132,10 +141,12 @@ class LiveTransfers:
 
         `since` is `mark()` taken before the call was sent: a transfer an event ended after it stays ended.
         """
+        self._records += 1
         for spec, result in zip(specs, results, strict=True):
             if result.ok and result.state not in _OVER:
                 if table is not None and (since is None or self._ended.get(spec.transfer_id, since) <= since):
                     table[spec.transfer_id] = spec
+                    self._asserted[spec.transfer_id] = self._records
             elif result.ok or (result.error is not None and result.error.reason in _TRANSFER_GONE):
                 self.end(spec.transfer_id)
 
@@ -147,12 +158,15 @@ class LiveTransfers:
             self._ends += 1
             remember(self._ended, transfer_id, self._ends, _ENDED_KEPT)
 
-    def retain(self, live: Iterable[str]) -> None:
-        """Keep only these transfers (the server's view after a resync)."""
+    def retain(self, live: Iterable[str], since: int | None = None) -> None:
+        """Keep only these transfers (the server's view after a resync), and those a call asserted after `since`
+        (`records()` taken before the view was read: it may have been read before the call's write)."""
         keep = set(live)
         for table in (self.targets, self.claims, self.sources):
             for transfer_id in table.keys() - keep:
-                del table[transfer_id]
+                if since is None or self._asserted.get(transfer_id, 0) <= since:
+                    del table[transfer_id]
+                    self._asserted.pop(transfer_id, None)
 
 
 class EngineSession:
@@ -533,8 +547,9 @@ class EngineSession:
             await asyncio.sleep(backoff.next())
 
     async def _resync(self, sequence: int) -> None:
+        since = self._live.records()
         transfers = tuple([t async for t in self._client.iter_transfers(self.engine_id)])
-        self._live.retain(t.transfer_id for t in transfers if t.state not in _OVER)
+        self._live.retain((t.transfer_id for t in transfers if t.state not in _OVER), since)
         self._deliver(Resynced(sequence, transfers))
 
     def _deliver(self, item: SessionEvent) -> None:

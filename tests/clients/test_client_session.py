@@ -455,6 +455,22 @@ def test_live_transfers_end_on_commit_or_abort_events_and_follow_a_resync() -> N
     assert list(live.claims) == ["c"]
 
 
+def test_a_resync_keeps_what_a_call_asserted_while_the_server_s_view_was_read() -> None:
+    """A resync lists the engine's transfers page by page while the engine's calls go on: a target registered
+    after the listing read its page is missing from it, and `retain` dropped it, so the next incarnation did not
+    re-assert it (lost on the next failover)."""
+    live = LiveTransfers()
+    live.record(live.targets, [TargetSpec("old", [1]), TargetSpec("ended", [2])], [
+        ItemResult("old", TransferState.TARGETED), ItemResult("ended", TransferState.TARGETED)
+    ])  # fmt: skip
+    since = live.records()  # the listing starts
+    live.record(live.targets, [TargetSpec("new", [3])], [ItemResult("new", TransferState.TARGETED)])
+    live.retain(["old"], since)  # read before "new" was written; "ended" is over on the server
+    assert sorted(live.targets) == ["new", "old"]
+    live.retain(["old"], live.records())  # a later resync's listing, read after: it decides
+    assert sorted(live.targets) == ["old"]
+
+
 def test_a_result_in_flight_while_an_event_ended_its_transfer_does_not_bring_it_back() -> None:
     live = LiveTransfers()
     before = live.mark()
