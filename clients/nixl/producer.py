@@ -50,6 +50,7 @@ from rendezvous.clients._types import (
     ServerEvent,
     SessionEvent,
     SourceReadySpec,
+    TransferInfo,
     TransferMode,
     TransferState,
 )
@@ -64,6 +65,7 @@ from rendezvous.clients.nixl.regions import BlockIds
 from rendezvous.clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig, WrittenPart
 from rendezvous.protocol import tracing
 from rendezvous.protocol.errors import NotFound, RendezvousError
+from rendezvous.protocol.events import Event
 
 if TYPE_CHECKING:
     import torch
@@ -371,9 +373,13 @@ class ProducerAgent(RankAgent[ProducerSession]):
     async def handle_event(self, item: SessionEvent) -> None:
         """React to one session event; the session calls this for each, in order."""
         if isinstance(item, Resynced):
-            live = {t.transfer_id for t in item.transfers if not t.state.terminal}
-            for transfer_id in set(self._sources) - live:
-                self._end(transfer_id)
+            live = {t.transfer_id: t for t in item.transfers if not t.state.terminal}
+            asserted = self.engine_session.live_transfers  # what a call asserted while the listing was read is kept
+            for transfer_id in set(self._sources) - live.keys():
+                if transfer_id not in asserted:
+                    self._end(transfer_id)
+            for info in live.values():
+                await self._assign_missed(info)
             return
         if isinstance(item, Reregistered):
             for result in item.results:
@@ -381,6 +387,24 @@ class ProducerAgent(RankAgent[ProducerSession]):
                     self._end(result.transfer_id)
             return
         self._on_server_event(item)
+
+    async def _assign_missed(self, info: TransferInfo) -> None:
+        """A push transfer matched to this engine in a resync's listing: its TRANSFER_ASSIGNED may be among the
+        events the watch lost, so it is assigned again from the listing and the consumer's record (the writer
+        ignores a generation it has; a consumer gone since is a loss, which aborts the transfer)."""
+        if info.state is not TransferState.MATCHED or info.mode is not TransferMode.PUSH:
+            return
+        known = self._assigned.get(info.transfer_id)
+        if info.producer_engine_id != self.engine_id or (known is not None and known[1] >= info.generation):
+            return
+        try:
+            peer = await self.engine_session.client.get_engine(info.consumer_engine_id)
+        except RendezvousError as e:
+            logger.warning("transfer %s: its consumer could not be read after a resync: %s", info.transfer_id, e)
+            return
+        if peer.incarnation == info.consumer_incarnation:
+            assigned = Event(EventType.TRANSFER_ASSIGNED, time.time(), info, info.generation, peer)
+            self._on_server_event(assigned)
 
     def _on_server_event(self, event: ServerEvent) -> None:
         writer, info = self._writer, event.transfer
