@@ -2,7 +2,8 @@
 
 A consumer that declared a capacity (`EngineCapacity`, `kv_connector_extra_config["max_transfers"]`) is only
 sent a request once the router holds a reservation on it (`ReserveCredits`, one transfer and the prompt's
-blocks), which the rendezvous grants atomically: several routers cannot spend the same credit. The router
+blocks, counted in that engine's own KV blocks, its `layout.block_size`, as its RegisterTargets counts them),
+which the rendezvous grants atomically: several routers cannot spend the same credit. The router
 tries the decode engines by its policy, skipping those its engine list shows full; one that refuses (another
 router took the last credit) sends it to the next. When none has room the request waits in a bounded queue
 (`max_queued`, `queue_timeout`) and tries again when credit may have come back: when this router releases a
@@ -136,17 +137,22 @@ class DecodeAdmission:
         queue_timeout: float = 30.0,
         credit_ttl: float = 60.0,
         retry_interval: float = 1.0,
+        block_tokens: int = 16,
     ) -> None:
         if max_queued < 0 or queue_timeout < 0:
             raise ValueError("max_queued and queue_timeout must not be negative")
         if credit_ttl <= 0:
             raise ValueError("credit_ttl must be positive")
+        if block_tokens <= 0:
+            raise ValueError("block_tokens must be positive")
         self.engines = engines
         self.metrics = metrics
         self.max_queued = max_queued
         self.queue_timeout = queue_timeout
         self.credit_ttl = credit_ttl
         self.retry_interval = max(retry_interval, _MIN_RETRY)
+        self.block_tokens = block_tokens
+        """Tokens per block of an engine whose layout states no block size (the router's --prefix-block)."""
         self._waiters: deque[asyncio.Event] = deque()
 
     @property
@@ -154,18 +160,25 @@ class DecodeAdmission:
         """Requests waiting for credit now."""
         return len(self._waiters)
 
+    def blocks(self, engine: EngineInfo, tokens: int) -> int:
+        """The KV blocks a prompt of `tokens` takes on `engine`: in its own block size (its RegisterTargets counts
+        those), else in `block_tokens`."""
+        size = engine.layout.block_size or self.block_tokens
+        return -(-tokens // size)
+
     async def admit(
         self,
         pools: Sequence[str],
         transfer_id: str,
-        blocks: int,
+        tokens: int,
         prefix: Sequence[int] = (),
         indexed: IndexedPrefix | None = None,
     ) -> Admission:
-        """A decode engine of `pools` with credit for one transfer of `blocks`, reserved for transfer_id;
+        """A decode engine of `pools` with credit for one transfer of a prompt of `tokens` (in the engine's blocks,
+        `blocks`), reserved for transfer_id;
         waits in the queue when there is none (engines ranked by `RouterClient.rank_engines` with `prefix` and
         `indexed`). Raises Refused, or NotFound when the pools have no engine."""
-        admission = await self._try(pools, transfer_id, blocks, prefix, indexed)
+        admission = await self._try(pools, transfer_id, tokens, prefix, indexed)
         if admission is not None:
             return admission
         if not self.max_queued or not self.queue_timeout:
@@ -191,7 +204,7 @@ class DecodeAdmission:
                     async with asyncio.timeout(min(remaining, self.retry_interval)):
                         await waiter.wait()
                 waiter.clear()
-                admission = await self._try(pools, transfer_id, blocks, prefix, indexed)
+                admission = await self._try(pools, transfer_id, tokens, prefix, indexed)
                 if admission is not None:
                     return admission
         finally:
@@ -208,18 +221,21 @@ class DecodeAdmission:
         self,
         pools: Sequence[str],
         transfer_id: str,
-        blocks: int,
+        tokens: int,
         prefix: Sequence[int],
         indexed: IndexedPrefix | None,
     ) -> Admission | None:
         ranked = await self.engines.rank_engines(pools, EngineRole.CONSUMER, prefix=prefix, indexed=indexed)
         self.metrics.observe_pools(ranked)
-        if ranked and all(0 < e.capacity.max_blocks < blocks for e in ranked):  # waiting would not change that
-            most = max(e.capacity.max_blocks for e in ranked)
-            raise self._refuse(TOO_LARGE, f"{blocks} blocks: no decode engine of {', '.join(pools)} admits over {most}")
+        if ranked and all(0 < e.capacity.max_blocks < self.blocks(e, tokens) for e in ranked):  # no wait helps
+            sizes = ", ".join(f"{self.blocks(e, tokens)} blocks of {e.engine_id}" for e in ranked[:3])
+            raise self._refuse(
+                TOO_LARGE, f"{tokens} tokens ({sizes}): no decode engine of {', '.join(pools)} admits as many"
+            )
         for engine in ranked:
             if not engine.capacity.limited:
                 return Admission(engine, transfer_id, reserved=False)
+            blocks = self.blocks(engine, tokens)
             if not engine.has_credit(blocks):
                 continue
             try:

@@ -162,6 +162,7 @@ class Router:
         )
         self.routes = dict(routes)
         self.metrics = RouterMetrics()
+        self.prompts = prompts or PromptReader()
         self.admission = DecodeAdmission(
             self.engines,
             self.metrics,
@@ -169,8 +170,8 @@ class Router:
             queue_timeout=queue_timeout,
             credit_ttl=credit_ttl,
             retry_interval=refresh_interval,
+            block_tokens=self.prompts.block_tokens,
         )
-        self.prompts = prompts or PromptReader()
         self.local_prefill = local_prefill or LocalPrefill()
         self.index = PrefixView(self.engines, self.prompts, retry_interval=refresh_interval) if kv_index else None
         """Prefix-aware: the fleet's KV index (None: this router's memory only)."""
@@ -280,9 +281,9 @@ class Router:
             span.set_attribute("kv_rendezvous.prefix_source", source)
             self.metrics.placements.labels(source).inc()
         transfer_id = self.engines.mint_transfer_id()
-        blocks = -(-self.prompts.tokens(body) // self.prompts.block_tokens)
+        tokens = self.prompts.tokens(body)  # credit is counted in the decode engine's blocks (admission.py)
         try:
-            admission = await self.admission.admit(route.decode_pools, transfer_id, blocks, prefix, indexed)
+            admission = await self.admission.admit(route.decode_pools, transfer_id, tokens, prefix, indexed)
         except Refused as e:
             span.set_attribute("kv_rendezvous.refused", e.reason)
             status = 413 if e.reason == TOO_LARGE else 503  # too large: no wait would help

@@ -5,13 +5,21 @@ failed before its fix. A real rendezvous server, fake vLLM HTTP engines (engines
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, TCPConnector, web
 
-from rendezvous.clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, EngineRole, RetryPolicy
+from rendezvous.clients import (
+    AsyncRendezvousClient,
+    ClientConfig,
+    EngineCapacity,
+    EngineRole,
+    KvLayout,
+    RetryPolicy,
+)
 from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.connector.launch import free_port
 from rendezvous.connector.router import REFUSAL_HEADER, Route, Router
@@ -95,7 +103,8 @@ async def test_a_stream_decode_cuts_reaches_the_client_cut(cluster: Cluster, mak
 
 
 async def test_a_prompt_larger_than_every_decode_engine_is_refused_at_once(cluster: Cluster, make_router: Any) -> None:
-    """A prompt of 9 blocks and decode engines that admit 8: before, it waited out the queue (30 s by default),
+    """A prompt of 9 blocks (of the engine's 32 tokens) and decode engines that admit 8: before, it waited out the
+    queue (30 s by default),
     then got 503 queue_timeout. No wait helps it: 413 too_large at once."""
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     engine = FakeEngine("d")
@@ -109,7 +118,7 @@ async def test_a_prompt_larger_than_every_decode_engine_is_refused_at_once(clust
         )
     )
     router = await make_router(FLEET, max_queued=4, queue_timeout=3_600.0)
-    body = {"model": "tiny", "prompt": list(range(16 * 9)), "max_tokens": 8}
+    body = {"model": "tiny", "prompt": list(range(32 * 9)), "max_tokens": 8}
     url = f"http://127.0.0.1:{router.port}/v1/completions"
     async with router.http.post(url, json=body) as response:  # the session's timeout is WAIT, far below the queue's
         assert response.status == 413 and response.headers[REFUSAL_HEADER] == "too_large"
@@ -196,3 +205,53 @@ async def test_an_engine_s_odd_model_list_leaves_the_others_listed(
     async with router.http.get(f"http://127.0.0.1:{router.port}/v1/models") as response:
         assert response.status == 200
         assert [m["id"] for m in (await response.json())["data"]] == ["model-of-da"]
+
+
+async def decode_with_capacity(cluster: Cluster, capacity: EngineCapacity, layout: KvLayout = LAYOUT) -> FakeEngine:
+    """A fake decode engine "d" in pool "decode" that declares `capacity`."""
+    engine = FakeEngine("d")
+    await engine.start()
+    cluster.engines["d"] = engine
+    labels = {"url": f"http://127.0.0.1:{engine.port}"}
+    await cluster.rendezvous.register_engine(
+        sdk_engine(
+            "d", EngineRole.CONSUMER, pool="decode", layout=layout, labels=labels, lease_ttl=60, capacity=capacity
+        )
+    )
+    return engine
+
+
+@pytest.mark.parametrize("engine_block", [32, 8])
+async def test_credit_is_counted_in_the_decode_engine_s_blocks(
+    cluster: Cluster, make_router: Any, engine_block: int
+) -> None:
+    """The router hashes prompts in blocks of its --prefix-block (16 here), but the credit it reserves is the
+    engine's: its RegisterTargets counts the engine's own KV blocks. Before, a 320-token prompt reserved 20 blocks
+    whatever the engine's block size: twice too many on an engine of 32-token blocks, half too few on one of 8."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER, layout=dataclasses.replace(LAYOUT, block_size=engine_block))
+    layout = dataclasses.replace(LAYOUT, block_size=engine_block)
+    engine = await decode_with_capacity(cluster, EngineCapacity(max_transfers=4, max_blocks=1_000), layout)
+    engine.gate.clear()  # decode holds the request, and the router its reservation
+    router = await make_router(FLEET)
+    assert router.router.prompts.block_tokens == 16
+    body = {"model": "tiny", "prompt": list(range(320)), "max_tokens": 8}
+    request = asyncio.ensure_future(router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body))
+    try:
+        await asyncio.wait_for(engine.wait_bodies(1), WAIT)
+        info = await cluster.rendezvous.get_engine("d")
+        assert info.credits.blocks == 320 // engine_block
+    finally:
+        engine.gate.set()
+        async with await request as response:
+            assert response.status == 200
+
+
+async def test_a_prompt_that_fits_the_engine_s_blocks_is_not_too_large(cluster: Cluster, make_router: Any) -> None:
+    """144 tokens are 9 blocks of the router's 16 tokens but 5 of the decode engine's 32, which admits 8: before,
+    413 too_large."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await decode_with_capacity(cluster, EngineCapacity(max_transfers=4, max_blocks=8))
+    router = await make_router(FLEET)
+    body = {"model": "tiny", "prompt": list(range(16 * 9)), "max_tokens": 8}
+    async with router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
