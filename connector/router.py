@@ -200,6 +200,7 @@ class Router:
     async def _close(self, app: web.Application) -> None:
         if self._background:  # credits given back before the client to the rendezvous closes
             await asyncio.wait(self._background)
+        await self.admission.close()  # releases still retried while the rendezvous was unreachable
         if self._http is not None:
             await self._http.close()
         await self.engines.stop_refreshing()  # no background ListEngines outlives its channel

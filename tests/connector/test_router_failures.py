@@ -5,6 +5,7 @@ failed before its fix. A real rendezvous server, fake vLLM HTTP engines (engines
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from typing import Any
@@ -255,3 +256,89 @@ async def test_a_prompt_that_fits_the_engine_s_blocks_is_not_too_large(cluster: 
     body = {"model": "tiny", "prompt": list(range(16 * 9)), "max_tokens": 8}
     async with router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
+
+
+class Relay:
+    """A TCP relay in front of the rendezvous (127.0.0.1, a free port). While `mute`, what the rendezvous sends
+    back is dropped: calls reach it and are applied, their answers are lost in transit. `cut` closes every
+    connection (the client reconnects: a connection that lost frames cannot be trusted again) and unmutes."""
+
+    def __init__(self, target: str) -> None:
+        self.host, _, port = target.rpartition(":")
+        self.target_port = int(port)
+        self.mute = False
+        self.port = free_port()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+
+    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(self.host, self.target_port)
+        self._writers += [client_writer, server_writer]
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: bool) -> None:
+            with contextlib.suppress(OSError):
+                while data := await reader.read(65536):
+                    if not (answers and self.mute):
+                        writer.write(data)
+                        await writer.drain()
+            writer.close()
+
+        await asyncio.gather(pipe(client_reader, server_writer, False), pipe(server_reader, client_writer, True))
+
+    def cut(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        self.mute = False
+
+    async def stop(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def reserved_transfers(cluster: Cluster, engine_id: str = "d") -> int:
+    """Reservations that hold credit on the engine now (read from the rendezvous directly)."""
+    return (await cluster.rendezvous.get_engine(engine_id)).credits.transfers_reserved
+
+
+async def test_a_reservation_whose_answer_is_lost_is_released(server: AsyncTestServer, cluster: Cluster) -> None:
+    """ReserveCredits reached the rendezvous, which granted it, but the answer was lost on the way back (the call
+    timed out): the router refused the request and went on, and the credit stayed held until its TTL (60 s),
+    though nothing would use it. The router now releases it as soon as the rendezvous answers again."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await decode_with_capacity(cluster, EngineCapacity(max_transfers=4))
+    relay = Relay(server.address)
+    await relay.start()
+    quick = ClientConfig(targets=(f"127.0.0.1:{relay.port}",), call_timeout=0.5, retry=RetryPolicy(deadline=0.5))
+    router = Router(AsyncRendezvousClient(quick), FLEET, refresh_interval=3_600.0, max_queued=0)
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 200
+            await asyncio.wait_for(asyncio.gather(*router._background), WAIT)  # its credit given back
+            await router.engines.rank_engines(("decode",), EngineRole.CONSUMER)  # listed: no ListEngines next
+            await router.engines.rank_engines(("prefill",), EngineRole.PRODUCER)
+            assert await reserved_transfers(cluster) == 0
+            relay.mute = True  # the next request's only call, ReserveCredits, is applied; its answer is lost
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 503, await response.text()
+            # It was granted at the rendezvous (before the fix it stayed held, below); the router's release may
+            # have reached it already (only answers are lost), or is retried once the relay is cut.
+            relay.cut()
+            deadline = asyncio.get_running_loop().time() + WAIT  # far under the reservation's TTL (60 s)
+            while await reserved_transfers(cluster):
+                assert asyncio.get_running_loop().time() < deadline, "the lost reservation was never released"
+                await asyncio.sleep(0.05)  # polled, as Cluster.transfer polls
+    finally:
+        await runner.cleanup()
+        await relay.stop()
