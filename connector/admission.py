@@ -104,7 +104,8 @@ class RouterMetrics:
         self.refusals = Counter(
             "kv_rendezvous_router_refusals",
             "Requests refused for want of decode credit by reason (queue_full, queue_timeout, no_capacity), "
-            "and reservations an engine refused (engine_full)",
+            "while the rendezvous did not answer (rendezvous_unavailable), and reservations an engine refused "
+            "(engine_full)",
             ["reason"],
             registry=self.registry,
         )

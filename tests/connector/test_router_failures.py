@@ -23,7 +23,7 @@ from rendezvous.clients import (
 )
 from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.connector.launch import free_port
-from rendezvous.connector.router import REFUSAL_HEADER, Route, Router
+from rendezvous.connector.router import REFUSAL_HEADER, Route, Router, build_parser, rendezvous_config
 from tests.connector.test_router import (
     FLEET,
     LAYOUT,
@@ -342,3 +342,90 @@ async def test_a_reservation_whose_answer_is_lost_is_released(server: AsyncTestS
     finally:
         await runner.cleanup()
         await relay.stop()
+
+
+async def serve(router: Router) -> tuple[web.AppRunner, str]:
+    """The router's real HTTP server on a free port; its completions URL."""
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}/v1/completions"
+
+
+async def test_an_unreachable_rendezvous_is_answered_503_at_once(server: AsyncTestServer, cluster: Cluster) -> None:
+    """The rendezvous went away: before, every request waited out the SDK's retries (30 s by default, about 60 s
+    measured for one request on 2026-12-07) before its 503. Now the first request's calls give up after the
+    router's --rendezvous-timeout (2 s; the test's client allows 10 s, generous on a loaded machine, far under
+    the old wait), and while the rendezvous is known down the next requests are answered 503 with Retry-After
+    without a single call to it."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER, capacity=1)
+    calls = 0
+
+    def count() -> tuple[tuple[str, str], ...]:  # asked before every call the router's client makes
+        nonlocal calls
+        calls += 1
+        return ()
+
+    config = dataclasses.replace(rendezvous_config((server.address,)), metadata_hook=count)
+    router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=0.0, retry_after=3_600.0)
+    runner, url = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 200
+            await asyncio.wait_for(asyncio.gather(*router._background), WAIT)
+            await server.stop()
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 503, await response.text()
+                assert response.headers["Retry-After"] == "3600"
+                assert response.headers[REFUSAL_HEADER] == "rendezvous_unavailable"
+            made = calls
+            for _ in range(5):
+                async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                    assert response.status == 503
+                    assert response.headers["Retry-After"] == "3600"
+                    assert response.headers[REFUSAL_HEADER] == "rendezvous_unavailable"
+            assert calls == made  # no call at all while the rendezvous is known down
+    finally:
+        await runner.cleanup()
+
+
+async def test_requests_are_served_again_once_the_probe_reaches_the_rendezvous(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """The circuit closes by itself: the router's probe finds the restarted rendezvous and requests flow again."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = Router(
+        AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0)),
+        FLEET,
+        refresh_interval=0.0,
+        retry_after=0.05,
+    )
+    runner, url = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            await server.stop()
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 503 and response.headers["Retry-After"] == "1"
+            assert not router.reachable.is_set()
+            await server.start()  # the same port, a fresh store: the engines register again
+            for name, pool, role in (("p", "prefill", EngineRole.PRODUCER), ("d", "decode", EngineRole.CONSUMER)):
+                labels = {"url": f"http://127.0.0.1:{cluster.engines[name].port}"}
+                await cluster.rendezvous.register_engine(
+                    sdk_engine(name, role, pool=pool, layout=LAYOUT, labels=labels, lease_ttl=60)
+                )
+            await asyncio.wait_for(router.reachable.wait(), WAIT)
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 200, await response.text()
+    finally:
+        await runner.cleanup()
+
+
+def test_the_rendezvous_deadline_is_a_flag() -> None:
+    args = build_parser().parse_args(["--address", "a:1", "--rendezvous-timeout", "0.5"])
+    config = rendezvous_config(["a:1"], None, args.rendezvous_timeout)
+    assert config.call_timeout == 0.5 and config.retry.deadline == 0.5
+    assert build_parser().parse_args(["--address", "a:1"]).rendezvous_retry_after == 1.0
