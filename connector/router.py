@@ -31,6 +31,7 @@ of `--rendezvous-timeout` seconds (2), retries included; a request whose call fi
 (UNAVAILABLE, DEADLINE_EXCEEDED) is answered 503 with `Retry-After` and `X-Kv-Refusal: rendezvous_unavailable`,
 and so is every request after it, at once and without a call, until a background probe (GetStatus every
 `--rendezvous-retry-after` seconds) finds the rendezvous answering again.
+A request body over `--max-body-bytes` (1 MiB) is refused 413 unread.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).
@@ -100,6 +101,8 @@ DEFAULT_RENDEZVOUS_TIMEOUT = 2.0
 """Seconds one rendezvous call of the router may take, retries included (`--rendezvous-timeout`)."""
 DEFAULT_RETRY_AFTER = 1.0
 """Seconds between probes of an unreachable rendezvous, and the 503's Retry-After (`--rendezvous-retry-after`)."""
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+"""The largest request body the router reads (`--max-body-bytes`); larger ones are answered 413."""
 LOCAL_SHORT = "local-short"
 LOCAL_BUSY = "local-busy"
 _ENGINE_KEEPALIVE = 2.0
@@ -180,9 +183,13 @@ class Router:
         credit_ttl: float = 60.0,
         kv_index: bool = True,
         retry_after: float = DEFAULT_RETRY_AFTER,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         if not routes:
             raise ValueError("the router needs at least one route")
+        if max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, not {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         if retry_after <= 0:
             raise ValueError(f"retry_after must be positive, not {retry_after:g}")
         self.rendezvous = rendezvous
@@ -220,7 +227,7 @@ class Router:
 
     def app(self) -> web.Application:
         """The aiohttp application."""
-        app = web.Application()
+        app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics_page)
@@ -291,6 +298,8 @@ class Router:
     async def _proxy(self, request: web.Request, path: str, limit_keys: Sequence[str]) -> web.StreamResponse:
         try:
             body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the request body is over {self.max_body_bytes} bytes (--max-body-bytes)")
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return _error(400, "the request body must be JSON")
         if not isinstance(body, dict):
@@ -733,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and it is probed this often",
     )
     parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="the largest request body the router reads; larger ones are answered 413",
+    )
+    parser.add_argument(
         "--binding-ttl",
         type=float,
         default=DEFAULT_BINDING_TTL,
@@ -758,6 +774,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("a model is routed twice")
     if args.rendezvous_timeout <= 0 or args.rendezvous_retry_after <= 0:
         parser.error("--rendezvous-timeout and --rendezvous-retry-after must be positive")
+    if args.max_body_bytes <= 0:
+        parser.error("--max-body-bytes must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracing.configure_from_env("kv-rendezvous-router")
     host, _, port = args.listen.rpartition(":")
@@ -782,6 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             credit_ttl=args.credit_ttl,
             kv_index=args.kv_index,
             retry_after=args.rendezvous_retry_after,
+            max_body_bytes=args.max_body_bytes,
         )
         return router.app()
 

@@ -429,3 +429,37 @@ def test_the_rendezvous_deadline_is_a_flag() -> None:
     config = rendezvous_config(["a:1"], None, args.rendezvous_timeout)
     assert config.call_timeout == 0.5 and config.retry.deadline == 0.5
     assert build_parser().parse_args(["--address", "a:1"]).rendezvous_retry_after == 1.0
+
+
+def padded(size: int) -> bytes:
+    """A valid completion request of exactly `size` bytes (the prompt pads it)."""
+    empty = json.dumps({"model": "tiny", "prompt": "", "max_tokens": 1}).encode()
+    return json.dumps({"model": "tiny", "prompt": "x" * (size - len(empty)), "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize(
+    ("limit", "size", "status"),
+    [
+        (None, 1 << 20, 200),  # the default: 1 MiB is read
+        (None, (1 << 20) + 1, 413),
+        (4096, 4096, 200),
+        (4096, 4097, 413),
+        (2 << 20, (1 << 20) + 1, 200),  # over the old hard-coded limit
+    ],
+)
+async def test_the_body_limit_is_a_setting(
+    cluster: Cluster, make_router: Any, limit: int | None, size: int, status: int
+) -> None:
+    """The router read at most aiohttp's default 1 MiB, hard-coded; `--max-body-bytes` sets it, refused 413."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router(FLEET, **({} if limit is None else {"max_body_bytes": limit}))
+    got, text = await post_raw(router, padded(size))
+    assert got == status, text
+    if status == 413:
+        assert json.loads(text)["error"]["code"] == 413
+
+
+def test_the_body_limit_flag() -> None:
+    assert build_parser().parse_args(["--address", "a:1"]).max_body_bytes == 1 << 20
+    assert build_parser().parse_args(["--address", "a:1", "--max-body-bytes", "4096"]).max_body_bytes == 4096
