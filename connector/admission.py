@@ -2,7 +2,8 @@
 
 A consumer that declared a capacity (`EngineCapacity`, `kv_connector_extra_config["max_transfers"]`) is only
 sent a request once the router holds a reservation on it (`ReserveCredits`, one transfer and the prompt's
-blocks), which the rendezvous grants atomically: several routers cannot spend the same credit. The router
+blocks, counted in that engine's own KV blocks, its `layout.block_size`, as its RegisterTargets counts them),
+which the rendezvous grants atomically: several routers cannot spend the same credit. The router
 tries the decode engines by its policy, skipping those its engine list shows full; one that refuses (another
 router took the last credit) sends it to the next. When none has room the request waits in a bounded queue
 (`max_queued`, `queue_timeout`) and tries again when credit may have come back: when this router releases a
@@ -11,6 +12,9 @@ engines). A request that waits too long, or finds the queue full, is refused (`R
 a client that hangs up while queued just leaves the queue. Engines without a capacity need no reservation.
 The reservation is released when the request ends, however it ends; the engine's RegisterTargets has by then
 taken its place (the rendezvous counts it once), and its TTL bounds what a crashed router leaves behind.
+A reservation whose outcome the router does not know (ReserveCredits unanswered: a deadline, a lost connection,
+the client gone mid-call) is released as if granted, and a release that fails is retried until the rendezvous
+acknowledges it (or the reservation's TTL has passed): neither waits out the TTL while the rendezvous answers.
 """
 
 from __future__ import annotations
@@ -22,11 +26,22 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rendezvous.clients import EngineInfo, EngineRole, IndexedPrefix, NotFound, RendezvousError, RouterClient
 
-__all__ = ["NO_CAPACITY", "QUEUE_FULL", "QUEUE_TIMEOUT", "Admission", "DecodeAdmission", "Refused", "RouterMetrics"]
+__all__ = [
+    "NO_CAPACITY",
+    "QUEUE_FULL",
+    "QUEUE_TIMEOUT",
+    "UNANSWERED",
+    "Admission",
+    "DecodeAdmission",
+    "Refused",
+    "RouterMetrics",
+    "unanswered",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +58,23 @@ ENGINE_FULL = "engine_full"
 
 _MIN_RETRY = 0.05
 """Queued requests retry at least this far apart (the engine-list refresh, when it is longer)."""
+_MAX_RELEASE_BACKOFF = 1.0
+"""A release that failed is retried at most this far apart."""
+UNANSWERED = frozenset(
+    {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
+"""Codes of a call whose answer the router did not get (or cannot read): it may have been applied."""
+
+
+def unanswered(error: RendezvousError) -> bool:
+    """Whether a call that raised `error` may have been applied by the rendezvous all the same."""
+    return error.code in UNANSWERED
 
 
 class Refused(Exception):
@@ -72,7 +104,8 @@ class RouterMetrics:
         self.refusals = Counter(
             "kv_rendezvous_router_refusals",
             "Requests refused for want of decode credit by reason (queue_full, queue_timeout, no_capacity), "
-            "and reservations an engine refused (engine_full)",
+            "while the rendezvous did not answer (rendezvous_unavailable), and reservations an engine refused "
+            "(engine_full)",
             ["reason"],
             registry=self.registry,
         )
@@ -136,36 +169,49 @@ class DecodeAdmission:
         queue_timeout: float = 30.0,
         credit_ttl: float = 60.0,
         retry_interval: float = 1.0,
+        block_tokens: int = 16,
     ) -> None:
         if max_queued < 0 or queue_timeout < 0:
             raise ValueError("max_queued and queue_timeout must not be negative")
         if credit_ttl <= 0:
             raise ValueError("credit_ttl must be positive")
+        if block_tokens <= 0:
+            raise ValueError("block_tokens must be positive")
         self.engines = engines
         self.metrics = metrics
         self.max_queued = max_queued
         self.queue_timeout = queue_timeout
         self.credit_ttl = credit_ttl
         self.retry_interval = max(retry_interval, _MIN_RETRY)
+        self.block_tokens = block_tokens
+        """Tokens per block of an engine whose layout states no block size (the router's --prefix-block)."""
         self._waiters: deque[asyncio.Event] = deque()
+        self._releasing: set[asyncio.Task[None]] = set()
 
     @property
     def queued(self) -> int:
         """Requests waiting for credit now."""
         return len(self._waiters)
 
+    def blocks(self, engine: EngineInfo, tokens: int) -> int:
+        """The KV blocks a prompt of `tokens` takes on `engine`: in its own block size (its RegisterTargets counts
+        those), else in `block_tokens`."""
+        size = engine.layout.block_size or self.block_tokens
+        return -(-tokens // size)
+
     async def admit(
         self,
         pools: Sequence[str],
         transfer_id: str,
-        blocks: int,
+        tokens: int,
         prefix: Sequence[int] = (),
         indexed: IndexedPrefix | None = None,
     ) -> Admission:
-        """A decode engine of `pools` with credit for one transfer of `blocks`, reserved for transfer_id;
+        """A decode engine of `pools` with credit for one transfer of a prompt of `tokens` (in the engine's blocks,
+        `blocks`), reserved for transfer_id;
         waits in the queue when there is none (engines ranked by `RouterClient.rank_engines` with `prefix` and
         `indexed`). Raises Refused, or NotFound when the pools have no engine."""
-        admission = await self._try(pools, transfer_id, blocks, prefix, indexed)
+        admission = await self._try(pools, transfer_id, tokens, prefix, indexed)
         if admission is not None:
             return admission
         if not self.max_queued or not self.queue_timeout:
@@ -191,7 +237,7 @@ class DecodeAdmission:
                     async with asyncio.timeout(min(remaining, self.retry_interval)):
                         await waiter.wait()
                 waiter.clear()
-                admission = await self._try(pools, transfer_id, blocks, prefix, indexed)
+                admission = await self._try(pools, transfer_id, tokens, prefix, indexed)
                 if admission is not None:
                     return admission
         finally:
@@ -208,18 +254,21 @@ class DecodeAdmission:
         self,
         pools: Sequence[str],
         transfer_id: str,
-        blocks: int,
+        tokens: int,
         prefix: Sequence[int],
         indexed: IndexedPrefix | None,
     ) -> Admission | None:
         ranked = await self.engines.rank_engines(pools, EngineRole.CONSUMER, prefix=prefix, indexed=indexed)
         self.metrics.observe_pools(ranked)
-        if ranked and all(0 < e.capacity.max_blocks < blocks for e in ranked):  # waiting would not change that
-            most = max(e.capacity.max_blocks for e in ranked)
-            raise self._refuse(TOO_LARGE, f"{blocks} blocks: no decode engine of {', '.join(pools)} admits over {most}")
+        if ranked and all(0 < e.capacity.max_blocks < self.blocks(e, tokens) for e in ranked):  # no wait helps
+            sizes = ", ".join(f"{self.blocks(e, tokens)} blocks of {e.engine_id}" for e in ranked[:3])
+            raise self._refuse(
+                TOO_LARGE, f"{tokens} tokens ({sizes}): no decode engine of {', '.join(pools)} admits as many"
+            )
         for engine in ranked:
             if not engine.capacity.limited:
                 return Admission(engine, transfer_id, reserved=False)
+            blocks = self.blocks(engine, tokens)
             if not engine.has_credit(blocks):
                 continue
             try:
@@ -232,6 +281,12 @@ class DecodeAdmission:
                 self.engines.invalidate()
                 continue
             except RendezvousError as e:
+                if unanswered(e):
+                    # The answer was lost: the rendezvous may have granted it. Give it back (retried until it is
+                    # acknowledged), and try no other engine with this id (it could hold credit here): the
+                    # rendezvous is not answering, so the request is refused (the router's 503).
+                    self._release_soon(transfer_id)
+                    raise
                 if e.reason != "ENGINE_CAPACITY_EXCEEDED":
                     logger.warning("cannot reserve credit on %s: %s", engine.engine_id, e)
                 self.metrics.refusals.labels(ENGINE_FULL).inc()
@@ -245,14 +300,53 @@ class DecodeAdmission:
         if admission.reserved:
             try:
                 await self.engines.release_credits([admission.transfer_id])
-            except RendezvousError as e:  # the reservation lapses at its TTL instead
-                logger.warning("cannot release credit of %s: %s", admission.transfer_id, e)
+            except RendezvousError as e:  # tried again in the background until the rendezvous takes it
+                logger.warning("cannot release credit of %s yet: %s", admission.transfer_id, e)
+                self._release_soon(admission.transfer_id, retry=True)
             self.engines.invalidate()  # the listing's credit is stale now
         self._wake()
 
-    def _release_soon(self, transfer_id: str) -> None:
-        task = asyncio.ensure_future(self.engines.release_credits([transfer_id]))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    def _release_soon(self, transfer_id: str, *, retry: bool = False) -> None:
+        """Release transfer_id's credit in the background, trying again (backing off) while the rendezvous does
+        not answer, until it does or the reservation has lapsed (`credit_ttl`); `retry`: a first attempt failed."""
+        task = asyncio.ensure_future(self._release_until_acknowledged(transfer_id, retry))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release_until_acknowledged(self, transfer_id: str, retry: bool) -> None:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.credit_ttl
+        backoff = _MIN_RETRY
+        wait = retry  # a first attempt failed already: back off before the next
+        while True:
+            if wait:
+                if loop.time() + backoff >= give_up:
+                    logger.warning("credit of %s was not released: it lapses at its TTL", transfer_id)
+                    return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_RELEASE_BACKOFF)
+            wait = True
+            try:
+                await self.engines.release_credits([transfer_id])
+            except RendezvousError as e:
+                if not unanswered(e):  # refused for good (e.g. permission): nothing a retry changes
+                    logger.warning("cannot release credit of %s: %s", transfer_id, e)
+                    return
+                continue
+            self.engines.invalidate()
+            self._wake()
+            return
+
+    async def settled(self) -> None:
+        """Wait until the background releases in flight are done (acknowledged or given up)."""
+        while self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop the background releases (the router is closing; their reservations lapse at their TTL)."""
+        for task in self._releasing:
+            task.cancel()
+        await asyncio.gather(*self._releasing, return_exceptions=True)
 
     def _wake(self) -> None:
         for waiter in self._waiters:

@@ -26,6 +26,12 @@ With `--policy prefix-aware` engines are placed by what the fleet's KV index say
 (engines that report their cache, connector `kv_index`; rendezvous.connector.prefix_view), by the router's own memory of
 what it sent where while the index cannot answer (or with --no-kv-index); `--local-prefill-below` then counts
 only the tokens the decode engine does not hold.
+While the rendezvous does not answer, requests fail fast: each of the router's rendezvous calls has a deadline
+of `--rendezvous-timeout` seconds (2), retries included; a request whose call finds the rendezvous unreachable
+(UNAVAILABLE, DEADLINE_EXCEEDED) is answered 503 with `Retry-After` and `X-Kv-Refusal: rendezvous_unavailable`,
+and so is every request after it, at once and without a call, until a background probe (GetStatus every
+`--rendezvous-retry-after` seconds) finds the rendezvous answering again.
+A request body over `--max-body-bytes` (1 MiB) is refused 413 unread.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).
@@ -37,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
@@ -55,17 +62,25 @@ from rendezvous.clients import (
     NotFound,
     PickPolicy,
     RendezvousError,
+    RetryPolicy,
     RouterClient,
 )
 from rendezvous.clients._router import DEFAULT_BINDING_TTL
-from rendezvous.connector.admission import TOO_LARGE, Admission, DecodeAdmission, Refused, RouterMetrics
+from rendezvous.connector.admission import (
+    TOO_LARGE,
+    Admission,
+    DecodeAdmission,
+    Refused,
+    RouterMetrics,
+    unanswered,
+)
 from rendezvous.connector.config import TRANSFER_ID_KEY
 from rendezvous.connector.prefix_view import PrefixView
 from rendezvous.connector.prompts import PromptReader, Tokenizer
 from rendezvous.protocol import bindings, tracing
 from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
 
-__all__ = ["ANY_MODEL", "LocalPrefill", "Route", "Router", "main", "parse_route"]
+__all__ = ["ANY_MODEL", "LocalPrefill", "Route", "Router", "main", "parse_route", "rendezvous_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +94,15 @@ PREFILL_HEADER = "X-Kv-Prefill"
 engine: every prefill engine had --local-prefill-when-busy requests in flight)."""
 REFUSAL_HEADER = "X-Kv-Refusal"
 """On a 503 for want of decode credit: why (`queue_full`, `queue_timeout`, `no_capacity`; on a 413, `too_large`;
-rendezvous.connector.admission)."""
+rendezvous.connector.admission); `rendezvous_unavailable` on a 503 while the rendezvous does not answer."""
+RENDEZVOUS_UNAVAILABLE = "rendezvous_unavailable"
+"""X-Kv-Refusal of a 503 while the rendezvous does not answer (with Retry-After)."""
+DEFAULT_RENDEZVOUS_TIMEOUT = 2.0
+"""Seconds one rendezvous call of the router may take, retries included (`--rendezvous-timeout`)."""
+DEFAULT_RETRY_AFTER = 1.0
+"""Seconds between probes of an unreachable rendezvous, and the 503's Retry-After (`--rendezvous-retry-after`)."""
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+"""The largest request body the router reads (`--max-body-bytes`); larger ones are answered 413."""
 LOCAL_SHORT = "local-short"
 LOCAL_BUSY = "local-busy"
 _ENGINE_KEEPALIVE = 2.0
@@ -121,6 +144,17 @@ def parse_route(text: str) -> tuple[str, Route]:
     return model, Route(prefill_pools, decode_pools)
 
 
+def rendezvous_config(
+    targets: Sequence[str], token: str | None = None, timeout: float = DEFAULT_RENDEZVOUS_TIMEOUT
+) -> ClientConfig:
+    """The router's client configuration: every call gives up after `timeout` seconds, retries and failover
+    included (the SDK's default retries UNAVAILABLE for 30 s, which a waiting client would pay per request)."""
+    if timeout <= 0:
+        raise ValueError(f"the rendezvous timeout must be positive, not {timeout:g}")
+    retry = RetryPolicy(max_backoff=min(1.0, max(0.02, timeout / 4)), deadline=timeout)
+    return ClientConfig(targets=tuple(targets), token=token, call_timeout=timeout, retry=retry)
+
+
 def _engine_url(engine: EngineInfo) -> str:
     url = engine.labels.get("url", "")
     if not url:
@@ -148,9 +182,16 @@ class Router:
         queue_timeout: float = 30.0,
         credit_ttl: float = 60.0,
         kv_index: bool = True,
+        retry_after: float = DEFAULT_RETRY_AFTER,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         if not routes:
             raise ValueError("the router needs at least one route")
+        if max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, not {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
+        if retry_after <= 0:
+            raise ValueError(f"retry_after must be positive, not {retry_after:g}")
         self.rendezvous = rendezvous
         self.engines = RouterClient(
             rendezvous,
@@ -162,6 +203,7 @@ class Router:
         )
         self.routes = dict(routes)
         self.metrics = RouterMetrics()
+        self.prompts = prompts or PromptReader()
         self.admission = DecodeAdmission(
             self.engines,
             self.metrics,
@@ -169,18 +211,23 @@ class Router:
             queue_timeout=queue_timeout,
             credit_ttl=credit_ttl,
             retry_interval=refresh_interval,
+            block_tokens=self.prompts.block_tokens,
         )
-        self.prompts = prompts or PromptReader()
         self.local_prefill = local_prefill or LocalPrefill()
         self.index = PrefixView(self.engines, self.prompts, retry_interval=refresh_interval) if kv_index else None
         """Prefix-aware: the fleet's KV index (None: this router's memory only)."""
         self._timeout = ClientTimeout(total=timeout)
         self._http: ClientSession | None = None
         self._background: set[asyncio.Task[None]] = set()  # work after an answer (credit releases)
+        self.retry_after = retry_after
+        self.reachable = asyncio.Event()
+        """Clear while the rendezvous is known not to answer: requests are refused at once, a probe runs."""
+        self.reachable.set()
+        self._probe: asyncio.Task[None] | None = None
 
     def app(self) -> web.Application:
         """The aiohttp application."""
-        app = web.Application()
+        app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics_page)
@@ -199,6 +246,10 @@ class Router:
     async def _close(self, app: web.Application) -> None:
         if self._background:  # credits given back before the client to the rendezvous closes
             await asyncio.wait(self._background)
+        await self.admission.close()  # releases still retried while the rendezvous was unreachable
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
         await self.engines.stop_refreshing()  # no background ListEngines outlives its channel
@@ -247,6 +298,8 @@ class Router:
     async def _proxy(self, request: web.Request, path: str, limit_keys: Sequence[str]) -> web.StreamResponse:
         try:
             body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the request body is over {self.max_body_bytes} bytes (--max-body-bytes)")
         except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return _error(400, "the request body must be JSON")
         if not isinstance(body, dict):
@@ -257,6 +310,8 @@ class Router:
         route = self.route(model) if isinstance(model, str) else None
         if route is None:
             return _error(404, f"model {model!r} is not routed by this router")
+        if not self.reachable.is_set():  # known down: no call would do better, and the probe is on it
+            return self._unreachable("the rendezvous is not answering")
         with tracing.span("router.dispatch", parent=request.headers, kind="server") as span:
             return await self._dispatch(request, path, limit_keys, body, route, span)
 
@@ -280,15 +335,15 @@ class Router:
             span.set_attribute("kv_rendezvous.prefix_source", source)
             self.metrics.placements.labels(source).inc()
         transfer_id = self.engines.mint_transfer_id()
-        blocks = -(-self.prompts.tokens(body) // self.prompts.block_tokens)
+        tokens = self.prompts.tokens(body)  # credit is counted in the decode engine's blocks (admission.py)
         try:
-            admission = await self.admission.admit(route.decode_pools, transfer_id, blocks, prefix, indexed)
+            admission = await self.admission.admit(route.decode_pools, transfer_id, tokens, prefix, indexed)
         except Refused as e:
             span.set_attribute("kv_rendezvous.refused", e.reason)
             status = 413 if e.reason == TOO_LARGE else 503  # too large: no wait would help
             return _error(status, f"no decode credit ({e.reason}): {e}", headers={REFUSAL_HEADER: e.reason})
         except RendezvousError as e:
-            return _error(503, f"no engines: {e}")
+            return self._no_engines(e)
         try:
             return await self._admitted(request, path, limit_keys, body, route, span, admission, prefix, indexed)
         finally:
@@ -321,7 +376,7 @@ class Router:
             )
             prefill_url = _engine_url(prefill)
         except RendezvousError as e:
-            return _error(503, f"no engines: {e}")
+            return self._no_engines(e)
         span.set_attribute("kv_rendezvous.prefill", "remote")
         span.set_attribute("kv_rendezvous.transfer_id", transfer_id)
         # Both legs' engines make their spans children of this one (the connector reads kv_transfer_params).
@@ -354,6 +409,35 @@ class Router:
             if not prefill_leg.done():
                 # The client is answered; let prefill finish in the background (its blocks are freed by then).
                 prefill_leg.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _no_engines(self, error: RendezvousError) -> web.Response:
+        """The 503 of a request that found no engine; if the rendezvous did not answer, the circuit opens."""
+        if not unanswered(error):
+            return _error(503, f"no engines: {error}")
+        if self.reachable.is_set():
+            logger.warning("the rendezvous is not answering (%s): refusing requests until it does", error)
+            self.reachable.clear()
+            self._probe = asyncio.ensure_future(self._probe_until_reachable())
+        return self._unreachable(f"the rendezvous is not answering: {error}")
+
+    def _unreachable(self, message: str) -> web.Response:
+        self.metrics.refusals.labels(RENDEZVOUS_UNAVAILABLE).inc()
+        headers = {REFUSAL_HEADER: RENDEZVOUS_UNAVAILABLE, "Retry-After": str(math.ceil(self.retry_after))}
+        return _error(503, message, headers=headers)
+
+    async def _probe_until_reachable(self) -> None:
+        """Ask the rendezvous for its status every retry_after seconds until it answers; then close the circuit."""
+        while True:
+            await asyncio.sleep(self.retry_after)
+            try:
+                await self.rendezvous.get_status()
+            except RendezvousError as e:
+                logger.debug("the rendezvous is still not answering: %s", e)
+                continue
+            logger.warning("the rendezvous answers again")
+            self.engines.invalidate()
+            self.reachable.set()
+            return
 
     async def _prefill_locally(
         self, body: Mapping[str, Any], route: Route, decode: EngineInfo, indexed: IndexedPrefix | None
@@ -643,6 +727,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a decode credit reservation lasts unless the engine registers the target or the request ends",
     )
     parser.add_argument(
+        "--rendezvous-timeout",
+        type=float,
+        default=DEFAULT_RENDEZVOUS_TIMEOUT,
+        metavar="SECONDS",
+        help="how long one rendezvous call may take, retries included, before the request is answered 503",
+    )
+    parser.add_argument(
+        "--rendezvous-retry-after",
+        type=float,
+        default=DEFAULT_RETRY_AFTER,
+        metavar="SECONDS",
+        help="while the rendezvous does not answer: requests get 503 with this Retry-After at once, "
+        "and it is probed this often",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="the largest request body the router reads; larger ones are answered 413",
+    )
+    parser.add_argument(
         "--binding-ttl",
         type=float,
         default=DEFAULT_BINDING_TTL,
@@ -666,6 +772,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     routes = dict(args.route) or {ANY_MODEL: Route((args.prefill_pool,), (args.decode_pool,))}
     if len(routes) != len(args.route) and args.route:
         parser.error("a model is routed twice")
+    if args.rendezvous_timeout <= 0 or args.rendezvous_retry_after <= 0:
+        parser.error("--rendezvous-timeout and --rendezvous-retry-after must be positive")
+    if args.max_body_bytes <= 0:
+        parser.error("--max-body-bytes must be positive")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracing.configure_from_env("kv-rendezvous-router")
     host, _, port = args.listen.rpartition(":")
@@ -673,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     binding_key = bindings.load_keys(args.binding_key_file)[0] if args.binding_key_file else None
 
     async def app() -> web.Application:
-        client = AsyncRendezvousClient(ClientConfig(targets=targets, token=args.token))
+        client = AsyncRendezvousClient(rendezvous_config(targets, args.token, args.rendezvous_timeout))
         router = Router(
             client,
             routes,
@@ -689,6 +799,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             queue_timeout=args.queue_timeout,
             credit_ttl=args.credit_ttl,
             kv_index=args.kv_index,
+            retry_after=args.rendezvous_retry_after,
+            max_body_bytes=args.max_body_bytes,
         )
         return router.app()
 

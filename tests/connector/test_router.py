@@ -79,7 +79,7 @@ class FakeEngine:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 << 20)  # vLLM's server has no 1 MiB limit (aiohttp's default)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, handler_cancellation=True)

@@ -5,16 +5,25 @@ failed before its fix. A real rendezvous server, fake vLLM HTTP engines (engines
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, TCPConnector, web
 
-from rendezvous.clients import AsyncRendezvousClient, ClientConfig, EngineCapacity, EngineRole, RetryPolicy
+from rendezvous.clients import (
+    AsyncRendezvousClient,
+    ClientConfig,
+    EngineCapacity,
+    EngineRole,
+    KvLayout,
+    RetryPolicy,
+)
 from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.connector.launch import free_port
-from rendezvous.connector.router import REFUSAL_HEADER, Route, Router
+from rendezvous.connector.router import REFUSAL_HEADER, Route, Router, build_parser, rendezvous_config
 from tests.connector.test_router import (
     FLEET,
     LAYOUT,
@@ -95,7 +104,8 @@ async def test_a_stream_decode_cuts_reaches_the_client_cut(cluster: Cluster, mak
 
 
 async def test_a_prompt_larger_than_every_decode_engine_is_refused_at_once(cluster: Cluster, make_router: Any) -> None:
-    """A prompt of 9 blocks and decode engines that admit 8: before, it waited out the queue (30 s by default),
+    """A prompt of 9 blocks (of the engine's 32 tokens) and decode engines that admit 8: before, it waited out the
+    queue (30 s by default),
     then got 503 queue_timeout. No wait helps it: 413 too_large at once."""
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     engine = FakeEngine("d")
@@ -109,7 +119,7 @@ async def test_a_prompt_larger_than_every_decode_engine_is_refused_at_once(clust
         )
     )
     router = await make_router(FLEET, max_queued=4, queue_timeout=3_600.0)
-    body = {"model": "tiny", "prompt": list(range(16 * 9)), "max_tokens": 8}
+    body = {"model": "tiny", "prompt": list(range(32 * 9)), "max_tokens": 8}
     url = f"http://127.0.0.1:{router.port}/v1/completions"
     async with router.http.post(url, json=body) as response:  # the session's timeout is WAIT, far below the queue's
         assert response.status == 413 and response.headers[REFUSAL_HEADER] == "too_large"
@@ -196,3 +206,260 @@ async def test_an_engine_s_odd_model_list_leaves_the_others_listed(
     async with router.http.get(f"http://127.0.0.1:{router.port}/v1/models") as response:
         assert response.status == 200
         assert [m["id"] for m in (await response.json())["data"]] == ["model-of-da"]
+
+
+async def decode_with_capacity(cluster: Cluster, capacity: EngineCapacity, layout: KvLayout = LAYOUT) -> FakeEngine:
+    """A fake decode engine "d" in pool "decode" that declares `capacity`."""
+    engine = FakeEngine("d")
+    await engine.start()
+    cluster.engines["d"] = engine
+    labels = {"url": f"http://127.0.0.1:{engine.port}"}
+    await cluster.rendezvous.register_engine(
+        sdk_engine(
+            "d", EngineRole.CONSUMER, pool="decode", layout=layout, labels=labels, lease_ttl=60, capacity=capacity
+        )
+    )
+    return engine
+
+
+@pytest.mark.parametrize("engine_block", [32, 8])
+async def test_credit_is_counted_in_the_decode_engine_s_blocks(
+    cluster: Cluster, make_router: Any, engine_block: int
+) -> None:
+    """The router hashes prompts in blocks of its --prefix-block (16 here), but the credit it reserves is the
+    engine's: its RegisterTargets counts the engine's own KV blocks. Before, a 320-token prompt reserved 20 blocks
+    whatever the engine's block size: twice too many on an engine of 32-token blocks, half too few on one of 8."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER, layout=dataclasses.replace(LAYOUT, block_size=engine_block))
+    layout = dataclasses.replace(LAYOUT, block_size=engine_block)
+    engine = await decode_with_capacity(cluster, EngineCapacity(max_transfers=4, max_blocks=1_000), layout)
+    engine.gate.clear()  # decode holds the request, and the router its reservation
+    router = await make_router(FLEET)
+    assert router.router.prompts.block_tokens == 16
+    body = {"model": "tiny", "prompt": list(range(320)), "max_tokens": 8}
+    request = asyncio.ensure_future(router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body))
+    try:
+        await asyncio.wait_for(engine.wait_bodies(1), WAIT)
+        info = await cluster.rendezvous.get_engine("d")
+        assert info.credits.blocks == 320 // engine_block
+    finally:
+        engine.gate.set()
+        async with await request as response:
+            assert response.status == 200
+
+
+async def test_a_prompt_that_fits_the_engine_s_blocks_is_not_too_large(cluster: Cluster, make_router: Any) -> None:
+    """144 tokens are 9 blocks of the router's 16 tokens but 5 of the decode engine's 32, which admits 8: before,
+    413 too_large."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await decode_with_capacity(cluster, EngineCapacity(max_transfers=4, max_blocks=8))
+    router = await make_router(FLEET)
+    body = {"model": "tiny", "prompt": list(range(16 * 9)), "max_tokens": 8}
+    async with router.http.post(f"http://127.0.0.1:{router.port}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+class Relay:
+    """A TCP relay in front of the rendezvous (127.0.0.1, a free port). While `mute`, what the rendezvous sends
+    back is dropped: calls reach it and are applied, their answers are lost in transit. `cut` closes every
+    connection (the client reconnects: a connection that lost frames cannot be trusted again) and unmutes."""
+
+    def __init__(self, target: str) -> None:
+        self.host, _, port = target.rpartition(":")
+        self.target_port = int(port)
+        self.mute = False
+        self.port = free_port()
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self.port)
+
+    async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(self.host, self.target_port)
+        self._writers += [client_writer, server_writer]
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: bool) -> None:
+            with contextlib.suppress(OSError):
+                while data := await reader.read(65536):
+                    if not (answers and self.mute):
+                        writer.write(data)
+                        await writer.drain()
+            writer.close()
+
+        await asyncio.gather(pipe(client_reader, server_writer, False), pipe(server_reader, client_writer, True))
+
+    def cut(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        self.mute = False
+
+    async def stop(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def reserved_transfers(cluster: Cluster, engine_id: str = "d") -> int:
+    """Reservations that hold credit on the engine now (read from the rendezvous directly)."""
+    return (await cluster.rendezvous.get_engine(engine_id)).credits.transfers_reserved
+
+
+async def test_a_reservation_whose_answer_is_lost_is_released(server: AsyncTestServer, cluster: Cluster) -> None:
+    """ReserveCredits reached the rendezvous, which granted it, but the answer was lost on the way back (the call
+    timed out): the router refused the request and went on, and the credit stayed held until its TTL (60 s),
+    though nothing would use it. The router now releases it as soon as the rendezvous answers again."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await decode_with_capacity(cluster, EngineCapacity(max_transfers=4))
+    relay = Relay(server.address)
+    await relay.start()
+    quick = ClientConfig(targets=(f"127.0.0.1:{relay.port}",), call_timeout=0.5, retry=RetryPolicy(deadline=0.5))
+    router = Router(AsyncRendezvousClient(quick), FLEET, refresh_interval=3_600.0, max_queued=0)
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 200
+            await asyncio.wait_for(asyncio.gather(*router._background), WAIT)  # its credit given back
+            await router.engines.rank_engines(("decode",), EngineRole.CONSUMER)  # listed: no ListEngines next
+            await router.engines.rank_engines(("prefill",), EngineRole.PRODUCER)
+            assert await reserved_transfers(cluster) == 0
+            relay.mute = True  # the next request's only call, ReserveCredits, is applied; its answer is lost
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 503, await response.text()
+            # It was granted at the rendezvous (before the fix it stayed held, below); the router's release may
+            # have reached it already (only answers are lost), or is retried once the relay is cut.
+            relay.cut()
+            deadline = asyncio.get_running_loop().time() + WAIT  # far under the reservation's TTL (60 s)
+            while await reserved_transfers(cluster):
+                assert asyncio.get_running_loop().time() < deadline, "the lost reservation was never released"
+                await asyncio.sleep(0.05)  # polled, as Cluster.transfer polls
+    finally:
+        await runner.cleanup()
+        await relay.stop()
+
+
+async def serve(router: Router) -> tuple[web.AppRunner, str]:
+    """The router's real HTTP server on a free port; its completions URL."""
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}/v1/completions"
+
+
+async def test_an_unreachable_rendezvous_is_answered_503_at_once(server: AsyncTestServer, cluster: Cluster) -> None:
+    """The rendezvous went away: before, every request waited out the SDK's retries (30 s by default, about 60 s
+    measured for one request on 2026-12-07) before its 503. Now the first request's calls give up after the
+    router's --rendezvous-timeout (2 s; the test's client allows 10 s, generous on a loaded machine, far under
+    the old wait), and while the rendezvous is known down the next requests are answered 503 with Retry-After
+    without a single call to it."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER, capacity=1)
+    calls = 0
+
+    def count() -> tuple[tuple[str, str], ...]:  # asked before every call the router's client makes
+        nonlocal calls
+        calls += 1
+        return ()
+
+    config = dataclasses.replace(rendezvous_config((server.address,)), metadata_hook=count)
+    router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=0.0, retry_after=3_600.0)
+    runner, url = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 200
+            await asyncio.wait_for(asyncio.gather(*router._background), WAIT)
+            await server.stop()
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 503, await response.text()
+                assert response.headers["Retry-After"] == "3600"
+                assert response.headers[REFUSAL_HEADER] == "rendezvous_unavailable"
+            made = calls
+            for _ in range(5):
+                async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                    assert response.status == 503
+                    assert response.headers["Retry-After"] == "3600"
+                    assert response.headers[REFUSAL_HEADER] == "rendezvous_unavailable"
+            assert calls == made  # no call at all while the rendezvous is known down
+    finally:
+        await runner.cleanup()
+
+
+async def test_requests_are_served_again_once_the_probe_reaches_the_rendezvous(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """The circuit closes by itself: the router's probe finds the restarted rendezvous and requests flow again."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = Router(
+        AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0)),
+        FLEET,
+        refresh_interval=0.0,
+        retry_after=0.05,
+    )
+    runner, url = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            await server.stop()
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 503 and response.headers["Retry-After"] == "1"
+            assert not router.reachable.is_set()
+            await server.start()  # the same port, a fresh store: the engines register again
+            for name, pool, role in (("p", "prefill", EngineRole.PRODUCER), ("d", "decode", EngineRole.CONSUMER)):
+                labels = {"url": f"http://127.0.0.1:{cluster.engines[name].port}"}
+                await cluster.rendezvous.register_engine(
+                    sdk_engine(name, role, pool=pool, layout=LAYOUT, labels=labels, lease_ttl=60)
+                )
+            await asyncio.wait_for(router.reachable.wait(), WAIT)
+            async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                assert response.status == 200, await response.text()
+    finally:
+        await runner.cleanup()
+
+
+def test_the_rendezvous_deadline_is_a_flag() -> None:
+    args = build_parser().parse_args(["--address", "a:1", "--rendezvous-timeout", "0.5"])
+    config = rendezvous_config(["a:1"], None, args.rendezvous_timeout)
+    assert config.call_timeout == 0.5 and config.retry.deadline == 0.5
+    assert build_parser().parse_args(["--address", "a:1"]).rendezvous_retry_after == 1.0
+
+
+def padded(size: int) -> bytes:
+    """A valid completion request of exactly `size` bytes (the prompt pads it)."""
+    empty = json.dumps({"model": "tiny", "prompt": "", "max_tokens": 1}).encode()
+    return json.dumps({"model": "tiny", "prompt": "x" * (size - len(empty)), "max_tokens": 1}).encode()
+
+
+@pytest.mark.parametrize(
+    ("limit", "size", "status"),
+    [
+        (None, 1 << 20, 200),  # the default: 1 MiB is read
+        (None, (1 << 20) + 1, 413),
+        (4096, 4096, 200),
+        (4096, 4097, 413),
+        (2 << 20, (1 << 20) + 1, 200),  # over the old hard-coded limit
+    ],
+)
+async def test_the_body_limit_is_a_setting(
+    cluster: Cluster, make_router: Any, limit: int | None, size: int, status: int
+) -> None:
+    """The router read at most aiohttp's default 1 MiB, hard-coded; `--max-body-bytes` sets it, refused 413."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router(FLEET, **({} if limit is None else {"max_body_bytes": limit}))
+    got, text = await post_raw(router, padded(size))
+    assert got == status, text
+    if status == 413:
+        assert json.loads(text)["error"]["code"] == 413
+
+
+def test_the_body_limit_flag() -> None:
+    assert build_parser().parse_args(["--address", "a:1"]).max_body_bytes == 1 << 20
+    assert build_parser().parse_args(["--address", "a:1", "--max-body-bytes", "4096"]).max_body_bytes == 4096
