@@ -1,7 +1,9 @@
 """Engine sessions: a registration kept alive, its events watched, its transfers re-asserted.
 
 A session survives what a long-running engine meets:
-- a broken Watch stream resumes from the sequence after the last event delivered;
+- a broken Watch stream resumes from the sequence after the last event delivered, and a broken KeepAlive
+  stream is reopened; so is one the server ended without an error (a replica shutting down gracefully, a
+  proxy's stream timeout), on the client's next endpoint, as after an UNAVAILABLE;
 - a watch that fell behind the server's retention lists the engine's transfers and delivers a
   `Resynced` notification instead of the lost events;
 - a server restart (a new epoch: a memory store lost everything) or a lost registration

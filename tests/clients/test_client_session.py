@@ -45,6 +45,7 @@ from tests.clients.conftest import (
     FAST_SESSION,
     LAYOUT,
     WAIT,
+    GrpcProxy,
     TcpProxy,
     agent,
     client_config,
@@ -207,6 +208,68 @@ async def test_the_watch_resumes_after_a_disconnect_without_loss_or_repeats(
         assert [e.sequence for e in after] == [2, 3]
         assert proxy.accepted >= 2, "the session never reconnected"
         assert producer.incarnation == (await client.get_engine("p0")).incarnation
+
+
+async def test_streams_the_server_ends_cleanly_are_reopened_and_the_watch_resumes_without_a_gap(
+    client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """A Watch or KeepAlive stream ended with status OK (a proxy's stream timeout) is reopened as a broken one is:
+    the lease is renewed on the new stream, the watch resumes after the last event delivered."""
+    async with (
+        AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied,
+        producer_session(proxied, lease_ttl=3.0) as producer,
+        consumer_session(client) as consumer,
+    ):
+        events = producer.events()
+        await producer.claim_transfers([ClaimSpec(f"t{i}") for i in range(3)])
+        await consumer.register_target(TargetSpec("t0", [0]))
+        first = await collect_assignments(events, {"t0"})
+        await grpc_proxy.wait_for(lambda: grpc_proxy.requests["KeepAlive"])
+
+        assert grpc_proxy.end_streams("Watch") == 1 and grpc_proxy.end_streams("KeepAlive") == 1
+        renewed = len(grpc_proxy.requests["KeepAlive"])
+        await consumer.register_targets([TargetSpec("t1", [1]), TargetSpec("t2", [2])])
+        after = await collect_assignments(events, {"t1", "t2"})
+        await grpc_proxy.wait_for(lambda: grpc_proxy.answers["KeepAlive"] > renewed)
+
+        assert [e.sequence for e in first] == [1] and [e.sequence for e in after] == [2, 3]
+        assert grpc_proxy.calls["Watch"] >= 2 and grpc_proxy.calls["KeepAlive"] >= 2
+        assert producer.incarnation == (await client.get_engine("p0")).incarnation and producer.failure is None
+
+
+async def test_streams_a_replica_ends_cleanly_fail_over_to_the_next_endpoint(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Two endpoints; the first ends its KeepAlive and Watch streams with status OK and every new one at once (a
+    replica shutting down gracefully). The session reopened them on the same endpoint, again and again: its lease
+    was never renewed and its watch delivered nothing more (found by an audit). A stream the server ends cleanly
+    now moves the client to its next endpoint, as an UNAVAILABLE one does, and the watch resumes there."""
+    first, second = GrpcProxy(server.address), GrpcProxy(server.address)
+    await first.start()
+    await second.start()
+    try:
+        async with (
+            AsyncRendezvousClient(client_config(first.address, second.address)) as proxied,
+            producer_session(proxied, lease_ttl=3.0) as producer,
+            consumer_session(client) as consumer,
+        ):
+            events = producer.events()
+            await producer.claim_transfers([ClaimSpec(f"t{i}") for i in range(3)])
+            await consumer.register_target(TargetSpec("t0", [0]))
+            before = await collect_assignments(events, {"t0"})
+
+            first.drain("Watch")
+            first.drain("KeepAlive")
+            await consumer.register_targets([TargetSpec("t1", [1]), TargetSpec("t2", [2])])
+            after = await collect_assignments(events, {"t1", "t2"})
+            await second.wait_for(lambda: second.answers["KeepAlive"])
+
+            assert [e.sequence for e in before] == [1] and [e.sequence for e in after] == [2, 3]
+            assert second.calls["Watch"] >= 1
+            assert producer.incarnation == (await client.get_engine("p0")).incarnation and producer.failure is None
+    finally:
+        await first.close()
+        await second.close()
 
 
 async def test_a_watch_that_fell_behind_resyncs_from_the_transfer_list() -> None:
