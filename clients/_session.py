@@ -23,7 +23,7 @@ from typing import Any, Self
 import grpc
 
 from rendezvous.clients._config import SessionConfig
-from rendezvous.clients._retry import Backoff
+from rendezvous.clients._retry import Backoff, renewal_wait, retry_hint
 from rendezvous.clients._types import (
     AbortSpec,
     ClaimSpec,
@@ -448,11 +448,15 @@ class EngineSession:
     # Background tasks
 
     async def _keep_alive(self) -> None:
-        """Renew the lease every renew_fraction of its TTL; a failed renewal is retried at once."""
+        """Renew the lease every renew_fraction of its TTL; a failed renewal is retried after the reconnect backoff,
+        or, refused with the server's retry hint (RATE_LIMITED), after the hint, bounded by what is left of the lease
+        (`renewal_wait`)."""
         fraction = self._config.renew_fraction
         backoff = Backoff(self._config.reconnect)
         delay = self.engine.lease_ttl * fraction
         incarnation = self.incarnation
+        loop = asyncio.get_running_loop()
+        expires = loop.time() + self.engine.lease_ttl  # when the lease lapses, by this session's reckoning
         while True:
             async with self._client.keep_alive() as stream:
                 try:
@@ -462,18 +466,28 @@ class EngineSession:
                         # Unanswered for as long as the wait between renewals, it is given up while the lease
                         # still has time for another endpoint to renew it.
                         bound = self.engine.lease_ttl * fraction
+                        sent = loop.time()
                         renewal = await stream.renew(self.engine_id, incarnation, timeout=bound)
                         backoff.reset()
                         delay = renewal.lease_ttl * fraction
+                        expires = sent + renewal.lease_ttl
                 except RendezvousError as err:
                     if self._replaced(err, incarnation):
                         await self._until_registered()
                         if self._failure is not None:
                             return
                         delay = self.engine.lease_ttl * fraction
+                        expires = loop.time() + self.engine.lease_ttl
                     elif err.code in _TRANSIENT:
-                        log.warning("engine %s lease renewal failed, retrying: %s", self.engine_id, err)
                         delay = backoff.next()
+                        hint = retry_hint(err)
+                        if hint is not None:
+                            # The last moment to renew: what a renewal may take (its bound) before the lease lapses.
+                            latest = expires - loop.time() - self.engine.lease_ttl * fraction
+                            delay = renewal_wait(delay, hint, latest)
+                        log.warning(
+                            "engine %s lease renewal failed, retrying in %.2f s: %s", self.engine_id, delay, err
+                        )
                     else:
                         self._fail(err)
                         return

@@ -6,12 +6,15 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
 
 from rendezvous.clients import (
+    NO_RETRY,
     AsyncKeepAliveStream,
     AsyncRendezvousClient,
     ClaimSpec,
+    ClientConfig,
     CompletionSpec,
     ConsumerSession,
     EngineRole,
@@ -28,6 +31,7 @@ from rendezvous.clients import (
     Reason,
     ReleaseSpec,
     Reregistered,
+    ResourceExhausted,
     Resynced,
     ServerEvent,
     SessionCause,
@@ -41,6 +45,7 @@ from rendezvous.clients import (
 )
 from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Limits
+from rendezvous.server.quotas import CallLimits
 from tests.clients.conftest import (
     FAST_SESSION,
     LAYOUT,
@@ -375,6 +380,82 @@ async def test_a_replica_gone_silent_is_given_up_within_the_renewal_interval() -
         finally:
             await first.close()
             await second.close()
+
+
+def renewal_refused(proxy: GrpcProxy) -> float | None:
+    """When the proxy ended the first KeepAlive refused RESOURCE_EXHAUSTED (None: none was yet)."""
+    refused = [at for at, code in proxy.ends["KeepAlive"] if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    return refused[0] if refused else None
+
+
+async def spend_every_token(server: AsyncTestServer) -> None:
+    """Call until refused RATE_LIMITED: the bucket of 127.0.0.1 (the proxy's host too) is empty, and stays so
+    while the server's fake clock stands still."""
+    async with AsyncRendezvousClient(ClientConfig(targets=[server.address], retry=NO_RETRY)) as direct:
+        with pytest.raises(ResourceExhausted) as refused:
+            for _ in range(1_000):
+                await direct.get_status()
+        assert refused.value.reason == Reason.RATE_LIMITED
+
+
+async def test_a_renewal_refused_rate_limited_waits_the_server_s_retry_hint() -> None:
+    """A renewal refused RESOURCE_EXHAUSTED / RATE_LIMITED was retried after the reconnect backoff (tens of ms),
+    whatever the RetryInfo said: a rate-limited engine hammered the server (found by an audit). It now waits the
+    hint, bounded by the lease. The quotas run on the server's fake clock: an empty bucket stays empty, and the
+    hint is exact (1 token at 0.5/s: 2 s)."""
+    clock = FakeClock()
+    config = SessionConfig(renew_fraction=0.1, reconnect=FAST_SESSION.reconnect)  # every 1 s of a 10 s lease
+    async with start_test_server(clock, call_limits=CallLimits(rate=0.5, burst=20)) as server:
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with AsyncRendezvousClient(client_config(proxy.address)) as client:
+                session = ConsumerSession(
+                    client, "d0", "decode", layout=LAYOUT, agents=[agent("d0-0")], lease_ttl=10.0, config=config
+                )
+                await session.start()
+                try:
+                    await proxy.wait_for(lambda: proxy.answers["Watch"])  # the watch was admitted
+                    await spend_every_token(server)
+                    await proxy.wait_for(lambda: renewal_refused(proxy) is not None)
+                    ended = renewal_refused(proxy)
+                    assert ended is not None
+                    renewals = proxy.requests["KeepAlive"]
+                    refused_at = max(at for at in renewals if at <= ended)
+                    answered = proxy.answers["KeepAlive"]
+                    clock.advance(2.0)  # a token again: the next renewal passes, whenever it comes
+                    await proxy.wait_for(lambda: proxy.answers["KeepAlive"] > answered)
+
+                    retried_at = min(at for at in renewals if at > ended)
+                    assert retried_at - refused_at >= 2.0, "the renewal did not wait the server's retry hint"
+                    assert session.failure is None
+                finally:
+                    await session.close(deregister=False)  # the bucket is empty again
+        finally:
+            await proxy.close()
+
+
+async def test_a_retry_hint_longer_than_the_lease_still_leaves_the_lease_a_renewal() -> None:
+    """A hint of 1,000 s against a 3 s lease: the session does not sit the lease out; it tries again at the last
+    moment a renewal still has its answer time (`renewal_wait`)."""
+    clock = FakeClock()
+    async with start_test_server(clock, call_limits=CallLimits(rate=0.001, burst=20)) as server:
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(proxy.address)) as client,
+                consumer_session(client, lease_ttl=3.0) as session,
+            ):
+                await proxy.wait_for(lambda: proxy.answers["Watch"])
+                await spend_every_token(server)
+                await proxy.wait_for(lambda: renewal_refused(proxy) is not None)
+                ended = renewal_refused(proxy)
+                await proxy.wait_for(lambda: any(at > (ended or 0) for at in proxy.requests["KeepAlive"]))
+                assert session.failure is None
+                await session.close(deregister=False)
+        finally:
+            await proxy.close()
 
 
 async def test_a_re_assertion_longer_than_the_lease_keeps_the_new_incarnation_renewed(
