@@ -250,10 +250,18 @@ class EngineSession:
         return self.engine
 
     async def close(self, *, deregister: bool = True) -> None:
-        """Stop the background tasks and, unless told not to, deregister the engine."""
+        """Stop the background tasks and, unless told not to, deregister the engine.
+
+        Closed while re-registering, before the new incarnation is registered, it deregisters nothing: the
+        incarnation being replaced is gone already (its lease lapsed, or the server forgot it), and the recovery
+        is cancelled, so no new one is registered after close. (A RegisterEngine already sent may still land; that
+        incarnation, never renewed, lapses with its lease.)
+        """
         if self._closed:
             return
         self._closed = True
+        recovery = self._recovery
+        lost = recovery is not None and not recovery.done() and not self._reregistered.is_set()
         if self._remove_listener is not None:
             self._remove_listener()
         current = asyncio.current_task()
@@ -267,7 +275,7 @@ class EngineSession:
         if tasks:
             await asyncio.wait(tasks)
         self._queue.put_nowait(_CLOSED)
-        if deregister and self._registration is not None and self._failure is None:
+        if deregister and not lost and self._registration is not None and self._failure is None:
             try:
                 await self._client.deregister_engine(self.engine_id, self.incarnation)
             except RendezvousError as err:
@@ -376,6 +384,7 @@ class EngineSession:
         if self._closed or self._failure is not None or incarnation != self.incarnation:
             return
         log.warning("engine %s re-registering: %s", self.engine_id, cause)
+        self._reregistered.clear()  # from now: a close() before the registration has no incarnation to deregister
         self._recovery = asyncio.create_task(self._reregister(cause), name=f"reregister {self.engine_id}")
 
     async def _reregister(self, cause: Reason | SessionCause) -> None:

@@ -13,6 +13,7 @@ from rendezvous.clients import (
     NO_RETRY,
     AsyncKeepAliveStream,
     AsyncRendezvousClient,
+    Cancelled,
     ClaimSpec,
     ClientConfig,
     CompletionSpec,
@@ -33,6 +34,7 @@ from rendezvous.clients import (
     Reregistered,
     ResourceExhausted,
     Resynced,
+    RetryPolicy,
     ServerEvent,
     SessionCause,
     SessionConfig,
@@ -49,6 +51,7 @@ from rendezvous.server.quotas import CallLimits
 from tests.clients.conftest import (
     FAST_SESSION,
     LAYOUT,
+    MUST,
     WAIT,
     GrpcProxy,
     TcpProxy,
@@ -275,6 +278,33 @@ async def test_streams_a_replica_ends_cleanly_fail_over_to_the_next_endpoint(
     finally:
         await first.close()
         await second.close()
+
+
+async def test_closing_while_re_registering_ends_at_once_and_leaves_nothing_running(
+    client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The lease was lost and the re-registration is held: the replica answers no RegisterEngine nor
+    DeregisterEngine. close() cancelled the recovery, then deregistered the lost incarnation, waiting for that
+    unanswered call for the client's whole call timeout (here 60 s; by default 10 s, 30 s of retries against a
+    replica that refuses connections) and raising its error (found by an audit). An incarnation being replaced is
+    gone already: close() now ends at once, with no task of the session left and nothing registered."""
+    config = ClientConfig(targets=[grpc_proxy.address], retry=RetryPolicy(deadline=None), call_timeout=60.0)
+    async with AsyncRendezvousClient(config) as proxied:
+        session = consumer_session(proxied, lease_ttl=3.0)
+        await session.start()
+        grpc_proxy.hold("RegisterEngine")
+        grpc_proxy.hold("DeregisterEngine")
+        await client.deregister_engine("d0", session.incarnation)  # the session learns its lease is gone
+        await grpc_proxy.wait_for(lambda: grpc_proxy.calls["RegisterEngine"] == 2)  # the recovery's, held
+
+        await asyncio.wait_for(session.close(), MUST)
+
+        assert grpc_proxy.calls["DeregisterEngine"] == 0
+        assert [t for t in asyncio.all_tasks() if t.get_name().endswith(" d0") and not t.done()] == []
+        with pytest.raises(NotFound):
+            await client.get_engine("d0")
+        with pytest.raises(Cancelled):
+            await session.register_target(TargetSpec("t1", [1]))
 
 
 async def test_a_watch_that_fell_behind_resyncs_from_the_transfer_list() -> None:
