@@ -11,6 +11,25 @@ from rendezvous.clients._config import RetryPolicy
 from rendezvous.protocol.errors import RendezvousError
 
 
+def retry_hint(error: RendezvousError) -> float | None:
+    """The server's retry hint, in seconds, of a refusal made before any of its call's work: a RESOURCE_EXHAUSTED
+    that carries a google.rpc.RetryInfo (e.g. RATE_LIMITED: when the caller's bucket holds a token again); None for
+    any other error."""
+    return error.retry_after if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+
+
+def renewal_wait(backoff: float, hint: float, latest: float) -> float:
+    """Seconds to wait before renewing a lease again after a renewal refused with the retry hint `hint`.
+
+    At least the backoff, and the hint (renewing sooner is refused the same way), but no later than `latest`
+    seconds from now: the last moment a renewal still has its answer time before the lease lapses, so a long hint
+    still leaves the lease one try. Once that moment has passed there is no lease left to save: the hint.
+    """
+    if latest <= 0:
+        return max(backoff, hint)
+    return max(backoff, min(hint, latest))
+
+
 class Attempts:
     """The retries of one unary call under a policy, across `endpoints` endpoints.
 
@@ -42,8 +61,8 @@ class Attempts:
         before any of its work, e.g. RATE_LIMITED) is retried after at least that hint, whatever the call.
         """
         policy = self._policy
-        hinted = error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after is not None
-        if not hinted and not policy.retryable(error.code, idempotent):
+        hint = retry_hint(error)
+        if hint is None and not policy.retryable(error.code, idempotent):
             return None
         self._retries += 1
         if policy.max_attempts is not None and self._retries >= policy.max_attempts:
@@ -53,8 +72,8 @@ class Attempts:
             delay = policy.backoff(rounds) if not within_round else 0.0
         else:
             delay = policy.backoff(self._retries)
-        if hinted and error.retry_after is not None:
-            delay = max(delay, error.retry_after)
+        if hint is not None:
+            delay = max(delay, hint)
         if policy.deadline is not None and self._clock() - self._started + delay > policy.deadline:
             return None
         return delay

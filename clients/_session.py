@@ -1,7 +1,9 @@
 """Engine sessions: a registration kept alive, its events watched, its transfers re-asserted.
 
 A session survives what a long-running engine meets:
-- a broken Watch stream resumes from the sequence after the last event delivered;
+- a broken Watch stream resumes from the sequence after the last event delivered, and a broken KeepAlive
+  stream is reopened; so is one the server ended without an error (a replica shutting down gracefully, a
+  proxy's stream timeout), on the client's next endpoint, as after an UNAVAILABLE;
 - a watch that fell behind the server's retention lists the engine's transfers and delivers a
   `Resynced` notification instead of the lost events;
 - a server restart (a new epoch: a memory store lost everything) or a lost registration
@@ -22,7 +24,7 @@ import grpc
 
 from rendezvous.clients._config import SessionConfig
 from rendezvous.clients._memo import remember
-from rendezvous.clients._retry import Backoff
+from rendezvous.clients._retry import Backoff, renewal_wait, retry_hint
 from rendezvous.clients._types import (
     AbortSpec,
     ClaimSpec,
@@ -260,10 +262,18 @@ class EngineSession:
         return self.engine
 
     async def close(self, *, deregister: bool = True) -> None:
-        """Stop the background tasks and, unless told not to, deregister the engine."""
+        """Stop the background tasks and, unless told not to, deregister the engine.
+
+        Closed while re-registering, before the new incarnation is registered, it deregisters nothing: the
+        incarnation being replaced is gone already (its lease lapsed, or the server forgot it), and the recovery
+        is cancelled, so no new one is registered after close. (A RegisterEngine already sent may still land; that
+        incarnation, never renewed, lapses with its lease.)
+        """
         if self._closed:
             return
         self._closed = True
+        recovery = self._recovery
+        lost = recovery is not None and not recovery.done() and not self._reregistered.is_set()
         if self._remove_listener is not None:
             self._remove_listener()
         current = asyncio.current_task()
@@ -277,7 +287,7 @@ class EngineSession:
         if tasks:
             await asyncio.wait(tasks)
         self._queue.put_nowait(_CLOSED)
-        if deregister and self._registration is not None and self._failure is None:
+        if deregister and not lost and self._registration is not None and self._failure is None:
             try:
                 await self._client.deregister_engine(self.engine_id, self.incarnation)
             except RendezvousError as err:
@@ -386,6 +396,7 @@ class EngineSession:
         if self._closed or self._failure is not None or incarnation != self.incarnation:
             return
         log.warning("engine %s re-registering: %s", self.engine_id, cause)
+        self._reregistered.clear()  # from now: a close() before the registration has no incarnation to deregister
         self._recovery = asyncio.create_task(self._reregister(cause), name=f"reregister {self.engine_id}")
 
     async def _reregister(self, cause: Reason | SessionCause) -> None:
@@ -458,11 +469,15 @@ class EngineSession:
     # Background tasks
 
     async def _keep_alive(self) -> None:
-        """Renew the lease every renew_fraction of its TTL; a failed renewal is retried at once."""
+        """Renew the lease every renew_fraction of its TTL; a failed renewal is retried after the reconnect backoff,
+        or, refused with the server's retry hint (RATE_LIMITED), after the hint, bounded by what is left of the lease
+        (`renewal_wait`)."""
         fraction = self._config.renew_fraction
         backoff = Backoff(self._config.reconnect)
         delay = self.engine.lease_ttl * fraction
         incarnation = self.incarnation
+        loop = asyncio.get_running_loop()
+        expires = loop.time() + self.engine.lease_ttl  # when the lease lapses, by this session's reckoning
         while True:
             async with self._client.keep_alive() as stream:
                 try:
@@ -472,18 +487,28 @@ class EngineSession:
                         # Unanswered for as long as the wait between renewals, it is given up while the lease
                         # still has time for another endpoint to renew it.
                         bound = self.engine.lease_ttl * fraction
+                        sent = loop.time()
                         renewal = await stream.renew(self.engine_id, incarnation, timeout=bound)
                         backoff.reset()
                         delay = renewal.lease_ttl * fraction
+                        expires = sent + renewal.lease_ttl
                 except RendezvousError as err:
                     if self._replaced(err, incarnation):
                         await self._until_registered()
                         if self._failure is not None:
                             return
                         delay = self.engine.lease_ttl * fraction
+                        expires = loop.time() + self.engine.lease_ttl
                     elif err.code in _TRANSIENT:
-                        log.warning("engine %s lease renewal failed, retrying: %s", self.engine_id, err)
                         delay = backoff.next()
+                        hint = retry_hint(err)
+                        if hint is not None:
+                            # The last moment to renew: what a renewal may take (its bound) before the lease lapses.
+                            latest = expires - loop.time() - self.engine.lease_ttl * fraction
+                            delay = renewal_wait(delay, hint, latest)
+                        log.warning(
+                            "engine %s lease renewal failed, retrying in %.2f s: %s", self.engine_id, delay, err
+                        )
                     else:
                         self._fail(err)
                         return

@@ -185,6 +185,12 @@ class ClientBase(Generic[ChannelT]):
         """The client span of one unary call, its retries included."""
         return tracing.rpc_span(call.method, getattr(call.request, "engine_id", ""))
 
+    def _ended(self, index: int) -> None:
+        """A stream from endpoint index ended without an error while the client still read it: the server (a replica
+        shutting down, a proxy's stream timeout) let it go, so the next stream goes to the next endpoint, as after
+        an UNAVAILABLE one."""
+        self._endpoints.failover(index)
+
     def _failed(self, error: grpc.RpcError, index: int) -> RendezvousError:
         converted = from_rpc_error(error)
         if converted.code == grpc.StatusCode.UNAVAILABLE:

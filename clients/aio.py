@@ -52,8 +52,9 @@ class AsyncWatchStream:
     """An open Watch stream: iterate for `WatchBatch`es.
 
     The first batch, sent when the watch is established, is usually empty. Iteration ends when the
-    server closes the stream (e.g. it is shutting down) or after `cancel()`, and raises
-    `RendezvousError` when the stream fails. Leaving `async with` cancels it.
+    server closes the stream (e.g. it is shutting down; the client then moves on to its next endpoint, as
+    after an UNAVAILABLE) or after `cancel()`, and raises `RendezvousError` when the stream fails. Leaving
+    `async with` cancels it.
     """
 
     def __init__(self, client: AsyncRendezvousClient, call: Any, index: int) -> None:
@@ -78,6 +79,8 @@ class AsyncWatchStream:
                 raise StopAsyncIteration from None  # cancel() from another task ends the iteration
             raise
         if response is grpc.aio.EOF:
+            if not self._cancelled:
+                self._client._ended(self._index)
             raise StopAsyncIteration
         self._client._epochs.observe(response.header.epoch)
         return _convert.watch_batch(response)
@@ -97,7 +100,10 @@ class AsyncWatchStream:
 
 
 class AsyncKeepAliveStream:
-    """An open KeepAlive stream; one stream can renew the leases of several engines in turn."""
+    """An open KeepAlive stream; one stream can renew the leases of several engines in turn.
+
+    A stream the server ended, with an error or without one, renews nothing more: open another.
+    """
 
     def __init__(self, client: AsyncRendezvousClient, call: Any, index: int) -> None:
         self._client = client
@@ -107,7 +113,9 @@ class AsyncKeepAliveStream:
     async def renew(self, engine_id: str, incarnation: int, timeout: float | None = None) -> LeaseRenewal:
         """Renew an engine incarnation's lease; raises if it cannot be (e.g. LEASE_EXPIRED). Without an answer
         within `timeout` seconds (None: no bound) the stream is cancelled, the endpoint given up like an
-        UNAVAILABLE one (a replica that went silent without closing its connections), and Unavailable raised."""
+        UNAVAILABLE one (a replica that went silent without closing its connections), and Unavailable raised;
+        so it is when the server ended the stream without an error (a replica shutting down, a proxy's stream
+        timeout)."""
         try:
             async with asyncio.timeout(timeout):
                 await self._call.write(commands.keep_alive_request(engine_id, incarnation))
@@ -121,6 +129,7 @@ class AsyncKeepAliveStream:
         except asyncio.InvalidStateError:
             response = grpc.aio.EOF  # the server already ended the stream without an error
         if response is grpc.aio.EOF:
+            self._client._ended(self._index)
             raise Unavailable("", "the server closed the KeepAlive stream")
         self._client._epochs.observe(response.header.epoch)
         return _convert.lease_renewal(response)

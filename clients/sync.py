@@ -46,8 +46,8 @@ class WatchStream:
     """An open Watch stream: iterate for `WatchBatch`es.
 
     The first batch, sent when the watch is established, is usually empty. Iteration ends when the
-    server closes the stream or after `cancel()` (callable from any thread), and raises
-    `RendezvousError` when the stream fails.
+    server closes the stream (the client then moves on to its next endpoint, as after an UNAVAILABLE) or
+    after `cancel()` (callable from any thread), and raises `RendezvousError` when the stream fails.
     """
 
     def __init__(self, client: RendezvousClient, call: Any, index: int) -> None:
@@ -62,6 +62,10 @@ class WatchStream:
     def __next__(self) -> WatchBatch:
         try:
             response = next(self._call)
+        except StopIteration:
+            if not self._cancelled:
+                self._client._ended(self._index)
+            raise
         except grpc.RpcError as error:
             if self._cancelled:
                 raise StopIteration from None
@@ -93,11 +97,13 @@ class KeepAliveStream:
         self._responses = method(iter(self._requests.get, None), metadata=client._metadata())
 
     def renew(self, engine_id: str, incarnation: int) -> LeaseRenewal:
-        """Renew an engine incarnation's lease; raises if it cannot be (e.g. LEASE_EXPIRED)."""
+        """Renew an engine incarnation's lease; raises if it cannot be (e.g. LEASE_EXPIRED), and Unavailable when
+        the server ended the stream without an error (the client moves on to its next endpoint)."""
         self._requests.put(commands.keep_alive_request(engine_id, incarnation))
         try:
             response = next(self._responses)
         except StopIteration:
+            self._client._ended(self._index)
             raise Unavailable("", "the server closed the KeepAlive stream") from None
         except grpc.RpcError as error:
             raise self._client._failed(error, self._index) from error

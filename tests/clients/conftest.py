@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable
 
+import grpc
 import pytest
 
 from rendezvous.clients import (
@@ -33,6 +35,8 @@ FAST_RETRY = RetryPolicy(initial_backoff=0.01, max_backoff=0.1, deadline=10.0)
 FAST_SESSION = SessionConfig(reconnect=RetryPolicy(initial_backoff=0.01, max_backoff=0.1))
 WAIT = 10.0
 """Seconds any test waits for something that should happen at once; only a failing test waits that long."""
+MUST = 30.0
+"""Seconds a test waits for something that must happen, however loaded the machine (a failing test waits that long)."""
 
 
 def free_port() -> int:
@@ -209,6 +213,162 @@ class TcpProxy:
 @pytest.fixture
 async def proxy(server: AsyncTestServer) -> AsyncIterator[TcpProxy]:
     p = TcpProxy(server.port)
+    await p.start()
+    yield p
+    await p.close()
+
+
+_HOP_BY_HOP = frozenset({"user-agent", "content-type", "te", "host"})
+
+
+class GrpcProxy:
+    """A gRPC proxy in front of a real server: every call is forwarded byte for byte (status, details and the
+    ErrorInfo/RetryInfo trailers included), unless the test says otherwise for its method:
+    - `end_streams(method)` ends the open calls of method cleanly (status OK, no error: what a proxy with a stream
+      timeout, or a replica shutting down gracefully, does); `drain(method)` does so and ends every later call of
+      it at once, unforwarded;
+    - `hold(method)`: later calls of method are never forwarded nor answered (a replica that stopped answering).
+
+    Per method name ("KeepAlive", "Watch", ...): `calls` counts the calls opened, `answers` the messages answered,
+    `requests` notes the loop time of each request forwarded and `ends` each call's end as (loop time, status code).
+    Every note wakes `wait_for`, so a test waits for a condition instead of sleeping.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self._upstream = upstream
+        self._channel: grpc.aio.Channel | None = None
+        self._server: grpc.aio.Server | None = None
+        self._open: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
+        self._draining: set[str] = set()
+        self._held: set[str] = set()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.answers: collections.Counter[str] = collections.Counter()
+        self.requests: dict[str, list[float]] = collections.defaultdict(list)
+        self.ends: dict[str, list[tuple[float, grpc.StatusCode]]] = collections.defaultdict(list)
+        self._changed = asyncio.Condition()
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self._upstream)
+        self._server = grpc.aio.server()
+        self._server.add_generic_rpc_handlers((_Forwarding(self),))
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
+        if self._channel is not None:
+            await self._channel.close()
+
+    def end_streams(self, method: str) -> int:
+        """End every open call of method with status OK; how many there were."""
+        ending = self._open.pop(method, set())
+        for end in ending:
+            end.set()
+        return len(ending)
+
+    def drain(self, method: str) -> None:
+        """End the open calls of method cleanly, and every later one at once."""
+        self._draining.add(method)
+        self.end_streams(method)
+
+    def hold(self, method: str) -> None:
+        """Leave every later call of method unforwarded and unanswered."""
+        self._held.add(method)
+
+    async def wait_for(self, condition: Callable[[], object], timeout: float = MUST) -> None:
+        """Until condition() holds (checked at every note); fails after timeout seconds."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(condition), timeout)
+
+    async def _note(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def forward(
+        self, full_method: str, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        assert self._channel is not None
+        loop = asyncio.get_running_loop()
+        method = full_method.rsplit("/", 1)[-1]
+        self.calls[method] += 1
+        if method in self._draining or method in self._held:
+            await self._note()
+            if method in self._held:
+                await asyncio.Event().wait()  # until the caller gives up or the proxy stops
+            self.ends[method].append((loop.time(), grpc.StatusCode.OK))
+            await self._note()
+            return
+        metadata = tuple(
+            (m.key, m.value)
+            for m in context.invocation_metadata() or ()
+            if not m.key.startswith((":", "grpc-")) and m.key not in _HOP_BY_HOP
+        )
+        call = self._channel.stream_stream(full_method)(timeout=context.time_remaining(), metadata=metadata)
+        end = asyncio.Event()
+        self._open[method].add(end)
+
+        async def pump() -> None:
+            with contextlib.suppress(Exception):
+                async for request in requests:
+                    self.requests[method].append(loop.time())
+                    await self._note()
+                    await call.write(request)
+                await call.done_writing()
+
+        pumping = asyncio.create_task(pump())
+        code = grpc.StatusCode.OK
+        try:
+            while True:
+                reading = asyncio.ensure_future(call.read())
+                ending = asyncio.ensure_future(end.wait())
+                await asyncio.wait({reading, ending}, return_when=asyncio.FIRST_COMPLETED)
+                ending.cancel()
+                if end.is_set():
+                    reading.cancel()
+                    return  # ended cleanly: status OK
+                try:
+                    response = reading.result()
+                except grpc.RpcError as error:
+                    code = error.code()
+                    await context.abort(code, error.details() or "", tuple(error.trailing_metadata() or ()))
+                if response is grpc.aio.EOF:
+                    return
+                self.answers[method] += 1
+                await self._note()
+                yield response
+        finally:
+            pumping.cancel()
+            call.cancel()
+            self._open[method].discard(end)
+            self.ends[method].append((loop.time(), code))
+            await self._note()
+
+
+class _Forwarding:
+    """The proxy's one generic handler (gRPC takes any object with `service`): every method, forwarded."""
+
+    def __init__(self, proxy: GrpcProxy) -> None:
+        self._proxy = proxy
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        method: str = handler_call_details.method
+
+        async def behavior(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            async for response in self._proxy.forward(method, requests, context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(behavior)
+
+
+@pytest.fixture
+async def grpc_proxy(server: AsyncTestServer) -> AsyncIterator[GrpcProxy]:
+    p = GrpcProxy(server.address)
     await p.start()
     yield p
     await p.close()

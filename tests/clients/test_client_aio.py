@@ -31,7 +31,7 @@ from rendezvous.clients import (
 )
 from rendezvous.clients import _commands as commands
 from rendezvous.clients.testing import AsyncTestServer
-from tests.clients.conftest import FAST_RETRY, LAYOUT, WAIT, agent, client_config, free_port
+from tests.clients.conftest import FAST_RETRY, LAYOUT, WAIT, GrpcProxy, agent, client_config, free_port
 from tests.factories import sdk_engine
 
 
@@ -195,6 +195,31 @@ async def test_a_dead_first_endpoint_fails_over_to_the_next(server: AsyncTestSer
         assert client.target == server.address
         registration = await register(client, "d0", EngineRole.CONSUMER)
         assert registration.engine.engine_id == "d0"
+
+
+async def test_streams_the_server_ends_cleanly_move_the_client_to_its_next_endpoint(
+    server: AsyncTestServer, grpc_proxy: GrpcProxy
+) -> None:
+    """A replica shutting down gracefully (or a proxy's stream timeout) ends a stream with status OK: the Watch's
+    iteration ends, a renewal raises Unavailable, and the next stream goes to the next endpoint, as after an
+    UNAVAILABLE one."""
+    grpc_proxy.drain("Watch")
+    grpc_proxy.drain("KeepAlive")
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address, server.address)) as client:
+        registration = await register(client, "d0", EngineRole.CONSUMER)
+        async with client.watch("d0", registration.watch_start_sequence) as stream:
+            assert [batch async for batch in stream] == []
+        assert client.target == server.address
+        async with client.watch("d0", registration.watch_start_sequence) as stream:
+            assert (await anext(stream)).events == ()  # established, on the second endpoint
+
+        client._endpoints.failover(1)  # back to the first
+        async with client.keep_alive() as renewals:
+            with pytest.raises(Unavailable):
+                await renewals.renew("d0", registration.engine.incarnation)
+        assert client.target == server.address
+        async with client.keep_alive() as renewals:
+            assert (await renewals.renew("d0", registration.engine.incarnation)).lease_ttl == 5.0
 
 
 async def test_unavailable_is_raised_once_every_endpoint_failed_the_policy() -> None:

@@ -27,7 +27,7 @@ from rendezvous.clients import (
     TransferState,
     Unavailable,
 )
-from rendezvous.clients._retry import Attempts, Backoff
+from rendezvous.clients._retry import Attempts, Backoff, renewal_wait
 from rendezvous.clients._transport import CallMetadata, EpochTracker
 from rendezvous.clients.testing import AsyncTestServer, FakeClock, TestServer
 from rendezvous.protocol.errors import Cancelled
@@ -253,3 +253,10 @@ async def test_a_claim_the_server_drops_with_cancelled_is_retried_not_lost(serve
         claimed = await client.claim_transfer("p0", ClaimSpec("t"), incarnation=p.engine.incarnation)
     assert len(calls) == 2, "the dropped claim was not retried"
     assert claimed.state == TransferState.MATCHED
+
+
+def test_a_renewal_waits_the_hint_but_not_past_the_last_moment_the_lease_allows() -> None:
+    assert renewal_wait(backoff=0.05, hint=2.0, latest=8.0) == 2.0  # the hint, with time to spare
+    assert renewal_wait(backoff=0.05, hint=100.0, latest=1.5) == 1.5  # the lease's last chance comes first
+    assert renewal_wait(backoff=0.5, hint=0.1, latest=8.0) == 0.5  # never sooner than the backoff
+    assert renewal_wait(backoff=0.05, hint=100.0, latest=-0.1) == 100.0  # nothing left to save: the hint

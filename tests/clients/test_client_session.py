@@ -6,12 +6,16 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
 
 from rendezvous.clients import (
+    NO_RETRY,
     AsyncKeepAliveStream,
     AsyncRendezvousClient,
+    Cancelled,
     ClaimSpec,
+    ClientConfig,
     CompletionSpec,
     ConsumerSession,
     EngineRole,
@@ -28,7 +32,9 @@ from rendezvous.clients import (
     Reason,
     ReleaseSpec,
     Reregistered,
+    ResourceExhausted,
     Resynced,
+    RetryPolicy,
     ServerEvent,
     SessionCause,
     SessionConfig,
@@ -41,10 +47,13 @@ from rendezvous.clients import (
 )
 from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Limits
+from rendezvous.server.quotas import CallLimits
 from tests.clients.conftest import (
     FAST_SESSION,
     LAYOUT,
+    MUST,
     WAIT,
+    GrpcProxy,
     TcpProxy,
     agent,
     client_config,
@@ -209,6 +218,95 @@ async def test_the_watch_resumes_after_a_disconnect_without_loss_or_repeats(
         assert producer.incarnation == (await client.get_engine("p0")).incarnation
 
 
+async def test_streams_the_server_ends_cleanly_are_reopened_and_the_watch_resumes_without_a_gap(
+    client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """A Watch or KeepAlive stream ended with status OK (a proxy's stream timeout) is reopened as a broken one is:
+    the lease is renewed on the new stream, the watch resumes after the last event delivered."""
+    async with (
+        AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied,
+        producer_session(proxied, lease_ttl=3.0) as producer,
+        consumer_session(client) as consumer,
+    ):
+        events = producer.events()
+        await producer.claim_transfers([ClaimSpec(f"t{i}") for i in range(3)])
+        await consumer.register_target(TargetSpec("t0", [0]))
+        first = await collect_assignments(events, {"t0"})
+        await grpc_proxy.wait_for(lambda: grpc_proxy.requests["KeepAlive"])
+
+        assert grpc_proxy.end_streams("Watch") == 1 and grpc_proxy.end_streams("KeepAlive") == 1
+        renewed = len(grpc_proxy.requests["KeepAlive"])
+        await consumer.register_targets([TargetSpec("t1", [1]), TargetSpec("t2", [2])])
+        after = await collect_assignments(events, {"t1", "t2"})
+        await grpc_proxy.wait_for(lambda: grpc_proxy.answers["KeepAlive"] > renewed)
+
+        assert [e.sequence for e in first] == [1] and [e.sequence for e in after] == [2, 3]
+        assert grpc_proxy.calls["Watch"] >= 2 and grpc_proxy.calls["KeepAlive"] >= 2
+        assert producer.incarnation == (await client.get_engine("p0")).incarnation and producer.failure is None
+
+
+async def test_streams_a_replica_ends_cleanly_fail_over_to_the_next_endpoint(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """Two endpoints; the first ends its KeepAlive and Watch streams with status OK and every new one at once (a
+    replica shutting down gracefully). The session reopened them on the same endpoint, again and again: its lease
+    was never renewed and its watch delivered nothing more (found by an audit). A stream the server ends cleanly
+    now moves the client to its next endpoint, as an UNAVAILABLE one does, and the watch resumes there."""
+    first, second = GrpcProxy(server.address), GrpcProxy(server.address)
+    await first.start()
+    await second.start()
+    try:
+        async with (
+            AsyncRendezvousClient(client_config(first.address, second.address)) as proxied,
+            producer_session(proxied, lease_ttl=3.0) as producer,
+            consumer_session(client) as consumer,
+        ):
+            events = producer.events()
+            await producer.claim_transfers([ClaimSpec(f"t{i}") for i in range(3)])
+            await consumer.register_target(TargetSpec("t0", [0]))
+            before = await collect_assignments(events, {"t0"})
+
+            first.drain("Watch")
+            first.drain("KeepAlive")
+            await consumer.register_targets([TargetSpec("t1", [1]), TargetSpec("t2", [2])])
+            after = await collect_assignments(events, {"t1", "t2"})
+            await second.wait_for(lambda: second.answers["KeepAlive"])
+
+            assert [e.sequence for e in before] == [1] and [e.sequence for e in after] == [2, 3]
+            assert second.calls["Watch"] >= 1
+            assert producer.incarnation == (await client.get_engine("p0")).incarnation and producer.failure is None
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_closing_while_re_registering_ends_at_once_and_leaves_nothing_running(
+    client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The lease was lost and the re-registration is held: the replica answers no RegisterEngine nor
+    DeregisterEngine. close() cancelled the recovery, then deregistered the lost incarnation, waiting for that
+    unanswered call for the client's whole call timeout (here 60 s; by default 10 s, 30 s of retries against a
+    replica that refuses connections) and raising its error (found by an audit). An incarnation being replaced is
+    gone already: close() now ends at once, with no task of the session left and nothing registered."""
+    config = ClientConfig(targets=[grpc_proxy.address], retry=RetryPolicy(deadline=None), call_timeout=60.0)
+    async with AsyncRendezvousClient(config) as proxied:
+        session = consumer_session(proxied, lease_ttl=3.0)
+        await session.start()
+        grpc_proxy.hold("RegisterEngine")
+        grpc_proxy.hold("DeregisterEngine")
+        await client.deregister_engine("d0", session.incarnation)  # the session learns its lease is gone
+        await grpc_proxy.wait_for(lambda: grpc_proxy.calls["RegisterEngine"] == 2)  # the recovery's, held
+
+        await asyncio.wait_for(session.close(), MUST)
+
+        assert grpc_proxy.calls["DeregisterEngine"] == 0
+        assert [t for t in asyncio.all_tasks() if t.get_name().endswith(" d0") and not t.done()] == []
+        with pytest.raises(NotFound):
+            await client.get_engine("d0")
+        with pytest.raises(Cancelled):
+            await session.register_target(TargetSpec("t1", [1]))
+
+
 async def test_a_watch_that_fell_behind_resyncs_from_the_transfer_list() -> None:
     async with (
         start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
@@ -312,6 +410,82 @@ async def test_a_replica_gone_silent_is_given_up_within_the_renewal_interval() -
         finally:
             await first.close()
             await second.close()
+
+
+def renewal_refused(proxy: GrpcProxy) -> float | None:
+    """When the proxy ended the first KeepAlive refused RESOURCE_EXHAUSTED (None: none was yet)."""
+    refused = [at for at, code in proxy.ends["KeepAlive"] if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    return refused[0] if refused else None
+
+
+async def spend_every_token(server: AsyncTestServer) -> None:
+    """Call until refused RATE_LIMITED: the bucket of 127.0.0.1 (the proxy's host too) is empty, and stays so
+    while the server's fake clock stands still."""
+    async with AsyncRendezvousClient(ClientConfig(targets=[server.address], retry=NO_RETRY)) as direct:
+        with pytest.raises(ResourceExhausted) as refused:
+            for _ in range(1_000):
+                await direct.get_status()
+        assert refused.value.reason == Reason.RATE_LIMITED
+
+
+async def test_a_renewal_refused_rate_limited_waits_the_server_s_retry_hint() -> None:
+    """A renewal refused RESOURCE_EXHAUSTED / RATE_LIMITED was retried after the reconnect backoff (tens of ms),
+    whatever the RetryInfo said: a rate-limited engine hammered the server (found by an audit). It now waits the
+    hint, bounded by the lease. The quotas run on the server's fake clock: an empty bucket stays empty, and the
+    hint is exact (1 token at 0.5/s: 2 s)."""
+    clock = FakeClock()
+    config = SessionConfig(renew_fraction=0.1, reconnect=FAST_SESSION.reconnect)  # every 1 s of a 10 s lease
+    async with start_test_server(clock, call_limits=CallLimits(rate=0.5, burst=20)) as server:
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with AsyncRendezvousClient(client_config(proxy.address)) as client:
+                session = ConsumerSession(
+                    client, "d0", "decode", layout=LAYOUT, agents=[agent("d0-0")], lease_ttl=10.0, config=config
+                )
+                await session.start()
+                try:
+                    await proxy.wait_for(lambda: proxy.answers["Watch"])  # the watch was admitted
+                    await spend_every_token(server)
+                    await proxy.wait_for(lambda: renewal_refused(proxy) is not None)
+                    ended = renewal_refused(proxy)
+                    assert ended is not None
+                    renewals = proxy.requests["KeepAlive"]
+                    refused_at = max(at for at in renewals if at <= ended)
+                    answered = proxy.answers["KeepAlive"]
+                    clock.advance(2.0)  # a token again: the next renewal passes, whenever it comes
+                    await proxy.wait_for(lambda: proxy.answers["KeepAlive"] > answered)
+
+                    retried_at = min(at for at in renewals if at > ended)
+                    assert retried_at - refused_at >= 2.0, "the renewal did not wait the server's retry hint"
+                    assert session.failure is None
+                finally:
+                    await session.close(deregister=False)  # the bucket is empty again
+        finally:
+            await proxy.close()
+
+
+async def test_a_retry_hint_longer_than_the_lease_still_leaves_the_lease_a_renewal() -> None:
+    """A hint of 1,000 s against a 3 s lease: the session does not sit the lease out; it tries again at the last
+    moment a renewal still has its answer time (`renewal_wait`)."""
+    clock = FakeClock()
+    async with start_test_server(clock, call_limits=CallLimits(rate=0.001, burst=20)) as server:
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(proxy.address)) as client,
+                consumer_session(client, lease_ttl=3.0) as session,
+            ):
+                await proxy.wait_for(lambda: proxy.answers["Watch"])
+                await spend_every_token(server)
+                await proxy.wait_for(lambda: renewal_refused(proxy) is not None)
+                ended = renewal_refused(proxy)
+                await proxy.wait_for(lambda: any(at > (ended or 0) for at in proxy.requests["KeepAlive"]))
+                assert session.failure is None
+                await session.close(deregister=False)
+        finally:
+            await proxy.close()
 
 
 async def test_a_re_assertion_longer_than_the_lease_keeps_the_new_incarnation_renewed(

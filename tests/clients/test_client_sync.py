@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 
@@ -20,11 +21,12 @@ from rendezvous.clients import (
     RendezvousClient,
     TargetSpec,
     TransferState,
+    Unavailable,
     WatchBatch,
     WatchStream,
 )
 from rendezvous.clients.testing import TestServer
-from tests.clients.conftest import WAIT, client_config, free_port
+from tests.clients.conftest import MUST, WAIT, GrpcProxy, client_config, free_port
 from tests.factories import sdk_engine
 
 
@@ -103,6 +105,49 @@ def test_a_dead_first_endpoint_fails_over_to_the_next(sync_server: TestServer) -
         assert client.get_status().epoch == sync_server.epoch
         assert client.target == sync_server.address
         assert client.register_engine(spec("d0", EngineRole.CONSUMER)).engine.engine_id == "d0"
+
+
+@pytest.fixture
+def draining_proxy(sync_server: TestServer) -> Iterator[GrpcProxy]:
+    """A gRPC proxy in front of the server, on a loop of its own, that ends every Watch and KeepAlive stream at
+    once with status OK (a replica shutting down gracefully)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def started() -> GrpcProxy:
+        proxy = GrpcProxy(sync_server.address)
+        await proxy.start()
+        proxy.drain("Watch")
+        proxy.drain("KeepAlive")
+        return proxy
+
+    proxy = asyncio.run_coroutine_threadsafe(started(), loop).result(MUST)
+    try:
+        yield proxy
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.close(), loop).result(MUST)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def test_streams_the_server_ends_cleanly_move_the_client_to_its_next_endpoint(
+    sync_server: TestServer, client: RendezvousClient, draining_proxy: GrpcProxy
+) -> None:
+    registration = client.register_engine(spec("d0", EngineRole.CONSUMER))
+    incarnation = registration.engine.incarnation
+    with RendezvousClient(client_config(draining_proxy.address, sync_server.address)) as proxied:
+        with proxied.watch("d0", registration.watch_start_sequence) as stream:
+            assert list(stream) == []
+        assert proxied.target == sync_server.address
+
+        proxied._endpoints.failover(1)  # back to the first
+        with proxied.keep_alive() as renewals, pytest.raises(Unavailable):
+            renewals.renew("d0", incarnation)
+        assert proxied.target == sync_server.address
+        with proxied.keep_alive() as renewals:
+            assert renewals.renew("d0", incarnation).lease_ttl > 0
 
 
 def test_a_restart_keeps_the_port_and_changes_the_epoch(sync_server: TestServer, client: RendezvousClient) -> None:
