@@ -93,6 +93,12 @@ class Backoff:
         self._retries += 1
         return self._policy.backoff(self._retries)
 
+    def after(self, error: RendezvousError | None) -> float:
+        """Seconds to wait before the next attempt after `error` (None: the stream just ended): the backoff, or
+        the server's retry hint when that is longer (trying sooner is refused the same way)."""
+        hint = retry_hint(error) if error is not None else None
+        return max(self.next(), hint or 0.0)
+
     def reset(self) -> None:
         """The stream works again: start over from the initial backoff."""
         self._retries = 0

@@ -427,7 +427,7 @@ class EngineSession:
                 # Re-asserting again as the same incarnation is harmless; registering again would
                 # abort what this incarnation already re-asserted.
                 log.warning("engine %s re-registration failed, retrying: %s", self.engine_id, err)
-                await asyncio.sleep(backoff.next())
+                await asyncio.sleep(backoff.after(err))
         log.info("engine %s re-registered as incarnation %d", self.engine_id, self.incarnation)
         self._deliver(Reregistered(cause, previous, self.incarnation, self.epoch, tuple(results.values())))
         self._start_watch()
@@ -540,6 +540,7 @@ class EngineSession:
         max_batch = self._config.watch_max_batch
         resync_at: int | None = None
         while True:
+            failed: RendezvousError | None = None
             try:
                 if resync_at is not None:
                     await self._resync(resync_at)
@@ -569,7 +570,8 @@ class EngineSession:
                     self._fail(err)
                     return
                 log.warning("engine %s watch failed; resuming at %d: %s", self.engine_id, sequence, err)
-            await asyncio.sleep(backoff.next())
+                failed = err
+            await asyncio.sleep(backoff.after(failed))
 
     async def _resync(self, sequence: int) -> None:
         since = self._live.records()
@@ -638,6 +640,8 @@ class RankSession(EngineSession):
             except RendezvousError as err:
                 if err.reason not in _ENGINE_GONE and err.code not in _TRANSIENT:
                     raise
+                await asyncio.sleep(backoff.after(err))
+                continue
             await asyncio.sleep(backoff.next())
 
     async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:

@@ -465,6 +465,40 @@ async def test_a_renewal_refused_rate_limited_waits_the_server_s_retry_hint() ->
             await proxy.close()
 
 
+async def test_a_watch_refused_rate_limited_reopens_after_the_server_s_retry_hint() -> None:
+    """A Watch reopen refused RESOURCE_EXHAUSTED / RATE_LIMITED was tried again after the reconnect backoff (tens of
+    ms), whatever the RetryInfo said, and refused again, over and over. It now waits the hint (1 token at 0.5/s on
+    the server's fake clock: 2 s)."""
+    clock = FakeClock()
+    async with start_test_server(clock, call_limits=CallLimits(rate=0.5, burst=20)) as server:
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(proxy.address)) as client,
+                consumer_session(client, lease_ttl=600.0) as session,
+            ):
+                await proxy.wait_for(lambda: proxy.answers["Watch"])
+                await spend_every_token(server)
+                opened = proxy.calls["Watch"]
+                proxy.end_streams("Watch")  # the session reopens it: refused, the bucket is empty
+
+                def refused() -> list[float]:
+                    return [at for at, code in proxy.ends["Watch"] if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+
+                await proxy.wait_for(lambda: refused())
+                first = refused()[0]
+                answered = proxy.answers["Watch"]
+                clock.advance(2.0)  # a token again: the next open passes, whenever it comes
+                await proxy.wait_for(lambda: proxy.answers["Watch"] > answered)
+                assert proxy.calls["Watch"] - opened == 2, "the refused watch was opened again before the hint"
+                assert max(proxy.requests["Watch"]) - first >= 2.0
+                assert session.failure is None
+                await session.close(deregister=False)
+        finally:
+            await proxy.close()
+
+
 async def test_a_retry_hint_longer_than_the_lease_still_leaves_the_lease_a_renewal() -> None:
     """A hint of 1,000 s against a 3 s lease: the session does not sit the lease out; it tries again at the last
     moment a renewal still has its answer time (`renewal_wait`)."""
