@@ -16,11 +16,14 @@ from redis.asyncio.connection import AbstractConnection
 from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
+from rendezvous.core.credits import Reservation
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Addressed, Engine, Event, EventType, Role, State, Transfer
 from rendezvous.core.transfers import Transition
+from rendezvous.credit_ledger import CreditOutcome
 from rendezvous.protocol.errors import Reason, RendezvousError
-from rendezvous.protocol.requests import ClaimSpec, TargetSpec
+from rendezvous.protocol.records import EngineCapacity
+from rendezvous.protocol.requests import ClaimSpec, CreditSpec, TargetSpec
 from rendezvous.store import StoreUnavailableError
 from rendezvous.store.base import TransferFn
 from rendezvous.store.codec import encode_event
@@ -660,3 +663,34 @@ async def test_engines_listed_by_a_namespace_written_before_the_id_index_are_all
         assert [e.engine_id for e in await store.page_engines("e0", 2, lambda _e: True)] == ["e05", "e1"]
     finally:
         await store.close()
+
+
+async def test_the_sweeper_keeps_a_reservation_another_replica_renewed_after_it_looked(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """Replica a's sweeper reads an expired reservation; before it drops it, a router's ReserveCredits on replica b
+    takes the transfer id afresh (a new reservation in its place). The sweeper must not drop the new one: the router
+    holds that credit, and without it another router's reservation would be admitted past the consumer's capacity."""
+    a, b = redis_pair
+    clock = FakeClock(NOW)
+    coords = Coordinator(a, clock=clock), Coordinator(b, clock=clock)
+    capacity = EngineCapacity(max_transfers=1)
+    await coords[0].register_engine(engine_spec("d0", Role.CONSUMER, capacity=capacity))
+    (first,) = await coords[0].reserve_credits([CreditSpec("t", "d0", 1)], ttl=1)
+    assert first.error is None
+    clock.advance(2)  # the reservation expired; the engine's lease (10 s) holds
+    renewed: list[CreditOutcome] = []
+    ledger = a.credits()
+    read = ledger.get
+
+    async def read_then_reserve_on_the_other_replica(transfer_id: str) -> Reservation | None:
+        seen = await read(transfer_id)
+        renewed.extend(await coords[1].reserve_credits([CreditSpec(transfer_id, "d0", 1)], ttl=30))
+        return seen
+
+    ledger.get = read_then_reserve_on_the_other_replica  # type: ignore[method-assign]
+    await coords[0].credits.expire(clock(), 10)
+    assert [o.error for o in renewed] == [None]
+    assert await b.credits().get("t") == renewed[0].reservation, "the sweeper dropped a reservation renewed since"
+    (other,) = await coords[1].reserve_credits([CreditSpec("t2", "d0", 1)], ttl=30)
+    assert other.error is not None and other.error.reason == Reason.ENGINE_CAPACITY_EXCEEDED

@@ -174,7 +174,8 @@ SIGNATURES: Mapping[str, Signature] = {
         ("guard", "engine_id", "version", "transfer_id", "record", "holder", "holder_engine", "expires_at"),
         helpers=("guard",),
     ),
-    "drop_credit": Signature(("guard", "transfer_id"), helpers=("guard",)),
+    # expected: the reservation as the caller read it (encoded), dropped only if still held; "" for whichever.
+    "drop_credit": Signature(("guard", "transfer_id", "expected"), helpers=("guard",)),
     "read_credits": Signature(("engine_id",)),
     # The KV index (rendezvous/store/redis/cache_index.py): members are a block's group (4 bytes) and hash;
     # expected: the version of the entry decided on, as index_read answered it ("" for none); version:
