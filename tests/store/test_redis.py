@@ -30,7 +30,16 @@ from rendezvous.store.codec import encode_event
 from rendezvous.store.factory import create_store
 from rendezvous.store.redis import RedisStore, parse_url
 from tests.core.helpers import engine_spec
-from tests.redis_fixtures import ControlledRedis, LocalCluster, LocalRedis, LocalSentinel, fresh_prefix, with_prefix
+from tests.redis_fixtures import (
+    START_TIMEOUT_S,
+    ControlledRedis,
+    LocalCluster,
+    LocalRedis,
+    LocalSentinel,
+    fresh_prefix,
+    wait_until,
+    with_prefix,
+)
 from tests.store.test_contract import NOW, make_engine, make_transfer, note, put_engine, put_transfer
 
 pytestmark = pytest.mark.redis
@@ -694,3 +703,42 @@ async def test_the_sweeper_keeps_a_reservation_another_replica_renewed_after_it_
     assert await b.credits().get("t") == renewed[0].reservation, "the sweeper dropped a reservation renewed since"
     (other,) = await coords[1].reserve_credits([CreditSpec("t2", "d0", 1)], ttl=30)
     assert other.error is not None and other.error.reason == Reason.ENGINE_CAPACITY_EXCEEDED
+
+
+async def test_a_write_retried_after_its_script_was_loaded_again_still_waits_for_a_replica() -> None:
+    """wait_replicas=1: a write is acknowledged once a replica holds it (WAIT). A script Redis lacks (NOSCRIPT: a
+    restart, SCRIPT FLUSH, a failover to a node that never loaded it) is loaded again and the call retried; the retry
+    must WAIT too, or its write is acknowledged with no replica holding it, and the next failover loses it."""
+    master = LocalRedis(tcp=True)
+    replica = LocalRedis(tcp=True, extra=("--replicaof", "127.0.0.1", str(master.port)))
+    try:
+        master.start()
+        replica.start()
+
+        def linked() -> bool:
+            with replica.client() as c:
+                return bool(c.info("replication").get("master_link_status") == "up")
+
+        wait_until(linked, START_TIMEOUT_S, "the replica to sync")
+        store = RedisStore(with_prefix(master.url, fresh_prefix()) + "&wait_replicas=1&wait_timeout=0.2")
+        await store.open()
+        try:
+            await put_engine(store, make_engine("replicated", Role.CONSUMER))
+            with master.client() as c:
+                c.script_flush()
+            client = store._scripts.client
+            load = client.script_load
+
+            async def load_then_lose_the_replica(source: str) -> str:
+                sha = await load(source)
+                replica.pause()  # from here on no replica acknowledges a write
+                return str(sha)
+
+            client.script_load = load_then_lose_the_replica  # type: ignore[method-assign,assignment]
+            with pytest.raises(StoreUnavailableError, match="WAIT"):
+                await put_engine(store, make_engine("unreplicated", Role.CONSUMER))
+        finally:
+            await store.close()
+    finally:
+        replica.close()
+        master.close()

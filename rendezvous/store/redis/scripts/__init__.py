@@ -328,12 +328,14 @@ class Scripts:
         argv = script.argv(self._prefix, **args)
         if self._pipeliner is None:
             raise StoreUnavailableError("the Redis store is not open")
+        call = ("EVALSHA", script.sha, 1, self._rev_key, *argv)
         try:
-            return await self._pipeliner.call("EVALSHA", script.sha, 1, self._rev_key, *argv)
+            return await self._pipeliner.call(*call)
         except rex.NoScriptError:
-            # Redis restarted (or SCRIPT FLUSH): load it again.
+            # Redis restarted (or SCRIPT FLUSH, or failed over to a node that never loaded it): load it again, and
+            # call it through the pipeliner again, which WAITs for replicas after it as after any write.
             await self.client.script_load(script.source)
-            return await self.client.evalsha(script.sha, 1, self._rev_key, *argv)
+            return await self._pipeliner.call(*call)
 
 
 __all__ = ["SCRIPTS", "SIGNATURES", "Group", "Script", "Scripts", "Signature"]
