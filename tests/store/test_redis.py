@@ -742,3 +742,25 @@ async def test_a_write_retried_after_its_script_was_loaded_again_still_waits_for
     finally:
         replica.close()
         master.close()
+
+
+async def test_a_whole_fleet_lapsed_at_once_is_read_a_few_records_a_script(redis_server: ControlledRedis) -> None:
+    """After an outage longer than the leases, every engine has lapsed at once. The sweeper's candidates must not
+    come as one script reply of every record (up to 2 MiB of agent metadata each): Redis runs one script at a time
+    for every replica and builds its reply in memory. With Redis's output limit for normal clients below the
+    fleet's records (a careful operator's setting), the sweeper still finds every lapsed engine."""
+    store = RedisStore(with_prefix(redis_server.url, fresh_prefix()))
+    await store.open()
+    try:
+        metadata = b"m" * 8_192
+        fleet = 160  # about 11 KiB a record: 1.7 MiB in all
+        for i in range(fleet):
+            engine = make_engine(f"e{i:03}", now=NOW - 20)
+            agents = tuple(replace(agent, metadata=metadata) for agent in engine.agents)
+            await put_engine(store, replace(engine, agents=agents))
+        with redis_server.client() as c:
+            c.config_set("client-output-buffer-limit", "normal 1mb 0 0")
+        lapsed = await store.lapsed_engines(NOW, tombstone_ttl=50)
+        assert sorted(e.engine_id for e in lapsed) == [f"e{i:03}" for i in range(fleet)]
+    finally:
+        await store.close()

@@ -156,7 +156,7 @@ SIGNATURES: Mapping[str, Signature] = {
         ("guard", "append"),
     ),
     "read_events": Signature(("engine_id", "start_sequence", "limit")),
-    "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),
+    "lapse_candidates": Signature(("now", "tombstone_cutoff")),
     "due_transfers": Signature(("now", "limit", "hold_until")),
     "read_engines": Signature(groups=(Group("ids", ("engine_id",)),), helpers=("records",)),
     "page_engines": Signature(("after", "count"), helpers=("records",)),
