@@ -181,7 +181,7 @@ class CreditLedger:
         ledger = await ledger_store.ledger(lost.engine_id)
         for r in ledger.reservations:
             if r.incarnation <= lost.incarnation:
-                await ledger_store.drop(r.transfer_id)
+                await ledger_store.drop(r.transfer_id, expected=r)
 
     async def expire(self, now: float, limit: int) -> None:
         """Drop reservations past their ttl (the core no longer counts them; this frees their records)."""
@@ -189,4 +189,5 @@ class CreditLedger:
         for transfer_id in await ledger_store.due(now, limit):
             reservation = await ledger_store.get(transfer_id)
             if reservation is not None and reservation.expires_at <= now:
-                await ledger_store.drop(transfer_id)
+                # Only the one read: another replica may have reserved the id afresh since.
+                await ledger_store.drop(transfer_id, expected=reservation)

@@ -43,8 +43,10 @@ class CreditStore(ABC):
         False (nothing written) when either changed."""
 
     @abstractmethod
-    async def drop(self, transfer_id: str) -> Reservation | None:
-        """Drop a transfer id's reservation; returns it (None when there was none)."""
+    async def drop(self, transfer_id: str, expected: Reservation | None = None) -> Reservation | None:
+        """Drop a transfer id's reservation; returns it (None when there was none). With expected, only if the
+        reservation is still that one (else None, nothing dropped): a drop decided on a reservation read earlier
+        (expired, or on an ended incarnation) must not drop the one another replica has put in its place since."""
 
     @abstractmethod
     async def due(self, now: float, limit: int) -> list[str]:
@@ -94,10 +96,12 @@ class MemoryCredits(CreditStore):
         self._versions[engine_id] = self._versions.get(engine_id, 0) + 1
         return True
 
-    async def drop(self, transfer_id: str) -> Reservation | None:
-        reservation = self._by_transfer.pop(transfer_id, None)
-        if reservation is not None:
-            self._remove(reservation)
+    async def drop(self, transfer_id: str, expected: Reservation | None = None) -> Reservation | None:
+        reservation = self._by_transfer.get(transfer_id)
+        if reservation is None or (expected is not None and reservation != expected):
+            return None
+        del self._by_transfer[transfer_id]
+        self._remove(reservation)
         return reservation
 
     async def due(self, now: float, limit: int) -> list[str]:

@@ -63,3 +63,20 @@ async def test_drop_and_due(make_store: StoreFactory) -> None:
     assert (await credits.ledger("d0")).version > before
     assert await credits.due(20.0, 10) == ["t1"]
     assert await credits.get("t0") is None
+
+
+async def test_a_drop_of_an_expected_reservation_leaves_another_in_its_place(
+    make_store: StoreFactory, backend: str
+) -> None:
+    one, two = await replicas(make_store, backend, 2)
+    a, b = one.credits(), two.credits()
+    assert await a.put(res("t", expires=10.0), 0, None)
+    seen = await a.get("t")
+    assert seen == res("t", expires=10.0)
+    # Another replica puts a new reservation for the id in place of the one a read.
+    assert await b.put(res("t", expires=50.0), (await b.ledger("d0")).version, seen)
+    assert await a.drop("t", expected=seen) is None
+    assert await b.get("t") == res("t", expires=50.0)
+    assert (await b.ledger("d0")).reservations == (res("t", expires=50.0),)
+    assert await a.drop("t", expected=res("t", expires=50.0)) == res("t", expires=50.0)
+    assert await b.get("t") is None and (await b.ledger("d0")).reservations == ()

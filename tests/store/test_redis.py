@@ -16,18 +16,30 @@ from redis.asyncio.connection import AbstractConnection
 from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
 from rendezvous.core import budget
+from rendezvous.core.credits import Reservation
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.core.model import Addressed, Engine, Event, EventType, Role, State, Transfer
 from rendezvous.core.transfers import Transition
+from rendezvous.credit_ledger import CreditOutcome
 from rendezvous.protocol.errors import Reason, RendezvousError
-from rendezvous.protocol.requests import ClaimSpec, TargetSpec
+from rendezvous.protocol.records import EngineCapacity
+from rendezvous.protocol.requests import ClaimSpec, CreditSpec, TargetSpec
 from rendezvous.store import StoreUnavailableError
 from rendezvous.store.base import TransferFn
 from rendezvous.store.codec import encode_event
 from rendezvous.store.factory import create_store
 from rendezvous.store.redis import RedisStore, parse_url
 from tests.core.helpers import engine_spec
-from tests.redis_fixtures import ControlledRedis, LocalCluster, LocalRedis, LocalSentinel, fresh_prefix, with_prefix
+from tests.redis_fixtures import (
+    START_TIMEOUT_S,
+    ControlledRedis,
+    LocalCluster,
+    LocalRedis,
+    LocalSentinel,
+    fresh_prefix,
+    wait_until,
+    with_prefix,
+)
 from tests.store.test_contract import NOW, make_engine, make_transfer, note, put_engine, put_transfer
 
 pytestmark = pytest.mark.redis
@@ -658,5 +670,97 @@ async def test_engines_listed_by_a_namespace_written_before_the_id_index_are_all
         assert [[e.engine_id for e in page] for page in pages] == [["e0", "e1"], ["e2", "e3"], []]
         await put_engine(store, make_engine("e05"))
         assert [e.engine_id for e in await store.page_engines("e0", 2, lambda _e: True)] == ["e05", "e1"]
+    finally:
+        await store.close()
+
+
+async def test_the_sweeper_keeps_a_reservation_another_replica_renewed_after_it_looked(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """Replica a's sweeper reads an expired reservation; before it drops it, a router's ReserveCredits on replica b
+    takes the transfer id afresh (a new reservation in its place). The sweeper must not drop the new one: the router
+    holds that credit, and without it another router's reservation would be admitted past the consumer's capacity."""
+    a, b = redis_pair
+    clock = FakeClock(NOW)
+    coords = Coordinator(a, clock=clock), Coordinator(b, clock=clock)
+    capacity = EngineCapacity(max_transfers=1)
+    await coords[0].register_engine(engine_spec("d0", Role.CONSUMER, capacity=capacity))
+    (first,) = await coords[0].reserve_credits([CreditSpec("t", "d0", 1)], ttl=1)
+    assert first.error is None
+    clock.advance(2)  # the reservation expired; the engine's lease (10 s) holds
+    renewed: list[CreditOutcome] = []
+    ledger = a.credits()
+    read = ledger.get
+
+    async def read_then_reserve_on_the_other_replica(transfer_id: str) -> Reservation | None:
+        seen = await read(transfer_id)
+        renewed.extend(await coords[1].reserve_credits([CreditSpec(transfer_id, "d0", 1)], ttl=30))
+        return seen
+
+    ledger.get = read_then_reserve_on_the_other_replica  # type: ignore[method-assign]
+    await coords[0].credits.expire(clock(), 10)
+    assert [o.error for o in renewed] == [None]
+    assert await b.credits().get("t") == renewed[0].reservation, "the sweeper dropped a reservation renewed since"
+    (other,) = await coords[1].reserve_credits([CreditSpec("t2", "d0", 1)], ttl=30)
+    assert other.error is not None and other.error.reason == Reason.ENGINE_CAPACITY_EXCEEDED
+
+
+async def test_a_write_retried_after_its_script_was_loaded_again_still_waits_for_a_replica() -> None:
+    """wait_replicas=1: a write is acknowledged once a replica holds it (WAIT). A script Redis lacks (NOSCRIPT: a
+    restart, SCRIPT FLUSH, a failover to a node that never loaded it) is loaded again and the call retried; the retry
+    must WAIT too, or its write is acknowledged with no replica holding it, and the next failover loses it."""
+    master = LocalRedis(tcp=True)
+    replica = LocalRedis(tcp=True, extra=("--replicaof", "127.0.0.1", str(master.port)))
+    try:
+        master.start()
+        replica.start()
+
+        def linked() -> bool:
+            with replica.client() as c:
+                return bool(c.info("replication").get("master_link_status") == "up")
+
+        wait_until(linked, START_TIMEOUT_S, "the replica to sync")
+        store = RedisStore(with_prefix(master.url, fresh_prefix()) + "&wait_replicas=1&wait_timeout=0.2")
+        await store.open()
+        try:
+            await put_engine(store, make_engine("replicated", Role.CONSUMER))
+            with master.client() as c:
+                c.script_flush()
+            client = store._scripts.client
+            load = client.script_load
+
+            async def load_then_lose_the_replica(source: str) -> str:
+                sha = await load(source)
+                replica.pause()  # from here on no replica acknowledges a write
+                return str(sha)
+
+            client.script_load = load_then_lose_the_replica  # type: ignore[method-assign,assignment]
+            with pytest.raises(StoreUnavailableError, match="WAIT"):
+                await put_engine(store, make_engine("unreplicated", Role.CONSUMER))
+        finally:
+            await store.close()
+    finally:
+        replica.close()
+        master.close()
+
+
+async def test_a_whole_fleet_lapsed_at_once_is_read_a_few_records_a_script(redis_server: ControlledRedis) -> None:
+    """After an outage longer than the leases, every engine has lapsed at once. The sweeper's candidates must not
+    come as one script reply of every record (up to 2 MiB of agent metadata each): Redis runs one script at a time
+    for every replica and builds its reply in memory. With Redis's output limit for normal clients below the
+    fleet's records (a careful operator's setting), the sweeper still finds every lapsed engine."""
+    store = RedisStore(with_prefix(redis_server.url, fresh_prefix()))
+    await store.open()
+    try:
+        metadata = b"m" * 8_192
+        fleet = 160  # about 11 KiB a record: 1.7 MiB in all
+        for i in range(fleet):
+            engine = make_engine(f"e{i:03}", now=NOW - 20)
+            agents = tuple(replace(agent, metadata=metadata) for agent in engine.agents)
+            await put_engine(store, replace(engine, agents=agents))
+        with redis_server.client() as c:
+            c.config_set("client-output-buffer-limit", "normal 1mb 0 0")
+        lapsed = await store.lapsed_engines(NOW, tombstone_ttl=50)
+        assert sorted(e.engine_id for e in lapsed) == [f"e{i:03}" for i in range(fleet)]
     finally:
         await store.close()

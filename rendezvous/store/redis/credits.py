@@ -69,8 +69,10 @@ class RedisCredits(GuardedScripts, CreditStore):
         )
         return bool(reply[0] == b"OK")
 
-    async def drop(self, transfer_id: str) -> Reservation | None:
-        reply = await self._write("drop_credit", transfer_id=transfer_id)
+    async def drop(self, transfer_id: str, expected: Reservation | None = None) -> Reservation | None:
+        reply = await self._write(
+            "drop_credit", transfer_id=transfer_id, expected=encode(expected) if expected is not None else ""
+        )
         return decode(reply[1]) if reply[0] == b"OK" else None
 
     async def due(self, now: float, limit: int) -> list[str]:

@@ -79,7 +79,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _SCAN_COUNT = 1000
-# Engine records read per script call while paging ListEngines.
+# Engine records read per script call while paging ListEngines or reading the sweeper's lapsed engines.
 _ENGINE_CHUNK = 64
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
 _APPEND_MEMORY_S = 300
@@ -424,10 +424,15 @@ class RedisStore(Store):
 
     @_guarded
     async def lapse_candidates(self, now: float, tombstone_ttl: float) -> list[Engine]:
-        # By index: leases expired by now, and tombstones ended by the cutoff (with a little slack).
-        return self._engines_in(
-            await self._scripts.run("lapse_candidates", now=now, tombstone_cutoff=now - tombstone_ttl + 1e-3)
-        )
+        # By index: leases expired by now, and tombstones ended by the cutoff (with a little slack); their ids, then
+        # their records _ENGINE_CHUNK at a time: after an outage longer than the leases the whole fleet lapses at
+        # once, and one reply of every record (megabytes of agent metadata each) would hold Redis for every replica.
+        found = await self._scripts.run("lapse_candidates", now=now, tombstone_cutoff=now - tombstone_ttl + 1e-3)
+        ids = list(dict.fromkeys(engine_id.decode() for engine_id in found))
+        engines: list[Engine] = []
+        for start in range(0, len(ids), _ENGINE_CHUNK):
+            engines += self._engines_in(await self._scripts.run("read_engines", ids=ids[start : start + _ENGINE_CHUNK]))
+        return engines
 
     # Transfers
 

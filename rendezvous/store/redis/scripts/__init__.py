@@ -156,7 +156,7 @@ SIGNATURES: Mapping[str, Signature] = {
         ("guard", "append"),
     ),
     "read_events": Signature(("engine_id", "start_sequence", "limit")),
-    "lapse_candidates": Signature(("now", "tombstone_cutoff"), helpers=("records",)),
+    "lapse_candidates": Signature(("now", "tombstone_cutoff")),
     "due_transfers": Signature(("now", "limit", "hold_until")),
     "read_engines": Signature(groups=(Group("ids", ("engine_id",)),), helpers=("records",)),
     "page_engines": Signature(("after", "count"), helpers=("records",)),
@@ -174,7 +174,8 @@ SIGNATURES: Mapping[str, Signature] = {
         ("guard", "engine_id", "version", "transfer_id", "record", "holder", "holder_engine", "expires_at"),
         helpers=("guard",),
     ),
-    "drop_credit": Signature(("guard", "transfer_id"), helpers=("guard",)),
+    # expected: the reservation as the caller read it (encoded), dropped only if still held; "" for whichever.
+    "drop_credit": Signature(("guard", "transfer_id", "expected"), helpers=("guard",)),
     "read_credits": Signature(("engine_id",)),
     # The KV index (rendezvous/store/redis/cache_index.py): members are a block's group (4 bytes) and hash;
     # expected: the version of the entry decided on, as index_read answered it ("" for none); version:
@@ -327,12 +328,14 @@ class Scripts:
         argv = script.argv(self._prefix, **args)
         if self._pipeliner is None:
             raise StoreUnavailableError("the Redis store is not open")
+        call = ("EVALSHA", script.sha, 1, self._rev_key, *argv)
         try:
-            return await self._pipeliner.call("EVALSHA", script.sha, 1, self._rev_key, *argv)
+            return await self._pipeliner.call(*call)
         except rex.NoScriptError:
-            # Redis restarted (or SCRIPT FLUSH): load it again.
+            # Redis restarted (or SCRIPT FLUSH, or failed over to a node that never loaded it): load it again, and
+            # call it through the pipeliner again, which WAITs for replicas after it as after any write.
             await self.client.script_load(script.source)
-            return await self.client.evalsha(script.sha, 1, self._rev_key, *argv)
+            return await self._pipeliner.call(*call)
 
 
 __all__ = ["SCRIPTS", "SIGNATURES", "Group", "Script", "Scripts", "Signature"]

@@ -1,10 +1,11 @@
--- Drop a transfer id's credit reservation. Reply: OK record | N (none) | E epoch | R rev epoch.
+-- Drop a transfer id's credit reservation; with expected (not ""), only if it is still that record (compared byte
+-- for byte, as put_credit compares its holder). Reply: OK record | N (none, or another) | E epoch | R rev epoch.
 local bad = guard_failed(guard)
 if bad then
   return bad
 end
 local record = redis.call('HGET', P .. 'crt', transfer_id)
-if not record then
+if not record or (expected ~= '' and record ~= expected) then
   return {'N'}
 end
 local engine_id = cjson.decode(record)[2]
