@@ -388,8 +388,10 @@ async def test_a_replica_gone_silent_is_given_up_within_the_renewal_interval() -
     """Two endpoints; the first stops answering without closing its connections (a node lost without a reset).
     A renewal had no deadline and waited for gRPC's own keepalive (30 s + 10 s), while the lease (3 s here)
     lapsed and the server aborted the engine's transfers (found by an audit). A renewal unanswered for the
-    interval between renewals is given up like an UNAVAILABLE endpoint: the next goes to the second replica."""
-    async with start_test_server() as server:
+    interval between renewals is given up like an UNAVAILABLE endpoint: the next goes to the second replica.
+    The server's clock stands still, so the lease cannot lapse while the test looks (on the wall clock the failover
+    had the second of the lease left after the given-up renewal, which a loaded machine could use up)."""
+    async with start_test_server(FakeClock()) as server:
         first, second = TcpProxy(server.port), TcpProxy(server.port)
         await first.start()
         await second.start()
@@ -617,10 +619,15 @@ async def test_a_call_made_right_after_a_restart_lands_on_the_new_incarnation(
     assert transfer.consumer_incarnation == consumer.incarnation != old
 
 
-async def test_a_lost_lease_is_reregistered_and_the_aborted_transfers_are_dropped(
-    client: AsyncRendezvousClient,
-) -> None:
-    async with consumer_session(client, lease_ttl=1.0) as consumer:
+async def test_a_lost_lease_is_reregistered_and_the_aborted_transfers_are_dropped() -> None:
+    # The server's clock stands still: only the deregistration ends the lease. On the wall clock a loaded machine
+    # that held up the renewals of this 1 s lease for two thirds of it lost the lease once more, by time: the
+    # session registered again after the event, or before the deregistration.
+    async with (
+        start_test_server(FakeClock()) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+        consumer_session(client, lease_ttl=1.0) as consumer,
+    ):
         events = consumer.events()
         await consumer.register_target(TargetSpec("t1", [1]))
         await client.deregister_engine("d0", consumer.incarnation)

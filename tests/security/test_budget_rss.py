@@ -59,13 +59,17 @@ def rss(pid: int) -> int:
 
 
 def _engine(engine_id: str, metadata: int, num_blocks: int = 1024) -> pb.RegisterEngineRequest:
+    """An engine whose lease is the longest the server grants: nothing renews it, and on a loaded machine the
+    attack can outlast the default 10 s (the victim lapsed before its targets were all registered)."""
     region = pb.KvRegion(base_address=1 << 30, block_stride_bytes=4096, block_length_bytes=4096, num_blocks=num_blocks)
     agent = pb.NixlAgent(
         name=engine_id + "-0", metadata=os.urandom(metadata), memory_kind=pb.MEMORY_KIND_DRAM, regions=[region]
     )
-    return pb.RegisterEngineRequest(
+    request = pb.RegisterEngineRequest(
         engine_id=engine_id, pool="decode", role=pb.ENGINE_ROLE_CONSUMER, layout=LAYOUT, agents=[agent]
     )
+    request.lease_ttl.FromSeconds(300)
+    return request
 
 
 def _refused(call: Any) -> bool:

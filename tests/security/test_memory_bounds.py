@@ -185,7 +185,11 @@ async def test_an_identitys_event_logs_are_bounded_together_oldest_first(store_u
         # The oldest of p0's events went first (p0-0's first TRANSFER_ASSIGNED): its watcher resyncs; the newest
         # stays: p0-3's last event is the newest of the identity.
         assert (await _watch_first(c, "p0-0", "p0")).resync_required
-        # Another identity's log is not p0's to trim: d0's consumer still has every event from sequence 1.
+        # Another identity's log is not p0's to trim: d0's consumer still has every event from sequence 1. Its
+        # events are the revocations of its aborts, confirmed once the producers end: they end now (the test
+        # waited for their leases to lapse, 10 s of wall clock, racing the watch's own 10 s deadline).
+        for p in producers:
+            await c.call("DeregisterEngine", pb.DeregisterEngineRequest(engine_id=p), "p0")
         first = await _watch_first(c, "d0-0", "d0")
         assert not first.resync_required and first.events[0].sequence == 1
         assert await c.serving()

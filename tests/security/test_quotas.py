@@ -19,6 +19,7 @@ from rendezvous.server.quotas import CallQuotas
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.replicas.harness import eventually
 from tests.security.conftest import serving
 from tests.security.test_auth import DECODE, UNAUTHENTICATED, auth_file, bearer, call, refusal, register, request_for
 
@@ -219,19 +220,25 @@ async def test_a_large_request_costs_more_than_a_small_one(tmp_path: Path) -> No
 
 async def test_calls_waiting_on_redis_are_capped_per_caller(redis_url: str) -> None:
     """With the memory store a call never waits, so nothing is ever in flight; with Redis, calls wait on
-    its answers, and past the cap a caller's further calls are refused instead of queued."""
+    its answers, and past the cap a caller's further calls are refused instead of queued. Redis holds the
+    writes until the test has seen the refusals: a pause of a fixed time could end (on a loaded machine,
+    before the last calls reached the server) with the first two answered and the rest admitted."""
     url = with_prefix(redis_url, fresh_prefix()) + "&socket_timeout=10&op_timeout=10"
     async with (
         serving(store=url, call_limits=CallLimits(concurrency=2)) as server,
         grpc.aio.insecure_channel(server.address) as channel,
     ):
         admin = redis.Redis.from_url(redis_url)
-        admin.client_pause(800)  # every command waits 0.8 s, the server's too
-        requests = [request_for("RegisterEngine", f"decode-{i}") for i in range(6)]
-        outcomes = await asyncio.gather(
-            *(call(channel, "RegisterEngine", r, None) for r in requests), return_exceptions=True
-        )
-        admin.close()
+        admin.client_pause(9_000, all=False)  # every write waits until unpaused (at most 9 s), the server's too
+        try:
+            requests = [request_for("RegisterEngine", f"decode-{i}") for i in range(6)]
+            calls = [asyncio.ensure_future(call(channel, "RegisterEngine", r, None)) for r in requests]
+            await eventually(lambda: sum(c.done() for c in calls) >= 4, "four calls answered while two wait")
+            assert sum(c.done() for c in calls) == 4  # the two admitted still wait on Redis
+        finally:
+            admin.client_unpause()
+            admin.close()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
     refused = [from_rpc_error(o) for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
     assert [(e.code, e.reason) for e in refused] == [TOO_MANY] * 4
     assert sum(isinstance(o, pb.RegisterEngineResponse) for o in outcomes) == 2

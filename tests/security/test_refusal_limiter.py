@@ -108,8 +108,10 @@ def test_a_rate_limited_refusal_says_when_to_retry() -> None:
 
 
 async def test_the_retry_hint_reaches_the_client(tmp_path: Path) -> None:
+    """On a clock that stands still: on the wall clock a machine that took half a second between the two calls
+    (the bucket's refill at 2/s) had the second one admitted."""
     async with (
-        serving(auth_file=auth_file(tmp_path), call_limits=CallLimits(rate=2, burst=1)) as server,
+        serving(auth_file=auth_file(tmp_path), call_limits=CallLimits(rate=2, burst=1), clock=FakeClock()) as server,
         grpc.aio.insecure_channel(server.address) as channel,
     ):
         await call(channel, "GetStatus", pb.GetStatusRequest(), ROUTER)
@@ -117,4 +119,4 @@ async def test_the_retry_hint_reaches_the_client(tmp_path: Path) -> None:
             await call(channel, "GetStatus", pb.GetStatusRequest(), ROUTER)
     refused = from_rpc_error(err.value)
     assert refused.reason == "RATE_LIMITED"
-    assert refused.retry_after is not None and 0 < refused.retry_after <= 0.5
+    assert refused.retry_after == pytest.approx(0.5)  # a whole token at 2/s: the clock did not move

@@ -9,8 +9,9 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from rendezvous.clients.testing import FakeClock
 from rendezvous.protocol.errors import ERROR_DOMAIN
-from rendezvous.server import RendezvousServer
+from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.service.conftest import engine_request
@@ -168,25 +169,38 @@ async def test_keepalive_of_an_engine_the_server_does_not_know_ends_with_engine_
     assert error_info(caught.value).reason == "ENGINE_NOT_FOUND"
 
 
-async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(stub: Stub, server: RendezvousServer) -> None:
-    d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
-    p = await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))
-    watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=d.watch_start_sequence))
-    await watch.read()
-    await stub.RegisterTargets(
-        pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
-    )
-    await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=[pb.ClaimSpec(transfer_id="t1")]))
-    keep = stub.KeepAlive()
-    aborted, lost = await next_events(watch, 2)
-    assert aborted.type == pb.EVENT_TYPE_TRANSFER_ABORTED
-    assert aborted.transfer.abort_reason == pb.ABORT_REASON_PEER_LOST
-    assert lost.type == pb.EVENT_TYPE_PEER_LOST and lost.peer.engine_id == "p1"
-    await keep.write(pb.KeepAliveRequest(engine_id="p1", incarnation=p.engine.incarnation))
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await keep.read()
-    assert error_info(caught.value).reason == "LEASE_EXPIRED"
-    watch.cancel()
+async def test_an_expired_lease_aborts_transfers_and_tells_the_peer(server_config: ServerConfig) -> None:
+    # The server's clock moves only when the test moves it: on the wall clock p1's 1 s lease had to outlast the
+    # calls up to its claim, which a loaded machine could stretch past it (the claim then failed).
+    clock = FakeClock()
+    server = RendezvousServer(server_config, clock)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = Stub(channel)
+            d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
+            p = await stub.RegisterEngine(engine_request("p1", PRODUCER, lease_ttl={"seconds": 1}))
+            watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=d.watch_start_sequence))
+            await watch.read()
+            await stub.RegisterTargets(
+                pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t1", block_ids=[1])])
+            )
+            claims = [pb.ClaimSpec(transfer_id="t1")]
+            await stub.ClaimTransfers(pb.ClaimTransfersRequest(engine_id="p1", claims=claims))
+            keep = stub.KeepAlive()
+            clock.advance(1.5)  # past p1's lease, within d1's (5 s)
+            await server.coordinator.sweep()
+            aborted, lost = await next_events(watch, 2)
+            assert aborted.type == pb.EVENT_TYPE_TRANSFER_ABORTED
+            assert aborted.transfer.abort_reason == pb.ABORT_REASON_PEER_LOST
+            assert lost.type == pb.EVENT_TYPE_PEER_LOST and lost.peer.engine_id == "p1"
+            await keep.write(pb.KeepAliveRequest(engine_id="p1", incarnation=p.engine.incarnation))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await keep.read()
+            assert error_info(caught.value).reason == "LEASE_EXPIRED"
+            watch.cancel()
+    finally:
+        await server.stop(0)
 
 
 async def test_list_and_get_engines_filter_by_pool_and_role(stub: Stub) -> None:

@@ -722,11 +722,13 @@ async def test_a_transition_wakes_waiters_of_the_engines_it_tells(store: Store) 
 
 
 async def test_a_response_is_remembered_until_its_ttl(store: Store) -> None:
+    # Real time (Redis expires keys by its own clock): the TTL must outlast the one call that reads the answer back,
+    # on a loaded machine too (0.3 s, with another call in between, left too little).
     assert await store.get_response("k") is None
-    await store.put_response("k", b"\x00answer", ttl=0.3)
-    await store.put_response("long", b"kept", ttl=60)
+    await store.put_response("k", b"\x00answer", ttl=1.0)
     assert await store.get_response("k") == b"\x00answer"
-    deadline = time.monotonic() + 5
+    await store.put_response("long", b"kept", ttl=60)
+    deadline = time.monotonic() + 30
     while await store.get_response("k") is not None:
         assert time.monotonic() < deadline, "the response outlived its ttl"
         await asyncio.sleep(0.05)

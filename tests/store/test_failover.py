@@ -277,15 +277,24 @@ async def test_a_cluster_shard_whose_primary_is_killed_fails_over_and_the_store_
 
 
 async def test_wait_replicas_acknowledges_a_write_once_a_replica_has_it(topology: SentinelTopology) -> None:
-    """wait_replicas=1: a write returns once the replica holds it; with the replica hung, writes are unavailable."""
+    """wait_replicas=1: a write returns once the replica holds it; with the replica hung, writes are unavailable.
+    The writes that must be acknowledged wait up to 20 s for the replica (0.2 s was a race with a loaded machine
+    scheduling the replica's process); those that must not be, 0.2 s (a hung replica never acknowledges)."""
     replica = topology.nodes[1]
+    patient = RedisStore(
+        with_prefix(topology.url, "wait") + "&op_timeout=30&socket_timeout=25&wait_replicas=1&wait_timeout=20"
+    )
+    await patient.open()
+    try:
+        for i in range(5):
+            await put_engine(patient, make_engine(f"c{i}", Role.CONSUMER))
+            with replica.client() as c:
+                assert c.exists(f"{{wait}}:e:c{i}"), "acknowledged before the replica had it"
+    finally:
+        await patient.close()
     store = RedisStore(with_prefix(topology.url, "wait") + QUICK + "&wait_replicas=1&wait_timeout=0.2")
     await store.open()
     try:
-        for i in range(5):
-            await put_engine(store, make_engine(f"c{i}", Role.CONSUMER))
-            with replica.client() as c:
-                assert c.exists(f"{{wait}}:e:c{i}"), "acknowledged before the replica had it"
         replica.pause()
         try:
             with pytest.raises(StoreUnavailableError, match="WAIT"):
