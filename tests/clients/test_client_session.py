@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -467,61 +468,57 @@ async def test_a_renewal_refused_rate_limited_waits_the_server_s_retry_hint() ->
             await proxy.close()
 
 
+@contextlib.asynccontextmanager
+async def rate_limited_session(
+    clock: FakeClock, rate: float, lease_ttl: float
+) -> AsyncIterator[tuple[GrpcProxy, ConsumerSession]]:
+    """A consumer session through a GrpcProxy to a server whose quotas (`rate` calls/s, burst 20) run on `clock`:
+    once its watch is admitted, every token of 127.0.0.1 is spent (and stays so while the clock stands still)."""
+    async with start_test_server(clock, call_limits=CallLimits(rate=rate, burst=20)) as server:
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(proxy.address)) as client,
+                consumer_session(client, lease_ttl=lease_ttl) as session,
+            ):
+                await proxy.wait_for(lambda: proxy.answers["Watch"])
+                await spend_every_token(server)
+                yield proxy, session
+                assert session.failure is None
+                await session.close(deregister=False)  # the bucket is empty: no DeregisterEngine would pass
+        finally:
+            await proxy.close()
+
+
 async def test_a_watch_refused_rate_limited_reopens_after_the_server_s_retry_hint() -> None:
     """A Watch reopen refused RESOURCE_EXHAUSTED / RATE_LIMITED was tried again after the reconnect backoff (tens of
     ms), whatever the RetryInfo said, and refused again, over and over. It now waits the hint (1 token at 0.5/s on
     the server's fake clock: 2 s)."""
     clock = FakeClock()
-    async with start_test_server(clock, call_limits=CallLimits(rate=0.5, burst=20)) as server:
-        proxy = GrpcProxy(server.address)
-        await proxy.start()
-        try:
-            async with (
-                AsyncRendezvousClient(client_config(proxy.address)) as client,
-                consumer_session(client, lease_ttl=600.0) as session,
-            ):
-                await proxy.wait_for(lambda: proxy.answers["Watch"])
-                await spend_every_token(server)
-                opened = proxy.calls["Watch"]
-                proxy.end_streams("Watch")  # the session reopens it: refused, the bucket is empty
+    async with rate_limited_session(clock, 0.5, lease_ttl=600.0) as (proxy, _):
+        opened = proxy.calls["Watch"]
+        proxy.end_streams("Watch")  # the session reopens it: refused, the bucket is empty
 
-                def refused() -> list[float]:
-                    return [at for at, code in proxy.ends["Watch"] if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        def refused() -> list[float]:
+            return [at for at, code in proxy.ends["Watch"] if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
 
-                await proxy.wait_for(lambda: refused())
-                first = refused()[0]
-                answered = proxy.answers["Watch"]
-                clock.advance(2.0)  # a token again: the next open passes, whenever it comes
-                await proxy.wait_for(lambda: proxy.answers["Watch"] > answered)
-                assert proxy.calls["Watch"] - opened == 2, "the refused watch was opened again before the hint"
-                assert max(proxy.requests["Watch"]) - first >= 2.0
-                assert session.failure is None
-                await session.close(deregister=False)
-        finally:
-            await proxy.close()
+        await proxy.wait_for(lambda: refused())
+        first = refused()[0]
+        answered = proxy.answers["Watch"]
+        clock.advance(2.0)  # a token again: the next open passes, whenever it comes
+        await proxy.wait_for(lambda: proxy.answers["Watch"] > answered)
+        assert proxy.calls["Watch"] - opened == 2, "the refused watch was opened again before the hint"
+        assert max(proxy.requests["Watch"]) - first >= 2.0
 
 
 async def test_a_retry_hint_longer_than_the_lease_still_leaves_the_lease_a_renewal() -> None:
     """A hint of 1,000 s against a 3 s lease: the session does not sit the lease out; it tries again at the last
     moment a renewal still has its answer time (`renewal_wait`)."""
-    clock = FakeClock()
-    async with start_test_server(clock, call_limits=CallLimits(rate=0.001, burst=20)) as server:
-        proxy = GrpcProxy(server.address)
-        await proxy.start()
-        try:
-            async with (
-                AsyncRendezvousClient(client_config(proxy.address)) as client,
-                consumer_session(client, lease_ttl=3.0) as session,
-            ):
-                await proxy.wait_for(lambda: proxy.answers["Watch"])
-                await spend_every_token(server)
-                await proxy.wait_for(lambda: renewal_refused(proxy) is not None)
-                ended = renewal_refused(proxy)
-                await proxy.wait_for(lambda: any(at > (ended or 0) for at in proxy.requests["KeepAlive"]))
-                assert session.failure is None
-                await session.close(deregister=False)
-        finally:
-            await proxy.close()
+    async with rate_limited_session(FakeClock(), 0.001, lease_ttl=3.0) as (proxy, _):
+        await proxy.wait_for(lambda: renewal_refused(proxy) is not None)
+        ended = renewal_refused(proxy)
+        await proxy.wait_for(lambda: any(at > (ended or 0) for at in proxy.requests["KeepAlive"]))
 
 
 async def test_a_re_assertion_longer_than_the_lease_keeps_the_new_incarnation_renewed(
