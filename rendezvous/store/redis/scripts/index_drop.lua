@@ -17,6 +17,6 @@ local owner = entry[2] or ''
 if owner ~= '' and held > 0 and redis.call('HINCRBY', P .. 'ixo', owner, -held) <= 0 then
   redis.call('HDEL', P .. 'ixo', owner)
 end
-redis.call('DEL', k, bk)
+redis.call('UNLINK', k, bk)  -- a set of up to a million blocks: freed off Redis's main thread
 redis.call('SREM', P .. 'ixe', engine_id)
 return {'OK'}

