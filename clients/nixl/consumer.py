@@ -66,6 +66,7 @@ from rendezvous.clients._types import (
     ServerEvent,
     SessionEvent,
     TargetSpec,
+    TransferInfo,
     TransferMode,
     TransferState,
 )
@@ -84,6 +85,7 @@ from rendezvous.clients.nixl.receiver_thread import ReceiverThread
 from rendezvous.clients.nixl.regions import KvRegion, MemoryKind
 from rendezvous.protocol import kvmap
 from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
+from rendezvous.protocol.events import Event
 
 if TYPE_CHECKING:
     import torch
@@ -465,6 +467,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                     self._fail(transfer_id, AgentReason.LOST, "the service no longer has this transfer")
                 elif info.state is TransferState.COMMITTED:
                     self._committed(transfer_id, info.generation)
+                elif info.state is TransferState.MATCHED and info.mode is TransferMode.PULL and info.source_block_ids:
+                    await self._read_missed(info)
         elif isinstance(item, Reregistered):
             for result in item.results:
                 if not result.ok or result.state is TransferState.ABORTED:
@@ -537,6 +541,21 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._fenced[(transfer_id, target.generation)] = result
         else:
             self._deliver(result)
+
+    async def _read_missed(self, info: TransferInfo) -> None:
+        """A pull transfer whose source is ready in a resync's listing: its SOURCE_READY may be among the events the
+        watch lost, so it is read now, from the listing and the producer's record (`_source_ready` skips a read
+        under way; a producer gone since is a loss, which aborts the transfer)."""
+        target = self._targets.get(info.transfer_id)
+        if target is None or target.arrived or target.generation != info.generation:
+            return
+        try:
+            peer = await self.engine_session.client.get_engine(info.producer_engine_id)
+        except RendezvousError as e:
+            logger.warning("transfer %s: its producer could not be read after a resync: %s", info.transfer_id, e)
+            return
+        if peer.incarnation == info.producer_incarnation:
+            self._source_ready(Event(EventType.SOURCE_READY, time.time(), info, info.generation, peer))
 
     def _source_ready(self, event: ServerEvent) -> None:
         info, peer = event.transfer, event.peer

@@ -1,0 +1,129 @@
+"""An agent whose watch fell behind the service's event log (resync) still does the work the events it lost
+asked of it, taken from the listing it resyncs from: a producer writes what was assigned to it meanwhile
+(TRANSFER_ASSIGNED), a pull consumer reads the sources made ready meanwhile (SOURCE_READY). Before, those
+transfers waited, MATCHED, until their deadline aborted them. Real service, real NIXL; the lagging agent's
+connection goes through a loopback proxy the test cuts while six events pass its log's bound of four."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rendezvous.clients import AsyncRendezvousClient, TransferMode, TransferState
+from rendezvous.clients._types import Resynced, SessionEvent
+from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
+from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.testing import start_test_server
+from rendezvous.core.limits import Limits
+from tests.clients.conftest import WAIT, TcpProxy, client_config
+from tests.nixl.test_producer_parts import LAYOUT
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+
+TRANSFERS = 6
+
+
+async def test_assignments_lost_with_the_watch_s_events_are_written_after_the_resync() -> None:
+    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
+    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    async with (
+        start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy = TcpProxy(server.port)
+        await proxy.start()
+        try:
+            async with AsyncRendezvousClient(client_config(proxy.address)) as proxied:
+                producer = ProducerAgent(proxied, "p0", "prefill", kv, layout=LAYOUT)
+                consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=results.put_nowait)
+                resynced = asyncio.Event()
+                handle = producer.handle_event
+
+                async def seen(item: SessionEvent) -> None:
+                    await handle(item)
+                    if isinstance(item, Resynced):
+                        resynced.set()
+
+                producer.handle_event = seen  # type: ignore[method-assign]
+                await producer.start()
+                await consumer.start()
+                try:
+                    ids = [f"t{i}" for i in range(TRANSFERS)]
+                    for i, t in enumerate(ids):
+                        assert (await producer.claim(t)).state is TransferState.CLAIMED
+                        producer.ready(t, [i])
+                    proxy.refuse(True)
+                    proxy.cut()  # the producer's watch is away while 6 assignments pass its log's 4 events
+                    for i, t in enumerate(ids):
+                        assert (await consumer.register_target(t, [7 - i])).state is TransferState.MATCHED
+                    proxy.refuse(False)
+                    await asyncio.wait_for(resynced.wait(), WAIT)
+                    arrived = [await asyncio.wait_for(results.get(), WAIT) for _ in ids]
+                finally:
+                    await producer.close()
+                    await consumer.close()
+        finally:
+            await proxy.close()
+    assert sorted(r.transfer_id for r in arrived) == ids and all(r.ok for r in arrived)
+    for d, s in zip(decode, kv, strict=True):
+        assert all(torch.equal(d[7 - i], s[i]) for i in range(TRANSFERS))
+
+
+async def test_sources_made_ready_with_the_watch_s_events_lost_are_read_after_the_resync() -> None:
+    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
+    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    async with (
+        start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy = TcpProxy(server.port)
+        await proxy.start()
+        try:
+            async with AsyncRendezvousClient(client_config(proxy.address)) as proxied:
+                producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT, serve_reads=True)
+                consumer = ConsumerAgent(proxied, "d0", "decode", decode, layout=LAYOUT, on_result=results.put_nowait)
+                resynced = asyncio.Event()
+                handle = consumer.handle_event
+
+                async def seen(item: SessionEvent) -> None:
+                    await handle(item)
+                    if isinstance(item, Resynced):
+                        resynced.set()
+
+                consumer.handle_event = seen  # type: ignore[method-assign]
+                await producer.start()
+                await consumer.start()
+                try:
+                    ids = [f"t{i}" for i in range(TRANSFERS)]
+                    for i, t in enumerate(ids):
+                        registered = await consumer.register_target(t, [7 - i], mode=TransferMode.PULL)
+                        assert registered.state is TransferState.TARGETED
+                    proxy.refuse(True)
+                    proxy.cut()  # the consumer's watch is away while 6 sources become ready
+                    for i, t in enumerate(ids):
+                        assert (await producer.claim(t)).state is TransferState.MATCHED
+                        producer.ready(t, [i], mode=TransferMode.PULL)
+                    await eventually_ready(client, ids)
+                    proxy.refuse(False)
+                    await asyncio.wait_for(resynced.wait(), WAIT)
+                    arrived = [await asyncio.wait_for(results.get(), WAIT) for _ in ids]
+                finally:
+                    await producer.close()
+                    await consumer.close()
+        finally:
+            await proxy.close()
+    assert sorted(r.transfer_id for r in arrived) == ids and all(r.ok for r in arrived)
+    for d, s in zip(decode, kv, strict=True):
+        assert all(torch.equal(d[7 - i], s[i]) for i in range(TRANSFERS))
+
+
+async def eventually_ready(client: AsyncRendezvousClient, ids: list[str]) -> None:
+    """Until the service holds every transfer's source blocks (MarkSourcesReady is batched in the background)."""
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while not all([(await client.get_transfer(t)).source_block_ids for t in ids]):
+        assert asyncio.get_running_loop().time() < deadline, "the sources were never marked ready"
+        await asyncio.sleep(0.01)
