@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -70,7 +71,8 @@ async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: Server
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = pb_grpc.RendezvousServiceStub(channel)
-            await stub.RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER))
+            # The longest lease: the engine must still be counted when the gauges are read, however slow the machine.
+            await stub.RegisterEngine(engine_request("d1", pb.ENGINE_ROLE_CONSUMER, lease_ttl=Duration(seconds=300)))
             await stub.RegisterTargets(
                 pb.RegisterTargetsRequest(engine_id="d1", targets=[pb.TargetSpec(transfer_id="t", block_ids=[1])])
             )
@@ -86,9 +88,8 @@ async def test_metrics_endpoint_reports_rpcs_and_transfers(server_config: Server
         assert "kv_rendezvous_match_wait_seconds_bucket" in body
         # The memory budget's gauges follow the store (refreshed every health_interval).
         used = 'kv_rendezvous_budget_used{budget="engines"} 1.0'
-        for _ in range(100):
-            if used in body:
-                break
+        deadline = asyncio.get_running_loop().time() + 30  # a wait that must succeed: the refresh is every 0.05 s
+        while used not in body and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
             body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
         assert used in body and 'kv_rendezvous_budget_used{budget="live_blocks"} 0.0' in body
