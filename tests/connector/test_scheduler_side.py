@@ -108,3 +108,36 @@ def test_a_prefill_leg_is_claimed_at_once_and_its_blocks_are_held_until_the_writ
     assert producer.kv_cache_manager.block_pool.get_num_free_blocks() == free  # held: the WRITE reads them
     producer.update_from_output(step, vb.model_output([], finished_sending={"r1"}))
     assert producer.kv_cache_manager.block_pool.get_num_free_blocks() == free + len(prompt_blocks)
+
+
+def test_two_decode_requests_with_one_transfer_id_register_it_once(vb: ModuleType, consumer: Any) -> None:
+    """Requests sharing a transfer id (a completion with `n` > 1: vLLM gives every child its parent's
+    kv_transfer_params; or a client reusing an id) must not both wait for one transfer: the worker pairs a
+    transfer with one request, so the other would wait forever while another request's result made it decode
+    from blocks nothing wrote. The first receives the KV, the others compute their prompt here."""
+    from vllm.v1.request import RequestStatus
+
+    first, second = vb.request("r1", 40, "t1"), vb.request("r2", 40, "t1")
+    consumer.add_request(first)
+    consumer.add_request(second)
+    step = consumer.schedule()
+    assert [target[:2] for target in step.kv_connector_metadata.targets] == [("r1", "t1")]
+    assert first.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert step.num_scheduled_tokens.get("r2") == 40  # computed locally, at once
+    consumer.update_from_output(step, vb.model_output([second], finished_recving={"r1"}))
+    consumer.finish_requests("r2", RequestStatus.FINISHED_ABORTED)  # r2 ending does not abort r1's transfer
+    assert not consumer.schedule().kv_connector_metadata.aborts
+
+
+def test_two_prefill_requests_with_one_transfer_id_claim_it_once(vb: ModuleType, producer: Any) -> None:
+    """The producer side of the same: one claim, one write (from the first request's blocks), the other request
+    runs as on a plain engine and frees its blocks when it ends."""
+    first, second = vb.request("r1", 40, "t1", max_tokens=1), vb.request("r2", 40, "t1", max_tokens=1)
+    producer.add_request(first)
+    producer.add_request(second)
+    step = producer.schedule()
+    assert step.kv_connector_metadata.claims == [("r1", "t1")]
+    producer.update_from_output(step, vb.model_output([first, second]))
+    meta = producer.schedule().kv_connector_metadata
+    assert [ready[:2] for ready in meta.ready] == [("r1", "t1")] and not meta.aborts
+    assert "r2" not in producer.requests and "r1" in producer.requests  # r2's blocks freed at once; r1's held

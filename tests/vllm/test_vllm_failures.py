@@ -181,3 +181,24 @@ def test_decode_preemption_keeps_outputs_exact(
     assert recompute_decode.metric("vllm:num_preemptions_total") > preemptions_before  # it did happen
     assert texts == expected
     wait_blocks_free(prefill, recompute_decode)
+
+
+def test_a_completion_with_n_children_sharing_one_transfer_id(
+    engines: tuple[Engine, Engine, Engine], rendezvous: TestServer
+) -> None:
+    """`n` = 2 on both legs: vLLM gives both children of each leg the same kv_transfer_params. One child per
+    engine carries the transfer, the other computes the prompt locally: both choices answer the plain engine's
+    text, none waits for a transfer another child received, and no block stays held."""
+    prefill, decode, reference = engines
+    prompt = token_prompt(2 * BLOCK_SIZE + 9, seed=4545)
+    # n > 1 needs a non-zero temperature in vLLM; top_k 1 keeps it greedy.
+    greedy_n = {"n": 2, "temperature": 1.0, "top_k": 1}
+    params: dict[str, Any] = {"kv_transfer_params": {"transfer_id": uuid.uuid4().hex}, **greedy_n}
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(prefill.complete, prompt, 1, **params)
+        d = pool.submit(decode.complete, prompt, 8, **params)
+        p.result()
+        choices = d.result()["choices"]
+    expected = reference_text(reference, prompt, 8)
+    assert [choice["text"] for choice in choices] == [expected, expected]
+    wait_blocks_free(prefill, decode)
