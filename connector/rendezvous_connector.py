@@ -301,6 +301,8 @@ class _SchedulerSide:
         """Both: transfer id -> the one request that carries it here, until that request ended (producer: and its
         WRITE ended). The worker pairs a transfer with one request, so another request with the same id (a
         completion's `n` > 1 children share kv_transfer_params; a client reusing an id) runs as a plain one."""
+        self.held: dict[str, str] = {}
+        """`holder` the other way round: request id -> the transfer id it carries."""
 
     def _taken(self, request: Request, transfer_id: str) -> bool:
         """Whether another live request of this engine carries transfer_id (this one then runs as a plain one)."""
@@ -315,7 +317,12 @@ class _SchedulerSide:
         )
         return True
 
-    def _release(self, request_id: str, transfer_id: str | None) -> None:
+    def _hold(self, request_id: str, transfer_id: str) -> None:
+        self.holder[transfer_id] = request_id
+        self.held[request_id] = transfer_id
+
+    def _release(self, request_id: str) -> None:
+        transfer_id = self.held.pop(request_id, None)
         if transfer_id is not None and self.holder.get(transfer_id) == request_id:
             del self.holder[transfer_id]
 
@@ -333,7 +340,7 @@ class _SchedulerSide:
         if self.producer or transfer_id is None or num_external_tokens <= 0 or request.request_id in self.consumed:
             return
         self.consumed.add(request.request_id)
-        self.holder[transfer_id] = request.request_id
+        self._hold(request.request_id, transfer_id)
         prompt_len = len(request.prompt_token_ids or ())
         first = (prompt_len - num_external_tokens) // self.block_size
         block_ids = list(blocks.get_block_ids()[0][first : _cdiv(prompt_len, self.block_size)])
@@ -345,7 +352,7 @@ class _SchedulerSide:
     def new_request(self, request: Request) -> None:
         transfer_id = _transfer_id(request)
         if self.producer and transfer_id is not None and not self._taken(request, transfer_id):
-            self.holder[transfer_id] = request.request_id
+            self._hold(request.request_id, transfer_id)
             self.meta.claims.append((request.request_id, transfer_id))
             self._trace(request, transfer_id)
             self.transfer_of[request.request_id] = transfer_id
@@ -408,16 +415,16 @@ class _SchedulerSide:
         self.chunked.pop(request_id, None)
         transfer_id = self.transfer_of.pop(request_id, None)
         if transfer_id is None:
-            self._release(request_id, _transfer_id(request))
+            self._release(request_id)
             return False, None
         if not self.producer:  # still waiting for its KV: the scheduler keeps the blocks until we report it
-            self._release(request_id, transfer_id)
+            self._release(request_id)
             self.meta.aborts.append((request_id, transfer_id))
             return False, None
         prompt_blocks = _cdiv(request.num_prompt_tokens, self.block_size)
         done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not done or len(block_ids) < prompt_blocks:
-            self._release(request_id, transfer_id)
+            self._release(request_id)
             self.meta.aborts.append((request_id, transfer_id))
             return False, None
         self.meta.ready.append((request_id, transfer_id, list(block_ids[:prompt_blocks]), request.num_prompt_tokens))
@@ -428,8 +435,7 @@ class _SchedulerSide:
     def update(self, output: KVConnectorOutput) -> None:
         for request_id in output.finished_sending or ():
             self.sending.discard(request_id)
-            for transfer_id in [t for t, holder in self.holder.items() if holder == request_id]:
-                del self.holder[transfer_id]  # its WRITE ended: the id is free again
+            self._release(request_id)  # its WRITE ended: the id is free again
         for request_id in output.finished_recving or ():
             self.transfer_of.pop(request_id, None)
         if not self.producer:
