@@ -44,6 +44,36 @@ def _env(name: str, default: Any) -> Any:
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BadEnv:
+    """The default of a flag whose environment variable holds a value the flag's type refuses. The parser is
+    built for every command, so the variable is reported (exit 2) only when the command that has the flag runs."""
+
+    variable: str
+    value: str
+    error: str
+
+
+def _env_default(name: str, default: Any, type: Callable[[str], Any]) -> Any:
+    """The flag's default: its environment variable's value converted by `type`, else `default`."""
+    variable = ENV_PREFIX + name.upper().replace("-", "_")
+    value = os.environ.get(variable)
+    if value is None:
+        return default
+    try:
+        return type(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
+        return _BadEnv(variable, value, str(err))
+
+
+def _check_env(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first environment variable of the parsed command whose value is invalid."""
+    for dest, value in vars(args).items():
+        if isinstance(value, _BadEnv):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{value.variable}={value.value!r} (the default of {flag}): {value.error}")
+
+
 def _flag(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     name: str,
@@ -54,7 +84,7 @@ def _flag(
     env = ENV_PREFIX + name.upper().replace("-", "_")
     parser.add_argument(
         f"--{name}",
-        default=type(_env(name, default)) if default is not None else _env(name, None),
+        default=_env_default(name, None if default is None else type(default), type),
         type=type,
         help=f"{help} (env {env}; default {default})",
     )
@@ -77,7 +107,7 @@ def _switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str
         f"--{name}",
         nargs="?",
         const=True,
-        default=_bool(_env(name, False)),
+        default=_env_default(name, False, _bool),
         type=_bool,
         help=f"{help} (env {env}; default False)",
     )
@@ -207,7 +237,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             g.add_argument(
                 f"--{name}",
                 type=kind,
-                default=kind(os.environ.get(env, str(f.default))),
+                default=_env_default(f.name, kind(f.default), kind),
                 help=f"(env {env}; default {f.default})",
             )
 
@@ -507,7 +537,7 @@ def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParse
             help=f"server address (env {ENV_PREFIX}ADDRESS; default {DEFAULT_ADDRESS})",
         )
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
-        p.add_argument("--tls", action="store_true", default=_bool(_env("tls", False)), help="connect with TLS")
+        p.add_argument("--tls", action="store_true", default=_env_default("tls", False, _bool), help="connect with TLS")
         for flag, text in (
             ("ca", "CA bundle that signs the server certificate (implies --tls)"),
             ("client-cert", "client certificate for mTLS"),
@@ -554,6 +584,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return conformance_main(rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        _check_env(args)
+    except ValueError as err:
+        print(f"kv-rendezvous {args.command}: error: {err}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
         from rendezvous.store.base import StoreUnavailableError
