@@ -443,18 +443,27 @@ def _ago(ts: Any) -> str:
     return f"{time.time() - ts.ToNanoseconds() / 1e9:.1f}s ago"
 
 
-def _pem(value: str | None) -> bytes | None:
-    """PEM bytes from PEM text or from the file a path names."""
+class _UsageError(ValueError):
+    """A flag's file that cannot be read, or flags that contradict each other: exit 2."""
+
+
+def _pem(flag: str, value: str | None) -> bytes | None:
+    """PEM bytes from PEM text or from the file a path names; ValueError naming the flag if it cannot be read."""
     if value is not None and "-----BEGIN" not in value:
-        with open(value, "rb") as f:
-            return f.read()
+        try:
+            with open(value, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise _UsageError(f"--{flag} {value}: {err.strerror or err}") from None
     return None if value is None else value.encode()
 
 
 def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials:
     if (args.client_cert is None) != (args.client_key is None):
-        raise ValueError("a client certificate needs its key, and a key its certificate")
-    return grpc.ssl_channel_credentials(_pem(args.ca), _pem(args.client_key), _pem(args.client_cert))
+        raise _UsageError("--client-cert and --client-key go together (mTLS)")
+    return grpc.ssl_channel_credentials(
+        _pem("ca", args.ca), _pem("client-key", args.client_key), _pem("client-cert", args.client_cert)
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -698,6 +707,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         return _inspect(args)
+    except _UsageError as err:
+        print(f"kv-rendezvous {args.command}: error: {err}", file=sys.stderr)
+        return 2
     except grpc.RpcError as err:
         print(f"kv-rendezvous: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

@@ -133,3 +133,17 @@ def test_inspection_refuses_a_value_out_of_its_flags_range(
 ) -> None:
     err = refused(["transfers", "--address", server.address, flag, value], capsys)
     assert flag in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--ca", "/nonexistent/ca.pem"], "--ca /nonexistent/ca.pem: No such file or directory"),
+        (["--client-cert", "/nonexistent/c.pem", "--client-key", "/nonexistent/k.pem"], "/nonexistent/k.pem"),
+        (["--client-cert", "/nonexistent/c.pem"], "--client-cert and --client-key go together"),
+    ],
+)
+def test_inspection_names_a_tls_flag_it_cannot_use(
+    flags: list[str], says: str, server: TestServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert says in refused(["status", "--address", server.address, *flags], capsys)
