@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import grpc
 
@@ -44,6 +44,36 @@ def _env(name: str, default: Any) -> Any:
     return os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"), default)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BadEnv:
+    """The default of a flag whose environment variable holds a value the flag's type refuses. The parser is
+    built for every command, so the variable is reported (exit 2) only when the command that has the flag runs."""
+
+    variable: str
+    value: str
+    error: str
+
+
+def _env_default(name: str, default: Any, type: Callable[[str], Any]) -> Any:
+    """The flag's default: its environment variable's value converted by `type`, else `default`."""
+    variable = ENV_PREFIX + name.upper().replace("-", "_")
+    value = os.environ.get(variable)
+    if value is None:
+        return default
+    try:
+        return type(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
+        return _BadEnv(variable, value, str(err))
+
+
+def _check_env(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first environment variable of the parsed command whose value is invalid."""
+    for dest, value in vars(args).items():
+        if isinstance(value, _BadEnv):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{value.variable}={value.value!r} (the default of {flag}): {value.error}")
+
+
 def _flag(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     name: str,
@@ -54,10 +84,48 @@ def _flag(
     env = ENV_PREFIX + name.upper().replace("-", "_")
     parser.add_argument(
         f"--{name}",
-        default=type(_env(name, default)) if default is not None else _env(name, None),
+        default=_env_default(name, None if default is None else type(default), type),
         type=type,
         help=f"{help} (env {env}; default {default})",
     )
+
+
+INT32_MAX = 2**31 - 1
+"""The largest value gRPC takes for a channel argument (message sizes, windows)."""
+
+
+def _seconds(
+    minimum: float = 0.0, *, positive: bool = False, what: str = "number of seconds"
+) -> Callable[[str], float]:
+    """A flag's type: a finite number (of seconds), at least `minimum` (above it when `positive`)."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < minimum or (positive and value == minimum):
+            bound = f"> {minimum:g}" if positive else f">= {minimum:g}"
+            raise argparse.ArgumentTypeError(f"not a finite {what} {bound}: {text!r}")
+        return value
+
+    return seconds
+
+
+def _count(minimum: int = 0, maximum: int | None = None) -> Callable[[str], int]:
+    """A flag's type: a whole number within minimum..maximum."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" if maximum is None else f"within {minimum}..{maximum}"
+            raise argparse.ArgumentTypeError(f"not {bound}: {text!r}")
+        return value
+
+    return count
 
 
 def _bool(value: str | bool) -> bool:
@@ -70,6 +138,21 @@ def _bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
 
 
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _choice(choices: Sequence[str], convert: Callable[[str], str] = str) -> Callable[[str], str]:
+    """A variable's type for a flag with choices (argparse checks only the command line's)."""
+
+    def choice(text: str) -> str:
+        if (value := convert(text)) not in choices:
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(choices)})")
+        return value
+
+    return choice
+
+
 def _switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, help: str) -> None:
     """A boolean flag, off by default: `--NAME` turns it on, `--NAME=off` off, and so does its variable."""
     env = ENV_PREFIX + name.upper().replace("-", "_")
@@ -77,7 +160,7 @@ def _switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str
         f"--{name}",
         nargs="?",
         const=True,
-        default=_bool(_env(name, False)),
+        default=_env_default(name, False, _bool),
         type=_bool,
         help=f"{help} (env {env}; default False)",
     )
@@ -95,9 +178,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "plaintext grpc.health.v1-only address host:port, answered off the serving loop: point probes here; "
         "'off' disables",
     )
-    _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", float)
-    _flag(p, "grace", 5.0, "seconds running calls then get to finish", float)
-    _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps", float)
+    _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", _seconds())
+    _flag(p, "grace", 5.0, "seconds running calls then get to finish", _seconds())
+    _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps; > 0", _seconds(positive=True))
     _flag(
         p,
         "idempotency-ttl",
@@ -108,8 +191,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _switch(
         p, "tracing", "export OpenTelemetry traces (OTEL_EXPORTER_OTLP_ENDPOINT; the tracing extra; docs/operations.md)"
     )
-    _flag(p, "log-format", "text", "log format: text or json")
-    _flag(p, "log-level", "info", "log level")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_env_default("log-format", "text", _choice(LOG_FORMATS)),
+        help=f"log format (env {ENV_PREFIX}LOG_FORMAT; default text)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        type=str.lower,
+        default=_env_default("log-level", "info", _choice(LOG_LEVELS, str.lower)),
+        help=f"log level (env {ENV_PREFIX}LOG_LEVEL; default info)",
+    )
     g = p.add_argument_group("security (docs/security.md)")
     _flag(g, "tls-cert", None, "serve TLS with this certificate chain (file path or PEM; re-read when it changes)")
     _flag(g, "tls-key", None, "the certificate's private key (file path or PEM)")
@@ -122,7 +216,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "JSON file binding tokens and certificate names to identities (re-read when it changes, and on SIGHUP); "
         "unset: no auth",
     )
-    _flag(g, "min-token-bytes", 16, "refuse to start if the auth file names a shorter token in the clear", int)
+    _flag(g, "min-token-bytes", 16, "refuse to start if the auth file names a shorter token in the clear", _count(1))
     _switch(
         g,
         "strict-identities",
@@ -140,16 +234,17 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         g,
         "max-message-bytes",
         DEFAULT_MAX_MESSAGE_BYTES,
-        "largest request (and response) message; a larger request is refused unread with RESOURCE_EXHAUSTED",
-        int,
+        "largest request (and response) message; a larger request is refused unread with RESOURCE_EXHAUSTED; "
+        f"1..{INT32_MAX}",
+        _count(1, INT32_MAX),
     )
     _flag(
         g,
         "receive-window-bytes",
         DEFAULT_RECEIVE_WINDOW_BYTES,
         "each call's HTTP/2 receive window: what a call refused before its request is read may still send "
-        "(0: gRPC's own, grown by bandwidth-delay probing)",
-        int,
+        f"(0: gRPC's own, grown by bandwidth-delay probing); at most {INT32_MAX}",
+        _count(0, INT32_MAX),
     )
     # The defaults of CallLimits (rendezvous.server.quotas; tests/security/test_defaults.py keeps them equal).
     _flag(
@@ -158,23 +253,31 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         None,
         "calls per second per caller (identity, else peer host), KeepAlive messages included; 0: unlimited; "
         "unset: 10000 with --auth-file, unlimited without",
-        float,
+        _seconds(what="rate"),
     )
-    _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", int)
-    _flag(g, "rate-cost-bytes", 65_536, "a call costs one more per started N bytes of request; 0: one each", int)
-    _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller (they wait on Redis); 0: unlimited", int)
-    _flag(g, "max-streams", 1_024, "open Watch and KeepAlive streams per caller; 0: unlimited", int)
-    _flag(g, "refusal-rate", 5.0, "unauthenticated calls per second per peer host; 0: unlimited", float)
-    _flag(g, "refusal-burst", 50, "burst of unauthenticated calls above --refusal-rate", int)
-    _flag(g, "max-calls-in-progress", 32, "unary calls served at once; the next turn goes round robin by caller", int)
-    _flag(g, "max-waiting-calls", 256, "unary calls per caller waiting for a turn; beyond: refused, retry hint", int)
+    _flag(g, "rate-burst", 0, "burst of calls above --rate-limit; 0: one second's worth", _count())
+    _flag(g, "rate-cost-bytes", 65_536, "a call costs one more per started N bytes of request; 0: one each", _count())
+    _flag(g, "max-concurrent-calls", 0, "unary calls in flight per caller (they wait on Redis); 0: unlimited", _count())
+    _flag(g, "max-streams", 1_024, "open Watch and KeepAlive streams per caller; 0: unlimited", _count())
+    _flag(g, "refusal-rate", 5.0, "unauthenticated calls per second per peer host; 0: unlimited", _seconds(what="rate"))
+    _flag(g, "refusal-burst", 50, "burst of unauthenticated calls above --refusal-rate", _count())
+    _flag(
+        g,
+        "max-calls-in-progress",
+        32,
+        "unary calls served at once; the next turn goes round robin by caller",
+        _count(1),
+    )
+    _flag(
+        g, "max-waiting-calls", 256, "unary calls per caller waiting for a turn; beyond: refused, retry hint", _count()
+    )
     _flag(
         g,
         "max-waiting-bytes",
         16 << 20,
         "bytes of a caller's requests waiting for a turn (its first waiting call always may); beyond: refused, "
         "retry hint; 0: no bound",
-        int,
+        _count(),
     )
     _flag(
         g,
@@ -182,7 +285,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         65_536,
         "after a caller's request of at least N bytes is refused as invalid, its requests as large are refused "
         "unread for 10x what that one cost (doubling while it repeats, <= 10 s); 0: off",
-        int,
+        _count(),
     )
     _flag(
         g,
@@ -190,7 +293,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         1.0,
         "seconds a call of a caller backing off from its method is held unread before it is refused (or served, "
         "if the back-off ended meanwhile); 0: refused at once",
-        float,
+        _seconds(),
     )
     limits = (
         "Per request: a message over --max-message-bytes is refused unread (RESOURCE_EXHAUSTED); a batch's items "
@@ -201,14 +304,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for group, cls, description in (("timeouts (seconds)", Timeouts, None), ("limits", Limits, limits)):
         g = p.add_argument_group(group, description)
         for f in dataclasses.fields(cls):
-            kind = float if cls is Timeouts else int
+            kind: Callable[[str], Any] = _seconds(positive=True) if cls is Timeouts else _count(1)
             name = f.name.replace("_", "-")
             env = ENV_PREFIX + f.name.upper()
             g.add_argument(
                 f"--{name}",
                 type=kind,
-                default=kind(os.environ.get(env, str(f.default))),
-                help=f"(env {env}; default {f.default})",
+                default=_env_default(f.name, f.default, kind),
+                help=f"(env {env}; default {f.default}; {'> 0' if cls is Timeouts else '>= 1'})",
             )
 
 
@@ -225,6 +328,15 @@ def _config_from(args: argparse.Namespace) -> Any:
         raise ValueError("--allow-unbound needs --binding-key-file (without keys no binding is required)")
     if not math.isfinite(args.idempotency_ttl) or args.idempotency_ttl <= 0:
         raise ValueError(f"--idempotency-ttl must be a positive number of seconds, not {args.idempotency_ttl:g}")
+    if not args.min_lease_ttl <= args.default_lease_ttl <= args.max_lease_ttl:
+        raise ValueError(
+            f"--min-lease-ttl ({args.min_lease_ttl:g}) <= --default-lease-ttl ({args.default_lease_ttl:g}) "
+            f"<= --max-lease-ttl ({args.max_lease_ttl:g}) does not hold"
+        )
+    for flag in ("default_target_timeout", "default_claim_timeout", "default_credit_ttl"):
+        if getattr(args, flag) > args.max_timeout:
+            name = "--" + flag.replace("_", "-")
+            raise ValueError(f"{name} ({getattr(args, flag):g}) is longer than --max-timeout ({args.max_timeout:g})")
     tls = (
         TLSConfig(args.tls_cert, args.tls_key, args.tls_client_ca or None, args.tls_require_client_cert)
         if args.tls_cert
@@ -331,18 +443,27 @@ def _ago(ts: Any) -> str:
     return f"{time.time() - ts.ToNanoseconds() / 1e9:.1f}s ago"
 
 
-def _pem(value: str | None) -> bytes | None:
-    """PEM bytes from PEM text or from the file a path names."""
+class _UsageError(ValueError):
+    """A flag's file that cannot be read, or flags that contradict each other: exit 2."""
+
+
+def _pem(flag: str, value: str | None) -> bytes | None:
+    """PEM bytes from PEM text or from the file a path names; ValueError naming the flag if it cannot be read."""
     if value is not None and "-----BEGIN" not in value:
-        with open(value, "rb") as f:
-            return f.read()
+        try:
+            with open(value, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise _UsageError(f"--{flag} {value}: {err.strerror or err}") from None
     return None if value is None else value.encode()
 
 
 def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials:
     if (args.client_cert is None) != (args.client_key is None):
-        raise ValueError("a client certificate needs its key, and a key its certificate")
-    return grpc.ssl_channel_credentials(_pem(args.ca), _pem(args.client_key), _pem(args.client_cert))
+        raise _UsageError("--client-cert and --client-key go together (mTLS)")
+    return grpc.ssl_channel_credentials(
+        _pem("ca", args.ca), _pem("client-key", args.client_key), _pem("client-cert", args.client_cert)
+    )
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -484,11 +605,21 @@ def _add_entry_point_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
         command.load()(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: serve's usage alone is 80 lines, which buried the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParser:
     """The kv-rendezvous argument parser; with `entry_point_commands`, also the subcommands of other packages."""
-    parser = argparse.ArgumentParser(prog="kv-rendezvous", description=__doc__)
+    parser = _Parser(prog="kv-rendezvous", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True, parser_class=_Parser),
+    )
     _add_serve(sub)
     if entry_point_commands:
         _add_entry_point_commands(sub)
@@ -506,8 +637,10 @@ def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParse
             default=_env("address", DEFAULT_ADDRESS),
             help=f"server address (env {ENV_PREFIX}ADDRESS; default {DEFAULT_ADDRESS})",
         )
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server")
-        p.add_argument("--tls", action="store_true", default=_bool(_env("tls", False)), help="connect with TLS")
+        p.add_argument(
+            "--timeout", type=_seconds(positive=True), default=5.0, help="seconds to wait for the server; > 0"
+        )
+        p.add_argument("--tls", action="store_true", default=_env_default("tls", False, _bool), help="connect with TLS")
         for flag, text in (
             ("ca", "CA bundle that signs the server certificate (implies --tls)"),
             ("client-cert", "client certificate for mTLS"),
@@ -529,7 +662,7 @@ def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParse
                 choices=["targeted", "claimed", "matched", "committed", "released", "aborted"],
                 help="only these states (repeatable; default: live states)",
             )
-            p.add_argument("--limit", type=int, default=100, help="at most this many rows")
+            p.add_argument("--limit", type=_count(1), default=100, help="at most this many rows; >= 1")
             p.add_argument(
                 "--timeline",
                 metavar="ID",
@@ -554,17 +687,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return conformance_main(rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        _check_env(args)
+    except ValueError as err:
+        print(f"kv-rendezvous {args.command}: error: {err}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
+        from rendezvous.server.app import ListenError
         from rendezvous.store.base import StoreUnavailableError
 
         try:
             return asyncio.run(_serve(args))
+        except ListenError as err:
+            print(f"kv-rendezvous: --{err.setting.replace('_', '-')} {err.address}: {err.reason}", file=sys.stderr)
+            return 2
         except (ValueError, OSError, StoreUnavailableError) as err:
             print(f"kv-rendezvous: {err}", file=sys.stderr)
             return 2
     try:
         return _inspect(args)
+    except _UsageError as err:
+        print(f"kv-rendezvous {args.command}: error: {err}", file=sys.stderr)
+        return 2
     except grpc.RpcError as err:
         print(f"kv-rendezvous: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

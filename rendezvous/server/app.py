@@ -106,6 +106,39 @@ def _split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+class ListenError(OSError):
+    """An address the server cannot listen on. `setting` names its ServerConfig field (listen, metrics_listen,
+    health_listen), so that the CLI can name the flag."""
+
+    def __init__(self, setting: str, address: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {address}: {reason}")
+        self.setting = setting
+        self.address = address
+        self.reason = reason
+
+
+def _checked_address(setting: str, address: str) -> str:
+    """`address` if it is host:port with a port in 0..65535 (gRPC takes 99999 as 34463), else ListenError."""
+    _, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or int(port) > 65_535:
+        raise ListenError(setting, address, "not host:port with a port in 0..65535")
+    return address
+
+
+def _bind(setting: str, address: str, bind: Callable[[str], int]) -> int:
+    """The port `bind` bound at address; ListenError, with the reason, if it bound none."""
+    try:
+        port = bind(_checked_address(setting, address))
+    except ListenError:
+        raise
+    except (OSError, RuntimeError) as err:  # gRPC raises RuntimeError, prometheus_client OSError
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else "the address is in use or not local"
+        raise ListenError(setting, address, reason) from None
+    if not port:
+        raise ListenError(setting, address, "the address is in use or not local")
+    return port
+
+
 class RendezvousServer:
     """One server replica. `start()`, then `stop()`; `address` is known once started.
 
@@ -200,24 +233,28 @@ class RendezvousServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, INDEX_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        if self.certificates is not None:
-            self.port = server.add_secure_port(cfg.listen, self.certificates.credentials())
-        else:
-            self.port = server.add_insecure_port(cfg.listen)
-        if not self.port:
-            raise OSError(f"cannot listen on {cfg.listen}")
-        await server.start()
-        self._server = server
-        if cfg.health_listen:
-            self._health_port = HealthPort(cfg.health_listen)
-            self.health_port = self._health_port.start()
-        await self._set_serving(await self.store.ping())
-        # "liveness" answers SERVING while the process serves at all: a store outage or a drain turns the
-        # server NOT_SERVING (readiness) but must not get it restarted.
-        await self._set_health(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.metrics_listen:
-            host, port = _split_host_port(cfg.metrics_listen)
-            self.metrics_port = self.metrics.serve(host, port)
+        try:
+            if self.certificates is not None:
+                credentials = self.certificates.credentials()
+                self.port = _bind("listen", cfg.listen, lambda address: server.add_secure_port(address, credentials))
+            else:
+                self.port = _bind("listen", cfg.listen, server.add_insecure_port)
+            await server.start()
+            self._server = server
+            if cfg.health_listen:
+                health_port = self._health_port = HealthPort(cfg.health_listen)
+                self.health_port = _bind("health_listen", cfg.health_listen, lambda _: health_port.start())
+            await self._set_serving(await self.store.ping())
+            # "liveness" answers SERVING while the process serves at all: a store outage or a drain turns the
+            # server NOT_SERVING (readiness) but must not get it restarted.
+            await self._set_health(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+            if cfg.metrics_listen:
+                self.metrics_port = _bind(
+                    "metrics_listen", cfg.metrics_listen, lambda address: self.metrics.serve(*_split_host_port(address))
+                )
+        except BaseException:
+            await self._abandon(server)
+            raise
         self._tasks = [asyncio.create_task(self._sweep_loop()), asyncio.create_task(self._health_loop())]
         log.info(
             "serving",
@@ -278,6 +315,17 @@ class RendezvousServer:
                 await self._set_serving(up)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self.config.health_interval)
+
+    async def _abandon(self, server: grpc.aio.Server) -> None:
+        """Undo a start that failed: no server, port, store connection (nor their warnings at exit) stay behind."""
+        self._stopping.set()
+        await server.stop(0)
+        self._server = None
+        if self._health_port is not None:
+            await asyncio.to_thread(self._health_port.stop)
+            self._health_port = None
+        self.metrics.close()
+        await self.store.close()
 
     async def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, keep serving for `drain` seconds so load balancers move away, then stop

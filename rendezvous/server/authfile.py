@@ -141,6 +141,8 @@ def _identity(name: str, entry: Any, charged_as: str) -> Identity:
     keys = ("engines", "pools", "roles", "engine_roles", "engine_pools")
     if unknown := set(entry) - {"name", *keys}:
         raise ValueError(f"auth file: identity {name!r} has unknown keys {sorted(unknown)}")
+    if not isinstance(entry.get("name", name), str) or not entry.get("name", name):
+        raise ValueError(f"auth file: the name of identity {name!r} must be a non-empty string")
     lists = {k: entry.get(k, []) for k in keys}
     for key, value in lists.items():
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
@@ -160,6 +162,30 @@ def _identity(name: str, entry: Any, charged_as: str) -> Identity:
         engine_pools=tuple(lists["engine_pools"]),
         key=charged_as,
     )
+
+
+_PUBLIC_KEYS = frozenset(
+    {"tokens", "certificates", "name", "engines", "pools", "roles", "engine_roles", "engine_pools"}
+)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's members, refusing a key given twice (json keeps the last one silently)."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            # A token in the clear is a secret: say how long, not what it is.
+            shown = repr(key[:24]) if key in _PUBLIC_KEYS or key.startswith("sha256:") else f"({len(key)} bytes)"
+            raise ValueError(f"a key {shown} is given twice in one object; JSON would keep only the last")
+        seen[key] = value
+    return seen
+
+
+def _members(doc: Mapping[str, Any], section: str, path: str) -> Mapping[str, Any]:
+    value = doc.get(section, {})
+    if not isinstance(value, Mapping):
+        raise ValueError(f"auth file {path}: {section!r} must be an object")
+    return value
 
 
 def _token_digest(key: str, min_token_bytes: int) -> str:
@@ -207,18 +233,29 @@ class AuthPolicy:
         mtime = os.stat(self.path).st_mtime_ns
         with open(self.path, encoding="utf-8") as f:
             try:
-                doc = json.load(f)
+                doc = json.load(f, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as err:
                 raise ValueError(f"auth file {self.path} is not JSON: {err.msg} at line {err.lineno}") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"auth file {self.path} is not UTF-8 text") from None
+            except ValueError as err:
+                raise ValueError(f"auth file {self.path}: {err}") from None
         if not isinstance(doc, Mapping) or set(doc) - {"tokens", "certificates"}:
             raise ValueError(f"auth file {self.path}: expected an object with 'tokens' and/or 'certificates'")
         tokens: dict[str, Identity] = {}
-        for n, (key, entry) in enumerate(dict(doc.get("tokens", {})).items()):
+        for n, (key, entry) in enumerate(_members(doc, "tokens", self.path).items()):
             hex_digest = _token_digest(key, self.min_token_bytes)
-            tokens[hex_digest] = _identity(f"token-{n}", entry, "token:" + hex_digest[:32])
+            identity = _identity(f"token-{n}", entry, "token:" + hex_digest[:32])
+            if hex_digest in tokens:
+                # The same token in the clear and as sha256: (or in two cases of hex): one would silently win.
+                raise ValueError(
+                    f"auth file {self.path}: identities {tokens[hex_digest].name!r} and {identity.name!r} have the "
+                    "same token"
+                )
+            tokens[hex_digest] = identity
         certificates = {
             name: _identity(name, entry, "certificate:" + name)
-            for name, entry in dict(doc.get("certificates", {})).items()
+            for name, entry in _members(doc, "certificates", self.path).items()
         }
         self._check_bound([*tokens.values(), *certificates.values()])
         changed = (tokens, certificates) != (self._tokens, self._certificates)

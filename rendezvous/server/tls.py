@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import ssl
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -66,6 +68,36 @@ class _Source:
             return f.read()
 
 
+def _named(value: str) -> str:
+    return "(PEM text)" if is_pem(value) else value
+
+
+def _check(cert: bytes, key: bytes, ca: bytes | None, config: TLSConfig) -> None:
+    """ValueError unless cert is PEM whose key is key, and ca PEM certificates: gRPC takes anything here and then
+    fails to bind ('Failed to bind to address'), or reports only TSI_INVALID_ARGUMENT on its log."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory(prefix="kv-rendezvous-tls-") as folder:  # load_cert_chain reads files only
+        cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+        for path, data in ((cert_path, cert), (key_path, key)):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(data)
+        try:
+            # An encrypted key would prompt on the terminal: gRPC cannot use one, so no password.
+            context.load_cert_chain(cert_path, key_path, password=lambda: b"")
+        except ssl.SSLError as err:
+            raise ValueError(
+                f"TLS certificate {_named(config.cert)} and key {_named(config.key)} are not a PEM certificate chain "
+                f"and its unencrypted private key: {err.reason or err}"
+            ) from None
+    if ca is not None and config.client_ca is not None:
+        try:
+            context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+        except ssl.SSLError as err:
+            raise ValueError(
+                f"TLS client CA {_named(config.client_ca)} is not PEM certificates: {err.reason or err}"
+            ) from None
+
+
 class CertificateReloader:
     """Builds the server credentials and answers gRPC's per-handshake request for fresh certificates."""
 
@@ -83,6 +115,7 @@ class CertificateReloader:
     def _load(self) -> grpc.ServerCertificateConfiguration:
         ca = self._ca.read() if self._ca is not None else None
         pair = (self._key.read(), self._cert.read())
+        _check(pair[1], pair[0], ca, self.config)
         self.loads += 1
         return grpc.ssl_server_certificate_configuration([pair], root_certificates=ca)
 
