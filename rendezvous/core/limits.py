@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 """The largest request message a server reads (`--max-message-bytes`; larger: RESOURCE_EXHAUSTED, unread). It is
@@ -124,6 +125,12 @@ class Limits:
     that depth. The default is max_index_query_engines x max_index_query_blocks: a query naming its engines is never
     cut."""
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"limit {f.name} must be a whole number >= 1, not {value!r}")
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -139,3 +146,14 @@ class Timeouts:
     tombstone_ttl: float = 300.0
     default_credit_ttl: float = 30.0
     """How long an unspent credit reservation lasts when ReserveCredits names no ttl (max: max_timeout)."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"timeout {f.name} must be a finite number of seconds > 0, not {value!r}")
+        if not self.min_lease_ttl <= self.default_lease_ttl <= self.max_lease_ttl:
+            raise ValueError(
+                f"lease TTLs must be ordered min <= default <= max, not {self.min_lease_ttl:g} <= "
+                f"{self.default_lease_ttl:g} <= {self.max_lease_ttl:g}"
+            )
