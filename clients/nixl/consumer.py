@@ -549,12 +549,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         target = self._targets.get(info.transfer_id)
         if target is None or target.arrived or target.generation != info.generation:
             return
-        try:
-            peer = await self.engine_session.client.get_engine(info.producer_engine_id)
-        except RendezvousError as e:
-            logger.warning("transfer %s: its producer could not be read after a resync: %s", info.transfer_id, e)
-            return
-        if peer.incarnation == info.producer_incarnation:
+        peer = await self._peer_after_resync(info.producer_engine_id, info.producer_incarnation, info.transfer_id)
+        if peer is not None:
             self._source_ready(Event(EventType.SOURCE_READY, time.time(), info, info.generation, peer))
 
     def _source_ready(self, event: ServerEvent) -> None:

@@ -397,14 +397,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         known = self._assigned.get(info.transfer_id)
         if info.producer_engine_id != self.engine_id or (known is not None and known[1] >= info.generation):
             return
-        try:
-            peer = await self.engine_session.client.get_engine(info.consumer_engine_id)
-        except RendezvousError as e:
-            logger.warning("transfer %s: its consumer could not be read after a resync: %s", info.transfer_id, e)
-            return
-        if peer.incarnation == info.consumer_incarnation:
-            assigned = Event(EventType.TRANSFER_ASSIGNED, time.time(), info, info.generation, peer)
-            self._on_server_event(assigned)
+        peer = await self._peer_after_resync(info.consumer_engine_id, info.consumer_incarnation, info.transfer_id)
+        if peer is not None:
+            self._on_server_event(Event(EventType.TRANSFER_ASSIGNED, time.time(), info, info.generation, peer))
 
     def _on_server_event(self, event: ServerEvent) -> None:
         writer, info = self._writer, event.transfer

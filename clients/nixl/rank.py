@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar, Unpack
@@ -28,16 +29,19 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar, Unpack
 from rendezvous.clients._config import SessionConfig
 from rendezvous.clients._roles import RoleSession
 from rendezvous.clients._session import RankSession
-from rendezvous.clients._types import EngineCapacity, KvLayout, NixlAgentInfo, SessionEvent
+from rendezvous.clients._types import EngineCapacity, EngineInfo, KvLayout, NixlAgentInfo, SessionEvent
 from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.metrics import DataPlaneMetrics
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
+from rendezvous.protocol.errors import RendezvousError
 
 if TYPE_CHECKING:
     import torch
     from prometheus_client import CollectorRegistry
 
 SessionT = TypeVar("SessionT", bound=RoleSession)
+
+logger = logging.getLogger(__name__)
 
 FOLLOWER_CHECK_S = 5.0
 """How often a following rank asks the service about a transfer it holds (a target it expects, a source handed
@@ -216,6 +220,16 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         if session is None:
             raise RuntimeError("the agent is not started")
         return session
+
+    async def _peer_after_resync(self, engine_id: str, incarnation: int, transfer_id: str) -> EngineInfo | None:
+        """A transfer's peer engine as the service has it now, if still the incarnation a resync's listing names
+        (None: gone or replaced since, a loss the service reports by aborting the transfer; or unreadable now)."""
+        try:
+            peer = await self.engine_session.client.get_engine(engine_id)
+        except RendezvousError as e:
+            logger.warning("transfer %s: its peer %s could not be read after a resync: %s", transfer_id, engine_id, e)
+            return None
+        return peer if peer.incarnation == incarnation else None
 
     @property
     def agent_name(self) -> str:

@@ -7,6 +7,9 @@ connection goes through a loopback proxy the test cuts while six events pass its
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -23,107 +26,105 @@ from tests.nixl.test_producer_parts import LAYOUT
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
 TRANSFERS = 6
+IDS = [f"t{i}" for i in range(TRANSFERS)]
+
+
+@dataclasses.dataclass
+class Lagging:
+    """A producer "p0" and a consumer "d0" (one serving pull reads) on a service whose event logs keep 4 events; one
+    of them connects through a proxy the test cuts. `resynced` is set once that one handled its Resynced."""
+
+    producer: ProducerAgent
+    consumer: ConsumerAgent
+    proxy: TcpProxy
+    client: AsyncRendezvousClient
+    results: asyncio.Queue[TransferResult]
+    resynced: asyncio.Event
+    kv: list[torch.Tensor]
+    decode: list[torch.Tensor]
+
+    async def arrived(self) -> None:
+        """Every transfer's result came ok, its bytes in the consumer's blocks: source i in block 7 - i."""
+        results = [await asyncio.wait_for(self.results.get(), WAIT) for _ in IDS]
+        assert sorted(r.transfer_id for r in results) == IDS and all(r.ok for r in results)
+        for d, s in zip(self.decode, self.kv, strict=True):
+            assert all(torch.equal(d[7 - i], s[i]) for i in range(TRANSFERS))
+
+
+@contextlib.asynccontextmanager
+async def lagging(side: str) -> AsyncIterator[Lagging]:
+    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
+    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    resynced = asyncio.Event()
+    async with (
+        start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy = TcpProxy(server.port)
+        await proxy.start()
+        try:
+            async with AsyncRendezvousClient(client_config(proxy.address)) as proxied:
+                producer = ProducerAgent(
+                    proxied if side == "producer" else client, "p0", "prefill", kv, layout=LAYOUT, serve_reads=True
+                )
+                consumer = ConsumerAgent(
+                    proxied if side == "consumer" else client, "d0", "decode", decode, layout=LAYOUT,
+                    on_result=results.put_nowait,
+                )  # fmt: skip
+                watched = producer if side == "producer" else consumer
+                handle = watched.handle_event
+
+                async def seen(item: SessionEvent) -> None:
+                    await handle(item)
+                    if isinstance(item, Resynced):
+                        resynced.set()
+
+                watched.handle_event = seen  # type: ignore[method-assign]
+                await producer.start()
+                await consumer.start()
+                try:
+                    yield Lagging(producer, consumer, proxy, client, results, resynced, kv, decode)
+                finally:
+                    await producer.close()
+                    await consumer.close()
+        finally:
+            await proxy.close()
 
 
 async def test_assignments_lost_with_the_watch_s_events_are_written_after_the_resync() -> None:
-    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
-    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
-    results: asyncio.Queue[TransferResult] = asyncio.Queue()
-    async with (
-        start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
-        AsyncRendezvousClient(client_config(server.address)) as client,
-    ):
-        proxy = TcpProxy(server.port)
-        await proxy.start()
-        try:
-            async with AsyncRendezvousClient(client_config(proxy.address)) as proxied:
-                producer = ProducerAgent(proxied, "p0", "prefill", kv, layout=LAYOUT)
-                consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=results.put_nowait)
-                resynced = asyncio.Event()
-                handle = producer.handle_event
-
-                async def seen(item: SessionEvent) -> None:
-                    await handle(item)
-                    if isinstance(item, Resynced):
-                        resynced.set()
-
-                producer.handle_event = seen  # type: ignore[method-assign]
-                await producer.start()
-                await consumer.start()
-                try:
-                    ids = [f"t{i}" for i in range(TRANSFERS)]
-                    for i, t in enumerate(ids):
-                        assert (await producer.claim(t)).state is TransferState.CLAIMED
-                        producer.ready(t, [i])
-                    proxy.refuse(True)
-                    proxy.cut()  # the producer's watch is away while 6 assignments pass its log's 4 events
-                    for i, t in enumerate(ids):
-                        assert (await consumer.register_target(t, [7 - i])).state is TransferState.MATCHED
-                    proxy.refuse(False)
-                    await asyncio.wait_for(resynced.wait(), WAIT)
-                    arrived = [await asyncio.wait_for(results.get(), WAIT) for _ in ids]
-                finally:
-                    await producer.close()
-                    await consumer.close()
-        finally:
-            await proxy.close()
-    assert sorted(r.transfer_id for r in arrived) == ids and all(r.ok for r in arrived)
-    for d, s in zip(decode, kv, strict=True):
-        assert all(torch.equal(d[7 - i], s[i]) for i in range(TRANSFERS))
+    async with lagging("producer") as pair:
+        for i, t in enumerate(IDS):
+            assert (await pair.producer.claim(t)).state is TransferState.CLAIMED
+            pair.producer.ready(t, [i])
+        pair.proxy.refuse(True)
+        pair.proxy.cut()  # the producer's watch is away while 6 assignments pass its log's 4 events
+        for i, t in enumerate(IDS):
+            assert (await pair.consumer.register_target(t, [7 - i])).state is TransferState.MATCHED
+        pair.proxy.refuse(False)
+        await asyncio.wait_for(pair.resynced.wait(), WAIT)
+        await pair.arrived()
 
 
 async def test_sources_made_ready_with_the_watch_s_events_lost_are_read_after_the_resync() -> None:
-    kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
-    decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
-    results: asyncio.Queue[TransferResult] = asyncio.Queue()
-    async with (
-        start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
-        AsyncRendezvousClient(client_config(server.address)) as client,
-    ):
-        proxy = TcpProxy(server.port)
-        await proxy.start()
-        try:
-            async with AsyncRendezvousClient(client_config(proxy.address)) as proxied:
-                producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT, serve_reads=True)
-                consumer = ConsumerAgent(proxied, "d0", "decode", decode, layout=LAYOUT, on_result=results.put_nowait)
-                resynced = asyncio.Event()
-                handle = consumer.handle_event
-
-                async def seen(item: SessionEvent) -> None:
-                    await handle(item)
-                    if isinstance(item, Resynced):
-                        resynced.set()
-
-                consumer.handle_event = seen  # type: ignore[method-assign]
-                await producer.start()
-                await consumer.start()
-                try:
-                    ids = [f"t{i}" for i in range(TRANSFERS)]
-                    for i, t in enumerate(ids):
-                        registered = await consumer.register_target(t, [7 - i], mode=TransferMode.PULL)
-                        assert registered.state is TransferState.TARGETED
-                    proxy.refuse(True)
-                    proxy.cut()  # the consumer's watch is away while 6 sources become ready
-                    for i, t in enumerate(ids):
-                        assert (await producer.claim(t)).state is TransferState.MATCHED
-                        producer.ready(t, [i], mode=TransferMode.PULL)
-                    await eventually_ready(client, ids)
-                    proxy.refuse(False)
-                    await asyncio.wait_for(resynced.wait(), WAIT)
-                    arrived = [await asyncio.wait_for(results.get(), WAIT) for _ in ids]
-                finally:
-                    await producer.close()
-                    await consumer.close()
-        finally:
-            await proxy.close()
-    assert sorted(r.transfer_id for r in arrived) == ids and all(r.ok for r in arrived)
-    for d, s in zip(decode, kv, strict=True):
-        assert all(torch.equal(d[7 - i], s[i]) for i in range(TRANSFERS))
+    async with lagging("consumer") as pair:
+        for i, t in enumerate(IDS):
+            registered = await pair.consumer.register_target(t, [7 - i], mode=TransferMode.PULL)
+            assert registered.state is TransferState.TARGETED
+        pair.proxy.refuse(True)
+        pair.proxy.cut()  # the consumer's watch is away while 6 sources become ready
+        for i, t in enumerate(IDS):
+            assert (await pair.producer.claim(t)).state is TransferState.MATCHED
+            pair.producer.ready(t, [i], mode=TransferMode.PULL)
+        await eventually_ready(pair.client)
+        pair.proxy.refuse(False)
+        await asyncio.wait_for(pair.resynced.wait(), WAIT)
+        await pair.arrived()
 
 
-async def eventually_ready(client: AsyncRendezvousClient, ids: list[str]) -> None:
+async def eventually_ready(client: AsyncRendezvousClient) -> None:
     """Until the service holds every transfer's source blocks (MarkSourcesReady is batched in the background)."""
     deadline = asyncio.get_running_loop().time() + WAIT
-    while not all([(await client.get_transfer(t)).source_block_ids for t in ids]):
+    while not all([(await client.get_transfer(t)).source_block_ids for t in IDS]):
         assert asyncio.get_running_loop().time() < deadline, "the sources were never marked ready"
         await asyncio.sleep(0.01)
