@@ -764,3 +764,38 @@ async def test_a_whole_fleet_lapsed_at_once_is_read_a_few_records_a_script(redis
         assert sorted(e.engine_id for e in lapsed) == [f"e{i:03}" for i in range(fleet)]
     finally:
         await store.close()
+
+
+def test_a_script_an_operator_kills_is_store_unavailable(redis_server: ControlledRedis) -> None:
+    """SCRIPT KILL ends a script that has not written: its caller got the plain ERR "Script killed by user...",
+    which went out as INTERNAL; it is now StoreUnavailableError (retryable), as BUSY for the other callers is.
+    The script runs until killed (at most 60 s by Redis's own clock); the kill is retried until Redis takes it."""
+    import threading
+
+    from rendezvous.store.redis.errors import store_errors
+
+    spin = "local t = redis.call('TIME') repeat until tonumber(redis.call('TIME')[1]) - tonumber(t[1]) > 60 return 1"
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        with redis_server.client() as r:
+            try:
+                with store_errors(5.0):
+                    r.eval(spin, 0)
+            except BaseException as e:  # handed to the test's thread
+                raised.append(e)
+
+    with redis_server.client() as admin:
+        admin.config_set("busy-reply-threshold", 50)  # a script is killable after 50 ms
+        runner = threading.Thread(target=run)
+        runner.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                admin.script_kill()
+                break
+            except Exception as e:  # NOTBUSY: not running yet; BUSY-threshold not reached: try again
+                assert time.monotonic() < deadline, f"SCRIPT KILL never took: {e}"
+                time.sleep(0.01)
+        runner.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], StoreUnavailableError), raised

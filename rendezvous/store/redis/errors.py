@@ -35,9 +35,16 @@ _UNAVAILABLE_ERRORS = (
 )
 
 
+_KILLED = "Script killed by user"
+"""The start of what a script's caller gets when an operator ends it with SCRIPT KILL (code ERR): Redis kills only a
+script that has not written, so the call changed nothing and may be retried."""
+
+
 def unavailable(err: Exception) -> bool:
     """Whether err says Redis cannot be reached or will not serve now."""
     if isinstance(err, _UNAVAILABLE_ERRORS):
+        return True
+    if isinstance(err, rex.ResponseError) and str(err).startswith(_KILLED):
         return True
     if type(err) is rex.RedisClusterException and "cannot be connected" in str(err):
         return True  # the cluster client reached none of the nodes it knows (not a RedisError: caught apart)
