@@ -558,10 +558,13 @@ def test_a_sentinel_url_names_sentinels_service_and_db() -> None:
         "redis://h:1/3?cluster=true",
         "redis+sentinel://h:1/svc?cluster=true",
         "redis://h:1?cluster=maybe",
+        "redis://[bad",
+        "redis://h:port",
+        "redis://h:99999",
     ],
 )
 def test_malformed_urls_are_refused(url: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError):  # a port that is no port too: here, not at the first connection
         parse_url(url)
 
 

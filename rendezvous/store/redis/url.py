@@ -93,7 +93,12 @@ class RedisTarget:
 
 def parse_url(url: str) -> RedisTarget:
     """Split a store URL into redis-py's part and this store's options; ValueError when malformed."""
-    split = urlsplit(url)
+    try:
+        split = urlsplit(url)
+        if split.scheme in ("redis", "rediss"):  # one host (a sentinel URL: host:port each, below)
+            split.port  # noqa: B018 - a port that is not a number is refused here, not at the first connection
+    except ValueError as err:  # "Invalid IPv6 URL", "Port could not be cast to integer value", "Port out of range"
+        raise ValueError(f"store URL {url!r}: {err}") from None
     ours: dict[str, Any] = {}
     theirs: list[tuple[str, str]] = []
     sentinel_password = None
