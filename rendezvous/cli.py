@@ -178,7 +178,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "plaintext grpc.health.v1-only address host:port, answered off the serving loop: point probes here; "
         "'off' disables",
     )
-    _flag(p, "drain", 2.0, "seconds to report NOT_SERVING on SIGTERM before refusing new calls", _seconds())
+    _flag(
+        p,
+        "drain",
+        2.0,
+        "seconds of NOT_SERVING on SIGTERM before refusing new calls; a second SIGTERM ends it",
+        _seconds(),
+    )
     _flag(p, "grace", 5.0, "seconds running calls then get to finish", _seconds())
     _flag(p, "sweep-interval", 0.05, "seconds between lease/deadline sweeps; > 0", _seconds(positive=True))
     _flag(
@@ -397,9 +403,15 @@ async def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     stop = asyncio.Event()
+
+    def on_signal() -> None:  # the first one drains; a second ends the drain at once
+        if stop.is_set():
+            server.end_drain()
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     if server.auth is not None:
         loop.add_signal_handler(signal.SIGHUP, server.auth.reload)
     await stop.wait()

@@ -168,6 +168,7 @@ class RendezvousServer:
         self.health_port: int | None = None
         self._health_port: HealthPort | None = None
         self._stopping = asyncio.Event()
+        self._drained = asyncio.Event()
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -328,12 +329,13 @@ class RendezvousServer:
         await self.store.close()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Report NOT_SERVING, keep serving for `drain` seconds so load balancers move away, then stop
-        accepting calls, let running ones finish within grace, and close."""
+        """Report NOT_SERVING, keep serving for `drain` seconds (or until `end_drain`) so load balancers move
+        away, then stop accepting calls, let running ones finish within grace, and close."""
         if self._server is None:
             return
         await self._set_serving(False)
-        await asyncio.sleep(self.config.drain)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), self.config.drain)
         self._stopping.set()
         await self._server.stop(self.config.grace if grace is None else grace)
         if self._health_port is not None:
@@ -346,6 +348,10 @@ class RendezvousServer:
         self.metrics.close()
         await self.store.close()
         log.info("stopped", extra={"address": self.address})
+
+    def end_drain(self) -> None:
+        """End a drain now (`stop` goes on to refuse new calls); before `stop`, makes its drain end at once."""
+        self._drained.set()
 
     async def wait(self) -> None:
         """Until the server stops."""

@@ -29,7 +29,7 @@ SERVICE = "rendezvous.v1.RendezvousService"
 
 
 async def test_health_turns_not_serving_while_draining_then_calls_are_refused(server_config: ServerConfig) -> None:
-    server = RendezvousServer(replace(server_config, drain=1.0))
+    server = RendezvousServer(replace(server_config, drain=300.0))  # ended below, once checked
     await server.start()
     async with grpc.aio.insecure_channel(server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -45,6 +45,8 @@ async def test_health_turns_not_serving_while_draining_then_calls_are_refused(se
         # Still answering while draining.
         status = await pb_grpc.RendezvousServiceStub(channel).GetStatus(pb.GetStatusRequest())
         assert status.store == "memory"
+        assert not stopping.done()
+        server.end_drain()
         await stopping
         try:
             await health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
@@ -146,6 +148,36 @@ def test_cli_serves_answers_operator_commands_and_exits_cleanly_on_sigterm() -> 
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=15) == 0
         assert '"message": "stopped"' in serve.stderr.read()  # type: ignore[union-attr]
+    finally:
+        serve.kill()
+        serve.wait()
+
+
+def test_cli_drains_on_sigterm_and_a_second_sigterm_ends_the_drain() -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "KV_RENDEZVOUS_LISTEN": address, "KV_RENDEZVOUS_DRAIN": "300"}
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "rendezvous.cli", "serve", "--metrics-listen", "off"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert serve.stdout is not None
+        assert f"serving on {address}" in serve.stdout.readline()
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            serve.send_signal(signal.SIGTERM)
+            while health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=30).status != (
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            ):
+                time.sleep(0.01)
+            # Draining: still answering, and it would for 300 s.
+            assert pb_grpc.RendezvousServiceStub(channel).GetStatus(pb.GetStatusRequest(), timeout=30).store == "memory"
+            assert serve.poll() is None
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
     finally:
         serve.kill()
         serve.wait()
