@@ -396,12 +396,6 @@ async def _serve(args: argparse.Namespace) -> int:
         tracing.configure("kv-rendezvous")
     server = RendezvousServer(_config_from(args))
     await server.start()
-    print(
-        f"kv-rendezvous {__version__} serving on {server.address} (store {server.store.name}"
-        + (f", metrics on :{server.metrics_port}" if server.metrics_port else "")
-        + ")",
-        flush=True,
-    )
     stop = asyncio.Event()
 
     def on_signal() -> None:  # the first one drains; a second ends the drain at once
@@ -414,6 +408,13 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal)
     if server.auth is not None:
         loop.add_signal_handler(signal.SIGHUP, server.auth.reload)
+    # The banner last: whoever waits for it may signal at once.
+    print(
+        f"kv-rendezvous {__version__} serving on {server.address} (store {server.store.name}"
+        + (f", metrics on :{server.metrics_port}" if server.metrics_port else "")
+        + ")",
+        flush=True,
+    )
     await stop.wait()
     await server.stop()
     return 0

@@ -183,6 +183,28 @@ def test_cli_drains_on_sigterm_and_a_second_sigterm_ends_the_drain() -> None:
         serve.wait()
 
 
+def test_cli_a_sigterm_right_after_the_banner_stops_it_cleanly() -> None:
+    """The banner says the server is up; a supervisor may stop it at once. Before, the banner came before the
+    signal handlers, and about half such stops killed the process (exit -15) instead of stopping it."""
+    for _ in range(5):
+        env = {**os.environ, "KV_RENDEZVOUS_LISTEN": f"127.0.0.1:{_free_port()}", "KV_RENDEZVOUS_DRAIN": "0"}
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "rendezvous.cli", "serve", "--metrics-listen", "off"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            assert serve.stdout is not None
+            assert "serving on" in serve.stdout.readline()
+            serve.send_signal(signal.SIGTERM)
+            assert serve.wait(timeout=60) == 0
+        finally:
+            serve.kill()
+            serve.wait()
+
+
 def test_cli_reports_an_unreachable_server_and_a_bad_store() -> None:
     cli = [sys.executable, "-m", "rendezvous.cli"]
     down = subprocess.run(
