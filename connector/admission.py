@@ -12,9 +12,11 @@ engines). A request that waits too long, or finds the queue full, is refused (`R
 a client that hangs up while queued just leaves the queue. Engines without a capacity need no reservation.
 The reservation is released when the request ends, however it ends; the engine's RegisterTargets has by then
 taken its place (the rendezvous counts it once), and its TTL bounds what a crashed router leaves behind.
-A reservation whose outcome the router does not know (ReserveCredits unanswered: a deadline, a lost connection,
-the client gone mid-call) is released as if granted, and a release that fails is retried until the rendezvous
-acknowledges it (or the reservation's TTL has passed): neither waits out the TTL while the rendezvous answers.
+A reservation whose outcome the router does not know (ReserveCredits unanswered: a deadline, a lost connection)
+is released as if granted, and a release that fails is retried until the rendezvous acknowledges it (or the
+reservation's TTL has passed): neither waits out the TTL while the rendezvous answers. A client that goes away
+while its ReserveCredits is in flight does not cancel the call: its credit is released once it is answered, so
+the release cannot reach the rendezvous before the reservation does.
 """
 
 from __future__ import annotations
@@ -271,11 +273,13 @@ class DecodeAdmission:
             blocks = self.blocks(engine, tokens)
             if not engine.has_credit(blocks):
                 continue
+            reserving = asyncio.ensure_future(self.engines.reserve_credit(engine, transfer_id, blocks, self.credit_ttl))
             try:
-                await self.engines.reserve_credit(engine, transfer_id, blocks, self.credit_ttl)
+                await asyncio.shield(reserving)
             except asyncio.CancelledError:
-                # The client went away while asking: the answer may have granted credit; give it back.
-                self._release_soon(transfer_id)
+                # The client went away while asking: the rendezvous may grant it yet. The call goes on, and what
+                # it granted is given back once it is answered (a release sent now could overtake it).
+                self._release_after(reserving, transfer_id)
                 raise
             except NotFound:  # the engine is gone: the next listing will not show it
                 self.engines.invalidate()
@@ -310,6 +314,27 @@ class DecodeAdmission:
         """Release transfer_id's credit in the background, trying again (backing off) while the rendezvous does
         not answer, until it does or the reservation has lapsed (`credit_ttl`); `retry`: a first attempt failed."""
         task = asyncio.ensure_future(self._release_until_acknowledged(transfer_id, retry))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    def _release_after(self, reserving: asyncio.Future[None], transfer_id: str) -> None:
+        """Once the ReserveCredits call `reserving` has ended, release transfer_id's credit in the background
+        unless the rendezvous refused it (an unanswered call is released as if granted)."""
+
+        async def settle() -> None:
+            try:
+                await reserving
+            except asyncio.CancelledError:
+                reserving.cancel()  # the router is closing (`close`): the reservation lapses at its TTL
+                raise
+            except NotFound:
+                return
+            except RendezvousError as e:
+                if not unanswered(e):  # refused: nothing was granted
+                    return
+            await self._release_until_acknowledged(transfer_id, retry=False)
+
+        task = asyncio.ensure_future(settle())
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 

@@ -227,7 +227,10 @@ class GrpcProxy:
     - `end_streams(method)` ends the open calls of method cleanly (status OK, no error: what a proxy with a stream
       timeout, or a replica shutting down gracefully, does); `drain(method)` does so and ends every later call of
       it at once, unforwarded;
-    - `hold(method)`: later calls of method are never forwarded nor answered (a replica that stopped answering).
+    - `hold(method)`: later calls of method are never forwarded nor answered (a replica that stopped answering);
+    - `delay(method)`: a later (unary) call of method is forwarded only at `let_through(method)`, and then even if
+      its caller has given up meanwhile: a request already on its way to the server. `delayed[method]` counts the
+      calls waiting, `late` the forwarded calls not yet answered by the server.
 
     Per method name ("KeepAlive", "Watch", ...): `calls` counts the calls opened, `answers` the messages answered,
     `requests` notes the loop time of each request forwarded and `ends` each call's end as (loop time, status code).
@@ -241,6 +244,9 @@ class GrpcProxy:
         self._open: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
         self._draining: set[str] = set()
         self._held: set[str] = set()
+        self._delays: dict[str, asyncio.Event] = {}
+        self.delayed: collections.Counter[str] = collections.Counter()
+        self.late: set[asyncio.Task[bytes]] = set()
         self.calls: collections.Counter[str] = collections.Counter()
         self.answers: collections.Counter[str] = collections.Counter()
         self.requests: dict[str, list[float]] = collections.defaultdict(list)
@@ -281,6 +287,20 @@ class GrpcProxy:
         """Leave every later call of method unforwarded and unanswered."""
         self._held.add(method)
 
+    def delay(self, method: str) -> None:
+        """Hold every later call of method at the proxy until `let_through(method)`."""
+        self._delays[method] = asyncio.Event()
+
+    def let_through(self, method: str) -> None:
+        """Forward the calls of method held by `delay`, and every later one at once."""
+        self._delays.pop(method).set()
+
+    async def _forward_late(self, full_method: str, request: bytes, metadata: tuple[tuple[str, str | bytes], ...],
+                            gate: asyncio.Event) -> bytes:  # fmt: skip
+        assert self._channel is not None
+        await gate.wait()
+        return await self._channel.unary_unary(full_method)(request, metadata=metadata)  # type: ignore[no-any-return]
+
     async def wait_for(self, condition: Callable[[], object], timeout: float = MUST) -> None:
         """Until condition() holds (checked at every note); fails after timeout seconds."""
         async with self._changed:
@@ -309,6 +329,22 @@ class GrpcProxy:
             for m in context.invocation_metadata() or ()
             if not m.key.startswith((":", "grpc-")) and m.key not in _HOP_BY_HOP
         )
+        gate = self._delays.get(method)
+        if gate is not None:
+            request = await anext(aiter(requests))
+            late = asyncio.ensure_future(self._forward_late(full_method, request, metadata, gate))
+            self.late.add(late)
+            late.add_done_callback(self.late.discard)
+            self.delayed[method] += 1
+            await self._note()
+            try:
+                yield await asyncio.shield(late)  # the caller giving up does not stop the forwarded call
+            except grpc.RpcError as error:
+                await context.abort(error.code(), error.details() or "", tuple(error.trailing_metadata() or ()))
+            finally:
+                self.delayed[method] -= 1
+                await self._note()
+            return
         call = self._channel.stream_stream(full_method)(timeout=context.time_remaining(), metadata=metadata)
         end = asyncio.Event()
         self._open[method].add(end)

@@ -24,6 +24,7 @@ from rendezvous.clients import (
 from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.connector.launch import free_port
 from rendezvous.connector.router import REFUSAL_HEADER, Route, Router, build_parser, rendezvous_config
+from tests.clients.conftest import GrpcProxy
 from tests.connector.test_router import (
     FLEET,
     LAYOUT,
@@ -351,6 +352,50 @@ async def serve(router: Router) -> tuple[web.AppRunner, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}/v1/completions"
+
+
+async def test_a_client_gone_while_its_reservation_is_in_flight_gets_its_credit_back(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """The client went away while the router's ReserveCredits was on its way to the rendezvous. Before, the router
+    cancelled the call and sent ReleaseCredits at once, which reached the rendezvous first and found nothing; the
+    reservation then held the engine's credit until its TTL (60 s). Now the call goes on and what it granted is
+    released once it is answered."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await decode_with_capacity(cluster, EngineCapacity(max_transfers=4))
+    proxy = GrpcProxy(server.address)
+    await proxy.start()
+    config = ClientConfig(targets=(proxy.address,), call_timeout=WAIT)
+    router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=3_600.0, max_queued=0)
+    runner, url = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+
+            async def ask() -> None:
+                async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
+                    await response.read()
+
+            proxy.delay("ReserveCredits")  # held on its way: the rendezvous has not seen it yet
+            asking = asyncio.ensure_future(ask())
+            await proxy.wait_for(lambda: proxy.delayed["ReserveCredits"] == 1)
+            asking.cancel()  # the client goes away
+            with contextlib.suppress(asyncio.CancelledError):
+                await asking
+            deadline = asyncio.get_running_loop().time() + WAIT
+            while not (router.admission._releasing or proxy.calls["ReleaseCredits"]):  # the router saw it go
+                assert asyncio.get_running_loop().time() < deadline, "the router never saw the client go"
+                await asyncio.sleep(0.01)
+            # Before the fix its ReleaseCredits went out now, found no reservation and was answered; now none
+            # goes out before the reservation is answered, so this wait ends at its bound.
+            with contextlib.suppress(TimeoutError):
+                await proxy.wait_for(lambda: proxy.ends["ReleaseCredits"], timeout=2.0)
+            proxy.let_through("ReserveCredits")  # the reservation reaches the rendezvous, which grants it
+            await asyncio.wait_for(asyncio.gather(*proxy.late), WAIT)
+            await asyncio.wait_for(router.admission.settled(), WAIT)
+            assert await reserved_transfers(cluster) == 0, "the credit is held until its TTL"
+    finally:
+        await runner.cleanup()
+        await proxy.close()
 
 
 async def test_an_unreachable_rendezvous_is_answered_503_at_once(server: AsyncTestServer, cluster: Cluster) -> None:
