@@ -23,7 +23,11 @@ thread-safe sets, never waiting on the network.
   the step's forward is done (`wait_for_save` -> `ProducerAgent.ready_part`), so the chunk's full blocks are
   written while the next chunk is computed. Each part carries an event recorded on the forward's stream where
   it is handed over (`rendezvous.clients.nixl.device`): on a GPU the writer posts it only once the kernels that compute
-  it have run, without blocking the forward.
+  it have run, without blocking the forward. vLLM may preempt a prefill mid-way (recompute preemption): it frees
+  the blocks at once and tells the connector only through `SchedulerOutput.preempted_req_ids`. A preempted request
+  some parts of which went to the writer has its transfer aborted in that step (every worker's writer drops it in
+  `bind_connector_metadata`, before the forward that may overwrite the blocks; decode falls back per
+  `kv_load_failure_policy`), and runs on as a plain request once resumed; one that handed no part keeps its push.
 - Consumer (decode): `get_num_new_matched_tokens` asks for the prompt tokens not computed locally (async);
   `update_state_after_alloc` turns the allocated blocks into a target registered by the worker's
   `ConsumerAgent` (one batch per step). Arrival is reported in `finished_recving`; a failed transfer is
