@@ -23,7 +23,11 @@ thread-safe sets, never waiting on the network.
   the step's forward is done (`wait_for_save` -> `ProducerAgent.ready_part`), so the chunk's full blocks are
   written while the next chunk is computed. Each part carries an event recorded on the forward's stream where
   it is handed over (`rendezvous.clients.nixl.device`): on a GPU the writer posts it only once the kernels that compute
-  it have run, without blocking the forward.
+  it have run, without blocking the forward. vLLM may preempt a prefill mid-way (recompute preemption): it frees
+  the blocks at once and tells the connector only through `SchedulerOutput.preempted_req_ids`. A preempted request
+  some parts of which went to the writer has its transfer aborted in that step (every worker's writer drops it in
+  `bind_connector_metadata`, before the forward that may overwrite the blocks; decode falls back per
+  `kv_load_failure_policy`), and runs on as a plain request once resumed; one that handed no part keeps its push.
 - Consumer (decode): `get_num_new_matched_tokens` asks for the prompt tokens not computed locally (async);
   `update_state_after_alloc` turns the allocated blocks into a target registered by the worker's
   `ConsumerAgent` (one batch per step). Arrival is reported in `finished_recving`; a failed transfer is
@@ -297,6 +301,9 @@ class _SchedulerSide:
         """Consumer: requests that asked for their KV once (a preempted request recomputes instead)."""
         self.chunked: dict[str, _Prefill] = {}
         """Producer, progressive: claimed requests still prefilling, with their blocks so far."""
+        self.handed: set[str] = set()
+        """Producer, progressive: claimed requests some parts of which went to the writer (they name the request's
+        blocks: should vLLM preempt it, those blocks are freed at once, see `_preempted`)."""
         self.holder: dict[str, str] = {}
         """Both: transfer id -> the one request that carries it here, until that request ended (producer: and its
         WRITE ended). The worker pairs a transfer with one request, so another request with the same id (a
@@ -384,10 +391,36 @@ class _SchedulerSide:
         blocks = prefill.blocks[: _cdiv(done, self.block_size)]
         if self.progressive == "layers":
             self.meta.layer_parts.append((prefill.transfer_id, blocks, done, prefill.prompt_tokens))
+            self.handed.add(request_id)
         elif done < prefill.prompt_tokens and done >= self.block_size:  # not the last: that goes out with `ready`
             self.meta.parts.append((prefill.transfer_id, blocks, done, prefill.prompt_tokens))
+            self.handed.add(request_id)
         if done >= prefill.prompt_tokens:
             del self.chunked[request_id]
+
+    def _preempted(self, output: SchedulerOutput) -> None:
+        """Producer, progressive: vLLM preempted these requests (recompute preemption) since the last step. It freed
+        their blocks at once, without `request_finished` (no delay_free): another request may hold them in this very
+        step and overwrite them in its forward, while the writer holds parts that name them, maybe not posted yet
+        (no assignment yet, parts in flight at the cap, a device still computing), and a WRITE posted reads them
+        whenever NIXL gets to it. Nothing a consumer receives of such a transfer can be trusted, and no part can be
+        recalled: the transfer is aborted in this step (each worker's writer drops it before this step's forward;
+        the consumer falls back per `kv_load_failure_policy` and frees its blocks only once no write can land), and
+        the request, when it resumes in other blocks, runs as a plain one: no parts, no `ready`, its blocks freed
+        when it ends. It keeps the transfer id (`holder`) until then, so no request sharing the id claims it."""
+        for request_id in output.preempted_req_ids or ():
+            if request_id not in self.handed:
+                continue  # nothing names its blocks: its parts (if any come) and its final write start afresh
+            self.handed.discard(request_id)
+            self.chunked.pop(request_id, None)
+            transfer_id = self.transfer_of.pop(request_id, None)
+            if transfer_id is not None:
+                logger.warning(
+                    "request %s was preempted after parts of its KV went to the writer: aborting transfer %s",
+                    request_id,
+                    transfer_id,
+                )
+                self.meta.aborts.append((request_id, transfer_id))
 
     def _trace(self, request: Request, transfer_id: str) -> None:
         context = trace_context(request.kv_transfer_params)
@@ -398,6 +431,8 @@ class _SchedulerSide:
             self.meta.bindings[transfer_id] = binding
 
     def build_meta(self, output: SchedulerOutput) -> RendezvousConnectorMetadata:
+        if self.handed:
+            self._preempted(output)  # first: a request preempted and resumed in one step hands no part
         if self.chunked:
             self._chunks(output)
         if not self.producer:
@@ -413,6 +448,7 @@ class _SchedulerSide:
         self.first_steps.forget(request_id)
         self.consumed.discard(request_id)
         self.chunked.pop(request_id, None)
+        self.handed.discard(request_id)
         transfer_id = self.transfer_of.pop(request_id, None)
         if transfer_id is None:
             self._release(request_id)
@@ -648,6 +684,9 @@ class _WorkerSide:
     def submit(self, meta: RendezvousConnectorMetadata) -> None:
         if self._thread is None:
             raise RuntimeError("the rendezvous connector's worker is not started (register_kv_caches)")
+        if self.producer:  # here, before this step's forward: the blocks of an aborted transfer are free already
+            for _, transfer_id in meta.aborts:  # (preempted, or ended unwritten): no part of them may be posted now
+                self._producer_agent().stop_writing(transfer_id)
         self._thread.call(self._handle, meta)
 
     def submit_layer(self, layer_name: str, parts: list[tuple[str, list[int], int, int]]) -> None:

@@ -344,6 +344,17 @@ class ProducerAgent(RankAgent[ProducerSession]):
             if deferred is not None:
                 self._assign(deferred)
 
+    def stop_writing(self, transfer_id: str) -> None:
+        """Drop the transfer from this rank's writer now, without telling the service (`abort` does): its parts
+        not posted yet never are, a WRITE of it posted before drains, a later `ready_part` is ignored and a later
+        `ready` freed at once. For an engine whose source blocks are freed or reused at once (vLLM preempted the
+        request after parts of it were handed over, or it ended without `ready`). Unlike the rest of the agent, it
+        may be called from any thread: the writer takes it in order with the parts handed before and after."""
+        writer = self._writer
+        assert writer is not None, "the agent is not started"
+        with contextlib.suppress(RuntimeError):  # stopped: nothing is posted any more
+            writer.abort(transfer_id)
+
     def _check_claimed(self, transfer_id: str) -> None:
         """Only a claim brings the assignment a pushed source waits for: refuse a registering rank's source of a
         transfer it never claimed, rather than hold its blocks forever, and free the parts handed for it.

@@ -141,3 +141,53 @@ def test_two_prefill_requests_with_one_transfer_id_claim_it_once(vb: ModuleType,
     meta = producer.schedule().kv_connector_metadata
     assert [ready[:2] for ready in meta.ready] == [("r1", "t1")] and not meta.aborts
     assert "r2" not in producer.requests and "r1" in producer.requests  # r2's blocks freed at once; r1's held
+
+
+@pytest.mark.parametrize("mode", ["chunks", "layers"])
+def test_a_progressive_prefill_preempted_after_parts_went_out_aborts_its_transfer(
+    vb: ModuleType, model: Path, mode: str
+) -> None:
+    """vLLM preempts a running prefill by freeing its blocks at once (no request_finished, no delay_free): another
+    request may get them in the same schedule and overwrite them in the next forward, while the writer still holds
+    (or posts) the parts handed before, which name those blocks. The step that preempts it aborts the transfer (the
+    decode falls back per kv_load_failure_policy); the resumed request hands no more parts and no `ready`, and its
+    blocks are freed when it ends, as a plain request's."""
+    from vllm.v1.request import RequestStatus
+
+    extra: dict[str, Any] = {"pool": "prefill", "progressive": True, "progressive_layers": mode == "layers"}
+    producer = vb.scheduler(vb.vllm_config(model, "kv_producer", **extra), num_blocks=15)  # 14 usable
+    other, leg = vb.request("x", 16, None, max_tokens=4), vb.request("a", 200, "t1", max_tokens=1)
+    producer.add_request(other)
+    producer.add_request(leg)
+
+    def step() -> Any:
+        out = producer.schedule()
+        running = [producer.requests[r] for r in out.num_scheduled_tokens]
+        prefilling = [r for r in running if r.num_computed_tokens < r.num_prompt_tokens]
+        producer.update_from_output(out, vb.model_output(running, prefilling=prefilling))
+        return out
+
+    handed: list[list[int]] = []
+    while True:  # x decodes (1 token a step), a prefills 63 tokens a step: at its last chunk the 14 blocks are short
+        out = step()
+        meta = out.kv_connector_metadata
+        handed += [blocks for _, blocks, _, _ in meta.parts + meta.layer_parts]
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == {"a"} and handed  # parts of a's blocks went to the writer before
+    assert meta.aborts == [("a", "t1")]  # in the step that freed a's blocks, before its forward
+    assert not meta.parts and not meta.layer_parts and not meta.ready
+    resumed = False
+    while leg.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+        out = step()
+        meta = out.kv_connector_metadata
+        resumed |= "a" in out.scheduled_cached_reqs.resumed_req_ids
+        assert not meta.parts and not meta.layer_parts and not meta.aborts and not meta.ready  # a runs as a plain one
+    assert resumed
+    free = producer.kv_cache_manager.block_pool.get_num_free_blocks()
+    meta = producer.schedule().kv_connector_metadata
+    assert not meta.ready and not meta.aborts and "a" not in producer.requests  # freed at once: nothing to write
+    assert producer.kv_cache_manager.block_pool.get_num_free_blocks() == free
+    connector = producer.connector._sched()
+    assert not connector.sending and not connector.transfer_of and not connector.held and not connector.holder
+    assert not connector.chunked and not producer.connector.has_pending_push_work()

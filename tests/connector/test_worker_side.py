@@ -144,3 +144,34 @@ def test_a_decode_request_that_ends_first_aborts_the_transfer_and_the_prefill_wo
     # write can land in them any more, reporting the receive failed (vLLM then frees the blocks).
     reported(prefill, "finished_sending", "p-r1")
     assert reported(decode, "finished_recving", "d-r1") == {"d-r1"}
+
+
+def test_a_step_that_aborts_a_transfer_stops_its_writer_before_the_forward(
+    workers: tuple[Any, Any, Any, Any],
+) -> None:
+    """A step whose metadata aborts a prefill's transfer (vLLM preempted the request after parts of it went to the
+    writer, so its blocks are free and this step's forward may overwrite them) stops the writer in `submit`
+    itself, on the model runner's thread, not once the network thread got to it and the service answered: parts
+    handed before are never posted from then on, and parts handed after are ignored."""
+    import threading
+
+    from rendezvous.connector.rendezvous_connector import RendezvousConnectorMetadata as Meta
+
+    prefill, _, _, _ = workers
+    writer = prefill._producer_agent()._writer
+    prefill.submit(Meta(claims=[("p-r1", "t1")]))
+    prefill.submit_parts([("t1", [3, 4, 5], 48, 200)])  # an earlier step's chunk: held, no assignment yet
+    busy, release = threading.Event(), threading.Event()
+
+    def slow_call() -> None:  # the network thread is busy (a slow call, a starved host)
+        busy.set()
+        release.wait()
+
+    prefill._thread.call(slow_call)
+    busy.wait()
+    try:
+        prefill.submit(Meta(aborts=[("p-r1", "t1")]))  # the step that preempted p-r1, before its forward
+        writer.barrier()  # every command queued so far is handled
+        assert "t1" in writer._ended and "t1" not in writer._transfers  # dropped: nothing of it will be posted
+    finally:
+        release.set()

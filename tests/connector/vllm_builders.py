@@ -54,10 +54,10 @@ def vllm_config(model: Path, kv_role: Literal["kv_producer", "kv_consumer"], **e
     )
 
 
-def kv_cache_config() -> KVCacheConfig:
-    """NUM_BLOCKS blocks of a stand-in layer (the scheduler counts blocks; the worker half reads num_blocks)."""
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+    """num_blocks blocks of a stand-in layer (the scheduler counts blocks; the worker half reads num_blocks)."""
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
@@ -67,12 +67,13 @@ def kv_cache_config() -> KVCacheConfig:
     )
 
 
-def scheduler(config: VllmConfig) -> Scheduler:
-    """vLLM's scheduler over NUM_BLOCKS blocks; it builds the connector's scheduler half itself."""
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+def scheduler(config: VllmConfig, num_blocks: int = NUM_BLOCKS) -> Scheduler:
+    """vLLM's scheduler over num_blocks blocks (one of them vLLM's null block); it builds the connector's scheduler
+    half itself."""
+    config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(),
+        kv_cache_config=kv_cache_config(num_blocks),
         log_stats=True,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
@@ -95,9 +96,12 @@ def model_output(
     finished_sending: set[str] | None = None,
     finished_recving: set[str] | None = None,
     token_id: int = 7,
+    prefilling: Sequence[Request] = (),
 ) -> ModelRunnerOutput:
-    """What the workers answer a step: one sampled token per request, and the transfers their connector ended."""
+    """What the workers answer a step: one sampled token per request (none for those still `prefilling`: a chunk
+    that leaves the prompt unfinished samples nothing), and the transfers their connector ended."""
     ids = [r.request_id for r in requests]
+    chunks = {r.request_id for r in prefilling}
     connector = (
         KVConnectorOutput(finished_sending=finished_sending, finished_recving=finished_recving)
         if finished_sending is not None or finished_recving is not None
@@ -106,6 +110,6 @@ def model_output(
     return ModelRunnerOutput(
         req_ids=ids,
         req_id_to_index={request_id: i for i, request_id in enumerate(ids)},
-        sampled_token_ids=[[token_id] for _ in ids],
+        sampled_token_ids=[[] if request_id in chunks else [token_id] for request_id in ids],
         kv_connector_output=connector,
     )
