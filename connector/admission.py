@@ -31,7 +31,15 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rendezvous.clients import EngineInfo, EngineRole, IndexedPrefix, NotFound, RendezvousError, RouterClient
+from rendezvous.clients import (
+    CreditResult,
+    EngineInfo,
+    EngineRole,
+    IndexedPrefix,
+    NotFound,
+    RendezvousError,
+    RouterClient,
+)
 
 __all__ = [
     "NO_CAPACITY",
@@ -317,7 +325,7 @@ class DecodeAdmission:
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-    def _release_after(self, reserving: asyncio.Future[None], transfer_id: str) -> None:
+    def _release_after(self, reserving: asyncio.Future[CreditResult], transfer_id: str) -> None:
         """Once the ReserveCredits call `reserving` has ended, release transfer_id's credit in the background
         unless the rendezvous refused it (an unanswered call is released as if granted)."""
 
