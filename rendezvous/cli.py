@@ -637,13 +637,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
-        from rendezvous.server.app import ListenError
+        from rendezvous.server.app import ListenError, SettingError
         from rendezvous.store.base import StoreUnavailableError
 
         try:
             return asyncio.run(_serve(args))
         except ListenError as err:
             print(f"kv-rendezvous: --{err.setting.replace('_', '-')} {err.address}: {err.reason}", file=sys.stderr)
+            return 2
+        except SettingError as err:
+            print(f"kv-rendezvous: --{err.setting.replace('_', '-')} {err.value}: {err.reason}", file=sys.stderr)
             return 2
         except (ValueError, OSError, StoreUnavailableError) as err:
             print(f"kv-rendezvous: {err}", file=sys.stderr)
