@@ -744,9 +744,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--refresh-interval",
-        type=flags.seconds(positive=True),
+        type=flags.seconds(),
         default=1.0,
-        help="seconds engine lists are cached; > 0",
+        help="seconds engine lists are cached (0: every request lists the engines); >= 0",
     )
     parser.add_argument(
         "--timeout", type=flags.seconds(positive=True), default=600.0, help="seconds per engine request; > 0"

@@ -62,7 +62,6 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         ("--timeout", "nan"),  # these started a router that misbehaved later
         ("--timeout", "0"),
         ("--timeout", "-1"),
-        ("--refresh-interval", "0"),
         ("--refresh-interval", "-1"),
         ("--refresh-interval", "nan"),
         ("--queue-timeout", "nan"),
