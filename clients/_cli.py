@@ -20,8 +20,12 @@ def add_demo_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
 
 def run_demo_command(argv: Sequence[str]) -> int:
     """`kv-rendezvous demo ARGV...`."""
-    from rendezvous.clients.demo import add_demo_arguments, run_demo
+    from rendezvous.clients.demo import add_demo_arguments, demo_argument_error, run_demo
+    from rendezvous.protocol.flags import Parser
 
-    demo = argparse.ArgumentParser(prog="kv-rendezvous demo", description=run_demo.__doc__)
+    demo = Parser(prog="kv-rendezvous demo", description=run_demo.__doc__)
     add_demo_arguments(demo)
-    return run_demo(demo.parse_args(argv))
+    args = demo.parse_args(argv)
+    if (error := demo_argument_error(args)) is not None:
+        demo.error(error)
+    return run_demo(args)

@@ -36,6 +36,8 @@ class WorkerSpec:
 
 
 _NOISE_BYTES = 16 << 20
+MAX_TRANSFER_REGION_BYTES = _NOISE_BYTES // 2
+"""The most bytes a demo transfer holds per region (`pattern`'s window of the shared noise)."""
 LAYOUT = KvLayout(model_fingerprint="kv-rendezvous-demo", dtype="uint8", block_size=1, num_layers=1)
 """Every demo engine's: its blocks are opaque bytes, the same on both sides."""
 
@@ -51,7 +53,7 @@ def pattern(seed: int, region: int, count: int, length: int) -> npt.NDArray[np.u
     that starts at a seed-dependent odd offset (so blocks and transfers differ), cheap enough to fill and
     check gigabytes per second."""
     size = count * length
-    if size > _NOISE_BYTES // 2:
+    if size > MAX_TRANSFER_REGION_BYTES:
         raise ValueError("a demo transfer is limited to 8 MiB per region")
     start = (seed * 2654435761 + region * 40503) % (_NOISE_BYTES - size) | 1
     return _noise()[start : start + size].reshape(count, length)

@@ -23,22 +23,32 @@ import time
 import uuid
 from typing import Any
 
-from rendezvous.clients._demo_worker import WorkerSpec, serve
+from rendezvous.clients._demo_worker import MAX_TRANSFER_REGION_BYTES, WorkerSpec, serve
+from rendezvous.protocol.flags import count
 
-__all__ = ["DemoSummary", "add_demo_arguments", "run_demo"]
+__all__ = ["DemoSummary", "add_demo_arguments", "demo_argument_error", "run_demo"]
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's flags."""
-    parser.add_argument("--transfers", type=int, default=200, help="transfers to run (default 200)")
-    parser.add_argument("--producers", type=int, default=2, help="producer engines (default 2)")
-    parser.add_argument("--consumers", type=int, default=2, help="consumer engines (default 2)")
-    parser.add_argument("--min-blocks", type=int, default=1, help="smallest transfer, in blocks (default 1)")
-    parser.add_argument("--max-blocks", type=int, default=32, help="largest transfer, in blocks (default 32)")
-    parser.add_argument("--block-kib", type=int, default=64, help="KiB per block per region (default 64)")
-    parser.add_argument("--regions", type=int, default=2, help="KV regions per engine, e.g. K and V (default 2)")
-    parser.add_argument("--pool-blocks", type=int, default=256, help="blocks in each engine's pool (default 256)")
-    parser.add_argument("--concurrency", type=int, default=8, help="transfers in flight (default 8)")
+    """The demo's flags, each with its range (`demo_argument_error` checks how they go together)."""
+    parser.add_argument("--transfers", type=count(1), default=200, help="transfers to run; >= 1 (default 200)")
+    parser.add_argument("--producers", type=count(1), default=2, help="producer engines; >= 1 (default 2)")
+    parser.add_argument("--consumers", type=count(1), default=2, help="consumer engines; >= 1 (default 2)")
+    parser.add_argument("--min-blocks", type=count(1), default=1, help="smallest transfer, in blocks; >= 1 (default 1)")
+    parser.add_argument(
+        "--max-blocks",
+        type=count(1),
+        default=32,
+        help="largest transfer, in blocks; --min-blocks..--pool-blocks, at most 8 MiB per region (default 32)",
+    )
+    parser.add_argument("--block-kib", type=count(1), default=64, help="KiB per block per region; >= 1 (default 64)")
+    parser.add_argument(
+        "--regions", type=count(1), default=2, help="KV regions per engine, e.g. K and V; >= 1 (default 2)"
+    )
+    parser.add_argument(
+        "--pool-blocks", type=count(1), default=256, help="blocks in each engine's pool; >= 1 (default 256)"
+    )
+    parser.add_argument("--concurrency", type=count(1), default=8, help="transfers in flight; >= 1 (default 8)")
     parser.add_argument(
         "--mode",
         choices=("push", "pull", "progressive"),
@@ -47,6 +57,21 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def demo_argument_error(args: argparse.Namespace) -> str | None:
+    """Why the demo's flags do not go together (each is in its range), or None."""
+    if not args.min_blocks <= args.max_blocks <= args.pool_blocks:
+        return (
+            f"--min-blocks ({args.min_blocks}) <= --max-blocks ({args.max_blocks}) <= --pool-blocks "
+            f"({args.pool_blocks}) does not hold"
+        )
+    if args.max_blocks * args.block_kib * 1024 > MAX_TRANSFER_REGION_BYTES:
+        return (
+            f"--max-blocks ({args.max_blocks}) x --block-kib ({args.block_kib}) is over the "
+            f"{MAX_TRANSFER_REGION_BYTES >> 20} MiB a demo transfer holds per region"
+        )
+    return None
 
 
 @dataclasses.dataclass
@@ -186,8 +211,8 @@ def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; 0 if every transfer was verified, 1 otherwise."""
     os.environ.setdefault("UCX_TLS", "shm,tcp")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    if args.min_blocks < 1 or args.max_blocks < args.min_blocks or args.max_blocks > args.pool_blocks:
-        print("need 1 <= --min-blocks <= --max-blocks <= --pool-blocks", file=sys.stderr)
+    if (error := demo_argument_error(args)) is not None:
+        print(f"kv-rendezvous demo: error: {error}", file=sys.stderr)
         return 2
     from rendezvous.clients.testing import TestServer
 

@@ -45,6 +45,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import sys
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ from rendezvous.connector.admission import (
 from rendezvous.connector.config import TRANSFER_ID_KEY
 from rendezvous.connector.prefix_view import PrefixView
 from rendezvous.connector.prompts import PromptReader, Tokenizer
-from rendezvous.protocol import bindings, tracing
+from rendezvous.protocol import bindings, flags, tracing
 from rendezvous.protocol.bindings import PARAMS_KEY as BINDING_KEY
 
 __all__ = ["ANY_MODEL", "LocalPrefill", "Route", "Router", "main", "parse_route", "rendezvous_config"]
@@ -641,13 +642,51 @@ def _route_arg(text: str) -> tuple[str, Route]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+"""gRPC target URIs `--address` takes besides host:port (a port alone is not a scheme)."""
+
+
+def _targets(text: str) -> str:
+    """`--address`: comma-separated rendezvous targets, each host:port (port 1..65535) or a gRPC target URI."""
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not targets:
+        raise argparse.ArgumentTypeError(f"no address in {text!r}")
+    for target in targets:
+        if target.startswith(_SCHEMES):
+            continue
+        _, colon, port = target.rpartition(":")
+        if not colon or not port.isdigit() or not 0 < int(port) <= 65_535:
+            raise argparse.ArgumentTypeError(f"{target!r} is not host:port with a port in 1..65535")
+    return text
+
+
+def _pool(text: str) -> str:
+    """A pool's name: not empty (an empty pool would route to every pool's engines)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"not a pool name: {text!r}")
+    return text.strip()
+
+
+BINDING_KEY_FILE_ENV = "KV_RENDEZVOUS_BINDING_KEY_FILE"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kv-rendezvous router", description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", default="127.0.0.1:8000", help="host:port to serve on")
+    parser = flags.Parser(prog="kv-rendezvous router", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--address", metavar="HOST:PORT[,HOST:PORT]", help="rendezvous server address(es), comma-separated (required)"
+        "--listen",
+        default="127.0.0.1:8000",
+        type=flags.host_port,
+        help="host:port to serve on; port 0..65535 (0: any free port)",
     )
-    parser.add_argument("--rendezvous", dest="address", action=_DeprecatedAddressFlag, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--address",
+        type=_targets,
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="rendezvous server address(es), comma-separated (required)",
+    )
+    parser.add_argument(
+        "--rendezvous", dest="address", type=_targets, action=_DeprecatedAddressFlag, help=argparse.SUPPRESS
+    )
     parser.add_argument("--token", default=None, help="bearer token for the rendezvous")
     parser.add_argument(
         "--route",
@@ -657,8 +696,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL:PREFILL_POOLS:DECODE_POOLS",
         help="send MODEL's requests to these pools (comma-separated); MODEL '*' matches any model; repeatable",
     )
-    parser.add_argument("--prefill-pool", default="prefill", help="the '*' route's prefill pool without --route")
-    parser.add_argument("--decode-pool", default="decode", help="the '*' route's decode pool without --route")
+    parser.add_argument(
+        "--prefill-pool", type=_pool, default="prefill", help="the '*' route's prefill pool without --route"
+    )
+    parser.add_argument(
+        "--decode-pool", type=_pool, default="decode", help="the '*' route's decode pool without --route"
+    )
     parser.add_argument(
         "--policy",
         choices=[p.value for p in PickPolicy],
@@ -667,9 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--load-weight",
-        type=float,
+        type=flags.seconds(what="weight"),
         default=1.0,
-        help="prefix-aware: what one request in flight weighs, in whole prompts of uncached blocks",
+        help="prefix-aware: what one request in flight weighs, in whole prompts of uncached blocks; >= 0",
     )
     parser.add_argument(
         "--no-kv-index",
@@ -677,7 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="prefix-aware: place by this router's memory only, never by the fleet's KV index",
     )
-    parser.add_argument("--prefix-block", type=int, default=16, help="tokens per KV block, for prompt block hashes")
+    parser.add_argument(
+        "--prefix-block", type=flags.count(1), default=16, help="tokens per KV block, for prompt block hashes; >= 1"
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -685,74 +730,82 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--local-prefill-below",
-        type=int,
+        type=flags.count(0),
         default=0,
         metavar="TOKENS",
-        help="send prompts shorter than this to a decode engine alone (no transfer); 0: never",
+        help="send prompts shorter than this to a decode engine alone (no transfer); 0: never; >= 0",
     )
     parser.add_argument(
         "--local-prefill-when-busy",
-        type=int,
+        type=flags.count(0),
         default=0,
         metavar="N",
-        help="prefill on the decode engine when every prefill engine has N requests in flight; 0: never",
+        help="prefill on the decode engine when every prefill engine has N requests in flight; 0: never; >= 0",
     )
-    parser.add_argument("--refresh-interval", type=float, default=1.0, help="seconds engine lists are cached")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per engine request")
+    parser.add_argument(
+        "--refresh-interval",
+        type=flags.seconds(),
+        default=1.0,
+        help="seconds engine lists are cached (0: every request lists the engines); >= 0",
+    )
+    parser.add_argument(
+        "--timeout", type=flags.seconds(positive=True), default=600.0, help="seconds per engine request; > 0"
+    )
     parser.add_argument(
         "--binding-key-file",
-        default=os.environ.get("KV_RENDEZVOUS_BINDING_KEY_FILE"),
+        default=None,
         help="sign each transfer to the engines picked for it with this file's first key (the rendezvous's "
-        "--binding-key-file; env KV_RENDEZVOUS_BINDING_KEY_FILE)",
+        f"--binding-key-file; env {BINDING_KEY_FILE_ENV})",
     )
     parser.add_argument(
         "--max-queued",
-        type=int,
+        type=flags.count(0),
         default=100,
         metavar="N",
-        help="requests that may wait for decode credit at once (more are answered 503 queue_full); 0: none wait",
+        help="requests that may wait for decode credit at once (more are answered 503 queue_full); 0: none wait; >= 0",
     )
     parser.add_argument(
         "--queue-timeout",
-        type=float,
+        type=flags.seconds(),
         default=30.0,
         metavar="SECONDS",
-        help="how long a request waits for decode credit before it is answered 503 queue_timeout",
+        help="how long a request waits for decode credit before it is answered 503 queue_timeout; >= 0",
     )
     parser.add_argument(
         "--credit-ttl",
-        type=float,
+        type=flags.seconds(positive=True),
         default=60.0,
         metavar="SECONDS",
-        help="how long a decode credit reservation lasts unless the engine registers the target or the request ends",
+        help="how long a decode credit reservation lasts unless the engine registers the target or the request "
+        "ends; > 0",
     )
     parser.add_argument(
         "--rendezvous-timeout",
-        type=float,
+        type=flags.seconds(positive=True),
         default=DEFAULT_RENDEZVOUS_TIMEOUT,
         metavar="SECONDS",
-        help="how long one rendezvous call may take, retries included, before the request is answered 503",
+        help="how long one rendezvous call may take, retries included, before the request is answered 503; > 0",
     )
     parser.add_argument(
         "--rendezvous-retry-after",
-        type=float,
+        type=flags.seconds(positive=True),
         default=DEFAULT_RETRY_AFTER,
         metavar="SECONDS",
         help="while the rendezvous does not answer: requests get 503 with this Retry-After at once, "
-        "and it is probed this often",
+        "and it is probed this often; > 0",
     )
     parser.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=flags.count(1),
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="BYTES",
-        help="the largest request body the router reads; larger ones are answered 413",
+        help="the largest request body the router reads; larger ones are answered 413; >= 1",
     )
     parser.add_argument(
         "--binding-ttl",
-        type=float,
+        type=flags.seconds(positive=True),
         default=DEFAULT_BINDING_TTL,
-        help="seconds a binding admits the engines it names",
+        help="seconds a binding admits the engines it names; > 0",
     )
     return parser
 
@@ -764,7 +817,27 @@ def _tokenizer(name: str) -> Tokenizer:
     return tokenizer
 
 
+def _listening(address: tuple[str, int]) -> socket.socket:
+    """A socket listening on --listen's (host, port), bound before the application starts so that an address in
+    use or not local is refused naming the flag; OSError if it cannot be bound."""
+    host, port = address
+    family, kind, proto, _, where = socket.getaddrinfo(
+        host or "127.0.0.1", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's own sites do
+        sock.bind(where)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `kv-rendezvous router`: a flag out of its range, a file that cannot be read or an address
+    that cannot be listened on is one line naming the flag, exit 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.address:
@@ -772,15 +845,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     routes = dict(args.route) or {ANY_MODEL: Route((args.prefill_pool,), (args.decode_pool,))}
     if len(routes) != len(args.route) and args.route:
         parser.error("a model is routed twice")
-    if args.rendezvous_timeout <= 0 or args.rendezvous_retry_after <= 0:
-        parser.error("--rendezvous-timeout and --rendezvous-retry-after must be positive")
-    if args.max_body_bytes <= 0:
-        parser.error("--max-body-bytes must be positive")
+    if (enable := os.environ.get(tracing.ENABLE_ENV)) is not None:
+        try:
+            flags.boolean(enable)
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"{tracing.ENABLE_ENV}={enable!r}: {err}")
+    key_file, key_source = args.binding_key_file, "--binding-key-file"
+    if key_file is None and os.environ.get(BINDING_KEY_FILE_ENV):
+        key_file, key_source = os.environ[BINDING_KEY_FILE_ENV], f"{BINDING_KEY_FILE_ENV} (--binding-key-file)"
+    try:
+        binding_key = bindings.load_keys(key_file)[0] if key_file else None
+    except (OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        reason = reason.removeprefix(f"binding key file {key_file}: ")
+        parser.error(f"{key_source} {key_file}: {reason}")
+    try:
+        tokenizer = _tokenizer(args.tokenizer) if args.tokenizer else None
+    except (OSError, ValueError, ImportError) as err:
+        parser.error(f"--tokenizer {args.tokenizer}: {(str(err) or type(err).__name__).splitlines()[0]}")
+    try:
+        sock = _listening(args.listen)
+    except OSError as err:
+        host, port = args.listen
+        listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        parser.error(f"--listen {listen}: {err.strerror or err}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     tracing.configure_from_env("kv-rendezvous-router")
-    host, _, port = args.listen.rpartition(":")
     targets = [t.strip() for t in args.address.split(",") if t.strip()]
-    binding_key = bindings.load_keys(args.binding_key_file)[0] if args.binding_key_file else None
 
     async def app() -> web.Application:
         client = AsyncRendezvousClient(rendezvous_config(targets, args.token, args.rendezvous_timeout))
@@ -791,7 +882,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             refresh_interval=args.refresh_interval,
             timeout=args.timeout,
             load_weight=args.load_weight,
-            prompts=PromptReader(args.prefix_block, _tokenizer(args.tokenizer) if args.tokenizer else None),
+            prompts=PromptReader(args.prefix_block, tokenizer),
             local_prefill=LocalPrefill(args.local_prefill_below, args.local_prefill_when_busy),
             binding_key=binding_key,
             binding_ttl=args.binding_ttl,
@@ -805,7 +896,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return router.app()
 
     # handler_cancellation: a client that goes away cancels its request, which aborts the transfer.
-    web.run_app(app(), host=host or "127.0.0.1", port=int(port), print=None, handler_cancellation=True)
+    web.run_app(app(), sock=sock, print=None, handler_cancellation=True)
     return 0
 
 

@@ -20,13 +20,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
 from rendezvous import __version__
 from rendezvous.core.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_RECEIVE_WINDOW_BYTES, Limits, Timeouts
 from rendezvous.logs import configure_logging
+from rendezvous.protocol.flags import Parser as _Parser
+from rendezvous.protocol.flags import boolean as _bool
+from rendezvous.protocol.flags import choice as _choice
+from rendezvous.protocol.flags import count as _count
+from rendezvous.protocol.flags import seconds as _seconds
 
 if TYPE_CHECKING:
     from rendezvous.v1 import rendezvous_pb2 as pb
@@ -94,63 +99,8 @@ INT32_MAX = 2**31 - 1
 """The largest value gRPC takes for a channel argument (message sizes, windows)."""
 
 
-def _seconds(
-    minimum: float = 0.0, *, positive: bool = False, what: str = "number of seconds"
-) -> Callable[[str], float]:
-    """A flag's type: a finite number (of seconds), at least `minimum` (above it when `positive`)."""
-
-    def seconds(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < minimum or (positive and value == minimum):
-            bound = f"> {minimum:g}" if positive else f">= {minimum:g}"
-            raise argparse.ArgumentTypeError(f"not a finite {what} {bound}: {text!r}")
-        return value
-
-    return seconds
-
-
-def _count(minimum: int = 0, maximum: int | None = None) -> Callable[[str], int]:
-    """A flag's type: a whole number within minimum..maximum."""
-
-    def count(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < minimum or (maximum is not None and value > maximum):
-            bound = f">= {minimum}" if maximum is None else f"within {minimum}..{maximum}"
-            raise argparse.ArgumentTypeError(f"not {bound}: {text!r}")
-        return value
-
-    return count
-
-
-def _bool(value: str | bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("", "0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
-
-
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-
-
-def _choice(choices: Sequence[str], convert: Callable[[str], str] = str) -> Callable[[str], str]:
-    """A variable's type for a flag with choices (argparse checks only the command line's)."""
-
-    def choice(text: str) -> str:
-        if (value := convert(text)) not in choices:
-            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(choices)})")
-        return value
-
-    return choice
 
 
 def _switch(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, help: str) -> None:
@@ -618,13 +568,6 @@ def _add_entry_point_commands(sub: argparse._SubParsersAction[argparse.ArgumentP
         command.load()(sub)
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line: serve's usage alone is 80 lines, which buried the error."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParser:
     """The kv-rendezvous argument parser; with `entry_point_commands`, also the subcommands of other packages."""
     parser = _Parser(prog="kv-rendezvous", description=__doc__)
@@ -707,13 +650,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
-        from rendezvous.server.app import ListenError
+        from rendezvous.server.app import ListenError, SettingError
         from rendezvous.store.base import StoreUnavailableError
 
         try:
             return asyncio.run(_serve(args))
         except ListenError as err:
             print(f"kv-rendezvous: --{err.setting.replace('_', '-')} {err.address}: {err.reason}", file=sys.stderr)
+            return 2
+        except SettingError as err:
+            print(f"kv-rendezvous: --{err.setting.replace('_', '-')} {err.value}: {err.reason}", file=sys.stderr)
             return 2
         except (ValueError, OSError, StoreUnavailableError) as err:
             print(f"kv-rendezvous: {err}", file=sys.stderr)

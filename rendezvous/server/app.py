@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -106,6 +107,9 @@ def _split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+_T = TypeVar("_T")
+
+
 class ListenError(OSError):
     """An address the server cannot listen on. `setting` names its ServerConfig field (listen, metrics_listen,
     health_listen), so that the CLI can name the flag."""
@@ -115,6 +119,29 @@ class ListenError(OSError):
         self.setting = setting
         self.address = address
         self.reason = reason
+
+
+class SettingError(ValueError):
+    """A setting the server cannot start with: a store URL it cannot use, a file it cannot read or use. `setting`
+    names its ServerConfig field (store, auth_file, binding_key_file), so that the CLI can name the flag."""
+
+    def __init__(self, setting: str, value: str, reason: str) -> None:
+        super().__init__(f"{setting} {value}: {reason}")
+        self.setting = setting
+        self.value = value
+        self.reason = reason
+
+
+def _setting(setting: str, value: str, build: Callable[[], _T], *said: str) -> _T:
+    """What build() returns; SettingError if it raises OSError or ValueError. The reason drops the words of the
+    message that `said` the value (the CLI names it)."""
+    try:
+        return build()
+    except (OSError, ValueError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        for words in said:
+            reason = reason.replace(words, "", 1)
+        raise SettingError(setting, value, reason) from None
 
 
 def _checked_address(setting: str, address: str) -> str:
@@ -153,10 +180,21 @@ class RendezvousServer:
         self.clock = clock or time.time
         self._quota_clock = clock or time.monotonic
         self.metrics = Metrics()
-        self.store: Store = create_store(self.config.store, self.config.limits, clock)
+        url = self.config.store
+        self.store: Store = _setting(
+            "store",
+            url,
+            lambda: create_store(url, self.config.limits, clock),
+            f"store URL {url!r}: ",
+            f" {url!r}",
+        )
+        key_file = self.config.binding_key_file
         bindings = (
-            BindingRules(load_keys(self.config.binding_key_file), not self.config.allow_unbound)
-            if self.config.binding_key_file
+            BindingRules(
+                _setting("binding_key_file", key_file, lambda: load_keys(key_file), f"binding key file {key_file}: "),
+                not self.config.allow_unbound,
+            )
+            if key_file
             else None
         )
         self.coordinator = Coordinator(
@@ -175,13 +213,18 @@ class RendezvousServer:
         self.turns: FairTurns | None = None
         """The unary calls' fair turns (rendezvous.server.turns), once started with auth or call limits."""
         self.certificates = CertificateReloader(self.config.tls) if self.config.tls else None
+        auth_file = self.config.auth_file
         self.auth = (
-            AuthPolicy(
-                self.config.auth_file,
-                min_token_bytes=self.config.min_token_bytes,
-                strict=self.config.strict_identities,
+            _setting(
+                "auth_file",
+                auth_file,
+                lambda: AuthPolicy(
+                    auth_file, min_token_bytes=self.config.min_token_bytes, strict=self.config.strict_identities
+                ),
+                f"auth file {auth_file}: ",
+                f"auth file {auth_file} ",
             )
-            if self.config.auth_file
+            if auth_file
             else None
         )
 

@@ -39,14 +39,14 @@ def test_an_auth_file_json_would_misread_refuses_the_start(text: str, says: str,
     path = tmp_path / "auth.json"
     path.write_text(text)
     line = refused("--auth-file", str(path))
-    assert line.startswith("kv-rendezvous: auth file") and says in line
+    assert line.startswith(f"kv-rendezvous: --auth-file {path}: ") and says in line
     assert TOKEN not in line
 
 
 def test_an_auth_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     path = tmp_path / "auth.json"
     path.write_bytes(b"\xff\xfe{}")
-    assert refused("--auth-file", str(path)) == f"kv-rendezvous: auth file {path} is not UTF-8 text"
+    assert refused("--auth-file", str(path)) == f"kv-rendezvous: --auth-file {path}: is not UTF-8 text"
 
 
 def test_a_reload_to_a_file_with_a_duplicate_token_keeps_the_identities(tmp_path: Path) -> None:

@@ -147,3 +147,20 @@ def test_inspection_names_a_tls_flag_it_cannot_use(
     flags: list[str], says: str, server: TestServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert says in refused(["status", "--address", server.address, *flags], capsys)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        # Both said only what was wrong, not which flag: "store URL 'redis://[bad': Invalid IPv6 URL", and
+        # "[Errno 2] No such file or directory: '/nonexistent/auth.json'".
+        (["--store", "redis://[bad"], "kv-rendezvous: --store redis://[bad: Invalid IPv6 URL"),
+        (["--store", "postgres://x"], "kv-rendezvous: --store postgres://x: unknown store: use 'memory'"),
+        (["--auth-file", "/nonexistent/auth.json"], "kv-rendezvous: --auth-file /nonexistent/auth.json: No such file"),
+        (["--binding-key-file", "/nonexistent/keys"], "kv-rendezvous: --binding-key-file /nonexistent/keys: No such"),
+    ],
+)
+def test_serve_names_the_flag_of_a_store_or_file_it_cannot_use(
+    flags: list[str], says: str, no_start: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert refused([*SERVE, *flags], capsys).startswith(says)
