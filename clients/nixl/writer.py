@@ -382,6 +382,7 @@ class _Transfer:
     part_at: float = 0.0  # when the engine handed over the latest part
     write: _Write | None = None
     fence: int = -1  # highest revoked generation: never write it or an older one
+    failed: str = ""  # the device failed computing its KV while a write drained: ends it once drained
 
     @property
     def idle(self) -> bool:
@@ -696,6 +697,8 @@ class TransferWriter:
             told = False  # no assignment yet: the one that comes is failed with it (`_assign`)
         if t.write is None:
             self._end(transfer_id, t, "" if told else error)
+        else:  # a write drains (revoked, or failing): no generation may write this KV after it (`_finish_write`)
+            t.failed = error
 
     def _assign(self, a: _Assign) -> None:
         if a.transfer_id in self._ended:
@@ -1454,6 +1457,11 @@ class TransferWriter:
             self._complete(transfer_id, w.generation, ok, error, parts)
         if w.aborted or (ok and not w.revoked and t.assignment is None):
             self._end(transfer_id, t)
+        elif t.failed:  # its KV was never computed: a newer generation fails with that, now or when assigned
+            a, t.assignment = t.assignment, None
+            if a is not None:
+                self._complete(transfer_id, a.generation, False, t.failed)
+            self._end(transfer_id, t, t.failed)
         else:
             self._try_write(transfer_id, t)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from rendezvous.clients import AbortReason
@@ -36,6 +38,41 @@ def test_producer_killed_mid_transfer(clock: FakeClock, server: TestServer, cons
         assert_pool(consumer, [])
     finally:
         doomed.close()
+
+
+def test_producer_killed_mid_parts_never_starts_decode(
+    clock: FakeClock, server: TestServer, consumer: WorkerProcess
+) -> None:
+    """The producer wrote the first of three blocks as a part, then died: the consumer does not take the part
+    as arrival, hears of the loss once the lease lapsed, and gets its blocks back failed; nothing more lands."""
+    reset_pool(consumer)
+    doomed = WorkerProcess(Spec("producer", server.address, "prefill-doomed-parts", lease_ttl=LEASE_TTL))
+    try:
+        tid = transfer_id("dead-mid-parts")
+        assert consumer.call("register", tid, [1, 2, 3], 1, False, 48) == "TARGETED"
+        assert doomed.call("claim", tid) == "MATCHED"
+        doomed.call("fill", 5, [20, 21, 22])
+        doomed.call("ready_part", tid, [20, 21, 22], 16, 48)  # block 20 is computed: a part of 16 tokens
+        first = Landed(5, 1, [1])  # the first of the pattern's blocks
+        deadline = time.monotonic() + WAIT
+        while not part_landed(consumer, first):
+            assert time.monotonic() < deadline, "the part never landed"
+            time.sleep(0.01)
+        doomed.kill()
+        assert not [e for e in consumer.pending() if e[0] == "result"]  # a part is not arrival; the lease holds
+        lapse(clock, server)
+        assert consumer.result(tid, timeout=WAIT) == ("result", tid, 1, False, (1, 2, 3), AbortReason.PEER_LOST)
+        assert_pool(consumer, [first])  # the part only: blocks 2 and 3 untouched
+    finally:
+        doomed.close()
+
+
+def part_landed(consumer: WorkerProcess, landed: Landed) -> bool:
+    try:
+        assert_pool(consumer, [landed])
+    except AssertionError:
+        return False
+    return True
 
 
 def test_consumer_killed_producer_frees_its_blocks(

@@ -96,6 +96,13 @@ class _Worker:
         mode = TransferMode.PULL if pull else TransferMode.PUSH
         self.agent.ready(transfer_id, block_ids, lambda t: self.events.put(("free", t)), mode=mode)
 
+    def ready_part(self, transfer_id: str, block_ids: list[int], num_computed_tokens: int, prompt_tokens: int) -> None:
+        """The prompt's first `num_computed_tokens` tokens are computed in every layer (chunked prefill)."""
+        self.agent.ready_part(
+            transfer_id, block_ids, num_computed_tokens, prompt_tokens=prompt_tokens,
+            on_free=lambda t: self.events.put(("free", t)),
+        )  # fmt: skip
+
     async def inject(self, transfer_id: str, generation: int, consumer_id: str, dst: list[int]) -> None:
         """Hand the agent an assignment the service did not make (e.g. with block ids out of range)."""
         from rendezvous.clients import Event, EventType, TransferInfo, TransferState
@@ -106,11 +113,17 @@ class _Worker:
 
     # Consumer commands
 
-    async def register(self, transfer_id: str, block_ids: list[int], generation: int = 1, pull: bool = False) -> str:
+    async def register(
+        self, transfer_id: str, block_ids: list[int], generation: int = 1, pull: bool = False, progressive: int = 0
+    ) -> str:
+        """`progressive`: the target's tokens, written in parts (0: one write)."""
         from rendezvous.clients import TransferMode
 
         mode = TransferMode.PULL if pull else TransferMode.PUSH
-        return _outcome(await self.agent.register_target(transfer_id, block_ids, generation, mode=mode))
+        result = await self.agent.register_target(
+            transfer_id, block_ids, generation, mode=mode, num_tokens=progressive, progressive=bool(progressive)
+        )
+        return _outcome(result)
 
     async def abort(self, transfer_id: str) -> str:
         return _outcome(await self.agent.abort(transfer_id))

@@ -21,6 +21,7 @@ from rendezvous.clients.nixl.agent import NixlEndpoint
 from rendezvous.clients.nixl.consumer import ConsumerAgent
 from rendezvous.clients.nixl.notifications import encode_notification
 from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.nixl.writer import WriterConfig
 from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import WAIT, client, server
 
@@ -44,12 +45,14 @@ class Pair:
 
 
 @contextlib.asynccontextmanager
-async def started_pair(client: AsyncRendezvousClient) -> AsyncIterator[Pair]:
+async def started_pair(client: AsyncRendezvousClient, writer_config: WriterConfig | None = None) -> AsyncIterator[Pair]:
     loop = asyncio.get_running_loop()
     arrived: asyncio.Future[Any] = loop.create_future()
     reported: asyncio.Future[Any] = loop.create_future()
     kv = [torch.arange(8 * 256, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 256) for _ in range(2)]
-    producer = ProducerAgent(client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result)
+    producer = ProducerAgent(
+        client, "p0", "prefill", kv, layout=LAYOUT, on_report=reported.set_result, writer_config=writer_config
+    )
     decode = [torch.zeros(8, 256, dtype=torch.uint8) for _ in range(2)]
     consumer = ConsumerAgent(client, "d0", "decode", decode, layout=LAYOUT, on_result=arrived.set_result)
     await producer.start()

@@ -544,6 +544,36 @@ def test_an_assignment_after_a_device_failure_before_it_fails_with_that_failure(
     assert p.settled() == [] and untouched(peer, p)
 
 
+def test_a_device_failure_while_a_revoked_generation_drains_fails_the_next_generation(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    """Generation 1 is revoked while its layer 0 is in flight; then the device fails on layer 1. The KV was never
+    computed, so generation 2, assigned once 1 drained, must fail with that failure. Before, the failure was
+    dropped (the revoked write was draining, no assignment held) and generation 2 wrote the uncomputed blocks and
+    reported success (found by an audit)."""
+    p, stream = make_pair(), LateStream()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    assert p.writer.barrier(5)  # layer 0 posted
+    p.writer.source_part("t", SRC, PROMPT, (1, 2), kv_ready=stream.record())
+    p.writer.source_ready("t", SRC, kv_ready=stream.record())
+    p.writer.revoke("t", 1)
+    assert p.writer.barrier(5)  # revoked: layer 0 drains, layer 1 and the final wait for the device
+    stream.error = "an illegal memory access was encountered"
+    assert p.writer.barrier(5) and p.writer.barrier(5)  # the failure was seen, layer 0 still in flight
+    assert p.settled() == []
+
+    p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]), 1)
+    assert p.drained(peer) == Event("revoked", ("t", 1))
+    assert p.recorder.next() == Event("source_free", ("t",))  # drained: nothing of the source is written again
+
+    p.writer.assign("t", 2, p.agent, 1, [12, 13, 14], progressive=True)
+    failed = p.recorder.next()
+    assert failed.args[:3] == ("t", 2, False) and "an illegal memory access" in failed.args[3]
+    assert p.settled() == [] and p.writer.parts_in_flight == 0
+    p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]))  # nothing of generation 2
+
+
 def test_what_an_ended_transfer_is_handed_is_freed_at_once_or_at_stop(peer: PeerProcess, make_pair: MakePair) -> None:
     """After an abort nothing more of a transfer is written: a part handed over later is freed at once, and a
     source still computing when the writer stops is freed then. Before, neither was ever freed (found by an
