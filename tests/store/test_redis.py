@@ -403,6 +403,44 @@ async def test_redis_going_back_in_time_starts_a_new_epoch(redis_server: Control
         await b.close()
 
 
+async def test_an_answer_put_after_redis_lost_its_data_is_not_kept(redis_server: ControlledRedis) -> None:
+    """An answer is put after its request's write: if Redis lost that write meanwhile (a new epoch), a retry must
+    run again in the new epoch, not be answered for a record that no longer exists."""
+    url = with_prefix(redis_server.url, "ns")
+    a, b = RedisStore(url), RedisStore(url)
+    await a.open()
+    await b.open()
+    try:
+        await put_engine(a, make_engine("c"))  # the request's write, in the old epoch
+        with redis_server.client() as r:
+            r.flushall()
+        assert await b.ping()  # another replica starts the new epoch
+        await a.put_response("RegisterEngine/c/r1", b"registered", 60)
+        assert await b.get_response("RegisterEngine/c/r1") is None
+        assert await b.answer_bytes("") == (0, 0)
+        assert a.epoch == b.epoch  # a follows the new epoch: its next answers are kept
+        await a.put_response("RegisterEngine/c/r2", b"registered", 60)
+        assert await b.get_response("RegisterEngine/c/r2") == b"registered"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_an_answer_put_after_redis_went_back_in_time_is_not_kept(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns"))
+    await store.open()
+    try:
+        old = store.epoch
+        await put_transfer(store, make_transfer("t"))
+        with redis_server.client() as r:
+            r.set("{ns}:rev", 0)  # what a restart from an older snapshot shows: the writes this replica saw are gone
+        await store.put_response("CreateTransfer//r1", b"created", 60)
+        assert await store.get_response("CreateTransfer//r1") is None
+        assert store.epoch not in (0, old)
+    finally:
+        await store.close()
+
+
 async def test_the_health_check_notices_redis_going_back_in_time(redis_server: ControlledRedis) -> None:
     store = RedisStore(with_prefix(redis_server.url, "ns"))
     await store.open()

@@ -770,8 +770,9 @@ class RedisStore(Store):
 
     @_guarded
     async def put_response(self, key: str, value: bytes, ttl: float, owner: str = "") -> None:
-        await self._scripts.run(
+        reply = await self._scripts.run(
             "put_answer",
+            guard=self._epoch.guard,
             key=key,
             value=value,
             ttl_ms=max(1, int(ttl * 1000)),
@@ -780,6 +781,10 @@ class RedisStore(Store):
             max_bytes=self._max_answers_bytes,
             max_owner_bytes=self._max_answers_bytes_per_identity,
         )
+        if isinstance(reply, list):
+            # The guard refused: the answer's write was in an epoch that has ended, so it is not kept (a retry
+            # runs again in the new one, which this replica now follows); not retried, unlike other writes.
+            await self._epoch.refused(reply)
 
     @_guarded
     async def answer_bytes(self, owner: str) -> tuple[int, int]:

@@ -208,7 +208,11 @@ SIGNATURES: Mapping[str, Signature] = {
     ),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
     # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).
-    "put_answer": Signature(("key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes")),
+    # guard: as every write's. An answer put after its request's write, under an epoch that has ended since (Redis
+    # lost the write), is not kept: a retry must run again in the new epoch, not be told of a record now gone.
+    "put_answer": Signature(
+        ("guard", "key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes"), helpers=("guard",)
+    ),
 }
 
 
