@@ -606,6 +606,24 @@ def test_malformed_urls_are_refused(url: str) -> None:
         parse_url(url)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h:0",
+        "redis://h:99999/0?cluster=true",
+        "redis+sentinel://h:99999/svc",
+        "redis+sentinel://h:0/svc",
+        "redis+sentinel://s1:26379,[::1]:65536/svc",
+    ],
+)
+def test_a_port_out_of_range_is_refused_naming_the_url(url: str) -> None:
+    """Sentinel URLs (several hosts) are read by their own code: a port is refused past 65535 (and 0) there too,
+    at start, not by the first connection."""
+    with pytest.raises(ValueError, match=r"(?i)port") as refused:
+        parse_url(url)
+    assert url in str(refused.value)
+
+
 async def test_a_sentinel_url_reaches_the_master(sentinel_redis: tuple[LocalRedis, LocalSentinel]) -> None:
     _, sentinel = sentinel_redis
     store = RedisStore(f"redis+sentinel://127.0.0.1:{sentinel.port}/rdvmaster?prefix=s")
