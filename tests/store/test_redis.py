@@ -733,6 +733,47 @@ async def test_engines_listed_by_a_namespace_written_before_the_id_index_are_all
         await store.close()
 
 
+async def test_transfers_of_a_namespace_written_without_the_id_indexes_are_all_listed(redis_url: str) -> None:
+    """ListTransfers pages that name no engine come from the id indexes `transfer_ids` and `live_ids`. A namespace
+    an older server wrote has only the `transfers` set, and during a rolling upgrade older replicas make, end and
+    delete transfers without the indexes: a listing rebuilds them when they disagree with the set in size, and skips
+    an indexed id by its record's state."""
+    store = RedisStore(with_prefix(redis_url, fresh_prefix()))
+    await store.open()
+    every, live = frozenset(State), frozenset(s for s in State if not s.terminal)
+
+    async def listed(states: frozenset[State], after: str, limit: int) -> list[str]:
+        return [t.transfer_id for t in await store.page_transfers(None, states, after, limit)]
+
+    try:
+        made = (("t2", State.TARGETED), ("t0", State.ABORTED), ("t1", State.MATCHED), ("t3", State.RELEASED))
+        for tid, state in made:
+            await put_transfer(store, make_transfer(tid, state))
+        r = store._redis
+        assert r is not None
+        await r.delete(store._prefix + "transfer_ids", store._prefix + "live_ids")  # as an older server left it
+        assert [await listed(every, after, 2) for after in ("", "t1", "t3")] == [["t0", "t1"], ["t2", "t3"], []]
+        assert await listed(live, "", 10) == ["t1", "t2"]
+        # An older replica makes t05 (the set only): the indexes are one short of the set, and are rebuilt.
+        await put_transfer(store, make_transfer("t05"))
+        await r.zrem(store._prefix + "transfer_ids", "t05")
+        await r.zrem(store._prefix + "live_ids", "t05")
+        assert await listed(live, "t0", 2) == ["t05", "t1"]
+        # ... ends t1 (its id stays in live_ids): skipped by its state.
+        await put_transfer(store, make_transfer("t1", State.ABORTED))
+        await r.zadd(store._prefix + "live_ids", {"t1": 0})
+        assert await listed(live, "", 10) == ["t05", "t2"]
+        assert await listed(every, "t05", 1) == ["t1"]
+        # ... and deletes t3 (from the set and its record only): the indexes are one over the set, and are cleaned.
+        await store.update_transfer("t3", lambda _cur, _e: Transition(None))
+        await r.zadd(store._prefix + "transfer_ids", {"t3": 0})
+        assert await listed(every, "t1", 10) == ["t2"]
+        assert await r.zcard(store._prefix + "transfer_ids") == await r.scard(store._prefix + "transfers") == 4
+        assert await r.zrange(store._prefix + "live_ids", 0, -1) == [b"t05", b"t2"]
+    finally:
+        await store.close()
+
+
 async def test_the_sweeper_keeps_a_reservation_another_replica_renewed_after_it_looked(
     redis_pair: tuple[RedisStore, RedisStore],
 ) -> None:

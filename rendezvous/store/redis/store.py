@@ -656,25 +656,58 @@ class RedisStore(Store):
             if int(cursor) == 0:
                 return list(members)
 
+    async def _index_transfers(self) -> None:
+        """Bring the id indexes of ListTransfers up to date with the `transfers` set (index_transfers.lua): for a
+        namespace written before them, or by an older replica during a rolling upgrade. A chunk per call."""
+        log.info("indexing the transfer ids of the Redis namespace for ListTransfers")
+        cursor: Any = "0"
+        while True:
+            cursor = await self._scripts.run("index_transfers", cursor=cursor, after="", count=_SCAN_COUNT)
+            if cursor in (b"0", 0):
+                break
+        after: Any = ""
+        while True:
+            after = await self._scripts.run("index_transfers", cursor="", after=after, count=_SCAN_COUNT)
+            if not after:
+                return
+
     @_guarded
     async def page_transfers(
         self, engine_id: str | None, states: AbstractSet[State], after: str, limit: int
     ) -> list[Transfer]:
-        # Ids only (no records) of the smallest set that holds every candidate, sorted here; then the
-        # records of the first candidates, chunk by chunk, until the page is full: a script skips the
-        # ones in other states by their `s` field, so only the page's records are sent and decoded.
+        # Ids from the page token on, then the records of the first candidates, chunk by chunk, until the page
+        # is full: a script skips the ones in other states by their `s` field, so only the page's records are
+        # sent and decoded. Over all engines, the ids come from an id index in Redis (about a page a call); for
+        # one engine, from its set (its live transfers, or all of its transfers), read and sorted here.
         if limit <= 0 or not states:
             return []
-        if engine_id is None:
-            key = "transfers"
-        elif states.isdisjoint(_TOMBSTONE_STATES):
-            key = "el:" + engine_id
-        else:
-            key = "et:" + engine_id
-        ids = sorted(tid for tid in await self._set_members(self._prefix + key) if tid > after)
         wanted = ",".join(str(int(s)) for s in sorted(states))
         chunk = min(max(2 * limit, 256), 4096)
         page: list[Transfer] = []
+        if engine_id is None:
+            # From an id index (page_transfers.lua): about a page of ids looked at per call, not every id.
+            live = "1" if states.isdisjoint(_TOMBSTONE_STATES) else "0"
+            check = "1"
+            while True:
+                reply = await self._scripts.run(
+                    "page_transfers",
+                    check=check,
+                    live=live,
+                    states=wanted,
+                    after=after,
+                    limit=limit - len(page),
+                    count=chunk,
+                )
+                if reply == [b"I"]:  # the indexes need bringing up to date: once, then the page is read from them
+                    await self._index_transfers()
+                    check = "0"
+                    continue
+                page += self._transfers_in(reply, 1)
+                after = reply[0].decode()
+                if len(page) >= limit or not after:
+                    return page
+        key = ("el:" if states.isdisjoint(_TOMBSTONE_STATES) else "et:") + engine_id
+        ids = sorted(tid for tid in await self._set_members(self._prefix + key) if tid > after)
         for start in range(0, len(ids), chunk):
             reply = await self._scripts.run(
                 "select_transfers", states=wanted, limit=limit - len(page), ids=ids[start : start + chunk]
