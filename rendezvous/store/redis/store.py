@@ -82,6 +82,7 @@ _SCAN_COUNT = 1000
 # Engine records read per script call while paging ListEngines or reading the sweeper's lapsed engines.
 _ENGINE_CHUNK = 64
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
+_EVERY_STATE = ",".join(str(int(s)) for s in sorted(State))
 _APPEND_MEMORY_S = 300
 # How long a due transfer handed to one sweeper is hidden from the others.
 _SWEEP_HOLD_S = 5.0
@@ -624,7 +625,10 @@ class RedisStore(Store):
     @_guarded
     async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:
         if engine_id is not None:
-            return self._transfers_in(await self._scripts.run("engine_transfers", engine_id=engine_id))
+            # No serving path lists an engine's whole history (ListTransfers pages, page_transfers): its ids in SSCAN
+            # steps and its records a chunk a script call, so that a long history never holds Redis for long.
+            ids = await self._set_members(self._prefix + "et:" + engine_id)
+            return await self._select(ids, _EVERY_STATE, len(ids), 4096)
         # SSCAN in pages, so a large namespace never blocks Redis for long; a set may repeat ids.
         found: dict[str, Transfer] = {}
         cursor: bytes | int = 0
@@ -708,14 +712,20 @@ class RedisStore(Store):
                     return page
         key = ("el:" if states.isdisjoint(_TOMBSTONE_STATES) else "et:") + engine_id
         ids = sorted(tid for tid in await self._set_members(self._prefix + key) if tid > after)
+        return await self._select(ids, wanted, limit, chunk)
+
+    async def _select(self, ids: Sequence[str], wanted: str, limit: int, chunk: int) -> list[Transfer]:
+        """The first limit transfers of ids (in their order) that exist in one of the states wanted ("1,2,..."),
+        read chunk ids a script call (select_transfers.lua) until there are limit."""
+        found: list[Transfer] = []
         for start in range(0, len(ids), chunk):
-            reply = await self._scripts.run(
-                "select_transfers", states=wanted, limit=limit - len(page), ids=ids[start : start + chunk]
-            )
-            page += self._transfers_in(reply)
-            if len(page) >= limit:
+            if len(found) >= limit:
                 break
-        return page
+            reply = await self._scripts.run(
+                "select_transfers", states=wanted, limit=limit - len(found), ids=ids[start : start + chunk]
+            )
+            found += self._transfers_in(reply)
+        return found
 
     @_guarded
     async def due_transfers(self, now: float, limit: int) -> list[str]:

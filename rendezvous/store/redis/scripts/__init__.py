@@ -162,7 +162,6 @@ SIGNATURES: Mapping[str, Signature] = {
     "due_transfers": Signature(("now", "limit", "hold_until")),
     "read_engines": Signature(groups=(Group("ids", ("engine_id",)),), helpers=("records",)),
     "page_engines": Signature(("after", "count"), helpers=("records",)),
-    "engine_transfers": Signature(("engine_id",), helpers=("records",)),
     "page_transfers": Signature(("check", "live", "states", "after", "limit", "count")),
     "index_transfers": Signature(("cursor", "after", "count")),
     "scan_transfers": Signature(("cursor", "count"), helpers=("records",)),
