@@ -13,6 +13,7 @@ from rendezvous.core.model import State, Transfer
 from rendezvous.core.transfers import Transition
 from rendezvous.store import MemoryStore, Store
 from rendezvous.store._sorted import SortedIds
+from rendezvous.store.base import TransferFn
 from tests.store.conftest import StoreFactory
 from tests.store.test_contract import make_transfer, put_transfer
 
@@ -102,6 +103,64 @@ async def test_a_coordinator_page_decodes_about_a_page_of_redis_records(
     every = await coordinator.list_transfers(states=[State.ABORTED], page_size=5)
     assert [t.transfer_id for t in every.transfers] == ["t0001", "t0002", "t0003", "t0005", "t0006"]
     assert len(decoded) <= 6
+
+
+def _elements(reply: Any) -> int:
+    """How many values a Redis reply holds, nested replies included."""
+    if isinstance(reply, (list, tuple)):
+        return sum(_elements(item) for item in reply) + 1
+    return 1
+
+
+# The Redis backends only, as above.
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.redis) for b in ("redis", "cluster")])
+async def test_a_redis_page_that_names_no_engine_brings_back_about_a_page_not_every_id(
+    backend: str, make_store: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ListTransfers page over all engines costs about a page: the replica gets a page's ids and records from
+    Redis, not every transfer id of the namespace (read in SSCAN pages and sorted, for each page, before)."""
+    store = await make_store()
+    ids = [f"t{i:05d}" for i in range(3000)]
+
+    def create(transfer: Transfer) -> TransferFn:
+        return lambda _cur, _e: Transition(transfer)
+
+    for start in range(0, len(ids), 500):
+        await store.update_transfers(
+            [
+                (tid, create(make_transfer(tid, State.TARGETED if i % 10 == 0 else State.ABORTED)))
+                for i, tid in enumerate(ids[start : start + 500], start)
+            ]
+        )
+    received = 0
+    scripts, command = store._scripts, store._command  # type: ignore[attr-defined]
+
+    async def counted_script(name: str, /, **args: Any) -> Any:
+        nonlocal received
+        reply = await run(name, **args)
+        received += _elements(reply)
+        return reply
+
+    async def counted_command(*args: Any) -> Any:
+        nonlocal received
+        reply = await command(*args)
+        received += _elements(reply)
+        return reply
+
+    async def not_needed() -> None:
+        raise AssertionError("the id indexes of a namespace this version wrote needed rebuilding")
+
+    run = scripts.run
+    monkeypatch.setattr(store, "_index_transfers", not_needed)
+    monkeypatch.setattr(scripts, "run", counted_script)
+    monkeypatch.setattr(store, "_command", counted_command)
+    page = await store.page_transfers(None, LIVE, "t01000", 10)
+    assert [t.transfer_id for t in page] == [f"t{i:05d}" for i in range(1010, 1110, 10)]
+    assert received <= 4 * 10 + 8, f"a page of 10 live transfers brought back {received} values"
+    received = 0
+    page = await store.page_transfers(None, EVERY, "t02000", 10)
+    assert [t.transfer_id for t in page] == [f"t{i:05d}" for i in range(2001, 2011)]
+    assert received <= 4 * 10 + 8, f"a page of 10 transfers brought back {received} values"
 
 
 class _CountingStore:

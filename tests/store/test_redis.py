@@ -403,6 +403,44 @@ async def test_redis_going_back_in_time_starts_a_new_epoch(redis_server: Control
         await b.close()
 
 
+async def test_an_answer_put_after_redis_lost_its_data_is_not_kept(redis_server: ControlledRedis) -> None:
+    """An answer is put after its request's write: if Redis lost that write meanwhile (a new epoch), a retry must
+    run again in the new epoch, not be answered for a record that no longer exists."""
+    url = with_prefix(redis_server.url, "ns")
+    a, b = RedisStore(url), RedisStore(url)
+    await a.open()
+    await b.open()
+    try:
+        await put_engine(a, make_engine("c"))  # the request's write, in the old epoch
+        with redis_server.client() as r:
+            r.flushall()
+        assert await b.ping()  # another replica starts the new epoch
+        await a.put_response("RegisterEngine/c/r1", b"registered", 60)
+        assert await b.get_response("RegisterEngine/c/r1") is None
+        assert await b.answer_bytes("") == (0, 0)
+        assert a.epoch == b.epoch  # a follows the new epoch: its next answers are kept
+        await a.put_response("RegisterEngine/c/r2", b"registered", 60)
+        assert await b.get_response("RegisterEngine/c/r2") == b"registered"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_an_answer_put_after_redis_went_back_in_time_is_not_kept(redis_server: ControlledRedis) -> None:
+    store = RedisStore(with_prefix(redis_server.url, "ns"))
+    await store.open()
+    try:
+        old = store.epoch
+        await put_transfer(store, make_transfer("t"))
+        with redis_server.client() as r:
+            r.set("{ns}:rev", 0)  # what a restart from an older snapshot shows: the writes this replica saw are gone
+        await store.put_response("CreateTransfer//r1", b"created", 60)
+        assert await store.get_response("CreateTransfer//r1") is None
+        assert store.epoch not in (0, old)
+    finally:
+        await store.close()
+
+
 async def test_the_health_check_notices_redis_going_back_in_time(redis_server: ControlledRedis) -> None:
     store = RedisStore(with_prefix(redis_server.url, "ns"))
     await store.open()
@@ -568,6 +606,24 @@ def test_malformed_urls_are_refused(url: str) -> None:
         parse_url(url)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h:0",
+        "redis://h:99999/0?cluster=true",
+        "redis+sentinel://h:99999/svc",
+        "redis+sentinel://h:0/svc",
+        "redis+sentinel://s1:26379,[::1]:65536/svc",
+    ],
+)
+def test_a_port_out_of_range_is_refused_naming_the_url(url: str) -> None:
+    """Sentinel URLs (several hosts) are read by their own code: a port is refused past 65535 (and 0) there too,
+    at start, not by the first connection."""
+    with pytest.raises(ValueError, match=r"(?i)port") as refused:
+        parse_url(url)
+    assert url in str(refused.value)
+
+
 async def test_a_sentinel_url_reaches_the_master(sentinel_redis: tuple[LocalRedis, LocalSentinel]) -> None:
     _, sentinel = sentinel_redis
     store = RedisStore(f"redis+sentinel://127.0.0.1:{sentinel.port}/rdvmaster?prefix=s")
@@ -673,6 +729,47 @@ async def test_engines_listed_by_a_namespace_written_before_the_id_index_are_all
         assert [[e.engine_id for e in page] for page in pages] == [["e0", "e1"], ["e2", "e3"], []]
         await put_engine(store, make_engine("e05"))
         assert [e.engine_id for e in await store.page_engines("e0", 2, lambda _e: True)] == ["e05", "e1"]
+    finally:
+        await store.close()
+
+
+async def test_transfers_of_a_namespace_written_without_the_id_indexes_are_all_listed(redis_url: str) -> None:
+    """ListTransfers pages that name no engine come from the id indexes `transfer_ids` and `live_ids`. A namespace
+    an older server wrote has only the `transfers` set, and during a rolling upgrade older replicas make, end and
+    delete transfers without the indexes: a listing rebuilds them when they disagree with the set in size, and skips
+    an indexed id by its record's state."""
+    store = RedisStore(with_prefix(redis_url, fresh_prefix()))
+    await store.open()
+    every, live = frozenset(State), frozenset(s for s in State if not s.terminal)
+
+    async def listed(states: frozenset[State], after: str, limit: int) -> list[str]:
+        return [t.transfer_id for t in await store.page_transfers(None, states, after, limit)]
+
+    try:
+        made = (("t2", State.TARGETED), ("t0", State.ABORTED), ("t1", State.MATCHED), ("t3", State.RELEASED))
+        for tid, state in made:
+            await put_transfer(store, make_transfer(tid, state))
+        r = store._redis
+        assert r is not None
+        await r.delete(store._prefix + "transfer_ids", store._prefix + "live_ids")  # as an older server left it
+        assert [await listed(every, after, 2) for after in ("", "t1", "t3")] == [["t0", "t1"], ["t2", "t3"], []]
+        assert await listed(live, "", 10) == ["t1", "t2"]
+        # An older replica makes t05 (the set only): the indexes are one short of the set, and are rebuilt.
+        await put_transfer(store, make_transfer("t05"))
+        await r.zrem(store._prefix + "transfer_ids", "t05")
+        await r.zrem(store._prefix + "live_ids", "t05")
+        assert await listed(live, "t0", 2) == ["t05", "t1"]
+        # ... ends t1 (its id stays in live_ids): skipped by its state.
+        await put_transfer(store, make_transfer("t1", State.ABORTED))
+        await r.zadd(store._prefix + "live_ids", {"t1": 0})
+        assert await listed(live, "", 10) == ["t05", "t2"]
+        assert await listed(every, "t05", 1) == ["t1"]
+        # ... and deletes t3 (from the set and its record only): the indexes are one over the set, and are cleaned.
+        await store.update_transfer("t3", lambda _cur, _e: Transition(None))
+        await r.zadd(store._prefix + "transfer_ids", {"t3": 0})
+        assert await listed(every, "t1", 10) == ["t2"]
+        assert await r.zcard(store._prefix + "transfer_ids") == await r.scard(store._prefix + "transfers") == 4
+        assert await r.zrange(store._prefix + "live_ids", 0, -1) == [b"t05", b"t2"]
     finally:
         await store.close()
 

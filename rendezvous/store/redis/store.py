@@ -82,6 +82,7 @@ _SCAN_COUNT = 1000
 # Engine records read per script call while paging ListEngines or reading the sweeper's lapsed engines.
 _ENGINE_CHUNK = 64
 _TOMBSTONE_STATES = frozenset(s for s in State if s.terminal)
+_EVERY_STATE = ",".join(str(int(s)) for s in sorted(State))
 _APPEND_MEMORY_S = 300
 # How long a due transfer handed to one sweeper is hidden from the others.
 _SWEEP_HOLD_S = 5.0
@@ -624,7 +625,10 @@ class RedisStore(Store):
     @_guarded
     async def list_transfers(self, engine_id: str | None = None) -> list[Transfer]:
         if engine_id is not None:
-            return self._transfers_in(await self._scripts.run("engine_transfers", engine_id=engine_id))
+            # No serving path lists an engine's whole history (ListTransfers pages, page_transfers): its ids in SSCAN
+            # steps and its records a chunk a script call, so that a long history never holds Redis for long.
+            ids = await self._set_members(self._prefix + "et:" + engine_id)
+            return await self._select(ids, _EVERY_STATE, len(ids), 4096)
         # SSCAN in pages, so a large namespace never blocks Redis for long; a set may repeat ids.
         found: dict[str, Transfer] = {}
         cursor: bytes | int = 0
@@ -656,33 +660,72 @@ class RedisStore(Store):
             if int(cursor) == 0:
                 return list(members)
 
+    async def _index_transfers(self) -> None:
+        """Bring the id indexes of ListTransfers up to date with the `transfers` set (index_transfers.lua): for a
+        namespace written before them, or by an older replica during a rolling upgrade. A chunk per call."""
+        log.info("indexing the transfer ids of the Redis namespace for ListTransfers")
+        cursor: Any = "0"
+        while True:
+            cursor = await self._scripts.run("index_transfers", cursor=cursor, after="", count=_SCAN_COUNT)
+            if cursor in (b"0", 0):
+                break
+        after: Any = ""
+        while True:
+            after = await self._scripts.run("index_transfers", cursor="", after=after, count=_SCAN_COUNT)
+            if not after:
+                return
+
     @_guarded
     async def page_transfers(
         self, engine_id: str | None, states: AbstractSet[State], after: str, limit: int
     ) -> list[Transfer]:
-        # Ids only (no records) of the smallest set that holds every candidate, sorted here; then the
-        # records of the first candidates, chunk by chunk, until the page is full: a script skips the
-        # ones in other states by their `s` field, so only the page's records are sent and decoded.
+        # Ids from the page token on, then the records of the first candidates, chunk by chunk, until the page
+        # is full: a script skips the ones in other states by their `s` field, so only the page's records are
+        # sent and decoded. Over all engines, the ids come from an id index in Redis (about a page a call); for
+        # one engine, from its set (its live transfers, or all of its transfers), read and sorted here.
         if limit <= 0 or not states:
             return []
-        if engine_id is None:
-            key = "transfers"
-        elif states.isdisjoint(_TOMBSTONE_STATES):
-            key = "el:" + engine_id
-        else:
-            key = "et:" + engine_id
-        ids = sorted(tid for tid in await self._set_members(self._prefix + key) if tid > after)
         wanted = ",".join(str(int(s)) for s in sorted(states))
         chunk = min(max(2 * limit, 256), 4096)
         page: list[Transfer] = []
+        if engine_id is None:
+            # From an id index (page_transfers.lua): about a page of ids looked at per call, not every id.
+            live = "1" if states.isdisjoint(_TOMBSTONE_STATES) else "0"
+            check = "1"
+            while True:
+                reply = await self._scripts.run(
+                    "page_transfers",
+                    check=check,
+                    live=live,
+                    states=wanted,
+                    after=after,
+                    limit=limit - len(page),
+                    count=chunk,
+                )
+                if reply == [b"I"]:  # the indexes need bringing up to date: once, then the page is read from them
+                    await self._index_transfers()
+                    check = "0"
+                    continue
+                page += self._transfers_in(reply, 1)
+                after = reply[0].decode()
+                if len(page) >= limit or not after:
+                    return page
+        key = ("el:" if states.isdisjoint(_TOMBSTONE_STATES) else "et:") + engine_id
+        ids = sorted(tid for tid in await self._set_members(self._prefix + key) if tid > after)
+        return await self._select(ids, wanted, limit, chunk)
+
+    async def _select(self, ids: Sequence[str], wanted: str, limit: int, chunk: int) -> list[Transfer]:
+        """The first limit transfers of ids (in their order) that exist in one of the states wanted ("1,2,..."),
+        read chunk ids a script call (select_transfers.lua) until there are limit."""
+        found: list[Transfer] = []
         for start in range(0, len(ids), chunk):
-            reply = await self._scripts.run(
-                "select_transfers", states=wanted, limit=limit - len(page), ids=ids[start : start + chunk]
-            )
-            page += self._transfers_in(reply)
-            if len(page) >= limit:
+            if len(found) >= limit:
                 break
-        return page
+            reply = await self._scripts.run(
+                "select_transfers", states=wanted, limit=limit - len(found), ids=ids[start : start + chunk]
+            )
+            found += self._transfers_in(reply)
+        return found
 
     @_guarded
     async def due_transfers(self, now: float, limit: int) -> list[str]:
@@ -770,8 +813,9 @@ class RedisStore(Store):
 
     @_guarded
     async def put_response(self, key: str, value: bytes, ttl: float, owner: str = "") -> None:
-        await self._scripts.run(
+        reply = await self._scripts.run(
             "put_answer",
+            guard=self._epoch.guard,
             key=key,
             value=value,
             ttl_ms=max(1, int(ttl * 1000)),
@@ -780,6 +824,10 @@ class RedisStore(Store):
             max_bytes=self._max_answers_bytes,
             max_owner_bytes=self._max_answers_bytes_per_identity,
         )
+        if isinstance(reply, list):
+            # The guard refused: the answer's write was in an epoch that has ended, so it is not kept (a retry
+            # runs again in the new one, which this replica now follows); not retried, unlike other writes.
+            await self._epoch.refused(reply)
 
     @_guarded
     async def answer_bytes(self, owner: str) -> tuple[int, int]:

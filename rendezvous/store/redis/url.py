@@ -91,14 +91,20 @@ class RedisTarget:
     sentinel_password: str | None = None
 
 
+_PORT_RANGE = "port out of range 1-65535"
+
+
 def parse_url(url: str) -> RedisTarget:
     """Split a store URL into redis-py's part and this store's options; ValueError when malformed."""
     try:
         split = urlsplit(url)
-        if split.scheme in ("redis", "rediss"):  # one host (a sentinel URL: host:port each, below)
-            split.port  # noqa: B018 - a port that is not a number is refused here, not at the first connection
+        # One host (a sentinel URL: host:port each, below): a port that is not a number, or past 65535, is refused
+        # here, not at the first connection.
+        if split.scheme in ("redis", "rediss") and split.port == 0:
+            raise ValueError(_PORT_RANGE)
     except ValueError as err:  # "Invalid IPv6 URL", "Port could not be cast to integer value", "Port out of range"
-        raise ValueError(f"store URL {url!r}: {err}") from None
+        reason = _PORT_RANGE if "out of range" in str(err) else err  # Python's says 0-65535, but 0 is refused too
+        raise ValueError(f"store URL {url!r}: {reason}") from None
     ours: dict[str, Any] = {}
     theirs: list[tuple[str, str]] = []
     sentinel_password = None
@@ -136,6 +142,8 @@ def parse_url(url: str) -> RedisTarget:
             host, _, port = host_port.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"sentinel address {host_port!r} in {url!r} is not host:port")
+            if not 1 <= int(port) <= 65535:
+                raise ValueError(f"sentinel address {host_port!r} in {url!r}: {_PORT_RANGE}")
             sentinels.append((host.strip("[]"), int(port)))
         parts = [unquote(p) for p in split.path.split("/") if p]
         if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):

@@ -22,6 +22,8 @@ Key schema (docs/operations.md has it for operators):
     t:<transfer>     hash    v version, d record, c consumer id, p producer id, s state, l unsettled (1|0),
                              bc, bs block ids charged to the budget, to owners oc (consumer's), os (producer's)
     transfers        set     every transfer id
+    transfer_ids     zset    every transfer id, score 0 (ordered by id: ListTransfers pages, page_transfers.lua)
+    live_ids         zset    the ids of transfers in a live state, score 0 (the default ListTransfers listing)
     states           hash    state -> number of transfers
     deadlines        zset    transfer id by deadline (swept by any replica)
     el:<engine>      set     unsettled transfer ids of an engine (live, or awaiting a revocation)
@@ -160,7 +162,8 @@ SIGNATURES: Mapping[str, Signature] = {
     "due_transfers": Signature(("now", "limit", "hold_until")),
     "read_engines": Signature(groups=(Group("ids", ("engine_id",)),), helpers=("records",)),
     "page_engines": Signature(("after", "count"), helpers=("records",)),
-    "engine_transfers": Signature(("engine_id",), helpers=("records",)),
+    "page_transfers": Signature(("check", "live", "states", "after", "limit", "count")),
+    "index_transfers": Signature(("cursor", "after", "count")),
     "scan_transfers": Signature(("cursor", "count"), helpers=("records",)),
     "select_transfers": Signature(("states", "limit"), (Group("ids", ("transfer_id",)),)),
     "replace_epoch": Signature(("lost_epoch", "new_epoch")),
@@ -208,7 +211,11 @@ SIGNATURES: Mapping[str, Signature] = {
     ),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
     # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).
-    "put_answer": Signature(("key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes")),
+    # guard: as every write's. An answer put after its request's write, under an epoch that has ended since (Redis
+    # lost the write), is not kept: a retry must run again in the new epoch, not be told of a record now gone.
+    "put_answer": Signature(
+        ("guard", "key", "value", "ttl_ms", "owner", "cost", "max_bytes", "max_owner_bytes"), helpers=("guard",)
+    ),
 }
 
 

@@ -91,11 +91,24 @@ local function commit(item, peers)
     )
     redis.call('ZADD', P .. 'deadlines', deadline, transfer_id)
     redis.call('HINCRBY', P .. 'states', state, 1)
-    if not existed then redis.call('SADD', P .. 'transfers', transfer_id) end
+    if not existed then
+      redis.call('SADD', P .. 'transfers', transfer_id)
+      redis.call('ZADD', P .. 'transfer_ids', 0, transfer_id)
+    end
+    -- The id index of live transfers (ListTransfers' default listing, page_transfers.lua).
+    local was_live = existed and old[4] ~= '5' and old[4] ~= '6'
+    local is_live = state ~= '5' and state ~= '6'
+    if is_live and not was_live then
+      redis.call('ZADD', P .. 'live_ids', 0, transfer_id)
+    elseif was_live and not is_live then
+      redis.call('ZREM', P .. 'live_ids', transfer_id)
+    end
   elseif existed then
     redis.call('DEL', tk)
     redis.call('ZREM', P .. 'deadlines', transfer_id)
     redis.call('SREM', P .. 'transfers', transfer_id)
+    redis.call('ZREM', P .. 'transfer_ids', transfer_id)
+    redis.call('ZREM', P .. 'live_ids', transfer_id)
   end
   for i = 1, #events, 3 do
     local event = events[i + 1]

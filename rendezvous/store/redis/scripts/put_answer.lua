@@ -4,7 +4,13 @@
 -- then, past a bound, the owner's oldest, then the oldest of all; an answer larger than a bound is not kept.
 -- Keys: r:<key> the answer (PX ttl); ra zset key by expiry (ms, Redis time), ra:<owner> the same per owner;
 -- rc hash key -> cost, ro hash key -> owner; rt hash t -> total cost, o:<owner> -> the owner's.
--- Reply: 1 kept | 0 not kept (too large).
+-- Under the epoch guard, as every write: an answer to a write made in an epoch that has ended (Redis lost the
+-- write, and the answer would tell a retry of a record that no longer exists) is not kept.
+-- Reply: 1 kept | 0 not kept (too large) | E epoch | R rev epoch (the guard refused: not kept).
+local bad = guard_failed(guard)
+if bad then
+  return bad
+end
 local now_parts = redis.call('TIME')
 local now = tonumber(now_parts[1]) * 1000 + math.floor(tonumber(now_parts[2]) / 1000)
 
