@@ -899,3 +899,26 @@ def test_a_script_an_operator_kills_is_store_unavailable(redis_server: Controlle
                 time.sleep(0.01)
         runner.join(30)
     assert len(raised) == 1 and isinstance(raised[0], StoreUnavailableError), raised
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h:1/0?x=1",
+        "redis://h:1?decode_responses=true",  # replies as str: this store reads bytes
+        "redis://h:1?ssl_certfile=/c.pem",  # TLS settings without TLS
+        "redis+sentinel://h:26379/svc?socket_timeot=2",
+    ],
+)
+def test_an_option_neither_the_store_nor_redis_py_takes_is_refused_by_name(url: str) -> None:
+    """Before, any other name went to redis-py's connection, which raised a TypeError at the store's start (or,
+    for `decode_responses`, answered in a form this store cannot read)."""
+    with pytest.raises(ValueError, match="unknown option") as refused:
+        parse_url(url)
+    assert url in str(refused.value)
+
+
+def test_redis_py_options_from_its_own_urls_and_tls_settings_over_rediss_are_passed_on() -> None:
+    target = parse_url("rediss://h:1?ssl_cert_reqs=none&ssl_ca_certs=/ca.pem&client_name=rdv&health_check_interval=5")
+    assert target.connection["ssl_cert_reqs"] == "none" and target.connection["ssl_ca_certs"] == "/ca.pem"
+    assert target.connection["client_name"] == "rdv" and target.connection["health_check_interval"] == 5

@@ -4,18 +4,20 @@ URL forms: redis://[user:password@]host:port[/db], rediss://..., unix:///path/to
 redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]. Query options of this
 store: prefix (key namespace, default "rdv"), cluster (true: the address is a Redis Cluster node),
 cache_size, max_watch_connections, retries, op_timeout, ping_timeout, wait_replicas and wait_timeout
-(WAIT after each pipeline: see RedisOptions), sentinel_password (Sentinel only); anything else goes
-to redis-py (socket_timeout, socket_connect_timeout, max_connections, ssl_* ...).
+(WAIT after each pipeline: see RedisOptions), sentinel_password (Sentinel only); redis-py's own go
+to redis-py (socket_timeout, socket_connect_timeout, max_connections, client_name, ssl_* over TLS ...);
+any other name is refused.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, SSLConnection
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,14 @@ _OPTION_TYPES: Mapping[str, Callable[[str], Any]] = {
     "wait_timeout": float,
 }
 
+
+# The query options passed on to redis-py: those it parses from a URL itself (timeouts, db, protocol, ...) and
+# a few of its connections' string settings, plus, over TLS, its SSL connection's (ssl_certfile, ssl_ca_certs,
+# ...). Anything else would reach a connection's constructor unchecked: an unknown name as a TypeError at the
+# store's start, `decode_responses` as replies this store cannot read.
+_REDIS_PY_OPTIONS = frozenset(URL_QUERY_ARGUMENT_PARSERS) | {"max_connections", "client_name", "username", "password"}
+_SSL_OPTIONS = frozenset(p for p in inspect.signature(SSLConnection).parameters if p.startswith("ssl_"))
+
 # Connection defaults; the URL's query overrides them.
 _CONNECTION_DEFAULTS: Mapping[str, Any] = {
     "socket_connect_timeout": 1.0,
@@ -118,8 +128,10 @@ def parse_url(url: str) -> RedisTarget:
                 ) from None
         elif key == "sentinel_password":
             sentinel_password = value
-        else:
+        elif key in _REDIS_PY_OPTIONS or (split.scheme == "rediss" and key in _SSL_OPTIONS):
             theirs.append((key, value))
+        else:
+            raise ValueError(f"store URL {url!r}: unknown option {key!r} (neither this store's nor redis-py's)")
     options = RedisOptions(**ours)
     connection: dict[str, Any] = dict(_CONNECTION_DEFAULTS)
     for key, value in theirs:
