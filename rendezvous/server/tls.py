@@ -49,10 +49,21 @@ def is_pem(value: str) -> bool:
     return _PEM_MARK in value
 
 
+class TLSFileError(ValueError):
+    """A TLS file that cannot be read; `setting` names it by its flag's words (tls_cert, tls_key, tls_client_ca)."""
+
+    def __init__(self, setting: str, path: str, reason: str) -> None:
+        super().__init__(f"{setting.replace('_', ' ')} {path}: {reason}")
+        self.setting = setting
+        self.path = path
+        self.reason = reason
+
+
 class _Source:
     """One PEM input: fixed text, or a file whose content is re-read when its mtime changes."""
 
-    def __init__(self, value: str) -> None:
+    def __init__(self, value: str, setting: str) -> None:
+        self.setting = setting
         self.path = None if is_pem(value) else value
         self._text = value.encode() if self.path is None else b""
         self.mtime: int | None = None
@@ -63,9 +74,12 @@ class _Source:
     def read(self) -> bytes:
         if self.path is None:
             return self._text
-        self.mtime = os.stat(self.path).st_mtime_ns
-        with open(self.path, "rb") as f:
-            return f.read()
+        try:
+            self.mtime = os.stat(self.path).st_mtime_ns
+            with open(self.path, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise TLSFileError(self.setting, self.path, err.strerror or str(err)) from None
 
 
 def _named(value: str) -> str:
@@ -103,9 +117,9 @@ class CertificateReloader:
 
     def __init__(self, config: TLSConfig) -> None:
         self.config = config
-        self._cert = _Source(config.cert)
-        self._key = _Source(config.key)
-        self._ca = _Source(config.client_ca) if config.client_ca else None
+        self._cert = _Source(config.cert, "tls_cert")
+        self._key = _Source(config.key, "tls_key")
+        self._ca = _Source(config.client_ca, "tls_client_ca") if config.client_ca else None
         self._lock = threading.Lock()
         self.loads = 0
 

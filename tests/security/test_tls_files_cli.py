@@ -33,3 +33,13 @@ def test_a_client_ca_that_is_not_pem_is_refused(server_pair: Pair, tmp_path: Pat
     junk.write_text("not a certificate\n")
     flags = ("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", str(junk), "--tls-require-client-cert")
     assert f"TLS client CA {junk} is not PEM certificates" in refused(*flags)
+
+
+def test_a_tls_file_that_cannot_be_read_is_named_by_its_flag(server_pair: Pair, tmp_path: Path) -> None:
+    """Before, "kv-rendezvous: [Errno 2] No such file or directory: '...'": the path, not the flag."""
+    cert, key = server_pair.write(tmp_path, "server")
+    missing = str(tmp_path / "missing.pem")
+    assert refused("--tls-cert", cert, "--tls-key", missing).startswith(f"kv-rendezvous: --tls-key {missing}: No such")
+    assert refused("--tls-cert", missing, "--tls-key", key).startswith(f"kv-rendezvous: --tls-cert {missing}: No such")
+    flags = ("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", missing, "--tls-require-client-cert")
+    assert refused(*flags).startswith(f"kv-rendezvous: --tls-client-ca {missing}: No such")
