@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
@@ -71,6 +73,23 @@ _TRANSIENT = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
+
+
+def write_fence(sent: float, lease_ttl: float, renew_fraction: float) -> float:
+    """Until when a lease granted `lease_ttl` by a RegisterEngine or KeepAlive sent at `sent` is certainly held, less
+    the margin that WRITEs posted up to then have to land: `sent + lease_ttl * (1 - margin)`.
+
+    The service lapses the lease no earlier than `sent + lease_ttl` (it counts the TTL from when it got the call,
+    which is after `sent`), and only then tells the consumer PEER_LOST and lets it reuse its blocks: a WRITE posted
+    before the fence has `margin * lease_ttl` to land. The margin is one renewal period (`renew_fraction`), but at
+    most half of what a renewal leaves of the lease (`(1 - renew_fraction) / 2`): the next renewal is sent
+    `renew_fraction` of the TTL after this one was answered, and its answer must move the fence on before it is
+    reached, or a healthy engine would stop writing between renewals. With the default third, the fence is two
+    thirds of the TTL after the renewal was sent, the next renewal goes out at a third, so a renewal may take a
+    third of the TTL before writes stop; and a producer cut off from the service stops writing a third of the TTL
+    before the service can even lapse its lease."""
+    margin = min(renew_fraction, (1 - renew_fraction) / 2)
+    return sent + lease_ttl * (1 - margin)
 
 
 def _smaller_batch(err: RendezvousError, sent: int) -> int:
@@ -179,7 +198,11 @@ class EngineSession:
     else to `events()`. Transfer calls made through the session use its current incarnation, wait
     while it re-registers, and are remembered so they can be re-asserted (see the module doc).
     Use `ProducerSession` or `ConsumerSession`, which add the calls of each role.
+
+    `writable_until` is the write fence of a producer's data plane (readable from any thread; see `write_fence`).
     """
+
+    _leases = True  # it holds the lease (RankSession follows another's)
 
     def __init__(
         self,
@@ -204,6 +227,18 @@ class EngineSession:
         self._remove_listener: Callable[[], None] | None = None
         self._failure: RendezvousError | None = None
         self._closed = False
+        self._lease_until = 0.0  # the current incarnation's write fence (`write_fence`)
+        self._replacing = False  # from a re-registration's start until the handler took its Reregistered
+        self.writable_until = 0.0
+        """Until when (`time.monotonic()`, asyncio's `loop.time()`) the engine may post WRITEs into its consumers'
+        blocks: the send time of the last RegisterEngine or KeepAlive answered, plus the TTL it granted, less a
+        margin for the WRITEs in flight (`write_fence`). Past it the lease may be gone, and the consumer may have
+        been told PEER_LOST and reused its blocks. A plain float, so another thread (the NIXL writer) reads it
+        without a lock. 0.0 before `start`; closed (moved to the moment, if later) when a re-registration starts,
+        the old incarnation gone with its lease, and after `close`; a re-registration moves it on to the new
+        incarnation's lease only once the handler (or `events()`'s reader) has taken its `Reregistered`, which
+        tells which of the old incarnation's transfers live on: until then, nothing assigned to the old one is
+        written. A `RankSession` holds no lease: its `writable_until` is `math.inf`."""
 
     # State
 
@@ -253,7 +288,9 @@ class EngineSession:
         """Register the engine and start renewing its lease and watching its events."""
         if self._registration is not None or self._closed:
             raise RuntimeError("a session starts once")
+        sent = asyncio.get_running_loop().time()
         self._registration = await self._client.register_engine(self._spec)
+        self._leased(sent, self._registration.engine.lease_ttl)
         self._remove_listener = self._client.add_epoch_listener(self._on_epoch)
         self._keepalive_task = asyncio.create_task(self._keep_alive(), name=f"keepalive {self.engine_id}")
         self._start_watch()
@@ -272,6 +309,7 @@ class EngineSession:
         if self._closed:
             return
         self._closed = True
+        self._close_fence()
         recovery = self._recovery
         lost = recovery is not None and not recovery.done() and not self._reregistered.is_set()
         if self._remove_listener is not None:
@@ -315,6 +353,7 @@ class EngineSession:
                     raise self._failure
                 return
             yield item
+            self._taken(item)
 
     # Transfer calls shared by both roles
 
@@ -396,6 +435,9 @@ class EngineSession:
         if self._closed or self._failure is not None or incarnation != self.incarnation:
             return
         log.warning("engine %s re-registering: %s", self.engine_id, cause)
+        if self._leases:  # the incarnation is gone, its lease with it: nothing assigned to it is written any more
+            self._replacing = True
+            self._close_fence()
         self._reregistered.clear()  # from now: a close() before the registration has no incarnation to deregister
         self._recovery = asyncio.create_task(self._reregister(cause), name=f"reregister {self.engine_id}")
 
@@ -412,7 +454,9 @@ class EngineSession:
         while True:
             try:
                 if not registered:
+                    sent = asyncio.get_running_loop().time()
                     self._registration = await self._client.register_engine(self._spec)
+                    self._leased(sent, self._registration.engine.lease_ttl)  # the fence opens at `_taken`
                     registered = True
                     self._reregistered.set()  # its lease runs from now: the keep-alive renews it meanwhile
                 await self._reassert(results)
@@ -466,6 +510,31 @@ class EngineSession:
             if task is not None and task is not current:
                 task.cancel()
 
+    # The write fence
+
+    def _leased(self, sent: float, lease_ttl: float) -> None:
+        """A RegisterEngine or KeepAlive of the current incarnation sent at `sent` was answered: move the fence on
+        (unless a re-registration waits for its Reregistered to be taken)."""
+        self._lease_until = write_fence(sent, lease_ttl, self._config.renew_fraction)
+        if not self._replacing:
+            self.writable_until = self._lease_until
+
+    def _close_fence(self) -> None:
+        self.writable_until = min(self.writable_until, time.monotonic())  # asyncio's loop.time()
+
+    def _taken(self, item: SessionEvent) -> None:
+        """The handler (or `events()`'s reader) took `item`: a Reregistered of the current incarnation, with no
+        other re-registration under way, opens the fence on its lease."""
+        if (
+            isinstance(item, Reregistered)
+            and self._replacing
+            and item.incarnation == self.incarnation
+            and (self._recovery is None or self._recovery.done())
+            and not self._closed
+        ):
+            self._replacing = False
+            self.writable_until = self._lease_until
+
     # Background tasks
 
     async def _keep_alive(self) -> None:
@@ -492,6 +561,8 @@ class EngineSession:
                         backoff.reset()
                         delay = renewal.lease_ttl * fraction
                         expires = sent + renewal.lease_ttl
+                        if incarnation == self.incarnation:
+                            self._leased(sent, renewal.lease_ttl)
                 except RendezvousError as err:
                     if self._replaced(err, incarnation):
                         await self._until_registered()
@@ -591,6 +662,7 @@ class EngineSession:
                 await handler(item)
             except Exception:
                 log.exception("engine %s event handler failed on %r", self.engine_id, item)
+            self._taken(item)
 
 
 class RankSession(EngineSession):
@@ -602,7 +674,12 @@ class RankSession(EngineSession):
     its rank's calls (CompleteTransfers, AcknowledgeRevocations) as that incarnation. It neither renews the lease
     nor re-asserts transfers: when the incarnation is replaced (rank 0 re-registered after a server restart or a
     lost lease) it waits for the next one, follows it and delivers `Reregistered`. Closing it deregisters nothing.
+
+    Holding no lease, it has no write fence (`writable_until` is `math.inf`): a producer rank that follows stops
+    writing a transfer only when its own Watch tells it the transfer ended (see `ProducerAgent`).
     """
+
+    _leases = False
 
     def __init__(
         self,
@@ -613,6 +690,7 @@ class RankSession(EngineSession):
         handler: EventHandler | None = None,
     ) -> None:
         super().__init__(client, EngineSpec(engine_id, "", EngineRole.UNSPECIFIED), config=config, handler=handler)
+        self.writable_until = math.inf
 
     async def start(self, incarnation: int = 0) -> EngineInfo:
         """Follow the engine's incarnation (the first one newer than `incarnation - 1`) and watch its events."""

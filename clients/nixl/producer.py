@@ -17,6 +17,15 @@ the consumer READs; the blocks are freed when the consumer commits or the transf
 thread NIXL serves a peer's READ only while the target agent is polled, and the writer polls only while it
 writes, so pull mode announces a second agent over the same tensors, polled by a `ReceiverThread`.
 
+The registering rank's writer is fenced by the engine's lease (`EngineSession.writable_until`): once the lease is
+not certainly held any more (the rank cannot renew it: cut off from the service, while it may still reach the
+consumer), it posts nothing more and fails the generations it would write, each reported FAILED with the reason
+(once the service can be reached) and its source freed; a WRITE posted before the fence has a third of the lease
+(by default) to land before the service can lapse the lease and let the consumer reuse its blocks. A following
+rank (`start(follow=...)`) holds no lease and has no fence: it stops writing a transfer only when its own Watch
+says the transfer ended or was revoked, so a following rank cut off from the service (not from the consumer) while
+rank 0's lease lapses may still write into blocks the consumer was told it may reuse.
+
 Everything public runs on the event loop the agent was started on; writer callbacks hop onto it.
 """
 
@@ -27,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -181,6 +191,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             on_revoked=self._on_loop(self._write_revoked),
             on_source_free=self._on_loop(self._source_free),
             on_written=functools.partial(self.metrics.observe_write, self.rank),
+            writable_until=self._writable_until,
             config=self._writer_config,
             layout=self.layout,
             rank=self.rank,
@@ -197,6 +208,12 @@ class ProducerAgent(RankAgent[ProducerSession]):
                 self._server.agent_info(self.rank), first_layer=announced.first_layer, num_layers=announced.num_layers
             )
         return announced
+
+    def _writable_until(self) -> float:
+        """The writer's fence, asked on its thread: the registering rank's session's (see the module doc); a
+        following rank holds no lease, and an agent not started yet no assignment."""
+        session = self._session
+        return math.inf if session is None else session.writable_until
 
     def _on_session(self, session: ProducerSession | RankSession) -> None:
         if isinstance(session, ProducerSession):

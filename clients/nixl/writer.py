@@ -65,7 +65,13 @@ Outcomes, per transfer (a generation's WRITEs, its parts included, count as one 
   successful write, on abort (once a write in flight has drained) or at stop. A revoked or failed generation
   keeps the source for a later generation until the transfer is aborted;
 - a transfer that succeeded or was aborted has ended: a late `source_ready` is freed at once, a late
-  `source_part` ignored, a late `revoke` acknowledged at once, a late `assign` ignored.
+  `source_part` ignored, a late `revoke` acknowledged at once, a late `assign` ignored;
+- the write fence (`writable_until`, the engine session's: `EngineSession.writable_until`): before posting any
+  WRITE (a whole write, a part, a batch of parts, a final) the writer asks it, and past it posts nothing and fails
+  the generation (`on_complete(ok=False)` with a `WriteFencedError`'s message, once the WRITEs posted before have
+  drained, and those landed before the lease could lapse): the engine's lease may be gone, the service may have
+  told the consumer PEER_LOST, and the consumer may have reused its blocks. Without a fence (None) the writer writes
+  whenever it holds an assignment and its source.
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ from rendezvous.clients.nixl.errors import (
     LayoutMismatchError,
     PeerError,
     TransferFailedError,
+    WriteFencedError,
 )
 from rendezvous.clients.nixl.granularity import PartCost
 from rendezvous.clients.nixl.integrity import RunningDigests, ScopedDigests, block_digests, plan_digests
@@ -413,12 +420,16 @@ class TransferWriter:
         num_layers: int = 0,
         part_cost: PartCost | None = None,
         clock: Callable[[], float] = time.monotonic,
+        writable_until: Callable[[], float] | None = None,
     ) -> None:
         """`layout`, `rank` and the layers (with pipeline parallelism) place this rank in its engine; they
         are needed for assignments to a `ConsumerEngine` and for writes in parts. Exactly one of `on_complete`
         and `on_complete_parts` (which is also told the parts written) reports each generation's outcome.
         `part_cost` (fitted as parts are posted) and `clock` (when `source_part` is called) time the compute and
-        the parts for `WriterConfig.part_compute_ratio`; tests inject them."""
+        the parts for `WriterConfig.part_compute_ratio`; tests inject them. `writable_until()` is the write fence, on
+        `time.monotonic()`'s clock (asyncio's `loop.time()`), asked from the writer thread before every post: past it
+        nothing is posted and the generation fails (the producer's `EngineSession.writable_until`; None: no fence,
+        for a writer used without a session)."""
         if (on_complete is None) == (on_complete_parts is None):
             raise TypeError("pass one of on_complete and on_complete_parts")
         self._endpoint = endpoint
@@ -454,6 +465,7 @@ class TransferWriter:
         self._holders: dict[PostedTransfer, int] = {}  # a WRITE posted for several transfers: how many hold it
         self._part_cost = part_cost or PartCost()
         self._clock = clock
+        self._writable_until = writable_until
         regions = endpoint.table.regions  # a prepared descriptor's region, and so its bytes, by its index
         self._region_starts = np.cumsum([0, *(r.num_blocks for r in regions)])[:-1]
         self._region_bytes = np.array([r.block_length_bytes for r in regions], dtype=np.int64)
@@ -1319,6 +1331,7 @@ class TransferWriter:
                 continue
             name, notification = piece.target.agent.name, self._notification(w, piece)
             try:
+                self._check_fence()
                 if piece.plan is not None:
                     plan = piece.plan
                     posted = self._endpoint.post_descriptors("WRITE", name, plan.local, plan.remote, notification)
@@ -1338,6 +1351,18 @@ class TransferWriter:
             self._settle(transfer_id, t)
         else:
             self._advance(transfer_id, t, w)
+
+    def _check_fence(self) -> None:
+        """Raise `WriteFencedError` once the engine's write fence passed (see the module doc): called before every
+        post, as the lease may lapse between two of them."""
+        if self._writable_until is None:
+            return
+        until, now = self._writable_until(), time.monotonic()
+        if now >= until:
+            raise WriteFencedError(
+                f"writer {self._endpoint.name}: its engine's lease was not renewed in time (its write fence passed"
+                f" {now - until:.3f} s ago): not writing, the consumer may have reused its blocks"
+            )
 
     def _flush_parts(self) -> None:
         """Post the turn's parts by index: one WRITE per peer for all transfers' (a layer of every prompt of a
@@ -1365,6 +1390,7 @@ class TransferWriter:
                 if x.covers
             ]
             try:
+                self._check_fence()
                 posted = self._endpoint.post_indices(
                     "WRITE",
                     name,

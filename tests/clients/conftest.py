@@ -227,7 +227,8 @@ class GrpcProxy:
     - `end_streams(method)` ends the open calls of method cleanly (status OK, no error: what a proxy with a stream
       timeout, or a replica shutting down gracefully, does); `drain(method)` does so and ends every later call of
       it at once, unforwarded;
-    - `hold(method)`: later calls of method are never forwarded nor answered (a replica that stopped answering);
+    - `hold(method)`: later calls of method are never forwarded nor answered (a replica that stopped answering),
+      until `release(method)`;
     - `delay(method)`: a later (unary) call of method is forwarded only at `let_through(method)`, and then even if
       its caller has given up meanwhile: a request already on its way to the server. `delayed[method]` counts the
       calls waiting, `late` the forwarded calls not yet answered by the server.
@@ -286,6 +287,10 @@ class GrpcProxy:
     def hold(self, method: str) -> None:
         """Leave every later call of method unforwarded and unanswered."""
         self._held.add(method)
+
+    def release(self, method: str) -> None:
+        """Forward later calls of method again (those held stay unanswered until their callers give up)."""
+        self._held.discard(method)
 
     def delay(self, method: str) -> None:
         """Hold every later call of method at the proxy until `let_through(method)`."""

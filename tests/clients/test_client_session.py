@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,6 +47,7 @@ from rendezvous.clients import (
     TransferMode,
     TransferState,
 )
+from rendezvous.clients._session import RankSession, write_fence
 from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Limits
 from rendezvous.server.quotas import CallLimits
@@ -62,6 +64,7 @@ from tests.clients.conftest import (
     next_event,
     of_type,
     producer_session,
+    wait_until,
 )
 
 
@@ -696,3 +699,42 @@ def test_a_result_in_flight_while_an_event_ended_its_transfer_does_not_bring_it_
     # A call sent after the end may assert the id again (a new target under the same id).
     live.record(live.targets, [TargetSpec("a", [2])], [ItemResult("a", TransferState.TARGETED)], live.mark())
     assert list(live.targets) == ["a"]
+
+
+def test_the_write_fence_leaves_a_renewal_period_for_writes_in_flight_and_room_for_the_next_renewal() -> None:
+    assert write_fence(10.0, 3.0, 1 / 3) == pytest.approx(12.0)  # a third of the lease for writes in flight
+    assert write_fence(10.0, 10.0, 0.1) == pytest.approx(19.0)  # one renewal period
+    assert write_fence(10.0, 10.0, 0.6) == pytest.approx(18.0)  # renewed at 6 s: half of what is left
+
+
+async def test_the_write_fence_follows_the_lease_and_a_new_incarnation_s_once_its_notification_was_taken(
+    client: AsyncRendezvousClient,
+) -> None:
+    """`writable_until` is the last answered registration's or renewal's send time + 2/3 of the TTL; a lost
+    registration closes it, and the new incarnation's lease opens it only once the handler took `Reregistered`
+    (until then the engine does not know which of its transfers live on)."""
+    loop = asyncio.get_running_loop()
+    taken: list[tuple[float, float]] = []  # the fence, and the time, as the handler took Reregistered
+
+    async def handler(item: SessionEvent) -> None:
+        if isinstance(item, Reregistered):
+            taken.append((session.writable_until, loop.time()))
+
+    session = producer_session(client, lease_ttl=3.0, handler=handler)
+    assert session.writable_until == 0.0
+    before = loop.time()
+    await session.start()
+    first = session.writable_until
+    assert before + 2.0 <= first <= loop.time() + 2.0
+    try:
+        await wait_until(lambda: session.writable_until > first, MUST)  # renewed
+
+        await client.deregister_engine("p0", session.incarnation)  # the session learns its lease is gone
+        await wait_until(lambda: taken, MUST)
+        ((fence, at),) = taken
+        assert fence <= at  # closed while the handler looked at what lives on
+        await wait_until(lambda: session.writable_until > at, WAIT)  # opened on the new lease, sent before `at`
+    finally:
+        await session.close()
+    assert session.writable_until <= loop.time()
+    assert RankSession(client, "p0").writable_until == math.inf  # it holds no lease

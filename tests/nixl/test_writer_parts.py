@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -103,6 +104,7 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
         part_compute_ratio: float = 0.0,  # every part at once, unless a test is about grouping them
         part_cost: PartCost | None = None,
         clock: Callable[[], float] = time.monotonic,  # when parts are handed over
+        writable_until: Callable[[], float] | None = None,
     ) -> Pair:
         layout = Layout((REGION,) * (2 * layers), 16)
         dest = unique("dst")
@@ -122,6 +124,7 @@ def make_pair(peer: PeerProcess) -> Iterator[MakePair]:
             layout=KvLayout("m", "uint8", BLOCK, layers, kv_layout="HND"),
             part_cost=part_cost,
             clock=clock,
+            writable_until=writable_until,
         )
         if start:
             writer.start()
@@ -848,3 +851,80 @@ def test_with_integrity_a_head_share_s_layers_are_hashed_as_their_parts_go(peer:
         assert scope_digests(geometry, "HND", final.scope, dst) == final.digests
         done = recorder.next(10)
         assert (done.kind, done.args[:4]) == ("complete", ("t", 1, True, None))
+
+
+class Fence:
+    """A write fence the test moves: open (`math.inf`) or passed (`-math.inf`), so no outcome hangs on the clock."""
+
+    def __init__(self) -> None:
+        self.until = math.inf
+
+    def __call__(self) -> float:
+        return self.until
+
+    def lapse(self) -> None:
+        self.until = -math.inf
+
+
+def fenced(event: Event, generation: int = 1) -> bool:
+    """Whether `event` fails the generation for its lapsed lease, and says so."""
+    transfer_id, gen, ok, error, *_ = event.args
+    return event.kind == "complete" and (transfer_id, gen, ok) == ("t", generation, False) and "lease" in (error or "")
+
+
+def test_past_the_write_fence_a_whole_write_is_not_posted_and_fails(peer: PeerProcess, make_pair: MakePair) -> None:
+    """The engine's lease is not certainly held (its session's fence passed): the consumer may have been told
+    PEER_LOST and reused its blocks, so the write is never posted (`_post`), and the generation fails."""
+    fence = Fence()
+    p = make_pair(writable_until=fence)
+    posts = spy_posts(p.writer)
+    fence.lapse()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5])
+    p.writer.source_ready("t", SRC)
+
+    assert fenced(p.recorder.next())
+    assert posts == [] and untouched(peer, p)
+    assert p.settled() == []  # a failed generation keeps its source for a later one, until the transfer ends
+    p.writer.abort("t")
+    assert p.settled() == [Event("source_free", ("t",))]
+
+
+def test_past_the_write_fence_no_more_parts_are_posted(peer: PeerProcess, make_pair: MakePair) -> None:
+    """Parts go in the turn's batch (`_flush_parts`): once the fence passed, the next layer is not posted; the
+    generation fails once the layer posted before drained (it landed: posted before the fence, it had the fence's
+    margin to land before the service could lapse the lease)."""
+    fence = Fence()
+    p = make_pair(writable_until=fence)
+    posts = spy_posts(p.writer)
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]), 1)
+    assert len(posts) == 1
+
+    fence.lapse()
+    p.writer.source_part("t", SRC, PROMPT, (1, 2))
+    assert p.writer.barrier(5) and len(posts) == 1
+
+    assert fenced(p.drained(peer))
+    p.writer.source_ready("t", SRC)  # the final: nothing of a failed generation is posted
+    assert p.settled() == [] and len(posts) == 1
+    p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]))  # layer 0 only
+    p.writer.abort("t")
+    assert p.settled() == [Event("source_free", ("t",))]
+
+
+def test_past_the_write_fence_the_final_after_parts_is_not_posted(peer: PeerProcess, make_pair: MakePair) -> None:
+    """The final (`source_ready` after parts: `_post` of what is left) is checked too."""
+    fence = Fence()
+    p = make_pair(writable_until=fence)
+    posts = spy_posts(p.writer)
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)  # target: prompt tokens 8..20
+    p.writer.source_part("t", SRC[:3], 12, prompt_tokens=PROMPT)  # target block 0
+    p.landed(peer, layers(range(4), SRC[2:3], [9]), 1)
+
+    fence.lapse()
+    p.writer.source_ready("t", SRC)  # blocks 1 and 2 are left
+
+    assert fenced(p.drained(peer))
+    assert len(posts) == 1
+    p.landed(peer, layers(range(4), SRC[2:3], [9]))
