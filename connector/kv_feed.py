@@ -17,6 +17,8 @@ It keeps a mirror of what the engine holds, from the events it has seen, and rep
   then on every later batch or idle tick until one is accepted;
 - an accepted report whose block count differs from the mirror's (an entry the server dropped and restarted
   from this batch) is repaired by a snapshot too.
+A snapshot larger than one request may carry (the server's max_index_blocks_per_request) goes as a snapshot of
+the first blocks and reports storing the rest.
 Only the engine's own cache is mirrored: events of another medium (vLLM's CPU offloading tier) are left out.
 """
 
@@ -44,6 +46,7 @@ from rendezvous.clients import (
     CacheEvent,
     CacheReport,
     CacheSnapshot,
+    Reason,
     RendezvousError,
     hash_of,
 )
@@ -59,6 +62,9 @@ log = logging.getLogger(__name__)
 
 OWN_MEDIA = frozenset({None, "GPU"})
 """The `medium` of events about the engine's own KV cache (vLLM-CPU's cache reports "GPU" too)."""
+REQUEST_BLOCKS = 65_536
+"""The most block hashes the feed puts in one request at first: the server's default max_index_blocks_per_request
+(a server configured lower names its limit when it refuses, and the feed keeps to that)."""
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """vLLM's replay socket ends its answer with this sequence (ZmqEventPublisher.END_SEQ)."""
 
@@ -134,6 +140,9 @@ class KvFeed:
         """Whether the index holds what the mirror holds, as of `index_sequence`."""
         self.snapshots = 0
         """How many times the index was replaced by the mirror (repairs, and the first report)."""
+        self.request_blocks = REQUEST_BLOCKS
+        """The most block hashes the feed puts in one request (the server's max_index_blocks_per_request, as far
+        as the feed knows: a refusal naming a smaller one lowers it)."""
         self._context = zmq.Context()
         self._stopping = threading.Event()
         self._subscribed = threading.Event()
@@ -274,18 +283,39 @@ class KvFeed:
         return sum(len(hashes) for hashes in self._held.values())
 
     def _replace(self) -> None:
-        """Replace the index's entry by the mirror, as of a new `index_sequence`."""
-        groups = tuple((group, tuple(hashes)) for group, hashes in sorted(self._held.items()) if hashes)
-        sequence = self.index_sequence + 1
-        try:
-            self.client.replace_cached_blocks(CacheSnapshot(self.engine_id, sequence, self.hashing, groups))
-        except RendezvousError as e:
-            log.warning("KV index snapshot of %s failed (%s): retrying", self.engine_id, e)
-            self.in_sync = False
-            return
-        self.index_sequence = sequence
+        """Replace the index's entry by the mirror, as of a new `index_sequence`: a snapshot of its first
+        `request_blocks` blocks, then reports storing the rest as many at a time (a request carries at most the
+        server's max_index_blocks_per_request hashes; a refusal naming a smaller limit lowers `request_blocks`)."""
+        held = [(group, h) for group, hashes in sorted(self._held.items()) for h in hashes]
+        while True:
+            try:
+                self._send_mirror(held)
+                break
+            except RendezvousError as e:
+                limit = int(e.metadata.get("limit", 0)) if e.reason == Reason.INDEX_QUERY_TOO_LARGE else 0
+                if 0 < limit < self.request_blocks:
+                    self.request_blocks = limit
+                    continue
+                log.warning("KV index snapshot of %s failed (%s): retrying", self.engine_id, e)
+                self.in_sync = False
+                return
         self.snapshots += 1
         self.in_sync = True
+
+    def _send_mirror(self, held: Sequence[tuple[int, bytes]]) -> None:
+        size = self.request_blocks
+        parts = [held[first : first + size] for first in range(0, len(held), size)] or [[]]
+        groups = tuple((g, tuple(h for gh, h in parts[0] if gh == g)) for g in sorted({g for g, _ in parts[0]}))
+        sequence = self.index_sequence + 1
+        self.client.replace_cached_blocks(CacheSnapshot(self.engine_id, sequence, self.hashing, groups))
+        self.index_sequence = sequence
+        for part in parts[1:]:
+            events = tuple(
+                BlocksStored(tuple(h for gh, h in part if gh == g), b"", g) for g in sorted({g for g, _ in part})
+            )
+            report = CacheReport(self.engine_id, self.index_sequence + 1, events, hashing=self.hashing)
+            self.client.report_cache_events(report)
+            self.index_sequence = report.sequence
 
 
 def engine_hashing(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockHashing:

@@ -4,8 +4,9 @@
 store's index (Store.index), asks rendezvous.core.cache_index to decide, and writes the decision with a
 compare-and-set on the entry, reading again if another call moved it first. The coordinator owns one and drops an
 engine's entry when its incarnation ends (Coordinator.lose_engine: deregistration, lease expiry,
-re-registration; applied again when the tombstone ages, so an entry written by a call that raced the end goes
-too).
+re-registration; applied again when the tombstone ages). A call whose write may have landed after that drop (the
+engine checked before the end, written after) checks the engine again once it has written, and drops what it
+wrote if the incarnation ended meanwhile; a retry after the entry moved checks it again first.
 """
 
 from __future__ import annotations
@@ -41,19 +42,32 @@ class CacheIndex:
         engine = await self.store.get_engine(engine_id)
         return engine_rules.check_incarnation(self.clock(), engine, engine_id, incarnation)
 
+    async def _still(self, engine: Engine) -> None:
+        """After a write: if the incarnation it was checked against has ended since (deregistered, lapsed,
+        re-registered), its end may have dropped the entry before the write landed, so drop what the write left and
+        refuse the call as a later one would be. An end that comes after this check drops the entry itself."""
+        try:
+            await self._engine(engine.engine_id, engine.incarnation)
+        except RendezvousError:
+            await self.drop(engine)
+            raise
+
     async def report(self, report: CacheReport) -> IndexPosition:
         """Apply one numbered batch of an engine's cache events (all or nothing)."""
         rules.check_report(report, self.limits)
         engine = await self._engine(report.engine_id, report.incarnation)
         index = self.store.index()
         members = rules.members_read(report)
-        for _ in range(_ATTEMPTS):
+        for attempt in range(_ATTEMPTS):
+            if attempt:  # the entry moved: the incarnation may have ended (its entry dropped) meanwhile
+                engine = await self._engine(engine.engine_id, engine.incarnation)
             read = await index.read(engine.engine_id, members)
             write = rules.decide_report(read.entry, engine, report, read.held, self.limits)
             if write is None:
                 assert read.entry is not None
                 return IndexPosition(read.entry.sequence, read.entry.block_count, duplicate=True)
             if await index.write(read, write, self._bounds):
+                await self._still(engine)
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 
@@ -62,10 +76,13 @@ class CacheIndex:
         rules.check_snapshot(snapshot, self.limits)
         engine = await self._engine(snapshot.engine_id, snapshot.incarnation)
         index = self.store.index()
-        for _ in range(_ATTEMPTS):
+        for attempt in range(_ATTEMPTS):
+            if attempt:
+                engine = await self._engine(engine.engine_id, engine.incarnation)
             read = await index.read(engine.engine_id, ())
             write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
             if await index.write(read, write, self._bounds):
+                await self._still(engine)
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 

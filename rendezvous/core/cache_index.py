@@ -169,7 +169,16 @@ def members_read(report: CacheReport) -> list[bytes]:
 
 
 def _fresh(entry: IndexEntry | None, engine: Engine) -> bool:
-    """Whether the engine's current incarnation has no entry yet (none, or an older incarnation's)."""
+    """Whether the engine's current incarnation has no entry yet (none, or an older incarnation's). An entry of a
+    newer incarnation than the one the call was checked against (it re-registered since) is STALE_INCARNATION: the
+    call would write over the successor's entry under the older incarnation."""
+    if entry is not None and entry.incarnation > engine.incarnation:
+        raise RendezvousError(
+            Reason.STALE_INCARNATION,
+            f"engine {engine.engine_id} incarnation {engine.incarnation} was replaced by {entry.incarnation}",
+            engine_id=engine.engine_id,
+            current_incarnation=entry.incarnation,
+        )
     return entry is None or entry.incarnation < engine.incarnation
 
 

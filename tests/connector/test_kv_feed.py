@@ -20,6 +20,7 @@ from rendezvous.clients import BlockHashing, EngineRole, PrefixQuery, hash_of
 from rendezvous.clients.sync import RendezvousClient
 from rendezvous.clients.testing import FakeClock, TestServer
 from rendezvous.connector.kv_feed import KvFeed, cache_events, subscriber_endpoint
+from rendezvous.core import Limits
 from tests.factories import sdk_engine
 
 HASHING = BlockHashing("sha256", "0", 16, integer_hashes=True)
@@ -274,3 +275,26 @@ def test_the_subscriber_connects_where_vllm_binds(published_at: str, subscribe_a
 def test_an_endpoint_the_connector_cannot_subscribe_to_is_refused(endpoint: str) -> None:
     with pytest.raises(ValueError, match="kv_index"):
         subscriber_endpoint(endpoint)
+
+
+def test_a_mirror_larger_than_one_request_is_sent_in_parts() -> None:
+    """An engine caching more blocks than one request may carry (max_index_blocks_per_request; 65,536 by default,
+    while an engine holds up to 1,000,000) must still repair its entry: the snapshot goes as a snapshot and reports
+    of the rest, within the server's limit, which the feed learns from the refusal. Batches are handed to the feed
+    directly: no ZMQ subscription, no thread."""
+    chain = list(range(3001, 3011))
+    with (
+        TestServer(FakeClock(), limits=Limits(max_index_blocks_per_request=4)) as srv,
+        RendezvousClient(srv.address) as c,
+    ):
+        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None)
+        try:
+            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain, None))))
+            assert feed.in_sync
+            assert matched(c, chain) == len(chain)
+            assert feed.request_blocks == 4 and feed.index_sequence == 3  # a snapshot and two reports
+            feed.receive(1, msgspec.msgpack.encode(batch(removed(chain[5:6]))))
+            assert feed.in_sync and matched(c, chain) == 5
+        finally:
+            feed.stop()

@@ -152,6 +152,20 @@ def test_a_newer_incarnation_starts_a_fresh_entry() -> None:
     assert not e.holds(b"a") and e.holds(b"b") and e.entry is not None and e.entry.sequence == 0
 
 
+def test_an_older_incarnation_never_writes_over_a_newer_ones_entry() -> None:
+    """A call checked against the engine before it re-registered reads the successor's entry: refused, so the
+    entry keeps the successor's incarnation and blocks (the older one's write would relabel them as its own)."""
+    e, older = Entry(), engine()
+    newer = replace(older, incarnation=older.incarnation + 1)
+    e.report(newer, report(0, stored(b"a")))
+    err = refused(Reason.STALE_INCARNATION, e, older, report(1, stored(b"b", parent=b"a")))
+    assert err.metadata["current_incarnation"] == str(newer.incarnation)
+    with pytest.raises(RendezvousError) as caught:
+        decide_snapshot(e.entry, older, CacheSnapshot("p0", 5, HASHING, ((0, (b"z",)),)), LIMITS)
+    assert caught.value.reason == Reason.STALE_INCARNATION
+    assert e.entry is not None and e.entry.incarnation == newer.incarnation and e.holds(b"a") and not e.holds(b"b")
+
+
 def test_the_engine_bound_refuses_growth_but_not_shrinking() -> None:
     e, en = Entry(), engine()
     small = replace(LIMITS, max_index_blocks_per_engine=2)

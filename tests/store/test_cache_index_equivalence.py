@@ -1,7 +1,8 @@
 """The KV index on Redis answers as on the memory store, and both as plain sets: random reports, snapshots,
-engine ends and queries through the coordinator give the same answers on both stores, a refused batch leaves no
-trace, and a query counts exactly the leading blocks the engine's accepted events leave it holding (never one it
-reported removed). The bounds (per engine, per identity, in all) are small enough for the operations to reach."""
+engine ends and queries (narrowed by engine ids, pools and role) through the coordinator give the same answers on
+both stores, a refused batch leaves no trace, and a query counts exactly the leading blocks the engine's accepted
+events leave it holding (never one it reported removed). The bounds (per engine, per identity, in all) are small
+enough for the operations to reach."""
 
 from __future__ import annotations
 
@@ -58,8 +59,11 @@ operation = st.one_of(
     st.tuples(st.just("snapshot"), engine, st.sampled_from([0, 2, -2]), st.lists(st.tuples(group, blocks),
               max_size=2)),
     st.tuples(st.just("end"), engine),
-    st.tuples(st.just("match"), blocks, group, st.integers(0, 2)),
+    st.tuples(st.just("match"), blocks, group, st.integers(0, 2), st.sampled_from([(), ("e0",), ("e1", "e0", "x")]),
+              st.sampled_from([(), ("prefill",), ("decode", "nowhere")]), st.sampled_from([None, *ENGINES.values()])),
 )  # fmt: skip
+POOLS = {"e0": "prefill", "e1": "decode"}
+"""The pools engine_spec puts the engines in (by role)."""
 
 
 @dataclass
@@ -110,8 +114,8 @@ async def apply(coord: Coordinator, model: Model, op: tuple[Any, ...]) -> Any:
         if kind == "end":
             await coord.deregister_engine(args[0], 0)
             return await coord.register_engine(engine_spec(args[0], ENGINES[args[0]], owner=OWNER))
-        chain, g, least = args
-        found = await coord.index.match(PrefixQuery(chain, g, min_matched=least))
+        chain, g, least, ids, pools, role = args
+        found = await coord.index.match(PrefixQuery(chain, g, pools, ids, role, least))
         return {m.engine_id: m.matched_blocks for m in found}
     except RendezvousError as err:
         return err.reason
@@ -121,7 +125,12 @@ def follow(model: Model, op: tuple[Any, ...], answer: Any) -> None:
     """Move the model as the answer says the service did."""
     kind, *args = op
     if kind == "match":
-        assert answer == {e: n for e, n in model.matched(args[0], args[1]).items() if n >= args[2]}
+        chain, g, least, ids, pools, role = args
+        assert answer == {
+            e: n
+            for e, n in model.matched(chain, g).items()
+            if n >= least and (not ids or e in ids) and (not pools or POOLS[e] in pools) and role in (None, ENGINES[e])
+        }
     elif kind == "end":
         model.held.pop(args[0], None)
         model.sequence.pop(args[0], None)
@@ -163,7 +172,7 @@ async def compare(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
     ops=[
         ("report", "e0", 0, [BlocksStored((b"a", b"b", b"c"))], True),
         ("report", "e0", 0, [BlocksRemoved((b"b",))], False),
-        ("match", (b"a", b"b", b"c"), 0, 0),
+        ("match", (b"a", b"b", b"c"), 0, 0, (), (), None),
     ]
 )
 def test_random_index_operations_give_the_same_answers_on_memory_and_redis(
