@@ -4,7 +4,6 @@ the value, exit 2, never a traceback and never a router that starts anyway."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,9 @@ import pytest
 from aiohttp import web
 
 from rendezvous.connector import router
+from tests.service.test_cli_listen import busy
+
+__all__ = ["busy"]
 
 ROUTER = ["--address", "127.0.0.1:50051", "--listen", "127.0.0.1:0"]
 
@@ -28,15 +30,6 @@ def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(web, "run_app", run_app)
     monkeypatch.delenv("KV_RENDEZVOUS_BINDING_KEY_FILE", raising=False)
     monkeypatch.delenv("KV_RENDEZVOUS_TRACING", raising=False)
-
-
-@pytest.fixture
-def busy() -> Iterator[str]:
-    """An address another socket listens on."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        yield f"127.0.0.1:{held.getsockname()[1]}"
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

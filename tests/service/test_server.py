@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
@@ -153,9 +155,11 @@ def test_cli_serves_answers_operator_commands_and_exits_cleanly_on_sigterm() -> 
         serve.wait()
 
 
-def test_cli_drains_on_sigterm_and_a_second_sigterm_ends_the_drain() -> None:
+@contextlib.contextmanager
+def serving(drain: float) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`kv-rendezvous serve` (memory store) on a free port, with `--drain`, once its banner is out; killed after."""
     address = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "KV_RENDEZVOUS_LISTEN": address, "KV_RENDEZVOUS_DRAIN": "300"}
+    env = {**os.environ, "KV_RENDEZVOUS_LISTEN": address, "KV_RENDEZVOUS_DRAIN": f"{drain:g}"}
     serve = subprocess.Popen(
         [sys.executable, "-m", "rendezvous.cli", "serve", "--metrics-listen", "off"],
         env=env,
@@ -166,6 +170,14 @@ def test_cli_drains_on_sigterm_and_a_second_sigterm_ends_the_drain() -> None:
     try:
         assert serve.stdout is not None
         assert f"serving on {address}" in serve.stdout.readline()
+        yield serve, address
+    finally:
+        serve.kill()
+        serve.wait()
+
+
+def test_cli_drains_on_sigterm_and_a_second_sigterm_ends_the_drain() -> None:
+    with serving(drain=300) as (serve, address):
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             serve.send_signal(signal.SIGTERM)
@@ -178,31 +190,15 @@ def test_cli_drains_on_sigterm_and_a_second_sigterm_ends_the_drain() -> None:
             assert serve.poll() is None
         serve.send_signal(signal.SIGTERM)
         assert serve.wait(timeout=60) == 0
-    finally:
-        serve.kill()
-        serve.wait()
 
 
 def test_cli_a_sigterm_right_after_the_banner_stops_it_cleanly() -> None:
     """The banner says the server is up; a supervisor may stop it at once. Before, the banner came before the
     signal handlers, and about half such stops killed the process (exit -15) instead of stopping it."""
     for _ in range(5):
-        env = {**os.environ, "KV_RENDEZVOUS_LISTEN": f"127.0.0.1:{_free_port()}", "KV_RENDEZVOUS_DRAIN": "0"}
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "rendezvous.cli", "serve", "--metrics-listen", "off"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        try:
-            assert serve.stdout is not None
-            assert "serving on" in serve.stdout.readline()
+        with serving(drain=0) as (serve, _):
             serve.send_signal(signal.SIGTERM)
             assert serve.wait(timeout=60) == 0
-        finally:
-            serve.kill()
-            serve.wait()
 
 
 def test_cli_reports_an_unreachable_server_and_a_bad_store() -> None:
