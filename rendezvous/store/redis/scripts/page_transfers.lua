@@ -24,10 +24,6 @@ if check == '1' then
     end
   end
 end
-local wanted = {}
-for s in string.gmatch(states, '%d+') do
-  wanted[s] = true
-end
 local start = '-'
 if after ~= '' then
   start = '(' .. after
@@ -42,20 +38,9 @@ local out = {''}
 if #ids == n then
   out[1] = ids[n]
 end
-local left = tonumber(limit)
-for _, tid in ipairs(ids) do
-  if left <= 0 then
-    break
-  end
-  local tk = P .. 't:' .. tid
-  local s = redis.call('HGET', tk, 's')
-  if s and wanted[s] then
-    local t = redis.call('HMGET', tk, 'v', 'd')
-    out[#out + 1] = t[1]
-    out[#out + 1] = t[2]
-    left = left - 1
-  elseif live == '1' and (not s or s == '5' or s == '6') then
+local function passed(tid, s)
+  if live == '1' and (not s or s == '5' or s == '6') then -- gone, or ended (by an older replica): not live
     redis.call('ZREM', live_ids, tid)
   end
 end
-return out
+return add_selected(out, ids, states, limit, passed)
