@@ -83,6 +83,32 @@ def _check_hashes(hashes: Iterable[bytes]) -> int:
     return n
 
 
+INTEGER_HASH_BYTES = 8
+"""The size of a block hash of an engine that announces integer_hashes: a 64-bit integer, big-endian."""
+
+
+def _check_integer_hashes(hashing: BlockHashing, hashes: Iterable[bytes]) -> None:
+    """With integer_hashes announced, every hash (and parent) must be the 8 bytes of a 64-bit integer."""
+    if not hashing.integer_hashes:
+        return
+    for h in hashes:
+        if len(h) != INTEGER_HASH_BYTES:
+            raise RendezvousError(
+                Reason.BLOCK_HASH_INVALID,
+                f"a block hash has {len(h)} bytes; an engine with integer_hashes sends {INTEGER_HASH_BYTES}",
+            )
+
+
+def _report_hashes(report: CacheReport) -> Iterable[bytes]:
+    for e in report.events:
+        if isinstance(e, BlocksStored):
+            if e.parent:
+                yield e.parent
+            yield from e.block_hashes
+        elif isinstance(e, BlocksRemoved):
+            yield from e.block_hashes
+
+
 def _check_total(n: int, limit: int, what: str) -> None:
     if n > limit:
         raise RendezvousError(
@@ -134,6 +160,7 @@ def check_snapshot(snapshot: CacheSnapshot, limits: Limits) -> None:
     """A snapshot's shape: its hashing and hashes."""
     check_hashing(snapshot.hashing)
     total = sum(_check_hashes(hashes) for _, hashes in snapshot.groups)
+    _check_integer_hashes(snapshot.hashing, (h for _, hashes in snapshot.groups for h in hashes))
     _check_total(total, limits.max_index_blocks_per_request, "block hashes")
 
 
@@ -237,6 +264,7 @@ def decide_report(
                 engine_id=engine.engine_id,
             )
         hashing, before = entry.hashing, entry.block_count
+    _check_integer_hashes(hashing, _report_hashes(report))
     cleared = fresh
     state: dict[bytes, bool] = {}
 

@@ -285,3 +285,22 @@ def test_the_blocking_client_reports_and_queries() -> None:
         assert at.block_count == 3
         assert client.replace_cached_blocks(CacheSnapshot("p0", 1, HASHING, ((0, CHAIN[:2]),))).sequence == 1
         assert [m.matched_blocks for m in client.match_prefixes(PrefixQuery(CHAIN))] == [2]
+
+
+async def test_an_engine_with_integer_hashes_sends_eight_bytes_a_hash(client: AsyncRendezvousClient) -> None:
+    """integer_hashes announces 64-bit integers (8 bytes big-endian): a hash or parent of another size is refused
+    whole, in the first report, a later one (hashing announced before) and a snapshot."""
+    await register(client, "p0")
+    ints = replace(HASHING, integer_hashes=True)
+    first = CacheReport("p0", 0, (BlocksStored((hash_of(1), b"x" * 32)),), ints)
+    await refused(client.report_cache_events(first), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    await client.report_cache_events(CacheReport("p0", 0, (BlocksStored((hash_of(1),)),), ints))
+    later = CacheReport("p0", 1, (BlocksStored((hash_of(2),), b"\x01"),))
+    await refused(client.report_cache_events(later), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    removed = CacheReport("p0", 1, (BlocksRemoved((b"x" * 7,)),))
+    await refused(client.report_cache_events(removed), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    snapshot = CacheSnapshot("p0", 1, ints, ((0, (hash_of(1), b"x" * 9)),))
+    await refused(client.replace_cached_blocks(snapshot), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    assert await matched(client, (hash_of(1), hash_of(2))) == {"p0": 1}
+    await client.report_cache_events(CacheReport("p0", 1, (BlocksStored((hash_of(2),), hash_of(1)),)))
+    assert await matched(client, (hash_of(1), hash_of(2))) == {"p0": 2}
