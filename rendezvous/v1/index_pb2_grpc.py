@@ -116,7 +116,8 @@ class KvIndexServiceServicer:
         """MatchPrefixes answers, for a chain of block hashes, how many leading blocks
         of it each indexed engine holds, in one call. Which
         engines: those named, else every indexed engine, narrowed by pools and
-        role. Errors: INDEX_QUERY_TOO_LARGE, BLOCK_HASH_INVALID.
+        role; an engine whose lease has expired (not swept yet) is left out, as
+        ListEngines leaves it out. Errors: INDEX_QUERY_TOO_LARGE, BLOCK_HASH_INVALID.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -304,3 +304,27 @@ async def test_an_engine_with_integer_hashes_sends_eight_bytes_a_hash(client: As
     assert await matched(client, (hash_of(1), hash_of(2))) == {"p0": 1}
     await client.report_cache_events(CacheReport("p0", 1, (BlocksStored((hash_of(2),), hash_of(1)),)))
     assert await matched(client, (hash_of(1), hash_of(2))) == {"p0": 2}
+
+
+@pytest.mark.parametrize("lookups", [LIMITS.max_index_query_lookups, 5], ids=["one-script", "paced"])
+async def test_an_engine_whose_lease_lapsed_is_left_out_before_the_sweep(
+    store: str, clock: FakeClock, lookups: int
+) -> None:
+    """A lapsed lease that no sweep has ended yet: ListEngines leaves the engine out, and so does MatchPrefixes, on
+    the one-script path and (5 lookups: too few for one script) the paced one."""
+    limits = replace(LIMITS, max_index_query_lookups=lookups)
+    async with (
+        start_test_server(clock, store=store, limits=limits, timeouts=Timeouts(default_lease_ttl=2)) as srv,
+        AsyncRendezvousClient(srv.address) as client,
+    ):
+        incarnations = {engine_id: await register(client, engine_id) for engine_id in ("p0", "p1")}
+        for engine_id in incarnations:
+            await client.report_cache_events(report(0, stored(0, 2), engine_id=engine_id, first=True))
+        assert set(await matched(client)) == {"p0", "p1"}
+        clock.advance(1.5)
+        async with client.keep_alive() as stream:
+            await stream.renew("p1", incarnations["p1"])
+        clock.advance(1)  # p0's lease (2 s) has lapsed, p1's (renewed) has not; no sweep ran
+        assert [e.engine_id for e in await client.list_engines()] == ["p1"]
+        assert set(await matched(client)) == {"p1"}
+        assert set(await matched(client, engine_ids=("p0", "p1"))) == {"p1"}
