@@ -83,7 +83,7 @@ class CacheIndex:
             write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
             if await index.write(read, write, self._bounds):
                 await self._still(engine)
-                return IndexPosition(write.entry.sequence, write.entry.block_count)
+                return IndexPosition(write.entry.sequence, write.entry.block_count, left_out=write.left_out)
         raise _contended(engine.engine_id)
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:

@@ -62,6 +62,8 @@ class IndexWrite:
     reset: bool
     adds: frozenset[bytes]
     removes: frozenset[bytes]
+    left_out: int = 0
+    """A snapshot's distinct blocks past max_index_blocks_per_engine, not written (`decide_snapshot`)."""
 
 
 def member(group: int, block_hash: bytes) -> bytes:
@@ -303,13 +305,20 @@ def decide_report(
 
 def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSnapshot, limits: Limits) -> IndexWrite:
     """What snapshot writes over entry: everything replaced. A snapshot older than the entry's sequence (of the
-    same incarnation) is INDEX_SEQUENCE_STALE: it would undo later reports."""
+    same incarnation) is INDEX_SEQUENCE_STALE: it would undo later reports.
+
+    A snapshot of more distinct blocks than max_index_blocks_per_engine is cut, not refused: its first blocks in
+    the order sent (groups in order, each group's hashes in order) are kept, the rest left out (`left_out`). A
+    refusal would leave the entry's old blocks, ones the engine may no longer hold, in the index for good, since
+    every later snapshot of that engine would be refused too. The sender orders by what it wants kept: the server
+    sees no chain in a snapshot, so it cannot tell a root from a leaf."""
     hashing = check_hashing(snapshot.hashing)
     if not _fresh(entry, engine) and entry is not None:
         _check_sequence(entry, snapshot.sequence, snapshot=True)
-    adds = frozenset(member(group, h) for group, hashes in snapshot.groups for h in hashes)
-    before = entry.block_count if entry is not None and not _fresh(entry, engine) else 0
-    _check_room(engine.engine_id, before, len(adds), limits)
+    ordered = dict.fromkeys(member(group, h) for group, hashes in snapshot.groups for h in hashes)
+    room = limits.max_index_blocks_per_engine
+    left_out = max(0, len(ordered) - room)
+    adds = frozenset(list(ordered)[:room] if left_out else ordered)
     new = IndexEntry(
         engine.engine_id,
         engine.incarnation,
@@ -320,4 +329,4 @@ def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSna
         len(adds),
         engine.owner,
     )
-    return IndexWrite(new, True, adds, frozenset())
+    return IndexWrite(new, True, adds, frozenset(), left_out)

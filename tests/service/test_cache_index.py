@@ -218,8 +218,10 @@ async def test_the_first_report_must_say_how_blocks_are_hashed(client: AsyncRend
 async def test_floods_past_the_bounds_are_refused(client: AsyncRendezvousClient) -> None:
     many = tuple(hash_of(i) for i in range(65))
     await register(client, "p0")
+    # Reports past an engine's bound are refused (a snapshot past it is cut: the test below).
+    await client.report_cache_events(CacheReport("p0", 0, (BlocksStored(many[:64]),), HASHING))
     err = await refused(
-        client.replace_cached_blocks(CacheSnapshot("p0", 0, HASHING, ((0, many),))),
+        client.report_cache_events(CacheReport("p0", 1, (BlocksStored(many[64:], many[63]),))),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         Reason.INDEX_FULL,
     )
@@ -328,3 +330,25 @@ async def test_an_engine_whose_lease_lapsed_is_left_out_before_the_sweep(
         assert [e.engine_id for e in await client.list_engines()] == ["p1"]
         assert set(await matched(client)) == {"p1"}
         assert set(await matched(client, engine_ids=("p0", "p1"))) == {"p1"}
+
+
+async def test_a_snapshot_past_the_engines_bound_is_cut_and_drops_what_the_engine_no_longer_holds(
+    client: AsyncRendezvousClient,
+) -> None:
+    """An engine caching more blocks than max_index_blocks_per_engine (64 here): its snapshot keeps the first 64
+    blocks in the order sent and says how many it left out. Before, it was refused with INDEX_FULL, every time,
+    and the entry kept blocks the engine had evicted since (shown to routers for good)."""
+    await register(client, "p0")
+    stale = tuple(hash_of(1_000 + i) for i in range(8))
+    await client.report_cache_events(CacheReport("p0", 0, (BlocksStored(stale),), HASHING))
+    assert await matched(client, stale) == {"p0": 8}
+    held = tuple(hash_of(i) for i in range(70))  # the engine's cache now: the stale blocks were evicted
+    at = await client.replace_cached_blocks(CacheSnapshot("p0", 5, HASHING, ((0, held[:40]), (1, held[40:]))))
+    assert (at.sequence, at.block_count, at.left_out) == (5, 64, 6)
+    assert await matched(client, stale) == {"p0": 0}
+    assert await matched(client, held[24:40]) == {"p0": 16}  # a query carries at most 16 blocks here
+    assert await matched(client, held[48:64], group=1) == {"p0": 16}
+    assert await matched(client, held[64:], group=1) == {"p0": 0}
+    # A snapshot within the bound is whole again.
+    whole = await client.replace_cached_blocks(CacheSnapshot("p0", 6, HASHING, ((0, held[:10] + held[:10]),)))
+    assert (whole.block_count, whole.left_out) == (10, 0)
