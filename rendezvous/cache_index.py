@@ -83,14 +83,15 @@ class CacheIndex:
             write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
             if await index.write(read, write, self._bounds):
                 await self._still(engine)
-                return IndexPosition(write.entry.sequence, write.entry.block_count)
+                return IndexPosition(write.entry.sequence, write.entry.block_count, left_out=write.left_out)
         raise _contended(engine.engine_id)
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:
         """How many leading blocks of the query's chain each selected indexed engine holds (within
-        max_index_query_lookups lookups: rendezvous.store.cache_index.leading_counts)."""
+        max_index_query_lookups lookups: rendezvous.store.cache_index.leading_counts). An engine not alive by the
+        clock now (its lease expired, not swept yet) is left out, as ListEngines leaves it out."""
         rules.check_query(query, self.limits)
-        return await self.store.index().match(query, self.limits.max_index_query_lookups)
+        return await self.store.index().match(query, self.limits.max_index_query_lookups, self.clock())
 
     async def drop(self, ended: Engine) -> None:
         """Forget what an ended incarnation (or an older one) reported."""

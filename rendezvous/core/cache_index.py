@@ -62,6 +62,8 @@ class IndexWrite:
     reset: bool
     adds: frozenset[bytes]
     removes: frozenset[bytes]
+    left_out: int = 0
+    """A snapshot's distinct blocks past max_index_blocks_per_engine, not written (`decide_snapshot`)."""
 
 
 def member(group: int, block_hash: bytes) -> bytes:
@@ -81,6 +83,32 @@ def _check_hashes(hashes: Iterable[bytes]) -> int:
             )
         n += 1
     return n
+
+
+INTEGER_HASH_BYTES = 8
+"""The size of a block hash of an engine that announces integer_hashes: a 64-bit integer, big-endian."""
+
+
+def _check_integer_hashes(hashing: BlockHashing, hashes: Iterable[bytes]) -> None:
+    """With integer_hashes announced, every hash (and parent) must be the 8 bytes of a 64-bit integer."""
+    if not hashing.integer_hashes:
+        return
+    for h in hashes:
+        if len(h) != INTEGER_HASH_BYTES:
+            raise RendezvousError(
+                Reason.BLOCK_HASH_INVALID,
+                f"a block hash has {len(h)} bytes; an engine with integer_hashes sends {INTEGER_HASH_BYTES}",
+            )
+
+
+def _report_hashes(report: CacheReport) -> Iterable[bytes]:
+    for e in report.events:
+        if isinstance(e, BlocksStored):
+            if e.parent:
+                yield e.parent
+            yield from e.block_hashes
+        elif isinstance(e, BlocksRemoved):
+            yield from e.block_hashes
 
 
 def _check_total(n: int, limit: int, what: str) -> None:
@@ -134,6 +162,7 @@ def check_snapshot(snapshot: CacheSnapshot, limits: Limits) -> None:
     """A snapshot's shape: its hashing and hashes."""
     check_hashing(snapshot.hashing)
     total = sum(_check_hashes(hashes) for _, hashes in snapshot.groups)
+    _check_integer_hashes(snapshot.hashing, (h for _, hashes in snapshot.groups for h in hashes))
     _check_total(total, limits.max_index_blocks_per_request, "block hashes")
 
 
@@ -237,6 +266,7 @@ def decide_report(
                 engine_id=engine.engine_id,
             )
         hashing, before = entry.hashing, entry.block_count
+    _check_integer_hashes(hashing, _report_hashes(report))
     cleared = fresh
     state: dict[bytes, bool] = {}
 
@@ -275,13 +305,20 @@ def decide_report(
 
 def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSnapshot, limits: Limits) -> IndexWrite:
     """What snapshot writes over entry: everything replaced. A snapshot older than the entry's sequence (of the
-    same incarnation) is INDEX_SEQUENCE_STALE: it would undo later reports."""
+    same incarnation) is INDEX_SEQUENCE_STALE: it would undo later reports.
+
+    A snapshot of more distinct blocks than max_index_blocks_per_engine is cut, not refused: its first blocks in
+    the order sent (groups in order, each group's hashes in order) are kept, the rest left out (`left_out`). A
+    refusal would leave the entry's old blocks, ones the engine may no longer hold, in the index for good, since
+    every later snapshot of that engine would be refused too. The sender orders by what it wants kept: the server
+    sees no chain in a snapshot, so it cannot tell a root from a leaf."""
     hashing = check_hashing(snapshot.hashing)
     if not _fresh(entry, engine) and entry is not None:
         _check_sequence(entry, snapshot.sequence, snapshot=True)
-    adds = frozenset(member(group, h) for group, hashes in snapshot.groups for h in hashes)
-    before = entry.block_count if entry is not None and not _fresh(entry, engine) else 0
-    _check_room(engine.engine_id, before, len(adds), limits)
+    ordered = dict.fromkeys(member(group, h) for group, hashes in snapshot.groups for h in hashes)
+    room = limits.max_index_blocks_per_engine
+    left_out = max(0, len(ordered) - room)
+    adds = frozenset(list(ordered)[:room] if left_out else ordered)
     new = IndexEntry(
         engine.engine_id,
         engine.incarnation,
@@ -292,4 +329,4 @@ def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSna
         len(adds),
         engine.owner,
     )
-    return IndexWrite(new, True, adds, frozenset())
+    return IndexWrite(new, True, adds, frozenset(), left_out)

@@ -92,6 +92,8 @@ class IndexPosition:
     sequence: int
     block_count: int
     duplicate: bool = False
+    left_out: int = 0
+    """A snapshot's blocks past the server's max_index_blocks_per_engine, not indexed (its last ones as sent)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ class KvIndexServicer(ipb_grpc.KvIndexServiceServicer):
     ) -> ipb.ReplaceCachedBlocksResponse:
         at = await self.coordinator.index.replace(index_wire.snapshot(request))
         return ipb.ReplaceCachedBlocksResponse(
-            header=await self._header(), sequence=at.sequence, block_count=at.block_count
+            header=await self._header(), sequence=at.sequence, block_count=at.block_count, left_out=at.left_out
         )
 
     @_rpc(ipb.MatchPrefixesResponse)

@@ -143,10 +143,13 @@ class IndexStore(ABC):
         was charged to it)."""
 
     @abstractmethod
-    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+    async def match(
+        self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None
+    ) -> list[PrefixMatch]:
         """For each entry the query selects, how many leading blocks of its chain it holds (`ranked`), counted by
-        `leading_counts` within max_lookups; entries holding fewer than query.min_matched are left out. Not one
-        instant: a block counts as it was when it was looked up."""
+        `leading_counts` within max_lookups; entries holding fewer than query.min_matched are left out, and, with
+        now, those whose engine is not alive at now (Engine.alive: ended, or its lease expired and not swept yet),
+        as ListEngines leaves them out. Not one instant: a block counts as it was when it was looked up."""
 
     @abstractmethod
     async def drop(self, engine_id: str, incarnation: int) -> bool:
@@ -160,7 +163,10 @@ class IndexStore(ABC):
 class MemoryIndex(IndexStore):
     """Dicts; atomic because nothing awaits between a check and its write on the one event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, alive: Callable[[str, float], bool] | None = None) -> None:
+        """alive(engine_id, now): whether the engine is registered and alive at now (the store's engine records);
+        None: every entry's engine is."""
+        self._alive = alive or (lambda engine_id, now: True)
         self._entries: dict[str, IndexEntry] = {}
         self._blocks: dict[str, set[bytes]] = {}
         self._total = 0
@@ -202,13 +208,15 @@ class MemoryIndex(IndexStore):
         self._owned[owner] += after
         return True
 
-    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+    async def match(
+        self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None
+    ) -> list[PrefixMatch]:
         # The entries and their sets as of now (a report changes a set in place, a snapshot or drop swaps it).
         every = [(e, self._blocks[e.engine_id]) for e in self._entries.values()]
         pacer = Pacer()
         chosen = []
         for pair in every:
-            if selects(query, pair[0]):
+            if selects(query, pair[0]) and (now is None or self._alive(pair[0].engine_id, now)):
                 chosen.append(pair)
             await pacer.tick()
         chain = [member(query.group, h) for h in query.block_hashes]  # once per query, not per engine

@@ -407,11 +407,15 @@ class MemoryStore(Store):
             ledger = self._credits = MemoryCredits()
         return ledger
 
+    def _alive(self, engine_id: str, now: float) -> bool:
+        engine = self._engines.get(engine_id)
+        return engine is not None and engine.alive(now)
+
     def index(self) -> IndexStore:
         """The in-process KV index (rendezvous.store.cache_index.MemoryIndex), made on first use."""
         kept: IndexStore | None = getattr(self, "_kv_index", None)
         if kept is None:
-            kept = self._kv_index = MemoryIndex()
+            kept = self._kv_index = MemoryIndex(self._alive)
         return kept
 
 

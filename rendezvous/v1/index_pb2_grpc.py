@@ -105,8 +105,11 @@ class KvIndexServiceServicer:
         """ReplaceCachedBlocks replaces the engine's whole entry in the index by a
         snapshot: the blocks it holds as of the event numbered sequence (the next
         report must carry sequence + 1). Repairs a gap, a refused parent, or a
-        sidecar that started after the engine. Errors: as ReportCacheEvents, less
-        the sequence and parent ones.
+        sidecar that started after the engine. A snapshot past
+        max_index_blocks_per_engine is cut, not refused (left_out says how many
+        blocks were not indexed), so an engine caching more than the index keeps
+        for it never leaves blocks it no longer holds indexed. Errors: as
+        ReportCacheEvents, less the sequence and parent ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,7 +119,8 @@ class KvIndexServiceServicer:
         """MatchPrefixes answers, for a chain of block hashes, how many leading blocks
         of it each indexed engine holds, in one call. Which
         engines: those named, else every indexed engine, narrowed by pools and
-        role. Errors: INDEX_QUERY_TOO_LARGE, BLOCK_HASH_INVALID.
+        role; an engine whose lease has expired (not swept yet) is left out, as
+        ListEngines leaves it out. Errors: INDEX_QUERY_TOO_LARGE, BLOCK_HASH_INVALID.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -218,8 +218,10 @@ async def test_the_first_report_must_say_how_blocks_are_hashed(client: AsyncRend
 async def test_floods_past_the_bounds_are_refused(client: AsyncRendezvousClient) -> None:
     many = tuple(hash_of(i) for i in range(65))
     await register(client, "p0")
+    # Reports past an engine's bound are refused (a snapshot past it is cut: the test below).
+    await client.report_cache_events(CacheReport("p0", 0, (BlocksStored(many[:64]),), HASHING))
     err = await refused(
-        client.replace_cached_blocks(CacheSnapshot("p0", 0, HASHING, ((0, many),))),
+        client.report_cache_events(CacheReport("p0", 1, (BlocksStored(many[64:], many[63]),))),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         Reason.INDEX_FULL,
     )
@@ -285,3 +287,68 @@ def test_the_blocking_client_reports_and_queries() -> None:
         assert at.block_count == 3
         assert client.replace_cached_blocks(CacheSnapshot("p0", 1, HASHING, ((0, CHAIN[:2]),))).sequence == 1
         assert [m.matched_blocks for m in client.match_prefixes(PrefixQuery(CHAIN))] == [2]
+
+
+async def test_an_engine_with_integer_hashes_sends_eight_bytes_a_hash(client: AsyncRendezvousClient) -> None:
+    """integer_hashes announces 64-bit integers (8 bytes big-endian): a hash or parent of another size is refused
+    whole, in the first report, a later one (hashing announced before) and a snapshot."""
+    await register(client, "p0")
+    ints = replace(HASHING, integer_hashes=True)
+    first = CacheReport("p0", 0, (BlocksStored((hash_of(1), b"x" * 32)),), ints)
+    await refused(client.report_cache_events(first), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    await client.report_cache_events(CacheReport("p0", 0, (BlocksStored((hash_of(1),)),), ints))
+    later = CacheReport("p0", 1, (BlocksStored((hash_of(2),), b"\x01"),))
+    await refused(client.report_cache_events(later), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    removed = CacheReport("p0", 1, (BlocksRemoved((b"x" * 7,)),))
+    await refused(client.report_cache_events(removed), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    snapshot = CacheSnapshot("p0", 1, ints, ((0, (hash_of(1), b"x" * 9)),))
+    await refused(client.replace_cached_blocks(snapshot), grpc.StatusCode.INVALID_ARGUMENT, Reason.BLOCK_HASH_INVALID)
+    assert await matched(client, (hash_of(1), hash_of(2))) == {"p0": 1}
+    await client.report_cache_events(CacheReport("p0", 1, (BlocksStored((hash_of(2),), hash_of(1)),)))
+    assert await matched(client, (hash_of(1), hash_of(2))) == {"p0": 2}
+
+
+@pytest.mark.parametrize("lookups", [LIMITS.max_index_query_lookups, 5], ids=["one-script", "paced"])
+async def test_an_engine_whose_lease_lapsed_is_left_out_before_the_sweep(
+    store: str, clock: FakeClock, lookups: int
+) -> None:
+    """A lapsed lease that no sweep has ended yet: ListEngines leaves the engine out, and so does MatchPrefixes, on
+    the one-script path and (5 lookups: too few for one script) the paced one."""
+    limits = replace(LIMITS, max_index_query_lookups=lookups)
+    async with (
+        start_test_server(clock, store=store, limits=limits, timeouts=Timeouts(default_lease_ttl=2)) as srv,
+        AsyncRendezvousClient(srv.address) as client,
+    ):
+        incarnations = {engine_id: await register(client, engine_id) for engine_id in ("p0", "p1")}
+        for engine_id in incarnations:
+            await client.report_cache_events(report(0, stored(0, 2), engine_id=engine_id, first=True))
+        assert set(await matched(client)) == {"p0", "p1"}
+        clock.advance(1.5)
+        async with client.keep_alive() as stream:
+            await stream.renew("p1", incarnations["p1"])
+        clock.advance(1)  # p0's lease (2 s) has lapsed, p1's (renewed) has not; no sweep ran
+        assert [e.engine_id for e in await client.list_engines()] == ["p1"]
+        assert set(await matched(client)) == {"p1"}
+        assert set(await matched(client, engine_ids=("p0", "p1"))) == {"p1"}
+
+
+async def test_a_snapshot_past_the_engines_bound_is_cut_and_drops_what_the_engine_no_longer_holds(
+    client: AsyncRendezvousClient,
+) -> None:
+    """An engine caching more blocks than max_index_blocks_per_engine (64 here): its snapshot keeps the first 64
+    blocks in the order sent and says how many it left out. Before, it was refused with INDEX_FULL, every time,
+    and the entry kept blocks the engine had evicted since (shown to routers for good)."""
+    await register(client, "p0")
+    stale = tuple(hash_of(1_000 + i) for i in range(8))
+    await client.report_cache_events(CacheReport("p0", 0, (BlocksStored(stale),), HASHING))
+    assert await matched(client, stale) == {"p0": 8}
+    held = tuple(hash_of(i) for i in range(70))  # the engine's cache now: the stale blocks were evicted
+    at = await client.replace_cached_blocks(CacheSnapshot("p0", 5, HASHING, ((0, held[:40]), (1, held[40:]))))
+    assert (at.sequence, at.block_count, at.left_out) == (5, 64, 6)
+    assert await matched(client, stale) == {"p0": 0}
+    assert await matched(client, held[24:40]) == {"p0": 16}  # a query carries at most 16 blocks here
+    assert await matched(client, held[48:64], group=1) == {"p0": 16}
+    assert await matched(client, held[64:], group=1) == {"p0": 0}
+    # A snapshot within the bound is whole again.
+    whole = await client.replace_cached_blocks(CacheSnapshot("p0", 6, HASHING, ((0, held[:10] + held[:10]),)))
+    assert (whole.block_count, whole.left_out) == (10, 0)

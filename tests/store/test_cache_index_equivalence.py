@@ -137,7 +137,10 @@ def follow(model: Model, op: tuple[Any, ...], answer: Any) -> None:
     elif not isinstance(answer, str) and not answer.duplicate:
         engine_id = args[0]
         if kind == "snapshot":
-            model.held[engine_id] = {(g, h) for g, hashes in args[2] for h in hashes}
+            # Past max_index_blocks_per_engine a snapshot keeps its first distinct blocks in the order sent.
+            sent = list(dict.fromkeys((g, h) for g, hashes in args[2] for h in hashes))
+            model.held[engine_id] = set(sent[: LIMITS.max_index_blocks_per_engine])
+            assert answer.left_out == len(sent) - len(model.held[engine_id])
         else:
             model.apply(engine_id, args[2])
         model.sequence[engine_id] = answer.sequence

@@ -98,7 +98,10 @@ class RedisIndex(GuardedScripts, IndexStore):
             raise index_full(scope, bounds.total if scope == "server" else bounds.per_identity, *map(int, reply[2:]))
         return bool(reply[0] == b"OK")
 
-    async def match(self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups) -> list[PrefixMatch]:
+    async def match(
+        self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None
+    ) -> list[PrefixMatch]:
+        live_at = "" if now is None else repr(now)
         ids = list(dict.fromkeys(query.engine_ids))
         chain = [member(query.group, h) for h in query.block_hashes]
         if len(ids) <= SELECT_STEP:  # most queries: one script (one round trip), if it needs at most MATCH_STEP lookups
@@ -107,6 +110,7 @@ class RedisIndex(GuardedScripts, IndexStore):
                 role=int(query.role or 0),
                 most=SELECT_STEP,
                 budget=min(MATCH_STEP, max_lookups),
+                now=live_at,
                 pools=list(query.pools),
                 engine_ids=ids,
                 members=chain,
@@ -121,6 +125,7 @@ class RedisIndex(GuardedScripts, IndexStore):
             reply = await self._scripts.run(
                 "index_select",
                 role=int(query.role or 0),
+                now=live_at,
                 pools=list(query.pools),
                 engine_ids=ids[first : first + SELECT_STEP],
             )

@@ -203,10 +203,11 @@ SIGNATURES: Mapping[str, Signature] = {
         (Group("adds", ("member",)), Group("removes", ("member",))),
         ("guard",),
     ),
-    "index_select": Signature(("role",), (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)))),
+    # now: the coordinator's clock ("" skips the lease check): an engine whose lease expired by then is left out.
+    "index_select": Signature(("role", "now"), (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)))),
     "index_match": Signature(groups=(Group("members", ("member",)), Group("engine_ids", ("engine_id",)))),
     "index_match_small": Signature(
-        ("role", "most", "budget"),
+        ("role", "most", "budget", "now"),
         (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)), Group("members", ("member",))),
     ),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
