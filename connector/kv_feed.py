@@ -18,12 +18,18 @@ It keeps a mirror of what the engine holds, from the events it has seen, and rep
 - an accepted report whose block count differs from the mirror's (an entry the server dropped and restarted
   from this batch) is repaired by a snapshot too.
 A snapshot larger than one request may carry (the server's max_index_blocks_per_request) goes as a snapshot of
-the first blocks and reports storing the rest.
+the first blocks and reports storing the rest. Blocks go shallowest first (a chain's first block before its
+second: the mirror keeps each block's depth), so that whatever a bound cuts off is the deep end of chains, never a
+block prefix matching needs to reach others. An engine caching more blocks than the server indexes for one engine
+(max_index_blocks_per_engine, which the server names when it cuts a snapshot or refuses a report) keeps that many
+of its shallowest blocks indexed: while over the bound, the feed forwards only removals (the index never holds a
+block the engine dropped) and sends a whole snapshot again once the engine is back within it.
 Only the engine's own cache is mirrored: events of another medium (vLLM's CPU offloading tier) are left out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -46,6 +52,7 @@ from rendezvous.clients import (
     CacheEvent,
     CacheReport,
     CacheSnapshot,
+    IndexPosition,
     Reason,
     RendezvousError,
     hash_of,
@@ -130,7 +137,8 @@ class KvFeed:
         self._replay_timeout_ms = int(replay_timeout * 1000)
         self._retry_interval = retry_interval
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._held: dict[int, set[bytes]] = {}
+        self._held: dict[int, dict[bytes, int]] = {}
+        """The mirror: per KV cache group, each block held and its depth in its chain (0: a chain's first block)."""
         self.sequence: int | None = None
         """The last vLLM sequence applied: mirrored and forwarded (or repaired); None before the first."""
         self.index_sequence = 0
@@ -140,6 +148,11 @@ class KvFeed:
         """Whether the index holds what the mirror holds, as of `index_sequence`."""
         self.snapshots = 0
         """How many times the index was replaced by the mirror (repairs, and the first report)."""
+        self.engine_bound: int | None = None
+        """The most blocks the server indexes for this engine (max_index_blocks_per_engine), once it said so (a cut
+        snapshot, a report refused INDEX_FULL for the engine); None before."""
+        self.cut = False
+        """Whether the index holds only the mirror's shallowest `engine_bound` blocks (the engine holds more)."""
         self.request_blocks = REQUEST_BLOCKS
         """The most block hashes the feed puts in one request (the server's max_index_blocks_per_request, as far
         as the feed knows: a refusal naming a smaller one lowers it)."""
@@ -250,20 +263,25 @@ class KvFeed:
             events, self.in_sync = [], False
         for event in events:
             self._mirror(event)
+        if self.cut and self.engine_bound is not None and self._count() <= self.engine_bound:
+            self.in_sync = False  # back within the bound: the whole mirror goes again
         if not self.in_sync:
             self._replace()
             return
+        if self.cut:  # the index holds a cut of the mirror: keep it free of dropped blocks, add none
+            events = [e for e in events if not isinstance(e, BlocksStored)]
         if not events:
             return
         report = CacheReport(self.engine_id, self.index_sequence + 1, tuple(events), hashing=self.hashing)
         try:
             position = self.client.report_cache_events(report)
         except RendezvousError as e:
+            self._learn_bound(e)
             log.info("KV index refused %s's batch %d (%s): a snapshot repairs", self.engine_id, seq, e)
             self._replace()
             return
         self.index_sequence = report.sequence
-        if position.block_count != self._count():
+        if not self.cut and position.block_count != self._count():
             held = self._count()
             log.info(
                 "KV index holds %d blocks of %s, not %d: a snapshot repairs", position.block_count, self.engine_id, held
@@ -272,50 +290,87 @@ class KvFeed:
 
     def _mirror(self, event: CacheEvent) -> None:
         match event:
-            case BlocksStored(block_hashes=hashes, group=group):
-                self._held.setdefault(group, set()).update(hashes)
+            case BlocksStored(block_hashes=hashes, parent=parent, group=group):
+                held = self._held.setdefault(group, {})
+                first = held[parent] + 1 if parent in held else 0  # a parent not held (or none): a chain's start
+                for depth, block in enumerate(hashes, first):
+                    held[block] = depth
             case BlocksRemoved(block_hashes=hashes, group=group):
-                self._held.get(group, set()).difference_update(hashes)
+                held = self._held.get(group, {})
+                for block in hashes:
+                    held.pop(block, None)
             case AllBlocksCleared():
                 self._held.clear()
 
     def _count(self) -> int:
         return sum(len(hashes) for hashes in self._held.values())
 
+    def _learn_bound(self, error: RendezvousError) -> None:
+        """A report refused because the engine would hold more blocks than the server indexes for one engine says
+        how many that is."""
+        if error.reason == Reason.INDEX_FULL and error.metadata.get("scope") == "engine":
+            with contextlib.suppress(KeyError, ValueError):
+                self.engine_bound = int(error.metadata["limit"])
+
     def _replace(self) -> None:
         """Replace the index's entry by the mirror, as of a new `index_sequence`: a snapshot of its first
         `request_blocks` blocks, then reports storing the rest as many at a time (a request carries at most the
         server's max_index_blocks_per_request hashes; a refusal naming a smaller limit lowers `request_blocks`)."""
-        held = [(group, h) for group, hashes in sorted(self._held.items()) for h in hashes]
+        # Shallowest first, groups in order (as the server keeps a snapshot's first blocks when it cuts one).
+        held = [
+            (group, block)
+            for group, blocks in sorted(self._held.items())
+            for block, _ in sorted(blocks.items(), key=lambda item: item[1])
+        ]
         while True:
+            sent = held if self.engine_bound is None else held[: self.engine_bound]
             try:
-                self._send_mirror(held)
+                position = self._send_mirror(sent)
                 break
             except RendezvousError as e:
                 limit = int(e.metadata.get("limit", 0)) if e.reason == Reason.INDEX_QUERY_TOO_LARGE else 0
                 if 0 < limit < self.request_blocks:
                     self.request_blocks = limit
                     continue
+                bound = self.engine_bound
+                self._learn_bound(e)
+                if self.engine_bound != bound:  # a part past the engine's bound: send what it indexes
+                    continue
                 log.warning("KV index snapshot of %s failed (%s): retrying", self.engine_id, e)
                 self.in_sync = False
                 return
+        if position.left_out:  # the server cut the snapshot: it keeps this many of the engine's blocks
+            self.engine_bound = position.block_count
+        self.cut = position.block_count < len(held)
+        if self.cut:
+            log.warning(
+                "KV index keeps %d of the %d blocks %s caches (its bound): the shallowest",
+                position.block_count,
+                len(held),
+                self.engine_id,
+            )
         self.snapshots += 1
         self.in_sync = True
 
-    def _send_mirror(self, held: Sequence[tuple[int, bytes]]) -> None:
+    def _send_mirror(self, held: Sequence[tuple[int, bytes]]) -> IndexPosition:
+        """Replace the entry by `held`: a snapshot of its first `request_blocks`, reports storing the rest; where
+        the entry stands after the last of them."""
         size = self.request_blocks
         parts = [held[first : first + size] for first in range(0, len(held), size)] or [[]]
         groups = tuple((g, tuple(h for gh, h in parts[0] if gh == g)) for g in sorted({g for g, _ in parts[0]}))
         sequence = self.index_sequence + 1
-        self.client.replace_cached_blocks(CacheSnapshot(self.engine_id, sequence, self.hashing, groups))
+        position = self.client.replace_cached_blocks(CacheSnapshot(self.engine_id, sequence, self.hashing, groups))
         self.index_sequence = sequence
+        if position.left_out:
+            return position  # cut at the engine's bound: nothing more goes in
         for part in parts[1:]:
             events = tuple(
                 BlocksStored(tuple(h for gh, h in part if gh == g), b"", g) for g in sorted({g for g, _ in part})
             )
             report = CacheReport(self.engine_id, self.index_sequence + 1, events, hashing=self.hashing)
-            self.client.report_cache_events(report)
+            position = self.client.report_cache_events(report)
             self.index_sequence = report.sequence
+        return position
 
 
 def engine_hashing(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockHashing:

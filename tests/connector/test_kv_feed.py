@@ -298,3 +298,33 @@ def test_a_mirror_larger_than_one_request_is_sent_in_parts() -> None:
             assert feed.in_sync and matched(c, chain) == 5
         finally:
             feed.stop()
+
+
+def test_a_cache_past_the_engine_s_bound_keeps_its_shallowest_blocks_indexed_and_none_it_dropped() -> None:
+    """An engine caching more blocks than the server indexes for one engine (max_index_blocks_per_engine): the
+    server keeps the first blocks of a snapshot, so the feed sends a chain's first blocks first, learns the bound,
+    then forwards only removals (the index never shows a block the engine dropped) instead of a snapshot every batch,
+    until the engine is back within the bound. Batches are handed to the feed directly."""
+    chain = list(range(3001, 3011))  # stored in two events: the bound is learned from the refused report
+    with (
+        TestServer(FakeClock(), limits=Limits(max_index_blocks_per_engine=6)) as srv,
+        RendezvousClient(srv.address) as c,
+    ):
+        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None)
+        try:
+            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:4], None))))
+            assert feed.in_sync and not feed.cut and matched(c, chain) == 4
+            feed.receive(1, msgspec.msgpack.encode(batch(stored(chain[4:], chain[3]))))
+            assert feed.engine_bound == 6 and feed.cut and feed.in_sync
+            assert matched(c, chain) == 6  # the chain's first six
+            snapshots = feed.snapshots
+            feed.receive(2, msgspec.msgpack.encode(batch(stored([3011], chain[-1]))))
+            assert feed.snapshots == snapshots and matched(c, chain) == 6  # nothing sent: no snapshot per batch
+            feed.receive(3, msgspec.msgpack.encode(batch(removed([chain[2]]))))
+            assert matched(c, chain) == 2  # a dropped block is dropped from the index at once
+            feed.receive(4, msgspec.msgpack.encode(batch(removed([*chain[5:], 3011]))))
+            assert not feed.cut and feed.snapshots == snapshots + 1  # 4 blocks: within the bound, whole again
+            assert matched(c, chain) == 2 and matched(c, chain[3:5]) == 2
+        finally:
+            feed.stop()
