@@ -4,7 +4,8 @@ Each script is a `.lua` file of this package. `SIGNATURES` below is the one tabl
 from it, a header is generated in front of each script that binds every argument to a Lua local of
 the same name, and a Python function `Script.argv` that takes the same names as keyword arguments and
 lays them out in the same order, so neither side counts ARGV positions. A script also gets the shared
-helpers it names (`_guard.lua`, `_snapshot.lua`, `_append.lua`, `_records.lua`, `_budget.lua`), after the header and
+helpers it names (`_guard.lua`, `_snapshot.lua`, `_append.lua`, `_records.lua`, `_budget.lua`,
+`_ixselect.lua`), after the header and
 before its own body.
 
 Calling convention (one EVALSHA, as before): KEYS[1] is the namespace's rev key (it routes the call
@@ -204,11 +205,14 @@ SIGNATURES: Mapping[str, Signature] = {
         ("guard",),
     ),
     # now: the coordinator's clock ("" skips the lease check): an engine whose lease expired by then is left out.
-    "index_select": Signature(("role", "now"), (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)))),
+    "index_select": Signature(
+        ("role", "now"), (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",))), helpers=("ixselect",)
+    ),
     "index_match": Signature(groups=(Group("members", ("member",)), Group("engine_ids", ("engine_id",)))),
     "index_match_small": Signature(
         ("role", "most", "budget", "now"),
         (Group("pools", ("pool",)), Group("engine_ids", ("engine_id",)), Group("members", ("member",))),
+        helpers=("ixselect",),
     ),
     "index_drop": Signature(("guard", "engine_id", "incarnation"), helpers=("guard",)),
     # Kept answers of idempotent requests (put_answer.lua has their keys and bounds).

@@ -11,22 +11,12 @@ if #ids == 0 then
   end
   ids = redis.call('SMEMBERS', P .. 'ixe')
 end
-local wanted = {}
-for _, pool in ipairs(pools) do
-  wanted[pool] = true
-end
-local function live(id)
-  if now == '' then
-    return true
-  end
-  local expiry = redis.call('ZSCORE', P .. 'leases', id)
-  return expiry ~= false and tonumber(expiry) > tonumber(now)
-end
+local wanted = wanted_pools(pools)
 local left = tonumber(budget)
 local out = {1}
 for _, id in ipairs(ids) do
-  local entry = redis.call('HMGET', P .. 'ix:' .. id, 'd', 'p', 'r')
-  if entry[1] and (#pools == 0 or wanted[entry[2]]) and (role == '0' or entry[3] == role) and live(id) then
+  local record = selected_entry(id, wanted, role, now)
+  if record then
     local bk = P .. 'ixb:' .. id
     local n = 0
     for i = 1, #members do
@@ -39,7 +29,7 @@ for _, id in ipairs(ids) do
       end
       n = i
     end
-    out[#out + 1] = entry[1]
+    out[#out + 1] = record
     out[#out + 1] = n
   end
 end
