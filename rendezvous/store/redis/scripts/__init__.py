@@ -5,8 +5,7 @@ from it, a header is generated in front of each script that binds every argument
 the same name, and a Python function `Script.argv` that takes the same names as keyword arguments and
 lays them out in the same order, so neither side counts ARGV positions. A script also gets the shared
 helpers it names (`_guard.lua`, `_snapshot.lua`, `_append.lua`, `_records.lua`, `_budget.lua`,
-`_ixselect.lua`), after the header and
-before its own body.
+`_ixselect.lua`), after the header and before its own body.
 
 Calling convention (one EVALSHA, as before): KEYS[1] is the namespace's rev key (it routes the call
 in Redis Cluster); ARGV[1] is the key prefix `{namespace}:`, bound to `P`, from which a script builds
