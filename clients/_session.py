@@ -610,15 +610,18 @@ class EngineSession:
         backoff = Backoff(self._config.reconnect)
         max_batch = self._config.watch_max_batch
         resync_at: int | None = None
+        loop = asyncio.get_running_loop()
         while True:
             failed: RendezvousError | None = None
+            opened = loop.time()
             try:
                 if resync_at is not None:
                     await self._resync(resync_at)
                     sequence, resync_at = resync_at, None
                 async with self._client.watch(self.engine_id, sequence, max_batch=max_batch) as stream:
                     async for batch in stream:
-                        backoff.reset()
+                        if batch.events or batch.resync_required:  # not the header every opening sends
+                            backoff.reset()
                         if batch.epoch != epoch:
                             self._recover(SessionCause.EPOCH_CHANGED, incarnation)
                             return
@@ -642,6 +645,8 @@ class EngineSession:
                     return
                 log.warning("engine %s watch failed; resuming at %d: %s", self.engine_id, sequence, err)
                 failed = err
+            if loop.time() - opened >= self._config.reconnect.max_backoff:  # it worked for a while: start over
+                backoff.reset()
             await asyncio.sleep(backoff.after(failed))
 
     async def _resync(self, sequence: int) -> None:

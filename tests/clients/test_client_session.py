@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -738,3 +740,31 @@ async def test_the_write_fence_follows_the_lease_and_a_new_incarnation_s_once_it
         await session.close()
     assert session.writable_until <= loop.time()
     assert RankSession(client, "p0").writable_until == math.inf  # it holds no lease
+
+
+def answered(proxy: GrpcProxy, watches: int) -> bool:
+    return proxy.answers["Watch"] >= watches
+
+
+async def test_a_watch_ended_right_after_it_opened_is_reopened_ever_later(
+    client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """Every Watch opening is answered with a header first. That answer reset the reconnect backoff, so a replica
+    or proxy that ends each Watch as soon as it has opened it was retried at the initial backoff (50 ms) for ever.
+    Only a batch with events (or a resync), or a stream that lasted the longest backoff, resets it now."""
+    reconnect = RetryPolicy(initial_backoff=0.05, max_backoff=60.0)  # no stream here lives long enough to reset it
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
+        session = ConsumerSession(
+            proxied, "d0", "decode", layout=LAYOUT, agents=[agent("d0-0")], config=SessionConfig(reconnect=reconnect)
+        )
+        await session.start()
+        try:
+            for opened in range(1, 7):
+                await grpc_proxy.wait_for(functools.partial(answered, grpc_proxy, opened))  # its header came
+                assert grpc_proxy.end_streams("Watch") == 1
+            await grpc_proxy.wait_for(functools.partial(answered, grpc_proxy, 7))
+        finally:
+            await session.close()
+    opens = grpc_proxy.requests["Watch"]
+    # The sixth wait is at least 0.05 s x 2^5, less 20% of jitter: 1.28 s (before: 0.04-0.05 s each time).
+    assert opens[6] - opens[5] >= 1.0, [round(b - a, 3) for a, b in itertools.pairwise(opens)]
