@@ -650,7 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         configure_logging(args.log_level, args.log_format)
-        from rendezvous.server.app import ListenError, SettingError
+        from rendezvous.server.app import ListenError
+        from rendezvous.server.settings import SettingError
         from rendezvous.store.base import StoreUnavailableError
 
         try:

@@ -29,7 +29,8 @@ from rendezvous.server.index_servicer import KvIndexServicer
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.quotas import CallLimits, CallQuotas
 from rendezvous.server.servicer import RendezvousServicer
-from rendezvous.server.tls import CertificateReloader, TLSConfig, TLSFileError
+from rendezvous.server.settings import SettingError
+from rendezvous.server.tls import CertificateReloader, TLSConfig
 from rendezvous.server.turns import FairTurns
 from rendezvous.server.watch_buffers import HandlerTask
 from rendezvous.store.base import Store, StoreUnavailableError
@@ -118,18 +119,6 @@ class ListenError(OSError):
         super().__init__(f"cannot listen on {address}: {reason}")
         self.setting = setting
         self.address = address
-        self.reason = reason
-
-
-class SettingError(ValueError):
-    """A setting the server cannot start with: a store URL it cannot use, a file it cannot read or use. `setting`
-    names its ServerConfig field (store, auth_file, binding_key_file) or TLS file (tls_cert, tls_key,
-    tls_client_ca), so that the CLI can name the flag."""
-
-    def __init__(self, setting: str, value: str, reason: str) -> None:
-        super().__init__(f"{setting} {value}: {reason}")
-        self.setting = setting
-        self.value = value
         self.reason = reason
 
 
@@ -280,10 +269,7 @@ class RendezvousServer:
         )
         try:
             if self.certificates is not None:
-                try:
-                    credentials = self.certificates.credentials()
-                except TLSFileError as err:
-                    raise SettingError(err.setting, err.path, err.reason) from None
+                credentials = self.certificates.credentials()
                 self.port = _bind("listen", cfg.listen, lambda address: server.add_secure_port(address, credentials))
             else:
                 self.port = _bind("listen", cfg.listen, server.add_insecure_port)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from rendezvous.server.settings import SettingError
+
 log = logging.getLogger(__name__)
 
 _PEM_MARK = "-----BEGIN"
@@ -49,16 +51,6 @@ def is_pem(value: str) -> bool:
     return _PEM_MARK in value
 
 
-class TLSFileError(ValueError):
-    """A TLS file that cannot be read; `setting` names it by its flag's words (tls_cert, tls_key, tls_client_ca)."""
-
-    def __init__(self, setting: str, path: str, reason: str) -> None:
-        super().__init__(f"{setting.replace('_', ' ')} {path}: {reason}")
-        self.setting = setting
-        self.path = path
-        self.reason = reason
-
-
 class _Source:
     """One PEM input: fixed text, or a file whose content is re-read when its mtime changes."""
 
@@ -79,7 +71,7 @@ class _Source:
             with open(self.path, "rb") as f:
                 return f.read()
         except OSError as err:
-            raise TLSFileError(self.setting, self.path, err.strerror or str(err)) from None
+            raise SettingError(self.setting, self.path, err.strerror or str(err)) from None
 
 
 def _named(value: str) -> str:
