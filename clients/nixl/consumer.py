@@ -15,7 +15,9 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
   failed, or the service lost the transfer). When the service still fences a generation the producer may be
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
-  that generation can land in its blocks.
+  that generation can land in its blocks. So do the transfers an incarnation of this engine lost (its lease lapsed,
+  e.g. the process hung): after `Reregistered` (and after a `Resynced`) the agent asks the service, since a WRITE
+  posted before the hang may still land once the process runs again.
 - REVOKED (`AgentReason.REVOKED`): registering a newer generation of a transfer retires the older one; its blocks
   are reported free the same way, once no write of it can land.
 
@@ -464,15 +466,19 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             for transfer_id in list(self._targets):
                 info = live.get(transfer_id)
                 if info is None or info.state is TransferState.ABORTED:
-                    self._fail(transfer_id, AgentReason.LOST, "the service no longer has this transfer")
+                    revoking = 0 if info is None else info.revoking_generation
+                    self._fail(transfer_id, AgentReason.LOST, "the service no longer has this transfer", revoking)
                 elif info.state is TransferState.COMMITTED:
                     self._committed(transfer_id, info.generation)
                 elif info.state is TransferState.MATCHED and info.mode is TransferMode.PULL and info.source_block_ids:
                     await self._read_missed(info)
+            fenced, self._fenced = list(self._fenced.values()), {}  # their REVOCATION_CONFIRMED may be among the lost
+            await asyncio.gather(*(self._when_unfenced(result, maybe_fenced=True) for result in fenced))
         elif isinstance(item, Reregistered):
-            for result in item.results:
-                if not result.ok or result.state is TransferState.ABORTED:
-                    self._fail(result.transfer_id, AgentReason.LOST, "the transfer did not survive re-registration")
+            lost = [r.transfer_id for r in item.results if not r.ok or r.state is TransferState.ABORTED]
+            await asyncio.gather(
+                *(self._give_back(t, "the transfer did not survive re-registration", AgentReason.LOST) for t in lost)
+            )
         else:
             self._on_server_event(item)
 

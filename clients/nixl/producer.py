@@ -209,6 +209,11 @@ class ProducerAgent(RankAgent[ProducerSession]):
             )
         return announced
 
+    @property
+    def writes_in_flight(self) -> int:
+        """Transfers this rank's writer has WRITEs in flight for (`TransferWriter.writes_in_flight`)."""
+        return 0 if self._writer is None else self._writer.writes_in_flight
+
     def _writable_until(self) -> float:
         """The writer's fence, asked on its thread: the registering rank's session's (see the module doc); a
         following rank holds no lease, and an agent not started yet no assignment."""

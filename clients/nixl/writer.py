@@ -483,6 +483,12 @@ class TransferWriter:
         return self._parts_in_flight
 
     @property
+    def writes_in_flight(self) -> int:
+        """Transfers with WRITEs posted and not yet drained (kept by the writer thread, read as a snapshot): a WRITE
+        to a peer that stopped (hung, not dead) stays here until the peer runs again or its connection fails."""
+        return len(self._in_flight)
+
+    @property
     def stopped(self) -> bool:
         """Whether `stop` was called (commands are then refused)."""
         return self._stopped

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -110,6 +112,9 @@ class _Worker:
         peer = await self.client.get_engine(consumer_id)
         info = TransferInfo(transfer_id, TransferState.MATCHED, target_block_ids=tuple(dst))
         await self.agent.handle_event(Event(EventType.TRANSFER_ASSIGNED, time.time(), info, generation, peer))
+
+    def writes_in_flight(self) -> int:
+        return int(self.agent.writes_in_flight)
 
     # Consumer commands
 
@@ -241,6 +246,17 @@ class WorkerProcess:
                 self._seen.append(self._events.get_nowait())
             except queue.Empty:
                 return list(self._seen)
+
+    def stop(self) -> None:
+        """SIGSTOP: the process hangs (its sockets stay open, nothing of it runs) until `resume`."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, signum: signal.Signals) -> None:
+        assert self.process.pid is not None
+        os.kill(self.process.pid, signum)
 
     def kill(self) -> None:
         """SIGKILL, as a crashed engine."""
