@@ -82,7 +82,7 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
                 response = await getattr(stub, call.method)(call.request, timeout=timeout, metadata=self._metadata())
             except grpc.RpcError as error:
                 response = await self._retry(call, timeout, self._failed(error, index), started)
-        self._epochs.observe(response.header.epoch)
+        self._epochs.observe(self._answered(call, response).header.epoch)
         return call.parse(response)
 
     async def _retry(self, call: Call[Any], timeout: float | None, error: RendezvousError, started: float) -> Any:

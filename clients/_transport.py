@@ -14,7 +14,8 @@ from rendezvous.clients._commands import Call
 from rendezvous.clients._config import ClientConfig
 from rendezvous.clients._exceptions import from_rpc_error
 from rendezvous.protocol import tracing
-from rendezvous.protocol.errors import RendezvousError
+from rendezvous.protocol.errors import Internal, RendezvousError
+from rendezvous.protocol.reasons import Reason
 from rendezvous.protocol.tracing import Span
 from rendezvous.v1 import index_pb2_grpc as ipb_grpc
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
@@ -190,6 +191,14 @@ class ClientBase(Generic[ChannelT]):
         shutting down, a proxy's stream timeout) let it go, so the next stream goes to the next endpoint, as after
         an UNAVAILABLE one."""
         self._endpoints.failover(index)
+
+    @staticmethod
+    def _answered(call: Call[Any], response: Any) -> Any:
+        """A unary call's answer. gRPC hands None for a call ended OK without one (a proxy between the client and
+        the server can do that): INTERNAL, not retried, as the call may have been applied."""
+        if response is None:
+            raise Internal(Reason.INTERNAL_ERROR, f"{call.method} ended without an answer (status OK, no message)")
+        return response
 
     def _failed(self, error: grpc.RpcError, index: int) -> RendezvousError:
         converted = from_rpc_error(error)

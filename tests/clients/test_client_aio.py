@@ -19,6 +19,7 @@ from rendezvous.clients import (
     EngineView,
     EventType,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     Registration,
@@ -220,6 +221,21 @@ async def test_streams_the_server_ends_cleanly_move_the_client_to_its_next_endpo
         assert client.target == server.address
         async with client.keep_alive() as renewals:
             assert (await renewals.renew("d0", registration.engine.incarnation)).lease_ttl == 5.0
+
+
+async def test_a_unary_call_ended_without_an_answer_raises_internal(
+    server: AsyncTestServer, grpc_proxy: GrpcProxy
+) -> None:
+    """A proxy that ends a unary call with status OK and no message: gRPC hands the client None, which it read as an
+    answer (AttributeError on its header). It is INTERNAL now, not retried (the call may have been applied), and
+    the client goes on."""
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as client:
+        registration = await register(client, "d0", EngineRole.CONSUMER)
+        grpc_proxy.drain("GetEngine")
+        with pytest.raises(Internal, match="GetEngine ended without an answer"):
+            await client.get_engine("d0")
+        assert grpc_proxy.calls["GetEngine"] == 1
+        await client.deregister_engine("d0", registration.engine.incarnation)
 
 
 async def test_unavailable_is_raised_once_every_endpoint_failed_the_policy() -> None:
