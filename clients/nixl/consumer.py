@@ -816,9 +816,13 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._fenced[key] = result  # first: the confirmation may arrive while we ask
         try:
             revoking = (await self.engine_session.client.get_transfer(result.transfer_id)).revoking_generation
-        except RendezvousError as e:  # forgotten: nothing is fenced any more
-            logger.debug("GetTransfer %s: %s", result.transfer_id, e)
+        except NotFound:  # forgotten: nothing is fenced any more
             revoking = 0
+        except RendezvousError as e:
+            # Unanswered (past the client's retries): a WRITE may still land, so the blocks stay held until the
+            # REVOCATION_CONFIRMED event, or the next resync asks again.
+            logger.warning("transfer %s stays fenced, the service did not answer: %s", result.transfer_id, e)
+            return
         if revoking != result.generation and self._fenced.pop(key, None) is not None:
             self._deliver(result)
 
