@@ -25,6 +25,16 @@ block prefix matching needs to reach others. An engine caching more blocks than 
 of its shallowest blocks indexed: while over the bound, the feed forwards only removals (the index never holds a
 block the engine dropped) and sends a whole snapshot again once the engine is back within it.
 Only the engine's own cache is mirrored: events of another medium (vLLM's CPU offloading tier) are left out.
+
+The engine registers in its worker process, the feed runs in the engine-core (scheduler) process, so the feed
+learns the incarnation it reports for: the worker labels its registration with vLLM's instance id
+(`INSTANCE_LABEL`, VllmConfig.instance_id, the same in both processes, new in every vLLM process), and the feed
+takes the incarnation of the live registration (GetEngine) carrying its own instance's label, again whenever the
+server refuses that one (STALE_INCARNATION, LEASE_EXPIRED, ENGINE_NOT_FOUND: its worker re-registered, or another
+process took the engine id over). While the live registration is another instance's, the feed sends nothing: a
+late report from an old process with the same engine id is refused (STALE_INCARNATION), never applied to the
+new process's entry (with incarnation 0, "whichever is current", it was, and a stale feed whose sequence ran ahead
+locked the new one out with INDEX_SEQUENCE_STALE).
 """
 
 from __future__ import annotations
@@ -63,7 +73,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["OWN_MEDIA", "KvFeed", "cache_events", "engine_hashing", "start_feed", "subscriber_endpoint"]
+__all__ = [
+    "INSTANCE_LABEL",
+    "OWN_MEDIA",
+    "KvFeed",
+    "cache_events",
+    "engine_hashing",
+    "start_feed",
+    "subscriber_endpoint",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +90,11 @@ OWN_MEDIA = frozenset({None, "GPU"})
 REQUEST_BLOCKS = 65_536
 """The most block hashes the feed puts in one request at first: the server's default max_index_blocks_per_request
 (a server configured lower names its limit when it refuses, and the feed keeps to that)."""
+INSTANCE_LABEL = "vllm_instance"
+"""The engine label naming the vLLM instance (VllmConfig.instance_id) that registered it: whose registration a
+feed reports for."""
+INCARNATION_GONE = frozenset({Reason.STALE_INCARNATION, Reason.LEASE_EXPIRED, Reason.ENGINE_NOT_FOUND})
+"""Refusals that say the incarnation the feed reports for is not the live one: it learns it again."""
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 """vLLM's replay socket ends its answer with this sequence (ZmqEventPublisher.END_SEQ)."""
 
@@ -113,7 +136,8 @@ class KvFeed:
 
     `endpoint` and `replay_endpoint` are ZMQ addresses to connect to (`subscriber_endpoint`); `topic` is vLLM's
     KVEventsConfig.topic. `retry_interval`: how long the feed waits for a batch before it catches up from the
-    replay socket and repairs an index that lags.
+    replay socket and repairs an index that lags. `instance`: the vLLM instance whose registration (labelled
+    `INSTANCE_LABEL`) the feed reports for; "" reports for whichever incarnation is live (incarnation 0).
     """
 
     def __init__(
@@ -127,8 +151,13 @@ class KvFeed:
         *,
         replay_timeout: float = 5.0,
         retry_interval: float = 1.0,
+        instance: str = "",
     ) -> None:
         self.client = client
+        self.instance = instance
+        self.incarnation = 0
+        """The incarnation reported for: the live one of `instance` as last learned (0 with no instance, or none
+        learned yet)."""
         self.engine_id = engine_id
         self.hashing = hashing
         self._endpoint = endpoint
@@ -272,11 +301,14 @@ class KvFeed:
             events = [e for e in events if not isinstance(e, BlocksStored)]
         if not events:
             return
-        report = CacheReport(self.engine_id, self.index_sequence + 1, tuple(events), hashing=self.hashing)
+        report = CacheReport(
+            self.engine_id, self.index_sequence + 1, tuple(events), hashing=self.hashing, incarnation=self.incarnation
+        )
         try:
             position = self.client.report_cache_events(report)
         except RendezvousError as e:
             self._learn_bound(e)
+            self._forget_incarnation(e)
             log.info("KV index refused %s's batch %d (%s): a snapshot repairs", self.engine_id, seq, e)
             self._replace()
             return
@@ -312,10 +344,39 @@ class KvFeed:
             with contextlib.suppress(KeyError, ValueError):
                 self.engine_bound = int(error.metadata["limit"])
 
+    def _forget_incarnation(self, error: RendezvousError) -> None:
+        if self.instance and error.reason in INCARNATION_GONE:
+            self.incarnation = 0
+
+    def _learn_incarnation(self) -> bool:
+        """Whether the feed knows the incarnation to report for: with an instance, the live registration's if it
+        carries the instance's label (GetEngine); else nothing may be sent (none yet, or another process's)."""
+        if not self.instance or self.incarnation:
+            return True
+        try:
+            engine = self.client.get_engine(self.engine_id)
+        except RendezvousError as e:
+            log.info("KV index feed of %s: no live registration to report for (%s)", self.engine_id, e)
+            return False
+        if engine.labels.get(INSTANCE_LABEL) != self.instance:
+            log.warning(
+                "KV index feed of %s: the live registration is another vLLM instance's (%s, not %s): sending nothing",
+                self.engine_id,
+                engine.labels.get(INSTANCE_LABEL, "unlabelled"),
+                self.instance,
+            )
+            return False
+        self.incarnation = engine.incarnation
+        return True
+
     def _replace(self) -> None:
         """Replace the index's entry by the mirror, as of a new `index_sequence`: a snapshot of its first
         `request_blocks` blocks, then reports storing the rest as many at a time (a request carries at most the
-        server's max_index_blocks_per_request hashes; a refusal naming a smaller limit lowers `request_blocks`)."""
+        server's max_index_blocks_per_request hashes; a refusal naming a smaller limit lowers `request_blocks`).
+        Nothing is sent while the feed does not know its incarnation (`_learn_incarnation`)."""
+        if not self._learn_incarnation():
+            self.in_sync = False
+            return
         # Shallowest first, groups in order (as the server keeps a snapshot's first blocks when it cuts one).
         held = [
             (group, block)
@@ -334,6 +395,7 @@ class KvFeed:
                     continue
                 bound = self.engine_bound
                 self._learn_bound(e)
+                self._forget_incarnation(e)
                 if self.engine_bound != bound:  # a part past the engine's bound: send what it indexes
                     continue
                 log.warning("KV index snapshot of %s failed (%s): retrying", self.engine_id, e)
@@ -359,7 +421,8 @@ class KvFeed:
         parts = [held[first : first + size] for first in range(0, len(held), size)] or [[]]
         groups = tuple((g, tuple(h for gh, h in parts[0] if gh == g)) for g in sorted({g for g, _ in parts[0]}))
         sequence = self.index_sequence + 1
-        position = self.client.replace_cached_blocks(CacheSnapshot(self.engine_id, sequence, self.hashing, groups))
+        snapshot = CacheSnapshot(self.engine_id, sequence, self.hashing, groups, incarnation=self.incarnation)
+        position = self.client.replace_cached_blocks(snapshot)
         self.index_sequence = sequence
         if position.left_out:
             return position  # cut at the engine's bound: nothing more goes in
@@ -367,7 +430,9 @@ class KvFeed:
             events = tuple(
                 BlocksStored(tuple(h for gh, h in part if gh == g), b"", g) for g in sorted({g for g, _ in part})
             )
-            report = CacheReport(self.engine_id, self.index_sequence + 1, events, hashing=self.hashing)
+            report = CacheReport(
+                self.engine_id, self.index_sequence + 1, events, hashing=self.hashing, incarnation=self.incarnation
+            )
             position = self.client.report_cache_events(report)
             self.index_sequence = report.sequence
         return position
@@ -415,6 +480,7 @@ def start_feed(
         subscriber_endpoint(endpoint),
         subscriber_endpoint(replay) if replay else None,
         events.topic,
+        instance=vllm_config.instance_id,
     )
     feed.start()
     return feed

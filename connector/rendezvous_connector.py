@@ -637,9 +637,14 @@ class _WorkerSide:
                 tls=TLSConfig(config.tls_ca, config.tls_cert, config.tls_key) if config.uses_tls else None,
             )
         )
+        labels = dict(config.labels)
+        if config.kv_index:  # the scheduler process's feed reports for this process's registration only
+            from rendezvous.connector.kv_feed import INSTANCE_LABEL
+
+            labels[INSTANCE_LABEL] = self.vllm_config.instance_id
         common: dict[str, Any] = {
             "layout": self._layout(tensors),
-            "labels": dict(config.labels),
+            "labels": labels,
             "lease_ttl": config.lease_ttl,
             "rank": self.rank,
         }

@@ -66,13 +66,14 @@ class CacheIndex:
             if write is None:
                 assert read.entry is not None
                 return IndexPosition(read.entry.sequence, read.entry.block_count, duplicate=True)
-            if await index.write(read, write, self._bounds):
+            if await index.write(read, write, self._bounds) is not None:
                 await self._still(engine)
                 return IndexPosition(write.entry.sequence, write.entry.block_count)
         raise _contended(engine.engine_id)
 
     async def replace(self, snapshot: CacheSnapshot) -> IndexPosition:
-        """Replace an engine's entry by a snapshot of its cache."""
+        """Replace an engine's entry by a snapshot of its cache, cut (never refused) where a bound on the index has no
+        room for all of it: its leading blocks, the answer's left_out saying how many were not indexed."""
         rules.check_snapshot(snapshot, self.limits)
         engine = await self._engine(snapshot.engine_id, snapshot.incarnation)
         index = self.store.index()
@@ -81,9 +82,11 @@ class CacheIndex:
                 engine = await self._engine(engine.engine_id, engine.incarnation)
             read = await index.read(engine.engine_id, ())
             write = rules.decide_snapshot(read.entry, engine, snapshot, self.limits)
-            if await index.write(read, write, self._bounds):
+            written = await index.write(read, write, self._bounds)
+            if written is not None:  # cut, where a bound had no room for all of it (IndexWrite.cut)
                 await self._still(engine)
-                return IndexPosition(write.entry.sequence, write.entry.block_count, left_out=write.left_out)
+                cut = write.entry.block_count - written.block_count
+                return IndexPosition(written.sequence, written.block_count, left_out=write.left_out + cut)
         raise _contended(engine.engine_id)
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:

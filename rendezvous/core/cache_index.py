@@ -15,7 +15,7 @@ order and a batch applies whole or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from rendezvous.core.limits import Limits
@@ -60,10 +60,14 @@ class IndexWrite:
 
     entry: IndexEntry
     reset: bool
-    adds: frozenset[bytes]
-    removes: frozenset[bytes]
+    adds: Collection[bytes]
+    removes: Collection[bytes]
     left_out: int = 0
     """A snapshot's distinct blocks past max_index_blocks_per_engine, not written (`decide_snapshot`)."""
+    cut: bool = False
+    """A snapshot's write (reset, adds distinct and in the order to keep): where the server's or its identity's
+    bound has no room for all of adds, the store keeps the longest leading part that fits, never fewer blocks than
+    the entry held, instead of refusing (rendezvous.store.cache_index.IndexStore.write)."""
 
 
 def member(group: int, block_hash: bytes) -> bytes:
@@ -311,14 +315,15 @@ def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSna
     the order sent (groups in order, each group's hashes in order) are kept, the rest left out (`left_out`). A
     refusal would leave the entry's old blocks, ones the engine may no longer hold, in the index for good, since
     every later snapshot of that engine would be refused too. The sender orders by what it wants kept: the server
-    sees no chain in a snapshot, so it cannot tell a root from a leaf."""
+    sees no chain in a snapshot, so it cannot tell a root from a leaf. The server's and the identity's bounds cut it
+    the same way, in the step that writes (`IndexWrite.cut`)."""
     hashing = check_hashing(snapshot.hashing)
     if not _fresh(entry, engine) and entry is not None:
         _check_sequence(entry, snapshot.sequence, snapshot=True)
     ordered = dict.fromkeys(member(group, h) for group, hashes in snapshot.groups for h in hashes)
     room = limits.max_index_blocks_per_engine
     left_out = max(0, len(ordered) - room)
-    adds = frozenset(list(ordered)[:room] if left_out else ordered)
+    adds = tuple(ordered)[:room]
     new = IndexEntry(
         engine.engine_id,
         engine.incarnation,
@@ -329,4 +334,4 @@ def decide_snapshot(entry: IndexEntry | None, engine: Engine, snapshot: CacheSna
         len(adds),
         engine.owner,
     )
-    return IndexWrite(new, True, adds, frozenset(), left_out)
+    return IndexWrite(new, True, adds, frozenset(), left_out, cut=True)

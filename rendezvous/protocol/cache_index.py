@@ -93,7 +93,8 @@ class IndexPosition:
     block_count: int
     duplicate: bool = False
     left_out: int = 0
-    """A snapshot's blocks past the server's max_index_blocks_per_engine, not indexed (its last ones as sent)."""
+    """A snapshot's blocks not indexed, its last ones as sent: past the server's max_index_blocks_per_engine, or the
+    room its identity's or the server's bound left."""
 
 
 @dataclass(frozen=True, slots=True)

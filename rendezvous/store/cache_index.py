@@ -6,7 +6,9 @@ of members (rendezvous.core.cache_index.member). A write is a compare-and-set on
 without moving the sequence), so two calls that decided on the same entry cannot both write: the second reads
 again, and never writes a count decided on a set that changed since. The server's
 bound on all blocks (max_index_blocks_total) and an identity's on its engines' blocks (max_index_blocks_per_identity)
-are checked in the step that writes. `MemoryIndex` serves the memory
+are checked in the step that writes: a report that would pass one is refused (INDEX_FULL), a snapshot is cut to
+what fits (`most_after`), so that a full index never keeps an entry's old blocks, ones the engine may have evicted
+since, in place of its snapshot. `MemoryIndex` serves the memory
 store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py).
 
 A query counts each selected engine's leading blocks level by level (`leading_counts`), in steps of at most
@@ -19,7 +21,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
 from rendezvous.core.limits import Limits
@@ -66,6 +68,18 @@ def index_full(scope: str, limit: int, have: int, adding: int) -> RendezvousErro
         have=have,
         adding=adding,
     )
+
+
+def most_after(before: int, total: int, owned: int, charged_here: bool, owner: str, bounds: IndexBounds) -> int:
+    """The most blocks an entry holding `before` may hold after a write, within bounds: what fits under the server's
+    bound (all entries hold `total`) and, with an owner, under its identity's (its entries hold `owned`, this one's
+    among them when charged_here), and never fewer than it held (shrinking is always allowed). A cut snapshot keeps
+    this many (`IndexWrite.cut`); index_write.lua computes the same."""
+    most = max(before, bounds.total - total + before)
+    if owner:
+        mine = before if charged_here else 0
+        most = min(most, max(mine, bounds.per_identity - owned + mine))
+    return most
 
 
 def ranked(matches: Sequence[PrefixMatch]) -> list[PrefixMatch]:
@@ -136,11 +150,12 @@ class IndexStore(ABC):
         """An engine's entry and whether it holds each of members."""
 
     @abstractmethod
-    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> IndexEntry | None:
         """Apply write if the engine's entry is still the one expected read (its version; None: no entry), moving
-        the version. False (nothing written) when any write came between; INDEX_FULL when a growth would pass one
-        of bounds (the server's first, then the new entry's owner's: its blocks so far, less the entry's own if it
-        was charged to it)."""
+        the version; the entry written. None (nothing written) when any write came between; INDEX_FULL when a
+        growth would pass one of bounds (the server's first, then the new entry's owner's: its blocks so far, less
+        the entry's own if it was charged to it), except that a cut write (a snapshot) keeps the leading
+        `most_after` of its adds instead, the entry written saying how many."""
 
     @abstractmethod
     async def match(
@@ -180,33 +195,39 @@ class MemoryIndex(IndexStore):
             self._entries.get(engine_id), {m: m in held for m in members}, self._versions.get(engine_id, "")
         )
 
-    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
-        engine_id, owner = write.entry.engine_id, write.entry.owner
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> IndexEntry | None:
+        new, adds = write.entry, write.adds
+        engine_id, owner = new.engine_id, new.owner
         current = self._entries.get(engine_id)
         if self._versions.get(engine_id, "") != (expected.version if expected is not None else ""):
-            return False
+            return None
         blocks = self._blocks.get(engine_id, set())
         before = len(blocks)
-        after = write.entry.block_count
+        after = new.block_count
+        charged = current.owner if current is not None else ""
+        if write.cut:
+            most = most_after(before, self._total, self._owned[owner], charged == owner, owner, bounds)
+            if after > most:
+                adds, after = list(adds)[:most], most
+                new = replace(new, block_count=most)
         if after > before and self._total + after - before > bounds.total:
             raise index_full("server", bounds.total, self._total, after - before)
-        charged = current.owner if current is not None else ""
         mine = after - (before if charged == owner else 0)
         if owner and mine > 0 and self._owned[owner] + mine > bounds.per_identity:
             raise index_full("identity", bounds.per_identity, self._owned[owner], mine)
         if write.reset:
             blocks = set()
-        blocks |= write.adds
-        blocks -= write.removes
+        blocks.update(adds)
+        blocks.difference_update(write.removes)
         assert len(blocks) == after, "the decision's count is the set's"
         self._blocks[engine_id] = blocks
-        self._entries[engine_id] = write.entry
+        self._entries[engine_id] = new
         self._writes += 1
         self._versions[engine_id] = str(self._writes)
         self._total += after - before
         self._owned[charged] -= before
         self._owned[owner] += after
-        return True
+        return new
 
     async def match(
         self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None

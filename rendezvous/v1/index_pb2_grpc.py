@@ -106,10 +106,11 @@ class KvIndexServiceServicer:
         snapshot: the blocks it holds as of the event numbered sequence (the next
         report must carry sequence + 1). Repairs a gap, a refused parent, or a
         sidecar that started after the engine. A snapshot past
-        max_index_blocks_per_engine is cut, not refused (left_out says how many
-        blocks were not indexed), so an engine caching more than the index keeps
-        for it never leaves blocks it no longer holds indexed. Errors: as
-        ReportCacheEvents, less the sequence and parent ones.
+        max_index_blocks_per_engine, or past the room the identity's or the
+        server's bound leaves, is cut, not refused (left_out says how many blocks
+        were not indexed), so a snapshot never leaves blocks the engine no longer
+        holds indexed. Errors: as ReportCacheEvents, less the sequence and parent
+        ones and INDEX_FULL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

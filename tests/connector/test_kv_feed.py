@@ -19,7 +19,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, 
 from rendezvous.clients import BlockHashing, EngineRole, PrefixQuery, hash_of
 from rendezvous.clients.sync import RendezvousClient
 from rendezvous.clients.testing import FakeClock, TestServer
-from rendezvous.connector.kv_feed import KvFeed, cache_events, subscriber_endpoint
+from rendezvous.connector.kv_feed import INSTANCE_LABEL, KvFeed, cache_events, subscriber_endpoint
 from rendezvous.core import Limits
 from tests.factories import sdk_engine
 
@@ -199,6 +199,40 @@ def test_an_entry_restarted_elsewhere_is_repaired_by_a_snapshot(client: Rendezvo
         wait_applied(feed, 1)
         assert matched(client, CHAIN) == 3  # the block count told the feed; its snapshot restored them
         assert matched(client, [2001]) == 1
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_a_feed_follows_its_own_instance_s_registration_and_never_another_s(
+    client: RendezvousClient, tmp_path: Path
+) -> None:
+    """The feed reports for the live registration labelled with its vLLM instance. Its worker re-registering
+    (a new incarnation, the same instance) is followed, the entry restored by a snapshot; another process taking
+    the engine id over (another instance) is not: the old feed's later batches are refused, never applied to the
+    new process's entry. Before, the feed reported as incarnation 0 ("whichever is live") and wrote them there."""
+    mine = {INSTANCE_LABEL: "a"}
+    client.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER, labels=mine))
+    pub = publisher(tmp_path)
+    events, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
+    feed = KvFeed(client, ENGINE, HASHING, events, replay, retry_interval=0.2, instance="a")
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:3], None)))
+        wait_applied(feed, 0)
+        assert matched(client, CHAIN) == 3
+        first = feed.incarnation
+        assert first == client.get_engine(ENGINE).incarnation
+        client.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER, labels=mine))  # its worker, again
+        pub.publish(batch(stored([2001], None)))
+        wait_applied(feed, 1)
+        assert (matched(client, CHAIN), matched(client, [2001])) == (3, 1)
+        assert feed.incarnation == client.get_engine(ENGINE).incarnation > first
+        client.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER, labels={INSTANCE_LABEL: "b"}))  # taken over
+        pub.publish(batch(stored([3001], None)))
+        wait_applied(feed, 2)
+        assert client.match_prefixes(PrefixQuery((hash_of(3001),))) == []  # the new process's entry: none yet
+        assert not feed.in_sync
     finally:
         feed.stop()
         pub.shutdown()

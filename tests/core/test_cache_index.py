@@ -59,7 +59,7 @@ class Entry:
             return
         if write.reset:
             self.blocks = set()
-        self.blocks = (self.blocks | write.adds) - write.removes
+        self.blocks = (self.blocks | set(write.adds)) - set(write.removes)
         assert len(self.blocks) == write.entry.block_count
         self.entry = write.entry
 

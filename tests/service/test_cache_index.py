@@ -228,12 +228,33 @@ async def test_floods_past_the_bounds_are_refused(client: AsyncRendezvousClient)
     assert err.metadata["scope"] == "engine"
     await client.replace_cached_blocks(CacheSnapshot("p0", 0, HASHING, ((0, many[:60]),)))
     await register(client, "p1")
+    await client.report_cache_events(CacheReport("p1", 0, (BlocksStored(many[:40]),), HASHING))
     err = await refused(
-        client.replace_cached_blocks(CacheSnapshot("p1", 0, HASHING, ((0, many[:41]),))),
+        client.report_cache_events(CacheReport("p1", 1, (BlocksStored(many[40:41], many[39]),))),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         Reason.INDEX_FULL,
     )
     assert (err.metadata["scope"], err.metadata["limit"]) == ("server", "100")
+
+
+async def test_a_snapshot_past_the_servers_bound_is_cut_and_drops_what_the_engine_no_longer_holds(
+    client: AsyncRendezvousClient,
+) -> None:
+    """A snapshot the server's bound (max_index_blocks_total, 100 here) has no room for is cut to its first blocks,
+    as one past the engine's bound is. Before, it was refused with INDEX_FULL (scope server) and the entry kept the
+    blocks the engine had evicted since: routers were sent to them."""
+    await register(client, "p0")
+    await register(client, "p1")
+    stale = tuple(hash_of(1_000 + i) for i in range(8))
+    await client.report_cache_events(CacheReport("p0", 0, (BlocksStored(stale),), HASHING))
+    others = tuple(hash_of(2_000 + i) for i in range(60))
+    await client.report_cache_events(CacheReport("p1", 0, (BlocksStored(others),), HASHING))
+    held = tuple(hash_of(i) for i in range(50))  # p0's cache now: the stale blocks were evicted
+    at = await client.replace_cached_blocks(CacheSnapshot("p0", 1, HASHING, ((0, held),)))
+    assert (at.sequence, at.block_count, at.left_out) == (1, 40, 10)  # 100 - 60: what p1 leaves
+    assert await matched(client, stale) == {"p0": 0, "p1": 0}
+    assert await matched(client, held[24:40]) == {"p0": 16, "p1": 0}
+    assert await matched(client, held[40:]) == {"p0": 0, "p1": 0}
 
 
 async def test_malformed_requests_and_queries_over_the_limit_are_invalid(

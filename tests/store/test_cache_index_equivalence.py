@@ -137,9 +137,14 @@ def follow(model: Model, op: tuple[Any, ...], answer: Any) -> None:
     elif not isinstance(answer, str) and not answer.duplicate:
         engine_id = args[0]
         if kind == "snapshot":
-            # Past max_index_blocks_per_engine a snapshot keeps its first distinct blocks in the order sent.
+            # Past max_index_blocks_per_engine, or the room the server's and the identity's bounds leave it (both
+            # engines are one identity's; never fewer than it held), a snapshot keeps its first distinct blocks in
+            # the order sent.
             sent = list(dict.fromkeys((g, h) for g, hashes in args[2] for h in hashes))
-            model.held[engine_id] = set(sent[: LIMITS.max_index_blocks_per_engine])
+            before = len(model.held.get(engine_id, ()))
+            others = sum(len(h) for e, h in model.held.items() if e != engine_id)
+            room = max(before, min(LIMITS.max_index_blocks_total, LIMITS.max_index_blocks_per_identity) - others)
+            model.held[engine_id] = set(sent[: min(LIMITS.max_index_blocks_per_engine, room)])
             assert answer.left_out == len(sent) - len(model.held[engine_id])
         else:
             model.apply(engine_id, args[2])

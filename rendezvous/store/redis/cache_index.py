@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
 from rendezvous.core.cache_index import IndexEntry, IndexWrite, member
 from rendezvous.core.limits import Limits
@@ -40,19 +41,22 @@ SELECT_STEP = 1_024
 """Engines whose entries one index_select call reads (a query naming its most engines takes one call)."""
 
 
-def encode(e: IndexEntry) -> str:
-    """An entry as JSON text."""
+def encode_parts(e: IndexEntry) -> tuple[str, str]:
+    """An entry as JSON text, less its block count: the text is head, the count, tail (index_write.lua writes the
+    count a cut snapshot kept)."""
     h = e.hashing
-    return json.dumps(
-        [e.engine_id, e.incarnation, e.pool, int(e.role), e.sequence, h.algorithm, h.seed, h.block_size,
-         h.integer_hashes, e.block_count, e.owner],
-        separators=(",", ":"),
-    )  # fmt: skip
+
+    def text(fields: list[object]) -> str:
+        return json.dumps(fields, separators=(",", ":"))
+
+    head = [e.engine_id, e.incarnation, e.pool, int(e.role), e.sequence, h.algorithm, h.seed, h.block_size,
+            h.integer_hashes]  # fmt: skip
+    return text(head)[:-1] + ",", "," + text([e.owner])[1:]
 
 
 def decode(data: bytes | str) -> IndexEntry:
-    """The entry of encode's text. Its format (1) is its shape: a later one starts with its number and is refused
-    (FutureFormatError), never misread."""
+    """The entry of encode_parts's text (head, count, tail). Its format (1) is its shape: a later one starts with
+    its number and is refused (FutureFormatError), never misread."""
     f = json.loads(data)
     if type(f[0]) is int:
         raise future_format("KV index entry", f[0])
@@ -74,19 +78,22 @@ class RedisIndex(GuardedScripts, IndexStore):
         held = {m: bool(h) for m, h in zip(members, reply[2:], strict=True)}
         return IndexRead(entry, held, reply[0].decode())
 
-    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> bool:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> IndexEntry | None:
         e = write.entry
+        head, tail = encode_parts(e)
         reply = await self._write(
             "index_write",
             engine_id=e.engine_id,
             expected=expected.version if expected is not None else "",
             version=_version(e),
-            record=encode(e),
+            record_head=head,
+            record_tail=tail,
             pool=e.pool,
             role=int(e.role),
             incarnation=e.incarnation,
             owner=e.owner,
             reset=1 if write.reset else 0,
+            cut=1 if write.cut else 0,
             count=e.block_count,
             max_total=bounds.total,
             max_owner=bounds.per_identity,
@@ -96,7 +103,10 @@ class RedisIndex(GuardedScripts, IndexStore):
         if reply[0] == b"B":
             scope = reply[1].decode()
             raise index_full(scope, bounds.total if scope == "server" else bounds.per_identity, *map(int, reply[2:]))
-        return bool(reply[0] == b"OK")
+        if reply[0] != b"OK":
+            return None
+        kept = int(reply[1])
+        return e if kept == e.block_count else replace(e, block_count=kept)
 
     async def match(
         self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None

@@ -182,7 +182,8 @@ SIGNATURES: Mapping[str, Signature] = {
     "read_credits": Signature(("engine_id",)),
     # The KV index (rendezvous/store/redis/cache_index.py): members are a block's group (4 bytes) and hash;
     # expected: the version of the entry decided on, as index_read answered it ("" for none); version:
-    # "<incarnation>:<sequence>" of the one written (index_write.lua adds the write's number).
+    # "<incarnation>:<sequence>" of the one written (index_write.lua adds the write's number); the record written is
+    # record_head, the block count, record_tail; cut: 1 | 0, whether a bound cuts adds rather than refusing them.
     "index_read": Signature(("engine_id",), (Group("members", ("member",)),)),
     "index_write": Signature(
         (
@@ -190,12 +191,14 @@ SIGNATURES: Mapping[str, Signature] = {
             "engine_id",
             "expected",
             "version",
-            "record",
+            "record_head",
+            "record_tail",
             "pool",
             "role",
             "incarnation",
             "owner",
             "reset",
+            "cut",
             "count",
             "max_total",
             "max_owner",
