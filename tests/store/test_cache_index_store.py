@@ -4,6 +4,7 @@ engine's entry, the server's block bound, queries, drops by incarnation; replica
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -165,6 +166,10 @@ async def test_match_counts_leading_blocks_per_selected_engine(store: Store) -> 
     assert [m.engine_id for m in await index.match(PrefixQuery(chain, pools=("q",)))] == ["e1"]
     assert [m.engine_id for m in await index.match(PrefixQuery(chain, role=Role.PRODUCER))] == ["e0", "e2"]
     assert [m.engine_id for m in await index.match(PrefixQuery(chain, engine_ids=("e2", "nope", "e2")))] == ["e2"]
+    several = PrefixQuery(chain, engine_ids=("e2", "e1", "nope", "e0"))  # several ids, narrowed by pools and role
+    assert [m.engine_id for m in await index.match(several)] == ["e0", "e1", "e2"]
+    assert [m.engine_id for m in await index.match(replace(several, pools=("p", "x")))] == ["e0", "e2"]
+    assert [m.engine_id for m in await index.match(replace(several, role=Role.CONSUMER))] == ["e1"]
     assert [m.matched_blocks for m in await index.match(PrefixQuery(chain, group=1))] == [0, 0, 0]
     # Only the engines holding at least min_matched leading blocks.
     assert [m.engine_id for m in await index.match(PrefixQuery(chain, min_matched=1))] == ["e0", "e1"]
