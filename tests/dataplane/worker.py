@@ -136,9 +136,10 @@ class _Worker:
     def memory(self) -> list[npt.NDArray[np.uint8]]:
         return [t.numpy().copy() for t in self.tensors]
 
-    def reset(self, block_ids: list[int]) -> None:
+    def reset(self, block_ids: list[int], value: int = SENTINEL) -> None:
+        """Fill the blocks with `value` (the sentinel unless told), as an engine reusing them would write them."""
         for t in self.tensors:
-            t[block_ids] = SENTINEL
+            t[block_ids] = value
 
     def metric(self, name: str, labels: dict[str, str]) -> float:
         """A sample of this process's default Prometheus registry (where the agent keeps its histograms); 0 if none."""
