@@ -109,9 +109,12 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         """End an engine's incarnation (0: the current one); returns how many transfers were aborted."""
         return await self._invoke(commands.deregister_engine(engine_id, incarnation), timeout)
 
-    async def get_engine(self, engine_id: str, *, timeout: float | None = None) -> EngineInfo:
-        """One live engine, with its NIXL agents."""
-        return await self._invoke(commands.get_engine(engine_id), timeout)
+    async def get_engine(
+        self, engine_id: str, *, view: EngineView = EngineView.FULL, timeout: float | None = None
+    ) -> EngineInfo:
+        """One live engine, with its NIXL agents (view: how much of it; BASIC leaves out the agents' metadata and
+        the labels, for a caller that does not connect to it)."""
+        return await self._invoke(commands.get_engine(engine_id, view), timeout)
 
     async def iter_engines(
         self,

@@ -95,9 +95,9 @@ def _aborted_transfers(response: pb.DeregisterEngineResponse) -> int:
     return response.aborted_transfers
 
 
-def get_engine(engine_id: str) -> Call[EngineInfo]:
-    """GetEngine."""
-    return Call("GetEngine", pb.GetEngineRequest(engine_id=engine_id), _engine, idempotent=True)
+def get_engine(engine_id: str, view: EngineView) -> Call[EngineInfo]:
+    """GetEngine, in a view."""
+    return Call("GetEngine", pb.GetEngineRequest(engine_id=engine_id, view=number(view)), _engine, idempotent=True)
 
 
 def _engine(response: pb.GetEngineResponse) -> EngineInfo:

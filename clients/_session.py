@@ -34,6 +34,7 @@ from rendezvous.clients._types import (
     EngineInfo,
     EngineRole,
     EngineSpec,
+    EngineView,
     EventType,
     ItemResult,
     Registration,
@@ -88,8 +89,33 @@ def write_fence(sent: float, lease_ttl: float, renew_fraction: float) -> float:
     thirds of the TTL after the renewal was sent, the next renewal goes out at a third, so a renewal may take a
     third of the TTL before writes stop; and a producer cut off from the service stops writing a third of the TTL
     before the service can even lapse its lease."""
-    margin = min(renew_fraction, (1 - renew_fraction) / 2)
-    return sent + lease_ttl * (1 - margin)
+    return sent + lease_ttl * (1 - _margin(renew_fraction))
+
+
+def follow_fence(sent: float, lease_remaining: float, lease_ttl: float, renew_fraction: float) -> float:
+    """The write fence of a rank that follows another's registration (`RankSession`), from a GetEngine sent at `sent`
+    whose answer said `lease_remaining` of the lease was left: `sent + lease_remaining - margin * lease_ttl`, with
+    `write_fence`'s margin for the WRITEs posted before it to land.
+
+    The server measured what was left when it answered, after `sent`, by the clock it lapses the lease by: the lease
+    lapses no earlier than `sent + lease_remaining`, whatever this host's clock says of the server's (only their
+    rates must agree; between a service's replicas, their skew counts: docs/operations.md)."""
+    return sent + lease_remaining - lease_ttl * _margin(renew_fraction)
+
+
+def follow_period(lease_ttl: float, renew_fraction: float) -> float:
+    """How often a following rank reads the lease: half of what its fence leaves of the lease at worst.
+
+    The registering rank renews every `renew_fraction` of the TTL, so a read may find as little as
+    `1 - renew_fraction` of it left (less the renewal's own time); the fence is then `1 - renew_fraction - margin`
+    of the TTL after the read was sent, and the next read, sent half of that later, has the other half to be
+    answered before a healthy engine's writes would stop. A sixth of the TTL with the default third."""
+    return lease_ttl * (1 - renew_fraction - _margin(renew_fraction)) / 2
+
+
+def _margin(renew_fraction: float) -> float:
+    """The fraction of the TTL a WRITE posted before the fence has to land (`write_fence`)."""
+    return min(renew_fraction, (1 - renew_fraction) / 2)
 
 
 def _smaller_batch(err: RendezvousError, sent: int) -> int:
@@ -202,8 +228,6 @@ class EngineSession:
     `writable_until` is the write fence of a producer's data plane (readable from any thread; see `write_fence`).
     """
 
-    _leases = True  # it holds the lease (RankSession follows another's)
-
     def __init__(
         self,
         client: AsyncRendezvousClient,
@@ -227,6 +251,7 @@ class EngineSession:
         self._remove_listener: Callable[[], None] | None = None
         self._failure: RendezvousError | None = None
         self._closed = False
+        self._fenced = True  # it keeps a write fence (a RankSession may not: `fenced`)
         self._lease_until = 0.0  # the current incarnation's write fence (`write_fence`)
         self._replacing = False  # from a re-registration's start until the handler took its Reregistered
         self.writable_until = 0.0
@@ -238,7 +263,7 @@ class EngineSession:
         the old incarnation gone with its lease, and after `close`; a re-registration moves it on to the new
         incarnation's lease only once the handler (or `events()`'s reader) has taken its `Reregistered`, which
         tells which of the old incarnation's transfers live on: until then, nothing assigned to the old one is
-        written. A `RankSession` holds no lease: its `writable_until` is `math.inf`."""
+        written. A `RankSession` holds no lease: its fence follows the lease rank 0 holds (`follow_fence`)."""
 
     # State
 
@@ -435,7 +460,7 @@ class EngineSession:
         if self._closed or self._failure is not None or incarnation != self.incarnation:
             return
         log.warning("engine %s re-registering: %s", self.engine_id, cause)
-        if self._leases:  # the incarnation is gone, its lease with it: nothing assigned to it is written any more
+        if self._fenced:  # the incarnation is gone, its lease with it: nothing assigned to it is written any more
             self._replacing = True
             self._close_fence()
         self._reregistered.clear()  # from now: a close() before the registration has no incarnation to deregister
@@ -515,9 +540,14 @@ class EngineSession:
     def _leased(self, sent: float, lease_ttl: float) -> None:
         """A RegisterEngine or KeepAlive of the current incarnation sent at `sent` was answered: move the fence on
         (unless a re-registration waits for its Reregistered to be taken)."""
-        self._lease_until = write_fence(sent, lease_ttl, self._config.renew_fraction)
+        self._move_fence(write_fence(sent, lease_ttl, self._config.renew_fraction))
+
+    def _move_fence(self, until: float) -> None:
+        """The current incarnation's lease holds until `until` (less the margin): the fence moves there, unless a
+        re-registration waits for its Reregistered to be taken."""
+        self._lease_until = until
         if not self._replacing:
-            self.writable_until = self._lease_until
+            self.writable_until = until
 
     def _close_fence(self) -> None:
         self.writable_until = min(self.writable_until, time.monotonic())  # asyncio's loop.time()
@@ -680,11 +710,16 @@ class RankSession(EngineSession):
     nor re-asserts transfers: when the incarnation is replaced (rank 0 re-registered after a server restart or a
     lost lease) it waits for the next one, follows it and delivers `Reregistered`. Closing it deregisters nothing.
 
-    Holding no lease, it has no write fence (`writable_until` is `math.inf`): a producer rank that follows stops
-    writing a transfer only when its own Watch tells it the transfer ended (see `ProducerAgent`).
+    Its write fence (`writable_until`, unless created with `fenced=False`: a rank that writes nothing) follows the
+    lease rank 0 holds: it reads the lease with GetEngine (BASIC view: no agent metadata) every `follow_period`
+    (a sixth of the TTL by default) and moves the fence to the read's send time plus what the server said was left
+    of the lease, less the margin (`follow_fence`). A read that fails moves nothing, so a rank cut off from the
+    service stops writing on its own, before the lease can lapse; a read that finds the incarnation gone or
+    replaced closes the fence, and it opens on the next incarnation once its `Reregistered` was taken, as a
+    registering session's does. From a server that does not report `lease_remaining`, no fence can be known:
+    `writable_until` is then `math.inf` (a warning says so), and a producer rank that follows stops writing a
+    transfer only when its own Watch tells it the transfer ended.
     """
-
-    _leases = False
 
     def __init__(
         self,
@@ -693,9 +728,11 @@ class RankSession(EngineSession):
         *,
         config: SessionConfig | None = None,
         handler: EventHandler | None = None,
+        fenced: bool = True,
     ) -> None:
         super().__init__(client, EngineSpec(engine_id, "", EngineRole.UNSPECIFIED), config=config, handler=handler)
-        self.writable_until = math.inf
+        self._fenced = fenced
+        self.writable_until = 0.0 if fenced else math.inf
 
     async def start(self, incarnation: int = 0) -> EngineInfo:
         """Follow the engine's incarnation (the first one newer than `incarnation - 1`) and watch its events."""
@@ -703,6 +740,8 @@ class RankSession(EngineSession):
             raise RuntimeError("a session starts once")
         self._registration = await self._follow(incarnation - 1 if incarnation else 0)
         self._remove_listener = self._client.add_epoch_listener(self._on_epoch)
+        if self._fenced:  # the lease's task: it reads the lease rank 0 renews
+            self._keepalive_task = asyncio.create_task(self._read_lease(), name=f"lease {self.engine_id}")
         self._start_watch()
         if self._handler is not None:
             self._dispatch_task = asyncio.create_task(self._dispatch(self._handler), name=f"events {self.engine_id}")
@@ -713,12 +752,16 @@ class RankSession(EngineSession):
         await super().close(deregister=False)
 
     async def _follow(self, previous: int) -> Registration:
-        """The engine's live incarnation newer than `previous`, waiting (with backoff) until there is one."""
+        """The engine's live incarnation newer than `previous`, waiting (with backoff) until there is one; the fence
+        is set to its lease (opened at once only when no re-registration waits for its Reregistered)."""
         backoff = Backoff(self._config.reconnect)
+        loop = asyncio.get_running_loop()
         while True:
             try:
+                sent = loop.time()
                 engine = await self._client.get_engine(self.engine_id)
                 if engine.incarnation > previous:
+                    self._lease_read(sent, engine)
                     return Registration(engine, engine.watch_start_sequence, self._client.epoch)
             except RendezvousError as err:
                 if err.reason not in _ENGINE_GONE and err.code not in _TRANSIENT:
@@ -726,6 +769,63 @@ class RankSession(EngineSession):
                 await asyncio.sleep(backoff.after(err))
                 continue
             await asyncio.sleep(backoff.next())
+
+    def _lease_read(self, sent: float, engine: EngineInfo) -> None:
+        """A GetEngine sent at `sent` answered the followed incarnation: move the fence on (`follow_fence`)."""
+        if not self._fenced:
+            return
+        if engine.lease_remaining is None:
+            if self._lease_until != math.inf:
+                log.warning(
+                    "engine %s: the server does not report lease_remaining; rank writes are not fenced", self.engine_id
+                )
+            self._move_fence(math.inf)
+            return
+        ttl, fraction = engine.lease_ttl, self._config.renew_fraction
+        self._move_fence(follow_fence(sent, engine.lease_remaining, ttl, fraction))
+
+    async def _read_lease(self) -> None:
+        """Read the followed incarnation's lease every `follow_period` and move the fence on; a failed read is
+        retried after the reconnect backoff (at most the period) and moves nothing; a read that finds the
+        incarnation gone or replaced follows the next one (`_recover`) and waits until it does."""
+        backoff = Backoff(self._config.reconnect)
+        loop = asyncio.get_running_loop()
+        fraction = self._config.renew_fraction
+        delay = follow_period(self.engine.lease_ttl, fraction)
+        while True:
+            await asyncio.sleep(delay)
+            await self._until_followed()
+            if self._failure is not None:
+                return
+            period = follow_period(self.engine.lease_ttl, fraction)
+            delay = period
+            incarnation = self.incarnation
+            try:
+                sent = loop.time()
+                engine = await self._client.get_engine(self.engine_id, view=EngineView.BASIC, timeout=period)
+            except RendezvousError as err:
+                if self._replaced(err, incarnation):
+                    delay = 0.0  # once the next incarnation is followed, its lease is read at once
+                elif err.code in _TRANSIENT:
+                    delay = min(backoff.after(err), period)
+                    log.warning("engine %s lease read failed, retrying in %.2f s: %s", self.engine_id, delay, err)
+                else:
+                    self._fail(err)
+                    return
+                continue
+            backoff.reset()
+            recovering = self._recovery is not None and not self._recovery.done()
+            if engine.incarnation == incarnation == self.incarnation and not recovering:
+                self._lease_read(sent, engine)
+            elif engine.incarnation > incarnation:  # rank 0 registered anew: this incarnation is gone
+                self._recover(Reason.STALE_INCARNATION, incarnation)
+                delay = 0.0
+
+    async def _until_followed(self) -> None:
+        """Until a recovery under way follows the next incarnation (or ends)."""
+        recovery = self._recovery
+        if recovery is not None and not recovery.done():
+            await asyncio.wait([recovery])  # waiting must not cancel it
 
     async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:
         """A producer rank's promise not to write revoked generations (name the rank in each).

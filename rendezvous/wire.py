@@ -12,7 +12,8 @@ from rendezvous.v1 import rendezvous_pb2 as pb
 
 
 def engine_view(value: int) -> EngineView:
-    """ListEngines' view: unset is FULL; a value this server does not know is refused, not served as FULL."""
+    """ListEngines' and GetEngine's view: unset is FULL; a value this server does not know is refused, not served
+    as FULL."""
     view = EngineView(value)
     if value and view is EngineView.UNSPECIFIED:
         raise RendezvousError(
@@ -38,9 +39,15 @@ def role_filter(value: int) -> Role | None:
 
 
 def engine_message(
-    e: Engine, include_metadata: bool = True, live_transfers: int = 0, include_labels: bool = True
+    e: Engine,
+    include_metadata: bool = True,
+    live_transfers: int = 0,
+    include_labels: bool = True,
+    now: float | None = None,
 ) -> pb.Engine:
-    """An engine record as a message; without agent metadata bytes or labels when asked."""
+    """An engine record as a message; without agent metadata bytes or labels when asked. An answer's engine
+    (`now`: the server's clock as it answers, the one its leases lapse by) says what is left of the lease then; an
+    event's (no `now`) does not: it is a record of when the event happened, delivered any time later."""
     return convert.engine_message(
         e,
         lease_expire_time=e.lease_expires_at,
@@ -50,6 +57,7 @@ def engine_message(
         live_transfers=live_transfers,
         include_metadata=include_metadata,
         include_labels=include_labels,
+        lease_remaining=None if now is None else e.lease_expires_at - now,
     )
 
 

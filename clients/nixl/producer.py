@@ -22,9 +22,10 @@ not certainly held any more (the rank cannot renew it: cut off from the service,
 consumer), it posts nothing more and fails the generations it would write, each reported FAILED with the reason
 (once the service can be reached) and its source freed; a WRITE posted before the fence has a third of the lease
 (by default) to land before the service can lapse the lease and let the consumer reuse its blocks. A following
-rank (`start(follow=...)`) holds no lease and has no fence: it stops writing a transfer only when its own Watch
-says the transfer ended or was revoked, so a following rank cut off from the service (not from the consumer) while
-rank 0's lease lapses may still write into blocks the consumer was told it may reuse.
+rank (`start(follow=...)`) holds no lease but is fenced by the one rank 0 holds (`RankSession.writable_until`): it
+reads what is left of it (GetEngine's `lease_remaining`) every sixth of the TTL by default, so a following rank cut
+off from the service (not from the consumer), or whose rank 0 died, stops writing before the service can lapse the
+lease, with the same margin. (From a server older than `lease_remaining` it is not fenced; its session warns.)
 
 Everything public runs on the event loop the agent was started on; writer callbacks hop onto it.
 """
@@ -133,6 +134,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
     """One producer rank: NIXL endpoint + background writer + engine session. `start()`, then `close()`."""
 
     session_type = ProducerSession
+    writes = True
 
     def __init__(
         self,
@@ -215,9 +217,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         return 0 if self._writer is None else self._writer.writes_in_flight
 
     def _writable_until(self) -> float:
-        """The writer's fence, asked on its thread: the registering rank's session's (see the module doc); a
-        following rank holds no lease, and an agent not started yet no assignment."""
-        session = self._session
+        """The writer's fence, asked on its thread: the registering rank's session's, or the following rank's (see
+        the module doc); an agent not started yet holds no assignment."""
+        session = self._session or self._follower
         return math.inf if session is None else session.writable_until
 
     def _on_session(self, session: ProducerSession | RankSession) -> None:

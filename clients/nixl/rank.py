@@ -72,6 +72,9 @@ class RankAgent(abc.ABC, Generic[SessionT]):
     """One rank's NIXL agent and its engine session (of type `session_type`). `start()`, then `close()`."""
 
     session_type: type[SessionT]
+    writes: bool = False
+    """Whether the rank WRITEs into another engine's blocks (a producer's): a following rank's session then keeps
+    a write fence (`RankSession`, `fenced`)."""
 
     def __init__(
         self,
@@ -129,7 +132,7 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         try:
             if follow is not None:
                 client, engine_id, *_, config = self._session_args
-                follower = RankSession(client, engine_id, config=config, handler=self.handle_event)
+                follower = RankSession(client, engine_id, config=config, handler=self.handle_event, fenced=self.writes)
                 self._follower = follower
                 self._on_session(follower)
                 await follower.start(follow)

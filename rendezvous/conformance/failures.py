@@ -222,6 +222,22 @@ async def consumer_lost(s: Scenario) -> None:
     await expect_peer_lost(s, producer, consumer, t)
 
 
+@check("lease_loss")
+async def lease_remaining(s: Scenario) -> None:
+    """GetEngine in ENGINE_VIEW_BASIC says what is left of the lease (within its TTL; what a rank that follows
+    another's registration fences its writes by) and carries no agent metadata."""
+    producer = await s.producer(lease_ttl=s.options.lease_ttl)
+    request = pb.GetEngineRequest(engine_id=producer.engine_id, view=pb.ENGINE_VIEW_BASIC)
+    engine = (await s.driver.call(s.driver.next_stub(), "GetEngine", request)).engine
+    expect(
+        engine.HasField("lease_remaining"),
+        "GetEngine does not report lease_remaining: a rank that follows another's registration writes unfenced",
+    )
+    left = engine.lease_remaining.ToNanoseconds() / 1e9
+    expect(0 < left <= producer.lease_ttl, f"lease_remaining is {left:.3f} s, not within (0, {producer.lease_ttl:g}]")
+    expect(not any(a.metadata for a in engine.agents), "GetEngine in ENGINE_VIEW_BASIC returned agent metadata")
+
+
 # Revocation
 
 

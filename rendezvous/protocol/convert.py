@@ -66,6 +66,14 @@ def seconds(d: Duration) -> float:
     return d.seconds + d.nanos * 1e-9
 
 
+def remaining_duration(s: float) -> Duration:
+    """What is left of a span as a Duration, set even at zero (nothing left, which unset would not say); not
+    below zero."""
+    d = Duration()
+    d.FromNanoseconds(max(round(s * 1e9), 0))
+    return d
+
+
 def duration(s: float) -> Duration | None:
     """Seconds as a Duration; zero (meaning "not set" or "server default") as unset."""
     if not s:
@@ -239,9 +247,11 @@ def engine_message(
     live_transfers: int = 0,
     include_metadata: bool = True,
     include_labels: bool = True,
+    lease_remaining: float | None = None,
 ) -> pb.Engine:
     """An engine incarnation and what is reported with it as a message; without agent metadata bytes or labels
-    when asked. Its credits, counted apart, are set on the message by who counts them (`credits_message`)."""
+    when asked, and with what is left of its lease when given. Its credits, counted apart, are set on the message
+    by who counts them (`credits_message`)."""
     return pb.Engine(
         engine_id=e.engine_id,
         pool=e.pool,
@@ -256,6 +266,7 @@ def engine_message(
         live_transfers=live_transfers,
         watch_start_sequence=watch_start_sequence,
         capacity=capacity_message(capacity),
+        lease_remaining=None if lease_remaining is None else remaining_duration(lease_remaining),
     )
 
 
@@ -276,6 +287,7 @@ def engine(m: pb.Engine) -> EngineInfo:
         watch_start_sequence=m.watch_start_sequence,
         capacity=EngineCapacity(m.capacity.max_transfers, m.capacity.max_blocks),
         credits=credits(m.credits),
+        lease_remaining=seconds(m.lease_remaining) if m.HasField("lease_remaining") else None,
     )
 
 

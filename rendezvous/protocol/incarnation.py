@@ -42,6 +42,9 @@ class EngineInfo(Incarnation):
     """What the engine admits at once (0 fields: no limit)."""
     credits: EngineCredits = field(default_factory=EngineCredits)
     """What of the capacity is in use and reserved (as of the listing)."""
+    lease_remaining: float | None = None
+    """Seconds left of the lease when the server answered, by the clock that lapses it (RegisterEngine, GetEngine
+    and ListEngines answers); None in an event's peer and from a server older than the field."""
 
     @property
     def free_transfers(self) -> int | None:

@@ -329,7 +329,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         engine, start = await self.coordinator.register_engine(spec)
         await pacer.tick()
         return pb.RegisterEngineResponse(
-            header=await self._header(seen=True), engine=wire.engine_message(engine), watch_start_sequence=start
+            header=await self._header(seen=True),
+            engine=wire.engine_message(engine, now=self.coordinator.clock()),
+            watch_start_sequence=start,
         )
 
     async def KeepAlive(
@@ -361,12 +363,22 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     async def GetEngine(
         self, request: pb.GetEngineRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.GetEngineResponse:
+        view = wire.engine_view(request.view)
         engine = await self.coordinator.get_engine(request.engine_id)
         live = await self.coordinator.store.live_transfer_counts([engine.engine_id])
-        message = wire.engine_message(engine, live_transfers=live[engine.engine_id])
-        for usage in (await self.coordinator.credit_usage([engine])).values():
-            message.credits.CopyFrom(convert.credits_message(usage))
-        return pb.GetEngineResponse(header=await self._header(), engine=message)
+        usage = await self.coordinator.credit_usage([engine])
+        header = await self._header()
+        # The lease left as of the last store call: a renewal the read missed only makes it shorter.
+        message = wire.engine_message(
+            engine,
+            view.with_agent_metadata,
+            live[engine.engine_id],
+            view.with_labels,
+            now=self.coordinator.clock(),
+        )
+        for engine_usage in usage.values():
+            message.credits.CopyFrom(convert.credits_message(engine_usage))
+        return pb.GetEngineResponse(header=header, engine=message)
 
     @_rpc(pb.ListEnginesResponse)
     async def ListEngines(
@@ -377,9 +389,9 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         messages: dict[str, pb.Engine] = {}
 
         def weigh(engine: Engine) -> int:
-            # Built once: the page keeps the messages it was cut by.
+            # Built once: the page keeps the messages it was cut by (their lease_remaining set again as it is sent).
             messages[engine.engine_id] = message = wire.engine_message(
-                engine, view.with_agent_metadata, include_labels=view.with_labels
+                engine, view.with_agent_metadata, include_labels=view.with_labels, now=self.coordinator.clock()
             )
             return _weigh(message)
 
@@ -392,9 +404,11 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         for message in engines:
             if message.engine_id in usage:
                 message.credits.CopyFrom(convert.credits_message(usage[message.engine_id]))
-        return pb.ListEnginesResponse(
-            header=await self._header(), engines=engines, next_page_token=page.next_page_token
-        )
+        header = await self._header()
+        now = self.coordinator.clock()  # after the last store call: what is left of each lease as the page is sent
+        for record, message in zip(page.engines, engines, strict=True):
+            message.lease_remaining.CopyFrom(convert.remaining_duration(record.lease_expires_at - now))
+        return pb.ListEnginesResponse(header=header, engines=engines, next_page_token=page.next_page_token)
 
     # Transfers
 

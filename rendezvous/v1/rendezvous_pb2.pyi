@@ -255,7 +255,7 @@ class NixlAgent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[bytes] = ..., rank: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class Engine(_message.Message):
-    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_sequence", "capacity", "credits")
+    __slots__ = ("engine_id", "pool", "role", "layout", "agents", "labels", "incarnation", "lease_ttl", "lease_expire_time", "live_transfers", "register_time", "watch_start_sequence", "capacity", "credits", "lease_remaining")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class Engine(_message.Message):
     WATCH_START_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     pool: str
     role: EngineRole
@@ -291,7 +292,8 @@ class Engine(_message.Message):
     watch_start_sequence: int
     capacity: EngineCapacity
     credits: EngineCredits
-    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_sequence: _Optional[int] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ..., credits: _Optional[_Union[EngineCredits, _Mapping]] = ...) -> None: ...
+    lease_remaining: _duration_pb2.Duration
+    def __init__(self, engine_id: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[_Union[EngineRole, str]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., agents: _Optional[_Iterable[_Union[NixlAgent, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., incarnation: _Optional[int] = ..., lease_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., lease_expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., live_transfers: _Optional[int] = ..., register_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., watch_start_sequence: _Optional[int] = ..., capacity: _Optional[_Union[EngineCapacity, _Mapping]] = ..., credits: _Optional[_Union[EngineCredits, _Mapping]] = ..., lease_remaining: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("request_id", "engine_id", "pool", "role", "layout", "agents", "labels", "lease_ttl", "capacity")
@@ -369,10 +371,12 @@ class DeregisterEngineResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., aborted_transfers: _Optional[int] = ...) -> None: ...
 
 class GetEngineRequest(_message.Message):
-    __slots__ = ("engine_id",)
+    __slots__ = ("engine_id", "view")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
-    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+    view: EngineView
+    def __init__(self, engine_id: _Optional[str] = ..., view: _Optional[_Union[EngineView, str]] = ...) -> None: ...
 
 class GetEngineResponse(_message.Message):
     __slots__ = ("header", "engine")

@@ -49,7 +49,7 @@ from rendezvous.clients import (
     TransferMode,
     TransferState,
 )
-from rendezvous.clients._session import RankSession, write_fence
+from rendezvous.clients._session import RankSession, follow_fence, follow_period, write_fence
 from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Limits
 from rendezvous.server.quotas import CallLimits
@@ -709,6 +709,27 @@ def test_the_write_fence_leaves_a_renewal_period_for_writes_in_flight_and_room_f
     assert write_fence(10.0, 10.0, 0.6) == pytest.approx(18.0)  # renewed at 6 s: half of what is left
 
 
+def test_a_following_rank_s_fence_is_what_the_server_said_is_left_less_the_same_margin() -> None:
+    # sent + remaining - margin x TTL, with write_fence's margin: a third, a renewal period, half of what is left.
+    assert follow_fence(10.0, 2.5, 3.0, 1 / 3) == pytest.approx(11.5)
+    assert follow_fence(10.0, 10.0, 10.0, 1 / 3) == write_fence(10.0, 10.0, 1 / 3)  # a read as fresh as a renewal
+    assert follow_fence(10.0, 9.0, 10.0, 0.1) == pytest.approx(18.0)
+    assert follow_fence(10.0, 5.0, 10.0, 0.6) == pytest.approx(13.0)
+    assert follow_fence(10.0, 2.0, 10.0, 1 / 3) < 10.0  # less left than the margin: closed at once
+
+
+@pytest.mark.parametrize("fraction", [0.1, 1 / 3, 0.5, 0.9])
+def test_a_following_rank_reads_the_lease_before_its_fence_can_pass_while_rank_0_renews(fraction: float) -> None:
+    """The least a read finds left is what rank 0's renewal period leaves; the next read goes out one period later
+    and has as long again to be answered before that read's fence."""
+    ttl, sent = 6.0, 100.0
+    least_left = ttl * (1 - fraction)  # rank 0 renews every fraction of the TTL
+    period = follow_period(ttl, fraction)
+    assert period > 0
+    assert sent + 2 * period == pytest.approx(follow_fence(sent, least_left, ttl, fraction))
+    assert follow_period(6.0, 1 / 3) == pytest.approx(1.0)  # a sixth of the TTL by default
+
+
 async def test_the_write_fence_follows_the_lease_and_a_new_incarnation_s_once_its_notification_was_taken(
     client: AsyncRendezvousClient,
 ) -> None:
@@ -739,7 +760,8 @@ async def test_the_write_fence_follows_the_lease_and_a_new_incarnation_s_once_it
     finally:
         await session.close()
     assert session.writable_until <= loop.time()
-    assert RankSession(client, "p0").writable_until == math.inf  # it holds no lease
+    assert RankSession(client, "p0").writable_until == 0.0  # closed until it read rank 0's lease
+    assert RankSession(client, "p0", fenced=False).writable_until == math.inf  # a rank that writes nothing
 
 
 def answered(proxy: GrpcProxy, watches: int) -> bool:

@@ -1,9 +1,10 @@
 """A multi-rank engine over the SDK: rank 0 registers every rank's agent, the other ranks follow with a
 `RankSession`, see every event from the incarnation's start, report their own share, and follow a new
-incarnation after a server restart."""
+incarnation after a server restart; and its write fence, which follows the lease rank 0 holds."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -14,30 +15,53 @@ from rendezvous.clients import (
     ClaimSpec,
     CompletionSpec,
     ConsumerSession,
+    EngineRole,
+    EngineSpec,
     Event,
     EventType,
     KvLayout,
+    NixlAgentInfo,
     ProducerSession,
     RankSession,
     Reregistered,
+    SessionEvent,
     TargetSpec,
     TransferState,
 )
-from rendezvous.clients.testing import AsyncTestServer
-from tests.clients.conftest import FAST_SESSION, LAYOUT, agent, consumer_session, next_event, of_type
+from rendezvous.clients.testing import AsyncTestServer, FakeClock, start_test_server
+from rendezvous.core import Timeouts
+from tests.clients.conftest import (
+    FAST_SESSION,
+    LAYOUT,
+    MUST,
+    GrpcProxy,
+    agent,
+    client_config,
+    consumer_session,
+    grpc_proxy,
+    next_event,
+    of_type,
+    wait_until,
+)
+
+__all__ = ["grpc_proxy"]  # the fixture
 
 TP2 = dataclasses.replace(LAYOUT, tp_size=2, num_kv_heads=2, kv_layout="HND")
 HEADED = dataclasses.replace(LAYOUT, num_kv_heads=2, kv_layout="HND")
 
 
-def tp2_producer(client: AsyncRendezvousClient, layout: KvLayout = TP2) -> ProducerSession:
-    """Rank 0's session: it registers both ranks (each rank's block is half of a TP 1 block)."""
+def tp2_agents() -> tuple[NixlAgentInfo, ...]:
+    """Both ranks' agents (each rank's block is half of a TP 1 block)."""
     ranks = [agent(f"p0-{r}") for r in range(2)]
-    ranks = [
+    return tuple(
         dataclasses.replace(a, rank=r, regions=(dataclasses.replace(a.regions[0], block_length_bytes=2048),))
         for r, a in enumerate(ranks)
-    ]
-    return ProducerSession(client, "p0", "prefill", layout=layout, agents=ranks, config=FAST_SESSION)
+    )
+
+
+def tp2_producer(client: AsyncRendezvousClient, layout: KvLayout = TP2) -> ProducerSession:
+    """Rank 0's session: it registers both ranks."""
+    return ProducerSession(client, "p0", "prefill", layout=layout, agents=tp2_agents(), config=FAST_SESSION)
 
 
 @pytest.fixture
@@ -85,3 +109,68 @@ async def test_closing_a_rank_session_leaves_the_engine_registered(client: Async
         async with RankSession(client, "p0", config=FAST_SESSION):
             pass
         assert (await client.get_engine("p0")).incarnation == leader.incarnation
+
+
+async def test_a_rank_session_s_fence_is_a_read_s_send_time_plus_what_was_left_of_the_lease_less_the_margin() -> None:
+    """With the server's clock standing still (a fake one, and no keep-alive: rank 0 registered by hand), what is
+    left of the lease is known exactly: 3 s - 1.2 s. The fence is the read's send time plus that, less a third of
+    the TTL (the margin); each later read moves it on by as long as the reads are apart. Once the lease lapsed by the
+    server's clock, the read finds the engine gone: the fence closes; the next incarnation's lease opens it only
+    once the handler took its `Reregistered`."""
+    clock = FakeClock()
+    loop = asyncio.get_running_loop()
+    taken: list[tuple[float, float]] = []  # the fence, and the time, as the handler took Reregistered
+
+    async def handler(item: SessionEvent) -> None:
+        if isinstance(item, Reregistered):
+            taken.append((follower.writable_until, loop.time()))
+
+    spec = EngineSpec("p0", "prefill", EngineRole.PRODUCER, layout=TP2, agents=tp2_agents(), lease_ttl=3.0)
+    async with (
+        start_test_server(clock, timeouts=Timeouts(default_lease_ttl=3.0)) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        await client.register_engine(spec)
+        clock.advance(1.2)
+        follower = RankSession(client, "p0", config=FAST_SESSION, handler=handler)
+        before = loop.time()
+        await follower.start()
+        first = follower.writable_until  # read before any later read could move it
+        try:
+            assert before + 1.8 - 1.0 <= first <= loop.time() + 1.8 - 1.0
+            await wait_until(lambda: follower.writable_until > first, MUST)  # read again, sent later
+
+            clock.advance(2.0)  # the lease lapsed by the server's clock
+            await server.sweep()
+            await wait_until(lambda: follower.writable_until <= loop.time(), MUST)
+            await client.register_engine(spec)  # rank 0 registered again
+            await wait_until(lambda: taken, MUST)
+            ((fence, at),) = taken
+            assert fence <= at  # closed while the handler looked at what lives on
+            await wait_until(lambda: follower.writable_until > at, MUST)  # opened on the new lease
+        finally:
+            await follower.close()
+        assert follower.writable_until <= loop.time()
+
+
+async def test_a_rank_session_cut_off_from_the_service_does_not_move_its_fence(
+    client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """Rank 0 keeps the lease; the following rank's reads of it stop being answered: its fence stays where the last
+    answered read put it, and so closes by itself, before the lease could lapse had rank 0 lost it too."""
+    async with (
+        tp2_producer(client),
+        AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied,
+        RankSession(proxied, "p0", config=FAST_SESSION) as follower,
+    ):
+        first = follower.writable_until
+        await wait_until(lambda: follower.writable_until > first, MUST)  # rank 0 renews; each read moves it on
+
+        grpc_proxy.hold("GetEngine")
+        held = grpc_proxy.calls["GetEngine"]
+        await wait_until(lambda: grpc_proxy.calls["GetEngine"] > held, MUST)  # sent after the earlier ones ended
+        fence = follower.writable_until
+        await wait_until(lambda: grpc_proxy.calls["GetEngine"] > held + 1, MUST)  # that one failed, and was retried
+        assert follower.writable_until == fence
+        grpc_proxy.release("GetEngine")
+        await wait_until(lambda: follower.writable_until > fence, MUST)  # answered again: moved on

@@ -1,6 +1,7 @@
 """The write fence: a producer cut off from the service, while it still reaches the consumer over NIXL, writes
 nothing once its lease may have lapsed (`EngineSession.writable_until`, checked by the `TransferWriter` before every
-post). Real service and NIXL agents on 127.0.0.1; the producer's client goes through a `GrpcProxy` that cuts it off."""
+post), nor does a rank that follows rank 0's registration (`RankSession.writable_until`). Real service and NIXL agents
+on 127.0.0.1; the cut-off rank's client goes through a `GrpcProxy` that cuts it off."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from rendezvous.clients import AbortReason, AsyncRendezvousClient, EventType
+from rendezvous.clients import AbortReason, AsyncRendezvousClient, EventType, KvLayout
 from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
 from rendezvous.clients.nixl.producer import ProducerAgent, WriteReport
-from rendezvous.clients.testing import TEST_LAYOUT
+from rendezvous.clients.nixl.rank import start_ranks
+from rendezvous.clients.nixl.writer import WrittenPart
+from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer
 from tests.clients.conftest import FAST_SESSION, MUST, WAIT, GrpcProxy, client, client_config, grpc_proxy, server
 
 __all__ = ["client", "grpc_proxy", "server"]
@@ -103,3 +106,111 @@ async def test_a_producer_cut_off_from_the_service_does_not_write_into_blocks_th
         finally:
             await producer.close()
             await consumer.close()
+
+
+TP2 = KvLayout("test-model", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
+"""The producer: two ranks, a head each (256 bytes of a block)."""
+TP1 = KvLayout("test-model", "uint8", 16, 1, kv_layout="HND", num_kv_heads=2)
+"""The consumer: one rank, both heads (512 bytes of a block): rank 1 writes its second half."""
+
+
+async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blocks_the_consumer_was_told_are_free(
+    server: AsyncTestServer, client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The same partition, of a tensor-parallel engine's rank 1, which follows rank 0's registration (no lease of its
+    own): rank 1 holds an assignment whose source is not ready when it is cut off from the service, not from the
+    consumer, and so is rank 0 (or it died): the lease lapses, and the service aborts the transfer with PEER_LOST.
+    Then rank 1's
+    prefill finishes. Before rank 1 was fenced, it WROTE its half into the freed blocks; now it posts nothing and
+    the generation fails with the fence's reason.
+
+    Deterministic for the test's reason: rank 1's fence is at most the send time of its last answered read of the
+    lease plus what the server said was left then, less a third of the TTL; the service lapses the lease no earlier
+    than that send time plus what was left; and the source is made ready only after the consumer was told."""
+    loop = asyncio.get_running_loop()
+    assigned: asyncio.Future[None] = loop.create_future()
+    lost: asyncio.Future[TransferResult] = loop.create_future()
+    finished: asyncio.Future[tuple[bool, str | None]] = loop.create_future()
+    reported: asyncio.Future[WriteReport] = loop.create_future()
+
+    def on_result(result: TransferResult) -> None:
+        if not lost.done():
+            lost.set_result(result)
+
+    def on_report(report: WriteReport) -> None:
+        if not reported.done():
+            reported.set_result(report)
+
+    decode = [torch.zeros(8, 512, dtype=torch.uint8)]
+    leader_proxy = GrpcProxy(server.address)
+    await leader_proxy.start()
+    async with (
+        AsyncRendezvousClient(client_config(leader_proxy.address)) as leader_client,
+        AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied,
+    ):
+        ranks = [
+            ProducerAgent(
+                c,
+                "p0",
+                "prefill",
+                [torch.ones(8, 256, dtype=torch.uint8)],
+                layout=TP2,
+                rank=r,
+                lease_ttl=LEASE,
+                session_config=FAST_SESSION,
+                on_report=on_report,
+            )
+            for r, c in enumerate((leader_client, proxied))
+        ]
+        follower = ranks[1]
+        consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TP1, on_result=on_result)
+        handle, write_finished = follower.handle_event, follower._write_finished
+
+        async def handle_event(item: Any) -> None:
+            await handle(item)
+            if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
+                assigned.set_result(None)
+
+        def on_write_finished(
+            transfer_id: str, generation: int, ok: bool, error: str | None, parts: tuple[WrittenPart, ...] = ()
+        ) -> None:
+            if not finished.done():
+                finished.set_result((ok, error))
+            write_finished(transfer_id, generation, ok, error, parts)
+
+        follower.handle_event = handle_event  # type: ignore[method-assign]
+        follower._write_finished = on_write_finished  # type: ignore[method-assign]
+        await start_ranks(ranks)
+        await consumer.start()
+        try:
+            assert (await consumer.register_target("t1", [5], 1)).ok
+            assert (await ranks[0].claim("t1")).ok
+            await asyncio.wait_for(assigned, WAIT)  # rank 1's writer holds the assignment; prefill is still computing
+
+            for proxy in (grpc_proxy, leader_proxy):  # the partition: the ranks reach the consumer, not the service
+                for method in METHODS:
+                    proxy.hold(method)
+                proxy.end_streams("KeepAlive")
+                proxy.end_streams("Watch")
+            result = await asyncio.wait_for(lost, MUST)
+            assert (result.ok, result.reason) == (False, AbortReason.PEER_LOST)  # its blocks are free now
+
+            follower.ready("t1", [2])  # rank 1's prefill finished
+            assert await asyncio.to_thread(follower._writer.barrier, WAIT)  # type: ignore[union-attr]
+            ok, error = await asyncio.wait_for(finished, MUST)
+
+            assert not ok and "lease" in (error or "") and "not writing" in (error or "")
+            assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
+            for proxy in (grpc_proxy, leader_proxy):  # the service can be reached again: rank 0 registers anew,
+                for method in METHODS:  # rank 1 follows, and reports the failed write as the new incarnation
+                    proxy.release(method)
+            report = await asyncio.wait_for(reported, MUST)
+            assert (report.transfer_id, report.ok, report.error) == ("t1", False, error)
+        finally:
+            for proxy in (grpc_proxy, leader_proxy):
+                for method in METHODS:
+                    proxy.release(method)
+            for rank in reversed(ranks):  # a following rank's report waits for an incarnation to follow
+                await rank.close()
+            await consumer.close()
+            await leader_proxy.close()
