@@ -551,6 +551,15 @@ def redis_url() -> Iterator[str]:
         server.close()
 
 
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest) -> str:
+    """Each test twice: on the memory store ("memory") and on the session's Redis under a fresh prefix (its URL)."""
+    if request.param == "memory":
+        return "memory"
+    url: str = request.getfixturevalue("redis_url")
+    return with_prefix(url, fresh_prefix())
+
+
 @pytest.fixture
 def redis_server() -> Iterator[ControlledRedis]:
     """A Redis of this test's own (no persistence), started."""

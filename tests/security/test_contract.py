@@ -21,23 +21,16 @@ from rendezvous.clients.testing import start_test_server
 from rendezvous.core import Limits
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.redis_fixtures import fresh_prefix, redis_url, store, with_prefix
 from tests.security.conftest import serving
 from tests.security.test_auth import auth_file, call
 from tests.security.test_transfer_bindings import AUTH, ROUTER, TOKENS, claim, engines, info, key_file, signed, target
 from tests.service.conftest import engine_request
 from tests.service.test_service import error_info
 
-__all__ = ["redis_url"]  # the fixture
+__all__ = ["redis_url", "store"]  # the fixtures
 
 CONSUMER, PRODUCER = pb.ENGINE_ROLE_CONSUMER, pb.ENGINE_ROLE_PRODUCER
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    return with_prefix(request.getfixturevalue("redis_url"), fresh_prefix())
 
 
 @contextlib.asynccontextmanager

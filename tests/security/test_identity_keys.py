@@ -14,11 +14,11 @@ import pytest
 from rendezvous.core import Limits
 from rendezvous.server import CallLimits, RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb
-from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.redis_fixtures import redis_url, store
 from tests.security.conftest import serving
 from tests.security.test_auth import auth_file, call, refusal, request_for
 
-__all__ = ["redis_url"]
+__all__ = ["redis_url", "store"]
 
 TOKEN = "tok-keys-decode-4e8a0d7c"
 ENTRY = {"name": "decode", "engines": ["decode-*"], "engine_roles": ["consumer"], "engine_pools": ["decode"]}
@@ -26,13 +26,6 @@ AUTH: dict[str, Any] = {"tokens": {TOKEN: ENTRY}}
 RENAMED: dict[str, Any] = {"tokens": {TOKEN: {**ENTRY, "name": "decode-renamed"}}}
 EXHAUSTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, "BUDGET_EXHAUSTED")
 RATE_LIMITED = (grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED")
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    return with_prefix(request.getfixturevalue("redis_url"), fresh_prefix())
 
 
 def rename(server: RendezvousServer) -> None:

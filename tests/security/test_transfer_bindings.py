@@ -33,7 +33,7 @@ from rendezvous.protocol.convert import binding_message as message
 from rendezvous.server import RendezvousServer, ServerConfig
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.clients.conftest import LAYOUT, agent
-from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.redis_fixtures import redis_url, store
 from tests.security.conftest import serving
 from tests.security.test_auth import auth_file, call
 from tests.security.test_bindings import register
@@ -58,21 +58,13 @@ AUTH = {
     }
 }
 TOKENS = {"d0": D0, "d1": D1, "p0": P0, "p1": P1}
-__all__ = ["redis_url"]  # the fixture
+__all__ = ["redis_url", "store"]  # the fixtures
 
 
 def key_file(tmp_path: Path, *keys: bytes) -> str:
     path = tmp_path / "binding.key"
     path.write_bytes(b"# routers sign with the first key\n" + b"\n".join(keys or (KEY,)) + b"\n")
     return str(path)
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    redis_url: str = request.getfixturevalue("redis_url")
-    return with_prefix(redis_url, fresh_prefix())
 
 
 @pytest.fixture

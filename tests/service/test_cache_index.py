@@ -30,22 +30,14 @@ from rendezvous.core import Limits, Timeouts
 from rendezvous.v1 import index_pb2 as ipb
 from rendezvous.v1 import index_pb2_grpc as ipb_grpc
 from tests.factories import sdk_engine
-from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.redis_fixtures import redis_url, store
 
-__all__ = ["redis_url"]  # the fixture
+__all__ = ["redis_url", "store"]  # the fixtures
 
 HASHING = BlockHashing("sha256_cbor", "0", 16)
 CHAIN = tuple(bytes([i]) * 32 for i in range(1, 9))
 """Eight blocks of one request's chain (sha256-sized hashes)."""
 LIMITS = Limits(max_index_blocks_per_engine=64, max_index_blocks_total=100, max_index_query_blocks=16)
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return with_prefix(url, fresh_prefix())
 
 
 @pytest.fixture

@@ -28,17 +28,9 @@ from rendezvous.core import Limits, Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.factories import SDK_LAYOUT, sdk_agent, sdk_engine
-from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.redis_fixtures import fresh_prefix, redis_url, store, with_prefix
 
-__all__ = ["redis_url"]  # the fixture
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return with_prefix(url, fresh_prefix())
+__all__ = ["redis_url", "store"]  # the fixtures
 
 
 @pytest.fixture

@@ -22,20 +22,12 @@ from rendezvous.core import Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
 from tests.factories import sdk_engine
-from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.redis_fixtures import redis_url, store
 from tests.service.test_service import expect_error
 
-__all__ = ["redis_url"]  # the fixture
+__all__ = ["redis_url", "store"]  # the fixtures
 
 TTL = 10.0
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return with_prefix(url, fresh_prefix())
 
 
 @pytest.fixture

@@ -4,25 +4,16 @@ end of a Watch whose engine was forgotten."""
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from rendezvous.clients.testing import start_test_server
 from rendezvous.core import Timeouts
 from rendezvous.v1 import rendezvous_pb2 as pb
 from rendezvous.v1 import rendezvous_pb2_grpc as pb_grpc
-from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.redis_fixtures import redis_url, store
 from tests.service.conftest import engine_request
 from tests.service.test_service import expect_error, register_pair
 
-__all__ = ["redis_url"]  # the fixture
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
-def store(request: pytest.FixtureRequest) -> str:
-    if request.param == "memory":
-        return "memory"
-    url: str = request.getfixturevalue("redis_url")
-    return with_prefix(url, fresh_prefix())
+__all__ = ["redis_url", "store"]  # the fixtures
 
 
 async def test_headers_carry_a_revision_that_covers_what_the_call_wrote_and_the_events_it_sends(store: str) -> None:
