@@ -365,7 +365,10 @@ async def test_a_client_gone_while_its_reservation_is_in_flight_gets_its_credit_
     await decode_with_capacity(cluster, EngineCapacity(max_transfers=4))
     proxy = GrpcProxy(server.address)
     await proxy.start()
-    config = ClientConfig(targets=(proxy.address,), call_timeout=WAIT)
+    # No deadline on the router's calls: the reservation waits at the proxy for as long as the steps below take
+    # (a 2 s wait among them). With one, a loaded machine could pass it first: the call ended unanswered, its credit
+    # released before the proxy let it through, and granted after that, held until its TTL.
+    config = ClientConfig(targets=(proxy.address,), call_timeout=None, retry=RetryPolicy(deadline=None))
     router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=3_600.0, max_queued=0)
     runner, url = await serve(router)
     try:

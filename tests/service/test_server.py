@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -157,9 +158,10 @@ def test_cli_serves_answers_operator_commands_and_exits_cleanly_on_sigterm() -> 
 
 @contextlib.contextmanager
 def serving(drain: float) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """`kv-rendezvous serve` (memory store) on a free port, with `--drain`, once its banner is out; killed after."""
-    address = f"127.0.0.1:{_free_port()}"
-    env = {**os.environ, "KV_RENDEZVOUS_LISTEN": address, "KV_RENDEZVOUS_DRAIN": f"{drain:g}"}
+    """`kv-rendezvous serve` (memory store) on a port the system picks (one picked here and released could be
+    taken before the server binds it), with `--drain`, once its banner (which names the port) is out; killed
+    after."""
+    env = {**os.environ, "KV_RENDEZVOUS_LISTEN": "127.0.0.1:0", "KV_RENDEZVOUS_DRAIN": f"{drain:g}"}
     serve = subprocess.Popen(
         [sys.executable, "-m", "rendezvous.cli", "serve", "--metrics-listen", "off"],
         env=env,
@@ -169,8 +171,10 @@ def serving(drain: float) -> Iterator[tuple[subprocess.Popen[str], str]]:
     )
     try:
         assert serve.stdout is not None
-        assert f"serving on {address}" in serve.stdout.readline()
-        yield serve, address
+        banner = serve.stdout.readline()
+        found = re.search(r"serving on (127\.0\.0\.1:[1-9][0-9]*) ", banner)
+        assert found, banner
+        yield serve, found[1]
     finally:
         serve.kill()
         serve.wait()
