@@ -250,6 +250,11 @@ class EngineSession:
         self._reregistered = asyncio.Event()  # cleared while a recovery has not registered the new incarnation yet
         self._remove_listener: Callable[[], None] | None = None
         self._failure: RendezvousError | None = None
+        self._closing = False  # `begin_close` was called: no recovery any more
+        self._settling = False  # closing a healthy session: calls as its incarnation still go, until the lease
+        self._lost = False  # closed while re-registering, before the new incarnation was registered
+        self._sending: set[asyncio.Future[list[ItemResult]]] = set()  # calls sent and not answered yet
+        self._cutoff: asyncio.TimerHandle | None = None  # cuts the calls still unanswered once the lease may lapse
         self._closed = False
         self._fenced = True  # it keeps a write fence (a RankSession may not: `fenced`)
         self._lease_until = 0.0  # the current incarnation's write fence (`write_fence`)
@@ -311,7 +316,7 @@ class EngineSession:
 
     async def start(self) -> EngineInfo:
         """Register the engine and start renewing its lease and watching its events."""
-        if self._registration is not None or self._closed:
+        if self._registration is not None or self._closing:
             raise RuntimeError("a session starts once")
         sent = asyncio.get_running_loop().time()
         self._registration = await self._client.register_engine(self._spec)
@@ -323,8 +328,47 @@ class EngineSession:
             self._dispatch_task = asyncio.create_task(self._dispatch(self._handler), name=f"events {self.engine_id}")
         return self.engine
 
+    def begin_close(self) -> None:
+        """Start closing (idempotent; `close` begins with it), so that what the session's calls wait for ends.
+
+        The lease is no longer renewed (nor, by a `RankSession`, read) and the write fence is closed. A re-registration
+        under way (a `RankSession`'s wait for the next incarnation rank 0 registers) is cancelled and none starts any
+        more: the calls waiting for it, and any made later, fail with `Cancelled` at once, and so do the calls in
+        flight, sent as the incarnation it replaces. On a healthy session, calls as the current incarnation still go
+        and are waited for, so that what an agent submitted last (a completion) is reported before the engine is
+        deregistered; but only while the lease last renewed (or read) certainly holds, until its write fence: a call
+        still unanswered then fails with `Cancelled`. (A `RankSession` with no fence, a consumer rank's, knows no
+        lease: its calls in flight have their own deadline.)
+        """
+        if self._closing:
+            return
+        self._closing = True
+        self._close_fence()
+        recovery = self._recovery
+        recovering = recovery is not None and not recovery.done()
+        self._lost = recovering and not self._reregistered.is_set()
+        self._settling = not recovering and self._failure is None
+        for task in (recovery, self._keepalive_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        loop = asyncio.get_running_loop()
+        if not self._settling or self._lease_until <= loop.time():
+            self._cut()
+        elif self._lease_until != math.inf:
+            self._cutoff = loop.call_at(self._lease_until, self._cut)
+
+    def _cut(self) -> None:
+        """The calls in flight fail with `Cancelled` (`_send`), and so do later ones (`_ready`)."""
+        self._settling = False
+        for call in list(self._sending):
+            call.cancel()
+
     async def close(self, *, deregister: bool = True) -> None:
         """Stop the background tasks and, unless told not to, deregister the engine.
+
+        It begins with `begin_close`: calls waiting for a re-registration (or, on a `RankSession`, for an incarnation
+        to follow) fail with `Cancelled` at once; the calls in flight of a healthy session are waited for, until
+        the lease may have lapsed, before the engine is deregistered; calls made from now on fail with `Cancelled`.
 
         Closed while re-registering, before the new incarnation is registered, it deregisters nothing: the
         incarnation being replaced is gone already (its lease lapsed, or the server forgot it), and the recovery
@@ -333,10 +377,12 @@ class EngineSession:
         """
         if self._closed:
             return
+        self.begin_close()
         self._closed = True
-        self._close_fence()
-        recovery = self._recovery
-        lost = recovery is not None and not recovery.done() and not self._reregistered.is_set()
+        while self._sending:
+            await asyncio.wait(list(self._sending))
+        if self._cutoff is not None:
+            self._cutoff.cancel()
         if self._remove_listener is not None:
             self._remove_listener()
         current = asyncio.current_task()
@@ -350,7 +396,7 @@ class EngineSession:
         if tasks:
             await asyncio.wait(tasks)
         self._queue.put_nowait(_CLOSED)
-        if deregister and not lost and self._registration is not None and self._failure is None:
+        if deregister and not self._lost and self._registration is not None and self._failure is None:
             try:
                 await self._client.deregister_engine(self.engine_id, self.incarnation)
             except RendezvousError as err:
@@ -413,25 +459,40 @@ class EngineSession:
         incarnation = await self._ready()
         since = self._live.mark()
         try:
-            results = await send(self.engine_id, specs, incarnation=incarnation)
+            results = await self._send(send, specs, incarnation)
         except RendezvousError as err:
-            if not self._replaced(err, incarnation):
+            if not self._replaced(err, incarnation) or self._closing:  # closing: no new incarnation will come
                 raise
             incarnation = await self._ready()
-            results = await send(self.engine_id, specs, incarnation=incarnation)
+            results = await self._send(send, specs, incarnation)
         self._live.record(table, specs, results, since)
         if table is not None and incarnation != self.incarnation:
             return await self._call(send, specs, table)
         return results
 
+    async def _send(self, send: BatchCall, specs: Sequence[Any], incarnation: int) -> list[ItemResult]:
+        """One call as `incarnation`, which `begin_close` may cut: it then fails with `Cancelled`."""
+        call = asyncio.ensure_future(send(self.engine_id, specs, incarnation=incarnation))
+        self._sending.add(call)
+        call.add_done_callback(self._sending.discard)
+        try:
+            return await call  # cancelling the caller cancels the call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._closing and call.cancelled() and not (task is not None and task.cancelling()):
+                raise Cancelled(
+                    "", f"the session of engine {self.engine_id} closed before the call was answered"
+                ) from None
+            raise
+
     async def _ready(self) -> int:
         """The incarnation to act as, once any re-registration in progress is done."""
         recovery = self._recovery
         if recovery is not None and not recovery.done():
-            await asyncio.wait([recovery])  # waiting must not cancel it
+            await asyncio.wait([recovery])  # waiting must not cancel it; `begin_close` cancels it
         if self._failure is not None:
             raise self._failure
-        if self._closed:
+        if self._closed or (self._closing and not self._settling):
             raise Cancelled("", f"the session of engine {self.engine_id} is closed")
         return self._registered().engine.incarnation
 
@@ -457,7 +518,7 @@ class EngineSession:
         """Start re-registering, unless it is under way or incarnation was already replaced."""
         if self._recovery is not None and not self._recovery.done():
             return
-        if self._closed or self._failure is not None or incarnation != self.incarnation:
+        if self._closing or self._failure is not None or incarnation != self.incarnation:
             return
         log.warning("engine %s re-registering: %s", self.engine_id, cause)
         if self._fenced:  # the incarnation is gone, its lease with it: nothing assigned to it is written any more
@@ -546,7 +607,7 @@ class EngineSession:
         """The current incarnation's lease holds until `until` (less the margin): the fence moves there, unless a
         re-registration waits for its Reregistered to be taken."""
         self._lease_until = until
-        if not self._replacing:
+        if not self._replacing and not self._closing:
             self.writable_until = until
 
     def _close_fence(self) -> None:
@@ -560,7 +621,7 @@ class EngineSession:
             and self._replacing
             and item.incarnation == self.incarnation
             and (self._recovery is None or self._recovery.done())
-            and not self._closed
+            and not self._closing
         ):
             self._replacing = False
             self.writable_until = self._lease_until
@@ -733,10 +794,12 @@ class RankSession(EngineSession):
         super().__init__(client, EngineSpec(engine_id, "", EngineRole.UNSPECIFIED), config=config, handler=handler)
         self._fenced = fenced
         self.writable_until = 0.0 if fenced else math.inf
+        if not fenced:  # no lease is read: closing waits for the calls in flight for their own deadline
+            self._lease_until = math.inf
 
     async def start(self, incarnation: int = 0) -> EngineInfo:
         """Follow the engine's incarnation (the first one newer than `incarnation - 1`) and watch its events."""
-        if self._registration is not None or self._closed:
+        if self._registration is not None or self._closing:
             raise RuntimeError("a session starts once")
         self._registration = await self._follow(incarnation - 1 if incarnation else 0)
         self._remove_listener = self._client.add_epoch_listener(self._on_epoch)
@@ -748,7 +811,8 @@ class RankSession(EngineSession):
         return self.engine
 
     async def close(self, *, deregister: bool = False) -> None:
-        """Stop following; the engine's registration is rank 0's to end."""
+        """Stop following; the engine's registration is rank 0's to end. Calls waiting for an incarnation to follow
+        (rank 0 gone, and perhaps never to register again) fail with `Cancelled` at once (`begin_close`)."""
         await super().close(deregister=False)
 
     async def _follow(self, previous: int) -> Registration:

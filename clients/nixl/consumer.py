@@ -269,9 +269,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             late.cancel()
         self._late_checks.clear()
         await self._stop_threads()
-        for batcher in (self._registrations, self._completions, self._releases):
-            if batcher is not None:
-                await batcher.close()
+        await self._finish_calls((self._registrations, self._completions, self._releases))
         await self._close_session(deregister)
         self._results.put_nowait(_Closed())
 

@@ -235,9 +235,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             check.cancel()
         await self._stop_threads()
         await asyncio.sleep(0)  # run the callbacks the writer posted while stopping
-        for batcher in (self._claims, self._ready, self._completions, self._acks):
-            if batcher is not None:
-                await batcher.close()
+        await self._finish_calls((self._claims, self._ready, self._completions, self._acks))
         await self._close_session(deregister)
 
     async def _stop_threads(self) -> None:

@@ -31,6 +31,7 @@ from rendezvous.clients._roles import RoleSession
 from rendezvous.clients._session import RankSession
 from rendezvous.clients._types import EngineCapacity, EngineInfo, KvLayout, NixlAgentInfo, SessionEvent
 from rendezvous.clients.aio import AsyncRendezvousClient
+from rendezvous.clients.nixl.batching import Batcher
 from rendezvous.clients.nixl.metrics import DataPlaneMetrics
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 from rendezvous.protocol.errors import RendezvousError
@@ -185,6 +186,18 @@ class RankAgent(abc.ABC, Generic[SessionT]):
             handler=self.handle_event,
             capacity=self._capacity,
         )
+
+    async def _finish_calls(self, batchers: Sequence[Batcher[Any] | None]) -> None:
+        """Closing: end the calls the batchers made, before the session is closed. The session stops waiting for a
+        re-registration (`begin_close`): the calls waiting for one (on a following rank, for rank 0 to register
+        again, which it may never do) fail with `Cancelled` at once, while a healthy session still sends the rest,
+        until its lease may have lapsed, so that what the rank submitted last is reported before it closes."""
+        session = self._session or self._follower
+        if session is not None:
+            session.begin_close()
+        for batcher in batchers:
+            if batcher is not None:
+                await batcher.close()
 
     async def _close_session(self, deregister: bool) -> None:
         if self._session is not None:

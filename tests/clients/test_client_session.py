@@ -313,6 +313,64 @@ async def test_closing_while_re_registering_ends_at_once_and_leaves_nothing_runn
             await session.register_target(TargetSpec("t1", [1]))
 
 
+async def test_closing_waits_for_a_call_in_flight_while_the_lease_holds_then_cuts_it_before_deregistering(
+    client: AsyncRendezvousClient, consumer: ConsumerSession, grpc_proxy: GrpcProxy
+) -> None:
+    """A completion is on its way (held at the proxy: a replica that stopped answering) when the producer closes.
+    close() deregistered the engine at once, while the completion was still unanswered: had it been answered a moment
+    later, it came after the engine it reports for was gone (a healthy engine's last report lost); unanswered, it ran
+    on for its whole deadline (here 60 s) after close. Now close() waits for it while the lease it renewed last
+    certainly holds (its write fence, two thirds of the 3 s TTL), then cuts it (`Cancelled`), and only then
+    deregisters; nothing of the session is left running."""
+    config = ClientConfig(targets=[grpc_proxy.address], retry=RetryPolicy(deadline=None), call_timeout=60.0)
+    async with AsyncRendezvousClient(config) as proxied:
+        producer = producer_session(proxied, lease_ttl=3.0)
+        await producer.start()
+        await consumer.register_target(TargetSpec("t1", [1]))
+        await producer.claim_transfer(ClaimSpec("t1"))
+        grpc_proxy.hold("CompleteTransfers")
+        call = asyncio.create_task(producer.complete_transfer(CompletionSpec("t1", 1)))
+        await grpc_proxy.wait_for(lambda: grpc_proxy.calls["CompleteTransfers"] == 1)
+
+        closing = asyncio.create_task(producer.close())
+        await grpc_proxy.wait_for(lambda: call.done() or grpc_proxy.calls["DeregisterEngine"] > 0)
+
+        assert call.done() and grpc_proxy.calls["DeregisterEngine"] == 0  # the call ended first
+        with pytest.raises(Cancelled):
+            await call
+        await asyncio.wait_for(closing, MUST)
+        assert grpc_proxy.calls["DeregisterEngine"] == 1
+        assert [t for t in asyncio.all_tasks() if t.get_name().endswith(" p0") and not t.done()] == []
+        with pytest.raises(NotFound):
+            await client.get_engine("p0")
+
+
+async def test_closing_a_healthy_session_sends_its_last_completion_before_it_deregisters(
+    client: AsyncRendezvousClient, consumer: ConsumerSession, grpc_proxy: GrpcProxy
+) -> None:
+    """The completion is slow (delayed at the proxy) when the producer closes: it is answered, the transfer commits,
+    and the engine is deregistered after. (Kept behaviour: close() once raced the deregistration against it.)"""
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
+        producer = producer_session(proxied, lease_ttl=30.0)
+        await producer.start()
+        await consumer.register_target(TargetSpec("t1", [1]))
+        await producer.claim_transfer(ClaimSpec("t1"))
+        grpc_proxy.delay("CompleteTransfers")
+        call = asyncio.create_task(producer.complete_transfer(CompletionSpec("t1", 1)))
+        await grpc_proxy.wait_for(lambda: grpc_proxy.delayed["CompleteTransfers"] == 1)
+        loop = asyncio.get_running_loop()
+
+        closing = asyncio.create_task(producer.close())
+        await wait_until(lambda: producer.writable_until <= loop.time())  # close() began
+        grpc_proxy.let_through("CompleteTransfers")
+
+        assert (await asyncio.wait_for(call, MUST)).state == TransferState.COMMITTED
+        await asyncio.wait_for(closing, MUST)
+        with pytest.raises(NotFound):
+            await client.get_engine("p0")
+        await next_event(consumer.events(), of_type(EventType.TRANSFER_COMMITTED, "t1"))
+
+
 async def test_a_watch_that_fell_behind_resyncs_from_the_transfer_list() -> None:
     async with (
         start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,

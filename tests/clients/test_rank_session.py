@@ -12,7 +12,9 @@ import pytest
 
 from rendezvous.clients import (
     AsyncRendezvousClient,
+    Cancelled,
     ClaimSpec,
+    ClientConfig,
     CompletionSpec,
     ConsumerSession,
     EngineRole,
@@ -24,6 +26,7 @@ from rendezvous.clients import (
     ProducerSession,
     RankSession,
     Reregistered,
+    RetryPolicy,
     SessionEvent,
     TargetSpec,
     TransferState,
@@ -109,6 +112,36 @@ async def test_closing_a_rank_session_leaves_the_engine_registered(client: Async
         async with RankSession(client, "p0", config=FAST_SESSION):
             pass
         assert (await client.get_engine("p0")).incarnation == leader.incarnation
+
+
+async def test_closing_a_rank_session_whose_call_waits_on_a_gone_engine_ends_it_and_leaves_nothing_running(
+    client: AsyncRendezvousClient, consumer: ConsumerSession, grpc_proxy: GrpcProxy
+) -> None:
+    """Rank 1 sent its CompleteTransfers (held at the proxy: a replica that stopped answering), then rank 0 closed:
+    no incarnation will come, and rank 1 waits for one to follow. close() cancelled that wait but left the call
+    running after it for its whole deadline (here 60 s): an agent's close, which waits for its calls, hung as long
+    (found by the TP 2 write-fence test). The call now fails with `Cancelled` as close() ends; nothing of the
+    session is left running, and the follower deregistered nothing."""
+    config = ClientConfig(targets=[grpc_proxy.address], retry=RetryPolicy(deadline=None), call_timeout=60.0)
+    async with AsyncRendezvousClient(config) as proxied:
+        leader = tp2_producer(client)
+        await leader.start()
+        follower = RankSession(proxied, "p0", config=FAST_SESSION)
+        await follower.start()
+        await consumer.register_target(TargetSpec("t1", [1, 2]))
+        await leader.claim_transfer(ClaimSpec("t1"))
+        grpc_proxy.hold("CompleteTransfers")
+        call = asyncio.create_task(follower.complete_transfers([CompletionSpec("t1", 1, ranks=(1,))]))
+        await grpc_proxy.wait_for(lambda: grpc_proxy.calls["CompleteTransfers"] == 1)
+        await leader.close()
+        await wait_until(lambda: follower._recovery is not None and not follower._recovery.done(), MUST)  # following
+
+        await asyncio.wait_for(follower.close(), MUST)
+
+        with pytest.raises(Cancelled):
+            await asyncio.wait_for(call, MUST)
+        assert grpc_proxy.calls["DeregisterEngine"] == 0
+        assert [t for t in asyncio.all_tasks() if t.get_name().endswith(" p0") and not t.done()] == []
 
 
 async def test_a_rank_session_s_fence_is_a_read_s_send_time_plus_what_was_left_of_the_lease_less_the_margin() -> None:
