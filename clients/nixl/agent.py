@@ -106,13 +106,20 @@ class NixlEndpoint:
         self.memory_kind = MemoryKind(memory_kind)
         self.table = DescriptorTable(regions)
         self._mem_type = nixl_memory_type(self.memory_kind)
-        nixl_agent, nixl_agent_config, self._errors = _nixl_api()
-        self._agent: Any = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+        self._backends = list(backends)
+        self._errors = _nixl_api()[2]
+        self._agent: Any = None
+        self._open()
+        self._peers: dict[str, _Peer] = {}
+        self._keepalive: tuple[object, ...] = ()
+
+    def _open(self) -> None:
+        """Create the NIXL agent (a UCX worker of its own), register the regions and prepare their descriptors."""
+        nixl_agent, nixl_agent_config, _ = _nixl_api()
+        self._agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=self._backends))
         self._registered = self._agent.register_memory(registration_spans(self.table.regions), self._mem_type)
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", self.table.descriptors(), self._mem_type)
         self._metadata: bytes = self._agent.get_agent_metadata()
-        self._peers: dict[str, _Peer] = {}
-        self._keepalive: tuple[object, ...] = ()
 
     @classmethod
     def from_tensors(cls, name: str, tensors: Sequence[torch.Tensor]) -> NixlEndpoint:
@@ -334,6 +341,41 @@ class NixlEndpoint:
         except self._errors as e:
             raise TransferFailedError(f"transfer to {transfer.peer!r} could not be released: {e}") from e
 
+    def abandon(self, transfers: Sequence[PostedTransfer]) -> None:
+        """Stop `transfers` (in progress) without moving any more of their bytes, and forget every peer.
+
+        NIXL has no call for that: releasing a handle in progress first progresses the UCX worker (which sends what
+        the peer's socket takes) and the cancel that follows leaves the rest of a started put queued, to go out the
+        next time the worker is progressed; removing the peer closes its endpoint in flush mode, sending the rest.
+        So the agent goes, its UCX worker with it (every connection closed, nothing flushed), and a new agent of the
+        same name takes its place: the regions registered again, new metadata (`metadata`), no peer loaded (each is
+        loaded again by `add_peer`). The handles are dropped unreleased (releasing one progresses the old worker).
+        Measured in tests/dataplane/test_hung_peer.py."""
+        for transfer in transfers:  # no reference to a handle may outlive this loop: it keeps the old agent alive
+            if transfer._handle is not None:
+                transfer._handle._released = True  # its finalizer would release it: progress, the bytes we stop
+                transfer._handle = None
+            if transfer.status is XferStatus.IN_PROGRESS:
+                transfer.status, transfer.error = XferStatus.FAILED, "abandoned in flight"
+        self._drop_agent(deregister=False)
+        self._peers.clear()
+        self._open()
+
+    def _drop_agent(self, *, deregister: bool) -> None:
+        """Release the peers' and the local descriptors (and deregister the regions), then drop the agent: with the
+        last reference to it NIXL destroys it and its UCX worker. Nothing here progresses the worker."""
+        agent, self._agent = self._agent, None
+        try:
+            for peer in self._peers.values():
+                if peer.dlist is not None:
+                    agent.release_dlist_handle(peer.dlist)
+            agent.release_dlist_handle(self._local_dlist)
+            if deregister:
+                agent.deregister_memory(self._registered)
+        except self._errors as e:
+            logger.warning("endpoint %s: dropping its agent: %s", self.name, e)
+        self._local_dlist = self._registered = None
+
     def get_notifications(self) -> dict[str, list[bytes]]:
         """Progress NIXL and return the notifications that arrived since the last call, by sender agent;
         raises `TransferFailedError` if NIXL raised doing so."""
@@ -349,9 +391,7 @@ class NixlEndpoint:
             return
         for name in list(self._peers):
             self.remove_peer(name)
-        self._agent.release_dlist_handle(self._local_dlist)
-        self._agent.deregister_memory(self._registered)
-        self._agent = None
+        self._drop_agent(deregister=True)
         self._keepalive = ()
 
     def _nixl(self) -> Any:

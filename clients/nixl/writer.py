@@ -70,8 +70,13 @@ Outcomes, per transfer (a generation's WRITEs, its parts included, count as one 
   WRITE (a whole write, a part, a batch of parts, a final) the writer asks it, and past it posts nothing and fails
   the generation (`on_complete(ok=False)` with a `WriteFencedError`'s message, once the WRITEs posted before have
   drained, and those landed before the lease could lapse): the engine's lease may be gone, the service may have
-  told the consumer PEER_LOST, and the consumer may have reused its blocks. Without a fence (None) the writer writes
-  whenever it holds an assignment and its source.
+  told the consumer PEER_LOST, and the consumer may have reused its blocks. It asks it again at the start of each
+  turn and before every poll (a poll progresses NIXL, which moves every WRITE in flight on): past it with WRITEs in
+  flight (the process hung, or starved, after posting them) it drops them all without progressing NIXL, by dropping
+  the endpoint's whole agent (`NixlEndpoint.abandon`: NIXL has no call that stops a WRITE in flight), and fails
+  their generations with the fence's reason; the next assignment to each consumer loads its agent again. A hang
+  that begins inside a poll is not covered: that NIXL call goes on progressing after the resume. Without a fence
+  (None) the writer writes whenever it holds an assignment and its source.
 """
 
 from __future__ import annotations
@@ -472,7 +477,9 @@ class TransferWriter:
         self._turn = [0.0, 0, 0]  # this turn's CPU seconds placing and posting parts, the parts and their bytes
 
     def agent_info(self, rank: int | None = None) -> NixlAgentInfo:
-        """The endpoint's identity for engine registration (immutable data; safe from any thread)."""
+        """The endpoint's identity for engine registration (safe from any thread; its metadata changes when the writer
+        drops its agent past the write fence, and consumers load it only for pull-mode READs, which another agent
+        serves)."""
         info = self._endpoint.agent_info(self._rank if rank is None else rank)
         return dataclasses.replace(info, first_layer=self._layers[0], num_layers=self._layers[1])
 
@@ -485,7 +492,8 @@ class TransferWriter:
     @property
     def writes_in_flight(self) -> int:
         """Transfers with WRITEs posted and not yet drained (kept by the writer thread, read as a snapshot): a WRITE
-        to a peer that stopped (hung, not dead) stays here until the peer runs again or its connection fails."""
+        to a peer that stopped (hung, not dead) stays here until the peer runs again, its connection fails or the write
+        fence passes (`writable_until`)."""
         return len(self._in_flight)
 
     @property
@@ -608,7 +616,7 @@ class TransferWriter:
         backoff = Backoff(self._config.poll)
         while True:
             command = self._next_command(backoff.wait if self._in_flight or self._waiting else None)
-            progressed = False
+            progressed = self._drop_fenced()  # before anything progresses NIXL
             while command is not None:
                 if isinstance(command, _Stop):
                     self._shutdown()
@@ -1358,17 +1366,53 @@ class TransferWriter:
         else:
             self._advance(transfer_id, t, w)
 
+    def _fence_passed(self) -> str | None:
+        """Why nothing may be written any more once the engine's write fence passed (see the module doc); None
+        before it."""
+        if self._writable_until is None:
+            return None
+        until, now = self._writable_until(), time.monotonic()
+        if now < until:
+            return None
+        return (
+            f"writer {self._endpoint.name}: its engine's lease was not renewed in time (its write fence passed"
+            f" {now - until:.3f} s ago): not writing, the consumer may have reused its blocks"
+        )
+
+    def _drop_fenced(self) -> bool:
+        """Past the write fence with WRITEs in flight (the process hung, or was starved, after posting them): drop them
+        without progressing NIXL, so that nothing more of them moves, and fail their generations. True if any was."""
+        if not self._in_flight:
+            return False
+        reason = self._fence_passed()
+        if reason is None:
+            return False
+        writes = list(self._in_flight.items())
+        posts = list(dict.fromkeys(p for _, w in writes for p in w.posts))
+        self._endpoint.abandon(posts)  # and forgets every peer: each is loaded again when next written to
+        self._forget.clear()
+        self._in_flight.clear()
+        self._holders.clear()
+        self._parts_in_flight = 0
+        logger.error("%s; dropped %d WRITEs in flight of %d transfers", reason, len(posts), len(writes))
+        for transfer_id, w in writes:
+            w.posts.clear()
+            w.part_posts.clear()
+            if w.error is None:
+                w.error = reason
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.write is w:
+                self._settle(transfer_id, t)
+        for peer in {p.peer for p in posts}:
+            self._after_drain(peer)  # assignments that waited for these WRITEs to drain
+        return True
+
     def _check_fence(self) -> None:
         """Raise `WriteFencedError` once the engine's write fence passed (see the module doc): called before every
         post, as the lease may lapse between two of them."""
-        if self._writable_until is None:
-            return
-        until, now = self._writable_until(), time.monotonic()
-        if now >= until:
-            raise WriteFencedError(
-                f"writer {self._endpoint.name}: its engine's lease was not renewed in time (its write fence passed"
-                f" {now - until:.3f} s ago): not writing, the consumer may have reused its blocks"
-            )
+        reason = self._fence_passed()
+        if reason is not None:
+            raise WriteFencedError(reason)
 
     def _flush_parts(self) -> None:
         """Post the turn's parts by index: one WRITE per peer for all transfers' (a layer of every prompt of a
@@ -1430,7 +1474,10 @@ class TransferWriter:
     def _advance(self, transfer_id: str, t: _Transfer, w: _Write) -> bool:
         """Poll the write's WRITEs in the order they were posted, up to the first still in flight (they mostly
         finish in that order: a turn polls a write once, not each of its parts in flight); release those done, then
-        finish the generation or post more parts. True if one was done."""
+        finish the generation or post more parts. True if one was done. Past the write fence nothing is polled: a
+        poll progresses NIXL, which moves every WRITE in flight on; they are dropped instead (`_drop_fenced`)."""
+        if self._drop_fenced():
+            return True
         poll = self._endpoint.poll
         drained = []
         for posted in w.posts:
@@ -1464,7 +1511,7 @@ class TransferWriter:
         progressed = False
         for transfer_id, w in list(self._in_flight.items()):
             t = self._transfers.get(transfer_id)
-            if t is not None and t.write is w:
+            if t is not None and t.write is w and self._in_flight.get(transfer_id) is w:  # not dropped meanwhile
                 progressed = self._advance(transfer_id, t, w) or progressed
         return progressed
 

@@ -116,6 +116,27 @@ class _Worker:
     def writes_in_flight(self) -> int:
         return int(self.agent.writes_in_flight)
 
+    def hang_writer(self) -> None:
+        """Have the writer thread stop this process (SIGSTOP, as `WorkerProcess.stop`) the next time it waits for a
+        command, between two of its turns: outside any NIXL call. An outside SIGSTOP may land inside one (a poll),
+        whose progress goes on after SIGCONT, moving the WRITEs in flight before the writer can look at its fence."""
+        writer = self.agent._writer
+        commands = writer._commands
+
+        class Hang:
+            def put(self, command: Any) -> None:
+                commands.put(command)
+
+            def get(self, block: bool = True, timeout: float | None = None) -> Any:
+                writer._commands = commands
+                os.kill(os.getpid(), signal.SIGSTOP)
+                return commands.get(block, timeout)
+
+            def get_nowait(self) -> Any:
+                return self.get(False)
+
+        writer._commands = Hang()
+
     # Consumer commands
 
     async def register(
@@ -251,6 +272,11 @@ class WorkerProcess:
     def stop(self) -> None:
         """SIGSTOP: the process hangs (its sockets stay open, nothing of it runs) until `resume`."""
         self._signal(signal.SIGSTOP)
+
+    def stopped(self) -> bool:
+        """Whether the process is stopped (by `stop`, or by itself: `hang_writer`)."""
+        with open(f"/proc/{self.process.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)
