@@ -249,6 +249,19 @@ async def write(
     endpoint.release(posted)
 
 
+async def handled(endpoint: NixlEndpoint, peer: str, consumer: ConsumerAgent) -> None:
+    """Until the consumer has handled every notification `endpoint` sent it so far: one peer's notifications are
+    handled in order, so once a notification for a transfer it does not expect is counted stale, the ones before
+    were taken. A test whose commit must find a notification's digests waits for this first: the sender's WRITE
+    being done says the notification reached the consumer's NIXL, not that its receiver thread has read it."""
+    before = consumer.stale_notifications
+    await write(endpoint, peer, encode_notification("fence", 1))  # the same bytes again, into the same blocks
+    deadline = asyncio.get_running_loop().time() + WAIT
+    while consumer.stale_notifications == before:
+        assert asyncio.get_running_loop().time() < deadline, "the fence's notification was never handled"
+        await asyncio.sleep(0.005)
+
+
 async def test_a_checked_progressive_transfer_goes_in_parts_and_arrives_checked(
     server: AsyncTestServer, client: AsyncRendezvousClient
 ) -> None:
@@ -419,6 +432,7 @@ async def test_writers_unknown_scopes_that_never_cover_the_target_fail_it_after_
     async with integrity_pair(client, digests_after_commit_s=0.2) as pair, hand_writer(client, pair) as (hand, peer):
         digests = block_digests(regions_from_tensors(pair.kv), [1, 2])
         await write(hand, peer, encode_notification("t1", 1, 0, digests[:1], HALVES[0]))
+        await handled(hand, peer, pair.consumer)  # region 0's came before the commit (its wait is 0.2 s)
         await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))
         result = await asyncio.wait_for(pair.arrived, WAIT)
         assert not result.ok and result.reason is AgentReason.CORRUPTED
@@ -433,6 +447,7 @@ async def test_writers_unknown_scoped_digests_that_lie_are_checked_on_the_commit
     async with started_pair(client) as pair, hand_writer(client, pair) as (hand, peer):
         lie = block_digests(regions_from_tensors(pair.kv), [2, 1])
         await write(hand, peer, encode_notification("t1", 1, 0, lie, WHOLE))
+        await handled(hand, peer, pair.consumer)  # the digests came before the commit
         await pair.producer.session.complete_transfer(CompletionSpec("t1", 1))
         result = await asyncio.wait_for(pair.arrived, WAIT)
         assert not result.ok and result.reason is AgentReason.CORRUPTED
