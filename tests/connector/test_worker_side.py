@@ -98,19 +98,21 @@ def reported(worker: Any, field: str, request_id: str) -> set[str]:
     return failed
 
 
-def until_state(server: TestServer, transfer_id: str, state: str) -> None:
-    """Until the rendezvous has the transfer in `state` (a TransferState name)."""
+def until_state(server: TestServer, transfer_id: str, state: str, *, revoking_generation: int | None = None) -> None:
+    """Until the rendezvous has the transfer in `state` (a TransferState name) and, if given, with that
+    `revoking_generation` (0: the producer acknowledged the generation it held, or held none)."""
     from rendezvous.clients import NotFound, RendezvousClient
 
     deadline = time.monotonic() + WAIT
     with RendezvousClient(server.address) as client:
         while True:
             try:
-                if client.get_transfer(transfer_id).state.name == state:
+                info = client.get_transfer(transfer_id)
+                if info.state.name == state and revoking_generation in (None, info.revoking_generation):
                     return
             except NotFound:  # not registered yet
                 pass
-            assert time.monotonic() < deadline, f"{transfer_id} never {state}"
+            assert time.monotonic() < deadline, f"{transfer_id} never {state} (revoking {revoking_generation})"
             time.sleep(0.01)
 
 
@@ -138,7 +140,10 @@ def test_a_decode_request_that_ends_first_aborts_the_transfer_and_the_prefill_wo
     prefill.submit(Meta(claims=[("p-r1", "t1")]))
     until_state(server, "t1", "MATCHED")
     decode.submit(Meta(aborts=[("d-r1", "t1")]))  # a later step: the decode request ended (client went away)
-    until_state(server, "t1", "ABORTED")  # before the prefill leg's prompt is computed
+    # Before the prefill leg's prompt is computed, and the prefill worker heard of the abort (it acknowledged the
+    # generation it was assigned). Seen ABORTED alone, its ready could still write the whole KV before its agent
+    # heard, and the decode agent take it as arrived before its own abort's answer came back (CI saw it once).
+    until_state(server, "t1", "ABORTED", revoking_generation=0)
     prefill.submit(Meta(ready=[("p-r1", "t1", [3, 4, 5], 40)]))
     # Both let go: the prefill worker of its source blocks, the decode worker of its destination blocks once no
     # write can land in them any more, reporting the receive failed (vLLM then frees the blocks).
