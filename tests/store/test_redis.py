@@ -715,6 +715,90 @@ async def test_a_write_seen_during_the_health_check_is_not_taken_for_redis_going
         await store.close()
 
 
+async def test_a_new_epoch_adopted_during_the_health_check_is_not_taken_for_redis_going_back_in_time(
+    redis_server: ControlledRedis,
+) -> None:
+    """Redis lost its data: a write finds the epoch gone and starts a new one while the health check, which knew the
+    old epoch's revision, reads the new epoch's (lower) one. Taking that for a regression started a second epoch:
+    engines re-registered twice, and the second time aborted what they had just re-asserted."""
+    store = RedisStore(with_prefix(redis_server.url, fresh_prefix()))
+    await store.open()
+    try:
+        old = store.epoch
+        for engine_id in ("c", "d", "e"):
+            await put_engine(store, make_engine(engine_id))
+        with redis_server.client() as r:
+            r.flushall()
+        assert store._health is not None
+        real_mget = store._health.mget
+        new: list[int] = []
+
+        async def mget_after_a_write_started_the_new_epoch(*keys: str) -> object:
+            await put_transfer(store, make_transfer("t"))
+            new.append(store.epoch)
+            return await real_mget(*keys)
+
+        store._health.mget = mget_after_a_write_started_the_new_epoch  # type: ignore[method-assign,assignment]
+        assert await store.ping()
+        assert new[0] not in (0, old)
+        assert store.epoch == new[0], "the health check started another epoch"
+        assert await store.get_transfer("t") is not None
+    finally:
+        await store.close()
+
+
+async def test_redis_losing_its_data_while_a_replica_replaces_a_regressed_epoch_makes_a_new_one(
+    redis_server: ControlledRedis,
+) -> None:
+    store = RedisStore(with_prefix(redis_server.url, fresh_prefix()))
+    await store.open()
+    try:
+        old = store.epoch
+        await put_transfer(store, make_transfer("t"))
+        assert store._health is not None
+        real_mget = store._health.mget
+
+        async def mget_then_lose_everything(*keys: str) -> object:
+            stored = await real_mget(*keys)
+            with redis_server.client() as r:
+                r.flushall()
+            return stored
+
+        with redis_server.client() as r:
+            r.set(store._prefix + "rev", 0)  # Redis went back in time ...
+        store._health.mget = mget_then_lose_everything  # type: ignore[method-assign,assignment]
+        assert await store.ping()  # ... and lost its epoch before this replica could replace it
+        assert store.epoch not in (0, old)
+        with redis_server.client() as r:
+            assert int(r.get(store._prefix + "epoch")) == store.epoch
+    finally:
+        await store.close()
+
+
+async def test_a_late_refusal_naming_the_epoch_already_adopted_keeps_the_revisions_seen_in_it(
+    redis_server: ControlledRedis,
+) -> None:
+    """Two writes refused for one new epoch: the second refusal, handled after writes in the new epoch, must not
+    forget their revisions (a Redis going back past them would then go unnoticed)."""
+    url = with_prefix(redis_server.url, fresh_prefix())
+    a, b = RedisStore(url), RedisStore(url)
+    await a.open()
+    await b.open()
+    try:
+        with redis_server.client() as r:
+            r.flushall()
+        assert await b.ping()  # b starts the new epoch
+        await put_transfer(a, make_transfer("t"))  # refused, a adopts it, and writes again
+        await put_transfer(a, make_transfer("u"))
+        seen = a._epoch.high_rev
+        assert a.epoch == b.epoch and seen > 0
+        await a._epoch.refused([b"E", str(a.epoch).encode()])  # the other write's refusal, handled late
+        assert a._epoch.high_rev == seen
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_engines_listed_by_a_namespace_written_before_the_id_index_are_all_found(redis_url: str) -> None:
     """ListEngines pages come from the id index `engine_ids`; a namespace an older server wrote has only the
     `engines` set, from which the first listing builds the index."""

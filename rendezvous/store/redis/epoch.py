@@ -52,9 +52,10 @@ class Epoch:
 
     async def check(self, client: aioredis.Redis) -> None:
         """Read the epoch, or make one if Redis has none (first start, or its data was lost)."""
-        # Only a revision seen before the read can prove a regression: a write completing meanwhile
-        # may show a newer one than the read returns.
-        seen = self.high_rev
+        # Only a revision seen before the read, in the epoch read, can prove a regression: a write completing
+        # meanwhile may show a newer one than the read returns, or may have found the data gone and adopted a new
+        # epoch, whose revisions start again from 0.
+        seen_epoch, seen = self.value, self.high_rev
         stored_epoch, stored_rev = await client.mget(self._epoch_key, self._rev_key)
         if stored_epoch is None:
             await client.set(self._epoch_key, secrets.randbits(63) or 1, nx=True)
@@ -63,7 +64,7 @@ class Epoch:
         epoch, rev = int(stored_epoch), int(stored_rev or 0)
         if epoch != self.value:
             self._adopt(epoch, rev)
-        elif rev < seen:
+        elif epoch == seen_epoch and rev < seen:
             await self._regressed(rev, epoch)
         else:
             self.saw(rev)
@@ -78,9 +79,11 @@ class Epoch:
             await self.check(self._scripts.client)  # the data is gone
 
     def _adopt(self, epoch: int, rev: int) -> None:
-        if epoch != self.value:
-            self.value = epoch
-            self._forget()
+        if epoch == self.value:
+            self.saw(rev)  # another call adopted it first and may have seen later revisions since
+            return
+        self.value = epoch
+        self._forget()
         self.high_rev = rev
 
     async def _regressed(self, rev: int, epoch: int) -> None:
@@ -105,4 +108,7 @@ class Epoch:
             "Redis went back in time (revision %d, this replica saw %d): starting a new epoch", rev, self.high_rev
         )
         current = await self._scripts.run("replace_epoch", lost_epoch=epoch, new_epoch=secrets.randbits(63) or 1)
-        self._adopt(int(current), rev)
+        if current is None:
+            await self.check(self._scripts.client)  # the data is gone meanwhile
+        else:
+            self._adopt(int(current), rev)
