@@ -29,7 +29,8 @@ both per second of the flood's own phase. Over capacity three ways: `of_capacity
 them, over capacity: the load admitted in all; with a front, capacity beside them is measured once more on the
 server directly, as the front holds back a closed-loop flood). `server_cpus_busy` is how busy the server's CPUs
 were, whoever ran there (what else ran on them: less the server's own `server_cpu_util`), `server_cpus_steal`
-the time the hypervisor took from them. No transfer of the others may be lost: each
+the time the hypervisor took from them, `client_cpus_busy` how busy every other CPU was (the clients', the
+front's and the heavy sender's, who start before the phase). No transfer of the others may be lost: each
 lifecycle ends released, or its error is counted.
 
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
@@ -550,7 +551,9 @@ def heavy_request(incarnation: int, max_bytes: int) -> pb.CompleteTransfersReque
     return pb.CompleteTransfersRequest(engine_id="heavy", incarnation=incarnation, completions=completions)
 
 
-async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
+async def run_heavy(address: str, ready: Any, go: Any, stop: Any, max_bytes: int) -> dict[str, Any]:
+    """The heavy identity: registers and builds its request, says it is ready, and sends from `go` until `stop`
+    (multiprocessing Events)."""
     codes: Counter[str] = Counter()
     hints = 0  # RESOURCE_EXHAUSTED answers with a google.rpc.RetryInfo
     call_s: list[float] = []
@@ -569,6 +572,8 @@ async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
         # from the server and be counted as the server's cost.
         body = request.SerializeToString()
         complete = channel.unary_unary("/rendezvous.v1.RendezvousService/CompleteTransfers")
+        ready.set()
+        await asyncio.to_thread(go.wait)
         while not stop.is_set():  # a multiprocessing Event: read between calls only
             began = time.monotonic()
             try:
@@ -590,9 +595,9 @@ async def run_heavy(address: str, stop: Any, max_bytes: int) -> dict[str, Any]:
     }
 
 
-def heavy_main(address: str, stop: Any, max_bytes: int, out: Any) -> None:
+def heavy_main(address: str, ready: Any, go: Any, stop: Any, max_bytes: int, out: Any) -> None:
     """The heavy identity in a process of its own, so that building its requests slows no one else here."""
-    out.put(asyncio.run(run_heavy(address, stop, max_bytes)))
+    out.put(asyncio.run(run_heavy(address, ready, go, stop, max_bytes)))
 
 
 def sample_flood(address: str, body: bytes, until: float, out: dict[str, Any]) -> None:
@@ -653,10 +658,25 @@ def phase(
 ) -> dict[str, Any]:
     """One phase: the flood at `rate` calls/s in all (None: closed loop), the others (if others_too), heavy (if
     heavy_bytes), probes."""
+    heavy_process: Any = None
+    if others_too and heavy_bytes:
+        # Started, registered and its request built before the phase: a process's start-up and a 4 MiB request's
+        # building take ~0.5 s of CPU, which the flood's clients and the front (pinned beside it) would lose.
+        ctx = mp.get_context("spawn")
+        heavy_ready, heavy_go, heavy_stop, heavy_out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
+        heavy_process = ctx.Process(
+            target=heavy_main, args=(server.address, heavy_ready, heavy_go, heavy_stop, heavy_bytes, heavy_out)
+        )
+        heavy_process.start()
+        if not heavy_ready.wait(timeout=120):
+            heavy_process.kill()
+            raise RuntimeError("the heavy identity did not get ready")
     before = server.rpc_counts()
     refused_before = server.refused_at_front()
     cpu0 = proc_usage(server.proc.pid)[0]
     ticks0 = cpu_ticks(server.cpus)
+    clients = None if server.cpus is None else frozenset(os.sched_getaffinity(0))
+    client_ticks0 = cpu_ticks(clients)
     front_cpu0 = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0]
     stop = threading.Event()
     health: dict[str, Any] = {}
@@ -685,14 +705,11 @@ def phase(
     heavy: dict[str, Any] = {"request_mib": 0.0, "codes": {}, "retry_hints": 0, "max_call_s": 0.0}
     others: Others | None = None
     if others_too:
-        ctx = mp.get_context("spawn")
-        heavy_stop, heavy_out = ctx.Event(), ctx.Queue()
-        heavy_process = ctx.Process(target=heavy_main, args=(server.address, heavy_stop, heavy_bytes, heavy_out))
-        if heavy_bytes:
-            heavy_process.start()
+        if heavy_process is not None:
+            heavy_go.set()
         others = asyncio.run(run_others(server.address, seconds, run))
-        heavy_stop.set()
-        if heavy_bytes:
+        if heavy_process is not None:
+            heavy_stop.set()
             heavy = heavy_out.get(timeout=120)
             heavy_process.join(timeout=30)
     clients_saw = [flood.communicate(timeout=seconds + 120)[0] for flood in floods]
@@ -702,6 +719,7 @@ def phase(
         t.join()
     cpu = proc_usage(server.proc.pid)[0] - cpu0
     busy, steal, total = (after_ - before_ for after_, before_ in zip(cpu_ticks(server.cpus), ticks0, strict=True))
+    client_busy, _, client_total = (a - b for a, b in zip(cpu_ticks(clients), client_ticks0, strict=True))
     front_cpu = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0] - front_cpu0
     after = server.rpc_counts()
     refused_at_front = server.refused_at_front() - refused_before
@@ -728,6 +746,8 @@ def phase(
         "front_cpu_util": front_cpu / elapsed,
         "server_cpus_busy": busy / max(total, 1),
         "server_cpus_steal": steal / max(total, 1),
+        # The CPUs of the clients, the front and the heavy sender (every CPU when the server is not pinned).
+        "client_cpus_busy": client_busy / max(client_total, 1),
         "health_port": health,
         "serving_port_health": serving_health,
         **memory,
@@ -846,7 +866,8 @@ def report(store: str, r: dict[str, Any]) -> None:
         f"{r['heavy']['request_mib']:.1f} MiB x {sum(r['heavy']['codes'].values())} {r['heavy']['codes']} "
         f"({r['heavy']['retry_hints']} retry hints); "
         f"server CPU {r['server_cpu_util']:.0%} (its CPUs busy {r['server_cpus_busy']:.0%}, stolen "
-        f"{r['server_cpus_steal']:.0%}; front {r['front_cpu_util']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
+        f"{r['server_cpus_steal']:.0%}; front {r['front_cpu_util']:.0%}; the clients' CPUs busy "
+        f"{r['client_cpus_busy']:.0%}), peak RSS {r['peak_rss_mib']:.0f} MiB"
     )
 
 
