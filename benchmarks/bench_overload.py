@@ -30,7 +30,8 @@ them, over capacity: the load admitted in all; with a front, capacity beside the
 server directly, as the front holds back a closed-loop flood). `server_cpus_busy` is how busy the server's CPUs
 were, whoever ran there (what else ran on them: less the server's own `server_cpu_util`), `server_cpus_steal`
 the time the hypervisor took from them, `client_cpus_busy` how busy every other CPU was (the clients', the
-front's and the heavy sender's, who start before the phase). No transfer of the others may be lost: each
+front's and the heavy sender's, who start before the phase); each over the flood's own seconds
+(`cpu_window_s`), not the phase's tail while the last lifecycles and the heavy sender's held call end. No transfer of the others may be lost: each
 lifecycle ends released, or its error is counted.
 
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
@@ -539,6 +540,50 @@ async def run_others(address: str, seconds: float, run: str) -> Others:
 # The heavy identity: maximum-size CompleteTransfers requests, back to back.
 
 
+@dataclass(frozen=True)
+class Usage:
+    """CPU used so far: by the server's and the front's processes (seconds), on the server's and the clients' CPUs
+    (busy, stolen and total ticks)."""
+
+    at: float
+    server_s: float
+    front_s: float
+    server_cpus: tuple[int, int, int]
+    client_cpus: tuple[int, int, int]
+
+    def since(self, start: Usage) -> dict[str, float]:
+        """Utilizations from `start` to this one, as the results name them."""
+        seconds = self.at - start.at
+        busy, steal, total = (now - then for now, then in zip(self.server_cpus, start.server_cpus, strict=True))
+        client_busy, _, client_total = (
+            now - then for now, then in zip(self.client_cpus, start.client_cpus, strict=True)
+        )
+        return {
+            "cpu_window_s": seconds,
+            "server_cpu_util": (self.server_s - start.server_s) / seconds,
+            "front_cpu_util": (self.front_s - start.front_s) / seconds,
+            "server_cpus_busy": busy / max(total, 1),
+            "server_cpus_steal": steal / max(total, 1),
+            # The CPUs of the clients, the front and the heavy sender (every CPU when the server is not pinned).
+            "client_cpus_busy": client_busy / max(client_total, 1),
+        }
+
+
+def _ticks_since(now: tuple[int, int, int], then: tuple[int, int, int]) -> tuple[int, int, int]:
+    busy, steal, total = (a - b for a, b in zip(now, then, strict=True))
+    return busy, steal, total
+
+
+def usage(server: Server, clients: frozenset[int] | None) -> Usage:
+    return Usage(
+        at=time.monotonic(),
+        server_s=proc_usage(server.proc.pid)[0],
+        front_s=0.0 if server.front_pid is None else proc_usage(server.front_pid)[0],
+        server_cpus=cpu_ticks(server.cpus),
+        client_cpus=cpu_ticks(clients),
+    )
+
+
 def heavy_request(incarnation: int, max_bytes: int) -> pb.CompleteTransfersRequest:
     """Completions of 4,096 parts each for unknown ids, as many as fit in max_bytes."""
     parts = [pb.WrittenPart(first_layer=layer, num_layers=1, first_token=0, num_tokens=16) for layer in range(4096)]
@@ -673,11 +718,7 @@ def phase(
             raise RuntimeError("the heavy identity did not get ready")
     before = server.rpc_counts()
     refused_before = server.refused_at_front()
-    cpu0 = proc_usage(server.proc.pid)[0]
-    ticks0 = cpu_ticks(server.cpus)
     clients = None if server.cpus is None else frozenset(os.sched_getaffinity(0))
-    client_ticks0 = cpu_ticks(clients)
-    front_cpu0 = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0]
     stop = threading.Event()
     health: dict[str, Any] = {}
     serving_health: dict[str, Any] = {}
@@ -702,6 +743,12 @@ def phase(
         for i, body in enumerate(bodies)
     ]
     began = time.monotonic()
+    # CPU use over the flood's own seconds: the phase lasts longer while the others' last lifecycles and the heavy
+    # sender's last call (held up to a second) end, when the server has little left to do.
+    start = usage(server, clients)
+    ends: list[Usage] = []
+    window = threading.Timer(seconds, lambda: ends.append(usage(server, clients)))
+    window.start()
     heavy: dict[str, Any] = {"request_mib": 0.0, "codes": {}, "retry_hints": 0, "max_call_s": 0.0}
     others: Others | None = None
     if others_too:
@@ -717,10 +764,8 @@ def phase(
     stop.set()
     for t in threads:
         t.join()
-    cpu = proc_usage(server.proc.pid)[0] - cpu0
-    busy, steal, total = (after_ - before_ for after_, before_ in zip(cpu_ticks(server.cpus), ticks0, strict=True))
-    client_busy, _, client_total = (a - b for a, b in zip(cpu_ticks(clients), client_ticks0, strict=True))
-    front_cpu = 0.0 if server.front_pid is None else proc_usage(server.front_pid)[0] - front_cpu0
+    window.join()
+    used = (ends[0] if ends else usage(server, clients)).since(start)
     after = server.rpc_counts()
     refused_at_front = server.refused_at_front() - refused_before
     delta = Counter({k: after[k] - before[k] for k in after if after[k] != before[k]})
@@ -742,12 +787,7 @@ def phase(
         "h2load_requests": [
             next((ln.strip() for ln in out.splitlines() if ln.startswith("requests:")), "") for out in clients_saw
         ],
-        "server_cpu_util": cpu / elapsed,
-        "front_cpu_util": front_cpu / elapsed,
-        "server_cpus_busy": busy / max(total, 1),
-        "server_cpus_steal": steal / max(total, 1),
-        # The CPUs of the clients, the front and the heavy sender (every CPU when the server is not pinned).
-        "client_cpus_busy": client_busy / max(client_total, 1),
+        **used,
         "health_port": health,
         "serving_port_health": serving_health,
         **memory,
