@@ -73,7 +73,8 @@ class CacheIndex:
 
     async def replace(self, snapshot: CacheSnapshot) -> IndexPosition:
         """Replace an engine's entry by a snapshot of its cache, cut (never refused) where a bound on the index has no
-        room for all of it: its leading blocks, the answer's left_out saying how many were not indexed."""
+        room for all of it: its leading blocks, the answer's left_out saying how many were not indexed and cut_by
+        which bound cut it (the tightest: the engine's, or the server's or its identity's, which the store applies)."""
         rules.check_snapshot(snapshot, self.limits)
         engine = await self._engine(snapshot.engine_id, snapshot.incarnation)
         index = self.store.index()
@@ -85,8 +86,10 @@ class CacheIndex:
             written = await index.write(read, write, self._bounds)
             if written is not None:  # cut, where a bound had no room for all of it (IndexWrite.cut)
                 await self._still(engine)
-                cut = write.entry.block_count - written.block_count
-                return IndexPosition(written.sequence, written.block_count, left_out=write.left_out + cut)
+                kept = written.entry
+                left_out = write.left_out + write.entry.block_count - kept.block_count
+                cut_by = written.cut_by or ("engine" if write.left_out else "")
+                return IndexPosition(kept.sequence, kept.block_count, left_out=left_out, cut_by=cut_by)
         raise _contended(engine.engine_id)
 
     async def match(self, query: PrefixQuery) -> list[PrefixMatch]:

@@ -95,6 +95,10 @@ class IndexPosition:
     left_out: int = 0
     """A snapshot's blocks not indexed, its last ones as sent: past the server's max_index_blocks_per_engine, or the
     room its identity's or the server's bound left."""
+    cut_by: str = ""
+    """The bound that cut a snapshot (left_out > 0): "engine" (max_index_blocks_per_engine, the engine's own),
+    "identity" or "server" (shared with other engines: room may free without this engine evicting anything); ""
+    when it was indexed whole, and from a server older than the field."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,6 @@ def matches(ms: Sequence[ipb.PrefixMatch]) -> list[PrefixMatch]:
 
 def position(m: ipb.ReportCacheEventsResponse | ipb.ReplaceCachedBlocksResponse) -> IndexPosition:
     """Where the engine's entry stands, from either answer."""
-    duplicate = m.duplicate if isinstance(m, ipb.ReportCacheEventsResponse) else False
-    left_out = m.left_out if isinstance(m, ipb.ReplaceCachedBlocksResponse) else 0
-    return IndexPosition(m.sequence, m.block_count, duplicate, left_out)
+    if isinstance(m, ipb.ReplaceCachedBlocksResponse):
+        return IndexPosition(m.sequence, m.block_count, left_out=m.left_out, cut_by=m.cut_by)
+    return IndexPosition(m.sequence, m.block_count, m.duplicate)

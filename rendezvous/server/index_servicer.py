@@ -44,7 +44,11 @@ class KvIndexServicer(ipb_grpc.KvIndexServiceServicer):
     ) -> ipb.ReplaceCachedBlocksResponse:
         at = await self.coordinator.index.replace(index_wire.snapshot(request))
         return ipb.ReplaceCachedBlocksResponse(
-            header=await self._header(), sequence=at.sequence, block_count=at.block_count, left_out=at.left_out
+            header=await self._header(),
+            sequence=at.sequence,
+            block_count=at.block_count,
+            left_out=at.left_out,
+            cut_by=at.cut_by,
         )
 
     @_rpc(ipb.MatchPrefixesResponse)

@@ -7,8 +7,8 @@ without moving the sequence), so two calls that decided on the same entry cannot
 again, and never writes a count decided on a set that changed since. The server's
 bound on all blocks (max_index_blocks_total) and an identity's on its engines' blocks (max_index_blocks_per_identity)
 are checked in the step that writes: a report that would pass one is refused (INDEX_FULL), a snapshot is cut to
-what fits (`most_after`), so that a full index never keeps an entry's old blocks, ones the engine may have evicted
-since, in place of its snapshot. `MemoryIndex` serves the memory
+what fits (`most_after`; the write says which bound cut it, `Written.cut_by`), so that a full index never keeps an
+entry's old blocks, ones the engine may have evicted since, in place of its snapshot. `MemoryIndex` serves the memory
 store; the Redis store has the same contract in Lua (rendezvous/store/redis/cache_index.py).
 
 A query counts each selected engine's leading blocks level by level (`leading_counts`), in steps of at most
@@ -70,16 +70,31 @@ def index_full(scope: str, limit: int, have: int, adding: int) -> RendezvousErro
     )
 
 
-def most_after(before: int, total: int, owned: int, charged_here: bool, owner: str, bounds: IndexBounds) -> int:
-    """The most blocks an entry holding `before` may hold after a write, within bounds: what fits under the server's
-    bound (all entries hold `total`) and, with an owner, under its identity's (its entries hold `owned`, this one's
-    among them when charged_here), and never fewer than it held (shrinking is always allowed). A cut snapshot keeps
-    this many (`IndexWrite.cut`); index_write.lua computes the same."""
-    most = max(before, bounds.total - total + before)
+def most_after(
+    before: int, total: int, owned: int, charged_here: bool, owner: str, bounds: IndexBounds
+) -> tuple[int, str]:
+    """The most blocks an entry holding `before` may hold after a write, within bounds, and the bound that sets it
+    ("server" or "identity": the lower; the server's on a tie): what fits under the server's bound (all entries hold
+    `total`) and, with an owner, under its identity's (its entries hold `owned`, this one's among them when
+    charged_here), and never fewer than it held (shrinking is always allowed). A cut snapshot keeps this many
+    (`IndexWrite.cut`); index_write.lua computes the same."""
+    most, bound = max(before, bounds.total - total + before), "server"
     if owner:
         mine = before if charged_here else 0
-        most = min(most, max(mine, bounds.per_identity - owned + mine))
-    return most
+        mine_most = max(mine, bounds.per_identity - owned + mine)
+        if mine_most < most:
+            most, bound = mine_most, "identity"
+    return most, bound
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a write wrote: the entry (a cut write's saying how many blocks it kept), and the bound that cut it."""
+
+    entry: IndexEntry
+    cut_by: str = ""
+    """"server" or "identity" where the server's or the identity's bound had no room for all of a cut write's adds
+    (`most_after`); "" when it was written whole."""
 
 
 def ranked(matches: Sequence[PrefixMatch]) -> list[PrefixMatch]:
@@ -156,12 +171,12 @@ class IndexStore(ABC):
         """An engine's entry and whether it holds each of members."""
 
     @abstractmethod
-    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> IndexEntry | None:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> Written | None:
         """Apply write if the engine's entry is still the one expected read (its version; None: no entry), moving
-        the version; the entry written. None (nothing written) when any write came between; INDEX_FULL when a
+        the version; what it wrote. None (nothing written) when any write came between; INDEX_FULL when a
         growth would pass one of bounds (the server's first, then the new entry's owner's: its blocks so far, less
         the entry's own if it was charged to it), except that a cut write (a snapshot) keeps the leading
-        `most_after` of its adds instead, the entry written saying how many."""
+        `most_after` of its adds instead, the entry written saying how many and `cut_by` which bound cut it."""
 
     @abstractmethod
     async def match(
@@ -201,8 +216,8 @@ class MemoryIndex(IndexStore):
             self._entries.get(engine_id), {m: m in held for m in members}, self._versions.get(engine_id, "")
         )
 
-    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> IndexEntry | None:
-        new, adds = write.entry, write.adds
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> Written | None:
+        new, adds, cut_by = write.entry, write.adds, ""
         engine_id, owner = new.engine_id, new.owner
         current = self._entries.get(engine_id)
         if self._versions.get(engine_id, "") != (expected.version if expected is not None else ""):
@@ -212,9 +227,9 @@ class MemoryIndex(IndexStore):
         after = new.block_count
         charged = current.owner if current is not None else ""
         if write.cut:
-            most = most_after(before, self._total, self._owned[owner], charged == owner, owner, bounds)
+            most, bound = most_after(before, self._total, self._owned[owner], charged == owner, owner, bounds)
             if after > most:
-                adds, after = list(adds)[:most], most
+                adds, after, cut_by = list(adds)[:most], most, bound
                 new = replace(new, block_count=most)
         if after > before and self._total + after - before > bounds.total:
             raise index_full("server", bounds.total, self._total, after - before)
@@ -233,7 +248,7 @@ class MemoryIndex(IndexStore):
         self._total += after - before
         self._owned[charged] -= before
         self._owned[owner] += after
-        return new
+        return Written(new, cut_by)
 
     async def match(
         self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None

@@ -102,16 +102,18 @@ class ReplaceCachedBlocksRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., sequence: _Optional[int] = ..., hashing: _Optional[_Union[BlockHashing, _Mapping]] = ..., groups: _Optional[_Iterable[_Union[CachedBlocks, _Mapping]]] = ...) -> None: ...
 
 class ReplaceCachedBlocksResponse(_message.Message):
-    __slots__ = ("header", "sequence", "block_count", "left_out")
+    __slots__ = ("header", "sequence", "block_count", "left_out", "cut_by")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    CUT_BY_FIELD_NUMBER: _ClassVar[int]
     header: _rendezvous_pb2.ResponseHeader
     sequence: int
     block_count: int
     left_out: int
-    def __init__(self, header: _Optional[_Union[_rendezvous_pb2.ResponseHeader, _Mapping]] = ..., sequence: _Optional[int] = ..., block_count: _Optional[int] = ..., left_out: _Optional[int] = ...) -> None: ...
+    cut_by: str
+    def __init__(self, header: _Optional[_Union[_rendezvous_pb2.ResponseHeader, _Mapping]] = ..., sequence: _Optional[int] = ..., block_count: _Optional[int] = ..., left_out: _Optional[int] = ..., cut_by: _Optional[str] = ...) -> None: ...
 
 class MatchPrefixesRequest(_message.Message):
     __slots__ = ("block_hashes", "group_index", "pools", "engine_ids", "role", "min_matched_blocks")

@@ -244,9 +244,13 @@ async def test_a_snapshot_past_the_servers_bound_is_cut_and_drops_what_the_engin
     held = tuple(hash_of(i) for i in range(50))  # p0's cache now: the stale blocks were evicted
     at = await client.replace_cached_blocks(CacheSnapshot("p0", 1, HASHING, ((0, held),)))
     assert (at.sequence, at.block_count, at.left_out) == (1, 40, 10)  # 100 - 60: what p1 leaves
+    assert at.cut_by == "server"  # shared: room p1 frees is p0's to take
     assert await matched(client, stale) == {"p0": 0, "p1": 0}
     assert await matched(client, held[24:40]) == {"p0": 16, "p1": 0}
     assert await matched(client, held[40:]) == {"p0": 0, "p1": 0}
+    # Past both bounds (70 blocks: the engine's 64, the server's room 40): the tighter one, the server's, is named.
+    both = await client.replace_cached_blocks(CacheSnapshot("p0", 2, HASHING, ((0, held + stale + others[:12]),)))
+    assert (both.block_count, both.left_out, both.cut_by) == (40, 30, "server")
 
 
 async def test_malformed_requests_and_queries_over_the_limit_are_invalid(
@@ -357,11 +361,11 @@ async def test_a_snapshot_past_the_engines_bound_is_cut_and_drops_what_the_engin
     assert await matched(client, stale) == {"p0": 8}
     held = tuple(hash_of(i) for i in range(70))  # the engine's cache now: the stale blocks were evicted
     at = await client.replace_cached_blocks(CacheSnapshot("p0", 5, HASHING, ((0, held[:40]), (1, held[40:]))))
-    assert (at.sequence, at.block_count, at.left_out) == (5, 64, 6)
+    assert (at.sequence, at.block_count, at.left_out, at.cut_by) == (5, 64, 6, "engine")
     assert await matched(client, stale) == {"p0": 0}
     assert await matched(client, held[24:40]) == {"p0": 16}  # a query carries at most 16 blocks here
     assert await matched(client, held[48:64], group=1) == {"p0": 16}
     assert await matched(client, held[64:], group=1) == {"p0": 0}
     # A snapshot within the bound is whole again.
     whole = await client.replace_cached_blocks(CacheSnapshot("p0", 6, HASHING, ((0, held[:10] + held[:10]),)))
-    assert (whole.block_count, whole.left_out) == (10, 0)
+    assert (whole.block_count, whole.left_out, whole.cut_by) == (10, 0, "")

@@ -139,18 +139,24 @@ async def test_a_snapshot_past_a_bound_keeps_its_leading_blocks_and_none_of_the_
     assert await one.index().write(None, put(entry("a1", 1, 1, owner="a"), b"old"), bounds)
     read = await two.index().read("a1", [])
     written = await two.index().write(read, snapshot(entry("a1", 2, 4, owner="a"), b"p", b"q", b"r", b"s"), bounds)
-    assert written == entry("a1", 2, 2, owner="a")  # room for 2 of its 4 blocks: the 1 it held and 1 more
+    assert written is not None
+    assert written.entry == entry("a1", 2, 2, owner="a")  # room for 2 of its 4 blocks: the 1 it held and 1 more
+    assert written.cut_by == scope  # which bound: shared with the identity's or the server's other engines
     held = (await one.index().read("a1", [member(0, h) for h in (b"old", b"p", b"q", b"r")])).held
     assert list(held.values()) == [False, True, True, False]
     assert [m.matched_blocks for m in await one.index().match(PrefixQuery((b"old",), engine_ids=("a1",)))] == [0]
-    assert (await one.index().total(), (await two.index().read("a1", [])).entry) == (4, written)
+    assert (await one.index().total(), (await two.index().read("a1", [])).entry) == (4, written.entry)
     # No room at all: it keeps as many as it held (shrinking is always allowed), here the first 2.
     read = await one.index().read("a1", [])
-    assert await one.index().write(read, snapshot(entry("a1", 3, 3, owner="a"), b"s", b"t", b"u"), bounds) == entry(
-        "a1", 3, 2, owner="a"
+    kept = await one.index().write(read, snapshot(entry("a1", 3, 3, owner="a"), b"s", b"t", b"u"), bounds)
+    assert kept is not None and (kept.entry, kept.cut_by) == (entry("a1", 3, 2, owner="a"), scope)
+    # One that fits is written whole: no bound cut it.
+    whole = await one.index().write(
+        await one.index().read("a1", []), snapshot(entry("a1", 4, 1, owner="a"), b"s"), bounds
     )
+    assert whole is not None and (whole.entry, whole.cut_by) == (entry("a1", 4, 1, owner="a"), "")
     with pytest.raises(RendezvousError) as caught:
-        await one.index().write(await one.index().read("a1", []), put(entry("a1", 4, 3, owner="a"), b"v"), bounds)
+        await one.index().write(await one.index().read("a1", []), put(entry("a1", 5, 3, owner="a"), b"t", b"v"), bounds)
     assert caught.value.metadata["scope"] == scope
 
 

@@ -27,6 +27,7 @@ from rendezvous.store.cache_index import (
     IndexBounds,
     IndexRead,
     IndexStore,
+    Written,
     answers,
     index_full,
     leading_counts,
@@ -78,7 +79,7 @@ class RedisIndex(GuardedScripts, IndexStore):
         held = {m: bool(h) for m, h in zip(members, reply[2:], strict=True)}
         return IndexRead(entry, held, reply[0].decode())
 
-    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> IndexEntry | None:
+    async def write(self, expected: IndexRead | None, write: IndexWrite, bounds: IndexBounds) -> Written | None:
         e = write.entry
         head, tail = encode_parts(e)
         reply = await self._write(
@@ -106,7 +107,7 @@ class RedisIndex(GuardedScripts, IndexStore):
         if reply[0] != b"OK":
             return None
         kept = int(reply[1])
-        return e if kept == e.block_count else replace(e, block_count=kept)
+        return Written(e if kept == e.block_count else replace(e, block_count=kept), reply[2].decode())
 
     async def match(
         self, query: PrefixQuery, max_lookups: int = Limits.max_index_query_lookups, now: float | None = None

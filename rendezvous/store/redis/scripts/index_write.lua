@@ -5,12 +5,12 @@
 -- blocks so far, less this entry's if they were charged to it). count: the set's size after (the caller's
 -- decision, exact since the set changes only with the version). cut "1" (a snapshot: reset, adds distinct and in the
 -- order to keep): where a bound has no room for count blocks, keep the leading adds that fit instead of refusing,
--- never fewer than the entry held (rendezvous.store.cache_index.most_after). The record is record_head, the count
--- kept, record_tail.
+-- never fewer than the entry held (rendezvous.store.cache_index.most_after), and answer which bound cut it. The
+-- record is record_head, the count kept, record_tail.
 -- The version is "<v>/<w>": v is "<incarnation>:<sequence>" (the caller's `version`, what 0.1.0's replicas compare
 -- alone), w the write's number (INCR `ixw`), new at every write: a snapshot at the entry's own sequence replaces
 -- the set without moving v, and w tells a report decided on the set before it that it changed.
--- Reply: OK count | C (changed: read again) | B scope have adding (a bound) | E epoch | R rev epoch.
+-- Reply: OK count cut_by ("server", "identity" or "") | C (changed: read again) | B scope have adding (a bound) | E epoch | R rev epoch.
 local bad = guard_failed(guard)
 if bad then
   return bad
@@ -34,18 +34,25 @@ if owner ~= '' then
   have = tonumber(redis.call('HGET', P .. 'ixo', owner) or '0')
 end
 local n = #adds
+local cut_by = ''
 if cut == '1' then
   local most = math.max(before, tonumber(max_total) - total + before)
+  local bound = 'server'
   if owner ~= '' then
     local mine = 0
     if charged == owner then
       mine = before
     end
-    most = math.min(most, math.max(mine, tonumber(max_owner) - have + mine))
+    local mine_most = math.max(mine, tonumber(max_owner) - have + mine)
+    if mine_most < most then
+      most = mine_most
+      bound = 'identity'
+    end
   end
   if after > most then
     n = most  -- adds are distinct: the first most of them
     after = most
+    cut_by = bound
   end
 end
 if after > before and total + after - before > tonumber(max_total) then
@@ -80,4 +87,4 @@ end
 if owner ~= '' and after > 0 then
   redis.call('HINCRBY', P .. 'ixo', owner, after)
 end
-return {'OK', after}
+return {'OK', after, cut_by}
