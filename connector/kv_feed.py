@@ -24,10 +24,18 @@ It keeps a mirror of what the engine holds, from the events it has seen, and rep
 A snapshot larger than one request may carry (the server's max_index_blocks_per_request) goes as a snapshot of
 the first blocks and reports storing the rest. Blocks go shallowest first (a chain's first block before its
 second: the mirror keeps each block's depth), so that whatever a bound cuts off is the deep end of chains, never a
-block prefix matching needs to reach others. An engine caching more blocks than the server indexes for one engine
-(max_index_blocks_per_engine, which the server names when it cuts a snapshot or refuses a report) keeps that many
-of its shallowest blocks indexed: while over the bound, the feed forwards only removals (the index never holds a
-block the engine dropped) and sends a whole snapshot again once the engine is back within it.
+block prefix matching needs to reach others.
+
+Bounds: the server indexes at most so many blocks of one engine (max_index_blocks_per_engine), of one identity's
+engines together, and of all engines; it cuts a snapshot past one of them (`left_out`, and `cut_by` naming the
+bound) and refuses a report that would grow past one (INDEX_FULL, its `scope`). While the index holds a cut of the
+mirror, the feed forwards only removals (the index never holds a block the engine dropped) and sends the whole
+mirror again once the engine holds no more blocks than the cut kept. The engine's own bound (`engine_bound`, which
+the server names) is the same for every later snapshot, so only the shallowest that many are ever sent. A shared
+bound (the identity's or the server's) frees room when other engines shrink, which the engine cannot see: the feed
+sends the whole mirror again every `refill_interval` while such a cut lasts. A report a shared bound refuses is not
+repaired by a snapshot (the server is full: it would gain nothing, at the cost of the whole mirror): its removals go
+alone, at the same sequence (the refused batch applied nothing), and the index holds a cut from then on.
 Only the engine's own cache is mirrored: events of another medium (vLLM's CPU offloading tier) are left out.
 
 The engine registers in its worker process, the feed runs in the engine-core (scheduler) process, so the feed
@@ -48,7 +56,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -142,6 +150,7 @@ class KvFeed:
     KVEventsConfig.topic. `retry_interval`: how long the feed waits for a batch before it catches up from the
     replay socket and repairs an index that lags. `instance`: the vLLM instance whose registration (labelled
     `INSTANCE_LABEL`) the feed reports for; "" reports for whichever incarnation is live (incarnation 0).
+    `refill_interval`: how often, by `clock` (seconds), an index a shared bound cut gets the whole mirror again.
     """
 
     def __init__(
@@ -156,6 +165,8 @@ class KvFeed:
         replay_timeout: float = 5.0,
         retry_interval: float = 1.0,
         instance: str = "",
+        refill_interval: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.instance = instance
@@ -169,6 +180,8 @@ class KvFeed:
         self._topic = topic.encode()
         self._replay_timeout_ms = int(replay_timeout * 1000)
         self._retry_interval = retry_interval
+        self._refill_interval = refill_interval
+        self._clock = clock
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self._held: dict[int, dict[bytes, int]] = {}
         """The mirror: per KV cache group, each block held and its depth in its chain (0: a chain's first block)."""
@@ -182,10 +195,17 @@ class KvFeed:
         self.snapshots = 0
         """How many times the index was replaced by the mirror (repairs, and the first report)."""
         self.engine_bound: int | None = None
-        """The most blocks the server indexes for this engine (max_index_blocks_per_engine), once it said so (a cut
-        snapshot, a report refused INDEX_FULL for the engine); None before."""
+        """The most blocks the server indexes for this engine (max_index_blocks_per_engine), once it said so (a
+        snapshot cut by the engine's bound, a report refused INDEX_FULL for the engine); None before."""
         self.cut = False
-        """Whether the index holds only the mirror's shallowest `engine_bound` blocks (the engine holds more)."""
+        """Whether the index holds only part of the mirror (a bound had no room for all of it)."""
+        self.kept = 0
+        """The blocks the index held when the cut began: once the engine holds no more, the whole mirror goes."""
+        self.refill_at: float | None = None
+        """When (by the clock) the whole mirror goes again while a shared bound cuts the index; None when no shared
+        bound does."""
+        self._indexed = 0
+        """The blocks the index held for the engine as of its last accepted answer."""
         self.request_blocks = REQUEST_BLOCKS
         """The most block hashes the feed puts in one request (the server's max_index_blocks_per_request, as far
         as the feed knows: a refusal naming a smaller one lowers it)."""
@@ -237,6 +257,8 @@ class KvFeed:
         its subscription took hold, and a dropped last batch leaves no gap to notice), and repair a lagging
         index."""
         self._catch_up(None)
+        if self._whole_again():
+            self.in_sync = False
         if not self.in_sync and self.sequence is not None:
             self._replace()
 
@@ -296,8 +318,8 @@ class KvFeed:
             events, self.in_sync = [], False
         for event in events:
             self._mirror(event)
-        if self.cut and self.engine_bound is not None and self._count() <= self.engine_bound:
-            self.in_sync = False  # back within the bound: the whole mirror goes again
+        if self._whole_again():
+            self.in_sync = False
         if not self.in_sync:
             self._replace()
             return
@@ -314,16 +336,53 @@ class KvFeed:
             self._learn_bound(e)
             self._forget_incarnation(e)
             self._learn_sequence(e)
+            if _shared_scope(e) and self._removals_alone(events):
+                log.warning("KV index is full (%s): %s's removals went alone, its stores wait", e, self.engine_id)
+                return
             log.info("KV index refused %s's batch %d (%s): a snapshot repairs", self.engine_id, seq, e)
             self._replace()
             return
         self.index_sequence = report.sequence
+        self._indexed = position.block_count
         if not self.cut and position.block_count != self._count():
             held = self._count()
             log.info(
                 "KV index holds %d blocks of %s, not %d: a snapshot repairs", position.block_count, self.engine_id, held
             )
             self._replace()
+
+    def _whole_again(self) -> bool:
+        """Whether an index holding a cut of the mirror should get the whole mirror again: the engine holds no more
+        blocks than the cut kept, or a shared bound's cut is due for another try (room may have freed)."""
+        if not self.cut:
+            return False
+        return self._count() <= self.kept or (self.refill_at is not None and self._clock() >= self.refill_at)
+
+    def _removals_alone(self, events: Sequence[CacheEvent]) -> bool:
+        """After a report a shared bound refused (it applied nothing): send its removals (and clears) alone at its
+        sequence (they never grow the index, so no bound refuses them), and hold the index as a cut of the mirror:
+        every block it holds the engine holds. Whether that went; if not, a snapshot repairs."""
+        removals = tuple(e for e in events if not isinstance(e, BlocksStored))
+        if removals:
+            report = CacheReport(
+                self.engine_id, self.index_sequence + 1, removals, hashing=self.hashing, incarnation=self.incarnation
+            )
+            try:
+                position = self.client.report_cache_events(report)
+            except RendezvousError as e:
+                self._forget_incarnation(e)
+                self._learn_sequence(e)
+                return False
+            self.index_sequence = report.sequence
+            self._indexed = position.block_count
+        self._cut(shared=True)
+        return True
+
+    def _cut(self, shared: bool) -> None:
+        """The index holds a cut of the mirror from now on: `_indexed` blocks of it. A shared bound's cut is tried
+        again after refill_interval."""
+        self.cut, self.kept = True, self._indexed
+        self.refill_at = self._clock() + self._refill_interval if shared else None
 
     def _mirror(self, event: CacheEvent) -> None:
         match event:
@@ -432,15 +491,19 @@ class KvFeed:
                 log.warning("KV index snapshot of %s failed (%s): retrying", self.engine_id, e)
                 self.in_sync = False
                 return
-        if position.left_out:  # the server cut the snapshot: it keeps this many of the engine's blocks
+        if position.cut_by == "engine":  # the engine's own bound: every later snapshot is cut the same
             self.engine_bound = position.block_count
-        self.cut = position.block_count < len(held)
-        if self.cut:
+        self._indexed = position.block_count
+        self.cut, self.refill_at = False, None
+        if position.block_count < len(held):
+            # A cut the server did not name ("" with left_out: a server older than cut_by) may be a shared bound's.
+            self._cut(shared=position.left_out > 0 and position.cut_by != "engine")
             log.warning(
-                "KV index keeps %d of the %d blocks %s caches (its bound): the shallowest",
+                "KV index keeps %d of the %d blocks %s caches (%s bound): the shallowest",
                 position.block_count,
                 len(held),
                 self.engine_id,
+                position.cut_by or "its",
             )
         self.snapshots += 1
         self.in_sync = True
@@ -456,17 +519,29 @@ class KvFeed:
         position = self.client.replace_cached_blocks(snapshot)
         self.index_sequence = sequence
         if position.left_out:
-            return position  # cut at the engine's bound: nothing more goes in
-        for part in parts[1:]:
+            return position  # cut by a bound: nothing more goes in
+        for i, part in enumerate(parts[1:], 1):
             events = tuple(
                 BlocksStored(tuple(h for gh, h in part if gh == g), b"", g) for g in sorted({g for g, _ in part})
             )
             report = CacheReport(
                 self.engine_id, self.index_sequence + 1, events, hashing=self.hashing, incarnation=self.incarnation
             )
-            position = self.client.report_cache_events(report)
+            try:
+                position = self.client.report_cache_events(report)
+            except RendezvousError as e:
+                if not _shared_scope(e):
+                    raise
+                # A shared bound has no room for the rest: the entry holds the parts sent, a cut as a snapshot's.
+                left_out, scope = sum(len(rest) for rest in parts[i:]), str(e.metadata["scope"])
+                return IndexPosition(self.index_sequence, position.block_count, left_out=left_out, cut_by=scope)
             self.index_sequence = report.sequence
         return position
+
+
+def _shared_scope(error: RendezvousError) -> bool:
+    """Whether a refusal is INDEX_FULL for a bound the engine shares with others (its identity's, the server's)."""
+    return error.reason == Reason.INDEX_FULL and error.metadata.get("scope") in ("identity", "server")
 
 
 def engine_hashing(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockHashing:

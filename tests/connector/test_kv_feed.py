@@ -415,7 +415,8 @@ def test_a_cache_past_the_engine_s_bound_keeps_its_shallowest_blocks_indexed_and
         RendezvousClient(srv.address) as c,
     ):
         c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
-        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None)
+        clock = FakeClock()
+        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, refill_interval=60, clock=clock)
         try:
             feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:4], None))))
             assert feed.in_sync and not feed.cut and matched(c, chain) == 4
@@ -423,6 +424,7 @@ def test_a_cache_past_the_engine_s_bound_keeps_its_shallowest_blocks_indexed_and
             assert feed.engine_bound == 6 and feed.cut and feed.in_sync
             assert matched(c, chain) == 6  # the chain's first six
             snapshots = feed.snapshots
+            clock.advance(60)  # the engine's own bound cuts every snapshot the same: none goes on a schedule
             feed.receive(2, msgspec.msgpack.encode(batch(stored([3011], chain[-1]))))
             assert feed.snapshots == snapshots and matched(c, chain) == 6  # nothing sent: no snapshot per batch
             feed.receive(3, msgspec.msgpack.encode(batch(removed([chain[2]]))))
@@ -430,5 +432,95 @@ def test_a_cache_past_the_engine_s_bound_keeps_its_shallowest_blocks_indexed_and
             feed.receive(4, msgspec.msgpack.encode(batch(removed([*chain[5:], 3011]))))
             assert not feed.cut and feed.snapshots == snapshots + 1  # 4 blocks: within the bound, whole again
             assert matched(c, chain) == 2 and matched(c, chain[3:5]) == 2
+        finally:
+            feed.stop()
+
+
+def other_engine_holds(client: RendezvousClient, sequence: int, blocks: range) -> None:
+    """Another engine's entry, sharing the server's bound with the feed's."""
+    client.replace_cached_blocks(CacheSnapshot("other", sequence, HASHING, ((0, tuple(hash_of(h) for h in blocks)),)))
+
+
+def test_a_cut_by_a_shared_bound_is_whole_again_once_room_frees() -> None:
+    """A snapshot the server's bound (shared by every engine) cuts: the feed does not take the count kept for its
+    engine's bound, and sends the whole mirror again after refill_interval, once another engine freed the room.
+    Before, it treated the kept count as its engine's bound and stayed below the room freed for good (until its
+    engine held no more than that). Batches are handed to the feed directly."""
+    chain = list(range(3001, 3009))
+    with (
+        TestServer(FakeClock(), limits=Limits(max_index_blocks_total=8)) as srv,
+        RendezvousClient(srv.address) as c,
+    ):
+        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        c.register_engine(sdk_engine("other", EngineRole.PRODUCER))
+        other_engine_holds(c, 1, range(5001, 5005))
+        clock = FakeClock()
+        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, refill_interval=60, clock=clock)
+        try:
+            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:6], None))))
+            assert feed.cut and feed.engine_bound is None and matched(c, chain) == 4  # the room the other left
+            other_engine_holds(c, 2, range(0))  # its cache emptied: the room is free
+            snapshots = feed.snapshots
+            feed.receive(1, msgspec.msgpack.encode(batch(stored(chain[6:7], chain[5]))))
+            assert feed.snapshots == snapshots and matched(c, chain) == 4  # not due yet: no snapshot per batch
+            clock.advance(60)
+            feed.receive(2, msgspec.msgpack.encode(batch(stored(chain[7:], chain[6]))))
+            assert feed.snapshots == snapshots + 1 and not feed.cut and feed.in_sync
+            assert matched(c, chain) == 8
+        finally:
+            feed.stop()
+
+
+def test_a_report_a_shared_bound_refuses_keeps_its_removals() -> None:
+    """A report the server's bound refuses (INDEX_FULL, scope server) applied nothing, its removals included: the
+    feed sends them alone at once (they never grow the index), so routers stop seeing blocks the engine evicted,
+    and it sends no snapshot of its whole mirror to a server that is full (before, one went at every such refusal
+    and its cut was then taken for the engine's bound). Once room frees, the refill makes the index whole."""
+    chain = list(range(3001, 3005))
+    with (
+        TestServer(FakeClock(), limits=Limits(max_index_blocks_total=8)) as srv,
+        RendezvousClient(srv.address) as c,
+    ):
+        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        c.register_engine(sdk_engine("other", EngineRole.PRODUCER))
+        other_engine_holds(c, 1, range(5001, 5005))
+        clock = FakeClock()
+        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, refill_interval=60, clock=clock)
+        try:
+            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain, None))))
+            assert feed.in_sync and not feed.cut and matched(c, chain) == 4  # the server holds 8: full
+            snapshots = feed.snapshots
+            grown = [*chain[:3], 4001, 4002]  # chain[3] evicted, two blocks stored after chain[2]: one more block
+            feed.receive(1, msgspec.msgpack.encode(batch(removed(chain[3:]), stored(grown[3:], chain[2]))))
+            assert feed.snapshots == snapshots and feed.cut and feed.engine_bound is None and feed.in_sync
+            assert matched(c, chain) == 3  # the eviction reached the index at once
+            assert matched(c, grown) == 3  # the stores wait for room
+            other_engine_holds(c, 2, range(0))
+            clock.advance(60)
+            feed.receive(2, msgspec.msgpack.encode(batch(removed([9999]))))
+            assert feed.snapshots == snapshots + 1 and not feed.cut and matched(c, grown) == 5
+        finally:
+            feed.stop()
+
+
+def test_a_snapshot_in_parts_a_shared_bound_stops_is_a_cut() -> None:
+    """A mirror sent as a snapshot and reports storing the rest (max_index_blocks_per_request): a report the server's
+    bound refuses leaves the parts sent indexed, the shallowest, as a cut snapshot would. Before, the feed took it for
+    a failed repair and sent its whole mirror again at every batch, each time refused the same."""
+    chain = list(range(3001, 3011))
+    with (
+        TestServer(FakeClock(), limits=Limits(max_index_blocks_per_request=4, max_index_blocks_total=8)) as srv,
+        RendezvousClient(srv.address) as c,
+    ):
+        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        c.register_engine(sdk_engine("other", EngineRole.PRODUCER))
+        other_engine_holds(c, 1, range(5001, 5003))
+        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, clock=FakeClock())
+        try:
+            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:4], None), stored(chain[4:], chain[3]))))
+            assert feed.in_sync and feed.cut and feed.engine_bound is None and matched(c, chain) == 4
+            snapshots = feed.snapshots
+            feed.receive(1, msgspec.msgpack.encode(batch(removed(chain[3:4]))))
+            assert feed.snapshots == snapshots and matched(c, chain) == 3
         finally:
             feed.stop()
