@@ -6,7 +6,10 @@ for a ROUTER replay socket. `KvFeed` subscribes to them on a thread of its own a
 ReportCacheEvents for its engine id (the live incarnation: the server checks the caller), numbered by the feed
 (vLLM's numbers detect lost batches; a batch with nothing of the engine's own cache is not sent).
 
-It keeps a mirror of what the engine holds, from the events it has seen, and repairs with it:
+It keeps a mirror of what the engine holds, from the events it has seen, and repairs with it. Its first call is a
+snapshot (ReplaceCachedBlocks), taken at the entry's own sequence: a feed that starts again (its process restarted)
+never reports at a sequence the entry applied, which the server would answer as a duplicate without applying it (a
+sequence names one batch). Then:
 - a batch it already applied (a replay overlapping the live stream) is skipped;
 - a gap in vLLM's sequence (a message the SUB socket dropped, a feed that joined late) is filled from the
   replay socket; what the replay no longer holds is lost, and the index is then replaced by the mirror

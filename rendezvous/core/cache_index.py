@@ -6,7 +6,8 @@ sequence are its version). A block is a member: its KV cache group (4 bytes) and
 hybrid model never mix.
 
 Sequences: an entry's first batch (or the first of a newer incarnation) starts the count at its own sequence; then
-each batch must carry the next one. The same sequence again is a duplicate (a no-op: a retried call), an older one
+each batch must carry the next one. The same sequence again is a duplicate (a no-op: a retried call; the events
+are not compared, since a sequence names one batch: docs/protocol.md, "The KV index"), an older one
 is refused (INDEX_SEQUENCE_STALE), a later one is a gap (INDEX_SEQUENCE_GAP, repaired by a snapshot). A stored
 block's parent must be held when it is stored, else the batch is refused (INDEX_PARENT_UNKNOWN): the index never
 holds a chain that does not link, and never claims a block the engine reported removed, since events apply in

@@ -90,7 +90,9 @@ class KvIndexServiceServicer:
         (the first batch of an incarnation, or after a snapshot that was never
         made, starts the count at its own sequence and must carry hashing). The
         same sequence again is a duplicate: a no-op answered OK (duplicate set), so
-        a retry is safe. An older one is INDEX_SEQUENCE_STALE, a later one
+        a retry is safe; the events are not compared, so a feeder never sends
+        another batch at a sequence the entry may have applied (after a restart it
+        sends a snapshot first). An older one is INDEX_SEQUENCE_STALE, a later one
         INDEX_SEQUENCE_GAP. A stored block whose parent the engine does not hold is
         INDEX_PARENT_UNKNOWN (send a snapshot). Errors: ENGINE_NOT_FOUND,
         STALE_INCARNATION, IDENTITY_MISMATCH, BATCH_TOO_LARGE,

@@ -524,3 +524,23 @@ def test_a_snapshot_in_parts_a_shared_bound_stops_is_a_cut() -> None:
             assert feed.snapshots == snapshots and matched(c, chain) == 3
         finally:
             feed.stop()
+
+
+def test_a_restarted_feed_replaces_its_entry_at_the_entry_s_sequence(client: RendezvousClient) -> None:
+    """A feed that starts again (its process restarted) knows nothing of its entry, so it never reports first: it
+    sends a snapshot, which the server takes at the entry's own sequence. A report at that sequence would be a
+    duplicate (a sequence names one batch: the server applies it once and answers a retry as done), its events
+    never applied (docs/protocol.md, "The KV index")."""
+    first = KvFeed(client, ENGINE, HASHING, "ipc://unused", None)
+    first.receive(0, msgspec.msgpack.encode(batch(stored(CHAIN[:2], None))))
+    assert first.index_sequence == 1 and matched(client, CHAIN) == 2
+    first.stop()
+    again = KvFeed(client, ENGINE, HASHING, "ipc://unused", None)
+    try:
+        again.receive(0, msgspec.msgpack.encode(batch(stored([2001], None))))
+        assert again.index_sequence == 1 and again.in_sync  # the entry's sequence: taken, not a duplicate
+        assert (matched(client, CHAIN), matched(client, [2001])) == (0, 1)
+        again.receive(1, msgspec.msgpack.encode(batch(stored([2002], 2001))))
+        assert again.index_sequence == 2 and matched(client, [2001, 2002]) == 2
+    finally:
+        again.stop()

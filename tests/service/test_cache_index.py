@@ -163,6 +163,10 @@ async def test_a_gap_is_refused_with_the_expected_sequence_and_a_snapshot_repair
 
 
 async def test_a_duplicate_is_a_no_op_and_an_older_batch_is_refused(client: AsyncRendezvousClient) -> None:
+    """A sequence names one batch of the incarnation: the same sequence again is the same batch retried, answered
+    as done and applied once. The events are not compared, so another batch at the entry's sequence is not applied
+    either; a feeder that does not know where its entry stands (it restarted) sends a snapshot, taken at the entry's
+    own sequence (docs/protocol.md, "The KV index")."""
     await register(client, "p0")
     await client.report_cache_events(report(0, stored(0, 2), first=True))
     await client.report_cache_events(report(1, stored(2, 3)))
@@ -174,6 +178,13 @@ async def test_a_duplicate_is_a_no_op_and_an_older_batch_is_refused(client: Asyn
         Reason.INDEX_SEQUENCE_STALE,
     )
     assert await matched(client) == {"p0": 3}
+    at = await client.replace_cached_blocks(CacheSnapshot("p0", 1, HASHING, ((0, CHAIN[:1]),)))
+    assert (at.sequence, at.block_count) == (1, 1)  # at the entry's sequence: replaced, not a duplicate
+    # A report at a snapshot's sequence is a duplicate too: the snapshot holds the events up to it.
+    assert (await client.report_cache_events(report(1, stored(1, 2)))).duplicate
+    assert await matched(client) == {"p0": 1}
+    await client.report_cache_events(report(2, stored(1, 2)))
+    assert await matched(client) == {"p0": 2}
 
 
 async def test_a_chain_that_does_not_link_is_refused_whole(client: AsyncRendezvousClient) -> None:
