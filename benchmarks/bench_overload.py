@@ -31,8 +31,8 @@ server directly, as the front holds back a closed-loop flood). `server_cpus_busy
 were, whoever ran there (what else ran on them: less the server's own `server_cpu_util`), `server_cpus_steal`
 the time the hypervisor took from them, `client_cpus_busy` how busy every other CPU was (the clients', the
 front's and the heavy sender's, who start before the phase); each over the flood's own seconds
-(`cpu_window_s`), not the phase's tail while the last lifecycles and the heavy sender's held call end. No transfer of the others may be lost: each
-lifecycle ends released, or its error is counted.
+(`cpu_window_s`), not the phase's tail while the last lifecycles and the heavy sender's held call end. No
+transfer of the others may be lost: each lifecycle ends released, or its error is counted.
 
     python benchmarks/bench_overload.py [--store memory|redis] [--seconds 8] [--factors 1,2,5]
     python benchmarks/bench_overload.py --compare     # memory and Redis, one run
