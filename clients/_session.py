@@ -247,6 +247,7 @@ class EngineSession:
         self._keepalive_task: asyncio.Task[None] | None = None
         self._dispatch_task: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[None] | None = None
+        self._registering: asyncio.Task[Registration] | None = None  # a re-registration's RegisterEngine (`_register`)
         self._reregistered = asyncio.Event()  # cleared while a recovery has not registered the new incarnation yet
         self._remove_listener: Callable[[], None] | None = None
         self._failure: RendezvousError | None = None
@@ -332,9 +333,10 @@ class EngineSession:
         """Start closing (idempotent; `close` begins with it), so that what the session's calls wait for ends.
 
         The lease is no longer renewed (nor, by a `RankSession`, read) and the write fence is closed. A re-registration
-        under way (a `RankSession`'s wait for the next incarnation rank 0 registers) is cancelled and none starts any
-        more: the calls waiting for it, and any made later, fail with `Cancelled` at once, and so do the calls in
-        flight, sent as the incarnation it replaces. On a healthy session, calls as the current incarnation still go
+        under way (a `RankSession`'s wait for the next incarnation rank 0 registers) is cancelled, though not its
+        RegisterEngine in flight (`close` takes its answer over), and none starts any more: the calls waiting for it,
+        and any made later, fail with `Cancelled` at once, and so do the calls in flight, sent as the incarnation it
+        replaces. On a healthy session, calls as the current incarnation still go
         and are waited for, so that what an agent submitted last (a completion) is reported before the engine is
         deregistered; but only while the lease last renewed (or read) certainly holds, until its write fence: a call
         still unanswered then fails with `Cancelled`. (A `RankSession` with no fence, a consumer rank's, knows no
@@ -370,10 +372,13 @@ class EngineSession:
         to follow) fail with `Cancelled` at once; the calls in flight of a healthy session are waited for, until
         the lease may have lapsed, before the engine is deregistered; calls made from now on fail with `Cancelled`.
 
-        Closed while re-registering, before the new incarnation is registered, it deregisters nothing: the
-        incarnation being replaced is gone already (its lease lapsed, or the server forgot it), and the recovery
-        is cancelled, so no new one is registered after close. (A RegisterEngine already sent may still land; that
-        incarnation, never renewed, lapses with its lease.)
+        Closed while re-registering, before the new incarnation is registered, it does not deregister the incarnation
+        being replaced, gone already (its lease lapsed, or the server forgot it), and the recovery is cancelled, so
+        no new one is registered after close. A RegisterEngine the recovery already sent may land all the same:
+        close waits for its answer, up to a lease TTL, and deregisters the incarnation it registered (that one, by
+        its number: never a later one another process registered). Only an incarnation whose RegisterEngine was
+        not answered within that time (a service that stopped answering) may remain; never renewed, it lapses with
+        its lease. With `deregister=False` the RegisterEngine in flight is cancelled, and not waited for.
         """
         if self._closed:
             return
@@ -396,9 +401,16 @@ class EngineSession:
         if tasks:
             await asyncio.wait(tasks)
         self._queue.put_nowait(_CLOSED)
-        if deregister and not self._lost and self._registration is not None and self._failure is None:
+        if not deregister or self._failure is not None:
+            registration = None
+            if self._registering is not None:
+                self._registering.cancel()
+                await asyncio.wait([self._registering])
+        else:
+            registration = await self._orphan() if self._lost else self._registration
+        if registration is not None:
             try:
-                await self._client.deregister_engine(self.engine_id, self.incarnation)
+                await self._client.deregister_engine(self.engine_id, registration.engine.incarnation)
             except RendezvousError as err:
                 if err.reason not in _ENGINE_GONE and err.reason != Reason.STALE_INCARNATION:
                     raise
@@ -524,7 +536,7 @@ class EngineSession:
         if self._fenced:  # the incarnation is gone, its lease with it: nothing assigned to it is written any more
             self._replacing = True
             self._close_fence()
-        self._reregistered.clear()  # from now: a close() before the registration has no incarnation to deregister
+        self._reregistered.clear()  # from now: a close() before the registration deregisters only `_orphan`'s
         self._recovery = asyncio.create_task(self._reregister(cause), name=f"reregister {self.engine_id}")
 
     async def _reregister(self, cause: Reason | SessionCause) -> None:
@@ -541,7 +553,7 @@ class EngineSession:
             try:
                 if not registered:
                     sent = asyncio.get_running_loop().time()
-                    self._registration = await self._client.register_engine(self._spec)
+                    self._registration = await self._register()
                     self._leased(sent, self._registration.engine.lease_ttl)  # the fence opens at `_taken`
                     registered = True
                     self._reregistered.set()  # its lease runs from now: the keep-alive renews it meanwhile
@@ -561,6 +573,31 @@ class EngineSession:
         log.info("engine %s re-registered as incarnation %d", self.engine_id, self.incarnation)
         self._deliver(Reregistered(cause, previous, self.incarnation, self.epoch, tuple(results.values())))
         self._start_watch()
+
+    async def _register(self) -> Registration:
+        """A re-registration's RegisterEngine, which cancelling the recovery does not cancel: once sent it may land
+        whether or not its answer is awaited, so `close` takes its answer over and deregisters what it registered."""
+        call = asyncio.create_task(self._client.register_engine(self._spec), name=f"register {self.engine_id}")
+        self._registering = call
+        registration = await asyncio.shield(call)
+        self._registering = None  # taken: from here on the recovery deregisters what it registered, or close does
+        return registration
+
+    async def _orphan(self) -> Registration | None:
+        """The incarnation the cancelled recovery's RegisterEngine registered, if it was sent: its answer is waited
+        for up to a lease TTL (as long as that incarnation, never renewed, would live); unanswered by then, the call
+        is cancelled and None is returned, as for a call that failed (it registered nothing) or was never sent."""
+        call, self._registering = self._registering, None
+        if call is None:
+            return None
+        if not call.done():
+            await asyncio.wait([call], timeout=self._registered().engine.lease_ttl)
+            if not call.done():
+                call.cancel()
+                await asyncio.wait([call])
+        if call.cancelled() or call.exception() is not None:
+            return None
+        return call.result()
 
     async def _reassert(self, results: dict[str, ItemResult]) -> None:
         """Send what the session still wants to the new incarnation: targets, claims, ready sources; each item's

@@ -286,14 +286,16 @@ async def test_streams_a_replica_ends_cleanly_fail_over_to_the_next_endpoint(
         await second.close()
 
 
-async def test_closing_while_re_registering_ends_at_once_and_leaves_nothing_running(
+async def test_closing_while_re_registering_ends_within_a_lease_and_leaves_nothing_running(
     client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
 ) -> None:
     """The lease was lost and the re-registration is held: the replica answers no RegisterEngine nor
     DeregisterEngine. close() cancelled the recovery, then deregistered the lost incarnation, waiting for that
     unanswered call for the client's whole call timeout (here 60 s; by default 10 s, 30 s of retries against a
     replica that refuses connections) and raising its error (found by an audit). An incarnation being replaced is
-    gone already: close() now ends at once, with no task of the session left and nothing registered."""
+    gone already: close() now deregisters nothing but what the recovery's RegisterEngine registered, whose answer it
+    waits for up to a lease TTL (here 3 s, not the call's 60 s), and ends with no task of the session left and
+    nothing registered."""
     config = ClientConfig(targets=[grpc_proxy.address], retry=RetryPolicy(deadline=None), call_timeout=60.0)
     async with AsyncRendezvousClient(config) as proxied:
         session = consumer_session(proxied, lease_ttl=3.0)
@@ -311,6 +313,34 @@ async def test_closing_while_re_registering_ends_at_once_and_leaves_nothing_runn
             await client.get_engine("d0")
         with pytest.raises(Cancelled):
             await session.register_target(TargetSpec("t1", [1]))
+
+
+async def test_closing_while_re_registering_deregisters_the_incarnation_a_register_in_flight_made(
+    client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The lease was lost and the re-registration's RegisterEngine is on its way to the server (delayed at the proxy,
+    which forwards it even if its caller gives up) when the session starts closing. close() cancelled the recovery
+    with its call and deregistered nothing, while the RegisterEngine still landed: an incarnation nobody renews nor
+    deregisters, live (a consumer the router places on) until its lease lapsed. Now close() waits for the call's
+    answer (up to a lease TTL) and deregisters the incarnation it registered."""
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
+        session = consumer_session(proxied, lease_ttl=WAIT)
+        await session.start()
+        lost = session.incarnation
+        grpc_proxy.delay("RegisterEngine")
+        await client.deregister_engine("d0", lost)  # the session learns its lease is gone at its next renewal
+        await grpc_proxy.wait_for(lambda: grpc_proxy.delayed["RegisterEngine"] == 1)  # the recovery's
+        (register,) = grpc_proxy.late
+
+        session.begin_close()  # the recovery is cancelled: no new incarnation after close...
+        grpc_proxy.let_through("RegisterEngine")  # ...but its RegisterEngine reaches the server all the same
+        await asyncio.wait_for(session.close(), MUST)
+        await asyncio.wait_for(register, MUST)  # the server answered it (to the proxy, if not to the session)
+
+        with pytest.raises(NotFound):
+            await client.get_engine("d0")
+        assert grpc_proxy.calls["DeregisterEngine"] == 1
+        assert [t for t in asyncio.all_tasks() if t.get_name().endswith(" d0") and not t.done()] == []
 
 
 async def test_closing_waits_for_a_call_in_flight_while_the_lease_holds_then_cuts_it_before_deregistering(
