@@ -269,7 +269,13 @@ class EngineSession:
         the old incarnation gone with its lease, and after `close`; a re-registration moves it on to the new
         incarnation's lease only once the handler (or `events()`'s reader) has taken its `Reregistered`, which
         tells which of the old incarnation's transfers live on: until then, nothing assigned to the old one is
-        written. A `RankSession` holds no lease: its fence follows the lease rank 0 holds (`follow_fence`)."""
+        written. A writer that asks meanwhile fails its generation rather than waits for the re-registration, as
+        waiting would not make the write safe: the service no longer fences an assignment of the replaced
+        incarnation. A lapsed lease (ENGINE_NOT_FOUND, LEASE_EXPIRED) aborted its transfers and told their consumers
+        PEER_LOST; a new epoch forgot which generation it assigned to whom, so a consumer whose transfer ends in it
+        before it is matched again (aborted, or refused when re-asserted) is sent no TRANSFER_REVOKED to wait for and
+        reuses its blocks at once. A `RankSession` holds no lease: its fence follows the lease rank 0 holds
+        (`follow_fence`)."""
 
     # State
 

@@ -70,13 +70,15 @@ Outcomes, per transfer (a generation's WRITEs, its parts included, count as one 
   WRITE (a whole write, a part, a batch of parts, a final) the writer asks it, and past it posts nothing and fails
   the generation (`on_complete(ok=False)` with a `WriteFencedError`'s message, once the WRITEs posted before have
   drained, and those landed before the lease could lapse): the engine's lease may be gone, the service may have
-  told the consumer PEER_LOST, and the consumer may have reused its blocks. It asks it again at the start of each
-  turn and before every poll (a poll progresses NIXL, which moves every WRITE in flight on): past it with WRITEs in
-  flight (the process hung, or starved, after posting them) it drops them all without progressing NIXL, by dropping
-  the endpoint's whole agent (`NixlEndpoint.abandon`: NIXL has no call that stops a WRITE in flight), and fails
-  their generations with the fence's reason; the next assignment to each consumer loads its agent again. A hang
-  that begins inside a poll is not covered: that NIXL call goes on progressing after the resume. Without a fence
-  (None) the writer writes whenever it holds an assignment and its source.
+  told the consumer PEER_LOST, and the consumer may have reused its blocks. A re-registration closes the fence too,
+  and a write asked meanwhile fails in the same way, not waits (`EngineSession.writable_until` says why). It asks
+  it again at the start of each turn and before every poll (a poll progresses NIXL, which moves every WRITE in
+  flight on): past it with WRITEs in flight (the process hung, or starved, after posting them) it drops them all
+  without progressing NIXL, by dropping the endpoint's whole agent (`NixlEndpoint.abandon`: NIXL has no call that
+  stops a WRITE in flight), and fails their generations with the fence's reason; the next assignment to each
+  consumer loads its agent again. A hang that begins inside a poll is not covered: that NIXL call goes on
+  progressing after the resume. Without a fence (None) the writer writes whenever it holds an assignment and its
+  source.
 """
 
 from __future__ import annotations

@@ -108,6 +108,78 @@ async def test_a_producer_cut_off_from_the_service_does_not_write_into_blocks_th
             await consumer.close()
 
 
+async def test_a_write_attempted_while_re_registering_after_a_restart_fails_and_lands_nothing(
+    server: AsyncTestServer, client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The service restarts (a new epoch: it forgot every transfer, and which generation it assigned to whom) while
+    the producer holds an assignment whose source is not ready; the producer's re-registration is held. The consumer
+    re-registered and aborted the transfer in the new epoch, which never matched it: nothing fences the old
+    assignment there, so its blocks are free at once. Then prefill finishes: the writer asks the fence, which the
+    re-registration closed though the old lease's fence was far ahead, and fails the generation instead of waiting
+    for the re-registration: an assignment of a replaced incarnation is not the service's to fence any more (see
+    `EngineSession.writable_until`). Nothing lands, and the failure is reported to the new incarnation."""
+    loop = asyncio.get_running_loop()
+    assigned: asyncio.Future[None] = loop.create_future()
+    aborted: asyncio.Future[TransferResult] = loop.create_future()
+    reported: asyncio.Future[WriteReport] = loop.create_future()
+
+    def on_result(result: TransferResult) -> None:
+        if not aborted.done():
+            aborted.set_result(result)
+
+    def on_report(report: WriteReport) -> None:
+        if not reported.done():
+            reported.set_result(report)
+
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
+        producer = ProducerAgent(
+            proxied,
+            "p0",
+            "prefill",
+            [torch.ones(8, 256, dtype=torch.uint8)],
+            layout=TEST_LAYOUT,
+            lease_ttl=MUST,  # the old lease's fence is 20 s ahead: only the re-registration closes it
+            session_config=FAST_SESSION,
+            on_report=on_report,
+        )
+        consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TEST_LAYOUT, on_result=on_result)
+        handle = producer.handle_event
+
+        async def handle_event(item: Any) -> None:
+            await handle(item)
+            if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
+                assigned.set_result(None)
+
+        producer.handle_event = handle_event  # type: ignore[method-assign]
+        await producer.start()
+        await consumer.start()
+        try:
+            assert (await consumer.register_target("t1", [5], 1)).ok
+            assert (await producer.claim("t1")).ok
+            await asyncio.wait_for(assigned, WAIT)  # the writer holds the assignment; prefill is still computing
+            assert producer.session.writable_until > loop.time() + WAIT
+
+            grpc_proxy.hold("RegisterEngine")
+            await server.restart()
+            await grpc_proxy.wait_for(lambda: grpc_proxy.calls["RegisterEngine"] == 2)  # the producer's recovery
+            assert (await consumer.abort("t1", "decode gave up")).ok  # as its new incarnation, in the new epoch
+            result = await asyncio.wait_for(aborted, MUST)
+            assert (result.ok, result.reason) == (False, AbortReason.REQUESTED)  # its blocks are free now
+
+            producer.ready("t1", [2])  # prefill finished, during the producer's re-registration
+            assert await asyncio.to_thread(producer._writer.barrier, WAIT)  # type: ignore[union-attr]
+            assert int(torch.count_nonzero(decode[0])) == 0
+            grpc_proxy.release("RegisterEngine")  # the next RegisterEngine goes through; the report follows
+            report = await asyncio.wait_for(reported, MUST)
+
+            assert (report.transfer_id, report.ok) == ("t1", False) and "not writing" in (report.error or "")
+            assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
+        finally:
+            await producer.close()
+            await consumer.close()
+
+
 TP2 = KvLayout("test-model", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
 """The producer: two ranks, a head each (256 bytes of a block)."""
 TP1 = KvLayout("test-model", "uint8", 16, 1, kv_layout="HND", num_kv_heads=2)
@@ -210,7 +282,7 @@ async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blo
             for proxy in (grpc_proxy, leader_proxy):
                 for method in METHODS:
                     proxy.release(method)
-            for rank in reversed(ranks):  # a following rank's report waits for an incarnation to follow
+            for rank in ranks:  # any order: a call waiting for rank 0 to register again ends on close (`begin_close`)
                 await rank.close()
             await consumer.close()
             await leader_proxy.close()
