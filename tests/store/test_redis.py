@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -319,6 +319,35 @@ async def test_an_engine_change_elsewhere_redoes_the_transition_with_the_new_eng
 
     await a.update_transfer("t", look)
     assert seen == [consumer, ended]
+
+
+async def test_an_engine_read_by_a_replica_that_holds_the_current_record_carries_no_record(
+    redis_pair: tuple[RedisStore, RedisStore],
+) -> None:
+    """A multi-rank engine's following ranks poll GetEngine every sixth of the lease, and a record is mostly its agents
+    (tens of KiB for TP 8): Redis answers a replica that holds the current version with the version alone, and one
+    that holds an older version (a renewal through another replica) with the new record."""
+    a, b = redis_pair
+    r = b._redis
+    assert r is not None
+    engine = make_engine("e")
+    engine = await put_engine(a, replace(engine, agents=tuple(replace(x, metadata=b"m" * 4096) for x in engine.agents)))
+
+    async def sent(read: Callable[[], Awaitable[Engine | None]], expected: Engine | None) -> int:
+        """The bytes Redis sent for read, which answers expected."""
+        before = int((await r.info("stats"))["total_net_output_bytes"])
+        assert await read() == expected
+        return int((await r.info("stats"))["total_net_output_bytes"]) - before
+
+    info = await sent(lambda: asyncio.sleep(0, engine), engine)  # an INFO's own reply
+    assert await sent(lambda: b.get_engine("e"), engine) - info > 4096
+    assert await sent(lambda: b.get_engine("e"), engine) - info < 100
+    assert await sent(lambda: a.get_engine("e"), engine) - info < 100  # its writer holds it
+    renewed = await a.update_engine("e", lambda cur: replace(cur, lease_expires_at=NOW + 50) if cur else None)
+    assert await sent(lambda: b.get_engine("e"), renewed) - info > 4096
+    assert await sent(lambda: b.get_engine("e"), renewed) - info < 100
+    await a.update_engine("e", lambda _cur: None)
+    assert await b.get_engine("e") is None
 
 
 async def test_keys_carry_the_prefix_as_one_hash_tag(redis_server: ControlledRedis) -> None:

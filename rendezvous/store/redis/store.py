@@ -314,7 +314,14 @@ class RedisStore(Store):
         return self._epoch.high_rev or await self.revision()
 
     async def _read_engine(self, engine_id: str) -> EngineEntry:
-        version, data = await self._command("HMGET", self._prefix + "e:" + engine_id, "v", "d")
+        # A record remembered is checked by its version first (a few bytes), and read only if it moved on: a record
+        # is mostly its agents (tens of KiB for TP 8), and a multi-rank engine's following ranks poll GetEngine twice
+        # a renewal. Not one script: Lua copies the record in and out, dearer to Redis than sending it.
+        key = self._prefix + "e:" + engine_id
+        known = self._records.engine(engine_id)
+        if known is not None and (await self._command("HGET", key, "v") or ABSENT) == known.version:
+            return known
+        version, data = await self._command("HMGET", key, "v", "d")
         return self._records.seen_engine(engine_id, version or ABSENT, data or b"")
 
     @_guarded
