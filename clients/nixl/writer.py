@@ -66,6 +66,9 @@ Outcomes, per transfer (a generation's WRITEs, its parts included, count as one 
   keeps the source for a later generation until the transfer is aborted;
 - a transfer that succeeded or was aborted has ended: a late `source_ready` is freed at once, a late
   `source_part` ignored, a late `revoke` acknowledged at once, a late `assign` ignored;
+- `drop_assignments` (the engine registered a new incarnation) drops every assignment not started, unreported, and
+  fails every generation still written in parts; an assignment that comes after it is taken as new, of the same
+  generation as a dropped one too (a generation belongs to the incarnation it was assigned to);
 - the write fence (`writable_until`, the engine session's: `EngineSession.writable_until`): before posting any
   WRITE (a whole write, a part, a batch of parts, a final) the writer asks it, and past it posts nothing and fails
   the generation (`on_complete(ok=False)` with a `WriteFencedError`'s message, once the WRITEs posted before have
@@ -258,11 +261,17 @@ class _Barrier:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _Replaced:
+    reason: str
+    done: threading.Event
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Stop:
     pass
 
 
-_Command = _Assign | _SourceReady | _SourcePart | _Revoke | _Abort | _ForgetPeer | _Barrier | _Stop
+_Command = _Assign | _SourceReady | _SourcePart | _Revoke | _Abort | _ForgetPeer | _Barrier | _Replaced | _Stop
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -607,6 +616,19 @@ class TransferWriter:
         self._put(_Barrier(done))
         return done.wait(timeout)
 
+    def drop_assignments(self, reason: str, timeout: float | None = None) -> bool:
+        """The engine registered a new incarnation: every assignment held was made for the one it replaced, whose
+        lease is gone and whose assignments the service no longer fences. Drop every assignment not started, without
+        reporting it (the service assigns the transfer again, to the new incarnation, if it matches it again, and
+        ends it otherwise); fail every generation still written in parts with `reason` (`on_complete(ok=False)` once
+        its WRITEs posted drained). Sources and revocations are kept: a later assignment of any generation not
+        revoked is taken as new, the same generation as a dropped one included. Waits like `barrier`: a source
+        handed over before is handled first (and fails against the write fence, which a re-registration closes).
+        False if not done after `timeout`."""
+        done = threading.Event()
+        self._put(_Replaced(reason, done))
+        return done.wait(timeout)
+
     def _put(self, command: _Command) -> None:
         if self._stopped:
             raise RuntimeError(f"writer {self._endpoint.name!r} is stopped")
@@ -666,6 +688,9 @@ class TransferWriter:
                 case _Barrier():
                     self._place_due()
                     self._flush_parts()
+                    command.done.set()
+                case _Replaced():
+                    self._drop_assignments(command.reason)
                     command.done.set()
         except Exception:
             logger.exception("writer %s: failed to handle %r", self._endpoint.name, command)
@@ -917,6 +942,15 @@ class TransferWriter:
             self._settle(transfer_id, t)
         else:
             self._end(transfer_id, t)
+
+    def _drop_assignments(self, reason: str) -> None:
+        for transfer_id, t in list(self._transfers.items()):
+            t.assignment = None  # unreported: the service re-matches the transfer for the new incarnation, or ends it
+            w = t.write
+            if w is not None and not w.stopped:  # written in parts: stop, fail once drained
+                w.error = reason
+                self._settle(transfer_id, t)
+            self._drop_if_idle(transfer_id, t)
 
     def _forget_peer(self, name: str, incarnation: int | None) -> None:
         def lost(inc: int) -> bool:
@@ -1628,7 +1662,7 @@ class TransferWriter:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Barrier):
+            if isinstance(command, _Barrier | _Replaced):
                 command.done.set()
 
     def _complete(

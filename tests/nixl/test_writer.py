@@ -194,6 +194,33 @@ def test_a_generation_revoked_before_its_assignment_came_is_never_written(
     p.landed(peer, [4], [8])  # blocks 3, 5 and 6 still hold the sentinel
 
 
+def test_dropped_assignments_are_never_written_and_the_same_generation_assigned_again_is(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    """The engine re-registered: its assignments were the replaced incarnation's, and are dropped unreported; the
+    new incarnation's assignment of the same generation is taken as new (before, the writer kept the old one and
+    ignored the new as repeated, so the old one was written once the source was ready); a revocation is kept."""
+    p = make_pair()
+    p.writer.assign("t1", 1, p.agent, 1, [3])
+    p.writer.assign("t2", 1, p.agent, 1, [5])
+    p.writer.revoke("t2", 1)
+    assert p.settled() == [Event("revoked", ("t2", 1))]
+
+    assert p.writer.drop_assignments("the engine re-registered", 5)
+    p.writer.source_ready("t1", [4])
+    p.writer.source_ready("t2", [6])
+    assert p.settled() == []  # nothing written, nothing reported: the sources wait for an assignment
+    p.landed(peer, [], [])
+
+    p.writer.assign("t2", 1, p.agent, 1, [7])  # still revoked
+    p.writer.assign("t1", 1, p.agent, 1, [8])  # the new incarnation's
+
+    assert p.notifications(peer, 1) == [("t1", 1)]
+    assert [p.recorder.next(), p.recorder.next()] == [complete("t1", 1), Event("source_free", ("t1",))]
+    assert p.settled() == []
+    p.landed(peer, [4], [8])  # blocks 3, 5 and 7 still hold the sentinel
+
+
 def test_revoke_before_the_write_drops_it_and_keeps_the_source_for_the_next_generation(
     peer: PeerProcess, make_pair: MakePair
 ) -> None:

@@ -330,6 +330,28 @@ def test_revoke_mid_way_is_acknowledged_after_parts_drained_and_the_next_generat
     assert p.recorder.next() == Event("source_free", ("t",))
 
 
+def test_a_write_in_parts_when_the_engine_re_registers_posts_no_more_and_fails_once_parts_drained(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    """`drop_assignments`: the rest of a generation written in parts for the replaced incarnation is not posted; it
+    fails with the reason once its parts drained (reported with them), and the source stays for a new assignment."""
+    p = make_pair()
+    p.writer.assign("t", 1, p.agent, 1, [9, 2, 5], progressive=True)
+    p.writer.source_part("t", SRC, PROMPT, (0, 1), prompt_tokens=PROMPT)
+    assert p.writer.barrier(5)  # posted
+    assert p.writer.drop_assignments("re-registered", 5)
+    p.writer.source_part("t", SRC, PROMPT, (1, 2))  # not written
+    assert p.settled() == []  # layer 0 is still in flight
+
+    assert carried(p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]), 1)) == [("t", 1, (WrittenPart(0, 12, 0, 1),))]
+
+    assert p.drained(peer) == Event("complete", ("t", 1, False, "re-registered", (WrittenPart(0, 12, 0, 1),)))
+    assert p.settled() == [] and p.writer.parts_in_flight == 0
+    p.writer.source_ready("t", SRC)
+    assert p.settled() == []  # held for a later assignment
+    p.landed(peer, layers(range(2), SRC[2:], [9, 2, 5]))
+
+
 def test_a_non_progressive_assignment_remembers_parts_and_writes_once(peer: PeerProcess, make_pair: MakePair) -> None:
     p = make_pair()
     p.writer.assign("t", 1, p.agent, 1, [9, 2, 5])
