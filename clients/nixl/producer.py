@@ -7,7 +7,10 @@ thread that makes NIXL calls:
 - TRANSFER_ASSIGNED   -> write the consumer's blocks (its agent for our rank, cached by incarnation);
 - TRANSFER_REVOKED    -> stop; AcknowledgeRevocations once no write of that generation can land;
 - TRANSFER_ABORTED    -> revoke a generation the service still fences, drop the transfer, free the source;
-- PEER_LOST           -> forget that incarnation's agents.
+- PEER_LOST           -> forget that incarnation's agents;
+- Reregistered        -> drop every assignment of the replaced incarnation, before the session opens the write fence
+                         on the new lease (the service assigns a transfer again if it matches it again), and end
+                         the transfers that did not survive.
 
 The engine calls `claim` at admission and `ready` when the KV is computed (and, for a consumer that accepts
 parts, `ready_part` as prefill computes layers or chunks, which the writer posts ahead); the source blocks come
@@ -415,11 +418,31 @@ class ProducerAgent(RankAgent[ProducerSession]):
                 await self._assign_missed(info)
             return
         if isinstance(item, Reregistered):
+            await self._drop_replaced(item)
             for result in item.results:
                 if not result.ok or result.state.terminal:
                     self._end(result.transfer_id)
             return
         self._on_server_event(item)
+
+    async def _drop_replaced(self, item: Reregistered) -> None:
+        """The engine registered a new incarnation: what was assigned to the replaced one is not written (the
+        service forgot it or no longer fences it: a consumer may have reused the blocks it names), nor reported;
+        the service assigns a transfer again to the new incarnation if it matches it again, and ends it otherwise
+        (a claim waits for its target under its deadline). A generation written in parts when the re-registration
+        began fails (the fence stopped it). The handler returns, and the session opens the fence on the new lease,
+        only once the writer dropped them, behind whatever was handed to it before."""
+        self._deferred.clear()
+        self._assigned.clear()
+        writer = self._writer
+        if writer is None or writer.stopped:
+            return
+        why = (
+            f"engine {self.engine_id} re-registered (incarnation {item.previous_incarnation} replaced by"
+            f" {item.incarnation}) while this generation was written in parts: not writing the rest"
+        )
+        with contextlib.suppress(RuntimeError):  # stopped meanwhile: nothing is posted any more
+            await asyncio.to_thread(writer.drop_assignments, why)
 
     async def _assign_missed(self, info: TransferInfo) -> None:
         """A push transfer matched to this engine in a resync's listing: its TRANSFER_ASSIGNED may be among the

@@ -11,12 +11,22 @@ from typing import Any
 import pytest
 import torch
 
-from rendezvous.clients import AbortReason, AsyncRendezvousClient, EventType, KvLayout
+from rendezvous.clients import (
+    AbortReason,
+    AsyncRendezvousClient,
+    EventType,
+    KvLayout,
+    Reregistered,
+    SessionEvent,
+    TransferState,
+)
 from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
 from rendezvous.clients.nixl.producer import ProducerAgent, WriteReport
 from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.nixl.writer import WrittenPart
-from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer
+from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, FakeClock, start_test_server
+from rendezvous.core.limits import Timeouts
+from rendezvous.protocol.errors import NotFound
 from tests.clients.conftest import FAST_SESSION, MUST, WAIT, GrpcProxy, client, client_config, grpc_proxy, server
 
 __all__ = ["client", "grpc_proxy", "server"]
@@ -178,6 +188,188 @@ async def test_a_write_attempted_while_re_registering_after_a_restart_fails_and_
         finally:
             await producer.close()
             await consumer.close()
+
+
+TOMBSTONE = 1.0
+"""The service's tombstone TTL in the re-registration tests (on its fake clock): an aborted transfer is forgotten
+once the clock moved this far."""
+CLAIM_WAIT = 5.0
+"""How long a claim waits for its target there (on the fake clock); both are below every lease TTL."""
+
+
+def on_reregistered(agent: ProducerAgent, taken: asyncio.Future[Reregistered]) -> None:
+    """Resolve `taken` once the agent's handler took a `Reregistered` (the session opens the fence right after)."""
+    handle = agent.handle_event
+
+    async def handle_event(item: SessionEvent) -> None:
+        await handle(item)
+        if isinstance(item, Reregistered) and not taken.done():
+            taken.set_result(item)
+
+    agent.handle_event = handle_event  # type: ignore[method-assign]
+
+
+async def test_an_assignment_of_the_replaced_incarnation_is_not_written_once_the_claim_is_new_to_the_service() -> None:
+    """The service restarts (a new epoch) while the producer holds an assignment whose source is not ready, and
+    its re-registration waits. The consumer re-registers and aborts the transfer in the new epoch; its blocks are
+    free at once (nothing fences the old assignment there), and the abort's tombstone outlives its TTL. Then the
+    producer re-registers: its claim, re-sent, is new to the service (CLAIMED: no target, not matched), and the
+    fence opens on the new lease. Then prefill finishes. Before the fix the writer still held the replaced
+    incarnation's assignment and WROTE the source into the consumer's freed block; now the re-registration dropped
+    it, nothing is posted, and the claim waits under its deadline, which ends it: ABORTED, the source freed.
+
+    No wall-clock bound: the service runs on a fake clock, moved by the test past the tombstone's TTL and then
+    past the claim's deadline; every other step waits for what it needs."""
+    clock = FakeClock()
+    timeouts = Timeouts(default_lease_ttl=10.0, tombstone_ttl=TOMBSTONE, default_claim_timeout=CLAIM_WAIT)
+    loop = asyncio.get_running_loop()
+    assigned: asyncio.Future[None] = loop.create_future()
+    aborted: asyncio.Future[TransferResult] = loop.create_future()
+    reregistered: asyncio.Future[Reregistered] = loop.create_future()
+    freed: asyncio.Future[str] = loop.create_future()
+    reports: list[WriteReport] = []
+
+    def on_result(result: TransferResult) -> None:
+        if not aborted.done():
+            aborted.set_result(result)
+
+    def on_free(transfer_id: str) -> None:
+        if not freed.done():
+            freed.set_result(transfer_id)
+
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    async with start_test_server(clock, timeouts=timeouts, sweep_interval=0.02, grace=0.1) as server:
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(server.address)) as client,
+                AsyncRendezvousClient(client_config(proxy.address)) as proxied,
+            ):
+                producer = ProducerAgent(
+                    proxied,
+                    "p0",
+                    "prefill",
+                    [torch.ones(8, 256, dtype=torch.uint8)],
+                    layout=TEST_LAYOUT,
+                    lease_ttl=MUST,
+                    session_config=FAST_SESSION,
+                    on_report=reports.append,
+                )
+                consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TEST_LAYOUT, on_result=on_result)
+                handle = producer.handle_event
+
+                async def handle_event(item: Any) -> None:
+                    await handle(item)
+                    if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
+                        assigned.set_result(None)
+
+                producer.handle_event = handle_event  # type: ignore[method-assign]
+                on_reregistered(producer, reregistered)
+                await producer.start()
+                await consumer.start()
+                try:
+                    assert (await consumer.register_target("t1", [5], 1)).ok
+                    assert (await producer.claim("t1")).ok
+                    await asyncio.wait_for(
+                        assigned, WAIT
+                    )  # the writer holds the assignment; prefill is still computing
+
+                    proxy.delay("RegisterEngine")
+                    await server.restart()
+                    await proxy.wait_for(lambda: proxy.delayed["RegisterEngine"] >= 1)  # the producer's recovery waits
+                    assert (await consumer.abort("t1", "decode gave up")).ok  # as its new incarnation, in the new epoch
+                    result = await asyncio.wait_for(aborted, MUST)
+                    assert (result.ok, result.reason) == (False, AbortReason.REQUESTED)  # its blocks are free now
+                    clock.advance(TOMBSTONE)
+                    await server.sweep()  # the abort's tombstone is gone: the transfer is new to the service again
+                    with pytest.raises(NotFound):
+                        await client.get_transfer("t1")
+
+                    proxy.let_through("RegisterEngine")
+                    taken = await asyncio.wait_for(reregistered, MUST)  # and the fence opened on the new lease
+                    assert [(r.transfer_id, r.ok, r.state) for r in taken.results] == [
+                        ("t1", True, TransferState.CLAIMED)
+                    ]
+                    producer.ready("t1", [2], on_free)  # prefill finished
+                    assert await asyncio.to_thread(producer._writer.barrier, WAIT)  # type: ignore[union-attr]
+
+                    clock.advance(CLAIM_WAIT)
+                    await server.sweep()  # the claim waited for a target in vain: its deadline aborts it
+                    assert await asyncio.wait_for(freed, MUST) == "t1"  # the producer's source is the engine's again
+                    info = await client.get_transfer("t1")
+                    assert (info.state, info.abort_reason) == (TransferState.ABORTED, AbortReason.DEADLINE_EXCEEDED)
+                    assert reports == []  # nothing was written, nor reported written
+                    assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
+                finally:
+                    await producer.close()
+                    await consumer.close()
+        finally:
+            await proxy.close()
+
+
+async def test_a_transfer_both_sides_re_assert_after_a_restart_is_assigned_again_and_written(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """The service restarts while the producer holds an assignment whose source is not ready; both sides re-register
+    and re-assert the transfer, which the new epoch matches again and assigns to the producer's new incarnation,
+    with the same generation. The re-registration dropped the replaced incarnation's assignment: the writer takes
+    the new one (not as a repeat of the dropped one) and writes it once prefill finishes; nothing is lost."""
+    loop = asyncio.get_running_loop()
+    reregistered: asyncio.Future[Reregistered] = loop.create_future()
+    arrived: asyncio.Future[TransferResult] = loop.create_future()
+    reported: asyncio.Future[WriteReport] = loop.create_future()
+    assignments: list[int] = []
+    assigned, reassigned = asyncio.Event(), asyncio.Event()
+
+    def on_result(result: TransferResult) -> None:
+        if not arrived.done():
+            arrived.set_result(result)
+
+    def on_report(report: WriteReport) -> None:
+        if not reported.done():
+            reported.set_result(report)
+
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    producer = ProducerAgent(
+        client,
+        "p0",
+        "prefill",
+        [torch.ones(8, 256, dtype=torch.uint8)],
+        layout=TEST_LAYOUT,
+        session_config=FAST_SESSION,
+        on_report=on_report,
+    )
+    consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TEST_LAYOUT, on_result=on_result)
+    handle = producer.handle_event
+
+    async def handle_event(item: Any) -> None:
+        await handle(item)
+        if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED:
+            assignments.append(item.generation)
+            (assigned if len(assignments) == 1 else reassigned).set()
+
+    producer.handle_event = handle_event  # type: ignore[method-assign]
+    on_reregistered(producer, reregistered)
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await consumer.register_target("t1", [5], 1)).ok
+        assert (await producer.claim("t1")).ok
+        await asyncio.wait_for(assigned.wait(), WAIT)  # the writer holds the assignment; prefill is still computing
+        await server.restart()
+        await asyncio.wait_for(reregistered, MUST)  # the fence opened on the new lease
+        await asyncio.wait_for(reassigned.wait(), MUST)  # the new epoch matched the transfer again
+        producer.ready("t1", [2])  # prefill finished
+
+        result = await asyncio.wait_for(arrived, MUST)
+        report = await asyncio.wait_for(reported, MUST)
+        assert (result.ok, result.generation, report.ok, report.generation) == (True, 1, True, 1)
+        assert assignments == [1, 1]
+        assert bool((decode[0][5] == 1).all()) and int(torch.count_nonzero(decode[0])) == 256
+    finally:
+        await producer.close()
+        await consumer.close()
 
 
 TP2 = KvLayout("test-model", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
