@@ -49,7 +49,7 @@ from rendezvous.clients._types import (
     TransferState,
 )
 from rendezvous.clients.aio import AsyncRendezvousClient
-from rendezvous.protocol.errors import Cancelled, Reason, RendezvousError
+from rendezvous.protocol.errors import Cancelled, FailedPrecondition, Reason, RendezvousError
 
 log = logging.getLogger("rendezvous.clients.session")
 
@@ -260,6 +260,7 @@ class EngineSession:
         self._fenced = True  # it keeps a write fence (a RankSession may not: `fenced`)
         self._lease_until = 0.0  # the current incarnation's write fence (`write_fence`)
         self._replacing = False  # from a re-registration's start until the handler took its Reregistered
+        self._taken_of = (0, 0)  # (epoch, incarnation) whose events the handler takes (`events_incarnation`)
         self.writable_until = 0.0
         """Until when (`time.monotonic()`, asyncio's `loop.time()`) the engine may post WRITEs into its consumers'
         blocks: the send time of the last RegisterEngine or KeepAlive answered, plus the TTL it granted, less a
@@ -305,6 +306,31 @@ class EngineSession:
         return self._registration.epoch if self._registration else 0
 
     @property
+    def incarnation_id(self) -> tuple[int, int]:
+        """The current incarnation as `(epoch, incarnation)`: unlike its number alone, it names one incarnation
+        across server restarts too (a new epoch may number its incarnations anew)."""
+        return (self.epoch, self.incarnation)
+
+    @property
+    def events_incarnation(self) -> tuple[int, int]:
+        """The incarnation (`(epoch, incarnation)`, as `incarnation_id`) whose events the handler (or `events()`'s
+        reader) is taking: the current one's only once it took the `Reregistered` that announced it, as the events
+        of the one it replaced come before. What it was assigned so far was assigned to this incarnation."""
+        return self._taken_of
+
+    @property
+    def replacing(self) -> bool:
+        """A re-registration closed the write fence and the handler has not taken its `Reregistered` yet (a session
+        that keeps a write fence: see `writable_until`)."""
+        return self._replacing
+
+    def is_current(self, incarnation_id: tuple[int, int]) -> bool:
+        """Whether `incarnation_id` (`(epoch, incarnation)`) is the current incarnation, with no re-registration
+        under way to replace it."""
+        recovering = self._recovery is not None and not self._recovery.done()
+        return incarnation_id == self.incarnation_id and not recovering
+
+    @property
     def live_transfers(self) -> LiveTransfers:
         """The transfers the session would re-assert now (read-only by convention)."""
         return self._live
@@ -327,6 +353,7 @@ class EngineSession:
             raise RuntimeError("a session starts once")
         sent = asyncio.get_running_loop().time()
         self._registration = await self._client.register_engine(self._spec)
+        self._taken_of = self.incarnation_id
         self._leased(sent, self._registration.engine.lease_ttl)
         self._remove_listener = self._client.add_epoch_listener(self._on_epoch)
         self._keepalive_task = asyncio.create_task(self._keep_alive(), name=f"keepalive {self.engine_id}")
@@ -446,12 +473,23 @@ class EngineSession:
 
     # Transfer calls shared by both roles
 
-    async def complete_transfers(self, completions: Sequence[CompletionSpec]) -> list[ItemResult]:
+    async def complete_transfers(
+        self, completions: Sequence[CompletionSpec], *, assigned_to: tuple[int, int] | None = None
+    ) -> list[ItemResult]:
         """Report the outcomes of moving bytes (the producer in push mode, the consumer in pull).
 
-        A refused item is returned, not raised.
+        A refused item is returned, not raised. `assigned_to`: the incarnation (`(epoch, incarnation)`: its
+        `events_incarnation` when it was told of the writes) whose assignments these outcomes answer. They belong
+        to it: sent once any re-registration is done, as that incarnation only; when it was replaced (before, or
+        while the call was in flight) nothing is sent again, and each item is refused here with STALE_INCARNATION,
+        as the service refuses a replaced incarnation's call. The service ended (a lapsed lease, a re-registration)
+        or forgot (a new epoch) a replaced incarnation's assignments; sent as the new incarnation, a report would
+        act on the new one's match of the same transfer and generation, a FAILED one aborting a transfer both
+        sides re-asserted. None: sent as the current incarnation, like every other call.
         """
-        return await self._call(self._client.complete_transfers, completions)
+        if assigned_to is None:
+            return await self._call(self._client.complete_transfers, completions)
+        return await self._call_as(self._client.complete_transfers, completions, assigned_to)
 
     async def complete_transfer(self, completion: CompletionSpec) -> ItemResult:
         """Report one outcome; raises the item's error."""
@@ -487,6 +525,26 @@ class EngineSession:
         if table is not None and incarnation != self.incarnation:
             return await self._call(send, specs, table)
         return results
+
+    async def _call_as(
+        self, send: BatchCall, specs: Sequence[Any], incarnation_id: tuple[int, int]
+    ) -> list[ItemResult]:
+        """Send a batch as the incarnation `incarnation_id` only (see `complete_transfers`'s `assigned_to`): once it
+        was replaced, each item is refused with STALE_INCARNATION, unsent."""
+        incarnation = await self._ready()
+        if (self.epoch, incarnation) == incarnation_id:
+            try:
+                return await self._send(send, specs, incarnation)
+            except RendezvousError as err:
+                if not self._replaced(err, incarnation):
+                    raise
+        epoch, number = incarnation_id
+        stale = FailedPrecondition(
+            Reason.STALE_INCARNATION,
+            f"engine {self.engine_id}: incarnation {number} (epoch {epoch}) was replaced by {self.incarnation}"
+            f" (epoch {self.epoch}): not sent as the new one",
+        )
+        return [ItemResult(spec.transfer_id, TransferState.UNSPECIFIED, stale) for spec in specs]
 
     async def _send(self, send: BatchCall, specs: Sequence[Any], incarnation: int) -> list[ItemResult]:
         """One call as `incarnation`, which `begin_close` may cut: it then fails with `Cancelled`."""
@@ -659,6 +717,8 @@ class EngineSession:
     def _taken(self, item: SessionEvent) -> None:
         """The handler (or `events()`'s reader) took `item`: a Reregistered of the current incarnation, with no
         other re-registration under way, opens the fence on its lease."""
+        if isinstance(item, Reregistered):
+            self._taken_of = (item.epoch, item.incarnation)
         if (
             isinstance(item, Reregistered)
             and self._replacing
@@ -845,6 +905,7 @@ class RankSession(EngineSession):
         if self._registration is not None or self._closing:
             raise RuntimeError("a session starts once")
         self._registration = await self._follow(incarnation - 1 if incarnation else 0)
+        self._taken_of = self.incarnation_id
         self._remove_listener = self._client.add_epoch_listener(self._on_epoch)
         if self._fenced:  # the lease's task: it reads the lease rank 0 renews
             self._keepalive_task = asyncio.create_task(self._read_lease(), name=f"lease {self.engine_id}")

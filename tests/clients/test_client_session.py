@@ -20,6 +20,7 @@ from rendezvous.clients import (
     Cancelled,
     ClaimSpec,
     ClientConfig,
+    CompletionOutcome,
     CompletionSpec,
     ConsumerSession,
     EngineRole,
@@ -429,6 +430,34 @@ async def test_a_watch_that_fell_behind_resyncs_from_the_transfer_list() -> None
                 assert set(producer.live_transfers.claims) == set(ids)
         finally:
             await proxy.close()
+
+
+async def test_an_outcome_answering_a_replaced_incarnation_is_not_sent_as_the_new_one(
+    server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession, producer: ProducerSession
+) -> None:
+    """A FAILED report answering an assignment of the incarnation a server restart replaced: sent as the new
+    incarnation, it would abort the new epoch's match of the same transfer and generation, which both sides
+    re-asserted. Named by the incarnation it answers (`assigned_to`), it is refused in the client with
+    STALE_INCARNATION, unsent, and the new match lives on; the new incarnation's own report commits it."""
+    producer_events, consumer_events = producer.events(), consumer.events()
+    await consumer.register_target(TargetSpec("t1", [2]))
+    await producer.claim_transfer(ClaimSpec("t1"))
+    await collect_assignments(producer_events, {"t1"})
+    old = producer.incarnation_id
+    assert producer.events_incarnation == old and producer.is_current(old)
+
+    await server.restart()
+    for events in (producer_events, consumer_events):
+        await next_event(events, is_reregistered)
+    await collect_assignments(producer_events, {"t1"})  # matched again in the new epoch, generation 1 again
+    assert not producer.is_current(old)
+
+    failed = CompletionSpec("t1", 1, CompletionOutcome.FAILED, "the replaced incarnation's write failed")
+    (result,) = await producer.complete_transfers([failed], assigned_to=old)
+    assert result.error is not None and result.error.reason == Reason.STALE_INCARNATION, result
+    assert (await client.get_transfer("t1")).state == TransferState.MATCHED
+    (result,) = await producer.complete_transfers([CompletionSpec("t1", 1)], assigned_to=producer.incarnation_id)
+    assert result.state == TransferState.COMMITTED, result
 
 
 async def test_after_a_server_restart_sessions_reregister_and_their_transfers_still_match(
