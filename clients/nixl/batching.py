@@ -54,6 +54,11 @@ class Batcher(Generic[S]):
         self._pending: list[tuple[S, asyncio.Future[ItemResult]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
 
+    @property
+    def idle(self) -> bool:
+        """Whether no item waits and no call is in flight."""
+        return not self._pending and not self._tasks
+
     def submit(self, item: S) -> asyncio.Future[ItemResult]:
         """Queue one item; the future gets its `ItemResult` (or the call's exception)."""
         future: asyncio.Future[ItemResult] = asyncio.get_running_loop().create_future()

@@ -10,7 +10,8 @@ thread that makes NIXL calls:
 - PEER_LOST           -> forget that incarnation's agents;
 - Reregistered        -> drop every assignment of the replaced incarnation, before the session opens the write fence
                          on the new lease (the service assigns a transfer again if it matches it again), and end
-                         the transfers that did not survive.
+                         the transfers that did not survive. An outcome is reported as the incarnation whose
+                         assignment it answers, and dropped once that one is replaced (the source is then kept).
 
 The engine calls `claim` at admission and `ready` when the KV is computed (and, for a consumer that accepts
 parts, `ready_part` as prefill computes layers or chunks, which the writer posts ahead); the source blocks come
@@ -78,7 +79,7 @@ from rendezvous.clients.nixl.receiver_thread import ReceiverThread
 from rendezvous.clients.nixl.regions import BlockIds
 from rendezvous.clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig, WrittenPart
 from rendezvous.protocol import tracing
-from rendezvous.protocol.errors import NotFound, RendezvousError
+from rendezvous.protocol.errors import NotFound, Reason, RendezvousError
 from rendezvous.protocol.events import Event
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._claimed: OrderedDict[str, None] = OrderedDict()  # the latest CLAIMS_KEPT transfers claimed here
         self._claims: Batcher[ClaimSpec] | None = None
         self._ready: Batcher[SourceReadySpec] | None = None
-        self._completions: Batcher[CompletionSpec] | None = None
+        self._completions: dict[tuple[int, int], Batcher[CompletionSpec]] = {}  # by the incarnation they answer
         self._acks: Batcher[RevocationAck] | None = None
 
     # Lifecycle
@@ -197,6 +198,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             on_source_free=self._on_loop(self._source_free),
             on_written=functools.partial(self.metrics.observe_write, self.rank),
             writable_until=self._writable_until,
+            fence_reason=self._fence_reason,
             config=self._writer_config,
             layout=self.layout,
             rank=self.rank,
@@ -225,11 +227,20 @@ class ProducerAgent(RankAgent[ProducerSession]):
         session = self._session or self._follower
         return math.inf if session is None else session.writable_until
 
+    def _fence_reason(self) -> str | None:
+        """Why the writer's fence closed, when a re-registration closed it (asked on the writer's thread)."""
+        session = self._session or self._follower
+        if session is None or not session.replacing:
+            return None
+        return (
+            f"engine {self.engine_id} is re-registering (incarnation {session.events_incarnation[1]} is replaced):"
+            " its assignments are not the service's to fence any more"
+        )
+
     def _on_session(self, session: ProducerSession | RankSession) -> None:
         if isinstance(session, ProducerSession):
             self._claims = Batcher("ClaimTransfers", session.claim_transfers)
             self._ready = Batcher("MarkSourcesReady", session.mark_sources_ready)
-        self._completions = Batcher("CompleteTransfers", session.complete_transfers)
         self._acks = Batcher("AcknowledgeRevocations", session.acknowledge_revocations)
 
     async def close(self, *, deregister: bool = True) -> None:
@@ -238,7 +249,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             check.cancel()
         await self._stop_threads()
         await asyncio.sleep(0)  # run the callbacks the writer posted while stopping
-        await self._finish_calls((self._claims, self._ready, self._completions, self._acks))
+        await self._finish_calls((self._claims, self._ready, *self._completions.values(), self._acks))
         await self._close_session(deregister)
 
     async def _stop_threads(self) -> None:
@@ -536,8 +547,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         ready_time = source.ready_time if source is not None else 0.0
         assigned, _ = self._assigned.pop(transfer_id, (0.0, 0))
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
-        completions = self._completions
-        assert completions is not None
+        session = self.engine_session
+        assigned_to = session.events_incarnation  # the assignment came before any Reregistered not taken yet
+        completions = self._completions_of(session, assigned_to)
         span = self._writing.pop(transfer_id, tracing.NO_SPAN)
         span.set_attribute("kv_rendezvous.generation", generation)
         span.set_attribute("kv_rendezvous.ok", ok)
@@ -547,8 +559,25 @@ class ProducerAgent(RankAgent[ProducerSession]):
         span.end()
         times = (ready_time, assigned, written)
         future.add_done_callback(lambda f: self._completed(transfer_id, generation, ok, error, times, parts, f))
-        if not ok:
+        if not ok and session.is_current(assigned_to):
             self._end(transfer_id)  # the service aborts it: let go of the source
+        # Else the assignment was the replaced incarnation's, which the service ended or forgot (the report is not
+        # sent): the source is kept for the new incarnation, which the service assigns the transfer to again if it
+        # matches it again, and ends otherwise (`Reregistered.results`, a claim's deadline).
+
+    def _completions_of(
+        self, session: ProducerSession | RankSession, assigned_to: tuple[int, int]
+    ) -> Batcher[CompletionSpec]:
+        """The batcher of the outcomes of `assigned_to`'s assignments, sent as that incarnation only
+        (`EngineSession.complete_transfers`); a replaced incarnation's is dropped once its calls are done."""
+        batcher = self._completions.get(assigned_to)
+        if batcher is None:
+            for key, old in list(self._completions.items()):
+                if old.idle:
+                    del self._completions[key]
+            send = functools.partial(session.complete_transfers, assigned_to=assigned_to)
+            batcher = self._completions[assigned_to] = Batcher("CompleteTransfers", send)
+        return batcher
 
     def _completed(
         self,
@@ -561,7 +590,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         future: asyncio.Future[ItemResult],
     ) -> None:
         failure = None if future.cancelled() else (future.exception() or future.result().error)
-        if failure is not None:
+        if isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION:
+            logger.info("CompleteTransfers %s:%d: %s", transfer_id, generation, failure)  # the assignment ended
+        elif failure is not None:
             logger.warning("CompleteTransfers %s:%d: %s", transfer_id, generation, failure)
         if self._on_report is not None:
             self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic(), parts))

@@ -437,6 +437,7 @@ class TransferWriter:
         part_cost: PartCost | None = None,
         clock: Callable[[], float] = time.monotonic,
         writable_until: Callable[[], float] | None = None,
+        fence_reason: Callable[[], str | None] | None = None,
     ) -> None:
         """`layout`, `rank` and the layers (with pipeline parallelism) place this rank in its engine; they
         are needed for assignments to a `ConsumerEngine` and for writes in parts. Exactly one of `on_complete`
@@ -445,7 +446,8 @@ class TransferWriter:
         the parts for `WriterConfig.part_compute_ratio`; tests inject them. `writable_until()` is the write fence, on
         `time.monotonic()`'s clock (asyncio's `loop.time()`), asked from the writer thread before every post: past it
         nothing is posted and the generation fails (the producer's `EngineSession.writable_until`; None: no fence,
-        for a writer used without a session)."""
+        for a writer used without a session). `fence_reason()`, asked once the fence passed, says why it closed when
+        the lease did not simply lapse (a re-registration closes it), None else."""
         if (on_complete is None) == (on_complete_parts is None):
             raise TypeError("pass one of on_complete and on_complete_parts")
         self._endpoint = endpoint
@@ -482,6 +484,7 @@ class TransferWriter:
         self._part_cost = part_cost or PartCost()
         self._clock = clock
         self._writable_until = writable_until
+        self._fence_reason = fence_reason
         regions = endpoint.table.regions  # a prepared descriptor's region, and so its bytes, by its index
         self._region_starts = np.cumsum([0, *(r.num_blocks for r in regions)])[:-1]
         self._region_bytes = np.array([r.block_length_bytes for r in regions], dtype=np.int64)
@@ -1410,9 +1413,12 @@ class TransferWriter:
         until, now = self._writable_until(), time.monotonic()
         if now < until:
             return None
+        why = (self._fence_reason() if self._fence_reason is not None else None) or (
+            "its engine's lease was not renewed in time"
+        )
         return (
-            f"writer {self._endpoint.name}: its engine's lease was not renewed in time (its write fence passed"
-            f" {now - until:.3f} s ago): not writing, the consumer may have reused its blocks"
+            f"writer {self._endpoint.name}: {why} (its write fence passed {now - until:.3f} s ago): not writing, the"
+            " consumer may have reused its blocks"
         )
 
     def _drop_fenced(self) -> bool:

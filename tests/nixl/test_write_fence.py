@@ -22,7 +22,7 @@ from rendezvous.clients import (
 )
 from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
 from rendezvous.clients.nixl.producer import ProducerAgent, WriteReport
-from rendezvous.clients.nixl.rank import start_ranks
+from rendezvous.clients.nixl.rank import RankAgent, start_ranks
 from rendezvous.clients.nixl.writer import WrittenPart
 from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Timeouts
@@ -127,7 +127,8 @@ async def test_a_write_attempted_while_re_registering_after_a_restart_fails_and_
     assignment there, so its blocks are free at once. Then prefill finishes: the writer asks the fence, which the
     re-registration closed though the old lease's fence was far ahead, and fails the generation instead of waiting
     for the re-registration: an assignment of a replaced incarnation is not the service's to fence any more (see
-    `EngineSession.writable_until`). Nothing lands, and the failure is reported to the new incarnation."""
+    `EngineSession.writable_until`). Nothing lands, and the failure is reported to the engine (`on_report`), not to
+    the service: the assignment was the replaced incarnation's (`EngineSession.complete_transfers`)."""
     loop = asyncio.get_running_loop()
     assigned: asyncio.Future[None] = loop.create_future()
     aborted: asyncio.Future[TransferResult] = loop.create_future()
@@ -197,7 +198,7 @@ CLAIM_WAIT = 5.0
 """How long a claim waits for its target there (on the fake clock); both are below every lease TTL."""
 
 
-def on_reregistered(agent: ProducerAgent, taken: asyncio.Future[Reregistered]) -> None:
+def on_reregistered(agent: RankAgent[Any], taken: asyncio.Future[Reregistered]) -> None:
     """Resolve `taken` once the agent's handler took a `Reregistered` (the session opens the fence right after)."""
     handle = agent.handle_event
 
@@ -372,6 +373,98 @@ async def test_a_transfer_both_sides_re_assert_after_a_restart_is_assigned_again
         await consumer.close()
 
 
+async def test_a_write_failed_while_re_registering_does_not_abort_the_transfer_matched_again(
+    server: AsyncTestServer, client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The service restarts while the producer holds an assignment whose source is not ready, and the producer's
+    re-registration is held. The consumer re-registers and re-asserts its target in the new epoch. Then prefill
+    finishes: the write fails against the fence the re-registration closed, and says so. Then the producer
+    re-registers and re-asserts its claim: the new epoch matches the transfer again and assigns generation 1 again,
+    to the new incarnation. Before the fix the failure went to the service as the new incarnation (FAILED, generation
+    1) and aborted the new match, and the producer let go of the source: a transfer both sides want was lost. Now the
+    failure belongs to the replaced incarnation's assignment, which the new epoch forgot: it is not sent, the source
+    is kept, and the new assignment is written and committed."""
+    loop = asyncio.get_running_loop()
+    assigned: asyncio.Future[None] = loop.create_future()
+    failed: asyncio.Future[str | None] = loop.create_future()
+    consumer_back: asyncio.Future[Reregistered] = loop.create_future()
+    arrived: asyncio.Future[TransferResult] = loop.create_future()
+    written: asyncio.Future[WriteReport] = loop.create_future()
+    reports: list[WriteReport] = []
+
+    def on_result(result: TransferResult) -> None:
+        if not arrived.done():
+            arrived.set_result(result)
+
+    def on_report(report: WriteReport) -> None:
+        reports.append(report)
+        if report.ok and not written.done():
+            written.set_result(report)
+
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
+        producer = ProducerAgent(
+            proxied,
+            "p0",
+            "prefill",
+            [torch.ones(8, 256, dtype=torch.uint8)],
+            layout=TEST_LAYOUT,
+            lease_ttl=MUST,  # the old lease's fence is far ahead: only the re-registration closes it
+            session_config=FAST_SESSION,
+            on_report=on_report,
+        )
+        consumer = ConsumerAgent(
+            client, "d0", "decode", decode, layout=TEST_LAYOUT, session_config=FAST_SESSION, on_result=on_result
+        )
+        handle, write_finished = producer.handle_event, producer._write_finished
+
+        async def handle_event(item: Any) -> None:
+            await handle(item)
+            if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
+                assigned.set_result(None)
+
+        def on_write_finished(
+            transfer_id: str, generation: int, ok: bool, error: str | None, parts: tuple[WrittenPart, ...] = ()
+        ) -> None:
+            write_finished(transfer_id, generation, ok, error, parts)
+            if not ok and not failed.done():
+                failed.set_result(error)
+
+        producer.handle_event = handle_event  # type: ignore[method-assign]
+        producer._write_finished = on_write_finished  # type: ignore[method-assign]
+        on_reregistered(consumer, consumer_back)
+        await producer.start()
+        await consumer.start()
+        try:
+            assert (await consumer.register_target("t1", [5], 1)).ok
+            assert (await producer.claim("t1")).ok
+            await asyncio.wait_for(assigned, WAIT)  # the writer holds the assignment; prefill is still computing
+
+            grpc_proxy.hold("RegisterEngine")
+            await server.restart()
+            await grpc_proxy.wait_for(lambda: grpc_proxy.calls["RegisterEngine"] == 2)  # the producer's recovery
+            taken = await asyncio.wait_for(consumer_back, MUST)  # the consumer re-asserted its target
+            assert [(r.transfer_id, r.ok, r.state) for r in taken.results] == [("t1", True, TransferState.TARGETED)]
+
+            producer.ready("t1", [2])  # prefill finished, during the producer's re-registration
+            error = await asyncio.wait_for(failed, MUST)  # the replaced incarnation's assignment: not written
+            assert "re-registering" in (error or "") and "not writing" in (error or "")
+            assert int(torch.count_nonzero(decode[0])) == 0
+            grpc_proxy.release("RegisterEngine")  # the claim is re-asserted: the new epoch matches t1 again
+
+            result = await asyncio.wait_for(arrived, MUST)
+            assert (result.ok, result.generation) == (True, 1), result  # before the fix: aborted by the old report
+            report = await asyncio.wait_for(written, MUST)
+            assert report.generation == 1
+            assert bool((decode[0][5] == 1).all()) and int(torch.count_nonzero(decode[0])) == 256
+            assert [(r.generation, r.ok, r.error) for r in reports if not r.ok] == [(1, False, error)]
+            info = await client.get_transfer("t1")
+            assert info.state in (TransferState.COMMITTED, TransferState.RELEASED), info
+        finally:
+            await producer.close()
+            await consumer.close()
+
+
 TP2 = KvLayout("test-model", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
 """The producer: two ranks, a head each (256 bytes of a block)."""
 TP1 = KvLayout("test-model", "uint8", 16, 1, kv_layout="HND", num_kv_heads=2)
@@ -466,8 +559,8 @@ async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blo
             assert not ok and "lease" in (error or "") and "not writing" in (error or "")
             assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
             for proxy in (grpc_proxy, leader_proxy):  # the service can be reached again: rank 0 registers anew,
-                for method in METHODS:  # rank 1 follows, and reports the failed write as the new incarnation
-                    proxy.release(method)
+                for method in METHODS:  # and rank 1 follows; the failed write's report, the lapsed incarnation's,
+                    proxy.release(method)  # is answered STALE_INCARNATION (`EngineSession.complete_transfers`)
             report = await asyncio.wait_for(reported, MUST)
             assert (report.transfer_id, report.ok, report.error) == ("t1", False, error)
         finally:
