@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -404,41 +405,52 @@ def test_a_mirror_larger_than_one_request_is_sent_in_parts() -> None:
             feed.stop()
 
 
+def other_engine_holds(client: RendezvousClient, sequence: int, blocks: range) -> None:
+    """Another engine's entry, sharing the server's bound with the feed's."""
+    client.replace_cached_blocks(CacheSnapshot("other", sequence, HASHING, ((0, tuple(hash_of(h) for h in blocks)),)))
+
+
+@contextmanager
+def bounded_feed(
+    limits: Limits, other_holds: range | None = None
+) -> Iterator[tuple[RendezvousClient, KvFeed, FakeClock]]:
+    """A server under `limits` with the feed's engine registered (and engine "other" holding `other_holds`, where
+    given), and a feed of that engine which is handed batches directly, on a fake clock, refilling every 60 s
+    (its default). The feed is stopped on the way out."""
+    with TestServer(FakeClock(), limits=limits) as srv, RendezvousClient(srv.address) as c:
+        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
+        if other_holds is not None:
+            c.register_engine(sdk_engine("other", EngineRole.PRODUCER))
+            other_engine_holds(c, 1, other_holds)
+        clock = FakeClock()
+        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, refill_interval=60, clock=clock)
+        try:
+            yield c, feed, clock
+        finally:
+            feed.stop()
+
+
 def test_a_cache_past_the_engine_s_bound_keeps_its_shallowest_blocks_indexed_and_none_it_dropped() -> None:
     """An engine caching more blocks than the server indexes for one engine (max_index_blocks_per_engine): the
     server keeps the first blocks of a snapshot, so the feed sends a chain's first blocks first, learns the bound,
     then forwards only removals (the index never shows a block the engine dropped) instead of a snapshot every batch,
     until the engine is back within the bound. Batches are handed to the feed directly."""
     chain = list(range(3001, 3011))  # stored in two events: the bound is learned from the refused report
-    with (
-        TestServer(FakeClock(), limits=Limits(max_index_blocks_per_engine=6)) as srv,
-        RendezvousClient(srv.address) as c,
-    ):
-        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
-        clock = FakeClock()
-        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, refill_interval=60, clock=clock)
-        try:
-            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:4], None))))
-            assert feed.in_sync and not feed.cut and matched(c, chain) == 4
-            feed.receive(1, msgspec.msgpack.encode(batch(stored(chain[4:], chain[3]))))
-            assert feed.engine_bound == 6 and feed.cut and feed.in_sync
-            assert matched(c, chain) == 6  # the chain's first six
-            snapshots = feed.snapshots
-            clock.advance(60)  # the engine's own bound cuts every snapshot the same: none goes on a schedule
-            feed.receive(2, msgspec.msgpack.encode(batch(stored([3011], chain[-1]))))
-            assert feed.snapshots == snapshots and matched(c, chain) == 6  # nothing sent: no snapshot per batch
-            feed.receive(3, msgspec.msgpack.encode(batch(removed([chain[2]]))))
-            assert matched(c, chain) == 2  # a dropped block is dropped from the index at once
-            feed.receive(4, msgspec.msgpack.encode(batch(removed([*chain[5:], 3011]))))
-            assert not feed.cut and feed.snapshots == snapshots + 1  # 4 blocks: within the bound, whole again
-            assert matched(c, chain) == 2 and matched(c, chain[3:5]) == 2
-        finally:
-            feed.stop()
-
-
-def other_engine_holds(client: RendezvousClient, sequence: int, blocks: range) -> None:
-    """Another engine's entry, sharing the server's bound with the feed's."""
-    client.replace_cached_blocks(CacheSnapshot("other", sequence, HASHING, ((0, tuple(hash_of(h) for h in blocks)),)))
+    with bounded_feed(Limits(max_index_blocks_per_engine=6)) as (c, feed, clock):
+        feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:4], None))))
+        assert feed.in_sync and not feed.cut and matched(c, chain) == 4
+        feed.receive(1, msgspec.msgpack.encode(batch(stored(chain[4:], chain[3]))))
+        assert feed.engine_bound == 6 and feed.cut and feed.in_sync
+        assert matched(c, chain) == 6  # the chain's first six
+        snapshots = feed.snapshots
+        clock.advance(60)  # the engine's own bound cuts every snapshot the same: none goes on a schedule
+        feed.receive(2, msgspec.msgpack.encode(batch(stored([3011], chain[-1]))))
+        assert feed.snapshots == snapshots and matched(c, chain) == 6  # nothing sent: no snapshot per batch
+        feed.receive(3, msgspec.msgpack.encode(batch(removed([chain[2]]))))
+        assert matched(c, chain) == 2  # a dropped block is dropped from the index at once
+        feed.receive(4, msgspec.msgpack.encode(batch(removed([*chain[5:], 3011]))))
+        assert not feed.cut and feed.snapshots == snapshots + 1  # 4 blocks: within the bound, whole again
+        assert matched(c, chain) == 2 and matched(c, chain[3:5]) == 2
 
 
 def test_a_cut_by_a_shared_bound_is_whole_again_once_room_frees() -> None:
@@ -447,28 +459,17 @@ def test_a_cut_by_a_shared_bound_is_whole_again_once_room_frees() -> None:
     Before, it treated the kept count as its engine's bound and stayed below the room freed for good (until its
     engine held no more than that). Batches are handed to the feed directly."""
     chain = list(range(3001, 3009))
-    with (
-        TestServer(FakeClock(), limits=Limits(max_index_blocks_total=8)) as srv,
-        RendezvousClient(srv.address) as c,
-    ):
-        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
-        c.register_engine(sdk_engine("other", EngineRole.PRODUCER))
-        other_engine_holds(c, 1, range(5001, 5005))
-        clock = FakeClock()
-        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, refill_interval=60, clock=clock)
-        try:
-            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:6], None))))
-            assert feed.cut and feed.engine_bound is None and matched(c, chain) == 4  # the room the other left
-            other_engine_holds(c, 2, range(0))  # its cache emptied: the room is free
-            snapshots = feed.snapshots
-            feed.receive(1, msgspec.msgpack.encode(batch(stored(chain[6:7], chain[5]))))
-            assert feed.snapshots == snapshots and matched(c, chain) == 4  # not due yet: no snapshot per batch
-            clock.advance(60)
-            feed.receive(2, msgspec.msgpack.encode(batch(stored(chain[7:], chain[6]))))
-            assert feed.snapshots == snapshots + 1 and not feed.cut and feed.in_sync
-            assert matched(c, chain) == 8
-        finally:
-            feed.stop()
+    with bounded_feed(Limits(max_index_blocks_total=8), range(5001, 5005)) as (c, feed, clock):
+        feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:6], None))))
+        assert feed.cut and feed.engine_bound is None and matched(c, chain) == 4  # the room the other left
+        other_engine_holds(c, 2, range(0))  # its cache emptied: the room is free
+        snapshots = feed.snapshots
+        feed.receive(1, msgspec.msgpack.encode(batch(stored(chain[6:7], chain[5]))))
+        assert feed.snapshots == snapshots and matched(c, chain) == 4  # not due yet: no snapshot per batch
+        clock.advance(60)
+        feed.receive(2, msgspec.msgpack.encode(batch(stored(chain[7:], chain[6]))))
+        assert feed.snapshots == snapshots + 1 and not feed.cut and feed.in_sync
+        assert matched(c, chain) == 8
 
 
 def test_a_report_a_shared_bound_refuses_keeps_its_removals() -> None:
@@ -477,30 +478,19 @@ def test_a_report_a_shared_bound_refuses_keeps_its_removals() -> None:
     and it sends no snapshot of its whole mirror to a server that is full (before, one went at every such refusal
     and its cut was then taken for the engine's bound). Once room frees, the refill makes the index whole."""
     chain = list(range(3001, 3005))
-    with (
-        TestServer(FakeClock(), limits=Limits(max_index_blocks_total=8)) as srv,
-        RendezvousClient(srv.address) as c,
-    ):
-        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
-        c.register_engine(sdk_engine("other", EngineRole.PRODUCER))
-        other_engine_holds(c, 1, range(5001, 5005))
-        clock = FakeClock()
-        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, refill_interval=60, clock=clock)
-        try:
-            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain, None))))
-            assert feed.in_sync and not feed.cut and matched(c, chain) == 4  # the server holds 8: full
-            snapshots = feed.snapshots
-            grown = [*chain[:3], 4001, 4002]  # chain[3] evicted, two blocks stored after chain[2]: one more block
-            feed.receive(1, msgspec.msgpack.encode(batch(removed(chain[3:]), stored(grown[3:], chain[2]))))
-            assert feed.snapshots == snapshots and feed.cut and feed.engine_bound is None and feed.in_sync
-            assert matched(c, chain) == 3  # the eviction reached the index at once
-            assert matched(c, grown) == 3  # the stores wait for room
-            other_engine_holds(c, 2, range(0))
-            clock.advance(60)
-            feed.receive(2, msgspec.msgpack.encode(batch(removed([9999]))))
-            assert feed.snapshots == snapshots + 1 and not feed.cut and matched(c, grown) == 5
-        finally:
-            feed.stop()
+    with bounded_feed(Limits(max_index_blocks_total=8), range(5001, 5005)) as (c, feed, clock):
+        feed.receive(0, msgspec.msgpack.encode(batch(stored(chain, None))))
+        assert feed.in_sync and not feed.cut and matched(c, chain) == 4  # the server holds 8: full
+        snapshots = feed.snapshots
+        grown = [*chain[:3], 4001, 4002]  # chain[3] evicted, two blocks stored after chain[2]: one more block
+        feed.receive(1, msgspec.msgpack.encode(batch(removed(chain[3:]), stored(grown[3:], chain[2]))))
+        assert feed.snapshots == snapshots and feed.cut and feed.engine_bound is None and feed.in_sync
+        assert matched(c, chain) == 3  # the eviction reached the index at once
+        assert matched(c, grown) == 3  # the stores wait for room
+        other_engine_holds(c, 2, range(0))
+        clock.advance(60)
+        feed.receive(2, msgspec.msgpack.encode(batch(removed([9999]))))
+        assert feed.snapshots == snapshots + 1 and not feed.cut and matched(c, grown) == 5
 
 
 def test_a_snapshot_in_parts_a_shared_bound_stops_is_a_cut() -> None:
@@ -508,22 +498,13 @@ def test_a_snapshot_in_parts_a_shared_bound_stops_is_a_cut() -> None:
     bound refuses leaves the parts sent indexed, the shallowest, as a cut snapshot would. Before, the feed took it for
     a failed repair and sent its whole mirror again at every batch, each time refused the same."""
     chain = list(range(3001, 3011))
-    with (
-        TestServer(FakeClock(), limits=Limits(max_index_blocks_per_request=4, max_index_blocks_total=8)) as srv,
-        RendezvousClient(srv.address) as c,
-    ):
-        c.register_engine(sdk_engine(ENGINE, EngineRole.PRODUCER))
-        c.register_engine(sdk_engine("other", EngineRole.PRODUCER))
-        other_engine_holds(c, 1, range(5001, 5003))
-        feed = KvFeed(c, ENGINE, HASHING, "ipc://unused", None, clock=FakeClock())
-        try:
-            feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:4], None), stored(chain[4:], chain[3]))))
-            assert feed.in_sync and feed.cut and feed.engine_bound is None and matched(c, chain) == 4
-            snapshots = feed.snapshots
-            feed.receive(1, msgspec.msgpack.encode(batch(removed(chain[3:4]))))
-            assert feed.snapshots == snapshots and matched(c, chain) == 3
-        finally:
-            feed.stop()
+    limits = Limits(max_index_blocks_per_request=4, max_index_blocks_total=8)
+    with bounded_feed(limits, range(5001, 5003)) as (c, feed, _):
+        feed.receive(0, msgspec.msgpack.encode(batch(stored(chain[:4], None), stored(chain[4:], chain[3]))))
+        assert feed.in_sync and feed.cut and feed.engine_bound is None and matched(c, chain) == 4
+        snapshots = feed.snapshots
+        feed.receive(1, msgspec.msgpack.encode(batch(removed(chain[3:4]))))
+        assert feed.snapshots == snapshots and matched(c, chain) == 3
 
 
 def test_a_restarted_feed_replaces_its_entry_at_the_entry_s_sequence(client: RendezvousClient) -> None:
