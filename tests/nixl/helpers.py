@@ -1,7 +1,9 @@
-"""Parent-side helpers: source/destination tensors in a given layout, byte checks, callback recorder."""
+"""Parent-side helpers: source/destination tensors in a given layout, byte checks, callback recorder, a future
+resolved when a producer agent is assigned a transfer."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import uuid
 from dataclasses import dataclass
@@ -11,7 +13,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from rendezvous.clients import EventType
 from rendezvous.clients.nixl.parts import WrittenPart
+from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.regions import BlockIds
 from tests.nixl.peer import SENTINEL, Layout
 
@@ -93,3 +97,17 @@ class Recorder:
         while not self.events.empty():
             out.append(self.events.get_nowait())
         return out
+
+
+def on_assignment(agent: ProducerAgent) -> asyncio.Future[None]:
+    """Done once `agent` handled a TRANSFER_ASSIGNED."""
+    assigned: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    handle = agent.handle_event
+
+    async def handle_event(item: Any) -> None:
+        await handle(item)
+        if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
+            assigned.set_result(None)
+
+    agent.handle_event = handle_event  # type: ignore[method-assign]
+    return assigned

@@ -26,6 +26,7 @@ from tests.clients.conftest import (
     server,
     wait_until,
 )
+from tests.nixl.helpers import on_assignment
 
 __all__ = ["client", "grpc_proxy", "server"]
 
@@ -56,20 +57,6 @@ def left_running() -> list[asyncio.Task[Any]]:
         for t in asyncio.all_tasks()
         if not t.done() and (t.get_name().endswith(" p0") or t.get_name().startswith("batch"))
     ]
-
-
-def on_assignment(agent: ProducerAgent) -> asyncio.Future[None]:
-    """Done once `agent` handled a TRANSFER_ASSIGNED."""
-    assigned: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    handle = agent.handle_event
-
-    async def handle_event(item: Any) -> None:
-        await handle(item)
-        if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
-            assigned.set_result(None)
-
-    agent.handle_event = handle_event  # type: ignore[method-assign]
-    return assigned
 
 
 @pytest.mark.nixl
