@@ -6,7 +6,9 @@ on 127.0.0.1; the cut-off rank's client goes through a `GrpcProxy` that cuts it 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Generic, TypeVar
 
 import pytest
 import torch
@@ -17,17 +19,19 @@ from rendezvous.clients import (
     EventType,
     KvLayout,
     Reregistered,
+    SessionConfig,
     SessionEvent,
     TransferState,
 )
-from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
-from rendezvous.clients.nixl.producer import ProducerAgent, WriteReport
+from rendezvous.clients.nixl.consumer import ConsumerAgent, OnResult, TransferResult
+from rendezvous.clients.nixl.producer import OnReport, ProducerAgent, WriteReport
 from rendezvous.clients.nixl.rank import RankAgent, start_ranks
 from rendezvous.clients.nixl.writer import WrittenPart
 from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Timeouts
 from rendezvous.protocol.errors import NotFound
 from tests.clients.conftest import FAST_SESSION, MUST, WAIT, GrpcProxy, client, client_config, grpc_proxy, server
+from tests.nixl.helpers import on_assignment
 
 __all__ = ["client", "grpc_proxy", "server"]
 
@@ -40,6 +44,72 @@ METHODS = (
     "GetStatus", "GetTransfer", "KeepAlive", "ListEngines", "ListTransfers", "MarkSourcesReady", "RegisterEngine",
     "RegisterTargets", "ReleaseCredits", "ReleaseTargets", "ReserveCredits", "Watch",
 )  # fmt: skip
+
+T = TypeVar("T")
+
+
+class First(Generic[T]):
+    """A callback (`on_result`, `on_report`) that keeps the first value it is called with in `future`."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+    def __call__(self, value: T) -> None:
+        if not self.future.done():
+            self.future.set_result(value)
+
+
+def on_reregistered(agent: RankAgent[Any]) -> asyncio.Future[Reregistered]:
+    """Resolved once the agent's handler took a `Reregistered` (the session opens the fence right after)."""
+    taken: asyncio.Future[Reregistered] = asyncio.get_running_loop().create_future()
+    handle = agent.handle_event
+
+    async def handle_event(item: SessionEvent) -> None:
+        await handle(item)
+        if isinstance(item, Reregistered) and not taken.done():
+            taken.set_result(item)
+
+    agent.handle_event = handle_event  # type: ignore[method-assign]
+    return taken
+
+
+def prefill_agent(client: AsyncRendezvousClient, on_report: OnReport, lease_ttl: float = 0.0) -> ProducerAgent:
+    """Producer p0 in pool "prefill", its source 8 blocks of 256 bytes of ones; `lease_ttl` 0: the server's."""
+    source = [torch.ones(8, 256, dtype=torch.uint8)]
+    return ProducerAgent(
+        client,
+        "p0",
+        "prefill",
+        source,
+        layout=TEST_LAYOUT,
+        lease_ttl=lease_ttl,
+        session_config=FAST_SESSION,
+        on_report=on_report,
+    )
+
+
+def decode_agent(
+    client: AsyncRendezvousClient,
+    memory: list[torch.Tensor],
+    on_result: OnResult,
+    session_config: SessionConfig | None = None,
+) -> ConsumerAgent:
+    """Consumer d0 in pool "decode", its blocks `memory`."""
+    return ConsumerAgent(
+        client, "d0", "decode", memory, layout=TEST_LAYOUT, session_config=session_config, on_result=on_result
+    )
+
+
+@asynccontextmanager
+async def running(producer: ProducerAgent, consumer: ConsumerAgent) -> AsyncIterator[None]:
+    """Start the producer, then the consumer; close them in that order, whatever the test did."""
+    await producer.start()
+    await consumer.start()
+    try:
+        yield
+    finally:
+        await producer.close()
+        await consumer.close()
 
 
 async def test_a_producer_cut_off_from_the_service_does_not_write_into_blocks_the_consumer_was_told_are_free(
@@ -57,43 +127,13 @@ async def test_a_producer_cut_off_from_the_service_does_not_write_into_blocks_th
     the source ready only once the consumer was told PEER_LOST, so the writer looks at the fence after the lapse,
     after the fence: a slow machine only makes it look later. (Both clocks are this machine's: the service's wall
     clock and the session's monotonic one run at the same rate; the third of a TTL between them is the margin.)"""
-    loop = asyncio.get_running_loop()
-    assigned: asyncio.Future[None] = loop.create_future()
-    lost: asyncio.Future[TransferResult] = loop.create_future()
-    reported: asyncio.Future[WriteReport] = loop.create_future()
-
-    def on_result(result: TransferResult) -> None:
-        if not lost.done():
-            lost.set_result(result)
-
-    def on_report(report: WriteReport) -> None:
-        if not reported.done():
-            reported.set_result(report)
-
+    lost, reported = First[TransferResult](), First[WriteReport]()
     decode = [torch.zeros(8, 256, dtype=torch.uint8)]
     async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
-        producer = ProducerAgent(
-            proxied,
-            "p0",
-            "prefill",
-            [torch.ones(8, 256, dtype=torch.uint8)],
-            layout=TEST_LAYOUT,
-            lease_ttl=LEASE,
-            session_config=FAST_SESSION,
-            on_report=on_report,
-        )
-        consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TEST_LAYOUT, on_result=on_result)
-        handle = producer.handle_event
-
-        async def handle_event(item: Any) -> None:
-            await handle(item)
-            if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
-                assigned.set_result(None)
-
-        producer.handle_event = handle_event  # type: ignore[method-assign]
-        await producer.start()
-        await consumer.start()
-        try:
+        producer = prefill_agent(proxied, reported, lease_ttl=LEASE)
+        consumer = decode_agent(client, decode, lost)
+        assigned = on_assignment(producer)
+        async with running(producer, consumer):
             assert (await consumer.register_target("t1", [5], 1)).ok
             assert (await producer.claim("t1")).ok
             await asyncio.wait_for(assigned, WAIT)  # the writer holds the assignment; prefill is still computing
@@ -102,20 +142,17 @@ async def test_a_producer_cut_off_from_the_service_does_not_write_into_blocks_th
                 grpc_proxy.hold(method)
             grpc_proxy.end_streams("KeepAlive")
             grpc_proxy.end_streams("Watch")
-            result = await asyncio.wait_for(lost, MUST)
+            result = await asyncio.wait_for(lost.future, MUST)
             assert (result.ok, result.reason) == (False, AbortReason.PEER_LOST)  # its blocks are free now
 
             producer.ready("t1", [2])  # prefill finished
             assert await asyncio.to_thread(producer._writer.barrier, WAIT)  # type: ignore[union-attr]
             for method in METHODS:  # the service can be reached again: it is told the write failed
                 grpc_proxy.release(method)
-            report = await asyncio.wait_for(reported, MUST)
+            report = await asyncio.wait_for(reported.future, MUST)
 
             assert not report.ok and "lease" in (report.error or "") and "not writing" in (report.error or "")
             assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
-        finally:
-            await producer.close()
-            await consumer.close()
 
 
 async def test_a_write_attempted_while_re_registering_after_a_restart_fails_and_lands_nothing(
@@ -130,42 +167,14 @@ async def test_a_write_attempted_while_re_registering_after_a_restart_fails_and_
     `EngineSession.writable_until`). Nothing lands, and the failure is reported to the engine (`on_report`), not to
     the service: the assignment was the replaced incarnation's (`EngineSession.complete_transfers`)."""
     loop = asyncio.get_running_loop()
-    assigned: asyncio.Future[None] = loop.create_future()
-    aborted: asyncio.Future[TransferResult] = loop.create_future()
-    reported: asyncio.Future[WriteReport] = loop.create_future()
-
-    def on_result(result: TransferResult) -> None:
-        if not aborted.done():
-            aborted.set_result(result)
-
-    def on_report(report: WriteReport) -> None:
-        if not reported.done():
-            reported.set_result(report)
-
+    aborted, reported = First[TransferResult](), First[WriteReport]()
     decode = [torch.zeros(8, 256, dtype=torch.uint8)]
     async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
-        producer = ProducerAgent(
-            proxied,
-            "p0",
-            "prefill",
-            [torch.ones(8, 256, dtype=torch.uint8)],
-            layout=TEST_LAYOUT,
-            lease_ttl=MUST,  # the old lease's fence is 20 s ahead: only the re-registration closes it
-            session_config=FAST_SESSION,
-            on_report=on_report,
-        )
-        consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TEST_LAYOUT, on_result=on_result)
-        handle = producer.handle_event
-
-        async def handle_event(item: Any) -> None:
-            await handle(item)
-            if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
-                assigned.set_result(None)
-
-        producer.handle_event = handle_event  # type: ignore[method-assign]
-        await producer.start()
-        await consumer.start()
-        try:
+        # the old lease's fence is 20 s ahead: only the re-registration closes it
+        producer = prefill_agent(proxied, reported, lease_ttl=MUST)
+        consumer = decode_agent(client, decode, aborted)
+        assigned = on_assignment(producer)
+        async with running(producer, consumer):
             assert (await consumer.register_target("t1", [5], 1)).ok
             assert (await producer.claim("t1")).ok
             await asyncio.wait_for(assigned, WAIT)  # the writer holds the assignment; prefill is still computing
@@ -175,20 +184,17 @@ async def test_a_write_attempted_while_re_registering_after_a_restart_fails_and_
             await server.restart()
             await grpc_proxy.wait_for(lambda: grpc_proxy.calls["RegisterEngine"] == 2)  # the producer's recovery
             assert (await consumer.abort("t1", "decode gave up")).ok  # as its new incarnation, in the new epoch
-            result = await asyncio.wait_for(aborted, MUST)
+            result = await asyncio.wait_for(aborted.future, MUST)
             assert (result.ok, result.reason) == (False, AbortReason.REQUESTED)  # its blocks are free now
 
             producer.ready("t1", [2])  # prefill finished, during the producer's re-registration
             assert await asyncio.to_thread(producer._writer.barrier, WAIT)  # type: ignore[union-attr]
             assert int(torch.count_nonzero(decode[0])) == 0
             grpc_proxy.release("RegisterEngine")  # the next RegisterEngine goes through; the report follows
-            report = await asyncio.wait_for(reported, MUST)
+            report = await asyncio.wait_for(reported.future, MUST)
 
             assert (report.transfer_id, report.ok) == ("t1", False) and "not writing" in (report.error or "")
             assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
-        finally:
-            await producer.close()
-            await consumer.close()
 
 
 TOMBSTONE = 1.0
@@ -196,18 +202,6 @@ TOMBSTONE = 1.0
 once the clock moved this far."""
 CLAIM_WAIT = 5.0
 """How long a claim waits for its target there (on the fake clock); both are below every lease TTL."""
-
-
-def on_reregistered(agent: RankAgent[Any], taken: asyncio.Future[Reregistered]) -> None:
-    """Resolve `taken` once the agent's handler took a `Reregistered` (the session opens the fence right after)."""
-    handle = agent.handle_event
-
-    async def handle_event(item: SessionEvent) -> None:
-        await handle(item)
-        if isinstance(item, Reregistered) and not taken.done():
-            taken.set_result(item)
-
-    agent.handle_event = handle_event  # type: ignore[method-assign]
 
 
 async def test_an_assignment_of_the_replaced_incarnation_is_not_written_once_the_claim_is_new_to_the_service() -> None:
@@ -223,21 +217,8 @@ async def test_an_assignment_of_the_replaced_incarnation_is_not_written_once_the
     past the claim's deadline; every other step waits for what it needs."""
     clock = FakeClock()
     timeouts = Timeouts(default_lease_ttl=10.0, tombstone_ttl=TOMBSTONE, default_claim_timeout=CLAIM_WAIT)
-    loop = asyncio.get_running_loop()
-    assigned: asyncio.Future[None] = loop.create_future()
-    aborted: asyncio.Future[TransferResult] = loop.create_future()
-    reregistered: asyncio.Future[Reregistered] = loop.create_future()
-    freed: asyncio.Future[str] = loop.create_future()
+    aborted, freed = First[TransferResult](), First[str]()
     reports: list[WriteReport] = []
-
-    def on_result(result: TransferResult) -> None:
-        if not aborted.done():
-            aborted.set_result(result)
-
-    def on_free(transfer_id: str) -> None:
-        if not freed.done():
-            freed.set_result(transfer_id)
-
     decode = [torch.zeros(8, 256, dtype=torch.uint8)]
     async with start_test_server(clock, timeouts=timeouts, sweep_interval=0.02, grace=0.1) as server:
         proxy = GrpcProxy(server.address)
@@ -247,29 +228,11 @@ async def test_an_assignment_of_the_replaced_incarnation_is_not_written_once_the
                 AsyncRendezvousClient(client_config(server.address)) as client,
                 AsyncRendezvousClient(client_config(proxy.address)) as proxied,
             ):
-                producer = ProducerAgent(
-                    proxied,
-                    "p0",
-                    "prefill",
-                    [torch.ones(8, 256, dtype=torch.uint8)],
-                    layout=TEST_LAYOUT,
-                    lease_ttl=MUST,
-                    session_config=FAST_SESSION,
-                    on_report=reports.append,
-                )
-                consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TEST_LAYOUT, on_result=on_result)
-                handle = producer.handle_event
-
-                async def handle_event(item: Any) -> None:
-                    await handle(item)
-                    if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
-                        assigned.set_result(None)
-
-                producer.handle_event = handle_event  # type: ignore[method-assign]
-                on_reregistered(producer, reregistered)
-                await producer.start()
-                await consumer.start()
-                try:
+                producer = prefill_agent(proxied, reports.append, lease_ttl=MUST)
+                consumer = decode_agent(client, decode, aborted)
+                assigned = on_assignment(producer)
+                reregistered = on_reregistered(producer)
+                async with running(producer, consumer):
                     assert (await consumer.register_target("t1", [5], 1)).ok
                     assert (await producer.claim("t1")).ok
                     await asyncio.wait_for(
@@ -280,7 +243,7 @@ async def test_an_assignment_of_the_replaced_incarnation_is_not_written_once_the
                     await server.restart()
                     await proxy.wait_for(lambda: proxy.delayed["RegisterEngine"] >= 1)  # the producer's recovery waits
                     assert (await consumer.abort("t1", "decode gave up")).ok  # as its new incarnation, in the new epoch
-                    result = await asyncio.wait_for(aborted, MUST)
+                    result = await asyncio.wait_for(aborted.future, MUST)
                     assert (result.ok, result.reason) == (False, AbortReason.REQUESTED)  # its blocks are free now
                     clock.advance(TOMBSTONE)
                     await server.sweep()  # the abort's tombstone is gone: the transfer is new to the service again
@@ -292,19 +255,17 @@ async def test_an_assignment_of_the_replaced_incarnation_is_not_written_once_the
                     assert [(r.transfer_id, r.ok, r.state) for r in taken.results] == [
                         ("t1", True, TransferState.CLAIMED)
                     ]
-                    producer.ready("t1", [2], on_free)  # prefill finished
+                    producer.ready("t1", [2], freed)  # prefill finished
                     assert await asyncio.to_thread(producer._writer.barrier, WAIT)  # type: ignore[union-attr]
 
                     clock.advance(CLAIM_WAIT)
                     await server.sweep()  # the claim waited for a target in vain: its deadline aborts it
-                    assert await asyncio.wait_for(freed, MUST) == "t1"  # the producer's source is the engine's again
+                    # the producer's source is the engine's again
+                    assert await asyncio.wait_for(freed.future, MUST) == "t1"
                     info = await client.get_transfer("t1")
                     assert (info.state, info.abort_reason) == (TransferState.ABORTED, AbortReason.DEADLINE_EXCEEDED)
                     assert reports == []  # nothing was written, nor reported written
                     assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
-                finally:
-                    await producer.close()
-                    await consumer.close()
         finally:
             await proxy.close()
 
@@ -316,32 +277,12 @@ async def test_a_transfer_both_sides_re_assert_after_a_restart_is_assigned_again
     and re-assert the transfer, which the new epoch matches again and assigns to the producer's new incarnation,
     with the same generation. The re-registration dropped the replaced incarnation's assignment: the writer takes
     the new one (not as a repeat of the dropped one) and writes it once prefill finishes; nothing is lost."""
-    loop = asyncio.get_running_loop()
-    reregistered: asyncio.Future[Reregistered] = loop.create_future()
-    arrived: asyncio.Future[TransferResult] = loop.create_future()
-    reported: asyncio.Future[WriteReport] = loop.create_future()
+    arrived, reported = First[TransferResult](), First[WriteReport]()
     assignments: list[int] = []
     assigned, reassigned = asyncio.Event(), asyncio.Event()
-
-    def on_result(result: TransferResult) -> None:
-        if not arrived.done():
-            arrived.set_result(result)
-
-    def on_report(report: WriteReport) -> None:
-        if not reported.done():
-            reported.set_result(report)
-
     decode = [torch.zeros(8, 256, dtype=torch.uint8)]
-    producer = ProducerAgent(
-        client,
-        "p0",
-        "prefill",
-        [torch.ones(8, 256, dtype=torch.uint8)],
-        layout=TEST_LAYOUT,
-        session_config=FAST_SESSION,
-        on_report=on_report,
-    )
-    consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TEST_LAYOUT, on_result=on_result)
+    producer = prefill_agent(client, reported)
+    consumer = decode_agent(client, decode, arrived)
     handle = producer.handle_event
 
     async def handle_event(item: Any) -> None:
@@ -351,10 +292,8 @@ async def test_a_transfer_both_sides_re_assert_after_a_restart_is_assigned_again
             (assigned if len(assignments) == 1 else reassigned).set()
 
     producer.handle_event = handle_event  # type: ignore[method-assign]
-    on_reregistered(producer, reregistered)
-    await producer.start()
-    await consumer.start()
-    try:
+    reregistered = on_reregistered(producer)
+    async with running(producer, consumer):
         assert (await consumer.register_target("t1", [5], 1)).ok
         assert (await producer.claim("t1")).ok
         await asyncio.wait_for(assigned.wait(), WAIT)  # the writer holds the assignment; prefill is still computing
@@ -363,14 +302,11 @@ async def test_a_transfer_both_sides_re_assert_after_a_restart_is_assigned_again
         await asyncio.wait_for(reassigned.wait(), MUST)  # the new epoch matched the transfer again
         producer.ready("t1", [2])  # prefill finished
 
-        result = await asyncio.wait_for(arrived, MUST)
-        report = await asyncio.wait_for(reported, MUST)
+        result = await asyncio.wait_for(arrived.future, MUST)
+        report = await asyncio.wait_for(reported.future, MUST)
         assert (result.ok, result.generation, report.ok, report.generation) == (True, 1, True, 1)
         assert assignments == [1, 1]
         assert bool((decode[0][5] == 1).all()) and int(torch.count_nonzero(decode[0])) == 256
-    finally:
-        await producer.close()
-        await consumer.close()
 
 
 async def test_a_write_failed_while_re_registering_does_not_abort_the_transfer_matched_again(
@@ -384,58 +320,32 @@ async def test_a_write_failed_while_re_registering_does_not_abort_the_transfer_m
     1) and aborted the new match, and the producer let go of the source: a transfer both sides want was lost. Now the
     failure belongs to the replaced incarnation's assignment, which the new epoch forgot: it is not sent, the source
     is kept, and the new assignment is written and committed."""
-    loop = asyncio.get_running_loop()
-    assigned: asyncio.Future[None] = loop.create_future()
-    failed: asyncio.Future[str | None] = loop.create_future()
-    consumer_back: asyncio.Future[Reregistered] = loop.create_future()
-    arrived: asyncio.Future[TransferResult] = loop.create_future()
-    written: asyncio.Future[WriteReport] = loop.create_future()
+    failed, arrived, written = First[str | None](), First[TransferResult](), First[WriteReport]()
     reports: list[WriteReport] = []
-
-    def on_result(result: TransferResult) -> None:
-        if not arrived.done():
-            arrived.set_result(result)
 
     def on_report(report: WriteReport) -> None:
         reports.append(report)
-        if report.ok and not written.done():
-            written.set_result(report)
+        if report.ok:
+            written(report)
 
     decode = [torch.zeros(8, 256, dtype=torch.uint8)]
     async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
-        producer = ProducerAgent(
-            proxied,
-            "p0",
-            "prefill",
-            [torch.ones(8, 256, dtype=torch.uint8)],
-            layout=TEST_LAYOUT,
-            lease_ttl=MUST,  # the old lease's fence is far ahead: only the re-registration closes it
-            session_config=FAST_SESSION,
-            on_report=on_report,
-        )
-        consumer = ConsumerAgent(
-            client, "d0", "decode", decode, layout=TEST_LAYOUT, session_config=FAST_SESSION, on_result=on_result
-        )
-        handle, write_finished = producer.handle_event, producer._write_finished
-
-        async def handle_event(item: Any) -> None:
-            await handle(item)
-            if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
-                assigned.set_result(None)
+        # the old lease's fence is far ahead: only the re-registration closes it
+        producer = prefill_agent(proxied, on_report, lease_ttl=MUST)
+        consumer = decode_agent(client, decode, arrived, session_config=FAST_SESSION)
+        assigned = on_assignment(producer)
+        write_finished = producer._write_finished
 
         def on_write_finished(
             transfer_id: str, generation: int, ok: bool, error: str | None, parts: tuple[WrittenPart, ...] = ()
         ) -> None:
             write_finished(transfer_id, generation, ok, error, parts)
-            if not ok and not failed.done():
-                failed.set_result(error)
+            if not ok:
+                failed(error)
 
-        producer.handle_event = handle_event  # type: ignore[method-assign]
         producer._write_finished = on_write_finished  # type: ignore[method-assign]
-        on_reregistered(consumer, consumer_back)
-        await producer.start()
-        await consumer.start()
-        try:
+        consumer_back = on_reregistered(consumer)
+        async with running(producer, consumer):
             assert (await consumer.register_target("t1", [5], 1)).ok
             assert (await producer.claim("t1")).ok
             await asyncio.wait_for(assigned, WAIT)  # the writer holds the assignment; prefill is still computing
@@ -447,22 +357,19 @@ async def test_a_write_failed_while_re_registering_does_not_abort_the_transfer_m
             assert [(r.transfer_id, r.ok, r.state) for r in taken.results] == [("t1", True, TransferState.TARGETED)]
 
             producer.ready("t1", [2])  # prefill finished, during the producer's re-registration
-            error = await asyncio.wait_for(failed, MUST)  # the replaced incarnation's assignment: not written
+            error = await asyncio.wait_for(failed.future, MUST)  # the replaced incarnation's assignment: not written
             assert "re-registering" in (error or "") and "not writing" in (error or "")
             assert int(torch.count_nonzero(decode[0])) == 0
             grpc_proxy.release("RegisterEngine")  # the claim is re-asserted: the new epoch matches t1 again
 
-            result = await asyncio.wait_for(arrived, MUST)
+            result = await asyncio.wait_for(arrived.future, MUST)
             assert (result.ok, result.generation) == (True, 1), result  # before the fix: aborted by the old report
-            report = await asyncio.wait_for(written, MUST)
+            report = await asyncio.wait_for(written.future, MUST)
             assert report.generation == 1
             assert bool((decode[0][5] == 1).all()) and int(torch.count_nonzero(decode[0])) == 256
             assert [(r.generation, r.ok, r.error) for r in reports if not r.ok] == [(1, False, error)]
             info = await client.get_transfer("t1")
             assert info.state in (TransferState.COMMITTED, TransferState.RELEASED), info
-        finally:
-            await producer.close()
-            await consumer.close()
 
 
 TP2 = KvLayout("test-model", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
@@ -484,20 +391,8 @@ async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blo
     Deterministic for the test's reason: rank 1's fence is at most the send time of its last answered read of the
     lease plus what the server said was left then, less a third of the TTL; the service lapses the lease no earlier
     than that send time plus what was left; and the source is made ready only after the consumer was told."""
-    loop = asyncio.get_running_loop()
-    assigned: asyncio.Future[None] = loop.create_future()
-    lost: asyncio.Future[TransferResult] = loop.create_future()
-    finished: asyncio.Future[tuple[bool, str | None]] = loop.create_future()
-    reported: asyncio.Future[WriteReport] = loop.create_future()
-
-    def on_result(result: TransferResult) -> None:
-        if not lost.done():
-            lost.set_result(result)
-
-    def on_report(report: WriteReport) -> None:
-        if not reported.done():
-            reported.set_result(report)
-
+    finished: asyncio.Future[tuple[bool, str | None]] = asyncio.get_running_loop().create_future()
+    lost, reported = First[TransferResult](), First[WriteReport]()
     decode = [torch.zeros(8, 512, dtype=torch.uint8)]
     leader_proxy = GrpcProxy(server.address)
     await leader_proxy.start()
@@ -515,18 +410,14 @@ async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blo
                 rank=r,
                 lease_ttl=LEASE,
                 session_config=FAST_SESSION,
-                on_report=on_report,
+                on_report=reported,
             )
             for r, c in enumerate((leader_client, proxied))
         ]
         follower = ranks[1]
-        consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TP1, on_result=on_result)
-        handle, write_finished = follower.handle_event, follower._write_finished
-
-        async def handle_event(item: Any) -> None:
-            await handle(item)
-            if getattr(item, "type", None) is EventType.TRANSFER_ASSIGNED and not assigned.done():
-                assigned.set_result(None)
+        consumer = ConsumerAgent(client, "d0", "decode", decode, layout=TP1, on_result=lost)
+        assigned = on_assignment(follower)
+        write_finished = follower._write_finished
 
         def on_write_finished(
             transfer_id: str, generation: int, ok: bool, error: str | None, parts: tuple[WrittenPart, ...] = ()
@@ -535,7 +426,6 @@ async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blo
                 finished.set_result((ok, error))
             write_finished(transfer_id, generation, ok, error, parts)
 
-        follower.handle_event = handle_event  # type: ignore[method-assign]
         follower._write_finished = on_write_finished  # type: ignore[method-assign]
         await start_ranks(ranks)
         await consumer.start()
@@ -549,7 +439,7 @@ async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blo
                     proxy.hold(method)
                 proxy.end_streams("KeepAlive")
                 proxy.end_streams("Watch")
-            result = await asyncio.wait_for(lost, MUST)
+            result = await asyncio.wait_for(lost.future, MUST)
             assert (result.ok, result.reason) == (False, AbortReason.PEER_LOST)  # its blocks are free now
 
             follower.ready("t1", [2])  # rank 1's prefill finished
@@ -561,7 +451,7 @@ async def test_a_following_rank_cut_off_from_the_service_does_not_write_into_blo
             for proxy in (grpc_proxy, leader_proxy):  # the service can be reached again: rank 0 registers anew,
                 for method in METHODS:  # and rank 1 follows; the failed write's report, the lapsed incarnation's,
                     proxy.release(method)  # is answered STALE_INCARNATION (`EngineSession.complete_transfers`)
-            report = await asyncio.wait_for(reported, MUST)
+            report = await asyncio.wait_for(reported.future, MUST)
             assert (report.transfer_id, report.ok, report.error) == ("t1", False, error)
         finally:
             for proxy in (grpc_proxy, leader_proxy):
