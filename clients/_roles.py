@@ -126,12 +126,17 @@ class ProducerSession(RoleSession):
         """Report one transfer's computed source blocks; raises the item's error."""
         return (await self.mark_sources_ready((source,)))[0].raise_for_error()
 
-    async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:
+    async def acknowledge_revocations(
+        self, acks: Sequence[RevocationAck], *, revoked_to: tuple[int, int] | None = None
+    ) -> list[ItemResult]:
         """Confirm revoked generations will not be written (never started, or drained).
 
-        A refused item is returned, not raised.
+        A refused item is returned, not raised. `revoked_to`: the incarnation (`(epoch, incarnation)`: its
+        `events_incarnation` when it was told of the revocations) whose revocations these acks answer; sent as it
+        only, as `complete_transfers`'s `assigned_to` (once it was replaced, refused here with STALE_INCARNATION,
+        unsent). None: sent as the current incarnation.
         """
-        return await self._call(self._client.acknowledge_revocations, acks)
+        return await self._acknowledge_revocations(acks, revoked_to)
 
     async def acknowledge_revocation(self, ack: RevocationAck) -> ItemResult:
         """Confirm one revoked generation will not be written; raises the item's error."""

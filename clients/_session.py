@@ -491,6 +491,18 @@ class EngineSession:
             return await self._call(self._client.complete_transfers, completions)
         return await self._call_as(self._client.complete_transfers, completions, assigned_to)
 
+    async def _acknowledge_revocations(
+        self, acks: Sequence[RevocationAck], revoked_to: tuple[int, int] | None
+    ) -> list[ItemResult]:
+        """AcknowledgeRevocations (a producer's, or a producer rank's) as `revoked_to` only, when given: an ack says
+        that no WRITE of a generation the service revoked from that incarnation can land. After a re-registration
+        (a new epoch: the transfer matched again, its generations numbered anew) the same generation may be the new
+        incarnation's, whose WRITE may still be in flight: sent as the new one, a replaced incarnation's ack would
+        let the consumer free blocks that WRITE can still land in. The service ended or forgot the revocation."""
+        if revoked_to is None:
+            return await self._call(self._client.acknowledge_revocations, acks)
+        return await self._call_as(self._client.acknowledge_revocations, acks, revoked_to)
+
     async def complete_transfer(self, completion: CompletionSpec) -> ItemResult:
         """Report one outcome; raises the item's error."""
         return (await self.complete_transfers((completion,)))[0].raise_for_error()
@@ -529,8 +541,9 @@ class EngineSession:
     async def _call_as(
         self, send: BatchCall, specs: Sequence[Any], incarnation_id: tuple[int, int]
     ) -> list[ItemResult]:
-        """Send a batch as the incarnation `incarnation_id` only (see `complete_transfers`'s `assigned_to`): once it
-        was replaced, each item is refused with STALE_INCARNATION, unsent."""
+        """Send a batch as the incarnation `incarnation_id` only (see `complete_transfers`'s `assigned_to`,
+        `acknowledge_revocations`' `revoked_to`): once it was replaced, each item is refused with STALE_INCARNATION,
+        unsent."""
         incarnation = await self._ready()
         if (self.epoch, incarnation) == incarnation_id:
             try:
@@ -995,12 +1008,14 @@ class RankSession(EngineSession):
         if recovery is not None and not recovery.done():
             await asyncio.wait([recovery])  # waiting must not cancel it
 
-    async def acknowledge_revocations(self, acks: Sequence[RevocationAck]) -> list[ItemResult]:
+    async def acknowledge_revocations(
+        self, acks: Sequence[RevocationAck], *, revoked_to: tuple[int, int] | None = None
+    ) -> list[ItemResult]:
         """A producer rank's promise not to write revoked generations (name the rank in each).
 
-        A refused item is returned, not raised.
+        A refused item is returned, not raised. `revoked_to`: as `ProducerSession.acknowledge_revocations`'s.
         """
-        return await self._call(self._client.acknowledge_revocations, acks)
+        return await self._acknowledge_revocations(acks, revoked_to)
 
     def _replaced(self, err: RendezvousError, incarnation: int) -> bool:
         if err.reason in _ENGINE_GONE or err.reason == Reason.STALE_INCARNATION:

@@ -40,6 +40,7 @@ from rendezvous.clients import (
     ResourceExhausted,
     Resynced,
     RetryPolicy,
+    RevocationAck,
     ServerEvent,
     SessionCause,
     SessionConfig,
@@ -458,6 +459,40 @@ async def test_an_outcome_answering_a_replaced_incarnation_is_not_sent_as_the_ne
     assert (await client.get_transfer("t1")).state == TransferState.MATCHED
     (result,) = await producer.complete_transfers([CompletionSpec("t1", 1)], assigned_to=producer.incarnation_id)
     assert result.state == TransferState.COMMITTED, result
+
+
+async def test_a_revocation_ack_answering_a_replaced_incarnation_is_not_sent_as_the_new_one(
+    server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession, producer: ProducerSession
+) -> None:
+    """An ack of a revocation made to the incarnation a server restart replaced: the new epoch matched the
+    transfer again (generation 1 again) and revokes that generation from the new incarnation, whose WRITE of it
+    may still be in flight. Sent as the new incarnation, the old ack would confirm the new revocation and let the
+    consumer free blocks that WRITE can land in. Named by the incarnation it answers (`revoked_to`), it is refused
+    in the client with STALE_INCARNATION, unsent, and the revocation stays pending; the new one's ack confirms it."""
+    producer_events, consumer_events = producer.events(), consumer.events()
+    await consumer.register_target(TargetSpec("t1", [2]))
+    await producer.claim_transfer(ClaimSpec("t1"))
+    await collect_assignments(producer_events, {"t1"})
+    old = producer.incarnation_id
+
+    await server.restart()
+    for events in (producer_events, consumer_events):
+        await next_event(events, is_reregistered)
+    await collect_assignments(producer_events, {"t1"})  # matched again in the new epoch, generation 1 again
+    await consumer.register_target(TargetSpec("t1", [3], generation=2))  # preempted: generation 1 is revoked
+    revoked = await next_event(producer_events, of_type(EventType.TRANSFER_REVOKED, "t1"))
+    assert isinstance(revoked, Event) and revoked.generation == 1, revoked
+    assert (await client.get_transfer("t1")).revoking_generation == 1
+
+    (result,) = await producer.acknowledge_revocations([RevocationAck("t1", 1)], revoked_to=old)
+    assert result.error is not None and result.error.reason == Reason.STALE_INCARNATION, result
+    assert (await client.get_transfer("t1")).revoking_generation == 1  # not confirmed: the blocks stay fenced
+    ack = RevocationAck("t1", 1)
+    (result,) = await producer.acknowledge_revocations([ack], revoked_to=producer.incarnation_id)
+    assert result.ok, result
+    confirmed = await next_event(consumer_events, of_type(EventType.REVOCATION_CONFIRMED, "t1"))
+    assert isinstance(confirmed, Event) and confirmed.generation == 1, confirmed
+    assert (await client.get_transfer("t1")).revoking_generation == 0
 
 
 async def test_after_a_server_restart_sessions_reregister_and_their_transfers_still_match(
