@@ -45,7 +45,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, TypeVar, Unpack
 
 from rendezvous.clients._memo import remember
 from rendezvous.clients._roles import ProducerSession
@@ -71,7 +71,7 @@ from rendezvous.clients._types import (
 )
 from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.agent import NixlEndpoint
-from rendezvous.clients.nixl.batching import Batcher
+from rendezvous.clients.nixl.batching import Batcher, SendBatch
 from rendezvous.clients.nixl.device import COMPLETE, KvReady
 from rendezvous.clients.nixl.rank import FOLLOWER_CHECK_S, RankAgent, RankOptions
 from rendezvous.clients.nixl.receiver import TransferReceiver
@@ -129,6 +129,31 @@ def _ignore(*args: object) -> None:
     """A callback for what the read-serving agent reports: nothing this producer acts on."""
 
 
+S = TypeVar("S")
+
+
+def _batcher_of(
+    batchers: dict[tuple[int, int], Batcher[S]], incarnation_id: tuple[int, int], name: str, send: SendBatch[S]
+) -> Batcher[S]:
+    """The batcher of the items answering `incarnation_id` (`(epoch, incarnation)`), which `send` sends as that
+    incarnation only; a replaced incarnation's is dropped once its calls are done."""
+    batcher = batchers.get(incarnation_id)
+    if batcher is None:
+        for key, old in list(batchers.items()):
+            if old.idle:
+                del batchers[key]
+        batcher = batchers[incarnation_id] = Batcher(name, send)
+    return batcher
+
+
+def _acknowledged(transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
+    failure = None if future.cancelled() else (future.exception() or future.result().error)
+    if isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION:
+        logger.info("AcknowledgeRevocations %s:%d: %s", transfer_id, generation, failure)  # the revocation ended
+    elif failure is not None:
+        logger.warning("AcknowledgeRevocations %s:%d: %s", transfer_id, generation, failure)
+
+
 def agent_for_rank(agents: Sequence[NixlAgentInfo], rank: int) -> NixlAgentInfo | None:
     """The agent of `rank` among a peer engine's agents, if it has one."""
     return next((a for a in agents if a.rank == rank), None)
@@ -184,7 +209,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._claims: Batcher[ClaimSpec] | None = None
         self._ready: Batcher[SourceReadySpec] | None = None
         self._completions: dict[tuple[int, int], Batcher[CompletionSpec]] = {}  # by the incarnation they answer
-        self._acks: Batcher[RevocationAck] | None = None
+        self._acks: dict[tuple[int, int], Batcher[RevocationAck]] = {}  # by the incarnation they answer
+        self._revoked_by: dict[tuple[str, int], list[tuple[int, int]]] = {}  # revocations handed to the writer: by whom
 
     # Lifecycle
 
@@ -241,7 +267,6 @@ class ProducerAgent(RankAgent[ProducerSession]):
         if isinstance(session, ProducerSession):
             self._claims = Batcher("ClaimTransfers", session.claim_transfers)
             self._ready = Batcher("MarkSourcesReady", session.mark_sources_ready)
-        self._acks = Batcher("AcknowledgeRevocations", session.acknowledge_revocations)
 
     async def close(self, *, deregister: bool = True) -> None:
         """Stop the writer (writes in flight drain; held sources are freed), then end the session."""
@@ -249,7 +274,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             check.cancel()
         await self._stop_threads()
         await asyncio.sleep(0)  # run the callbacks the writer posted while stopping
-        await self._finish_calls((self._claims, self._ready, *self._completions.values(), self._acks))
+        await self._finish_calls((self._claims, self._ready, *self._completions.values(), *self._acks.values()))
         await self._close_session(deregister)
 
     async def _stop_threads(self) -> None:
@@ -485,13 +510,21 @@ class ProducerAgent(RankAgent[ProducerSession]):
                 self._assign(event)
             case EventType.TRANSFER_REVOKED:
                 self._drop_deferred(transfer_id, event.generation)
-                writer.revoke(transfer_id, event.generation)
+                self._revoke(transfer_id, event.generation)
             case EventType.TRANSFER_ABORTED:
                 if info.revoking_generation:
-                    writer.revoke(transfer_id, info.revoking_generation)
+                    self._revoke(transfer_id, info.revoking_generation)
                 self._end(transfer_id)
             case EventType.TRANSFER_COMMITTED:  # pull: the consumer read the blocks
                 self._end(transfer_id)
+
+    def _revoke(self, transfer_id: str, generation: int) -> None:
+        """Revoke `generation` in the writer, noting whose revocation its ack answers: the incarnation whose events
+        the handler is taking (a revoked WRITE in flight may drain, and be acknowledged, after a Reregistered)."""
+        assert self._writer is not None
+        by = self._revoked_by.setdefault((transfer_id, generation), [])
+        by.append(self.engine_session.events_incarnation)
+        self._writer.revoke(transfer_id, generation)
 
     def _drop_deferred(self, transfer_id: str, generation: int) -> None:
         """A held assignment of `generation` or older is revoked: it must never reach the writer."""
@@ -570,14 +603,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
     ) -> Batcher[CompletionSpec]:
         """The batcher of the outcomes of `assigned_to`'s assignments, sent as that incarnation only
         (`EngineSession.complete_transfers`); a replaced incarnation's is dropped once its calls are done."""
-        batcher = self._completions.get(assigned_to)
-        if batcher is None:
-            for key, old in list(self._completions.items()):
-                if old.idle:
-                    del self._completions[key]
-            send = functools.partial(session.complete_transfers, assigned_to=assigned_to)
-            batcher = self._completions[assigned_to] = Batcher("CompleteTransfers", send)
-        return batcher
+        send = functools.partial(session.complete_transfers, assigned_to=assigned_to)
+        return _batcher_of(self._completions, assigned_to, "CompleteTransfers", send)
 
     def _completed(
         self,
@@ -599,8 +626,17 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     def _write_revoked(self, transfer_id: str, generation: int) -> None:
         self._assigned.pop(transfer_id, None)
-        assert self._acks is not None
-        self._acks.submit_logged(RevocationAck(transfer_id, generation, (self.rank,)))
+        session = self.engine_session
+        # The writer acknowledges each revocation handed to it once (two of one generation, while its WRITE drains,
+        # at most once): this ack answers the oldest one not answered yet.
+        by = self._revoked_by.get((transfer_id, generation))
+        revoked_to = by.pop(0) if by else session.events_incarnation
+        if not by:
+            self._revoked_by.pop((transfer_id, generation), None)
+        send = functools.partial(session.acknowledge_revocations, revoked_to=revoked_to)
+        acks = _batcher_of(self._acks, revoked_to, "AcknowledgeRevocations", send)
+        future = acks.submit(RevocationAck(transfer_id, generation, (self.rank,)))
+        future.add_done_callback(functools.partial(_acknowledged, transfer_id, generation))
 
     def _source_free(self, transfer_id: str) -> None:
         self._free(transfer_id)

@@ -197,6 +197,41 @@ async def test_a_write_attempted_while_re_registering_after_a_restart_fails_and_
             assert int(torch.count_nonzero(decode[0])) == 0  # the consumer's memory is untouched
 
 
+async def test_a_revocation_ack_refused_across_a_restart_is_not_sent_again_as_the_new_incarnation(
+    server: AsyncTestServer, client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The producer holds an assignment whose source is not ready; decode is preempted (generation 2) and the
+    producer acknowledges the revocation of generation 1 at once, but the call is held at the proxy while the
+    service restarts and the producer's re-registration is held. Let through, it reaches the new epoch, which does
+    not know the engine (ENGINE_NOT_FOUND). Before the fix the SDK waited for the re-registration and sent the ack
+    again as the new incarnation: in a new epoch generations are numbered anew, and such an ack could confirm the
+    revocation of the new match's generation while the new incarnation's WRITE of it is in flight. Now an ack goes
+    as the incarnation that was told of the revocation only (`acknowledge_revocations(revoked_to=...)`), and is
+    dropped once that one is replaced: the service ended or forgot the revocation."""
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
+        producer = prefill_agent(proxied, First[WriteReport](), lease_ttl=MUST)
+        consumer = decode_agent(client, decode, First[TransferResult](), session_config=FAST_SESSION)
+        assigned, producer_back = on_assignment(producer), on_reregistered(producer)
+        async with running(producer, consumer):
+            assert (await consumer.register_target("t1", [5], 1)).ok
+            assert (await producer.claim("t1")).ok
+            await asyncio.wait_for(assigned, WAIT)  # the writer holds the assignment; prefill is still computing
+
+            grpc_proxy.delay("AcknowledgeRevocations")
+            assert (await consumer.register_target("t1", [6], 2)).ok  # preempted: generation 1 is revoked
+            await grpc_proxy.wait_for(lambda: grpc_proxy.delayed["AcknowledgeRevocations"] == 1)  # the ack, held
+            grpc_proxy.hold("RegisterEngine")
+            await server.restart()
+            await grpc_proxy.wait_for(lambda: grpc_proxy.calls["RegisterEngine"] == 2)  # the producer's recovery
+            grpc_proxy.let_through("AcknowledgeRevocations")  # the new epoch does not know p0 yet
+            await grpc_proxy.wait_for(lambda: grpc_proxy.delayed["AcknowledgeRevocations"] == 0)
+            grpc_proxy.release("RegisterEngine")
+            await asyncio.wait_for(producer_back, MUST)
+        # closed: every call the producer queued went out
+        assert grpc_proxy.calls["AcknowledgeRevocations"] == 1  # before the fix: 2, the second as the new incarnation
+
+
 TOMBSTONE = 1.0
 """The service's tombstone TTL in the re-registration tests (on its fake clock): an aborted transfer is forgotten
 once the clock moved this far."""
