@@ -16,6 +16,7 @@ from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.testing import TEST_LAYOUT
 from tests.clients.conftest import WAIT, client, server
+from tests.nixl.helpers import on_assignment
 
 __all__ = ["client", "server"]
 
@@ -44,15 +45,12 @@ async def test_an_assignment_held_for_the_prompt_s_length_is_not_written_once_re
     producer = ProducerAgent(client, "p0", "prefill", kv, layout=P16, on_report=reported)
     decode = [torch.zeros(8, 512, dtype=torch.uint8) for _ in range(2)]
     consumer = ConsumerAgent(client, "d0", "decode", decode, layout=D32)
+    assigned = on_assignment(producer)  # then held for the prompt's length
     handle = producer.handle_event
-    assigned: asyncio.Future[None] = loop.create_future()
 
     async def handle_event(item: Any) -> None:
         await handle(item)
-        kind = getattr(item, "type", None)
-        if kind is EventType.TRANSFER_ASSIGNED and not assigned.done():
-            assigned.set_result(None)  # held for the prompt's length
-        if kind is EventType.TRANSFER_REVOKED:
+        if getattr(item, "type", None) is EventType.TRANSFER_REVOKED:
             producer.ready("t1", [1, 2], prompt_tokens=32)  # prefill finishes right then
 
     producer.handle_event = handle_event  # type: ignore[method-assign]
