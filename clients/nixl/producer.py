@@ -146,12 +146,14 @@ def _batcher_of(
     return batcher
 
 
-def _acknowledged(transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
+def _log_refusal(method: str, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
+    """Log a batched item's failure; a replaced incarnation's item refused unsent (its assignment or revocation
+    ended with it) at info only."""
     failure = None if future.cancelled() else (future.exception() or future.result().error)
     if isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION:
-        logger.info("AcknowledgeRevocations %s:%d: %s", transfer_id, generation, failure)  # the revocation ended
+        logger.info("%s %s:%d: %s", method, transfer_id, generation, failure)
     elif failure is not None:
-        logger.warning("AcknowledgeRevocations %s:%d: %s", transfer_id, generation, failure)
+        logger.warning("%s %s:%d: %s", method, transfer_id, generation, failure)
 
 
 def agent_for_rank(agents: Sequence[NixlAgentInfo], rank: int) -> NixlAgentInfo | None:
@@ -616,11 +618,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         parts: tuple[WrittenPart, ...],
         future: asyncio.Future[ItemResult],
     ) -> None:
-        failure = None if future.cancelled() else (future.exception() or future.result().error)
-        if isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION:
-            logger.info("CompleteTransfers %s:%d: %s", transfer_id, generation, failure)  # the assignment ended
-        elif failure is not None:
-            logger.warning("CompleteTransfers %s:%d: %s", transfer_id, generation, failure)
+        _log_refusal("CompleteTransfers", transfer_id, generation, future)
         if self._on_report is not None:
             self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic(), parts))
 
@@ -636,7 +634,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         send = functools.partial(session.acknowledge_revocations, revoked_to=revoked_to)
         acks = _batcher_of(self._acks, revoked_to, "AcknowledgeRevocations", send)
         future = acks.submit(RevocationAck(transfer_id, generation, (self.rank,)))
-        future.add_done_callback(functools.partial(_acknowledged, transfer_id, generation))
+        future.add_done_callback(functools.partial(_log_refusal, "AcknowledgeRevocations", transfer_id, generation))
 
     def _source_free(self, transfer_id: str) -> None:
         self._free(transfer_id)
