@@ -466,9 +466,11 @@ class Coordinator:
 
     # Credits (rendezvous.credit_ledger)
 
-    async def credit_usage(self, engines: Sequence[Engine]) -> dict[str, EngineCredits]:
-        """What each consumer with a capacity has in use and reserved (ListEngines, GetEngine)."""
-        return await self.credits.usage_of(engines)
+    async def engine_tallies(self, engines: Sequence[Engine]) -> tuple[dict[str, int], dict[str, EngineCredits]]:
+        """Each engine's live transfers, and what each consumer with a capacity has in use and reserved
+        (ListEngines, GetEngine): the reads in flight together where the store allows."""
+        ids = [e.engine_id for e in engines]
+        return await self._both(self.store.live_transfer_counts(ids), self.credits.usage_of(engines))
 
     async def reserve_credits(self, specs: Sequence[CreditSpec], ttl: float = 0.0) -> list[CreditOutcome]:
         """Reserve credit on consumer engines for transfer ids (CreditLedger.reserve)."""

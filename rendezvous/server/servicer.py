@@ -365,8 +365,7 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
     ) -> pb.GetEngineResponse:
         view = wire.engine_view(request.view)
         engine = await self.coordinator.get_engine(request.engine_id)
-        live = await self.coordinator.store.live_transfer_counts([engine.engine_id])
-        usage = await self.coordinator.credit_usage([engine])
+        live, usage = await self.coordinator.engine_tallies([engine])
         header = await self._header()
         # The lease left as of the last store call: a renewal the read missed only makes it shorter.
         message = wire.engine_message(
@@ -396,12 +395,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             return _weigh(message)
 
         page = await self.coordinator.list_engines(request.pool, role, request.page_size, request.page_token, weigh)
-        live = await self.coordinator.store.live_transfer_counts([e.engine_id for e in page.engines])
+        live, usage = await self.coordinator.engine_tallies(page.engines)
         engines = [messages[e.engine_id] for e in page.engines]
         for message in engines:
             message.live_transfers = live[message.engine_id]
-        usage = await self.coordinator.credit_usage(page.engines)
-        for message in engines:
             if message.engine_id in usage:
                 message.credits.CopyFrom(convert.credits_message(usage[message.engine_id]))
         header = await self._header()

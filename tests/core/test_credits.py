@@ -183,9 +183,9 @@ def test_the_coordinator_spends_reservations_and_reclaims_them() -> None:
     assert target_1.error is None
     assert run(coordinator.store.credits().get("t1")) is None  # spent: the target holds the credit now
     # Without a block limit the target's blocks are not counted (nothing limits them).
-    assert run(coordinator.credit_usage([d]))["d0"] == EngineCredits(1, 0, 1, 1)
+    assert run(coordinator.engine_tallies([d]))[1]["d0"] == EngineCredits(1, 0, 1, 1)
     run(coordinator.abort_transfers("", 0, [AbortSpec("t2")]))  # only a reservation: it goes
-    assert run(coordinator.credit_usage([d]))["d0"] == EngineCredits(1, 0, 0, 0)
+    assert run(coordinator.engine_tallies([d]))[1]["d0"] == EngineCredits(1, 0, 0, 0)
     [r4] = run(coordinator.reserve_credits([CreditSpec("t4", "d0")], ttl=10))
     assert r4.reservation is not None
     clock.advance(11)
