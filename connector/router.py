@@ -471,12 +471,13 @@ class Router:
         why: str,
         span: tracing.Span,
     ) -> web.StreamResponse:
-        """The whole request to the decode engine, which computes the prompt itself (no transfer)."""
+        """The whole request to the decode engine, which computes the prompt itself (no transfer: a transfer id or
+        binding the client sent is not passed on, or the engine would wait for KV no prefill engine sends)."""
         span.set_attribute("kv_rendezvous.prefill", why)
         named = {PREFILL_HEADER: why}
         try:
             with self.engines.in_flight(engine, prefix, indexed), _leg_span("router.decode", engine, "") as headers:
-                return await self._relay(request, url, body, headers, named)
+                return await self._relay(request, url, _without_transfer(body), headers, named)
         except _StreamCut as cut:
             self.engines.invalidate()
             return cut.response
@@ -612,6 +613,18 @@ def _leg_span(name: str, engine: EngineInfo, transfer_id: str) -> Iterator[Mappi
     """The span of one leg; yields the leg's HTTP headers, which carry it (vLLM's own tracing may join)."""
     with tracing.span(name, tracing.about(transfer_id=transfer_id, engine_id=engine.engine_id), kind="client"):
         yield {**_LEG_HEADERS, **tracing.carrier()}
+
+
+def _without_transfer(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The request for a decode engine alone: its `kv_transfer_params` without a transfer id or binding (left out
+    when nothing else remains)."""
+    params = {
+        k: v for k, v in (body.get("kv_transfer_params") or {}).items() if k not in (TRANSFER_ID_KEY, BINDING_KEY)
+    }
+    local = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params:
+        local["kv_transfer_params"] = params
+    return local
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> web.Response:

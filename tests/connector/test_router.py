@@ -443,6 +443,18 @@ async def test_a_short_prompt_is_computed_by_the_decode_engine_alone(cluster: Cl
     assert decode.bodies[1]["kv_transfer_params"]["transfer_id"] == router.last_transfer_id
 
 
+async def test_a_decode_engine_alone_is_not_sent_the_client_s_transfer_id(cluster: Cluster, make_router: Any) -> None:
+    """Before, a transfer id (or binding) the client sent reached the decode engine computing the prompt itself,
+    whose connector then waited for KV that no prefill engine sends, asking the rendezvous for it."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER)
+    router = await make_router({ANY_MODEL: Route(("prefill",), ("decode",))}, local_prefill=LocalPrefill(8))
+    params = {"transfer_id": "the-client-s", bindings.PARAMS_KEY: {"mac": "x"}, "other": 1}
+    await router.complete("tiny", prompt=list(range(7)), kv_transfer_params=params)
+    assert router.last_prefill == "local-short"
+    assert decode.bodies[0]["kv_transfer_params"] == {"other": 1}
+
+
 async def test_prompts_go_to_decode_alone_while_every_prefill_engine_is_busy(
     cluster: Cluster, make_router: Any
 ) -> None:
