@@ -76,7 +76,8 @@ class RouterClient:
     Engine lists are cached per pool and role. A list older than `refresh_interval` seconds is refreshed in the
     background and used meanwhile, so a request does not wait for ListEngines; a request waits only for the
     first list, one older than WAIT_AFTER_INTERVALS intervals (an idle router's), or any with interval 0
-    (`invalidate` forgets them).
+    (`invalidate` forgets them). `rank_listed` ranks the last lists without a call, for a router whose rendezvous
+    does not answer.
     With `binding_key` (the first key of the service's `--binding-key-file`), `bind` signs a transfer to the
     engines chosen for it, for `binding_ttl` seconds; the binding goes into both legs' `kv_transfer_params`.
     """
@@ -108,6 +109,8 @@ class RouterClient:
         self.prefixes = PrefixIndex(prefix_capacity)
         self._work: Counter[str] = Counter()
         self._cache: dict[tuple[str, EngineRole], tuple[float, list[EngineInfo]]] = {}
+        self._listed: dict[tuple[str, EngineRole], tuple[float, list[EngineInfo]]] = {}
+        """The last list each pool and role got, kept through `invalidate` (`rank_listed`)."""
         self._refreshing: dict[tuple[str, EngineRole], asyncio.Task[list[EngineInfo]]] = {}
         self._clock = clock
         self._turns: Counter[tuple[tuple[str, ...], EngineRole]] = Counter()
@@ -152,7 +155,7 @@ class RouterClient:
     async def _refresh(self, key: tuple[str, EngineRole]) -> list[EngineInfo]:
         started = self._clock()
         engines = await self.list_engines(*key)
-        self._cache[key] = (started, engines)
+        self._cache[key] = self._listed[key] = (started, engines)
         return engines
 
     def _refreshed(self, key: tuple[str, EngineRole], task: asyncio.Task[list[EngineInfo]]) -> None:
@@ -211,9 +214,7 @@ class RouterClient:
                     f"({engines[0].engine_id}: {why})",
                 )
             engines = compatible
-        turn = self._turns[(names, role)]
-        self._turns[(names, role)] += 1
-        rotated = engines[turn % len(engines) :] + engines[: turn % len(engines)]
+        rotated = self._rotated(names, role, engines)
         if self.policy is PickPolicy.ROUND_ROBIN:
             return rotated
         if self.policy is PickPolicy.LEAST_LOADED:
@@ -226,6 +227,30 @@ class RouterClient:
                 e.live_transfers,
             ),
         )
+
+    def rank_listed(self, pools: str | Sequence[str], role: EngineRole, max_age: float) -> list[EngineInfo]:
+        """Without a call (for a router whose rendezvous does not answer): the engines of `pools` with `role` in
+        the last list each pool got, where that list is at most `max_age` seconds old (`invalidate` does not forget
+        it), fewest requests in flight from this router first, ties in turn. Raises NotFound if there is none."""
+        names = (pools,) if isinstance(pools, str) else tuple(pools)
+        now = self._clock()
+        engines = [
+            engine
+            for pool in names
+            if (listed := self._listed.get((pool, role))) is not None and now - listed[0] <= max_age
+            for engine in listed[1]
+        ]
+        if not engines:
+            raise NotFound(
+                "", f"no {role.name.lower()} engine of pool(s) {', '.join(names)} listed in the last {max_age:g} s"
+            )
+        return sorted(self._rotated(names, role, engines), key=lambda e: self._in_flight[e.engine_id])
+
+    def _rotated(self, names: tuple[str, ...], role: EngineRole, engines: list[EngineInfo]) -> list[EngineInfo]:
+        """The engines from this pick's turn on (round-robin, and the tie-break of the other policies)."""
+        turn = self._turns[(names, role)]
+        self._turns[(names, role)] += 1
+        return engines[turn % len(engines) :] + engines[: turn % len(engines)]
 
     def _leg_work(self, engine_id: str, prefix: Sequence[int], indexed: IndexedPrefix | None = None) -> int:
         """A leg's work on an engine, in blocks: those of the prompt it lacks (as the index says, else as this

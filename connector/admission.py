@@ -138,6 +138,19 @@ class RouterMetrics:
             ["source"],
             registry=self.registry,
         )
+        self.local_prefills = Counter(
+            "kv_rendezvous_router_local_prefills",
+            "Requests sent to a decode engine alone, which computed the prompt itself, by why (the X-Kv-Prefill "
+            "header: local-short, local-busy, local-unreachable)",
+            ["why"],
+            registry=self.registry,
+        )
+        self.unreachable = Gauge(
+            "kv_rendezvous_router_rendezvous_unreachable",
+            "1 while the rendezvous does not answer: requests go to decode engines alone (local-unreachable) or "
+            "are refused 503 rendezvous_unavailable",
+            registry=self.registry,
+        )
         self.reserved = Counter(
             "kv_rendezvous_router_credit_reservations",
             "Reservations this router was granted",

@@ -26,11 +26,15 @@ With `--policy prefix-aware` engines are placed by what the fleet's KV index say
 (engines that report their cache, connector `kv_index`; rendezvous.connector.prefix_view), by the router's own memory of
 what it sent where while the index cannot answer (or with --no-kv-index); `--local-prefill-below` then counts
 only the tokens the decode engine does not hold.
-While the rendezvous does not answer, requests fail fast: each of the router's rendezvous calls has a deadline
-of `--rendezvous-timeout` seconds (2), retries included; a request whose call finds the rendezvous unreachable
-(UNAVAILABLE, DEADLINE_EXCEEDED) is answered 503 with `Retry-After` and `X-Kv-Refusal: rendezvous_unavailable`,
-and so is every request after it, at once and without a call, until a background probe (GetStatus every
-`--rendezvous-retry-after` seconds) finds the rendezvous answering again.
+While the rendezvous does not answer, requests do not wait on it: each of the router's rendezvous calls has a
+deadline of `--rendezvous-timeout` seconds (2), retries included. A request whose call finds the rendezvous
+unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) opens the circuit: it and every request after it, at once and
+without a call, go to a decode engine alone, which computes the prompt itself (`X-Kv-Prefill:
+local-unreachable`; no transfer, so the engine's connector calls nothing either), the least loaded of the
+route's decode engines in the last engine list the router got, while that list is at most `--degraded-max-age`
+seconds old (60; 0: never). Past it, or with no such engine, they are answered 503 with `Retry-After` and
+`X-Kv-Refusal: rendezvous_unavailable`. A background probe (GetStatus every `--rendezvous-retry-after` seconds)
+closes the circuit once the rendezvous answers again, and requests are disaggregated again.
 A request body over `--max-body-bytes` (1 MiB) is refused 413 unread.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
@@ -47,7 +51,8 @@ import math
 import os
 import socket
 import sys
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,8 +96,9 @@ TRANSFER_ID_HEADER = "X-Transfer-Id"
 """Response header naming the transfer the router minted for a request (`kv-rendezvous transfers --timeline`)."""
 PREFILL_HEADER = "X-Kv-Prefill"
 """Response header saying where the prompt was computed: `remote` (a prefill engine, KV pushed to decode),
-`local-short` (on the decode engine: the prompt is below --local-prefill-below) or `local-busy` (on the decode
-engine: every prefill engine had --local-prefill-when-busy requests in flight)."""
+`local-short` (on the decode engine: the prompt is below --local-prefill-below), `local-busy` (on the decode
+engine: every prefill engine had --local-prefill-when-busy requests in flight) or `local-unreachable` (on the
+decode engine: the rendezvous does not answer, --degraded-max-age)."""
 REFUSAL_HEADER = "X-Kv-Refusal"
 """On a 503 for want of decode credit: why (`queue_full`, `queue_timeout`, `no_capacity`; on a 413, `too_large`;
 rendezvous.connector.admission); `rendezvous_unavailable` on a 503 while the rendezvous does not answer."""
@@ -102,10 +108,14 @@ DEFAULT_RENDEZVOUS_TIMEOUT = 2.0
 """Seconds one rendezvous call of the router may take, retries included (`--rendezvous-timeout`)."""
 DEFAULT_RETRY_AFTER = 1.0
 """Seconds between probes of an unreachable rendezvous, and the 503's Retry-After (`--rendezvous-retry-after`)."""
+DEFAULT_DEGRADED_MAX_AGE = 60.0
+"""How old an engine list may be for requests to go to its decode engines alone while the rendezvous does not
+answer (`--degraded-max-age`)."""
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """The largest request body the router reads (`--max-body-bytes`); larger ones are answered 413."""
 LOCAL_SHORT = "local-short"
 LOCAL_BUSY = "local-busy"
+LOCAL_UNREACHABLE = "local-unreachable"
 _ENGINE_KEEPALIVE = 2.0
 
 
@@ -185,6 +195,8 @@ class Router:
         kv_index: bool = True,
         retry_after: float = DEFAULT_RETRY_AFTER,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        degraded_max_age: float = DEFAULT_DEGRADED_MAX_AGE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not routes:
             raise ValueError("the router needs at least one route")
@@ -193,6 +205,8 @@ class Router:
         self.max_body_bytes = max_body_bytes
         if retry_after <= 0:
             raise ValueError(f"retry_after must be positive, not {retry_after:g}")
+        if degraded_max_age < 0:
+            raise ValueError(f"degraded_max_age must not be negative, not {degraded_max_age:g}")
         self.rendezvous = rendezvous
         self.engines = RouterClient(
             rendezvous,
@@ -201,6 +215,7 @@ class Router:
             load_weight=load_weight,
             binding_key=binding_key,
             binding_ttl=binding_ttl,
+            clock=clock,  # what engine lists age by (degraded_max_age)
         )
         self.routes = dict(routes)
         self.metrics = RouterMetrics()
@@ -222,8 +237,13 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()  # work after an answer (credit releases)
         self.retry_after = retry_after
         self.reachable = asyncio.Event()
-        """Clear while the rendezvous is known not to answer: requests are refused at once, a probe runs."""
+        """Clear while the rendezvous is known not to answer (the circuit is open): requests go to decode engines
+        alone, or are refused, at once; a probe runs."""
         self.reachable.set()
+        self.degraded_max_age = degraded_max_age
+        """While the circuit is open: how old an engine list may be to send requests to its decode engines alone
+        (0: refuse them)."""
+        self._too_old = False  # the circuit is open and the lists have aged past degraded_max_age (logged once)
         self._probe: asyncio.Task[None] | None = None
 
     def app(self) -> web.Application:
@@ -311,9 +331,9 @@ class Router:
         route = self.route(model) if isinstance(model, str) else None
         if route is None:
             return _error(404, f"model {model!r} is not routed by this router")
-        if not self.reachable.is_set():  # known down: no call would do better, and the probe is on it
-            return self._unreachable("the rendezvous is not answering")
         with tracing.span("router.dispatch", parent=request.headers, kind="server") as span:
+            if not self.reachable.is_set():  # known down: no call would do better, and the probe is on it
+                return await self._degraded(request, path, body, route, span, "the rendezvous is not answering")
             return await self._dispatch(request, path, limit_keys, body, route, span)
 
     async def _dispatch(
@@ -344,7 +364,7 @@ class Router:
             status = 413 if e.reason == TOO_LARGE else 503  # too large: no wait would help
             return _error(status, f"no decode credit ({e.reason}): {e}", headers={REFUSAL_HEADER: e.reason})
         except RendezvousError as e:
-            return self._no_engines(e)
+            return await self._no_engines(e, request, path, body, route, span)
         try:
             return await self._admitted(request, path, limit_keys, body, route, span, admission, prefix, indexed)
         finally:
@@ -377,7 +397,7 @@ class Router:
             )
             prefill_url = _engine_url(prefill)
         except RendezvousError as e:
-            return self._no_engines(e)
+            return await self._no_engines(e, request, path, body, route, span)
         span.set_attribute("kv_rendezvous.prefill", "remote")
         span.set_attribute("kv_rendezvous.transfer_id", transfer_id)
         # Both legs' engines make their spans children of this one (the connector reads kv_transfer_params).
@@ -411,15 +431,51 @@ class Router:
                 # The client is answered; let prefill finish in the background (its blocks are freed by then).
                 prefill_leg.add_done_callback(lambda t: t.cancelled() or t.exception())
 
-    def _no_engines(self, error: RendezvousError) -> web.Response:
-        """The 503 of a request that found no engine; if the rendezvous did not answer, the circuit opens."""
+    async def _no_engines(
+        self,
+        error: RendezvousError,
+        request: web.Request,
+        path: str,
+        body: dict[str, Any],
+        route: Route,
+        span: tracing.Span,
+    ) -> web.StreamResponse:
+        """A request that found no engine: 503; if the rendezvous did not answer, the circuit opens and the request
+        goes to a decode engine alone (`_degraded`)."""
         if not unanswered(error):
             return _error(503, f"no engines: {error}")
         if self.reachable.is_set():
-            logger.warning("the rendezvous is not answering (%s): refusing requests until it does", error)
+            if self.degraded_max_age:
+                logger.warning(
+                    "the rendezvous is not answering (%s): sending requests to decode engines alone, from engine "
+                    "lists at most %g s old (--degraded-max-age), until it does",
+                    error,
+                    self.degraded_max_age,
+                )
+            else:
+                logger.warning("the rendezvous is not answering (%s): refusing requests until it does", error)
             self.reachable.clear()
+            self.metrics.unreachable.set(1)
             self._probe = asyncio.ensure_future(self._probe_until_reachable())
-        return self._unreachable(f"the rendezvous is not answering: {error}")
+        return await self._degraded(request, path, body, route, span, f"the rendezvous is not answering: {error}")
+
+    async def _degraded(
+        self, request: web.Request, path: str, body: dict[str, Any], route: Route, span: tracing.Span, why: str
+    ) -> web.StreamResponse:
+        """While the rendezvous does not answer: the request to the least loaded decode engine of the route in
+        the router's last engine lists, if they are at most degraded_max_age old, which computes the prompt itself
+        (no transfer, no call); else the 503 saying `why`."""
+        if not self.degraded_max_age:
+            return self._unreachable(why)
+        try:
+            engine = self.engines.rank_listed(route.decode_pools, EngineRole.CONSUMER, self.degraded_max_age)[0]
+            url = _engine_url(engine)
+        except NotFound as e:
+            if not self._too_old:
+                logger.warning("%s: refusing requests until the rendezvous answers", e)
+                self._too_old = True
+            return self._unreachable(f"{why}, and {e}")
+        return await self._local(request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, span)
 
     def _unreachable(self, message: str) -> web.Response:
         self.metrics.refusals.labels(RENDEZVOUS_UNAVAILABLE).inc()
@@ -435,9 +491,11 @@ class Router:
             except RendezvousError as e:
                 logger.debug("the rendezvous is still not answering: %s", e)
                 continue
-            logger.warning("the rendezvous answers again")
+            logger.warning("the rendezvous answers again: disaggregating requests again")
             self.engines.invalidate()
             self.reachable.set()
+            self.metrics.unreachable.set(0)
+            self._too_old = False
             return
 
     async def _prefill_locally(
@@ -474,6 +532,7 @@ class Router:
         """The whole request to the decode engine, which computes the prompt itself (no transfer: a transfer id or
         binding the client sent is not passed on, or the engine would wait for KV no prefill engine sends)."""
         span.set_attribute("kv_rendezvous.prefill", why)
+        self.metrics.local_prefills.labels(why).inc()
         named = {PREFILL_HEADER: why}
         try:
             with self.engines.in_flight(engine, prefix, indexed), _leg_span("router.decode", engine, "") as headers:
@@ -804,8 +863,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=flags.seconds(positive=True),
         default=DEFAULT_RETRY_AFTER,
         metavar="SECONDS",
-        help="while the rendezvous does not answer: requests get 503 with this Retry-After at once, "
-        "and it is probed this often; > 0",
+        help="while the rendezvous does not answer: it is probed this often, and requests that no decode engine "
+        "can take alone (--degraded-max-age) get 503 with this Retry-After at once; > 0",
+    )
+    parser.add_argument(
+        "--degraded-max-age",
+        type=flags.seconds(),
+        default=DEFAULT_DEGRADED_MAX_AGE,
+        metavar="SECONDS",
+        help="while the rendezvous does not answer: requests go to a decode engine alone (it computes the prompt) "
+        "from an engine list at most this old; 0: they get 503; >= 0",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -905,6 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_index=args.kv_index,
             retry_after=args.rendezvous_retry_after,
             max_body_bytes=args.max_body_bytes,
+            degraded_max_age=args.degraded_max_age,
         )
         return router.app()
 

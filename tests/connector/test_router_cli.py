@@ -66,6 +66,8 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         ("--rendezvous-timeout", "0"),
         ("--rendezvous-retry-after", "inf"),
         ("--rendezvous-retry-after", "0"),
+        ("--degraded-max-age", "-1"),
+        ("--degraded-max-age", "nan"),
         ("--binding-ttl", "-1"),
         ("--binding-ttl", "inf"),
         ("--load-weight", "nan"),

@@ -23,7 +23,15 @@ from rendezvous.clients import (
 )
 from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.connector.launch import free_port
-from rendezvous.connector.router import REFUSAL_HEADER, Route, Router, build_parser, rendezvous_config
+from rendezvous.connector.router import (
+    LOCAL_UNREACHABLE,
+    PREFILL_HEADER,
+    REFUSAL_HEADER,
+    Route,
+    Router,
+    build_parser,
+    rendezvous_config,
+)
 from tests.clients.conftest import GrpcProxy
 from tests.connector.test_router import (
     FLEET,
@@ -309,8 +317,9 @@ async def reserved_transfers(cluster: Cluster, engine_id: str = "d") -> int:
 
 async def test_a_reservation_whose_answer_is_lost_is_released(server: AsyncTestServer, cluster: Cluster) -> None:
     """ReserveCredits reached the rendezvous, which granted it, but the answer was lost on the way back (the call
-    timed out): the router refused the request and went on, and the credit stayed held until its TTL (60 s),
-    though nothing would use it. The router now releases it as soon as the rendezvous answers again."""
+    timed out): the router answered the request without it (503; now on the decode engine alone, degraded mode) and
+    went on, and the credit stayed held until its TTL (60 s), though nothing would use it. The router now releases
+    it as soon as the rendezvous answers again."""
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     await decode_with_capacity(cluster, EngineCapacity(max_transfers=4))
     relay = Relay(server.address)
@@ -332,7 +341,7 @@ async def test_a_reservation_whose_answer_is_lost_is_released(server: AsyncTestS
             assert await reserved_transfers(cluster) == 0
             relay.mute = True  # the next request's only call, ReserveCredits, is applied; its answer is lost
             async with http.post(url, json={"model": "tiny", "prompt": "hi"}) as response:
-                assert response.status == 503, await response.text()
+                assert response.headers[PREFILL_HEADER] == LOCAL_UNREACHABLE, await response.text()
             # It was granted at the rendezvous (before the fix it stayed held, below); the router's release may
             # have reached it already (only answers are lost), or is retried once the relay is cut.
             relay.cut()
@@ -406,7 +415,7 @@ async def test_an_unreachable_rendezvous_is_answered_503_at_once(server: AsyncTe
     measured for one request on 2026-12-07) before its 503. Now the first request's calls give up after the
     router's --rendezvous-timeout (2 s; the test's client allows 10 s, generous on a loaded machine, far under
     the old wait), and while the rendezvous is known down the next requests are answered 503 with Retry-After
-    without a single call to it."""
+    without a single call to it (with --degraded-max-age 0: no decode engine takes them alone)."""
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     await cluster.add("d", "decode", EngineRole.CONSUMER, capacity=1)
     calls = 0
@@ -417,7 +426,9 @@ async def test_an_unreachable_rendezvous_is_answered_503_at_once(server: AsyncTe
         return ()
 
     config = dataclasses.replace(rendezvous_config((server.address,)), metadata_hook=count)
-    router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=0.0, retry_after=3_600.0)
+    router = Router(
+        AsyncRendezvousClient(config), FLEET, refresh_interval=0.0, retry_after=3_600.0, degraded_max_age=0.0
+    )
     runner, url = await serve(router)
     try:
         async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:

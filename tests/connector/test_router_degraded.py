@@ -1,0 +1,160 @@
+"""The router while the rendezvous does not answer (degraded mode): requests go to decode engines alone, which
+compute the prompt themselves (no transfer, so neither the router nor the engine calls the rendezvous), picked
+from the router's last engine lists while those are at most --degraded-max-age old; past it, 503 as before. A real
+rendezvous server that is stopped and started again, fake vLLM HTTP engines (tests/connector/test_router.py).
+Before degraded mode every request got 503 rendezvous_unavailable until the rendezvous answered again."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+
+from aiohttp import ClientSession, ClientTimeout, web
+
+from rendezvous.clients import AsyncRendezvousClient, EngineRole
+from rendezvous.clients.testing import AsyncTestServer
+from rendezvous.connector.launch import free_port
+from rendezvous.connector.router import (
+    LOCAL_UNREACHABLE,
+    PREFILL_HEADER,
+    REFUSAL_HEADER,
+    RENDEZVOUS_UNAVAILABLE,
+    Router,
+    build_parser,
+    rendezvous_config,
+)
+from tests.connector.test_router import FLEET, LAYOUT, WAIT, Cluster, cluster, server
+from tests.factories import sdk_engine
+
+__all__ = ["cluster", "server"]
+
+REQUEST = {"model": "tiny", "prompt": "hi", "kv_transfer_params": {"transfer_id": "the-client-s"}}
+
+
+class Clock:
+    """The clock engine lists age by: moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def serve(router: Router) -> tuple[web.AppRunner, str]:
+    """The router's real HTTP server on a free port; its base URL."""
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def ask(http: ClientSession, base: str) -> tuple[int, str | None, str | None]:
+    """One completion: its status, X-Kv-Prefill and X-Kv-Refusal."""
+    async with http.post(f"{base}/v1/completions", json=REQUEST) as response:
+        await response.read()
+        return response.status, response.headers.get(PREFILL_HEADER), response.headers.get(REFUSAL_HEADER)
+
+
+async def polled(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def metrics(http: ClientSession, base: str) -> str:
+    async with http.get(f"{base}/metrics") as response:
+        return await response.text()
+
+
+async def test_decode_engines_serve_alone_while_the_rendezvous_is_unreachable(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """The request that finds the rendezvous gone and every one after it go to the least loaded decode engine of
+    the last list, without a call, with `X-Kv-Prefill: local-unreachable`; the client's transfer id is not passed
+    on (the engine would wait for KV no one sends)."""
+    prefill = await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decodes = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
+    calls = 0
+
+    def count() -> tuple[tuple[str, str], ...]:  # asked before every call the router's client makes
+        nonlocal calls
+        calls += 1
+        return ()
+
+    config = dataclasses.replace(rendezvous_config((server.address,), timeout=1.0), metadata_hook=count)
+    router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=0.0, retry_after=3_600.0)
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            assert (await ask(http, base))[:2] == (200, "remote")
+            await asyncio.wait_for(asyncio.gather(*router._background), WAIT)
+            await server.stop()
+            for decode in decodes:
+                decode.gate.clear()  # each holds what it is sent: the router's in-flight counts stay up
+            first = asyncio.ensure_future(ask(http, base))  # finds the rendezvous gone: the circuit opens
+            await polled(lambda: first.done() or sum(d.in_flight for d in decodes) == 1, "no answer, no decode")
+            assert not first.done(), first.result()
+            made = calls
+            second = asyncio.ensure_future(ask(http, base))
+            await polled(lambda: sum(d.in_flight for d in decodes) == 2, "the second request reached no decode")
+            assert [d.in_flight for d in decodes] == [1, 1]  # the least loaded: the one the first did not take
+            for decode in decodes:
+                decode.gate.set()
+            assert [await first, await second] == [(200, LOCAL_UNREACHABLE, None)] * 2
+            assert calls == made  # the second made no call
+            assert len(prefill.bodies) == 1
+            degraded = [body for d in decodes for body in d.bodies if "kv_transfer_params" not in body]
+            assert len(degraded) == 2
+            text = await metrics(http, base)
+            assert 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"} 2.0' in text
+            assert "kv_rendezvous_router_rendezvous_unreachable 1.0" in text
+    finally:
+        await runner.cleanup()
+
+
+async def test_past_the_max_age_requests_are_refused_and_disaggregation_resumes(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """Decode engines take requests alone while the last list is at most --degraded-max-age old, then 503
+    rendezvous_unavailable; once the probe finds the rendezvous again, requests are disaggregated again."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    clock = Clock()
+    router = Router(
+        AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0)),
+        FLEET,
+        refresh_interval=0.0,
+        retry_after=0.05,
+        degraded_max_age=30.0,
+        clock=clock,
+    )
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            assert (await ask(http, base))[:2] == (200, "remote")  # the decode list is taken at 0
+            await server.stop()
+            clock.now = 30.0
+            assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+            clock.now = 30.5
+            assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
+            await server.start()  # the same port, a fresh store: the engines register again
+            for name, pool, role in (("p", "prefill", EngineRole.PRODUCER), ("d", "decode", EngineRole.CONSUMER)):
+                labels = {"url": f"http://127.0.0.1:{cluster.engines[name].port}"}
+                await cluster.rendezvous.register_engine(
+                    sdk_engine(name, role, pool=pool, layout=LAYOUT, labels=labels, lease_ttl=60)
+                )
+            await asyncio.wait_for(router.reachable.wait(), WAIT)
+            assert await ask(http, base) == (200, "remote", None)
+            assert "kv_rendezvous_router_rendezvous_unreachable 0.0" in await metrics(http, base)
+    finally:
+        await runner.cleanup()
+
+
+def test_the_max_age_is_a_flag() -> None:
+    assert build_parser().parse_args(["--address", "a:1"]).degraded_max_age == 60.0
+    assert build_parser().parse_args(["--address", "a:1", "--degraded-max-age", "0"]).degraded_max_age == 0.0
