@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 from rendezvous.clients._types import ItemResult
+from rendezvous.protocol.errors import Reason, RendezvousError
 
-__all__ = ["Batcher"]
+__all__ = ["Batcher", "batcher_of", "log_refusal"]
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +120,27 @@ class Batcher(Generic[S]):
             error = future.result().error
         if error is not None:
             logger.warning("%s: %s", self._name, error)
+
+
+def batcher_of(
+    batchers: dict[tuple[int, int], Batcher[S]], incarnation_id: tuple[int, int], name: str, send: SendBatch[S]
+) -> Batcher[S]:
+    """The batcher of the items answering `incarnation_id` (`(epoch, incarnation)`), which `send` sends as that
+    incarnation only; a replaced incarnation's is dropped once its calls are done."""
+    batcher = batchers.get(incarnation_id)
+    if batcher is None:
+        for key, old in list(batchers.items()):
+            if old.idle:
+                del batchers[key]
+        batcher = batchers[incarnation_id] = Batcher(name, send)
+    return batcher
+
+
+def log_refusal(method: str, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
+    """Log a batched item's failure; a replaced incarnation's item refused unsent (what it answers ended with it)
+    at info only."""
+    failure = None if future.cancelled() else (future.exception() or future.result().error)
+    if isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION:
+        logger.info("%s %s:%d: %s", method, transfer_id, generation, failure)
+    elif failure is not None:
+        logger.warning("%s %s:%d: %s", method, transfer_id, generation, failure)

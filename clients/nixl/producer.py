@@ -45,7 +45,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar, Unpack
+from typing import TYPE_CHECKING, Unpack
 
 from rendezvous.clients._memo import remember
 from rendezvous.clients._roles import ProducerSession
@@ -71,7 +71,7 @@ from rendezvous.clients._types import (
 )
 from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.agent import NixlEndpoint
-from rendezvous.clients.nixl.batching import Batcher, SendBatch
+from rendezvous.clients.nixl.batching import Batcher, batcher_of, log_refusal
 from rendezvous.clients.nixl.device import COMPLETE, KvReady
 from rendezvous.clients.nixl.rank import FOLLOWER_CHECK_S, RankAgent, RankOptions
 from rendezvous.clients.nixl.receiver import TransferReceiver
@@ -79,7 +79,7 @@ from rendezvous.clients.nixl.receiver_thread import ReceiverThread
 from rendezvous.clients.nixl.regions import BlockIds
 from rendezvous.clients.nixl.writer import ConsumerEngine, TransferWriter, WriterConfig, WrittenPart
 from rendezvous.protocol import tracing
-from rendezvous.protocol.errors import NotFound, Reason, RendezvousError
+from rendezvous.protocol.errors import NotFound, RendezvousError
 from rendezvous.protocol.events import Event
 
 if TYPE_CHECKING:
@@ -127,33 +127,6 @@ class _Source:
 
 def _ignore(*args: object) -> None:
     """A callback for what the read-serving agent reports: nothing this producer acts on."""
-
-
-S = TypeVar("S")
-
-
-def _batcher_of(
-    batchers: dict[tuple[int, int], Batcher[S]], incarnation_id: tuple[int, int], name: str, send: SendBatch[S]
-) -> Batcher[S]:
-    """The batcher of the items answering `incarnation_id` (`(epoch, incarnation)`), which `send` sends as that
-    incarnation only; a replaced incarnation's is dropped once its calls are done."""
-    batcher = batchers.get(incarnation_id)
-    if batcher is None:
-        for key, old in list(batchers.items()):
-            if old.idle:
-                del batchers[key]
-        batcher = batchers[incarnation_id] = Batcher(name, send)
-    return batcher
-
-
-def _log_refusal(method: str, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
-    """Log a batched item's failure; a replaced incarnation's item refused unsent (its assignment or revocation
-    ended with it) at info only."""
-    failure = None if future.cancelled() else (future.exception() or future.result().error)
-    if isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION:
-        logger.info("%s %s:%d: %s", method, transfer_id, generation, failure)
-    elif failure is not None:
-        logger.warning("%s %s:%d: %s", method, transfer_id, generation, failure)
 
 
 def agent_for_rank(agents: Sequence[NixlAgentInfo], rank: int) -> NixlAgentInfo | None:
@@ -606,7 +579,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         """The batcher of the outcomes of `assigned_to`'s assignments, sent as that incarnation only
         (`EngineSession.complete_transfers`); a replaced incarnation's is dropped once its calls are done."""
         send = functools.partial(session.complete_transfers, assigned_to=assigned_to)
-        return _batcher_of(self._completions, assigned_to, "CompleteTransfers", send)
+        return batcher_of(self._completions, assigned_to, "CompleteTransfers", send)
 
     def _completed(
         self,
@@ -618,7 +591,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         parts: tuple[WrittenPart, ...],
         future: asyncio.Future[ItemResult],
     ) -> None:
-        _log_refusal("CompleteTransfers", transfer_id, generation, future)
+        log_refusal("CompleteTransfers", transfer_id, generation, future)
         if self._on_report is not None:
             self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic(), parts))
 
@@ -632,9 +605,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
         if not by:
             self._revoked_by.pop((transfer_id, generation), None)
         send = functools.partial(session.acknowledge_revocations, revoked_to=revoked_to)
-        acks = _batcher_of(self._acks, revoked_to, "AcknowledgeRevocations", send)
+        acks = batcher_of(self._acks, revoked_to, "AcknowledgeRevocations", send)
         future = acks.submit(RevocationAck(transfer_id, generation, (self.rank,)))
-        future.add_done_callback(functools.partial(_log_refusal, "AcknowledgeRevocations", transfer_id, generation))
+        future.add_done_callback(functools.partial(log_refusal, "AcknowledgeRevocations", transfer_id, generation))
 
     def _source_free(self, transfer_id: str) -> None:
         self._free(transfer_id)
