@@ -1,5 +1,5 @@
-"""Parent-side helpers: source/destination tensors in a given layout, byte checks, callback recorder, a future
-resolved when a producer agent is assigned a transfer."""
+"""Parent-side helpers: source/destination tensors in a given layout, byte checks, callback recorder, futures
+resolved when a producer agent is assigned a transfer and when an agent took a `Reregistered`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from rendezvous.clients import EventType
+from rendezvous.clients import EventType, Reregistered, SessionEvent
 from rendezvous.clients.nixl.parts import WrittenPart
 from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.nixl.rank import RankAgent
 from rendezvous.clients.nixl.regions import BlockIds
 from tests.nixl.peer import SENTINEL, Layout
 
@@ -111,3 +112,17 @@ def on_assignment(agent: ProducerAgent) -> asyncio.Future[None]:
 
     agent.handle_event = handle_event  # type: ignore[method-assign]
     return assigned
+
+
+def on_reregistered(agent: RankAgent[Any]) -> asyncio.Future[Reregistered]:
+    """Resolved once the agent's handler took a `Reregistered` (the session opens the fence right after)."""
+    taken: asyncio.Future[Reregistered] = asyncio.get_running_loop().create_future()
+    handle = agent.handle_event
+
+    async def handle_event(item: SessionEvent) -> None:
+        await handle(item)
+        if isinstance(item, Reregistered) and not taken.done():
+            taken.set_result(item)
+
+    agent.handle_event = handle_event  # type: ignore[method-assign]
+    return taken

@@ -18,20 +18,18 @@ from rendezvous.clients import (
     AsyncRendezvousClient,
     EventType,
     KvLayout,
-    Reregistered,
     SessionConfig,
-    SessionEvent,
     TransferState,
 )
 from rendezvous.clients.nixl.consumer import ConsumerAgent, OnResult, TransferResult
 from rendezvous.clients.nixl.producer import OnReport, ProducerAgent, WriteReport
-from rendezvous.clients.nixl.rank import RankAgent, start_ranks
+from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.nixl.writer import WrittenPart
 from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, FakeClock, start_test_server
 from rendezvous.core.limits import Timeouts
 from rendezvous.protocol.errors import NotFound
 from tests.clients.conftest import FAST_SESSION, MUST, WAIT, GrpcProxy, client, client_config, grpc_proxy, server
-from tests.nixl.helpers import on_assignment
+from tests.nixl.helpers import on_assignment, on_reregistered
 
 __all__ = ["client", "grpc_proxy", "server"]
 
@@ -57,20 +55,6 @@ class First(Generic[T]):
     def __call__(self, value: T) -> None:
         if not self.future.done():
             self.future.set_result(value)
-
-
-def on_reregistered(agent: RankAgent[Any]) -> asyncio.Future[Reregistered]:
-    """Resolved once the agent's handler took a `Reregistered` (the session opens the fence right after)."""
-    taken: asyncio.Future[Reregistered] = asyncio.get_running_loop().create_future()
-    handle = agent.handle_event
-
-    async def handle_event(item: SessionEvent) -> None:
-        await handle(item)
-        if isinstance(item, Reregistered) and not taken.done():
-            taken.set_result(item)
-
-    agent.handle_event = handle_event  # type: ignore[method-assign]
-    return taken
 
 
 def prefill_agent(client: AsyncRendezvousClient, on_report: OnReport, lease_ttl: float = 0.0) -> ProducerAgent:
