@@ -461,6 +461,32 @@ async def test_an_outcome_answering_a_replaced_incarnation_is_not_sent_as_the_ne
     assert result.state == TransferState.COMMITTED, result
 
 
+async def test_a_read_s_outcome_answering_a_replaced_incarnation_is_not_sent_as_the_new_one(
+    server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession, producer: ProducerSession
+) -> None:
+    """Pull mode: the consumer reports its READ. A SUCCEEDED answering the SOURCE_READY of the incarnation a server
+    restart replaced: sent as the new incarnation, it would commit the new epoch's match of the same transfer and
+    generation without reading its source. Named by the incarnation the SOURCE_READY was sent to (`assigned_to`),
+    it is refused in the client with STALE_INCARNATION, unsent; the new incarnation's own report commits it."""
+    producer_events, consumer_events = producer.events(), consumer.events()
+    await consumer.register_target(TargetSpec("t1", [1], mode=TransferMode.PULL))
+    await producer.mark_source_ready(SourceReadySpec("t1", [7]))
+    await next_event(consumer_events, of_type(EventType.SOURCE_READY, "t1"))
+    old = consumer.events_incarnation
+
+    await server.restart()
+    for events in (producer_events, consumer_events):
+        await next_event(events, is_reregistered)
+    await next_event(consumer_events, of_type(EventType.SOURCE_READY, "t1"))  # re-asserted: ready again, generation 1
+    assert not consumer.is_current(old) and consumer.events_incarnation == consumer.incarnation_id
+
+    (result,) = await consumer.complete_transfers([CompletionSpec("t1", 1)], assigned_to=old)
+    assert result.error is not None and result.error.reason == Reason.STALE_INCARNATION, result
+    assert (await client.get_transfer("t1")).state == TransferState.MATCHED
+    (result,) = await consumer.complete_transfers([CompletionSpec("t1", 1)], assigned_to=consumer.incarnation_id)
+    assert result.state == TransferState.COMMITTED, result
+
+
 async def test_a_revocation_ack_answering_a_replaced_incarnation_is_not_sent_as_the_new_one(
     server: AsyncTestServer, client: AsyncRendezvousClient, consumer: ConsumerSession, producer: ProducerSession
 ) -> None:
