@@ -11,7 +11,9 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   TRANSFER_COMMITTED (the service commits once the parts the producer reports tile the target); a whole-write
   notification is not arrival for it, and notifications that cannot tile it (overlapping, outside) leave it to the
   commit, so decode never starts on missing bytes. Pull: on SOURCE_READY the agent READs the producer's blocks itself,
-  then reports CompleteTransfers.
+  then reports CompleteTransfers as the incarnation the SOURCE_READY was sent to; the bytes arrive once the service
+  took the report. A READ that ends after a re-registration (or whose report is refused as the replaced
+  incarnation's) is not reported as the new one: the new incarnation's SOURCE_READY is read again.
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
   failed, or the service lost the transfer). When the service still fences a generation the producer may be
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -75,7 +78,7 @@ from rendezvous.clients._types import (
 from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.agent import NixlEndpoint
 from rendezvous.clients.nixl.arrival import PartsArrival
-from rendezvous.clients.nixl.batching import Batcher
+from rendezvous.clients.nixl.batching import Batcher, log_refusal
 from rendezvous.clients.nixl.integrity import HashJob, LandedDigests, block_digests, scope_digests, scope_gaps
 from rendezvous.clients.nixl.notifications import DigestScope, TransferNotification
 from rendezvous.clients.nixl.plan import RankGeometry
@@ -86,7 +89,15 @@ from rendezvous.clients.nixl.receiver import TransferReceiver
 from rendezvous.clients.nixl.receiver_thread import ReceiverThread
 from rendezvous.clients.nixl.regions import KvRegion, MemoryKind
 from rendezvous.protocol import kvmap
-from rendezvous.protocol.errors import Cancelled, DeadlineExceeded, NotFound, RendezvousError, Unavailable, Unknown
+from rendezvous.protocol.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    NotFound,
+    Reason,
+    RendezvousError,
+    Unavailable,
+    Unknown,
+)
 from rendezvous.protocol.events import Event
 
 if TYPE_CHECKING:
@@ -211,14 +222,16 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._results: asyncio.Queue[TransferResult | _Closed] = asyncio.Queue()
         self._targets: dict[str, _Target] = {}
         self._fenced: dict[tuple[str, int], TransferResult] = {}
-        self._reading: set[tuple[str, int]] = set()  # pull READs in flight: their blocks are still written
-        self._after_read: dict[tuple[str, int], TransferResult] = {}
+        self._reading: dict[tuple[str, int], tuple[int, int]] = {}
+        """Pull READs not over, by the incarnation whose SOURCE_READY they answer: in flight (their blocks are still
+        written), or done and their SUCCEEDED not answered yet (the bytes arrive once it is taken)."""
+        self._after_read: dict[tuple[str, int], TransferResult] = {}  # results waiting for our READ to be over
+        self._read_again: dict[tuple[str, int], ServerEvent] = {}  # a newer incarnation's SOURCE_READY, waiting too
         self._checks: set[asyncio.Task[None]] = set()  # following ranks' checks of their expectations, digest checks
         self._regions: tuple[KvRegion, ...] = ()  # this rank's, once open (digest checks read them)
         self._shape: kvmap.RankShape | None = None  # this rank's, once open (where each layer's regions are)
         self._early_commits: OrderedDict[str, int] = OrderedDict()  # following ranks: commits heard before expected
         self._registrations: Batcher[TargetSpec] | None = None
-        self._completions: Batcher[CompletionSpec] | None = None
         self._releases: Batcher[ReleaseSpec] | None = None
 
     # Lifecycle
@@ -255,7 +268,6 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         if isinstance(session, ConsumerSession):
             self._registrations = Batcher("RegisterTargets", session.register_targets)
             self._releases = Batcher("ReleaseTargets", session.release_targets)
-        self._completions = Batcher("CompleteTransfers", session.complete_transfers)
 
     async def _stop_threads(self) -> None:
         if self._thread is not None:
@@ -269,7 +281,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             late.cancel()
         self._late_checks.clear()
         await self._stop_threads()
-        await self._finish_calls((self._registrations, self._completions, self._releases))
+        await self._finish_calls((self._registrations, *self._completions.values(), self._releases))
         await self._close_session(deregister)
         self._results.put_nowait(_Closed())
 
@@ -561,10 +573,21 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         info, peer = event.transfer, event.peer
         assert info is not None and self._thread is not None
         target = self._targets.get(info.transfer_id)
-        if target is None or target.generation != event.generation or target.mode is not TransferMode.PULL:
+        if (
+            target is None
+            or target.generation != event.generation
+            or target.mode is not TransferMode.PULL
+            or target.arrived  # decode may be reading its blocks
+        ):
             return
-        if (info.transfer_id, event.generation) in self._reading:
+        key = (info.transfer_id, event.generation)
+        read_as = self.engine_session.events_incarnation  # the incarnation this SOURCE_READY was sent to
+        reading = self._reading.get(key)
+        if reading is not None:  # a READ under way, or its report
+            if reading != read_as:  # a replaced incarnation's: read again once it is over
+                self._read_again[key] = event
             return
+        self._reading[key] = read_as
         agent = None if peer is None else agent_for_rank(peer.agents, self.rank)
         if peer is None or agent is None:
             self._read_done(info.transfer_id, event.generation, False, f"the producer has no agent of rank {self.rank}")
@@ -574,7 +597,6 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._read_done(info.transfer_id, event.generation, True, None)
             return
         src = info.source_block_ids[len(info.source_block_ids) - len(dst) :]
-        self._reading.add((info.transfer_id, event.generation))
         self._thread.read(info.transfer_id, event.generation, agent, peer.incarnation, src, dst)
 
     # Receiver-thread callbacks, run on the loop
@@ -766,34 +788,60 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     def _read_done(
         self, transfer_id: str, generation: int, ok: bool, error: str | None, arrived: float | None = None
     ) -> None:
-        assert self._completions is not None
+        """Report a READ's outcome as the incarnation whose SOURCE_READY it answers, and only while that one is
+        current (`EngineSession.complete_transfers`): sent as a newer one, it would end that one's match of the same
+        transfer and generation (a FAILED aborting it, a SUCCEEDED committing it whatever source blocks it names). A
+        replaced incarnation's READ is not reported: its bytes are not taken as arrived, and the target is read
+        again on the new incarnation's SOURCE_READY. A current one's bytes arrive once the service took the report
+        (`_read_reported`); a failure ends the target at once (no byte lands any more)."""
+        key = (transfer_id, generation)
+        read_as = self._reading[key]
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
-        future = self._completions.submit(CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,)))
-        future.add_done_callback(lambda f: self._read_completed(transfer_id, generation, f))
-        self._reading.discard((transfer_id, generation))
-        retired = self._after_read.pop((transfer_id, generation), None)
+        future = self._completions_of(read_as).submit(
+            CompletionSpec(transfer_id, generation, outcome, error or "", (self.rank,))
+        )
+        target = self._targets.get(transfer_id)
+        expected = target is not None and target.generation == generation and self.engine_session.is_current(read_as)
+        if ok and expected:
+            at = time.monotonic() if arrived is None else arrived
+            future.add_done_callback(functools.partial(self._read_reported, transfer_id, generation, at))
+            return
+        future.add_done_callback(functools.partial(log_refusal, "CompleteTransfers", transfer_id, generation))
+        again = self._read_over(key)
+        if expected:
+            self._fail(transfer_id, AgentReason.READ_FAILED, error or "")
+        if again is not None:
+            self._source_ready(again)
+
+    def _read_reported(
+        self, transfer_id: str, generation: int, arrived: float, future: asyncio.Future[ItemResult]
+    ) -> None:
+        """A READ's SUCCEEDED was answered (or its call failed, which leaves its bytes in the blocks all the same):
+        they arrive, unless it was refused as a replaced incarnation's (re-registered before it was sent)."""
+        log_refusal("CompleteTransfers", transfer_id, generation, future)
+        again = self._read_over((transfer_id, generation))
+        result = None if future.cancelled() or future.exception() else future.result()
+        stale = result is not None and result.error is not None and result.error.reason == Reason.STALE_INCARNATION
+        target = self._targets.get(transfer_id)
+        if target is not None and target.generation == generation and not stale:
+            if not target.arrived:
+                target.arrived = True
+                self._deliver(TransferResult(transfer_id, generation, True, target.block_ids), arrived, "read")
+            if result is not None and result.ok and result.state is TransferState.COMMITTED:
+                del self._targets[transfer_id]
+                if self._releases is not None:
+                    self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+        if again is not None:
+            self._source_ready(again)
+
+    def _read_over(self, key: tuple[str, int]) -> ServerEvent | None:
+        """Our READ of `key` neither writes into its blocks nor waits for its report any more: deliver the result
+        that waited for it; return the newer incarnation's SOURCE_READY that came meanwhile, to read again."""
+        del self._reading[key]
+        retired = self._after_read.pop(key, None)
         if retired is not None:
             self._deliver(retired)
-        target = self._targets.get(transfer_id)
-        if target is None or target.generation != generation:
-            return
-        if ok:
-            target.arrived = True
-            result = TransferResult(transfer_id, generation, True, target.block_ids)
-            self._deliver(result, time.monotonic() if arrived is None else arrived, "read")
-        else:
-            self._fail(transfer_id, AgentReason.READ_FAILED, error or "")
-
-    def _read_completed(self, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
-        result = None if future.cancelled() or future.exception() else future.result()
-        if result is None or not result.ok:
-            logger.warning("CompleteTransfers %s:%d: %s", transfer_id, generation, result or future)
-            return
-        target = self._targets.get(transfer_id)
-        if target is not None and target.generation == generation and result.state is TransferState.COMMITTED:
-            del self._targets[transfer_id]
-            if self._releases is not None:
-                self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+        return self._read_again.pop(key, None)
 
     # Helpers
 

@@ -4,7 +4,8 @@
   last one's completion (outcome `ok` or `failed`).
 - `kv_rendezvous_arrival_to_result_seconds{rank, via}`: a consumer rank, from a transfer's arrival to its
   `TransferResult` reaching the engine; `via` says how it arrived: `notification` (NIXL, taken when the receiver
-  thread polled it), `commit` (the TRANSFER_COMMITTED event) or `read` (a pull-mode READ finished).
+  thread polled it), `commit` (the TRANSFER_COMMITTED event) or `read` (a pull-mode READ finished; its result
+  waits for the service to take the READ's report, a CompleteTransfers round trip).
 
 Labels stay bounded (a rank, a word): never a transfer id. One set per registry: the agents of several ranks
 in one process share it. Histograms are thread-safe, so the writer thread observes directly.

@@ -183,7 +183,6 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._claimed: OrderedDict[str, None] = OrderedDict()  # the latest CLAIMS_KEPT transfers claimed here
         self._claims: Batcher[ClaimSpec] | None = None
         self._ready: Batcher[SourceReadySpec] | None = None
-        self._completions: dict[tuple[int, int], Batcher[CompletionSpec]] = {}  # by the incarnation they answer
         self._acks: dict[tuple[int, int], Batcher[RevocationAck]] = {}  # by the incarnation they answer
         self._revoked_by: dict[tuple[str, int], list[tuple[int, int]]] = {}  # revocations handed to the writer: by whom
 
@@ -557,7 +556,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         outcome = CompletionOutcome.SUCCEEDED if ok else CompletionOutcome.FAILED
         session = self.engine_session
         assigned_to = session.events_incarnation  # the assignment came before any Reregistered not taken yet
-        completions = self._completions_of(session, assigned_to)
+        completions = self._completions_of(assigned_to)
         span = self._writing.pop(transfer_id, tracing.NO_SPAN)
         span.set_attribute("kv_rendezvous.generation", generation)
         span.set_attribute("kv_rendezvous.ok", ok)
@@ -572,14 +571,6 @@ class ProducerAgent(RankAgent[ProducerSession]):
         # Else the assignment was the replaced incarnation's, which the service ended or forgot (the report is not
         # sent): the source is kept for the new incarnation, which the service assigns the transfer to again if it
         # matches it again, and ends otherwise (`Reregistered.results`, a claim's deadline).
-
-    def _completions_of(
-        self, session: ProducerSession | RankSession, assigned_to: tuple[int, int]
-    ) -> Batcher[CompletionSpec]:
-        """The batcher of the outcomes of `assigned_to`'s assignments, sent as that incarnation only
-        (`EngineSession.complete_transfers`); a replaced incarnation's is dropped once its calls are done."""
-        send = functools.partial(session.complete_transfers, assigned_to=assigned_to)
-        return batcher_of(self._completions, assigned_to, "CompleteTransfers", send)
 
     def _completed(
         self,

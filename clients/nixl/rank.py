@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -29,9 +30,16 @@ from typing import TYPE_CHECKING, Any, Generic, Self, TypedDict, TypeVar, Unpack
 from rendezvous.clients._config import SessionConfig
 from rendezvous.clients._roles import RoleSession
 from rendezvous.clients._session import RankSession
-from rendezvous.clients._types import EngineCapacity, EngineInfo, KvLayout, NixlAgentInfo, SessionEvent
+from rendezvous.clients._types import (
+    CompletionSpec,
+    EngineCapacity,
+    EngineInfo,
+    KvLayout,
+    NixlAgentInfo,
+    SessionEvent,
+)
 from rendezvous.clients.aio import AsyncRendezvousClient
-from rendezvous.clients.nixl.batching import Batcher
+from rendezvous.clients.nixl.batching import Batcher, batcher_of
 from rendezvous.clients.nixl.metrics import DataPlaneMetrics
 from rendezvous.protocol.dataplane import DATA_PLANE_VERSION
 from rendezvous.protocol.errors import RendezvousError
@@ -117,6 +125,7 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         self._follower: RankSession | None = None
         self._announced: NixlAgentInfo | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._completions: dict[tuple[int, int], Batcher[CompletionSpec]] = {}  # by the incarnation they answer
 
     async def open(self) -> NixlAgentInfo:
         """Start this rank's NIXL side (idempotent); its agent, to register with the engine's other ranks."""
@@ -198,6 +207,13 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         for batcher in batchers:
             if batcher is not None:
                 await batcher.close()
+
+    def _completions_of(self, assigned_to: tuple[int, int]) -> Batcher[CompletionSpec]:
+        """The batcher of the outcomes answering `assigned_to`'s events (a producer's TRANSFER_ASSIGNED, a pull
+        consumer's SOURCE_READY), sent as that incarnation only (`EngineSession.complete_transfers`); a replaced
+        incarnation's is dropped once its calls are done."""
+        send = functools.partial(self.engine_session.complete_transfers, assigned_to=assigned_to)
+        return batcher_of(self._completions, assigned_to, "CompleteTransfers", send)
 
     async def _close_session(self, deregister: bool) -> None:
         if self._session is not None:
