@@ -77,7 +77,8 @@ class RouterClient:
     background and used meanwhile, so a request does not wait for ListEngines; a request waits only for the
     first list, one older than WAIT_AFTER_INTERVALS intervals (an idle router's), or any with interval 0
     (`invalidate` forgets them). `rank_listed` ranks the last lists without a call, for a router whose rendezvous
-    does not answer.
+    does not answer. `on_refresh_error`, if given, is told of each background refresh that failed (after it is
+    logged), e.g. to stop calling a rendezvous that does not answer.
     With `binding_key` (the first key of the service's `--binding-key-file`), `bind` signs a transfer to the
     engines chosen for it, for `binding_ttl` seconds; the binding goes into both legs' `kv_transfer_params`.
     """
@@ -93,6 +94,7 @@ class RouterClient:
         binding_key: bytes | None = None,
         binding_ttl: float = DEFAULT_BINDING_TTL,
         clock: Callable[[], float] = time.monotonic,
+        on_refresh_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         if load_weight < 0:
             raise ValueError(f"load_weight must not be negative, not {load_weight:g}")
@@ -113,6 +115,7 @@ class RouterClient:
         """The last list each pool and role got, kept through `invalidate` (`rank_listed`)."""
         self._refreshing: dict[tuple[str, EngineRole], asyncio.Task[list[EngineInfo]]] = {}
         self._clock = clock
+        self._on_refresh_error = on_refresh_error
         self._turns: Counter[tuple[tuple[str, ...], EngineRole]] = Counter()
         self._in_flight: Counter[str] = Counter()
 
@@ -160,8 +163,11 @@ class RouterClient:
 
     def _refreshed(self, key: tuple[str, EngineRole], task: asyncio.Task[list[EngineInfo]]) -> None:
         self._refreshing.pop(key, None)
-        if not task.cancelled() and task.exception() is not None:  # the next request tries again
-            log.warning("refreshing the engine list of %s failed: %s", key, task.exception())
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        log.warning("refreshing the engine list of %s failed: %s", key, error)  # the next request tries again
+        if self._on_refresh_error is not None:
+            self._on_refresh_error(error)
 
     async def refreshed(self) -> None:
         """Wait for the background refreshes of engine lists in flight."""

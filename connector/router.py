@@ -28,13 +28,14 @@ what it sent where while the index cannot answer (or with --no-kv-index); `--loc
 only the tokens the decode engine does not hold.
 While the rendezvous does not answer, requests do not wait on it: each of the router's rendezvous calls has a
 deadline of `--rendezvous-timeout` seconds (2), retries included. A request whose call finds the rendezvous
-unreachable (UNAVAILABLE, DEADLINE_EXCEEDED) opens the circuit: it and every request after it, at once and
-without a call, go to a decode engine alone, which computes the prompt itself (`X-Kv-Prefill:
-local-unreachable`; no transfer, so the engine's connector calls nothing either), the least loaded of the
-route's decode engines in the last engine list the router got, while that list is at most `--degraded-max-age`
-seconds old (60; 0: never). Past it, or with no such engine, they are answered 503 with `Retry-After` and
-`X-Kv-Refusal: rendezvous_unavailable`. A background probe (GetStatus every `--rendezvous-retry-after` seconds)
-closes the circuit once the rendezvous answers again, and requests are disaggregated again.
+unreachable (UNAVAILABLE, DEADLINE_EXCEEDED), or a background refresh of an engine list that does, opens the
+circuit: that request and every one after it, at once and without a call, go to a decode engine alone, which
+computes the prompt itself (`X-Kv-Prefill: local-unreachable`; no transfer, so the engine's connector calls nothing
+either), the least loaded of the route's decode engines in the last engine list the router got, while that list is
+at most `--degraded-max-age` seconds old (60; 0: never). Past it, or with no such engine, they are answered 503
+with `Retry-After` and `X-Kv-Refusal: rendezvous_unavailable`. A background probe (GetStatus every
+`--rendezvous-retry-after` seconds) closes the circuit once the rendezvous answers again, and requests are
+disaggregated again.
 A request body over `--max-body-bytes` (1 MiB) is refused 413 unread.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
@@ -216,6 +217,7 @@ class Router:
             binding_key=binding_key,
             binding_ttl=binding_ttl,
             clock=clock,  # what engine lists age by (degraded_max_age)
+            on_refresh_error=self._refresh_failed,
         )
         self.routes = dict(routes)
         self.metrics = RouterMetrics()
@@ -268,12 +270,12 @@ class Router:
         if self._background:  # credits given back before the client to the rendezvous closes
             await asyncio.wait(self._background)
         await self.admission.close()  # releases still retried while the rendezvous was unreachable
+        await self.engines.stop_refreshing()  # no background ListEngines outlives its channel, or opens a probe
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.gather(self._probe, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
-        await self.engines.stop_refreshing()  # no background ListEngines outlives its channel
         await self.rendezvous.close()
 
     @property
@@ -444,20 +446,32 @@ class Router:
         goes to a decode engine alone (`_degraded`)."""
         if not unanswered(error):
             return _error(503, f"no engines: {error}")
-        if self.reachable.is_set():
-            if self.degraded_max_age:
-                logger.warning(
-                    "the rendezvous is not answering (%s): sending requests to decode engines alone, from engine "
-                    "lists at most %g s old (--degraded-max-age), until it does",
-                    error,
-                    self.degraded_max_age,
-                )
-            else:
-                logger.warning("the rendezvous is not answering (%s): refusing requests until it does", error)
-            self.reachable.clear()
-            self.metrics.unreachable.set(1)
-            self._probe = asyncio.ensure_future(self._probe_until_reachable())
+        self._open_circuit(error)
         return await self._degraded(request, path, body, route, span, f"the rendezvous is not answering: {error}")
+
+    def _refresh_failed(self, error: BaseException) -> None:
+        """A background refresh of an engine list failed: if the rendezvous did not answer it, the circuit opens
+        now, before a request goes out disaggregated to engines that cannot reach it either."""
+        if isinstance(error, RendezvousError) and unanswered(error):
+            self._open_circuit(error)
+
+    def _open_circuit(self, error: RendezvousError) -> None:
+        """The rendezvous did not answer a call (`error`): unless the circuit is open already, open it (one warning),
+        and probe until the rendezvous answers again."""
+        if not self.reachable.is_set():
+            return
+        if self.degraded_max_age:
+            logger.warning(
+                "the rendezvous is not answering (%s): sending requests to decode engines alone, from engine "
+                "lists at most %g s old (--degraded-max-age), until it does",
+                error,
+                self.degraded_max_age,
+            )
+        else:
+            logger.warning("the rendezvous is not answering (%s): refusing requests until it does", error)
+        self.reachable.clear()
+        self.metrics.unreachable.set(1)
+        self._probe = asyncio.ensure_future(self._probe_until_reachable())
 
     async def _degraded(
         self, request: web.Request, path: str, body: dict[str, Any], route: Route, span: tracing.Span, why: str

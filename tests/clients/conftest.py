@@ -229,6 +229,8 @@ class GrpcProxy:
       it at once, unforwarded;
     - `hold(method)`: later calls of method are never forwarded nor answered (a replica that stopped answering),
       until `release(method)`;
+    - `refuse(method, code)`: later calls of method are answered `code` at once, unforwarded (a front that
+      refuses them: an answer, not an outage);
     - `delay(method)`: a later (unary) call of method is forwarded only at `let_through(method)`, and then even if
       its caller has given up meanwhile: a request already on its way to the server. `delayed[method]` counts the
       calls waiting, `late` the forwarded calls not yet answered by the server.
@@ -245,6 +247,7 @@ class GrpcProxy:
         self._open: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
         self._draining: set[str] = set()
         self._held: set[str] = set()
+        self._refused: dict[str, grpc.StatusCode] = {}
         self._delays: dict[str, asyncio.Event] = {}
         self.delayed: collections.Counter[str] = collections.Counter()
         self.late: set[asyncio.Task[bytes]] = set()
@@ -292,6 +295,10 @@ class GrpcProxy:
         """Forward later calls of method again (those held stay unanswered until their callers give up)."""
         self._held.discard(method)
 
+    def refuse(self, method: str, code: grpc.StatusCode) -> None:
+        """Answer every later call of method with status code, unforwarded."""
+        self._refused[method] = code
+
     def delay(self, method: str) -> None:
         """Hold every later call of method at the proxy until `let_through(method)`."""
         self._delays[method] = asyncio.Event()
@@ -329,6 +336,10 @@ class GrpcProxy:
             self.ends[method].append((loop.time(), grpc.StatusCode.OK))
             await self._note()
             return
+        if (refusal := self._refused.get(method)) is not None:
+            self.ends[method].append((loop.time(), refusal))
+            await self._note()
+            await context.abort(refusal, f"{method} refused by the proxy")
         metadata = tuple(
             (m.key, m.value)
             for m in context.invocation_metadata() or ()

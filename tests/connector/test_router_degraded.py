@@ -2,15 +2,19 @@
 compute the prompt themselves (no transfer, so neither the router nor the engine calls the rendezvous), picked
 from the router's last engine lists while those are at most --degraded-max-age old; past it, 503 as before. A real
 rendezvous server that is stopped and started again, fake vLLM HTTP engines (tests/connector/test_router.py).
-Before degraded mode every request got 503 rendezvous_unavailable until the rendezvous answered again."""
+Before degraded mode every request got 503 rendezvous_unavailable until the rendezvous answered again. The circuit
+opens as soon as a background refresh of an engine list goes unanswered."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
+import grpc
+import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 
 from rendezvous.clients import AsyncRendezvousClient, EngineRole
@@ -25,6 +29,7 @@ from rendezvous.connector.router import (
     build_parser,
     rendezvous_config,
 )
+from tests.clients.conftest import GrpcProxy
 from tests.connector.test_router import FLEET, LAYOUT, WAIT, Cluster, cluster, server
 from tests.factories import sdk_engine
 
@@ -158,3 +163,69 @@ async def test_past_the_max_age_requests_are_refused_and_disaggregation_resumes(
 def test_the_max_age_is_a_flag() -> None:
     assert build_parser().parse_args(["--address", "a:1"]).degraded_max_age == 60.0
     assert build_parser().parse_args(["--address", "a:1", "--degraded-max-age", "0"]).degraded_max_age == 0.0
+
+
+async def test_a_background_refresh_the_rendezvous_does_not_answer_opens_the_circuit(
+    server: AsyncTestServer, cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A list past its refresh interval (but not so old that requests wait for it) is used while it is refreshed
+    in the background. Before, a refresh the rendezvous did not answer only logged: requests went on out
+    disaggregated, to engines that could not reach the rendezvous either. Now it opens the circuit as a request's
+    unanswered call does (one warning, the gauge, the probe): the next request goes to a decode engine alone."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    calls = 0
+
+    def count() -> tuple[tuple[str, str], ...]:
+        nonlocal calls
+        calls += 1
+        return ()
+
+    clock = Clock()
+    config = dataclasses.replace(rendezvous_config((server.address,), timeout=1.0), metadata_hook=count)
+    router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=1.0, retry_after=3_600.0, clock=clock)
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            assert (await ask(http, base))[:2] == (200, "remote")  # the lists are taken at 0
+            await server.stop()
+            clock.now = 1.5  # past one refresh interval, under WAIT_AFTER_INTERVALS: refreshed in the background
+            with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
+                assert (await ask(http, base))[:2] == (200, "remote")  # on the stale lists, no wait
+                await router.engines.refreshed()  # both lists' refreshes went unanswered
+            made = calls
+            assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+            assert calls == made  # no call: the circuit is open
+            assert "kv_rendezvous_router_rendezvous_unreachable 1.0" in await metrics(http, base)
+            opened = [r for r in caplog.records if "the rendezvous is not answering" in r.getMessage()]
+            assert len(opened) == 1, opened
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_background_refresh_refused_by_an_answer_leaves_the_circuit_closed(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """An error status is an answer: the rendezvous (or a front of it) is there, the circuit stays closed and
+    requests are disaggregated on the stale lists, as before (fails if any failed refresh opened the circuit)."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    await cluster.add("d", "decode", EngineRole.CONSUMER)
+    proxy = GrpcProxy(server.address)
+    await proxy.start()
+    clock = Clock()
+    client = AsyncRendezvousClient(rendezvous_config((proxy.address,), timeout=1.0))
+    router = Router(client, FLEET, refresh_interval=1.0, retry_after=3_600.0, clock=clock)
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            assert (await ask(http, base))[:2] == (200, "remote")
+            proxy.refuse("ListEngines", grpc.StatusCode.PERMISSION_DENIED)
+            clock.now = 1.5
+            assert (await ask(http, base))[:2] == (200, "remote")
+            await router.engines.refreshed()
+            assert proxy.ends["ListEngines"][-1][1] == grpc.StatusCode.PERMISSION_DENIED  # refreshed, refused
+            assert router.reachable.is_set()
+            assert (await ask(http, base))[:2] == (200, "remote")
+    finally:
+        await runner.cleanup()
+        await proxy.close()
