@@ -7,7 +7,7 @@ import enum
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -234,21 +234,27 @@ class RouterClient:
             ),
         )
 
-    def rank_listed(self, pools: str | Sequence[str], role: EngineRole, max_age: float) -> list[EngineInfo]:
+    def rank_listed(
+        self, pools: str | Sequence[str], role: EngineRole, max_age: float, left_out: Collection[str] = ()
+    ) -> list[EngineInfo]:
         """Without a call (for a router whose rendezvous does not answer): the engines of `pools` with `role` in
         the last list each pool got, where that list is at most `max_age` seconds old (`invalidate` does not forget
-        it), fewest requests in flight from this router first, ties in turn. Raises NotFound if there is none."""
+        it), but those whose ids are in `left_out`; fewest requests in flight from this router first, ties in turn.
+        Raises NotFound if there is none."""
         names = (pools,) if isinstance(pools, str) else tuple(pools)
         now = self._clock()
-        engines = [
+        listed = [
             engine
             for pool in names
-            if (listed := self._listed.get((pool, role))) is not None and now - listed[0] <= max_age
-            for engine in listed[1]
+            if (last := self._listed.get((pool, role))) is not None and now - last[0] <= max_age
+            for engine in last[1]
         ]
+        engines = [engine for engine in listed if engine.engine_id not in left_out]
         if not engines:
+            but = f" other than the {len(listed)} left out" if listed else ""
             raise NotFound(
-                "", f"no {role.name.lower()} engine of pool(s) {', '.join(names)} listed in the last {max_age:g} s"
+                "",
+                f"no {role.name.lower()} engine of pool(s) {', '.join(names)} listed in the last {max_age:g} s{but}",
             )
         return sorted(self._rotated(names, role, engines), key=lambda e: self._in_flight[e.engine_id])
 

@@ -32,10 +32,11 @@ unreachable (UNAVAILABLE, DEADLINE_EXCEEDED), or a background refresh of an engi
 circuit: that request and every one after it, at once and without a call, go to a decode engine alone, which
 computes the prompt itself (`X-Kv-Prefill: local-unreachable`; no transfer, so the engine's connector calls nothing
 either), the least loaded of the route's decode engines in the last engine list the router got, while that list is
-at most `--degraded-max-age` seconds old (60; 0: never). Past it, or with no such engine, they are answered 503
-with `Retry-After` and `X-Kv-Refusal: rendezvous_unavailable`. A background probe (GetStatus every
-`--rendezvous-retry-after` seconds) closes the circuit once the rendezvous answers again, and requests are
-disaggregated again.
+at most `--degraded-max-age` seconds old (60; 0: never). A decode engine that refuses a connection meanwhile is
+left out until the circuit closes (the request, which never reached it, goes to the next). Past the age, or with
+no such engine, requests are answered 503 with `Retry-After` and `X-Kv-Refusal: rendezvous_unavailable`. A
+background probe (GetStatus every `--rendezvous-retry-after` seconds) closes the circuit once the rendezvous
+answers again, and requests are disaggregated again.
 A request body over `--max-body-bytes` (1 MiB) is refused 413 unread.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
@@ -57,7 +58,7 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rendezvous.clients import (
@@ -245,7 +246,9 @@ class Router:
         self.degraded_max_age = degraded_max_age
         """While the circuit is open: how old an engine list may be to send requests to its decode engines alone
         (0: refuse them)."""
-        self._too_old = False  # the circuit is open and the lists have aged past degraded_max_age (logged once)
+        self._refusing = False  # the circuit is open and no listed decode engine is left to take requests (logged)
+        self._refused: set[str] = set()
+        """While the circuit is open: the decode engines that refused a connection, left out of degraded picks."""
         self._probe: asyncio.Task[None] | None = None
 
     def app(self) -> web.Application:
@@ -478,18 +481,33 @@ class Router:
     ) -> web.StreamResponse:
         """While the rendezvous does not answer: the request to the least loaded decode engine of the route in
         the router's last engine lists, if they are at most degraded_max_age old, which computes the prompt itself
-        (no transfer, no call); else the 503 saying `why`."""
+        (no transfer, no call); else the 503 saying `why`. An engine that refuses the connection (the request never
+        reached it) is left out until the circuit closes, and the request goes to the next."""
         if not self.degraded_max_age:
             return self._unreachable(why)
-        try:
-            engine = self.engines.rank_listed(route.decode_pools, EngineRole.CONSUMER, self.degraded_max_age)[0]
-            url = _engine_url(engine)
-        except NotFound as e:
-            if not self._too_old:
-                logger.warning("%s: refusing requests until the rendezvous answers", e)
-                self._too_old = True
-            return self._unreachable(f"{why}, and {e}")
-        return await self._local(request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, span)
+        while True:
+            try:
+                engine = self.engines.rank_listed(
+                    route.decode_pools, EngineRole.CONSUMER, self.degraded_max_age, self._refused
+                )[0]
+                url = _engine_url(engine)
+            except NotFound as e:
+                if not self._refusing:
+                    logger.warning("%s: refusing requests until the rendezvous answers", e)
+                    self._refusing = True
+                return self._unreachable(f"{why}, and {e}")
+            try:
+                return await self._local(
+                    request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, span, refused=ClientConnectorError
+                )
+            except ClientConnectorError as e:
+                if engine.engine_id not in self._refused:  # another request may have found it first
+                    logger.warning(
+                        "decode engine %s refused a connection (%s): leaving it out until the rendezvous answers",
+                        engine.engine_id,
+                        e,
+                    )
+                    self._refused.add(engine.engine_id)
 
     def _unreachable(self, message: str) -> web.Response:
         self.metrics.refusals.labels(RENDEZVOUS_UNAVAILABLE).inc()
@@ -509,7 +527,8 @@ class Router:
             self.engines.invalidate()
             self.reachable.set()
             self.metrics.unreachable.set(0)
-            self._too_old = False
+            self._refusing = False
+            self._refused.clear()
             return
 
     async def _prefill_locally(
@@ -542,15 +561,20 @@ class Router:
         indexed: IndexedPrefix | None,
         why: str,
         span: tracing.Span,
+        *,
+        refused: type[Exception] | tuple[type[Exception], ...] = (),
     ) -> web.StreamResponse:
         """The whole request to the decode engine, which computes the prompt itself (no transfer: a transfer id or
-        binding the client sent is not passed on, or the engine would wait for KV no prefill engine sends)."""
+        binding the client sent is not passed on, or the engine would wait for KV no prefill engine sends). An
+        error of type `refused` is raised, not answered 502, for the caller to send the request elsewhere."""
         span.set_attribute("kv_rendezvous.prefill", why)
         self.metrics.local_prefills.labels(why).inc()
         named = {PREFILL_HEADER: why}
         try:
             with self.engines.in_flight(engine, prefix, indexed), _leg_span("router.decode", engine, "") as headers:
                 return await self._relay(request, url, _without_transfer(body), headers, named)
+        except refused:
+            raise
         except _StreamCut as cut:
             self.engines.invalidate()
             return cut.response

@@ -3,7 +3,8 @@ compute the prompt themselves (no transfer, so neither the router nor the engine
 from the router's last engine lists while those are at most --degraded-max-age old; past it, 503 as before. A real
 rendezvous server that is stopped and started again, fake vLLM HTTP engines (tests/connector/test_router.py).
 Before degraded mode every request got 503 rendezvous_unavailable until the rendezvous answered again. The circuit
-opens as soon as a background refresh of an engine list goes unanswered."""
+opens as soon as a background refresh of an engine list goes unanswered, and a decode engine that refuses a
+connection meanwhile is left out of the picks."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from rendezvous.connector.router import (
     rendezvous_config,
 )
 from tests.clients.conftest import GrpcProxy
-from tests.connector.test_router import FLEET, LAYOUT, WAIT, Cluster, cluster, server
+from tests.connector.test_router import FLEET, LAYOUT, WAIT, Cluster, FakeEngine, cluster, server
 from tests.factories import sdk_engine
 
 __all__ = ["cluster", "server"]
@@ -74,6 +75,22 @@ async def polled(predicate: Callable[[], bool], what: str) -> None:
 async def metrics(http: ClientSession, base: str) -> str:
     async with http.get(f"{base}/metrics") as response:
         return await response.text()
+
+
+async def register_again(cluster: Cluster) -> None:
+    """After the rendezvous restarted (a fresh store): the engines register again ("p" in prefill, the others in
+    decode)."""
+    for name, engine in cluster.engines.items():
+        pool, role = ("prefill", EngineRole.PRODUCER) if name == "p" else ("decode", EngineRole.CONSUMER)
+        labels = {"url": f"http://127.0.0.1:{engine.port}"}
+        await cluster.rendezvous.register_engine(
+            sdk_engine(name, role, pool=pool, layout=LAYOUT, labels=labels, lease_ttl=60)
+        )
+
+
+def alone(engine: FakeEngine) -> int:
+    """Requests the engine was sent alone (no transfer: degraded)."""
+    return sum("kv_transfer_params" not in body for body in engine.bodies)
 
 
 async def test_decode_engines_serve_alone_while_the_rendezvous_is_unreachable(
@@ -148,11 +165,7 @@ async def test_past_the_max_age_requests_are_refused_and_disaggregation_resumes(
             clock.now = 30.5
             assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
             await server.start()  # the same port, a fresh store: the engines register again
-            for name, pool, role in (("p", "prefill", EngineRole.PRODUCER), ("d", "decode", EngineRole.CONSUMER)):
-                labels = {"url": f"http://127.0.0.1:{cluster.engines[name].port}"}
-                await cluster.rendezvous.register_engine(
-                    sdk_engine(name, role, pool=pool, layout=LAYOUT, labels=labels, lease_ttl=60)
-                )
+            await register_again(cluster)
             await asyncio.wait_for(router.reachable.wait(), WAIT)
             assert await ask(http, base) == (200, "remote", None)
             assert "kv_rendezvous_router_rendezvous_unreachable 0.0" in await metrics(http, base)
@@ -229,3 +242,63 @@ async def test_a_background_refresh_refused_by_an_answer_leaves_the_circuit_clos
     finally:
         await runner.cleanup()
         await proxy.close()
+
+
+async def test_a_decode_engine_that_refuses_connections_is_left_out_until_the_circuit_closes(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """A decode engine died during the outage: it stays on the last list. Before, every request picked for it got
+    502 until the list aged out. Now the request that finds its connection refused (it never reached the engine)
+    goes to the next engine, and later picks leave the dead one out, even once it is back, until the circuit
+    closes and the router lists the engines afresh."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    live, dead = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
+    client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
+    router = Router(client, FLEET, refresh_interval=0.0, retry_after=0.05, clock=Clock())
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            assert (await ask(http, base))[:2] == (200, "remote")
+            await server.stop()
+            await dead.stop()
+            for _ in range(4):  # in turn, the picks would alternate between the two
+                assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+            assert (alone(live), alone(dead)) == (4, 0)
+            await dead.start()  # back on its port: still left out while the circuit is open
+            for _ in range(2):
+                assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+            assert (alone(live), alone(dead)) == (6, 0)
+            await server.start()
+            await register_again(cluster)
+            await asyncio.wait_for(router.reachable.wait(), WAIT)
+            for _ in range(2):  # round robin over both again
+                assert (await ask(http, base))[:2] == (200, "remote")
+            assert len(dead.bodies) == 1
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_engine_s_error_answer_leaves_it_in_and_none_left_is_a_503(
+    server: AsyncTestServer, cluster: Cluster
+) -> None:
+    """An engine that answers, even with an error, is not left out (its answer is passed on); once every listed
+    decode engine refused a connection, requests get 503 rendezvous_unavailable as with none listed. Before, a
+    refused connection was a 502."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    failing, dead = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
+    client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
+    router = Router(client, FLEET, refresh_interval=0.0, retry_after=3_600.0, clock=Clock())
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            assert (await ask(http, base))[:2] == (200, "remote")
+            await server.stop()
+            await dead.stop()
+            failing.status = 500
+            for _ in range(2):
+                assert await ask(http, base) == (500, LOCAL_UNREACHABLE, None)
+            assert alone(failing) == 2
+            await failing.stop()
+            assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
+    finally:
+        await runner.cleanup()
