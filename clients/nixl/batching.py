@@ -136,11 +136,17 @@ def batcher_of(
     return batcher
 
 
+def stale(future: asyncio.Future[ItemResult]) -> bool:
+    """Whether a batched item was refused as a replaced incarnation's (STALE_INCARNATION: unsent, in the SDK)."""
+    failure = None if future.cancelled() else (future.exception() or future.result().error)
+    return isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION
+
+
 def log_refusal(method: str, transfer_id: str, generation: int, future: asyncio.Future[ItemResult]) -> None:
     """Log a batched item's failure; a replaced incarnation's item refused unsent (what it answers ended with it)
     at info only."""
     failure = None if future.cancelled() else (future.exception() or future.result().error)
-    if isinstance(failure, RendezvousError) and failure.reason == Reason.STALE_INCARNATION:
+    if stale(future):
         logger.info("%s %s:%d: %s", method, transfer_id, generation, failure)
     elif failure is not None:
         logger.warning("%s %s:%d: %s", method, transfer_id, generation, failure)

@@ -13,13 +13,19 @@ thread that makes NIXL calls:
                          the transfers that did not survive. An outcome is reported as the incarnation whose
                          assignment it answers, and dropped once that one is replaced (the source is then kept).
 
+A written source is freed once the write's report is answered, not as the write ends: should the report be lost
+with the incarnation it answers (the service restarted, and forgot the transfer), both sides re-assert the transfer
+and the new epoch assigns it again, the same generation, to the new incarnation, which writes it again from the
+source kept. Otherwise the new incarnation's match ends it: written, aborted, or its claim's deadline.
+
 The engine calls `claim` at admission and `ready` when the KV is computed (and, for a consumer that accepts
 parts, `ready_part` as prefill computes layers or chunks, which the writer posts ahead); the source blocks come
-back through the `on_free` callback once written (or once the transfer ended otherwise). Each finished write is reported
-with CompleteTransfers. In pull mode (`serve_reads=True`) `ready(..., mode=PULL)` calls MarkSourcesReady instead and
-the consumer READs; the blocks are freed when the consumer commits or the transfer aborts. Without a progress
-thread NIXL serves a peer's READ only while the target agent is polled, and the writer polls only while it
-writes, so pull mode announces a second agent over the same tensors, polled by a `ReceiverThread`.
+back through the `on_free` callback once written and the write's report answered (or once the transfer ended
+otherwise). Each finished write is reported with CompleteTransfers. In pull mode (`serve_reads=True`)
+`ready(..., mode=PULL)` calls MarkSourcesReady instead and the consumer READs; the blocks are freed when the
+consumer commits or the transfer aborts. Without a progress thread NIXL serves a peer's READ only while the target
+agent is polled, and the writer polls only while it writes, so pull mode announces a second agent over the same
+tensors, polled by a `ReceiverThread`.
 
 The registering rank's writer is fenced by the engine's lease (`EngineSession.writable_until`): once the lease is
 not certainly held any more (the rank cannot renew it: cut off from the service, while it may still reach the
@@ -71,7 +77,7 @@ from rendezvous.clients._types import (
 )
 from rendezvous.clients.aio import AsyncRendezvousClient
 from rendezvous.clients.nixl.agent import NixlEndpoint
-from rendezvous.clients.nixl.batching import Batcher, batcher_of, log_refusal
+from rendezvous.clients.nixl.batching import Batcher, batcher_of, log_refusal, stale
 from rendezvous.clients.nixl.device import COMPLETE, KvReady
 from rendezvous.clients.nixl.rank import FOLLOWER_CHECK_S, RankAgent, RankOptions
 from rendezvous.clients.nixl.receiver import TransferReceiver
@@ -199,6 +205,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
             on_written=functools.partial(self.metrics.observe_write, self.rank),
             writable_until=self._writable_until,
             fence_reason=self._fence_reason,
+            keep_written=True,  # until the write's report is answered: see `_completed`
             config=self._writer_config,
             layout=self.layout,
             rank=self.rank,
@@ -429,8 +436,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
             return
         if isinstance(item, Reregistered):
             await self._drop_replaced(item)
-            for result in item.results:
-                if not result.ok or result.state.terminal:
+            for result in item.results:  # COMMITTED too: the write was, or the consumer read it
+                if not result.ok or result.state.terminal or result.state is TransferState.COMMITTED:
                     self._end(result.transfer_id)
             return
         self._on_server_event(item)
@@ -583,6 +590,12 @@ class ProducerAgent(RankAgent[ProducerSession]):
         future: asyncio.Future[ItemResult],
     ) -> None:
         log_refusal("CompleteTransfers", transfer_id, generation, future)
+        if ok and not stale(future) and self._writer is not None:
+            # Answered (committed, refused, or the call failed): the writer frees the source it kept, unless it took
+            # a newer generation or a Reregistered dropped this one since. Dropped unsent (STALE_INCARNATION), it is
+            # kept for the new incarnation's assignment of the transfer, which the writer takes as new.
+            with contextlib.suppress(RuntimeError):  # stopped: it freed every source already
+                self._writer.release(transfer_id, generation)
         if self._on_report is not None:
             self._on_report(WriteReport(transfer_id, generation, ok, error, *times, time.monotonic(), parts))
 

@@ -63,12 +63,16 @@ Outcomes, per transfer (a generation's WRITEs, its parts included, count as one 
   the WRITEs posted have drained, so no write of the generation lands after them;
 - `on_source_free` tells the engine it may reuse the source blocks (handed over ready or in parts): after a
   successful write, on abort (once a write in flight has drained) or at stop. A revoked or failed generation
-  keeps the source for a later generation until the transfer is aborted;
-- a transfer that succeeded or was aborted has ended: a late `source_ready` is freed at once, a late
-  `source_part` ignored, a late `revoke` acknowledged at once, a late `assign` ignored;
+  keeps the source for a later generation until the transfer is aborted. With `keep_written` a successful write
+  keeps it too, until `release` says the write's report was answered (or `abort` ends the transfer): a report
+  lost with the incarnation it answers leaves the source for the new incarnation's assignment of the transfer;
+- a transfer that succeeded (and was released) or was aborted has ended: a late `source_ready` is freed at once, a
+  late `source_part` ignored, a late `revoke` acknowledged at once, a late `assign` ignored; until it is released,
+  an assignment of the generation written, or an older one, is ignored as a repeat;
 - `drop_assignments` (the engine registered a new incarnation) drops every assignment not started, unreported, and
   fails every generation still written in parts; an assignment that comes after it is taken as new, of the same
-  generation as a dropped one too (a generation belongs to the incarnation it was assigned to);
+  generation as a dropped one or as one written and not released yet too (a generation belongs to the incarnation
+  it was assigned to: the new one's is written again from the source kept);
 - the write fence (`writable_until`, the engine session's: `EngineSession.writable_until`): before posting any
   WRITE (a whole write, a part, a batch of parts, a final) the writer asks it, and past it posts nothing and fails
   the generation (`on_complete(ok=False)` with a `WriteFencedError`'s message, once the WRITEs posted before have
@@ -250,6 +254,12 @@ class _Abort:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _Release:
+    transfer_id: str
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _ForgetPeer:
     name: str
     incarnation: int | None
@@ -271,7 +281,9 @@ class _Stop:
     pass
 
 
-_Command = _Assign | _SourceReady | _SourcePart | _Revoke | _Abort | _ForgetPeer | _Barrier | _Replaced | _Stop
+_Command = (
+    _Assign | _SourceReady | _SourcePart | _Revoke | _Abort | _Release | _ForgetPeer | _Barrier | _Replaced | _Stop
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -405,6 +417,7 @@ class _Transfer:
     part_at: float = 0.0  # when the engine handed over the latest part
     write: _Write | None = None
     fence: int = -1  # highest revoked generation: never write it or an older one
+    written: int = 0  # `keep_written`: the generation written, until released or dropped (0: none)
     failed: str = ""  # the device failed computing its KV while a write drained: ends it once drained
 
     @property
@@ -438,6 +451,7 @@ class TransferWriter:
         clock: Callable[[], float] = time.monotonic,
         writable_until: Callable[[], float] | None = None,
         fence_reason: Callable[[], str | None] | None = None,
+        keep_written: bool = False,
     ) -> None:
         """`layout`, `rank` and the layers (with pipeline parallelism) place this rank in its engine; they
         are needed for assignments to a `ConsumerEngine` and for writes in parts. Exactly one of `on_complete`
@@ -447,7 +461,9 @@ class TransferWriter:
         `time.monotonic()`'s clock (asyncio's `loop.time()`), asked from the writer thread before every post: past it
         nothing is posted and the generation fails (the producer's `EngineSession.writable_until`; None: no fence,
         for a writer used without a session). `fence_reason()`, asked once the fence passed, says why it closed when
-        the lease did not simply lapse (a re-registration closes it), None else."""
+        the lease did not simply lapse (a re-registration closes it), None else. `keep_written`: a successful write
+        keeps its source until `release` (or `abort`), so that the same generation assigned to the engine's next
+        incarnation, once its report was lost with the one it answers, can be written again."""
         if (on_complete is None) == (on_complete_parts is None):
             raise TypeError("pass one of on_complete and on_complete_parts")
         self._endpoint = endpoint
@@ -485,6 +501,7 @@ class TransferWriter:
         self._clock = clock
         self._writable_until = writable_until
         self._fence_reason = fence_reason
+        self._keep_written = keep_written
         regions = endpoint.table.regions  # a prepared descriptor's region, and so its bytes, by its index
         self._region_starts = np.cumsum([0, *(r.num_blocks for r in regions)])[:-1]
         self._region_bytes = np.array([r.block_length_bytes for r in regions], dtype=np.int64)
@@ -608,6 +625,13 @@ class TransferWriter:
         """The transfer ended without success: drop it and free its source once no write is in flight."""
         self._put(_Abort(transfer_id))
 
+    def release(self, transfer_id: str, generation: int) -> None:
+        """With `keep_written`: the report of `generation`'s successful write was answered, so the transfer ends and
+        its source is freed; unless the writer took a newer generation since, or `drop_assignments` came since (the
+        generation was a replaced incarnation's: the source is kept for the new one's assignment, whose end frees
+        it)."""
+        self._put(_Release(transfer_id, generation))
+
     def forget_peer(self, agent_name: str, incarnation: int | None = None) -> None:
         """The peer (up to `incarnation`, or any) is gone: fail its assignments not started and drop its
         metadata once its writes drain. Assignments to a newer incarnation are kept."""
@@ -686,6 +710,8 @@ class TransferWriter:
                     self._revoke(command.transfer_id, command.generation)
                 case _Abort():
                     self._abort(command.transfer_id)
+                case _Release():
+                    self._release(command.transfer_id, command.generation)
                 case _ForgetPeer():
                     self._forget_peer(command.name, command.incarnation)
                 case _Barrier():
@@ -766,7 +792,7 @@ class TransferWriter:
             return
         t = self._transfers.setdefault(a.transfer_id, _Transfer())
         t.fence = max(t.fence, self._fences.pop(a.transfer_id, 0))
-        newest = max([t.fence, *(x.generation for x in (t.assignment, t.write) if x is not None)])
+        newest = max([t.fence, t.written, *(x.generation for x in (t.assignment, t.write) if x is not None)])
         if a.generation <= newest:
             logger.debug("stale or repeated assignment %s:%d ignored", a.transfer_id, a.generation)
             return
@@ -946,9 +972,15 @@ class TransferWriter:
         else:
             self._end(transfer_id, t)
 
+    def _release(self, transfer_id: str, generation: int) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is not None and t.written == generation and t.assignment is None and t.write is None:
+            self._end(transfer_id, t)
+
     def _drop_assignments(self, reason: str) -> None:
         for transfer_id, t in list(self._transfers.items()):
             t.assignment = None  # unreported: the service re-matches the transfer for the new incarnation, or ends it
+            t.written = 0  # its report is the replaced incarnation's: the new one's assignment of it is written again
             w = t.write
             if w is not None and not w.stopped:  # written in parts: stop, fail once drained
                 w.error = reason
@@ -1016,7 +1048,9 @@ class TransferWriter:
         t.assignment = None
         if len(a.dst) == 0:
             self._complete(transfer_id, a.generation, True, None)
-            self._end(transfer_id, t)
+            t.written = a.generation
+            if not self._keep_written:
+                self._end(transfer_id, t)
             return
         w = t.write = _Write(a)
         if t.source is not None:
@@ -1576,7 +1610,10 @@ class TransferWriter:
             self._emit(self._on_revoked, transfer_id, w.generation)
         elif not w.aborted:
             self._complete(transfer_id, w.generation, ok, error, parts)
-        if w.aborted or (ok and not w.revoked and t.assignment is None):
+        succeeded = ok and not w.revoked and not w.aborted
+        if succeeded:
+            t.written = w.generation
+        if w.aborted or (succeeded and t.assignment is None and not self._keep_written):
             self._end(transfer_id, t)
         elif t.failed:  # its KV was never computed: a newer generation fails with that, now or when assigned
             a, t.assignment = t.assignment, None

@@ -391,6 +391,64 @@ async def test_a_write_failed_while_re_registering_does_not_abort_the_transfer_m
             assert info.state in (TransferState.COMMITTED, TransferState.RELEASED), info
 
 
+async def test_a_write_whose_report_is_lost_across_a_restart_is_written_again_for_the_new_match(
+    server: AsyncTestServer, client: AsyncRendezvousClient, grpc_proxy: GrpcProxy
+) -> None:
+    """The producer writes t1 (the consumer arrives on the notification) and reports it, but the report is held at
+    the proxy while the service restarts (a new epoch: it forgot the transfer), and so is the producer's
+    re-registration. The consumer re-registers and re-asserts its target. Let through, the report reaches the new
+    epoch as the replaced incarnation and is dropped (STALE_INCARNATION). Then the producer re-registers and
+    re-asserts its claim: the new epoch matches t1 again and assigns generation 1 again, to the new incarnation.
+    Before the fix the writer freed the source as the write ended and ended the transfer: the new assignment was
+    ignored, nothing committed the new match, and the consumer waited for its deadline. Now the source is kept until
+    the report is answered; dropped, it is kept for the new assignment, which is written again and committed, and
+    then the source is freed. The consumer's block is cleared after the first write, so the bytes checked are the
+    second write's."""
+    loop = asyncio.get_running_loop()
+    arrived, freed = First[TransferResult](), First[str]()
+    reported: list[asyncio.Future[WriteReport]] = [loop.create_future(), loop.create_future()]
+
+    def on_report(report: WriteReport) -> None:
+        next(f for f in reported if not f.done()).set_result(report)
+
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    async with AsyncRendezvousClient(client_config(grpc_proxy.address)) as proxied:
+        # the old lease's fence is far ahead: only the re-registration closes it
+        producer = prefill_agent(proxied, on_report, lease_ttl=MUST)
+        consumer = decode_agent(client, decode, arrived, session_config=FAST_SESSION)
+        assigned, consumer_back = on_assignment(producer), on_reregistered(consumer)
+        async with running(producer, consumer):
+            assert (await consumer.register_target("t1", [5], 1)).ok
+            assert (await producer.claim("t1")).ok
+            await asyncio.wait_for(assigned, WAIT)
+
+            grpc_proxy.delay("CompleteTransfers")
+            producer.ready("t1", [2], freed)  # prefill finished: written, and reported
+            await grpc_proxy.wait_for(lambda: grpc_proxy.delayed["CompleteTransfers"] == 1)  # the report, held
+            result = await asyncio.wait_for(arrived.future, MUST)  # on the notification
+            assert (result.ok, result.generation) == (True, 1)
+            decode[0].zero_()
+
+            grpc_proxy.hold("RegisterEngine")
+            await server.restart()
+            await grpc_proxy.wait_for(lambda: grpc_proxy.calls["RegisterEngine"] == 2)  # the producer's recovery
+            taken = await asyncio.wait_for(consumer_back, MUST)  # the consumer re-asserted its target
+            assert [(r.transfer_id, r.ok, r.state) for r in taken.results] == [("t1", True, TransferState.TARGETED)]
+            grpc_proxy.let_through("CompleteTransfers")  # the new epoch does not know the old incarnation
+            first = await asyncio.wait_for(reported[0], MUST)  # answered: dropped as the replaced incarnation's
+            assert (first.generation, first.ok) == (1, True)
+            assert await asyncio.to_thread(producer._writer.barrier, WAIT)  # type: ignore[union-attr]
+            assert not freed.future.done()  # before the fix: freed as the write ended
+
+            grpc_proxy.release("RegisterEngine")  # the claim is re-asserted: the new epoch matches t1 again
+            second = await asyncio.wait_for(reported[1], MUST)  # before the fix: never written again
+            assert (second.generation, second.ok) == (1, True)
+            assert await asyncio.wait_for(freed.future, MUST) == "t1"  # its report was answered
+            info = await client.get_transfer("t1")
+            assert info.state in (TransferState.COMMITTED, TransferState.RELEASED), info
+            assert bool((decode[0][5] == 1).all()) and int(torch.count_nonzero(decode[0])) == 256
+
+
 TP2 = KvLayout("test-model", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
 """The producer: two ranks, a head each (256 bytes of a block)."""
 TP1 = KvLayout("test-model", "uint8", 16, 1, kv_layout="HND", num_kv_heads=2)

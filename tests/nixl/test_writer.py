@@ -59,7 +59,9 @@ MakePair = Callable[..., Pair]
 def make_pair(peer: PeerProcess) -> Iterator[Callable[..., Pair]]:
     pairs: list[Pair] = []
 
-    def make(layout: Layout = LAYOUT, *, start: bool = True, on_written: OnWritten | None = None) -> Pair:
+    def make(
+        layout: Layout = LAYOUT, *, start: bool = True, on_written: OnWritten | None = None, keep_written: bool = False
+    ) -> Pair:
         dest = unique("dst")
         agent = peer.call("create", dest, layout)
         views = region_views(layout, seed=len(pairs) + 11)
@@ -70,6 +72,7 @@ def make_pair(peer: PeerProcess) -> Iterator[Callable[..., Pair]]:
             on_revoked=recorder.on_revoked,
             on_source_free=recorder.on_source_free,
             on_written=on_written,
+            keep_written=keep_written,
         )
         if start:
             writer.start()
@@ -219,6 +222,36 @@ def test_dropped_assignments_are_never_written_and_the_same_generation_assigned_
     assert [p.recorder.next(), p.recorder.next()] == [complete("t1", 1), Event("source_free", ("t1",))]
     assert p.settled() == []
     p.landed(peer, [4], [8])  # blocks 3, 5 and 7 still hold the sentinel
+
+
+def test_a_written_source_kept_until_released_is_written_again_for_the_next_incarnation(
+    peer: PeerProcess, make_pair: MakePair
+) -> None:
+    """`keep_written` (ProducerAgent): a successful write keeps its source until `release` says its report was
+    answered. Until then the same generation assigned again is a repeat; after `drop_assignments` (the report was the
+    replaced incarnation's, dropped unsent) it is the new incarnation's, written again from the kept source, and a
+    late release of the old write frees nothing. Before, the source was freed as the first write ended, and the
+    new incarnation's assignment ignored: the transfer had ended."""
+    p = make_pair(keep_written=True)
+    p.writer.assign("t1", 1, p.agent, 1, [3])
+    p.writer.source_ready("t1", [4])
+    assert p.notifications(peer, 1) == [("t1", 1)]
+    assert p.recorder.next() == complete("t1", 1)
+    p.writer.assign("t1", 1, p.agent, 1, [6])  # a repeat (from a resync's listing): not written
+    assert p.settled() == []  # the source is kept
+
+    assert p.writer.drop_assignments("the engine re-registered", 5)
+    p.writer.release("t1", 1)  # the old report's answer, late: the source waits for the new incarnation's
+    p.writer.assign("t1", 1, p.agent, 1, [5])
+
+    assert p.notifications(peer, 1) == [("t1", 1)]
+    assert p.recorder.next() == complete("t1", 1)
+    assert p.settled() == []
+    p.landed(peer, [4, 4], [3, 5])  # block 6 still holds the sentinel
+    p.writer.release("t1", 1)  # the new report was answered
+    assert p.settled() == [Event("source_free", ("t1",))]
+    p.writer.assign("t1", 2, p.agent, 1, [7])  # ended: ignored
+    assert p.settled() == []
 
 
 def test_revoke_before_the_write_drops_it_and_keeps_the_source_for_the_next_generation(
