@@ -190,7 +190,7 @@ class ProducerAgent(RankAgent[ProducerSession]):
         self._claims: Batcher[ClaimSpec] | None = None
         self._ready: Batcher[SourceReadySpec] | None = None
         self._acks: dict[tuple[int, int], Batcher[RevocationAck]] = {}  # by the incarnation they answer
-        self._revoked_by: dict[tuple[str, int], list[tuple[int, int]]] = {}  # revocations handed to the writer: by whom
+        self._revoked_by: dict[tuple[str, int], tuple[int, int]] = {}  # revocations in the writer's hands: by whom
 
     # Lifecycle
 
@@ -501,11 +501,19 @@ class ProducerAgent(RankAgent[ProducerSession]):
 
     def _revoke(self, transfer_id: str, generation: int) -> None:
         """Revoke `generation` in the writer, noting whose revocation its ack answers: the incarnation whose events
-        the handler is taking (a revoked WRITE in flight may drain, and be acknowledged, after a Reregistered)."""
+        the handler is taking (a revoked WRITE in flight may drain, and be acknowledged, after a Reregistered).
+
+        A revocation of a generation whose ack has not come yet (TRANSFER_REVOKED, then TRANSFER_ABORTED still
+        fencing it, while its WRITE drains) is not handed to the writer again: it would change nothing there (the
+        generation is fenced already), and the writer acknowledges the two once when the WRITE drains meanwhile, which
+        left one noted revoker for ever. The one ack answers both, as the newer revoker: either both are one
+        incarnation, or the older one was replaced, and its ack would be dropped unsent (STALE_INCARNATION), while
+        the newer may be current, and the service fences the generation until it hears that ack."""
         assert self._writer is not None
-        by = self._revoked_by.setdefault((transfer_id, generation), [])
-        by.append(self.engine_session.events_incarnation)
-        self._writer.revoke(transfer_id, generation)
+        key = (transfer_id, generation)
+        if key not in self._revoked_by:
+            self._writer.revoke(transfer_id, generation)
+        self._revoked_by[key] = self.engine_session.events_incarnation
 
     def _drop_deferred(self, transfer_id: str, generation: int) -> None:
         """A held assignment of `generation` or older is revoked: it must never reach the writer."""
@@ -602,12 +610,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
     def _write_revoked(self, transfer_id: str, generation: int) -> None:
         self._assigned.pop(transfer_id, None)
         session = self.engine_session
-        # The writer acknowledges each revocation handed to it once (two of one generation, while its WRITE drains,
-        # at most once): this ack answers the oldest one not answered yet.
-        by = self._revoked_by.get((transfer_id, generation))
-        revoked_to = by.pop(0) if by else session.events_incarnation
-        if not by:
-            self._revoked_by.pop((transfer_id, generation), None)
+        # Each revocation handed to the writer is acknowledged once (`_revoke` hands one generation once at a time).
+        revoked_to = self._revoked_by.pop((transfer_id, generation), session.events_incarnation)
         send = functools.partial(session.acknowledge_revocations, revoked_to=revoked_to)
         acks = batcher_of(self._acks, revoked_to, "AcknowledgeRevocations", send)
         future = acks.submit(RevocationAck(transfer_id, generation, (self.rank,)))
