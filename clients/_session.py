@@ -546,11 +546,15 @@ class EngineSession:
         unsent."""
         incarnation = await self._ready()
         if (self.epoch, incarnation) == incarnation_id:
+            since = self._live.mark()
             try:
-                return await self._send(send, specs, incarnation)
+                results = await self._send(send, specs, incarnation)
             except RendezvousError as err:
                 if not self._replaced(err, incarnation):
                     raise
+            else:
+                self._live.record(None, specs, results, since)  # what they ended (a commit) is not re-asserted
+                return results
         epoch, number = incarnation_id
         stale = FailedPrecondition(
             Reason.STALE_INCARNATION,

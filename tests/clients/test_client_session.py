@@ -125,6 +125,25 @@ async def test_push_lifecycle_between_a_consumer_and_a_producer_session(
     assert (await client.get_transfer("t1")).state == TransferState.RELEASED
 
 
+async def test_an_outcome_reported_as_its_incarnation_ends_the_claim_it_answers(
+    consumer: ConsumerSession, producer: ProducerSession
+) -> None:
+    """`complete_transfers(..., assigned_to=...)` (what the NIXL producer sends) noted nothing of its results: a push
+    producer hears no TRANSFER_COMMITTED, so every claim it ever made stayed live, and was re-asserted at each
+    re-registration."""
+    producer_events = producer.events()
+    await consumer.register_target(TargetSpec("t1", [1, 2], num_tokens=32))
+    assert (await producer.claim_transfer(ClaimSpec("t1"))).state == TransferState.MATCHED
+    assigned = await next_event(producer_events, of_type(EventType.TRANSFER_ASSIGNED, "t1"))
+    assert isinstance(assigned, Event)
+
+    (result,) = await producer.complete_transfers(
+        (CompletionSpec("t1", assigned.generation),), assigned_to=producer.incarnation_id
+    )
+    assert result.state == TransferState.COMMITTED
+    assert len(producer.live_transfers) == 0
+
+
 async def test_pull_lifecycle_tells_the_consumer_where_to_read(
     consumer: ConsumerSession, producer: ProducerSession
 ) -> None:
