@@ -396,7 +396,8 @@ class Router:
             decode_url = _engine_url(decode)
             local = await self._prefill_locally(body, route, decode, indexed)
             if local:
-                return await self._local(request, decode, decode_url + path, body, prefix, indexed, local, span)
+                self._alone(span, local)
+                return await self._local(request, decode, decode_url + path, body, prefix, indexed, local)
             prefill = await engines.pick_engine(
                 route.prefill_pools, EngineRole.PRODUCER, layout=decode.layout, prefix=prefix, indexed=indexed
             )
@@ -482,9 +483,11 @@ class Router:
         """While the rendezvous does not answer: the request to the least loaded decode engine of the route in
         the router's last engine lists, if they are at most degraded_max_age old, which computes the prompt itself
         (no transfer, no call); else the 503 saying `why`. An engine that refuses the connection (the request never
-        reached it) is left out until the circuit closes, and the request goes to the next."""
+        reached it) is left out until the circuit closes, and the request goes to the next; it is counted once however
+        many it tries."""
         if not self.degraded_max_age:
             return self._unreachable(why)
+        counted = False
         while True:
             try:
                 engine = self.engines.rank_listed(
@@ -496,9 +499,12 @@ class Router:
                     logger.warning("%s: refusing requests until the rendezvous answers", e)
                     self._refusing = True
                 return self._unreachable(f"{why}, and {e}")
+            if not counted:
+                self._alone(span, LOCAL_UNREACHABLE)
+                counted = True
             try:
                 return await self._local(
-                    request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, span, refused=ClientConnectorError
+                    request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, refused=ClientConnectorError
                 )
             except ClientConnectorError as e:
                 if engine.engine_id not in self._refused:  # another request may have found it first
@@ -551,6 +557,11 @@ class Router:
             return tokens
         return max(0, tokens - indexed.matched.get(decode.engine_id, 0) * indexed.block_size)
 
+    def _alone(self, span: tracing.Span, why: str) -> None:
+        """A request goes to a decode engine alone, `why`: counted once, whichever engines it is then sent to."""
+        span.set_attribute("kv_rendezvous.prefill", why)
+        self.metrics.local_prefills.labels(why).inc()
+
     async def _local(
         self,
         request: web.Request,
@@ -560,15 +571,13 @@ class Router:
         prefix: Sequence[int],
         indexed: IndexedPrefix | None,
         why: str,
-        span: tracing.Span,
         *,
         refused: type[Exception] | tuple[type[Exception], ...] = (),
     ) -> web.StreamResponse:
         """The whole request to the decode engine, which computes the prompt itself (no transfer: a transfer id or
         binding the client sent is not passed on, or the engine would wait for KV no prefill engine sends). An
-        error of type `refused` is raised, not answered 502, for the caller to send the request elsewhere."""
-        span.set_attribute("kv_rendezvous.prefill", why)
-        self.metrics.local_prefills.labels(why).inc()
+        error of type `refused` is raised, not answered 502, for the caller to send the request elsewhere; the
+        caller counts the request (`_alone`)."""
         named = {PREFILL_HEADER: why}
         try:
             with self.engines.in_flight(engine, prefix, indexed), _leg_span("router.decode", engine, "") as headers:

@@ -302,3 +302,29 @@ async def test_an_engine_s_error_answer_leaves_it_in_and_none_left_is_a_503(
             assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
     finally:
         await runner.cleanup()
+
+
+async def test_a_request_sent_on_past_a_refused_connection_is_counted_once(
+    server: AsyncTestServer, cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`local_prefills_total{why="local-unreachable"}` counts requests: before, it counted each engine a request
+    was tried on, so the request that found the dead engine first counted twice (3 for 2 requests)."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    live, dead = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
+    client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
+    router = Router(client, FLEET, refresh_interval=0.0, retry_after=3_600.0, clock=Clock())
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+            assert (await ask(http, base))[:2] == (200, "remote")
+            await server.stop()
+            await dead.stop()
+            with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
+                for _ in range(2):  # in turn, one of the two tries the dead engine first
+                    assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+            left_out = [r for r in caplog.records if "leaving it out" in r.getMessage()]
+            assert len(left_out) == 1, left_out
+            assert alone(live) == 2
+            assert 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"} 2.0' in await metrics(http, base)
+    finally:
+        await runner.cleanup()
