@@ -32,12 +32,14 @@ unreachable (UNAVAILABLE, DEADLINE_EXCEEDED), or a background refresh of an engi
 circuit: that request and every one after it, at once and without a call, go to a decode engine alone, which
 computes the prompt itself (`X-Kv-Prefill: local-unreachable`; no transfer, so the engine's connector calls nothing
 either), the least loaded of the route's decode engines in the last engine list the router got, while that list is
-at most `--degraded-max-age` seconds old (60; 0: never). A decode engine that refuses a connection meanwhile is
-left out until the circuit closes (the request, which never reached it, goes to the next). Past the age, or with
-no such engine, requests are answered 503 with `Retry-After` and `X-Kv-Refusal: rendezvous_unavailable`. A
-background probe (GetStatus every `--rendezvous-retry-after` seconds) closes the circuit once the rendezvous
-answers again, and requests are disaggregated again.
-A request body over `--max-body-bytes` (1 MiB) is refused 413 unread.
+at most `--degraded-max-age` seconds old (60; 0: never). A decode engine that does not take a connection meanwhile
+(refused, or not taken within `--connect-timeout`) is left out until the circuit closes (the request, which never
+reached it, goes to the next). Past the age, or with no such engine, requests are answered 503 with `Retry-After`
+and `X-Kv-Refusal: rendezvous_unavailable`. A background probe (GetStatus every `--rendezvous-retry-after` seconds)
+closes the circuit once the rendezvous answers again, and requests are disaggregated again.
+A request body over `--max-body-bytes` (1 MiB) is refused 413 unread. An engine that takes no connection within
+`--connect-timeout` seconds (5; a host that went down drops the packets, refusing nothing) fails its leg as a
+refused connection does (a decode leg: 502), not after the whole `--timeout`.
 `GET /health` answers 200; `GET /v1/models` lists the models of every route's decode engines.
 
 Needs aiohttp (installed with vLLM).
@@ -58,7 +60,15 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import (
+    ClientConnectorError,
+    ClientError,
+    ClientSession,
+    ClientTimeout,
+    ConnectionTimeoutError,
+    TCPConnector,
+    web,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rendezvous.clients import (
@@ -113,12 +123,18 @@ DEFAULT_RETRY_AFTER = 1.0
 DEFAULT_DEGRADED_MAX_AGE = 60.0
 """How old an engine list may be for requests to go to its decode engines alone while the rendezvous does not
 answer (`--degraded-max-age`)."""
+DEFAULT_CONNECT_TIMEOUT = 5.0
+"""Seconds the router waits for an engine to take a connection (`--connect-timeout`)."""
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 """The largest request body the router reads (`--max-body-bytes`); larger ones are answered 413."""
 LOCAL_SHORT = "local-short"
 LOCAL_BUSY = "local-busy"
 LOCAL_UNREACHABLE = "local-unreachable"
 _ENGINE_KEEPALIVE = 2.0
+_NOT_CONNECTED = (ClientConnectorError, ConnectionTimeoutError)
+"""An engine call that failed before anything was sent: its connection was refused, unreachable, or not taken within
+the connect timeout (a host that went down drops the packets and refuses nothing). The request never reached the
+engine."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +202,7 @@ class Router:
         policy: PickPolicy = PickPolicy.ROUND_ROBIN,
         refresh_interval: float = 1.0,
         timeout: float = 600.0,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         load_weight: float = 1.0,
         prompts: PromptReader | None = None,
         local_prefill: LocalPrefill | None = None,
@@ -207,6 +224,8 @@ class Router:
         self.max_body_bytes = max_body_bytes
         if retry_after <= 0:
             raise ValueError(f"retry_after must be positive, not {retry_after:g}")
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be positive, not {connect_timeout:g}")
         if degraded_max_age < 0:
             raise ValueError(f"degraded_max_age must not be negative, not {degraded_max_age:g}")
         self.rendezvous = rendezvous
@@ -235,7 +254,8 @@ class Router:
         self.local_prefill = local_prefill or LocalPrefill()
         self.index = PrefixView(self.engines, self.prompts, retry_interval=refresh_interval) if kv_index else None
         """Prefix-aware: the fleet's KV index (None: this router's memory only)."""
-        self._timeout = ClientTimeout(total=timeout)
+        # connect: getting a connection to an engine (resolving, connecting, TLS); the pool never waits (limit 0).
+        self._timeout = ClientTimeout(total=timeout, connect=connect_timeout)
         self._http: ClientSession | None = None
         self._background: set[asyncio.Task[None]] = set()  # work after an answer (credit releases)
         self.retry_after = retry_after
@@ -248,7 +268,7 @@ class Router:
         (0: refuse them)."""
         self._refusing = False  # the circuit is open and no listed decode engine is left to take requests (logged)
         self._refused: set[str] = set()
-        """While the circuit is open: the decode engines that refused a connection, left out of degraded picks."""
+        """While the circuit is open: the decode engines that took no connection, left out of degraded picks."""
         self._probe: asyncio.Task[None] | None = None
 
     def app(self) -> web.Application:
@@ -482,9 +502,9 @@ class Router:
     ) -> web.StreamResponse:
         """While the rendezvous does not answer: the request to the least loaded decode engine of the route in
         the router's last engine lists, if they are at most degraded_max_age old, which computes the prompt itself
-        (no transfer, no call); else the 503 saying `why`. An engine that refuses the connection (the request never
-        reached it) is left out until the circuit closes, and the request goes to the next; it is counted once however
-        many it tries."""
+        (no transfer, no call); else the 503 saying `why`. An engine that does not take the connection (refused, or
+        not taken within the connect timeout: the request never reached it) is left out until the circuit closes,
+        and the request goes to the next; it is counted once however many it tries."""
         if not self.degraded_max_age:
             return self._unreachable(why)
         counted = False
@@ -504,12 +524,12 @@ class Router:
                 counted = True
             try:
                 return await self._local(
-                    request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, refused=ClientConnectorError
+                    request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, refused=_NOT_CONNECTED
                 )
-            except ClientConnectorError as e:
+            except _NOT_CONNECTED as e:
                 if engine.engine_id not in self._refused:  # another request may have found it first
                     logger.warning(
-                        "decode engine %s refused a connection (%s): leaving it out until the rendezvous answers",
+                        "decode engine %s took no connection (%s): leaving it out until the rendezvous answers",
                         engine.engine_id,
                         e,
                     )
@@ -871,6 +891,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=flags.seconds(positive=True), default=600.0, help="seconds per engine request; > 0"
     )
     parser.add_argument(
+        "--connect-timeout",
+        type=flags.seconds(positive=True),
+        default=DEFAULT_CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help="how long an engine may take to accept a connection; one that does not fails its leg as a refused "
+        "connection does; > 0",
+    )
+    parser.add_argument(
         "--binding-key-file",
         default=None,
         help="sign each transfer to the engines picked for it with this file's first key (the rendezvous's "
@@ -1008,6 +1036,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             policy=PickPolicy(args.policy),
             refresh_interval=args.refresh_interval,
             timeout=args.timeout,
+            connect_timeout=args.connect_timeout,
             load_weight=args.load_weight,
             prompts=PromptReader(args.prefix_block, tokenizer),
             local_prefill=LocalPrefill(args.local_prefill_below, args.local_prefill_when_busy),

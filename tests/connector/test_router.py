@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -77,6 +78,7 @@ class FakeEngine:
         self.max_in_flight = 0
         self.port = free_port()
         self._runner: web.AppRunner | None = None
+        self._dark: list[socket.socket] = []
 
     async def start(self) -> None:
         app = web.Application(client_max_size=64 << 20)  # vLLM's server has no 1 MiB limit (aiohttp's default)
@@ -94,6 +96,20 @@ class FakeEngine:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        for sock in self._dark:
+            sock.close()
+        self._dark.clear()
+
+    async def go_dark(self) -> None:
+        """Stop, as a host that went down: a connection to the engine's port is neither refused nor taken. Its
+        port listens with an accept queue that one connection, never accepted, fills (Linux queues backlog + 1),
+        so the kernel drops every later SYN and a client's connect waits for its own timeout."""
+        await self.stop()
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(0)
+        self._dark = [listener, socket.create_connection(("127.0.0.1", self.port))]
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())

@@ -55,6 +55,9 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         ("--timeout", "nan"),  # these started a router that misbehaved later
         ("--timeout", "0"),
         ("--timeout", "-1"),
+        ("--connect-timeout", "0"),
+        ("--connect-timeout", "-1"),
+        ("--connect-timeout", "inf"),
         ("--refresh-interval", "-1"),
         ("--refresh-interval", "nan"),
         ("--queue-timeout", "nan"),

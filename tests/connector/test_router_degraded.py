@@ -4,7 +4,7 @@ from the router's last engine lists while those are at most --degraded-max-age o
 rendezvous server that is stopped and started again, fake vLLM HTTP engines (tests/connector/test_router.py).
 Before degraded mode every request got 503 rendezvous_unavailable until the rendezvous answered again. The circuit
 opens as soon as a background refresh of an engine list goes unanswered, and a decode engine that refuses a
-connection meanwhile is left out of the picks."""
+connection meanwhile, or takes none within the connect timeout, is left out of the picks."""
 
 from __future__ import annotations
 
@@ -326,5 +326,32 @@ async def test_a_request_sent_on_past_a_refused_connection_is_counted_once(
             assert len(left_out) == 1, left_out
             assert alone(live) == 2
             assert 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"} 2.0' in await metrics(http, base)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_decode_engine_that_takes_no_connection_is_left_out(
+    server: AsyncTestServer, cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode engine's host went down during the outage: its packets are dropped, nothing refuses the
+    connection. Before --connect-timeout, the request picked for it waited for the whole --timeout (600 s; here
+    the test client's 30 s ran out first) and the engine was never left out. Now the connection not taken within
+    the connect timeout is answered as a refused one: the request goes to the next engine, the dark one is left out."""
+    await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    live, dark = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
+    client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
+    router = Router(client, FLEET, refresh_interval=0.0, retry_after=3_600.0, connect_timeout=0.2, clock=Clock())
+    runner, base = await serve(router)
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=30.0)) as http:  # not the router's 600 s
+            assert (await ask(http, base))[:2] == (200, "remote")
+            await server.stop()
+            await dark.go_dark()
+            with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
+                for _ in range(2):  # in turn, one of the two tries the dark engine first
+                    assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+            left_out = [r.getMessage() for r in caplog.records if "leaving it out" in r.getMessage()]
+            assert len(left_out) == 1 and "decode engine d1 " in left_out[0], left_out
+            assert alone(live) == 2
     finally:
         await runner.cleanup()

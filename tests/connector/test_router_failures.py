@@ -20,6 +20,7 @@ from rendezvous.clients import (
     EngineRole,
     KvLayout,
     RetryPolicy,
+    TransferState,
 )
 from rendezvous.clients.testing import AsyncTestServer
 from rendezvous.connector.launch import free_port
@@ -183,6 +184,27 @@ async def test_engine_legs_are_not_capped_by_an_http_pool_of_the_router(cluster:
         finally:
             decode.gate.set()
         assert await asyncio.gather(*tasks) == [200] * 150
+
+
+async def test_a_decode_engine_that_takes_no_connection_is_a_502_and_aborts_the_transfer(
+    cluster: Cluster, make_router: Any
+) -> None:
+    """A decode engine whose host went down (packets dropped, nothing refused): before --connect-timeout the
+    request waited for the whole --timeout (600 s; here the test client's WAIT ran out first). Now the connection
+    not taken within the connect timeout fails the decode leg as a refused one does: 502, the transfer aborted."""
+    prefill = await cluster.add("p", "prefill", EngineRole.PRODUCER)
+    decode = await cluster.add("d", "decode", EngineRole.CONSUMER)
+    await decode.go_dark()
+    router = await make_router(FLEET, connect_timeout=0.2)
+    status, body = await router.complete("tiny")
+    assert status == 502 and "Connection timeout" in body["error"]["message"], body
+    await asyncio.wait_for(prefill.wait_bodies(1), WAIT)
+    await cluster.transfer(prefill.bodies[0]["kv_transfer_params"]["transfer_id"], TransferState.ABORTED)
+
+
+def test_the_connect_timeout_is_a_flag() -> None:
+    assert build_parser().parse_args(["--address", "a:1"]).connect_timeout == 5.0
+    assert build_parser().parse_args(["--address", "a:1", "--connect-timeout", "0.5"]).connect_timeout == 0.5
 
 
 class OddModelsEngine(FakeEngine):
