@@ -24,7 +24,8 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   are reported free the same way, once no write of it can land.
 
 The release contract: the agent releases every committed transfer itself (ReleaseTargets, once TRANSFER_COMMITTED
-came); the engine never calls ReleaseTargets for a transfer it registered through the agent. An ok result's blocks
+came; pull: once the READ's report committed it, or rank 0 learned by asking that another rank's did); the engine
+never calls ReleaseTargets for a transfer it registered through the agent. An ok result's blocks
 are the engine's to read and then reuse; a failed or REVOKED result's are free at once. To give a transfer up
 before its result, `abort` it (its failed result still comes, once no write can land).
 
@@ -404,7 +405,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     async def _check_target(self, transfer_id: str, target: _Target) -> None:
         """A following rank's expectation ends with an event of the transfer; should rank 0's registration
-        have failed (then no event comes), it would wait forever: so it looks every `follower_check_s`."""
+        have failed (then no event comes), it would wait forever: so it looks every `follower_check_s`. So does
+        rank 0 for a pull target whose READ's report did not commit it (`_read_taken`): no event tells the
+        consumer of a pull commit, and it is rank 0's to release."""
         try:
             while True:
                 await asyncio.sleep(self._follower_check_s)
@@ -516,10 +519,16 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 self._source_ready(event)
 
     def _committed(self, transfer_id: str, generation: int) -> None:
+        """The generation is committed: its target ends (ok, unless its digests failed to match) and the registering
+        rank releases it. Push: on TRANSFER_COMMITTED (a following rank may hear of it first by asking). Pull: on
+        the answer to the READ's report that committed it; the other ranks, and a rank whose report was not
+        answered, ask (`_check_target`) or see it in a resync's listing."""
         target = self._targets.get(transfer_id)
-        if target is None or target.generation != generation or target.mode is not TransferMode.PUSH:
+        if target is None or target.generation != generation:
             return
-        if target.checking or (not target.arrived and not target.corrupted and self._needs_check(target)):
+        if target.mode is TransferMode.PUSH and (
+            target.checking or (not target.arrived and not target.corrupted and self._needs_check(target))
+        ):
             target.committed = True  # its digests decide, and the check ends the commit
             if target.checking:
                 return
@@ -816,23 +825,31 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     def _read_reported(
         self, transfer_id: str, generation: int, arrived: float, future: asyncio.Future[ItemResult]
     ) -> None:
-        """A READ's SUCCEEDED was answered (or its call failed, which leaves its bytes in the blocks all the same):
-        they arrive, unless it was refused as a replaced incarnation's (re-registered before it was sent)."""
+        """A READ's SUCCEEDED was answered, or its call failed (`_read_taken` says what follows)."""
         log_refusal("CompleteTransfers", transfer_id, generation, future)
         again = self._read_over((transfer_id, generation))
         result = None if future.cancelled() or future.exception() else future.result()
-        stale = result is not None and result.error is not None and result.error.reason == Reason.STALE_INCARNATION
         target = self._targets.get(transfer_id)
-        if target is not None and target.generation == generation and not stale:
-            if not target.arrived:
-                target.arrived = True
-                self._deliver(TransferResult(transfer_id, generation, True, target.block_ids), arrived, "read")
-            if result is not None and result.ok and result.state is TransferState.COMMITTED:
-                del self._targets[transfer_id]
-                if self._releases is not None:
-                    self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
+        if target is not None and target.generation == generation:
+            self._read_taken(transfer_id, target, result, arrived)
         if again is not None:
             self._source_ready(again)
+
+    def _read_taken(self, transfer_id: str, target: _Target, result: ItemResult | None, arrived: float) -> None:
+        """The bytes of a READ whose SUCCEEDED was answered `result` (None: the call failed, which leaves them in
+        the blocks all the same) arrive, unless it was refused as a replaced incarnation's (STALE_INCARNATION: read
+        again on the new one's SOURCE_READY). The report that commits the generation ends the target; rank 0 asks
+        about one the report did not commit (other ranks' shares to come, or the call unanswered): no event tells
+        the consumer of a pull commit, and the target is rank 0's to release."""
+        if result is not None and result.error is not None and result.error.reason == Reason.STALE_INCARNATION:
+            return
+        if not target.arrived:
+            target.arrived = True
+            self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), arrived, "read")
+        if result is not None and result.ok and result.state in _ARRIVED:
+            self._committed(transfer_id, target.generation)
+        elif self.leader:
+            self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
 
     def _read_over(self, key: tuple[str, int]) -> ServerEvent | None:
         """Our READ of `key` neither writes into its blocks nor waits for its report any more: deliver the result
