@@ -12,8 +12,11 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   notification is not arrival for it, and notifications that cannot tile it (overlapping, outside) leave it to the
   commit, so decode never starts on missing bytes. Pull: on SOURCE_READY the agent READs the producer's blocks itself,
   then reports CompleteTransfers as the incarnation the SOURCE_READY was sent to; the bytes arrive once the service
-  took the report. A READ that ends after a re-registration (or whose report is refused as the replaced
-  incarnation's) is not reported as the new one: the new incarnation's SOURCE_READY is read again.
+  took the report (or the call went unanswered). A READ that ends after a re-registration (or whose report is
+  refused as the replaced incarnation's) is not reported as the new one: the new incarnation's SOURCE_READY is read
+  again. A report answered with the transfer ended (aborted while it was read: its producer may have reused the
+  source) is no arrival: the result fails as the abort says, whichever of the answer and TRANSFER_ABORTED comes
+  first; another refusal fails it LOST.
 - failed: the transfer aborted (`reason` is its `AbortReason`) or the agent saw it fail (an `AgentReason`: a READ
   failed, or the service lost the transfer). When the service still fences a generation the producer may be
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
@@ -113,6 +116,8 @@ _IN_DOUBT = (DeadlineExceeded, Unavailable, Cancelled, Unknown)
 ABORT_IN_DOUBT_S = 60.0
 """How long an agent tries to abort a transfer whose registration is in doubt, when it has no timeout of its own."""
 _ARRIVED = frozenset({TransferState.COMMITTED, TransferState.RELEASED})
+_TAKEN = _ARRIVED | {TransferState.MATCHED}
+"""What a READ's SUCCEEDED may answer when the service took it: MATCHED while other ranks' shares are to come."""
 EARLY_COMMITS = 4096
 """How many commits of transfers it did not expect (yet) a following rank remembers."""
 DIGESTS_AFTER_COMMIT_S = 10.0
@@ -128,7 +133,8 @@ class AgentReason(StrEnum):
     READ_FAILED = "READ_FAILED"
     """A pull-mode READ of the producer's blocks failed."""
     LOST = "LOST"
-    """The service no longer has the transfer (or the engine's registration of it failed)."""
+    """The service no longer has the transfer (or the engine's registration of it failed, or it refused a pull READ's
+    report: the bytes read are not to be trusted)."""
     CORRUPTED = "CORRUPTED"
     """The bytes in the blocks do not match the digests the producer sent (`rendezvous.clients.nixl.integrity`)."""
 
@@ -837,18 +843,28 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
     def _read_taken(self, transfer_id: str, target: _Target, result: ItemResult | None, arrived: float) -> None:
         """The bytes of a READ whose SUCCEEDED was answered `result` (None: the call failed, which leaves them in
-        the blocks all the same) arrive, unless it was refused as a replaced incarnation's (STALE_INCARNATION: read
-        again on the new one's SOURCE_READY). The report that commits the generation ends the target; rank 0 asks
-        about one the report did not commit (other ranks' shares to come, or the call unanswered): no event tells
-        the consumer of a pull commit, and the target is rank 0's to release."""
-        if result is not None and result.error is not None and result.error.reason == Reason.STALE_INCARNATION:
+        the blocks all the same) arrive if the service took the report: the generation is MATCHED (other ranks'
+        shares to come) or committed. Not if it refused it: as a replaced incarnation's (STALE_INCARNATION: read
+        again on the new one's SOURCE_READY), or because the transfer ended while it was read (aborted by its
+        deadline, the router, a lost peer): its producer frees the source then, which may have been reused
+        mid-READ. An aborted transfer fails as its TRANSFER_ABORTED says (sent before the answer: the same result
+        whichever comes first); any other refusal fails it at once (`AgentReason.LOST`, the service's error). The
+        report that commits the generation ends the target; rank 0 asks about one the report did not commit (not
+        yet, not known, or aborted), as no event tells the consumer of a pull commit, and should the TRANSFER_ABORTED
+        be lost."""
+        error = None if result is None else result.error
+        if error is not None:
+            if error.reason != Reason.STALE_INCARNATION:
+                self._fail(transfer_id, AgentReason.LOST, f"the service refused the READ's report: {error}")
             return
-        if not target.arrived:
-            target.arrived = True
-            self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), arrived, "read")
-        if result is not None and result.ok and result.state in _ARRIVED:
-            self._committed(transfer_id, target.generation)
-        elif self.leader:
+        if result is None or result.state in _TAKEN:
+            if not target.arrived:
+                target.arrived = True
+                self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), arrived, "read")
+            if result is not None and result.state in _ARRIVED:
+                self._committed(transfer_id, target.generation)
+                return
+        if self.leader:
             self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
 
     def _read_over(self, key: tuple[str, int]) -> ServerEvent | None:

@@ -1,27 +1,41 @@
-"""How a pull-mode ConsumerAgent's target ends once its READ is over: a committed target is dropped (and released by
-rank 0) on every rank, whichever rank's report committed it. Real service and NIXL agents on 127.0.0.1: decode "d0"
-reads t1's block 2 from prefill "p0" into its block 5."""
+"""How a pull-mode ConsumerAgent's target ends once its READ is over: its bytes arrive only when the service took the
+READ's report, never when it refused it (the transfer ended while it was read), whichever decode hears of first; a
+committed target is dropped (and released by rank 0) on every rank, whichever rank's report committed it. Real
+service and NIXL agents on 127.0.0.1: decode "d0" reads t1's block 2 from prefill "p0" into its block 5."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 import torch
 
-from rendezvous.clients import AsyncRendezvousClient, KvLayout, TransferMode, TransferState
-from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
+from rendezvous.clients import (
+    AbortReason,
+    AbortSpec,
+    AsyncRendezvousClient,
+    EventType,
+    KvLayout,
+    SessionEvent,
+    TransferMode,
+    TransferState,
+)
+from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
 from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.rank import start_ranks
-from rendezvous.clients.testing import AsyncTestServer
-from tests.clients.conftest import FAST_SESSION, MUST, WAIT, client, server, wait_until
+from rendezvous.clients.testing import AsyncTestServer, start_test_server
+from rendezvous.core.limits import Timeouts
+from rendezvous.protocol.errors import NotFound
+from tests.clients.conftest import FAST_SESSION, MUST, WAIT, client, client_config, server, wait_until
 from tests.nixl.test_read_outcomes import decode_agent, prefill
 
 __all__ = ["client", "server"]
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+
+WHY = "the router gave up"
 
 
 def hold_read_end(agent: ConsumerAgent) -> asyncio.Future[Callable[[], None]]:
@@ -40,6 +54,40 @@ def hold_read_end(agent: ConsumerAgent) -> asyncio.Future[Callable[[], None]]:
     return held
 
 
+def hold_aborts(agent: ConsumerAgent) -> tuple[asyncio.Future[None], asyncio.Future[None]]:
+    """The agent's handler takes a TRANSFER_ABORTED only once the first future is done; the second is done once
+    it took one."""
+    loop = asyncio.get_running_loop()
+    go: asyncio.Future[None] = loop.create_future()
+    taken: asyncio.Future[None] = loop.create_future()
+    handle = agent.handle_event
+
+    async def handle_event(item: SessionEvent) -> None:
+        aborted = getattr(item, "type", None) is EventType.TRANSFER_ABORTED
+        if aborted:
+            await go
+        await handle(item)
+        if aborted and not taken.done():
+            taken.set_result(None)
+
+    agent.handle_event = handle_event  # type: ignore[method-assign]
+    return go, taken
+
+
+def on_read_reported(agent: ConsumerAgent) -> asyncio.Future[None]:
+    """Done once the agent took the answer to a READ's report."""
+    answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    read_reported = agent._read_reported
+
+    def took(*args: Any) -> None:
+        read_reported(*args)
+        if not answered.done():
+            answered.set_result(None)
+
+    agent._read_reported = took  # type: ignore[method-assign, assignment]
+    return answered
+
+
 async def state_becomes(client: AsyncRendezvousClient, transfer_id: str, state: TransferState) -> None:
     """Until the service has the transfer in `state` (a release is sent in the background)."""
 
@@ -48,6 +96,102 @@ async def state_becomes(client: AsyncRendezvousClient, transfer_id: str, state: 
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(poll(), MUST)
+
+
+async def forgotten(client: AsyncRendezvousClient, transfer_id: str) -> None:
+    """Until the service forgot the transfer (its tombstone aged)."""
+
+    async def poll() -> None:
+        while True:
+            try:
+                await client.get_transfer(transfer_id)
+            except NotFound:
+                return
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), MUST)
+
+
+@pytest.mark.parametrize("first", ["answer", "event"])
+async def test_a_read_of_a_transfer_aborted_meanwhile_fails_whichever_decode_hears_of_first(
+    server: AsyncTestServer, client: AsyncRendezvousClient, first: str
+) -> None:
+    """The router aborts t1 while decode READs it: p0 frees its source, which it may reuse before the READ is over,
+    so the bytes read are not to be trusted. The READ's SUCCEEDED is answered "already ABORTED". Before the fix,
+    when that answer reached the agent before the TRANSFER_ABORTED event, decode was told t1 arrived ok (and the
+    event was then ignored, t1 having arrived); the other way round, it failed. Now it fails either way, with the
+    abort's reason and message."""
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    consumer = decode_agent(client, decode, results)
+    read_end, (event_go, event_taken) = hold_read_end(consumer), hold_aborts(consumer)
+    answered = on_read_reported(consumer)
+    producer = prefill(client, "p0", 1)
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await consumer.register_target("t1", [5], mode=TransferMode.PULL)).ok
+        assert (await producer.claim("t1")).ok
+        producer.ready("t1", [2], mode=TransferMode.PULL)
+        release = await asyncio.wait_for(read_end, WAIT)  # the READ is over; the agent hears of it later
+        assert bool((decode[0][5] == 1).all())
+        assert (await client.abort_transfer("", AbortSpec("t1", WHY))).state is TransferState.ABORTED
+        if first == "event":
+            event_go.set_result(None)
+            await asyncio.wait_for(event_taken, WAIT)
+            release()
+        else:
+            release()
+            await asyncio.wait_for(answered, WAIT)  # the report's answer: t1 is ABORTED
+            event_go.set_result(None)
+        result = await asyncio.wait_for(results.get(), MUST)
+        assert (result.transfer_id, result.ok) == ("t1", False)
+        assert (result.reason, result.message) == (AbortReason.REQUESTED, WHY)
+        await asyncio.wait_for(event_taken, WAIT)
+        assert results.empty() and not consumer.awaiting_result("t1")
+    finally:
+        await consumer.close()
+        await producer.close()
+
+
+@pytest.fixture
+async def forgetful() -> AsyncIterator[AsyncTestServer]:
+    """A service that forgets an ended transfer a tenth of a second after it ended."""
+    async with start_test_server(
+        timeouts=Timeouts(default_lease_ttl=5.0, tombstone_ttl=0.1), sweep_interval=0.02, grace=0.1
+    ) as srv:
+        yield srv
+
+
+async def test_a_read_whose_report_is_refused_fails_lost(forgetful: AsyncTestServer) -> None:
+    """The router aborts t1 while decode READs it, and the service forgets t1 before the READ's SUCCEEDED reaches it
+    (its TRANSFER_ABORTED held on the way): the report is refused TRANSFER_NOT_FOUND. Before the fix decode was told
+    t1 arrived ok. Now it fails at once, LOST, saying what the service answered; the event changes nothing."""
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    async with AsyncRendezvousClient(client_config(forgetful.address)) as client:
+        consumer = decode_agent(client, decode, results)
+        read_end, (event_go, event_taken) = hold_read_end(consumer), hold_aborts(consumer)
+        producer = prefill(client, "p0", 1)
+        await producer.start()
+        await consumer.start()
+        try:
+            assert (await consumer.register_target("t1", [5], mode=TransferMode.PULL)).ok
+            assert (await producer.claim("t1")).ok
+            producer.ready("t1", [2], mode=TransferMode.PULL)
+            release = await asyncio.wait_for(read_end, WAIT)
+            assert (await client.abort_transfer("", AbortSpec("t1", WHY))).state is TransferState.ABORTED
+            await forgotten(client, "t1")
+            release()
+            result = await asyncio.wait_for(results.get(), MUST)
+            assert (result.transfer_id, result.ok, result.reason) == ("t1", False, AgentReason.LOST)
+            assert "refused the READ's report" in result.message and "TRANSFER_NOT_FOUND" in result.message
+            event_go.set_result(None)
+            await asyncio.wait_for(event_taken, WAIT)
+            assert results.empty() and not consumer.awaiting_result("t1")
+        finally:
+            await consumer.close()
+            await producer.close()
 
 
 async def test_a_committed_pull_target_leaves_the_receiver_expecting_nothing(
