@@ -6,6 +6,7 @@ tests/test_release_notes.py, which checks that the release notes name everything
 - Every `kv-rendezvous SUBCOMMAND ...` command line in README.md, docs/ and examples/ (in a code span or a code
   block) passes only flags that subcommand has.
 - Every `KV_RENDEZVOUS_*` variable the docs name is read by the code or named by a flag's help.
+- docs/engines.md's registration step names every `KvLayout` field an engine is to state.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvous.v1 import rendezvous_pb2
 from tests.test_release_notes import REPO, _cli_env_names, _code_env_names, subcommands
 
 DOCS = sorted(
@@ -117,3 +119,14 @@ def test_a_flag_the_parser_lacks_is_caught() -> None:
     """The checks are not vacuous: a made-up flag is not an option of `serve`."""
     assert "--no-such-flag" not in _options("serve")
     assert isinstance(subcommands()["serve"], argparse.ArgumentParser)
+
+
+def test_the_engine_guide_names_every_layout_field() -> None:
+    """An engine without the SDK states the layout fields docs/engines.md lists: a field it leaves out is left 0,
+    which can keep it from pairing (data_plane_version 0 is version 1)."""
+    text = (REPO / "docs" / "engines.md").read_text(encoding="utf-8")
+    bullet = text.split("   - `layout` (`KvLayout`)", 1)[1].split("\n   - ", 1)[0]
+    named = set(re.findall(r"`(\w+)`", bullet))
+    missing = [field.name for field in rendezvous_pb2.KvLayout.DESCRIPTOR.fields if field.name not in named]
+    assert not missing, f"docs/engines.md, RegisterEngine's layout: fields not named: {missing}"
+

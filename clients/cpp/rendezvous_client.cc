@@ -103,6 +103,9 @@ class Engine {
     layout->set_num_layers(2);
     layout->set_tp_size(1);
     layout->set_pp_size(1);
+    layout->set_kv_layout("HND");
+    layout->set_num_kv_heads(8);
+    layout->set_data_plane_version(4);  // the notification format a real data plane sends: "4 T:g"
     v1::NixlAgent* agent = request.add_agents();  // a stand-in: real engines send get_agent_metadata()
     agent->set_name(id_ + "-rank0");
     agent->set_metadata("md-" + id_);
@@ -299,7 +302,8 @@ void PushLifecycle(Engine& decode, Engine& prefill, Watch& decode_events, Watch&
   Expect(std::vector<int64_t>(blocks.begin(), blocks.end()) == std::vector<int64_t>{7, 8, 9}, "assigned blocks");
   Expect(assigned.peer().engine_id() == decode.id() && assigned.peer().agents(0).metadata() == "md-" + decode.id(),
          "the assignment names the consumer and its agent metadata");
-  // A real producer WRITEs the blocks with NIXL here, notification "<transfer_id>:<generation>", then reports.
+  // A real producer WRITEs the blocks with NIXL here, notification "4 <transfer_id>:<generation>", then reports;
+  // it frees its source blocks once this report is answered.
   v1::ItemResult committed = prefill.Complete(transfer_id, assigned.generation());
   Expect(committed.state() == v1::TRANSFER_STATE_COMMITTED, "CompleteTransfers: COMMITTED");
   v1::Event commit = decode_events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, transfer_id);

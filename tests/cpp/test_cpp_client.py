@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvous.v1 import rendezvous_pb2
 from tests.ci import ci
 
 pytestmark = pytest.mark.timeout(600)
@@ -75,3 +76,12 @@ def test_the_cpp_client_runs_the_protocol_against_a_real_server(client: Path, ad
         line.startswith("ok lease expiry: producer told PEER_LOST, KeepAlive refused LEASE_EXPIRED") for line in lines
     )
     assert lines[-1] == "ok deregistered"
+
+
+def test_the_cpp_client_states_every_layout_field() -> None:
+    """docs/engines.md asks an engine to state every KvLayout field, data_plane_version included (left 0 it is 1,
+    which no SDK producer pairs with); the example it points to does. Reads the source: needs no toolchain."""
+    source = (SOURCE / "rendezvous_client.cc").read_text(encoding="utf-8")
+    fields = [field.name for field in rendezvous_pb2.KvLayout.DESCRIPTOR.fields]
+    unstated = [name for name in fields if f"layout->set_{name}(" not in source]
+    assert not unstated, f"rendezvous_client.cc leaves these KvLayout fields unstated: {unstated}"
