@@ -3,8 +3,10 @@
 The SDK's `ProducerAgent` does the protocol: it registers the KV cache with NIXL and the engine with the
 service, batches claims, and runs a background writer thread that owns NIXL: once it holds both the service's
 assignment (TRANSFER_ASSIGNED: decode's agent and block ids) and the engine's `ready`, it WRITEs the blocks,
-sends the notification "T:g" and reports CompleteTransfers. `on_free` (on this event loop) gives the source
-blocks back once written, or once the transfer ended otherwise (aborted, decode lost).
+sends the notification "4 T:g" and reports CompleteTransfers. `on_free` (on this event loop) gives the source
+blocks back once written and that report answered (a round trip after the write: a report lost to a
+re-registration leaves the source to be written again), or once the transfer ended otherwise (aborted, decode
+lost).
 """
 
 from __future__ import annotations
