@@ -7,6 +7,7 @@ tests/test_release_notes.py, which checks that the release notes name everything
   block) passes only flags that subcommand has.
 - Every `KV_RENDEZVOUS_*` variable the docs name is read by the code or named by a flag's help.
 - docs/engines.md's registration step names every `KvLayout` field an engine is to state.
+- docs/conformance.md's sample run has as many checks as the suite, and names checks it has.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rendezvous.conformance import CHECKS
 from rendezvous.v1 import rendezvous_pb2
 from tests.test_release_notes import REPO, _cli_env_names, _code_env_names, subcommands
 
@@ -130,3 +132,11 @@ def test_the_engine_guide_names_every_layout_field() -> None:
     missing = [field.name for field in rendezvous_pb2.KvLayout.DESCRIPTOR.fields if field.name not in named]
     assert not missing, f"docs/engines.md, RegisterEngine's layout: fields not named: {missing}"
 
+
+def test_the_conformance_sample_run_matches_the_suite() -> None:
+    text = (REPO / "docs" / "conformance.md").read_text(encoding="utf-8")
+    sample = re.findall(r"```\n(kv-rendezvous conformance: .*?)```", text, re.DOTALL)[0]
+    counts = re.findall(r"(\d+) checks against|(\d+) total", sample)
+    assert counts and all(int(a or b) == len(CHECKS) for a, b in counts), f"{counts}: the suite has {len(CHECKS)}"
+    named = set(re.findall(r"^(?:PASS|FAIL)  (\S+)", sample, re.MULTILINE))
+    assert named and named <= {check.full_name for check in CHECKS}, named
