@@ -22,7 +22,9 @@ BLOCK_SIZE = 16
 TOKEN_BYTES = 64
 """KV bytes of one token in one region (a real model: heads x head_dim x dtype size)."""
 LAYOUT = KvLayout(model_fingerprint="stand-in-model-v1", dtype="uint8", block_size=BLOCK_SIZE, num_layers=NUM_LAYERS)
-"""What the engines register; state every field, so the service can check that a pair agrees."""
+"""What the engines register. A field left unstated matches only an engine that leaves it unstated too: a real
+engine states every field it has (docs/engines.md); the agents add `data_plane_version`. The stand-in model has no
+attention heads, so `num_kv_heads` and `kv_layout` stay unstated here, on both sides."""
 
 
 def kv_cache(num_blocks: int) -> list[torch.Tensor]:
