@@ -14,17 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_fixtures import free_port
+
 pytestmark = pytest.mark.timeout(120)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "local_1p1d.sh"
 
 
 def stand_in(tmp_path: Path, body: str) -> dict[str, str]:
-    """The script's environment with `PY` a stand-in engine that notes its pid in tmp_path/pids, then runs body."""
+    """The script's environment with `PY` a stand-in engine that notes its pid in tmp_path/pids, then runs body;
+    free loopback ports and its logs in tmp_path."""
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\necho $$ >> "{tmp_path}/pids"\n{body}\n', encoding="utf-8")
     python.chmod(0o755)
-    return {**os.environ, "PY": str(python)}
+    ports = {name: str(free_port()) for name in ("RENDEZVOUS_PORT", "PREFILL_PORT", "DECODE_PORT", "ROUTER_PORT")}
+    return {**os.environ, **ports, "PY": str(python), "LOG_DIR": str(tmp_path)}
 
 
 def alive(pid: int) -> bool:
@@ -48,10 +52,11 @@ def local_1p1d(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
 
 
 def test_an_engine_that_exits_before_it_serves_stops_the_script(tmp_path: Path) -> None:
-    with local_1p1d(stand_in(tmp_path, "exit 3")) as script:
+    env = stand_in(tmp_path, "exit 3")
+    with local_1p1d(env) as script:
         _, stderr = script.communicate(timeout=90)
         assert script.returncode == 1, stderr
-        assert "the engine on port 8100 exited: /tmp/kv-rendezvous-prefill.log" in stderr
+        assert f"the engine on port {env['PREFILL_PORT']} exited: {tmp_path}/kv-rendezvous-prefill.log" in stderr
 
 
 def test_sigterm_stops_the_engines(tmp_path: Path) -> None:
