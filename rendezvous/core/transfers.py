@@ -23,7 +23,8 @@ rank reports its share (CompleteTransfers / AcknowledgeRevocations naming its ra
 record collects them in `reported_ranks` for the one generation in flight: the generation commits, or its
 revocation is confirmed, once every rank has reported. A failure of any rank aborts the transfer; until the
 other ranks have reported, the generation stays fenced and the mover is told TRANSFER_ABORTED too, so its
-other ranks stop.
+other ranks stop. A pull consumer whose last report did not name every rank is told TRANSFER_COMMITTED too (as
+the producer is), so that its ranks that reported earlier end their targets and rank 0 releases.
 
 Progressive push: a target may accept parts (`progressive`); a producer's success may then list the parts its
 ranks wrote, and `rendezvous.core.parts` refuses a set that does not tile their share before anything changes.
@@ -618,7 +619,12 @@ def complete(
         deadline=ctx.now + ctx.timeouts.release_timeout,
         times=_times(cur, commit_time=ctx.now),
     )
-    return Transition(committed, (_event(ctx, other, EventType.TRANSFER_COMMITTED, committed, cur.generation),))
+    # Pull: the consumer's ranks whose shares came in earlier calls learn of the commit only so (and rank 0
+    # releases on it); when this call reported every rank, its answer says so, as in push.
+    told = (other,) if cur.mode == Mode.PUSH or ranks.issuperset(reported_ranks) else (other, engine.engine_id)
+    return Transition(
+        committed, tuple(_event(ctx, e, EventType.TRANSFER_COMMITTED, committed, cur.generation) for e in told)
+    )
 
 
 def _check_written_parts(t: Transfer, engine: Engine, ranks: frozenset[int], spec: CompletionSpec) -> None:

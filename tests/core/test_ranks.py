@@ -17,12 +17,14 @@ from rendezvous.core import (
     EventType,
     KvLayout,
     KvRegion,
+    Mode,
     NixlAgent,
     Outcome,
     Reason,
     RendezvousError,
     RevocationAck,
     Role,
+    SourceReadySpec,
     State,
     TargetSpec,
 )
@@ -95,6 +97,47 @@ def test_a_completion_naming_no_rank_reports_all_of_them() -> None:
     w = RankedWorld()
     w.matched()
     assert w.complete() == State.COMMITTED
+
+
+def pulled(w: RankedWorld) -> None:
+    """t1 in pull mode: d1's target and p1's source are ready; d1 was told SOURCE_READY."""
+    ok(run(w.coord.register_targets("d1", 0, [TargetSpec("t1", (1, 2), generation=1, mode=Mode.PULL)]))[0])
+    ok(run(w.coord.claim_transfers("p1", 0, [ClaimSpec("t1")]))[0])
+    assert ok(run(w.coord.mark_sources_ready("p1", 0, [SourceReadySpec("t1", (7, 8))]))[0]) == State.MATCHED
+    assert w.events("d1") == [EventType.SOURCE_READY]
+
+
+def read(w: RankedWorld, *ranks: int) -> State:
+    """d1's ranks report their READs of t1."""
+    (result,) = run(w.coord.complete_transfers("d1", 0, [CompletionSpec("t1", 1, Outcome.SUCCEEDED, "", ranks)]))
+    return ok(result)
+
+
+@pytest.mark.parametrize("last", [0, 1])
+def test_a_pull_commit_by_one_consumer_rank_s_report_is_told_to_the_consumer_too(last: int) -> None:
+    """The rank that reported first (answered MATCHED) hears of the commit only so; rank 0 releases on it."""
+    w = RankedWorld()
+    pulled(w)
+    assert read(w, 1 - last) == State.MATCHED
+    assert (w.events("d1"), w.events("p1")) == ([], [])
+    assert read(w, last) == State.COMMITTED
+    assert w.events("p1") == [EventType.TRANSFER_COMMITTED]
+    assert w.events("d1") == [EventType.TRANSFER_COMMITTED]
+    assert read(w, 1 - last) == State.COMMITTED  # a late repeat tells no one again
+    assert (w.events("d1"), w.events("p1")) == ([], [])
+
+
+@pytest.mark.parametrize("earlier", [(), (1,)])
+def test_a_pull_commit_reported_for_every_consumer_rank_at_once_is_told_to_the_producer_only(
+    earlier: tuple[int, ...],
+) -> None:
+    """The call that commits names every rank (none named): its answer says so; nothing else waits."""
+    w = RankedWorld()
+    pulled(w)
+    if earlier:
+        assert read(w, *earlier) == State.MATCHED
+    assert read(w) == State.COMMITTED
+    assert (w.events("d1"), w.events("p1")) == ([], [EventType.TRANSFER_COMMITTED])
 
 
 def test_one_failed_rank_aborts_and_fences_until_the_other_ranks_stopped() -> None:
