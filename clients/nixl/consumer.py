@@ -27,8 +27,8 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   are reported free the same way, once no write of it can land.
 
 The release contract: the agent releases every committed transfer itself (ReleaseTargets, once TRANSFER_COMMITTED
-came; pull: once the READ's report committed it, or rank 0 learned by asking that another rank's did); the engine
-never calls ReleaseTargets for a transfer it registered through the agent. An ok result's blocks
+came, in pull mode too when another rank's READ's report committed it; or once its own report committed it); the
+engine never calls ReleaseTargets for a transfer it registered through the agent. An ok result's blocks
 are the engine's to read and then reuse; a failed or REVOKED result's are free at once. To give a transfer up
 before its result, `abort` it (its failed result still comes, once no write can land).
 
@@ -205,7 +205,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
         `on_result(result)` (else `results()`) runs on the event loop the agent was started on; `poll` sets how
         the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
-        transfer it heard nothing of; `capacity` what the engine admits at once (routers reserve within it).
+        transfer it heard nothing of (and rank 0 about a pull READ whose report went unanswered); `capacity` what
+        the engine admits at once (routers reserve within it).
         `integrity`: every pushed transfer must come with the producer's digests (`rendezvous.clients.nixl.integrity`,
         its writer's `WriterConfig.integrity`), checked before it counts as arrived; without, it fails
         (`AgentReason.CORRUPTED`). Digests that come are checked either way. A target to be checked that is
@@ -412,8 +413,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     async def _check_target(self, transfer_id: str, target: _Target) -> None:
         """A following rank's expectation ends with an event of the transfer; should rank 0's registration
         have failed (then no event comes), it would wait forever: so it looks every `follower_check_s`. So does
-        rank 0 for a pull target whose READ's report did not commit it (`_read_taken`): no event tells the
-        consumer of a pull commit, and it is rank 0's to release."""
+        rank 0 for a pull target whose READ's report went unanswered (`_read_taken`): should that report have
+        committed it naming every rank, no event tells of the commit, and it is rank 0's to release."""
         try:
             while True:
                 await asyncio.sleep(self._follower_check_s)
@@ -527,8 +528,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     def _committed(self, transfer_id: str, generation: int) -> None:
         """The generation is committed: its target ends (ok, unless its digests failed to match) and the registering
         rank releases it. Push: on TRANSFER_COMMITTED (a following rank may hear of it first by asking). Pull: on
-        the answer to the READ's report that committed it; the other ranks, and a rank whose report was not
-        answered, ask (`_check_target`) or see it in a resync's listing."""
+        the answer to the READ's report that committed it, and on the TRANSFER_COMMITTED the service sends the
+        consumer when that report named only some of its ranks (so the ranks that reported before hear of it);
+        rank 0 asks about one whose report went unanswered (`_check_target`). Both: or in a resync's listing."""
         target = self._targets.get(transfer_id)
         if target is None or target.generation != generation:
             return
@@ -849,23 +851,25 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         deadline, the router, a lost peer): its producer frees the source then, which may have been reused
         mid-READ. An aborted transfer fails as its TRANSFER_ABORTED says (sent before the answer: the same result
         whichever comes first); any other refusal fails it at once (`AgentReason.LOST`, the service's error). The
-        report that commits the generation ends the target; rank 0 asks about one the report did not commit (not
-        yet, not known, or aborted), as no event tells the consumer of a pull commit, and should the TRANSFER_ABORTED
-        be lost."""
+        report that commits the generation ends the target; one answered MATCHED ends on the TRANSFER_COMMITTED of
+        the last rank's report, which the service sends the consumer (that report names only its own rank). Only
+        when the call went unanswered does rank 0 ask (`_check_target`): had this report committed the
+        generation naming every rank (a single-rank consumer), no event would tell of it."""
         error = None if result is None else result.error
         if error is not None:
             if error.reason != Reason.STALE_INCARNATION:
                 self._fail(transfer_id, AgentReason.LOST, f"the service refused the READ's report: {error}")
             return
-        if result is None or result.state in _TAKEN:
-            if not target.arrived:
-                target.arrived = True
-                self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), arrived, "read")
-            if result is not None and result.state in _ARRIVED:
-                self._committed(transfer_id, target.generation)
-                return
-        if self.leader:
-            self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
+        if result is not None and result.state not in _TAKEN:
+            return  # ended while it was read: its TRANSFER_ABORTED (or rank 0's own abort) ends the target
+        if not target.arrived:
+            target.arrived = True
+            self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), arrived, "read")
+        if result is None:
+            if self.leader:
+                self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
+        elif result.state in _ARRIVED:
+            self._committed(transfer_id, target.generation)
 
     def _read_over(self, key: tuple[str, int]) -> ServerEvent | None:
         """Our READ of `key` neither writes into its blocks nor waits for its report any more: deliver the result

@@ -17,6 +17,7 @@ from rendezvous.clients import (
     AbortSpec,
     AsyncRendezvousClient,
     EventType,
+    ItemResult,
     KvLayout,
     SessionEvent,
     TransferMode,
@@ -25,9 +26,9 @@ from rendezvous.clients import (
 from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
 from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.rank import start_ranks
-from rendezvous.clients.testing import AsyncTestServer, start_test_server
+from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, start_test_server
 from rendezvous.core.limits import Timeouts
-from rendezvous.protocol.errors import NotFound
+from rendezvous.protocol.errors import NotFound, Unavailable
 from tests.clients.conftest import FAST_SESSION, MUST, WAIT, client, client_config, server, wait_until
 from tests.nixl.test_read_outcomes import decode_agent, prefill
 
@@ -220,7 +221,51 @@ async def test_a_committed_pull_target_leaves_the_receiver_expecting_nothing(
         await producer.close()
 
 
+def lose_report_answers(agent: ConsumerAgent) -> None:
+    """The answers to the agent's READ reports are lost on the way back: the service took each report, and the
+    agent sees its call fail."""
+    read_reported = agent._read_reported
+
+    def lost(transfer_id: str, generation: int, arrived: float, future: asyncio.Future[ItemResult]) -> None:
+        failed: asyncio.Future[ItemResult] = asyncio.get_running_loop().create_future()
+        failed.set_exception(Unavailable("UNAVAILABLE", "the answer was lost"))
+        read_reported(transfer_id, generation, arrived, failed)
+
+    agent._read_reported = lost  # type: ignore[method-assign]
+
+
+async def test_a_pull_commit_whose_answer_was_lost_is_released_on_asking(
+    server: AsyncTestServer, client: AsyncRendezvousClient
+) -> None:
+    """d0's one rank reports its READ, which commits t1 (naming every rank: no event tells d0 of it), and the
+    answer is lost. The bytes arrive all the same, and rank 0 asks about t1 (`follower_check_s`): it finds t1
+    committed, drops it and releases it. The one case left where rank 0 asks."""
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    consumer = ConsumerAgent(
+        client, "d0", "decode", decode, layout=TEST_LAYOUT, session_config=FAST_SESSION,
+        on_result=results.put_nowait, follower_check_s=0.05,
+    )  # fmt: skip
+    lose_report_answers(consumer)
+    producer = prefill(client, "p0", 1)
+    await producer.start()
+    await consumer.start()
+    try:
+        assert (await consumer.register_target("t1", [5], mode=TransferMode.PULL)).ok
+        assert (await producer.claim("t1")).ok
+        producer.ready("t1", [2], mode=TransferMode.PULL)
+        result = await asyncio.wait_for(results.get(), MUST)
+        assert (result.transfer_id, result.ok) == ("t1", True) and bool((decode[0][5] == 1).all())
+        await state_becomes(client, "t1", TransferState.RELEASED)
+        await wait_until(lambda: not consumer.awaiting_result("t1"), MUST)
+        assert results.empty()
+    finally:
+        await consumer.close()
+        await producer.close()
+
+
 TP2 = KvLayout("m", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
+HOUR = 3600.0
 
 
 @pytest.mark.parametrize("last", [0, 1])
@@ -229,10 +274,11 @@ async def test_every_rank_drops_a_pull_target_once_committed(
 ) -> None:
     """Decode d0 has two ranks (one process each in production, the agents of rank 1 following rank 0's
     registration), reading their shares from p0's ranks. Each reports its own READ; the last report commits t1.
-    Before the fix the other rank never dropped its target (no event tells a pull consumer of a commit): rank 0
-    kept it for ever and never released t1 (the service did, after `release_timeout`), rank 1 until the service
-    forgot t1, asking about it every `follower_check_s` meanwhile. Now both drop it and rank 0 releases t1,
-    whichever rank's report committed it."""
+    The other rank, answered MATCHED before, hears of the commit from the TRANSFER_COMMITTED the service sends d0:
+    both drop t1 and rank 0 releases it at once, whichever rank's report committed it. Before, no event told a
+    pull consumer of a commit: that rank asked every `follower_check_s` (5 s by default), so rank 0 released t1
+    that late (one GetTransfer each); here a rank asks only after an hour, so only the event can end t1 in time,
+    and rank 0 no longer asks at all."""
     producers = [
         ProducerAgent(
             client, "p0", "prefill", [torch.full((8, 256), 1 + r, dtype=torch.uint8)], layout=TP2, rank=r,
@@ -245,7 +291,7 @@ async def test_every_rank_drops_a_pull_target_once_committed(
     consumers = [
         ConsumerAgent(
             client, "d0", "decode", decode[r], layout=TP2, rank=r, session_config=FAST_SESSION,
-            on_result=results[r].put_nowait, follower_check_s=0.05,
+            on_result=results[r].put_nowait, follower_check_s=HOUR,
         )
         for r in range(2)
     ]  # fmt: skip
@@ -260,6 +306,7 @@ async def test_every_rank_drops_a_pull_target_once_committed(
         first = await asyncio.wait_for(results[1 - last].get(), MUST)  # its share: its report answered MATCHED
         assert (first.transfer_id, first.ok) == ("t1", True)
         assert (await client.get_transfer("t1")).state is TransferState.MATCHED
+        assert not consumers[0]._checks  # rank 0 asks nothing: the commit's event is to come
         (await asyncio.wait_for(held, WAIT))()  # the last rank's READ ends: its report commits t1
         assert (await asyncio.wait_for(results[last].get(), MUST)).ok
         assert all(bool((decode[r][0][5] == 1 + r).all()) for r in range(2))
