@@ -169,8 +169,9 @@ def test_a_transfer_aborted_while_prefill_computes_fails_cleanly_and_both_engine
     and the next request through the pair answers as a plain engine.
 
     The abort races the producer's commit (the claim may reach the service late in the prefill, see
-    answers_in_parts). When the commit wins, decode must answer as a plain engine, and
-    the scenario runs again with another prompt until an abort wins (at most ATTEMPTS times)."""
+    answers_in_parts), and decode's arrival, which is on the notification that completes the parts, before the
+    commit. When decode had its KV first, it must answer as a plain engine, and the scenario runs again with
+    another prompt until an abort comes before it (at most ATTEMPTS times)."""
     _, _, reference = engines
     prefill, decode = progressive_pair
     aborted: list[bool] = []
@@ -182,19 +183,24 @@ def test_a_transfer_aborted_while_prefill_computes_fails_cleanly_and_both_engine
             decoded = pool.submit(decode.complete, prompt, MAX_TOKENS, **params)
             wait_state(rendezvous, transfer_id, {TransferState.TARGETED})
             prefilled = pool.submit(prefill.complete, prompt, 1, **params)
-            aborted.append(abort_once_matched(rendezvous, transfer_id))
-            if aborted[-1]:
-                with pytest.raises(urllib.error.HTTPError) as error:
-                    decoded.result(120)
-                assert error.value.code == 500
+            abort_won = abort_once_matched(rendezvous, transfer_id)
+            try:
+                text = decoded.result(120)["choices"][0]["text"]
+            except urllib.error.HTTPError as error:
+                assert abort_won, "decode failed, though the commit came before the abort"
+                assert error.code == 500
                 wait_state(rendezvous, transfer_id, {TransferState.ABORTED})
+                aborted.append(True)
             else:
-                assert decoded.result(120)["choices"][0]["text"] == reference_text(reference, prompt)
+                # Decode had its KV: the commit came first, or (on a loaded machine) every part had landed before
+                # the abort, and a progressive transfer arrives on the notification that completes its parts.
+                assert text == reference_text(reference, prompt)
+                aborted.append(False)
             prefilled.result(120)
         wait_blocks_free(prefill, decode)
         if aborted[-1]:
             break
-    assert aborted[-1], f"the commit came first in all {ATTEMPTS} tries"
+    assert aborted[-1], f"decode had its KV before the abort in all {ATTEMPTS} tries"
     again = token_prompt(6 * BLOCK_SIZE + 1, seed=16500)
     transfer_id, text = decode_first(prefill, decode, again, rendezvous)
     assert text == reference_text(reference, again)
