@@ -72,6 +72,7 @@ class _Engine:
         self.free = list(range(spec.num_blocks))
         self.waiting: collections.deque[tuple[str, int, int, str]] = collections.deque()
         self.held: dict[str, tuple[list[int], int, float]] = {}
+        self.handed: dict[str, float] = {}  # producer: transfer id -> when its blocks first went to the agent
         self.agent: Any = None
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -139,6 +140,8 @@ class _Engine:
         await asyncio.to_thread(self._fill, blocks, seed)  # off the loop, which serves the agent
         if mode != "pull":
             await self.agent.claim(transfer_id)
+        # Before any WRITE of it can be posted (progressive: its part goes before `ready`, which stamps ready_time).
+        self.handed[transfer_id] = time.monotonic()
         if mode == "progressive":
             self.agent.ready_part(transfer_id, blocks, len(blocks), prompt_tokens=len(blocks))
         transfer_mode = TransferMode.PULL if mode == "pull" else TransferMode.PUSH
@@ -161,13 +164,13 @@ class _Engine:
             self.reports.put(("done", transfer_id, False, 0, 0.0, str(result.error), 0.0))
 
     def _on_free(self, transfer_id: str) -> None:
+        self.handed.pop(transfer_id, None)
         self._release(transfer_id)
         self.reports.put(("freed", transfer_id))
 
     def _on_report(self, r: Any) -> None:
-        self.reports.put(
-            ("write", r.transfer_id, r.ok, r.ready_time, r.assigned_time, r.written_time, r.completed_time)
-        )
+        handed = self.handed.pop(r.transfer_id, r.ready_time)
+        self.reports.put(("write", r.transfer_id, r.ok, handed, r.assigned_time, r.written_time, r.completed_time))
 
     def _on_result(self, result: Any) -> None:
         now = time.monotonic()

@@ -88,7 +88,9 @@ class DemoSummary:
     write: list[float] = dataclasses.field(default_factory=list)
     commit: list[float] = dataclasses.field(default_factory=list)
     arrival: list[float] = dataclasses.field(default_factory=list)
-    """Push: from the producer's last WRITE done to the consumer's result (time.monotonic() is system-wide)."""
+    """Push: from the producer holding its blocks and the assignment (it posts the WRITE after) to the consumer's
+    result, stamped in two processes with time.monotonic() (system-wide). Not from "write done": the producer's
+    writer sees its WRITE done after the consumer may have seen the notification (such a figure came out < 0)."""
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -134,7 +136,7 @@ def _route(engines: _Engines, args: argparse.Namespace, summary: DemoSummary) ->
     rng = random.Random(args.seed)
     pending: dict[str, int] = {}  # transfer id -> reports still expected (consumer "done", producer "freed")
     step = max(1, args.transfers // 10)
-    write_done: dict[str, float] = {}  # transfer id -> the producer's last WRITE done, until its arrival comes
+    write_start: dict[str, float] = {}  # transfer id -> when the producer could post its WRITE, until arrival comes
     arrived: dict[str, float] = {}  # transfer id -> the consumer's result, until its write report comes
     sent = 0
     start = time.monotonic()
@@ -152,19 +154,20 @@ def _route(engines: _Engines, args: argparse.Namespace, summary: DemoSummary) ->
         if kind == "write":
             _, _, ok, ready, assigned, written, completed = report
             if ok:
+                posted_after = max(ready, assigned)  # "ready": the blocks handed over (the part, if progressive)
                 summary.match_wait.append(max(0.0, assigned - ready))
-                summary.write.append(written - max(ready, assigned))
+                summary.write.append(written - posted_after)
                 summary.commit.append(completed - written)
                 if transfer_id in arrived:
-                    summary.arrival.append(arrived.pop(transfer_id) - written)
+                    summary.arrival.append(arrived.pop(transfer_id) - posted_after)
                 else:
-                    write_done[transfer_id] = written
+                    write_start[transfer_id] = posted_after
             continue
         if kind == "done":
             _, _, ok, nbytes, elapsed, error, at = report
             summary.transfers += 1
-            if ok and transfer_id in write_done:
-                summary.arrival.append(at - write_done.pop(transfer_id))
+            if ok and transfer_id in write_start:
+                summary.arrival.append(at - write_start.pop(transfer_id))
             elif ok:
                 arrived[transfer_id] = at
             if ok:
@@ -202,7 +205,7 @@ def _print_summary(summary: DemoSummary, args: argparse.Namespace) -> None:
         print(f"match wait (ready -> assigned)  {_ms(summary.match_wait)}")
         print(f"assigned/ready -> write done    {_ms(summary.write)}")
         print(f"write done -> commit            {_ms(summary.commit)}")
-        print(f"write done -> arrived           {_ms(summary.arrival)}")
+        print(f"assigned/ready -> arrived       {_ms(summary.arrival)}")
     for error in summary.errors[:10]:
         print(f"  failed: {error}")
 

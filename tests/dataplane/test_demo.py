@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -20,3 +21,8 @@ def test_small_demo_verifies_every_transfer(mode: str, engines: str, capsys: pyt
     out = capsys.readouterr().out
     assert "20/20 transfers verified byte for byte (0 failed)" in out
     assert "MiB/s" in out
+    if mode != "pull":
+        # Stamped in two processes: a figure from the producer's view of its WRITE to the consumer's result was < 0.
+        arrived = re.search(r"assigned/ready -> arrived +mean +(\S+) ms +p50 +(\S+) +p99 +(\S+)", out)
+        assert arrived is not None, out
+        assert all(float(v) >= 0 for v in arrived.groups()), arrived.group(0)
