@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rendezvous.clients import AsyncRendezvousClient
+from rendezvous.clients import AsyncRendezvousClient, Binding, ClientConfig
 from rendezvous.clients.nixl import ConsumerAgent, TransferResult
 
 from .model import LAYOUT, blocks_needed, kv_cache, prompt_kv
@@ -24,12 +24,12 @@ Reply = Callable[[tuple[object, ...]], None]
 class DecodeEngine:
     """Admits requests into its KV pool; a request's KV arrives while prefill computes it."""
 
-    def __init__(self, address: str, engine_id: str, num_blocks: int, reply: Reply) -> None:
+    def __init__(self, address: str, engine_id: str, num_blocks: int, reply: Reply, token: str | None = None) -> None:
         self.cache = kv_cache(num_blocks)
         self.free = list(range(num_blocks))
         self.prompts: dict[str, str] = {}
         self.reply = reply
-        self.client = AsyncRendezvousClient(address)
+        self.client = AsyncRendezvousClient(ClientConfig([address], token=token))  # token: with --auth
         self.agent = ConsumerAgent(self.client, engine_id, "decode", self.cache, layout=LAYOUT, on_result=self.arrived)
 
     async def start(self) -> None:
@@ -39,8 +39,9 @@ class DecodeEngine:
         await self.agent.close()
         await self.client.close()
 
-    async def request(self, transfer_id: str, prompt: str) -> None:
-        """The router's decode leg: take blocks from the pool and register them as the transfer's target."""
+    async def request(self, transfer_id: str, prompt: str, binding: Binding | None) -> None:
+        """The router's decode leg: take blocks from the pool and register them as the transfer's target, with the
+        router's binding of the transfer to this engine (None: the router does not sign)."""
         n = blocks_needed(prompt)
         if n > len(self.free):
             self.reply(("done", transfer_id, False, "KV pool full"))
@@ -49,8 +50,8 @@ class DecodeEngine:
         for region in self.cache:
             region[blocks] = 0  # a block nobody wrote then shows
         self.prompts[transfer_id] = prompt
-        result = await self.agent.register_target(transfer_id, blocks)
-        if not result.ok:  # refused, with a reason (e.g. BLOCK_ID_OUT_OF_RANGE): nothing is registered
+        result = await self.agent.register_target(transfer_id, blocks, binding=binding)
+        if not result.ok:  # refused, with a reason (e.g. BINDING_REQUIRED): nothing is registered
             assert result.error is not None
             self.prompts.pop(transfer_id)
             self.free.extend(blocks)

@@ -15,7 +15,7 @@ import asyncio
 
 import torch
 
-from rendezvous.clients import AsyncRendezvousClient
+from rendezvous.clients import AsyncRendezvousClient, Binding, ClientConfig
 from rendezvous.clients.nixl import ProducerAgent
 
 from .decode import Reply
@@ -25,12 +25,14 @@ from .model import LAYOUT, blocks_needed, kv_cache, prompt_kv
 class PrefillEngine:
     """Computes each request's KV into its pool; the agent pushes it to the decode engine the service named."""
 
-    def __init__(self, address: str, engine_id: str, num_blocks: int, reply: Reply, lease_ttl: float) -> None:
+    def __init__(
+        self, address: str, engine_id: str, num_blocks: int, reply: Reply, lease_ttl: float, token: str | None = None
+    ) -> None:
         self.cache = kv_cache(num_blocks)
         self.free = list(range(num_blocks))
         self.sources: dict[str, list[int]] = {}  # each request's blocks, until the agent frees them
         self.reply = reply
-        self.client = AsyncRendezvousClient(address)
+        self.client = AsyncRendezvousClient(ClientConfig([address], token=token))  # token: with --auth
         # lease_ttl: how soon the service gives up on this engine if it dies (and tells its peers PEER_LOST).
         self.agent = ProducerAgent(self.client, engine_id, "prefill", self.cache, layout=LAYOUT, lease_ttl=lease_ttl)
 
@@ -41,9 +43,11 @@ class PrefillEngine:
         await self.agent.close()
         await self.client.close()
 
-    async def request(self, transfer_id: str, prompt: str, hold: bool) -> None:
-        """The router's prefill leg. `hold`: compute, then wait for `finish` (a long prefill, for the example)."""
-        claim = await self.agent.claim(transfer_id)  # early: the service matches it with decode's target meanwhile
+    async def request(self, transfer_id: str, prompt: str, hold: bool, binding: Binding | None) -> None:
+        """The router's prefill leg, with its binding (None: the router does not sign). `hold`: compute, then wait
+        for `finish` (a long prefill, for the example)."""
+        # Early: the service matches it with decode's target meanwhile.
+        claim = await self.agent.claim(transfer_id, binding=binding)
         if not claim.ok:
             assert claim.error is not None
             self.reply(("claimed", transfer_id, claim.error.reason))

@@ -4,7 +4,9 @@ The router's whole job in push mode: mint a fresh transfer id per request and se
 decode leg at once. It needs no answer from either engine before sending the other leg: the service matches
 the two halves by the transfer id, in whichever order they come. (A production router also picks the engines,
 `clients.RouterClient`; here there is one of each.) The legs travel over multiprocessing pipes, standing in
-for the engines' own request APIs (HTTP, say).
+for the engines' own request APIs (HTTP, say). With a binding key (`--auth`) the router signs each request's
+transfer to the two engines and sends the binding with both legs, as `kv-rendezvous router --binding-key-file`
+does in `kv_transfer_params`.
 """
 
 from __future__ import annotations
@@ -13,15 +15,20 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from rendezvous.clients import mint_transfer_id
+from rendezvous.clients import Binding, mint_transfer_id
+from rendezvous.protocol import bindings
 
 from .decode import DecodeEngine
 from .prefill import PrefillEngine
 
 _spawn = multiprocessing.get_context("spawn")
+DECODE_ID, PREFILL_ID = "decode-0", "prefill-0"
+BINDING_TTL = 600
+"""Seconds a binding admits the engines it names (`kv-rendezvous router --binding-ttl`'s default)."""
 
 
 class EngineProcess:
@@ -55,18 +62,34 @@ class EngineProcess:
 class Router:
     """Sends each request's two legs; collects the engines' replies, keyed by (what, transfer id)."""
 
-    def __init__(self, address: str, decode_options: dict[str, Any], prefill_options: dict[str, Any]) -> None:
-        self.decode = EngineProcess("decode", address, "decode-0", **decode_options)
-        self.prefill = EngineProcess("prefill", address, "prefill-0", **prefill_options)
+    def __init__(
+        self,
+        address: str,
+        decode_options: dict[str, Any],
+        prefill_options: dict[str, Any],
+        binding_key: bytes | None = None,
+    ) -> None:
+        self.binding_key = binding_key
+        self.decode = EngineProcess("decode", address, DECODE_ID, **decode_options)
+        self.prefill = EngineProcess("prefill", address, PREFILL_ID, **prefill_options)
         self.unread: dict[tuple[str, str], tuple[object, ...]] = {}
         for kind in ("decode", "prefill"):
             self.wait("started", kind)
 
-    def submit(self, prompt: str, *, hold: bool = False) -> str:
+    def submit(self, prompt: str, *, hold: bool = False, sign: bool = True) -> str:
+        """Send a request's two legs; `sign=False` leaves the binding out (a service that requires one refuses)."""
         transfer_id = mint_transfer_id()  # fresh for every request, and for every retry of one
-        self.decode.send("request", transfer_id, prompt)
-        self.prefill.send("request", transfer_id, prompt, hold)
+        binding = self.bind(transfer_id) if sign else None
+        self.decode.send("request", transfer_id, prompt, binding)
+        self.prefill.send("request", transfer_id, prompt, hold, binding)
         return transfer_id
+
+    def bind(self, transfer_id: str) -> Binding | None:
+        """The transfer bound to the two engines, for BINDING_TTL seconds; None without a binding key."""
+        if self.binding_key is None:
+            return None
+        expires = int(time.time()) + BINDING_TTL
+        return bindings.sign(self.binding_key, transfer_id, DECODE_ID, PREFILL_ID, expires)
 
     def wait(self, what: str, key: str, timeout: float = 60.0) -> tuple[object, ...]:
         """The reply `(what, key, ...)`, e.g. ("done", transfer_id, ok, reason)."""

@@ -16,9 +16,10 @@ pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_custom_engine_example_verifies_bytes_an_abort_and_a_killed_prefill() -> None:
+@pytest.mark.parametrize("auth", [[], ["--auth"]], ids=["open", "auth"])
+def test_the_custom_engine_example_verifies_bytes_an_abort_and_a_killed_prefill(auth: list[str]) -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "examples.custom_engine", "--requests", "20"],
+        [sys.executable, "-m", "examples.custom_engine", "--requests", "20", *auth],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -32,3 +33,6 @@ def test_the_custom_engine_example_verifies_bytes_an_abort_and_a_killed_prefill(
     assert any(line.startswith("ok    prefill killed: decode told PEER_LOST after") for line in lines)
     assert "ok    prefill killed: decode's pool whole" in lines
     assert not any(line.startswith("FAILED") for line in lines)
+    # With tokens and required bindings: the signed requests above went through, an unsigned one does not.
+    unsigned = "ok    unsigned request: target and claim refused BINDING_REQUIRED"
+    assert (unsigned in lines) == bool(auth)
