@@ -6,7 +6,8 @@ tests/test_release_notes.py, which checks that the release notes name everything
 - Every `kv-rendezvous SUBCOMMAND ...` command line in README.md, docs/ and examples/ (in a code span or a code
   block) passes only flags that subcommand has.
 - Every `KV_RENDEZVOUS_*` variable the docs name is read by the code or named by a flag's help.
-- docs/engines.md's registration step names every `KvLayout` field an engine is to state.
+- docs/engines.md's registration step names every `KvLayout` field an engine is to state; every `Message.field` it
+  names is a field of that message, and every reason it gives a code (`CODE / REASON`, a row of a table) has it.
 - docs/conformance.md's sample run has as many checks as the suite, and names checks it has.
 """
 
@@ -16,10 +17,12 @@ import argparse
 import re
 from pathlib import Path
 
+import grpc
 import pytest
 
 from rendezvous.conformance import CHECKS
-from rendezvous.v1 import rendezvous_pb2
+from rendezvous.protocol.errors import REASON_CODES
+from rendezvous.v1 import index_pb2, rendezvous_pb2
 from tests.test_release_notes import REPO, _cli_env_names, _code_env_names, subcommands
 
 DOCS = sorted(
@@ -131,6 +134,41 @@ def test_the_engine_guide_names_every_layout_field() -> None:
     named = set(re.findall(r"`(\w+)`", bullet))
     missing = [field.name for field in rendezvous_pb2.KvLayout.DESCRIPTOR.fields if field.name not in named]
     assert not missing, f"docs/engines.md, RegisterEngine's layout: fields not named: {missing}"
+
+
+ENGINE_GUIDE = REPO / "docs" / "engines.md"
+
+
+def test_the_engine_guide_names_fields_the_messages_have() -> None:
+    """`TargetSpec.binding` and the like: an engine author fills in what the guide names."""
+    messages = {**rendezvous_pb2.DESCRIPTOR.message_types_by_name, **index_pb2.DESCRIPTOR.message_types_by_name}
+    named = re.findall(r"`([A-Z]\w+)\.(\w+)`", ENGINE_GUIDE.read_text(encoding="utf-8"))
+    assert ("TargetSpec", "binding") in named
+    unknown = [f"{m}.{f}" for m, f in named if m in messages and f not in messages[m].fields_by_name]
+    assert not unknown, f"docs/engines.md names fields their messages do not have: {unknown}"
+
+
+def _reasons_with_codes(text: str) -> list[tuple[str, str]]:
+    """(reason, code) of each `CODE / REASON` in text and of each reason in a table row whose second cell is a code."""
+    codes = set(grpc.StatusCode.__members__)
+    pairs = [(reason, code) for code, reason in re.findall(r"\b([A-Z_]+) /\s+([A-Z_]+)\b", text) if code in codes]
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:3]] if line.startswith("| ") else []
+        if len(cells) == 2 and cells[1] in codes:
+            pairs += [(reason, cells[1]) for reason in re.findall(r"`([A-Z_]+)`", cells[0])]
+    return pairs
+
+
+def test_the_engine_guide_gives_each_reason_its_code() -> None:
+    pairs = _reasons_with_codes(ENGINE_GUIDE.read_text(encoding="utf-8"))
+    assert ("BINDING_REQUIRED", "PERMISSION_DENIED") in pairs and ("LEASE_EXPIRED", "FAILED_PRECONDITION") in pairs
+    codes = {str(reason): code.name for reason, code in REASON_CODES.items()}
+    wrong = sorted(
+        f"{reason}: {code}, not {codes[reason]}" if reason in codes else f"{reason}: no such reason"
+        for reason, code in set(pairs)
+        if codes.get(reason) != code
+    )
+    assert not wrong, f"docs/engines.md: {wrong}"
 
 
 def test_the_conformance_sample_run_matches_the_suite() -> None:
