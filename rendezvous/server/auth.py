@@ -1,11 +1,13 @@
 """Who may call what: identities (rendezvous.server.authfile) checked on every request.
 
 An engine identity may register, renew, deregister, watch, act on transfers and report KV cache events
-(KvIndexService) for its own engines only, and only with the roles and in the pools it is bound to; the
-`router` role may read (GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router
-(an empty engine_id); any identity may query the KV index (MatchPrefixes); `admin` may do everything. Health
-checks and reflection need no identity. A stream ends at its next message once its identity leaves the auth file
-(or changes), and a non-participant learns nothing of a transfer (rendezvous.server.disclosure).
+(KvIndexService) for its own engines only, and only with the roles and in the pools it is bound to; it may read
+(GetEngine) those engines and read (GetTransfer) the transfers they take part in, any other id answered as an
+unknown one (the servicer decides, with the transfer it reads: Caller.acts_for); the `router` role may read
+(GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router (an empty engine_id); any
+identity may query the KV index (MatchPrefixes); `admin` may do everything. Health checks and reflection need
+no identity. A stream ends at its next message once its identity leaves the auth file (or changes), and a
+non-participant learns nothing of a transfer (rendezvous.server.disclosure).
 
 `Guard` is the server interceptor that applies this and the per-caller quotas (keyed by the identity's
 token, Identity.key; only calls that did not authenticate are limited by host). Tokens and metadata are
@@ -16,6 +18,7 @@ any other: INTERNAL / INTERNAL_ERROR, logged under a request id (rendezvous.serv
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -43,6 +46,7 @@ from rendezvous.server.failures import as_error
 from rendezvous.server.metrics import Metrics
 from rendezvous.server.quotas import CallQuotas
 from rendezvous.server.turns import FairTurns
+from rendezvous.v1 import rendezvous_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +105,6 @@ class _Admitted:
     identity: Identity | None
     key: str
     generation: int
-
-
-def _rights(identity: Identity | None) -> Caller:
-    """What the servicer is told of a unary call's identity (rendezvous.server.authfile.Caller)."""
-    if identity is None:
-        return ANONYMOUS
-    admin = identity.has_role(ADMIN)
-    return Caller(identity.key, exempt=admin, hides_non_participation=not admin)
 
 
 class _Denied(Exception):
@@ -208,12 +204,22 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         engine_id: str = getattr(request, "engine_id", "") if method in _ENGINE_SCOPED else ""
         if identity.has_role(ROUTER) and (method in _ROUTER_CALLS or (method == "AbortTransfers" and not engine_id)):
             return
+        if method == "GetTransfer":
+            return  # answered by the servicer for the transfers the identity's engines take part in (Caller.acts_for)
+        if method == "GetEngine":
+            await self._authorize_engine_read(identity, request)
+            return
         if not engine_id:
             if method in _ENGINE_SCOPED and method not in ("AbortTransfers", "ListTransfers"):
                 raise RendezvousError(
                     Reason.IDENTITY_MISMATCH, f"{method} needs the engine_id of an engine you may act for"
                 )
             raise RendezvousError(Reason.ROLE_REQUIRED, f"{method} needs the router role", method=method)
+        await self._check_acts_for(identity, method, engine_id, request)
+
+    async def _check_acts_for(self, identity: Identity, method: str, engine_id: str, request: Any) -> None:
+        """Refuse (IDENTITY_MISMATCH; a pool identity naming an unregistered engine: ENGINE_NOT_FOUND) a call of
+        identity's for engine_id unless it names the engine or has its pool, and its bindings allow the engine."""
         # Pool membership and bindings are checked against the engine as registered.
         engine = await self._engine_of(engine_id) if identity.pools or identity.bound else None
         if not identity.names_engine(engine_id) and not (
@@ -228,6 +234,41 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             identity.check_binding(engine_id, Role(request.role), request.pool)
         elif engine is not None:
             identity.check_binding(engine_id, engine.role, engine.pool)
+
+    async def _acts_for(self, identity: Identity, engine_id: str) -> bool:
+        """Whether identity may act for engine_id (as `_check_acts_for` allows it; never for no engine)."""
+        if not engine_id:
+            return False
+        try:
+            await self._check_acts_for(identity, "GetEngine", engine_id, None)
+        except RendezvousError:
+            return False
+        return True
+
+    async def _authorize_engine_read(self, identity: Identity, request: pb.GetEngineRequest) -> None:
+        """GetEngine by an identity without the router role: of an engine it may act for (as its calls for the
+        engine); anything else is ROLE_REQUIRED."""
+        engine_id = request.engine_id
+        if engine_id:
+            try:
+                await self._check_acts_for(identity, "GetEngine", engine_id, request)
+                return
+            except RendezvousError as err:
+                if err.reason != Reason.IDENTITY_MISMATCH:
+                    raise  # a pool identity's unregistered engine: ENGINE_NOT_FOUND, as its other calls are told
+        raise RendezvousError(
+            Reason.ROLE_REQUIRED,
+            "GetEngine of an engine you do not act for needs the router role",
+            method="GetEngine",
+        )
+
+    def _rights(self, identity: Identity | None) -> Caller:
+        """What the servicer is told of a unary call's identity (rendezvous.server.authfile.Caller)."""
+        if identity is None:
+            return ANONYMOUS
+        admin = identity.has_role(ADMIN)
+        reads = None if identity.has_role(ROUTER) else functools.partial(self._acts_for, identity)
+        return Caller(identity.key, exempt=admin, hides_non_participation=not admin, acts_for=reads)
 
     @staticmethod
     def _in_pools(identity: Identity, method: str, engine_id: str, engine: Engine | None, request: Any) -> bool:
@@ -364,7 +405,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         except Exception as exc:
             await self._refuse_call(method, context, as_error(exc, method, getattr(request, "request_id", "")))
         try:
-            return await behavior(request, context, _rights(caller.identity))
+            return await behavior(request, context, self._rights(caller.identity))
         finally:
             self._quotas.leave(caller.key)
 

@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,10 @@ class Caller:
     hides_non_participation: bool = False
     """Its NOT_PARTICIPANT items are answered as the call answers an unknown id (rendezvous.server.disclosure):
     every identity but admin."""
+    acts_for: Callable[[str], Awaitable[bool]] | None = None
+    """Whether it may act for an engine (by id), where that bounds what it reads: an engine identity's GetTransfer
+    answers only a transfer one of whose halves it acts for (rendezvous.server.disclosure). None: it reads every
+    transfer (no auth, the router role, admin)."""
 
 
 ANONYMOUS = Caller()

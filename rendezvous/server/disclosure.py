@@ -6,7 +6,9 @@ answered exactly as an unknown id is answered by that call (the guard says so in
 servicer, which answers the item so): NOT_FOUND / TRANSFER_NOT_FOUND with the
 same message for CompleteTransfers, AcknowledgeRevocations and ReleaseTargets; for AbortTransfers, which
 accepts an unknown id, what it answers for one: OK with state ABORTED (an unknown id leaves an aborted
-tombstone). Nothing changes for such an item: the transfer belongs to others.
+tombstone). Nothing changes for such an item: the transfer belongs to others. GetTransfer by an engine identity
+answers a transfer none of whose halves it acts for as an unknown id too (`takes_part`; the router role and admin
+read every transfer).
 
 MarkSourcesReady takes the producer half as ClaimTransfers does and is refused as it is (CLAIM_CONFLICT for
 another producer's transfer): an answer "claimed" for a transfer the caller did not claim would be
@@ -17,6 +19,9 @@ then a foreign and an unknown id are answered alike by every call.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
+from rendezvous.core.model import Transfer
 from rendezvous.protocol import convert
 from rendezvous.protocol.errors import transfer_not_found
 from rendezvous.v1 import rendezvous_pb2 as pb
@@ -34,3 +39,12 @@ def answer_as_unknown(method: str, result: pb.ItemResult) -> None:
         result.state = state
     else:
         result.status.CopyFrom(convert.error_status(transfer_not_found(result.transfer_id)))
+
+
+async def takes_part(acts_for: Callable[[str], Awaitable[bool]], transfer: Transfer) -> bool:
+    """Whether a caller that acts for the engines `acts_for` allows (rendezvous.server.authfile.Caller.acts_for)
+    may read transfer: one of its halves is one of them."""
+    for engine_id in transfer.participants():
+        if await acts_for(engine_id):
+            return True
+    return False

@@ -30,7 +30,7 @@ from rendezvous.credit_ledger import CreditOutcome
 from rendezvous.pacing import Pacer, paced_map
 from rendezvous.protocol import convert, tracing
 from rendezvous.protocol.convert import duration, number, seconds, timestamp
-from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.protocol.errors import Reason, RendezvousError, transfer_not_found
 from rendezvous.protocol.requests import CompletionSpec, SourceReadySpec, TargetSpec
 from rendezvous.server import disclosure, idempotency
 from rendezvous.server.authfile import ANONYMOUS, Caller
@@ -478,6 +478,8 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
         self, request: pb.GetTransferRequest, context: grpc.aio.ServicerContext, caller: Caller
     ) -> pb.GetTransferResponse:
         transfer = await self.coordinator.get_transfer(request.transfer_id)
+        if caller.acts_for is not None and not await disclosure.takes_part(caller.acts_for, transfer):
+            raise transfer_not_found(request.transfer_id)
         return pb.GetTransferResponse(header=await self._header(), transfer=convert.transfer_message(transfer))
 
     @_rpc(pb.ListTransfersResponse)

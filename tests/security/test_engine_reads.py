@@ -1,0 +1,210 @@
+"""What an engine identity reads: its own engines (GetEngine) and the transfers they take part in (GetTransfer),
+which the SDK's sessions and agents read under auth; any other transfer answered exactly as an unknown id.
+Real servers on 127.0.0.1 with an auth file."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from rendezvous.clients import AsyncRendezvousClient, ClientConfig, ProducerSession, RankSession
+from rendezvous.server import RendezvousServer
+from rendezvous.v1 import rendezvous_pb2 as pb
+from tests.clients.conftest import FAST_SESSION, LAYOUT, agent
+from tests.security.conftest import serving
+from tests.security.test_auth import auth_file, call, refusal
+from tests.security.test_bindings import register
+from tests.service.conftest import engine_request
+
+D0 = "tok-d0-reads-consumer-3c1e"
+D1 = "tok-d1-reads-consumer-9a0b"
+P0 = "tok-p0-reads-producer-77d2"
+POOL = "tok-prefill-pool-reads-5e81"
+ROUTER = "tok-router-reads-0f4c"
+ADMIN = "tok-admin-reads-a6d3"
+AUTH = {
+    "tokens": {
+        D0: {"name": "d0", "engines": ["d0", "d0-*"], "engine_roles": ["consumer"], "engine_pools": ["decode"]},
+        D1: {"name": "d1", "engines": ["d1"], "engine_roles": ["consumer"], "engine_pools": ["decode"]},
+        P0: {"name": "p0", "engines": ["p0"], "engine_roles": ["producer"], "engine_pools": ["prefill"]},
+        POOL: {"name": "prefill-b", "pools": ["prefill-b"], "engine_roles": ["producer"]},
+        ROUTER: {"name": "router", "roles": ["router"]},
+        ADMIN: {"name": "ops", "roles": ["admin"]},
+    }
+}
+ROLE_REQUIRED = (grpc.StatusCode.PERMISSION_DENIED, "ROLE_REQUIRED")
+ENGINE_NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "ENGINE_NOT_FOUND")
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
+    async with serving(auth_file=auth_file(tmp_path, AUTH)) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        yield ch
+
+
+async def get_engine(channel: grpc.aio.Channel, engine_id: str, token: str, **fields: Any) -> pb.Engine:
+    engine: pb.Engine = (
+        await call(channel, "GetEngine", pb.GetEngineRequest(engine_id=engine_id, **fields), token)
+    ).engine
+    return engine
+
+
+async def get_transfer(channel: grpc.aio.Channel, transfer_id: str, token: str) -> pb.Transfer:
+    transfer: pb.Transfer = (
+        await call(channel, "GetTransfer", pb.GetTransferRequest(transfer_id=transfer_id), token)
+    ).transfer
+    return transfer
+
+
+async def pool_engine(channel: grpc.aio.Channel, engine_id: str) -> int:
+    """Register a producer in the pool identity's pool, prefill-b."""
+    request = engine_request(engine_id, pb.ENGINE_ROLE_PRODUCER, pool="prefill-b")
+    incarnation: int = (await call(channel, "RegisterEngine", request, POOL)).engine.incarnation
+    return incarnation
+
+
+async def matched(channel: grpc.aio.Channel, transfer_id: str, producer: str = "p0") -> None:
+    """d0 targets transfer_id and producer (p0, or an engine of pool prefill-b) claims it, each with its token."""
+    token = P0 if producer == "p0" else POOL
+    consumer_incarnation = await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, D0)
+    if producer == "p0":
+        producer_incarnation = await register(channel, producer, pb.ENGINE_ROLE_PRODUCER, token)
+    else:
+        producer_incarnation = await pool_engine(channel, producer)
+    target = pb.RegisterTargetsRequest(
+        engine_id="d0",
+        incarnation=consumer_incarnation,
+        targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2])],
+    )
+    claim = pb.ClaimTransfersRequest(
+        engine_id=producer, incarnation=producer_incarnation, claims=[pb.ClaimSpec(transfer_id=transfer_id)]
+    )
+    assert not (await call(channel, "RegisterTargets", target, D0)).results[0].HasField("status")
+    assert not (await call(channel, "ClaimTransfers", claim, token)).results[0].HasField("status")
+
+
+async def answer(coro: Any, transfer_id: str) -> tuple[grpc.StatusCode, str, bytes]:
+    """A refusal as the caller sees all of it, transfer_id written as <id>: its code, its message and its
+    status details (the ErrorInfo)."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await coro
+    details = dict(err.value.trailing_metadata() or ()).get("grpc-status-details-bin", b"")
+    assert isinstance(details, bytes)
+    message = (err.value.details() or "").replace(transfer_id, "<id>")
+    return err.value.code(), message, details.replace(transfer_id.encode(), b"<id>")
+
+
+# GetEngine: an engine identity's own engines
+
+
+async def test_an_engine_reads_its_own_engine(channel: grpc.aio.Channel) -> None:
+    incarnation = await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, D0)
+    engine = await get_engine(channel, "d0", D0)
+    assert (engine.engine_id, engine.incarnation) == ("d0", incarnation) and engine.agents[0].metadata
+    basic = await get_engine(channel, "d0", D0, view=pb.ENGINE_VIEW_BASIC)
+    assert basic.lease_remaining.ToTimedelta() and not basic.agents[0].metadata
+
+
+async def test_an_engine_of_its_ids_not_registered_yet_is_not_found(channel: grpc.aio.Channel) -> None:
+    assert await refusal(get_engine(channel, "d0-1", D0)) == ENGINE_NOT_FOUND
+
+
+async def test_an_engine_cannot_read_another_engine(channel: grpc.aio.Channel) -> None:
+    await register(channel, "d1", pb.ENGINE_ROLE_CONSUMER, D1)
+    assert await refusal(get_engine(channel, "d1", D0)) == ROLE_REQUIRED
+    assert await refusal(get_engine(channel, "d-unknown", D0)) == ROLE_REQUIRED  # no oracle of which ids exist
+
+
+async def test_a_bound_identity_cannot_read_an_engine_of_its_ids_registered_with_another_role(
+    channel: grpc.aio.Channel,
+) -> None:
+    await register(channel, "d0-x", pb.ENGINE_ROLE_PRODUCER, ADMIN)
+    assert await refusal(get_engine(channel, "d0-x", D0)) == ROLE_REQUIRED
+
+
+async def test_a_pool_identity_reads_the_engines_of_its_pool(channel: grpc.aio.Channel) -> None:
+    await pool_engine(channel, "p7")
+    await register(channel, "d1", pb.ENGINE_ROLE_CONSUMER, D1)
+    assert (await get_engine(channel, "p7", POOL)).pool == "prefill-b"
+    assert await refusal(get_engine(channel, "d1", POOL)) == ROLE_REQUIRED
+    # As its other calls for an engine it would act for are: nothing is registered yet.
+    assert await refusal(get_engine(channel, "p8", POOL)) == ENGINE_NOT_FOUND
+
+
+async def test_the_router_and_admin_read_every_engine(channel: grpc.aio.Channel) -> None:
+    await register(channel, "d1", pb.ENGINE_ROLE_CONSUMER, D1)
+    assert (await get_engine(channel, "d1", ROUTER)).engine_id == "d1"
+    assert (await get_engine(channel, "d1", ADMIN)).engine_id == "d1"
+
+
+# GetTransfer: the transfers an engine identity's engines take part in
+
+
+async def test_each_half_reads_its_transfer(channel: grpc.aio.Channel) -> None:
+    await matched(channel, "t-1")
+    for token in (D0, P0):
+        transfer = await get_transfer(channel, "t-1", token)
+        assert (transfer.consumer_engine_id, transfer.producer_engine_id) == ("d0", "p0")
+        assert transfer.state == pb.TRANSFER_STATE_MATCHED
+
+
+async def test_a_pool_identity_reads_the_transfers_of_its_pools_engines(channel: grpc.aio.Channel) -> None:
+    await matched(channel, "t-pool", producer="p7")
+    assert (await get_transfer(channel, "t-pool", POOL)).producer_engine_id == "p7"
+
+
+async def test_a_half_targeted_alone_is_read_by_its_consumer(channel: grpc.aio.Channel) -> None:
+    incarnation = await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, D0)
+    target = pb.RegisterTargetsRequest(
+        engine_id="d0", incarnation=incarnation, targets=[pb.TargetSpec(transfer_id="t-alone", block_ids=[1])]
+    )
+    assert not (await call(channel, "RegisterTargets", target, D0)).results[0].HasField("status")
+    assert (await get_transfer(channel, "t-alone", D0)).state == pb.TRANSFER_STATE_TARGETED
+
+
+@pytest.mark.parametrize("token", [D1, POOL], ids=["another-engine", "another-pool"])
+async def test_a_non_participant_reading_a_transfer_is_answered_exactly_as_for_an_unknown_id(
+    channel: grpc.aio.Channel, token: str
+) -> None:
+    await matched(channel, "t-live-00")
+    await register(channel, "d1", pb.ENGINE_ROLE_CONSUMER, D1)
+    await pool_engine(channel, "p7")
+    live = await answer(get_transfer(channel, "t-live-00", token), "t-live-00")
+    unknown = await answer(get_transfer(channel, "t-none-00", token), "t-none-00")  # the same length
+    assert live == unknown
+    assert live[:2] == (grpc.StatusCode.NOT_FOUND, "transfer <id> is unknown") and b"TRANSFER_NOT_FOUND" in live[2]
+
+
+async def test_the_router_and_admin_read_every_transfer(channel: grpc.aio.Channel) -> None:
+    await matched(channel, "t-2")
+    assert (await get_transfer(channel, "t-2", ROUTER)).consumer_engine_id == "d0"
+    assert (await get_transfer(channel, "t-2", ADMIN)).producer_engine_id == "p0"
+
+
+# The SDK under auth
+
+
+async def test_a_following_rank_follows_its_engine_with_the_engines_token(server: RendezvousServer) -> None:
+    """A multi-rank engine's other ranks (their own processes, so their own clients) find rank 0's incarnation and
+    read its lease with GetEngine (rendezvous.clients.RankSession); before, ROLE_REQUIRED ended them."""
+    agents = tuple(dataclasses.replace(agent(f"p0-{rank}"), rank=rank) for rank in range(2))
+    layout = dataclasses.replace(LAYOUT, tp_size=2)
+    async with (
+        AsyncRendezvousClient(ClientConfig(server.address, token=P0)) as rank_0,
+        AsyncRendezvousClient(ClientConfig(server.address, token=P0)) as rank_1,
+        ProducerSession(rank_0, "p0", "prefill", layout=layout, agents=agents, config=FAST_SESSION) as leader,
+        RankSession(rank_1, "p0", config=FAST_SESSION) as follower,
+    ):
+        assert follower.incarnation == leader.incarnation
+        assert follower.writable_until > 0  # the lease it read
