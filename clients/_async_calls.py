@@ -110,11 +110,17 @@ class AsyncCalls(ClientBase[grpc.aio.Channel]):
         return await self._invoke(commands.deregister_engine(engine_id, incarnation), timeout)
 
     async def get_engine(
-        self, engine_id: str, *, view: EngineView = EngineView.FULL, timeout: float | None = None
+        self,
+        engine_id: str,
+        *,
+        view: EngineView = EngineView.FULL,
+        transfer_id: str = "",
+        timeout: float | None = None,
     ) -> EngineInfo:
         """One live engine, with its NIXL agents (view: how much of it; BASIC leaves out the agents' metadata and
-        the labels, for a caller that does not connect to it)."""
-        return await self._invoke(commands.get_engine(engine_id, view), timeout)
+        the labels, for a caller that does not connect to it). transfer_id: a transfer between that engine and
+        one of the caller's, through which an engine's token (without the router role) may read its peer."""
+        return await self._invoke(commands.get_engine(engine_id, view, transfer_id), timeout)
 
     async def iter_engines(
         self,

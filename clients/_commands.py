@@ -95,9 +95,10 @@ def _aborted_transfers(response: pb.DeregisterEngineResponse) -> int:
     return response.aborted_transfers
 
 
-def get_engine(engine_id: str, view: EngineView) -> Call[EngineInfo]:
-    """GetEngine, in a view."""
-    return Call("GetEngine", pb.GetEngineRequest(engine_id=engine_id, view=number(view)), _engine, idempotent=True)
+def get_engine(engine_id: str, view: EngineView, transfer_id: str = "") -> Call[EngineInfo]:
+    """GetEngine, in a view (transfer_id: the transfer through which an engine asks for its peer)."""
+    request = pb.GetEngineRequest(engine_id=engine_id, view=number(view), transfer_id=transfer_id)
+    return Call("GetEngine", request, _engine, idempotent=True)
 
 
 def _engine(response: pb.GetEngineResponse) -> EngineInfo:

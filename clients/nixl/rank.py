@@ -257,7 +257,7 @@ class RankAgent(abc.ABC, Generic[SessionT]):
         """A transfer's peer engine as the service has it now, if still the incarnation a resync's listing names
         (None: gone or replaced since, a loss the service reports by aborting the transfer; or unreadable now)."""
         try:
-            peer = await self.engine_session.client.get_engine(engine_id)
+            peer = await self.engine_session.client.get_engine(engine_id, transfer_id=transfer_id)
         except RendezvousError as e:
             logger.warning("transfer %s: its peer %s could not be read after a resync: %s", transfer_id, engine_id, e)
             return None

@@ -252,6 +252,7 @@ class RendezvousServer:
                     self.auth,
                     quotas,
                     self.store.get_engine,
+                    self.store.get_transfer,
                     self.metrics,
                     self.turns,
                     backoff,

@@ -2,8 +2,9 @@
 
 An engine identity may register, renew, deregister, watch, act on transfers and report KV cache events
 (KvIndexService) for its own engines only, and only with the roles and in the pools it is bound to; it may read
-(GetEngine) those engines and read (GetTransfer) the transfers they take part in, any other id answered as an
-unknown one (the servicer decides, with the transfer it reads: Caller.acts_for); the `router` role may read
+(GetEngine) those engines, and the other half of a transfer one of them takes part in (named by
+GetEngineRequest.transfer_id), and read (GetTransfer) the transfers they take part in, any other id answered as
+an unknown one (the servicer decides, with the transfer it reads: Caller.acts_for); the `router` role may read
 (GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router (an empty engine_id); any
 identity may query the KV index (MatchPrefixes); `admin` may do everything. Health checks and reflection need
 no identity. A stream ends at its next message once its identity leaves the auth file (or changes), and a
@@ -29,7 +30,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_status import rpc_status
 
-from rendezvous.core.model import Engine, Role
+from rendezvous.core.model import Engine, Role, Transfer
 from rendezvous.protocol import convert
 from rendezvous.protocol.errors import Reason, RendezvousError
 from rendezvous.server.authfile import (
@@ -95,6 +96,7 @@ def _certificate_names(context: grpc.aio.ServicerContext) -> list[str]:
 
 
 EngineLookup = Callable[[str], Awaitable[Engine | None]]
+TransferLookup = Callable[[str], Awaitable[Transfer | None]]
 
 
 @dataclass
@@ -118,7 +120,8 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Authenticates and authorizes every call of `services` (RendezvousService, KvIndexService; when a policy is
     set) and applies
     the per-caller quotas; unary calls are served in their caller's fair `turns`, and large ones wait out their
-    caller's `backoff` after an invalid one. `engine_of` answers a registered engine (None if unknown)."""
+    caller's `backoff` after an invalid one. `engine_of` answers a registered engine, `transfer_of` a transfer
+    (None if unknown)."""
 
     def __init__(
         self,
@@ -126,6 +129,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         policy: AuthPolicy | None,
         quotas: CallQuotas,
         engine_of: EngineLookup,
+        transfer_of: TransferLookup,
         metrics: Metrics,
         turns: FairTurns,
         backoff: InvalidBackoff,
@@ -134,6 +138,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._policy = policy
         self._quotas = quotas
         self._engine_of = engine_of
+        self._transfer_of = transfer_of
         self._metrics = metrics
         self._turns = turns
         self._backoff = backoff
@@ -247,7 +252,8 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _authorize_engine_read(self, identity: Identity, request: pb.GetEngineRequest) -> None:
         """GetEngine by an identity without the router role: of an engine it may act for (as its calls for the
-        engine); anything else is ROLE_REQUIRED."""
+        engine), or of the other half of request.transfer_id, a transfer of one of its engines. Anything else
+        is ROLE_REQUIRED, whether the transfer exists or not: no oracle of other engines' transfers."""
         engine_id = request.engine_id
         if engine_id:
             try:
@@ -256,11 +262,19 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except RendezvousError as err:
                 if err.reason != Reason.IDENTITY_MISMATCH:
                     raise  # a pool identity's unregistered engine: ENGINE_NOT_FOUND, as its other calls are told
+            if request.transfer_id and await self._reads_peer(identity, engine_id, request.transfer_id):
+                return
         raise RendezvousError(
             Reason.ROLE_REQUIRED,
-            "GetEngine of an engine you do not act for needs the router role",
+            "GetEngine of an engine you do not act for needs the router role, or the transfer_id of a transfer "
+            "between it and one of yours",
             method="GetEngine",
         )
+
+    async def _reads_peer(self, identity: Identity, engine_id: str, transfer_id: str) -> bool:
+        """Whether engine_id is one half of transfer_id and identity acts for the other."""
+        transfer = await self._transfer_of(transfer_id)
+        return transfer is not None and await self._acts_for(identity, transfer.counterpart(engine_id))
 
     def _rights(self, identity: Identity | None) -> Caller:
         """What the servicer is told of a unary call's identity (rendezvous.server.authfile.Caller)."""

@@ -371,12 +371,14 @@ class DeregisterEngineResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ResponseHeader, _Mapping]] = ..., aborted_transfers: _Optional[int] = ...) -> None: ...
 
 class GetEngineRequest(_message.Message):
-    __slots__ = ("engine_id", "view")
+    __slots__ = ("engine_id", "view", "transfer_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     view: EngineView
-    def __init__(self, engine_id: _Optional[str] = ..., view: _Optional[_Union[EngineView, str]] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., view: _Optional[_Union[EngineView, str]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class GetEngineResponse(_message.Message):
     __slots__ = ("header", "engine")

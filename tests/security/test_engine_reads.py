@@ -148,6 +148,48 @@ async def test_the_router_and_admin_read_every_engine(channel: grpc.aio.Channel)
     assert (await get_engine(channel, "d1", ADMIN)).engine_id == "d1"
 
 
+# GetEngine of a peer: the other half of a transfer of one of the identity's engines
+
+
+async def test_each_half_reads_the_other_through_their_transfer(channel: grpc.aio.Channel) -> None:
+    await matched(channel, "t-peers")
+    producer = await get_engine(channel, "p0", D0, transfer_id="t-peers")
+    assert producer.engine_id == "p0" and producer.agents[0].metadata
+    assert (await get_engine(channel, "d0", P0, transfer_id="t-peers")).engine_id == "d0"
+    assert await refusal(get_engine(channel, "p0", D0)) == ROLE_REQUIRED  # not without the transfer
+
+
+async def test_a_pool_identity_reads_the_peer_of_its_pools_engine(channel: grpc.aio.Channel) -> None:
+    await matched(channel, "t-pool-peer", producer="p7")
+    assert (await get_engine(channel, "d0", POOL, transfer_id="t-pool-peer")).engine_id == "d0"
+    assert (await get_engine(channel, "p7", D0, transfer_id="t-pool-peer")).pool == "prefill-b"
+
+
+async def test_a_peer_that_left_is_not_found(channel: grpc.aio.Channel) -> None:
+    await matched(channel, "t-gone")
+    await call(channel, "DeregisterEngine", pb.DeregisterEngineRequest(engine_id="p0"), P0)
+    assert await refusal(get_engine(channel, "p0", D0, transfer_id="t-gone")) == ENGINE_NOT_FOUND
+
+
+async def test_a_non_participant_reading_an_engine_through_a_transfer_learns_nothing_of_it(
+    channel: grpc.aio.Channel,
+) -> None:
+    await matched(channel, "t-live-00")
+    await register(channel, "d1", pb.ENGINE_ROLE_CONSUMER, D1)
+    through_live = await answer(get_engine(channel, "p0", D1, transfer_id="t-live-00"), "t-live-00")
+    through_unknown = await answer(get_engine(channel, "p0", D1, transfer_id="t-none-00"), "t-none-00")
+    assert through_live == through_unknown and through_live[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert b"ROLE_REQUIRED" in through_live[2]
+    # Its own engine in the transfer is no way to another engine, nor a half targeted alone to anyone.
+    assert await refusal(get_engine(channel, "d1", P0, transfer_id="t-live-00")) == ROLE_REQUIRED
+    incarnation = await register(channel, "d0-2", pb.ENGINE_ROLE_CONSUMER, D0)
+    target = pb.RegisterTargetsRequest(
+        engine_id="d0-2", incarnation=incarnation, targets=[pb.TargetSpec(transfer_id="t-half", block_ids=[1])]
+    )
+    assert not (await call(channel, "RegisterTargets", target, D0)).results[0].HasField("status")
+    assert await refusal(get_engine(channel, "p0", D0, transfer_id="t-half")) == ROLE_REQUIRED
+
+
 # GetTransfer: the transfers an engine identity's engines take part in
 
 
