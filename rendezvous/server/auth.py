@@ -505,9 +505,14 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     self._recheck(sending)
                 yield response
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
-                await asyncio.wait({pending})
+            if pending is not None:
+                if not pending.done():
+                    pending.cancel()
+                    await asyncio.wait({pending})
+                if not pending.cancelled():
+                    # Collected: it may have ended with the stream (StopAsyncIteration, or the call's own end) as
+                    # this generator was cancelled or closed; uncollected, asyncio logs it as never retrieved.
+                    pending.exception()
 
 
 def _parsed(parse: Callable[[bytes], Any] | None, raw: bytes) -> Any:

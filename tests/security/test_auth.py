@@ -7,7 +7,9 @@ reach the logs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -438,3 +440,37 @@ async def test_without_an_auth_file_no_token_is_needed() -> None:
             assert (await call(channel, "GetStatus", pb.GetStatusRequest(), None)).store == "memory"
     finally:
         await server.stop(0)
+
+
+# Streams that end
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "half-closed"])
+async def test_a_stream_s_end_leaves_no_task_exception_unretrieved(tmp_path: Path, ending: str) -> None:
+    """The guard waits for a stream's next response in a task of its own; a stream that ended (its caller
+    cancelled it, or stopped sending) while the guard waited left that task's StopAsyncIteration unretrieved,
+    logged by asyncio as "Task exception was never retrieved"."""
+    loop = asyncio.get_running_loop()
+    unretrieved: list[BaseException | None] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context.get("exception")))
+    try:
+        async with (
+            serving(auth_file=auth_file(tmp_path)) as server,
+            grpc.aio.insecure_channel(server.address) as channel,
+        ):
+            incarnation = (await register(channel, "decode-0", DECODE)).engine.incarnation
+            for _ in range(3):
+                stream = pb_grpc.RendezvousServiceStub(channel).KeepAlive(metadata=bearer(DECODE), timeout=10)
+                await stream.write(pb.KeepAliveRequest(engine_id="decode-0", incarnation=incarnation))
+                assert (await stream.read()).engine_id == "decode-0"
+                if ending == "cancelled":
+                    stream.cancel()
+                else:
+                    await stream.done_writing()
+                    assert await stream.read() is grpc.aio.EOF
+            await server.stop(1.0)  # every call's handler ended
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    assert unretrieved == []
