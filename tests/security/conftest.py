@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from rendezvous.server import RendezvousServer, ServerConfig
@@ -23,6 +24,13 @@ async def serving(**config: Any) -> AsyncIterator[RendezvousServer]:
         yield server
     finally:
         await server.stop(0)
+
+
+@pytest.fixture
+async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
+    """A plaintext channel to the test module's `server` fixture."""
+    async with grpc.aio.insecure_channel(server.address) as ch:
+        yield ch
 
 
 @pytest.fixture(scope="session")

@@ -103,12 +103,6 @@ async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
         yield srv
 
 
-@pytest.fixture
-async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        yield ch
-
-
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 

@@ -46,12 +46,6 @@ async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
         yield srv
 
 
-@pytest.fixture
-async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        yield ch
-
-
 async def register(channel: grpc.aio.Channel, engine_id: str, role: pb.EngineRole, token: str) -> int:
     response = await call(channel, "RegisterEngine", engine_request(engine_id, role), token)
     incarnation: int = response.engine.incarnation

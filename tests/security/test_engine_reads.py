@@ -47,12 +47,6 @@ async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
         yield srv
 
 
-@pytest.fixture
-async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        yield ch
-
-
 async def get_engine(channel: grpc.aio.Channel, engine_id: str, token: str, **fields: Any) -> pb.Engine:
     engine: pb.Engine = (
         await call(channel, "GetEngine", pb.GetEngineRequest(engine_id=engine_id, **fields), token)

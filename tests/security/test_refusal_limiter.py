@@ -29,12 +29,6 @@ async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
         yield srv
 
 
-@pytest.fixture
-async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        yield ch
-
-
 async def guess(channel: grpc.aio.Channel, n: int) -> tuple[grpc.StatusCode, str]:
     return await refusal(call(channel, "GetStatus", pb.GetStatusRequest(), f"wrong-token-{n:016d}"))
 

@@ -52,12 +52,6 @@ async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
         yield srv
 
 
-@pytest.fixture
-async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        yield ch
-
-
 def revoke(server: RendezvousServer, doc: dict[str, Any]) -> None:
     """Rewrite the server's auth file and reload it now."""
     assert server.auth is not None

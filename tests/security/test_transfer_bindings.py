@@ -79,12 +79,6 @@ async def server(tmp_path: Path, store: str, clock: FakeClock) -> AsyncIterator[
         yield srv
 
 
-@pytest.fixture
-async def channel(server: RendezvousServer) -> AsyncIterator[grpc.aio.Channel]:
-    async with grpc.aio.insecure_channel(server.address) as ch:
-        yield ch
-
-
 def signed(transfer_id: str, consumer: str = "d0", producer: str = "p0", ttl: float = 600, key: bytes = KEY) -> Binding:
     return bindings.sign(key, transfer_id, consumer, producer, int(time.time() + ttl))
 
