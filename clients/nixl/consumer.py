@@ -22,7 +22,9 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   writing (`revoking_generation`), the result waits for REVOCATION_CONFIRMED: once it is reported, no byte of
   that generation can land in its blocks. So do the transfers an incarnation of this engine lost (its lease lapsed,
   e.g. the process hung): after `Reregistered` (and after a `Resynced`) the agent asks the service, since a WRITE
-  posted before the hang may still land once the process runs again.
+  posted before the hang may still land once the process runs again. A resync's listing holds live transfers only:
+  the agent asks the service about each target it lacks (ended while the watch was away) and ends it as the
+  service's record says (ok when committed, released since; failed as an abort says; LOST when forgotten).
 - REVOKED (`AgentReason.REVOKED`): registering a newer generation of a transfer retires the older one; its blocks
   are reported free the same way, once no write of it can land.
 
@@ -172,6 +174,7 @@ class _Target:
     corrupted: str = ""  # the check failed: why
     landed: LandedDigests | None = None  # integrity, in parts: its blocks hashed as the parts land
     hashing: asyncio.Task[None] | None = None  # the last of `landed`'s hash jobs handed to a thread, in order
+    watched: bool = False  # the service is asked about it every `follower_check_s` until it ends
 
 
 class _Closed:
@@ -339,7 +342,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             if self._early_commits.pop(transfer_id, None) == generation:
                 self._committed(transfer_id, generation)
             else:
-                self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
+                self._watch_target(transfer_id, target)
             return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
@@ -410,35 +413,61 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         waits for the service to stop fencing a generation."""
         return transfer_id in self._targets or any(key[0] == transfer_id for key in self._fenced)
 
+    def _watch_target(self, transfer_id: str, target: _Target) -> None:
+        """Ask the service about the target every `follower_check_s` until it ends (`_check_target`), unless that
+        is under way already."""
+        if not target.watched:
+            target.watched = True
+            self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
+
     async def _check_target(self, transfer_id: str, target: _Target) -> None:
         """A following rank's expectation ends with an event of the transfer; should rank 0's registration
         have failed (then no event comes), it would wait forever: so it looks every `follower_check_s`. So does
         rank 0 for a pull target whose READ's report went unanswered (`_read_taken`): should that report have
-        committed it naming every rank, no event tells of the commit, and it is rank 0's to release."""
+        committed it naming every rank, no event tells of the commit, and it is rank 0's to release. And so does a
+        rank whose asking after a resync went unanswered (`_ask_ended`)."""
         try:
             while True:
                 await asyncio.sleep(self._follower_check_s)
                 if self._targets.get(transfer_id) is not target:
                     return
-                try:
-                    info = await self.engine_session.client.get_transfer(transfer_id)
-                except NotFound as e:
-                    self._fail(transfer_id, AgentReason.LOST, f"the service does not have this transfer: {e}")
-                    return
-                except RendezvousError as e:  # the service is slow or away: that says nothing of the transfer
-                    logger.warning("transfer %s: checking on it failed, looking again later: %s", transfer_id, e)
-                    continue
-                if info.consumer_engine_id != self.engine_session.engine_id:
-                    self._fail(transfer_id, AgentReason.LOST, "the engine's registration of this transfer failed")
-                elif info.state in _ARRIVED and info.generation == target.generation:
-                    # Its TRANSFER_COMMITTED came before this rank expected the transfer (rank 0 may have
-                    # released it since): the bytes are in.
-                    self._committed(transfer_id, target.generation)
-                elif info.state.terminal:  # aborted, or a newer generation came and was released
-                    reason = info.abort_reason if info.state is TransferState.ABORTED else AgentReason.REVOKED
-                    self._fail(transfer_id, reason, info.abort_message, info.revoking_generation)
+                await self._ask(transfer_id, target)
         finally:
             self._checks.discard(asyncio.current_task())
+
+    async def _ask_ended(self, transfer_id: str, target: _Target) -> None:
+        """A target whose transfer a resync's listing lacks: the listing holds live transfers only, so it ended while
+        the watch was away (released, aborted, forgotten), or was registered after the listing was read. The service's
+        record says which (`_ask`); should it not answer, the target is watched until it does."""
+        if await self._ask(transfer_id, target) is None and self._targets.get(transfer_id) is target:
+            self._watch_target(transfer_id, target)
+
+    async def _ask(self, transfer_id: str, target: _Target) -> TransferInfo | None:
+        """Ask the service about the target's transfer, and end the target as its record says if it ended: ok when
+        its generation committed (released since, maybe), failed as an abort says (once no write can land), LOST when
+        the service forgot it or another engine targets it. The record; None when the service did not answer, or
+        forgot the transfer."""
+        try:
+            info = await self.engine_session.client.get_transfer(transfer_id)
+        except NotFound as e:
+            if self._targets.get(transfer_id) is target:
+                self._fail(transfer_id, AgentReason.LOST, f"the service does not have this transfer: {e}")
+            return None
+        except RendezvousError as e:  # the service is slow or away: that says nothing of the transfer
+            logger.warning("transfer %s: checking on it failed, looking again later: %s", transfer_id, e)
+            return None
+        if self._targets.get(transfer_id) is not target:
+            return info
+        if info.consumer_engine_id != self.engine_session.engine_id:
+            self._fail(transfer_id, AgentReason.LOST, "the engine's registration of this transfer failed")
+        elif info.state in _ARRIVED and info.generation == target.generation:
+            # Committed while this rank did not hear of it (before it expected the transfer, or while its watch was
+            # away; rank 0 may have released it since, or `release_timeout`): the bytes are in.
+            self._committed(transfer_id, target.generation)
+        elif info.state.terminal:  # aborted, or a newer generation came and was released
+            reason = info.abort_reason if info.state is TransferState.ABORTED else AgentReason.REVOKED
+            self._fail(transfer_id, reason, info.abort_message, info.revoking_generation)
+        return info
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
         """Abort a transfer (rank 0 tells the service; another rank just stops expecting it); its failed result
@@ -482,18 +511,22 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     async def handle_event(self, item: SessionEvent) -> None:
         """React to one session event; the session calls this for each, in order."""
         if isinstance(item, Resynced):
-            live = {t.transfer_id: t for t in item.transfers}
-            for transfer_id in list(self._targets):
+            live = {t.transfer_id: t for t in item.transfers}  # live transfers only: none RELEASED or ABORTED
+            unlisted: list[tuple[str, _Target]] = []
+            for transfer_id, target in list(self._targets.items()):
                 info = live.get(transfer_id)
-                if info is None or info.state is TransferState.ABORTED:
-                    revoking = 0 if info is None else info.revoking_generation
-                    self._fail(transfer_id, AgentReason.LOST, "the service no longer has this transfer", revoking)
+                if info is None:
+                    unlisted.append((transfer_id, target))
                 elif info.state is TransferState.COMMITTED:
                     self._committed(transfer_id, info.generation)
                 elif info.state is TransferState.MATCHED and info.mode is TransferMode.PULL and info.source_block_ids:
                     await self._read_missed(info)
             fenced, self._fenced = list(self._fenced.values()), {}  # their REVOCATION_CONFIRMED may be among the lost
-            await asyncio.gather(*(self._when_unfenced(result, maybe_fenced=True) for result in fenced))
+            # Asked while the handler waits: no REVOCATION_CONFIRMED is taken before a result it confirms is fenced.
+            await asyncio.gather(
+                *(self._when_unfenced(result, maybe_fenced=True) for result in fenced),
+                *(self._ask_ended(transfer_id, target) for transfer_id, target in unlisted),
+            )
         elif isinstance(item, Reregistered):
             lost = [r.transfer_id for r in item.results if not r.ok or r.state is TransferState.ABORTED]
             await asyncio.gather(
@@ -867,7 +900,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), arrived, "read")
         if result is None:
             if self.leader:
-                self._checks.add(asyncio.create_task(self._check_target(transfer_id, target)))
+                self._watch_target(transfer_id, target)
         elif result.state in _ARRIVED:
             self._committed(transfer_id, target.generation)
 

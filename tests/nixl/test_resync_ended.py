@@ -1,0 +1,162 @@
+"""A transfer that ended while an agent's watch was away is absent from the listing it resyncs from (which holds live
+transfers only): the agent asks the service about it and ends it as the service's record says. Real service and
+NIXL agents; the agent under test connects through a loopback proxy the test cuts while six events pass its event
+log's bound of four. Where its counterpart reports a transfer, that agent's engine session does, moving no byte: only
+the service's word ends the transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from rendezvous.clients import (
+    AbortReason,
+    AbortSpec,
+    AsyncRendezvousClient,
+    ClaimSpec,
+    CompletionSpec,
+    TransferState,
+)
+from rendezvous.clients._types import Resynced, SessionEvent
+from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
+from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, start_test_server
+from rendezvous.core.limits import Limits, Timeouts
+from rendezvous.protocol.errors import NotFound
+from tests.clients.conftest import FAST_SESSION, MUST, TcpProxy, client_config
+from tests.nixl.test_read_outcomes import prefill
+from tests.nixl.test_resync import IDS
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
+
+WHY = "the router gave up"
+
+
+@dataclasses.dataclass
+class Away:
+    """A service whose event logs keep 4 events; `client` reaches it directly, `proxied` through `proxy`."""
+
+    server: AsyncTestServer
+    client: AsyncRendezvousClient
+    proxied: AsyncRendezvousClient
+    proxy: TcpProxy
+
+    def cut(self) -> None:
+        """The proxied watch is away (its connections cut, new ones refused) until `back`."""
+        self.proxy.refuse(True)
+        self.proxy.cut()
+
+    def back(self) -> None:
+        self.proxy.refuse(False)
+
+    async def states_become(self, state: TransferState) -> None:
+        """Until the service holds every transfer in `state` (a sweep ends them in the background)."""
+
+        async def poll() -> None:
+            while any([(await self.client.get_transfer(t)).state is not state for t in IDS]):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)  # no event says so
+
+        await asyncio.wait_for(poll(), MUST)
+
+    async def forgotten(self) -> None:
+        """Until the service forgot every transfer (their tombstones aged)."""
+
+        async def poll() -> None:
+            for t in IDS:
+                with contextlib.suppress(NotFound):
+                    while await self.client.get_transfer(t):  # noqa: ASYNC110 (no event says so)
+                        await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(poll(), MUST)
+
+
+@contextlib.asynccontextmanager
+async def away(**timeouts: float) -> AsyncIterator[Away]:
+    async with (
+        start_test_server(
+            limits=Limits(max_events_per_engine=4), timeouts=Timeouts(**timeouts), sweep_interval=0.02, grace=0.1
+        ) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy = TcpProxy(server.port)
+        await proxy.start()
+        try:
+            async with AsyncRendezvousClient(client_config(proxy.address)) as proxied:
+                yield Away(server, client, proxied, proxy)
+        finally:
+            await proxy.close()
+
+
+def on_resynced(agent: ConsumerAgent | ProducerAgent) -> asyncio.Event:
+    """Set once the agent handled a Resynced."""
+    resynced = asyncio.Event()
+    handle_event = agent.handle_event
+
+    async def seen(item: SessionEvent) -> None:
+        await handle_event(item)
+        if isinstance(item, Resynced):
+            resynced.set()
+
+    agent.handle_event = seen  # type: ignore[method-assign]
+    return resynced
+
+
+@pytest.mark.parametrize("how", ["released", "aborted", "forgotten"])
+async def test_targets_whose_transfers_ended_while_the_watch_was_away_end_as_the_service_says(how: str) -> None:
+    """d0's watch is away while each of its six push targets ends: committed by p0 (which moved no byte here, so
+    only the commit tells d0 the bytes are in) and then released by `release_timeout`; aborted by the router; or
+    aborted and forgotten. None is in the listing d0 resyncs from. Before, each failed LOST, "the service no longer
+    has this transfer", whatever had ended it: committed bytes were thrown away, and an abort's reason lost. Now
+    d0 asks: a released one arrives ok, an aborted one fails as the abort says, a forgotten one fails LOST; and no
+    target is left expected."""
+    timeouts = {"released": {"release_timeout": 0.1}, "forgotten": {"tombstone_ttl": 0.1}}.get(how, {})
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    async with away(**timeouts) as env:
+        decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+        consumer = ConsumerAgent(
+            env.proxied, "d0", "decode", decode, layout=TEST_LAYOUT, session_config=FAST_SESSION,
+            on_result=results.put_nowait,
+        )  # fmt: skip
+        resynced = on_resynced(consumer)
+        producer = prefill(env.client, "p0", 1)
+        await producer.start()
+        await consumer.start()
+        try:
+            for i, t in enumerate(IDS):
+                assert (await consumer.register_target(t, [i])).state is TransferState.TARGETED
+            env.cut()
+            if how == "released":
+                claims = await producer.session.claim_transfers([ClaimSpec(t) for t in IDS])
+                assert all(c.state is TransferState.MATCHED for c in claims)
+                done = await producer.session.complete_transfers([CompletionSpec(t, 1) for t in IDS])
+                assert all(c.state is TransferState.COMMITTED for c in done)
+                await env.states_become(TransferState.RELEASED)
+            else:
+                aborts = await env.client.abort_transfers("", [AbortSpec(t, WHY) for t in IDS])
+                assert all(a.state is TransferState.ABORTED for a in aborts)
+                if how == "forgotten":
+                    await env.forgotten()
+            env.back()
+            await asyncio.wait_for(resynced.wait(), MUST)
+            ended = {r.transfer_id: r for r in [await asyncio.wait_for(results.get(), MUST) for _ in IDS]}
+            assert sorted(ended) == IDS
+            for i, t in enumerate(IDS):
+                assert ended[t].block_ids == (i,)
+                expected = {
+                    "released": (True, AbortReason.UNSPECIFIED, ""),
+                    "aborted": (False, AbortReason.REQUESTED, WHY),
+                    "forgotten": (False, AgentReason.LOST, ended[t].message),
+                }[how]
+                assert (ended[t].ok, ended[t].reason, ended[t].message) == expected
+                assert not consumer.awaiting_result(t)
+            assert consumer._thread is not None and not consumer._thread._expecting.is_set()
+            assert results.empty()
+        finally:
+            env.back()
+            await consumer.close()
+            await producer.close()
