@@ -8,6 +8,9 @@ thread that makes NIXL calls:
 - TRANSFER_REVOKED    -> stop; AcknowledgeRevocations once no write of that generation can land;
 - TRANSFER_ABORTED    -> revoke a generation the service still fences, drop the transfer, free the source;
 - PEER_LOST           -> forget that incarnation's agents;
+- Resynced            -> write what the listing shows matched to it and not assigned yet; end what it shows COMMITTED,
+                         and what it lacks (live transfers only: ended meanwhile) as the service's record says,
+                         revoking a generation the service still fences;
 - Reregistered        -> drop every assignment of the replaced incarnation, before the session opens the write fence
                          on the new lease (the service assigns a transfer again if it matches it again), and end
                          the transfers that did not survive. An outcome is reported as the incarnation whose
@@ -426,13 +429,17 @@ class ProducerAgent(RankAgent[ProducerSession]):
     async def handle_event(self, item: SessionEvent) -> None:
         """React to one session event; the session calls this for each, in order."""
         if isinstance(item, Resynced):
-            live = {t.transfer_id: t for t in item.transfers if not t.state.terminal}
+            listed = {t.transfer_id: t for t in item.transfers}  # live transfers only: none RELEASED or ABORTED
             asserted = self.engine_session.live_transfers  # what a call asserted while the listing was read is kept
-            for transfer_id in set(self._sources) - live.keys():
-                if transfer_id not in asserted:
-                    self._end(transfer_id)
-            for info in live.values():
-                await self._assign_missed(info)
+            held = self._sources.keys() | self._assigned.keys() | self._deferred.keys()
+            unlisted = [t for t in held - listed.keys() if t not in asserted]
+            for info in listed.values():
+                if info.state is TransferState.COMMITTED:  # pull: the consumer read the source; push: it was written
+                    self._end(info.transfer_id)
+                else:
+                    await self._assign_missed(info)
+            # Asked while the handler waits: the events that follow the listing come after what it finds.
+            await asyncio.gather(*(self._end_unlisted(transfer_id) for transfer_id in unlisted))
             return
         if isinstance(item, Reregistered):
             await self._drop_replaced(item)
@@ -460,6 +467,28 @@ class ProducerAgent(RankAgent[ProducerSession]):
         )
         with contextlib.suppress(RuntimeError):  # stopped meanwhile: nothing is posted any more
             await asyncio.to_thread(writer.drop_assignments, why)
+
+    async def _end_unlisted(self, transfer_id: str) -> None:
+        """A transfer this rank holds a source or an assignment of, which a resync's listing lacks: it ended while the
+        watch was away (the listing holds live transfers only), or was claimed after the listing was read. The
+        service's record says which: ended, it ends here as its TRANSFER_ABORTED or TRANSFER_COMMITTED would have
+        ended it, revoking (and so acknowledging) a generation the service still fences, without which the consumer's
+        blocks would stay fenced. Unanswered, it ends all the same, unacknowledged."""
+        try:
+            info = await self.engine_session.client.get_transfer(transfer_id)
+        except NotFound:
+            self._end(transfer_id)
+            return
+        except RendezvousError as e:
+            logger.warning("transfer %s ended while the watch was away; asking how failed: %s", transfer_id, e)
+            self._end(transfer_id)
+            return
+        mine = info.producer_engine_id == self.engine_id
+        if mine and not info.state.terminal and info.state is not TransferState.COMMITTED:
+            return  # live: its events follow the listing's
+        if mine and info.revoking_generation:
+            self._revoke(transfer_id, info.revoking_generation)
+        self._end(transfer_id)
 
     async def _assign_missed(self, info: TransferInfo) -> None:
         """A push transfer matched to this engine in a resync's listing: its TRANSFER_ASSIGNED may be among the

@@ -20,6 +20,8 @@ from rendezvous.clients import (
     AsyncRendezvousClient,
     ClaimSpec,
     CompletionSpec,
+    TargetSpec,
+    TransferMode,
     TransferState,
 )
 from rendezvous.clients._types import Resynced, SessionEvent
@@ -28,9 +30,9 @@ from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, start_test_server
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.protocol.errors import NotFound
-from tests.clients.conftest import FAST_SESSION, MUST, TcpProxy, client_config
+from tests.clients.conftest import FAST_SESSION, MUST, TcpProxy, client_config, wait_until
 from tests.nixl.test_read_outcomes import prefill
-from tests.nixl.test_resync import IDS
+from tests.nixl.test_resync import IDS, eventually_ready
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
@@ -160,3 +162,118 @@ async def test_targets_whose_transfers_ended_while_the_watch_was_away_end_as_the
             env.back()
             await consumer.close()
             await producer.close()
+
+
+async def test_pull_sources_committed_while_the_watch_was_away_are_freed_after_the_resync() -> None:
+    """p0's watch is away while d0 reports each of six pull transfers read (d0's engine session reports, not
+    releasing them): the listing p0 resyncs from shows them COMMITTED. Before, p0 kept their sources (only
+    TRANSFER_COMMITTED, lost with the watch, freed them): no event would come for them again. Now they are freed."""
+    freed: asyncio.Queue[str] = asyncio.Queue()
+    async with away() as env:
+        producer = prefill(env.proxied, "p0", 1)
+        resynced = on_resynced(producer)
+        consumer = ConsumerAgent(
+            env.client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
+            session_config=FAST_SESSION,
+        )  # fmt: skip
+        await producer.start()
+        await consumer.start()
+        try:
+            targets = [TargetSpec(t, (i,), mode=TransferMode.PULL) for i, t in enumerate(IDS)]
+            assert all(r.ok for r in await consumer.session.register_targets(targets))  # the agent reads none
+            for i, t in enumerate(IDS):
+                assert (await producer.claim(t)).state is TransferState.MATCHED
+                producer.ready(t, [i], freed.put_nowait, mode=TransferMode.PULL)
+            await eventually_ready(env.client)
+            env.cut()
+            done = await consumer.session.complete_transfers([CompletionSpec(t, 1) for t in IDS])
+            assert all(r.state is TransferState.COMMITTED for r in done)
+            assert freed.empty()
+            env.back()
+            await asyncio.wait_for(resynced.wait(), MUST)
+            assert sorted([await asyncio.wait_for(freed.get(), MUST) for _ in IDS]) == IDS
+        finally:
+            env.back()
+            await consumer.close()
+            await producer.close()
+
+
+async def test_an_abort_lost_with_the_watch_is_acknowledged_after_the_resync() -> None:
+    """p0 holds six push assignments (their KV not computed yet) when its watch goes away, and the router aborts
+    them: the service fences each generation until p0 says no WRITE of it can land, and d0's results wait for that.
+    Before, p0's resync left them as they were (it ended only the sources the listing lacked, and acknowledged
+    nothing): the generations stayed fenced, and d0's results never came. Now p0 asks, acknowledges, and d0's
+    results come, failed as the abort says."""
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    async with away() as env:
+        producer = prefill(env.proxied, "p0", 1)
+        resynced = on_resynced(producer)
+        consumer = ConsumerAgent(
+            env.client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
+            session_config=FAST_SESSION, on_result=results.put_nowait,
+        )  # fmt: skip
+        await producer.start()
+        await consumer.start()
+        try:
+            for i, t in enumerate(IDS):
+                assert (await consumer.register_target(t, [i])).state is TransferState.TARGETED
+                assert (await producer.claim(t)).state is TransferState.MATCHED
+            await wait_until(lambda: all(t in producer._assigned for t in IDS), MUST)
+            env.cut()
+            aborts = await env.client.abort_transfers("", [AbortSpec(t, WHY) for t in IDS])
+            assert all((a.state, a.revoking_generation) == (TransferState.ABORTED, 1) for a in aborts)
+            env.back()
+            await asyncio.wait_for(resynced.wait(), MUST)
+            ended = [await asyncio.wait_for(results.get(), MUST) for _ in IDS]
+            assert sorted(r.transfer_id for r in ended) == IDS
+            assert all((r.ok, r.reason, r.message) == (False, AbortReason.REQUESTED, WHY) for r in ended)
+            assert all([(await env.client.get_transfer(t)).revoking_generation == 0 for t in IDS])
+        finally:
+            env.back()
+            await consumer.close()
+            await producer.close()
+
+
+async def test_a_target_aborted_while_fenced_ends_once_no_write_can_land() -> None:
+    """Both watches are away while the router aborts six push transfers p0 holds assignments of: the service fences
+    each generation until p0 acknowledges. d0 comes back first. Before, its resync failed each at once (LOST), while
+    p0 might still write into its blocks. Now d0 asks, sees the generation fenced, and reports nothing until p0,
+    back too, acknowledged it; then each fails as the abort says."""
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    async with away() as env:
+        p0_proxy = TcpProxy(env.server.port)
+        await p0_proxy.start()
+        async with AsyncRendezvousClient(client_config(p0_proxy.address)) as p0_client:
+            producer = prefill(p0_client, "p0", 1)
+            consumer = ConsumerAgent(
+                env.proxied, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
+                session_config=FAST_SESSION, on_result=results.put_nowait,
+            )  # fmt: skip
+            resynced = on_resynced(consumer)
+            await producer.start()
+            await consumer.start()
+            try:
+                for i, t in enumerate(IDS):
+                    assert (await consumer.register_target(t, [i])).state is TransferState.TARGETED
+                    assert (await producer.claim(t)).state is TransferState.MATCHED
+                await wait_until(lambda: all(t in producer._assigned for t in IDS), MUST)
+                env.cut()
+                p0_proxy.refuse(True)
+                p0_proxy.cut()
+                aborts = await env.client.abort_transfers("", [AbortSpec(t, WHY) for t in IDS])
+                assert all((a.state, a.revoking_generation) == (TransferState.ABORTED, 1) for a in aborts)
+                env.back()
+                await asyncio.wait_for(resynced.wait(), MUST)  # d0 asked about each while handling it
+                assert results.empty() and all(consumer.awaiting_result(t) for t in IDS)
+                p0_proxy.refuse(False)
+                for _ in IDS:
+                    result = await asyncio.wait_for(results.get(), MUST)
+                    assert (result.ok, result.reason, result.message) == (False, AbortReason.REQUESTED, WHY)
+                    assert (await env.client.get_transfer(result.transfer_id)).revoking_generation == 0
+                assert not any(consumer.awaiting_result(t) for t in IDS)
+            finally:
+                env.back()
+                p0_proxy.refuse(False)
+                await consumer.close()
+                await producer.close()
+                await p0_proxy.close()
