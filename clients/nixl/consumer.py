@@ -12,7 +12,8 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   notification is not arrival for it, and notifications that cannot tile it (overlapping, outside) leave it to the
   commit, so decode never starts on missing bytes. Pull: on SOURCE_READY the agent READs the producer's blocks itself,
   then reports CompleteTransfers as the incarnation the SOURCE_READY was sent to; the bytes arrive once the service
-  took the report (or the call went unanswered). A READ that ends after a re-registration (or whose report is
+  took the report (or the call went unanswered: the report is then sent again while the service has the generation
+  MATCHED). A READ that ends after a re-registration (or whose report is
   refused as the replaced incarnation's) is not reported as the new one: the new incarnation's SOURCE_READY is read
   again. A report answered with the transfer ended (aborted while it was read: its producer may have reused the
   source) is no arrival: the result fails as the abort says, whichever of the answer and TRANSFER_ABORTED comes
@@ -175,6 +176,8 @@ class _Target:
     landed: LandedDigests | None = None  # integrity, in parts: its blocks hashed as the parts land
     hashing: asyncio.Task[None] | None = None  # the last of `landed`'s hash jobs handed to a thread, in order
     watched: bool = False  # the service is asked about it every `follower_check_s` until it ends
+    unanswered: tuple[int, int] | None = None
+    """Pull: the incarnation as which its READ's SUCCEEDED was sent, while that call went unanswered."""
 
 
 class _Closed:
@@ -208,8 +211,8 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
 
         `on_result(result)` (else `results()`) runs on the event loop the agent was started on; `poll` sets how
         the receiver thread polls NIXL; `follower_check_s` how often a following rank asks the service about a
-        transfer it heard nothing of (and rank 0 about a pull READ whose report went unanswered); `capacity` what
-        the engine admits at once (routers reserve within it).
+        transfer it heard nothing of (and any rank about a pull READ whose report went unanswered, sent again while
+        the service has it MATCHED); `capacity` what the engine admits at once (routers reserve within it).
         `integrity`: every pushed transfer must come with the producer's digests (`rendezvous.clients.nixl.integrity`,
         its writer's `WriterConfig.integrity`), checked before it counts as arrived; without, it fails
         (`AgentReason.CORRUPTED`). Digests that come are checked either way. A target to be checked that is
@@ -423,15 +426,23 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     async def _check_target(self, transfer_id: str, target: _Target) -> None:
         """A following rank's expectation ends with an event of the transfer; should rank 0's registration
         have failed (then no event comes), it would wait forever: so it looks every `follower_check_s`. So does
-        rank 0 for a pull target whose READ's report went unanswered (`_read_taken`): should that report have
-        committed it naming every rank, no event tells of the commit, and it is rank 0's to release. And so does a
-        rank whose asking after a resync went unanswered (`_ask_ended`)."""
+        any rank for a pull target whose READ's report went unanswered (`_read_taken`): should that report have
+        committed it naming every rank, no event tells of the commit, and it is rank 0's to release; should the
+        service not have taken it, the generation stays MATCHED, and the report is sent again (`_report_again`).
+        And so does a rank whose asking after a resync went unanswered (`_ask_ended`)."""
         try:
             while True:
                 await asyncio.sleep(self._follower_check_s)
                 if self._targets.get(transfer_id) is not target:
                     return
-                await self._ask(transfer_id, target)
+                info = await self._ask(transfer_id, target)
+                if (
+                    info is not None
+                    and target.unanswered is not None
+                    and self._targets.get(transfer_id) is target
+                    and (info.state, info.generation) == (TransferState.MATCHED, target.generation)
+                ):
+                    self._report_again(transfer_id, target, target.unanswered)
         finally:
             self._checks.discard(asyncio.current_task())
 
@@ -868,15 +879,18 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     ) -> None:
         """A READ's SUCCEEDED was answered, or its call failed (`_read_taken` says what follows)."""
         log_refusal("CompleteTransfers", transfer_id, generation, future)
+        read_as = self._reading[(transfer_id, generation)]
         again = self._read_over((transfer_id, generation))
         result = None if future.cancelled() or future.exception() else future.result()
         target = self._targets.get(transfer_id)
         if target is not None and target.generation == generation:
-            self._read_taken(transfer_id, target, result, arrived)
+            self._read_taken(transfer_id, target, result, arrived, read_as)
         if again is not None:
             self._source_ready(again)
 
-    def _read_taken(self, transfer_id: str, target: _Target, result: ItemResult | None, arrived: float) -> None:
+    def _read_taken(
+        self, transfer_id: str, target: _Target, result: ItemResult | None, arrived: float, read_as: tuple[int, int]
+    ) -> None:
         """The bytes of a READ whose SUCCEEDED was answered `result` (None: the call failed, which leaves them in
         the blocks all the same) arrive if the service took the report: the generation is MATCHED (other ranks'
         shares to come) or committed. Not if it refused it: as a replaced incarnation's (STALE_INCARNATION: read
@@ -886,8 +900,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         whichever comes first); any other refusal fails it at once (`AgentReason.LOST`, the service's error). The
         report that commits the generation ends the target; one answered MATCHED ends on the TRANSFER_COMMITTED of
         the last rank's report, which the service sends the consumer (that report names only its own rank). Only
-        when the call went unanswered does rank 0 ask (`_check_target`): had this report committed the
-        generation naming every rank (a single-rank consumer), no event would tell of it."""
+        when the call went unanswered does the rank ask (`_check_target`; a following rank asks anyway): had this
+        report committed the generation naming every rank (a single-rank consumer), no event would tell of it; had
+        the service not taken it, the generation would stay MATCHED until its deadline aborted it, so the report is
+        sent again (`_report_again`)."""
         error = None if result is None else result.error
         if error is not None:
             if error.reason != Reason.STALE_INCARNATION:
@@ -899,9 +915,32 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             target.arrived = True
             self._deliver(TransferResult(transfer_id, target.generation, True, target.block_ids), arrived, "read")
         if result is None:
-            if self.leader:
-                self._watch_target(transfer_id, target)
+            target.unanswered = read_as
+            self._watch_target(transfer_id, target)
         elif result.state in _ARRIVED:
+            self._committed(transfer_id, target.generation)
+
+    def _report_again(self, transfer_id: str, target: _Target, read_as: tuple[int, int]) -> None:
+        """Send the SUCCEEDED of the target's READ again, as the incarnation it was sent as: that call went unanswered
+        and the service still has the generation MATCHED, so it did not take it (or took it, and waits for other
+        ranks: the same report again changes nothing). One at a time: unanswered again, the next check sends it
+        again; taken, it commits the generation or leaves it to the other ranks' reports."""
+        target.unanswered = None
+        spec = CompletionSpec(transfer_id, target.generation, CompletionOutcome.SUCCEEDED, "", (self.rank,))
+        future = self._completions_of(read_as).submit(spec)
+        future.add_done_callback(functools.partial(self._reported_again, transfer_id, target, read_as))
+
+    def _reported_again(
+        self, transfer_id: str, target: _Target, read_as: tuple[int, int], future: asyncio.Future[ItemResult]
+    ) -> None:
+        log_refusal("CompleteTransfers", transfer_id, target.generation, future)
+        if self._targets.get(transfer_id) is not target:
+            return
+        if future.cancelled() or future.exception() is not None:
+            target.unanswered = read_as  # the next check sends it again
+            return
+        result = future.result()
+        if result.ok and result.state in _ARRIVED:
             self._committed(transfer_id, target.generation)
 
     def _read_over(self, key: tuple[str, int]) -> ServerEvent | None:

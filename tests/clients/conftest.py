@@ -230,7 +230,7 @@ class GrpcProxy:
     - `hold(method)`: later calls of method are never forwarded nor answered (a replica that stopped answering),
       until `release(method)`;
     - `refuse(method, code)`: later calls of method are answered `code` at once, unforwarded (a front that
-      refuses them: an answer, not an outage);
+      refuses them: an answer, not an outage), until `release(method)`;
     - `delay(method)`: a later (unary) call of method is forwarded only at `let_through(method)`, and then even if
       its caller has given up meanwhile: a request already on its way to the server. `delayed[method]` counts the
       calls waiting, `late` the forwarded calls not yet answered by the server.
@@ -292,8 +292,10 @@ class GrpcProxy:
         self._held.add(method)
 
     def release(self, method: str) -> None:
-        """Forward later calls of method again (those held stay unanswered until their callers give up)."""
+        """Forward later calls of method again, after `hold` or `refuse` (those held stay unanswered until their
+        callers give up)."""
         self._held.discard(method)
+        self._refused.pop(method, None)
 
     def refuse(self, method: str, code: grpc.StatusCode) -> None:
         """Answer every later call of method with status code, unforwarded."""

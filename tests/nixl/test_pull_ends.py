@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -16,9 +17,11 @@ from rendezvous.clients import (
     AbortReason,
     AbortSpec,
     AsyncRendezvousClient,
+    ClientConfig,
     EventType,
     ItemResult,
     KvLayout,
+    RetryPolicy,
     SessionEvent,
     TransferMode,
     TransferState,
@@ -29,10 +32,20 @@ from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, start_test_server
 from rendezvous.core.limits import Timeouts
 from rendezvous.protocol.errors import NotFound, Unavailable
-from tests.clients.conftest import FAST_SESSION, MUST, WAIT, client, client_config, server, wait_until
+from tests.clients.conftest import (
+    FAST_SESSION,
+    MUST,
+    WAIT,
+    GrpcProxy,
+    client,
+    client_config,
+    grpc_proxy,
+    server,
+    wait_until,
+)
 from tests.nixl.test_read_outcomes import decode_agent, prefill
 
-__all__ = ["client", "server"]
+__all__ = ["client", "grpc_proxy", "server"]
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
@@ -319,4 +332,40 @@ async def test_every_rank_drops_a_pull_target_once_committed(
         for consumer in reversed(consumers):
             await consumer.close()
         for producer in reversed(producers):
+            await producer.close()
+
+
+async def test_a_pull_report_the_service_never_got_is_sent_again(
+    server: AsyncTestServer, grpc_proxy: GrpcProxy, client: AsyncRendezvousClient
+) -> None:
+    """d0's one rank READs t1 and reports it, and every attempt of that CompleteTransfers is refused UNAVAILABLE on
+    the way (the service never hears of it): the bytes arrive all the same, and rank 0 asks about t1. Before the
+    fix it found t1 MATCHED and only waited: t1 stayed MATCHED, p0's source held, until its deadline aborted it (an
+    hour here). Now it sends the same report again once the service answers: t1 commits and is released."""
+    decode = [torch.zeros(8, 256, dtype=torch.uint8)]
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    retry = RetryPolicy(initial_backoff=0.01, max_backoff=0.01, max_attempts=2)
+    async with AsyncRendezvousClient(ClientConfig(targets=(grpc_proxy.address,), retry=retry)) as proxied:
+        consumer = ConsumerAgent(
+            proxied, "d0", "decode", decode, layout=TEST_LAYOUT, session_config=FAST_SESSION,
+            on_result=results.put_nowait, follower_check_s=0.05,
+        )  # fmt: skip
+        producer = prefill(client, "p0", 1)
+        await producer.start()
+        await consumer.start()
+        try:
+            grpc_proxy.refuse("CompleteTransfers", grpc.StatusCode.UNAVAILABLE)
+            assert (await consumer.register_target("t1", [5], mode=TransferMode.PULL, timeout=HOUR)).ok
+            assert (await producer.claim("t1")).ok
+            producer.ready("t1", [2], mode=TransferMode.PULL)
+            result = await asyncio.wait_for(results.get(), MUST)
+            assert (result.transfer_id, result.ok) == ("t1", True) and bool((decode[0][5] == 1).all())
+            assert (await client.get_transfer("t1")).state is TransferState.MATCHED  # the report never got there
+            assert consumer.awaiting_result("t1")
+            grpc_proxy.release("CompleteTransfers")
+            await state_becomes(client, "t1", TransferState.RELEASED)  # committed, then released by rank 0
+            await wait_until(lambda: not consumer.awaiting_result("t1"), MUST)
+            assert results.empty()
+        finally:
+            await consumer.close()
             await producer.close()
