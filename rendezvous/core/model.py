@@ -97,7 +97,8 @@ class Transfer(TransferRecord):
     """One transfer as the service keeps it: what it reports (`TransferRecord`) and its fencing state.
 
     `reported_ranks` names the ranks that reported `assigned_generation`, or `revoking_generation` while one
-    is pending (never both at once). `source_block_ids` is None until the producer says them.
+    is pending (never both at once); in pull, the consumer ranks that reported `generation`. `source_block_ids`
+    is None until the producer says them.
     """
 
     deadline: float  # every stored transfer has one (it stays in its place: third)

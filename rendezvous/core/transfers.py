@@ -398,6 +398,9 @@ def register_target(
         mode=spec.mode,
         deadline=ctx.now + timeout,
         times=_times(cur, target_time=ctx.now),
+        # Push: the producer ranks' reports stay with the generation they revoke. Pull: the consumer's ranks read
+        # the superseded generation; each reads the new one (into the new blocks) before it commits.
+        reported_ranks=cur.reported_ranks if cur.mode == Mode.PUSH else (),
     )
     if not cur.consumer_engine_id:
         claimed = evolve(retarget, consumer_engine_id=consumer.engine_id, consumer_incarnation=consumer.incarnation)

@@ -107,9 +107,9 @@ def pulled(w: RankedWorld) -> None:
     assert w.events("d1") == [EventType.SOURCE_READY]
 
 
-def read(w: RankedWorld, *ranks: int) -> State:
-    """d1's ranks report their READs of t1."""
-    (result,) = run(w.coord.complete_transfers("d1", 0, [CompletionSpec("t1", 1, Outcome.SUCCEEDED, "", ranks)]))
+def read(w: RankedWorld, *ranks: int, gen: int = 1) -> State:
+    """d1's ranks report their READs of t1's generation gen."""
+    (result,) = run(w.coord.complete_transfers("d1", 0, [CompletionSpec("t1", gen, Outcome.SUCCEEDED, "", ranks)]))
     return ok(result)
 
 
@@ -138,6 +138,19 @@ def test_a_pull_commit_reported_for_every_consumer_rank_at_once_is_told_to_the_p
         assert read(w, *earlier) == State.MATCHED
     assert read(w) == State.COMMITTED
     assert (w.events("d1"), w.events("p1")) == ([], [EventType.TRANSFER_COMMITTED])
+
+
+def test_a_pull_generation_commits_only_once_every_consumer_rank_read_it_not_an_earlier_one() -> None:
+    """A rank's READ of a generation the consumer then replaced (preempted: new blocks) is no READ of the new one."""
+    w = RankedWorld()
+    pulled(w)
+    assert read(w, 0) == State.MATCHED
+    preempted = TargetSpec("t1", (3, 4), generation=2, mode=Mode.PULL)
+    assert ok(run(w.coord.register_targets("d1", 0, [preempted]))[0]) == State.MATCHED
+    assert w.events("d1") == [EventType.SOURCE_READY]
+    assert read(w, 1, gen=2) == State.MATCHED
+    assert w.transfer_state() == (State.MATCHED, (1,), 0)
+    assert read(w, 0, gen=2) == State.COMMITTED
 
 
 def test_one_failed_rank_aborts_and_fences_until_the_other_ranks_stopped() -> None:
