@@ -11,6 +11,10 @@ Invariants:
 - every event goes to an engine taking part in its transfer, in the role the event is for, and each
   engine hears of a transfer's abort at most once;
 - once every deadline and lease has passed, nothing is left: no transfer, no engine;
+- a generation commits only once every rank of the engine moving the bytes (the producer in push, the consumer
+  in pull; p1 and c1 have two ranks) reported it a success while it was in flight;
+- each commit tells the side that did not move the bytes once; a pull consumer is told too (once) when the
+  report that committed named only some of its ranks, and never otherwise: its answer says so;
 - a report of written parts that does not tile the rank's share (or for a target that did not accept parts)
   is refused and changes nothing: a generation never commits with bytes missing.
 """
@@ -58,7 +62,7 @@ from tests.core.helpers import LAYOUT, START, agent, engine_spec, every_engine, 
 CONSUMERS = ("c0", "c1")
 PRODUCERS = ("p0", "p1")
 ENGINES = CONSUMERS + PRODUCERS
-RANKS = {"p1": 2}  # p1 is a TP 2 producer: each rank reports its share
+RANKS = {"p1": 2, "c1": 2}  # TP 2 engines: each rank of a producer (push) or consumer (pull) reports its share
 HEADED = replace(LAYOUT, num_kv_heads=2, kv_layout="HND")
 TIMEOUTS = Timeouts(
     default_lease_ttl=20,
@@ -72,6 +76,7 @@ PRODUCER_EVENTS = {EventType.TRANSFER_ASSIGNED, EventType.TRANSFER_REVOKED}
 CONSUMER_EVENTS = {EventType.SOURCE_READY, EventType.REVOCATION_CONFIRMED}
 
 RANK = (None, None, 0, 1)  # a report for every rank (no rank named), or for one
+PREEMPTED = "preempted"  # a step of pulled_by_ranks: the consumer registers the next generation
 
 blocks = st.lists(st.integers(0, 15), min_size=0, max_size=4, unique=True).map(tuple)
 TOKENS = 32
@@ -100,6 +105,10 @@ class Lifecycle(RuleBasedStateMachine):
         self.unreported: dict[tuple[str, str, int], set[int]] = {}
         self.terminal: dict[str, State] = {}
         self.aborts_heard: dict[tuple[str, str, float], int] = defaultdict(int)
+        # (engine, transfer, commit time) -> TRANSFER_COMMITTED events it heard.
+        self.commits_heard: dict[tuple[str, str, float], int] = defaultdict(int)
+        # (transfer, generation) -> ranks of the mover that reported it a success while it was in flight.
+        self.moved: dict[tuple[str, int], set[int]] = defaultdict(set)
         self.minted: list[str] = []
         # Incarnations replaced by a registration whose loss the coordinator has not applied yet.
         self.pending_loss: list[Engine] = []
@@ -154,6 +163,9 @@ class Lifecycle(RuleBasedStateMachine):
             for event in page.events:
                 self.seen[engine_id] = event.sequence
                 self._check_event(engine_id, event)
+        gone = {t for t, _ in self.moved if run(self.store.get_transfer(t)) is None}
+        for key in [k for k in self.moved if k[0] in gone]:
+            del self.moved[key]  # a dropped id may be registered afresh, from generation 1
 
     def _check_event(self, engine_id: str, event: Event[Transfer, Engine]) -> None:
         t = event.transfer
@@ -190,6 +202,15 @@ class Lifecycle(RuleBasedStateMachine):
             )
             if still_held:
                 self._let_go(*producer_key, event.generation)
+        elif event.type == EventType.TRANSFER_COMMITTED:
+            assert t is not None
+            if engine_id == _mover(t):
+                assert t.mode == Mode.PULL and RANKS.get(engine_id, 1) > 1, (
+                    f"{t.transfer_id} ({t.mode.name}): its mover {engine_id} told of the commit"
+                )
+            commit_key = (engine_id, t.transfer_id, t.times.commit_time)
+            self.commits_heard[commit_key] += 1
+            assert self.commits_heard[commit_key] == 1, f"{engine_id} told twice of the commit of {t.transfer_id}"
         elif event.type == EventType.TRANSFER_ABORTED:
             assert t is not None
             abort_key = (engine_id, t.transfer_id, t.times.end_time)
@@ -286,10 +307,45 @@ class Lifecycle(RuleBasedStateMachine):
     def complete(self, e: str, t: str, gen: int, failed: bool, rank: int | None = None) -> None:
         outcome = Outcome.FAILED if failed else Outcome.SUCCEEDED
         ranks = () if rank is None else (rank,)
-        outcomes = self._call(self.coord.complete_transfers, e, 0, [CompletionSpec(t, gen, outcome, "", ranks)])
-        if outcomes and outcomes[0].error is None:
-            self._release_holding(e, t, gen, ranks)
+        self._report(e, CompletionSpec(t, gen, outcome, "", ranks))
+
+    def _report(self, e: str, spec: CompletionSpec) -> bool:
+        """e reports spec; whether it was accepted. Checks what a commit needs and whom it tells."""
+        t, gen = spec.transfer_id, spec.generation
+        before = run(self.store.get_transfer(t))
+        outcomes = self._call(self.coord.complete_transfers, e, 0, [spec])
+        if outcomes and outcomes[0].error is not None:
+            assert run(self.store.get_transfer(t)) == before, f"a refused report of {t} changed it"
+        accepted = bool(outcomes) and outcomes[0].error is None
+        in_flight = (
+            before is not None
+            and before.state == State.MATCHED
+            and before.generation == gen
+            and _mover(before) == e
+            and (before.mode == Mode.PULL or before.assigned_generation == gen)
+        )
+        every_rank = set(range(RANKS.get(e, 1)))
+        reporting = set(spec.ranks) or every_rank
+        if accepted and in_flight and spec.outcome == Outcome.SUCCEEDED:
+            self.moved[(t, gen)] |= reporting
+        if accepted:
+            self._release_holding(e, t, gen, spec.ranks)
         self._after()
+        after = run(self.store.get_transfer(t))
+        if before is None or before.state != State.MATCHED or after is None or after.state != State.COMMITTED:
+            return accepted
+        assert self.moved[(t, gen)] == every_rank, (
+            f"{t} g{gen} committed by {e} ranks {sorted(reporting)}; only {sorted(self.moved[(t, gen)])} of "
+            f"{sorted(every_rank)} reported it"
+        )
+        told = self.commits_heard[(after.counterpart(e), t, after.times.commit_time)]
+        assert told == 1, f"the commit of {t} g{gen} was told to {after.counterpart(e)} {told} times"
+        consumer_told = after.mode == Mode.PULL and reporting != every_rank
+        heard = self.commits_heard[(e, t, after.times.commit_time)]
+        assert heard == consumer_told, (
+            f"{t} g{gen} ({after.mode.name}) committed by {e} ranks {sorted(reporting)}: {e} told {heard} times"
+        )
+        return accepted
 
     @rule(p=st.sampled_from(PRODUCERS), t=transfers, gen=st.integers(1, 3), rank=st.sampled_from(RANK))
     def acknowledge(self, p: str, t: str, gen: int, rank: int | None = None) -> None:
@@ -353,21 +409,40 @@ class Lifecycle(RuleBasedStateMachine):
         before = run(self.store.get_transfer(t))
         ranks = () if rank is None else (rank,)
         spec = CompletionSpec(t, gen, Outcome.SUCCEEDED, "", ranks, PARTS[kind])
-        outcomes = self._call(self.coord.complete_transfers, p, 0, [spec])
         checked = (
             before is not None
             and before.state == State.MATCHED
             and before.assigned_generation == gen
             and before.revoking_generation != gen
         )
-        if outcomes and outcomes[0].error is not None:
-            assert run(self.store.get_transfer(t)) == before, f"a refused report of {t} changed it"
-        elif outcomes:
+        if self._report(p, spec):
             assert not checked or (before is not None and before.progressive and kind in TILING), (
                 f"{t} g{gen} took {kind} parts (progressive: {before.progressive if before else None})"
             )
-            self._release_holding(p, t, gen, ranks)
-        self._after()
+
+    @rule(
+        target=transfers,
+        c=st.sampled_from(CONSUMERS),
+        p=st.sampled_from(PRODUCERS),
+        steps=st.lists(st.sampled_from((None, 0, 1, PREEMPTED)), min_size=1, max_size=6),
+        failing=st.integers(0, 11),
+        b=st.lists(st.integers(0, 15), max_size=3, unique=True).map(tuple),
+    )
+    def pulled_by_ranks(self, c: str, p: str, steps: list[int | str | None], failing: int, b: tuple[int, ...]) -> str:
+        """A router mints a pull transfer and sends both legs; then, step by step, a rank of the consumer (None:
+        every rank) reports its READ of the current generation (the step numbered `failing` a failure), or the
+        consumer is preempted and registers the next generation with blocks b."""
+        t = self._mint()
+        self.both_halves(t, c, p, consumer_first=True, pull=True)
+        for i, step in enumerate(steps):
+            record = run(self.store.get_transfer(t))
+            if record is None or record.state != State.MATCHED:
+                break
+            if isinstance(step, str):  # PREEMPTED
+                self.register_target(c, t, record.generation + 1, b, pull=True)
+            else:
+                self.complete(c, t, record.generation, i == failing, step)
+        return t
 
     @rule(pick=st.integers(0, 100), rank=st.sampled_from(RANK))
     def producer_acknowledges_a_revocation(self, pick: int, rank: int | None) -> None:
@@ -467,6 +542,11 @@ class Lifecycle(RuleBasedStateMachine):
             self._after()
         assert run(self.store.list_transfers()) == []
         assert run(every_engine(self.store)) == []
+
+
+def _mover(t: Transfer) -> str:
+    """The engine that moves t's bytes and reports them: the producer in push, the consumer in pull."""
+    return t.producer_engine_id if t.mode == Mode.PUSH else t.consumer_engine_id
 
 
 Lifecycle.TestCase.settings = settings(
