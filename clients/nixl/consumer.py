@@ -25,7 +25,9 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   e.g. the process hung): after `Reregistered` (and after a `Resynced`) the agent asks the service, since a WRITE
   posted before the hang may still land once the process runs again. A resync's listing holds live transfers only:
   the agent asks the service about each target it lacks (ended while the watch was away) and ends it as the
-  service's record says (ok when committed, released since; failed as an abort says; LOST when forgotten).
+  service's record says (ok when committed, released since; failed as an abort says; LOST when forgotten). So it
+  does about each target a re-registration re-asserted and found committed or released (its TRANSFER_COMMITTED
+  went to the replaced incarnation).
 - REVOKED (`AgentReason.REVOKED`): registering a newer generation of a transfer retires the older one; its blocks
   are reported free the same way, once no write of it can land.
 
@@ -447,9 +449,10 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._checks.discard(asyncio.current_task())
 
     async def _ask_ended(self, transfer_id: str, target: _Target) -> None:
-        """A target whose transfer a resync's listing lacks: the listing holds live transfers only, so it ended while
-        the watch was away (released, aborted, forgotten), or was registered after the listing was read. The service's
-        record says which (`_ask`); should it not answer, the target is watched until it does."""
+        """A target whose transfer may have ended while this rank did not hear of it: a resync's listing lacks it (the
+        listing holds live transfers only: it ended while the watch was away, released, aborted or forgotten, or was
+        registered after the listing was read), or a re-registration re-asserted it as committed or released. The
+        service's record says which (`_ask`); should it not answer, the target is watched until it does."""
         if await self._ask(transfer_id, target) is None and self._targets.get(transfer_id) is target:
             self._watch_target(transfer_id, target)
 
@@ -540,8 +543,17 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             )
         elif isinstance(item, Reregistered):
             lost = [r.transfer_id for r in item.results if not r.ok or r.state is TransferState.ABORTED]
+            # Re-asserted unchanged though it committed (released since, maybe: the replaced incarnation's lease
+            # lapsing releases it) while no TRANSFER_COMMITTED reached this incarnation. The answer names no
+            # generation: the service's record says whether it is the target's.
+            ended = [
+                (r.transfer_id, held)
+                for r in item.results
+                if r.ok and r.state in _ARRIVED and (held := self._targets.get(r.transfer_id)) is not None
+            ]
             await asyncio.gather(
-                *(self._give_back(t, "the transfer did not survive re-registration", AgentReason.LOST) for t in lost)
+                *(self._give_back(t, "the transfer did not survive re-registration", AgentReason.LOST) for t in lost),
+                *(self._ask_ended(transfer_id, held) for transfer_id, held in ended),
             )
         else:
             self._on_server_event(item)
