@@ -480,7 +480,12 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._committed(transfer_id, target.generation)
         elif info.state.terminal:  # aborted, or a newer generation came and was released
             reason = info.abort_reason if info.state is TransferState.ABORTED else AgentReason.REVOKED
-            self._fail(transfer_id, reason, info.abort_message, info.revoking_generation)
+            if info.revoking_generation == target.generation:
+                # Fenced when answered; its REVOCATION_CONFIRMED may have been handled since (outside the handler):
+                # waited for as `_when_unfenced` does, which notes the result first and asks again.
+                await self._give_back(transfer_id, info.abort_message, reason)
+            else:
+                self._fail(transfer_id, reason, info.abort_message)
         return info
 
     async def abort(self, transfer_id: str, message: str = "") -> ItemResult:
