@@ -1,8 +1,8 @@
-"""A target whose transfer committed while its engine's lease lapsed is re-asserted by the new incarnation and answered
-ok, RELEASED (the lapse released it): the agent asks the service and ends it as a commit does. Real service (on a
-fake clock) and NIXL agents; decode connects through a gRPC proxy that refuses its Watch and KeepAlive calls while
-the transfers commit and its lease lapses. Prefill's engine session reports the transfers written, moving no byte:
-only the service's word ends them."""
+"""A transfer that committed while an engine's lease lapsed is re-asserted by the new incarnation and answered ok,
+COMMITTED or RELEASED: the agent ends it as its TRANSFER_COMMITTED (sent to the replaced incarnation) would have.
+Real service (on a fake clock) and NIXL agents; the engine under test connects through a gRPC proxy that refuses its
+Watch and KeepAlive calls while the transfers commit and its lease lapses. The other engine's session reports the
+transfers, moving no byte: only the service's word ends them."""
 
 from __future__ import annotations
 
@@ -12,19 +12,27 @@ import grpc
 import pytest
 import torch
 
-from rendezvous.clients import AsyncRendezvousClient, ClaimSpec, CompletionSpec, TransferState
+from rendezvous.clients import (
+    AsyncRendezvousClient,
+    ClaimSpec,
+    CompletionSpec,
+    ReleaseSpec,
+    TargetSpec,
+    TransferMode,
+    TransferState,
+)
 from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
 from rendezvous.clients.testing import TEST_LAYOUT, FakeClock, start_test_server
 from rendezvous.core.limits import Timeouts
 from tests.clients.conftest import FAST_SESSION, MUST, GrpcProxy, client_config
 from tests.nixl.helpers import on_reregistered
 from tests.nixl.test_read_outcomes import prefill
-from tests.nixl.test_resync import IDS
+from tests.nixl.test_resync import IDS, eventually_ready
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 
 LEASE = 9.0
-"""The engines' lease, in the service's (fake) seconds."""
+"""The lease of the engine under test, in the service's (fake) seconds; its peer's is three times as long."""
 STREAMS = ("Watch", "KeepAlive")
 
 
@@ -80,6 +88,63 @@ async def test_targets_committed_while_the_lease_lapsed_end_ok_once_re_registere
                         assert (ended[t].ok, ended[t].generation, ended[t].block_ids) == (True, 1, (i,))
                         assert not consumer.awaiting_result(t)
                     assert consumer._thread is not None and not consumer._thread._expecting.is_set()
+                finally:
+                    for method in STREAMS:
+                        proxy.release(method)
+                    await consumer.close()
+                    await producer.close()
+        finally:
+            await proxy.close()
+
+
+@pytest.mark.parametrize("state", [TransferState.COMMITTED, TransferState.RELEASED])
+async def test_pull_sources_committed_while_the_lease_lapsed_are_freed_once_re_registered(state: TransferState) -> None:
+    """p0's Watch and KeepAlive are refused while d0 reports each of six pull transfers read (d0's engine session
+    reports, not reading), and maybe releases them: their TRANSFER_COMMITTED waits in the log of a p0 incarnation
+    whose lease then lapses (a lost producer leaves a committed transfer as it is). Its KeepAlive let through again,
+    p0 re-registers and re-asserts each claim and ready source, answered ok, COMMITTED or RELEASED: it frees every
+    source while its handler takes Reregistered."""
+    clock = FakeClock()
+    freed: asyncio.Queue[str] = asyncio.Queue()
+    async with (
+        start_test_server(clock, timeouts=Timeouts(default_lease_ttl=LEASE), sweep_interval=0.02, grace=0.1) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy = GrpcProxy(server.address)
+        await proxy.start()
+        try:
+            async with AsyncRendezvousClient(client_config(proxy.address)) as proxied:
+                producer = prefill(proxied, "p0", 1)
+                reregistered = on_reregistered(producer)
+                consumer = ConsumerAgent(
+                    client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
+                    session_config=FAST_SESSION, lease_ttl=3 * LEASE,
+                )  # fmt: skip
+                await producer.start()
+                await consumer.start()
+                try:
+                    targets = [TargetSpec(t, (i,), mode=TransferMode.PULL) for i, t in enumerate(IDS)]
+                    assert all(r.ok for r in await consumer.session.register_targets(targets))  # the agent reads none
+                    for i, t in enumerate(IDS):
+                        assert (await producer.claim(t)).state is TransferState.MATCHED
+                        producer.ready(t, [i], freed.put_nowait, mode=TransferMode.PULL)
+                    await eventually_ready(client)
+                    for method in STREAMS:
+                        proxy.refuse(method, grpc.StatusCode.UNAVAILABLE)
+                        proxy.end_streams(method)
+                    done = await consumer.session.complete_transfers([CompletionSpec(t, 1) for t in IDS])
+                    assert all(r.state is TransferState.COMMITTED for r in done)
+                    if state is TransferState.RELEASED:
+                        released = await consumer.session.release_targets([ReleaseSpec(t, 1) for t in IDS])
+                        assert all(r.state is TransferState.RELEASED for r in released)
+                    clock.advance(LEASE)
+                    await server.sweep()  # p0's lease lapsed
+                    assert all([(await client.get_transfer(t)).state is state for t in IDS])
+                    assert freed.empty()
+                    proxy.release("KeepAlive")  # refused LEASE_EXPIRED: p0 re-registers; its Watch stays refused
+                    taken = await asyncio.wait_for(reregistered, MUST)
+                    assert [(r.transfer_id, r.ok, r.state) for r in taken.results] == [(t, True, state) for t in IDS]
+                    assert sorted([freed.get_nowait() for _ in range(freed.qsize())]) == IDS
                 finally:
                     for method in STREAMS:
                         proxy.release(method)
