@@ -602,6 +602,13 @@ def complete(
             f"transfer {cur.transfer_id} generation {spec.generation} was not assigned (state {cur.state.name})",
             transfer_id=cur.transfer_id,
         )
+    if spec.outcome == Outcome.SUCCEEDED and cur.mode == Mode.PULL and cur.source_block_ids is None:
+        # Nothing could have been read yet: a FAILED (the consumer gives up) is still taken.
+        raise RendezvousError(
+            Reason.INVALID_STATE,
+            f"transfer {cur.transfer_id}'s source is not ready: report a success only after SOURCE_READY",
+            transfer_id=cur.transfer_id,
+        )
     if spec.parts and spec.outcome == Outcome.SUCCEEDED:
         _check_written_parts(cur, engine, ranks, spec)
     other = cur.counterpart(engine.engine_id)

@@ -163,6 +163,34 @@ def test_pull_mode_sends_source_ready_to_the_consumer_who_completes() -> None:
     assert types(w.events("p1")) == [EventType.TRANSFER_COMMITTED]
 
 
+def test_a_pull_consumer_success_before_the_source_is_ready_is_refused_and_changes_nothing() -> None:
+    w = World()
+    w.target(mode=Mode.PULL)
+    assert ok(w.claim()) == State.MATCHED  # claimed without its source: no SOURCE_READY yet
+    assert w.events("d1") == []
+    before = run(w.store.get_transfer("t1"))
+    for ranks in ((), (0,)):
+        early = run(w.coord.complete_transfers("d1", 0, [CompletionSpec("t1", 1, Outcome.SUCCEEDED, "", ranks)]))[0]
+        assert reason(early) == Reason.INVALID_STATE
+        assert early.error is not None and "source is not ready" in early.error.message
+        assert run(w.store.get_transfer("t1")) == before
+    assert w.events("p1") == [] and w.events("d1") == []
+    ok(run(w.coord.mark_sources_ready("p1", 0, [SourceReadySpec("t1", (7, 8, 9))]))[0])
+    assert types(w.events("d1")) == [EventType.SOURCE_READY]
+    done = run(w.coord.complete_transfers("d1", 0, [CompletionSpec("t1", 1, Outcome.SUCCEEDED)]))[0]
+    assert ok(done) == State.COMMITTED
+
+
+def test_a_pull_consumer_may_give_up_before_the_source_is_ready() -> None:
+    w = World()
+    w.target(mode=Mode.PULL)
+    w.claim()
+    gave_up = run(w.coord.complete_transfers("d1", 0, [CompletionSpec("t1", 1, Outcome.FAILED, "no room")]))[0]
+    assert ok(gave_up) == State.ABORTED
+    assert gave_up.transfer is not None and gave_up.transfer.abort_reason == AbortReason.TRANSFER_FAILED
+    assert types(w.events("p1")) == [EventType.TRANSFER_ABORTED]
+
+
 def test_reregistering_a_new_generation_revokes_the_old_assignment_until_acknowledged() -> None:
     w = World()
     w.target(blocks=(1, 2))

@@ -15,6 +15,8 @@ Invariants:
   in pull; p1 and c1 have two ranks) reported it a success while it was in flight;
 - each commit tells the side that did not move the bytes once; a pull consumer is told too (once) when the
   report that committed named only some of its ranks, and never otherwise: its answer says so;
+- a pull consumer's success is refused (and changes nothing) until the producer's source is ready: the
+  consumer cannot have read it;
 - a report of written parts that does not tile the rank's share (or for a target that did not accept parts)
   is refused and changes nothing: a generation never commits with bytes missing.
 """
@@ -327,6 +329,9 @@ class Lifecycle(RuleBasedStateMachine):
         every_rank = set(range(RANKS.get(e, 1)))
         reporting = set(spec.ranks) or every_rank
         if accepted and in_flight and spec.outcome == Outcome.SUCCEEDED:
+            assert before is not None and (before.mode == Mode.PUSH or before.source_block_ids is not None), (
+                f"{t} g{gen}: {e}'s success was taken before the producer's source was ready"
+            )
             self.moved[(t, gen)] |= reporting
         if accepted:
             self._release_holding(e, t, gen, spec.ranks)
@@ -427,14 +432,24 @@ class Lifecycle(RuleBasedStateMachine):
         steps=st.lists(st.sampled_from((None, 0, 1, PREEMPTED)), min_size=1, max_size=6),
         failing=st.integers(0, 11),
         b=st.lists(st.integers(0, 15), max_size=3, unique=True).map(tuple),
+        ready_at=st.one_of(st.just(0), st.integers(1, 3)),
     )
-    def pulled_by_ranks(self, c: str, p: str, steps: list[int | str | None], failing: int, b: tuple[int, ...]) -> str:
+    def pulled_by_ranks(
+        self, c: str, p: str, steps: list[int | str | None], failing: int, b: tuple[int, ...], ready_at: int
+    ) -> str:
         """A router mints a pull transfer and sends both legs; then, step by step, a rank of the consumer (None:
         every rank) reports its READ of the current generation (the step numbered `failing` a failure), or the
-        consumer is preempted and registers the next generation with blocks b."""
+        consumer is preempted and registers the next generation with blocks b. The producer's source is ready
+        from the start (`ready_at` 0), or it claims first and marks its source ready before step `ready_at`."""
         t = self._mint()
-        self.both_halves(t, c, p, consumer_first=True, pull=True)
+        if ready_at:
+            self.register_target(c, t, 1, (1, 2, 3), pull=True)
+            self.claim(p, t)
+        else:
+            self.both_halves(t, c, p, consumer_first=True, pull=True)
         for i, step in enumerate(steps):
+            if ready_at and i == ready_at:
+                self.source_ready(p, t, (4, 5, 6))
             record = run(self.store.get_transfer(t))
             if record is None or record.state != State.MATCHED:
                 break
