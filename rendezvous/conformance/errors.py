@@ -92,6 +92,23 @@ async def complete_unassigned(s: Scenario) -> None:
     expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", "CompleteTransfers of an unassigned transfer")
 
 
+@check("errors")
+async def pull_success_before_source_ready(s: Scenario) -> None:
+    """A pull consumer's SUCCEEDED before MarkSourcesReady: FAILED_PRECONDITION / INVALID_STATE, nothing changes."""
+    consumer, producer = await s.pair()
+    t = s.transfer_id()
+    expect_state(await consumer.register_target(t, mode=pb.TRANSFER_MODE_PULL), TARGETED, "RegisterTargets(PULL)")
+    expect_state(await producer.claim(t), MATCHED, "ClaimTransfers without the source")
+    result = await consumer.complete(t, 1)
+    what = "CompleteTransfers(SUCCEEDED) of a pull transfer before its source is ready"
+    expect_item_error(result, Code.FAILED_PRECONDITION, "INVALID_STATE", what)
+    transfer = await s.get_transfer(t)
+    expect(
+        transfer.state == MATCHED,
+        f"after the refused report the transfer is {state_name(transfer.state)}, expected MATCHED",
+    )
+
+
 async def _assigned_generation_two(s: Scenario) -> tuple[str, Engine]:
     """A transfer whose first target has generation 2, assigned; and its producer."""
     consumer, producer = await s.pair()
