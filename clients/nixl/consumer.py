@@ -26,8 +26,8 @@ from `results()` (or the `on_result` callback), as `TransferResult`s:
   posted before the hang may still land once the process runs again. A resync's listing holds live transfers only:
   the agent asks the service about each target it lacks (ended while the watch was away) and ends it as the
   service's record says (ok when committed, released since; failed as an abort says; LOST when forgotten). So it
-  does about each target a re-registration re-asserted and found committed or released (its TRANSFER_COMMITTED
-  went to the replaced incarnation).
+  does about each target a re-registration re-asserted and found committed, released or aborted (its event went to
+  the replaced incarnation).
 - REVOKED (`AgentReason.REVOKED`): registering a newer generation of a transfer retires the older one; its blocks
   are reported free the same way, once no write of it can land.
 
@@ -121,6 +121,7 @@ _IN_DOUBT = (DeadlineExceeded, Unavailable, Cancelled, Unknown)
 ABORT_IN_DOUBT_S = 60.0
 """How long an agent tries to abort a transfer whose registration is in doubt, when it has no timeout of its own."""
 _ARRIVED = frozenset({TransferState.COMMITTED, TransferState.RELEASED})
+_ENDED = _ARRIVED | {TransferState.ABORTED}
 _TAKEN = _ARRIVED | {TransferState.MATCHED}
 """What a READ's SUCCEEDED may answer when the service took it: MATCHED while other ranks' shares are to come."""
 EARLY_COMMITS = 4096
@@ -451,8 +452,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
     async def _ask_ended(self, transfer_id: str, target: _Target) -> None:
         """A target whose transfer may have ended while this rank did not hear of it: a resync's listing lacks it (the
         listing holds live transfers only: it ended while the watch was away, released, aborted or forgotten, or was
-        registered after the listing was read), or a re-registration re-asserted it as committed or released. The
-        service's record says which (`_ask`); should it not answer, the target is watched until it does."""
+        registered after the listing was read), or a re-registration re-asserted it as committed, released or
+        aborted. The service's record says which (`_ask`); should it not answer, the target is watched until it
+        does."""
         if await self._ask(transfer_id, target) is None and self._targets.get(transfer_id) is target:
             self._watch_target(transfer_id, target)
 
@@ -547,14 +549,15 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 *(self._ask_ended(transfer_id, target) for transfer_id, target in unlisted),
             )
         elif isinstance(item, Reregistered):
-            lost = [r.transfer_id for r in item.results if not r.ok or r.state is TransferState.ABORTED]
-            # Re-asserted unchanged though it committed (released since, maybe: the replaced incarnation's lease
-            # lapsing releases it) while no TRANSFER_COMMITTED reached this incarnation. The answer names no
-            # generation: the service's record says whether it is the target's.
+            lost = [r.transfer_id for r in item.results if not r.ok]
+            # Re-asserted unchanged though it ended while no event of it reached this incarnation: committed
+            # (released since, maybe: the replaced incarnation's lease lapsing releases it), or aborted (the lapse
+            # itself, or the router; maybe still fenced). The answer names no generation nor abort reason: the
+            # service's record says whether it is the target's generation, and why it ended.
             ended = [
                 (r.transfer_id, held)
                 for r in item.results
-                if r.ok and r.state in _ARRIVED and (held := self._targets.get(r.transfer_id)) is not None
+                if r.ok and r.state in _ENDED and (held := self._targets.get(r.transfer_id)) is not None
             ]
             await asyncio.gather(
                 *(self._give_back(t, "the transfer did not survive re-registration", AgentReason.LOST) for t in lost),

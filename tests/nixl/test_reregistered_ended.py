@@ -1,8 +1,8 @@
-"""A transfer that committed while an engine's lease lapsed is re-asserted by the new incarnation and answered ok,
-COMMITTED or RELEASED: the agent ends it as its TRANSFER_COMMITTED (sent to the replaced incarnation) would have.
-Real service (on a fake clock) and NIXL agents; the engine under test connects through a gRPC proxy that refuses its
-Watch and KeepAlive calls while the transfers commit and its lease lapses. The other engine's session reports the
-transfers, moving no byte: only the service's word ends them."""
+"""A transfer that committed (or aborted) while an engine's lease lapsed is re-asserted by the new incarnation and
+answered ok, COMMITTED or RELEASED (or ABORTED): the agent ends it as its TRANSFER_COMMITTED (or TRANSFER_ABORTED,
+sent to the replaced incarnation) would have. Real service (on a fake clock) and NIXL agents; the engine under test
+connects through a gRPC proxy that refuses its Watch and KeepAlive calls while the transfers end and its lease
+lapses. The other engine's session reports the transfers, moving no byte: only the service's word ends them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from rendezvous.clients import (
+    AbortReason,
+    AbortSpec,
     AsyncRendezvousClient,
     ClaimSpec,
     CompletionSpec,
@@ -22,9 +24,10 @@ from rendezvous.clients import (
     TransferState,
 )
 from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
+from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.testing import TEST_LAYOUT, FakeClock, start_test_server
 from rendezvous.core.limits import Timeouts
-from tests.clients.conftest import FAST_SESSION, MUST, GrpcProxy, client_config
+from tests.clients.conftest import FAST_SESSION, MUST, GrpcProxy, client_config, wait_until
 from tests.nixl.helpers import on_reregistered
 from tests.nixl.test_read_outcomes import prefill
 from tests.nixl.test_resync import IDS, eventually_ready
@@ -34,6 +37,8 @@ pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
 LEASE = 9.0
 """The lease of the engine under test, in the service's (fake) seconds; its peer's is three times as long."""
 STREAMS = ("Watch", "KeepAlive")
+ABORTED = ["t0", "t1", "t2"]
+WHY = "the router gave up"
 
 
 async def test_targets_committed_while_the_lease_lapsed_end_ok_once_re_registered() -> None:
@@ -151,4 +156,84 @@ async def test_pull_sources_committed_while_the_lease_lapsed_are_freed_once_re_r
                     await consumer.close()
                     await producer.close()
         finally:
+            await proxy.close()
+
+
+async def test_targets_aborted_while_the_lease_lapsed_fail_as_the_abort_says_once_unfenced() -> None:
+    """d0's Watch and KeepAlive are refused while the router aborts t1 and p0 holds t2's assignment; d0's lease
+    then lapses, which aborts t0 and t2 (PEER_LOST; t2 fenced until p0 acknowledges, which its own proxy holds).
+    Its KeepAlive let through again, d0 re-registers and re-asserts each target, answered ok and ABORTED. Before,
+    the agent failed each LOST ("did not survive re-registration"), losing why it ended. Now it asks the service:
+    t0 and t1 fail as their abort says while the handler takes Reregistered, t2 once its REVOCATION_CONFIRMED
+    comes."""
+    clock = FakeClock()
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    timeouts = Timeouts(default_lease_ttl=LEASE)
+    async with (
+        start_test_server(clock, timeouts=timeouts, sweep_interval=0.02, grace=0.1) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy, producer_proxy = GrpcProxy(server.address), GrpcProxy(server.address)
+        await proxy.start()
+        await producer_proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(proxy.address)) as proxied,
+                AsyncRendezvousClient(client_config(producer_proxy.address)) as producer_client,
+            ):
+                consumer = ConsumerAgent(
+                    proxied, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
+                    session_config=FAST_SESSION, on_result=results.put_nowait,
+                )  # fmt: skip
+                reregistered = on_reregistered(consumer)
+                producer = ProducerAgent(
+                    producer_client, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
+                    lease_ttl=3 * LEASE,
+                )  # fmt: skip
+                await producer.start()
+                await consumer.start()
+                try:
+                    for i, t in enumerate(ABORTED):
+                        assert (await consumer.register_target(t, [i])).state is TransferState.TARGETED
+                    assert (await producer.claim("t2")).state is TransferState.MATCHED
+                    await wait_until(lambda: "t2" in producer._assigned, MUST)
+                    for method in STREAMS:
+                        proxy.refuse(method, grpc.StatusCode.UNAVAILABLE)
+                        proxy.end_streams(method)
+                    producer_proxy.delay("AcknowledgeRevocations")
+                    (abort,) = await client.abort_transfers("", [AbortSpec("t1", WHY)])
+                    assert abort.state is TransferState.ABORTED
+                    clock.advance(LEASE)
+                    await server.sweep()  # d0's lease lapsed: t0 and t2 are aborted, t2 fenced
+                    assert [(await client.get_transfer(t)).revoking_generation for t in ABORTED] == [0, 0, 1]
+                    await producer_proxy.wait_for(lambda: producer_proxy.delayed["AcknowledgeRevocations"])
+                    assert results.empty()
+                    proxy.release("KeepAlive")  # refused LEASE_EXPIRED: d0 re-registers; its Watch stays refused
+                    taken = await asyncio.wait_for(reregistered, MUST)
+                    assert [(r.transfer_id, r.ok, r.state) for r in taken.results] == [
+                        (t, True, TransferState.ABORTED) for t in ABORTED
+                    ]
+                    ended = {r.transfer_id: r for r in [results.get_nowait() for _ in range(results.qsize())]}
+                    assert sorted(ended) == ["t0", "t1"]
+                    assert (ended["t0"].ok, ended["t0"].reason, ended["t0"].block_ids) == (
+                        False, AbortReason.PEER_LOST, (0,)
+                    )  # fmt: skip
+                    assert (ended["t1"].ok, ended["t1"].reason, ended["t1"].message) == (
+                        False, AbortReason.REQUESTED, WHY
+                    )  # fmt: skip
+                    assert consumer.awaiting_result("t2")  # p0 may still be writing into block 2
+                    proxy.release("Watch")
+                    producer_proxy.let_through("AcknowledgeRevocations")
+                    fenced = await asyncio.wait_for(results.get(), MUST)
+                    assert (fenced.transfer_id, fenced.ok, fenced.reason, fenced.block_ids) == (
+                        "t2", False, AbortReason.PEER_LOST, (2,)
+                    )  # fmt: skip
+                    assert not any(consumer.awaiting_result(t) for t in ABORTED)
+                finally:
+                    for method in STREAMS:
+                        proxy.release(method)
+                    await consumer.close()
+                    await producer.close()
+        finally:
+            await producer_proxy.close()
             await proxy.close()
