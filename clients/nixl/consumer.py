@@ -45,8 +45,9 @@ A rank of a multi-rank engine reports its own share: ok once every producer rank
 transfer as arrived only once every rank reported ok, as vLLM does with its workers' results. Rank 0 registers,
 aborts and releases for the engine; the other ranks only expect their share (`register_target` answers TARGETED
 at once). A following rank may hear of a commit before it expects the transfer (its worker lagged behind rank 0's):
-it remembers the last `EARLY_COMMITS` such commits, so the expectation ends at once; and it asks the service every
-`follower_check_s` (default `FOLLOWER_CHECK_S`) about a transfer it has heard nothing of.
+it remembers the last `EARLY_COMMITS` such commits, so the expectation ends at once, and so it does of pull sources
+ready (SOURCE_READY) of a generation it did not expect yet, read once it does (`_read_early`); and it asks the
+service every `follower_check_s` (default `FOLLOWER_CHECK_S`) about a transfer it has heard nothing of.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ _ENDED = _ARRIVED | {TransferState.ABORTED}
 _TAKEN = _ARRIVED | {TransferState.MATCHED}
 """What a READ's SUCCEEDED may answer when the service took it: MATCHED while other ranks' shares are to come."""
 EARLY_COMMITS = 4096
-"""How many commits of transfers it did not expect (yet) a following rank remembers."""
+"""How many commits (and ready pull sources) of transfers it did not expect (yet) a following rank remembers."""
 DIGESTS_AFTER_COMMIT_S = 10.0
 """How long a target to be checked, committed before all of its digests came (their notifications trail the commit,
 or the number of producer ranks writing it is unknown), waits for the rest before it is checked with what came."""
@@ -248,6 +249,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         self._regions: tuple[KvRegion, ...] = ()  # this rank's, once open (digest checks read them)
         self._shape: kvmap.RankShape | None = None  # this rank's, once open (where each layer's regions are)
         self._early_commits: OrderedDict[str, int] = OrderedDict()  # following ranks: commits heard before expected
+        self._early_sources: OrderedDict[str, tuple[ServerEvent, tuple[int, int]]] = OrderedDict()
+        """Following ranks: SOURCE_READY of a generation heard before it was expected, with the incarnation it was
+        sent to (`_read_early`)."""
         self._registrations: Batcher[TargetSpec] | None = None
         self._releases: Batcher[ReleaseSpec] | None = None
 
@@ -349,6 +353,7 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 self._committed(transfer_id, generation)
             else:
                 self._watch_target(transfer_id, target)
+                self._read_early(transfer_id, target)
             return ItemResult(transfer_id, TransferState.TARGETED)
         assert self._registrations is not None, "the agent is not started"
         old = self._targets.get(transfer_id)
@@ -587,7 +592,12 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
                 if fenced is not None:
                     self._deliver(fenced)
             case EventType.SOURCE_READY:
-                self._source_ready(event)
+                target = self._targets.get(info.transfer_id)
+                if not self.leader and (target is None or target.generation < event.generation):
+                    sent_to = self.engine_session.events_incarnation
+                    remember(self._early_sources, info.transfer_id, (event, sent_to), EARLY_COMMITS)
+                else:
+                    self._source_ready(event)
 
     def _committed(self, transfer_id: str, generation: int) -> None:
         """The generation is committed: its target ends (ok, unless its digests failed to match) and the registering
@@ -649,6 +659,17 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
         peer = await self._peer_after_resync(info.producer_engine_id, info.producer_incarnation, info.transfer_id)
         if peer is not None:
             self._source_ready(Event(EventType.SOURCE_READY, time.time(), info, info.generation, peer))
+
+    def _read_early(self, transfer_id: str, target: _Target) -> None:
+        """A following rank's worker may lag behind rank 0's registration: the source of the generation it now
+        expects may have been ready before (its SOURCE_READY then found no target, or an older generation's), and
+        no other event tells of it. Read it now, unless it was sent to a replaced incarnation (the new one is sent
+        SOURCE_READY again, or reads it from its resync's listing)."""
+        early = self._early_sources.pop(transfer_id, None)
+        if early is not None:
+            event, sent_to = early
+            if event.generation == target.generation and sent_to == self.engine_session.events_incarnation:
+                self._source_ready(event)
 
     def _source_ready(self, event: ServerEvent) -> None:
         info, peer = event.transfer, event.peer
