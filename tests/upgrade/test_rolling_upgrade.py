@@ -89,6 +89,10 @@ class Engine:
         self.progress()
         return self._read("finished") is not None
 
+    def stopped_at(self) -> int:
+        """Where a finished engine stopped: the transfer number it finished up to."""
+        return int(self._read("finished") or 0)
+
     def tell(self, suffix: str, text: str = "") -> None:
         """Write this process's control file <name>.<suffix> (stop, close)."""
         (self.control / f"{self.name}.{suffix}").write_text(text)
@@ -134,10 +138,14 @@ def upgrade_engine(engines: list[Engine], old: Engine) -> None:
     (peer,) = (e for e in engines if e.prefix == old.prefix and e is not old)
     at = max(old.progress(), peer.progress()) + BATCH
     old.tell("stop", str(at))
-    wait_for(lambda: old.finished() and peer.progress() >= at, f"{old.name} and {peer.name} to reach {at}")
+    # It stops at `at`, or past it on a loaded machine: a batch it began before it read the stop is finished whole.
+    wait_for(old.finished, f"{old.name} to stop at {at}")
+    stopped = old.stopped_at()
+    wait_for(lambda: peer.progress() >= stopped, f"{peer.name} to reach {stopped}")
     old.tell("close")
-    assert old.account() == {"finished": at, "failures": [], "reregistered": 0}, old.name
-    new = Engine(old.role, old.engine_id, old.prefix, old.targets, old.control, None, old.data_plane, at)
+    assert stopped >= at, f"{old.name} stopped at {stopped}, before {at}"
+    assert old.account() == {"finished": stopped, "failures": [], "reregistered": 0}, old.name
+    new = Engine(old.role, old.engine_id, old.prefix, old.targets, old.control, None, old.data_plane, stopped)
     engines[engines.index(old)] = new
     load_goes_on(engines)
 
