@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from rendezvous.clients import AbortReason, AbortSpec, NotFound, RendezvousClient, TransferState
-from rendezvous.clients.nixl.consumer import AgentReason
 from rendezvous.clients.nixl.metrics import WRITE_SECONDS
 from rendezvous.clients.testing import FakeClock, TestServer
 from tests.dataplane.checks import Landed, assert_pool, transfer_id
@@ -127,7 +126,7 @@ def test_consumer_hung_mid_write_gets_its_blocks_back_only_once_the_producer_let
         assert client.get_transfer(tid).revoking_generation == 1
 
         producer.resume()  # its WRITE drains (the consumer runs), then it acknowledges, then the blocks come back
-        assert consumer.result(tid, timeout=WAIT) == ("result", tid, 1, False, tuple(dst), AgentReason.LOST)
+        assert consumer.result(tid, timeout=WAIT) == ("result", tid, 1, False, tuple(dst), AbortReason.PEER_LOST)
         assert client.get_transfer(tid).revoking_generation == 0
     producer.freed(tid, timeout=WAIT)
     assert_pool(consumer, [Landed(1, 1, [0]), Landed(2, 32, dst)])  # the hung WRITE landed, where it was due
