@@ -177,9 +177,16 @@ class LocalRedis:
 
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback TCP ports nobody listens on right now (all bound at once, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 class LocalSentinel:
@@ -355,7 +362,9 @@ class LocalCluster:
     def __init__(self, nodes: int = 3, replicas: int = 0, node_timeout_ms: int = 15000) -> None:
         assert REDIS_SERVER is not None and REDIS_CLI is not None
         self.dir = Path(tempfile.mkdtemp(prefix="rdv-cluster-", dir="/tmp"))
-        self.ports = [free_port() for _ in range(nodes * (1 + replicas))]
+        count = nodes * (1 + replicas)
+        ports = free_ports(2 * count)  # each node's port and its cluster bus port, all distinct
+        self.ports, self.bus_ports = ports[:count], ports[count:]
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -367,13 +376,13 @@ class LocalCluster:
 
     def start(self) -> None:
         assert REDIS_SERVER is not None and REDIS_CLI is not None
-        for port in self.ports:
+        for port, bus_port in zip(self.ports, self.bus_ports, strict=True):
             node = self.dir / str(port)
             node.mkdir()
             # The bus port defaults to port + 10000, which overflows for ports above 55535: pick one.
             args = [
                 REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(node),
-                "--cluster-enabled", "yes", "--cluster-port", str(free_port()),
+                "--cluster-enabled", "yes", "--cluster-port", str(bus_port),
                 "--cluster-config-file", str(node / "nodes.conf"),
                 "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--save", "", "--appendonly", "no", "--logfile", str(node / "redis.log"),
