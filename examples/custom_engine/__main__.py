@@ -45,10 +45,13 @@ def prompts(n: int) -> list[str]:
 
 
 def requests(router: Router, n: int) -> None:
-    """n requests at once, each byte-verified by decode."""
+    """n requests at once, each byte-verified by decode; then prefill has every one's blocks back (a source is
+    freed once its write's report was answered, a round trip after decode has the bytes)."""
     ids = [router.submit(prompt) for prompt in prompts(n)]
     failed = [r for r in (router.wait("done", i) for i in ids) if r[2] is not True]
     check(not failed, f"{n} requests: every byte of their KV landed in decode's blocks", failed)
+    for transfer_id in ids:
+        router.wait("freed", transfer_id)
 
 
 def unsigned(router: Router) -> None:
