@@ -281,17 +281,11 @@ TP2 = KvLayout("m", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
 HOUR = 3600.0
 
 
-@pytest.mark.parametrize("last", [0, 1])
-async def test_every_rank_drops_a_pull_target_once_committed(
-    server: AsyncTestServer, client: AsyncRendezvousClient, last: int
-) -> None:
-    """Decode d0 has two ranks (one process each in production, the agents of rank 1 following rank 0's
-    registration), reading their shares from p0's ranks. Each reports its own READ; the last report commits t1.
-    The other rank, answered MATCHED before, hears of the commit from the TRANSFER_COMMITTED the service sends d0:
-    both drop t1 and rank 0 releases it at once, whichever rank's report committed it. Before, no event told a
-    pull consumer of a commit: that rank asked every `follower_check_s` (5 s by default), so rank 0 released t1
-    that late (one GetTransfer each); here a rank asks only after an hour, so only the event can end t1 in time,
-    and rank 0 no longer asks at all."""
+def two_rank_pull(
+    client: AsyncRendezvousClient,
+) -> tuple[list[ProducerAgent], list[ConsumerAgent], list[list[torch.Tensor]], list[asyncio.Queue[TransferResult]]]:
+    """Prefill p0 and decode d0 of two ranks each, not started: p0's ranks serve READs of blocks filled with 1 + rank,
+    d0's read into zeroed blocks, report their results to a queue each, and ask the service only after an hour."""
     producers = [
         ProducerAgent(
             client, "p0", "prefill", [torch.full((8, 256), 1 + r, dtype=torch.uint8)], layout=TP2, rank=r,
@@ -308,6 +302,21 @@ async def test_every_rank_drops_a_pull_target_once_committed(
         )
         for r in range(2)
     ]  # fmt: skip
+    return producers, consumers, decode, results
+
+
+@pytest.mark.parametrize("last", [0, 1])
+async def test_every_rank_drops_a_pull_target_once_committed(
+    server: AsyncTestServer, client: AsyncRendezvousClient, last: int
+) -> None:
+    """Decode d0 has two ranks (one process each in production, the agents of rank 1 following rank 0's
+    registration), reading their shares from p0's ranks. Each reports its own READ; the last report commits t1.
+    The other rank, answered MATCHED before, hears of the commit from the TRANSFER_COMMITTED the service sends d0:
+    both drop t1 and rank 0 releases it at once, whichever rank's report committed it. Before, no event told a
+    pull consumer of a commit: that rank asked every `follower_check_s` (5 s by default), so rank 0 released t1
+    that late (one GetTransfer each); here a rank asks only after an hour, so only the event can end t1 in time,
+    and rank 0 no longer asks at all."""
+    producers, consumers, decode, results = two_rank_pull(client)
     held = hold_read_end(consumers[last])
     await start_ranks(producers)
     await start_ranks(consumers)

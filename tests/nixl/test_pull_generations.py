@@ -9,15 +9,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from rendezvous.clients import AbortReason, AsyncRendezvousClient, EventType, SessionEvent, TransferMode, TransferState
 from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
-from rendezvous.clients.nixl.producer import ProducerAgent
 from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.testing import AsyncTestServer
-from tests.clients.conftest import FAST_SESSION, MUST, client, server
-from tests.nixl.test_pull_ends import HOUR, TP2, hold_read_end, state_becomes
+from tests.clients.conftest import MUST, client, server
+from tests.nixl.test_pull_ends import hold_read_end, state_becomes, two_rank_pull
 
 __all__ = ["client", "server"]
 
@@ -59,22 +57,7 @@ async def test_every_rank_reads_a_new_pull_generation_into_its_new_blocks(
     which commits: each rank's block 6 holds its share. Before, a rank that heard SOURCE_READY before it expected
     the generation dropped it (its target was generation 1), never read, and generation 2 stayed MATCHED; here a rank
     asks the service only after an hour, so only the remembered SOURCE_READY can make it read in time."""
-    producers = [
-        ProducerAgent(
-            client, "p0", "prefill", [torch.full((8, 256), 1 + r, dtype=torch.uint8)], layout=TP2, rank=r,
-            serve_reads=True,
-        )
-        for r in range(2)
-    ]  # fmt: skip
-    decode = [[torch.zeros(8, 256, dtype=torch.uint8)] for _ in range(2)]
-    results: list[asyncio.Queue[TransferResult]] = [asyncio.Queue(), asyncio.Queue()]
-    consumers = [
-        ConsumerAgent(
-            client, "d0", "decode", decode[r], layout=TP2, rank=r, session_config=FAST_SESSION,
-            on_result=results[r].put_nowait, follower_check_s=HOUR,
-        )
-        for r in range(2)
-    ]  # fmt: skip
+    producers, consumers, decode, results = two_rank_pull(client)
     held = hold_read_end(consumers[1])
     source_ready = on_source_ready(consumers[1], 2)
     await start_ranks(producers)
