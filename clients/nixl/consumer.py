@@ -44,10 +44,11 @@ A rank of a multi-rank engine reports its own share: ok once every producer rank
 (or on TRANSFER_COMMITTED). Another rank's share may still fail (the transfer then aborts), so an engine treats a
 transfer as arrived only once every rank reported ok, as vLLM does with its workers' results. Rank 0 registers,
 aborts and releases for the engine; the other ranks only expect their share (`register_target` answers TARGETED
-at once). A following rank may hear of a commit before it expects the transfer (its worker lagged behind rank 0's):
-it remembers the last `EARLY_COMMITS` such commits, so the expectation ends at once, and so it does of pull sources
-ready (SOURCE_READY) of a generation it did not expect yet, read once it does (`_read_early`); and it asks the
-service every `follower_check_s` (default `FOLLOWER_CHECK_S`) about a transfer it has heard nothing of.
+at once). A following rank may hear of a commit before it expects the transfer or that generation of it (its
+worker lagged behind rank 0's registration): it remembers the last `EARLY_COMMITS` such commits, so the expectation
+ends at once, and so it does of pull sources ready (SOURCE_READY) of a generation it did not expect yet, read once
+it does (`_read_early`); and it asks the service every `follower_check_s` (default `FOLLOWER_CHECK_S`) about a
+transfer it has heard nothing of.
 """
 
 from __future__ import annotations
@@ -582,8 +583,9 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             return
         match event.type:
             case EventType.TRANSFER_COMMITTED:
-                if not self.leader and info.transfer_id not in self._targets:
-                    self._remember_commit(info.transfer_id, event.generation)
+                target = self._targets.get(info.transfer_id)
+                if not self.leader and (target is None or target.generation < event.generation):
+                    remember(self._early_commits, info.transfer_id, event.generation, EARLY_COMMITS)
                 self._committed(info.transfer_id, event.generation)
             case EventType.TRANSFER_ABORTED:
                 self._fail(info.transfer_id, info.abort_reason, info.abort_message, info.revoking_generation)
@@ -630,9 +632,6 @@ class ConsumerAgent(RankAgent[ConsumerSession]):
             self._deliver(TransferResult(transfer_id, generation, True, target.block_ids), time.monotonic(), "commit")
         if self._releases is not None:  # the registering rank releases for the engine
             self._releases.submit_logged(ReleaseSpec(transfer_id, generation))
-
-    def _remember_commit(self, transfer_id: str, generation: int) -> None:
-        remember(self._early_commits, transfer_id, generation, EARLY_COMMITS)
 
     def _fail(
         self, transfer_id: str, reason: AbortReason | AgentReason, message: str, revoking_generation: int = 0
