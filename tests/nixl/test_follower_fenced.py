@@ -22,10 +22,9 @@ from rendezvous.clients import (
 )
 from rendezvous.clients.nixl.consumer import ConsumerAgent, TransferResult
 from rendezvous.clients.nixl.producer import ProducerAgent
-from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import FAST_SESSION, MUST, GrpcProxy, client, client_config, grpc_proxy, server, wait_until
-from tests.nixl.test_pull_ends import TP2
+from tests.nixl.test_pull_ends import TP2, started
 
 __all__ = ["client", "grpc_proxy", "server"]
 
@@ -85,9 +84,7 @@ async def test_a_following_rank_whose_check_finds_a_fenced_abort_fails_it_once_c
             return info
 
         rank1_client.get_transfer = answered_then_confirmed  # type: ignore[method-assign]
-        await start_ranks(producers)
-        await start_ranks(consumers)
-        try:
+        async with started(producers, consumers):
             assert (await consumers[0].register_target("t1", [5])).state is TransferState.TARGETED
             assert (await producers[0].claim("t1")).state is TransferState.MATCHED
             await wait_until(lambda: all("t1" in p._assigned for p in producers), MUST)
@@ -103,8 +100,3 @@ async def test_a_following_rank_whose_check_finds_a_fenced_abort_fails_it_once_c
                 )  # fmt: skip
             assert confirmed.done()
             assert not any(c.awaiting_result("t1") for c in consumers)
-        finally:
-            for consumer in reversed(consumers):
-                await consumer.close()
-            for producer in reversed(producers):
-                await producer.close()

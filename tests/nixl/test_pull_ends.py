@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -281,15 +282,16 @@ TP2 = KvLayout("m", "uint8", 16, 1, tp_size=2, kv_layout="HND", num_kv_heads=2)
 HOUR = 3600.0
 
 
-def two_rank_pull(
-    client: AsyncRendezvousClient,
+def two_ranks(
+    client: AsyncRendezvousClient, *, pull: bool = True
 ) -> tuple[list[ProducerAgent], list[ConsumerAgent], list[list[torch.Tensor]], list[asyncio.Queue[TransferResult]]]:
-    """Prefill p0 and decode d0 of two ranks each, not started: p0's ranks serve READs of blocks filled with 1 + rank,
-    d0's read into zeroed blocks, report their results to a queue each, and ask the service only after an hour."""
+    """Prefill p0 and decode d0 of two ranks each, not started: p0's ranks hold blocks filled with 1 + rank (and
+    serve READs of them, `pull`), d0's zeroed blocks take them, and its ranks report their results to a queue each
+    and ask the service only after an hour."""
     producers = [
         ProducerAgent(
             client, "p0", "prefill", [torch.full((8, 256), 1 + r, dtype=torch.uint8)], layout=TP2, rank=r,
-            serve_reads=True,
+            serve_reads=pull,
         )
         for r in range(2)
     ]  # fmt: skip
@@ -305,6 +307,20 @@ def two_rank_pull(
     return producers, consumers, decode, results
 
 
+@asynccontextmanager
+async def started(producers: list[ProducerAgent], consumers: list[ConsumerAgent]) -> AsyncIterator[None]:
+    """Both engines' ranks started (`start_ranks`), and closed in reverse on the way out."""
+    await start_ranks(producers)
+    await start_ranks(consumers)
+    try:
+        yield
+    finally:
+        for consumer in reversed(consumers):
+            await consumer.close()
+        for producer in reversed(producers):
+            await producer.close()
+
+
 @pytest.mark.parametrize("last", [0, 1])
 async def test_every_rank_drops_a_pull_target_once_committed(
     server: AsyncTestServer, client: AsyncRendezvousClient, last: int
@@ -316,11 +332,9 @@ async def test_every_rank_drops_a_pull_target_once_committed(
     pull consumer of a commit: that rank asked every `follower_check_s` (5 s by default), so rank 0 released t1
     that late (one GetTransfer each); here a rank asks only after an hour, so only the event can end t1 in time,
     and rank 0 no longer asks at all."""
-    producers, consumers, decode, results = two_rank_pull(client)
+    producers, consumers, decode, results = two_ranks(client)
     held = hold_read_end(consumers[last])
-    await start_ranks(producers)
-    await start_ranks(consumers)
-    try:
+    async with started(producers, consumers):
         for consumer in consumers:
             assert (await consumer.register_target("t1", [5], mode=TransferMode.PULL)).ok
         assert (await producers[0].claim("t1")).ok
@@ -337,11 +351,6 @@ async def test_every_rank_drops_a_pull_target_once_committed(
         await state_becomes(client, "t1", TransferState.RELEASED)  # rank 0 released it
         assert not any(c._thread is not None and c._thread._expecting.is_set() for c in consumers)
         assert all(r.empty() for r in results)
-    finally:
-        for consumer in reversed(consumers):
-            await consumer.close()
-        for producer in reversed(producers):
-            await producer.close()
 
 
 async def test_a_pull_report_the_service_never_got_is_sent_again(

@@ -12,10 +12,9 @@ import pytest
 
 from rendezvous.clients import AbortReason, AsyncRendezvousClient, EventType, SessionEvent, TransferMode, TransferState
 from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
-from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.testing import AsyncTestServer
 from tests.clients.conftest import MUST, client, server
-from tests.nixl.test_pull_ends import hold_read_end, state_becomes, two_rank_pull
+from tests.nixl.test_pull_ends import hold_read_end, started, state_becomes, two_ranks
 
 __all__ = ["client", "server"]
 
@@ -57,12 +56,10 @@ async def test_every_rank_reads_a_new_pull_generation_into_its_new_blocks(
     which commits: each rank's block 6 holds its share. Before, a rank that heard SOURCE_READY before it expected
     the generation dropped it (its target was generation 1), never read, and generation 2 stayed MATCHED; here a rank
     asks the service only after an hour, so only the remembered SOURCE_READY can make it read in time."""
-    producers, consumers, decode, results = two_rank_pull(client)
+    producers, consumers, decode, results = two_ranks(client)
     held = hold_read_end(consumers[1])
     source_ready = on_source_ready(consumers[1], 2)
-    await start_ranks(producers)
-    await start_ranks(consumers)
-    try:
+    async with started(producers, consumers):
         for consumer in consumers:
             assert (await consumer.register_target("t1", [5], mode=TransferMode.PULL)).ok
         assert (await producers[0].claim("t1")).ok
@@ -87,8 +84,3 @@ async def test_every_rank_reads_a_new_pull_generation_into_its_new_blocks(
         await state_becomes(client, "t1", TransferState.RELEASED)  # committed once both ranks read generation 2
         assert (await client.get_transfer("t1")).generation == 2
         assert not any(c.awaiting_result("t1") for c in consumers)
-    finally:
-        for consumer in reversed(consumers):
-            await consumer.close()
-        for producer in reversed(producers):
-            await producer.close()

@@ -8,16 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from rendezvous.clients import AbortReason, AsyncRendezvousClient, EventType, TransferState
-from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
-from rendezvous.clients.nixl.producer import ProducerAgent
-from rendezvous.clients.nixl.rank import start_ranks
+from rendezvous.clients.nixl.consumer import AgentReason
 from rendezvous.clients.testing import AsyncTestServer
-from tests.clients.conftest import FAST_SESSION, MUST, client, server
+from tests.clients.conftest import MUST, client, server
 from tests.nixl.test_follower_fenced import on_event
-from tests.nixl.test_pull_ends import HOUR, TP2, state_becomes
+from tests.nixl.test_pull_ends import started, state_becomes, two_ranks
 
 __all__ = ["client", "server"]
 
@@ -31,25 +28,9 @@ async def test_a_lagging_rank_takes_a_newer_generations_commit_heard_before_it_e
     committed. It then expects generation 2: the commit it heard ends the expectation at once, with its share in
     block 6. Before, a rank that expected an older generation did not remember the commit (only a rank expecting
     nothing did) and waited for its periodic check with the service, here an hour away."""
-    producers = [
-        ProducerAgent(
-            client, "p0", "prefill", [torch.full((8, 256), 1 + r, dtype=torch.uint8)], layout=TP2, rank=r
-        )
-        for r in range(2)
-    ]  # fmt: skip
-    decode = [[torch.zeros(8, 256, dtype=torch.uint8)] for _ in range(2)]
-    results: list[asyncio.Queue[TransferResult]] = [asyncio.Queue(), asyncio.Queue()]
-    consumers = [
-        ConsumerAgent(
-            client, "d0", "decode", decode[r], layout=TP2, rank=r, session_config=FAST_SESSION,
-            on_result=results[r].put_nowait, follower_check_s=HOUR,
-        )
-        for r in range(2)
-    ]  # fmt: skip
+    producers, consumers, decode, results = two_ranks(client, pull=False)
     committed = on_event(consumers[1], EventType.TRANSFER_COMMITTED)
-    await start_ranks(producers)
-    await start_ranks(consumers)
-    try:
+    async with started(producers, consumers):
         for consumer in consumers:
             assert (await consumer.register_target("t1", [5])).state is TransferState.TARGETED
         assert (await consumers[0].register_target("t1", [6], 2)).ok  # preempted: rank 1's worker lags
@@ -70,8 +51,3 @@ async def test_a_lagging_rank_takes_a_newer_generations_commit_heard_before_it_e
         ]  # fmt: skip
         await state_becomes(client, "t1", TransferState.RELEASED)
         assert not any(c.awaiting_result("t1") for c in consumers)
-    finally:
-        for consumer in reversed(consumers):
-            await consumer.close()
-        for producer in reversed(producers):
-            await producer.close()
