@@ -504,10 +504,9 @@ class Router:
         the router's last engine lists, if they are at most degraded_max_age old, which computes the prompt itself
         (no transfer, no call); else the 503 saying `why`. An engine that does not take the connection (refused, or
         not taken within the connect timeout: the request never reached it) is left out until the circuit closes,
-        and the request goes to the next; it is counted once however many it tries."""
+        and the request goes to the next; it is counted once it reached one, however many it tried."""
         if not self.degraded_max_age:
             return self._unreachable(why)
-        counted = False
         while True:
             try:
                 engine = self.engines.rank_listed(
@@ -519,14 +518,13 @@ class Router:
                     logger.warning("%s: refusing requests until the rendezvous answers", e)
                     self._refusing = True
                 return self._unreachable(f"{why}, and {e}")
-            if not counted:
-                self._alone(span, LOCAL_UNREACHABLE)
-                counted = True
+            reached = True
             try:
                 return await self._local(
                     request, engine, url + path, body, (), None, LOCAL_UNREACHABLE, refused=_NOT_CONNECTED
                 )
             except _NOT_CONNECTED as e:
+                reached = False
                 if engine.engine_id not in self._refused:  # another request may have found it first
                     logger.warning(
                         "decode engine %s took no connection (%s): leaving it out until the rendezvous answers",
@@ -534,6 +532,9 @@ class Router:
                         e,
                     )
                     self._refused.add(engine.engine_id)
+            finally:
+                if reached:
+                    self._alone(span, LOCAL_UNREACHABLE)
 
     def _unreachable(self, message: str) -> web.Response:
         self.metrics.refusals.labels(RENDEZVOUS_UNAVAILABLE).inc()

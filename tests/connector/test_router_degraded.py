@@ -282,8 +282,8 @@ async def test_an_engine_s_error_answer_leaves_it_in_and_none_left_is_a_503(
     server: AsyncTestServer, cluster: Cluster
 ) -> None:
     """An engine that answers, even with an error, is not left out (its answer is passed on); once every listed
-    decode engine refused a connection, requests get 503 rendezvous_unavailable as with none listed. Before, a
-    refused connection was a 502."""
+    decode engine refused a connection, requests get 503 rendezvous_unavailable as with none listed, and are not
+    counted as sent to a decode engine alone (they were). Before, a refused connection was a 502."""
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     failing, dead = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
     client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
@@ -300,6 +300,8 @@ async def test_an_engine_s_error_answer_leaves_it_in_and_none_left_is_a_503(
             assert alone(failing) == 2
             await failing.stop()
             assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
+            local = 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"}'
+            assert f"{local} 2.0" in await metrics(http, base)  # the 503 reached no engine: not counted
     finally:
         await runner.cleanup()
 
