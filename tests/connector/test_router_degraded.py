@@ -12,7 +12,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import grpc
 import pytest
@@ -49,13 +50,19 @@ class Clock:
         return self.now
 
 
-async def serve(router: Router) -> tuple[web.AppRunner, str]:
-    """The router's real HTTP server on a free port; its base URL."""
+@asynccontextmanager
+async def served(router: Router, timeout: float = WAIT) -> AsyncIterator[tuple[ClientSession, str]]:
+    """The router's real HTTP server on a free port, and an HTTP client whose calls time out after `timeout`: the
+    client and the server's base URL."""
     runner = web.AppRunner(router.app(), handler_cancellation=True)
     await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    try:
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        async with ClientSession(timeout=ClientTimeout(total=timeout)) as http:
+            yield http, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def ask(http: ClientSession, base: str) -> tuple[int, str | None, str | None]:
@@ -110,33 +117,29 @@ async def test_decode_engines_serve_alone_while_the_rendezvous_is_unreachable(
 
     config = dataclasses.replace(rendezvous_config((server.address,), timeout=1.0), metadata_hook=count)
     router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=0.0, retry_after=3_600.0)
-    runner, base = await serve(router)
-    try:
-        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
-            assert (await ask(http, base))[:2] == (200, "remote")
-            await asyncio.wait_for(asyncio.gather(*router._background), WAIT)
-            await server.stop()
-            for decode in decodes:
-                decode.gate.clear()  # each holds what it is sent: the router's in-flight counts stay up
-            first = asyncio.ensure_future(ask(http, base))  # finds the rendezvous gone: the circuit opens
-            await polled(lambda: first.done() or sum(d.in_flight for d in decodes) == 1, "no answer, no decode")
-            assert not first.done(), first.result()
-            made = calls
-            second = asyncio.ensure_future(ask(http, base))
-            await polled(lambda: sum(d.in_flight for d in decodes) == 2, "the second request reached no decode")
-            assert [d.in_flight for d in decodes] == [1, 1]  # the least loaded: the one the first did not take
-            for decode in decodes:
-                decode.gate.set()
-            assert [await first, await second] == [(200, LOCAL_UNREACHABLE, None)] * 2
-            assert calls == made  # the second made no call
-            assert len(prefill.bodies) == 1
-            degraded = [body for d in decodes for body in d.bodies if "kv_transfer_params" not in body]
-            assert len(degraded) == 2
-            text = await metrics(http, base)
-            assert 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"} 2.0' in text
-            assert "kv_rendezvous_router_rendezvous_unreachable 1.0" in text
-    finally:
-        await runner.cleanup()
+    async with served(router) as (http, base):
+        assert (await ask(http, base))[:2] == (200, "remote")
+        await asyncio.wait_for(asyncio.gather(*router._background), WAIT)
+        await server.stop()
+        for decode in decodes:
+            decode.gate.clear()  # each holds what it is sent: the router's in-flight counts stay up
+        first = asyncio.ensure_future(ask(http, base))  # finds the rendezvous gone: the circuit opens
+        await polled(lambda: first.done() or sum(d.in_flight for d in decodes) == 1, "no answer, no decode")
+        assert not first.done(), first.result()
+        made = calls
+        second = asyncio.ensure_future(ask(http, base))
+        await polled(lambda: sum(d.in_flight for d in decodes) == 2, "the second request reached no decode")
+        assert [d.in_flight for d in decodes] == [1, 1]  # the least loaded: the one the first did not take
+        for decode in decodes:
+            decode.gate.set()
+        assert [await first, await second] == [(200, LOCAL_UNREACHABLE, None)] * 2
+        assert calls == made  # the second made no call
+        assert len(prefill.bodies) == 1
+        degraded = [body for d in decodes for body in d.bodies if "kv_transfer_params" not in body]
+        assert len(degraded) == 2
+        text = await metrics(http, base)
+        assert 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"} 2.0' in text
+        assert "kv_rendezvous_router_rendezvous_unreachable 1.0" in text
 
 
 async def test_past_the_max_age_requests_are_refused_and_disaggregation_resumes(
@@ -155,22 +158,18 @@ async def test_past_the_max_age_requests_are_refused_and_disaggregation_resumes(
         degraded_max_age=30.0,
         clock=clock,
     )
-    runner, base = await serve(router)
-    try:
-        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
-            assert (await ask(http, base))[:2] == (200, "remote")  # the decode list is taken at 0
-            await server.stop()
-            clock.now = 30.0
-            assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
-            clock.now = 30.5
-            assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
-            await server.start()  # the same port, a fresh store: the engines register again
-            await register_again(cluster)
-            await asyncio.wait_for(router.reachable.wait(), WAIT)
-            assert await ask(http, base) == (200, "remote", None)
-            assert "kv_rendezvous_router_rendezvous_unreachable 0.0" in await metrics(http, base)
-    finally:
-        await runner.cleanup()
+    async with served(router) as (http, base):
+        assert (await ask(http, base))[:2] == (200, "remote")  # the decode list is taken at 0
+        await server.stop()
+        clock.now = 30.0
+        assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+        clock.now = 30.5
+        assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
+        await server.start()  # the same port, a fresh store: the engines register again
+        await register_again(cluster)
+        await asyncio.wait_for(router.reachable.wait(), WAIT)
+        assert await ask(http, base) == (200, "remote", None)
+        assert "kv_rendezvous_router_rendezvous_unreachable 0.0" in await metrics(http, base)
 
 
 def test_the_max_age_is_a_flag() -> None:
@@ -197,23 +196,19 @@ async def test_a_background_refresh_the_rendezvous_does_not_answer_opens_the_cir
     clock = Clock()
     config = dataclasses.replace(rendezvous_config((server.address,), timeout=1.0), metadata_hook=count)
     router = Router(AsyncRendezvousClient(config), FLEET, refresh_interval=1.0, retry_after=3_600.0, clock=clock)
-    runner, base = await serve(router)
-    try:
-        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
-            assert (await ask(http, base))[:2] == (200, "remote")  # the lists are taken at 0
-            await server.stop()
-            clock.now = 1.5  # past one refresh interval, under WAIT_AFTER_INTERVALS: refreshed in the background
-            with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
-                assert (await ask(http, base))[:2] == (200, "remote")  # on the stale lists, no wait
-                await router.engines.refreshed()  # both lists' refreshes went unanswered
-            made = calls
-            assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
-            assert calls == made  # no call: the circuit is open
-            assert "kv_rendezvous_router_rendezvous_unreachable 1.0" in await metrics(http, base)
-            opened = [r for r in caplog.records if "the rendezvous is not answering" in r.getMessage()]
-            assert len(opened) == 1, opened
-    finally:
-        await runner.cleanup()
+    async with served(router) as (http, base):
+        assert (await ask(http, base))[:2] == (200, "remote")  # the lists are taken at 0
+        await server.stop()
+        clock.now = 1.5  # past one refresh interval, under WAIT_AFTER_INTERVALS: refreshed in the background
+        with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
+            assert (await ask(http, base))[:2] == (200, "remote")  # on the stale lists, no wait
+            await router.engines.refreshed()  # both lists' refreshes went unanswered
+        made = calls
+        assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+        assert calls == made  # no call: the circuit is open
+        assert "kv_rendezvous_router_rendezvous_unreachable 1.0" in await metrics(http, base)
+        opened = [r for r in caplog.records if "the rendezvous is not answering" in r.getMessage()]
+        assert len(opened) == 1, opened
 
 
 async def test_a_background_refresh_refused_by_an_answer_leaves_the_circuit_closed(
@@ -228,9 +223,8 @@ async def test_a_background_refresh_refused_by_an_answer_leaves_the_circuit_clos
     clock = Clock()
     client = AsyncRendezvousClient(rendezvous_config((proxy.address,), timeout=1.0))
     router = Router(client, FLEET, refresh_interval=1.0, retry_after=3_600.0, clock=clock)
-    runner, base = await serve(router)
     try:
-        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+        async with served(router) as (http, base):
             assert (await ask(http, base))[:2] == (200, "remote")
             proxy.refuse("ListEngines", grpc.StatusCode.PERMISSION_DENIED)
             clock.now = 1.5
@@ -240,7 +234,6 @@ async def test_a_background_refresh_refused_by_an_answer_leaves_the_circuit_clos
             assert router.reachable.is_set()
             assert (await ask(http, base))[:2] == (200, "remote")
     finally:
-        await runner.cleanup()
         await proxy.close()
 
 
@@ -255,27 +248,23 @@ async def test_a_decode_engine_that_refuses_connections_is_left_out_until_the_ci
     live, dead = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
     client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
     router = Router(client, FLEET, refresh_interval=0.0, retry_after=0.05, clock=Clock())
-    runner, base = await serve(router)
-    try:
-        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
+    async with served(router) as (http, base):
+        assert (await ask(http, base))[:2] == (200, "remote")
+        await server.stop()
+        await dead.stop()
+        for _ in range(4):  # in turn, the picks would alternate between the two
+            assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+        assert (alone(live), alone(dead)) == (4, 0)
+        await dead.start()  # back on its port: still left out while the circuit is open
+        for _ in range(2):
+            assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+        assert (alone(live), alone(dead)) == (6, 0)
+        await server.start()
+        await register_again(cluster)
+        await asyncio.wait_for(router.reachable.wait(), WAIT)
+        for _ in range(2):  # round robin over both again
             assert (await ask(http, base))[:2] == (200, "remote")
-            await server.stop()
-            await dead.stop()
-            for _ in range(4):  # in turn, the picks would alternate between the two
-                assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
-            assert (alone(live), alone(dead)) == (4, 0)
-            await dead.start()  # back on its port: still left out while the circuit is open
-            for _ in range(2):
-                assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
-            assert (alone(live), alone(dead)) == (6, 0)
-            await server.start()
-            await register_again(cluster)
-            await asyncio.wait_for(router.reachable.wait(), WAIT)
-            for _ in range(2):  # round robin over both again
-                assert (await ask(http, base))[:2] == (200, "remote")
-            assert len(dead.bodies) == 1
-    finally:
-        await runner.cleanup()
+        assert len(dead.bodies) == 1
 
 
 async def test_an_engine_s_error_answer_leaves_it_in_and_none_left_is_a_503(
@@ -288,22 +277,18 @@ async def test_an_engine_s_error_answer_leaves_it_in_and_none_left_is_a_503(
     failing, dead = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
     client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
     router = Router(client, FLEET, refresh_interval=0.0, retry_after=3_600.0, clock=Clock())
-    runner, base = await serve(router)
-    try:
-        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
-            assert (await ask(http, base))[:2] == (200, "remote")
-            await server.stop()
-            await dead.stop()
-            failing.status = 500
-            for _ in range(2):
-                assert await ask(http, base) == (500, LOCAL_UNREACHABLE, None)
-            assert alone(failing) == 2
-            await failing.stop()
-            assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
-            local = 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"}'
-            assert f"{local} 2.0" in await metrics(http, base)  # the 503 reached no engine: not counted
-    finally:
-        await runner.cleanup()
+    async with served(router) as (http, base):
+        assert (await ask(http, base))[:2] == (200, "remote")
+        await server.stop()
+        await dead.stop()
+        failing.status = 500
+        for _ in range(2):
+            assert await ask(http, base) == (500, LOCAL_UNREACHABLE, None)
+        assert alone(failing) == 2
+        await failing.stop()
+        assert await ask(http, base) == (503, None, RENDEZVOUS_UNAVAILABLE)
+        local = 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"}'
+        assert f"{local} 2.0" in await metrics(http, base)  # the 503 reached no engine: not counted
 
 
 async def test_a_request_sent_on_past_a_refused_connection_is_counted_once(
@@ -315,21 +300,17 @@ async def test_a_request_sent_on_past_a_refused_connection_is_counted_once(
     live, dead = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
     client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
     router = Router(client, FLEET, refresh_interval=0.0, retry_after=3_600.0, clock=Clock())
-    runner, base = await serve(router)
-    try:
-        async with ClientSession(timeout=ClientTimeout(total=WAIT)) as http:
-            assert (await ask(http, base))[:2] == (200, "remote")
-            await server.stop()
-            await dead.stop()
-            with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
-                for _ in range(2):  # in turn, one of the two tries the dead engine first
-                    assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
-            left_out = [r for r in caplog.records if "leaving it out" in r.getMessage()]
-            assert len(left_out) == 1, left_out
-            assert alone(live) == 2
-            assert 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"} 2.0' in await metrics(http, base)
-    finally:
-        await runner.cleanup()
+    async with served(router) as (http, base):
+        assert (await ask(http, base))[:2] == (200, "remote")
+        await server.stop()
+        await dead.stop()
+        with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
+            for _ in range(2):  # in turn, one of the two tries the dead engine first
+                assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+        left_out = [r for r in caplog.records if "leaving it out" in r.getMessage()]
+        assert len(left_out) == 1, left_out
+        assert alone(live) == 2
+        assert 'kv_rendezvous_router_local_prefills_total{why="local-unreachable"} 2.0' in await metrics(http, base)
 
 
 async def test_a_decode_engine_that_takes_no_connection_is_left_out(
@@ -343,17 +324,13 @@ async def test_a_decode_engine_that_takes_no_connection_is_left_out(
     live, dark = [await cluster.add(f"d{i}", "decode", EngineRole.CONSUMER) for i in range(2)]
     client = AsyncRendezvousClient(rendezvous_config((server.address,), timeout=1.0))
     router = Router(client, FLEET, refresh_interval=0.0, retry_after=3_600.0, connect_timeout=0.2, clock=Clock())
-    runner, base = await serve(router)
-    try:
-        async with ClientSession(timeout=ClientTimeout(total=30.0)) as http:  # not the router's 600 s
-            assert (await ask(http, base))[:2] == (200, "remote")
-            await server.stop()
-            await dark.go_dark()
-            with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
-                for _ in range(2):  # in turn, one of the two tries the dark engine first
-                    assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
-            left_out = [r.getMessage() for r in caplog.records if "leaving it out" in r.getMessage()]
-            assert len(left_out) == 1 and "decode engine d1 " in left_out[0], left_out
-            assert alone(live) == 2
-    finally:
-        await runner.cleanup()
+    async with served(router, 30.0) as (http, base):  # not the router's 600 s
+        assert (await ask(http, base))[:2] == (200, "remote")
+        await server.stop()
+        await dark.go_dark()
+        with caplog.at_level(logging.WARNING, logger="rendezvous.connector.router"):
+            for _ in range(2):  # in turn, one of the two tries the dark engine first
+                assert await ask(http, base) == (200, LOCAL_UNREACHABLE, None)
+        left_out = [r.getMessage() for r in caplog.records if "leaving it out" in r.getMessage()]
+        assert len(left_out) == 1 and "decode engine d1 " in left_out[0], left_out
+        assert alone(live) == 2
