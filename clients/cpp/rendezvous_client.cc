@@ -1,18 +1,25 @@
 // A C++ engine's control plane against a running kv-rendezvous, step by step as docs/engines.md describes it:
 // register a consumer and a producer (leases renewed over KeepAlive), run one push transfer through its
 // lifecycle while following both engines' Watch streams, read the ErrorInfo of refused calls (an item's and a
-// whole call's), see a pair whose layouts differ aborted at match, and survive a lease that lapses. The agents
-// are stand-ins: no NIXL, so the producer reports the write without making it (docs/engines.md, "Testing").
+// whole call's), see a pair whose layouts differ aborted at match, survive a lease that lapses and, given a proxy
+// to talk through, a connection that drops (KeepAlive reopened, Watch resumed, a resync rebuilt). The agents are
+// stand-ins: no NIXL, so the producer reports the write without making it (docs/engines.md, "Testing").
 //
-//   rendezvous_client HOST:PORT      prints "ok ..." per step; exits 1 at the first step that goes wrong
+//   rendezvous_client HOST:PORT [PROXY_HOST:PORT EVENTS_KEPT]
+//     prints "ok ..." per step; exits 1 at the first step that goes wrong. PROXY_HOST:PORT: a TCP proxy to
+//     HOST:PORT that the caller cuts and lets through again when asked (AskTheProxy); EVENTS_KEPT: the server's
+//     --max-events-per-engine, which the step overruns to provoke a resync.
 
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -80,7 +87,7 @@ std::unique_ptr<grpc::ClientContext> Deadline(int seconds = 10) {
 }
 
 std::string RequestId() {  // AIP-155: a retry with the same id gets the first answer
-  static int next = 0;
+  static std::atomic<int> next = 0;
   return "cpp-" + std::to_string(getpid()) + "-" + std::to_string(++next);
 }
 
@@ -159,6 +166,22 @@ class Engine {
     return Call<v1::ReleaseTargetsResponse>("ReleaseTargets", &Stub::ReleaseTargets, request);
   }
 
+  // The engine's transfers in `state`, every page of the listing (AIP-158: follow the token, never count).
+  std::vector<v1::Transfer> Transfers(v1::TransferState state) {
+    std::vector<v1::Transfer> transfers;
+    v1::ListTransfersRequest request;
+    request.set_engine_id(id_);
+    request.add_states(state);
+    do {
+      v1::ListTransfersResponse response;
+      grpc::Status status = stub_->ListTransfers(Deadline().get(), request, &response);
+      Expect(status.ok(), "ListTransfers " + id_ + ": " + status.error_message());
+      transfers.insert(transfers.end(), response.transfers().begin(), response.transfers().end());
+      request.set_page_token(response.next_page_token());
+    } while (!request.page_token().empty());
+    return transfers;
+  }
+
   // The same call as a zombie would make it: with an incarnation that is not the engine's.
   grpc::Status RegisterTargetsAs(uint64_t incarnation, const std::string& transfer_id) {
     v1::RegisterTargetsRequest request;
@@ -212,7 +235,9 @@ class Engine {
   uint64_t watch_start_ = 0;
 };
 
-// The lease kept alive over a KeepAlive stream: one message every third of the granted TTL, in a thread.
+// The lease kept alive over a KeepAlive stream: one message every third of the granted TTL, in a thread. A stream
+// that breaks (UNAVAILABLE: the connection dropped) or that the server ends without an error (status OK: a replica
+// shutting down) is reopened at once, as the same incarnation: the lease is the server's, not the stream's.
 class Lease {
  public:
   explicit Lease(const Engine& engine) : thread_([this, &engine] { Renew(engine); }) {}
@@ -221,62 +246,94 @@ class Lease {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
+      if (context_ != nullptr) context_->TryCancel();  // a stream waiting for its connection stops waiting
     }
     wake_.notify_all();
     thread_.join();
   }
 
+  // Waits until a renewal is answered on KeepAlive stream `stream` (1: the first) or a later one; fails if none is
+  // within a granted TTL, after which the lease would have lapsed.
+  void AwaitRenewal(int stream) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    Expect(renewed_.wait_for(lock, ttl_, [&] { return stream_ >= stream; }),
+           "no renewal on KeepAlive stream " + std::to_string(stream) + " within the lease");
+  }
+
  private:
   void Renew(const Engine& engine) {
-    grpc::ClientContext context;
-    auto stream = engine.stub()->KeepAlive(&context);
     v1::KeepAliveRequest request;
     request.set_engine_id(engine.id());
     request.set_incarnation(engine.incarnation());
-    v1::KeepAliveResponse response;
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!stopping_) {
-      if (!stream->Write(request) || !stream->Read(&response)) break;  // ended: Finish says why
-      auto third = std::chrono::milliseconds(response.lease_ttl().seconds() * 1000 / 3 +
-                                             response.lease_ttl().nanos() / 3000000);
-      wake_.wait_for(lock, third, [this] { return stopping_; });
+    for (int opened = 1;; ++opened) {
+      grpc::ClientContext context;
+      context.set_wait_for_ready(true);  // opened while the connection is down, it waits for the channel to be back
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopping_) return;
+        context_ = &context;
+      }
+      auto stream = engine.stub()->KeepAlive(&context);
+      v1::KeepAliveResponse response;
+      while (stream->Write(request) && stream->Read(&response)) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        const auto& ttl = response.lease_ttl();
+        ttl_ = std::chrono::milliseconds(ttl.seconds() * 1000 + ttl.nanos() / 1000000);
+        stream_ = opened;
+        renewed_.notify_all();
+        if (wake_.wait_for(lock, ttl_ / 3, [this] { return stopping_; })) {
+          lock.unlock();
+          stream->WritesDone();
+          break;
+        }
+      }
+      grpc::Status status = stream->Finish();  // why it ended
+      std::lock_guard<std::mutex> lock(mutex_);
+      context_ = nullptr;
+      if (stopping_) return;
+      Expect(status.ok() || status.error_code() == grpc::StatusCode::UNAVAILABLE,
+             "KeepAlive " + engine.id() + " ended: " + KnownReason(ErrorInfoOf(status)) + " " + status.error_message());
     }
-    stream->WritesDone();
-    grpc::Status status = stream->Finish();
-    Expect(stopping_, "KeepAlive " + engine.id() + " ended: " + KnownReason(ErrorInfoOf(status)));
   }
 
   std::mutex mutex_;
-  std::condition_variable wake_;
+  std::condition_variable wake_, renewed_;
   bool stopping_ = false;
+  grpc::ClientContext* context_ = nullptr;  // the open stream's, to cancel it
+  std::chrono::milliseconds ttl_{10000};    // the TTL granted last
+  int stream_ = 0;                          // the stream the last renewal was answered on
   std::thread thread_;
 };
 
-// An engine's Watch stream, read event by event from the sequence its registration gave.
+// An engine's Watch stream, read in a thread for the engine's life from the sequence its registration gave. Every
+// event must be the one after the last seen: a stream that breaks or that the server ends without an error is
+// reopened at once from the last sequence seen + 1, so none is lost or repeated. `resync_required` (the server
+// no longer holds that sequence: events were lost) calls `rebuild` and goes on from `resync_sequence`.
 class Watch {
  public:
-  explicit Watch(const Engine& engine) : engine_id_(engine.id()) {
-    context_.set_deadline(Clock::now() + std::chrono::seconds(60));
-    v1::WatchRequest request;
-    request.set_engine_id(engine.id());
-    request.set_start_sequence(engine.watch_start());
-    reader_ = engine.stub()->Watch(&context_, request);
+  using Rebuild = std::function<void()>;
+
+  explicit Watch(const Engine& engine, Rebuild rebuild = nullptr)
+      : engine_id_(engine.id()), last_(engine.watch_start() - 1), rebuild_(std::move(rebuild)),
+        thread_([this, &engine] { Read(engine); }) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    Await(lock, [this] { return opened_ > 0; }, "header");  // the first answer: the watch is established
   }
 
   ~Watch() {
-    context_.TryCancel();
-    reader_->Finish();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      if (context_ != nullptr) context_->TryCancel();
+    }
+    thread_.join();
   }
 
   // The next event of `type` about `transfer_id` ("" = any transfer); events before it are passed over.
   v1::Event Next(v1::EventType type, const std::string& transfer_id = "") {
+    std::unique_lock<std::mutex> lock(mutex_);
     while (true) {
-      while (pending_.empty()) {
-        v1::WatchResponse response;
-        Expect(reader_->Read(&response), "Watch " + engine_id_ + " ended waiting for " + v1::EventType_Name(type));
-        Expect(!response.resync_required(), "Watch " + engine_id_ + ": resync required");
-        for (const auto& event : response.events()) pending_.push_back(event);  // the first has only a header
-      }
+      Await(lock, [this] { return !pending_.empty(); }, v1::EventType_Name(type));
       v1::Event event = pending_.front();
       pending_.pop_front();
       if (event.type() == type && (transfer_id.empty() || event.transfer().transfer_id() == transfer_id))
@@ -284,11 +341,88 @@ class Watch {
     }
   }
 
+  // Waits until the stream has been established `times` times (1: the first opening); the sequence it resumed at.
+  uint64_t AwaitOpened(int times) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    Await(lock, [&] { return opened_ >= times; }, "opening " + std::to_string(times));
+    return resumed_at_;
+  }
+
+  // Waits until the `times`th resync is rebuilt; the resync_sequence the watch went on from.
+  uint64_t AwaitResync(int times) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    Await(lock, [&] { return resyncs_ >= times; }, "resync " + std::to_string(times));
+    return resync_sequence_;
+  }
+
  private:
+  // The walkthrough's events come within milliseconds: a minute without is a failure, not a wait.
+  template <typename Predicate>
+  void Await(std::unique_lock<std::mutex>& lock, Predicate ready, const std::string& what) {
+    Expect(arrived_.wait_for(lock, std::chrono::minutes(1), ready), "Watch " + engine_id_ + ": no " + what);
+  }
+
+  void Read(const Engine& engine) {
+    while (true) {
+      grpc::ClientContext context;
+      context.set_wait_for_ready(true);
+      v1::WatchRequest request;
+      request.set_engine_id(engine_id_);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopping_) return;
+        context_ = &context;
+        request.set_start_sequence(last_ + 1);  // resume after the last event seen
+      }
+      auto reader = engine.stub()->Watch(&context, request);
+      v1::WatchResponse response;
+      bool header = true;  // each opening is answered with a header first
+      while (reader->Read(&response)) {
+        if (response.resync_required()) {
+          if (!rebuild_) Fail("Watch " + engine_id_ + ": resync required");
+          rebuild_();  // outside the lock: it calls the service
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (header) {
+          resumed_at_ = request.start_sequence();
+          ++opened_;
+          header = false;
+        }
+        if (response.resync_required()) {
+          resync_sequence_ = response.resync_sequence();
+          last_ = resync_sequence_ - 1;
+          ++resyncs_;
+        }
+        for (const auto& event : response.events()) {
+          Expect(event.sequence() == last_ + 1, "Watch " + engine_id_ + ": event " + std::to_string(event.sequence()) +
+                                                    " after " + std::to_string(last_) + ": lost or repeated");
+          last_ = event.sequence();
+          pending_.push_back(event);
+        }
+        arrived_.notify_all();
+      }
+      grpc::Status status = reader->Finish();
+      std::lock_guard<std::mutex> lock(mutex_);
+      context_ = nullptr;
+      if (stopping_) return;
+      Expect(status.ok() || status.error_code() == grpc::StatusCode::UNAVAILABLE,
+             "Watch " + engine_id_ + " ended: " + KnownReason(ErrorInfoOf(status)) + " " + status.error_message());
+    }
+  }
+
   std::string engine_id_;
-  grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReader<v1::WatchResponse>> reader_;
+  std::mutex mutex_;
+  std::condition_variable arrived_;
+  bool stopping_ = false;
+  grpc::ClientContext* context_ = nullptr;  // the open stream's, to cancel it
+  uint64_t last_;            // the last sequence seen
+  uint64_t resumed_at_ = 0;  // the sequence the last opening started at
+  uint64_t resync_sequence_ = 0;
+  int opened_ = 0;
+  int resyncs_ = 0;
   std::deque<v1::Event> pending_;
+  Rebuild rebuild_;
+  std::thread thread_;
 };
 
 void PushLifecycle(Engine& decode, Engine& prefill, Watch& decode_events, Watch& prefill_events,
@@ -379,15 +513,109 @@ void LeaseExpiry(Stub* stub, Engine& prefill, Watch& prefill_events, const std::
      std::to_string(lapsing.incarnation()));
 }
 
+// Whoever runs the client with a proxy (tests/cpp does) cuts the proxy's connections and lets them through again
+// when asked: the client prints "proxy: cut" or "proxy: restore" and reads the same line back once it is done.
+void AskTheProxy(const std::string& what) {
+  std::cout << "proxy: " << what << std::endl;
+  std::string done;
+  Expect(std::getline(std::cin, done) && done == "proxy: " + what, "the answer to proxy: " + what);
+}
+
+// A consumer whose connection drops mid-life (it talks through a proxy that cuts it, then lets it through again).
+// Its lease outlives the outage and the events sent to it wait in the server's log: KeepAlive and Watch are
+// reopened at once (they wait for the connection), the lease renewed as the same incarnation, the Watch resumed
+// from the last sequence seen + 1. An outage longer than the log (the server keeps `events_kept` events per
+// engine) gets resync_required: ListTransfers, rebuild, go on from resync_sequence.
+void ConnectionDrop(Stub* through_proxy, Engine& prefill, Watch& prefill_events, const std::string& suffix,
+                    int events_kept) {
+  Engine dropping(through_proxy, "cpp-decode-dropping-" + suffix, v1::ENGINE_ROLE_CONSUMER, 10);
+  dropping.Register();
+  auto produce = [&](const std::string& transfer_id) {  // the producer writes and reports; it is not cut off
+    v1::Event assigned = prefill_events.Next(v1::EVENT_TYPE_TRANSFER_ASSIGNED, transfer_id);
+    Expect(prefill.Complete(transfer_id, assigned.generation()).state() == v1::TRANSFER_STATE_COMMITTED,
+           "CompleteTransfers " + transfer_id + ": COMMITTED");
+  };
+  auto target = [&](const std::string& transfer_id, int64_t block) {
+    Expect(dropping.RegisterTargets(transfer_id, {block}).state() == v1::TRANSFER_STATE_TARGETED, "TARGETED");
+    Expect(prefill.Claim(transfer_id).state() == v1::TRANSFER_STATE_MATCHED, "MATCHED");
+  };
+  {
+    std::vector<std::string> rebuilt;
+    Lease lease(dropping);
+    Watch events(dropping, [&] {
+      // What the lost events said is in the listing: a transfer committed to us is ours to read and release.
+      // (One that ended while we were away, RELEASED or ABORTED, is not listed: GetTransfer tells which.)
+      for (const v1::Transfer& transfer : dropping.Transfers(v1::TRANSFER_STATE_COMMITTED)) {
+        Expect(dropping.Release(transfer.transfer_id(), transfer.generation()).state() == v1::TRANSFER_STATE_RELEASED,
+               "ReleaseTargets after the resync: RELEASED");
+        rebuilt.push_back(transfer.transfer_id());
+      }
+    });
+    lease.AwaitRenewal(1);
+    std::string before = "cpp-" + suffix + "-before-drop", during = "cpp-" + suffix + "-drop";
+    target(before, 1);
+    produce(before);  // an event seen before the drop
+    v1::Event seen = events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, before);
+    Expect(dropping.Release(before, seen.generation()).state() == v1::TRANSFER_STATE_RELEASED, "RELEASED");
+
+    // An outage the log covers: the commit made while the consumer is away comes once, when its Watch resumes.
+    target(during, 2);
+    AskTheProxy("cut");
+    produce(during);
+    AskTheProxy("restore");
+    v1::Event commit = events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, during);
+    uint64_t resumed_at = events.AwaitOpened(2);
+    Expect(commit.sequence() == seen.sequence() + 1 && commit.sequence() == resumed_at,
+           "the commit made while away is the first event of the resumed Watch");
+    Expect(dropping.Release(during, commit.generation()).state() == v1::TRANSFER_STATE_RELEASED, "RELEASED");
+    lease.AwaitRenewal(2);  // renewed on a reopened stream: the same incarnation, its lease kept
+    Ok("connection dropped: Watch resumed at sequence " + std::to_string(resumed_at) +
+       " with the TRANSFER_COMMITTED made while away, once; KeepAlive reopened, incarnation " +
+       std::to_string(dropping.incarnation()) + " renewed");
+
+    // An outage longer than the log: more events are made for the consumer than the server keeps.
+    std::vector<std::string> committed;
+    for (int i = 0; i <= events_kept; ++i) {
+      committed.push_back("cpp-" + suffix + "-resync-" + std::to_string(i));
+      target(committed.back(), i % 64);
+    }
+    AskTheProxy("cut");
+    for (const std::string& transfer_id : committed) produce(transfer_id);
+    AskTheProxy("restore");
+    uint64_t resync_sequence = events.AwaitResync(1);
+    std::sort(rebuilt.begin(), rebuilt.end());
+    std::sort(committed.begin(), committed.end());
+    Expect(rebuilt == committed, "the rebuild finds every transfer committed while away");
+    std::string after = "cpp-" + suffix + "-after-resync";
+    target(after, 3);
+    produce(after);
+    commit = events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, after);
+    Expect(commit.sequence() == resync_sequence, "the Watch goes on from resync_sequence");
+    Expect(dropping.Release(after, commit.generation()).state() == v1::TRANSFER_STATE_RELEASED, "RELEASED");
+    Ok("resync: " + std::to_string(committed.size()) + " commits made while away, past the " +
+       std::to_string(events_kept) + " events the server keeps; ListTransfers found them all, Watch went on at " +
+       std::to_string(resync_sequence));
+  }
+  dropping.Deregister();
+}
+
+// A channel that is back soon after its connection is: reconnection attempts at most a second apart (gRPC's
+// default backoff grows to two minutes, far past a lease).
+std::shared_ptr<grpc::Channel> Connect(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::cerr << "usage: " << argv[0] << " HOST:PORT" << std::endl;
+  if (argc != 2 && argc != 4) {
+    std::cerr << "usage: " << argv[0] << " HOST:PORT [PROXY_HOST:PORT EVENTS_KEPT]" << std::endl;
     return 2;
   }
-  auto channel = grpc::CreateChannel(argv[1], grpc::InsecureChannelCredentials());
-  std::unique_ptr<Stub> stub = v1::RendezvousService::NewStub(channel);
+  std::unique_ptr<Stub> stub = v1::RendezvousService::NewStub(Connect(argv[1]));
   std::string suffix = std::to_string(getpid());
 
   Engine decode(stub.get(), "cpp-decode-" + suffix, v1::ENGINE_ROLE_CONSUMER, 10);
@@ -402,6 +630,10 @@ int main(int argc, char** argv) {
     Refusals(decode, "cpp-" + suffix + "-2");
     LayoutMismatch(stub.get(), decode, decode_events, suffix);
     LeaseExpiry(stub.get(), prefill, prefill_events, suffix);
+    if (argc == 4) {
+      std::unique_ptr<Stub> through_proxy = v1::RendezvousService::NewStub(Connect(argv[2]));
+      ConnectionDrop(through_proxy.get(), prefill, prefill_events, suffix, std::stoi(argv[3]));
+    }
   }
   decode.Deregister();
   prefill.Deregister();

@@ -1,6 +1,8 @@
 """clients/cpp: a C++ client generated from proto/ (with the vendored google/rpc protos) runs the protocol against a
 real `kv-rendezvous serve`: both roles, the push lifecycle, ErrorInfo reasons, Watch, a layout mismatch, a lapsed
-lease.
+lease, and a connection that drops: one engine talks through a loopback TCP proxy that the test cuts (and refuses
+new connections) when the client asks, then lets through again. The server keeps EVENTS_KEPT events per engine, so
+the client can overrun its log while cut off and see a resync.
 
 The build is cached in clients/cpp/build (CMake rebuilds what changed). Without the toolchain (Debian: cmake g++
 protobuf-compiler protobuf-compiler-grpc libgrpc++-dev, as `.ci/run` installs) the test skips, except under CI=1,
@@ -9,6 +11,7 @@ where it fails.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -19,6 +22,7 @@ import pytest
 
 from rendezvous.v1 import rendezvous_pb2
 from tests.ci import ci
+from tests.clients.conftest import TcpProxy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,6 +30,8 @@ SOURCE = Path(__file__).resolve().parents[2] / "clients" / "cpp"
 BUILD = SOURCE / "build"
 TOOLS = ("cmake", "g++", "protoc", "grpc_cpp_plugin")
 APT = ("cmake", "g++", "protobuf-compiler", "protobuf-compiler-grpc", "libgrpc++-dev")
+EVENTS_KEPT = 4
+DROP = ("proxy: ", "ok connection dropped", "ok resync")
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +53,9 @@ def client() -> Path:
 
 @pytest.fixture
 def address() -> Iterator[str]:
-    """A real `kv-rendezvous serve` on a free loopback port."""
+    """A real `kv-rendezvous serve` on a free loopback port, keeping EVENTS_KEPT events per engine."""
     command = [sys.executable, "-m", "rendezvous.cli", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "off"]
+    command += ["--max-events-per-engine", str(EVENTS_KEPT)]
     service = subprocess.Popen([*command, "--drain", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert service.stdout is not None
@@ -58,10 +65,46 @@ def address() -> Iterator[str]:
         service.wait()
 
 
-def test_the_cpp_client_runs_the_protocol_against_a_real_server(client: Path, address: str) -> None:
-    run = subprocess.run([client, address], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    lines = run.stdout.splitlines()
+async def run_through_proxy(client: Path, address: str, proxy: TcpProxy, stderr: Path) -> tuple[int, list[str]]:
+    """Runs the client, its dropping engine through `proxy`, answering its "proxy: cut" (every connection closed,
+    new ones refused) and "proxy: restore" (let through again) once done; returns its exit status and output."""
+    with stderr.open("w") as errors:
+        run = await asyncio.create_subprocess_exec(
+            client,
+            address,
+            proxy.address,
+            str(EVENTS_KEPT),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=errors,
+        )
+    assert run.stdin is not None and run.stdout is not None
+    lines = []
+    async for raw in run.stdout:
+        line = raw.decode().rstrip("\n")
+        lines.append(line)
+        if line == "proxy: cut":
+            proxy.refuse(True)
+            proxy.cut()
+        elif line == "proxy: restore":
+            proxy.refuse(False)
+        else:
+            continue
+        run.stdin.write(raw)
+        await run.stdin.drain()
+    return await run.wait(), lines
+
+
+async def test_the_cpp_client_runs_the_protocol_against_a_real_server(
+    client: Path, address: str, tmp_path: Path
+) -> None:
+    proxy = TcpProxy(int(address.rsplit(":", 1)[1]))
+    await proxy.start()
+    try:
+        returncode, lines = await asyncio.wait_for(run_through_proxy(client, address, proxy, tmp_path / "stderr"), 300)
+    finally:
+        await proxy.close()
+    assert returncode == 0, "\n".join(lines) + (tmp_path / "stderr").read_text()
     assert lines[0].startswith("ok registered a consumer")
     assert (
         "ok push lifecycle: TARGETED, MATCHED, TRANSFER_ASSIGNED(1), COMMITTED, TRANSFER_COMMITTED, RELEASED" in lines
@@ -75,6 +118,10 @@ def test_the_cpp_client_runs_the_protocol_against_a_real_server(client: Path, ad
     assert any(
         line.startswith("ok lease expiry: producer told PEER_LOST, KeepAlive refused LEASE_EXPIRED") for line in lines
     )
+    drop = [line.split(":")[0 if line.startswith("ok") else 1].strip() for line in lines if line.startswith(DROP)]
+    assert drop == ["cut", "restore", "ok connection dropped", "cut", "restore", "ok resync"], lines
+    assert any(line.startswith(f"ok resync: {EVENTS_KEPT + 1} commits made while away") for line in lines)
+    assert proxy.accepted >= 3, "a connection through the proxy before the cuts and after each"
     assert lines[-1] == "ok deregistered"
 
 
