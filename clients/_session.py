@@ -205,15 +205,19 @@ class LiveTransfers:
             self._ends += 1
             remember(self._ended, transfer_id, self._ends, _ENDED_KEPT)
 
-    def retain(self, live: Iterable[str], since: int | None = None) -> None:
+    def retain(self, live: Iterable[str], since: int | None = None) -> set[str]:
         """Keep only these transfers (the server's view after a resync), and those a call asserted after `since`
-        (`records()` taken before the view was read: it may have been read before the call's write)."""
+        (`records()` taken before the view was read: it may have been read before the call's write). Returns
+        those dropped."""
         keep = set(live)
+        dropped: set[str] = set()
         for table in (self.targets, self.claims, self.sources):
             for transfer_id in table.keys() - keep:
                 if since is None or self._asserted.get(transfer_id, 0) <= since:
                     del table[transfer_id]
                     self._asserted.pop(transfer_id, None)
+                    dropped.add(transfer_id)
+        return dropped
 
 
 class EngineSession:
@@ -863,8 +867,9 @@ class EngineSession:
     async def _resync(self, sequence: int) -> None:
         since = self._live.records()
         transfers = tuple([t async for t in self._client.iter_transfers(self.engine_id)])
-        self._live.retain((t.transfer_id for t in transfers if t.state not in _OVER), since)
-        self._deliver(Resynced(sequence, transfers))
+        dropped = self._live.retain((t.transfer_id for t in transfers if t.state not in _OVER), since)
+        unlisted = dropped - {t.transfer_id for t in transfers}  # not those it lists COMMITTED: the listing says so
+        self._deliver(Resynced(sequence, transfers, tuple(sorted(unlisted))))
 
     def _deliver(self, item: SessionEvent) -> None:
         self._queue.put_nowait(item)

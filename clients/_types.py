@@ -142,11 +142,15 @@ class Resynced:
     """Synthetic session notification: events were lost, here is the engine's view instead.
 
     The watch fell behind what the server retains; `transfers` are the engine's live transfers
-    now, and the events that follow start at `sequence`.
+    now, and the events that follow start at `sequence`. `unlisted` names what the session re-asserted for this
+    engine (targets, claims, ready sources) that `transfers` lacks: ended while the watch was away (or forgotten
+    since), its end among the events lost; the session re-asserts them no more. Only the server's record
+    (`GetTransfer`) tells how each ended.
     """
 
     sequence: int
     transfers: tuple[TransferInfo, ...]
+    unlisted: tuple[str, ...] = ()
 
 
 class SessionCause(StrEnum):

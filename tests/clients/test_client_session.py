@@ -15,6 +15,7 @@ import pytest
 
 from rendezvous.clients import (
     NO_RETRY,
+    AbortSpec,
     AsyncKeepAliveStream,
     AsyncRendezvousClient,
     Cancelled,
@@ -448,6 +449,40 @@ async def test_a_watch_that_fell_behind_resyncs_from_the_transfer_list() -> None
                 assert sorted(t.transfer_id for t in resynced.transfers) == ids
                 assert {t.state for t in resynced.transfers} == {TransferState.MATCHED}
                 assert set(producer.live_transfers.claims) == set(ids)
+        finally:
+            await proxy.close()
+
+
+async def test_a_resync_names_the_claims_that_ended_while_the_watch_was_away() -> None:
+    """Six of eight claims are aborted while the producer's watch is away (their TRANSFER_ABORTED lost past a log of
+    four events): the listing lacks them, and `Resynced.unlisted` names them, the claims the session stops
+    re-asserting, so that an agent holding nothing of them yet can ask how they ended. Before, nothing said they
+    had been claimed."""
+    async with (
+        start_test_server(limits=Limits(max_events_per_engine=4), grace=0.1) as server,
+        AsyncRendezvousClient(client_config(server.address)) as client,
+    ):
+        proxy = TcpProxy(server.port)
+        await proxy.start()
+        try:
+            async with (
+                AsyncRendezvousClient(client_config(proxy.address)) as proxied,
+                producer_session(proxied) as producer,
+            ):
+                events = producer.events()
+                ids = [f"t{i}" for i in range(8)]
+                await producer.claim_transfers([ClaimSpec(t) for t in ids])
+                proxy.refuse(True)
+                proxy.cut()
+                aborts = await client.abort_transfers("", [AbortSpec(t, "the router gave up") for t in ids[:6]])
+                assert all(a.state is TransferState.ABORTED for a in aborts)
+                proxy.refuse(False)
+
+                resynced = await next_event(events, lambda e: isinstance(e, Resynced))
+                assert isinstance(resynced, Resynced)
+                assert sorted(t.transfer_id for t in resynced.transfers) == ids[6:]
+                assert resynced.unlisted == tuple(ids[:6])
+                assert sorted(producer.live_transfers.claims) == ids[6:]
         finally:
             await proxy.close()
 
