@@ -9,8 +9,8 @@ thread that makes NIXL calls:
 - TRANSFER_ABORTED    -> revoke a generation the service still fences, drop the transfer, free the source;
 - PEER_LOST           -> forget that incarnation's agents;
 - Resynced            -> write what the listing shows matched to it and not assigned yet; end what it shows COMMITTED,
-                         and what it lacks (live transfers only: ended meanwhile) as the service's record says,
-                         revoking a generation the service still fences;
+                         and what it holds or claimed that it lacks (live transfers only: ended meanwhile) as the
+                         service's record says, revoking a generation the service still fences;
 - Reregistered        -> drop every assignment of the replaced incarnation, before the session opens the write fence
                          on the new lease (the service assigns a transfer again if it matches it again), and end
                          the transfers that did not survive. An outcome is reported as the incarnation whose
@@ -432,7 +432,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
             listed = {t.transfer_id: t for t in item.transfers}  # live transfers only: none RELEASED or ABORTED
             asserted = self.engine_session.live_transfers  # what a call asserted while the listing was read is kept
             held = self._sources.keys() | self._assigned.keys() | self._deferred.keys()
-            unlisted = [t for t in held - listed.keys() if t not in asserted]
+            # And its claims the listing lacks: one claimed before its KV is computed is held nowhere here yet, its
+            # TRANSFER_ASSIGNED and TRANSFER_ABORTED lost alike (a generation fenced, and a later `ready` held).
+            unlisted = [t for t in (held | set(item.unlisted)) - listed.keys() if t not in asserted]
             for info in listed.values():
                 if info.state is TransferState.COMMITTED:  # pull: the consumer read the source; push: it was written
                     self._end(info.transfer_id)
@@ -469,11 +471,12 @@ class ProducerAgent(RankAgent[ProducerSession]):
             await asyncio.to_thread(writer.drop_assignments, why)
 
     async def _end_unlisted(self, transfer_id: str) -> None:
-        """A transfer this rank holds a source or an assignment of, which a resync's listing lacks: it ended while the
-        watch was away (the listing holds live transfers only), or was claimed after the listing was read. The
-        service's record says which: ended, it ends here as its TRANSFER_ABORTED or TRANSFER_COMMITTED would have
-        ended it, revoking (and so acknowledging) a generation the service still fences, without which the consumer's
-        blocks would stay fenced. Unanswered, it ends all the same, unacknowledged."""
+        """A transfer this rank holds a source or an assignment of, or claimed (`Resynced.unlisted`), which a resync's
+        listing lacks: it ended while the watch was away (the listing holds live transfers only), or was claimed after
+        the listing was read. The service's record says which: ended, it ends here as its TRANSFER_ABORTED or
+        TRANSFER_COMMITTED would have ended it, revoking (and so acknowledging) a generation the service still fences,
+        without which the consumer's blocks would stay fenced, and a later `ready` is freed at once. Unanswered, it
+        ends all the same, unacknowledged."""
         try:
             info = await self.engine_session.client.get_transfer(transfer_id)
         except NotFound:

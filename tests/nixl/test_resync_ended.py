@@ -277,3 +277,50 @@ async def test_a_target_aborted_while_fenced_ends_once_no_write_can_land() -> No
                 await consumer.close()
                 await producer.close()
                 await p0_proxy.close()
+
+
+@pytest.mark.parametrize("how", ["matched", "claimed"])
+async def test_a_claim_that_ended_while_the_watch_was_away_is_acknowledged_and_its_source_freed(how: str) -> None:
+    """p0 claimed six push transfers at admission (CLAIMED: no target yet) and holds nothing of them: no source (its
+    KV is still being computed), no assignment. Its watch goes away while the router aborts them: once d0 targeted
+    them ("matched": assigned to p0, and so fenced until p0 acknowledges), or before ("claimed"). The listing p0
+    resyncs from lacks them, and nothing p0 held named them. Before, p0 asked nothing: d0's results waited for the
+    tombstone's lifetime (300 s by default), and the sources `ready` handed over later were held for ever (no event
+    would end them). Now p0 asks about the claims the listing lacks too: it acknowledges, d0's results come failed
+    as the abort says, and a later `ready` frees each source at once."""
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    freed: asyncio.Queue[str] = asyncio.Queue()
+    async with away() as env:
+        producer = prefill(env.proxied, "p0", 1)
+        resynced = on_resynced(producer)
+        consumer = ConsumerAgent(
+            env.client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
+            session_config=FAST_SESSION, on_result=results.put_nowait,
+        )  # fmt: skip
+        await producer.start()
+        await consumer.start()
+        try:
+            for t in IDS:
+                assert (await producer.claim(t)).state is TransferState.CLAIMED
+            env.cut()
+            if how == "matched":
+                for i, t in enumerate(IDS):
+                    assert (await consumer.register_target(t, [i])).state is TransferState.MATCHED
+            aborts = await env.client.abort_transfers("", [AbortSpec(t, WHY) for t in IDS])
+            fenced = 1 if how == "matched" else 0
+            assert all((a.state, a.revoking_generation) == (TransferState.ABORTED, fenced) for a in aborts)
+            env.back()
+            await asyncio.wait_for(resynced.wait(), MUST)
+            if how == "matched":
+                ended = [await asyncio.wait_for(results.get(), MUST) for _ in IDS]
+                assert sorted(r.transfer_id for r in ended) == IDS
+                assert all((r.ok, r.reason, r.message) == (False, AbortReason.REQUESTED, WHY) for r in ended)
+                assert all([(await env.client.get_transfer(t)).revoking_generation == 0 for t in IDS])
+            for i, t in enumerate(IDS):
+                producer.ready(t, [i], freed.put_nowait)
+            assert sorted([await asyncio.wait_for(freed.get(), MUST) for _ in IDS]) == IDS
+            assert results.empty()
+        finally:
+            env.back()
+            await consumer.close()
+            await producer.close()
