@@ -338,7 +338,9 @@ class ProducerAgent(RankAgent[ProducerSession]):
     async def _check_source(self, transfer_id: str, source: _Source) -> None:
         """A following rank holds a source until the transfer's events end it; should rank 0's claim have been
         refused (the transfer ended before prefill claimed it), none comes: so it asks every `follower_check_s`
-        until an assignment came, and frees the source once the transfer is not this engine's to write."""
+        until an assignment came, and frees the source once the transfer is not this engine's to write. Nor does
+        one come when its TRANSFER_ABORTED was lost with the watch (a resync): a generation the service still
+        fences for this rank is then revoked, and so acknowledged, as that event would have."""
         while True:
             await asyncio.sleep(self._follower_check_s)
             if self._sources.get(transfer_id) is not source or transfer_id in self._assigned:
@@ -352,6 +354,8 @@ class ProducerAgent(RankAgent[ProducerSession]):
                 logger.warning("transfer %s: checking on it failed, looking again later: %s", transfer_id, e)
                 continue
             if info.producer_engine_id != self.engine_id or info.state.terminal:
+                if info.producer_engine_id == self.engine_id and info.revoking_generation:
+                    self._revoke(transfer_id, info.revoking_generation)
                 self._end(transfer_id)
                 return
 

@@ -27,10 +27,12 @@ from rendezvous.clients import (
 from rendezvous.clients._types import Resynced, SessionEvent
 from rendezvous.clients.nixl.consumer import AgentReason, ConsumerAgent, TransferResult
 from rendezvous.clients.nixl.producer import ProducerAgent
+from rendezvous.clients.nixl.rank import start_ranks
 from rendezvous.clients.testing import TEST_LAYOUT, AsyncTestServer, start_test_server
 from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.protocol.errors import NotFound
 from tests.clients.conftest import FAST_SESSION, MUST, TcpProxy, client_config, wait_until
+from tests.nixl.test_pull_ends import TP2
 from tests.nixl.test_read_outcomes import prefill
 from tests.nixl.test_resync import IDS, eventually_ready
 
@@ -324,3 +326,59 @@ async def test_a_claim_that_ended_while_the_watch_was_away_is_acknowledged_and_i
             env.back()
             await consumer.close()
             await producer.close()
+
+
+async def test_a_following_rank_that_held_nothing_of_an_abort_lost_with_its_watch_acknowledges_it_at_ready() -> None:
+    """A producer of two ranks: rank 0 claimed six push transfers, and neither rank holds anything of them (KV still
+    being computed) when both watches go away and the router aborts them once d0 targeted them. The service fences
+    each generation until both ranks acknowledge. Rank 0 asks about its claims after its resync and acknowledges;
+    rank 1 claimed nothing, holds nothing, and has nothing to ask about. Once the engine hands rank 1 the sources,
+    it asks the service (`follower_check_s`) and frees them. Before, that check freed the source without
+    acknowledging the generation the service still fenced for rank 1: d0's results waited for the tombstone's
+    lifetime (300 s by default). Now it acknowledges, and d0's results come, failed as the abort says."""
+    results: asyncio.Queue[TransferResult] = asyncio.Queue()
+    freed: list[asyncio.Queue[str]] = [asyncio.Queue(), asyncio.Queue()]
+    async with away() as env:
+        producers = [
+            ProducerAgent(
+                env.proxied, "p0", "prefill", [torch.ones(8, 256, dtype=torch.uint8)], layout=TP2, rank=r,
+                session_config=FAST_SESSION, follower_check_s=0.05,
+            )
+            for r in range(2)
+        ]  # fmt: skip
+        resynced = [on_resynced(p) for p in producers]
+        consumers = [
+            ConsumerAgent(
+                env.client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TP2, rank=r,
+                session_config=FAST_SESSION, on_result=results.put_nowait,
+            )
+            for r in range(2)
+        ]  # fmt: skip
+        await start_ranks(producers)
+        await start_ranks(consumers)
+        try:
+            for t in IDS:
+                assert (await producers[0].claim(t)).state is TransferState.CLAIMED
+            env.cut()
+            for i, t in enumerate(IDS):
+                assert (await consumers[0].register_target(t, [i])).state is TransferState.MATCHED
+            aborts = await env.client.abort_transfers("", [AbortSpec(t, WHY) for t in IDS])
+            assert all((a.state, a.revoking_generation) == (TransferState.ABORTED, 1) for a in aborts)
+            env.back()
+            for done in resynced:
+                await asyncio.wait_for(done.wait(), MUST)
+            for producer, queue in zip(producers, freed, strict=True):
+                for i, t in enumerate(IDS):
+                    producer.ready(t, [i], queue.put_nowait)
+            for queue in freed:
+                assert sorted([await asyncio.wait_for(queue.get(), MUST) for _ in IDS]) == IDS
+            ended = [await asyncio.wait_for(results.get(), MUST) for _ in IDS]
+            assert sorted(r.transfer_id for r in ended) == IDS
+            assert all((r.ok, r.reason, r.message) == (False, AbortReason.REQUESTED, WHY) for r in ended)
+            assert all([(await env.client.get_transfer(t)).revoking_generation == 0 for t in IDS])
+        finally:
+            env.back()
+            for consumer in reversed(consumers):
+                await consumer.close()
+            for producer in reversed(producers):
+                await producer.close()
