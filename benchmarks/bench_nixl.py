@@ -28,12 +28,18 @@
               Last, scoped digests (hetero layouts) of half the heads of the same 64 KiB blocks (8 heads x 16
               tokens x 512 B), a consumer's `scope_digests` (its plan and the hash), HND (one range per block)
               and NHD (one per token), as seconds per GiB hashed
+  agent modes with a real service (`--only-pull-read`, `--only-source-hold`, `--only-pull-commit`; see
+              benchmarks/nixl_agents.py): what the rank agents' reports cost on the path, per one-block transfer:
+              a pull READ's end -> its result, a pushed source's write end -> on_free, and a two-rank pull consumer's
+              commit -> release
 
 Both sides must poll for a WRITE to complete (see rendezvous.clients.nixl.agent). Spinning pollers on a machine with few
 cores fight each other and everything else for the CPU: read the tails with the machine's load in mind.
 
     python -m benchmarks.bench_nixl [--total-mib 64] [--reps 5] [--round-trips 1000] [--output nixl.json]
                                     [--only-parts | --only-integrity]
+    python -m benchmarks.bench_nixl --only-pull-read | --only-source-hold [--transfers 200] [--output ...]
+    python -m benchmarks.bench_nixl --only-pull-commit [--at-once 60] [--output ...]
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -55,6 +63,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))  # its sibling nixl_agents, as `python -m benchmarks.bench_nixl` too
+import nixl_agents
 
 from rendezvous.clients.nixl import (
     KvRegion,
@@ -78,6 +89,8 @@ RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZES = (16 << 10, 64 << 10, 256 << 10, 2 << 20)
 TINY_BLOCK = 64
 WRITER_BLOCK = 4 << 10
+AGENT_MODES = ("pull-read", "source-hold", "pull-commit")
+"""The modes with a real service and the rank agents (`benchmarks.nixl_agents`), each run alone."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -716,10 +729,19 @@ def main() -> None:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--only-parts", action="store_true", help="run the progressive parts section alone")
     only.add_argument("--only-integrity", action="store_true", help="run the integrity section alone")
+    for mode in AGENT_MODES:
+        only.add_argument(f"--only-{mode}", action="store_true", help=f"run the agent mode {mode} alone")
+    parser.add_argument("--transfers", type=int, default=200, help="pull-read, source-hold: transfers timed")
+    parser.add_argument("--at-once", type=int, default=60, help="pull-commit: transfers at once")
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
     os.environ.setdefault("UCX_TLS", "shm,tcp")  # loopback only, inherited by the consumer process
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     total = args.total_mib << 20
+    agents = next((m for m in AGENT_MODES if getattr(args, f"only_{m.replace('-', '_')}")), None)
+    if agents is not None:
+        agent_mode(agents, args, total, load_at_start)
+        return
     peer = Consumer(total)
     try:
         peer.call("backoff", True)
@@ -773,13 +795,36 @@ def main() -> None:
     _write_result(args, total, {**measured, "progressive_parts": progressive})
 
 
-def _write_result(args: argparse.Namespace, total: int, measured: dict[str, Any]) -> None:
+def agent_mode(mode: str, args: argparse.Namespace, total: int, load_at_start: float) -> None:
+    """One of `benchmarks.nixl_agents`' modes: print its figures (milliseconds) and write them with the build's
+    commit and the load average at the start."""
+    measured = {
+        "pull-read": lambda: nixl_agents.pull_read(args.transfers),
+        "source-hold": lambda: nixl_agents.source_hold(args.transfers),
+        "pull-commit": lambda: nixl_agents.pull_commit(args.at_once),
+    }[mode]()
+    print(f"{mode}: {measured['transfers']} transfers, load average (1 min) at the start {load_at_start:.2f}")
+    for key, row in measured.items():
+        if isinstance(row, dict):
+            print(f"{key:>28}: " + "  ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "n"))
+        elif key != "transfers":
+            print(f"{key:>28}: {row}")
+    build = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True
+    ).stdout.strip()
+    _write_result(args, total, {"mode": mode, "build": build, mode: measured}, load_at_start)
+
+
+def _write_result(
+    args: argparse.Namespace, total: int, measured: dict[str, Any], load_at_start: float | None = None
+) -> None:
     RESULTS.mkdir(exist_ok=True)
     result = {
         "benchmark": "nixl",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {
             "cpus": os.cpu_count(),
+            **({} if load_at_start is None else {"load_average_1m_at_start": load_at_start}),
             "load_average_1m_at_end": os.getloadavg()[0],
             "platform": platform.platform(),
             "python": platform.python_version(),
