@@ -16,7 +16,8 @@ transfers of 256 bytes, so what is timed is the coordination, not the bytes.
                commits. Per transfer, commit -> release: from the committing CompleteTransfers' answer (state
                COMMITTED) reaching decode to decode's rank 0 sending ReleaseTargets for it; since f37a389 and
                daaf2e6 the service tells decode of a commit its other rank cannot see and rank 0 releases on that,
-               before it asked GetTransfer every `follower_check_s` (5 s). Also the GetTransfers decode sent, and
+               before it asked GetTransfer every `follower_check_s` (5 s). Also split by the rank whose report
+               committed (rank 0 releases what its own report committed at once), the GetTransfers decode sent, and
                first ready -> every transfer released.
 
 The instruments are the client's calls (a subclass of `AsyncRendezvousClient` stamping answers) and the agents'
@@ -65,11 +66,13 @@ MUST = 60.0
 
 class TimedClient(AsyncRendezvousClient):
     """A client that tells `stamp` when its engine's CompleteTransfers answers say a transfer COMMITTED ("committed",
-    transfer id) and when it sends ReleaseTargets ("released", transfer id), and counts its GetTransfer calls."""
+    transfer id) and when it sends ReleaseTargets ("released", transfer id); keeps the transfers its reports
+    committed, and counts its GetTransfer calls."""
 
     def __init__(self, config: ClientConfig, stamp: Callable[[str, str], None]) -> None:
         super().__init__(config)
         self.stamp = stamp
+        self.commits: list[str] = []
         self.get_transfers = 0
 
     async def complete_transfers(
@@ -84,6 +87,7 @@ class TimedClient(AsyncRendezvousClient):
         for completion, result in zip(completions, results, strict=True):
             if result.ok and result.state is TransferState.COMMITTED:
                 self.stamp("committed", completion.transfer_id)
+                self.commits.append(completion.transfer_id)
         return results
 
     async def release_targets(
@@ -301,6 +305,11 @@ async def _pull_commit(at_once: int) -> dict[str, Any]:
     return {
         "transfers": at_once,
         "commit_to_release": spread([released[t] - committed[t] for t in ids]),
+        **{
+            f"commit_to_release_by_rank{r}": spread([released[t] - committed[t] for t in c.commits])
+            for r, c in enumerate(clients)
+            if c.commits
+        },
         "get_transfers": get_transfers,
         "ready_to_all_released_s": max(released.values()) - start,
     }
