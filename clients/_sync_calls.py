@@ -119,8 +119,9 @@ class SyncCalls(ClientBase[grpc.Channel]):
         timeout: float | None = None,
     ) -> EngineInfo:
         """One live engine, with its NIXL agents (view: how much of it; BASIC leaves out the agents' metadata and
-        the labels, for a caller that does not connect to it). transfer_id: a transfer between that engine and
-        one of the caller's, through which an engine's token (without the router role) may read its peer."""
+        the labels, for a caller that does not connect to it). transfer_id: a live transfer whose bytes one of the
+        caller's engines moves with that engine, through which an engine's token (without the router role) may
+        read its peer (docs/security.md)."""
         return self._invoke(commands.get_engine(engine_id, view, transfer_id), timeout)
 
     def iter_engines(

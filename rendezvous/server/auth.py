@@ -2,13 +2,14 @@
 
 An engine identity may register, renew, deregister, watch, act on transfers and report KV cache events
 (KvIndexService) for its own engines only, and only with the roles and in the pools it is bound to; it may read
-(GetEngine) those engines, and the other half of a transfer one of them takes part in (named by
-GetEngineRequest.transfer_id), and read (GetTransfer) the transfers they take part in, any other id answered as
-an unknown one (the servicer decides, with the transfer it reads: Caller.acts_for); the `router` role may read
-(GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and abort as the router (an empty engine_id); any
-identity may query the KV index (MatchPrefixes); `admin` may do everything. Health checks and reflection need
-no identity. A stream ends at its next message once its identity leaves the auth file (or changes), and a
-non-participant learns nothing of a transfer (rendezvous.server.disclosure).
+(GetEngine) those engines, and the peer one of them moves a live transfer's bytes with (named by
+GetEngineRequest.transfer_id; rendezvous.server.disclosure.peer_reader), and read (GetTransfer) the transfers they
+take part in, any other id answered as an unknown one (the servicer decides, with the transfer it reads:
+Caller.acts_for); the `router` role may read (GetEngine, ListEngines, GetTransfer, ListTransfers, GetStatus) and
+abort as the router (an empty engine_id); any identity may query the KV index (MatchPrefixes); `admin` may do
+everything. Health checks and reflection need no identity. A stream ends at its next message once its identity
+leaves the auth file (or changes), and a non-participant learns nothing of a transfer
+(rendezvous.server.disclosure).
 
 `Guard` is the server interceptor that applies this and the per-caller quotas (keyed by the identity's
 token, Identity.key; only calls that did not authenticate are limited by host). Tokens and metadata are
@@ -33,6 +34,7 @@ from grpc_status import rpc_status
 from rendezvous.core.model import Engine, Role, Transfer
 from rendezvous.protocol import convert
 from rendezvous.protocol.errors import Reason, RendezvousError
+from rendezvous.server import disclosure
 from rendezvous.server.authfile import (
     ADMIN,
     ANONYMOUS,
@@ -252,8 +254,8 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _authorize_engine_read(self, identity: Identity, request: pb.GetEngineRequest) -> None:
         """GetEngine by an identity without the router role: of an engine it may act for (as its calls for the
-        engine), or of the other half of request.transfer_id, a transfer of one of its engines. Anything else
-        is ROLE_REQUIRED, whether the transfer exists or not: no oracle of other engines' transfers."""
+        engine), or of the peer one of its engines moves request.transfer_id's bytes with (`_reads_peer`). Anything
+        else is ROLE_REQUIRED, whether the transfer exists or not: no oracle of other engines' transfers."""
         engine_id = request.engine_id
         if engine_id:
             try:
@@ -266,15 +268,21 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 return
         raise RendezvousError(
             Reason.ROLE_REQUIRED,
-            "GetEngine of an engine you do not act for needs the router role, or the transfer_id of a transfer "
-            "between it and one of yours",
+            "GetEngine of an engine you do not act for needs the router role, or the transfer_id of a live "
+            "transfer whose bytes one of yours moves with it",
             method="GetEngine",
         )
 
     async def _reads_peer(self, identity: Identity, engine_id: str, transfer_id: str) -> bool:
-        """Whether engine_id is one half of transfer_id and identity acts for the other."""
+        """Whether identity acts for the engine that moves transfer_id's bytes with engine_id, the incarnation of it
+        the transfer names (rendezvous.server.disclosure.peer_reader)."""
         transfer = await self._transfer_of(transfer_id)
-        return transfer is not None and await self._acts_for(identity, transfer.counterpart(engine_id))
+        reader = disclosure.peer_reader(transfer, engine_id) if transfer is not None else None
+        if reader is None:
+            return False
+        reader_id, incarnation = reader
+        engine = await self._engine_of(engine_id)
+        return engine is not None and engine.incarnation == incarnation and await self._acts_for(identity, reader_id)
 
     def _rights(self, identity: Identity | None) -> Caller:
         """What the servicer is told of a unary call's identity (rendezvous.server.authfile.Caller)."""

@@ -1,6 +1,7 @@
-"""What an engine identity reads: its own engines (GetEngine) and the transfers they take part in (GetTransfer),
-which the SDK's sessions and agents read under auth; any other transfer answered exactly as an unknown id.
-Real servers on 127.0.0.1 with an auth file."""
+"""What an engine identity reads: its own engines (GetEngine), the peer it moves a live transfer's bytes with
+(GetEngine through the transfer) and the transfers they take part in (GetTransfer), which the SDK's sessions and
+agents read under auth; any other transfer answered exactly as an unknown id. Real servers on 127.0.0.1 with an
+auth file, memory and Redis stores."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import grpc
 import pytest
 
 from rendezvous.clients import AsyncRendezvousClient, ClientConfig, ProducerSession, RankSession
+from rendezvous.core import engines as engine_rules
+from rendezvous.core.model import Engine, Role
 from rendezvous.server import RendezvousServer
 from rendezvous.v1 import rendezvous_pb2 as pb
 from tests.clients.conftest import FAST_SESSION, LAYOUT, agent
+from tests.factories import core_engine
+from tests.redis_fixtures import redis_url, store
 from tests.security.conftest import serving
 from tests.security.test_auth import auth_file, call, refusal
 from tests.security.test_bindings import register
@@ -39,11 +44,14 @@ AUTH = {
 }
 ROLE_REQUIRED = (grpc.StatusCode.PERMISSION_DENIED, "ROLE_REQUIRED")
 ENGINE_NOT_FOUND = (grpc.StatusCode.NOT_FOUND, "ENGINE_NOT_FOUND")
+PUSH, PULL = pb.TRANSFER_MODE_PUSH, pb.TRANSFER_MODE_PULL
+
+__all__ = ["redis_url", "store"]  # the fixtures
 
 
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[RendezvousServer]:
-    async with serving(auth_file=auth_file(tmp_path, AUTH)) as srv:
+async def server(tmp_path: Path, store: str) -> AsyncIterator[RendezvousServer]:
+    async with serving(store=store, auth_file=auth_file(tmp_path, AUTH)) as srv:
         yield srv
 
 
@@ -68,8 +76,11 @@ async def pool_engine(channel: grpc.aio.Channel, engine_id: str) -> int:
     return incarnation
 
 
-async def matched(channel: grpc.aio.Channel, transfer_id: str, producer: str = "p0") -> None:
-    """d0 targets transfer_id and producer (p0, or an engine of pool prefill-b) claims it, each with its token."""
+async def matched(
+    channel: grpc.aio.Channel, transfer_id: str, producer: str = "p0", mode: pb.TransferMode = PUSH
+) -> int:
+    """d0 (registered anew) targets transfer_id in mode and producer (p0, or an engine of pool prefill-b, registered
+    anew) claims it, each with its token; the producer's incarnation."""
     token = P0 if producer == "p0" else POOL
     consumer_incarnation = await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, D0)
     if producer == "p0":
@@ -79,13 +90,25 @@ async def matched(channel: grpc.aio.Channel, transfer_id: str, producer: str = "
     target = pb.RegisterTargetsRequest(
         engine_id="d0",
         incarnation=consumer_incarnation,
-        targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2])],
+        targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2], mode=mode)],
     )
     claim = pb.ClaimTransfersRequest(
         engine_id=producer, incarnation=producer_incarnation, claims=[pb.ClaimSpec(transfer_id=transfer_id)]
     )
     assert not (await call(channel, "RegisterTargets", target, D0)).results[0].HasField("status")
     assert not (await call(channel, "ClaimTransfers", claim, token)).results[0].HasField("status")
+    return producer_incarnation
+
+
+async def source_ready(channel: grpc.aio.Channel, transfer_id: str, incarnation: int, producer: str = "p0") -> None:
+    """The producer (p0, or an engine of pool prefill-b) of a pull transfer says its source is ready."""
+    request = pb.MarkSourcesReadyRequest(
+        engine_id=producer,
+        incarnation=incarnation,
+        sources=[pb.SourceReadySpec(transfer_id=transfer_id, block_ids=[5, 6])],
+    )
+    token = P0 if producer == "p0" else POOL
+    assert not (await call(channel, "MarkSourcesReady", request, token)).results[0].HasField("status")
 
 
 async def answer(coro: Any, transfer_id: str) -> tuple[grpc.StatusCode, str, bytes]:
@@ -142,27 +165,73 @@ async def test_the_router_and_admin_read_every_engine(channel: grpc.aio.Channel)
     assert (await get_engine(channel, "d1", ADMIN)).engine_id == "d1"
 
 
-# GetEngine of a peer: the other half of a transfer of one of the identity's engines
+# GetEngine of a peer: through a live transfer of one of the identity's engines, the engine that moves its bytes reads
+# the other half, as the service's events hand it over (push: TRANSFER_ASSIGNED's consumer to the producer; pull:
+# SOURCE_READY's producer to the consumer)
 
 
-async def test_each_half_reads_the_other_through_their_transfer(channel: grpc.aio.Channel) -> None:
+async def test_a_push_producer_reads_its_consumer_through_their_transfer(channel: grpc.aio.Channel) -> None:
     await matched(channel, "t-peers")
-    producer = await get_engine(channel, "p0", D0, transfer_id="t-peers")
+    consumer = await get_engine(channel, "d0", P0, transfer_id="t-peers")
+    assert consumer.engine_id == "d0" and consumer.agents[0].metadata
+    assert await refusal(get_engine(channel, "d0", P0)) == ROLE_REQUIRED  # not without the transfer
+
+
+async def test_a_pull_consumer_reads_its_producer_once_the_source_is_ready(channel: grpc.aio.Channel) -> None:
+    incarnation = await matched(channel, "t-pull", mode=PULL)
+    # Matched, but SOURCE_READY has not handed the producer over: the consumer has nothing to read yet.
+    assert await refusal(get_engine(channel, "p0", D0, transfer_id="t-pull")) == ROLE_REQUIRED
+    await source_ready(channel, "t-pull", incarnation)
+    producer = await get_engine(channel, "p0", D0, transfer_id="t-pull")
     assert producer.engine_id == "p0" and producer.agents[0].metadata
-    assert (await get_engine(channel, "d0", P0, transfer_id="t-peers")).engine_id == "d0"
-    assert await refusal(get_engine(channel, "p0", D0)) == ROLE_REQUIRED  # not without the transfer
+
+
+@pytest.mark.parametrize("mode", [PUSH, PULL], ids=["push", "pull"])
+async def test_the_half_that_moves_no_bytes_does_not_read_its_peer(
+    channel: grpc.aio.Channel, mode: pb.TransferMode
+) -> None:
+    """Its peer's agents (region addresses, with which whoever reaches the engine's UCX endpoint reads and writes its
+    KV memory) are never handed to it: a push consumer is written to, a pull producer read from."""
+    incarnation = await matched(channel, "t-still", mode=mode)
+    if mode == PULL:
+        await source_ready(channel, "t-still", incarnation)
+    peer, token = ("p0", D0) if mode == PUSH else ("d0", P0)
+    assert await refusal(get_engine(channel, peer, token, transfer_id="t-still")) == ROLE_REQUIRED
 
 
 async def test_a_pool_identity_reads_the_peer_of_its_pools_engine(channel: grpc.aio.Channel) -> None:
     await matched(channel, "t-pool-peer", producer="p7")
     assert (await get_engine(channel, "d0", POOL, transfer_id="t-pool-peer")).engine_id == "d0"
-    assert (await get_engine(channel, "p7", D0, transfer_id="t-pool-peer")).pool == "prefill-b"
+    # And, pulling from it, a consumer reads that engine of a pool it may not act in.
+    incarnation = await matched(channel, "t-pool-pull", producer="p7", mode=PULL)
+    await source_ready(channel, "t-pool-pull", incarnation, producer="p7")
+    assert (await get_engine(channel, "p7", D0, transfer_id="t-pool-pull")).pool == "prefill-b"
 
 
-async def test_a_peer_that_left_is_not_found(channel: grpc.aio.Channel) -> None:
-    await matched(channel, "t-gone")
-    await call(channel, "DeregisterEngine", pb.DeregisterEngineRequest(engine_id="p0"), P0)
-    assert await refusal(get_engine(channel, "p0", D0, transfer_id="t-gone")) == ENGINE_NOT_FOUND
+async def test_no_peer_is_read_through_an_ended_transfer(channel: grpc.aio.Channel) -> None:
+    """Its peer restarted: the transfer aborted, and the new incarnation's agents were never handed to this producer."""
+    await matched(channel, "t-ended")
+    await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, D0)
+    assert (await get_transfer(channel, "t-ended", P0)).state == pb.TRANSFER_STATE_ABORTED
+    assert await refusal(get_engine(channel, "d0", P0, transfer_id="t-ended")) == ROLE_REQUIRED
+
+
+async def test_a_re_registered_peer_is_not_read_through_its_old_incarnation_s_transfer(
+    server: RendezvousServer, channel: grpc.aio.Channel
+) -> None:
+    """A re-registration whose call was cut off before it applied the old incarnation's loss (the next keep-alive
+    applies it) leaves that incarnation's transfer live: the new incarnation's agents are not read through it."""
+    await matched(channel, "t-stale")
+    now, limits, timeouts = server.coordinator.clock(), server.config.limits, server.config.timeouts
+
+    def reregistered(cur: Engine | None) -> Engine:
+        assert cur is not None
+        spec = dataclasses.replace(core_engine("d0", Role.CONSUMER), owner=cur.owner)
+        return engine_rules.register_engine(now, cur, spec, limits, timeouts)
+
+    await server.store.update_engine("d0", reregistered)
+    assert (await get_transfer(channel, "t-stale", P0)).state == pb.TRANSFER_STATE_MATCHED
+    assert await refusal(get_engine(channel, "d0", P0, transfer_id="t-stale")) == ROLE_REQUIRED
 
 
 async def test_a_non_participant_reading_an_engine_through_a_transfer_learns_nothing_of_it(
