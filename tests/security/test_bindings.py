@@ -63,11 +63,15 @@ def reason(result: pb.ItemResult) -> str:
     return str(info.reason)
 
 
-async def targeted_transfer(channel: grpc.aio.Channel, transfer_id: str) -> None:
-    """d0 (the bound consumer) targets transfer_id."""
+async def targeted_transfer(
+    channel: grpc.aio.Channel, transfer_id: str, mode: pb.TransferMode = pb.TRANSFER_MODE_PUSH
+) -> None:
+    """d0 (the bound consumer) targets transfer_id in mode."""
     incarnation = await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, BOUND)
     target = pb.RegisterTargetsRequest(
-        engine_id="d0", incarnation=incarnation, targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2])]
+        engine_id="d0",
+        incarnation=incarnation,
+        targets=[pb.TargetSpec(transfer_id=transfer_id, block_ids=[1, 2], mode=mode)],
     )
     assert not (await item(channel, "RegisterTargets", target, BOUND)).HasField("status")
 
@@ -139,8 +143,10 @@ def participant_call(method: str, engine_id: str, incarnation: int, transfer_id:
     return request
 
 
-async def matched_transfer(channel: grpc.aio.Channel, transfer_id: str) -> None:
-    await targeted_transfer(channel, transfer_id)
+async def matched_transfer(
+    channel: grpc.aio.Channel, transfer_id: str, mode: pb.TransferMode = pb.TRANSFER_MODE_PUSH
+) -> None:
+    await targeted_transfer(channel, transfer_id, mode)
     incarnation = await register(channel, "p0", pb.ENGINE_ROLE_PRODUCER, PREFILL)
     claim = pb.ClaimTransfersRequest(
         engine_id="p0", incarnation=incarnation, claims=[pb.ClaimSpec(transfer_id=transfer_id)]
@@ -172,6 +178,22 @@ async def test_a_non_participant_is_answered_as_for_an_unknown_id(
     assert reason(live) == "TRANSFER_NOT_FOUND"
     assert "d0" not in live.status.message and "p0" not in live.status.message
     assert reason(await answer("t-live", ADMIN)) == "NOT_PARTICIPANT"
+
+
+async def test_a_non_participant_s_pull_success_before_the_source_is_ready_is_answered_as_for_an_unknown_id(
+    channel: grpc.aio.Channel,
+) -> None:
+    """The consumer of a pull transfer whose source is not ready is refused such a report INVALID_STATE
+    (docs/protocol.md); another consumer must not learn so that the id exists."""
+    await matched_transfer(channel, "t-pull", pb.TRANSFER_MODE_PULL)
+    incarnation = await register(channel, "d1", pb.ENGINE_ROLE_CONSUMER, DECODE_1)
+
+    async def answer(transfer_id: str) -> pb.ItemResult:
+        request = participant_call("CompleteTransfers", "d1", incarnation, transfer_id)
+        return await item(channel, "CompleteTransfers", request, DECODE_1)
+
+    live, unknown = await answer("t-pull"), await answer("t-none")
+    assert without_id(live, "t-pull") == without_id(unknown, "t-none") and reason(live) == "TRANSFER_NOT_FOUND"
 
 
 @pytest.mark.parametrize(

@@ -289,6 +289,10 @@ async def test_a_non_participant_reading_a_transfer_is_answered_exactly_as_for_a
     unknown = await answer(get_transfer(channel, "t-none-00", token), "t-none-00")  # the same length
     assert live == unknown
     assert live[:2] == (grpc.StatusCode.NOT_FOUND, "transfer <id> is unknown") and b"TRANSFER_NOT_FOUND" in live[2]
+    # Nor its tombstone, which its halves still read.
+    await register(channel, "d0", pb.ENGINE_ROLE_CONSUMER, D0)  # d0 restarts: the transfer aborts
+    assert (await get_transfer(channel, "t-live-00", P0)).state == pb.TRANSFER_STATE_ABORTED
+    assert await answer(get_transfer(channel, "t-live-00", token), "t-live-00") == unknown
 
 
 async def test_the_router_and_admin_read_every_transfer(channel: grpc.aio.Channel) -> None:
