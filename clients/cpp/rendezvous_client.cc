@@ -1,14 +1,16 @@
 // A C++ engine's control plane against a running kv-rendezvous, step by step as docs/engines.md describes it:
 // register a consumer and a producer (leases renewed over KeepAlive), run one push transfer through its
 // lifecycle while following both engines' Watch streams, read the ErrorInfo of refused calls (an item's and a
-// whole call's), see a pair whose layouts differ aborted at match, survive a lease that lapses and, given a proxy
-// to talk through, a connection that drops (KeepAlive reopened, Watch resumed, a resync rebuilt). The agents are
-// stand-ins: no NIXL, so the producer reports the write without making it (docs/engines.md, "Testing").
+// whole call's), see a pair whose layouts differ aborted at match, survive a lease that lapses, and, given a proxy
+// to talk through, a connection that drops (KeepAlive reopened, Watch resumed, a resync rebuilt) and one that goes
+// silent (found by keepalive pings). The agents are stand-ins: no NIXL, so the producer reports the write without
+// making it (docs/engines.md, "Testing").
 //
-//   rendezvous_client HOST:PORT [PROXY_HOST:PORT EVENTS_KEPT]
-//     prints "ok ..." per step; exits 1 at the first step that goes wrong. PROXY_HOST:PORT: a TCP proxy to
-//     HOST:PORT that the caller cuts and lets through again when asked (AskTheProxy); EVENTS_KEPT: the server's
-//     --max-events-per-engine, which the step overruns to provoke a resync.
+//   rendezvous_client TARGET [PROXY_HOST:PORT EVENTS_KEPT] [--keepalive TIME_MS,TIMEOUT_MS]
+//     prints "ok ..." per step; exits 1 at the first step that goes wrong. TARGET: the service's HOST:PORT.
+//     PROXY_HOST:PORT: a TCP proxy to the service that the caller cuts, freezes and lets through again when asked
+//     (AskTheProxy); EVENTS_KEPT: the server's --max-events-per-engine, which a step overruns to provoke
+//     a resync. --keepalive: the channels' HTTP/2 keepalive pings (default 30000,10000).
 
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
@@ -513,12 +515,20 @@ void LeaseExpiry(Stub* stub, Engine& prefill, Watch& prefill_events, const std::
      std::to_string(lapsing.incarnation()));
 }
 
-// Whoever runs the client with a proxy (tests/cpp does) cuts the proxy's connections and lets them through again
-// when asked: the client prints "proxy: cut" or "proxy: restore" and reads the same line back once it is done.
+// Whoever runs the client with a proxy (tests/cpp does) cuts the proxy's connections, freezes them and lets them
+// through again when asked: the client prints "proxy: cut", "proxy: restore", "proxy: freeze" or "proxy: thaw" and
+// reads the same line back once it is done.
 void AskTheProxy(const std::string& what) {
   std::cout << "proxy: " << what << std::endl;
   std::string done;
   Expect(std::getline(std::cin, done) && done == "proxy: " + what, "the answer to proxy: " + what);
+}
+
+// The producer's part of a push transfer a consumer targeted and it claimed: it writes and reports.
+void Commit(Engine& prefill, Watch& prefill_events, const std::string& transfer_id) {
+  v1::Event assigned = prefill_events.Next(v1::EVENT_TYPE_TRANSFER_ASSIGNED, transfer_id);
+  Expect(prefill.Complete(transfer_id, assigned.generation()).state() == v1::TRANSFER_STATE_COMMITTED,
+         "CompleteTransfers " + transfer_id + ": COMMITTED");
 }
 
 // A consumer whose connection drops mid-life (it talks through a proxy that cuts it, then lets it through again).
@@ -530,10 +540,8 @@ void ConnectionDrop(Stub* through_proxy, Engine& prefill, Watch& prefill_events,
                     int events_kept) {
   Engine dropping(through_proxy, "cpp-decode-dropping-" + suffix, v1::ENGINE_ROLE_CONSUMER, 10);
   dropping.Register();
-  auto produce = [&](const std::string& transfer_id) {  // the producer writes and reports; it is not cut off
-    v1::Event assigned = prefill_events.Next(v1::EVENT_TYPE_TRANSFER_ASSIGNED, transfer_id);
-    Expect(prefill.Complete(transfer_id, assigned.generation()).state() == v1::TRANSFER_STATE_COMMITTED,
-           "CompleteTransfers " + transfer_id + ": COMMITTED");
+  auto produce = [&](const std::string& transfer_id) {  // the producer is not cut off
+    Commit(prefill, prefill_events, transfer_id);
   };
   auto target = [&](const std::string& transfer_id, int64_t block) {
     Expect(dropping.RegisterTargets(transfer_id, {block}).state() == v1::TRANSFER_STATE_TARGETED, "TARGETED");
@@ -599,23 +607,89 @@ void ConnectionDrop(Stub* through_proxy, Engine& prefill, Watch& prefill_events,
   dropping.Deregister();
 }
 
-// A channel that is back soon after its connection is: reconnection attempts at most a second apart (gRPC's
-// default backoff grows to two minutes, far past a lease).
-std::shared_ptr<grpc::Channel> Connect(const std::string& address) {
+// HTTP/2 keepalive pings: every `time` without a byte from the server, the channel pings it, and gives the connection
+// up if the ping is unanswered within `timeout`.
+struct KeepAlivePings {
+  std::chrono::milliseconds time{30000};  // the Python SDK's (clients/_config.py KeepAliveConfig)
+  std::chrono::milliseconds timeout{10000};
+};
+
+std::string Seconds(std::chrono::steady_clock::duration duration) {
+  int tenths = std::chrono::duration_cast<std::chrono::milliseconds>(duration).count() / 100;
+  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+}
+
+// A consumer whose connection goes silent: the proxy it talks through stops forwarding and closes nothing (a peer or
+// network lost without a reset). Nothing fails then by itself: a blocked Read waits for an answer that never comes,
+// past the lease. The keepalive pings find it (Connect): the connection is given up, its streams fail UNAVAILABLE and
+// reopen on a new one, as after a drop. The lease leaves the pings room on a busy machine (they take `time` +
+// `timeout`; renewals come every third of the lease); the renewal answered on the reopened stream shows it was still
+// held: a lapsed one is refused LEASE_EXPIRED.
+void ConnectionSilent(Stub* through_proxy, Engine& prefill, Watch& prefill_events, const std::string& suffix,
+                      KeepAlivePings pings) {
+  int lease_seconds = 4 * std::chrono::duration_cast<std::chrono::seconds>(pings.time + pings.timeout).count();
+  Engine silent(through_proxy, "cpp-decode-silent-" + suffix, v1::ENGINE_ROLE_CONSUMER, lease_seconds);
+  silent.Register();
+  {
+    Lease lease(silent);
+    Watch events(silent);
+    lease.AwaitRenewal(1);
+    std::string transfer_id = "cpp-" + suffix + "-silent";
+    Expect(silent.RegisterTargets(transfer_id, {1}).state() == v1::TRANSFER_STATE_TARGETED, "TARGETED");
+    Expect(prefill.Claim(transfer_id).state() == v1::TRANSFER_STATE_MATCHED, "MATCHED");
+    AskTheProxy("freeze");  // no byte goes through, nothing is closed; new connections wait
+    auto frozen = std::chrono::steady_clock::now();
+    Commit(prefill, prefill_events, transfer_id);
+    AskTheProxy("thaw");  // new connections go through; the frozen one stays silent
+    v1::Event commit = events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, transfer_id);
+    auto found = std::chrono::steady_clock::now() - frozen;
+    uint64_t resumed_at = events.AwaitOpened(2);
+    Expect(commit.sequence() == resumed_at, "the commit made while silent is the first event of the resumed Watch");
+    lease.AwaitRenewal(2);  // renewed on the new connection: the same incarnation, its lease kept
+    Expect(silent.Release(transfer_id, commit.generation()).state() == v1::TRANSFER_STATE_RELEASED, "RELEASED");
+    Ok("silent connection: found by the keepalive pings, Watch resumed on a new connection " + Seconds(found) +
+       " after the silence began, at sequence " + std::to_string(resumed_at) +
+       " with the TRANSFER_COMMITTED made meanwhile; KeepAlive renewed there within the " +
+       std::to_string(lease_seconds) + " s lease");
+  }
+  silent.Deregister();
+}
+
+// One channel for every engine of the process.
+std::shared_ptr<grpc::Channel> Connect(const std::string& target, KeepAlivePings pings) {
   grpc::ChannelArguments args;
+  // Back soon after the connection is: reconnection attempts at most a second apart (gRPC's default backoff grows
+  // to two minutes, far past a lease).
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  // A connection gone silent is found only by pinging it: time + timeout must fit in the lease with room to renew
+  // (ConnectionSilent). The server takes a ping every 5 s at most while it sends nothing (it closes a connection
+  // pinged more often with GOAWAY too_many_pings), so keep `time` at 5 s or more.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, pings.time.count());
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, pings.timeout.count());
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);  // ping however long the engine sends nothing
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2 && argc != 4) {
-    std::cerr << "usage: " << argv[0] << " HOST:PORT [PROXY_HOST:PORT EVENTS_KEPT]" << std::endl;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  KeepAlivePings pings;
+  if (args.size() >= 2 && args[args.size() - 2] == "--keepalive") {
+    const std::string& times = args.back();  // TIME_MS,TIMEOUT_MS
+    pings = {std::chrono::milliseconds(std::stoi(times)),
+             std::chrono::milliseconds(std::stoi(times.substr(times.find(',') + 1)))};
+    args.resize(args.size() - 2);
+  }
+  if (args.size() != 1 && args.size() != 3) {
+    std::cerr << "usage: " << argv[0] << " TARGET [PROXY_HOST:PORT EVENTS_KEPT] [--keepalive TIME_MS,TIMEOUT_MS]"
+              << std::endl;
     return 2;
   }
-  std::unique_ptr<Stub> stub = v1::RendezvousService::NewStub(Connect(argv[1]));
+  const std::string& target = args[0];
+  std::unique_ptr<Stub> stub = v1::RendezvousService::NewStub(Connect(target, pings));
   std::string suffix = std::to_string(getpid());
 
   Engine decode(stub.get(), "cpp-decode-" + suffix, v1::ENGINE_ROLE_CONSUMER, 10);
@@ -630,9 +704,10 @@ int main(int argc, char** argv) {
     Refusals(decode, "cpp-" + suffix + "-2");
     LayoutMismatch(stub.get(), decode, decode_events, suffix);
     LeaseExpiry(stub.get(), prefill, prefill_events, suffix);
-    if (argc == 4) {
-      std::unique_ptr<Stub> through_proxy = v1::RendezvousService::NewStub(Connect(argv[2]));
-      ConnectionDrop(through_proxy.get(), prefill, prefill_events, suffix, std::stoi(argv[3]));
+    if (args.size() == 3) {
+      std::unique_ptr<Stub> through_proxy = v1::RendezvousService::NewStub(Connect(args[1], pings));
+      ConnectionDrop(through_proxy.get(), prefill, prefill_events, suffix, std::stoi(args[2]));
+      ConnectionSilent(through_proxy.get(), prefill, prefill_events, suffix, pings);
     }
   }
   decode.Deregister();

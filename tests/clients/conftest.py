@@ -147,15 +147,17 @@ async def client(server: AsyncTestServer) -> AsyncIterator[AsyncRendezvousClient
 
 class TcpProxy:
     """A loopback TCP proxy whose connections a test can cut, which can refuse new ones, and which can go silent
-    (`freeze`: bytes are held, connections stay open, as behind a node lost without a reset)."""
+    (`freeze`: bytes are held, connections stay open, as behind a node lost without a reset; `thaw`: new connections
+    go through again)."""
 
     def __init__(self, upstream_port: int) -> None:
         self._upstream_port = upstream_port
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flows: set[asyncio.Event] = set()  # one per open connection: set while its bytes go through
         self._refusing = False
-        self._flowing = asyncio.Event()
-        self._flowing.set()
+        self._thawed = asyncio.Event()
+        self._thawed.set()
         self.accepted = 0
         self.port = 0
 
@@ -169,6 +171,7 @@ class TcpProxy:
 
     async def close(self) -> None:
         self.cut()
+        self._thawed.set()  # the connections waiting for a thaw were closed: they end
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -178,32 +181,50 @@ class TcpProxy:
         for writer in list(self._writers):
             writer.transport.abort()
         self._writers.clear()
+        for flow in self._flows:  # a frozen connection's pipes end too, now that it is closed
+            flow.set()
+        self._flows.clear()
 
     def refuse(self, refusing: bool) -> None:
         """While refusing, new connections are closed as soon as they are accepted."""
         self._refusing = refusing
 
     def freeze(self) -> None:
-        """From now on no byte goes through, either way, and nothing is closed."""
-        self._flowing.clear()
+        """From now on no byte goes through, either way, and nothing is closed: the connections open now stay silent
+        for good; new ones are accepted and wait for `thaw`."""
+        self._thawed.clear()
+        for flow in self._flows:
+            flow.clear()
+
+    def thaw(self) -> None:
+        """New connections go through again, those accepted since the freeze too; the frozen ones stay silent."""
+        self._thawed.set()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._refusing:
             writer.transport.abort()
             return
         self.accepted += 1
+        self._writers.add(writer)  # cut while it waits for a thaw, it is closed
+        await self._thawed.wait()
+        if writer.transport.is_closing():
+            return
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream_port)
         except OSError:
             writer.transport.abort()
             return
+        flow = asyncio.Event()
+        flow.set()
+        self._flows.add(flow)
         self._writers.update((writer, up_writer))
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        await asyncio.gather(self._pipe(reader, up_writer, flow), self._pipe(up_reader, writer, flow))
+        self._flows.discard(flow)
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, flow: asyncio.Event) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await reader.read(65536):
-                await self._flowing.wait()
+                await flow.wait()
                 writer.write(data)
                 await writer.drain()
         writer.transport.abort()

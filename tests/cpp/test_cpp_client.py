@@ -1,8 +1,9 @@
 """clients/cpp: a C++ client generated from proto/ (with the vendored google/rpc protos) runs the protocol against a
 real `kv-rendezvous serve`: both roles, the push lifecycle, ErrorInfo reasons, Watch, a layout mismatch, a lapsed
-lease, and a connection that drops: one engine talks through a loopback TCP proxy that the test cuts (and refuses
-new connections) when the client asks, then lets through again. The server keeps EVENTS_KEPT events per engine, so
-the client can overrun its log while cut off and see a resync.
+lease, a connection that drops and one that goes silent: engines talk through a loopback TCP proxy that the test
+cuts (and refuses new connections) or freezes (forwards nothing, closes nothing) when the client asks, then lets
+through again. The server keeps EVENTS_KEPT events per engine, so the client can overrun its log while cut off and
+see a resync.
 
 The build is cached in clients/cpp/build (CMake rebuilds what changed). Without the toolchain (Debian: cmake g++
 protobuf-compiler protobuf-compiler-grpc libgrpc++-dev, as `.ci/run` installs) the test skips, except under CI=1,
@@ -12,10 +13,11 @@ where it fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -31,7 +33,11 @@ BUILD = SOURCE / "build"
 TOOLS = ("cmake", "g++", "protoc", "grpc_cpp_plugin")
 APT = ("cmake", "g++", "protobuf-compiler", "protobuf-compiler-grpc", "libgrpc++-dev")
 EVENTS_KEPT = 4
-DROP = ("proxy: ", "ok connection dropped", "ok resync")
+KEEPALIVE = ("--keepalive", "5000,2000")
+"""The client's HTTP/2 keepalive pings (time, timeout in ms): a ping after 5 s without a byte from the server, the
+most often the server takes one while it sends nothing (its min_ping_interval_without_data: more often, it closes the
+connection with GOAWAY too_many_pings); the silent-connection step's lease is four times time + timeout."""
+DROP = ("proxy: ", "ok connection dropped", "ok resync", "ok silent connection")
 
 
 @pytest.fixture(scope="module")
@@ -65,34 +71,47 @@ def address() -> Iterator[str]:
         service.wait()
 
 
-async def run_through_proxy(client: Path, address: str, proxy: TcpProxy, stderr: Path) -> tuple[int, list[str]]:
-    """Runs the client, its dropping engine through `proxy`, answering its "proxy: cut" (every connection closed,
-    new ones refused) and "proxy: restore" (let through again) once done; returns its exit status and output."""
+async def run(
+    client: Path, args: Sequence[str], act: Callable[[str], Awaitable[bool]], stderr: Path
+) -> tuple[int, list[str]]:
+    """Runs the client with args, doing what it asks: `act(line)` does it and says whether the line was a request,
+    which is then answered with the same line; returns the client's exit status and output."""
     with stderr.open("w") as errors:
         run = await asyncio.create_subprocess_exec(
-            client,
-            address,
-            proxy.address,
-            str(EVENTS_KEPT),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=errors,
+            client, *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errors
         )
     assert run.stdin is not None and run.stdout is not None
     lines = []
     async for raw in run.stdout:
         line = raw.decode().rstrip("\n")
         lines.append(line)
+        if await act(line):
+            with contextlib.suppress(ConnectionError):  # a client that failed meanwhile has exited
+                run.stdin.write(raw)
+                await run.stdin.drain()
+    return await run.wait(), lines
+
+
+def acting_on(proxy: TcpProxy) -> Callable[[str], Awaitable[bool]]:
+    """What the client asks of its proxy: "proxy: cut" (every connection closed, new ones refused), "proxy: restore"
+    (let through again), "proxy: freeze" (nothing forwarded, nothing closed) and "proxy: thaw" (new connections go
+    through)."""
+
+    async def act(line: str) -> bool:
         if line == "proxy: cut":
             proxy.refuse(True)
             proxy.cut()
         elif line == "proxy: restore":
             proxy.refuse(False)
+        elif line == "proxy: freeze":
+            proxy.freeze()
+        elif line == "proxy: thaw":
+            proxy.thaw()
         else:
-            continue
-        run.stdin.write(raw)
-        await run.stdin.drain()
-    return await run.wait(), lines
+            return False
+        return True
+
+    return act
 
 
 async def test_the_cpp_client_runs_the_protocol_against_a_real_server(
@@ -101,10 +120,13 @@ async def test_the_cpp_client_runs_the_protocol_against_a_real_server(
     proxy = TcpProxy(int(address.rsplit(":", 1)[1]))
     await proxy.start()
     try:
-        returncode, lines = await asyncio.wait_for(run_through_proxy(client, address, proxy, tmp_path / "stderr"), 300)
+        args = (address, proxy.address, str(EVENTS_KEPT), *KEEPALIVE)
+        returncode, lines = await asyncio.wait_for(run(client, args, acting_on(proxy), tmp_path / "stderr"), 300)
     finally:
         await proxy.close()
-    assert returncode == 0, "\n".join(lines) + (tmp_path / "stderr").read_text()
+    stderr = (tmp_path / "stderr").read_text()
+    assert returncode == 0, "\n".join(lines) + stderr
+    assert "too_many_pings" not in stderr, "the server took the client's keepalive pings for abuse"
     assert lines[0].startswith("ok registered a consumer")
     assert (
         "ok push lifecycle: TARGETED, MATCHED, TRANSFER_ASSIGNED(1), COMMITTED, TRANSFER_COMMITTED, RELEASED" in lines
@@ -119,9 +141,12 @@ async def test_the_cpp_client_runs_the_protocol_against_a_real_server(
         line.startswith("ok lease expiry: producer told PEER_LOST, KeepAlive refused LEASE_EXPIRED") for line in lines
     )
     drop = [line.split(":")[0 if line.startswith("ok") else 1].strip() for line in lines if line.startswith(DROP)]
-    assert drop == ["cut", "restore", "ok connection dropped", "cut", "restore", "ok resync"], lines
+    assert drop == [
+        *("cut", "restore", "ok connection dropped", "cut", "restore", "ok resync"),
+        *("freeze", "thaw", "ok silent connection"),
+    ], lines
     assert any(line.startswith(f"ok resync: {EVENTS_KEPT + 1} commits made while away") for line in lines)
-    assert proxy.accepted >= 3, "a connection through the proxy before the cuts and after each"
+    assert proxy.accepted >= 4, "a connection through the proxy before the cuts, after each and after the freeze"
     assert lines[-1] == "ok deregistered"
 
 
