@@ -3,13 +3,14 @@
 // lifecycle while following both engines' Watch streams, read the ErrorInfo of refused calls (an item's and a
 // whole call's), see a pair whose layouts differ aborted at match, survive a lease that lapses, and, given a proxy
 // to talk through, a connection that drops (KeepAlive reopened, Watch resumed, a resync rebuilt) and one that goes
-// silent (found by keepalive pings). The agents are stand-ins: no NIXL, so the producer reports the write without
-// making it (docs/engines.md, "Testing").
+// silent (found by keepalive pings); given several replicas, the stop of the one it talks to. The agents are
+// stand-ins: no NIXL, so the producer reports the write without making it (docs/engines.md, "Testing").
 //
 //   rendezvous_client TARGET [PROXY_HOST:PORT EVENTS_KEPT] [--keepalive TIME_MS,TIMEOUT_MS]
-//     prints "ok ..." per step; exits 1 at the first step that goes wrong. TARGET: the service's HOST:PORT.
-//     PROXY_HOST:PORT: a TCP proxy to the service that the caller cuts, freezes and lets through again when asked
-//     (AskTheProxy); EVENTS_KEPT: the server's --max-events-per-engine, which a step overruns to provoke
+//     prints "ok ..." per step; exits 1 at the first step that goes wrong. TARGET: HOST:PORT, or several replicas
+//     of the service on one store as ipv4:IP:PORT,IP:PORT (Connect): the caller then stops the replica the engines
+//     talk to when asked (Ask). PROXY_HOST:PORT: a TCP proxy to the service that the caller cuts, freezes and lets
+//     through again when asked; EVENTS_KEPT: the server's --max-events-per-engine, which a step overruns to provoke
 //     a resync. --keepalive: the channels' HTTP/2 keepalive pings (default 30000,10000).
 
 #include <grpcpp/grpcpp.h>
@@ -255,11 +256,12 @@ class Lease {
   }
 
   // Waits until a renewal is answered on KeepAlive stream `stream` (1: the first) or a later one; fails if none is
-  // within a granted TTL, after which the lease would have lapsed.
-  void AwaitRenewal(int stream) {
+  // within a granted TTL, after which the lease would have lapsed. The address that answered the last renewal.
+  std::string AwaitRenewal(int stream) {
     std::unique_lock<std::mutex> lock(mutex_);
     Expect(renewed_.wait_for(lock, ttl_, [&] { return stream_ >= stream; }),
            "no renewal on KeepAlive stream " + std::to_string(stream) + " within the lease");
+    return peer_;
   }
 
  private:
@@ -282,6 +284,7 @@ class Lease {
         const auto& ttl = response.lease_ttl();
         ttl_ = std::chrono::milliseconds(ttl.seconds() * 1000 + ttl.nanos() / 1000000);
         stream_ = opened;
+        peer_ = context.peer();
         renewed_.notify_all();
         if (wake_.wait_for(lock, ttl_ / 3, [this] { return stopping_; })) {
           lock.unlock();
@@ -304,6 +307,7 @@ class Lease {
   grpc::ClientContext* context_ = nullptr;  // the open stream's, to cancel it
   std::chrono::milliseconds ttl_{10000};    // the TTL granted last
   int stream_ = 0;                          // the stream the last renewal was answered on
+  std::string peer_;                        // and the address that answered it
   std::thread thread_;
 };
 
@@ -343,11 +347,16 @@ class Watch {
     }
   }
 
-  // Waits until the stream has been established `times` times (1: the first opening); the sequence it resumed at.
-  uint64_t AwaitOpened(int times) {
+  struct Opening {
+    uint64_t resumed_at;  // the sequence it started at
+    std::string peer;     // the address that answered it
+  };
+
+  // Waits until the stream has been established `times` times (1: the first opening); the last opening.
+  Opening AwaitOpened(int times) {
     std::unique_lock<std::mutex> lock(mutex_);
     Await(lock, [&] { return opened_ >= times; }, "opening " + std::to_string(times));
-    return resumed_at_;
+    return opening_;
   }
 
   // Waits until the `times`th resync is rebuilt; the resync_sequence the watch went on from.
@@ -386,7 +395,7 @@ class Watch {
         }
         std::lock_guard<std::mutex> lock(mutex_);
         if (header) {
-          resumed_at_ = request.start_sequence();
+          opening_ = {request.start_sequence(), context.peer()};
           ++opened_;
           header = false;
         }
@@ -417,8 +426,8 @@ class Watch {
   std::condition_variable arrived_;
   bool stopping_ = false;
   grpc::ClientContext* context_ = nullptr;  // the open stream's, to cancel it
-  uint64_t last_;            // the last sequence seen
-  uint64_t resumed_at_ = 0;  // the sequence the last opening started at
+  uint64_t last_;           // the last sequence seen
+  Opening opening_{0, ""};  // the last opening
   uint64_t resync_sequence_ = 0;
   int opened_ = 0;
   int resyncs_ = 0;
@@ -515,14 +524,16 @@ void LeaseExpiry(Stub* stub, Engine& prefill, Watch& prefill_events, const std::
      std::to_string(lapsing.incarnation()));
 }
 
-// Whoever runs the client with a proxy (tests/cpp does) cuts the proxy's connections, freezes them and lets them
-// through again when asked: the client prints "proxy: cut", "proxy: restore", "proxy: freeze" or "proxy: thaw" and
-// reads the same line back once it is done.
-void AskTheProxy(const std::string& what) {
-  std::cout << "proxy: " << what << std::endl;
+// Whoever runs the client with a proxy or several replicas (tests/cpp does) does to them what the client asks: it
+// prints "proxy: cut", "proxy: restore", "proxy: freeze", "proxy: thaw" or "replica: stop ADDRESS" and reads the same
+// line back once that is done.
+void Ask(const std::string& what) {
+  std::cout << what << std::endl;
   std::string done;
-  Expect(std::getline(std::cin, done) && done == "proxy: " + what, "the answer to proxy: " + what);
+  Expect(std::getline(std::cin, done) && done == what, "the answer to " + what);
 }
+
+void AskTheProxy(const std::string& what) { Ask("proxy: " + what); }
 
 // The producer's part of a push transfer a consumer targeted and it claimed: it writes and reports.
 void Commit(Engine& prefill, Watch& prefill_events, const std::string& transfer_id) {
@@ -572,7 +583,7 @@ void ConnectionDrop(Stub* through_proxy, Engine& prefill, Watch& prefill_events,
     produce(during);
     AskTheProxy("restore");
     v1::Event commit = events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, during);
-    uint64_t resumed_at = events.AwaitOpened(2);
+    uint64_t resumed_at = events.AwaitOpened(2).resumed_at;
     Expect(commit.sequence() == seen.sequence() + 1 && commit.sequence() == resumed_at,
            "the commit made while away is the first event of the resumed Watch");
     Expect(dropping.Release(during, commit.generation()).state() == v1::TRANSFER_STATE_RELEASED, "RELEASED");
@@ -643,7 +654,7 @@ void ConnectionSilent(Stub* through_proxy, Engine& prefill, Watch& prefill_event
     AskTheProxy("thaw");  // new connections go through; the frozen one stays silent
     v1::Event commit = events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, transfer_id);
     auto found = std::chrono::steady_clock::now() - frozen;
-    uint64_t resumed_at = events.AwaitOpened(2);
+    uint64_t resumed_at = events.AwaitOpened(2).resumed_at;
     Expect(commit.sequence() == resumed_at, "the commit made while silent is the first event of the resumed Watch");
     lease.AwaitRenewal(2);  // renewed on the new connection: the same incarnation, its lease kept
     Expect(silent.Release(transfer_id, commit.generation()).state() == v1::TRANSFER_STATE_RELEASED, "RELEASED");
@@ -655,7 +666,36 @@ void ConnectionSilent(Stub* through_proxy, Engine& prefill, Watch& prefill_event
   silent.Deregister();
 }
 
-// One channel for every engine of the process.
+// Several replicas of the service on one store, the engines' channel naming them all (Connect): the replica they
+// talk to stops (gracefully: it ends their streams). The channel goes on to another, where KeepAlive and Watch reopen
+// as after a drop: the same incarnations renewed, the Watch resumed from the last sequence seen + 1 (the lease and
+// the events are the store's, not the replica's; Watch checks that no event is lost or repeated).
+void ReplicaFailover(Engine& decode, Engine& prefill, Lease& decode_lease, Lease& prefill_lease, Watch& decode_events,
+                     Watch& prefill_events, const std::string& suffix) {
+  std::string stopped = decode_lease.AwaitRenewal(1);
+  Ask("replica: stop " + stopped);
+  std::string transfer_id = "cpp-" + suffix + "-failover";
+  Expect(decode.RegisterTargets(transfer_id, {4}).state() == v1::TRANSFER_STATE_TARGETED, "TARGETED");
+  Expect(prefill.Claim(transfer_id).state() == v1::TRANSFER_STATE_MATCHED, "MATCHED");
+  Commit(prefill, prefill_events, transfer_id);
+  v1::Event commit = decode_events.Next(v1::EVENT_TYPE_TRANSFER_COMMITTED, transfer_id);
+  Expect(decode.Release(transfer_id, commit.generation()).state() == v1::TRANSFER_STATE_RELEASED, "RELEASED");
+  Watch::Opening resumed = decode_events.AwaitOpened(2);
+  std::string decode_renewed = decode_lease.AwaitRenewal(2), prefill_renewed = prefill_lease.AwaitRenewal(2);
+  Expect(resumed.peer != stopped && prefill_events.AwaitOpened(2).peer != stopped, "Watch reopened on another replica");
+  Expect(decode_renewed != stopped && prefill_renewed != stopped, "KeepAlive renewed on another replica");
+  Ok("replica stopped: " + stopped + "; KeepAlive renewed (incarnations " + std::to_string(decode.incarnation()) +
+     ", " + std::to_string(prefill.incarnation()) + ") and Watch resumed at sequence " +
+     std::to_string(resumed.resumed_at) + " on " + resumed.peer + ", a transfer run through it");
+}
+
+// One channel for every engine of the process. Several replicas of the service (one store) go in one target: gRPC's
+// ipv4:IP:PORT,IP:PORT (ipv6:[IP]:PORT,... alike), or a dns:/// name that resolves to every replica. Its default
+// policy, pick_first, keeps one connection, to the first address that takes it; once that connection is gone (the
+// replica stopped, or the keepalive pings found it silent), the next call or reopened stream goes down the list
+// again. Lease and Watch need nothing more: they reopen, waiting for the connection, on whichever replica answers.
+// Copy this rather than rotate channels by hand (as the Python SDK does with its list of endpoints), unless one
+// target cannot name the replicas: host names that do not resolve together, a TLS name of its own per replica.
 std::shared_ptr<grpc::Channel> Connect(const std::string& target, KeepAlivePings pings) {
   grpc::ChannelArguments args;
   // Back soon after the connection is: reconnection attempts at most a second apart (gRPC's default backoff grows
@@ -709,6 +749,8 @@ int main(int argc, char** argv) {
       ConnectionDrop(through_proxy.get(), prefill, prefill_events, suffix, std::stoi(args[2]));
       ConnectionSilent(through_proxy.get(), prefill, prefill_events, suffix, pings);
     }
+    if (target.find(',') != std::string::npos)
+      ReplicaFailover(decode, prefill, decode_lease, prefill_lease, decode_events, prefill_events, suffix);
   }
   decode.Deregister();
   prefill.Deregister();

@@ -3,7 +3,7 @@ real `kv-rendezvous serve`: both roles, the push lifecycle, ErrorInfo reasons, W
 lease, a connection that drops and one that goes silent: engines talk through a loopback TCP proxy that the test
 cuts (and refuses new connections) or freezes (forwards nothing, closes nothing) when the client asks, then lets
 through again. The server keeps EVENTS_KEPT events per engine, so the client can overrun its log while cut off and
-see a resync.
+see a resync. Given two replicas on one Redis, the client goes on on the second when the first is stopped.
 
 The build is cached in clients/cpp/build (CMake rebuilds what changed). Without the toolchain (Debian: cmake g++
 protobuf-compiler protobuf-compiler-grpc libgrpc++-dev, as `.ci/run` installs) the test skips, except under CI=1,
@@ -25,6 +25,10 @@ import pytest
 from rendezvous.v1 import rendezvous_pb2
 from tests.ci import ci
 from tests.clients.conftest import TcpProxy
+from tests.redis_fixtures import fresh_prefix, redis_url, with_prefix
+from tests.replicas.harness import Replica, two_replicas
+
+__all__ = ["redis_url"]  # the session's Redis, a fixture
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -147,6 +151,34 @@ async def test_the_cpp_client_runs_the_protocol_against_a_real_server(
     ], lines
     assert any(line.startswith(f"ok resync: {EVENTS_KEPT + 1} commits made while away") for line in lines)
     assert proxy.accepted >= 4, "a connection through the proxy before the cuts, after each and after the freeze"
+    assert lines[-1] == "ok deregistered"
+
+
+@pytest.mark.redis
+async def test_the_cpp_client_goes_on_on_another_replica(client: Path, redis_url: str, tmp_path: Path) -> None:
+    """Two replicas on one Redis, the client's channel naming both (gRPC's ipv4:A,B target): the walkthrough runs
+    on the first, which is stopped (SIGTERM) when the client asks; its KeepAlive and Watch streams go on on the other,
+    the same incarnations renewed, the Watch resumed with no event lost or repeated (the client checks each)."""
+    with two_replicas(with_prefix(redis_url, fresh_prefix())) as (a, b):
+        replicas = {f"ipv4:{replica.address}": replica for replica in (a, b)}
+        stopped: list[Replica] = []
+
+        async def act(line: str) -> bool:
+            if not line.startswith("replica: stop "):
+                return False
+            stopped.append(replicas[line.removeprefix("replica: stop ")])
+            await asyncio.to_thread(stopped[-1].terminate)
+            return True
+
+        args = (f"ipv4:{a.address},{b.address}", *KEEPALIVE)
+        returncode, lines = await asyncio.wait_for(run(client, args, act, tmp_path / "stderr"), 300)
+        stderr = (tmp_path / "stderr").read_text()
+        assert returncode == 0, "\n".join(lines) + stderr
+        assert "too_many_pings" not in stderr, "the server took the client's keepalive pings for abuse"
+        assert stopped == [a], "one stop asked, of the replica talked to (pick_first: the first address)"
+        assert b.alive()
+    assert any(line.startswith("ok replica stopped: ipv4:" + a.address) for line in lines), lines
+    assert any(f" on ipv4:{b.address}, a transfer run through it" in line for line in lines), lines
     assert lines[-1] == "ok deregistered"
 
 
