@@ -229,6 +229,12 @@ def _event_responses(events: Sequence[Event[Transfer, Engine]], budget: int) -> 
         yield response
 
 
+def _cancellation_lost() -> bool:
+    """Whether this task was cancelled but runs on: something it awaited swallowed the CancelledError."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class WatcherRegistry:
     """Counts open Watch streams per engine and enforces the per-engine limit."""
 
@@ -539,6 +545,10 @@ class RendezvousServicer(pb_grpc.RendezvousServiceServicer):
             stream, buffers = Stream(context), self.watch_buffers
             yield pb.WatchResponse(header=await self._header())
             while not self._stopping.is_set():
+                if _cancellation_lost():
+                    # The caller went away, and the store lost the cancellation of this handler (redis-py 8.2
+                    # loses one that lands while it reconnects): without this the stream would wait on forever.
+                    raise asyncio.CancelledError
                 page = await coordinator.read_events(engine_id, sequence, batch)
                 if page.resync_sequence is not None:
                     self.metrics.resyncs.inc()

@@ -243,6 +243,42 @@ async def test_status_counts_engines_transfers_and_watchers(stub: Stub) -> None:
     watch.cancel()
 
 
+async def test_a_cancelled_watch_ends_even_when_the_store_loses_the_cancellation(
+    server_config: ServerConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py 8.2 on Python 3.11 loses a cancellation that lands while it reconnects a watch connection, and
+    wait_events then returns as if it timed out: the stream of a client that had gone looped on, counted in
+    `watchers` and polling Redis, until the server stopped. Here the store loses it every time."""
+    srv = RendezvousServer(server_config)
+    wait_events = srv.store.wait_events
+    lost, waited_again = asyncio.Event(), asyncio.Event()
+
+    async def losing(engine_id: str, after_sequence: int, timeout: float) -> None:
+        if lost.is_set():
+            waited_again.set()
+        try:
+            await wait_events(engine_id, after_sequence, timeout)
+        except asyncio.CancelledError:
+            lost.set()
+
+    monkeypatch.setattr(srv.store, "wait_events", losing)
+    await srv.start()
+    try:
+        async with grpc.aio.insecure_channel(srv.address) as channel:
+            stub = pb_grpc.RendezvousServiceStub(channel)
+            d = await stub.RegisterEngine(engine_request("d1", CONSUMER))
+            watch = stub.Watch(pb.WatchRequest(engine_id="d1", start_sequence=d.watch_start_sequence))
+            await watch.read()
+            assert (await stub.GetStatus(pb.GetStatusRequest())).watchers == 1
+            watch.cancel()
+            await lost.wait()
+            while (await stub.GetStatus(pb.GetStatusRequest())).watchers:
+                assert not waited_again.is_set(), "the cancelled stream went on waiting for events"
+                await asyncio.sleep(0.01)
+    finally:
+        await srv.stop(0)
+
+
 async def test_status_counts_live_transfers_only_not_tombstones(stub: Stub) -> None:
     await register_pair(stub)
     targets = [pb.TargetSpec(transfer_id=t, block_ids=[1]) for t in ("t1", "t2")]
