@@ -1053,8 +1053,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return router.app()
 
+    host, port = sock.getsockname()[:2]
+    banner = (
+        f"kv-rendezvous router serving on http://{f'[{host}]' if ':' in host else host}:{port}"
+        f" (rendezvous {', '.join(targets)})"
+    )
+
+    def serving(_: str) -> None:
+        """Called once the app serves, instead of aiohttp's own lines: `--listen` port 0 is named here."""
+        print(banner, flush=True)
+
     # handler_cancellation: a client that goes away cancels its request, which aborts the transfer.
-    web.run_app(app(), sock=sock, print=None, handler_cancellation=True)
+    web.run_app(app(), sock=sock, print=serving, handler_cancellation=True)
     return 0
 
 

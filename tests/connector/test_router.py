@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -707,6 +708,26 @@ def test_the_router_refuses_to_start_without_an_address(capsys: pytest.CaptureFi
     with pytest.raises(SystemExit) as exited:
         main(["--listen", "127.0.0.1:0"])
     assert exited.value.code == 2 and "required: --address" in capsys.readouterr().err
+
+
+async def test_the_router_says_where_it_serves_once_it_does() -> None:
+    """`--listen 127.0.0.1:0` takes any free port: the router names it on stdout, as `serve` does, once it
+    serves (it used to print nothing, so the port it got could not be known)."""
+    command = [sys.executable, "-m", "rendezvous.cli", "router", "--listen", "127.0.0.1:0"]
+    router = await asyncio.create_subprocess_exec(
+        *command, "--address", "127.0.0.1:1", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        assert router.stdout is not None
+        banner = (await router.stdout.readline()).decode()
+        assert banner.startswith("kv-rendezvous router serving on http://127.0.0.1:"), banner
+        url = banner.split(" serving on ")[1].split()[0]
+        async with ClientSession() as session, session.get(f"{url}/health") as health:
+            assert health.status == 200
+        assert "(rendezvous 127.0.0.1:1)" in banner, banner
+    finally:
+        router.terminate()
+        await router.wait()
 
 
 INDEX_HASHING = BlockHashing("sha256", "fleet-seed", 16, integer_hashes=True)
