@@ -328,6 +328,12 @@ async def test_a_client_certificate_name_serves_as_identity(tmp_path: Path) -> N
             response = await stub.RegisterEngine(request_for("RegisterEngine", "decode-9"), timeout=10)
             assert response.engine.engine_id == "decode-9"
             assert await refusal(stub.RegisterEngine(request_for("RegisterEngine", "decode-0"), timeout=10)) == DENIED
+            # A token beside the certificate is the call's identity alone (docs/security.md).
+            with_token = stub.RegisterEngine(request_for("RegisterEngine", "decode-9"), metadata=bearer(DECODE))
+            assert await refusal(with_token) == DENIED
+            stranger = bearer("tok-unknown-0f3e9d")
+            unknown = stub.RegisterEngine(request_for("RegisterEngine", "decode-9"), metadata=stranger)
+            assert await refusal(unknown) == UNAUTHENTICATED
     finally:
         await server.stop(0)
 
