@@ -810,8 +810,20 @@ def _pool(text: str) -> str:
 BINDING_KEY_FILE_ENV = "KV_RENDEZVOUS_BINDING_KEY_FILE"
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """`--help` names each flag's default, as `serve --help` does; a flag without one (or an on/off one) says none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if text and action.default not in (None, [], argparse.SUPPRESS) and not isinstance(action.default, bool):
+            text += " (default %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = flags.Parser(prog="kv-rendezvous router", description=__doc__.splitlines()[0])
+    parser = flags.Parser(
+        prog="kv-rendezvous router", description=__doc__.splitlines()[0], formatter_class=_DefaultsHelp
+    )
     parser.add_argument(
         "--listen",
         default="127.0.0.1:8000",
@@ -932,7 +944,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=flags.seconds(positive=True),
         default=DEFAULT_RENDEZVOUS_TIMEOUT,
         metavar="SECONDS",
-        help="how long one rendezvous call may take, retries included, before the request is answered 503; > 0",
+        help="how long one rendezvous call may take, retries included; past it the rendezvous counts as not "
+        "answering (--degraded-max-age); > 0",
     )
     parser.add_argument(
         "--rendezvous-retry-after",

@@ -7,6 +7,7 @@ which errors. The real engines are in tests/vllm (the same router in front of vL
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import importlib.util
@@ -691,6 +692,22 @@ def test_the_queue_flags_parse() -> None:
     assert (args.max_queued, args.queue_timeout, args.credit_ttl) == (7, 2.5, 9.0)
     defaults = build_parser().parse_args(["--address", "r:1"])
     assert (defaults.max_queued, defaults.queue_timeout, defaults.credit_ttl) == (100, 30.0, 60.0)
+
+
+def test_the_router_help_names_every_default() -> None:
+    """`kv-rendezvous router --help` said no default (docs/vllm.md's table did); `serve --help` names each."""
+    from rendezvous.connector.router import build_parser
+
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())
+    defaults = {
+        a.option_strings[-1]: a.default
+        for a in parser._actions
+        if a.option_strings and a.default not in (None, [], argparse.SUPPRESS) and not isinstance(a.default, bool)
+    }
+    assert {"--listen", "--timeout", "--rendezvous-timeout", "--degraded-max-age", "--max-queued"} <= set(defaults)
+    for flag, default in defaults.items():
+        assert f"(default {default})" in text, flag
 
 
 def test_the_server_flag_is_address_and_the_old_rendezvous_name_warns(capsys: pytest.CaptureFixture[str]) -> None:
