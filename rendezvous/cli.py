@@ -594,9 +594,17 @@ def build_parser(*, entry_point_commands: bool = True) -> argparse.ArgumentParse
             help=f"server address (env {ENV_PREFIX}ADDRESS; default {DEFAULT_ADDRESS})",
         )
         p.add_argument(
-            "--timeout", type=_seconds(positive=True), default=5.0, help="seconds to wait for the server; > 0"
+            "--timeout",
+            type=_seconds(positive=True),
+            default=5.0,
+            help="seconds to wait for the server; > 0 (default 5)",
         )
-        p.add_argument("--tls", action="store_true", default=_env_default("tls", False, _bool), help="connect with TLS")
+        p.add_argument(
+            "--tls",
+            action="store_true",
+            default=_env_default("tls", False, _bool),
+            help=f"connect with TLS (env {ENV_PREFIX}TLS)",
+        )
         for flag, text in (
             ("ca", "CA bundle that signs the server certificate (implies --tls)"),
             ("client-cert", "client certificate for mTLS"),

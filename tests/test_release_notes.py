@@ -91,6 +91,12 @@ def test_every_flag_of_each_subcommand_is_in_its_section(command: str) -> None:
     assert not missing(names, section(f"#### `kv-rendezvous {command}`"))
 
 
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_every_flag_of_each_subcommand_says_what_it_does(command: str) -> None:
+    """`conformance --help` listed `--tls` with no word of help (nor its variable)."""
+    assert not [a.option_strings[-1] for a in flags(subcommands()[command]) if not a.help]
+
+
 def test_the_commands_own_parsers_are_subcommands() -> None:
     assert set(OWN_PARSERS) <= set(subcommands())
 

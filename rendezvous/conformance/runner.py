@@ -161,7 +161,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--event-timeout", type=float, default=5.0, help="seconds to wait for an immediate event")
     parser.add_argument("--rpc-timeout", type=float, default=5.0, help="deadline of each call, seconds")
     parser.add_argument("--check-timeout", type=float, default=60.0, help="bound on one check, seconds")
-    parser.add_argument("--tls", action="store_true", default=_env("tls", "") in ("1", "true", "yes", "on"))
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=_env("tls", "") in ("1", "true", "yes", "on"),
+        help=f"connect with TLS (env {ENV_PREFIX}TLS)",
+    )
     for flag, text in (
         ("ca", "CA bundle that signs the server certificate (implies --tls)"),
         ("client-cert", "client certificate for mTLS"),
