@@ -15,7 +15,7 @@ import json
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import pytest
@@ -748,7 +748,23 @@ async def test_the_router_says_where_it_serves_once_it_does() -> None:
 
 
 INDEX_HASHING = BlockHashing("sha256", "fleet-seed", 16, integer_hashes=True)
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="chains use vLLM's hashing")
+
+
+@pytest.fixture(scope="module")
+def vllm_hashing() -> None:
+    """vLLM's hashing imported (the router computes a prompt's chain with it) before a test's engines register: the
+    import takes 30-35 s on a 2-core machine at a load of 5 and over a minute when it is busier, past the engines'
+    60 s leases, which nothing renews here."""
+    assert len(chain(INDEX_HASHING, list(range(INDEX_HASHING.block_size)))) == 1  # both of its modules imported
+
+
+def with_vllm(test: Callable[..., Any]) -> Callable[..., Any]:
+    """A test whose router hashes prompts with vLLM: skipped without it; vLLM's hashing imported before its
+    engines register, which may take minutes on a busy machine (so its time limit is raised)."""
+    needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="chains use vLLM's hashing")
+    for mark in (needs_vllm, pytest.mark.timeout(600), pytest.mark.usefixtures("vllm_hashing")):
+        test = mark(test)
+    return test
 
 
 async def report_held(cluster: Cluster, engine_id: str, *prompts: list[int]) -> None:
@@ -757,7 +773,7 @@ async def report_held(cluster: Cluster, engine_id: str, *prompts: list[int]) -> 
     await cluster.rendezvous.replace_cached_blocks(CacheSnapshot(engine_id, 1, INDEX_HASHING, ((0, hashes),)))
 
 
-@needs_vllm
+@with_vllm
 async def test_prefix_aware_places_by_the_kv_index_over_its_own_memory(cluster: Cluster, make_router: Any) -> None:
     for i in range(2):
         await cluster.add(f"p{i}", "prefill", EngineRole.PRODUCER)
@@ -774,7 +790,7 @@ async def test_prefix_aware_places_by_the_kv_index_over_its_own_memory(cluster: 
     assert len(cluster.engines["p0"].bodies) == 1
 
 
-@needs_vllm
+@with_vllm
 async def test_without_the_kv_index_prefix_aware_places_by_its_memory(cluster: Cluster, make_router: Any) -> None:
     for i in range(2):
         await cluster.add(f"p{i}", "prefill", EngineRole.PRODUCER)
@@ -786,7 +802,7 @@ async def test_without_the_kv_index_prefix_aware_places_by_its_memory(cluster: C
     assert (await router.complete("tiny", prompt=prompt_of(1, 4, 1)))[1]["engine"] == "d0"  # its memory
 
 
-@needs_vllm
+@with_vllm
 async def test_a_prompt_the_decode_engine_mostly_holds_is_computed_there(cluster: Cluster, make_router: Any) -> None:
     await cluster.add("p", "prefill", EngineRole.PRODUCER)
     await cluster.add("d", "decode", EngineRole.CONSUMER)
