@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 from hypothesis import HealthCheck, settings
+from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
@@ -92,6 +93,32 @@ PARTS = {
 TILING = {"chunks", "layers"}
 
 
+class Reached:
+    """Tells hypothesis (`event`, shown by `pytest --hypothesis-show-statistics`) which states of interest an
+    example reached, so that a change of the model shows what it exercises."""
+
+    def on_transition(self, before: Transfer | None, after: Transfer | None, now: float) -> None:
+        was = before.state if before is not None else None
+        if after is None or after.state == was:
+            return
+        if after.state == State.MATCHED:
+            hypothesis_event("matched")
+        elif after.state == State.COMMITTED:
+            hypothesis_event("committed")
+            hypothesis_event(f"committed {after.mode.name} {'g1' if after.generation == 1 else 'a later generation'}")
+            mover = _mover(after)
+            if RANKS.get(mover, 1) > 1:
+                hypothesis_event(f"committed {after.mode.name} by the two ranks of {mover}")
+                if before is not None and before.reported_ranks:
+                    hypothesis_event(f"committed {after.mode.name} by the two ranks of {mover}, one at a time")
+        elif after.state == State.RELEASED and was == State.COMMITTED:
+            hypothesis_event("released")
+        elif after.state == State.ABORTED and was is not None and not was.terminal:
+            hypothesis_event(f"aborted from {was.name}")
+            if after.revoking_generation:
+                hypothesis_event("aborted with a revocation pending")
+
+
 class Lifecycle(RuleBasedStateMachine):
     transfers = Bundle("transfers")
 
@@ -99,7 +126,7 @@ class Lifecycle(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock(START)
         self.store = MemoryStore(max_events_per_engine=1_000_000)
-        self.coord = Coordinator(self.store, timeouts=TIMEOUTS, clock=self.clock)
+        self.coord = Coordinator(self.store, timeouts=TIMEOUTS, clock=self.clock, observer=Reached())
         self.seen: dict[str, int] = defaultdict(int)
         # (producer, transfer) -> generations the producer was assigned and has not let go of (some rank holds).
         self.held: dict[tuple[str, str], set[int]] = defaultdict(set)
@@ -141,9 +168,18 @@ class Lifecycle(RuleBasedStateMachine):
         return EngineSpec(engine_id, spec.pool, role, replace(HEADED, tp_size=ranks), agents)
 
     def _register(self, engine_id: str) -> None:
+        self._note_live(engine_id)
         run(self.coord.register_engine(self._spec(engine_id)))
         self.seen[engine_id] = run(self.store.last_event_sequence(engine_id))
         self._forget_holdings(engine_id)
+
+    def _note_live(self, engine_id: str) -> None:
+        """Tell hypothesis what an engine that registers anew leaves behind."""
+        states = {t.state for t in run(self.store.list_transfers(engine_id))}
+        if states & {State.TARGETED, State.CLAIMED, State.MATCHED, State.COMMITTED}:
+            hypothesis_event("re-registered with live transfers")
+        if State.COMMITTED in states:
+            hypothesis_event("re-registered with a committed transfer")
 
     def _forget_holdings(self, producer: str) -> None:
         for key in [k for k in self.held if k[0] == producer]:
@@ -190,8 +226,11 @@ class Lifecycle(RuleBasedStateMachine):
             assert not self.held[key], f"{engine_id} assigned {event.generation} while holding {self.held[key]}"
             self.held[key].add(event.generation)
             self.unreported[(*key, event.generation)] = set(range(RANKS.get(engine_id, 1)))
+        elif event.type == EventType.TRANSFER_REVOKED:
+            hypothesis_event("revoked")
         elif event.type == EventType.REVOCATION_CONFIRMED:
             assert t is not None
+            hypothesis_event(f"revocation confirmed ({t.state.name})")
             producer_key = (t.producer_engine_id, t.transfer_id)
             still_held = event.generation in self.held.get(producer_key, set())
             tombstone_dropped = run(self.store.get_transfer(t.transfer_id)) is None
@@ -479,6 +518,7 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(e=st.sampled_from(ENGINES))
     def replaced_loss_not_yet_applied(self, e: str) -> None:
         """Another replica registered a new incarnation of e and has not yet aborted the old one's transfers."""
+        self._note_live(e)
         spec = self._spec(e)
         previous = run(self.store.get_engine(e))
         now = self.clock.now
