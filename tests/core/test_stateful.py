@@ -26,13 +26,13 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import event as hypothesis_event
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import Bundle, MultipleResults, RuleBasedStateMachine, initialize, invariant, multiple, rule
 
 from rendezvous.clients.testing import FakeClock
 from rendezvous.coordinator import Coordinator
@@ -91,6 +91,41 @@ PARTS = {
     "overlap": (WrittenPart(0, TOKENS), WrittenPart(0, 1, 1, 1)),
 }
 TILING = {"chunks", "layers"}
+TARGET, SOURCE, NEXT_TARGET = (1, 2, 3), (4, 5, 6), (7, 8)
+"""The blocks of a transfer's two halves, and of the next generation of a preempted consumer."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """How `advance_transfers` takes a transfer ready for its next step one step on."""
+
+    pick: int  # which of the transfers ready for a step (by id)
+    consumer: str  # who joins a claimed transfer
+    producer: str  # who joins a targeted one
+    pull: bool  # the mode of a target registered for a claimed transfer
+    progressive: bool  # whether such a push target accepts parts
+    rank: int | None  # a mover of two ranks reports for all (None) or for one of the ranks yet to report
+    failed: bool  # the mover reports a failure
+    parts: str  # the parts a progressive push reports (PARTS; "" none)
+    preempted: bool  # the consumer of a matched transfer registers the next generation instead
+    ack: bool  # a producer lets go of a revoked generation by AcknowledgeRevocations (else CompleteTransfers)
+    restart: str  # the engine to take the step restarts instead: "reregister" or "replaced" (those rules; "" not)
+
+
+steps = st.builds(
+    Step,
+    pick=st.integers(0, 100),
+    consumer=st.sampled_from(CONSUMERS),
+    producer=st.sampled_from(PRODUCERS),
+    pull=st.booleans(),
+    progressive=st.booleans(),
+    rank=st.sampled_from(RANK),
+    failed=st.sampled_from((False,) * 9 + (True,)),
+    parts=st.sampled_from(("", "chunks", "layers", *sorted(set(PARTS) - TILING))),
+    preempted=st.sampled_from((False,) * 4 + (True,)),
+    ack=st.booleans(),
+    restart=st.sampled_from(("",) * 8 + ("reregister", "replaced")),
+)
 
 
 class Reached:
@@ -175,11 +210,14 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _note_live(self, engine_id: str) -> None:
         """Tell hypothesis what an engine that registers anew leaves behind."""
-        states = {t.state for t in run(self.store.list_transfers(engine_id))}
+        left = run(self.store.list_transfers(engine_id))
+        states = {t.state for t in left}
         if states & {State.TARGETED, State.CLAIMED, State.MATCHED, State.COMMITTED}:
             hypothesis_event("re-registered with live transfers")
-        if State.COMMITTED in states:
-            hypothesis_event("re-registered with a committed transfer")
+        for state in states & {State.MATCHED, State.COMMITTED}:
+            hypothesis_event(f"re-registered with a {state.name} transfer")
+        if any(t.revoking_generation and t.producer_engine_id == engine_id for t in left):
+            hypothesis_event("re-registered holding a revoked generation")
 
     def _forget_holdings(self, producer: str) -> None:
         for key in [k for k in self.held if k[0] == producer]:
@@ -364,6 +402,7 @@ class Lifecycle(RuleBasedStateMachine):
             and before.generation == gen
             and _mover(before) == e
             and (before.mode == Mode.PULL or before.assigned_generation == gen)
+            and self._joined(e, before)
         )
         every_rank = set(range(RANKS.get(e, 1)))
         reporting = set(spec.ranks) or every_rank
@@ -378,6 +417,8 @@ class Lifecycle(RuleBasedStateMachine):
         after = run(self.store.get_transfer(t))
         if before is None or before.state != State.MATCHED or after is None or after.state != State.COMMITTED:
             return accepted
+        if spec.parts:
+            hypothesis_event("committed by written parts")
         assert self.moved[(t, gen)] == every_rank, (
             f"{t} g{gen} committed by {e} ranks {sorted(reporting)}; only {sorted(self.moved[(t, gen)])} of "
             f"{sorted(every_rank)} reported it"
@@ -398,6 +439,13 @@ class Lifecycle(RuleBasedStateMachine):
         if outcomes and outcomes[0].error is None:
             self._release_holding(p, t, gen, ranks)
         self._after()
+
+    def _joined(self, e: str, t: Transfer) -> bool:
+        """Whether e's current incarnation is the one that joined t (a later one's call about t applies the
+        earlier one's loss instead, if the store has not yet)."""
+        engine = run(self.store.get_engine(e))
+        recorded = t.producer_incarnation if e == t.producer_engine_id else t.consumer_incarnation
+        return engine is not None and engine.incarnation == recorded
 
     def _release_holding(self, engine_id: str, t: str, gen: int, ranks: tuple[int, ...]) -> None:
         record = run(self.store.get_transfer(t))
@@ -447,17 +495,19 @@ class Lifecycle(RuleBasedStateMachine):
         """A producer reports a held generation as written in parts: only parts that tile the share of the
         reporting ranks, for a target that accepted parts, may move the transfer on."""
         held = sorted((k, g) for k, gens in self.held.items() for g in gens)
-        if not held:
-            return
-        (p, t), gen = held[pick % len(held)]
+        if held:
+            (p, t), gen = held[pick % len(held)]
+            self._report_parts(p, t, gen, kind, () if rank is None else (rank,))
+
+    def _report_parts(self, p: str, t: str, gen: int, kind: str, ranks: tuple[int, ...]) -> None:
         before = run(self.store.get_transfer(t))
-        ranks = () if rank is None else (rank,)
         spec = CompletionSpec(t, gen, Outcome.SUCCEEDED, "", ranks, PARTS[kind])
         checked = (
             before is not None
             and before.state == State.MATCHED
             and before.assigned_generation == gen
             and before.revoking_generation != gen
+            and self._joined(p, before)
         )
         if self._report(p, spec):
             assert not checked or (before is not None and before.progressive and kind in TILING), (
@@ -498,6 +548,40 @@ class Lifecycle(RuleBasedStateMachine):
                 self.complete(c, t, record.generation, i == failing, step)
         return t
 
+    @rule(
+        target=transfers,
+        c=st.sampled_from(CONSUMERS),
+        p=st.sampled_from(PRODUCERS),
+        steps=st.lists(st.sampled_from((None, 0, 1, PREEMPTED)), min_size=1, max_size=6),
+        failing=st.integers(0, 11),
+        parts=st.sampled_from(("", *sorted(TILING))),
+        consumer_first=st.booleans(),
+    )
+    def pushed_by_ranks(
+        self, c: str, p: str, steps: list[int | str | None], failing: int, parts: str, consumer_first: bool
+    ) -> str:
+        """pulled_by_ranks in push: a router mints a push transfer (progressive when its producer reports `parts`)
+        and sends both legs; then, step by step, a rank of the producer (None: every rank) reports the generation
+        it was assigned (the step numbered `failing` a failure) or lets go of a revoked one, or the consumer is
+        preempted and registers the next generation."""
+        t = self._mint()
+        for half in (True, False) if consumer_first else (False, True):
+            self.register_target(c, t, 1, TARGET, False, bool(parts)) if half else self.claim(p, t)
+        for i, step in enumerate(steps):
+            record = run(self.store.get_transfer(t))
+            if record is None or record.state != State.MATCHED:
+                break
+            ranks = () if step is None or isinstance(step, str) else (step,)
+            if isinstance(step, str):  # PREEMPTED
+                self.register_target(c, t, record.generation + 1, NEXT_TARGET, False, bool(parts))
+            elif record.revoking_generation:
+                self.acknowledge(p, t, record.revoking_generation, step)
+            elif parts and i != failing:
+                self._report_parts(p, t, record.assigned_generation, parts, ranks)
+            else:
+                self.complete(p, t, record.assigned_generation, i == failing, step)
+        return t
+
     @rule(pick=st.integers(0, 100), rank=st.sampled_from(RANK))
     def producer_acknowledges_a_revocation(self, pick: int, rank: int | None) -> None:
         revoked = sorted(
@@ -507,6 +591,66 @@ class Lifecycle(RuleBasedStateMachine):
         )
         if revoked:
             self.acknowledge(*revoked[pick % len(revoked)], rank)
+
+    @rule(target=transfers, moves=st.lists(steps, min_size=1, max_size=6))
+    def advance_transfers(self, moves: list[Step]) -> MultipleResults[str]:
+        """Engines take transfers that are ready for their next step one step on (the step each move picks):
+        a producer joins a targeted transfer, a consumer a claimed one, the mover reports the generation in
+        flight (or the consumer is preempted first), a producer lets go of a revoked generation, a consumer
+        releases a committed transfer. An engine a step needs that is dead registers again instead, and one
+        that is alive may restart instead (re-registers, or is replaced by another replica); with no
+        transfer ready, a router mints one and sends its first half."""
+        minted = []
+        for move in moves:
+            ready = sorted(
+                (r for r in run(self.store.list_transfers()) if r.unsettled and r.participants()),
+                key=lambda r: r.transfer_id,
+            )
+            if ready:
+                self._step(ready[move.pick % len(ready)], move)
+                continue
+            minted.append(self._mint())
+            if move.pull or move.progressive:  # a pull target never accepts parts
+                self.register_target(move.consumer, minted[-1], 1, TARGET, move.pull, not move.pull)
+            else:
+                self.claim(move.producer, minted[-1])
+        return multiple(*minted)
+
+    def _step(self, t: Transfer, move: Step) -> None:
+        """One step of t's lifecycle, as `advance_transfers` describes it."""
+        tid, pull = t.transfer_id, t.mode == Mode.PULL
+        actor = _next_actor(t, move)
+        engine = run(self.store.get_engine(actor))
+        if engine is None or not engine.alive(self.clock.now):
+            self.reregister(actor)
+            return
+        if move.restart == "reregister":
+            self.reregister(actor)
+            return
+        if move.restart == "replaced":
+            self.replaced_loss_not_yet_applied(actor)
+            return
+        every_rank = range(RANKS.get(actor, 1))
+        unreported = sorted(set(every_rank) - set(t.reported_ranks)) or list(every_rank)
+        rank = None if move.rank is None or len(every_rank) == 1 else unreported[move.rank % len(unreported)]
+        if t.state == State.TARGETED:
+            self.source_ready(actor, tid, SOURCE) if pull else self.claim(actor, tid)
+        elif t.state == State.CLAIMED:
+            self.register_target(actor, tid, 1, TARGET, move.pull, move.progressive and not move.pull)
+        elif t.state == State.COMMITTED:
+            self.release(actor, tid, t.generation)
+        elif t.state == State.MATCHED and move.preempted:
+            self.register_target(actor, tid, t.generation + 1, NEXT_TARGET, pull, t.progressive)
+        elif t.revoking_generation and move.ack:
+            self.acknowledge(actor, tid, t.revoking_generation, rank)
+        elif t.revoking_generation:
+            self.complete(actor, tid, t.revoking_generation, move.failed, rank)
+        elif pull and t.source_block_ids is None:
+            self.source_ready(actor, tid, SOURCE)
+        elif t.progressive and move.parts and not move.failed:
+            self._report_parts(actor, tid, t.generation, move.parts, () if rank is None else (rank,))
+        else:
+            self.complete(actor, tid, t.generation, move.failed, rank)
 
     # Engines and time
 
@@ -597,6 +741,19 @@ class Lifecycle(RuleBasedStateMachine):
             self._after()
         assert run(self.store.list_transfers()) == []
         assert run(every_engine(self.store)) == []
+
+
+def _next_actor(t: Transfer, move: Step) -> str:
+    """The engine that takes t's next step (`Lifecycle.advance_transfers`)."""
+    if t.state == State.TARGETED:
+        return move.producer
+    if t.state == State.CLAIMED:
+        return move.consumer
+    if t.state == State.COMMITTED or (t.state == State.MATCHED and move.preempted):
+        return t.consumer_engine_id
+    if t.revoking_generation or t.mode == Mode.PUSH or t.source_block_ids is None:
+        return t.producer_engine_id
+    return t.consumer_engine_id  # reads a ready source
 
 
 def _mover(t: Transfer) -> str:
