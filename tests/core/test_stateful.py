@@ -105,7 +105,7 @@ class Step:
     pull: bool  # the mode of a target registered for a claimed transfer
     progressive: bool  # whether such a push target accepts parts
     rank: int | None  # a mover of two ranks reports for all (None) or for one of the ranks yet to report
-    failed: bool  # the mover reports a failure
+    failed: bool  # the mover reports a failure (the consumer of a committed transfer aborts it)
     parts: str  # the parts a progressive push reports (PARTS; "" none)
     preempted: bool  # the consumer of a matched transfer registers the next generation instead
     ack: bool  # a producer lets go of a revoked generation by AcknowledgeRevocations (else CompleteTransfers)
@@ -597,7 +597,7 @@ class Lifecycle(RuleBasedStateMachine):
         """Engines take transfers that are ready for their next step one step on (the step each move picks):
         a producer joins a targeted transfer, a consumer a claimed one, the mover reports the generation in
         flight (or the consumer is preempted first), a producer lets go of a revoked generation, a consumer
-        releases a committed transfer. An engine a step needs that is dead registers again instead, and one
+        releases (or aborts) a committed transfer. An engine a step needs that is dead registers again instead, and one
         that is alive may restart instead (re-registers, or is replaced by another replica); with no
         transfer ready, a router mints one and sends its first half."""
         minted = []
@@ -637,6 +637,8 @@ class Lifecycle(RuleBasedStateMachine):
             self.source_ready(actor, tid, SOURCE) if pull else self.claim(actor, tid)
         elif t.state == State.CLAIMED:
             self.register_target(actor, tid, 1, TARGET, move.pull, move.progressive and not move.pull)
+        elif t.state == State.COMMITTED and move.failed:
+            self.abort(actor, tid, 0)  # the consumer cannot use what arrived, and gives it up
         elif t.state == State.COMMITTED:
             self.release(actor, tid, t.generation)
         elif t.state == State.MATCHED and move.preempted:
