@@ -669,7 +669,9 @@ class Lifecycle(RuleBasedStateMachine):
         previous = run(self.store.get_engine(e))
         now = self.clock.now
         run(self.store.update_engine(e, lambda cur: register_engine(now, cur, spec, self.coord.limits, TIMEOUTS)))
-        if previous is not None and not previous.ended_at:
+        if previous is None:  # its record, and its event log with it, had been dropped: a new log starts at 1
+            self.seen[e] = run(self.store.last_event_sequence(e))
+        elif not previous.ended_at:
             self.pending_loss.append(end_incarnation(now, previous))
         self._forget_holdings(e)
 
