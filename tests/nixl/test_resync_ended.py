@@ -33,7 +33,7 @@ from rendezvous.core.limits import Limits, Timeouts
 from rendezvous.protocol.errors import NotFound
 from tests.clients.conftest import FAST_SESSION, MUST, TcpProxy, client_config, wait_until
 from tests.nixl.test_pull_ends import TP2
-from tests.nixl.test_read_outcomes import prefill
+from tests.nixl.test_read_outcomes import decode_agent, prefill
 from tests.nixl.test_resync import IDS, eventually_ready
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(120)]
@@ -122,10 +122,7 @@ async def test_targets_whose_transfers_ended_while_the_watch_was_away_end_as_the
     results: asyncio.Queue[TransferResult] = asyncio.Queue()
     async with away(**timeouts) as env:
         decode = [torch.zeros(8, 256, dtype=torch.uint8)]
-        consumer = ConsumerAgent(
-            env.proxied, "d0", "decode", decode, layout=TEST_LAYOUT, session_config=FAST_SESSION,
-            on_result=results.put_nowait,
-        )  # fmt: skip
+        consumer = decode_agent(env.proxied, decode, results)
         resynced = on_resynced(consumer)
         producer = prefill(env.client, "p0", 1)
         await producer.start()
@@ -210,10 +207,7 @@ async def test_an_abort_lost_with_the_watch_is_acknowledged_after_the_resync() -
     async with away() as env:
         producer = prefill(env.proxied, "p0", 1)
         resynced = on_resynced(producer)
-        consumer = ConsumerAgent(
-            env.client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
-            session_config=FAST_SESSION, on_result=results.put_nowait,
-        )  # fmt: skip
+        consumer = decode_agent(env.client, [torch.zeros(8, 256, dtype=torch.uint8)], results)
         await producer.start()
         await consumer.start()
         try:
@@ -247,10 +241,7 @@ async def test_a_target_aborted_while_fenced_ends_once_no_write_can_land() -> No
         await p0_proxy.start()
         async with AsyncRendezvousClient(client_config(p0_proxy.address)) as p0_client:
             producer = prefill(p0_client, "p0", 1)
-            consumer = ConsumerAgent(
-                env.proxied, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
-                session_config=FAST_SESSION, on_result=results.put_nowait,
-            )  # fmt: skip
+            consumer = decode_agent(env.proxied, [torch.zeros(8, 256, dtype=torch.uint8)], results)
             resynced = on_resynced(consumer)
             await producer.start()
             await consumer.start()
@@ -295,10 +286,7 @@ async def test_a_claim_that_ended_while_the_watch_was_away_is_acknowledged_and_i
     async with away() as env:
         producer = prefill(env.proxied, "p0", 1)
         resynced = on_resynced(producer)
-        consumer = ConsumerAgent(
-            env.client, "d0", "decode", [torch.zeros(8, 256, dtype=torch.uint8)], layout=TEST_LAYOUT,
-            session_config=FAST_SESSION, on_result=results.put_nowait,
-        )  # fmt: skip
+        consumer = decode_agent(env.client, [torch.zeros(8, 256, dtype=torch.uint8)], results)
         await producer.start()
         await consumer.start()
         try:
